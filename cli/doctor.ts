@@ -1,0 +1,119 @@
+import { spawnSync } from "node:child_process";
+import { statfsSync } from "node:fs";
+import { mkdir } from "node:fs/promises";
+import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
+import { probeAccelerator } from "../agent/qemu/accel.ts";
+import { describeError } from "../contracts/errors.ts";
+
+interface Check {
+  name: string;
+  ok: boolean;
+  detail: string;
+  fix?: string;
+}
+
+/** QEMU 7.2 (Debian 12) is what microvm snapshots were measured on; older lacks x-ignore-shared on microvm. */
+const MIN_QEMU = [7, 2];
+/** Images, overlays and snapshot files: below this a template build or a few forks fill the disk. */
+const MIN_DISK_FREE_GIB = 4;
+/** Template RAM files live in /dev/shm: one 256 MiB guest needs that much, plus room for a few. */
+const MIN_SHM_FREE_GIB = 1;
+
+function tool(name: string, args: string[]): { ok: boolean; out: string } {
+  const r = spawnSync(name, args, { encoding: "utf8" });
+  return { ok: r.status === 0, out: `${r.stdout ?? ""}${r.stderr ?? ""}`.trim() };
+}
+
+function freeGiB(path: string): number {
+  const s = statfsSync(path);
+  return (s.bavail * s.bsize) / 2 ** 30;
+}
+
+export async function doctor(dataDir: string, opts: { build: boolean }): Promise<number> {
+  const checks: Check[] = [];
+  const fixPkgs = "run any `bin/sandboxd` command: it installs missing Debian packages";
+
+  const q = tool("qemu-system-x86_64", ["--version"]);
+  const m = /version (\d+)\.(\d+)\.?(\d*)/.exec(q.out);
+  const qemuOk =
+    q.ok &&
+    m !== null &&
+    (Number(m[1]) > MIN_QEMU[0]! || (Number(m[1]) === MIN_QEMU[0] && Number(m[2]) >= MIN_QEMU[1]!));
+  checks.push({
+    name: "qemu",
+    ok: qemuOk,
+    detail: m ? `qemu-system-x86_64 ${m[1]}.${m[2]}.${m[3]}` : "qemu-system-x86_64 not found",
+    fix: `install qemu-system-x86 >= ${MIN_QEMU.join(".")} (${fixPkgs})`,
+  });
+  for (const [bin, pkg, args] of [
+    ["qemu-img", "qemu-utils", ["--version"]],
+    ["mkfs.ext4", "e2fsprogs", ["-V"]],
+    ["skopeo", "skopeo", ["--version"]],
+    ["umoci", "umoci", ["--version"]],
+    ["musl-gcc", "musl-tools", ["--version"]],
+    ["lz4", "lz4", ["--version"]],
+    ["cpio", "cpio", ["--version"]],
+  ] as const) {
+    const r = tool(bin, [...args]);
+    checks.push({
+      name: bin,
+      ok: r.ok || (bin === "musl-gcc" && r.out.length > 0),
+      detail: r.ok ? (r.out.split("\n")[0] ?? "") : "not found",
+      fix: `apt-get install ${pkg}`,
+    });
+  }
+
+  try {
+    const acc = await probeAccelerator({});
+    checks.push({ name: "accelerator", ok: true, detail: `${acc.accel} (${acc.reason})` });
+  } catch (err) {
+    checks.push({
+      name: "accelerator",
+      ok: false,
+      detail: describeError(err),
+      fix: "install qemu-system-x86",
+    });
+  }
+
+  await mkdir(dataDir, { recursive: true });
+  const disk = freeGiB(dataDir);
+  checks.push({
+    name: "disk",
+    ok: disk >= MIN_DISK_FREE_GIB,
+    detail: `${disk.toFixed(1)} GiB free in ${dataDir}`,
+    fix: `free space or choose another --data-dir (need ${MIN_DISK_FREE_GIB} GiB)`,
+  });
+  const shm = freeGiB("/dev/shm");
+  checks.push({
+    name: "tmpfs",
+    ok: shm >= MIN_SHM_FREE_GIB,
+    detail: `${shm.toFixed(1)} GiB free in /dev/shm`,
+    fix: `mount -o remount,size=4G /dev/shm (need ${MIN_SHM_FREE_GIB} GiB)`,
+  });
+
+  try {
+    const a = await ensureGuestArtifacts({ dataDir, build: opts.build });
+    checks.push({
+      name: "guest",
+      ok: true,
+      detail: `kernel ${a.kernelVersion}, initramfs ${a.key.slice(0, 12)}`,
+    });
+  } catch (err) {
+    checks.push({
+      name: "guest",
+      ok: false,
+      detail: describeError(err),
+      fix: "run `bin/sandboxd doctor --build` (downloads the pinned Debian kernel, builds the initramfs)",
+    });
+  }
+
+  let failed = 0;
+  for (const c of checks) {
+    process.stdout.write(`${c.ok ? "ok  " : "FAIL"}  ${c.name.padEnd(12)} ${c.detail}\n`);
+    if (!c.ok) {
+      failed++;
+      if (c.fix) process.stdout.write(`      fix: ${c.fix}\n`);
+    }
+  }
+  return failed === 0 ? 0 : 1;
+}

@@ -1,0 +1,128 @@
+/**
+ * The sandboxd command line. `bin/sandboxd` installs what is missing and then runs this file.
+ * Commands parse their arguments here and call into agent/ (no logic of their own).
+ */
+import { readFileSync } from "node:fs";
+import { parseArgs } from "node:util";
+import { describeError, SandboxdError } from "../contracts/errors.ts";
+import { defaultDataDir, REPO_ROOT } from "./config.ts";
+
+const USAGE = `usage: sandboxd <command> [options]
+
+commands:
+  run --image ARCHIVE [--mem MIB] [--vcpus N] [--timeout S] [-i] [--data-dir DIR] [-- CMD [ARG...]]
+        import an OCI image archive (docker save tar, oci-archive tar or OCI layout dir), boot a
+        microVM from it, run CMD (default: the image's Entrypoint+Cmd) as the image's config
+        says, print its output and exit with its exit code; -i passes our stdin to it
+  doctor [--build] [--data-dir DIR]
+        check the host; --build also builds missing guest artifacts
+  test [FILE-FILTER...]
+        type check, lint and run the test suite (the README's test command)
+  --version`;
+
+const VERSION: string = JSON.parse(readFileSync(`${REPO_ROOT}/package.json`, "utf8")).version;
+
+function log(msg: string): void {
+  if (process.env.SANDBOXD_QUIET !== "1") process.stderr.write(`sandboxd: ${msg}\n`);
+}
+
+function intOption(value: string | undefined, name: string, def: number, min: number, max: number): number {
+  if (value === undefined) return def;
+  const n = Number(value);
+  if (!Number.isInteger(n) || n < min || n > max) {
+    throw new SandboxdError(
+      "bad_request",
+      `--${name} must be an integer from ${min} to ${max}, got ${value}`,
+    );
+  }
+  return n;
+}
+
+async function cmdRun(args: string[]): Promise<number> {
+  const { values, positionals } = parseArgs({
+    args,
+    options: {
+      image: { type: "string" },
+      mem: { type: "string" },
+      vcpus: { type: "string" },
+      timeout: { type: "string" },
+      interactive: { type: "boolean", short: "i" },
+      "data-dir": { type: "string" },
+    },
+    allowPositionals: true,
+  });
+  if (!values.image) throw new SandboxdError("bad_request", "run needs --image ARCHIVE");
+  const { runOnce } = await import("../agent/run.ts");
+  const stdin = values.interactive ? Buffer.from(await Bun.stdin.arrayBuffer()) : undefined;
+  const abort = new AbortController();
+  const onSignal = () => abort.abort();
+  process.once("SIGINT", onSignal);
+  process.once("SIGTERM", onSignal);
+  const res = await runOnce({
+    dataDir: values["data-dir"] ?? defaultDataDir(),
+    image: values.image,
+    cmd: positionals,
+    // 256 MiB: the size the snapshot figures in host-facts were measured at; plenty for a shell.
+    memMib: intOption(values.mem, "mem", 256, 64, 65536),
+    vcpus: intOption(values.vcpus, "vcpus", 1, 1, 64),
+    // 30 s: the spec's default exec timeout (section 8).
+    timeoutSec: intOption(values.timeout, "timeout", 30, 1, 86400),
+    stdin,
+    log,
+    onStdout: (b) => process.stdout.write(b),
+    onStderr: (b) => process.stderr.write(b),
+    signal: abort.signal,
+  });
+  log(
+    `${res.accel}: import ${res.timings.importMs.toFixed(0)} ms, boot ${res.timings.bootMs.toFixed(0)} ms, ` +
+      `exec ${res.timings.execMs.toFixed(0)} ms, total ${res.timings.totalMs.toFixed(0)} ms`,
+  );
+  if (res.timedOut) log(`command timed out after ${values.timeout ?? 30} s`);
+  if (res.exitCode !== null) return res.exitCode;
+  // Killed by a signal: exit as a shell reports it.
+  return 128 + (res.signal ?? 9);
+}
+
+async function main(argv: string[]): Promise<number> {
+  const [cmd, ...rest] = argv;
+  switch (cmd) {
+    case "run":
+      return cmdRun(rest);
+    case "doctor": {
+      const { values } = parseArgs({
+        args: rest,
+        options: { build: { type: "boolean" }, "data-dir": { type: "string" } },
+      });
+      const { doctor } = await import("./doctor.ts");
+      return doctor(values["data-dir"] ?? defaultDataDir(), { build: values.build ?? false });
+    }
+    case "test": {
+      const { runTests } = await import("./test-runner.ts");
+      return runTests(rest);
+    }
+    case "--version":
+    case "version":
+      process.stdout.write(`sandboxd ${VERSION}\n`);
+      return 0;
+    case undefined:
+    case "help":
+    case "--help":
+    case "-h":
+      process.stdout.write(`${USAGE}\n`);
+      return 0;
+    default:
+      process.stderr.write(`sandboxd: unknown command ${cmd}\n${USAGE}\n`);
+      return 2;
+  }
+}
+
+main(process.argv.slice(2)).then(
+  (code) => process.exit(code),
+  (err: unknown) => {
+    process.stderr.write(`sandboxd: error: ${describeError(err)}\n`);
+    const details = err instanceof SandboxdError ? err.details : undefined;
+    if (details?.console) process.stderr.write(`--- guest console (tail) ---\n${String(details.console)}\n`);
+    // 125: the runner itself failed, as `docker run` reports it (the command's codes stay 0-124, 126+).
+    process.exit(125);
+  },
+);
