@@ -1,0 +1,392 @@
+import { type ChildProcess, spawn } from "node:child_process";
+import { existsSync } from "node:fs";
+import { readFile, rm } from "node:fs/promises";
+import { basename, join } from "node:path";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { GuestArtifacts } from "../guest/artifacts.ts";
+import type { Accel } from "./accel.ts";
+import { QmpClient } from "./qmp/client.ts";
+
+/**
+ * Starts one QEMU `microvm` for one sandbox. Everything the VM owns on the host lives in its own
+ * directory (`dir`): the QMP and agent sockets, the serial console log and `qemu.pid`, so that
+ * killing the process and removing the directory frees it all (agent/vm/workdir.ts reclaims the
+ * directories of a crashed agent through `qemu.pid`).
+ */
+
+export const QEMU_BINARY = "qemu-system-x86_64";
+
+/**
+ * Budget from spawn to a negotiated QMP connection. QEMU reaches its greeting in ~25-35 ms on
+ * these hosts (host-facts.md); 10 s only absorbs a badly overloaded CI machine. Past it, QEMU is
+ * stuck, and the launch fails (and kills it) instead of hanging the caller.
+ */
+const QMP_CONNECT_TIMEOUT_MS = 10_000;
+
+/** How long to wait for QEMU's exit status after its QMP socket hung up during start. */
+const EXIT_AFTER_HANGUP_MS = 1_000;
+
+/** How much of QEMU's stderr and of the console we keep for error messages. */
+const STDERR_TAIL_BYTES = 8192;
+const CONSOLE_TAIL_BYTES = 4096;
+
+/**
+ * Fixed ids. A snapshot's device state names devices by id and by their position on the virtio
+ * MMIO bus (which is the order of `-device` options), so every QEMU that saves or restores state
+ * (template, its children, a forked parent and its children) must be started by THIS function
+ * with the same ids in the same order. Never reorder the device options below; append new
+ * devices at the end, and only together with a snapshot format bump.
+ */
+export const DEVICE_IDS = {
+  memBackend: "mem",
+  agentChardev: "agent0",
+  serialBus: "vser0",
+  agentPort: "agentport",
+  diskFileNode: "disk0-file",
+  diskNode: "disk0",
+  disk: "vda",
+  rngBackend: "rng0",
+  rng: "rng",
+} as const;
+
+export interface MemBackend {
+  /** A file on tmpfs/hugetlbfs holding guest RAM (the template snapshot's RAM image). */
+  path: string;
+  /**
+   * true: writes go to the file (the template being frozen). false: private copy-on-write
+   * mapping of the file (a child restoring from it; its writes never reach the file).
+   */
+  share: boolean;
+}
+
+export interface LaunchOptions {
+  /** The VM's own directory; must exist. */
+  dir: string;
+  artifacts: GuestArtifacts;
+  /** qcow2 overlay the guest sees as /dev/vda (see `createOverlay`). Omit for a diskless VM. */
+  disk?: string;
+  memMib: number;
+  vcpus: number;
+  accel: Accel;
+  hostname?: string;
+  memBackend?: MemBackend;
+  /** Start with `-incoming defer`: the caller restores state with `migrate-incoming`, then `cont`. */
+  incoming?: boolean;
+  /** Start paused (`-S`); the caller sends `cont`. Implied by `incoming`. */
+  paused?: boolean;
+  extraKernelArgs?: string[];
+  log?: (msg: string) => void;
+}
+
+export interface VmExit {
+  code: number | null;
+  signal: NodeJS.Signals | null;
+}
+
+export interface VmProcess {
+  pid: number;
+  dir: string;
+  qmp: QmpClient;
+  agentSocket: string;
+  consoleLog: string;
+  pidFile: string;
+  /** Resolves when QEMU has exited (never rejects). */
+  exited: Promise<VmExit>;
+  /** SIGKILL, wait for the exit, close QMP, remove the sockets and pid file. Idempotent. */
+  kill(): Promise<void>;
+  isAlive(): boolean;
+  /** Last bytes QEMU wrote to stderr (for diagnostics). */
+  stderrTail(): string;
+}
+
+/** QEMU exited or never answered while starting. Carries what QEMU and the guest said last. */
+export class VmLaunchError extends SandboxdError {
+  constructor(
+    message: string,
+    details: { stderrTail: string; consoleTail: string; exit?: VmExit },
+    cause?: unknown,
+  ) {
+    const tails = [
+      details.stderrTail.trim() && `qemu stderr:\n${details.stderrTail.trim()}`,
+      details.consoleTail.trim() && `console:\n${details.consoleTail.trim()}`,
+    ]
+      .filter(Boolean)
+      .join("\n");
+    super("vm_launch_failed", tails ? `${message}\n${tails}` : message, { cause, details });
+    this.name = "VmLaunchError";
+  }
+}
+
+/** RFC 1123 label: what the guest may pass to sethostname and what DNS tools accept. */
+const HOSTNAME_RE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
+
+export function kernelCmdline(accel: Accel, hostname: string, extra: string[] = []): string {
+  if (!HOSTNAME_RE.test(hostname))
+    throw new SandboxdError("bad_request", `invalid hostname ${JSON.stringify(hostname)}`);
+  const args = [
+    "console=ttyS0",
+    // Under TCG the guest otherwise stalls calibrating the TSC against the emulated PIT
+    // (host-facts.md). Under KVM the kernel picks kvm-clock itself, which survives migration.
+    ...(accel === "tcg" ? ["tsc=reliable", "clocksource=tsc"] : []),
+    // A guest panic reboots at once (panic=-1), the triple-fault reboot (reboot=t) needs no
+    // firmware, and -no-reboot turns that reboot into a QEMU exit the host sees.
+    "panic=-1",
+    "reboot=t",
+    "quiet",
+    "rdinit=/init",
+    `sandboxd.hostname=${hostname}`,
+    ...extra,
+  ];
+  return args.join(" ");
+}
+
+/**
+ * `-M microvm` options. TCG needs the legacy PIT/PIC/RTC or the guest stalls at TSC calibration
+ * (host-facts.md). Under KVM we follow QEMU's docs/system/i386/microvm.rst fast-boot setup: no PIT
+ * and no PIC (the in-kernel LAPIC with the TSC-deadline timer and kvm-clock cover timekeeping;
+ * Linux skips its PIT check when no PIC is found), saving their probe time. The RTC stays on so
+ * the guest has a wall clock before the host's SET_CLOCK. `acpi=on` lets the kernel enumerate the
+ * virtio-mmio devices without `virtio_mmio.device=` arguments (not compiled in this kernel).
+ */
+export function machineOption(accel: Accel, memBackend: boolean): string {
+  const legacy = accel === "tcg" ? "pit=on,pic=on,rtc=on" : "pit=off,pic=off,rtc=on";
+  return `microvm,${legacy},acpi=on${memBackend ? `,memory-backend=${DEVICE_IDS.memBackend}` : ""}`;
+}
+
+/**
+ * `-accel`/`-cpu`. KVM uses `-cpu host` (full host features, no emulation cost). TCG keeps QEMU's
+ * default model (qemu64): Debian's userland targets the x86-64 baseline, and snapshots need every
+ * QEMU in a family to present the same CPU, which a fixed model guarantees across hosts.
+ */
+function accelArgs(accel: Accel): string[] {
+  return accel === "kvm" ? ["-accel", "kvm", "-cpu", "host"] : ["-accel", "tcg"];
+}
+
+export function buildQemuArgs(opts: LaunchOptions): string[] {
+  const { dir } = opts;
+  const hostname = opts.hostname ?? "sandbox";
+  const args: string[] = [
+    "-name",
+    `sandboxd-${basename(dir)}`,
+    "-M",
+    machineOption(opts.accel, opts.memBackend !== undefined),
+    ...accelArgs(opts.accel),
+    "-m",
+    `${opts.memMib}M`,
+    "-smp",
+    String(opts.vcpus),
+    // No default devices, no config files from /etc, no display, no monitor on stdio: every
+    // device is named below. (-display none is -nographic without its stdio multiplexing.)
+    "-nodefaults",
+    "-no-user-config",
+    "-display",
+    "none",
+    "-no-reboot",
+  ];
+  if (opts.memBackend) {
+    const mb = opts.memBackend;
+    if (mb.path.includes(","))
+      throw new SandboxdError("bad_request", `memory file path may not contain ',': ${mb.path}`);
+    args.push(
+      "-object",
+      `memory-backend-file,id=${DEVICE_IDS.memBackend},size=${opts.memMib}M,mem-path=${mb.path},share=${mb.share ? "on" : "off"}`,
+    );
+  }
+  args.push(
+    "-kernel",
+    opts.artifacts.vmlinux,
+    "-initrd",
+    opts.artifacts.initramfs,
+    "-append",
+    kernelCmdline(opts.accel, hostname, opts.extraKernelArgs),
+    "-serial",
+    `file:${join(dir, "console.log")}`,
+    // The agent channel: a virtio-serial port named "agent" (the guest finds it by that name under
+    // /sys/class/virtio-ports), backed by a unix socket QEMU listens on. wait=off: QEMU runs the
+    // guest without waiting for us to connect, and we may reconnect after a restore.
+    "-chardev",
+    `socket,id=${DEVICE_IDS.agentChardev},path=${join(dir, "agent.sock")},server=on,wait=off`,
+    "-device",
+    `virtio-serial-device,id=${DEVICE_IDS.serialBus}`,
+    "-device",
+    `virtserialport,chardev=${DEVICE_IDS.agentChardev},name=agent,id=${DEVICE_IDS.agentPort}`,
+  );
+  if (opts.disk) {
+    if (opts.disk.includes(","))
+      throw new SandboxdError("bad_request", `disk path may not contain ',': ${opts.disk}`);
+    args.push(
+      // Node names and the device id are fixed (see DEVICE_IDS): blockdev-snapshot-sync in a
+      // parent and the restore in its children refer to the same ids.
+      "-blockdev",
+      `driver=file,node-name=${DEVICE_IDS.diskFileNode},filename=${opts.disk}`,
+      "-blockdev",
+      `driver=qcow2,node-name=${DEVICE_IDS.diskNode},file=${DEVICE_IDS.diskFileNode}`,
+      "-device",
+      `virtio-blk-device,drive=${DEVICE_IDS.diskNode},id=${DEVICE_IDS.disk}`,
+    );
+  }
+  args.push(
+    // Entropy for the guest's CRNG from the host's; forks still need the agent's ENTROPY reseed,
+    // since a restored CRNG state is identical in every child.
+    "-object",
+    `rng-random,id=${DEVICE_IDS.rngBackend},filename=/dev/urandom`,
+    "-device",
+    `virtio-rng-device,rng=${DEVICE_IDS.rngBackend},id=${DEVICE_IDS.rng}`,
+    "-qmp",
+    `unix:${join(dir, "qmp.sock")},server=on,wait=off`,
+    "-pidfile",
+    join(dir, "qemu.pid"),
+  );
+  if (opts.incoming) args.push("-incoming", "defer");
+  else if (opts.paused) args.push("-S");
+  return args;
+}
+
+/** `qemu-img create -f qcow2 -F qcow2 -b base path`: a copy-on-write overlay over `base`. */
+export async function createOverlay(base: string, path: string): Promise<void> {
+  await runTool("qemu-img", ["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, path]);
+}
+
+/**
+ * QEMU 7.2 has no `-run-with` to tie its life to ours, so we start it through `setpriv
+ * --pdeathsig KILL` (util-linux): the kernel SIGKILLs QEMU when the process that spawned it dies,
+ * even by SIGKILL. Where setpriv is missing, a crashed agent leaves QEMU running; the agent's
+ * reaper (agent/vm/workdir.ts `reapOrphanVms`) kills such QEMUs by `qemu.pid` on its next start.
+ */
+const SETPRIV = "/usr/bin/setpriv";
+
+export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
+  const log = opts.log ?? (() => {});
+  const { dir } = opts;
+  const qmpSocket = join(dir, "qmp.sock");
+  const agentSocket = join(dir, "agent.sock");
+  const consoleLog = join(dir, "console.log");
+  const pidFile = join(dir, "qemu.pid");
+  // Stale sockets from an earlier QEMU in this directory would make our connect reach nothing.
+  await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+
+  const args = buildQemuArgs(opts);
+  const [cmd, argv] = existsSync(SETPRIV)
+    ? [SETPRIV, ["--pdeathsig", "KILL", "--", QEMU_BINARY, ...args]]
+    : [QEMU_BINARY, args];
+  log(`starting ${QEMU_BINARY} (${opts.accel}, ${opts.memMib} MiB, ${opts.vcpus} vCPU) in ${dir}`);
+  const child: ChildProcess = spawn(cmd, argv, {
+    cwd: dir,
+    detached: false,
+    stdio: ["ignore", "ignore", "pipe"],
+  });
+
+  let stderr = "";
+  child.stderr?.on("data", (d: Buffer) => {
+    stderr = (stderr + d.toString()).slice(-STDERR_TAIL_BYTES);
+  });
+  const started = new AbortController();
+  let exitInfo: VmExit | undefined;
+  const exited = new Promise<VmExit>((resolve) => {
+    child.on("exit", (code, signal) => {
+      exitInfo = { code, signal };
+      started.abort(new Error(`qemu exited (${signal ?? `code ${code}`})`));
+      resolve(exitInfo);
+    });
+    child.on("error", (err) => {
+      // spawn itself failed (binary missing): there will be no exit event.
+      stderr += `\n${err.message}`;
+      exitInfo = { code: null, signal: null };
+      started.abort(err);
+      resolve(exitInfo);
+    });
+  });
+  const isAlive = () => exitInfo === undefined;
+
+  const launchError = async (message: string, cause?: unknown) => {
+    if (isAlive()) {
+      child.kill("SIGKILL");
+      await exited;
+    }
+    // Let the stderr pipe drain after the exit so the tail holds QEMU's last words.
+    await new Promise((r) => setTimeout(r, 20));
+    await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+    return new VmLaunchError(
+      message,
+      {
+        stderrTail: stderr,
+        consoleTail: await fileTail(consoleLog, CONSOLE_TAIL_BYTES),
+        ...(exitInfo ? { exit: exitInfo } : {}),
+      },
+      cause,
+    );
+  };
+
+  let qmp: QmpClient;
+  try {
+    qmp = await QmpClient.connect(qmpSocket, {
+      timeoutMs: QMP_CONNECT_TIMEOUT_MS,
+      signal: started.signal,
+      log,
+    });
+  } catch (err) {
+    // QEMU dying closes the QMP socket, which may reach us before its exit status does; give
+    // the exit a moment (it follows within milliseconds) so the error says what happened.
+    await Promise.race([exited, new Promise((r) => setTimeout(r, EXIT_AFTER_HANGUP_MS))]);
+    const why = exitInfo
+      ? `qemu exited during start (${exitInfo.signal ?? `code ${exitInfo.code}`})`
+      : "qemu did not answer on QMP";
+    throw await launchError(why, err);
+  }
+  const pid = child.pid;
+  if (pid === undefined) throw await launchError("qemu has no pid");
+  log(`qemu pid ${pid} up, QMP connected`);
+
+  let killing: Promise<void> | undefined;
+  const kill = () => {
+    killing ??= (async () => {
+      if (isAlive()) child.kill("SIGKILL");
+      await exited;
+      qmp.close();
+      await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+    })();
+    return killing;
+  };
+
+  return {
+    pid,
+    dir,
+    qmp,
+    agentSocket,
+    consoleLog,
+    pidFile,
+    exited,
+    kill,
+    isAlive,
+    stderrTail: () => stderr,
+  };
+}
+
+async function fileTail(path: string, bytes: number): Promise<string> {
+  try {
+    const buf = await readFile(path);
+    return buf.subarray(Math.max(0, buf.length - bytes)).toString("utf8");
+  } catch {
+    return "";
+  }
+}
+
+function runTool(cmd: string, args: string[]): Promise<void> {
+  return new Promise((resolve, reject) => {
+    const child = spawn(cmd, args, { stdio: ["ignore", "ignore", "pipe"] });
+    let stderr = "";
+    child.stderr?.on("data", (d: Buffer) => {
+      stderr = (stderr + d.toString()).slice(-4000);
+    });
+    child.on("error", (err) =>
+      reject(new SandboxdError("internal", `cannot run ${cmd}: ${err.message}`, { cause: err })),
+    );
+    child.on("close", (code) => {
+      if (code === 0) resolve();
+      else
+        reject(
+          new SandboxdError("internal", `${cmd} ${args.join(" ")} failed (exit ${code}): ${stderr.trim()}`),
+        );
+    });
+  });
+}
