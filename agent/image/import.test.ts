@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
+import { lstat, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, posix } from "node:path";
 import fc from "fast-check";
@@ -109,6 +109,19 @@ describe("resolveInRootfs", () => {
     await rm(dir, { recursive: true, force: true });
   });
 
+  /** True when every ancestor of `rel` under `root` exists as a directory, not a symlink (made if missing). */
+  async function ancestorsAreRealDirs(root: string, rel: string): Promise<boolean> {
+    const parts = rel.split("/").slice(0, -1);
+    let cur = root;
+    for (const part of parts) {
+      cur = join(cur, part);
+      const st = await lstat(cur).catch(() => undefined);
+      if (st === undefined) await mkdir(cur);
+      else if (!st.isDirectory() || st.isSymbolicLink()) return false;
+    }
+    return true;
+  }
+
   test("hostile symlinks (absolute, .., loops) never resolve outside the root (property)", async () => {
     let n = 0;
     await fc.assert(
@@ -124,8 +137,12 @@ describe("resolveInRootfs", () => {
           await writeFile(join(root, "etc/group"), "root:x:0:\n");
           for (const [at, target] of links) {
             if (target.includes("\0") || target === "") continue;
+            // The links this test plants point anywhere, "/" included: a later link placed
+            // *through* an earlier one (etc -> /, then etc/passwd) would rm and replace the
+            // host's own files. Only touch paths whose every ancestor is a real directory
+            // inside root (lstat, never following a link).
+            if (!(await ancestorsAreRealDirs(root, at))) continue;
             await rm(join(root, at), { recursive: true, force: true }).catch(() => {});
-            await mkdir(posix.dirname(join(root, at)), { recursive: true }).catch(() => {});
             await symlink(target, join(root, at)).catch(() => {});
           }
           const r = await resolveInRootfs(root, query.replaceAll("\0", ""));
