@@ -1,5 +1,5 @@
 import { type ChildProcess, spawn } from "node:child_process";
-import { existsSync } from "node:fs";
+import { existsSync, readFileSync } from "node:fs";
 import { readFile, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -117,6 +117,29 @@ export class VmLaunchError extends SandboxdError {
   }
 }
 
+/**
+ * The host's TSC rate in kHz. Under TCG the guest's rdtsc reads the host TSC, and the guest's own
+ * PIT calibration of it fails about one boot in six here ("tsc: Unable to calibrate against PIT"),
+ * after which the kernel marks the TSC unstable and hangs before userspace. Passing the rate as
+ * `tsc_early_khz` skips that calibration. /proc/cpuinfo's "cpu MHz" is the TSC rate on the
+ * constant-TSC CPUs and VMs we run on; the guest clock is set from the host after boot anyway.
+ */
+let cachedTscKhz: number | undefined;
+export function hostTscKhz(): number {
+  if (cachedTscKhz !== undefined) return cachedTscKhz;
+  // 2 GHz when cpuinfo says nothing usable: any plausible rate beats a hung calibration.
+  let khz = 2_000_000;
+  try {
+    const m = /^cpu MHz\s*:\s*([\d.]+)/m.exec(readFileSync("/proc/cpuinfo", "utf8"));
+    const mhz = m ? Number(m[1]) : Number.NaN;
+    if (Number.isFinite(mhz) && mhz > 100) khz = Math.round(mhz * 1000);
+  } catch {
+    // keep the fallback
+  }
+  cachedTscKhz = khz;
+  return khz;
+}
+
 /** RFC 1123 label: what the guest may pass to sethostname and what DNS tools accept. */
 const HOSTNAME_RE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
 
@@ -127,7 +150,7 @@ export function kernelCmdline(accel: Accel, hostname: string, extra: string[] = 
     "console=ttyS0",
     // Under TCG the guest otherwise stalls calibrating the TSC against the emulated PIT
     // (host-facts.md). Under KVM the kernel picks kvm-clock itself, which survives migration.
-    ...(accel === "tcg" ? ["tsc=reliable", "clocksource=tsc"] : []),
+    ...(accel === "tcg" ? ["tsc=reliable", "clocksource=tsc", `tsc_early_khz=${hostTscKhz()}`] : []),
     // A guest panic reboots at once (panic=-1), the triple-fault reboot (reboot=t) needs no
     // firmware, and -no-reboot turns that reboot into a QEMU exit the host sees.
     "panic=-1",
