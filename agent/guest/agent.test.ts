@@ -1,0 +1,452 @@
+/**
+ * The guest agent in host test mode (`sandboxd-agent --port SOCK`): it connects to our
+ * GuestListener and runs commands directly on this machine, so exec/process semantics are
+ * tested in milliseconds without a VM. Boot duties (mounts, modules, switch root) only run as
+ * PID 1 in a VM and are covered by the VM tests.
+ */
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import {
+  chmodSync,
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  rmSync,
+  statSync,
+  writeFileSync,
+} from "node:fs";
+import { createServer, type Server, type Socket } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { type Subprocess, spawn, spawnSync } from "bun";
+import { HEADER_LEN, MAX_PAYLOAD } from "../../contracts/guest-protocol.ts";
+import { type GuestClient, GuestError, GuestListener } from "./client.ts";
+
+const SRC = join(import.meta.dir, "agent.c");
+const ENV = { PATH: "/usr/local/bin:/usr/bin:/bin", LANG: "C" };
+
+let dir: string;
+let sock: string;
+let bin: string;
+let agent: Subprocess<"ignore", "ignore", "pipe">;
+let agentStderr = "";
+let listener: GuestListener;
+let client: GuestClient;
+const logs: string[] = [];
+const backgroundPids: number[] = [];
+
+function alive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+/** Zombies answer kill -0 until reaped (the agent reaps them at once): poll briefly. */
+async function waitDead(pid: number, ms = 3000): Promise<boolean> {
+  const until = Date.now() + ms;
+  while (Date.now() < until) {
+    if (!alive(pid)) return true;
+    await Bun.sleep(20);
+  }
+  return !alive(pid);
+}
+
+async function waitFor(cond: () => boolean, ms = 3000): Promise<boolean> {
+  const until = Date.now() + ms;
+  while (Date.now() < until) {
+    if (cond()) return true;
+    await Bun.sleep(20);
+  }
+  return cond();
+}
+
+async function accept(): Promise<GuestClient> {
+  return listener.accept({ onLog: (l) => logs.push(l) });
+}
+
+function compile(out: string): { ok: boolean; warnings: string } {
+  // musl-gcc is what ships the agent; plain cc is enough for host mode where musl is missing.
+  for (const cc of [["musl-gcc", "-static"], ["cc"]]) {
+    const r = spawnSync([...cc, "-Os", "-Wall", "-Wextra", "-std=gnu11", "-o", out, SRC], { stderr: "pipe" });
+    if (r.exitCode === 0) return { ok: true, warnings: r.stderr.toString() };
+  }
+  return { ok: false, warnings: "" };
+}
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), "sbx-agent-"));
+  sock = join(dir, "agent.sock");
+  bin = join(dir, "sandboxd-agent");
+  const c = compile(bin);
+  if (!c.ok) throw new Error("cannot compile agent.c");
+  expect(c.warnings).toBe("");
+  listener = await GuestListener.listen(sock);
+  agent = spawn([bin, "--port", sock], { stdin: "ignore", stdout: "ignore", stderr: "pipe" });
+  void (async () => {
+    for await (const chunk of agent.stderr) agentStderr += Buffer.from(chunk).toString();
+  })();
+  client = await accept();
+});
+
+afterAll(async () => {
+  client?.close();
+  agent?.kill("SIGKILL");
+  await agent?.exited;
+  for (const pid of backgroundPids) {
+    try {
+      process.kill(pid, "SIGKILL");
+    } catch {}
+  }
+  await listener?.close();
+  if (dir) rmSync(dir, { recursive: true, force: true });
+  if (process.env.SBX_AGENT_DEBUG) process.stderr.write(agentStderr);
+});
+
+describe("exec", () => {
+  test("argv, env, cwd, stdout, stderr, exit code", async () => {
+    const r = await client.exec({
+      argv: ["sh", "-c", 'echo "$FOO"; pwd; echo oops >&2; exit 3'],
+      env: { ...ENV, FOO: "bar baz" },
+      cwd: dir,
+    });
+    expect(r.stdout.toString()).toBe(`bar baz\n${dir}\n`);
+    expect(r.stderr.toString()).toBe("oops\n");
+    expect(r.exitCode).toBe(3);
+    expect(r.signal).toBeNull();
+    expect(r.timedOut).toBe(false);
+    expect(r.pid).toBeGreaterThan(1);
+    expect(r.durationUs).toBeGreaterThan(0);
+    expect(r.stdoutTruncated || r.stderrTruncated).toBe(false);
+  });
+
+  test("the environment is exactly ENV", async () => {
+    const r = await client.exec({ argv: ["env"], env: ["A=1", "PATH=/usr/bin:/bin"] });
+    expect(r.stdout.toString().trim().split("\n").sort()).toEqual(["A=1", "PATH=/usr/bin:/bin"]);
+  });
+
+  test("argv[0] is searched in the PATH of ENV", async () => {
+    const binDir = join(dir, "mybin");
+    mkdirSync(binDir, { recursive: true });
+    writeFileSync(join(binDir, "mytool"), '#!/bin/sh\necho mytool ran "$@"\n');
+    chmodSync(join(binDir, "mytool"), 0o755);
+    const found = await client.exec({ argv: ["mytool", "x"], env: { PATH: `${binDir}:/usr/bin:/bin` } });
+    expect(found.stdout.toString()).toBe("mytool ran x\n");
+    expect(found.exitCode).toBe(0);
+    const missing = await client.exec({ argv: ["mytool"], env: ENV });
+    expect(missing.exitCode).toBe(127);
+  });
+
+  test("not found is 127, not executable is 126, with the reason on stderr", async () => {
+    const nf = await client.exec({ argv: ["no-such-command-xyz"], env: ENV });
+    expect(nf.exitCode).toBe(127);
+    expect(nf.stderr.toString()).toContain("no-such-command-xyz: command not found");
+    const plain = join(dir, "not-exec.sh");
+    writeFileSync(plain, "echo hi\n");
+    chmodSync(plain, 0o644);
+    const ne = await client.exec({ argv: [plain], env: ENV });
+    expect(ne.exitCode).toBe(126);
+    expect(ne.stderr.toString()).toContain("Permission denied");
+  });
+
+  test("a bad cwd is a guest_error, nothing runs", async () => {
+    const err = await client.exec({ argv: ["true"], env: ENV, cwd: join(dir, "nope") }).catch((e) => e);
+    expect(err).toBeInstanceOf(GuestError);
+    expect(err.code).toBe("guest_error");
+    expect(err.errno).toBe(2);
+  });
+
+  test("killed by a signal reports the signal", async () => {
+    const r = await client.exec({ argv: ["sh", "-c", "kill -TERM $$"], env: ENV });
+    expect(r.exitCode).toBeNull();
+    expect(r.signal).toBe(15);
+  });
+
+  test("stdin inline, empty and large", async () => {
+    const r = await client.exec({ argv: ["cat"], env: ENV, stdin: "hello\nworld" });
+    expect(r.stdout.toString()).toBe("hello\nworld");
+    const empty = await client.exec({ argv: ["cat"], env: ENV, stdin: "" });
+    expect(empty.stdout.length).toBe(0);
+    const none = await client.exec({ argv: ["cat"], env: ENV }); // /dev/null
+    expect(none.exitCode).toBe(0);
+    const big = Buffer.alloc(700_000, 0x61);
+    const wc = await client.exec({ argv: ["wc", "-c"], env: ENV, stdin: big });
+    expect(wc.stdout.toString().trim()).toBe("700000");
+  });
+
+  test("stdin streamed as STDIN frames, then EOF", async () => {
+    async function* chunks() {
+      yield "first ";
+      await Bun.sleep(50);
+      yield Buffer.alloc(200_000, 0x62);
+      yield " last";
+    }
+    const r = await client.exec({ argv: ["sh", "-c", "cat | wc -c"], env: ENV, stdin: chunks() });
+    expect(r.stdout.toString().trim()).toBe(String(6 + 200_000 + 5));
+  });
+
+  test("output over maxOutput is truncated with the flag", async () => {
+    const r = await client.exec({ argv: ["head", "-c", "5000", "/dev/zero"], env: ENV, maxOutput: 1000 });
+    expect(r.stdout.length).toBe(1000);
+    expect(r.stdoutTruncated).toBe(true);
+    expect(r.exitCode).toBe(0); // the writer was not killed: the rest was read and discarded
+    const d = await client.exec({ argv: ["head", "-c", "3000000", "/dev/zero"], env: ENV });
+    // Default cap 1 MiB, less the few KiB the RESPONSE's other fields need to fit one frame.
+    expect(d.stdout.length).toBeLessThanOrEqual(1 << 20);
+    expect(d.stdout.length).toBeGreaterThan((1 << 20) - 8192);
+    expect(d.stdoutTruncated).toBe(true);
+    const both = await client.exec({
+      argv: ["sh", "-c", "head -c 1000000 /dev/zero; head -c 1000000 /dev/zero >&2"],
+      env: ENV,
+    });
+    // Both captures together are clamped to fit one RESPONSE frame.
+    expect(both.stdout.length + both.stderr.length).toBeLessThanOrEqual(MAX_PAYLOAD - HEADER_LEN);
+    expect(both.stdoutTruncated && both.stderrTruncated).toBe(true);
+  });
+
+  test("streamed output arrives as frames before the answer", async () => {
+    const seen: Array<[string, string, number]> = [];
+    const r = await client.exec({
+      argv: ["sh", "-c", "echo a; sleep 0.3; echo b; echo c >&2"],
+      env: ENV,
+      onStdout: (b) => seen.push(["out", b.toString(), Date.now()]),
+      onStderr: (b) => seen.push(["err", b.toString(), Date.now()]),
+    });
+    const done = Date.now();
+    expect(r.stdout.toString()).toBe("a\nb\n");
+    expect(r.stderr.toString()).toBe("c\n");
+    expect(seen[0]?.[1]).toBe("a\n");
+    expect(done - (seen[0]?.[2] ?? done)).toBeGreaterThanOrEqual(200); // "a" came while it ran
+  });
+
+  test("streamed output is capped by maxOutput on the client", async () => {
+    let total = 0;
+    const r = await client.exec({
+      argv: ["head", "-c", "300000", "/dev/zero"],
+      env: ENV,
+      maxOutput: 1000,
+      onStdout: (b) => {
+        total += b.length;
+      },
+    });
+    expect(total).toBe(300000);
+    expect(r.stdout.length).toBe(1000);
+    expect(r.stdoutTruncated).toBe(true);
+  });
+
+  test("timeout kills the whole process group, grandchildren too", async () => {
+    const t0 = Date.now();
+    const r = await client.exec({
+      // A child and a grandchild, each printing its pid, all waiting far past the timeout.
+      argv: ["sh", "-c", 'sleep 30 & echo $!; sh -c "sleep 31 & echo \\$!; wait" & wait'],
+      env: ENV,
+      timeoutMs: 300,
+    });
+    expect(Date.now() - t0).toBeLessThan(3000);
+    expect(r.timedOut).toBe(true);
+    expect(r.signal).toBe(9);
+    const pids = r.stdout.toString().trim().split("\n").map(Number);
+    backgroundPids.push(...pids);
+    expect(pids.length).toBe(2);
+    for (const pid of pids) {
+      expect(pid).toBeGreaterThan(1);
+      expect(await waitDead(pid)).toBe(true);
+    }
+  });
+
+  test("a background process survives and does not hold the answer", async () => {
+    const t0 = Date.now();
+    const r = await client.exec({ argv: ["sh", "-c", "sleep 30 & echo $!; echo started"], env: ENV });
+    expect(Date.now() - t0).toBeLessThan(1000);
+    const [pidLine, started] = r.stdout.toString().trim().split("\n");
+    expect(started).toBe("started");
+    const pid = Number(pidLine);
+    backgroundPids.push(pid);
+    expect(r.exitCode).toBe(0);
+    await Bun.sleep(100);
+    expect(alive(pid)).toBe(true);
+  });
+
+  test("a background writer on the inherited stdout never gets SIGPIPE", async () => {
+    const marker = join(dir, "late-writer-done");
+    const r = await client.exec({
+      argv: ["sh", "-c", `(sleep 0.3; echo late; echo late2 >&2; sleep 0.1; touch ${marker}) & echo started`],
+      env: ENV,
+    });
+    expect(r.stdout.toString()).toBe("started\n");
+    expect(await waitFor(() => existsSync(marker), 3000)).toBe(true);
+  });
+
+  test("abort sends CANCEL: the group is killed and the answer comes with signal 9", async () => {
+    const ac = new AbortController();
+    const t0 = Date.now();
+    setTimeout(() => ac.abort(), 200);
+    const r = await client.exec({ argv: ["sh", "-c", "sleep 30 & sleep 30"], env: ENV, signal: ac.signal });
+    expect(Date.now() - t0).toBeLessThan(3000);
+    expect(r.signal).toBe(9);
+    expect(r.timedOut).toBe(false);
+  });
+
+  test("many execs run concurrently on their own streams", async () => {
+    const t0 = Date.now();
+    const results = await Promise.all(
+      Array.from({ length: 12 }, (_, i) =>
+        client.exec({ argv: ["sh", "-c", 'sleep 0.4; echo "$N"'], env: { ...ENV, N: String(i) } }),
+      ),
+    );
+    expect(Date.now() - t0).toBeLessThan(3000); // 12 x 0.4 s in sequence would be 4.8 s
+    expect(results.map((r) => r.stdout.toString())).toEqual(results.map((_, i) => `${i}\n`));
+  });
+
+  test("uid and gid are applied (when running as root)", async () => {
+    if (process.getuid?.() !== 0) return;
+    const r = await client.exec({
+      argv: ["sh", "-c", "id -u; id -g; id -G"],
+      env: ENV,
+      uid: 65534,
+      gid: 65534,
+    });
+    expect(r.stdout.toString()).toBe("65534\n65534\n65534\n");
+  });
+});
+
+describe("files and small ops", () => {
+  test("writeFile makes parents, relative to cwd, atomically, with mode", async () => {
+    await client.writeFile("sub/dir/f.txt", "data!", { cwd: dir, mode: 0o600 });
+    const p = join(dir, "sub/dir/f.txt");
+    expect(readFileSync(p, "utf8")).toBe("data!");
+    expect(statSync(p).mode & 0o777).toBe(0o600);
+    expect(statSync(join(dir, "sub/dir")).mode & 0o777).toBe(0o755);
+    await client.writeFile(p, Buffer.from([0, 1, 2])); // absolute, replaces
+    expect([...readFileSync(p)]).toEqual([0, 1, 2]);
+    expect(statSync(p).mode & 0o777).toBe(0o644);
+    expect(readdirSync(join(dir, "sub/dir"))).toEqual(["f.txt"]); // no temp files left
+    if (process.getuid?.() === 0) {
+      await client.writeFile("owned", "x", { cwd: dir, uid: 65534, gid: 65534 });
+      expect(statSync(join(dir, "owned")).uid).toBe(65534);
+    }
+  });
+
+  test("readFile with size, truncation and errors", async () => {
+    writeFileSync(join(dir, "r.txt"), "0123456789");
+    const all = await client.readFile("r.txt", { cwd: dir });
+    expect(all.data.toString()).toBe("0123456789");
+    expect(all.size).toBe(10);
+    expect(all.truncated).toBe(false);
+    const part = await client.readFile(join(dir, "r.txt"), { maxBytes: 4 });
+    expect(part.data.toString()).toBe("0123");
+    expect(part.size).toBe(10);
+    expect(part.truncated).toBe(true);
+    const proc = await client.readFile("/proc/self/status", { maxBytes: 5 });
+    expect(proc.truncated).toBe(true);
+    const missing = await client.readFile("nope", { cwd: dir }).catch((e) => e);
+    expect(missing).toBeInstanceOf(GuestError);
+    expect(missing.code).toBe("guest_error");
+    expect(missing.errno).toBe(2);
+    const isDir = await client.readFile(dir).catch((e) => e);
+    expect(isDir.errno).toBe(21);
+  });
+
+  test("hello, ping, entropy, seed, clock, hostname, sync", async () => {
+    const h = await client.hello();
+    expect(h.protoVersion).toBe(1);
+    expect(h.agentVersion).toContain("sandboxd-agent");
+    expect(h.bootId).toBe(readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim());
+    expect(h.uptimeMs).toBeGreaterThan(0);
+    await client.ping();
+    await client.entropy(crypto.getRandomValues(new Uint8Array(64)));
+    const r = await client.exec({
+      argv: ["true"],
+      env: ENV,
+      seed: crypto.getRandomValues(new Uint8Array(32)),
+    });
+    expect(r.seedAck).toBe(true);
+    const noSeed = await client.exec({ argv: ["true"], env: ENV });
+    expect(noSeed.seedAck).toBe(false);
+    await client.setClock(new Date()); // host mode: answered, the host clock is left alone
+    await client.setHostname("sbx-test"); // host mode: answered, the host name is left alone
+    await client.sync();
+  });
+});
+
+describe("connection", () => {
+  test("disconnect: pending requests reject at once; agent, execs and background processes live on", async () => {
+    const marker = join(dir, "survived-disconnect");
+    const bg = await client.exec({ argv: ["sh", "-c", "sleep 30 & echo $!"], env: ENV });
+    const bgPid = Number(bg.stdout.toString().trim());
+    backgroundPids.push(bgPid);
+    const running = client.exec({ argv: ["sh", "-c", `sleep 0.4; touch ${marker}`], env: ENV });
+    await Bun.sleep(50);
+    const t0 = Date.now();
+    client.close();
+    const err = await running.catch((e) => e);
+    expect(Date.now() - t0).toBeLessThan(100);
+    expect(err).toBeInstanceOf(GuestError);
+    expect(err.code).toBe("guest_disconnected");
+    const after = await client.ping().catch((e) => e);
+    expect(after.code).toBe("guest_disconnected");
+
+    client = await accept(); // the agent reconnects within ~50 ms
+    await client.ping();
+    expect(agent.exitCode).toBeNull();
+    expect(await waitFor(() => existsSync(marker), 3000)).toBe(true); // the exec kept running
+    expect(alive(bgPid)).toBe(true);
+    const r = await client.exec({ argv: ["echo", "again"], env: ENV });
+    expect(r.stdout.toString()).toBe("again\n");
+  });
+
+  test("the agent dying rejects everything pending with guest_disconnected", async () => {
+    // A second, throwaway agent on its own socket, so the shared one stays up.
+    const sock2 = join(dir, "agent2.sock");
+    const l2 = await GuestListener.listen(sock2);
+    const a2 = spawn([bin, "--port", sock2], { stdin: "ignore", stdout: "ignore", stderr: "ignore" });
+    try {
+      const c2 = await l2.accept();
+      const pending = [
+        c2.exec({ argv: ["sleep", "1.5"], env: ENV }), // short: they outlive the killed agent
+        c2.exec({ argv: ["sleep", "1.6"], env: ENV }),
+      ].map((p) => p.catch((e) => e));
+      await Bun.sleep(100);
+      a2.kill("SIGKILL");
+      const errs = await Promise.all(pending);
+      for (const e of errs) expect(e.code).toBe("guest_disconnected");
+      expect(c2.closed).toBe(true);
+    } finally {
+      a2.kill("SIGKILL");
+      await a2.exited;
+      await l2.close();
+    }
+  });
+
+  test("garbage bytes are survived: the agent resyncs on HELLO", async () => {
+    // Swap the listener for a raw server so we can write bytes that are not frames.
+    client.close();
+    await listener.close();
+    const raw: Server = createServer();
+    const conn = new Promise<Socket>((resolve) => raw.once("connection", resolve));
+    await new Promise<void>((resolve) => raw.listen(sock, resolve));
+    try {
+      const s = await conn;
+      const badVersion = Buffer.from([0x42, 0x53, 9, 2, 1, 0, 0, 0, 0, 0, 0, 0]);
+      const oversize = Buffer.from([0x42, 0x53, 1, 2, 1, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f]);
+      const junk = Buffer.from(Array.from({ length: 5000 }, (_, i) => (i * 7919 + 13) & 0xff));
+      s.write(Buffer.concat([Buffer.from("GARBAGE!"), badVersion, oversize, junk]));
+      const { GuestClient } = await import("./client.ts");
+      const c = await GuestClient.fromSocket(s, { onLog: (l) => logs.push(l) });
+      await c.ping();
+      const r = await c.exec({ argv: ["echo", "still here"], env: ENV });
+      expect(r.stdout.toString()).toBe("still here\n");
+      expect(logs.some((l) => l.includes("malformed frame header"))).toBe(true);
+      c.close();
+    } finally {
+      await new Promise<void>((resolve) => raw.close(() => resolve()));
+      listener = await GuestListener.listen(sock);
+      client = await accept();
+    }
+    await client.ping();
+    expect(agent.exitCode).toBeNull();
+  });
+});

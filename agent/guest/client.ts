@@ -1,0 +1,600 @@
+/**
+ * Host side of the guest protocol (docs/guest-protocol.md): one `GuestClient` per connection to
+ * a guest agent's port. In production the port is QEMU's chardev unix socket (QEMU listens, we
+ * connect: `GuestClient.connect`). In host-mode tests the agent connects to us instead
+ * (`GuestListener.listen` + `accept`).
+ *
+ * Requests are multiplexed by stream id; every public method maps to one op. Every failure is a
+ * `GuestError` with a stable `code` (see codec.ts). When the connection drops, every pending
+ * request rejects at once with `guest_disconnected`: nothing ever waits on a dead socket.
+ */
+import { rmSync } from "node:fs";
+import { createConnection, createServer, type Server, type Socket } from "node:net";
+import { FrameType, MAX_PAYLOAD, Op, StreamFlag, Tag } from "../../contracts/guest-protocol.ts";
+import { decodeTlv, encodeFrame, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
+
+export { GuestError, type GuestErrorCode } from "./codec.ts";
+
+export interface GuestClientOptions {
+  /** Bound on the HELLO round trip. 10 s: a restored VM answers its first frame in ~150 ms under
+   * TCG (host-facts "Snapshots"); a guest silent for 10 s on a loaded host is treated as dead. */
+  helloTimeoutMs?: number;
+  /** Bound on every non-exec op. 60 s: the slowest is a 1 MiB WRITE_FILE or a SYNC of a dirty
+   * disk under TCG, seconds at worst; beyond a minute the guest is stuck, not slow. */
+  requestTimeoutMs?: number;
+  /** Added to an exec's own `timeoutMs` before the client gives up on it: the guest enforces the
+   * timeout itself (SIGKILL of the group, 20 ms drain, one frame back), so the client only waits
+   * that much longer for the answer to travel. 10 s covers a loaded TCG guest. The same grace
+   * bounds the wait for the answer after a CANCEL. */
+  execGraceMs?: number;
+  /** Diagnostics lines the guest sends as LOG frames. */
+  onLog?: (line: string) => void;
+}
+
+export interface HelloInfo {
+  protoVersion: number;
+  agentVersion: string;
+  bootId: string;
+  uptimeMs: number;
+}
+
+export interface ExecOptions {
+  argv: string[];
+  /** The whole environment; `argv[0]` is searched in its PATH. */
+  env?: Record<string, string> | string[];
+  cwd?: string;
+  uid?: number;
+  gid?: number;
+  /** Guest-side timeout: the whole process group is killed (`timedOut`, `signal` 9). */
+  timeoutMs?: number;
+  /** Inline stdin (sent with the request), or chunks streamed as STDIN frames then EOF. */
+  stdin?: string | Uint8Array | AsyncIterable<Uint8Array | string>;
+  /** Per-stream capture cap in bytes (guest default 1 MiB). Streamed output is capped here too. */
+  maxOutput?: number;
+  /** Bytes mixed into the guest's entropy pool before the command runs. */
+  seed?: Uint8Array;
+  /** Given either callback, output is streamed as it is produced (and still collected). */
+  onStdout?: (chunk: Buffer) => void;
+  onStderr?: (chunk: Buffer) => void;
+  /** Aborting sends CANCEL: the group is killed and the result comes back with `signal` 9. */
+  signal?: AbortSignal;
+}
+
+export interface ExecResult {
+  exitCode: number | null;
+  signal: number | null;
+  timedOut: boolean;
+  stdout: Buffer;
+  stderr: Buffer;
+  stdoutTruncated: boolean;
+  stderrTruncated: boolean;
+  durationUs: number;
+  pid: number;
+  /** True when a `seed` was given and the guest mixed it in and reseeded. */
+  seedAck: boolean;
+}
+
+export interface ReadFileResult {
+  data: Buffer;
+  /** Size of the file (bytes read, for files without a size such as procfs). */
+  size: number;
+  truncated: boolean;
+}
+
+export interface FileOptions {
+  /** Base for a relative path (default "/"). */
+  cwd?: string;
+}
+
+export interface WriteFileOptions extends FileOptions {
+  mode?: number;
+  uid?: number;
+  gid?: number;
+}
+
+const DEFAULT_MAX_OUTPUT = 1 << 20;
+/** STDIN frames are cut to this size so one exec's stdin does not hog the port. */
+const STDIN_CHUNK = 64 * 1024;
+
+interface Pending {
+  resolve: (records: TlvRecords) => void;
+  reject: (err: GuestError) => void;
+  onFrame?: (type: number, payload: Buffer) => void;
+  timer?: ReturnType<typeof setTimeout>;
+}
+
+interface RequestOptions {
+  timeoutMs?: number | undefined;
+  onFrame?: (type: number, payload: Buffer) => void;
+}
+
+export class GuestClient {
+  private readonly decoder = new FrameDecoder();
+  private readonly pending = new Map<number, Pending>();
+  private nextStream = 1;
+  private helloWaiter: { promise: Promise<HelloInfo>; resolve: (h: HelloInfo) => void } | undefined;
+  private closedWith: GuestError | undefined;
+  private lastSocketError: Error | undefined;
+  private readonly closeListeners: Array<(err: GuestError) => void> = [];
+  private readonly opts: Required<Omit<GuestClientOptions, "onLog">> & Pick<GuestClientOptions, "onLog">;
+
+  private constructor(
+    private readonly socket: Socket,
+    opts: GuestClientOptions,
+  ) {
+    this.opts = {
+      helloTimeoutMs: opts.helloTimeoutMs ?? 10_000,
+      requestTimeoutMs: opts.requestTimeoutMs ?? 60_000,
+      execGraceMs: opts.execGraceMs ?? 10_000,
+      onLog: opts.onLog,
+    };
+    socket.on("data", (chunk: Buffer) => this.onData(chunk));
+    socket.on("error", (err) => {
+      this.lastSocketError = err;
+    });
+    socket.on("close", () =>
+      this.fail(
+        new GuestError("guest_disconnected", "guest connection closed", {
+          cause: this.lastSocketError,
+        }),
+      ),
+    );
+  }
+
+  /** Connects to a guest port's unix socket (QEMU's chardev) and completes HELLO. */
+  static async connect(path: string, opts: GuestClientOptions = {}): Promise<GuestClient> {
+    const socket = await new Promise<Socket>((resolve, reject) => {
+      const s = createConnection({ path });
+      const onError = (err: Error) => {
+        s.destroy();
+        reject(new GuestError("guest_disconnected", `cannot connect to guest port ${path}`, { cause: err }));
+      };
+      s.once("error", onError);
+      s.once("connect", () => {
+        s.off("error", onError);
+        resolve(s);
+      });
+    });
+    return GuestClient.fromSocket(socket, opts);
+  }
+
+  /** Wraps an already connected socket (e.g. one accepted by GuestListener) and completes HELLO. */
+  static async fromSocket(socket: Socket, opts: GuestClientOptions = {}): Promise<GuestClient> {
+    const client = new GuestClient(socket, opts);
+    try {
+      await client.hello();
+    } catch (err) {
+      client.close();
+      throw err;
+    }
+    return client;
+  }
+
+  get closed(): boolean {
+    return this.closedWith !== undefined;
+  }
+
+  /** Called once when the connection ends, with the error every pending request got. */
+  onClose(listener: (err: GuestError) => void): void {
+    if (this.closedWith) listener(this.closedWith);
+    else this.closeListeners.push(listener);
+  }
+
+  close(): void {
+    this.fail(new GuestError("guest_disconnected", "guest client closed"));
+  }
+
+  /** Sends HELLO and waits for the guest's answer; concurrent calls share one round trip. */
+  hello(timeoutMs = this.opts.helloTimeoutMs): Promise<HelloInfo> {
+    if (this.helloWaiter) return this.helloWaiter.promise;
+    let resolveFn!: (h: HelloInfo) => void;
+    let rejectFn!: (e: GuestError) => void;
+    const promise = new Promise<HelloInfo>((resolve, reject) => {
+      resolveFn = resolve;
+      rejectFn = reject;
+    });
+    const timer = setTimeout(() => {
+      this.helloWaiter = undefined;
+      this.closeListenersRemove(onClose);
+      rejectFn(new GuestError("guest_timeout", `no HELLO answer within ${timeoutMs} ms`));
+    }, timeoutMs);
+    const onClose = (err: GuestError) => {
+      clearTimeout(timer);
+      this.helloWaiter = undefined;
+      rejectFn(err);
+    };
+    this.helloWaiter = {
+      promise,
+      resolve: (h) => {
+        clearTimeout(timer);
+        this.helloWaiter = undefined;
+        this.closeListenersRemove(onClose);
+        resolveFn(h);
+      },
+    };
+    this.onClose(onClose);
+    try {
+      this.send(FrameType.HELLO, 0, new TlvWriter().u32(Tag.PROTO_VERSION, 1).finish());
+    } catch (err) {
+      onClose(err as GuestError);
+    }
+    return promise;
+  }
+
+  async ping(): Promise<void> {
+    await this.request(new TlvWriter().u32(Tag.OP, Op.PING));
+  }
+
+  async exec(o: ExecOptions): Promise<ExecResult> {
+    if (o.argv.length === 0) throw new GuestError("guest_error", "exec: empty argv", { errno: 22 });
+    const w = new TlvWriter().u32(Tag.OP, Op.EXEC);
+    for (const a of o.argv) w.str(Tag.ARGV, a);
+    const env = Array.isArray(o.env) ? o.env : Object.entries(o.env ?? {}).map(([k, v]) => `${k}=${v}`);
+    for (const e of env) w.str(Tag.ENV, e);
+    if (o.cwd !== undefined) w.str(Tag.CWD, o.cwd);
+    if (o.uid !== undefined) w.u32(Tag.UID, o.uid);
+    if (o.gid !== undefined) w.u32(Tag.GID, o.gid);
+    if (o.timeoutMs !== undefined) w.u32(Tag.TIMEOUT_MS, o.timeoutMs);
+    const maxOutput = o.maxOutput ?? DEFAULT_MAX_OUTPUT;
+    if (o.maxOutput !== undefined) w.u32(Tag.MAX_OUTPUT, o.maxOutput);
+    const streaming = o.onStdout !== undefined || o.onStderr !== undefined;
+    const streamedStdin =
+      o.stdin !== undefined && typeof o.stdin !== "string" && !(o.stdin instanceof Uint8Array);
+    w.u32(Tag.STREAM, (streaming ? StreamFlag.OUTPUT : 0) | (streamedStdin ? StreamFlag.STDIN : 0));
+    if (o.seed !== undefined) w.bytes(Tag.SEED, o.seed);
+    if (typeof o.stdin === "string" || o.stdin instanceof Uint8Array) w.bytes(Tag.STDIN, o.stdin);
+
+    // Streamed output is collected here with the same cap the guest applies to captured output.
+    const out = new Collector(maxOutput);
+    const err = new Collector(maxOutput);
+    const onFrame = (type: number, payload: Buffer) => {
+      if (type === FrameType.STDOUT) {
+        out.add(payload);
+        o.onStdout?.(payload);
+      } else if (type === FrameType.STDERR) {
+        err.add(payload);
+        o.onStderr?.(payload);
+      }
+    };
+    // No client timeout without a guest timeout: a command may legitimately run for ever; the
+    // caller bounds it with `signal`. With one, see execGraceMs.
+    const timeoutMs = o.timeoutMs ? o.timeoutMs + this.opts.execGraceMs : undefined;
+    const { stream, promise } = this.start(w, { timeoutMs, onFrame });
+
+    const onAbort = () => {
+      if (!this.pending.has(stream)) return;
+      try {
+        this.send(FrameType.CANCEL, stream);
+      } catch {
+        return; // disconnected: the pending request is rejected already
+      }
+      // The RESPONSE still comes after a CANCEL (docs: CANCEL); bound the wait for it.
+      this.armTimer(stream, this.opts.execGraceMs, "no exec answer after CANCEL");
+    };
+    if (o.signal) {
+      if (o.signal.aborted) onAbort();
+      else o.signal.addEventListener("abort", onAbort, { once: true });
+    }
+    if (streamedStdin) void this.pumpStdin(stream, o.stdin as AsyncIterable<Uint8Array | string>);
+
+    try {
+      const r = await promise;
+      return {
+        exitCode: r.has(Tag.EXIT_CODE) ? (r.i32(Tag.EXIT_CODE) ?? null) : null,
+        signal: r.has(Tag.SIGNAL) ? (r.i32(Tag.SIGNAL) ?? null) : null,
+        timedOut: r.u32(Tag.TIMED_OUT) === 1,
+        stdout: streaming ? out.result() : (r.get(Tag.STDOUT) ?? Buffer.alloc(0)),
+        stderr: streaming ? err.result() : (r.get(Tag.STDERR) ?? Buffer.alloc(0)),
+        stdoutTruncated: r.u32(Tag.STDOUT_TRUNC) === 1 || out.truncated,
+        stderrTruncated: r.u32(Tag.STDERR_TRUNC) === 1 || err.truncated,
+        durationUs: Number(r.u64(Tag.DURATION_US) ?? 0n),
+        pid: r.u32(Tag.PID) ?? 0,
+        seedAck: r.u32(Tag.SEED_ACK) === 1,
+      };
+    } finally {
+      o.signal?.removeEventListener("abort", onAbort);
+    }
+  }
+
+  async writeFile(path: string, data: Uint8Array | string, opts: WriteFileOptions = {}): Promise<void> {
+    const w = new TlvWriter().u32(Tag.OP, Op.WRITE_FILE).str(Tag.PATH, path).bytes(Tag.DATA, data);
+    if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
+    if (opts.mode !== undefined) w.u32(Tag.MODE, opts.mode);
+    if (opts.uid !== undefined) w.u32(Tag.UID, opts.uid);
+    if (opts.gid !== undefined) w.u32(Tag.GID, opts.gid);
+    if (w.length + 64 > MAX_PAYLOAD) {
+      throw new GuestError("protocol_error", `writeFile: ${w.length} bytes do not fit one frame`, {
+        details: { reason: "oversize" },
+      });
+    }
+    await this.request(w);
+  }
+
+  async readFile(path: string, opts: FileOptions & { maxBytes?: number } = {}): Promise<ReadFileResult> {
+    const w = new TlvWriter().u32(Tag.OP, Op.READ_FILE).str(Tag.PATH, path);
+    if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
+    if (opts.maxBytes !== undefined) w.u32(Tag.MAX_BYTES, opts.maxBytes);
+    const r = await this.request(w);
+    return {
+      data: r.get(Tag.DATA) ?? Buffer.alloc(0),
+      size: Number(r.u64(Tag.SIZE) ?? 0n),
+      truncated: r.u32(Tag.TRUNCATED) === 1,
+    };
+  }
+
+  async entropy(bytes: Uint8Array): Promise<void> {
+    await this.request(new TlvWriter().u32(Tag.OP, Op.ENTROPY).bytes(Tag.DATA, bytes));
+  }
+
+  async setClock(time: Date | bigint): Promise<void> {
+    const ns = typeof time === "bigint" ? time : BigInt(time.getTime()) * 1_000_000n;
+    await this.request(new TlvWriter().u32(Tag.OP, Op.SET_CLOCK).u64(Tag.REALTIME_NS, ns));
+  }
+
+  async setHostname(name: string): Promise<void> {
+    await this.request(new TlvWriter().u32(Tag.OP, Op.SET_HOSTNAME).str(Tag.HOSTNAME, name));
+  }
+
+  async sync(): Promise<void> {
+    await this.request(new TlvWriter().u32(Tag.OP, Op.SYNC));
+  }
+
+  // -------------------------------------------------------------------------------------------
+
+  private request(w: TlvWriter): Promise<TlvRecords> {
+    return this.start(w, { timeoutMs: this.opts.requestTimeoutMs }).promise;
+  }
+
+  private start(w: TlvWriter, ro: RequestOptions): { stream: number; promise: Promise<TlvRecords> } {
+    const stream = this.allocStream();
+    const promise = new Promise<TlvRecords>((resolve, reject) => {
+      if (this.closedWith) {
+        reject(
+          new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith }),
+        );
+        return;
+      }
+      const p: Pending = { resolve, reject };
+      if (ro.onFrame) p.onFrame = ro.onFrame;
+      this.pending.set(stream, p);
+      if (ro.timeoutMs !== undefined) this.armTimer(stream, ro.timeoutMs, "no answer");
+      try {
+        this.send(FrameType.REQUEST, stream, w.finish());
+      } catch (err) {
+        this.settle(stream)?.reject(err as GuestError);
+      }
+    });
+    return { stream, promise };
+  }
+
+  private armTimer(stream: number, ms: number, what: string): void {
+    const p = this.pending.get(stream);
+    if (!p) return;
+    if (p.timer) clearTimeout(p.timer);
+    p.timer = setTimeout(() => {
+      // A late answer for this stream is dropped by onFrame (unknown stream).
+      this.settle(stream)?.reject(
+        new GuestError("guest_timeout", `${what} within ${ms} ms (stream ${stream})`),
+      );
+    }, ms);
+  }
+
+  private settle(stream: number): Pending | undefined {
+    const p = this.pending.get(stream);
+    if (!p) return undefined;
+    this.pending.delete(stream);
+    if (p.timer) clearTimeout(p.timer);
+    return p;
+  }
+
+  private allocStream(): number {
+    // Non-zero and unique among requests in flight (docs "Streams"); wraps after 2^32 - 1.
+    for (;;) {
+      const s = this.nextStream;
+      this.nextStream = s >= 0xffffffff ? 1 : s + 1;
+      if (!this.pending.has(s)) return s;
+    }
+  }
+
+  private send(type: number, stream: number, payload?: Uint8Array): boolean {
+    if (this.closedWith) {
+      throw new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith });
+    }
+    return this.socket.write(encodeFrame(type, stream, payload));
+  }
+
+  private async pumpStdin(stream: number, source: AsyncIterable<Uint8Array | string>): Promise<void> {
+    try {
+      for await (const piece of source) {
+        const buf = typeof piece === "string" ? Buffer.from(piece) : Buffer.from(piece);
+        for (let off = 0; off < buf.length; off += STDIN_CHUNK) {
+          if (!this.pending.has(stream)) return; // answered or failed: the guest drops more stdin
+          const ok = this.send(FrameType.STDIN, stream, buf.subarray(off, off + STDIN_CHUNK));
+          if (!ok) await this.drained();
+        }
+      }
+    } catch {
+      // The source failed or the connection dropped: end stdin below if we still can.
+    }
+    if (this.pending.has(stream) && !this.closedWith) {
+      try {
+        this.send(FrameType.STDIN, stream); // empty STDIN frame = EOF
+      } catch {
+        // disconnected meanwhile: the request is rejected already
+      }
+    }
+  }
+
+  private drained(): Promise<void> {
+    return new Promise((resolve) => {
+      const done = () => {
+        this.socket.off("drain", done);
+        this.socket.off("close", done);
+        resolve();
+      };
+      this.socket.once("drain", done);
+      this.socket.once("close", done);
+    });
+  }
+
+  private onData(chunk: Buffer): void {
+    for (const ev of this.decoder.push(chunk)) {
+      if (ev.kind === "error") {
+        // A framing error cannot be recovered from on this connection (docs "Framing").
+        this.fail(ev.error);
+        return;
+      }
+      this.onFrame(ev.frame.type, ev.frame.stream, ev.frame.payload);
+    }
+  }
+
+  private onFrame(type: number, stream: number, payload: Buffer): void {
+    switch (type) {
+      case FrameType.HELLO: {
+        const d = decodeTlv(payload);
+        if (!d.ok) {
+          this.fail(d.error);
+          return;
+        }
+        this.helloWaiter?.resolve({
+          protoVersion: d.records.u32(Tag.PROTO_VERSION) ?? 0,
+          agentVersion: d.records.str(Tag.AGENT_VERSION) ?? "",
+          bootId: d.records.str(Tag.BOOT_ID) ?? "",
+          uptimeMs: Number(d.records.u64(Tag.UPTIME_MS) ?? 0n),
+        });
+        return;
+      }
+      case FrameType.LOG:
+        this.opts.onLog?.(payload.toString("utf8"));
+        return;
+      case FrameType.STDOUT:
+      case FrameType.STDERR:
+        this.pending.get(stream)?.onFrame?.(type, payload);
+        return;
+      case FrameType.RESPONSE: {
+        const p = this.settle(stream);
+        if (!p) return; // late answer to a request that timed out: dropped
+        const d = decodeTlv(payload);
+        if (!d.ok) {
+          p.reject(d.error);
+          return;
+        }
+        const status = d.records.u32(Tag.STATUS) ?? 0;
+        if (status !== 0) {
+          const text = d.records.str(Tag.ERROR) ?? `errno ${status}`;
+          p.reject(new GuestError("guest_error", text, { errno: status }));
+          return;
+        }
+        p.resolve(d.records);
+        return;
+      }
+      default:
+        return; // reserved (tunnels) or newer frame types: ignored
+    }
+  }
+
+  private fail(err: GuestError): void {
+    if (this.closedWith) return;
+    this.closedWith = err;
+    this.socket.destroy();
+    for (const stream of [...this.pending.keys()]) {
+      const p = this.settle(stream);
+      p?.reject(
+        err.code === "protocol_error"
+          ? err
+          : new GuestError("guest_disconnected", `guest disconnected (stream ${stream})`, { cause: err }),
+      );
+    }
+    for (const l of this.closeListeners.splice(0)) l(err);
+  }
+
+  private closeListenersRemove(l: (err: GuestError) => void): void {
+    const i = this.closeListeners.indexOf(l);
+    if (i >= 0) this.closeListeners.splice(i, 1);
+  }
+}
+
+/** Collects streamed output up to a cap, remembering whether more came. */
+class Collector {
+  private chunks: Buffer[] = [];
+  private size = 0;
+  truncated = false;
+  constructor(private readonly cap: number) {}
+  add(b: Buffer): void {
+    const room = this.cap - this.size;
+    if (b.length > room) this.truncated = true;
+    const keep = Math.min(room, b.length);
+    if (keep > 0) {
+      this.chunks.push(b.subarray(0, keep));
+      this.size += keep;
+    }
+  }
+  result(): Buffer {
+    return Buffer.concat(this.chunks, this.size);
+  }
+}
+
+/**
+ * Host test mode: listens on a unix socket that a host-mode agent (`sandboxd-agent --port PATH`)
+ * connects to, and hands out one GuestClient per accepted connection. The agent reconnects every
+ * 50 ms after a disconnect, as the guest does after a restore.
+ */
+export class GuestListener {
+  private readonly queue: Socket[] = [];
+  private readonly waiters: Array<(s: Socket) => void> = [];
+
+  private constructor(
+    readonly path: string,
+    private readonly server: Server,
+  ) {
+    server.on("connection", (s: Socket) => {
+      const w = this.waiters.shift();
+      if (w) w(s);
+      else this.queue.push(s);
+    });
+  }
+
+  static async listen(path: string): Promise<GuestListener> {
+    rmSync(path, { force: true }); // a stale socket file from a crashed run
+    const server = createServer();
+    await new Promise<void>((resolve, reject) => {
+      server.once("error", reject);
+      server.listen(path, () => {
+        server.off("error", reject);
+        resolve();
+      });
+    });
+    return new GuestListener(path, server);
+  }
+
+  /** Waits for the agent's next connection and completes HELLO on it. `timeoutMs` (default
+   * 10 s) bounds the wait for the connection: a live agent retries every 50 ms. */
+  async accept(opts: GuestClientOptions & { timeoutMs?: number } = {}): Promise<GuestClient> {
+    const timeoutMs = opts.timeoutMs ?? 10_000;
+    let socket = this.queue.shift();
+    while (socket?.destroyed) socket = this.queue.shift(); // closed while queued
+    if (!socket) {
+      socket = await new Promise<Socket>((resolve, reject) => {
+        const waiter = (s: Socket) => {
+          clearTimeout(timer);
+          resolve(s);
+        };
+        const timer = setTimeout(() => {
+          const i = this.waiters.indexOf(waiter);
+          if (i >= 0) this.waiters.splice(i, 1);
+          reject(
+            new GuestError("guest_timeout", `no agent connected to ${this.path} within ${timeoutMs} ms`),
+          );
+        }, timeoutMs);
+        this.waiters.push(waiter);
+      });
+    }
+    return GuestClient.fromSocket(socket, opts);
+  }
+
+  async close(): Promise<void> {
+    for (const s of this.queue.splice(0)) s.destroy();
+    await new Promise<void>((resolve) => this.server.close(() => resolve()));
+    rmSync(this.path, { force: true });
+  }
+}

@@ -1,0 +1,89 @@
+/*
+ * sandboxd guest protocol, version 1. The single source for the numbers is
+ * contracts/guest-protocol.ts; tests/guest-protocol-drift.test.ts fails when this
+ * header and that file disagree. Prose: docs/guest-protocol.md.
+ *
+ * Frame (little-endian), 12-byte header then payload:
+ *   u16 magic (0x5342)  u8 version (1)  u8 type  u32 stream  u32 payload_len
+ * Payload of HELLO/REQUEST/RESPONSE is a list of TLV records:
+ *   u16 tag  u32 len  value[len]
+ * Integers inside TLV values are little-endian u32/i32/u64 by the tag's kind.
+ */
+#ifndef SANDBOXD_GUEST_PROTOCOL_H
+#define SANDBOXD_GUEST_PROTOCOL_H
+
+#define SBX_MAGIC 0x5342
+#define SBX_VERSION 1
+#define SBX_HEADER_LEN 12
+/* 1 MiB: large enough for a file chunk or an exec's bounded output, small enough that a
+ * corrupt length cannot make either side allocate without bound. */
+#define SBX_MAX_PAYLOAD 1048576
+
+/* frame types */
+#define SBX_T_HELLO 1
+#define SBX_T_REQUEST 2
+#define SBX_T_RESPONSE 3
+#define SBX_T_STDIN 4
+#define SBX_T_STDOUT 5
+#define SBX_T_STDERR 6
+#define SBX_T_CANCEL 7
+#define SBX_T_DATA 8
+#define SBX_T_CLOSE 9
+#define SBX_T_CREDIT 10
+#define SBX_T_LOG 11
+
+/* ops (value of SBX_TAG_OP, a u32) */
+#define SBX_OP_PING 1
+#define SBX_OP_EXEC 2
+#define SBX_OP_WRITE_FILE 3
+#define SBX_OP_READ_FILE 4
+#define SBX_OP_ENTROPY 5
+#define SBX_OP_SET_CLOCK 6
+#define SBX_OP_SET_HOSTNAME 7
+#define SBX_OP_SYNC 8
+#define SBX_OP_CONNECT 9
+
+/* bits of SBX_TAG_STREAM */
+#define SBX_STREAM_OUTPUT 1
+#define SBX_STREAM_STDIN 2
+
+/* TLV tags */
+#define SBX_TAG_OP 1            /* u32 */
+#define SBX_TAG_STATUS 2        /* u32: 0 ok, else an errno value */
+#define SBX_TAG_ERROR 3         /* string */
+#define SBX_TAG_ARGV 4          /* string, repeated, in order */
+#define SBX_TAG_ENV 5           /* string "K=V", repeated: the whole environment */
+#define SBX_TAG_CWD 6           /* string */
+#define SBX_TAG_UID 7           /* u32 */
+#define SBX_TAG_GID 8           /* u32 */
+#define SBX_TAG_TIMEOUT_MS 9    /* u32, 0 = none */
+#define SBX_TAG_STDIN 10        /* bytes: whole stdin, then EOF */
+#define SBX_TAG_MAX_OUTPUT 11   /* u32: per-stream capture cap in bytes */
+#define SBX_TAG_STREAM 12       /* u32 flags: bit0 stream output as STDOUT/STDERR frames,
+                                   bit1 stdin arrives as STDIN frames (empty frame = EOF) */
+#define SBX_TAG_SEED 13         /* bytes mixed into the kernel pool before the exec */
+#define SBX_TAG_EXIT_CODE 14    /* i32 */
+#define SBX_TAG_SIGNAL 15       /* i32 */
+#define SBX_TAG_TIMED_OUT 16    /* u32 0/1 */
+#define SBX_TAG_STDOUT 17       /* bytes */
+#define SBX_TAG_STDERR 18       /* bytes */
+#define SBX_TAG_STDOUT_TRUNC 19 /* u32 0/1 */
+#define SBX_TAG_STDERR_TRUNC 20 /* u32 0/1 */
+#define SBX_TAG_DURATION_US 21  /* u64: fork to exit */
+#define SBX_TAG_SEED_ACK 22     /* u32 1 = mixed and reseeded */
+#define SBX_TAG_PATH 23         /* string */
+#define SBX_TAG_DATA 24         /* bytes */
+#define SBX_TAG_MODE 25         /* u32 */
+#define SBX_TAG_MAX_BYTES 26    /* u32 */
+#define SBX_TAG_SIZE 27         /* u64 */
+#define SBX_TAG_TRUNCATED 28    /* u32 0/1 */
+#define SBX_TAG_REALTIME_NS 29  /* u64 */
+#define SBX_TAG_HOSTNAME 30     /* string */
+#define SBX_TAG_PORT 31         /* u32 */
+#define SBX_TAG_PROTO_VERSION 32 /* u32 */
+#define SBX_TAG_AGENT_VERSION 33 /* string */
+#define SBX_TAG_BOOT_ID 34      /* string */
+#define SBX_TAG_UPTIME_MS 35    /* u64 */
+#define SBX_TAG_PID 36          /* u32 */
+
+#endif

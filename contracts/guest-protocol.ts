@@ -1,0 +1,81 @@
+/**
+ * sandboxd guest protocol, version 1: the numbers shared by the host agent (TypeScript) and
+ * the guest agent (C, agent/guest/protocol.h). A drift test compares the two.
+ * Prose and semantics: docs/guest-protocol.md.
+ */
+export const MAGIC = 0x5342;
+export const VERSION = 1;
+export const HEADER_LEN = 12;
+/** 1 MiB: bounds what a corrupt length can make either side allocate. */
+export const MAX_PAYLOAD = 1048576;
+
+export const FrameType = {
+  HELLO: 1,
+  REQUEST: 2,
+  RESPONSE: 3,
+  STDIN: 4,
+  STDOUT: 5,
+  STDERR: 6,
+  CANCEL: 7,
+  DATA: 8,
+  CLOSE: 9,
+  CREDIT: 10,
+  LOG: 11,
+} as const;
+export type FrameType = (typeof FrameType)[keyof typeof FrameType];
+
+export const Op = {
+  PING: 1,
+  EXEC: 2,
+  WRITE_FILE: 3,
+  READ_FILE: 4,
+  ENTROPY: 5,
+  SET_CLOCK: 6,
+  SET_HOSTNAME: 7,
+  SYNC: 8,
+  CONNECT: 9,
+} as const;
+export type Op = (typeof Op)[keyof typeof Op];
+
+export const Tag = {
+  OP: 1,
+  STATUS: 2,
+  ERROR: 3,
+  ARGV: 4,
+  ENV: 5,
+  CWD: 6,
+  UID: 7,
+  GID: 8,
+  TIMEOUT_MS: 9,
+  STDIN: 10,
+  MAX_OUTPUT: 11,
+  STREAM: 12,
+  SEED: 13,
+  EXIT_CODE: 14,
+  SIGNAL: 15,
+  TIMED_OUT: 16,
+  STDOUT: 17,
+  STDERR: 18,
+  STDOUT_TRUNC: 19,
+  STDERR_TRUNC: 20,
+  DURATION_US: 21,
+  SEED_ACK: 22,
+  PATH: 23,
+  DATA: 24,
+  MODE: 25,
+  MAX_BYTES: 26,
+  SIZE: 27,
+  TRUNCATED: 28,
+  REALTIME_NS: 29,
+  HOSTNAME: 30,
+  PORT: 31,
+  PROTO_VERSION: 32,
+  AGENT_VERSION: 33,
+  BOOT_ID: 34,
+  UPTIME_MS: 35,
+  PID: 36,
+} as const;
+export type Tag = (typeof Tag)[keyof typeof Tag];
+
+/** Bits of Tag.STREAM. */
+export const StreamFlag = { OUTPUT: 1, STDIN: 2 } as const;
