@@ -1,0 +1,127 @@
+/**
+ * Shared pieces of the public API (spec sections 2, 5, 7): ids, tiers and families, API key
+ * format, the error envelope, labels and file writes. Every request and response schema of both
+ * endpoint families is built from these; openapi.yaml is generated from them (gateway/openapi.ts).
+ */
+import { z } from "zod";
+import { PublicErrorCode } from "../errors.ts";
+import {
+  MAX_EXEC_FILES,
+  MAX_LABEL_KEY_CHARS,
+  MAX_LABEL_VALUE_CHARS,
+  MAX_LABELS,
+  MAX_PATH_CHARS,
+} from "./limits.ts";
+
+// ---- tiers and families (spec section 5) ---------------------------------------------------
+
+export const Tier = z.enum(["live", "scale", "demo", "pro", "enterprise"]);
+export type Tier = z.infer<typeof Tier>;
+
+/** Family A = stateless exec, sessions, uploaded templates; Family B = sandboxes, catalog, Pro. */
+export type Family = "a" | "b";
+export const FAMILY_OF_TIER: Readonly<Record<Tier, Family>> = {
+  live: "a",
+  scale: "a",
+  demo: "b",
+  pro: "b",
+  enterprise: "b",
+};
+
+/**
+ * Tier ranks for "at least this tier" checks: live = demo < scale = pro < enterprise.
+ * The spec does not map Family A tiers to Family B ones (section 5.8); the ranks only compare
+ * tiers within a family, and the equalities record that each family has a standard and an
+ * admin/paid level.
+ */
+export const TIER_RANK: Readonly<Record<Tier, number>> = {
+  live: 0,
+  demo: 0,
+  scale: 1,
+  pro: 1,
+  enterprise: 2,
+};
+
+export function tierAtLeast(tier: Tier, min: Tier): boolean {
+  return FAMILY_OF_TIER[tier] === FAMILY_OF_TIER[min] && TIER_RANK[tier] >= TIER_RANK[min];
+}
+
+// ---- API keys (spec section 5.2) -----------------------------------------------------------
+
+/** Our choice (decisions.md): 12 lowercase base36 characters; never contains `_`. */
+export const KEY_ID_CHARS = 12;
+/** Our choice: 40 base62 characters, about 238 bits of randomness; never contains `_`. */
+export const KEY_SECRET_CHARS = 40;
+/** `svc_<tier>_<id>_<secret>`. Accepts a little more than we issue, so lengths can change later. */
+export const API_KEY_PATTERN =
+  /^svc_(live|scale|demo|pro|enterprise)_([a-z0-9]{8,32})_([A-Za-z0-9]{16,128})$/;
+
+export interface ParsedApiKey {
+  tier: Tier;
+  keyId: string;
+  secret: string;
+}
+
+export function parseApiKey(key: string): ParsedApiKey | null {
+  const m = API_KEY_PATTERN.exec(key);
+  if (!m) return null;
+  return { tier: m[1] as Tier, keyId: m[2]!, secret: m[3]! };
+}
+
+// ---- ids -----------------------------------------------------------------------------------
+
+/** Spec 2.3 and 8: template ids are 1 to 64 characters of `[a-zA-Z0-9_-]`. */
+export const TEMPLATE_ID_PATTERN = /^[a-zA-Z0-9_-]{1,64}$/;
+export const TemplateId = z.string().regex(TEMPLATE_ID_PATTERN, "template id: 1 to 64 of [a-zA-Z0-9_-]");
+
+/** Opaque random part of our ids: 20 lowercase base36 characters (about 103 bits). */
+export const OPAQUE_ID_CHARS = 20;
+export const SESSION_ID_PATTERN = /^sess_[a-z0-9]{20}$/;
+export const SANDBOX_ID_PATTERN = /^sbx_[a-z0-9]{20}$/;
+/** Spec 2.1: session ids are opaque with prefix `sess_`. */
+export const SessionId = z.string().regex(/^sess_[A-Za-z0-9]+$/, "session id: sess_...");
+/** Spec 2.5: sandbox ids have prefix `sbx_`. */
+export const SandboxId = z.string().regex(/^sbx_[A-Za-z0-9]+$/, "sandbox id: sbx_...");
+
+// ---- error envelope (spec sections 2.11 and 7) ---------------------------------------------
+
+export const ErrorCode = z.enum(PublicErrorCode);
+export const ErrorEnvelope = z
+  .object({
+    code: ErrorCode.describe("Stable machine code; branch on this, never on message."),
+    message: z.string().describe("Human-readable explanation."),
+  })
+  .meta({ id: "Error" });
+export type ErrorEnvelope = z.infer<typeof ErrorEnvelope>;
+
+// ---- small shared shapes -------------------------------------------------------------------
+
+export const Labels = z
+  .record(z.string().min(1).max(MAX_LABEL_KEY_CHARS), z.string().max(MAX_LABEL_VALUE_CHARS))
+  .refine((r) => Object.keys(r).length <= MAX_LABELS, `at most ${MAX_LABELS} labels`)
+  .meta({ id: "Labels" });
+
+/** Map of exposed guest port (decimal string) to a connect hint; not a dialable address (2.5). */
+export const Endpoints = z.record(z.string(), z.string()).meta({ id: "Endpoints" });
+export type Endpoints = z.infer<typeof Endpoints>;
+
+export const FileWrite = z
+  .object({
+    path: z
+      .string()
+      .min(1)
+      .max(MAX_PATH_CHARS)
+      .refine((p) => !p.includes("\0"), "path must not contain NUL"),
+    content: z.string(),
+  })
+  .meta({ id: "FileWrite" });
+export const FileWrites = z.array(FileWrite).max(MAX_EXEC_FILES);
+
+/** Argv arrays: each command is a non-empty list of strings, run without a shell. */
+export const ArgvCommands = z.array(z.array(z.string()).min(1)).min(1);
+
+/** Positive integer seconds; the upper bound is the deployment's `maxExecTimeoutS`. */
+export const TimeoutSeconds = z.int().min(1);
+
+/** RFC 3339 timestamp with an explicit offset or Z. */
+export const Rfc3339 = z.iso.datetime({ offset: true });

@@ -1,0 +1,142 @@
+/**
+ * Family A bodies (spec sections 2.1 to 2.3 and 4.1): stateless exec, batch, sessions and
+ * templates registered from an uploaded image.
+ */
+import { z } from "zod";
+import { ArgvCommands, FileWrites, SessionId, TemplateId, TimeoutSeconds } from "./common.ts";
+
+// ---- exec (2.2, 4.1) -----------------------------------------------------------------------
+
+export const ExecRequestA = z
+  .object({
+    code: z.string().describe("Source run in a fresh VM."),
+    template_id: TemplateId,
+    timeout_seconds: TimeoutSeconds.optional().describe("Default 30 (spec section 8)."),
+  })
+  .meta({ id: "ExecRequestA" });
+export type ExecRequestA = z.infer<typeof ExecRequestA>;
+
+export const ExecResultA = z
+  .object({
+    id: z.string().describe("Execution id (UUID for one-shot exec, session id for session exec)."),
+    stdout: z.string(),
+    stderr: z.string(),
+    exit_code: z.int(),
+    fork_time_ms: z.number().describe("VM spawn time; 0 for a session exec."),
+    exec_time_ms: z.number(),
+    total_time_ms: z.number(),
+  })
+  .meta({ id: "ExecResultA" });
+export type ExecResultA = z.infer<typeof ExecResultA>;
+
+export const BatchExecRequest = z
+  .object({
+    executions: z.array(ExecRequestA).min(1).describe("One VM each, run in parallel."),
+  })
+  .meta({ id: "BatchExecRequest" });
+export type BatchExecRequest = z.infer<typeof BatchExecRequest>;
+
+export const BatchExecResponse = z
+  .object({ results: z.array(ExecResultA).describe("One per execution, in request order.") })
+  .meta({ id: "BatchExecResponse" });
+
+// ---- sessions (2.1, 4.1) -------------------------------------------------------------------
+
+export const CreateSessionRequest = z
+  .object({ template_id: TemplateId })
+  .meta({ id: "CreateSessionRequest" });
+
+export const CreateSessionResponse = z
+  .object({
+    session_id: SessionId,
+    template_id: TemplateId,
+    fork_time_ms: z.number(),
+    create_time_ms: z.number(),
+  })
+  .meta({ id: "CreateSessionResponse" });
+
+/**
+ * Session exec: `code`, or `commands`, or `files`; files may accompany either (written first).
+ * `code` together with `commands` is rejected: which one the response reflects would be unclear.
+ */
+export const SessionExecRequest = z
+  .object({
+    code: z.string().optional(),
+    commands: ArgvCommands.optional().describe("Run in order; the response reflects the last one."),
+    files: FileWrites.optional().describe("Written before any command runs. Absolute paths."),
+    timeout_seconds: TimeoutSeconds.optional(),
+  })
+  .refine((b) => b.code !== undefined || b.commands !== undefined || b.files !== undefined, {
+    message: "send code, commands or files",
+  })
+  .refine((b) => !(b.code !== undefined && b.commands !== undefined), {
+    message: "send code or commands, not both",
+  })
+  .meta({ id: "SessionExecRequest" });
+export type SessionExecRequest = z.infer<typeof SessionExecRequest>;
+
+export const ForkSessionResponse = z
+  .object({ session_id: SessionId.describe("The child session."), fork_time_ms: z.number() })
+  .meta({ id: "ForkSessionResponse" });
+
+export const SessionStatus = z
+  .object({
+    session_id: SessionId,
+    template_id: TemplateId,
+    age_secs: z.number(),
+    idle_secs: z.number(),
+    exec_count: z.int(),
+  })
+  .meta({ id: "SessionStatus" });
+
+export const SessionList = z
+  .object({
+    sessions: z.array(z.object({ session_id: SessionId, idle_secs: z.number(), exec_count: z.int() })),
+  })
+  .meta({ id: "SessionList" });
+
+/** `DELETE /v1/sessions/{id}?force=true` aborts an in-flight exec instead of letting it finish. */
+export const BooleanQuery = z.enum(["true", "false", "1", "0"]).transform((v) => v === "true" || v === "1");
+export const DeleteSessionQuery = z.object({ force: BooleanQuery.optional() });
+
+// ---- templates, uploaded image (2.3, 3.1, 4.1) ---------------------------------------------
+
+const IntQuery = (min: number, max: number) =>
+  z
+    .string()
+    .regex(/^\d{1,9}$/, "a decimal integer")
+    .transform(Number)
+    .pipe(z.int().min(min).max(max));
+
+/** Query of `POST /v1/templates` (Family A). Bounds of the sizing options are our choices. */
+export const RegisterTemplateQuery = z
+  .object({
+    id: TemplateId,
+    mem_mib: IntQuery(64, 262_144).optional().describe("Guest memory, MiB (64 MiB to 256 GiB)."),
+    vcpu_count: IntQuery(1, 64).optional().describe("Guest vCPUs (1 to 64)."),
+    wait_secs: IntQuery(1, 3600).optional().describe("Readiness wait at build time, seconds."),
+  })
+  .meta({ id: "RegisterTemplateQuery" });
+export type RegisterTemplateQuery = z.infer<typeof RegisterTemplateQuery>;
+
+export const TemplateStatusA = z.enum(["building", "ready", "failed"]);
+
+export const RegisterTemplateResponse = z
+  .object({ id: TemplateId, status: z.literal("building") })
+  .meta({ id: "RegisterTemplateResponse" });
+
+export const TemplateA = z
+  .object({
+    id: TemplateId,
+    status: TemplateStatusA,
+    created_at_secs: z.int().optional().describe("Unix seconds; present when ready."),
+    error: z.string().optional().describe("Present when failed."),
+  })
+  .meta({ id: "TemplateA" });
+export type TemplateA = z.infer<typeof TemplateA>;
+
+export const TemplateReadyMap = z
+  .record(TemplateId, z.object({ ready: z.boolean() }))
+  .meta({ id: "TemplateReadyMap" });
+
+export const TemplateListA = z.object({ templates: TemplateReadyMap }).meta({ id: "TemplateListA" });

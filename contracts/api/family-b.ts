@@ -1,0 +1,255 @@
+/**
+ * Family B bodies (spec sections 2.4 to 2.9 and 4.2): sandboxes, catalog, Pro bake, fork,
+ * connect URLs, usage.
+ */
+import { z } from "zod";
+import {
+  ArgvCommands,
+  Endpoints,
+  FileWrites,
+  Labels,
+  Rfc3339,
+  SandboxId,
+  TemplateId,
+  TimeoutSeconds,
+} from "./common.ts";
+import { MAX_TEMPLATE_WIDTH } from "./limits.ts";
+
+// ---- catalog and templates (2.4, 3.2) ------------------------------------------------------
+
+export const Visibility = z.enum(["public", "private"]);
+
+export const CatalogEntry = z
+  .object({
+    id: TemplateId.describe("Pass as `template` when creating a sandbox."),
+    name: z.string(),
+    description: z.string(),
+    visibility: Visibility,
+    tier: z.string().optional().describe("Plan tier the image runs on, when applicable."),
+  })
+  .meta({ id: "CatalogEntry" });
+export type CatalogEntry = z.infer<typeof CatalogEntry>;
+
+export const CatalogList = z.object({ templates: z.array(CatalogEntry) }).meta({ id: "CatalogList" });
+
+/** Bake phases in order (3.2); `Failed` is ours: the spec does not show failure handling. */
+export const BakePhase = z.enum(["Pending", "Converting", "Distributing", "Live", "Failed"]);
+export type BakePhase = z.infer<typeof BakePhase>;
+
+const Port = z.int().min(1).max(65535);
+
+/** Ready-state descriptor (2.4, 4.3). Semantics of `http`, `env`, `network` are not specified. */
+export const ReadySpec = z
+  .object({
+    cmd: z.string().min(1).optional().describe("Starts the service detached; exits 0 once healthy."),
+    http: z.string().optional().describe("Health URL inside the guest (semantics not specified)."),
+    http_timeout_s: z.int().min(1).max(3600).optional(),
+    ports: z.array(Port).max(64).optional().describe("Guest ports to expose to connect URLs."),
+    env: z.record(z.string(), z.string()).optional(),
+    network: z.unknown().optional().describe("Passed to the agent unchanged (semantics not specified)."),
+  })
+  .meta({ id: "ReadySpec" });
+export type ReadySpec = z.infer<typeof ReadySpec>;
+
+const Width = z.int().min(1).max(MAX_TEMPLATE_WIDTH);
+
+/** `POST /v1/templates` (Family B, Pro): idempotent on (tenant, name); `name` becomes the id. */
+export const BakeTemplateRequest = z
+  .object({
+    name: TemplateId.describe("Template name; also its id."),
+    image: z.string().min(1).max(1024).describe("OCI image reference."),
+    ready: ReadySpec.optional(),
+    width: Width.optional().describe("Fan-out hint."),
+    expected_width: Width.optional().describe("Pre-warms capacity for the first rollout."),
+  })
+  .meta({ id: "BakeTemplateRequest" });
+export type BakeTemplateRequest = z.infer<typeof BakeTemplateRequest>;
+
+export const TemplateB = z
+  .object({
+    id: TemplateId,
+    name: z.string(),
+    description: z.string(),
+    visibility: Visibility,
+    tier: z.string().optional(),
+    image: z.string().optional(),
+    phase: BakePhase,
+    error: z.string().optional().describe("Present when the phase is Failed."),
+    exposed_ports: z.array(Port),
+    telemetry: z
+      .record(z.string(), z.unknown())
+      .describe("Readiness telemetry as reported by the host agent (fields not specified)."),
+  })
+  .meta({ id: "TemplateB" });
+export type TemplateB = z.infer<typeof TemplateB>;
+
+export const ExpectRequest = z.object({ width: Width }).meta({ id: "ExpectRequest" });
+export const ExpectResponse = z.object({ id: TemplateId, width: z.int() }).meta({ id: "ExpectResponse" });
+export const ReleaseResponse = z
+  .object({ id: TemplateId, released: z.literal(true) })
+  .meta({ id: "ReleaseResponse" });
+export const DeleteTemplateResponseB = z
+  .object({ deleted: z.literal(true), id: TemplateId })
+  .meta({ id: "DeleteTemplateResponseB" });
+
+// ---- sandboxes (2.5) -----------------------------------------------------------------------
+
+export const SandboxState = z.enum(["running", "suspended"]);
+
+export const CreateSandboxRequest = z
+  .object({
+    template: TemplateId,
+    label: z.string().max(256).optional().describe("Single convenience label; stored as labels.label."),
+    labels: Labels.optional(),
+    egress: z
+      .object({ allow: z.array(z.string().min(1).max(253)).max(256) })
+      .loose()
+      .optional()
+      .describe("Egress policy; `allow` lists permitted host names."),
+  })
+  .meta({ id: "CreateSandboxRequest" });
+export type CreateSandboxRequest = z.infer<typeof CreateSandboxRequest>;
+
+export const CreateSandboxResponse = z
+  .object({
+    id: SandboxId,
+    template: TemplateId,
+    state: z.literal("running"),
+    fork_time_ms: z.number(),
+    create_time_ms: z.number(),
+    endpoints: Endpoints,
+  })
+  .meta({ id: "CreateSandboxResponse" });
+
+export const SandboxInfo = z
+  .object({
+    id: SandboxId,
+    template: TemplateId,
+    state: SandboxState,
+    age_secs: z.number(),
+    idle_secs: z.number(),
+    exec_count: z.int(),
+    labels: z.record(z.string(), z.string()),
+    endpoints: Endpoints,
+  })
+  .meta({ id: "SandboxInfo" });
+
+export const SandboxList = z
+  .object({ sandboxes: z.array(z.object({ id: SandboxId, template: TemplateId, state: SandboxState })) })
+  .meta({ id: "SandboxList" });
+
+export const StateResponse = z
+  .object({
+    id: SandboxId,
+    state: SandboxState,
+    mem_bytes: z.int().describe("On suspend: size of the on-disk memory image."),
+  })
+  .meta({ id: "StateResponse" });
+
+export const DeleteSandboxResponse = z
+  .object({ deleted: z.literal(true), id: SandboxId })
+  .meta({ id: "DeleteSandboxResponse" });
+
+// ---- exec (2.6) ----------------------------------------------------------------------------
+
+export const ExecRequestB = z
+  .object({
+    files: FileWrites.optional().describe("Written before the command."),
+    command: z.string().min(1).optional().describe("A command line, run by /bin/sh -c."),
+    commands: ArgvCommands.optional().describe("Argv arrays run in order; the response reflects the last."),
+    timeout_seconds: TimeoutSeconds.optional(),
+    seed: z
+      .string()
+      .regex(/^[0-9a-fA-F]{1,128}$/, "hex string")
+      .optional()
+      .describe("Echoed back."),
+  })
+  .refine((b) => b.command !== undefined || b.commands !== undefined || b.files !== undefined, {
+    message: "send command, commands or files",
+  })
+  .refine((b) => !(b.command !== undefined && b.commands !== undefined), {
+    message: "send command or commands, not both",
+  })
+  .meta({ id: "ExecRequestB" });
+export type ExecRequestB = z.infer<typeof ExecRequestB>;
+
+export const ExecResponseB = z
+  .object({
+    id: SandboxId,
+    stdout: z.string(),
+    stderr: z.string(),
+    exit_code: z.int(),
+    fork_time_ms: z.number().describe("0 for an existing sandbox."),
+    exec_time_ms: z.number(),
+    total_time_ms: z.number(),
+    seed: z.string().optional(),
+    seed_ack: z.string().optional().describe("`verified` when the guest saw the seed."),
+  })
+  .meta({ id: "ExecResponseB" });
+
+// ---- fork (2.7) ----------------------------------------------------------------------------
+
+export const ForkRequest = z
+  .object({
+    count: z.int().min(1).optional().describe("Default 1; per-call cap by tier (Pro 32, Enterprise 64)."),
+    labels: z.array(z.string().max(256)).optional().describe("One per child, stored as labels.label."),
+  })
+  .refine((b) => b.labels === undefined || b.labels.length <= (b.count ?? 1), {
+    message: "at most one label per child",
+  })
+  .meta({ id: "ForkRequest" });
+export type ForkRequest = z.infer<typeof ForkRequest>;
+
+export const ForkResponse = z
+  .object({
+    parent: SandboxId,
+    children: z.array(z.object({ id: SandboxId, endpoints: Endpoints })),
+  })
+  .meta({ id: "ForkResponse" });
+
+// ---- connect (2.8) -------------------------------------------------------------------------
+
+export const TunnelProtocol = z.enum(["tcp", "cdp"]);
+export type TunnelProtocol = z.infer<typeof TunnelProtocol>;
+
+export const ConnectUrlRequest = z
+  .object({
+    port: Port,
+    ttl_seconds: z.int().min(1).describe("Clamped down to 3600."),
+    protocol: TunnelProtocol.optional().describe("Default tcp."),
+  })
+  .meta({ id: "ConnectUrlRequest" });
+
+export const ConnectUrlResponse = z
+  .object({ url: z.string(), expires_at: Rfc3339 })
+  .meta({ id: "ConnectUrlResponse" });
+
+export const ConnectQuery = z.object({
+  port: z
+    .string()
+    .regex(/^\d{1,5}$/)
+    .transform(Number)
+    .pipe(Port),
+  protocol: TunnelProtocol.optional(),
+  t: z.string().min(1).max(512).optional(),
+});
+
+// ---- usage (2.9) ---------------------------------------------------------------------------
+
+export const UsageQuery = z.object({
+  from: Rfc3339.optional().describe("Default: start of the current UTC month."),
+  to: Rfc3339.optional().describe("Default: now."),
+});
+
+export const UsageResponse = z
+  .object({
+    from: Rfc3339,
+    to: Rfc3339,
+    totals: z.object({
+      cpu_core_hours: z.number(),
+      ram_gb_hours: z.number(),
+      disk_gb_hours: z.number(),
+      snapshot_gb_months: z.number(),
+    }),
+  })
+  .meta({ id: "UsageResponse" });

@@ -1,0 +1,141 @@
+/**
+ * Every numeric limit of the public API, in one place. Values the spec fixes cite their section;
+ * values the spec leaves open are our choices, each argued in docs/decisions.md. All of them are
+ * defaults: `GatewayConfig.limits` (gateway/config.ts) overrides any of them per deployment
+ * (the spec lets BYOC deployments tune the session cap, idle TTL and reaper interval, section 1).
+ */
+import type { Tier } from "./common.ts";
+
+/** Spec section 8: 100 requests per second per key, 429 beyond. */
+export const RATE_LIMIT_PER_SECOND = 100;
+/**
+ * Token-bucket capacity: one second's worth. A client may send its whole per-second allowance at
+ * once (a burst of 100), but not more; the 101st request inside the same second gets 429.
+ */
+export const RATE_LIMIT_BURST = 100;
+
+/** Spec sections 2.6, 4.1 and 8: `timeout_seconds` defaults to 30. */
+export const DEFAULT_EXEC_TIMEOUT_S = 30;
+/**
+ * Our choice (decisions.md): an exec holds an HTTP request open for its whole run, and load
+ * balancers commonly cut idle requests around 10 minutes; longer work belongs in a session.
+ */
+export const MAX_EXEC_TIMEOUT_S = 600;
+
+/**
+ * Our choice: largest JSON request body (exec code plus `files`). 10 MiB fits real source trees
+ * and fixtures while bounding what one request can make the gateway hold in memory. Template
+ * image uploads are streamed to disk and have their own limit below. Exceeding it gives 413.
+ */
+export const MAX_JSON_BODY_BYTES = 10 * 1024 * 1024;
+
+/**
+ * Our choice: largest uploaded template image (Family A `POST /v1/templates`). The spec allows
+ * multi-GB images; 20 GiB covers large ML images while stopping a runaway upload from filling
+ * the disk. The body is streamed to a file, never held in memory.
+ */
+export const MAX_TEMPLATE_UPLOAD_BYTES = 20 * 1024 * 1024 * 1024;
+
+/**
+ * Our choice: most executions in one `POST /v1/exec/batch`. Each runs in its own VM at once,
+ * so this bounds one call's fan-out; 64 matches the largest fork fan-out (Enterprise).
+ */
+export const MAX_BATCH_EXECUTIONS = 64;
+
+/**
+ * Spec section 4.2: fork `count` per call is capped by tier (Pro 32, Enterprise 64; call again
+ * for more). Demo is our choice (the spec names no demo cap): 4, enough to try fork.
+ * Family A session fork makes exactly one child per call (its body is not specified).
+ */
+export const FORK_CAP_BY_TIER: Readonly<Record<Tier, number>> = {
+  live: 1,
+  scale: 1,
+  demo: 4,
+  pro: 32,
+  enterprise: 64,
+};
+
+/** Spec section 4.2: connect-url `ttl_seconds` above 3600 is clamped down to 3600. */
+export const CONNECT_TTL_MAX_S = 3600;
+
+/**
+ * Our choice: live Family A sessions per tenant (spec section 8 "live-session cap", 429 on
+ * create). 100 lets an agent framework keep one session per worker for a sizeable pool.
+ */
+export const SESSION_CAP_PER_TENANT = 100;
+
+/**
+ * Our choice: concurrently running Family B sandboxes per tenant, by tier (spec section 7
+ * `quota_exceeded`). Suspended sandboxes do not count: they hold no CPU or memory.
+ */
+export const SANDBOX_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
+  live: 0,
+  scale: 0,
+  demo: 5,
+  pro: 200,
+  enterprise: 1000,
+};
+
+/**
+ * Our choice: a Family A session idle (no exec) longer than this is reclaimed (spec 3.3);
+ * later calls get 410. 15 minutes outlasts a human's think-time between agent steps while
+ * bounding the memory an abandoned session holds.
+ */
+export const SESSION_IDLE_TTL_S = 15 * 60;
+
+/**
+ * Our choice: how often the reaper looks for idle sessions. 30 s keeps the overshoot past the
+ * TTL at most 30 s (about 3% of the TTL) at the cost of one indexed query per interval.
+ */
+export const REAPER_INTERVAL_S = 30;
+
+/** Our choice: longest `GET /v1/usage` window, so one query scans at most a year of intervals. */
+export const MAX_USAGE_WINDOW_S = 366 * 24 * 3600;
+
+/** Our choice: label bounds (count, key and value lengths), like Kubernetes label limits. */
+export const MAX_LABELS = 64;
+export const MAX_LABEL_KEY_CHARS = 63;
+export const MAX_LABEL_VALUE_CHARS = 256;
+
+/** Our choice: files written by one exec; the byte total is bounded by MAX_JSON_BODY_BYTES. */
+export const MAX_EXEC_FILES = 1000;
+/** Linux PATH_MAX. */
+export const MAX_PATH_CHARS = 4096;
+
+/** Our choice: Pro bake fan-out hints (`width`, `expected_width`, expect `width`). */
+export const MAX_TEMPLATE_WIDTH = 10_000;
+
+/** The whole set, as the config carries it. */
+export interface Limits {
+  ratePerSecond: number;
+  rateBurst: number;
+  defaultExecTimeoutS: number;
+  maxExecTimeoutS: number;
+  maxJsonBodyBytes: number;
+  maxTemplateUploadBytes: number;
+  maxBatchExecutions: number;
+  forkCapByTier: Record<Tier, number>;
+  connectTtlMaxS: number;
+  sessionCapPerTenant: number;
+  sandboxQuotaByTier: Record<Tier, number>;
+  sessionIdleTtlS: number;
+  reaperIntervalS: number;
+  maxUsageWindowS: number;
+}
+
+export const DEFAULT_LIMITS: Readonly<Limits> = Object.freeze({
+  ratePerSecond: RATE_LIMIT_PER_SECOND,
+  rateBurst: RATE_LIMIT_BURST,
+  defaultExecTimeoutS: DEFAULT_EXEC_TIMEOUT_S,
+  maxExecTimeoutS: MAX_EXEC_TIMEOUT_S,
+  maxJsonBodyBytes: MAX_JSON_BODY_BYTES,
+  maxTemplateUploadBytes: MAX_TEMPLATE_UPLOAD_BYTES,
+  maxBatchExecutions: MAX_BATCH_EXECUTIONS,
+  forkCapByTier: { ...FORK_CAP_BY_TIER },
+  connectTtlMaxS: CONNECT_TTL_MAX_S,
+  sessionCapPerTenant: SESSION_CAP_PER_TENANT,
+  sandboxQuotaByTier: { ...SANDBOX_QUOTA_BY_TIER },
+  sessionIdleTtlS: SESSION_IDLE_TTL_S,
+  reaperIntervalS: REAPER_INTERVAL_S,
+  maxUsageWindowS: MAX_USAGE_WINDOW_S,
+});

@@ -1,0 +1,299 @@
+/**
+ * Each route's contract apart from its handler (style.md habit 4): method, path, which family
+ * serves it, its body/query schemas, its success response and its error statuses. openapi.yaml is
+ * generated from this table (gateway/openapi.ts); the handlers in gateway/routes/ use the same
+ * schemas to parse requests.
+ */
+import type { z } from "zod";
+import * as A from "./family-a.ts";
+import * as B from "./family-b.ts";
+import { HealthResponse } from "./health.ts";
+
+export interface RouteContract {
+  method: "get" | "post" | "delete";
+  /** OpenAPI-style path (`{id}`). */
+  path: string;
+  /** Which key family the handler serves; "both" = the same handler; "none" = no auth. */
+  family: "a" | "b" | "both" | "none";
+  summary: string;
+  body?: z.ZodType;
+  /** Raw (non-JSON) body content type. */
+  rawBody?: string;
+  query?: z.ZodObject;
+  response?: z.ZodType;
+  /** Non-JSON response content type. */
+  rawResponse?: string;
+  status: number;
+  /** Error statuses the route can return besides 401/429 (which every authed route can). */
+  errors: number[];
+}
+
+export const ROUTES: RouteContract[] = [
+  {
+    method: "get",
+    path: "/v1/health",
+    family: "none",
+    summary: "Health (both forms in one object)",
+    response: HealthResponse,
+    status: 200,
+    errors: [],
+  },
+  {
+    method: "get",
+    path: "/v1/metrics",
+    family: "both",
+    summary: "Prometheus metrics for the caller's tenant",
+    rawResponse: "text/plain; version=0.0.4",
+    status: 200,
+    errors: [],
+  },
+  // Family A
+  {
+    method: "post",
+    path: "/v1/exec",
+    family: "a",
+    summary: "One-shot exec in a throwaway VM",
+    body: A.ExecRequestA,
+    response: A.ExecResultA,
+    status: 200,
+    errors: [400, 403, 404, 409, 413, 503, 504],
+  },
+  {
+    method: "post",
+    path: "/v1/exec/batch",
+    family: "a",
+    summary: "Batch exec, one VM per execution",
+    body: A.BatchExecRequest,
+    response: A.BatchExecResponse,
+    status: 200,
+    errors: [400, 403, 404, 409, 413, 503, 504],
+  },
+  {
+    method: "post",
+    path: "/v1/sessions",
+    family: "both",
+    summary: "Family A: create a session. Family B: alias of POST /v1/sandboxes",
+    body: A.CreateSessionRequest,
+    response: A.CreateSessionResponse,
+    status: 201,
+    errors: [400, 403, 404, 409, 503, 504],
+  },
+  {
+    method: "get",
+    path: "/v1/sessions",
+    family: "a",
+    summary: "List live sessions",
+    response: A.SessionList,
+    status: 200,
+    errors: [403],
+  },
+  {
+    method: "get",
+    path: "/v1/sessions/{id}",
+    family: "a",
+    summary: "Session status",
+    response: A.SessionStatus,
+    status: 200,
+    errors: [403, 404, 410],
+  },
+  {
+    method: "post",
+    path: "/v1/sessions/{id}/exec",
+    family: "a",
+    summary: "Exec in a session",
+    body: A.SessionExecRequest,
+    response: A.ExecResultA,
+    status: 200,
+    errors: [400, 403, 404, 409, 410, 413],
+  },
+  {
+    method: "post",
+    path: "/v1/sessions/{id}/fork",
+    family: "a",
+    summary: "Fork a session into one child",
+    response: A.ForkSessionResponse,
+    status: 201,
+    errors: [403, 404, 409, 410, 503],
+  },
+  {
+    method: "delete",
+    path: "/v1/sessions/{id}",
+    family: "a",
+    summary: "Delete a session",
+    query: A.DeleteSessionQuery,
+    status: 204,
+    errors: [403, 404, 410],
+  },
+  {
+    method: "post",
+    path: "/v1/templates",
+    family: "both",
+    summary:
+      "Family A (scale key): register from an uploaded image (octet-stream, query id...). Family B (Pro): bake from an OCI image (JSON)",
+    rawBody: "application/octet-stream",
+    query: A.RegisterTemplateQuery,
+    body: B.BakeTemplateRequest,
+    response: A.RegisterTemplateResponse,
+    status: 202,
+    errors: [400, 403, 409, 413],
+  },
+  {
+    method: "get",
+    path: "/v1/templates",
+    family: "both",
+    summary: "Family A: map id -> {ready}. Family B: alias of /v1/images (array)",
+    response: A.TemplateListA,
+    status: 200,
+    errors: [],
+  },
+  {
+    method: "get",
+    path: "/v1/templates/{id}",
+    family: "both",
+    summary: "Family A: build status. Family B: bake phase and readiness",
+    response: A.TemplateA,
+    status: 200,
+    errors: [404],
+  },
+  {
+    method: "delete",
+    path: "/v1/templates/{id}",
+    family: "both",
+    summary: "Delete an own template (A: 204, scale key; B: 200 {deleted,id})",
+    status: 204,
+    errors: [403, 404, 409],
+  },
+  // Family B
+  {
+    method: "get",
+    path: "/v1/images",
+    family: "b",
+    summary: "Template catalog",
+    response: B.CatalogList,
+    status: 200,
+    errors: [403],
+  },
+  {
+    method: "post",
+    path: "/v1/templates/{id}/expect",
+    family: "b",
+    summary: "Declare the next session width (Pro)",
+    body: B.ExpectRequest,
+    response: B.ExpectResponse,
+    status: 200,
+    errors: [400, 403, 404],
+  },
+  {
+    method: "post",
+    path: "/v1/templates/{id}/release",
+    family: "b",
+    summary: "End the session; capacity relaxes now (Pro)",
+    response: B.ReleaseResponse,
+    status: 200,
+    errors: [403, 404],
+  },
+  {
+    method: "post",
+    path: "/v1/sandboxes",
+    family: "b",
+    summary: "Create a sandbox",
+    body: B.CreateSandboxRequest,
+    response: B.CreateSandboxResponse,
+    status: 201,
+    errors: [400, 403, 404, 409, 503],
+  },
+  {
+    method: "get",
+    path: "/v1/sandboxes",
+    family: "b",
+    summary: "List the tenant's sandboxes",
+    response: B.SandboxList,
+    status: 200,
+    errors: [403],
+  },
+  {
+    method: "get",
+    path: "/v1/sandboxes/{id}",
+    family: "b",
+    summary: "Sandbox info",
+    response: B.SandboxInfo,
+    status: 200,
+    errors: [403, 404],
+  },
+  {
+    method: "post",
+    path: "/v1/sandboxes/{id}/exec",
+    family: "b",
+    summary: "Exec in a sandbox",
+    body: B.ExecRequestB,
+    response: B.ExecResponseB,
+    status: 200,
+    errors: [400, 403, 404, 409, 413],
+  },
+  {
+    method: "post",
+    path: "/v1/sandboxes/{id}/fork",
+    family: "b",
+    summary: "Fork into copy-on-write children",
+    body: B.ForkRequest,
+    response: B.ForkResponse,
+    status: 200,
+    errors: [400, 403, 404, 409, 503],
+  },
+  {
+    method: "post",
+    path: "/v1/sandboxes/{id}/connect-url",
+    family: "b",
+    summary: "Mint a scoped connect URL (Pro)",
+    body: B.ConnectUrlRequest,
+    response: B.ConnectUrlResponse,
+    status: 200,
+    errors: [400, 403, 404, 409],
+  },
+  {
+    method: "get",
+    path: "/v1/sandboxes/{id}/connect",
+    family: "b",
+    summary: "WebSocket tunnel to a guest port (Bearer key or `t` token)",
+    query: B.ConnectQuery,
+    status: 101,
+    errors: [400, 403, 404, 409],
+  },
+  {
+    method: "post",
+    path: "/v1/sandboxes/{id}/suspend",
+    family: "b",
+    summary: "Snapshot to disk; metering stops",
+    response: B.StateResponse,
+    status: 200,
+    errors: [403, 404, 409],
+  },
+  {
+    method: "post",
+    path: "/v1/sandboxes/{id}/resume",
+    family: "b",
+    summary: "Restore from disk",
+    response: B.StateResponse,
+    status: 200,
+    errors: [403, 404, 409, 503],
+  },
+  {
+    method: "delete",
+    path: "/v1/sandboxes/{id}",
+    family: "b",
+    summary: "Destroy a sandbox",
+    response: B.DeleteSandboxResponse,
+    status: 200,
+    errors: [403, 404],
+  },
+  {
+    method: "get",
+    path: "/v1/usage",
+    family: "b",
+    summary: "Tenant usage over a window",
+    query: B.UsageQuery,
+    response: B.UsageResponse,
+    status: 200,
+    errors: [400, 403],
+  },
+];

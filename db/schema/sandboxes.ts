@@ -1,0 +1,50 @@
+import { sql } from "drizzle-orm";
+import { bigint, index, integer, jsonb, pgTable, text, timestamp } from "drizzle-orm/pg-core";
+import { agents } from "./agents.ts";
+import { templates } from "./templates.ts";
+import { tenants } from "./tenants.ts";
+
+/**
+ * Every live VM a tenant holds: Family A sessions (`sess_`) and Family B sandboxes (`sbx_`).
+ * Rows are kept after destruction (state `destroyed`, `end_reason`) so that a reclaimed session
+ * answers 410 rather than 404 and usage keeps its history. Allowed state changes are listed in
+ * gateway/sandbox-state.ts.
+ */
+export const sandboxes = pgTable(
+  "sandboxes",
+  {
+    id: text("id").primaryKey(),
+    tenantId: text("tenant_id")
+      .notNull()
+      .references(() => tenants.id),
+    family: text("family", { enum: ["a", "b"] }).notNull(),
+    kind: text("kind", { enum: ["session", "sandbox"] }).notNull(),
+    templatePk: text("template_pk")
+      .notNull()
+      .references(() => templates.pk),
+    /** The template id as the client named it. */
+    templateId: text("template_id").notNull(),
+    agentId: text("agent_id")
+      .notNull()
+      .references(() => agents.id),
+    /** The agent's handle; null until the agent has created the VM. */
+    vmId: text("vm_id"),
+    parentId: text("parent_id"),
+    state: text("state", { enum: ["starting", "running", "suspended", "destroyed"] }).notNull(),
+    endReason: text("end_reason", { enum: ["deleted", "reaped", "failed"] }),
+    labels: jsonb("labels").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
+    endpoints: jsonb("endpoints").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
+    vcpus: integer("vcpus").notNull().default(0),
+    memMib: integer("mem_mib").notNull().default(0),
+    diskBytes: bigint("disk_bytes", { mode: "number" }).notNull().default(0),
+    execCount: integer("exec_count").notNull().default(0),
+    createdAt: timestamp("created_at", { withTimezone: true, mode: "date" }).notNull(),
+    lastExecAt: timestamp("last_exec_at", { withTimezone: true, mode: "date" }),
+    destroyedAt: timestamp("destroyed_at", { withTimezone: true, mode: "date" }),
+  },
+  (t) => [
+    index("sandboxes_tenant_state_idx").on(t.tenantId, t.family, t.state),
+    index("sandboxes_template_state_idx").on(t.templatePk, t.state),
+    index("sandboxes_state_idle_idx").on(t.kind, t.state, t.lastExecAt),
+  ],
+);

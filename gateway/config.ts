@@ -1,0 +1,41 @@
+/** Gateway configuration. Every limit defaults to contracts/api/limits.ts and can be overridden. */
+import { DEFAULT_LIMITS, type Limits } from "../contracts/api/limits.ts";
+
+export interface GatewayConfig {
+  /** API build stamp reported by `GET /v1/health` (spec 9). */
+  version: string;
+  /** Server secret for API key hashes (HMAC-SHA256). Never stored in the db. */
+  keyPepper: string;
+  /** Server secret for connect-url tokens (HMAC-SHA256). */
+  connectSecret: string;
+  /** Public base URL; connect URLs use its host with `wss://` (spec 2.8). */
+  publicBaseUrl: string;
+  /** Where uploaded template images are streamed before the agent takes them. */
+  uploadDir: string;
+  /** The host agent this gateway places VMs on (one for now; the agents table allows more). */
+  agent: { id: string; region: string; url: string };
+  limits: Limits;
+}
+
+export type GatewayConfigInput = Omit<Partial<GatewayConfig>, "limits"> &
+  Pick<GatewayConfig, "keyPepper" | "connectSecret" | "uploadDir"> & { limits?: Partial<Limits> };
+
+export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
+  if (input.keyPepper.length < 16 || input.connectSecret.length < 16) {
+    throw new Error("keyPepper and connectSecret must be at least 16 characters");
+  }
+  return {
+    version: input.version ?? "sandboxd-dev",
+    keyPepper: input.keyPepper,
+    connectSecret: input.connectSecret,
+    publicBaseUrl: input.publicBaseUrl ?? "https://localhost:8080",
+    uploadDir: input.uploadDir,
+    agent: input.agent ?? { id: "local", region: "local", url: "in-process" },
+    limits: {
+      ...DEFAULT_LIMITS,
+      ...input.limits,
+      forkCapByTier: { ...DEFAULT_LIMITS.forkCapByTier, ...input.limits?.forkCapByTier },
+      sandboxQuotaByTier: { ...DEFAULT_LIMITS.sandboxQuotaByTier, ...input.limits?.sandboxQuotaByTier },
+    },
+  };
+}

@@ -1,0 +1,410 @@
+/**
+ * Sessions (Family A) and sandboxes (Family B) without HTTP: the gateway records where each VM
+ * runs, its state and its metering; the agent runs it. Every state change goes through
+ * sandbox-state.ts and updates the db only with a compare-and-set on the old state, so two racing
+ * requests cannot both apply.
+ */
+import { and, eq, inArray, isNull, sql } from "drizzle-orm";
+import type { Family, Tier } from "../../contracts/api/common.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { Db } from "../../db/client.ts";
+import { agents } from "../../db/schema/agents.ts";
+import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { usageIntervals } from "../../db/schema/usage-intervals.ts";
+import type { CreatedVm, ExecAction, ExecResult, VmResources } from "../agent-api.ts";
+import type { Deps } from "../deps.ts";
+import { notFound } from "../errors.ts";
+import { newSandboxId, newSessionId } from "../ids.ts";
+import type { Principal } from "../keys.ts";
+import { checkTransition, type SandboxAction, type SandboxState } from "../sandbox-state.ts";
+import { requireReady, resolveTemplate } from "./templates.ts";
+
+export type SandboxRow = typeof sandboxes.$inferSelect;
+type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
+type Kind = "session" | "sandbox";
+
+const LIVE: SandboxState[] = ["starting", "running", "suspended"];
+
+/** The agent row must exist before sandboxes reference it; upserted once per process. */
+const agentRows = new WeakMap<Db, Promise<void>>();
+function ensureAgentRow(deps: Deps): Promise<void> {
+  let p = agentRows.get(deps.db);
+  if (!p) {
+    const { id, region, url } = deps.config.agent;
+    p = deps.db
+      .insert(agents)
+      .values({ id, region, url })
+      .onConflictDoUpdate({ target: agents.id, set: { region, url } })
+      .then(() => undefined);
+    p.catch(() => agentRows.delete(deps.db));
+    agentRows.set(deps.db, p);
+  }
+  return p;
+}
+
+/** A record owned by the caller, in the caller's family; anything else is 404 (spec 5.7). */
+export async function getOwned(deps: Deps, p: Principal, id: string): Promise<SandboxRow> {
+  const [row] = await deps.db
+    .select()
+    .from(sandboxes)
+    .where(and(eq(sandboxes.id, id), eq(sandboxes.tenantId, p.tenantId), eq(sandboxes.family, p.family)));
+  const what = p.family === "a" ? `session ${id}` : `sandbox ${id}`;
+  if (!row) throw notFound(what);
+  if (row.state === "destroyed") {
+    // Family A: a reclaimed session answers 410 (spec 3.3, 7); deleted ones are simply gone.
+    if (row.family === "a" && row.endReason === "reaped") {
+      throw new SandboxdError("gone", `${what} was reclaimed after being idle`);
+    }
+    throw notFound(what);
+  }
+  return row;
+}
+
+export async function listOwned(deps: Deps, p: Principal): Promise<SandboxRow[]> {
+  return deps.db
+    .select()
+    .from(sandboxes)
+    .where(
+      and(
+        eq(sandboxes.tenantId, p.tenantId),
+        eq(sandboxes.family, p.family),
+        inArray(sandboxes.state, ["running", "suspended"]),
+      ),
+    )
+    .orderBy(sandboxes.createdAt, sandboxes.id);
+}
+
+/** Closes the open usage interval of a sandbox and opens `next` (null: none). */
+async function switchInterval(
+  tx: Tx | Db,
+  row: Pick<SandboxRow, "id" | "tenantId">,
+  next: {
+    state: "running" | "paused" | "suspended";
+    vcpus: number;
+    memMib: number;
+    diskBytes: number;
+  } | null,
+  at: Date,
+): Promise<void> {
+  await tx
+    .update(usageIntervals)
+    .set({ endedAt: at })
+    .where(and(eq(usageIntervals.sandboxId, row.id), isNull(usageIntervals.endedAt)));
+  if (next) {
+    await tx
+      .insert(usageIntervals)
+      .values({ sandboxId: row.id, tenantId: row.tenantId, ...next, startedAt: at });
+  }
+}
+
+const running = (r: VmResources) => ({
+  state: "running" as const,
+  vcpus: r.vcpus,
+  memMib: r.memMib,
+  diskBytes: r.diskBytes,
+});
+
+/**
+ * Reserves `count` records in state `starting` if the tenant's cap allows, atomically per tenant
+ * (an advisory lock serializes concurrent creates of one tenant, in PGlite and Postgres alike).
+ */
+async function reserve(
+  deps: Deps,
+  p: Principal,
+  kind: Kind,
+  template: { pk: string; id: string },
+  items: { labels: Record<string, string>; parentId?: string }[],
+): Promise<string[]> {
+  await ensureAgentRow(deps);
+  const cap =
+    p.family === "a" ? deps.config.limits.sessionCapPerTenant : deps.config.limits.sandboxQuotaByTier[p.tier];
+  // Family B quota counts running sandboxes only: suspended ones hold no CPU or memory.
+  const counted: SandboxState[] = p.family === "a" ? LIVE : ["starting", "running"];
+  const now = new Date(deps.clock());
+  return deps.db.transaction(async (tx) => {
+    await tx.execute(sql`select pg_advisory_xact_lock(hashtext(${p.tenantId}))`);
+    const [c] = await tx
+      .select({ n: sql<number>`count(*)::int` })
+      .from(sandboxes)
+      .where(
+        and(
+          eq(sandboxes.tenantId, p.tenantId),
+          eq(sandboxes.family, p.family),
+          inArray(sandboxes.state, counted),
+        ),
+      );
+    const n = c?.n ?? 0;
+    if (n + items.length > cap) {
+      const what = p.family === "a" ? "live sessions" : "running sandboxes";
+      throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} ${what}`, {
+        details: { cap, current: n },
+      });
+    }
+    const ids = items.map(() => (kind === "session" ? newSessionId() : newSandboxId()));
+    await tx.insert(sandboxes).values(
+      items.map((it, i) => ({
+        id: ids[i]!,
+        tenantId: p.tenantId,
+        family: p.family,
+        kind,
+        templatePk: template.pk,
+        templateId: template.id,
+        agentId: deps.config.agent.id,
+        parentId: it.parentId ?? null,
+        state: "starting" as const,
+        labels: it.labels,
+        createdAt: now,
+      })),
+    );
+    return ids;
+  });
+}
+
+async function markStarted(deps: Deps, id: string, tenantId: string, vm: CreatedVm): Promise<void> {
+  const at = new Date(deps.clock());
+  await deps.db.transaction(async (tx) => {
+    await tx
+      .update(sandboxes)
+      .set({
+        state: "running",
+        vmId: vm.vmId,
+        endpoints: vm.endpoints,
+        vcpus: vm.resources.vcpus,
+        memMib: vm.resources.memMib,
+        diskBytes: vm.resources.diskBytes,
+      })
+      .where(and(eq(sandboxes.id, id), eq(sandboxes.state, "starting")));
+    await switchInterval(tx, { id, tenantId }, running(vm.resources), at);
+  });
+}
+
+async function markFailed(deps: Deps, ids: string[]): Promise<void> {
+  if (ids.length === 0) return;
+  await deps.db
+    .update(sandboxes)
+    .set({ state: "destroyed", endReason: "failed", destroyedAt: new Date(deps.clock()) })
+    .where(and(inArray(sandboxes.id, ids), eq(sandboxes.state, "starting")));
+}
+
+export interface CreateInput {
+  templateId: string;
+  labels: Record<string, string>;
+  egressAllow?: string[];
+}
+
+export async function createVm(
+  deps: Deps,
+  p: Principal,
+  kind: Kind,
+  input: CreateInput,
+): Promise<{ row: SandboxRow; vm: CreatedVm }> {
+  const template = await resolveTemplate(deps, p.tenantId, input.templateId);
+  requireReady(template);
+  const [id] = await reserve(deps, p, kind, template, [{ labels: input.labels }]);
+  let vm: CreatedVm;
+  try {
+    const opts: { kind: Kind; egressAllow?: string[] } = { kind };
+    if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
+    vm = await deps.agent.createSandbox(template.agentRef, opts);
+  } catch (err) {
+    await markFailed(deps, [id!]);
+    throw err;
+  }
+  await markStarted(deps, id!, p.tenantId, vm);
+  return { row: await getOwned(deps, p, id!), vm };
+}
+
+export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
+  const row = await getOwned(deps, p, id);
+  checkTransition(id, row.state, "exec");
+  const result = await deps.agent.exec(row.vmId!, action);
+  await deps.db
+    .update(sandboxes)
+    .set({ execCount: sql`${sandboxes.execCount} + 1`, lastExecAt: new Date(deps.clock()) })
+    .where(eq(sandboxes.id, id));
+  return result;
+}
+
+export async function forkVm(
+  deps: Deps,
+  p: Principal,
+  id: string,
+  count: number,
+  childLabels: (string | undefined)[],
+): Promise<{ parent: SandboxRow; children: { id: string; vm: CreatedVm }[] }> {
+  const parent = await getOwned(deps, p, id);
+  checkTransition(id, parent.state, "fork");
+  const cap = deps.config.limits.forkCapByTier[p.tier];
+  if (count > cap) {
+    throw new SandboxdError(
+      "bad_request",
+      `count ${count} is over the per-call fork cap of ${cap} for ${p.tier} keys; call again for more`,
+    );
+  }
+  const items = Array.from({ length: count }, (_, i) => {
+    const labels = { ...parent.labels };
+    const own = childLabels[i];
+    if (own !== undefined) labels.label = own;
+    return { labels, parentId: parent.id };
+  });
+  const kind = parent.kind;
+  const ids = await reserve(deps, p, kind, { pk: parent.templatePk, id: parent.templateId }, items);
+  let vms: CreatedVm[];
+  try {
+    vms = await deps.agent.fork(parent.vmId!, count);
+    if (vms.length !== count) {
+      throw new SandboxdError("internal", `agent returned ${vms.length} children for a fork of ${count}`);
+    }
+  } catch (err) {
+    await markFailed(deps, ids);
+    throw err;
+  }
+  const children = ids.map((cid, i) => ({ id: cid, vm: vms[i]! }));
+  for (const ch of children) await markStarted(deps, ch.id, p.tenantId, ch.vm);
+  return { parent, children };
+}
+
+async function applyTransition(
+  deps: Deps,
+  row: SandboxRow,
+  action: SandboxAction,
+  to: SandboxState,
+  set: Partial<typeof sandboxes.$inferInsert>,
+  interval: Parameters<typeof switchInterval>[2],
+): Promise<void> {
+  const at = new Date(deps.clock());
+  await deps.db.transaction(async (tx) => {
+    const updated = await tx
+      .update(sandboxes)
+      .set({ ...set, state: to })
+      .where(and(eq(sandboxes.id, row.id), eq(sandboxes.state, row.state)))
+      .returning({ id: sandboxes.id });
+    if (updated.length === 0) {
+      throw new SandboxdError("conflict", `cannot ${action} ${row.id}: its state changed meanwhile`);
+    }
+    await switchInterval(tx, row, interval, at);
+  });
+}
+
+export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
+  const row = await getOwned(deps, p, id);
+  checkTransition(id, row.state, "suspend");
+  const r = await deps.agent.suspend(row.vmId!);
+  await applyTransition(
+    deps,
+    row,
+    "suspend",
+    "suspended",
+    {},
+    {
+      state: "suspended",
+      vcpus: 0,
+      memMib: 0,
+      diskBytes: r.snapshotBytes,
+    },
+  );
+  return { memBytes: r.memBytes };
+}
+
+export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
+  const row = await getOwned(deps, p, id);
+  checkTransition(id, row.state, "resume");
+  // Resuming makes the sandbox count against the running quota again.
+  const cap = deps.config.limits.sandboxQuotaByTier[p.tier];
+  const [c] = await deps.db
+    .select({ n: sql<number>`count(*)::int` })
+    .from(sandboxes)
+    .where(
+      and(
+        eq(sandboxes.tenantId, p.tenantId),
+        eq(sandboxes.family, p.family),
+        inArray(sandboxes.state, ["starting", "running"]),
+      ),
+    );
+  if ((c?.n ?? 0) >= cap) {
+    throw new SandboxdError("quota_exceeded", `quota reached: ${c?.n} of ${cap} running sandboxes`);
+  }
+  const r = await deps.agent.resume(row.vmId!);
+  await applyTransition(
+    deps,
+    row,
+    "resume",
+    "running",
+    { vcpus: r.resources.vcpus, memMib: r.resources.memMib, diskBytes: r.resources.diskBytes },
+    running(r.resources),
+  );
+  return { memBytes: r.memBytes };
+}
+
+export async function destroyVm(
+  deps: Deps,
+  row: SandboxRow,
+  opts: { force: boolean; reason: "deleted" | "reaped" },
+): Promise<void> {
+  checkTransition(row.id, row.state, "destroy");
+  if (row.vmId !== null) await deps.agent.destroy(row.vmId, { force: opts.force });
+  await applyTransition(
+    deps,
+    row,
+    "destroy",
+    "destroyed",
+    { endReason: opts.reason, destroyedAt: new Date(deps.clock()) },
+    null,
+  );
+}
+
+/**
+ * Reclaims Family A sessions idle past the TTL (spec 3.3); later calls on them get 410.
+ * Returns the ids reclaimed. A session that fails to reclaim is retried on the next pass.
+ */
+export async function reapIdleSessions(
+  deps: Deps,
+  log: (line: string) => void = () => {},
+): Promise<string[]> {
+  const cutoff = new Date(deps.clock() - deps.config.limits.sessionIdleTtlS * 1000);
+  const idle = await deps.db
+    .select()
+    .from(sandboxes)
+    .where(
+      and(
+        eq(sandboxes.kind, "session"),
+        eq(sandboxes.family, "a"),
+        eq(sandboxes.state, "running"),
+        sql`coalesce(${sandboxes.lastExecAt}, ${sandboxes.createdAt}) < ${cutoff.toISOString()}`,
+      ),
+    );
+  const reaped: string[] = [];
+  for (const row of idle) {
+    try {
+      await destroyVm(deps, row, { force: true, reason: "reaped" });
+      reaped.push(row.id);
+    } catch (err) {
+      log(`reaper: ${row.id}: ${err instanceof Error ? err.message : String(err)}`);
+    }
+  }
+  return reaped;
+}
+
+/** Runs the reaper every `reaperIntervalS`; returns a stop function. */
+export function startReaper(deps: Deps, log: (line: string) => void = console.error): () => void {
+  let running = false;
+  const timer = setInterval(() => {
+    if (running) return; // a slow pass must not overlap the next
+    running = true;
+    reapIdleSessions(deps, log)
+      .catch((err) => log(`reaper: ${err instanceof Error ? err.message : String(err)}`))
+      .finally(() => {
+        running = false;
+      });
+  }, deps.config.limits.reaperIntervalS * 1000);
+  return () => clearInterval(timer);
+}
+
+/** Ages for info/status responses, in seconds. */
+export function ages(row: SandboxRow, nowMs: number): { ageSecs: number; idleSecs: number } {
+  const created = row.createdAt.getTime();
+  const last = row.lastExecAt?.getTime() ?? created;
+  return { ageSecs: Math.max(0, (nowMs - created) / 1000), idleSecs: Math.max(0, (nowMs - last) / 1000) };
+}
+
+export type { Family, Tier };

@@ -1,0 +1,285 @@
+/**
+ * Templates, without HTTP: resolve what a tenant may use, register (upload or bake), refresh
+ * build status from the agent, delete. The db records *that* a template exists and its state;
+ * the agent builds and holds it.
+ */
+import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
+import type { Family } from "../../contracts/api/common.ts";
+import type { BakeTemplateRequest } from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { templates } from "../../db/schema/templates.ts";
+import type { TemplateSource } from "../agent-api.ts";
+import type { Deps } from "../deps.ts";
+import { notFound } from "../errors.ts";
+import { newTemplatePk } from "../ids.ts";
+
+export type TemplateRow = typeof templates.$inferSelect;
+
+/** Live (not deleted) rows that a tenant can see: its own and the public catalog. */
+function visibleTo(tenantId: string) {
+  return and(isNull(templates.deletedAt), or(eq(templates.tenantId, tenantId), isNull(templates.tenantId)));
+}
+
+/** The template `id` as `tenantId` sees it: its own first, else the public one. */
+export async function resolveTemplate(deps: Deps, tenantId: string, id: string): Promise<TemplateRow> {
+  const rows = await deps.db
+    .select()
+    .from(templates)
+    .where(and(eq(templates.id, id), visibleTo(tenantId)));
+  const row = rows.find((r) => r.tenantId === tenantId) ?? rows[0];
+  if (!row) throw notFound(`template ${id}`);
+  return refreshTemplate(deps, row);
+}
+
+/** Templates visible to a tenant (own and public). */
+export async function visibleTemplates(deps: Deps, tenantId: string | null): Promise<TemplateRow[]> {
+  const rows = await deps.db
+    .select()
+    .from(templates)
+    .where(
+      tenantId === null ? and(isNull(templates.tenantId), isNull(templates.deletedAt)) : visibleTo(tenantId),
+    )
+    .orderBy(templates.id);
+  return Promise.all(rows.map((r) => refreshTemplate(deps, r)));
+}
+
+/** While building, ask the agent and record a finished build. */
+export async function refreshTemplate(deps: Deps, row: TemplateRow): Promise<TemplateRow> {
+  if (row.status !== "building") return row;
+  const st = await deps.agent.templateStatus(row.agentRef);
+  if (st.status === "building" && st.phase === row.phase) return row;
+  const readyAt = st.status === "ready" ? new Date(st.readyAtMs ?? deps.clock()) : null;
+  const [updated] = await deps.db
+    .update(templates)
+    .set({
+      status: st.status,
+      phase: st.phase,
+      error: st.error ?? null,
+      exposedPorts: st.exposedPorts,
+      readyAt,
+    })
+    .where(and(eq(templates.pk, row.pk), eq(templates.status, "building")))
+    .returning();
+  return updated ?? row;
+}
+
+/** A template the caller may spawn from: ready, or a clean 409. */
+export function requireReady(row: TemplateRow): void {
+  if (row.status === "ready") return;
+  if (row.status === "building") {
+    throw new SandboxdError("template_not_ready", `template ${row.id} is still building`);
+  }
+  throw new SandboxdError("conflict", `template ${row.id} failed to build: ${row.error ?? "unknown error"}`);
+}
+
+function agentRef(tenantId: string, id: string): string {
+  return `${tenantId}.${id}`;
+}
+
+/** Refuses an id that the tenant already has or that a public template uses (never overwrite). */
+async function assertIdFree(deps: Deps, tenantId: string, id: string): Promise<void> {
+  const [clash] = await deps.db
+    .select({ pk: templates.pk })
+    .from(templates)
+    .where(and(eq(templates.id, id), visibleTo(tenantId)));
+  if (clash) throw new SandboxdError("conflict", `template id ${id} already exists`);
+}
+
+/**
+ * Family A: reserve the id (status building) before the upload is read, so a duplicate is
+ * refused without consuming a multi-GB body. Returns the row; `startUploadBuild` follows.
+ */
+export async function reserveUploadTemplate(
+  deps: Deps,
+  tenantId: string,
+  opts: { id: string; memMib?: number; vcpuCount?: number; waitSecs?: number },
+): Promise<TemplateRow> {
+  await assertIdFree(deps, tenantId, opts.id);
+  const rows = await deps.db
+    .insert(templates)
+    .values({
+      pk: newTemplatePk(),
+      id: opts.id,
+      tenantId,
+      family: "a",
+      agentRef: agentRef(tenantId, opts.id),
+      name: opts.id,
+      status: "building",
+      phase: "Pending",
+      spec: { ...opts },
+      memMib: opts.memMib ?? null,
+      vcpuCount: opts.vcpuCount ?? null,
+      createdAt: new Date(deps.clock()),
+    })
+    .onConflictDoNothing()
+    .returning();
+  const row = rows[0];
+  if (!row) throw new SandboxdError("conflict", `template id ${opts.id} already exists`);
+  return row;
+}
+
+export async function startUploadBuild(
+  deps: Deps,
+  row: TemplateRow,
+  upload: { path: string; bytes: number },
+): Promise<void> {
+  const spec = row.spec as { memMib?: number; vcpuCount?: number; waitSecs?: number };
+  const source: TemplateSource = { kind: "upload", path: upload.path };
+  if (spec.memMib !== undefined) source.memMib = spec.memMib;
+  if (spec.vcpuCount !== undefined) source.vcpuCount = spec.vcpuCount;
+  if (spec.waitSecs !== undefined) source.waitSecs = spec.waitSecs;
+  await deps.db.update(templates).set({ uploadBytes: upload.bytes }).where(eq(templates.pk, row.pk));
+  try {
+    await deps.agent.buildTemplate(row.agentRef, source);
+  } catch (err) {
+    // A build that cannot even start is a failed build (spec 3.1: reported, never a crash).
+    const message = err instanceof Error ? err.message : String(err);
+    await deps.db
+      .update(templates)
+      .set({ status: "failed", phase: "Failed", error: message })
+      .where(eq(templates.pk, row.pk));
+  }
+}
+
+/** Forgets a reservation whose upload never completed. */
+export async function dropReservation(deps: Deps, row: TemplateRow): Promise<void> {
+  await deps.db.delete(templates).where(and(eq(templates.pk, row.pk), eq(templates.status, "building")));
+  // (No sandbox can reference a template that never finished building.)
+}
+
+/**
+ * Family B bake (Pro). Idempotent on (tenant, name): a retry with the same request returns the
+ * existing template; a different request under the same name is a 409.
+ */
+export async function bakeTemplate(
+  deps: Deps,
+  tenantId: string,
+  req: BakeTemplateRequest,
+): Promise<TemplateRow> {
+  const spec: Record<string, unknown> = { image: req.image };
+  if (req.ready !== undefined) spec.ready = req.ready;
+  if (req.width !== undefined) spec.width = req.width;
+  if (req.expected_width !== undefined) spec.expected_width = req.expected_width;
+  const [existing] = await deps.db
+    .select()
+    .from(templates)
+    .where(and(eq(templates.id, req.name), visibleTo(tenantId)));
+  if (existing) {
+    if (
+      existing.tenantId === tenantId &&
+      existing.family === "b" &&
+      stableJson(existing.spec) === stableJson(spec)
+    ) {
+      return refreshTemplate(deps, existing);
+    }
+    throw new SandboxdError("conflict", `template ${req.name} already exists with a different definition`);
+  }
+  const rows = await deps.db
+    .insert(templates)
+    .values({
+      pk: newTemplatePk(),
+      id: req.name,
+      tenantId,
+      family: "b",
+      agentRef: agentRef(tenantId, req.name),
+      name: req.name,
+      description: `baked from ${req.image}`,
+      image: req.image,
+      spec,
+      status: "building",
+      phase: "Pending",
+      exposedPorts: req.ready?.ports ?? [],
+      createdAt: new Date(deps.clock()),
+    })
+    .onConflictDoNothing()
+    .returning();
+  const row = rows[0];
+  if (!row) return bakeTemplate(deps, tenantId, req); // lost a race with an identical retry
+  const source: TemplateSource = { kind: "oci", image: req.image };
+  if (req.ready !== undefined) source.ready = req.ready;
+  if (req.width !== undefined) source.width = req.width;
+  if (req.expected_width !== undefined) source.expectedWidth = req.expected_width;
+  try {
+    await deps.agent.buildTemplate(row.agentRef, source);
+  } catch (err) {
+    const message = err instanceof Error ? err.message : String(err);
+    const [failed] = await deps.db
+      .update(templates)
+      .set({ status: "failed", phase: "Failed", error: message })
+      .where(eq(templates.pk, row.pk))
+      .returning();
+    return failed ?? row;
+  }
+  return row;
+}
+
+function stableJson(v: unknown): string {
+  if (Array.isArray(v)) return `[${v.map(stableJson).join(",")}]`;
+  if (v !== null && typeof v === "object") {
+    const entries = Object.entries(v as Record<string, unknown>).sort(([a], [b]) => (a < b ? -1 : 1));
+    return `{${entries.map(([k, x]) => `${JSON.stringify(k)}:${stableJson(x)}`).join(",")}}`;
+  }
+  return JSON.stringify(v);
+}
+
+/**
+ * A template the caller owns, for delete/expect/release. Public rows are 403 `forbidden`
+ * (spec 4.2); another tenant's or unknown is 404.
+ */
+export async function ownTemplate(
+  deps: Deps,
+  tenantId: string,
+  id: string,
+  family: Family,
+): Promise<TemplateRow> {
+  const row = await resolveTemplate(deps, tenantId, id);
+  if (row.tenantId === null) throw new SandboxdError("forbidden", `template ${id} is in the shared catalog`);
+  if (row.family !== family) throw notFound(`template ${id}`);
+  return row;
+}
+
+export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void> {
+  const [inUse] = await deps.db
+    .select({ n: sql<number>`count(*)::int` })
+    .from(sandboxes)
+    .where(
+      and(eq(sandboxes.templatePk, row.pk), inArray(sandboxes.state, ["starting", "running", "suspended"])),
+    );
+  // Family B: 409 template_in_use while sandboxes run on it (spec 4.2). Family A: in-flight VMs
+  // finish first, then resources are reclaimed (spec 3.1), which the agent handles.
+  if (row.family === "b" && (inUse?.n ?? 0) > 0) {
+    throw new SandboxdError("template_in_use", `template ${row.id} has ${inUse?.n} live sandboxes`);
+  }
+  await deps.agent.deleteTemplate(row.agentRef);
+  // The row stays (sandbox rows and usage history reference it); the id becomes free again.
+  await deps.db
+    .update(templates)
+    .set({ deletedAt: new Date(deps.clock()) })
+    .where(eq(templates.pk, row.pk));
+}
+
+/** Operator: add or update a shared catalog template (spec 2.4: e.g. `python`). */
+export async function upsertPublicTemplate(
+  deps: Pick<Deps, "db" | "clock">,
+  t: { id: string; name: string; description: string; tier?: string; exposedPorts?: number[] },
+): Promise<void> {
+  await deps.db
+    .insert(templates)
+    .values({
+      pk: newTemplatePk(),
+      id: t.id,
+      tenantId: null,
+      family: "b",
+      agentRef: t.id,
+      name: t.name,
+      description: t.description,
+      tier: t.tier ?? null,
+      status: "ready",
+      phase: "Live",
+      exposedPorts: t.exposedPorts ?? [],
+      createdAt: new Date(deps.clock()),
+      readyAt: new Date(deps.clock()),
+    })
+    .onConflictDoNothing();
+}

@@ -1,0 +1,61 @@
+/**
+ * The one place where errors become HTTP (style.md habit 3). Every handler throws
+ * `SandboxdError` (contracts/errors.ts) and this table turns its code into a status and the
+ * `{code, message}` envelope (spec 2.11, 7). Unknown codes and foreign errors become 500
+ * `internal` and their message is logged, not sent.
+ */
+import type { Context } from "hono";
+import type { ContentfulStatusCode } from "hono/utils/http-status";
+import { describeError, type PublicErrorCode, SandboxdError } from "../contracts/errors.ts";
+
+export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCode>> = {
+  bad_request: 400,
+  unauthorized: 401,
+  forbidden: 403,
+  demo_tier_limit: 403,
+  not_found: 404,
+  gone: 410, // Family A: the session's VM has been reclaimed (spec 7)
+  busy: 409,
+  template_in_use: 409,
+  template_not_ready: 409, // Family A: spawning from a template still building (spec 3.1)
+  conflict: 409, // duplicate template id; a state that does not allow the action
+  port_not_exposed: 409,
+  payload_too_large: 413,
+  rate_limited: 429,
+  quota_exceeded: 429,
+  at_capacity: 503,
+  spawn_failed: 503,
+  bringup_timeout: 504,
+  internal: 500,
+};
+
+function isPublicCode(code: string): code is PublicErrorCode {
+  return Object.hasOwn(STATUS_OF_CODE, code);
+}
+
+export interface MappedError {
+  status: ContentfulStatusCode;
+  body: { code: PublicErrorCode; message: string };
+  headers: Record<string, string>;
+}
+
+export function mapError(err: unknown): MappedError {
+  if (err instanceof SandboxdError && isPublicCode(err.code) && err.code !== "internal") {
+    const headers: Record<string, string> = {};
+    const retry = err.details?.retryAfterSeconds;
+    if (typeof retry === "number") headers["Retry-After"] = String(Math.max(1, Math.ceil(retry)));
+    return { status: STATUS_OF_CODE[err.code], body: { code: err.code, message: err.message }, headers };
+  }
+  return { status: 500, body: { code: "internal", message: "internal error" }, headers: {} };
+}
+
+/** Hono `onError` handler. */
+export function errorResponse(err: unknown, c: Context, log: (line: string) => void): Response {
+  const mapped = mapError(err);
+  if (mapped.status >= 500) log(`${c.req.method} ${c.req.path}: ${describeError(err)}`);
+  return c.json(mapped.body, mapped.status, mapped.headers);
+}
+
+/** Shorthands used by handlers. */
+export const notFound = (what: string) => new SandboxdError("not_found", `${what} not found`);
+export const badRequest = (message: string) => new SandboxdError("bad_request", message);

@@ -1,0 +1,68 @@
+/** Request parsing at the edge: size-limited JSON body and query, validated by the contract. */
+import type { Context } from "hono";
+import type { z } from "zod";
+import { SandboxdError } from "../contracts/errors.ts";
+
+function describeIssues(err: z.ZodError): string {
+  return err.issues
+    .slice(0, 5)
+    .map((i) => (i.path.length > 0 ? `${i.path.join(".")}: ${i.message}` : i.message))
+    .join("; ");
+}
+
+export function validate<S extends z.ZodType>(schema: S, value: unknown, where: string): z.output<S> {
+  const r = schema.safeParse(value);
+  if (!r.success) throw new SandboxdError("bad_request", `invalid ${where}: ${describeIssues(r.error)}`);
+  return r.data;
+}
+
+/** Reads at most `max` bytes (413 beyond, spec 4.2), whatever Content-Length claims. */
+export async function readBodyLimited(c: Context, max: number): Promise<Uint8Array> {
+  const tooLarge = () => new SandboxdError("payload_too_large", `request body is over ${max} bytes`);
+  const declared = c.req.header("content-length");
+  if (declared !== undefined && Number(declared) > max) throw tooLarge();
+  const body = c.req.raw.body;
+  if (!body) return new Uint8Array(0);
+  const chunks: Uint8Array[] = [];
+  let total = 0;
+  const reader = body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    total += value.byteLength;
+    if (total > max) {
+      await reader.cancel();
+      throw tooLarge();
+    }
+    chunks.push(value);
+  }
+  const out = new Uint8Array(total);
+  let off = 0;
+  for (const ch of chunks) {
+    out.set(ch, off);
+    off += ch.byteLength;
+  }
+  return out;
+}
+
+/** A JSON body, size-limited and validated. An empty body counts as `{}`. */
+export async function jsonBody<S extends z.ZodType>(
+  c: Context,
+  schema: S,
+  max: number,
+): Promise<z.output<S>> {
+  const bytes = await readBodyLimited(c, max);
+  let value: unknown = {};
+  if (bytes.byteLength > 0) {
+    try {
+      value = JSON.parse(new TextDecoder().decode(bytes));
+    } catch {
+      throw new SandboxdError("bad_request", "request body is not valid JSON");
+    }
+  }
+  return validate(schema, value, "request body");
+}
+
+export function query<S extends z.ZodType>(c: Context, schema: S): z.output<S> {
+  return validate(schema, c.req.query(), "query");
+}

@@ -1,0 +1,128 @@
+/**
+ * API keys (spec 5): issue, list, revoke, verify. A new key is returned once and never again:
+ * the db keeps only HMAC-SHA256(pepper, key), compared in constant time. Tenants are created on
+ * demand when their first key is issued.
+ */
+import { createHmac, timingSafeEqual } from "node:crypto";
+import { and, asc, eq, isNull } from "drizzle-orm";
+import {
+  FAMILY_OF_TIER,
+  type Family,
+  KEY_ID_CHARS,
+  KEY_SECRET_CHARS,
+  parseApiKey,
+  type Tier,
+} from "../contracts/api/common.ts";
+import { SandboxdError } from "../contracts/errors.ts";
+import type { Db } from "../db/client.ts";
+import { apiKeys } from "../db/schema/api-keys.ts";
+import { tenants } from "../db/schema/tenants.ts";
+import { base36, base62, newTenantId } from "./ids.ts";
+
+export function hashKey(pepper: string, key: string): string {
+  return createHmac("sha256", pepper).update(key).digest("hex");
+}
+
+/** Returns the tenant's id, creating the tenant if it does not exist yet. */
+export async function ensureTenant(db: Db, name: string): Promise<string> {
+  await db.insert(tenants).values({ id: newTenantId(), name }).onConflictDoNothing({ target: tenants.name });
+  const [row] = await db.select({ id: tenants.id }).from(tenants).where(eq(tenants.name, name));
+  if (!row) throw new SandboxdError("internal", `tenant ${name} vanished after insert`);
+  return row.id;
+}
+
+export interface IssuedKey {
+  /** The full key. Shown to the operator once; not recoverable. */
+  key: string;
+  keyId: string;
+  prefix: string;
+  tenantId: string;
+  tier: Tier;
+}
+
+export async function createKey(
+  db: Db,
+  pepper: string,
+  opts: { tenant: string; tier: Tier; name?: string },
+): Promise<IssuedKey> {
+  const tenantId = await ensureTenant(db, opts.tenant);
+  const keyId = base36(KEY_ID_CHARS);
+  const prefix = `svc_${opts.tier}_${keyId}`;
+  const key = `${prefix}_${base62(KEY_SECRET_CHARS)}`;
+  await db.insert(apiKeys).values({
+    id: keyId,
+    tenantId,
+    tier: opts.tier,
+    prefix,
+    name: opts.name ?? "",
+    hash: hashKey(pepper, key),
+  });
+  return { key, keyId, prefix, tenantId, tier: opts.tier };
+}
+
+export interface KeyListing {
+  keyId: string;
+  prefix: string;
+  name: string;
+  tier: Tier;
+  tenant: string;
+  createdAt: Date;
+  revokedAt: Date | null;
+}
+
+export async function listKeys(db: Db, opts: { tenant?: string } = {}): Promise<KeyListing[]> {
+  const rows = await db
+    .select({
+      keyId: apiKeys.id,
+      prefix: apiKeys.prefix,
+      name: apiKeys.name,
+      tier: apiKeys.tier,
+      tenant: tenants.name,
+      createdAt: apiKeys.createdAt,
+      revokedAt: apiKeys.revokedAt,
+    })
+    .from(apiKeys)
+    .innerJoin(tenants, eq(tenants.id, apiKeys.tenantId))
+    .where(opts.tenant === undefined ? undefined : eq(tenants.name, opts.tenant))
+    .orderBy(asc(apiKeys.createdAt), asc(apiKeys.id));
+  return rows;
+}
+
+/** Revokes by key id (or the `svc_<tier>_<id>` prefix). Returns false when no live key matched. */
+export async function revokeKey(db: Db, idOrPrefix: string, now: Date = new Date()): Promise<boolean> {
+  const keyId = idOrPrefix.startsWith("svc_") ? (idOrPrefix.split("_")[2] ?? "") : idOrPrefix;
+  const rows = await db
+    .update(apiKeys)
+    .set({ revokedAt: now })
+    .where(and(eq(apiKeys.id, keyId), isNull(apiKeys.revokedAt)))
+    .returning({ id: apiKeys.id });
+  return rows.length > 0;
+}
+
+export interface Principal {
+  tenantId: string;
+  keyId: string;
+  tier: Tier;
+  family: Family;
+}
+
+/** Resolves a presented key to its principal, or null (unknown, malformed, revoked, wrong). */
+export async function verifyKey(db: Db, pepper: string, presented: string): Promise<Principal | null> {
+  const parsed = parseApiKey(presented);
+  if (!parsed) return null;
+  const [row] = await db
+    .select({
+      tenantId: apiKeys.tenantId,
+      tier: apiKeys.tier,
+      hash: apiKeys.hash,
+      revokedAt: apiKeys.revokedAt,
+    })
+    .from(apiKeys)
+    .where(eq(apiKeys.id, parsed.keyId));
+  // Hash even when the id is unknown, so the response time does not reveal which ids exist.
+  const presentedHash = Buffer.from(hashKey(pepper, presented), "hex");
+  const storedHash = row ? Buffer.from(row.hash, "hex") : Buffer.alloc(presentedHash.length);
+  const match = storedHash.length === presentedHash.length && timingSafeEqual(storedHash, presentedHash);
+  if (!row || !match || row.revokedAt !== null || row.tier !== parsed.tier) return null;
+  return { tenantId: row.tenantId, keyId: parsed.keyId, tier: row.tier, family: FAMILY_OF_TIER[row.tier] };
+}

@@ -1,0 +1,87 @@
+/** Health (no auth), metrics and usage. */
+import { and, eq, sql } from "drizzle-orm";
+import type { Hono } from "hono";
+import * as B from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { visibleTemplates } from "../core/templates.ts";
+import { usageTotals } from "../core/usage.ts";
+import type { Deps, HonoEnv } from "../deps.ts";
+import { query } from "../http.ts";
+import { requireFamily } from "./guards.ts";
+
+export function registerHealth(app: Hono<HonoEnv>, deps: Deps): void {
+  // One object that satisfies both forms (spec 2.10): status + version (B) + templates map (A).
+  // Only public templates: the caller is anonymous.
+  app.get("/v1/health", async (c) => {
+    let status: "ok" | "degraded" = "ok";
+    try {
+      const h = await deps.agent.health();
+      if (!h.ok) status = "degraded";
+    } catch {
+      status = "degraded";
+    }
+    const rows = await visibleTemplates(deps, null);
+    return c.json({
+      status,
+      version: deps.config.version,
+      templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
+    });
+  });
+}
+
+function escapeLabel(v: string): string {
+  return v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n");
+}
+
+export function registerSystem(
+  app: Hono<HonoEnv>,
+  deps: Deps,
+  counters: { rateLimited: (keyId: string) => number },
+): void {
+  // Prometheus text exposition. Scoped to the caller's tenant: a key never sees other tenants.
+  app.get("/v1/metrics", async (c) => {
+    const p = c.get("principal");
+    const rows = await deps.db
+      .select({ kind: sandboxes.kind, state: sandboxes.state, n: sql<number>`count(*)::int` })
+      .from(sandboxes)
+      .where(and(eq(sandboxes.tenantId, p.tenantId)))
+      .groupBy(sandboxes.kind, sandboxes.state);
+    const lines = [
+      "# HELP sandboxd_build_info Gateway build.",
+      "# TYPE sandboxd_build_info gauge",
+      `sandboxd_build_info{version="${escapeLabel(deps.config.version)}"} 1`,
+      "# HELP sandboxd_sandboxes Sessions and sandboxes of this tenant by kind and state.",
+      "# TYPE sandboxd_sandboxes gauge",
+      ...rows.map((r) => `sandboxd_sandboxes{kind="${r.kind}",state="${r.state}"} ${r.n}`),
+      "# HELP sandboxd_rate_limited_total Requests with this key refused with 429 by this gateway process.",
+      "# TYPE sandboxd_rate_limited_total counter",
+      `sandboxd_rate_limited_total ${counters.rateLimited(p.keyId)}`,
+      "",
+    ];
+    return c.text(lines.join("\n"), 200, { "Content-Type": "text/plain; version=0.0.4; charset=utf-8" });
+  });
+
+  app.get("/v1/usage", async (c) => {
+    const p = c.get("principal");
+    requireFamily(p, "b");
+    const q = query(c, B.UsageQuery);
+    const nowMs = deps.clock();
+    const now = new Date(nowMs);
+    const to = q.to !== undefined ? new Date(q.to) : now;
+    const from =
+      q.from !== undefined
+        ? new Date(q.from)
+        : new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), 1));
+    if (!(from.getTime() < to.getTime()))
+      throw new SandboxdError("bad_request", "`from` must be before `to`");
+    if (to.getTime() - from.getTime() > deps.config.limits.maxUsageWindowS * 1000) {
+      throw new SandboxdError(
+        "bad_request",
+        `the window is longer than ${deps.config.limits.maxUsageWindowS} seconds`,
+      );
+    }
+    const totals = await usageTotals(deps.db, p.tenantId, from, to, now);
+    return c.json({ from: from.toISOString(), to: to.toISOString(), totals });
+  });
+}

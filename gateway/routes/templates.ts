@@ -1,0 +1,206 @@
+/**
+ * Template paths shared by both families (spec 4.1, 4.2): the key's family picks the form.
+ * Family A registers from an uploaded image streamed to a file; Family B bakes from an OCI ref.
+ */
+import { createWriteStream } from "node:fs";
+import { mkdir, rm } from "node:fs/promises";
+import { join } from "node:path";
+import type { Context, Hono } from "hono";
+import * as A from "../../contracts/api/family-a.ts";
+import * as B from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import {
+  bakeTemplate,
+  deleteTemplate,
+  dropReservation,
+  ownTemplate,
+  reserveUploadTemplate,
+  resolveTemplate,
+  startUploadBuild,
+  type TemplateRow,
+  visibleTemplates,
+} from "../core/templates.ts";
+import type { Deps, HonoEnv } from "../deps.ts";
+import { jsonBody, query } from "../http.ts";
+import { base36 } from "../ids.ts";
+import { requireFamily, requirePro, requireScale } from "./guards.ts";
+
+export function templateA(row: TemplateRow) {
+  const out: {
+    id: string;
+    status: "building" | "ready" | "failed";
+    created_at_secs?: number;
+    error?: string;
+  } = {
+    id: row.id,
+    status: row.status,
+  };
+  if (row.status === "ready")
+    out.created_at_secs = Math.floor((row.readyAt ?? row.createdAt).getTime() / 1000);
+  if (row.status === "failed") out.error = row.error ?? "build failed";
+  return out;
+}
+
+export function catalogEntry(row: TemplateRow) {
+  const out: {
+    id: string;
+    name: string;
+    description: string;
+    visibility: "public" | "private";
+    tier?: string;
+  } = {
+    id: row.id,
+    name: row.name,
+    description: row.description,
+    visibility: row.tenantId === null ? "public" : "private",
+  };
+  if (row.tier !== null) out.tier = row.tier;
+  return out;
+}
+
+function templateB(row: TemplateRow, telemetry: Record<string, unknown>) {
+  const out: Record<string, unknown> = {
+    ...catalogEntry(row),
+    phase: row.phase,
+    exposed_ports: row.exposedPorts,
+    telemetry,
+  };
+  if (row.image !== null) out.image = row.image;
+  if (row.status === "failed") out.error = row.error ?? "bake failed";
+  return out;
+}
+
+/**
+ * Streams the request body to a file, never holding more than one chunk in memory; refuses
+ * bodies over `max` bytes (413) and removes the partial file on any failure.
+ */
+async function streamToFile(c: Context, path: string, max: number): Promise<number> {
+  const body = c.req.raw.body;
+  if (!body) throw new SandboxdError("bad_request", "the image body is empty");
+  const out = createWriteStream(path, { flags: "wx", mode: 0o600 });
+  const opened = new Promise<void>((resolve, reject) => {
+    out.once("open", () => resolve());
+    out.once("error", reject);
+  });
+  let total = 0;
+  const reader = body.getReader();
+  try {
+    await opened;
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      total += value.byteLength;
+      if (total > max) {
+        await reader.cancel();
+        throw new SandboxdError("payload_too_large", `template image is over ${max} bytes`);
+      }
+      // Respect backpressure: wait for the disk when the stream's buffer is full.
+      if (!out.write(value)) await new Promise<void>((r) => out.once("drain", () => r()));
+    }
+    await new Promise<void>((resolve, reject) =>
+      out.end((err?: Error | null) => (err ? reject(err) : resolve())),
+    );
+  } catch (err) {
+    out.destroy();
+    await rm(path, { force: true });
+    throw err;
+  }
+  if (total === 0) {
+    await rm(path, { force: true });
+    throw new SandboxdError("bad_request", "the image body is empty");
+  }
+  return total;
+}
+
+export function registerTemplates(app: Hono<HonoEnv>, deps: Deps): void {
+  app.get("/v1/images", async (c) => {
+    const p = c.get("principal");
+    requireFamily(p, "b");
+    return c.json({ templates: (await visibleTemplates(deps, p.tenantId)).map(catalogEntry) });
+  });
+
+  app.get("/v1/templates", async (c) => {
+    const p = c.get("principal");
+    const rows = await visibleTemplates(deps, p.tenantId);
+    if (p.family === "b") return c.json({ templates: rows.map(catalogEntry) }); // alias of /v1/images
+    return c.json({
+      templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
+    });
+  });
+
+  app.post("/v1/templates", async (c) => {
+    const p = c.get("principal");
+    if (p.family === "b") {
+      requirePro(p, "baking templates");
+      const req = await jsonBody(c, B.BakeTemplateRequest, deps.config.limits.maxJsonBodyBytes);
+      const row = await bakeTemplate(deps, p.tenantId, req);
+      return c.json(templateB(row, {}), 202);
+    }
+    requireScale(p);
+    const ct = c.req.header("content-type")?.split(";")[0]?.trim().toLowerCase();
+    if (ct !== undefined && ct !== "application/octet-stream") {
+      throw new SandboxdError("bad_request", "the image body must be sent as application/octet-stream");
+    }
+    const q = query(c, A.RegisterTemplateQuery);
+    const max = deps.config.limits.maxTemplateUploadBytes;
+    const declared = c.req.header("content-length");
+    if (declared !== undefined && Number(declared) > max) {
+      throw new SandboxdError("payload_too_large", `template image is over ${max} bytes`);
+    }
+    const opts: { id: string; memMib?: number; vcpuCount?: number; waitSecs?: number } = { id: q.id };
+    if (q.mem_mib !== undefined) opts.memMib = q.mem_mib;
+    if (q.vcpu_count !== undefined) opts.vcpuCount = q.vcpu_count;
+    if (q.wait_secs !== undefined) opts.waitSecs = q.wait_secs;
+    const row = await reserveUploadTemplate(deps, p.tenantId, opts);
+    const dir = join(deps.config.uploadDir, p.tenantId);
+    const path = join(dir, `${q.id}-${base36(8)}.img`);
+    let bytes: number;
+    try {
+      await mkdir(dir, { recursive: true, mode: 0o700 });
+      bytes = await streamToFile(c, path, max);
+    } catch (err) {
+      await dropReservation(deps, row);
+      throw err;
+    }
+    await startUploadBuild(deps, row, { path, bytes });
+    return c.json({ id: row.id, status: "building" as const }, 202);
+  });
+
+  app.get("/v1/templates/:id", async (c) => {
+    const p = c.get("principal");
+    const row = await resolveTemplate(deps, p.tenantId, c.req.param("id"));
+    if (p.family === "a") return c.json(templateA(row));
+    const st = await deps.agent.templateStatus(row.agentRef);
+    return c.json(templateB(row, st.telemetry));
+  });
+
+  app.delete("/v1/templates/:id", async (c) => {
+    const p = c.get("principal");
+    const id = c.req.param("id");
+    if (p.family === "a") {
+      requireScale(p);
+      await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "a"));
+      return c.body(null, 204);
+    }
+    // Family B: any tier may remove what it created; shared catalog rows are 403 (spec 4.2).
+    await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "b"));
+    return c.json({ deleted: true as const, id });
+  });
+
+  app.post("/v1/templates/:id/expect", async (c) => {
+    const p = c.get("principal");
+    requirePro(p, "expect");
+    const req = await jsonBody(c, B.ExpectRequest, deps.config.limits.maxJsonBodyBytes);
+    const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "b");
+    await deps.agent.expectWidth(row.agentRef, req.width);
+    return c.json({ id: row.id, width: req.width });
+  });
+
+  app.post("/v1/templates/:id/release", async (c) => {
+    const p = c.get("principal");
+    requirePro(p, "release");
+    const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "b");
+    await deps.agent.releaseTemplate(row.agentRef);
+    return c.json({ id: row.id, released: true as const });
+  });
+}

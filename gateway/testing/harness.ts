@@ -1,0 +1,81 @@
+/**
+ * Test harness for gateway tests: a real PGlite db in a temp dir (or a Postgres URL), the
+ * in-memory stand-in agent (memory-agent.ts), a controllable clock, and helpers to issue keys
+ * and make requests through `app.request()`.
+ */
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { Tier } from "../../contracts/api/common.ts";
+import type { Limits } from "../../contracts/api/limits.ts";
+import { type DbHandle, openDb } from "../../db/client.ts";
+import { createApp } from "../app.ts";
+import { resolveConfig } from "../config.ts";
+import { upsertPublicTemplate } from "../core/templates.ts";
+import { createKey } from "../keys.ts";
+import { MemoryAgent } from "./memory-agent.ts";
+
+export const PEPPER = "test-pepper-0123456789";
+
+export interface Harness {
+  app: ReturnType<typeof createApp>;
+  handle: DbHandle;
+  agent: MemoryAgent;
+  config: ReturnType<typeof resolveConfig>;
+  dir: string;
+  now: { ms: number };
+  key(tenant: string, tier: Tier): Promise<string>;
+  req(
+    method: string,
+    path: string,
+    opts?: { key?: string; json?: unknown; body?: RequestInit["body"]; headers?: Record<string, string> },
+  ): Promise<Response>;
+  close(): Promise<void>;
+}
+
+export async function makeHarness(opts: { url?: string; limits?: Partial<Limits> } = {}): Promise<Harness> {
+  const dir = mkdtempSync(join(tmpdir(), "sandboxd-gw-"));
+  const handle = await openDb(opts.url !== undefined ? { url: opts.url } : { dataDir: dir });
+  const agent = new MemoryAgent();
+  const now = { ms: Date.parse("2025-03-01T12:00:00Z") };
+  const clock = () => now.ms;
+  const config = resolveConfig({
+    keyPepper: PEPPER,
+    connectSecret: "test-connect-secret-0123",
+    uploadDir: join(dir, "uploads"),
+    publicBaseUrl: "https://api.example.test",
+    version: "test-1",
+    ...(opts.limits ? { limits: opts.limits } : {}),
+  });
+  await upsertPublicTemplate(
+    { db: handle.db, clock },
+    { id: "python", name: "Python 3", description: "CPython 3.12" },
+  );
+  agent.addReadyTemplate("python");
+  const app = createApp({ db: handle.db, agent, config, clock, log: () => {} });
+  return {
+    app,
+    handle,
+    agent,
+    config,
+    dir,
+    now,
+    key: async (tenant, tier) => (await createKey(handle.db, PEPPER, { tenant, tier })).key,
+    req: (method, path, o = {}) => {
+      const headers: Record<string, string> = { ...o.headers };
+      if (o.key !== undefined) headers.authorization = `Bearer ${o.key}`;
+      let body: RequestInit["body"] | undefined = o.body;
+      if (o.json !== undefined) {
+        body = JSON.stringify(o.json);
+        headers["content-type"] = "application/json";
+      }
+      const init: RequestInit = { method, headers };
+      if (body !== undefined) init.body = body;
+      return Promise.resolve(app.request(path, init));
+    },
+    close: async () => {
+      await handle.close();
+      rmSync(dir, { recursive: true, force: true });
+    },
+  };
+}

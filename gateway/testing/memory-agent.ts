@@ -1,0 +1,211 @@
+/**
+ * STAND-IN FOR THE HOST AGENT, FOR GATEWAY TESTS ONLY. It keeps VMs and templates as objects in
+ * memory and runs nothing: "exec" echoes its input. It exists to test the gateway's own logic
+ * (auth, validation, tenancy, limits, state records, error mapping) through `AgentApi`; real-VM
+ * end-to-end tests come with the real agent (agent/). Never wire it into a running service.
+ */
+import { readFile, rm } from "node:fs/promises";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type {
+  AgentApi,
+  AgentHealth,
+  CreatedVm,
+  CreateVmOpts,
+  ExecAction,
+  ExecResult,
+  OneShotResult,
+  ResumeResult,
+  SuspendResult,
+  TemplateBuildStatus,
+  TemplateRef,
+  TemplateSource,
+  Tunnel,
+  VmId,
+} from "../agent-api.ts";
+
+interface MemVm {
+  id: VmId;
+  template: TemplateRef;
+  state: "running" | "suspended";
+  busy: boolean;
+  files: Map<string, string>;
+}
+
+const RESOURCES = { vcpus: 2, memMib: 512, diskBytes: 1024 ** 3 };
+
+export class MemoryAgent implements AgentApi {
+  readonly vms = new Map<VmId, MemVm>();
+  readonly templates = new Map<
+    TemplateRef,
+    TemplateBuildStatus & { source?: TemplateSource; uploadBytes?: number; uploadHead?: string }
+  >();
+  readonly calls: string[] = [];
+  /** Slots left; createSandbox/fork throw at_capacity at 0. */
+  slotsFree = 1000;
+  /** When set, the next exec waits for this promise (to test `busy`). */
+  execGate: Promise<void> | null = null;
+  private seq = 0;
+
+  /** Registers a ready template directly (as if built earlier). */
+  addReadyTemplate(ref: TemplateRef, exposedPorts: number[] = []): void {
+    this.templates.set(ref, { status: "ready", phase: "Live", exposedPorts, telemetry: {}, readyAtMs: 0 });
+  }
+
+  /** Completes a pending build. */
+  finishBuild(ref: TemplateRef, ok: boolean, error?: string): void {
+    const t = this.templates.get(ref);
+    if (!t) throw new Error(`no template ${ref}`);
+    t.status = ok ? "ready" : "failed";
+    t.phase = ok ? "Live" : "Failed";
+    if (!ok) t.error = error ?? "build failed";
+    if (ok) t.readyAtMs = 1_700_000_000_000;
+  }
+
+  private template(ref: TemplateRef): TemplateBuildStatus {
+    const t = this.templates.get(ref);
+    if (!t) throw new SandboxdError("not_found", `template ${ref} unknown to agent`);
+    return t;
+  }
+
+  private vm(id: VmId): MemVm {
+    const vm = this.vms.get(id);
+    if (!vm) throw new SandboxdError("gone", `vm ${id} is gone`);
+    return vm;
+  }
+
+  private spawn(template: TemplateRef): CreatedVm {
+    const t = this.template(template);
+    if (t.status !== "ready") throw new SandboxdError("template_not_ready", `template ${template} not ready`);
+    if (this.slotsFree <= 0) throw new SandboxdError("at_capacity", "no capacity on this host");
+    this.slotsFree--;
+    const id = `vm-${++this.seq}`;
+    this.vms.set(id, { id, template, state: "running", busy: false, files: new Map() });
+    const endpoints = Object.fromEntries(t.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
+    return { vmId: id, forkTimeMs: 1.5, createTimeMs: 3, endpoints, resources: { ...RESOURCES } };
+  }
+
+  private run(vm: MemVm | null, action: ExecAction): ExecResult {
+    const files = vm?.files ?? new Map<string, string>();
+    for (const f of action.files) files.set(f.path, f.content);
+    const r = action.run;
+    let stdout = "";
+    if (r.kind === "code") stdout = r.code;
+    else if (r.kind === "shell")
+      stdout = r.command.startsWith("cat ") ? (files.get(r.command.slice(4)) ?? "") : r.command;
+    else if (r.kind === "argv") stdout = r.commands.at(-1)!.join(" ");
+    const out: ExecResult = { stdout, stderr: "", exitCode: 0, execTimeMs: 1, totalTimeMs: 2 };
+    if (action.seed !== undefined) out.seedAck = "verified";
+    return out;
+  }
+
+  async createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
+    this.calls.push(`create ${template} ${opts.kind}`);
+    return this.spawn(template);
+  }
+
+  async execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
+    this.calls.push(`execOnce ${template}`);
+    const t = this.template(template);
+    if (t.status !== "ready") throw new SandboxdError("template_not_ready", `template ${template} not ready`);
+    return { ...this.run(null, action), forkTimeMs: 1.5 };
+  }
+
+  async exec(vmId: VmId, action: ExecAction): Promise<ExecResult> {
+    const vm = this.vm(vmId);
+    if (vm.busy) throw new SandboxdError("busy", `an exec is in flight on ${vmId}`);
+    vm.busy = true;
+    try {
+      if (this.execGate) await this.execGate;
+      return this.run(vm, action);
+    } finally {
+      vm.busy = false;
+    }
+  }
+
+  async fork(vmId: VmId, count: number): Promise<CreatedVm[]> {
+    const vm = this.vm(vmId);
+    if (vm.busy) throw new SandboxdError("busy", `an exec is in flight on ${vmId}`);
+    const out: CreatedVm[] = [];
+    for (let i = 0; i < count; i++) {
+      const child = this.spawn(vm.template);
+      this.vms.get(child.vmId)!.files = new Map(vm.files);
+      out.push(child);
+    }
+    return out;
+  }
+
+  async suspend(vmId: VmId): Promise<SuspendResult> {
+    const vm = this.vm(vmId);
+    vm.state = "suspended";
+    return { memBytes: 512 * 1024 * 1024, snapshotBytes: 2 * 1024 ** 3 };
+  }
+
+  async resume(vmId: VmId): Promise<ResumeResult> {
+    const vm = this.vm(vmId);
+    vm.state = "running";
+    return { memBytes: 512 * 1024 * 1024, resources: { ...RESOURCES } };
+  }
+
+  async destroy(vmId: VmId, opts: { force: boolean }): Promise<void> {
+    this.calls.push(`destroy ${vmId} force=${opts.force}`);
+    if (this.vms.delete(vmId)) this.slotsFree++;
+  }
+
+  async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
+    this.calls.push(`build ${template} ${source.kind}`);
+    const entry: TemplateBuildStatus & {
+      source?: TemplateSource;
+      uploadBytes?: number;
+      uploadHead?: string;
+    } = {
+      status: "building",
+      phase: "Pending",
+      exposedPorts: source.kind === "oci" ? (source.ready?.ports ?? []) : [],
+      telemetry: { stand_in: true },
+      source,
+    };
+    if (source.kind === "upload") {
+      // The agent owns the uploaded file: read what the test needs, then remove it.
+      const bytes = await readFile(source.path);
+      entry.uploadBytes = bytes.byteLength;
+      entry.uploadHead = bytes.subarray(0, 16).toString("latin1");
+      await rm(source.path, { force: true });
+    }
+    this.templates.set(template, entry);
+  }
+
+  async templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
+    const { status, phase, error, readyAtMs, exposedPorts, telemetry } = this.template(
+      template,
+    ) as TemplateBuildStatus;
+    const out: TemplateBuildStatus = { status, phase, exposedPorts, telemetry };
+    if (error !== undefined) out.error = error;
+    if (readyAtMs !== undefined) out.readyAtMs = readyAtMs;
+    return out;
+  }
+
+  async deleteTemplate(template: TemplateRef): Promise<void> {
+    this.calls.push(`deleteTemplate ${template}`);
+    this.templates.delete(template);
+  }
+
+  async expectWidth(template: TemplateRef, width: number): Promise<void> {
+    this.calls.push(`expect ${template} ${width}`);
+  }
+
+  async releaseTemplate(template: TemplateRef): Promise<void> {
+    this.calls.push(`release ${template}`);
+  }
+
+  async openTunnel(): Promise<Tunnel> {
+    throw new SandboxdError("internal", "the stand-in agent has no tunnels");
+  }
+
+  async health(): Promise<AgentHealth> {
+    return {
+      ok: true,
+      version: "stand-in",
+      capacity: { slotsFree: this.slotsFree, slotsTotal: 1000, vcpusFree: 64, memMibFree: 65536 },
+    };
+  }
+}
