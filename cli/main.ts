@@ -16,6 +16,11 @@ commands:
         says, print its output and exit with its exit code; -i passes our stdin to it
   doctor [--build] [--data-dir DIR]
         check the host; --build also builds missing guest artifacts
+  key create --tenant NAME --tier TIER [--name LABEL] [--data-dir DIR]
+  key list [--tenant NAME] [--data-dir DIR]
+  key revoke KEY-ID [--data-dir DIR]
+        API keys (svc_<tier>_<id>_<secret>) in the gateway database: PGlite in the data dir, or
+        PostgreSQL when DATABASE_URL is set; create prints the new key as its last line
   test [FILE-FILTER...]
         type check, lint and run the test suite (the README's test command)
   --version`;
@@ -95,6 +100,10 @@ async function main(argv: string[]): Promise<number> {
       });
       const { doctor } = await import("./doctor.ts");
       return doctor(values["data-dir"] ?? defaultDataDir(), { build: values.build ?? false });
+    }
+    case "key": {
+      const { cmdKey } = await import("./keys.ts");
+      return cmdKey(rest);
     }
     case "test": {
       const { runTests } = await import("./test-runner.ts");

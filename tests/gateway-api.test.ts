@@ -50,7 +50,8 @@ describe("health and auth", () => {
       undefined,
       "nope",
       "svc_pro_aaaaaaaaaaaa_bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb",
-      `${pro.slice(0, -1)}x`,
+      // Tampered: the last secret character changed (to one it is not, or the key would be valid).
+      `${pro.slice(0, -1)}${pro.endsWith("x") ? "y" : "x"}`,
       pro.replace("svc_pro_", "svc_enterprise_"),
     ]) {
       const res = await h.req("GET", "/v1/sandboxes", key === undefined ? {} : { key });
