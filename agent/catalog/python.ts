@@ -1,0 +1,184 @@
+/**
+ * The public catalog's `python` image (spec 2.4: on the managed cloud only `python` ships): a
+ * Debian bookworm minbase root filesystem with python3, made by debootstrap from the host's own
+ * Debian mirror, packed as an OCI image layout and imported through the same checked path as any
+ * user image. Its config runs `python3` (so an exec's `code` goes to python3 on stdin, as
+ * `docker run -i IMAGE < code` would).
+ */
+
+import { spawn } from "node:child_process";
+import { createHash } from "node:crypto";
+import { createReadStream, existsSync, readFileSync } from "node:fs";
+import { mkdir, mkdtemp, rename, rm, stat, writeFile } from "node:fs/promises";
+import { join } from "node:path";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { type ImportedImage, importImage } from "../image/import.ts";
+
+/** Inputs of the build; any change gives a new cache key and a rebuild. */
+export const PYTHON_IMAGE = {
+  suite: "bookworm",
+  variant: "minbase",
+  packages: ["python3"],
+  config: {
+    Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"],
+    WorkingDir: "/root",
+    Cmd: ["python3"],
+  },
+  /** Bump when this file's output changes for the same inputs. */
+  scriptVersion: 1,
+} as const;
+
+function cacheKey(): string {
+  return createHash("sha256").update(JSON.stringify(PYTHON_IMAGE)).digest("hex").slice(0, 16);
+}
+
+/**
+ * The first Debian archive URI of the host's apt sources (deb822 `.sources` or one-line
+ * `sources.list`): the mirror this machine is set up to reach. `SANDBOXD_DEBIAN_MIRROR` overrides.
+ */
+export function debianMirror(env: NodeJS.ProcessEnv = process.env): string {
+  if (env.SANDBOXD_DEBIAN_MIRROR) return env.SANDBOXD_DEBIAN_MIRROR;
+  const candidates: string[] = [];
+  for (const path of ["/etc/apt/sources.list.d/debian.sources", "/etc/apt/sources.list"]) {
+    if (!existsSync(path)) continue;
+    const text = readFileSync(path, "utf8");
+    for (const m of text.matchAll(/^URIs:\s*(\S+)/gm)) candidates.push(m[1]!);
+    for (const m of text.matchAll(/^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+\S+/gm)) candidates.push(m[1]!);
+  }
+  const mirror = candidates.find((u) => /\/debian\/?$/.test(u));
+  if (!mirror) {
+    throw new SandboxdError(
+      "catalog_build_failed",
+      "no Debian mirror in /etc/apt/sources.list(.d); set SANDBOXD_DEBIAN_MIRROR",
+    );
+  }
+  return mirror;
+}
+
+function run(argv: string[], log: (m: string) => void): Promise<void> {
+  log(argv.join(" "));
+  return new Promise((resolve, reject) => {
+    const child = spawn(argv[0]!, argv.slice(1), { stdio: ["ignore", "ignore", "pipe"] });
+    let err = "";
+    child.stderr.on("data", (b: Buffer) => {
+      err = (err + b.toString()).slice(-4000);
+    });
+    child.on("error", reject);
+    child.on("close", (code) =>
+      code === 0
+        ? resolve()
+        : reject(new SandboxdError("catalog_build_failed", `${argv[0]} exited ${code}: ${err.trim()}`)),
+    );
+  });
+}
+
+async function sha256File(path: string): Promise<{ digest: string; size: number }> {
+  const h = createHash("sha256");
+  for await (const chunk of createReadStream(path)) h.update(chunk as Buffer);
+  return { digest: `sha256:${h.digest("hex")}`, size: (await stat(path)).size };
+}
+
+async function writeBlob(layout: string, data: Buffer): Promise<{ digest: string; size: number }> {
+  const digest = `sha256:${createHash("sha256").update(data).digest("hex")}`;
+  await writeFile(join(layout, "blobs/sha256", digest.slice(7)), data);
+  return { digest, size: data.length };
+}
+
+/** Packs a root filesystem directory as a one-layer OCI image layout. */
+export async function packRootfsAsOciLayout(
+  rootfs: string,
+  layout: string,
+  config: object,
+  log: (m: string) => void,
+): Promise<void> {
+  await mkdir(join(layout, "blobs/sha256"), { recursive: true });
+  const layerTmp = join(layout, "layer.tar");
+  // --numeric-owner: ownership as ids, not names looked up on the host.
+  await run(["tar", "--numeric-owner", "--xattrs", "-C", rootfs, "-cf", layerTmp, "."], log);
+  const layer = await sha256File(layerTmp);
+  await rename(layerTmp, join(layout, "blobs/sha256", layer.digest.slice(7)));
+  const cfg = await writeBlob(
+    layout,
+    Buffer.from(
+      JSON.stringify({
+        architecture: "amd64",
+        os: "linux",
+        config,
+        rootfs: { type: "layers", diff_ids: [layer.digest] },
+      }),
+    ),
+  );
+  const manifest = await writeBlob(
+    layout,
+    Buffer.from(
+      JSON.stringify({
+        schemaVersion: 2,
+        mediaType: "application/vnd.oci.image.manifest.v1+json",
+        config: { mediaType: "application/vnd.oci.image.config.v1+json", ...cfg },
+        layers: [{ mediaType: "application/vnd.oci.image.layer.v1.tar", ...layer }],
+      }),
+    ),
+  );
+  await writeFile(join(layout, "oci-layout"), JSON.stringify({ imageLayoutVersion: "1.0.0" }));
+  await writeFile(
+    join(layout, "index.json"),
+    JSON.stringify({
+      schemaVersion: 2,
+      manifests: [
+        {
+          mediaType: "application/vnd.oci.image.manifest.v1+json",
+          ...manifest,
+          annotations: { "org.opencontainers.image.ref.name": "latest" },
+        },
+      ],
+    }),
+  );
+}
+
+/** Where the python image's OCI layout is kept (an image source `sandboxd run --image` takes). */
+export function pythonLayoutDir(dataDir: string): string {
+  return join(dataDir, "catalog", `python-${cacheKey()}`);
+}
+
+/**
+ * Builds (once) and imports the python image. The OCI layout is kept in
+ * `<dataDir>/catalog/python-<key>/` so a later import (e.g. after the image cache was cleared)
+ * skips debootstrap; the import itself is cached by digest.
+ */
+export async function ensurePythonImage(opts: {
+  dataDir: string;
+  log?: (m: string) => void;
+}): Promise<ImportedImage> {
+  const log = opts.log ?? (() => {});
+  const layout = pythonLayoutDir(opts.dataDir);
+  if (!existsSync(join(layout, "index.json"))) {
+    await mkdir(join(opts.dataDir, "catalog"), { recursive: true });
+    const work = await mkdtemp(join(opts.dataDir, "catalog", ".build-"));
+    try {
+      const rootfs = join(work, "rootfs");
+      log(`catalog: building the python image (debootstrap ${PYTHON_IMAGE.suite}, ~1 min)`);
+      await run(
+        [
+          "debootstrap",
+          `--variant=${PYTHON_IMAGE.variant}`,
+          `--include=${PYTHON_IMAGE.packages.join(",")}`,
+          PYTHON_IMAGE.suite,
+          rootfs,
+          debianMirror(),
+        ],
+        log,
+      );
+      // The apt lists and caches debootstrap leaves are 30+ MB no sandbox needs.
+      await rm(join(rootfs, "var/cache/apt/archives"), { recursive: true, force: true });
+      await rm(join(rootfs, "var/lib/apt/lists"), { recursive: true, force: true });
+      await mkdir(join(rootfs, "var/lib/apt/lists/partial"), { recursive: true });
+      const out = join(work, "layout");
+      await packRootfsAsOciLayout(rootfs, out, PYTHON_IMAGE.config, log);
+      await rm(layout, { recursive: true, force: true });
+      await rename(out, layout);
+    } finally {
+      await rm(work, { recursive: true, force: true });
+    }
+  }
+  return importImage({ source: layout, dataDir: opts.dataDir, log });
+}
