@@ -19,11 +19,7 @@ test(
   async () => {
     const image = await ensurePythonImage({ dataDir: DATA_DIR });
     expect(image.config.cmd).toEqual(["python3"]);
-    const layout = join(
-      DATA_DIR,
-      "catalog",
-      (await import("node:fs")).readdirSync(join(DATA_DIR, "catalog")).find((d) => d.startsWith("python-"))!,
-    );
+    const layout = pythonLayoutDir(DATA_DIR);
     const code =
       "import os, sys\nprint(6 * 7)\nprint(os.getcwd())\nprint(sys.version_info[0])\nsys.exit(4)\n";
     const r = spawnSync(join(REPO, "bin/sandboxd"), ["run", "-i", "--image", layout], {
