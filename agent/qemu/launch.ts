@@ -72,7 +72,10 @@ export interface LaunchOptions {
   memBackend?: MemBackend;
   /** Start with `-incoming defer`: the caller restores state with `migrate-incoming`, then `cont`. */
   incoming?: boolean;
-  /** Start paused (`-S`); the caller sends `cont`. Implied by `incoming`. */
+  /**
+   * Start paused (`-S`); the caller sends `cont`. With `incoming`, the guest also stays stopped
+   * after the restore completes (without it QEMU autostarts the restored guest).
+   */
   paused?: boolean;
   extraKernelArgs?: string[];
   log?: (msg: string) => void;
@@ -261,7 +264,9 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
     join(dir, "qemu.pid"),
   );
   if (opts.incoming) args.push("-incoming", "defer");
-  else if (opts.paused) args.push("-S");
+  // With -incoming, -S keeps the restored guest stopped until `cont` (else QEMU starts it the
+  // moment the restore completes): snapshot restores need that to re-stage state first.
+  if (opts.paused) args.push("-S");
   return args;
 }
 

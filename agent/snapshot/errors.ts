@@ -1,0 +1,66 @@
+import { SandboxdError } from "../../contracts/errors.ts";
+
+/**
+ * The snapshot engine's errors (style.md habit 3): callers branch on `code`, never on text.
+ *
+ * | code                   | meaning                                                            |
+ * |------------------------|--------------------------------------------------------------------|
+ * | `template_build_failed`| the template VM did not come up, or saving it failed               |
+ * | `template_ready_failed`| the ready command exited non-zero or timed out (details: output)   |
+ * | `template_not_found`   | no such template in the data dir                                   |
+ * | `template_not_ready`   | the template exists but is building or failed                      |
+ * | `spawn_failed`         | a restore (spawn, fork child, resume) did not produce a VM         |
+ * | `bringup_timeout`      | the restored guest did not answer in time                          |
+ * | `fork_failed`          | the parent could not be forked (it keeps running when it can)      |
+ * | `suspend_failed`       | saving the VM failed (the VM keeps running when it can)            |
+ * | `invalid_state`        | the operation is not allowed in the VM's current state (409)        |
+ * | `vm_died`              | QEMU exited under us (killed, crashed); the VM is gone             |
+ * | `vm_unresponsive`      | QMP did not answer in time; the VM was killed                       |
+ * | `migration_failed`     | QEMU reported a failed migration (save or restore)                  |
+ * | `bad_request`          | invalid arguments (counts, ids, sizes)                              |
+ */
+export type SnapshotErrorCode =
+  | "template_build_failed"
+  | "template_ready_failed"
+  | "template_not_found"
+  | "template_not_ready"
+  | "spawn_failed"
+  | "bringup_timeout"
+  | "fork_failed"
+  | "suspend_failed"
+  | "invalid_state"
+  | "vm_died"
+  | "vm_unresponsive"
+  | "migration_failed"
+  | "bad_request";
+
+export class SnapshotError extends SandboxdError {
+  declare readonly code: SnapshotErrorCode;
+  constructor(
+    code: SnapshotErrorCode,
+    message: string,
+    opts?: { cause?: unknown; details?: Record<string, unknown> },
+  ) {
+    super(code, message, opts);
+    this.name = "SnapshotError";
+  }
+}
+
+/** Every public operation of the engine answers a Result: failures are values, never throws. */
+export type Result<T> = { ok: true; value: T } | { ok: false; error: SnapshotError };
+
+export const ok = <T>(value: T): Result<T> => ({ ok: true, value });
+export const fail = <T>(error: SnapshotError): Result<T> => ({ ok: false, error });
+
+/** Wraps anything thrown into a SnapshotError of `code` (keeping a SnapshotError as it is). */
+export function asSnapshotError(err: unknown, code: SnapshotErrorCode, message: string): SnapshotError {
+  if (err instanceof SnapshotError) return err;
+  const why = err instanceof Error ? err.message : String(err);
+  return new SnapshotError(code, `${message}: ${why}`, { cause: err });
+}
+
+/** For callers (tests, the CLI) that want the value or a throw. */
+export function unwrap<T>(r: Result<T>): T {
+  if (!r.ok) throw r.error;
+  return r.value;
+}

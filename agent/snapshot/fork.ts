@@ -1,0 +1,339 @@
+/**
+ * Fork of a RUNNING VM into N children; the parent keeps running with its files and processes,
+ * the children start from the parent's exact memory (running processes included) and disk.
+ *
+ * host-facts' floor (stop, full migrate, cont: ~530 ms stall) is beaten by a live precopy:
+ *
+ *   1. `pause-before-switchover` on, bandwidth unlimited, `migrate exec:cat > fork.state`: RAM
+ *      streams to tmpfs WHILE the guest runs (dirty pages are sent again).
+ *   2. QEMU stops the guest for the switchover and pauses in `pre-switchover`. The STOP event
+ *      starts the stall. Now `blockdev-snapshot-sync` moves the parent onto a NEW overlay: its
+ *      old overlay becomes the frozen disk of the fork point (the backing file of every child).
+ *   3. `migrate-continue`: the last dirty pages and the device state are written, the migration
+ *      completes (and QEMU inactivates the block nodes).
+ *   4. `cont`: QEMU re-activates the block nodes (qmp_cont's bdrv_activate_all) and the guest
+ *      runs again. RESUME ends the stall. Stall = RESUME - STOP, both QEMU event timestamps.
+ *
+ * Children: with one child, it restores straight from fork.state (full RAM, private mapping).
+ * With more, the fork point is first turned into a template (mode "shared"): ONE restore of
+ * fork.state into a new shared RAM file on tmpfs, then a ~60 KB x-ignore-shared device state;
+ * every child maps that RAM file private (copy-on-write), so the children share their clean
+ * pages and each restore reads 60 KB instead of the whole RAM.
+ *
+ * Chains: every fork adds one level to the parent's chain and the children's. Past
+ * MAX_CHAIN_DEPTH the children's base is flattened (`qemu-img convert -B <image base>`) and the
+ * parent's own chain is collapsed live with `block-stream` (see storage/qcow2.ts for the bound).
+ */
+
+import { randomBytes } from "node:crypto";
+import { chmod, mkdir, rm } from "node:fs/promises";
+import { join } from "node:path";
+import type { QmpEvent } from "../qemu/qmp/framing.ts";
+import { openChainStore } from "../storage/chain.ts";
+import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
+import { vmsRoot } from "../vm/workdir.ts";
+import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
+import { eventTimeMs, migrateToFile, qmp, setCapabilities, waitMigration } from "./migrate.ts";
+import { newSandboxId, type RestoreTimings, restoreInto, SandboxVm, storageDir } from "./vm.ts";
+
+export const MAX_FORK_CHILDREN = 64;
+
+/**
+ * Precopy bandwidth cap: effectively none (32 GiB/s). The stream goes to tmpfs through a pipe;
+ * QEMU's default (32 MiB/s... 128 MiB/s) would make the precopy take seconds.
+ */
+const PRECOPY_MAX_BANDWIDTH = 32 * 1024 ** 3;
+/**
+ * Largest stall QEMU plans for when it decides to switch over (remaining dirty bytes / measured
+ * bandwidth). 50 ms: a guest under TCG dirties few MB/s, so the first pass already fits.
+ */
+const PRECOPY_DOWNTIME_LIMIT_MS = 50;
+/** Whole precopy of a 256 MiB guest: ~0.3-0.6 s under TCG; a minute means something is stuck. */
+const PRECOPY_TIMEOUT_MS = 60_000;
+/** Live chain collapse of the parent (block-stream), a few hundred MB at most. */
+const STREAM_TIMEOUT_MS = 120_000;
+
+/** query-status polls (1 ms apart) for the finish-migrate -> postmigrate step: ~1 ms in practice. */
+const FINALIZE_POLLS = 2000;
+
+export type ForkMode = "auto" | "direct" | "shared";
+
+export interface ForkOptions {
+  count: number;
+  /** "auto": direct for one child, shared for more (measured: see the report). */
+  mode?: ForkMode;
+  readyTimeoutMs?: number;
+  log?: (m: string) => void;
+}
+
+export interface ForkTimings {
+  /** Guest stopped time, STOP to RESUME event. */
+  parentStallMs: number;
+  /** migrate to the pre-switchover pause (guest running meanwhile). */
+  precopyMs: number;
+  /** Bytes of fork.state. */
+  stateBytes: number;
+  /** Shared mode: restore of the fork point + its x-ignore-shared save. */
+  forkPointMs: number;
+  /** From fork start until every child answered with its identity set. */
+  childrenReadyMs: number;
+  /** From the parent's RESUME until every child answered. */
+  childrenAfterResumeMs: number;
+  children: RestoreTimings[];
+  totalMs: number;
+  mode: "direct" | "shared";
+}
+
+export interface Forked {
+  children: SandboxVm[];
+  timings: ForkTimings;
+}
+
+export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<Forked>> {
+  const log = o.log ?? (() => {});
+  if (!Number.isInteger(o.count) || o.count < 1 || o.count > MAX_FORK_CHILDREN)
+    return fail(new SnapshotError("bad_request", `count must be 1..${MAX_FORK_CHILDREN}, got ${o.count}`));
+  const mode = o.mode === "direct" || o.mode === "shared" ? o.mode : o.count > 1 ? "shared" : "direct";
+  const bad = parent.begin(["running"], "forking");
+  if (bad) return fail(bad);
+  const proc = parent.process;
+  if (!proc) return fail(new SnapshotError("invalid_state", `VM ${parent.id} has no QEMU`));
+  const s = parent.shape;
+  const chain = await openChainStore(s.dataDir);
+  const forkId = `${parent.id}-f${randomBytes(3).toString("hex")}`;
+  const statePath = join(s.shmRoot, `${forkId}.state`);
+  const disks = storageDir(s.dataDir);
+  const frozen = parent.disk;
+  const newTop = join(disks, `${parent.id}-${parent.generation + 1}.qcow2`);
+  const newNode = `${parent.id}-n${parent.generation + 1}`;
+  const t0 = performance.now();
+  let stopTs: number | undefined;
+  let resumeTs: number | undefined;
+  const offStop = proc.qmp.on("STOP", (ev: QmpEvent) => {
+    stopTs ??= eventTimeMs(ev);
+  });
+  const offResume = proc.qmp.on("RESUME", (ev: QmpEvent) => {
+    if (stopTs !== undefined) resumeTs ??= eventTimeMs(ev);
+  });
+  let switched = false;
+  let precopyMs = 0;
+  try {
+    await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
+    await mkdir(disks, { recursive: true, mode: 0o700 });
+    // -- 1. live precopy
+    await setCapabilities(proc, { events: true, "x-ignore-shared": false, "pause-before-switchover": true });
+    await qmp(proc, "migrate-set-parameters", {
+      "max-bandwidth": PRECOPY_MAX_BANDWIDTH,
+      "downtime-limit": PRECOPY_DOWNTIME_LIMIT_MS,
+    });
+    await migrateToFile(proc, statePath);
+    await waitMigration(proc, ["pre-switchover"], PRECOPY_TIMEOUT_MS);
+    precopyMs = performance.now() - t0;
+    // -- 2. guest stopped: move the parent onto a new overlay; the old one is the fork's disk
+    await qmp(proc, "blockdev-snapshot-sync", {
+      "node-name": parent.topNode,
+      "snapshot-file": newTop,
+      "snapshot-node-name": newNode,
+      format: "qcow2",
+      mode: "absolute-paths",
+    });
+    switched = true;
+    // -- 3. finish the migration, 4. run again
+    await qmp(proc, "migrate-continue", { state: "pre-switchover" });
+    await waitMigration(proc, ["completed"], PRECOPY_TIMEOUT_MS);
+    // The migration thread reports "completed" a moment before it moves the run state from
+    // finish-migrate to postmigrate, and `cont` refuses finish-migrate ("not finalized yet").
+    for (let i = 0; ; i++) {
+      const st = await qmp<{ status: string }>(proc, "query-status");
+      if (st.status !== "finish-migrate") break;
+      if (i > FINALIZE_POLLS)
+        throw new SnapshotError("fork_failed", "the parent's migration never finalized");
+      await Bun.sleep(1);
+    }
+    await qmp(proc, "cont");
+  } catch (err) {
+    offStop();
+    offResume();
+    const e = asSnapshotError(err, "fork_failed", `forking VM ${parent.id} failed`);
+    await rm(statePath, { force: true });
+    if (proc.isAlive()) {
+      await proc.qmp.execute("migrate_cancel").catch(() => {});
+      await proc.qmp.execute("cont").catch(() => {});
+      if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
+      else await rm(newTop, { force: true });
+      parent.enter("running");
+    } else await parent.destroy();
+    return fail(e);
+  }
+  // The guest runs again; wait briefly for RESUME's timestamp (it precedes cont's answer).
+  for (let i = 0; i < 50 && resumeTs === undefined; i++) await Bun.sleep(2);
+  offStop();
+  offResume();
+  const tResumed = performance.now();
+  const parentStallMs = stopTs !== undefined && resumeTs !== undefined ? resumeTs - stopTs : -1;
+  let stateBytes = 0;
+  try {
+    stateBytes = (await Bun.file(statePath).size) ?? 0;
+  } catch {
+    // only a figure
+  }
+  await adoptNewTop(parent, newTop, newNode);
+  parent.enter("running");
+  await chmod(frozen, 0o444).catch(() => {});
+  log(
+    `fork ${forkId}: parent stalled ${parentStallMs.toFixed(1)} ms, precopy ${precopyMs.toFixed(0)} ms, state ${stateBytes} B`,
+  );
+  // The fork point's files are held by the fork itself until every child holds its own.
+  const forkHolder = `fork:${forkId}`;
+  await chain.add(statePath, { kind: "state", holder: forkHolder, deps: [parent.memPath] });
+  await chain.hold(forkHolder, [frozen]);
+  // Keep the parent's own chain shallow. It runs meanwhile; the children wait (rare: once per
+  // MAX_CHAIN_DEPTH forks of one VM).
+  if (chain.depth(newTop) > MAX_CHAIN_DEPTH)
+    await collapseParentChain(parent).catch((err) => log(`collapse: ${err}`));
+
+  const children: SandboxVm[] = [];
+  let forkPointMs = 0;
+  try {
+    // The children's disk base: the frozen overlay, or a flat copy of it past the bound.
+    let childBase = frozen;
+    if (chain.depth(frozen) >= MAX_CHAIN_DEPTH) {
+      childBase = join(disks, `${forkId}-flat.qcow2`);
+      await flattenOnto(frozen, s.baseDisk, childBase);
+      await chain.add(childBase, { kind: "overlay", holder: forkHolder, depth: 1 });
+    }
+
+    let memPath = parent.memPath;
+    let childState = statePath;
+    let ignoreShared = false;
+    if (mode === "shared") {
+      const tp = performance.now();
+      const point = await makeForkPoint(parent, forkId, statePath, childBase);
+      forkPointMs = performance.now() - tp;
+      memPath = point.memPath;
+      childState = point.statePath;
+      ignoreShared = true;
+      await chain.add(point.memPath, { kind: "ram", holder: forkHolder });
+      await chain.add(point.statePath, { kind: "state", holder: forkHolder, deps: [point.memPath] });
+      // The full-RAM stream is no longer needed once the fork point holds it.
+      await chain.release(forkHolder, [statePath]);
+    }
+    const results = await Promise.allSettled(
+      Array.from({ length: o.count }, async () => {
+        const id = newSandboxId();
+        const disk = join(disks, `${id}-0.qcow2`);
+        const child = new SandboxVm(id, join(vmsRoot(s.dataDir), id), s, disk, memPath, o.log);
+        children.push(child);
+        await chain.hold(child.holder, [childBase, memPath]);
+        await createOverlayOn(childBase, disk, s.diskBytes);
+        await chain.add(disk, { kind: "overlay", deps: [childBase], holder: child.holder });
+        const timings = await restoreInto({
+          vm: child,
+          mem: { path: memPath, share: false },
+          statePath: childState,
+          ignoreShared,
+          ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
+        });
+        child.enter("running");
+        return timings;
+      }),
+    );
+    const failed = results.find((r) => r.status === "rejected");
+    if (failed) throw (failed as PromiseRejectedResult).reason;
+    const tDone = performance.now();
+    await chain.release(forkHolder);
+    return ok({
+      children,
+      timings: {
+        parentStallMs,
+        precopyMs,
+        stateBytes,
+        forkPointMs,
+        childrenReadyMs: tDone - t0,
+        childrenAfterResumeMs: tDone - tResumed,
+        children: results.map((r) => (r as PromiseFulfilledResult<RestoreTimings>).value),
+        totalMs: tDone - t0,
+        mode,
+      },
+    });
+  } catch (err) {
+    for (const c of children) await c.destroy();
+    await chain.release(forkHolder);
+    return fail(asSnapshotError(err, "fork_failed", `starting the children of ${parent.id} failed`));
+  }
+}
+
+/** Records the parent's move onto its new overlay (the old one stays, as its backing file). */
+async function adoptNewTop(parent: SandboxVm, newTop: string, newNode: string): Promise<void> {
+  const chain = await openChainStore(parent.shape.dataDir);
+  const old = parent.disk;
+  await chain.add(newTop, { kind: "overlay", deps: [old], holder: parent.holder });
+  parent.disk = newTop;
+  parent.topNode = newNode;
+  parent.generation++;
+  await chain.release(parent.holder, [old]);
+}
+
+/**
+ * Shared mode: restore the full stream once into a new SHARED RAM file (tmpfs), never run it,
+ * and save its device state with x-ignore-shared: a template of the fork point.
+ */
+async function makeForkPoint(
+  parent: SandboxVm,
+  forkId: string,
+  fullState: string,
+  childBase: string,
+): Promise<{ memPath: string; statePath: string }> {
+  const s = parent.shape;
+  const memPath = join(s.shmRoot, `${forkId}.mem`);
+  const statePath = join(s.shmRoot, `${forkId}.point.state`);
+  const pointId = `${forkId}-point`.slice(0, 63);
+  const disk = join(vmsRoot(s.dataDir), pointId, "disk.qcow2");
+  const point = new SandboxVm(pointId, join(vmsRoot(s.dataDir), pointId), s, disk, memPath);
+  try {
+    await mkdir(point.dir, { recursive: true, mode: 0o700 });
+    // Never written (the point never runs), but the device set must match the parent's.
+    await createOverlayOn(childBase, disk, s.diskBytes);
+    await restoreInto({
+      vm: point,
+      mem: { path: memPath, share: true },
+      statePath: fullState,
+      ignoreShared: false,
+      stayPaused: true,
+    });
+    const p = point.process;
+    if (!p) throw new SnapshotError("fork_failed", "fork point has no QEMU");
+    await setCapabilities(p, { events: true, "x-ignore-shared": true });
+    await migrateToFile(p, statePath);
+    await waitMigration(p, ["completed"], PRECOPY_TIMEOUT_MS);
+    return { memPath, statePath };
+  } catch (err) {
+    await rm(memPath, { force: true });
+    await rm(statePath, { force: true });
+    throw err;
+  } finally {
+    await point.process?.kill();
+    await rm(point.dir, { recursive: true, force: true });
+  }
+}
+
+/**
+ * Collapses the running parent's chain onto the image base with `block-stream` (data of every
+ * overlay between is copied into the top), then drops the overlays it no longer needs.
+ */
+async function collapseParentChain(parent: SandboxVm): Promise<void> {
+  const proc = parent.process;
+  if (!proc) return;
+  const jobId = `stream-${parent.generation}`;
+  const done = proc.qmp.waitEvent("BLOCK_JOB_COMPLETED", {
+    timeoutMs: STREAM_TIMEOUT_MS,
+    filter: (ev) => (ev.data as { device?: string } | undefined)?.device === jobId,
+  });
+  done.catch(() => {});
+  await qmp(proc, "block-stream", { "job-id": jobId, device: parent.topNode, base: parent.shape.baseDisk });
+  const ev = await done;
+  const err = (ev.data as { error?: string } | undefined)?.error;
+  if (err) throw new SnapshotError("fork_failed", `block-stream failed: ${err}`);
+  const chain = await openChainStore(parent.shape.dataDir);
+  await chain.setDeps(parent.disk, [], 1);
+}

@@ -1,0 +1,146 @@
+/**
+ * QMP building blocks of save / restore: guarded commands (a QMP timeout kills the VM, a dead
+ * QEMU is `vm_died`), migration capabilities, migrating to / from a file and waiting for a
+ * migration status. QEMU 7.2 has no `file:` migration URI (added in 8.2), so state goes through
+ * `exec:cat`; the paths we pass are our own, checked to need no shell quoting.
+ */
+
+import type { VmProcess } from "../qemu/launch.ts";
+import { QmpCommandError, QmpDisconnectedError, QmpTimeoutError } from "../qemu/qmp/errors.ts";
+import type { QmpEvent } from "../qemu/qmp/framing.ts";
+import { SnapshotError } from "./errors.ts";
+
+/**
+ * Deadline of one QMP command in the snapshot paths. Every command here answers in milliseconds
+ * (QEMU runs them under its big lock; `migrate` only starts a thread); 10 s means a wedged QEMU,
+ * which we kill (style.md: a timed-out command blocks every command behind it).
+ */
+export const SNAPSHOT_QMP_TIMEOUT_MS = 10_000;
+
+/** How often query-migrate is polled besides the MIGRATION events (a lost event never hangs us). */
+const MIGRATION_POLL_MS = 25;
+
+const SAFE_PATH = /^[A-Za-z0-9._/@+-]+$/;
+
+export function shellSafePath(path: string): string {
+  if (!SAFE_PATH.test(path))
+    throw new SnapshotError(
+      "bad_request",
+      `path ${JSON.stringify(path)} has characters we do not pass to a shell`,
+    );
+  return path;
+}
+
+type Vm = Pick<VmProcess, "qmp" | "kill" | "isAlive" | "exited" | "stderrTail" | "pid">;
+
+/** Maps a QMP failure to the engine's error; a timeout or a dead QEMU kills the VM first. */
+export async function qmpFailure(vm: Vm, command: string, err: unknown): Promise<SnapshotError> {
+  if (err instanceof SnapshotError) return err;
+  if (err instanceof QmpTimeoutError) {
+    await vm.kill();
+    return new SnapshotError("vm_unresponsive", `QEMU did not answer ${command} in time; the VM was killed`, {
+      cause: err,
+    });
+  }
+  if (err instanceof QmpDisconnectedError || !vm.isAlive()) {
+    // The QMP socket closes a moment before the exit status arrives: wait briefly for it.
+    const exit = await Promise.race([vm.exited, Bun.sleep(500).then(() => undefined)]);
+    await vm.kill();
+    return new SnapshotError(
+      "vm_died",
+      `QEMU ${exit ? `exited (${exit.signal ?? `code ${exit.code}`})` : "closed QMP"} during ${command}`,
+      { cause: err, details: { stderr: vm.stderrTail().slice(-2000) } },
+    );
+  }
+  if (err instanceof QmpCommandError)
+    return new SnapshotError("migration_failed", `QMP ${command} failed: ${err.desc}`, { cause: err });
+  return new SnapshotError("migration_failed", `QMP ${command} failed: ${String(err)}`, { cause: err });
+}
+
+export async function qmp<T = unknown>(
+  vm: Vm,
+  command: string,
+  args?: Record<string, unknown>,
+  timeoutMs = SNAPSHOT_QMP_TIMEOUT_MS,
+): Promise<T> {
+  try {
+    return await vm.qmp.execute<T>(command, args, { timeoutMs });
+  } catch (err) {
+    throw await qmpFailure(vm, command, err);
+  }
+}
+
+export async function setCapabilities(vm: Vm, caps: Record<string, boolean>): Promise<void> {
+  await qmp(vm, "migrate-set-capabilities", {
+    capabilities: Object.entries(caps).map(([capability, state]) => ({ capability, state })),
+  });
+}
+
+export interface MigrateInfo {
+  status: string;
+  "error-desc"?: string;
+  ram?: { transferred?: number; total?: number; "dirty-pages-rate"?: number };
+  "total-time"?: number;
+  downtime?: number;
+}
+
+/**
+ * Waits until the migration reaches one of `until` (e.g. "completed", "pre-switchover"). A
+ * "failed"/"cancelled" status is `migration_failed` with QEMU's reason; past `timeoutMs` the
+ * migration is cancelled and the wait fails (the caller decides whether the VM survives).
+ */
+export async function waitMigration(vm: Vm, until: string[], timeoutMs: number): Promise<MigrateInfo> {
+  const deadline = performance.now() + timeoutMs;
+  let wake: (() => void) | undefined;
+  const off = vm.qmp.on("MIGRATION", (ev: QmpEvent) => {
+    const s = (ev.data as { status?: string } | undefined)?.status;
+    if (s && (until.includes(s) || s === "failed" || s === "cancelled")) wake?.();
+  });
+  try {
+    for (;;) {
+      const info = await qmp<MigrateInfo>(vm, "query-migrate");
+      if (until.includes(info.status)) return info;
+      if (info.status === "failed" || info.status === "cancelled")
+        throw new SnapshotError(
+          "migration_failed",
+          `migration ${info.status}: ${info["error-desc"] ?? "no reason given"}`,
+          {
+            details: { info },
+          },
+        );
+      if (performance.now() > deadline) {
+        await vm.qmp.execute("migrate_cancel", undefined, { timeoutMs: 1000 }).catch(() => {});
+        throw new SnapshotError(
+          "migration_failed",
+          `migration did not reach ${until.join("/")} within ${timeoutMs} ms (status ${info.status})`,
+        );
+      }
+      await new Promise<void>((resolve) => {
+        const t = setTimeout(resolve, MIGRATION_POLL_MS);
+        wake = () => {
+          clearTimeout(t);
+          resolve();
+        };
+      });
+      wake = undefined;
+    }
+  } finally {
+    off();
+  }
+}
+
+/** Starts an outgoing migration into `path` (the file is replaced). */
+export async function migrateToFile(vm: Vm, path: string): Promise<void> {
+  await qmp(vm, "migrate", { uri: `exec:cat > ${shellSafePath(path)}` });
+}
+
+/** On a QEMU started with `-incoming defer`: load the state in `path` and wait for the end. */
+export async function migrateFromFile(vm: Vm, path: string, timeoutMs: number): Promise<MigrateInfo> {
+  await qmp(vm, "migrate-incoming", { uri: `exec:cat ${shellSafePath(path)}` });
+  return waitMigration(vm, ["completed"], timeoutMs);
+}
+
+/** QEMU event timestamps ({seconds, microseconds}) in ms. */
+export function eventTimeMs(ev: QmpEvent): number {
+  return ev.timestamp.seconds * 1000 + ev.timestamp.microseconds / 1000;
+}

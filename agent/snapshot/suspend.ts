@@ -1,0 +1,115 @@
+/**
+ * Suspend to disk / resume, and pause / unpause for idle VMs.
+ *
+ * Suspend: `stop`, migrate the whole RAM (zero pages compressed by QEMU) and device state to
+ * `<dataDir>/storage/suspended/<id>.state`, end QEMU. The overlay stays where it is. Resume: a new
+ * QEMU on the same overlay and RAM mapping, `-incoming`, then a fresh clock and entropy (the guest
+ * slept; its CRNG state was on disk).
+ */
+import { mkdir, rm, stat } from "node:fs/promises";
+import { join } from "node:path";
+import { openChainStore } from "../storage/chain.ts";
+import { asSnapshotError, fail, ok, type Result } from "./errors.ts";
+import { migrateToFile, qmp, setCapabilities, waitMigration } from "./migrate.ts";
+import { type RestoreTimings, restoreInto, type SandboxVm } from "./vm.ts";
+
+/** Writing a full 256 MiB guest takes ~0.5 s; a minute means the disk or QEMU is stuck. */
+const SUSPEND_TIMEOUT_MS = 60_000;
+
+export interface Suspended {
+  /** Size of the on-disk memory image (state file), bytes. */
+  memBytes: number;
+  suspendMs: number;
+}
+
+export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
+  const bad = vm.begin(["running", "paused"], "suspending");
+  if (bad) return fail(bad);
+  const proc = vm.process;
+  if (!proc) return fail(asSnapshotError(new Error("no QEMU"), "suspend_failed", `VM ${vm.id}`));
+  const dir = join(vm.shape.dataDir, "storage", "suspended");
+  const statePath = join(dir, `${vm.id}.state`);
+  const t0 = performance.now();
+  try {
+    await mkdir(dir, { recursive: true, mode: 0o700 });
+    await qmp(proc, "stop");
+    await setCapabilities(proc, { events: true, "x-ignore-shared": false, "pause-before-switchover": false });
+    await migrateToFile(proc, statePath);
+    await waitMigration(proc, ["completed"], SUSPEND_TIMEOUT_MS);
+    const memBytes = (await stat(statePath)).size;
+    const chain = await openChainStore(vm.shape.dataDir);
+    await chain.add(statePath, { kind: "state", holder: vm.holder, deps: [vm.memPath] });
+    await vm.detach();
+    vm.suspendState = statePath;
+    vm.enter("suspended");
+    return ok({ memBytes, suspendMs: performance.now() - t0 });
+  } catch (err) {
+    const e = asSnapshotError(err, "suspend_failed", `suspending VM ${vm.id} failed`);
+    await rm(statePath, { force: true });
+    if (proc.isAlive()) {
+      // The save failed but the VM is whole: let it run on.
+      await proc.qmp.execute("cont").catch(() => {});
+      vm.enter("running");
+    } else await vm.destroy();
+    return fail(e);
+  }
+}
+
+export async function resumeVm(vm: SandboxVm): Promise<Result<RestoreTimings>> {
+  const bad = vm.begin(["suspended"], "resuming");
+  if (bad) return fail(bad);
+  const statePath = vm.suspendState;
+  if (!statePath) {
+    vm.enter("suspended");
+    return fail(asSnapshotError(new Error("no state file"), "spawn_failed", `VM ${vm.id} cannot resume`));
+  }
+  try {
+    const timings = await restoreInto({
+      vm,
+      mem: { path: vm.memPath, share: false },
+      statePath,
+      ignoreShared: false,
+    });
+    vm.suspendState = undefined;
+    vm.enter("running");
+    const chain = await openChainStore(vm.shape.dataDir);
+    await chain.release(vm.holder, [statePath]);
+    return ok(timings);
+  } catch (err) {
+    // The state file is intact: the VM stays suspended and may be resumed again (or destroyed).
+    vm.enter("suspended");
+    return fail(asSnapshotError(err, "spawn_failed", `resuming VM ${vm.id} failed`));
+  }
+}
+
+/** Idle: stop the vCPUs (QEMU keeps the RAM). */
+export async function pauseVm(vm: SandboxVm): Promise<Result<void>> {
+  const bad = vm.begin(["running"], "paused");
+  if (bad) return fail(bad);
+  try {
+    if (!vm.process) throw new Error("no QEMU");
+    await qmp(vm.process, "stop");
+    return ok(undefined);
+  } catch (err) {
+    const e = asSnapshotError(err, "vm_died", `pausing VM ${vm.id} failed`);
+    if (vm.process?.isAlive()) vm.enter("running");
+    else await vm.destroy();
+    return fail(e);
+  }
+}
+
+/** Back from idle: `cont`, then the wall clock (it stood still while paused). */
+export async function unpauseVm(vm: SandboxVm): Promise<Result<void>> {
+  const bad = vm.begin(["paused"], "running");
+  if (bad) return fail(bad);
+  try {
+    if (!vm.process || !vm.guest) throw new Error("no QEMU");
+    await qmp(vm.process, "cont");
+    await vm.guest.setClock(new Date());
+    return ok(undefined);
+  } catch (err) {
+    const e = asSnapshotError(err, "vm_died", `unpausing VM ${vm.id} failed`);
+    if (!vm.process?.isAlive()) await vm.destroy();
+    return fail(e);
+  }
+}

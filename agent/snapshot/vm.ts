@@ -1,0 +1,314 @@
+/**
+ * A VM of the snapshot engine (spawned from a template, forked, resumed) and the one restore path
+ * they all share: new QEMU with the same device ids, `-incoming defer -S`, load the state, `cont`,
+ * reconnect the guest agent, then give the guest its own identity (entropy, clock, hostname)
+ * before anyone else may talk to it.
+ *
+ * Explicit states (style.md habit 2): every operation first asks `begin(from, to)`, so a suspend
+ * racing a fork gets `invalid_state` instead of two migrations on one QEMU.
+ */
+import { randomBytes } from "node:crypto";
+import { rm } from "node:fs/promises";
+import { join } from "node:path";
+import type { GuestArtifacts } from "../guest/artifacts.ts";
+import { type ExecOptions, type ExecResult, GuestClient, GuestError } from "../guest/client.ts";
+import type { Accel } from "../qemu/accel.ts";
+import { launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
+import { openChainStore } from "../storage/chain.ts";
+import { createVmDir, writeOwner } from "../vm/workdir.ts";
+import { asSnapshotError, SnapshotError } from "./errors.ts";
+import { migrateFromFile, qmp, qmpFailure, setCapabilities } from "./migrate.ts";
+
+export type VmState =
+  | "starting"
+  | "running"
+  | "paused"
+  | "forking"
+  | "suspending"
+  | "suspended"
+  | "resuming"
+  | "dead";
+
+/** Allowed state changes. Anything else is `invalid_state` (the API's 409). */
+const TRANSITIONS: Record<VmState, readonly VmState[]> = {
+  starting: ["running", "dead"],
+  running: ["paused", "forking", "suspending", "dead"],
+  paused: ["running", "suspending", "dead"],
+  forking: ["running", "dead"],
+  suspending: ["suspended", "running", "dead"],
+  suspended: ["resuming", "dead"],
+  resuming: ["running", "suspended", "dead"],
+  dead: [],
+};
+
+/**
+ * Budget from `cont` to the guest's first HELLO answer after a restore. Under TCG the first
+ * round trip costs ~150 ms (code re-translation, host-facts "Snapshots"); eight children
+ * restoring at once on two cores share that CPU, so 30 s only catches a guest that is gone.
+ */
+export const RESTORE_READY_TIMEOUT_MS = 30_000;
+/**
+ * One HELLO attempt. After a restore the guest's port is open, so a HELLO is never dropped, only
+ * late: attempts are long (reconnecting makes the guest see a disconnect and costs more).
+ */
+const HELLO_ATTEMPT_MS = 5_000;
+/** Restoring a state file: ~8 ms for a template's device state, ~0.3 s for a full 256 MiB image. */
+export const RESTORE_MIGRATION_TIMEOUT_MS = 60_000;
+
+/** Bytes of host randomness mixed into each restored guest (its CRNG state is a copy otherwise). */
+const ENTROPY_BYTES = 64;
+
+export function newSandboxId(): string {
+  return `sbx-${randomBytes(6).toString("hex")}`;
+}
+
+export interface VmShape {
+  dataDir: string;
+  /** Where RAM and fork state files live (tmpfs). */
+  shmRoot: string;
+  artifacts: GuestArtifacts;
+  accel: Accel;
+  memMib: number;
+  vcpus: number;
+  /** The image's base disk (not ours: never deleted); the bottom of every chain. */
+  baseDisk: string;
+  /** Virtual size of the disk, bytes. */
+  diskBytes: number;
+}
+
+export class SandboxVm {
+  state: VmState = "starting";
+  /** Current top overlay (ours, registered in the chain store, held by `holder`). */
+  disk: string;
+  /** QEMU node name of the top of the disk chain (changes with every fork of this VM). */
+  topNode = "disk0";
+  /** The RAM file mapped private (copy-on-write) by this VM's QEMU. */
+  memPath: string;
+  process: VmProcess | undefined;
+  guest: GuestClient | undefined;
+  /** Full RAM image while suspended. */
+  suspendState: string | undefined;
+  /** How many overlays this VM made for itself (names of its next overlay). */
+  generation = 0;
+  private destroying: Promise<void> | undefined;
+
+  constructor(
+    readonly id: string,
+    readonly dir: string,
+    readonly shape: VmShape,
+    disk: string,
+    memPath: string,
+    private readonly log: (m: string) => void = () => {},
+  ) {
+    this.disk = disk;
+    this.memPath = memPath;
+  }
+
+  get holder(): string {
+    return `vm:${this.id}`;
+  }
+
+  /** Moves to `to` if the current state is one of `from` and the table allows it. */
+  begin(from: readonly VmState[], to: VmState): SnapshotError | undefined {
+    if (!from.includes(this.state) || !TRANSITIONS[this.state].includes(to))
+      return new SnapshotError("invalid_state", `VM ${this.id} is ${this.state}; cannot go to ${to}`, {
+        details: { state: this.state, wanted: to },
+      });
+    this.state = to;
+    return undefined;
+  }
+
+  /** Sets a state the operation in progress leads to (checked against the table). */
+  enter(to: VmState): void {
+    if (this.state === to) return;
+    if (!TRANSITIONS[this.state].includes(to)) throw new Error(`internal: ${this.state} -> ${to}`);
+    this.state = to;
+  }
+
+  /** Attaches a running QEMU + guest; an unexpected QEMU exit makes the VM dead and frees it. */
+  attach(process: VmProcess, guest: GuestClient): void {
+    this.process = process;
+    this.guest = guest;
+    process.exited.then((exit) => {
+      if (this.process !== process) return; // an intended stop (suspend) already detached it
+      if (this.state === "dead") return;
+      this.log(`vm ${this.id}: QEMU exited unexpectedly (${exit.signal ?? `code ${exit.code}`})`);
+      void this.destroy();
+    });
+  }
+
+  /** Forgets the QEMU (after an intended exit: suspend), closing the guest connection. */
+  async detach(): Promise<void> {
+    const p = this.process;
+    this.process = undefined;
+    this.guest?.close();
+    this.guest = undefined;
+    await p?.kill();
+  }
+
+  /** Runs a command; a QEMU that dies meanwhile gives `vm_died` at once (never a hang). */
+  async exec(o: ExecOptions): Promise<ExecResult> {
+    const guest = this.guest;
+    const proc = this.process;
+    if (!guest || !proc || (this.state !== "running" && this.state !== "forking"))
+      throw new SnapshotError("invalid_state", `VM ${this.id} is ${this.state}; exec needs a running VM`);
+    try {
+      return await guest.exec(o);
+    } catch (err) {
+      if (err instanceof GuestError && err.code === "guest_disconnected") {
+        const exit = await Promise.race([proc.exited, Bun.sleep(1000).then(() => undefined)]);
+        if (exit || !proc.isAlive())
+          throw new SnapshotError(
+            "vm_died",
+            `VM ${this.id}: QEMU exited during exec (${exit ? (exit.signal ?? `code ${exit.code}`) : "gone"})`,
+            { cause: err, details: { exit } },
+          );
+      }
+      throw err;
+    }
+  }
+
+  /** Kills QEMU, drops this VM's holds on shared files (freeing the unused ones), removes its dir. */
+  destroy(): Promise<void> {
+    this.destroying ??= (async () => {
+      this.state = "dead";
+      this.guest?.close();
+      await this.process?.kill();
+      const chain = await openChainStore(this.shape.dataDir);
+      await chain.release(this.holder);
+      await rm(this.dir, { recursive: true, force: true });
+    })();
+    return this.destroying;
+  }
+}
+
+export interface RestoreArgs {
+  vm: SandboxVm;
+  /** The RAM mapping: the state file's RAM file, private (share=false) for every child. */
+  mem: MemBackend;
+  statePath: string;
+  /** The state was saved with x-ignore-shared (a template / shared fork point): RAM is in `mem`. */
+  ignoreShared: boolean;
+  /** Keep the guest stopped after the restore (no guest connect, no identity): a fork point. */
+  stayPaused?: boolean;
+  readyTimeoutMs?: number;
+}
+
+export interface RestoreTimings {
+  /** QEMU spawn to `cont` answered. */
+  forkMs: number;
+  /** QEMU spawn to the first HELLO answered and the identity set. */
+  readyMs: number;
+  /** Parts: spawn->QMP, migrate-incoming, cont->HELLO, identity. */
+  launchMs: number;
+  incomingMs: number;
+  helloMs: number;
+  identityMs: number;
+}
+
+/**
+ * Restores `vm` from a state file into a new QEMU in `vm.dir` (created if missing) and attaches
+ * it. On failure the QEMU is killed and the error returned as a SnapshotError (the caller frees
+ * the VM's files).
+ */
+export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
+  const { vm } = a;
+  const s = vm.shape;
+  await createVmDir(s.dataDir, vm.id);
+  const t0 = performance.now();
+  let proc: VmProcess | undefined;
+  let guest: GuestClient | undefined;
+  try {
+    proc = await launchVm({
+      dir: vm.dir,
+      artifacts: s.artifacts,
+      disk: vm.disk,
+      memMib: s.memMib,
+      vcpus: s.vcpus,
+      accel: s.accel,
+      hostname: vm.id,
+      memBackend: a.mem,
+      incoming: true,
+      paused: true,
+    });
+    const p = proc;
+    const tLaunch = performance.now();
+    await writeOwner(vm.dir, { ownerPid: process.pid, qemuPid: p.pid, createdAt: new Date().toISOString() });
+    await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
+    await migrateFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
+    const tIncoming = performance.now();
+    if (a.stayPaused) {
+      vm.process = p;
+      const t = performance.now() - t0;
+      return {
+        forkMs: t,
+        readyMs: t,
+        launchMs: tLaunch - t0,
+        incomingMs: tIncoming - tLaunch,
+        helloMs: 0,
+        identityMs: 0,
+      };
+    }
+    // Connect to the agent port BEFORE cont: the guest was saved with a host connected, and when
+    // virtio-serial's post-load check finds the host still connected it sends the guest no
+    // close/open events, so the guest agent reads our HELLO at once (no 50 ms reconnect poll).
+    const deadline = performance.now() + (a.readyTimeoutMs ?? RESTORE_READY_TIMEOUT_MS);
+    const guestP = connectRestoredGuest(p, deadline);
+    guestP.catch(() => {});
+    await qmp(p, "cont");
+    const tCont = performance.now();
+    guest = await guestP;
+    const tHello = performance.now();
+    // Before anyone may use it: the guest's CRNG, clock and hostname are the snapshot's, shared
+    // by every sibling. Reseed (ENTROPY does RNDADDENTROPY + RNDRESEEDCRNG), set the wall clock
+    // (it stood still while saved), and name the VM (hostname must be an RFC 1123 label).
+    await Promise.all([
+      guest.entropy(randomBytes(ENTROPY_BYTES)),
+      guest.setClock(new Date()),
+      guest.setHostname(vm.id),
+    ]);
+    const tReady = performance.now();
+    vm.attach(p, guest);
+    return {
+      forkMs: tCont - t0,
+      readyMs: tReady - t0,
+      launchMs: tLaunch - t0,
+      incomingMs: tIncoming - tLaunch,
+      helloMs: tHello - tCont,
+      identityMs: tReady - tHello,
+    };
+  } catch (err) {
+    guest?.close();
+    let e: SnapshotError;
+    if (err instanceof SnapshotError) e = err;
+    else if (proc && err instanceof GuestError && !proc.isAlive()) e = await qmpFailure(proc, "restore", err);
+    else e = asSnapshotError(err, "spawn_failed", `restoring VM ${vm.id} failed`);
+    await proc?.kill();
+    vm.process = undefined;
+    throw e;
+  }
+}
+
+async function connectRestoredGuest(p: VmProcess, deadline: number): Promise<GuestClient> {
+  let lastErr: unknown;
+  for (;;) {
+    if (!p.isAlive()) throw await qmpFailure(p, "guest reconnect", lastErr);
+    const remaining = deadline - performance.now();
+    if (remaining <= 0)
+      throw new SnapshotError("bringup_timeout", "restored guest did not answer HELLO in time", {
+        cause: lastErr,
+      });
+    try {
+      return await GuestClient.connect(p.agentSocket, {
+        helloTimeoutMs: Math.min(remaining, HELLO_ATTEMPT_MS),
+      });
+    } catch (err) {
+      lastErr = err;
+      await Bun.sleep(20);
+    }
+  }
+}
+
+export function storageDir(dataDir: string): string {
+  return join(dataDir, "storage", "disks");
+}
