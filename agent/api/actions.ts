@@ -1,0 +1,94 @@
+/**
+ * The agent API's typed actions and the one function that carries them out on the manager
+ * (style.md habit 1, after Firecracker's `VmmAction`): app.ts only parses HTTP into an `AgentAction`;
+ * `perform` never sees HTTP and answers with a status and a body.
+ */
+import { rm } from "node:fs/promises";
+import type { CreateVmOpts, TemplateSource } from "../../gateway/agent-api.ts";
+import type { ExecRequest, SandboxManager } from "../sandbox/manager.ts";
+
+export type AgentAction =
+  | { kind: "health" }
+  | { kind: "create"; template: string; opts: CreateVmOpts }
+  | { kind: "execOnce"; template: string; action: ExecRequest }
+  | { kind: "exec"; vmId: string; action: ExecRequest }
+  | { kind: "fork"; vmId: string; count: number }
+  | { kind: "suspend"; vmId: string }
+  | { kind: "resume"; vmId: string }
+  | { kind: "destroy"; vmId: string; force: boolean }
+  | { kind: "info"; vmId: string }
+  | { kind: "list" }
+  | { kind: "buildTemplate"; template: string; source: TemplateSource }
+  | { kind: "templateStatus"; template: string }
+  | { kind: "deleteTemplate"; template: string }
+  | { kind: "expectWidth"; template: string; width: number }
+  | { kind: "releaseTemplate"; template: string };
+
+export interface ActionDeps {
+  manager: SandboxManager;
+  version: string;
+  log: (msg: string) => void;
+}
+
+export type ActionResult = { status: 200 | 201 | 202; body: unknown } | { status: 204 };
+
+export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionResult> {
+  const m = deps.manager;
+  switch (a.kind) {
+    case "health":
+      return {
+        status: 200,
+        body: { ok: true, version: deps.version, capacity: m.capacityNow(), driver: m.driverName },
+      };
+    case "create":
+      return { status: 201, body: await m.create(a.template, a.opts) };
+    case "execOnce":
+      return { status: 200, body: await m.execOnce(a.template, a.action) };
+    case "exec":
+      return { status: 200, body: await m.exec(a.vmId, a.action) };
+    case "fork":
+      return { status: 200, body: { children: await m.fork(a.vmId, a.count) } };
+    case "suspend":
+      return { status: 200, body: await m.suspend(a.vmId) };
+    case "resume":
+      return { status: 200, body: await m.resume(a.vmId) };
+    case "destroy":
+      await m.destroy(a.vmId, { force: a.force });
+      return { status: 204 };
+    case "info":
+      return { status: 200, body: { ...m.info(a.vmId), usage: m.usage(a.vmId) } };
+    case "list":
+      return { status: 200, body: { vms: m.list() } };
+    case "buildTemplate": {
+      const s = a.source;
+      if (s.kind === "upload") {
+        const size = {
+          ...(s.memMib !== undefined ? { memMib: s.memMib } : {}),
+          ...(s.vcpuCount !== undefined ? { vcpus: s.vcpuCount } : {}),
+        };
+        try {
+          m.buildTemplate(a.template, { kind: "archive", path: s.path }, size);
+        } catch (err) {
+          await rm(s.path, { force: true });
+          throw err;
+        }
+        // The agent owns the uploaded file (gateway/agent-api.ts): gone once the build is over.
+        void m.templates.settled(a.template).finally(() => rm(s.path, { force: true }));
+      } else {
+        m.buildTemplate(a.template, { kind: "oci", image: s.image });
+      }
+      return { status: 202, body: m.templates.status(a.template) };
+    }
+    case "templateStatus":
+      return { status: 200, body: m.templates.status(a.template) };
+    case "deleteTemplate":
+      await m.deleteTemplate(a.template);
+      return { status: 204 };
+    case "expectWidth":
+    case "releaseTemplate":
+      // Capacity pre-warming needs the snapshot driver's warm pool; accepted as a hint (both are
+      // optional and idempotent, spec 4.2) once the template is known.
+      m.templates.status(a.template);
+      return { status: 204 };
+  }
+}

@@ -1,0 +1,174 @@
+/**
+ * The agent's own HTTP API (docs/agent-api.md), called only by the gateway through
+ * `AgentHttpClient` (client.ts). Handlers only parse: every request becomes a typed
+ * `AgentAction` (zod at the edge) that `perform` (actions.ts) runs on the manager; errors become
+ * `{code, message}` in one place (errors.ts). Every route needs the gateway's short-lived JWT.
+ */
+import { randomBytes } from "node:crypto";
+import { mkdir, rm } from "node:fs/promises";
+import { join } from "node:path";
+import { Hono } from "hono";
+import { bodyLimit } from "hono/body-limit";
+import type { z } from "zod";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { SandboxManager } from "../sandbox/manager.ts";
+import { type AgentAction, perform } from "./actions.ts";
+import { secretKey, verifyAgentToken } from "./auth.ts";
+import { mapAgentError } from "./errors.ts";
+import {
+  CreateBody,
+  DeleteQuery,
+  ExecBody,
+  ExecOnceBody,
+  ForkBody,
+  OciBuildBody,
+  TemplateRefParam,
+  UploadQuery,
+  VmIdParam,
+  WidthBody,
+} from "./schemas.ts";
+
+export interface AgentAppDeps {
+  manager: SandboxManager;
+  /** Shared with the gateway; HS256 key of the request tokens (>= 32 bytes). */
+  secret: string | Uint8Array;
+  /** Uploaded template images are staged here until their build ends. */
+  uploadDir: string;
+  version?: string;
+  log?: (msg: string) => void;
+}
+
+/**
+ * JSON bodies are small (an exec's files are capped by the guest frame size anyway); 32 MiB
+ * refuses a runaway body before it is buffered. Image uploads are streamed to disk instead.
+ */
+const MAX_JSON_BODY_BYTES = 32 * 1024 * 1024;
+
+export const AGENT_API_PREFIX = "/v1";
+
+export function createAgentApp(deps: AgentAppDeps): Hono {
+  const key = secretKey(deps.secret);
+  const log = deps.log ?? (() => {});
+  const actionDeps = { manager: deps.manager, version: deps.version ?? "sandboxd-agent-dev", log };
+  const app = new Hono();
+
+  app.onError((err, c) => {
+    const { status, body } = mapAgentError(err);
+    if (status >= 500) log(`${c.req.method} ${c.req.path}: ${status} ${body.code}: ${body.message}`);
+    return c.json(body, status);
+  });
+  app.notFound((c) => c.json({ code: "not_found", message: `no route ${c.req.method} ${c.req.path}` }, 404));
+
+  app.use("*", async (c, next) => {
+    const v = await verifyAgentToken(key, c.req.header("authorization"));
+    if (!v.ok) throw v.error;
+    await next();
+  });
+
+  const json = bodyLimit({
+    maxSize: MAX_JSON_BODY_BYTES,
+    onError: () => {
+      throw new SandboxdError("payload_too_large", `request body exceeds ${MAX_JSON_BODY_BYTES} bytes`);
+    },
+  });
+
+  const run = async (action: AgentAction) => {
+    const r = await perform(actionDeps, action);
+    return r.status === 204
+      ? new Response(null, { status: 204 })
+      : Response.json(r.body, { status: r.status });
+  };
+
+  const r = new Hono();
+  r.get("/health", () => run({ kind: "health" }));
+  r.get("/vms", () => run({ kind: "list" }));
+  r.post("/vms", json, async (c) => {
+    const b = parse(CreateBody, await body(c.req.raw));
+    const opts = b.egressAllow ? { kind: b.kind, egressAllow: b.egressAllow } : { kind: b.kind };
+    return run({ kind: "create", template: b.template, opts });
+  });
+  r.post("/exec-once", json, async (c) => {
+    const b = parse(ExecOnceBody, await body(c.req.raw));
+    return run({ kind: "execOnce", template: b.template, action: b.action });
+  });
+  r.get("/vms/:id", (c) => run({ kind: "info", vmId: parse(VmIdParam, c.req.param("id")) }));
+  r.post("/vms/:id/exec", json, async (c) =>
+    run({
+      kind: "exec",
+      vmId: parse(VmIdParam, c.req.param("id")),
+      action: parse(ExecBody, await body(c.req.raw)),
+    }),
+  );
+  r.post("/vms/:id/fork", json, async (c) =>
+    run({
+      kind: "fork",
+      vmId: parse(VmIdParam, c.req.param("id")),
+      count: parse(ForkBody, await body(c.req.raw)).count,
+    }),
+  );
+  r.post("/vms/:id/suspend", (c) => run({ kind: "suspend", vmId: parse(VmIdParam, c.req.param("id")) }));
+  r.post("/vms/:id/resume", (c) => run({ kind: "resume", vmId: parse(VmIdParam, c.req.param("id")) }));
+  r.delete("/vms/:id", (c) =>
+    run({
+      kind: "destroy",
+      vmId: parse(VmIdParam, c.req.param("id")),
+      force: parse(DeleteQuery, c.req.query()).force,
+    }),
+  );
+
+  r.put("/templates/:ref/upload", async (c) => {
+    const template = parse(TemplateRefParam, c.req.param("ref"));
+    const q = parse(UploadQuery, c.req.query());
+    if (!c.req.raw.body) throw new SandboxdError("bad_request", "the image upload has no body");
+    await mkdir(deps.uploadDir, { recursive: true, mode: 0o700 });
+    const path = join(deps.uploadDir, `${randomBytes(8).toString("hex")}.upload`);
+    try {
+      // Streamed to disk as it arrives: images may be several GB (spec 4.1).
+      await Bun.write(path, new Response(c.req.raw.body));
+    } catch (err) {
+      await rm(path, { force: true });
+      throw new SandboxdError("bad_request", "the image upload was interrupted", { cause: err });
+    }
+    return run({ kind: "buildTemplate", template, source: { kind: "upload", path, ...q } });
+  });
+  r.put("/templates/:ref", json, async (c) => {
+    const template = parse(TemplateRefParam, c.req.param("ref"));
+    const b = parse(OciBuildBody, await body(c.req.raw));
+    return run({ kind: "buildTemplate", template, source: { kind: "oci", ...b } });
+  });
+  r.get("/templates/:ref", (c) =>
+    run({ kind: "templateStatus", template: parse(TemplateRefParam, c.req.param("ref")) }),
+  );
+  r.delete("/templates/:ref", (c) =>
+    run({ kind: "deleteTemplate", template: parse(TemplateRefParam, c.req.param("ref")) }),
+  );
+  r.post("/templates/:ref/expect", json, async (c) =>
+    run({
+      kind: "expectWidth",
+      template: parse(TemplateRefParam, c.req.param("ref")),
+      width: parse(WidthBody, await body(c.req.raw)).width,
+    }),
+  );
+  r.post("/templates/:ref/release", (c) =>
+    run({ kind: "releaseTemplate", template: parse(TemplateRefParam, c.req.param("ref")) }),
+  );
+  app.route(AGENT_API_PREFIX, r);
+  return app;
+}
+
+async function body(req: Request): Promise<unknown> {
+  try {
+    return await req.json();
+  } catch (err) {
+    throw new SandboxdError("bad_request", "the body is not JSON", { cause: err });
+  }
+}
+
+function parse<T extends z.ZodType>(schema: T, value: unknown): z.infer<T> {
+  const r = schema.safeParse(value);
+  if (!r.success) {
+    const issues = r.error.issues.map((i) => `${i.path.join(".") || "(root)"}: ${i.message}`).join("; ");
+    throw new SandboxdError("bad_request", issues, { cause: r.error });
+  }
+  return r.data;
+}

@@ -1,0 +1,263 @@
+/**
+ * `AgentApi` (gateway/agent-api.ts) over the agent's HTTP API (app.ts, docs/agent-api.md): the
+ * gateway's handle on one host agent. Every request carries a fresh short-lived JWT; every answer
+ * is checked with the same zod schemas the agent uses; an agent error comes back as the same
+ * `SandboxdError` code it had on the agent. An agent that does not answer (refused, reset, or
+ * silent past the call's deadline) is a `SandboxdError("agent_unavailable")`, never a hang.
+ */
+import { createReadStream } from "node:fs";
+import { rm, stat } from "node:fs/promises";
+import { Readable } from "node:stream";
+import type { z } from "zod";
+import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type {
+  AgentApi,
+  AgentHealth,
+  CreatedVm,
+  CreateVmOpts,
+  ExecAction,
+  ExecResult,
+  OneShotResult,
+  ResumeResult,
+  SuspendResult,
+  TemplateBuildStatus,
+  TemplateRef,
+  TemplateSource,
+  Tunnel,
+  VmId,
+} from "../../gateway/agent-api.ts";
+import { AGENT_API_PREFIX } from "./app.ts";
+import { secretKey, signAgentToken } from "./auth.ts";
+import {
+  CreatedVmSchema,
+  ErrorBody,
+  ExecResultSchema,
+  ForkResultSchema,
+  HealthSchema,
+  MAX_EXEC_TIMEOUT_MS,
+  OneShotResultSchema,
+  ResumeResultSchema,
+  SuspendResultSchema,
+  TemplateStatusSchema,
+} from "./schemas.ts";
+
+/** Deadlines per kind of call, ms. Each is the longest the agent can legitimately take. */
+export interface AgentTimeouts {
+  /** Health and template status: answered from memory in ms; 5 s means the agent is stuck. */
+  quick: number;
+  /** Create, exec-once, fork, suspend, resume: a cold boot's 60 s bring-up deadline + queueing. */
+  vmOp: number;
+  /** Added to an exec's own timeout: file writes, the guest's kill + drain, the trip back. */
+  execGrace: number;
+  /** A normal destroy waits for the in-flight exec, which may run up to its own timeout. */
+  destroy: number;
+  /** Streaming a template image (multi-GB, spec 4.1) to the agent. */
+  upload: number;
+}
+
+export const DEFAULT_AGENT_TIMEOUTS: AgentTimeouts = {
+  quick: 5_000,
+  vmOp: 120_000,
+  execGrace: 30_000,
+  destroy: MAX_EXEC_TIMEOUT_MS + 60_000,
+  upload: 30 * 60_000,
+};
+
+export interface AgentHttpClientOptions {
+  /** e.g. `http://10.0.0.5:7070` */
+  baseUrl: string;
+  secret: string | Uint8Array;
+  timeouts?: Partial<AgentTimeouts>;
+}
+
+export class AgentHttpClient implements AgentApi {
+  private readonly key: Uint8Array;
+  private readonly base: string;
+  private readonly t: AgentTimeouts;
+
+  constructor(opts: AgentHttpClientOptions) {
+    this.key = secretKey(opts.secret);
+    this.base = `${opts.baseUrl.replace(/\/+$/, "")}${AGENT_API_PREFIX}`;
+    this.t = { ...DEFAULT_AGENT_TIMEOUTS, ...opts.timeouts };
+  }
+
+  createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
+    return this.call("POST", "/vms", { template, ...opts }, this.t.vmOp, CreatedVmSchema);
+  }
+
+  execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
+    return this.call(
+      "POST",
+      "/exec-once",
+      { template, action },
+      this.t.vmOp + action.timeoutMs + this.t.execGrace,
+      OneShotResultSchema,
+    );
+  }
+
+  exec(vmId: VmId, action: ExecAction): Promise<ExecResult> {
+    return this.call(
+      "POST",
+      `/vms/${enc(vmId)}/exec`,
+      action,
+      action.timeoutMs + this.t.execGrace,
+      ExecResultSchema,
+    );
+  }
+
+  async fork(vmId: VmId, count: number): Promise<CreatedVm[]> {
+    const r = await this.call("POST", `/vms/${enc(vmId)}/fork`, { count }, this.t.vmOp, ForkResultSchema);
+    return r.children;
+  }
+
+  suspend(vmId: VmId): Promise<SuspendResult> {
+    return this.call("POST", `/vms/${enc(vmId)}/suspend`, undefined, this.t.vmOp, SuspendResultSchema);
+  }
+
+  resume(vmId: VmId): Promise<ResumeResult> {
+    return this.call("POST", `/vms/${enc(vmId)}/resume`, undefined, this.t.vmOp, ResumeResultSchema);
+  }
+
+  async destroy(vmId: VmId, opts: { force: boolean }): Promise<void> {
+    // A force destroy kills at once; a normal one may wait for the in-flight exec.
+    const timeout = opts.force ? this.t.vmOp : this.t.destroy;
+    await this.call("DELETE", `/vms/${enc(vmId)}?force=${opts.force}`, undefined, timeout, null);
+  }
+
+  async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
+    if (source.kind === "upload") {
+      const q = new URLSearchParams();
+      if (source.memMib !== undefined) q.set("memMib", String(source.memMib));
+      if (source.vcpuCount !== undefined) q.set("vcpuCount", String(source.vcpuCount));
+      if (source.waitSecs !== undefined) q.set("waitSecs", String(source.waitSecs));
+      const size = (await stat(source.path)).size;
+      const body = Readable.toWeb(createReadStream(source.path)) as ReadableStream<Uint8Array>;
+      try {
+        await this.call("PUT", `/templates/${enc(template)}/upload?${q}`, body, this.t.upload, null, {
+          "content-type": "application/octet-stream",
+          "content-length": String(size),
+        });
+      } finally {
+        // The agent owns the image from now on (gateway/agent-api.ts): our copy goes.
+        await rm(source.path, { force: true });
+      }
+      return;
+    }
+    const { kind: _kind, ...oci } = source;
+    await this.call("PUT", `/templates/${enc(template)}`, oci, this.t.quick, null);
+  }
+
+  templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
+    return this.call("GET", `/templates/${enc(template)}`, undefined, this.t.quick, TemplateStatusSchema);
+  }
+
+  async deleteTemplate(template: TemplateRef): Promise<void> {
+    await this.call("DELETE", `/templates/${enc(template)}`, undefined, this.t.quick, null);
+  }
+
+  async expectWidth(template: TemplateRef, width: number): Promise<void> {
+    await this.call("POST", `/templates/${enc(template)}/expect`, { width }, this.t.quick, null);
+  }
+
+  async releaseTemplate(template: TemplateRef): Promise<void> {
+    await this.call("POST", `/templates/${enc(template)}/release`, undefined, this.t.quick, null);
+  }
+
+  async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
+    throw new SandboxdError("unsupported", "tunnels to guest ports are not implemented by the agent yet");
+  }
+
+  async health(): Promise<AgentHealth> {
+    const h = await this.call("GET", "/health", undefined, this.t.quick, HealthSchema);
+    return { ok: h.ok, version: h.version, capacity: h.capacity };
+  }
+
+  // -------------------------------------------------------------------------------------------
+
+  private async call<T extends z.ZodType>(
+    method: string,
+    path: string,
+    body: unknown,
+    timeoutMs: number,
+    schema: T,
+    headers?: Record<string, string>,
+  ): Promise<z.infer<T>>;
+  private async call(
+    method: string,
+    path: string,
+    body: unknown,
+    timeoutMs: number,
+    schema: null,
+    headers?: Record<string, string>,
+  ): Promise<void>;
+  private async call(
+    method: string,
+    path: string,
+    body: unknown,
+    timeoutMs: number,
+    schema: z.ZodType | null,
+    headers: Record<string, string> = {},
+  ): Promise<unknown> {
+    const url = `${this.base}${path}`;
+    const h: Record<string, string> = {
+      authorization: `Bearer ${await signAgentToken(this.key)}`,
+      ...headers,
+    };
+    let payload: RequestInit["body"];
+    if (body instanceof ReadableStream) payload = body;
+    else if (body !== undefined) {
+      payload = JSON.stringify(body);
+      h["content-type"] = "application/json";
+    }
+    // One deadline for the whole exchange, body included: a silent agent cannot hold us longer.
+    const signal = AbortSignal.timeout(timeoutMs);
+    let res: Response;
+    let text: string;
+    try {
+      res = await fetch(url, { method, headers: h, body: payload, signal });
+      text = await res.text();
+    } catch (err) {
+      const timedOut = signal.aborted;
+      throw new SandboxdError(
+        "agent_unavailable",
+        timedOut
+          ? `agent ${this.base} did not answer ${method} ${path} within ${timeoutMs} ms`
+          : `agent ${this.base} is unreachable (${method} ${path})`,
+        { cause: err, details: { url, timeoutMs, timedOut } },
+      );
+    }
+    if (!res.ok) {
+      let parsed: { code: string; message: string } | undefined;
+      try {
+        const r = ErrorBody.safeParse(JSON.parse(text));
+        if (r.success) parsed = r.data;
+      } catch {
+        parsed = undefined;
+      }
+      if (parsed) throw new SandboxdError(parsed.code, parsed.message, { details: { status: res.status } });
+      throw new SandboxdError(
+        "internal",
+        `agent answered ${res.status} to ${method} ${path}: ${text.slice(0, 200)}`,
+      );
+    }
+    if (schema === null) return undefined;
+    let json: unknown;
+    try {
+      json = JSON.parse(text);
+    } catch (err) {
+      throw new SandboxdError("internal", `agent answered ${method} ${path} with non-JSON`, { cause: err });
+    }
+    const r = schema.safeParse(json);
+    if (!r.success) {
+      throw new SandboxdError("internal", `agent answered ${method} ${path} with an unexpected body`, {
+        cause: r.error,
+      });
+    }
+    return r.data;
+  }
+}
+
+function enc(s: string): string {
+  return encodeURIComponent(s);
+}

@@ -1,0 +1,369 @@
+/**
+ * A `SandboxDriver` that cold-boots every VM from an imported image (agent/vm/boot.ts): no
+ * snapshots, so fork, suspend and resume throw `unsupported`. It is the driver of the tests that
+ * use REAL VMs, and of hosts where the snapshot engine is not available. Spawn is a full boot
+ * (~2-3 s under TCG, host-facts.md), not the ~200 ms of a snapshot restore.
+ */
+import { readdir, readFile, rm, stat } from "node:fs/promises";
+import { join } from "node:path";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts";
+import type { GuestClient } from "../guest/client.ts";
+import { type ImportedImage, importImage } from "../image/import.ts";
+import { type Accel, probeAccelerator } from "../qemu/accel.ts";
+import { QmpClient } from "../qemu/qmp/client.ts";
+import { bootVm, connectGuest } from "../vm/boot.ts";
+import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../vm/workdir.ts";
+import type {
+  AdoptRef,
+  DriverVm,
+  PreparedTemplate,
+  SandboxDriver,
+  TemplateInput,
+  VmExitInfo,
+  VmSize,
+} from "./driver.ts";
+
+export interface BootDriverOptions {
+  /** Where guest artifacts and imported images are cached (shared between agents and tests). */
+  cacheDir: string;
+  /** The agent's own state: `<stateDir>/vms/<id>/` per VM. */
+  stateDir: string;
+  log?: (msg: string) => void;
+  /** Override the probe (tests); default: probe KVM, else TCG. */
+  accel?: Accel;
+}
+
+/**
+ * Bring-up deadline for a cold boot: TCG boots in ~3 s on these hosts; 60 s leaves room for a
+ * loaded CI machine running several boots at once (same budget as `sandboxd run`).
+ */
+const COLD_BOOT_TIMEOUT_MS = 60_000;
+/** QMP connect budget on adoption: a live QEMU greets in ~30 ms; 5 s means it is wedged. */
+const ADOPT_QMP_TIMEOUT_MS = 5_000;
+/**
+ * HELLO budget on adoption: a running guest answers in ~50 ms under TCG; the guest agent may
+ * first have to notice the old connection's hang-up, so allow a few retry rounds.
+ */
+const ADOPT_HELLO_TIMEOUT_MS = 10_000;
+/** How long to wait for a SIGKILLed QEMU to disappear (it exits within milliseconds). */
+const KILL_WAIT_MS = 5_000;
+
+interface Live {
+  handle: DriverVm;
+  qmp: QmpClient;
+  /** Resolves once QEMU is gone (process exit, or for adopted VMs the QMP hang-up + pid gone). */
+  exited: Promise<VmExitInfo>;
+  kill(): Promise<void>;
+  destroying: boolean;
+}
+
+export class BootDriver implements SandboxDriver {
+  readonly name: string;
+  private readonly templates = new Map<string, ImportedImage>();
+  private readonly live = new Map<string, Live>();
+  private detached = false;
+  private readonly log: (msg: string) => void;
+
+  private constructor(
+    private readonly opts: BootDriverOptions,
+    private readonly artifacts: GuestArtifacts,
+    private readonly accel: Accel,
+  ) {
+    this.name = `boot (${accel})`;
+    this.log = opts.log ?? (() => {});
+  }
+
+  static async create(opts: BootDriverOptions): Promise<BootDriver> {
+    const [artifacts, accel] = await Promise.all([
+      ensureGuestArtifacts({ dataDir: opts.cacheDir, log: opts.log }),
+      opts.accel ? Promise.resolve(opts.accel) : probeAccelerator({ log: opts.log }).then((a) => a.accel),
+    ]);
+    return new BootDriver(opts, artifacts, accel);
+  }
+
+  async prepareTemplate(templateId: string, input: TemplateInput): Promise<PreparedTemplate> {
+    if (input.kind !== "archive") {
+      throw new SandboxdError("unsupported", "this agent builds templates from image archives only");
+    }
+    const image = await importImage({ source: input.path, dataDir: this.opts.cacheDir, log: this.log });
+    this.templates.set(templateId, image);
+    return { image: image.config, exposedPorts: image.config.exposedPorts };
+  }
+
+  async restoreTemplate(templateId: string, prepared: PreparedTemplate): Promise<void> {
+    // The image cache is content-addressed (agent/image/import.ts): the digest finds the disk.
+    const dir = join(this.opts.cacheDir, "images", prepared.image.digest.slice("sha256:".length));
+    const disk = join(dir, "rootfs.qcow2");
+    await stat(disk);
+    this.templates.set(templateId, {
+      digest: prepared.image.digest,
+      dir,
+      disk,
+      config: prepared.image,
+      cached: true,
+      format: "docker-archive",
+    });
+  }
+
+  async dropTemplate(templateId: string): Promise<void> {
+    // The image stays in the content-addressed cache: other templates may share it.
+    this.templates.delete(templateId);
+  }
+
+  async spawn(templateId: string, vmId: string, size: VmSize): Promise<DriverVm> {
+    const image = this.templates.get(templateId);
+    if (!image) throw new SandboxdError("not_found", `template ${templateId} is not prepared on this agent`);
+    let booted: Awaited<ReturnType<typeof bootVm>>;
+    try {
+      booted = await bootVm({
+        dataDir: this.opts.stateDir,
+        image,
+        artifacts: this.artifacts,
+        accel: this.accel,
+        memMib: size.memMib,
+        vcpus: size.vcpus,
+        bringupTimeoutMs: COLD_BOOT_TIMEOUT_MS,
+        id: vmId,
+        log: this.log,
+      });
+    } catch (err) {
+      if (err instanceof SandboxdError && (err.code === "spawn_failed" || err.code === "bringup_timeout"))
+        throw err;
+      throw new SandboxdError("spawn_failed", `VM ${vmId} did not start`, { cause: err });
+    }
+    const handle: DriverVm = {
+      vmId,
+      templateId,
+      guest: booted.guest,
+      image: image.config,
+      size,
+      qemuPid: booted.vm.pid,
+      dir: booted.dir,
+      spawnMs: booted.bootMs,
+    };
+    const exited = booted.vm.exited.then((e) => ({
+      reason: `QEMU exited (${e.signal ? `signal ${e.signal}` : `code ${e.code}`})`,
+    }));
+    this.live.set(vmId, {
+      handle,
+      qmp: booted.vm.qmp,
+      exited,
+      kill: () => booted.destroy(),
+      destroying: false,
+    });
+    return handle;
+  }
+
+  async fork(): Promise<DriverVm[]> {
+    throw new SandboxdError("unsupported", "fork needs the snapshot driver; this agent cold-boots VMs");
+  }
+
+  async suspend(): Promise<{ memBytes: number; snapshotBytes: number }> {
+    throw new SandboxdError("unsupported", "suspend needs the snapshot driver; this agent cold-boots VMs");
+  }
+
+  async resume(): Promise<DriverVm> {
+    throw new SandboxdError("unsupported", "resume needs the snapshot driver; this agent cold-boots VMs");
+  }
+
+  async pause(vm: DriverVm): Promise<void> {
+    await this.mustLive(vm).qmp.execute("stop");
+  }
+
+  async unpause(vm: DriverVm): Promise<void> {
+    await this.mustLive(vm).qmp.execute("cont");
+  }
+
+  async destroy(vmId: string, vm: DriverVm | undefined): Promise<void> {
+    const l = this.live.get(vm?.vmId ?? vmId);
+    if (l) {
+      l.destroying = true;
+      l.handle.guest.close();
+      await l.kill();
+      this.live.delete(vmId);
+    }
+    await rm(join(vmsRoot(this.opts.stateDir), vmId), { recursive: true, force: true });
+  }
+
+  onExit(vm: DriverVm, cb: (info: VmExitInfo) => void): void {
+    const l = this.live.get(vm.vmId);
+    if (!l) return;
+    void l.exited.then((info) => {
+      if (this.detached || l.destroying) return;
+      this.live.delete(vm.vmId);
+      l.qmp.close();
+      l.handle.guest.close();
+      cb(info);
+    });
+  }
+
+  async diskBytes(vmId: string): Promise<number> {
+    try {
+      const st = await stat(join(vmsRoot(this.opts.stateDir), vmId, "disk.qcow2"));
+      return st.blocks * 512;
+    } catch {
+      return 0;
+    }
+  }
+
+  async adopt(ref: AdoptRef): Promise<DriverVm> {
+    const image = this.templates.get(ref.templateId);
+    if (!image) throw new SandboxdError("not_found", `template ${ref.templateId} is gone`);
+    const dir = join(vmsRoot(this.opts.stateDir), ref.vmId);
+    if (!pidAlive(ref.qemuPid) || !(await isQemuFor(ref.qemuPid, dir))) {
+      throw new SandboxdError("vm_lost", `QEMU pid ${ref.qemuPid} is not running`);
+    }
+    const started = performance.now();
+    let qmp: QmpClient;
+    try {
+      qmp = await QmpClient.connect(join(dir, "qmp.sock"), { timeoutMs: ADOPT_QMP_TIMEOUT_MS });
+    } catch (err) {
+      throw new SandboxdError("vm_lost", "QMP socket does not answer", { cause: err });
+    }
+    const exited = waitGone(qmp, ref.qemuPid);
+    let guest: GuestClient;
+    try {
+      const status = await qmp.execute<{ running: boolean; status: string }>("query-status");
+      // A paused guest cannot answer HELLO: wake it; the manager re-arms its idle pause.
+      if (!status.running) await qmp.execute("cont");
+      guest = await connectGuest(
+        {
+          agentSocket: join(dir, "agent.sock"),
+          consoleLog: join(dir, "console.log"),
+          exited: exited.then(() => ({ code: null, signal: null })),
+        },
+        ADOPT_HELLO_TIMEOUT_MS,
+      );
+    } catch (err) {
+      qmp.close();
+      throw new SandboxdError("vm_lost", "guest agent does not answer HELLO", { cause: err });
+    }
+    // The new owner of the directory is this process (reap uses it to tell live agents apart).
+    await writeOwner(dir, {
+      ownerPid: process.pid,
+      qemuPid: ref.qemuPid,
+      createdAt: new Date().toISOString(),
+    });
+    const handle: DriverVm = {
+      vmId: ref.vmId,
+      templateId: ref.templateId,
+      guest,
+      image: image.config,
+      size: ref.size,
+      qemuPid: ref.qemuPid,
+      dir,
+      spawnMs: performance.now() - started,
+    };
+    const kill = async () => {
+      guest.close();
+      if (await isQemuFor(ref.qemuPid, dir)) {
+        try {
+          process.kill(ref.qemuPid, "SIGKILL");
+        } catch {
+          // already gone
+        }
+      }
+      await Promise.race([exited, Bun.sleep(KILL_WAIT_MS)]);
+      qmp.close();
+      await rm(dir, { recursive: true, force: true });
+    };
+    this.live.set(ref.vmId, { handle, qmp, exited, kill, destroying: false });
+    return handle;
+  }
+
+  async reap(keep: ReadonlySet<string>): Promise<string[]> {
+    const root = vmsRoot(this.opts.stateDir);
+    let ids: string[];
+    try {
+      ids = await readdir(root);
+    } catch {
+      return [];
+    }
+    const reaped: string[] = [];
+    for (const id of ids) {
+      if (keep.has(id) || this.live.has(id)) continue;
+      const dir = join(root, id);
+      let owner: VmOwner | undefined;
+      try {
+        owner = JSON.parse(await readFile(join(dir, "owner.json"), "utf8")) as VmOwner;
+      } catch {
+        owner = undefined;
+      }
+      // Another live agent process on the same state dir is a misconfiguration; never kill its VMs.
+      if (owner && owner.ownerPid !== process.pid && pidAlive(owner.ownerPid)) continue;
+      const pid = owner?.qemuPid ?? (await readPid(join(dir, "qemu.pid")));
+      if (pid && (await isQemuFor(pid, dir))) {
+        try {
+          process.kill(pid, "SIGKILL");
+        } catch {
+          // already gone
+        }
+        const deadline = performance.now() + KILL_WAIT_MS;
+        while (pidAlive(pid) && (await isQemuFor(pid, dir)) && performance.now() < deadline)
+          await Bun.sleep(20);
+      }
+      await rm(dir, { recursive: true, force: true });
+      reaped.push(id);
+    }
+    return reaped;
+  }
+
+  detach(): void {
+    this.detached = true;
+    for (const l of this.live.values()) {
+      l.handle.guest.close();
+      l.qmp.close();
+    }
+    this.live.clear();
+  }
+
+  private mustLive(vm: DriverVm): Live {
+    const l = this.live.get(vm.vmId);
+    if (!l) throw new SandboxdError("gone", `VM ${vm.vmId} has no QEMU`);
+    return l;
+  }
+}
+
+/** True when `pid` is a QEMU started for `dir` (guards against a recycled pid). */
+async function isQemuFor(pid: number, dir: string): Promise<boolean> {
+  try {
+    const cmdline = await readFile(`/proc/${pid}/cmdline`, "utf8");
+    return cmdline.includes("qemu-system") && cmdline.includes(dir);
+  } catch {
+    return false;
+  }
+}
+
+async function readPid(path: string): Promise<number | undefined> {
+  try {
+    const n = Number.parseInt((await readFile(path, "utf8")).trim(), 10);
+    return Number.isFinite(n) && n > 0 ? n : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * Death of a QEMU we did not spawn (adopted after a restart): no exit event reaches us, but QEMU
+ * dying closes its QMP socket. The pid check then tells a hang-up of ours from a real death.
+ */
+async function waitGone(qmp: QmpClient, pid: number): Promise<VmExitInfo> {
+  await qmp.closed;
+  // A zombie (our own child, not yet reaped) still answers kill(0); /proc says it is dead.
+  // 50 x 20 ms: a SIGKILLed QEMU is gone within milliseconds of its socket closing.
+  for (let i = 0; i < 50; i++) {
+    if (!pidAlive(pid) || (await isZombie(pid))) return { reason: "QEMU exited (adopted VM)" };
+    await Bun.sleep(20);
+  }
+  return { reason: "QMP connection to the adopted VM closed" };
+}
+
+async function isZombie(pid: number): Promise<boolean> {
+  try {
+    const s = await readFile(`/proc/${pid}/stat`, "utf8");
+    return s.slice(s.lastIndexOf(")") + 2).startsWith("Z");
+  } catch {
+    return true;
+  }
+}

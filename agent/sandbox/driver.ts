@@ -1,0 +1,107 @@
+/**
+ * What the sandbox manager needs from the VM layer, and nothing more. The manager owns states,
+ * serialization, idle pause, records and accounting; a driver owns QEMU processes, disks and
+ * snapshots. Two implementations: `BootDriver` (boot-driver.ts: cold boot from an imported image,
+ * no fork/suspend; used by the tests with real VMs) and the snapshot engine's driver
+ * (agent/snapshot/, another issue: template snapshots, fork, suspend/resume).
+ *
+ * Contract for implementations:
+ * - Every method throws `SandboxdError`s; `unsupported` when the driver cannot do it at all,
+ *   `spawn_failed` / `bringup_timeout` when a VM did not come up, anything else is a failure.
+ * - A handle's `guest` is connected (HELLO answered) when the handle is returned.
+ * - `onExit` fires at most once per handle, when its QEMU is gone for any reason other than
+ *   `destroy` (kill -9, guest panic with -no-reboot, OOM killer). It may fire before or after the
+ *   guest connection drops; the manager copes with either order.
+ * - Each VM lives in `<stateDir>/vms/<vmId>/` (agent/vm/workdir.ts); `reap` removes what no record
+ *   claims.
+ */
+import type { GuestClient } from "../guest/client.ts";
+import type { ImageConfig } from "../image/import.ts";
+
+export interface VmSize {
+  vcpus: number;
+  memMib: number;
+}
+
+/** Why a QEMU went away, in words for `failed` reasons and logs. */
+export interface VmExitInfo {
+  reason: string;
+}
+
+/** A VM with a live QEMU and a connected guest. Opaque to the manager apart from these fields. */
+export interface DriverVm {
+  readonly vmId: string;
+  readonly templateId: string;
+  readonly guest: GuestClient;
+  /** The image's config: Env, WorkingDir, User, Entrypoint, Cmd (exec runs as Docker would). */
+  readonly image: ImageConfig;
+  readonly size: VmSize;
+  readonly qemuPid: number;
+  /** The VM's directory (sockets, overlay, console log). */
+  readonly dir: string;
+  /** QEMU spawn (or restore) to the guest's first answer, ms. */
+  readonly spawnMs: number;
+}
+
+/** What a template becomes once prepared: everything a spawn needs to know up front. */
+export interface PreparedTemplate {
+  image: ImageConfig;
+  exposedPorts: number[];
+}
+
+export type TemplateInput =
+  /** An image archive or OCI layout on this host; the driver may move or delete it. */
+  | { kind: "archive"; path: string; size?: Partial<VmSize> }
+  /** An OCI reference to pull (Family B bake). */
+  | { kind: "oci"; image: string };
+
+export interface SandboxDriver {
+  /** Readable name for health output and logs, e.g. "boot (tcg)". */
+  readonly name: string;
+  /** Turns a template source into something `spawn` can start, e.g. import + bake. */
+  prepareTemplate(templateId: string, input: TemplateInput, signal: AbortSignal): Promise<PreparedTemplate>;
+  /** Frees a template's own files. Called only once no VM uses it. */
+  dropTemplate(templateId: string): Promise<void>;
+  /** Re-registers a template prepared before an agent restart (from the template record). */
+  restoreTemplate(templateId: string, prepared: PreparedTemplate): Promise<void>;
+
+  spawn(templateId: string, vmId: string, size: VmSize): Promise<DriverVm>;
+  /** Copy-on-write children of a running VM; the parent keeps running. */
+  fork(parent: DriverVm, childIds: string[]): Promise<DriverVm[]>;
+  /** Saves the VM to disk and stops its QEMU; the handle is dead afterwards. */
+  suspend(vm: DriverVm): Promise<{ memBytes: number; snapshotBytes: number }>;
+  resume(vmId: string, templateId: string, size: VmSize): Promise<DriverVm>;
+  /** Stops / restarts the vCPUs (QMP `stop` / `cont`); the guest connection stays open. */
+  pause(vm: DriverVm): Promise<void>;
+  unpause(vm: DriverVm): Promise<void>;
+  /**
+   * Kills the QEMU (when a handle is given), and removes everything the VM owns on disk,
+   * including a suspended VM's snapshot. Idempotent; never fires `onExit`.
+   */
+  destroy(vmId: string, vm: DriverVm | undefined): Promise<void>;
+  onExit(vm: DriverVm, cb: (info: VmExitInfo) => void): void;
+  /** Bytes of the VM's own writable disk (its overlay), for metering. */
+  diskBytes(vmId: string): Promise<number>;
+
+  /**
+   * Reconnects to a VM started before an agent restart: QEMU alive, QMP answers, guest answers
+   * HELLO. Throws a `SandboxdError` whose message is the reason when it cannot.
+   */
+  adopt(ref: AdoptRef): Promise<DriverVm>;
+  /** Kills and removes every VM directory whose id is not in `keep`. Returns the ids reaped. */
+  reap(keep: ReadonlySet<string>): Promise<string[]>;
+  /**
+   * Closes this driver's connections WITHOUT killing any VM: what an agent process exit does.
+   * Used to hand VMs over to a new manager (restart) and by tests that simulate a restart.
+   */
+  detach(): void;
+}
+
+export interface AdoptRef {
+  vmId: string;
+  templateId: string;
+  size: VmSize;
+  qemuPid: number;
+  /** Whether the VM was idle-paused when the record was written. */
+  paused: boolean;
+}

@@ -1,0 +1,844 @@
+/**
+ * The sandbox manager: every live VM on this host, its state (states.ts, one table), its
+ * records on disk (agent/records), idle pause, accounting, and the exec rules of spec 3.3. It sits
+ * on a narrow `SandboxDriver` (driver.ts) and never sees HTTP: agent/api/app.ts parses requests
+ * into the typed calls below (style.md habit 1).
+ *
+ * Rules carried out here:
+ * - Execs are serialized per sandbox; a second exec, or a fork, while one is in flight fails at
+ *   once with `busy` (spec 3.3, 8): never queued.
+ * - Idle VMs have their vCPUs stopped after `idlePauseMs` and are restarted transparently by the
+ *   next call (spec 1.3: "Between calls the VM uses no scheduled CPU").
+ * - A normal destroy lets the in-flight exec finish; `force` aborts it (CANCEL) and kills the VM
+ *   at once (spec 4.1 "Delete session").
+ * - A QEMU that dies marks its sandbox `failed` with the reason, and in-flight callers get a
+ *   `gone` error saying so as soon as the guest connection drops.
+ * - Records are written on every state change; `SandboxManager.open` re-adopts VMs that still run
+ *   after an agent restart, marks the others `lost`, and reaps every VM no record claims.
+ */
+import { cpus, totalmem } from "node:os";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import type {
+  AgentCapacity,
+  CreatedVm,
+  CreateVmOpts,
+  ExecAction,
+  ExecResult,
+  OneShotResult,
+  ResumeResult,
+  SuspendResult,
+} from "../../gateway/agent-api.ts";
+import { type GuestClient, GuestError } from "../guest/client.ts";
+import { resolveCommand } from "../image/import.ts";
+import { type SandboxRecord, sandboxRecords, templateRecords } from "../records/store.ts";
+import { newVmId } from "../vm/boot.ts";
+import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
+import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./driver.ts";
+import { checkTransition, holdsVm, isTerminal, type SandboxState } from "./states.ts";
+import { TemplateRegistry } from "./templates.ts";
+
+/** Spec 8: the default per-exec timeout is 30 seconds. */
+export const DEFAULT_EXEC_TIMEOUT_MS = 30_000;
+/**
+ * Idle grace before the vCPUs are stopped. 2 s: calls of one client come in bursts (an agent loop
+ * issues its next exec within a few hundred ms), and `stop`/`cont` cost ~1 ms each, so a short
+ * grace saves CPU without adding latency to a burst. Under TCG an idle guest still burns host CPU
+ * on timer interrupts, which is what the pause removes.
+ */
+export const DEFAULT_IDLE_PAUSE_MS = 2_000;
+/**
+ * After the guest connection drops mid-exec, how long to wait for the QEMU exit to be reported
+ * before treating the drop as a guest failure: the exit follows the hang-up within milliseconds.
+ */
+const DEATH_NOTICE_MS = 1_000;
+/** The guest's exit status for a command killed by its timeout, as GNU `timeout` reports it. */
+const TIMEOUT_EXIT_CODE = 124;
+
+export interface ManagerOptions {
+  driver: SandboxDriver;
+  /** Records and VM directories live here. */
+  stateDir: string;
+  /** Size of a VM whose template does not say (Family A `mem_mib`, `vcpu_count`). */
+  defaultSize?: VmSize;
+  /** What this host may hand out; defaults below. */
+  capacity?: Partial<HostCapacity>;
+  idlePauseMs?: number;
+  onUsage?: (iv: UsageInterval) => void;
+  log?: (msg: string) => void;
+}
+
+export interface HostCapacity {
+  slots: number;
+  vcpus: number;
+  memMib: number;
+}
+
+/** What a caller may ask of exec: the gateway's action plus extra env, timeout defaulted here. */
+export interface ExecRequest extends Omit<ExecAction, "timeoutMs"> {
+  timeoutMs?: number;
+  /** Added to (and overriding) the image's Env. */
+  env?: Record<string, string>;
+}
+
+export interface SandboxInfo {
+  id: string;
+  templateId: string;
+  kind: "session" | "sandbox";
+  state: SandboxState;
+  reason?: string;
+  createdAtMs: number;
+  lastUsedAtMs: number;
+  execCount: number;
+  endpoints: Record<string, string>;
+  qemuPid?: number;
+}
+
+interface Sandbox {
+  id: string;
+  templateId: string;
+  kind: "session" | "sandbox";
+  state: SandboxState;
+  reason?: string;
+  size: VmSize;
+  vm?: DriverVm;
+  createdAtMs: number;
+  lastUsedAtMs: number;
+  execCount: number;
+  endpoints: Record<string, string>;
+  memBytes: number;
+  /** The exec in flight (state busy), abortable by a force destroy. */
+  inflight?: { abort: AbortController; done: Promise<unknown> };
+  /** The driver operation in flight (spawn, fork, suspend, resume); destroy waits for it. */
+  op?: Promise<unknown>;
+  destroying?: Promise<void>;
+  idleTimer?: ReturnType<typeof setTimeout>;
+  /** Serializes QMP stop/cont; `stopped` is what the last one left. */
+  vcpus: Promise<void>;
+  stopped: boolean;
+  died?: VmExitInfo;
+  onDied: Array<() => void>;
+  meter: UsageMeter;
+}
+
+export class SandboxManager {
+  private readonly sandboxes = new Map<string, Sandbox>();
+  private readonly records;
+  readonly templates: TemplateRegistry;
+  private readonly driver: SandboxDriver;
+  private readonly idlePauseMs: number;
+  private readonly defaultSize: VmSize;
+  readonly capacity: HostCapacity;
+  private readonly log: (msg: string) => void;
+  private detached = false;
+
+  private constructor(private readonly opts: ManagerOptions) {
+    this.driver = opts.driver;
+    this.log = opts.log ?? (() => {});
+    this.records = sandboxRecords(opts.stateDir);
+    this.templates = new TemplateRegistry(opts.driver, templateRecords(opts.stateDir), this.log);
+    this.idlePauseMs = opts.idlePauseMs ?? DEFAULT_IDLE_PAUSE_MS;
+    // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
+    this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
+    this.capacity = {
+      // 64 VMs: a bound on QEMU processes and sockets per host, not on memory.
+      slots: opts.capacity?.slots ?? 64,
+      // vCPUs are overcommitted 4x: idle sandboxes are paused and use no CPU (spec 1.3).
+      vcpus: opts.capacity?.vcpus ?? cpus().length * 4,
+      // Guest RAM is not overcommitted: 75% of host memory, the rest for QEMU, page cache, agent.
+      memMib: opts.capacity?.memMib ?? Math.floor((totalmem() / 2 ** 20) * 0.75),
+    };
+  }
+
+  /**
+   * Opens the manager over a state dir: loads templates, then every sandbox record. A `running`
+   * record whose QEMU is alive, whose QMP answers and whose guest answers HELLO is adopted and
+   * running again; any other becomes `lost` with the reason. Then every VM directory that no
+   * record claims is killed and removed.
+   */
+  static async open(opts: ManagerOptions): Promise<SandboxManager> {
+    const m = new SandboxManager(opts);
+    await m.templates.load();
+    const { records, bad } = await m.records.list();
+    for (const b of bad) m.log(`sandbox record ${b.file} unreadable: ${b.error}`);
+    const keep = new Set<string>();
+    for (const r of records) {
+      const sb = m.fromRecord(r);
+      switch (r.state) {
+        case "running": {
+          try {
+            const vm = await m.driver.adopt({
+              vmId: r.id,
+              templateId: r.templateId,
+              size: r.size,
+              qemuPid: r.qemuPid ?? -1,
+              paused: false,
+            });
+            sb.vm = vm;
+            m.driver.onExit(vm, (info) => m.onVmExit(sb, info));
+            keep.add(r.id);
+            m.log(`sandbox ${r.id}: re-adopted (QEMU pid ${vm.qemuPid})`);
+            m.armIdle(sb);
+          } catch (err) {
+            m.markLost(sb, `not re-adopted after an agent restart: ${describeError(err)}`);
+          }
+          break;
+        }
+        case "creating":
+          m.markLost(sb, "the agent restarted while the VM was being created");
+          break;
+        case "suspended":
+          keep.add(r.id); // its snapshot lives in the VM directory
+          break;
+        case "destroying":
+          await m.driver.destroy(r.id, undefined);
+          await m.records.remove(r.id);
+          m.sandboxes.delete(r.id);
+          break;
+        default:
+          // failed / lost stay (with their reason) until destroyed; their VMs are reaped below.
+          break;
+      }
+    }
+    const reaped = await m.driver.reap(keep);
+    if (reaped.length > 0) m.log(`reaped VMs no record claims: ${reaped.join(", ")}`);
+    return m;
+  }
+
+  // ---- sandboxes -----------------------------------------------------------------------------
+
+  async create(templateId: string, opts: CreateVmOpts): Promise<CreatedVm> {
+    const t0 = performance.now();
+    const tpl = this.templates.ready(templateId);
+    const size: VmSize = { ...this.defaultSize, ...tpl.size };
+    this.reserve(size, 1);
+    const id = newVmId();
+    const now = Date.now();
+    const endpoints = Object.fromEntries(tpl.prepared.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
+    const sb = this.newSandbox({ id, templateId, kind: opts.kind, state: "creating", size, endpoints, now });
+    // The record lands before the VM directory exists, so a restart never reaps a VM being made.
+    await this.persist(sb);
+    sb.op = (async () => {
+      sb.vm = await this.driver.spawn(templateId, id, size);
+    })();
+    try {
+      await sb.op;
+    } catch (err) {
+      // Nobody knows this id yet: nothing to keep but the error.
+      this.sandboxes.delete(id);
+      sb.meter.enter("destroyed", Date.now());
+      await this.driver.destroy(id, undefined).catch(() => {});
+      await this.records.remove(id);
+      throw err;
+    }
+    const vm = sb.vm!;
+    this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
+    if (sb.state !== "creating") throw this.goneError(sb); // destroyed or died meanwhile
+    this.setState(sb, "running");
+    void this.refreshDisk(sb);
+    return {
+      vmId: id,
+      forkTimeMs: vm.spawnMs,
+      createTimeMs: performance.now() - t0,
+      endpoints,
+      resources: { ...size, diskBytes: sb.meter.resources.diskBytes },
+    };
+  }
+
+  async exec(id: string, req: ExecRequest): Promise<ExecResult> {
+    const sb = this.mustGet(id);
+    this.setState(sb, "busy");
+    const abort = new AbortController();
+    const done = this.runExec(sb, req, abort.signal);
+    sb.inflight = { abort, done };
+    try {
+      return await done;
+    } finally {
+      sb.inflight = undefined;
+      sb.execCount++;
+      sb.lastUsedAtMs = Date.now();
+      if (sb.state === "busy") this.setState(sb, "running");
+      else void this.persist(sb);
+      void this.refreshDisk(sb);
+    }
+  }
+
+  /** One throwaway VM per call (Family A /v1/exec): create, exec, destroy. */
+  async execOnce(templateId: string, req: ExecRequest): Promise<OneShotResult> {
+    const created = await this.create(templateId, { kind: "session" });
+    try {
+      const r = await this.exec(created.vmId, req);
+      return { ...r, forkTimeMs: created.forkTimeMs, totalTimeMs: r.totalTimeMs + created.createTimeMs };
+    } finally {
+      await this.destroy(created.vmId, { force: true });
+    }
+  }
+
+  async fork(id: string, count: number): Promise<CreatedVm[]> {
+    const sb = this.mustGet(id);
+    this.setState(sb, "forking");
+    const t0 = performance.now();
+    const children: Sandbox[] = [];
+    try {
+      this.reserve(sb.size, count);
+      await this.wake(sb);
+      const now = Date.now();
+      for (let i = 0; i < count; i++) {
+        const childId = newVmId();
+        const endpoints = Object.fromEntries(Object.keys(sb.endpoints).map((p) => [p, `${childId}:${p}`]));
+        const child = this.newSandbox({
+          id: childId,
+          templateId: sb.templateId,
+          kind: sb.kind,
+          state: "creating",
+          size: sb.size,
+          endpoints,
+          now,
+        });
+        children.push(child);
+        await this.persist(child);
+      }
+      const op = this.driver.fork(
+        sb.vm!,
+        children.map((c) => c.id),
+      );
+      sb.op = op;
+      const vms = await op;
+      const forkMs = performance.now() - t0;
+      return children.map((child, i) => {
+        const vm = vms[i]!;
+        child.vm = vm;
+        this.driver.onExit(vm, (info) => this.onVmExit(child, info));
+        this.setState(child, "running");
+        return {
+          vmId: child.id,
+          forkTimeMs: forkMs,
+          createTimeMs: performance.now() - t0,
+          endpoints: child.endpoints,
+          resources: { ...child.size, diskBytes: 0 },
+        };
+      });
+    } catch (err) {
+      for (const c of children) {
+        this.sandboxes.delete(c.id);
+        c.meter.enter("destroyed", Date.now());
+        await this.driver.destroy(c.id, c.vm).catch(() => {});
+        await this.records.remove(c.id);
+      }
+      throw err;
+    } finally {
+      sb.op = undefined;
+      if (sb.state === "forking") this.setState(sb, "running");
+    }
+  }
+
+  async suspend(id: string): Promise<SuspendResult> {
+    const sb = this.mustGet(id);
+    this.setState(sb, "suspending");
+    try {
+      await this.wake(sb);
+      const op = this.driver.suspend(sb.vm!);
+      sb.op = op;
+      const r = await op;
+      sb.vm = undefined;
+      sb.memBytes = r.memBytes;
+      if (sb.state === "suspending") this.setState(sb, "suspended");
+      return r;
+    } catch (err) {
+      if (sb.state === "suspending") this.setState(sb, "running");
+      throw err;
+    } finally {
+      sb.op = undefined;
+    }
+  }
+
+  async resume(id: string): Promise<ResumeResult> {
+    const sb = this.mustGet(id);
+    this.reserve(sb.size, 1);
+    this.setState(sb, "resuming");
+    try {
+      const op = this.driver.resume(sb.id, sb.templateId, sb.size);
+      sb.op = op;
+      const vm = await op;
+      sb.vm = vm;
+      sb.stopped = false;
+      this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
+      if (sb.state !== "resuming") throw this.goneError(sb);
+      this.setState(sb, "running");
+      return { memBytes: sb.memBytes, resources: { ...sb.size, diskBytes: sb.meter.resources.diskBytes } };
+    } catch (err) {
+      if (sb.state === "resuming") this.setState(sb, "suspended");
+      throw err;
+    } finally {
+      sb.op = undefined;
+    }
+  }
+
+  /** Idempotent: an unknown id is already destroyed. */
+  async destroy(id: string, opts: { force: boolean }): Promise<void> {
+    const sb = this.sandboxes.get(id);
+    if (!sb || sb.state === "destroyed") return;
+    if (sb.destroying) {
+      if (opts.force) sb.inflight?.abort.abort();
+      return sb.destroying;
+    }
+    this.setState(sb, "destroying");
+    this.clearIdle(sb);
+    sb.destroying = (async () => {
+      if (sb.inflight) {
+        if (opts.force) sb.inflight.abort.abort();
+        else await sb.inflight.done.catch(() => {});
+      }
+      await sb.op?.catch(() => {});
+      await this.driver.destroy(sb.id, sb.vm);
+      sb.vm = undefined;
+      this.setState(sb, "destroyed");
+      this.sandboxes.delete(sb.id);
+      await this.records.remove(sb.id);
+    })();
+    return sb.destroying;
+  }
+
+  info(id: string): SandboxInfo {
+    const sb = this.mustGet(id);
+    const out: SandboxInfo = {
+      id: sb.id,
+      templateId: sb.templateId,
+      kind: sb.kind,
+      state: sb.state,
+      createdAtMs: sb.createdAtMs,
+      lastUsedAtMs: sb.lastUsedAtMs,
+      execCount: sb.execCount,
+      endpoints: sb.endpoints,
+    };
+    if (sb.reason !== undefined) out.reason = sb.reason;
+    if (sb.vm) out.qemuPid = sb.vm.qemuPid;
+    return out;
+  }
+
+  list(): SandboxInfo[] {
+    return [...this.sandboxes.keys()].map((id) => this.info(id));
+  }
+
+  usage(id: string): UsageReport {
+    return this.mustGet(id).meter.report(Date.now());
+  }
+
+  // ---- templates and host --------------------------------------------------------------------
+
+  buildTemplate(id: string, input: TemplateInput, size?: Partial<VmSize>): void {
+    this.templates.build(id, input, size);
+  }
+
+  async deleteTemplate(id: string): Promise<void> {
+    const inUse = [...this.sandboxes.values()].some((s) => s.templateId === id && !isTerminal(s.state));
+    await this.templates.delete(id, inUse);
+  }
+
+  capacityNow(): AgentCapacity {
+    const used = this.used();
+    const vcpusFree = Math.max(0, this.capacity.vcpus - used.vcpus);
+    const memMibFree = Math.max(0, this.capacity.memMib - used.memMib);
+    const slotsFree = Math.max(
+      0,
+      Math.min(
+        this.capacity.slots - used.count,
+        Math.floor(vcpusFree / this.defaultSize.vcpus),
+        Math.floor(memMibFree / this.defaultSize.memMib),
+      ),
+    );
+    return { slotsFree, slotsTotal: this.capacity.slots, vcpusFree, memMibFree };
+  }
+
+  get driverName(): string {
+    return this.driver.name;
+  }
+
+  /**
+   * Lets go of every VM WITHOUT killing it, as an agent process exit does: timers stop, the
+   * driver closes its sockets, records stay. A new manager over the same state dir re-adopts.
+   */
+  async detach(): Promise<void> {
+    this.detached = true;
+    for (const sb of this.sandboxes.values()) this.clearIdle(sb);
+    await this.records.flush();
+    this.driver.detach();
+    this.sandboxes.clear();
+  }
+
+  // ---- internals -----------------------------------------------------------------------------
+
+  private async runExec(sb: Sandbox, req: ExecRequest, signal: AbortSignal): Promise<ExecResult> {
+    const t0 = performance.now();
+    const timeoutMs = req.timeoutMs ?? DEFAULT_EXEC_TIMEOUT_MS;
+    const deadline = t0 + timeoutMs;
+    try {
+      await this.wake(sb);
+      const vm = sb.vm;
+      if (!vm) throw this.goneError(sb);
+      const img = vm.image;
+      const cwd = img.workingDir || "/";
+      const ids = { uid: img.user.uid, gid: img.user.gid };
+      for (const f of req.files) await vm.guest.writeFile(f.path, f.content, { cwd, ...ids });
+      const env = mergeEnv(img.env, req.env);
+      const seed = req.seed === undefined ? undefined : seedBytes(req.seed);
+      const tExec = performance.now();
+      const run = req.run;
+      let out: RunOutcome;
+      switch (run.kind) {
+        case "none":
+          if (seed) await vm.guest.entropy(seed);
+          out = { stdout: "", stderr: "", exitCode: 0, seedAck: seed !== undefined };
+          break;
+        case "shell":
+          out = await runOne(vm.guest, ["/bin/sh", "-c", run.command], undefined, deadline, {
+            env,
+            cwd,
+            ids,
+            seed,
+            signal,
+          });
+          break;
+        case "code":
+          // The code goes on stdin to the image's own Entrypoint+Cmd (e.g. `python3`, `sh`).
+          out = await runOne(vm.guest, resolveCommand(img), run.code, deadline, {
+            env,
+            cwd,
+            ids,
+            seed,
+            signal,
+          });
+          break;
+        case "argv": {
+          // In order; each sees what the earlier ones left; the result is the last one's (4.1).
+          // The seed is mixed in by the first command; its ack stands for the whole action.
+          out = { stdout: "", stderr: "", exitCode: 0, seedAck: false };
+          let ack: boolean | undefined;
+          for (const argv of run.commands) {
+            out = await runOne(vm.guest, argv, undefined, deadline, {
+              env,
+              cwd,
+              ids,
+              seed: ack === undefined ? seed : undefined,
+              signal,
+            });
+            ack ??= out.seedAck;
+            if (out.timedOut) break;
+          }
+          out.seedAck = ack ?? false;
+          break;
+        }
+      }
+      if (signal.aborted) throw this.abortedError(sb);
+      const end = performance.now();
+      const result: ExecResult = {
+        stdout: out.stdout,
+        stderr: out.stderr,
+        exitCode: out.exitCode,
+        execTimeMs: end - tExec,
+        totalTimeMs: end - t0,
+      };
+      if (seed !== undefined) result.seedAck = out.seedAck ? "verified" : "unverified";
+      return result;
+    } catch (err) {
+      throw await this.execFailure(sb, err, signal);
+    }
+  }
+
+  /** Turns a failure during an exec into the error the caller should see. */
+  private async execFailure(sb: Sandbox, err: unknown, signal: AbortSignal): Promise<unknown> {
+    if (err instanceof SandboxdError && !(err instanceof GuestError)) return err;
+    if (signal.aborted) return this.abortedError(sb);
+    if (err instanceof GuestError && err.code === "guest_disconnected" && !sb.died) {
+      // The hang-up may reach us before QEMU's exit: wait a moment for the real reason.
+      await new Promise<void>((resolve) => {
+        const t = setTimeout(resolve, DEATH_NOTICE_MS);
+        sb.onDied.push(() => {
+          clearTimeout(t);
+          resolve();
+        });
+      });
+    }
+    if (sb.died) {
+      return new SandboxdError("gone", `sandbox ${sb.id} failed during the exec: ${sb.died.reason}`, {
+        cause: err,
+        details: { id: sb.id, reason: sb.died.reason },
+      });
+    }
+    return new SandboxdError("internal", `exec in sandbox ${sb.id} failed: ${describeError(err)}`, {
+      cause: err,
+    });
+  }
+
+  private abortedError(sb: Sandbox): SandboxdError {
+    return new SandboxdError("gone", `sandbox ${sb.id} was destroyed (force) while the exec ran`, {
+      details: { id: sb.id },
+    });
+  }
+
+  private goneError(sb: Sandbox): SandboxdError {
+    const why = sb.reason ? `: ${sb.reason}` : "";
+    return new SandboxdError("gone", `sandbox ${sb.id} is ${sb.state}${why}`, {
+      details: { id: sb.id, state: sb.state },
+    });
+  }
+
+  private onVmExit(sb: Sandbox, info: VmExitInfo): void {
+    if (this.detached) return;
+    sb.died = info;
+    for (const w of sb.onDied.splice(0)) w();
+    if (isTerminal(sb.state)) return;
+    this.log(`sandbox ${sb.id}: ${info.reason}`);
+    sb.reason = info.reason;
+    this.clearIdle(sb);
+    sb.vm?.guest.close(); // in-flight guest requests reject now, not at their timeout
+    this.setState(sb, "failed");
+  }
+
+  private markLost(sb: Sandbox, reason: string): void {
+    this.log(`sandbox ${sb.id}: lost: ${reason}`);
+    sb.reason = reason;
+    sb.state = "lost";
+    sb.meter.enter("lost", Date.now());
+    void this.persist(sb);
+  }
+
+  /** The one place state changes: checked against the table, metered, recorded, idle re-armed. */
+  private setState(sb: Sandbox, to: SandboxState): void {
+    const check = checkTransition(sb.id, sb.state, to);
+    if (!check.ok) throw check.error;
+    sb.state = to;
+    sb.meter.enter(to, Date.now());
+    if (to === "running") this.armIdle(sb);
+    else this.clearIdle(sb);
+    if (to !== "destroyed") void this.persist(sb);
+  }
+
+  private armIdle(sb: Sandbox): void {
+    this.clearIdle(sb);
+    if (this.detached) return;
+    sb.idleTimer = setTimeout(() => {
+      sb.idleTimer = undefined;
+      if (sb.state !== "running" || !sb.vm) return;
+      this.setState(sb, "paused");
+      this.vcpus(sb, true).catch((err) => {
+        this.log(`sandbox ${sb.id}: idle pause failed: ${describeError(err)}`);
+        if (sb.state === "paused") this.setState(sb, "running");
+      });
+    }, this.idlePauseMs);
+    // An idle timer never keeps the agent process alive.
+    sb.idleTimer.unref?.();
+  }
+
+  private clearIdle(sb: Sandbox): void {
+    if (sb.idleTimer) clearTimeout(sb.idleTimer);
+    sb.idleTimer = undefined;
+  }
+
+  /** Restarts stopped vCPUs before an operation that needs the guest. */
+  private async wake(sb: Sandbox): Promise<void> {
+    await this.vcpus(sb, false);
+  }
+
+  /** Stops or restarts the vCPUs; one QMP stop/cont at a time, in call order. */
+  private vcpus(sb: Sandbox, stop: boolean): Promise<void> {
+    const next = sb.vcpus
+      .catch(() => {})
+      .then(async () => {
+        const vm = sb.vm;
+        if (!vm || sb.stopped === stop) return;
+        if (stop) await this.driver.pause(vm);
+        else await this.driver.unpause(vm);
+        sb.stopped = stop;
+      });
+    sb.vcpus = next;
+    return next;
+  }
+
+  private reserve(size: VmSize, count: number): void {
+    const used = this.used();
+    const c = this.capacity;
+    if (
+      used.count + count > c.slots ||
+      used.vcpus + size.vcpus * count > c.vcpus ||
+      used.memMib + size.memMib * count > c.memMib
+    ) {
+      throw new SandboxdError("at_capacity", "no capacity on this host", {
+        details: { used, capacity: c, retryAfterSeconds: 5 },
+      });
+    }
+  }
+
+  private used(): { count: number; vcpus: number; memMib: number } {
+    let count = 0;
+    let vcpus = 0;
+    let memMib = 0;
+    for (const sb of this.sandboxes.values()) {
+      if (!holdsVm(sb.state)) continue;
+      count++;
+      vcpus += sb.size.vcpus;
+      memMib += sb.size.memMib;
+    }
+    return { count, vcpus, memMib };
+  }
+
+  private async refreshDisk(sb: Sandbox): Promise<void> {
+    try {
+      sb.meter.resources.diskBytes = await this.driver.diskBytes(sb.id);
+    } catch {
+      // metering is best effort; the last value stays
+    }
+  }
+
+  private mustGet(id: string): Sandbox {
+    const sb = this.sandboxes.get(id);
+    if (!sb) throw new SandboxdError("not_found", `sandbox ${id} is unknown to this agent`);
+    return sb;
+  }
+
+  private newSandbox(o: {
+    id: string;
+    templateId: string;
+    kind: "session" | "sandbox";
+    state: SandboxState;
+    size: VmSize;
+    endpoints: Record<string, string>;
+    now: number;
+  }): Sandbox {
+    const sb: Sandbox = {
+      id: o.id,
+      templateId: o.templateId,
+      kind: o.kind,
+      state: o.state,
+      size: o.size,
+      createdAtMs: o.now,
+      lastUsedAtMs: o.now,
+      execCount: 0,
+      endpoints: o.endpoints,
+      memBytes: 0,
+      vcpus: Promise.resolve(),
+      stopped: false,
+      onDied: [],
+      meter: new UsageMeter(o.id, o.templateId, { ...o.size, diskBytes: 0 }, (iv) => this.opts.onUsage?.(iv)),
+    };
+    sb.meter.enter(o.state, o.now);
+    this.sandboxes.set(o.id, sb);
+    return sb;
+  }
+
+  private fromRecord(r: SandboxRecord): Sandbox {
+    const sb = this.newSandbox({
+      id: r.id,
+      templateId: r.templateId,
+      kind: r.kind,
+      state: r.state,
+      size: r.size,
+      endpoints: r.endpoints,
+      now: Date.now(),
+    });
+    sb.createdAtMs = r.createdAtMs;
+    sb.lastUsedAtMs = r.lastUsedAtMs;
+    sb.execCount = r.execCount;
+    if (r.reason !== undefined) sb.reason = r.reason;
+    return sb;
+  }
+
+  /** Writes the record; in-flight states are written as the state a restart should assume. */
+  private persist(sb: Sandbox): Promise<void> {
+    if (this.detached) return Promise.resolve();
+    const record: SandboxRecord = {
+      version: 1,
+      id: sb.id,
+      templateId: sb.templateId,
+      kind: sb.kind,
+      state: persistedState(sb.state),
+      size: sb.size,
+      createdAtMs: sb.createdAtMs,
+      lastUsedAtMs: sb.lastUsedAtMs,
+      execCount: sb.execCount,
+      endpoints: sb.endpoints,
+    };
+    if (sb.reason !== undefined) record.reason = sb.reason;
+    if (sb.vm) record.qemuPid = sb.vm.qemuPid;
+    return this.records.write(record).catch((err) => {
+      this.log(`sandbox ${sb.id}: cannot write its record: ${describeError(err)}`);
+    });
+  }
+}
+
+/** What a restart should assume of a sandbox caught in each state. */
+function persistedState(s: SandboxState): SandboxState {
+  switch (s) {
+    case "paused":
+    case "busy":
+    case "forking":
+    case "suspending":
+      return "running"; // the QEMU is (still) there: try to adopt it
+    case "resuming":
+      return "suspended"; // the snapshot is intact until the restore succeeds
+    default:
+      return s;
+  }
+}
+
+interface RunOutcome {
+  stdout: string;
+  stderr: string;
+  exitCode: number;
+  seedAck: boolean;
+  timedOut?: boolean;
+}
+
+async function runOne(
+  guest: GuestClient,
+  argv: string[],
+  stdin: string | undefined,
+  deadline: number,
+  o: {
+    env: string[];
+    cwd: string;
+    ids: { uid: number; gid: number };
+    seed: Uint8Array | undefined;
+    signal: AbortSignal;
+  },
+): Promise<RunOutcome> {
+  const left = Math.floor(deadline - performance.now());
+  if (left <= 0)
+    return { stdout: "", stderr: "timed out\n", exitCode: TIMEOUT_EXIT_CODE, seedAck: false, timedOut: true };
+  const r = await guest.exec({
+    argv,
+    env: o.env,
+    cwd: o.cwd,
+    uid: o.ids.uid,
+    gid: o.ids.gid,
+    timeoutMs: left,
+    ...(stdin !== undefined ? { stdin } : {}),
+    ...(o.seed !== undefined ? { seed: o.seed } : {}),
+    signal: o.signal,
+  });
+  const exitCode = r.timedOut ? TIMEOUT_EXIT_CODE : r.exitCode !== null ? r.exitCode : 128 + (r.signal ?? 0); // killed by a signal: the shell's convention
+  return {
+    stdout: r.stdout.toString("utf8"),
+    stderr: r.stderr.toString("utf8"),
+    exitCode,
+    seedAck: r.seedAck,
+    timedOut: r.timedOut,
+  };
+}
+
+/** The image's Env with `extra` added; a name in both takes the value from `extra`. */
+export function mergeEnv(base: string[], extra: Record<string, string> | undefined): string[] {
+  if (!extra) return [...base];
+  const out = base.filter((kv) => {
+    const name = kv.slice(0, Math.max(0, kv.indexOf("=")));
+    return !Object.hasOwn(extra, name);
+  });
+  for (const [k, v] of Object.entries(extra)) out.push(`${k}=${v}`);
+  return out;
+}
+
+/** The seed's bytes: hex when it is hex (spec 2.6 "hex-like"), else its UTF-8. */
+export function seedBytes(seed: string): Uint8Array {
+  if (seed.length > 0 && seed.length % 2 === 0 && /^[0-9a-fA-F]+$/.test(seed))
+    return Buffer.from(seed, "hex");
+  return Buffer.from(seed, "utf8");
+}

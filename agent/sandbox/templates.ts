@@ -1,0 +1,123 @@
+/**
+ * Templates on this agent: building -> ready | failed (spec 3.1), kept as records so that a
+ * restarted agent still spawns from them. The build runs in the background (the API answers 202
+ * at once); a failure is a status with a readable error, never a crash (spec 3.1).
+ */
+
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import type { TemplateBuildStatus } from "../../gateway/agent-api.ts";
+import type { RecordStore, TemplateRecord } from "../records/store.ts";
+import type { PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./driver.ts";
+
+export interface ReadyTemplate {
+  id: string;
+  prepared: PreparedTemplate;
+  size: Partial<VmSize>;
+}
+
+interface Entry {
+  record: TemplateRecord;
+  abort?: AbortController;
+  build?: Promise<void>;
+}
+
+export class TemplateRegistry {
+  private readonly entries = new Map<string, Entry>();
+
+  constructor(
+    private readonly driver: SandboxDriver,
+    private readonly store: RecordStore<TemplateRecord>,
+    private readonly log: (msg: string) => void,
+  ) {}
+
+  /** Loads the records: ready templates are handed back to the driver, interrupted builds fail. */
+  async load(): Promise<void> {
+    const { records, bad } = await this.store.list();
+    for (const b of bad) this.log(`template record ${b.file} unreadable: ${b.error}`);
+    for (const r of records) {
+      let record = r;
+      if (r.status === "building") {
+        record = { ...r, status: "failed", error: "the agent restarted during the build" };
+        await this.store.write(record);
+      } else if (r.status === "ready" && r.prepared) {
+        try {
+          await this.driver.restoreTemplate(r.id, r.prepared);
+        } catch (err) {
+          record = { ...r, status: "failed", error: `template files are gone: ${describeError(err)}` };
+          await this.store.write(record);
+        }
+      }
+      this.entries.set(r.id, { record });
+    }
+  }
+
+  /** Starts a build and returns at once. An existing id is never overwritten (spec 4.1) unless
+   * its build failed. */
+  build(id: string, input: TemplateInput, size: Partial<VmSize> = {}): void {
+    const existing = this.entries.get(id);
+    if (existing && existing.record.status !== "failed") {
+      throw new SandboxdError("conflict", `template ${id} already exists (${existing.record.status})`);
+    }
+    const record: TemplateRecord = { version: 1, id, status: "building", size };
+    const entry: Entry = { record, abort: new AbortController() };
+    this.entries.set(id, entry);
+    const signal = entry.abort!.signal;
+    entry.build = (async () => {
+      await this.store.write(record);
+      try {
+        const prepared = await this.driver.prepareTemplate(id, input, signal);
+        if (signal.aborted) return;
+        entry.record = { ...record, status: "ready", readyAtMs: Date.now(), prepared };
+      } catch (err) {
+        if (signal.aborted) return;
+        this.log(`template ${id} build failed: ${describeError(err)}`);
+        entry.record = { ...record, status: "failed", error: describeError(err) };
+      }
+      await this.store.write(entry.record);
+    })().catch((err) => this.log(`template ${id}: cannot write its record: ${describeError(err)}`));
+  }
+
+  status(id: string): TemplateBuildStatus {
+    const r = this.mustGet(id).record;
+    const out: TemplateBuildStatus = {
+      status: r.status,
+      phase: r.status === "ready" ? "Live" : r.status === "failed" ? "Failed" : "Converting",
+      exposedPorts: r.prepared?.exposedPorts ?? [],
+      telemetry: {},
+    };
+    if (r.error !== undefined) out.error = r.error;
+    if (r.readyAtMs !== undefined) out.readyAtMs = r.readyAtMs;
+    return out;
+  }
+
+  /** A template a VM can be spawned from, or the spec's error for why not. */
+  ready(id: string): ReadyTemplate {
+    const r = this.mustGet(id).record;
+    if (r.status === "building") throw new SandboxdError("template_not_ready", `template ${id} is building`);
+    if (r.status === "failed" || !r.prepared)
+      throw new SandboxdError("template_not_ready", `template ${id} failed to build: ${r.error ?? ""}`);
+    return { id, prepared: r.prepared, size: r.size ?? {} };
+  }
+
+  /** Removes a template; `inUse` says whether VMs still run on it (409 template_in_use). */
+  async delete(id: string, inUse: boolean): Promise<void> {
+    const e = this.entries.get(id);
+    if (!e) return;
+    if (inUse) throw new SandboxdError("template_in_use", `VMs still run on template ${id}`);
+    e.abort?.abort();
+    this.entries.delete(id);
+    await this.store.remove(id);
+    await this.driver.dropTemplate(id);
+  }
+
+  /** Resolves when the build of `id` (if any) has finished. */
+  async settled(id: string): Promise<void> {
+    await this.entries.get(id)?.build;
+  }
+
+  private mustGet(id: string): Entry {
+    const e = this.entries.get(id);
+    if (!e) throw new SandboxdError("not_found", `template ${id} is unknown to this agent`);
+    return e;
+  }
+}

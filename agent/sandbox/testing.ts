@@ -1,0 +1,78 @@
+/**
+ * Helpers for the tests that drive REAL VMs through the manager (tests/agent-*.test.ts): the
+ * busybox fixture image as a docker-archive, a private state dir per test, and the leak check
+ * every such test ends with (no QEMU, socket or VM directory left behind). Test code only.
+ */
+import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { busyboxImageSpec, makeDockerArchive } from "../../tests/fixtures/images.ts";
+
+const REPO = resolve(import.meta.dir, "../..");
+/** Guest artifacts and imported images are cached here across runs (kernel download, agent build). */
+export const TEST_CACHE_DIR = process.env.SANDBOXD_TEST_DATA ?? join(REPO, ".data", "test");
+
+let archive: { dir: Promise<string>; path: Promise<string> } | undefined;
+
+/** The canonical busybox docker-archive, built once per test file in a temp dir. */
+export function busyboxArchive(): Promise<string> {
+  if (!archive) {
+    const dir = mkdtemp(join(tmpdir(), "sbx-img-"));
+    const path = dir.then(async (d) => {
+      const spec = await busyboxImageSpec(d);
+      const built = await makeDockerArchive(join(d, "busybox.tar"), spec);
+      await rm(join(d, "busybox-rootfs"), { recursive: true, force: true });
+      return built.path;
+    });
+    archive = { dir, path };
+  }
+  return archive.path;
+}
+
+/** Removes the archive's temp dir; call from `afterAll`. */
+export async function removeBusyboxArchive(): Promise<void> {
+  const a = archive;
+  archive = undefined;
+  if (a) await rm(await a.dir, { recursive: true, force: true });
+}
+
+/** A fresh state dir (records + VM dirs) under /tmp: short paths keep unix sockets < 108 bytes. */
+export function tempStateDir(): Promise<string> {
+  return mkdtemp(join(tmpdir(), "sbx-state-"));
+}
+
+/** Pids of QEMU processes whose command line mentions `dir` (zombies have an empty cmdline). */
+export async function qemuPidsUnder(dir: string): Promise<number[]> {
+  const pids: number[] = [];
+  for (const p of await readdir("/proc")) {
+    if (!/^\d+$/.test(p)) continue;
+    try {
+      const cmd = await readFile(`/proc/${p}/cmdline`, "utf8");
+      if (cmd.includes("qemu-system") && cmd.includes(dir)) pids.push(Number(p));
+    } catch {
+      // raced with an exiting process
+    }
+  }
+  return pids;
+}
+
+/** What a state dir still holds: live QEMUs and VM directories (sockets live inside them). */
+export async function leftovers(stateDir: string): Promise<{ qemus: number[]; vmDirs: string[] }> {
+  let vmDirs: string[] = [];
+  try {
+    vmDirs = await readdir(join(stateDir, "vms"));
+  } catch {
+    vmDirs = [];
+  }
+  return { qemus: await qemuPidsUnder(stateDir), vmDirs };
+}
+
+/** Polls until `cond` holds or `timeoutMs` passes; returns whether it held. */
+export async function waitFor(cond: () => boolean | Promise<boolean>, timeoutMs: number): Promise<boolean> {
+  const deadline = performance.now() + timeoutMs;
+  while (performance.now() < deadline) {
+    if (await cond()) return true;
+    await Bun.sleep(25);
+  }
+  return cond();
+}
