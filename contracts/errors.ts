@@ -19,6 +19,8 @@ export const PublicErrorCode = [
   "rate_limited",
   "quota_exceeded",
   "at_capacity",
+  "agent_unavailable",
+  "not_implemented",
   "spawn_failed",
   "bringup_timeout",
   "internal",

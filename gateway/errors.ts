@@ -24,6 +24,8 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   rate_limited: 429,
   quota_exceeded: 429,
   at_capacity: 503,
+  agent_unavailable: 503, // the sandbox's host agent does not answer; retry with backoff
+  not_implemented: 501, // a feature this deployment's agent does not offer
   spawn_failed: 503,
   bringup_timeout: 504,
   internal: 500,
@@ -39,7 +41,15 @@ export interface MappedError {
   headers: Record<string, string>;
 }
 
+/** Internal codes that have a public meaning; all others stay a 500 without detail. */
+const PUBLIC_ALIAS: Readonly<Record<string, PublicErrorCode>> = {
+  unsupported: "not_implemented",
+};
+
 export function mapError(err: unknown): MappedError {
+  if (err instanceof SandboxdError && !isPublicCode(err.code) && Object.hasOwn(PUBLIC_ALIAS, err.code)) {
+    err = new SandboxdError(PUBLIC_ALIAS[err.code]!, err.message, { cause: err, details: err.details });
+  }
   if (err instanceof SandboxdError && isPublicCode(err.code) && err.code !== "internal") {
     const headers: Record<string, string> = {};
     const retry = err.details?.retryAfterSeconds;
