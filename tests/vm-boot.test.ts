@@ -1,5 +1,6 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";
+import { randomUUID } from "node:crypto";
 import {
   copyFileSync,
   mkdirSync,
@@ -111,6 +112,16 @@ describe("VM boot under TCG", () => {
         const res2 = await client.exec({ argv: ["sh", "-c", "hostname"], env: ["PATH=/bin"], cwd: "/" });
         const tExec2 = performance.now();
         expect(res2.stdout.toString()).toBe("boot-test\n");
+        // A restored VM gets its own boot id (bind-mounted over procfs); twice, as a fork of a fork.
+        for (const bootId of [randomUUID(), randomUUID()]) {
+          await client.setHostname("boot-test-2", { bootId });
+          const id = await client.exec({
+            argv: ["sh", "-c", "cat /proc/sys/kernel/random/boot_id; hostname; grep -c boot_id /proc/mounts"],
+            env: ["PATH=/bin"],
+          });
+          expect(id.stdout.toString()).toBe(`${bootId}\nboot-test-2\n1\n`);
+        }
+        await expect(client.setHostname("x", { bootId: "../../etc/passwd" })).rejects.toThrow("boot id");
         console.log(
           `[vm-boot] spawn->QMP ${(tQmp - t0).toFixed(0)} ms, spawn->HELLO ${(tHello - t0).toFixed(0)} ms, ` +
             `boot-to-first-exec ${(tExec - t0).toFixed(0)} ms, second exec ${(tExec2 - tExec).toFixed(0)} ms`,

@@ -1064,6 +1064,43 @@ out:
   free(path);
 }
 
+/*
+ * The kernel fixes /proc/sys/kernel/random/boot_id at boot, so every VM restored from one
+ * snapshot would report its template's id and programs keying state on it (systemd-style
+ * tooling, caches) would take forks for one machine. Each restored VM gets its own: the host
+ * sends a fresh UUID, which we write to a file on /dev (devtmpfs: memory only, not part of the
+ * image) and bind-mount over the procfs file (procfs entries accept bind mounts). A second call
+ * (a fork of a fork) detaches the previous mount first so mounts do not pile up.
+ */
+static int set_boot_id(const uint8_t *v, size_t len) {
+  if (len != 36) {
+    errno = EINVAL;
+    return -1;
+  }
+  for (size_t i = 0; i < len; i++) {
+    int dash = i == 8 || i == 13 || i == 18 || i == 23;
+    char c = (char)v[i];
+    if (dash ? c != '-' : !((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) {
+      errno = EINVAL;
+      return -1;
+    }
+  }
+  const char *target = "/proc/sys/kernel/random/boot_id";
+  const char *file = "/dev/.sandboxd-boot_id";
+  char tmp[64];
+  snprintf(tmp, sizeof tmp, "%s.tmp", file);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0444);
+  if (fd < 0) return -1;
+  char line[40];
+  memcpy(line, v, 36);
+  line[36] = '\n';
+  ssize_t w = write(fd, line, 37);
+  close(fd);
+  if (w != 37 || rename(tmp, file) < 0) return -1;
+  umount2(target, MNT_DETACH); /* EINVAL when nothing is mounted there yet: fine */
+  return mount(file, target, NULL, MS_BIND, NULL);
+}
+
 static void op_hello(void) {
   char boot_id[64] = "";
   int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
@@ -1145,10 +1182,16 @@ static void op_request(uint32_t stream, const uint8_t *p, size_t n) {
       respond_status(stream, t.len > 64 ? EINVAL : 0, t.len > 64 ? "set_hostname: too long" : NULL);
       return;
     }
-    if (sethostname((const char *)t.v, t.len) < 0)
+    if (sethostname((const char *)t.v, t.len) < 0) {
       respond_errno(stream, errno, "set_hostname", NULL);
-    else
-      respond_status(stream, 0, NULL);
+      return;
+    }
+    struct tlv bid;
+    if (tlv_find(p, n, SBX_TAG_BOOT_ID, &bid) && set_boot_id(bid.v, bid.len) < 0) {
+      respond_errno(stream, errno, "set_hostname: boot id", NULL);
+      return;
+    }
+    respond_status(stream, 0, NULL);
     return;
   }
   case SBX_OP_SYNC:

@@ -331,8 +331,11 @@ export class GuestClient {
     await this.request(new TlvWriter().u32(Tag.OP, Op.SET_CLOCK).u64(Tag.REALTIME_NS, ns));
   }
 
-  async setHostname(name: string): Promise<void> {
-    await this.request(new TlvWriter().u32(Tag.OP, Op.SET_HOSTNAME).str(Tag.HOSTNAME, name));
+  /** Sets the hostname and, with `bootId` (a lowercase UUID), the boot id the guest reports. */
+  async setHostname(name: string, opts: { bootId?: string } = {}): Promise<void> {
+    const w = new TlvWriter().u32(Tag.OP, Op.SET_HOSTNAME).str(Tag.HOSTNAME, name);
+    if (opts.bootId !== undefined) w.str(Tag.BOOT_ID, opts.bootId);
+    await this.request(w);
   }
 
   async sync(): Promise<void> {
