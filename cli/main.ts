@@ -14,6 +14,9 @@ commands:
         import an OCI image archive (docker save tar, oci-archive tar or OCI layout dir), boot a
         microVM from it, run CMD (default: the image's Entrypoint+Cmd) as the image's config
         says, print its output and exit with its exit code; -i passes our stdin to it
+  bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N] [--data-dir DIR]
+        measure boot, spawn (next to a bare QEMU restore), exec, fork, suspend/resume and idle
+        memory on this host; removes every VM and file it made (docs/benchmarks.md)
   doctor [--build] [--data-dir DIR]
         check the host; --build also builds missing guest artifacts
   key create --tenant NAME --tier TIER [--name LABEL] [--data-dir DIR]
@@ -93,6 +96,10 @@ async function main(argv: string[]): Promise<number> {
   switch (cmd) {
     case "run":
       return cmdRun(rest);
+    case "bench": {
+      const { cmdBench } = await import("./bench.ts");
+      return cmdBench(rest, log);
+    }
     case "doctor": {
       const { values } = parseArgs({
         args: rest,

@@ -1,0 +1,51 @@
+/** The readable form of a benchmark result (`sandboxd bench` without --json). */
+import type { BenchResult, Target } from "./bench.ts";
+import type { Summary } from "./stats.ts";
+
+function stats(s: Summary, unit: string): string {
+  return `p50 ${s.p50} ${unit}, p95 ${s.p95} ${unit} (n=${s.n})`;
+}
+
+function goal(t: Target | undefined, op: string, unit: string): string {
+  if (!t) return "";
+  return `${op} ${t.limit}${unit}  ${t.pass ? "PASS" : "FAIL"}`;
+}
+
+export function formatTable(r: BenchResult): string {
+  const m = r.host_memory_per_idle_vm_mb;
+  const t = r.targets;
+  const rows: [string, string, string][] = [
+    ["accelerator", `${r.accel} (${r.accel_reason})`, ""],
+    ["guest", `${r.guest_mem_mib} MiB, ${r.vcpus} vCPU`, ""],
+    ["cold boot to first exec", `${r.boot_ms} ms`, ""],
+    ["template snapshot", `${r.template_snapshot_ms} ms`, ""],
+    ["spawn (identity set)", stats(r.spawn_ms, "ms"), ""],
+    ["  of which restore", stats(r.spawn_restore_ms, "ms"), ""],
+    ["floor: bare QEMU restore", stats(r.floor_restore_ms, "ms"), ""],
+    ["spawn / floor (p50)", `${r.spawn_vs_floor}x`, goal(t.spawn_vs_floor, "<=", "x")],
+    ["exec `true` round trip", stats(r.exec_rtt_ms, "ms"), goal(t.exec_rtt_p50_ms, "p50 <", " ms")],
+    ["fork: parent stall", `${r.fork_parent_stall_ms} ms`, goal(t.fork_parent_stall_ms, "<", " ms")],
+    [
+      `fork: ${r.fork_children} children answering`,
+      `${r.fork_children_ms} ms`,
+      goal(t.fork_children_ms, "<", " ms"),
+    ],
+    ["suspend to disk", `${r.suspend_ms} ms`, ""],
+    ["resume", `${r.resume_ms} ms`, ""],
+    [
+      `host memory per idle VM (PSS, ${r.idle_vms} VMs)`,
+      `${r.host_rss_per_idle_vm_mb} MiB`,
+      goal(t.host_rss_per_idle_vm_mb, "<", " MiB"),
+    ],
+    ["  guest pages it dirtied", `${m.guest_ram_dirty} MiB`, ""],
+    ["  template pages, shared (PSS)", `${m.guest_ram_shared} MiB`, ""],
+    ["  QEMU's own (PSS)", `${m.qemu_own} MiB`, ""],
+    ["  RSS (shared pages counted fully)", `${m.rss} MiB`, ""],
+    ["template RAM file (once per template)", `${r.template_ram_file_mb} MiB`, ""],
+    ["benchmark run", `${(r.total_ms / 1000).toFixed(1)} s`, ""],
+  ];
+  const w0 = Math.max(...rows.map((x) => x[0].length));
+  // Only rows with a goal are padded: the accelerator's reason may be long.
+  const w1 = Math.max(...rows.filter((x) => x[2]).map((x) => x[1].length));
+  return rows.map(([a, b, c]) => `${a.padEnd(w0)}  ${c ? b.padEnd(w1) : b}${c ? `  ${c}` : ""}`).join("\n");
+}

@@ -1,0 +1,76 @@
+/**
+ * `sandboxd bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N]
+ * [--data-dir DIR]`: the snapshot engine's figures on this host (agent/bench/bench.ts;
+ * docs/benchmarks.md explains them). SIGINT/SIGTERM free every VM and file of the run first.
+ */
+import { parseArgs } from "node:util";
+import { SandboxdError } from "../contracts/errors.ts";
+import { defaultDataDir } from "./config.ts";
+
+/** Once aborted, how long the run gets to free its VMs before we exit anyway (QEMUs die with us). */
+const ABORT_GRACE_MS = 15_000;
+
+function intOption(value: string | undefined, name: string, def: number, min: number, max: number): number {
+  if (value === undefined) return def;
+  const n = Number(value);
+  if (!Number.isInteger(n) || n < min || n > max)
+    throw new SandboxdError(
+      "bad_request",
+      `--${name} must be an integer from ${min} to ${max}, got ${value}`,
+    );
+  return n;
+}
+
+export async function cmdBench(args: string[], log: (m: string) => void): Promise<number> {
+  const { values } = parseArgs({
+    args,
+    options: {
+      image: { type: "string" },
+      json: { type: "boolean" },
+      mem: { type: "string" },
+      vcpus: { type: "string" },
+      spawns: { type: "string" },
+      execs: { type: "string" },
+      "data-dir": { type: "string" },
+    },
+  });
+  if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
+  const { runBench, isInterrupted } = await import("../agent/bench/bench.ts");
+  const abort = new AbortController();
+  let exitTimer: ReturnType<typeof setTimeout> | undefined;
+  const onSignal = (sig: NodeJS.Signals) => {
+    if (abort.signal.aborted) return;
+    log(`${sig}: stopping the benchmark`);
+    abort.abort();
+    exitTimer = setTimeout(() => process.exit(130), ABORT_GRACE_MS);
+  };
+  process.on("SIGINT", onSignal);
+  process.on("SIGTERM", onSignal);
+  try {
+    const result = await runBench({
+      dataDir: values["data-dir"] ?? defaultDataDir(),
+      image: values.image,
+      // 256 MiB, 1 vCPU: the shape host-facts' snapshot figures were measured at.
+      memMib: intOption(values.mem, "mem", 256, 64, 65536),
+      vcpus: intOption(values.vcpus, "vcpus", 1, 1, 64),
+      // 20 spawns: p95 is then the second largest, not just the maximum.
+      spawns: intOption(values.spawns, "spawns", 20, 1, 1000),
+      execs: intOption(values.execs, "execs", 200, 1, 100_000),
+      signal: abort.signal,
+      log,
+    });
+    if (values.json) process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
+    else {
+      const { formatTable } = await import("../agent/bench/report.ts");
+      process.stdout.write(`${formatTable(result)}\n`);
+    }
+    return 0;
+  } catch (err) {
+    if (isInterrupted(err)) return 130;
+    throw err;
+  } finally {
+    clearTimeout(exitTimer);
+    process.off("SIGINT", onSignal);
+    process.off("SIGTERM", onSignal);
+  }
+}

@@ -1,0 +1,230 @@
+/**
+ * `bin/sandboxd bench` end to end: the real CLI in a subprocess on the busybox fixture, once, with
+ * few samples. Checks the JSON's shape, that every figure is a finite positive number, and that the
+ * run left nothing behind (no QEMU, no scratch dir, no RAM file, nothing new in the data dir).
+ * Speed is never asserted here: the targets are the benchmark's own `targets` block.
+ * Also unit checks of the percentile and smaps parsing the figures rest on.
+ */
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { spawn } from "node:child_process";
+import { existsSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { qemuPidsNaming } from "../agent/bench/bench.ts";
+import { parseRollup, parseSmapsFor } from "../agent/bench/rss.ts";
+import { percentile, summarize } from "../agent/bench/stats.ts";
+import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
+
+const REPO = resolve(import.meta.dir, "..");
+/** Guest artifacts and imported images are cached here (shared with the other suites). */
+const DATA_DIR = process.env.SANDBOXD_TEST_DATA ?? join(REPO, ".data", "test");
+/**
+ * One benchmark run boots a VM, builds a template, and restores ~25 VMs under TCG on a 2-core
+ * host: ~10 s here; the artifacts may have to be built first on a fresh machine. 300 s covers it.
+ */
+const BENCH_TIMEOUT_MS = 300_000;
+const scratch = mkdtempSync(join(tmpdir(), "bench-test-"));
+const image = join(scratch, "busybox.tar");
+
+interface Run {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+}
+
+function sandboxd(args: string[]): Promise<Run> {
+  return new Promise((done) => {
+    const child = spawn(join(REPO, "bin/sandboxd"), args, {
+      env: { ...process.env, SANDBOXD_DATA_DIR: DATA_DIR, SANDBOXD_QUIET: "0" },
+      stdio: ["ignore", "pipe", "pipe"],
+    });
+    let stdout = "";
+    let stderr = "";
+    child.stdout.on("data", (b: Buffer) => {
+      stdout += b.toString();
+    });
+    child.stderr.on("data", (b: Buffer) => {
+      stderr += b.toString();
+    });
+    child.on("close", (code) => done({ code, stdout, stderr }));
+  });
+}
+
+function entries(dir: string): string[] {
+  return existsSync(dir) ? readdirSync(dir) : [];
+}
+
+beforeAll(async () => {
+  await makeDockerArchive(image, await busyboxImageSpec(join(scratch, "img")));
+});
+
+afterAll(() => {
+  rmSync(scratch, { recursive: true, force: true });
+});
+
+const STATS_KEYS = ["spawn_ms", "spawn_restore_ms", "floor_restore_ms", "exec_rtt_ms"];
+const SCALAR_KEYS = [
+  "guest_mem_mib",
+  "vcpus",
+  "boot_ms",
+  "template_snapshot_ms",
+  "spawn_vs_floor",
+  "fork_parent_stall_ms",
+  "fork_children",
+  "fork_children_ms",
+  "suspend_ms",
+  "resume_ms",
+  "idle_vms",
+  "host_rss_per_idle_vm_mb",
+  "template_ram_file_mb",
+  "total_ms",
+];
+const MEMORY_KEYS = ["pss", "rss", "private_dirty", "guest_ram_dirty", "guest_ram_shared", "qemu_own"];
+const TARGET_KEYS = [
+  "spawn_vs_floor",
+  "exec_rtt_p50_ms",
+  "fork_parent_stall_ms",
+  "fork_children_ms",
+  "host_rss_per_idle_vm_mb",
+];
+
+/** Every number anywhere in `v`, with its path. */
+function numbers(v: unknown, path = ""): [string, number][] {
+  if (typeof v === "number") return [[path, v]];
+  if (v && typeof v === "object")
+    return Object.entries(v).flatMap(([k, x]) => numbers(x, path ? `${path}.${k}` : k));
+  return [];
+}
+
+describe("sandboxd bench", () => {
+  test(
+    "prints one JSON object of finite positive figures and leaves nothing behind",
+    async () => {
+      const vmsBefore = new Set(entries(join(DATA_DIR, "vms")));
+      const tmpBefore = new Set(entries(join(DATA_DIR, "tmp")));
+      const r = await sandboxd([
+        "bench",
+        "--image",
+        image,
+        "--json",
+        "--spawns",
+        "3",
+        "--execs",
+        "10",
+        "--data-dir",
+        DATA_DIR,
+      ]);
+      if (r.code !== 0) console.error(r.stderr);
+      expect(r.code).toBe(0);
+      const out = JSON.parse(r.stdout) as Record<string, unknown>;
+      console.log(`BENCH_FIGURES ${JSON.stringify(out)}`);
+
+      // Shape.
+      expect(Object.keys(out).sort()).toEqual(
+        [
+          "accel",
+          "accel_reason",
+          ...SCALAR_KEYS,
+          ...STATS_KEYS,
+          "host_memory_per_idle_vm_mb",
+          "targets",
+        ].sort(),
+      );
+      expect(["tcg", "kvm"]).toContain(out.accel as string);
+      expect(typeof out.accel_reason).toBe("string");
+      for (const k of SCALAR_KEYS) expect(typeof out[k]).toBe("number");
+      for (const k of STATS_KEYS) expect(Object.keys(out[k] as object).sort()).toEqual(["n", "p50", "p95"]);
+      expect(Object.keys(out.host_memory_per_idle_vm_mb as object).sort()).toEqual([...MEMORY_KEYS].sort());
+      const targets = out.targets as Record<string, { limit: number; value: number; pass: boolean }>;
+      expect(Object.keys(targets).sort()).toEqual([...TARGET_KEYS].sort());
+      for (const t of Object.values(targets)) {
+        expect(Object.keys(t).sort()).toEqual(["limit", "pass", "value"]);
+        expect(typeof t.pass).toBe("boolean");
+      }
+      // The options reached the run.
+      expect(out.guest_mem_mib).toBe(256);
+      expect(out.vcpus).toBe(1);
+      expect((out.spawn_ms as { n: number }).n).toBe(3);
+      expect((out.floor_restore_ms as { n: number }).n).toBe(3);
+      expect((out.exec_rtt_ms as { n: number }).n).toBe(10);
+      expect(out.fork_children).toBe(8);
+      expect(targets.spawn_vs_floor?.value).toBe(out.spawn_vs_floor as number);
+
+      // Every figure: a finite positive number (no NaN, no -1 "not measured").
+      const nums = numbers(out);
+      expect(nums.length).toBeGreaterThan(30);
+      const bad = nums.filter(([, x]) => !(Number.isFinite(x) && x > 0));
+      expect(bad).toEqual([]);
+
+      // Nothing left behind: the run's scratch dirs (it names them on stderr) are gone, no QEMU
+      // names them, and the data dir holds no new VM dir or temp file.
+      const m = /scratch dirs (\S+) (\S+)/.exec(r.stderr);
+      expect(m).not.toBeNull();
+      const dirs = [m?.[1] as string, m?.[2] as string];
+      for (const d of dirs) expect(existsSync(d)).toBe(false);
+      expect(await qemuPidsNaming(dirs)).toEqual([]);
+      expect(entries(join(DATA_DIR, "vms")).filter((e) => !vmsBefore.has(e))).toEqual([]);
+      expect(entries(join(DATA_DIR, "tmp")).filter((e) => !tmpBefore.has(e))).toEqual([]);
+    },
+    BENCH_TIMEOUT_MS,
+  );
+
+  test("bench without --image is a usage error", async () => {
+    const r = await sandboxd(["bench", "--json"]);
+    expect(r.code).toBe(125);
+    expect(r.stderr).toContain("bench needs --image");
+    expect(r.stdout).toBe("");
+  });
+});
+
+describe("bench figures", () => {
+  test("nearest-rank percentiles", () => {
+    expect(percentile([5, 1, 3], 0.5)).toBe(3);
+    expect(percentile([5, 1, 3], 0.95)).toBe(5);
+    const xs = Array.from({ length: 20 }, (_, i) => i + 1);
+    expect(percentile(xs, 0.5)).toBe(10);
+    expect(percentile(xs, 0.95)).toBe(19);
+    expect(summarize([2, 4])).toEqual({ p50: 2, p95: 4, n: 2 });
+    expect(Number.isNaN(percentile([], 0.5))).toBe(true);
+  });
+
+  test("smaps parsing: the whole process and the guest RAM file's mapping", () => {
+    const rollup = [
+      "55d0c0000000-7ffd00000000 ---p 00000000 00:00 0                          [rollup]",
+      "Rss:               78000 kB",
+      "Pss:               40000 kB",
+      "Shared_Clean:      30000 kB",
+      "Shared_Dirty:          0 kB",
+      "Private_Clean:      1000 kB",
+      "Private_Dirty:     35000 kB",
+    ].join("\n");
+    expect(parseRollup(rollup)).toEqual({
+      rss: 78000,
+      pss: 40000,
+      sharedClean: 30000,
+      sharedDirty: 0,
+      privateClean: 1000,
+      privateDirty: 35000,
+    });
+    const ram = "/dev/shm/x/tpl-bench.mem";
+    const smaps = [
+      `7f0000000000-7f0010000000 rw-p 00000000 00:1a 1234                       ${ram}`,
+      "Size:             262144 kB",
+      "Rss:               20000 kB",
+      "Pss:                5000 kB",
+      "Private_Dirty:      3000 kB",
+      "7f0010000000-7f0010001000 r-xp 00000000 08:01 99                         /usr/lib/libc.so.6",
+      "Rss:                 900 kB",
+      "Pss:                 100 kB",
+      "Private_Dirty:         0 kB",
+      `7f0020000000-7f0020001000 rw-p 10000000 00:1a 1234                       ${ram} (deleted)`,
+      "Rss:                   4 kB",
+      "Pss:                   4 kB",
+      "Private_Dirty:         4 kB",
+    ].join("\n");
+    const g = parseSmapsFor(smaps, ram);
+    expect(g.rss).toBe(20004);
+    expect(g.pss).toBe(5004);
+    expect(g.privateDirty).toBe(3004);
+  });
+});
