@@ -28,7 +28,8 @@ export interface DbHandle {
 
 export type OpenDbOptions = { dataDir: string } | { url: string };
 
-export const MIGRATIONS_DIR = join(import.meta.dir, "..", "migrations");
+// import.meta.dirname (not Bun's import.meta.dir): the gateway also runs under Node and Deno.
+export const MIGRATIONS_DIR = join(import.meta.dirname, "..", "migrations");
 
 export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
   if ("url" in opts) {

@@ -262,8 +262,17 @@ export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void
 /** Operator: add or update a shared catalog template (spec 2.4: e.g. `python`). */
 export async function upsertPublicTemplate(
   deps: Pick<Deps, "db" | "clock">,
-  t: { id: string; name: string; description: string; tier?: string; exposedPorts?: number[] },
+  t: {
+    id: string;
+    name: string;
+    description: string;
+    tier?: string;
+    exposedPorts?: number[];
+    /** "building" while the agent still builds it: refreshTemplate then follows the agent. */
+    status?: "building" | "ready";
+  },
 ): Promise<void> {
+  const building = t.status === "building";
   await deps.db
     .insert(templates)
     .values({
@@ -275,11 +284,11 @@ export async function upsertPublicTemplate(
       name: t.name,
       description: t.description,
       tier: t.tier ?? null,
-      status: "ready",
-      phase: "Live",
+      status: building ? "building" : "ready",
+      phase: building ? "Converting" : "Live",
       exposedPorts: t.exposedPorts ?? [],
       createdAt: new Date(deps.clock()),
-      readyAt: new Date(deps.clock()),
+      readyAt: building ? null : new Date(deps.clock()),
     })
     .onConflictDoNothing();
 }

@@ -1,0 +1,130 @@
+/**
+ * Runs the gateway as an HTTP server: opens the database (PGlite under `<dataDir>/pglite`, or
+ * PostgreSQL at `databaseUrl`), loads the server secrets, resolves the config and serves
+ * `createApp` with the hosting runtime's own server (runtime/: Bun.serve, Deno.serve, or Node's
+ * http server through @hono/node-server). Nothing here is specific to one runtime.
+ */
+import { join } from "node:path";
+import { type Db, type DbHandle, openDb } from "../db/client.ts";
+import type { AgentApi } from "./agent-api.ts";
+import { createApp } from "./app.ts";
+import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
+import type { Clock } from "./deps.ts";
+import { type RunningServer, type RuntimeName, serveFetch } from "./runtime/index.ts";
+import { loadSecrets } from "./secrets.ts";
+
+export type StartGatewayOptions = {
+  /** Default 8080; 0 picks a free port (see `RunningGateway.port`). */
+  port?: number;
+  /** Default 127.0.0.1. */
+  hostname?: string;
+  agent: AgentApi;
+  /** Overrides of the resolved config (secrets included, which then win over the data dir's). */
+  config?: Partial<GatewayConfigInput>;
+  clock?: Clock;
+  log?: (line: string) => void;
+} & (
+  | {
+      /** Secrets (`<dataDir>/secrets`), uploads and, without `databaseUrl`, the PGlite db. */
+      dataDir: string;
+      /** PostgreSQL instead of PGlite (several gateway replicas share one). */
+      databaseUrl?: string;
+    }
+  | {
+      /** Without a data dir the secrets and `uploadDir` must come from `config` or the env. */
+      dataDir?: undefined;
+      databaseUrl: string;
+    }
+);
+
+export interface RunningGateway {
+  /** `http://<hostname>:<port>` with the port actually bound. */
+  url: string;
+  port: number;
+  runtime: RuntimeName;
+  config: GatewayConfig;
+  /**
+   * Runs `fn` with the gateway's own db handle (over PGlite the only one this data dir can have
+   * while the gateway runs), e.g. to register catalog templates. Refused after `stop()`.
+   */
+  withDb<T>(fn: (db: Db) => Promise<T>): Promise<T>;
+  /** Stops the server (open connections are closed), then closes the database. Idempotent. */
+  stop(): Promise<void>;
+}
+
+function secretsWithoutDataDir(over: Partial<GatewayConfigInput>): {
+  keyPepper: string;
+  connectSecret: string;
+  uploadDir: string;
+} {
+  const keyPepper = over.keyPepper ?? process.env.SANDBOXD_KEY_PEPPER;
+  const connectSecret = over.connectSecret ?? process.env.SANDBOXD_CONNECT_SECRET;
+  const uploadDir = over.uploadDir;
+  if (!keyPepper || !connectSecret || !uploadDir) {
+    throw new Error(
+      "startGateway without dataDir needs keyPepper, connectSecret (config or SANDBOXD_KEY_PEPPER, " +
+        "SANDBOXD_CONNECT_SECRET) and config.uploadDir",
+    );
+  }
+  return { keyPepper, connectSecret, uploadDir };
+}
+
+export async function startGateway(opts: StartGatewayOptions): Promise<RunningGateway> {
+  const over = opts.config ?? {};
+  const base =
+    opts.dataDir !== undefined
+      ? { ...loadSecrets(opts.dataDir), uploadDir: join(opts.dataDir, "uploads") }
+      : secretsWithoutDataDir(over);
+  const config = resolveConfig({
+    ...over,
+    keyPepper: over.keyPepper ?? base.keyPepper,
+    connectSecret: over.connectSecret ?? base.connectSecret,
+    uploadDir: over.uploadDir ?? base.uploadDir,
+  });
+  const hostname = opts.hostname ?? "127.0.0.1";
+  const handle: DbHandle = await openDb(
+    opts.databaseUrl !== undefined ? { url: opts.databaseUrl } : { dataDir: opts.dataDir! },
+  );
+  let server: RunningServer;
+  try {
+    const app = createApp({
+      db: handle.db,
+      agent: opts.agent,
+      config,
+      ...(opts.clock ? { clock: opts.clock } : {}),
+      ...(opts.log ? { log: opts.log } : {}),
+    });
+    server = await serveFetch({
+      fetch: (request) => app.fetch(request),
+      hostname,
+      port: opts.port ?? 8080,
+      // The longest exec a client may ask for, plus a minute for the VM around it.
+      requestTimeoutMs: (config.limits.maxExecTimeoutS + 60) * 1000,
+    });
+  } catch (err) {
+    await handle.close();
+    throw err;
+  }
+  const host = hostname.includes(":") ? `[${hostname}]` : hostname;
+  let stopping: Promise<void> | undefined;
+  return {
+    url: `http://${host}:${server.port}`,
+    port: server.port,
+    runtime: server.runtime,
+    config,
+    withDb: async (fn) => {
+      if (stopping) throw new Error("the gateway is stopped");
+      return fn(handle.db);
+    },
+    stop: () => {
+      stopping ??= (async () => {
+        try {
+          await server.stop();
+        } finally {
+          await handle.close();
+        }
+      })();
+      return stopping;
+    },
+  };
+}

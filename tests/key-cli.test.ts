@@ -1,0 +1,195 @@
+/**
+ * `sandboxd key create|list|revoke` as an operator runs it (bin/sandboxd in a subprocess), and
+ * the keys it issues against a gateway started by `startGateway` on the same data dir (same key
+ * pepper): a created pro key is accepted, a revoked one is refused. Once over PGlite in the data
+ * dir and once over a real PostgreSQL started by the test (`DATABASE_URL`; skipped, with a
+ * message, only when the postgres binaries are absent).
+ *
+ * PGlite is one process's database: the CLI and a gateway cannot hold the same data dir at once,
+ * so over PGlite the gateway is stopped while the CLI runs. Over PostgreSQL the gateway keeps
+ * running and sees the revocation on the next request.
+ */
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { spawn } from "node:child_process";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
+import { type RunningGateway, startGateway } from "../gateway/server.ts";
+import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
+
+const REPO = resolve(import.meta.dir, "..");
+const KEY_RE = /^svc_pro_([a-z0-9]{12})_[A-Za-z0-9]{40}$/;
+/** bin/sandboxd checks the host and node modules first; PGlite migrates on every open. */
+const CLI_TIMEOUT_MS = 60_000;
+
+interface CliResult {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+}
+
+function cli(args: string[], databaseUrl: string | undefined): Promise<CliResult> {
+  const env: NodeJS.ProcessEnv = { ...process.env };
+  delete env.DATABASE_URL;
+  if (databaseUrl !== undefined) env.DATABASE_URL = databaseUrl;
+  return new Promise((done, fail) => {
+    const child = spawn(join(REPO, "bin/sandboxd"), args, { env, stdio: ["ignore", "pipe", "pipe"] });
+    let stdout = "";
+    let stderr = "";
+    child.stdout.on("data", (b: Buffer) => {
+      stdout += b.toString();
+    });
+    child.stderr.on("data", (b: Buffer) => {
+      stderr += b.toString();
+    });
+    const timer = setTimeout(() => child.kill("SIGKILL"), CLI_TIMEOUT_MS);
+    child.once("error", fail);
+    child.once("close", (code) => {
+      clearTimeout(timer);
+      done({ code, stdout, stderr });
+    });
+  });
+}
+
+interface Listing {
+  keyId: string;
+  prefix: string;
+  name: string;
+  tier: string;
+  tenant: string;
+  createdAt: string;
+  revokedAt: string | null;
+}
+
+function parseList(stdout: string): Listing[] {
+  return stdout
+    .split("\n")
+    .filter((l) => l.trim() !== "")
+    .map((l) => JSON.parse(l) as Listing);
+}
+
+function suite(name: string, databaseUrl: () => string | undefined) {
+  describe(name, () => {
+    let dataDir = "";
+    let gw: RunningGateway | null = null;
+    const start = async () => {
+      const url = databaseUrl();
+      gw = await startGateway({
+        port: 0,
+        dataDir,
+        ...(url !== undefined ? { databaseUrl: url } : {}),
+        agent: new MemoryAgent(),
+        log: () => {},
+      });
+      return gw;
+    };
+    const stop = async () => {
+      await gw?.stop();
+      gw = null;
+    };
+    const list = (url: string) => fetch(`${gw!.url}/v1/sandboxes`, { headers: { authorization: url } });
+
+    beforeAll(() => {
+      dataDir = mkdtempSync(join(tmpdir(), "sandboxd-keycli-"));
+    });
+    afterAll(async () => {
+      await stop();
+      rmSync(dataDir, { recursive: true, force: true });
+    });
+
+    test(
+      "create prints the key last, list shows it without secret, revoke ends it",
+      async () => {
+        const url = databaseUrl();
+        const created = await cli(
+          ["key", "create", "--data-dir", dataDir, "--tenant", "acme", "--tier", "pro", "--name", "ci"],
+          url,
+        );
+        expect(created.code).toBe(0);
+        const key = created.stdout.trimEnd().split("\n").at(-1)!;
+        const m = KEY_RE.exec(key);
+        expect(m).not.toBeNull();
+        const keyId = m![1]!;
+        const secret = key.split("_")[3]!;
+        expect(created.stderr).toContain(`key ${keyId} for tenant acme`);
+
+        const listed = await cli(["key", "list", "--data-dir", dataDir, "--tenant", "acme"], url);
+        expect(listed.code).toBe(0);
+        const rows = parseList(listed.stdout);
+        expect(rows).toHaveLength(1);
+        expect(rows[0]).toMatchObject({
+          keyId,
+          prefix: `svc_pro_${keyId}`,
+          name: "ci",
+          tier: "pro",
+          tenant: "acme",
+          revokedAt: null,
+        });
+        // Neither the secret nor its hash is ever shown.
+        expect(listed.stdout).not.toContain(secret);
+        expect(Object.keys(rows[0]!).sort()).toEqual(
+          ["createdAt", "keyId", "name", "prefix", "revokedAt", "tenant", "tier"].sort(),
+        );
+        expect(listed.stdout).not.toMatch(/[0-9a-f]{64}/);
+
+        // The key authenticates against a gateway on the same data dir (same pepper).
+        await start();
+        const ok = await list(`Bearer ${key}`);
+        expect(ok.status).toBe(200);
+        expect(await ok.json()).toMatchObject({ sandboxes: [] });
+        // The same id with another secret is refused.
+        expect((await list(`Bearer svc_pro_${keyId}_${"A".repeat(40)}`)).status).toBe(401);
+        if (url === undefined) await stop(); // PGlite: one process at a time
+
+        const revoked = await cli(["key", "revoke", keyId, "--data-dir", dataDir], url);
+        expect(revoked.code).toBe(0);
+        expect(revoked.stdout).toContain(`revoked ${keyId}`);
+        const again = await cli(["key", "revoke", keyId, "--data-dir", dataDir], url);
+        expect(again.code).not.toBe(0);
+        expect(again.stderr).toContain(`no active key ${keyId}`);
+
+        const after = parseList((await cli(["key", "list", "--data-dir", dataDir], url)).stdout);
+        expect(after).toHaveLength(1);
+        expect(Number.isNaN(Date.parse(after[0]!.revokedAt ?? ""))).toBe(false);
+
+        if (gw === null) await start();
+        const refused = await list(`Bearer ${key}`);
+        expect(refused.status).toBe(401);
+        expect(((await refused.json()) as { code: string }).code).toBe("unauthorized");
+        await stop();
+      },
+      6 * CLI_TIMEOUT_MS,
+    );
+
+    test(
+      "a bad tier exits non-zero with a clear message and creates nothing",
+      async () => {
+        const url = databaseUrl();
+        const bad = await cli(
+          ["key", "create", "--data-dir", dataDir, "--tenant", "nobody-co", "--tier", "platinum"],
+          url,
+        );
+        expect(bad.code).not.toBe(0);
+        expect(bad.stdout).toBe("");
+        expect(bad.stderr).toContain("key create needs --tier, one of live, scale, demo, pro, enterprise");
+        const rows = parseList((await cli(["key", "list", "--data-dir", dataDir], url)).stdout);
+        expect(rows.some((r) => r.tenant === "nobody-co")).toBe(false);
+      },
+      3 * CLI_TIMEOUT_MS,
+    );
+  });
+}
+
+suite("key CLI over PGlite in the data dir", () => undefined);
+
+const HAVE_PG = findPgBin() !== null;
+if (!HAVE_PG) console.warn("key-cli: PostgreSQL binaries not found, skipping the DATABASE_URL suite");
+let pg: TestPostgres | null = null;
+describe.skipIf(!HAVE_PG)("with DATABASE_URL", () => {
+  beforeAll(async () => {
+    pg = await startPostgres();
+  }, 120_000);
+  afterAll(() => pg?.stop());
+  suite("key CLI over PostgreSQL", () => pg!.url);
+});
