@@ -78,6 +78,14 @@ export interface LaunchOptions {
    */
   paused?: boolean;
   extraKernelArgs?: string[];
+  /**
+   * true (default): QEMU dies with the process that launched it (`setpriv --pdeathsig KILL`),
+   * right for the one-shot `sandboxd run` CLI and for transient VMs (template builds). false: the
+   * long-running agent's sandboxes, which must outlive an agent restart to be re-adopted; QEMU is
+   * then started in its own session (a Ctrl-C or SIGTERM to the agent's process group does not
+   * reach it), and the agent's reaper kills the VMs no record claims.
+   */
+  dieWithParent?: boolean;
   log?: (msg: string) => void;
 }
 
@@ -280,6 +288,7 @@ export async function createOverlay(base: string, path: string): Promise<void> {
  * --pdeathsig KILL` (util-linux): the kernel SIGKILLs QEMU when the process that spawned it dies,
  * even by SIGKILL. Where setpriv is missing, a crashed agent leaves QEMU running; the agent's
  * reaper (agent/vm/workdir.ts `reapOrphanVms`) kills such QEMUs by `qemu.pid` on its next start.
+ * `dieWithParent: false` skips it (the agent's sandboxes, re-adopted after a restart).
  */
 const SETPRIV = "/usr/bin/setpriv";
 
@@ -294,13 +303,15 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
 
   const args = buildQemuArgs(opts);
-  const [cmd, argv] = existsSync(SETPRIV)
-    ? [SETPRIV, ["--pdeathsig", "KILL", "--", QEMU_BINARY, ...args]]
-    : [QEMU_BINARY, args];
+  const dieWithParent = opts.dieWithParent ?? true;
+  const [cmd, argv] =
+    dieWithParent && existsSync(SETPRIV)
+      ? [SETPRIV, ["--pdeathsig", "KILL", "--", QEMU_BINARY, ...args]]
+      : [QEMU_BINARY, args];
   log(`starting ${QEMU_BINARY} (${opts.accel}, ${opts.memMib} MiB, ${opts.vcpus} vCPU) in ${dir}`);
   const child: ChildProcess = spawn(cmd, argv, {
     cwd: dir,
-    detached: false,
+    detached: !dieWithParent,
     stdio: ["ignore", "ignore", "pipe"],
   });
 

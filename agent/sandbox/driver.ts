@@ -2,8 +2,8 @@
  * What the sandbox manager needs from the VM layer, and nothing more. The manager owns states,
  * serialization, idle pause, records and accounting; a driver owns QEMU processes, disks and
  * snapshots. Two implementations: `BootDriver` (boot-driver.ts: cold boot from an imported image,
- * no fork/suspend; used by the tests with real VMs) and the snapshot engine's driver
- * (agent/snapshot/, another issue: template snapshots, fork, suspend/resume).
+ * no fork/suspend) and `SnapshotDriver` (snapshot-driver.ts, on agent/snapshot/: template
+ * snapshots, fast spawn, live fork, suspend/resume).
  *
  * Contract for implementations:
  * - Every method throws `SandboxdError`s; `unsupported` when the driver cannot do it at all,
@@ -50,8 +50,12 @@ export interface PreparedTemplate {
 }
 
 export type TemplateInput =
-  /** An image archive or OCI layout on this host; the driver may move or delete it. */
-  | { kind: "archive"; path: string; size?: Partial<VmSize> }
+  /**
+   * An image archive or OCI layout on this host; the driver may move or delete it. `readyCmd`
+   * (spec 4.3) runs before a snapshot driver freezes the template: it starts services detached
+   * and exits 0 once they are healthy (non-zero or a timeout fails the build).
+   */
+  | { kind: "archive"; path: string; size?: Partial<VmSize>; readyCmd?: string[]; readyTimeoutMs?: number }
   /** An OCI reference to pull (Family B bake). */
   | { kind: "oci"; image: string };
 

@@ -234,6 +234,8 @@ export class SandboxManager {
     this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
     if (sb.state !== "creating") throw this.goneError(sb); // destroyed or died meanwhile
     this.setState(sb, "running");
+    // What a caller was told exists survives an agent exit right after: the record is on disk.
+    await this.records.flush();
     void this.refreshDisk(sb);
     return {
       vmId: id,
@@ -304,7 +306,7 @@ export class SandboxManager {
       sb.op = op;
       const vms = await op;
       const forkMs = performance.now() - t0;
-      return children.map((child, i) => {
+      const created = children.map((child, i) => {
         const vm = vms[i]!;
         child.vm = vm;
         this.driver.onExit(vm, (info) => this.onVmExit(child, info));
@@ -317,6 +319,8 @@ export class SandboxManager {
           resources: { ...child.size, diskBytes: 0 },
         };
       });
+      await this.records.flush(); // the children's records are on disk before they are announced
+      return created;
     } catch (err) {
       for (const c of children) {
         this.sandboxes.delete(c.id);
@@ -342,6 +346,8 @@ export class SandboxManager {
       sb.vm = undefined;
       sb.memBytes = r.memBytes;
       if (sb.state === "suspending") this.setState(sb, "suspended");
+      // A restart right after must find `suspended` (its snapshot kept), not a dead `running` VM.
+      await this.records.flush();
       return r;
     } catch (err) {
       if (sb.state === "suspending") this.setState(sb, "running");
@@ -364,6 +370,7 @@ export class SandboxManager {
       this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
       if (sb.state !== "resuming") throw this.goneError(sb);
       this.setState(sb, "running");
+      await this.records.flush();
       return { memBytes: sb.memBytes, resources: { ...sb.size, diskBytes: sb.meter.resources.diskBytes } };
     } catch (err) {
       if (sb.state === "resuming") this.setState(sb, "suspended");
@@ -426,7 +433,14 @@ export class SandboxManager {
   // ---- templates and host --------------------------------------------------------------------
 
   buildTemplate(id: string, input: TemplateInput, size?: Partial<VmSize>): void {
-    this.templates.build(id, input, size);
+    if (input.kind !== "archive") {
+      this.templates.build(id, input, size);
+      return;
+    }
+    // The driver learns the size the VMs of this template will get: a snapshot driver freezes
+    // RAM and vCPUs into the template, so it must build it at the size `create` asks for.
+    const want: Partial<VmSize> = { ...input.size, ...size };
+    this.templates.build(id, { ...input, size: { ...this.defaultSize, ...want } }, want);
   }
 
   async deleteTemplate(id: string): Promise<void> {

@@ -28,6 +28,8 @@ export interface SpawnOptions {
   /** `sbx-<hex>` by default; must be an RFC 1123 label (it becomes the hostname). */
   id?: string;
   readyTimeoutMs?: number;
+  /** Launch option: false for VMs that must outlive this process (see VmShape). Default true. */
+  dieWithParent?: boolean;
   log?: (m: string) => void;
 }
 
@@ -59,6 +61,7 @@ export async function spawnFromTemplate(o: SpawnOptions): Promise<Result<Spawned
   if (!HOSTNAME_RE.test(id))
     return fail(new SnapshotError("bad_request", `invalid sandbox id ${JSON.stringify(id)}`));
   const shape = shapeOf(o.dataDir, t);
+  if (o.dieWithParent !== undefined) shape.dieWithParent = o.dieWithParent;
   const disks = storageDir(shape.dataDir);
   const disk = join(disks, `${id}-0.qcow2`);
   const vm = new SandboxVm(id, join(vmsRoot(shape.dataDir), id), shape, disk, t.memPath, o.log);

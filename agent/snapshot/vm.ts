@@ -13,7 +13,7 @@ import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { type ExecOptions, type ExecResult, GuestClient, GuestError } from "../guest/client.ts";
 import type { Accel } from "../qemu/accel.ts";
-import { launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
+import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createVmDir, writeOwner } from "../vm/workdir.ts";
 import { asSnapshotError, SnapshotError } from "./errors.ts";
@@ -74,6 +74,11 @@ export interface VmShape {
   baseDisk: string;
   /** Virtual size of the disk, bytes. */
   diskBytes: number;
+  /**
+   * Launch option (agent/qemu/launch.ts): false for VMs that must outlive the agent process (the
+   * agent's sandboxes, re-adopted after a restart). Default true.
+   */
+  dieWithParent?: boolean;
 }
 
 export class SandboxVm {
@@ -230,8 +235,12 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
       memBackend: a.mem,
       incoming: true,
       paused: true,
+      ...(s.dieWithParent === undefined ? {} : { dieWithParent: s.dieWithParent }),
     });
     const p = proc;
+    // A fresh QEMU names the top of the disk chain with the fixed id, whatever node a fork had
+    // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).
+    vm.topNode = DEVICE_IDS.diskNode;
     const tLaunch = performance.now();
     await writeOwner(vm.dir, { ownerPid: process.pid, qemuPid: p.pid, createdAt: new Date().toISOString() });
     await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
