@@ -10,6 +10,10 @@ import { defaultDataDir, REPO_ROOT } from "./config.ts";
 const USAGE = `usage: sandboxd <command> [options]
 
 commands:
+  up [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--no-catalog]
+        run the service: the HTTP gateway (both API families) and one host agent in this
+        process; state in PGlite under the data dir, or PostgreSQL when DATABASE_URL is set;
+        builds the catalog's python template on first start
   run --image ARCHIVE [--mem MIB] [--vcpus N] [--timeout S] [-i] [--data-dir DIR] [-- CMD [ARG...]]
         import an OCI image archive (docker save tar, oci-archive tar or OCI layout dir), boot a
         microVM from it, run CMD (default: the image's Entrypoint+Cmd) as the image's config
@@ -96,6 +100,10 @@ async function main(argv: string[]): Promise<number> {
   switch (cmd) {
     case "run":
       return cmdRun(rest);
+    case "up": {
+      const { cmdUp } = await import("./up.ts");
+      return cmdUp(rest, VERSION, log);
+    }
     case "bench": {
       const { cmdBench } = await import("./bench.ts");
       return cmdBench(rest, log);

@@ -3,8 +3,9 @@ import { mkdirSync, readFileSync, renameSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 
 /**
- * The gateway's server secrets: the key pepper (API key hashes) and the connect-token secret.
- * From the environment when set (`SANDBOXD_KEY_PEPPER`, `SANDBOXD_CONNECT_SECRET`: what several
+ * The gateway's server secrets: the key pepper (API key hashes), the connect-token secret and
+ * the agent-token secret. From the environment when set (`SANDBOXD_KEY_PEPPER`,
+ * `SANDBOXD_CONNECT_SECRET`, `SANDBOXD_AGENT_SECRET`: what several
  * gateway replicas over one PostgreSQL must share), else generated once into
  * `<dataDir>/secrets/` (0600). Never stored in the database: a leaked database alone does not
  * let anyone test guessed keys.
@@ -12,6 +13,8 @@ import { join } from "node:path";
 export interface GatewaySecrets {
   keyPepper: string;
   connectSecret: string;
+  /** HS256 secret of the gateway -> agent request tokens. */
+  agentSecret: string;
 }
 
 function fromFile(dir: string, name: string): string {
@@ -39,5 +42,6 @@ export function loadSecrets(dataDir: string, env: NodeJS.ProcessEnv = process.en
   return {
     keyPepper: env.SANDBOXD_KEY_PEPPER || fromFile(dir, "key-pepper"),
     connectSecret: env.SANDBOXD_CONNECT_SECRET || fromFile(dir, "connect-secret"),
+    agentSecret: env.SANDBOXD_AGENT_SECRET || fromFile(dir, "agent-secret"),
   };
 }

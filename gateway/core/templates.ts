@@ -47,7 +47,14 @@ export async function visibleTemplates(deps: Deps, tenantId: string | null): Pro
 /** While building, ask the agent and record a finished build. */
 export async function refreshTemplate(deps: Deps, row: TemplateRow): Promise<TemplateRow> {
   if (row.status !== "building") return row;
-  const st = await deps.agent.templateStatus(row.agentRef);
+  let st: Awaited<ReturnType<Deps["agent"]["templateStatus"]>>;
+  try {
+    st = await deps.agent.templateStatus(row.agentRef);
+  } catch {
+    // The agent is unreachable or has not started this build yet: the row stays "building"
+    // (a listing or health check must not fail because one build cannot be asked about).
+    return row;
+  }
   if (st.status === "building" && st.phase === row.phase) return row;
   const readyAt = st.status === "ready" ? new Date(st.readyAtMs ?? deps.clock()) : null;
   const [updated] = await deps.db

@@ -1,0 +1,55 @@
+/**
+ * Serves the agent's HTTP API (agent/api/app.ts) for the gateway. The agent runs under Bun (it
+ * drives QEMU through node:child_process and node:net, both of which Bun provides).
+ */
+import { createAgentApp } from "./api/app.ts";
+import type { SandboxManager } from "./sandbox/manager.ts";
+
+export interface AgentServerOptions {
+  manager: SandboxManager;
+  /** HS256 secret shared with the gateway (>= 32 bytes). */
+  secret: string;
+  uploadDir: string;
+  /** 127.0.0.1 when gateway and agent share a host; a private address when they do not. */
+  hostname: string;
+  /** 0 picks a free port. */
+  port: number;
+  version: string;
+  log?: (msg: string) => void;
+}
+
+export interface AgentServer {
+  url: string;
+  stop(): Promise<void>;
+}
+
+/**
+ * 0 = no idle cut-off. An exec request is silent for as long as the command runs (up to the
+ * gateway's 600 s exec cap) and Bun's idleTimeout cannot exceed 255 s; the gateway's
+ * AgentHttpClient bounds every call with its own deadline instead.
+ */
+const AGENT_IDLE_TIMEOUT_S = 0;
+
+export function startAgentServer(opts: AgentServerOptions): AgentServer {
+  const app = createAgentApp({
+    manager: opts.manager,
+    secret: opts.secret,
+    uploadDir: opts.uploadDir,
+    version: opts.version,
+    log: opts.log,
+  });
+  const server = Bun.serve({
+    hostname: opts.hostname,
+    port: opts.port,
+    idleTimeout: AGENT_IDLE_TIMEOUT_S,
+    // Template images are streamed to disk by the route; no whole-body buffering limit applies.
+    maxRequestBodySize: Number.MAX_SAFE_INTEGER,
+    fetch: app.fetch,
+  });
+  return {
+    url: `http://${opts.hostname}:${server.port}`,
+    stop: async () => {
+      await server.stop(true);
+    },
+  };
+}
