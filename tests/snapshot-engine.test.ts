@@ -22,6 +22,7 @@ import {
 } from "../agent/snapshot/template.ts";
 import type { SandboxVm } from "../agent/snapshot/vm.ts";
 import { openChainStore } from "../agent/storage/chain.ts";
+import { blankOverlayPath } from "../agent/storage/qcow2.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 
 const REPO = resolve(import.meta.dir, "..");
@@ -77,6 +78,8 @@ function leftovers(): string[] {
     template?.statePath,
     template?.memPath,
     join(template?.disk ?? "", "../meta.json"),
+    // the pristine overlay spawns copy: the template's own, removed with it
+    template ? blankOverlayPath(template.disk, template.diskBytes) : undefined,
   ]);
   return [...listFiles(DATA_DIR), ...listFiles(SHM_ROOT)].filter(
     (f) => !keep.has(f) && !f.endsWith("storage/chain.json"),

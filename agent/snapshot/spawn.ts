@@ -16,7 +16,7 @@ import { FrameType, Op, Tag } from "../../contracts/guest-protocol.ts";
 import { encodeFrame, TlvWriter } from "../guest/codec.ts";
 import { buildQemuArgs, QEMU_BINARY } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { createOverlayOn } from "../storage/qcow2.ts";
+import { createOverlayFromBlank, createOverlayOn } from "../storage/qcow2.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import type { TemplateMeta } from "./template.ts";
@@ -70,7 +70,7 @@ export async function spawnFromTemplate(o: SpawnOptions): Promise<Result<Spawned
     // Hold the template's files first: a deleteTemplate racing us cannot free them under us.
     await chain.hold(vm.holder, [t.disk, t.memPath]);
     await mkdir(disks, { recursive: true, mode: 0o700 });
-    await createOverlayOn(t.disk, disk, t.diskBytes);
+    await createOverlayFromBlank(t.disk, disk, t.diskBytes);
     await chain.add(disk, { kind: "overlay", deps: [t.disk], holder: vm.holder });
     const timings = await restoreInto({
       vm,

@@ -304,6 +304,10 @@ export async function deleteTemplate(dataDir: string, id: string): Promise<Resul
   const chain = await openChainStore(abs);
   await chain.release(`template:${id}`);
   await rm(join(dir, "meta.json"), { force: true });
+  // The blank overlays spawns copy (storage/qcow2.ts) belong to the template alone.
+  for (const f of await readdir(dir).catch(() => [] as string[])) {
+    if (f.startsWith("blank-")) await rm(join(dir, f), { force: true });
+  }
   // Files still used by children stay (they are in this dir); the dir goes with the last one.
   await removeIfEmpty(dir);
   return ok(undefined);
