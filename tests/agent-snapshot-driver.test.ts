@@ -147,6 +147,9 @@ describe("SandboxManager + SnapshotDriver with real VMs", () => {
       expect(ra.trim().length).toBeGreaterThan(0);
       expect(ra).not.toBe(rb);
       expect((await sh(a, "hostname")).trim()).toBe(a);
+      const bootIdOf = (id: string) => sh(id, "cat /proc/sys/kernel/random/boot_id");
+      expect(await bootIdOf(a)).toMatch(/^[0-9a-f-]{36}\n$/);
+      expect(await bootIdOf(a)).not.toBe(await bootIdOf(b));
       expect((await sh(b, "hostname")).trim()).toBe(b);
       const now = Math.floor(Date.now() / 1000);
       expect(Math.abs(Number(await sh(a, "date +%s")) - now)).toBeLessThan(5);
@@ -244,6 +247,7 @@ describe("SandboxManager + SnapshotDriver with real VMs", () => {
     async () => {
       const id = (await m.create(TEMPLATE, { kind: "sandbox" })).vmId;
       await sh(id, `echo kept > /root/s.txt; ${COUNTER}`);
+      const bootId = await sh(id, "cat /proc/sys/kernel/random/boot_id");
       await Bun.sleep(800);
       const before = await counter(id);
       const pidBefore = m.info(id).qemuPid;
@@ -264,6 +268,8 @@ describe("SandboxManager + SnapshotDriver with real VMs", () => {
       expect(m.info(id).state).toBe("running");
       expect(m.info(id).qemuPid).not.toBe(pidBefore);
       expect(await sh(id, "cat /root/s.txt")).toBe("kept\n");
+      // The same machine resumed: its boot id is kept (spawns and fork children get new ones).
+      expect(await sh(id, "cat /proc/sys/kernel/random/boot_id")).toBe(bootId);
       const after = await counter(id);
       expect(after).toBeGreaterThanOrEqual(before);
       await Bun.sleep(500);
@@ -273,6 +279,7 @@ describe("SandboxManager + SnapshotDriver with real VMs", () => {
       // A resumed VM forks like any other (its QEMU's disk node is the fixed one again).
       const [k] = await m.fork(id, 1);
       expect(await sh(k!.vmId, "cat /root/s.txt")).toBe("kept\n");
+      expect(await sh(k!.vmId, "cat /proc/sys/kernel/random/boot_id")).not.toBe(bootId);
     },
     VM_TEST_TIMEOUT_MS,
   );

@@ -65,6 +65,7 @@ export async function resumeVm(vm: SandboxVm): Promise<Result<RestoreTimings>> {
   }
   try {
     const timings = await restoreInto({
+      sameMachine: true,
       vm,
       mem: { path: vm.memPath, share: false },
       statePath,

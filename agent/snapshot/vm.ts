@@ -7,7 +7,7 @@
  * Explicit states (style.md habit 2): every operation first asks `begin(from, to)`, so a suspend
  * racing a fork gets `invalid_state` instead of two migrations on one QEMU.
  */
-import { randomBytes } from "node:crypto";
+import { randomBytes, randomUUID } from "node:crypto";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
@@ -196,6 +196,11 @@ export interface RestoreArgs {
   ignoreShared: boolean;
   /** Keep the guest stopped after the restore (no guest connect, no identity): a fork point. */
   stayPaused?: boolean;
+  /**
+   * The same machine coming back (resume of a suspended VM): it keeps its boot id. Spawns and
+   * fork children are new machines and get a fresh one.
+   */
+  sameMachine?: boolean;
   readyTimeoutMs?: number;
 }
 
@@ -270,11 +275,12 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
     const tHello = performance.now();
     // Before anyone may use it: the guest's CRNG, clock and hostname are the snapshot's, shared
     // by every sibling. Reseed (ENTROPY does RNDADDENTROPY + RNDRESEEDCRNG), set the wall clock
-    // (it stood still while saved), and name the VM (hostname must be an RFC 1123 label).
+    // (it stood still while saved), and name the VM (hostname must be an RFC 1123 label) with a
+    // boot id of its own unless it is the same machine resuming.
     await Promise.all([
       guest.entropy(randomBytes(ENTROPY_BYTES)),
       guest.setClock(new Date()),
-      guest.setHostname(vm.id),
+      guest.setHostname(vm.id, a.sameMachine ? {} : { bootId: randomUUID() }),
     ]);
     const tReady = performance.now();
     vm.attach(p, guest);
