@@ -34,7 +34,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     clock: input.clock ?? Date.now,
   };
   const log = input.log ?? ((line: string) => console.error(line));
-  const limiter = new RateLimiter(deps.config.limits.ratePerSecond, deps.config.limits.rateBurst, deps.clock);
+  const limiter = new RateLimiter(deps.config.limits.ratePerSecond, 1000, deps.clock);
   const rateLimited = new Map<string, number>();
   const app = new Hono<HonoEnv>();
 

@@ -1,42 +1,52 @@
 /**
- * Per-key token bucket (spec 8: 100 requests per second per key, 429 beyond). Each key's bucket
- * holds `burst` tokens and refills at `perSecond`; a request takes one. State is per gateway
+ * Per-key sliding-window limit (spec 8: 100 requests per second per key, 429 beyond): a request
+ * is allowed when fewer than `limit` requests of the same key were allowed in the last
+ * `windowMs`. Unlike a token bucket refilling while a burst runs (which let up to ~2x the rate
+ * through inside one second), no one-second interval ever holds more than `limit` allowed
+ * requests. Each key keeps a ring of its last `limit` allowed request times. State is per gateway
  * process: with N replicas behind a balancer a key can reach N times the rate (decisions.md).
  */
 import type { Clock } from "./deps.ts";
 
-interface Bucket {
-  tokens: number;
-  at: number;
+interface Window {
+  /** Times (ms) of the last `limit` allowed requests, oldest at `next`. */
+  times: Float64Array;
+  next: number;
 }
 
+/** Keys tracked before idle ones are swept: bounds memory under a flood of distinct keys. */
+const SWEEP_AT_KEYS = 100_000;
+
 export class RateLimiter {
-  private readonly buckets = new Map<string, Bucket>();
+  private readonly windows = new Map<string, Window>();
   constructor(
-    private readonly perSecond: number,
-    private readonly burst: number,
+    private readonly limit: number,
+    private readonly windowMs: number,
     private readonly clock: Clock,
   ) {}
 
-  /** Takes a token; returns 0 when allowed, else the seconds to wait before retrying. */
+  /** Counts a request; returns 0 when allowed, else the seconds until one would be. */
   take(key: string): number {
     const now = this.clock();
-    const b = this.buckets.get(key) ?? { tokens: this.burst, at: now };
-    b.tokens = Math.min(this.burst, b.tokens + ((now - b.at) / 1000) * this.perSecond);
-    b.at = now;
-    this.buckets.set(key, b);
-    if (b.tokens >= 1) {
-      b.tokens -= 1;
-      return 0;
+    let w = this.windows.get(key);
+    if (!w) {
+      if (this.windows.size >= SWEEP_AT_KEYS) this.sweep(now);
+      // -Infinity: "allowed long ago", outside any window.
+      w = { times: new Float64Array(this.limit).fill(Number.NEGATIVE_INFINITY), next: 0 };
+      this.windows.set(key, w);
     }
-    if (this.buckets.size > 100_000) this.sweep(now);
-    return (1 - b.tokens) / this.perSecond;
+    const oldest = w.times[w.next]!;
+    if (now - oldest < this.windowMs) return (oldest + this.windowMs - now) / 1000;
+    w.times[w.next] = now;
+    w.next = (w.next + 1) % this.limit;
+    return 0;
   }
 
-  /** Drops full buckets so the map does not grow with every key ever seen. */
+  /** Drops keys with no request inside the window (their newest time is old). */
   private sweep(now: number): void {
-    for (const [k, b] of this.buckets) {
-      if (b.tokens + ((now - b.at) / 1000) * this.perSecond >= this.burst) this.buckets.delete(k);
+    for (const [k, w] of this.windows) {
+      const newest = w.times[(w.next + this.limit - 1) % this.limit]!;
+      if (now - newest >= this.windowMs) this.windows.delete(k);
     }
   }
 }

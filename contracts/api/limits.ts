@@ -8,11 +8,6 @@ import type { Tier } from "./common.ts";
 
 /** Spec section 8: 100 requests per second per key, 429 beyond. */
 export const RATE_LIMIT_PER_SECOND = 100;
-/**
- * Token-bucket capacity: one second's worth. A client may send its whole per-second allowance at
- * once (a burst of 100), but not more; the 101st request inside the same second gets 429.
- */
-export const RATE_LIMIT_BURST = 100;
 
 /** Spec sections 2.6, 4.1 and 8: `timeout_seconds` defaults to 30. */
 export const DEFAULT_EXEC_TIMEOUT_S = 30;
@@ -108,7 +103,6 @@ export const MAX_TEMPLATE_WIDTH = 10_000;
 /** The whole set, as the config carries it. */
 export interface Limits {
   ratePerSecond: number;
-  rateBurst: number;
   defaultExecTimeoutS: number;
   maxExecTimeoutS: number;
   maxJsonBodyBytes: number;
@@ -125,7 +119,6 @@ export interface Limits {
 
 export const DEFAULT_LIMITS: Readonly<Limits> = Object.freeze({
   ratePerSecond: RATE_LIMIT_PER_SECOND,
-  rateBurst: RATE_LIMIT_BURST,
   defaultExecTimeoutS: DEFAULT_EXEC_TIMEOUT_S,
   maxExecTimeoutS: MAX_EXEC_TIMEOUT_S,
   maxJsonBodyBytes: MAX_JSON_BODY_BYTES,
