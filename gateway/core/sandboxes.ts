@@ -217,7 +217,7 @@ export async function createVm(
 export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
   const row = await getOwned(deps, p, id);
   checkTransition(id, row.state, "exec");
-  const result = await deps.agent.exec(row.vmId!, action);
+  const result = await inTermsOf(row, deps.agent.exec(row.vmId!, action));
   await deps.db
     .update(sandboxes)
     .set({ execCount: sql`${sandboxes.execCount} + 1`, lastExecAt: new Date(deps.clock()) })
@@ -251,7 +251,7 @@ export async function forkVm(
   const ids = await reserve(deps, p, kind, { pk: parent.templatePk, id: parent.templateId }, items);
   let vms: CreatedVm[];
   try {
-    vms = await deps.agent.fork(parent.vmId!, count);
+    vms = await inTermsOf(parent, deps.agent.fork(parent.vmId!, count));
     if (vms.length !== count) {
       throw new SandboxdError("internal", `agent returned ${vms.length} children for a fork of ${count}`);
     }
@@ -289,7 +289,7 @@ async function applyTransition(
 export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
   const row = await getOwned(deps, p, id);
   checkTransition(id, row.state, "suspend");
-  const r = await deps.agent.suspend(row.vmId!);
+  const r = await inTermsOf(row, deps.agent.suspend(row.vmId!));
   await applyTransition(
     deps,
     row,
@@ -324,7 +324,7 @@ export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ 
   if ((c?.n ?? 0) >= cap) {
     throw new SandboxdError("quota_exceeded", `quota reached: ${c?.n} of ${cap} running sandboxes`);
   }
-  const r = await deps.agent.resume(row.vmId!);
+  const r = await inTermsOf(row, deps.agent.resume(row.vmId!));
   await applyTransition(
     deps,
     row,
@@ -342,7 +342,7 @@ export async function destroyVm(
   opts: { force: boolean; reason: "deleted" | "reaped" },
 ): Promise<void> {
   checkTransition(row.id, row.state, "destroy");
-  if (row.vmId !== null) await deps.agent.destroy(row.vmId, { force: opts.force });
+  if (row.vmId !== null) await inTermsOf(row, deps.agent.destroy(row.vmId, { force: opts.force }));
   await applyTransition(
     deps,
     row,
@@ -408,3 +408,21 @@ export function ages(row: SandboxRow, nowMs: number): { ageSecs: number; idleSec
 }
 
 export type { Family, Tier };
+
+/**
+ * The agent names VMs by its own ids; a client knows only the sandbox or session id. Agent errors
+ * about this sandbox are restated with the client's id (same code, cause kept).
+ */
+async function inTermsOf<T>(row: { id: string; vmId: string | null }, call: Promise<T>): Promise<T> {
+  try {
+    return await call;
+  } catch (err) {
+    if (err instanceof SandboxdError && row.vmId !== null && err.message.includes(row.vmId)) {
+      throw new SandboxdError(err.code, err.message.replaceAll(row.vmId, row.id), {
+        cause: err,
+        details: err.details,
+      });
+    }
+    throw err;
+  }
+}
