@@ -1,0 +1,333 @@
+/**
+ * End-to-end helpers for the HTTP suites (tests/e2e-*.test.ts): a private data dir seeded from
+ * the shared test cache, API keys issued by the real CLI (`bin/sandboxd key create`), the real
+ * service (`bin/sandboxd up`) as a subprocess, a small typed fetch, and leak checks by process
+ * table. Test code only.
+ *
+ * PGlite is one process's database: every key is created BEFORE `up` opens the data dir.
+ */
+import { spawn, spawnSync } from "node:child_process";
+import { existsSync } from "node:fs";
+import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import type { z } from "zod";
+import { ensurePythonImage } from "../../agent/catalog/python.ts";
+import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import type { Tier } from "../../contracts/api/common.ts";
+
+export const REPO = resolve(import.meta.dir, "../..");
+const SANDBOXD = join(REPO, "bin/sandboxd");
+/** Guest artifacts (kernel download) and the debootstrapped python layout are cached here. */
+export const SHARED_DATA_DIR = process.env.SANDBOXD_TEST_DATA ?? join(REPO, ".data", "test");
+
+/** The CLI checks the host, then PGlite migrates on every open: a few seconds per key. */
+const CLI_TIMEOUT_MS = 120_000;
+/** `up` prints `listening URL` once the gateway serves (the catalog build runs after that). */
+const LISTEN_TIMEOUT_MS = 120_000;
+
+function childEnv(): NodeJS.ProcessEnv {
+  const env: NodeJS.ProcessEnv = { ...process.env };
+  delete env.DATABASE_URL; // PGlite in the data dir, never a developer's database
+  delete env.SANDBOXD_DATA_DIR;
+  return env;
+}
+
+/**
+ * A fresh data dir under /tmp (short: VM sockets live under it) seeded with the guest artifacts
+ * and the python OCI layout from the shared cache, so `up` neither downloads a kernel nor runs
+ * debootstrap. Both are built in the shared dir first when missing (~45 s once).
+ */
+export async function prepareDataDir(prefix = "sbx-e2e-"): Promise<string> {
+  await ensureGuestArtifacts({ dataDir: SHARED_DATA_DIR });
+  await ensurePythonImage({ dataDir: SHARED_DATA_DIR });
+  const dir = await mkdtemp(join(tmpdir(), prefix));
+  for (const sub of ["guest", "catalog"]) {
+    const src = join(SHARED_DATA_DIR, sub);
+    if (!existsSync(src)) continue;
+    const r = spawnSync("cp", ["-a", src, join(dir, sub)], { encoding: "utf8" });
+    if (r.status !== 0) throw new Error(`cp -a ${src} failed: ${r.stderr}`);
+  }
+  return dir;
+}
+
+interface CliResult {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+}
+
+export function runCli(args: string[]): Promise<CliResult> {
+  return new Promise((done, fail) => {
+    const child = spawn(SANDBOXD, args, { env: childEnv(), stdio: ["ignore", "pipe", "pipe"] });
+    let stdout = "";
+    let stderr = "";
+    child.stdout.on("data", (b: Buffer) => {
+      stdout += b.toString();
+    });
+    child.stderr.on("data", (b: Buffer) => {
+      stderr += b.toString();
+    });
+    const timer = setTimeout(() => child.kill("SIGKILL"), CLI_TIMEOUT_MS);
+    child.once("error", fail);
+    child.once("close", (code) => {
+      clearTimeout(timer);
+      done({ code, stdout, stderr });
+    });
+  });
+}
+
+/** `bin/sandboxd key create`; the key is the last line of stdout. Run before `up` (PGlite). */
+export async function createKey(dataDir: string, tenant: string, tier: Tier): Promise<string> {
+  const r = await runCli(["key", "create", "--data-dir", dataDir, "--tenant", tenant, "--tier", tier]);
+  const key = r.stdout.trim().split("\n").at(-1) ?? "";
+  if (r.code !== 0 || !key.startsWith(`svc_${tier}_`)) {
+    throw new Error(`key create ${tenant}/${tier} failed (exit ${r.code}): ${r.stderr.trim()}`);
+  }
+  return key;
+}
+
+/** Keys named by the caller, e.g. `{ live: ["a", "live"], other: ["b", "pro"] }`, in order. */
+export async function createKeys<K extends string>(
+  dataDir: string,
+  wanted: Record<K, readonly [tenant: string, tier: Tier]>,
+): Promise<Record<K, string>> {
+  const out = {} as Record<K, string>;
+  for (const name of Object.keys(wanted) as K[]) {
+    const [tenant, tier] = wanted[name];
+    out[name] = await createKey(dataDir, tenant, tier);
+  }
+  return out;
+}
+
+// ---- typed fetch -------------------------------------------------------------------------------
+
+export interface ApiResponse<T = unknown> {
+  status: number;
+  headers: Headers;
+  /** Parsed JSON when the response is JSON, else undefined. */
+  body: T;
+  text: string;
+  /** Wall time of the request as the client saw it, ms. */
+  ms: number;
+}
+
+export interface RequestOptions {
+  /** API key, sent as `Authorization: Bearer`; omit for an anonymous request. */
+  key?: string;
+  /** A JSON value (serialised), or raw bytes / string sent as given. */
+  json?: unknown;
+  raw?: Uint8Array | string;
+  headers?: Record<string, string>;
+  query?: Record<string, string>;
+  timeoutMs?: number;
+}
+
+export class Api {
+  constructor(readonly baseUrl: string) {}
+
+  async request<T = unknown>(
+    method: string,
+    path: string,
+    opts: RequestOptions = {},
+  ): Promise<ApiResponse<T>> {
+    const url = new URL(path, this.baseUrl);
+    for (const [k, v] of Object.entries(opts.query ?? {})) url.searchParams.set(k, v);
+    const headers: Record<string, string> = { ...opts.headers };
+    if (opts.key !== undefined) headers.authorization = `Bearer ${opts.key}`;
+    let body: string | Uint8Array | undefined;
+    if (opts.json !== undefined) {
+      headers["content-type"] ??= "application/json";
+      body = JSON.stringify(opts.json);
+    } else if (opts.raw !== undefined) {
+      body = opts.raw;
+    }
+    const t0 = performance.now();
+    const res = await fetch(url, {
+      method,
+      headers,
+      body,
+      signal: AbortSignal.timeout(opts.timeoutMs ?? 120_000),
+    });
+    const text = await res.text();
+    const ms = performance.now() - t0;
+    let parsed: unknown;
+    if ((res.headers.get("content-type") ?? "").includes("application/json") && text.length > 0) {
+      parsed = JSON.parse(text);
+    }
+    return { status: res.status, headers: res.headers, body: parsed as T, text, ms };
+  }
+
+  get<T = unknown>(path: string, opts?: RequestOptions) {
+    return this.request<T>("GET", path, opts);
+  }
+  post<T = unknown>(path: string, opts?: RequestOptions) {
+    return this.request<T>("POST", path, opts);
+  }
+  delete<T = unknown>(path: string, opts?: RequestOptions) {
+    return this.request<T>("DELETE", path, opts);
+  }
+}
+
+/**
+ * Asserts the status (with the body in the message, so a failure says what the service said)
+ * and parses the body with a contract schema: the typed value for the rest of the test.
+ */
+export function expectOk<S extends z.ZodType>(res: ApiResponse, status: number, schema: S): z.output<S> {
+  if (res.status !== status) {
+    throw new Error(`expected HTTP ${status}, got ${res.status}: ${res.text.slice(0, 500)}`);
+  }
+  const r = schema.safeParse(res.body);
+  if (!r.success) throw new Error(`body does not match the contract: ${r.error.message}\n${res.text}`);
+  return r.data;
+}
+
+/** Asserts an error response: status and the `{code, message}` envelope. */
+export function expectError(res: ApiResponse, status: number, code?: string): void {
+  const got = res.body as { code?: unknown; message?: unknown } | undefined;
+  const ok =
+    res.status === status &&
+    typeof got?.message === "string" &&
+    typeof got.code === "string" &&
+    (code === undefined || got.code === code);
+  if (!ok) {
+    throw new Error(`expected HTTP ${status} ${code ?? ""}, got ${res.status}: ${res.text.slice(0, 500)}`);
+  }
+}
+
+// ---- the service -------------------------------------------------------------------------------
+
+export interface RunningService {
+  url: string;
+  api: Api;
+  dataDir: string;
+  pid: number;
+  /** The last lines `up` logged (stderr), for failure messages. */
+  logTail(lines?: number): string;
+  /** SIGTERM, then wait for the exit (SIGKILL after `graceMs`); returns the exit code. */
+  stop(graceMs?: number): Promise<number | null>;
+}
+
+/** Starts `bin/sandboxd up` on 127.0.0.1 (the OS picks a free port) and waits for `listening`. */
+export async function startUp(dataDir: string): Promise<RunningService> {
+  const child = spawn(SANDBOXD, ["up", "--host", "127.0.0.1", "--port", "0", "--data-dir", dataDir], {
+    env: childEnv(),
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let log = "";
+  child.stderr.on("data", (b: Buffer) => {
+    log = (log + b.toString()).slice(-200_000);
+  });
+  let exit: { code: number | null } | undefined;
+  const exited = new Promise<number | null>((done) =>
+    child.once("exit", (code) => {
+      exit = { code };
+      done(code);
+    }),
+  );
+  const url = await new Promise<string>((done, fail) => {
+    let out = "";
+    const timer = setTimeout(
+      () => fail(new Error(`sandboxd up did not listen in ${LISTEN_TIMEOUT_MS} ms:\n${log.slice(-4000)}`)),
+      LISTEN_TIMEOUT_MS,
+    );
+    child.stdout.on("data", (b: Buffer) => {
+      out += b.toString();
+      const m = /^listening (http:\/\/\S+)$/m.exec(out);
+      if (m) {
+        clearTimeout(timer);
+        done(m[1]!);
+      }
+    });
+    void exited.then((code) => {
+      clearTimeout(timer);
+      fail(new Error(`sandboxd up exited ${code} before listening:\n${log.slice(-4000)}`));
+    });
+  });
+  const pid = child.pid!;
+  return {
+    url,
+    api: new Api(url),
+    dataDir,
+    pid,
+    logTail: (lines = 40) => log.trimEnd().split("\n").slice(-lines).join("\n"),
+    async stop(graceMs = 30_000) {
+      if (exit) return exit.code;
+      child.kill("SIGTERM");
+      const timer = setTimeout(() => child.kill("SIGKILL"), graceMs);
+      const code = await exited;
+      clearTimeout(timer);
+      return code;
+    },
+  };
+}
+
+/** Polls `GET /v1/health` (no key) until `templates[id].ready` or the deadline. */
+export async function waitForTemplate(svc: RunningService, id: string, timeoutMs: number): Promise<void> {
+  const deadline = performance.now() + timeoutMs;
+  let last = "";
+  while (performance.now() < deadline) {
+    const h = await svc.api.get<{ templates?: Record<string, { ready?: boolean }> }>("/v1/health");
+    last = h.text;
+    if (h.status === 200 && h.body?.templates?.[id]?.ready === true) return;
+    if (/catalog: python template failed/.test(svc.logTail(200))) break;
+    await Bun.sleep(500);
+  }
+  throw new Error(`template ${id} not ready after ${timeoutMs} ms; health ${last}\n${svc.logTail()}`);
+}
+
+// ---- leak checks -------------------------------------------------------------------------------
+
+/** Pids of processes whose command line mentions `dir` (like `pgrep -f dir`), by name filter. */
+export async function pidsMentioning(dir: string, filter: (cmd: string) => boolean = () => true) {
+  const out: { pid: number; cmd: string }[] = [];
+  for (const p of await readdir("/proc")) {
+    if (!/^\d+$/.test(p) || Number(p) === process.pid) continue;
+    try {
+      const cmd = (await readFile(`/proc/${p}/cmdline`, "utf8")).replaceAll("\0", " ").trim();
+      if (cmd.includes(dir) && filter(cmd)) out.push({ pid: Number(p), cmd });
+    } catch {
+      // raced with an exiting process
+    }
+  }
+  return out;
+}
+
+export const qemusUnder = (dir: string) => pidsMentioning(dir, (cmd) => cmd.includes("qemu-system"));
+
+/** Polls until `cond` holds or `timeoutMs` passes; returns whether it held. */
+export async function waitFor(cond: () => boolean | Promise<boolean>, timeoutMs: number): Promise<boolean> {
+  const deadline = performance.now() + timeoutMs;
+  while (performance.now() < deadline) {
+    if (await cond()) return true;
+    await Bun.sleep(50);
+  }
+  return cond();
+}
+
+/** Removes a data dir made by `prepareDataDir` (and only such a dir). */
+export async function removeDataDir(dir: string): Promise<void> {
+  if (!dir.startsWith(join(tmpdir(), "sbx-e2e"))) throw new Error(`refusing to remove ${dir}`);
+  await rm(dir, { recursive: true, force: true });
+}
+
+// ---- latency -----------------------------------------------------------------------------------
+
+/** Nearest-rank percentile of `samples` (ms). */
+export function percentile(samples: number[], p: number): number {
+  const s = [...samples].sort((a, b) => a - b);
+  if (s.length === 0) return Number.NaN;
+  const rank = Math.min(s.length, Math.max(1, Math.ceil((p / 100) * s.length)));
+  return s[rank - 1]!;
+}
+
+export function latencySummary(samples: number[]) {
+  const r = (x: number) => Math.round(x * 10) / 10;
+  return {
+    n: samples.length,
+    p50_ms: r(percentile(samples, 50)),
+    p95_ms: r(percentile(samples, 95)),
+    min_ms: r(Math.min(...samples)),
+    max_ms: r(Math.max(...samples)),
+  };
+}
