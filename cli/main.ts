@@ -14,6 +14,15 @@ commands:
         run the service: the HTTP gateway (both API families) and one host agent in this
         process; state in PGlite under the data dir, or PostgreSQL when DATABASE_URL is set;
         builds the catalog's python template on first start
+  gateway [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--region R] [--no-catalog]
+        run the HTTP gateway alone; it places sandboxes on the agents that heartbeat to it
+        (live, in region R, with room, least-loaded first); DATABASE_URL as for up
+  agent --gateway URL [--listen HOST:PORT] [--advertise URL] [--region R] [--id ID] [--slots N]
+        [--data-dir DIR] [--secrets-dir DIR] [--no-catalog]
+        run one host agent: serve the agent API on --listen (default 127.0.0.1:7070), register
+        and heartbeat to the gateway at URL as reachable at --advertise; builds the catalog's
+        python template. The agent secret is SANDBOXD_AGENT_SECRET, else the one in
+        --secrets-dir (default the data dir; name the gateway's data dir on a shared host)
   run --image ARCHIVE [--mem MIB] [--vcpus N] [--timeout S] [-i] [--data-dir DIR] [-- CMD [ARG...]]
         import an OCI image archive (docker save tar, oci-archive tar or OCI layout dir), boot a
         microVM from it, run CMD (default: the image's Entrypoint+Cmd) as the image's config
@@ -103,6 +112,14 @@ async function main(argv: string[]): Promise<number> {
     case "up": {
       const { cmdUp } = await import("./up.ts");
       return cmdUp(rest, VERSION, log);
+    }
+    case "gateway": {
+      const { cmdGateway } = await import("./serve.ts");
+      return cmdGateway(rest, VERSION, log);
+    }
+    case "agent": {
+      const { cmdAgent } = await import("./serve.ts");
+      return cmdAgent(rest, VERSION, log);
     }
     case "bench": {
       const { cmdBench } = await import("./bench.ts");

@@ -6,25 +6,15 @@
 import { mkdir } from "node:fs/promises";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
-import { AgentHttpClient } from "../agent/api/client.ts";
-import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
-import { upsertPublicTemplate } from "../gateway/core/templates.ts";
+import { startHeartbeats } from "../gateway/agents.ts";
 import { loadSecrets } from "../gateway/secrets.ts";
 import { startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
-
-/** The catalog (spec 2.4): only `python` ships publicly. */
-const CATALOG = [
-  {
-    id: "python",
-    name: "Python 3",
-    description: "Debian 12 with python3; code runs as `python3` reading the program on stdin",
-  },
-] as const;
+import { buildCatalogOnAgent, registerCatalog } from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -58,28 +48,39 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     version,
     log,
   });
-  const agent = new AgentHttpClient({ baseUrl: agentServer.url, secret: secrets.agentSecret });
+  // The gateway routes to registered agents (gateway/agent-router.ts); its one agent registers
+  // by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
     port,
     hostname: values.host ?? "127.0.0.1",
     dataDir,
     databaseUrl: process.env.DATABASE_URL,
-    agent,
+    agentSecret: secrets.agentSecret,
     config: {
       version,
+      region: "local",
       ...(values["public-url"] ? { publicBaseUrl: values["public-url"] } : {}),
-      agent: { id: "local", region: "local", url: agentServer.url },
     },
     log,
   });
+  const heartbeats = startHeartbeats({
+    gatewayUrl: gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:"),
+    secret: secrets.agentSecret,
+    id: "local",
+    region: "local",
+    advertiseUrl: agentServer.url,
+    capacity: () => manager.capacityNow(),
+    log,
+  });
+  await heartbeats.first.catch(() => {}); // logged; the next beat retries
   log(`gateway ${gateway.url} (${gateway.runtime}), agent ${agentServer.url}, data ${dataDir}`);
   // Machine-readable line for scripts and tests: the URL clients use.
   process.stdout.write(`listening ${gateway.url}\n`);
 
   if (!values["no-catalog"]) {
-    void buildCatalog(dataDir, manager, gateway, log).catch((err) =>
-      log(`catalog: python template failed: ${describeError(err)}`),
-    );
+    void registerCatalog(gateway)
+      .then(() => buildCatalogOnAgent(dataDir, manager, log))
+      .catch((err) => log(`catalog: python template failed: ${describeError(err)}`));
   }
 
   await new Promise<void>((resolve) => {
@@ -87,36 +88,9 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     process.once("SIGTERM", resolve);
   });
   log("stopping: running sandboxes keep running and are re-adopted by the next `up`");
+  heartbeats.stop();
   await gateway.stop();
   await agentServer.stop();
   await manager.detach();
   return 0;
-}
-
-/** Builds the catalog's python template once (cached in the data dir) and lists it. */
-async function buildCatalog(
-  dataDir: string,
-  manager: SandboxManager,
-  gateway: Awaited<ReturnType<typeof startGateway>>,
-  log: (m: string) => void,
-): Promise<void> {
-  for (const t of CATALOG) {
-    await gateway.withDb((db) => upsertPublicTemplate({ db, clock: Date.now }, { ...t, status: "building" }));
-    let status: string | undefined;
-    try {
-      status = manager.templates.status(t.id).status;
-    } catch {
-      status = undefined; // never built on this host
-    }
-    if (status === "ready" || status === "building") continue;
-    await ensurePythonImage({ dataDir, log });
-    manager.buildTemplate(t.id, {
-      kind: "archive",
-      path: pythonLayoutDir(dataDir),
-      // Warm-up before the snapshot: python3 and its common modules are read from disk (and,
-      // under TCG, translated) once at build time instead of in every sandbox's first exec.
-      readyCmd: ["python3", "-c", "import json, os, re, subprocess, sys"],
-    });
-    log(`catalog: building template ${t.id}`);
-  }
 }

@@ -12,8 +12,16 @@ export interface GatewayConfig {
   publicBaseUrl: string;
   /** Where uploaded template images are streamed before the agent takes them. */
   uploadDir: string;
-  /** The host agent this gateway places VMs on (one for now; the agents table allows more). */
+  /**
+   * The single host agent of a gateway given one `AgentApi` (tests' stand-in). A gateway that
+   * routes (gateway/agent-router.ts) uses the `agents` table instead.
+   */
   agent: { id: string; region: string; url: string };
+  /**
+   * The region new sandboxes and template builds go to. Tenants carry no region yet, so every
+   * tenant is placed here (`sandboxd gateway --region`, default `local`: the region of `up`).
+   */
+  region: string;
   limits: Limits;
 }
 
@@ -31,6 +39,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
     publicBaseUrl: input.publicBaseUrl ?? "https://localhost:8080",
     uploadDir: input.uploadDir,
     agent: input.agent ?? { id: "local", region: "local", url: "in-process" },
+    region: input.region ?? "local",
     limits: {
       ...DEFAULT_LIMITS,
       ...input.limits,

@@ -5,8 +5,11 @@
  * http server through @hono/node-server). Nothing here is specific to one runtime.
  */
 import { join } from "node:path";
+import { secretKey } from "../agent/api/auth.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import type { AgentApi } from "./agent-api.ts";
+import { AgentRouter } from "./agent-router.ts";
+import { HEARTBEAT_PATH, handleHeartbeat } from "./agents.ts";
 import { createApp } from "./app.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import type { Clock } from "./deps.ts";
@@ -18,7 +21,15 @@ export type StartGatewayOptions = {
   port?: number;
   /** Default 127.0.0.1. */
   hostname?: string;
-  agent: AgentApi;
+  /**
+   * One fixed agent (tests). Without it the gateway routes to the agents registered by
+   * heartbeat (gateway/agent-router.ts) and serves `POST /internal/agents/heartbeat`.
+   */
+  agent?: AgentApi;
+  /** Routing mode: the secret shared with agents (default `SANDBOXD_AGENT_SECRET` / data dir). */
+  agentSecret?: string;
+  /** Routing mode: heartbeat age after which an agent is not live (default agents.ts). */
+  staleAfterMs?: number;
   /** Overrides of the resolved config (secrets included, which then win over the data dir's). */
   config?: Partial<GatewayConfigInput>;
   clock?: Clock;
@@ -43,6 +54,8 @@ export interface RunningGateway {
   port: number;
   runtime: RuntimeName;
   config: GatewayConfig;
+  /** The router, when the gateway routes to registered agents (no fixed `agent` given). */
+  router?: AgentRouter;
   /**
    * Runs `fn` with the gateway's own db handle (over PGlite the only one this data dir can have
    * while the gateway runs), e.g. to register catalog templates. Refused after `stop()`.
@@ -86,16 +99,41 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     opts.databaseUrl !== undefined ? { url: opts.databaseUrl } : { dataDir: opts.dataDir! },
   );
   let server: RunningServer;
+  let router: AgentRouter | undefined;
   try {
+    const clock = opts.clock ?? Date.now;
+    let heartbeatKey: Uint8Array | undefined;
+    if (opts.agent === undefined) {
+      const secret =
+        opts.agentSecret ??
+        (opts.dataDir !== undefined
+          ? loadSecrets(opts.dataDir).agentSecret
+          : process.env.SANDBOXD_AGENT_SECRET);
+      if (!secret) throw new Error("a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)");
+      heartbeatKey = secretKey(secret);
+      router = new AgentRouter({
+        db: handle.db,
+        secret,
+        region: config.region,
+        clock,
+        ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
+      });
+    }
     const app = createApp({
       db: handle.db,
-      agent: opts.agent,
+      agent: opts.agent ?? router!,
       config,
       ...(opts.clock ? { clock: opts.clock } : {}),
       ...(opts.log ? { log: opts.log } : {}),
     });
     server = await serveFetch({
-      fetch: (request) => app.fetch(request),
+      fetch: (request) => {
+        // Agents report here (gateway/agents.ts); outside /v1: not part of the public API.
+        if (heartbeatKey && request.method === "POST" && new URL(request.url).pathname === HEARTBEAT_PATH) {
+          return handleHeartbeat(handle.db, heartbeatKey, request, clock);
+        }
+        return app.fetch(request);
+      },
       hostname,
       port: opts.port ?? 8080,
       // The longest exec a client may ask for, plus a minute for the VM around it.
@@ -112,6 +150,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     port: server.port,
     runtime: server.runtime,
     config,
+    ...(router ? { router } : {}),
     withDb: async (fn) => {
       if (stopping) throw new Error("the gateway is stopped");
       return fn(handle.db);

@@ -11,7 +11,8 @@ import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
-import type { CreatedVm, ExecAction, ExecResult, VmResources } from "../agent-api.ts";
+import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../agent-api.ts";
+import { isAgentRouter } from "../agent-router.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { newSandboxId, newSessionId } from "../ids.ts";
@@ -24,6 +25,33 @@ type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
 type Kind = "session" | "sandbox";
 
 const LIVE: SandboxState[] = ["starting", "running", "suspended"];
+
+/**
+ * The agent a sandbox lives on: the one recorded on its row (gateway/agent-router.ts). With a
+ * single configured agent (tests' stand-in) that agent.
+ */
+function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi {
+  return isAgentRouter(deps.agent) ? deps.agent.forAgent(row.agentId) : deps.agent;
+}
+
+/**
+ * Where a new VM goes: with a router, the least-loaded live agent of the region with room
+ * (503 at_capacity when none); otherwise the one configured agent.
+ */
+async function firstPlacement(deps: Deps): Promise<string> {
+  if (isAgentRouter(deps.agent)) return (await deps.agent.candidates())[0]!.id;
+  await ensureAgentRow(deps);
+  return deps.config.agent.id;
+}
+
+/** Creates on the agent `place` chooses; returns the agent that took it. */
+async function placeVm<T>(
+  deps: Deps,
+  fn: (a: AgentApi) => Promise<T>,
+): Promise<{ agentId: string; result: T }> {
+  if (isAgentRouter(deps.agent)) return deps.agent.place(fn);
+  return { agentId: deps.config.agent.id, result: await fn(deps.agent) };
+}
 
 /** The agent row must exist before sandboxes reference it; upserted once per process. */
 const agentRows = new WeakMap<Db, Promise<void>>();
@@ -114,8 +142,8 @@ async function reserve(
   kind: Kind,
   template: { pk: string; id: string },
   items: { labels: Record<string, string>; parentId?: string }[],
+  agentId: string,
 ): Promise<string[]> {
-  await ensureAgentRow(deps);
   const cap =
     p.family === "a" ? deps.config.limits.sessionCapPerTenant : deps.config.limits.sandboxQuotaByTier[p.tier];
   // Family B quota counts running sandboxes only: suspended ones hold no CPU or memory.
@@ -149,7 +177,7 @@ async function reserve(
         kind,
         templatePk: template.pk,
         templateId: template.id,
-        agentId: deps.config.agent.id,
+        agentId,
         parentId: it.parentId ?? null,
         state: "starting" as const,
         labels: it.labels,
@@ -160,13 +188,20 @@ async function reserve(
   });
 }
 
-async function markStarted(deps: Deps, id: string, tenantId: string, vm: CreatedVm): Promise<void> {
+async function markStarted(
+  deps: Deps,
+  id: string,
+  tenantId: string,
+  vm: CreatedVm,
+  agentId: string,
+): Promise<void> {
   const at = new Date(deps.clock());
   await deps.db.transaction(async (tx) => {
     await tx
       .update(sandboxes)
       .set({
         state: "running",
+        agentId,
         vmId: vm.vmId,
         endpoints: vm.endpoints,
         vcpus: vm.resources.vcpus,
@@ -200,24 +235,25 @@ export async function createVm(
 ): Promise<{ row: SandboxRow; vm: CreatedVm }> {
   const template = await resolveTemplate(deps, p.tenantId, input.templateId);
   requireReady(template);
-  const [id] = await reserve(deps, p, kind, template, [{ labels: input.labels }]);
+  const [id] = await reserve(deps, p, kind, template, [{ labels: input.labels }], await firstPlacement(deps));
   let vm: CreatedVm;
+  let agentId: string;
   try {
     const opts: { kind: Kind; egressAllow?: string[] } = { kind };
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
-    vm = await deps.agent.createSandbox(template.agentRef, opts);
+    ({ agentId, result: vm } = await placeVm(deps, (a) => a.createSandbox(template.agentRef, opts)));
   } catch (err) {
     await markFailed(deps, [id!]);
     throw err;
   }
-  await markStarted(deps, id!, p.tenantId, vm);
+  await markStarted(deps, id!, p.tenantId, vm, agentId);
   return { row: await getOwned(deps, p, id!), vm };
 }
 
 export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
   const row = await getOwned(deps, p, id);
   checkTransition(id, row.state, "exec");
-  const result = await inTermsOf(row, deps.agent.exec(row.vmId!, action));
+  const result = await inTermsOf(row, agentOf(deps, row).exec(row.vmId!, action));
   await deps.db
     .update(sandboxes)
     .set({ execCount: sql`${sandboxes.execCount} + 1`, lastExecAt: new Date(deps.clock()) })
@@ -248,10 +284,18 @@ export async function forkVm(
     return { labels, parentId: parent.id };
   });
   const kind = parent.kind;
-  const ids = await reserve(deps, p, kind, { pk: parent.templatePk, id: parent.templateId }, items);
+  // Children share the parent's memory: they live on the parent's agent.
+  const ids = await reserve(
+    deps,
+    p,
+    kind,
+    { pk: parent.templatePk, id: parent.templateId },
+    items,
+    parent.agentId,
+  );
   let vms: CreatedVm[];
   try {
-    vms = await inTermsOf(parent, deps.agent.fork(parent.vmId!, count));
+    vms = await inTermsOf(parent, agentOf(deps, parent).fork(parent.vmId!, count));
     if (vms.length !== count) {
       throw new SandboxdError("internal", `agent returned ${vms.length} children for a fork of ${count}`);
     }
@@ -260,7 +304,7 @@ export async function forkVm(
     throw err;
   }
   const children = ids.map((cid, i) => ({ id: cid, vm: vms[i]! }));
-  for (const ch of children) await markStarted(deps, ch.id, p.tenantId, ch.vm);
+  for (const ch of children) await markStarted(deps, ch.id, p.tenantId, ch.vm, parent.agentId);
   return { parent, children };
 }
 
@@ -289,7 +333,7 @@ async function applyTransition(
 export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
   const row = await getOwned(deps, p, id);
   checkTransition(id, row.state, "suspend");
-  const r = await inTermsOf(row, deps.agent.suspend(row.vmId!));
+  const r = await inTermsOf(row, agentOf(deps, row).suspend(row.vmId!));
   await applyTransition(
     deps,
     row,
@@ -324,7 +368,7 @@ export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ 
   if ((c?.n ?? 0) >= cap) {
     throw new SandboxdError("quota_exceeded", `quota reached: ${c?.n} of ${cap} running sandboxes`);
   }
-  const r = await inTermsOf(row, deps.agent.resume(row.vmId!));
+  const r = await inTermsOf(row, agentOf(deps, row).resume(row.vmId!));
   await applyTransition(
     deps,
     row,
@@ -342,7 +386,7 @@ export async function destroyVm(
   opts: { force: boolean; reason: "deleted" | "reaped" },
 ): Promise<void> {
   checkTransition(row.id, row.state, "destroy");
-  if (row.vmId !== null) await inTermsOf(row, deps.agent.destroy(row.vmId, { force: opts.force }));
+  if (row.vmId !== null) await inTermsOf(row, agentOf(deps, row).destroy(row.vmId, { force: opts.force }));
   await applyTransition(
     deps,
     row,

@@ -1,0 +1,177 @@
+/**
+ * `sandboxd gateway` and `sandboxd agent`: the two halves of `up` as separate processes, for a
+ * deployment with several host agents. Agents register and heartbeat to the gateway over HTTP
+ * (gateway/agents.ts); the gateway routes each sandbox to one of them (gateway/agent-router.ts).
+ * Both sides need the same agent secret: `SANDBOXD_AGENT_SECRET`, or the same data dir (or
+ * `--secrets-dir` naming the gateway's data dir) on one host.
+ */
+import { mkdir } from "node:fs/promises";
+import { hostname } from "node:os";
+import { join } from "node:path";
+import { parseArgs } from "node:util";
+import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
+import { SandboxManager } from "../agent/sandbox/manager.ts";
+import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
+import { startAgentServer } from "../agent/server.ts";
+import { describeError, SandboxdError } from "../contracts/errors.ts";
+import { startHeartbeats } from "../gateway/agents.ts";
+import { upsertPublicTemplate } from "../gateway/core/templates.ts";
+import { loadSecrets } from "../gateway/secrets.ts";
+import { type RunningGateway, startGateway } from "../gateway/server.ts";
+import { defaultDataDir } from "./config.ts";
+
+/** The catalog (spec 2.4): only `python` ships publicly. */
+export const CATALOG = [
+  {
+    id: "python",
+    name: "Python 3",
+    description: "Debian 12 with python3; code runs as `python3` reading the program on stdin",
+  },
+] as const;
+
+function port(value: string | undefined, def: number, name = "port"): number {
+  const n = Number(value ?? def);
+  if (!Number.isInteger(n) || n < 0 || n > 65535) {
+    throw new SandboxdError("bad_request", `--${name} must be 0-65535, got ${value}`);
+  }
+  return n;
+}
+
+function untilSignal(): Promise<void> {
+  return new Promise<void>((resolve) => {
+    process.once("SIGINT", resolve);
+    process.once("SIGTERM", resolve);
+  });
+}
+
+/** Lists the catalog templates (status `building`: the agents report when theirs is ready). */
+export async function registerCatalog(gateway: RunningGateway): Promise<void> {
+  for (const t of CATALOG) {
+    await gateway.withDb((db) => upsertPublicTemplate({ db, clock: Date.now }, { ...t, status: "building" }));
+  }
+}
+
+/** Builds the catalog's templates on this agent once (cached in its data dir). */
+export async function buildCatalogOnAgent(
+  dataDir: string,
+  manager: SandboxManager,
+  log: (m: string) => void,
+): Promise<void> {
+  for (const t of CATALOG) {
+    let status: string | undefined;
+    try {
+      status = manager.templates.status(t.id).status;
+    } catch {
+      status = undefined; // never built on this host
+    }
+    if (status === "ready" || status === "building") continue;
+    await ensurePythonImage({ dataDir, log });
+    manager.buildTemplate(t.id, {
+      kind: "archive",
+      path: pythonLayoutDir(dataDir),
+      // Warm-up before the snapshot: python3 and its common modules are read from disk (and,
+      // under TCG, translated) once at build time instead of in every sandbox's first exec.
+      readyCmd: ["python3", "-c", "import json, os, re, subprocess, sys"],
+    });
+    log(`catalog: building template ${t.id}`);
+  }
+}
+
+export async function cmdGateway(args: string[], version: string, log: (m: string) => void): Promise<number> {
+  const { values } = parseArgs({
+    args,
+    options: {
+      port: { type: "string" },
+      host: { type: "string" },
+      "data-dir": { type: "string" },
+      "public-url": { type: "string" },
+      region: { type: "string" },
+      "no-catalog": { type: "boolean" },
+    },
+  });
+  const dataDir = values["data-dir"] ?? defaultDataDir();
+  const gateway = await startGateway({
+    port: port(values.port, 8080),
+    hostname: values.host ?? "127.0.0.1",
+    dataDir,
+    databaseUrl: process.env.DATABASE_URL,
+    config: {
+      version,
+      region: values.region ?? "local",
+      ...(values["public-url"] ? { publicBaseUrl: values["public-url"] } : {}),
+    },
+    log,
+  });
+  if (!values["no-catalog"]) await registerCatalog(gateway);
+  log(`gateway ${gateway.url} (${gateway.runtime}), region ${gateway.config.region}, data ${dataDir}`);
+  process.stdout.write(`listening ${gateway.url}\n`);
+  await untilSignal();
+  await gateway.stop();
+  return 0;
+}
+
+export async function cmdAgent(args: string[], version: string, log: (m: string) => void): Promise<number> {
+  const { values } = parseArgs({
+    args,
+    options: {
+      "data-dir": { type: "string" },
+      listen: { type: "string" },
+      region: { type: "string" },
+      gateway: { type: "string" },
+      advertise: { type: "string" },
+      id: { type: "string" },
+      slots: { type: "string" },
+      "secrets-dir": { type: "string" },
+      "no-catalog": { type: "boolean" },
+    },
+  });
+  if (!values.gateway)
+    throw new SandboxdError("bad_request", "agent needs --gateway URL (where it registers)");
+  const dataDir = values["data-dir"] ?? defaultDataDir();
+  const m = /^(.*):(\d+)$/.exec(values.listen ?? "127.0.0.1:7070");
+  if (!m) throw new SandboxdError("bad_request", `--listen must be HOST:PORT, got ${values.listen}`);
+  const listenHost = m[1]!.replace(/^\[(.*)\]$/, "$1");
+  const stateDir = join(dataDir, "agent");
+  await mkdir(stateDir, { recursive: true });
+  const secret =
+    process.env.SANDBOXD_AGENT_SECRET || loadSecrets(values["secrets-dir"] ?? dataDir).agentSecret;
+  const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
+  const slots = values.slots === undefined ? undefined : port(values.slots, 64, "slots");
+  const manager = await SandboxManager.open({
+    driver,
+    stateDir,
+    log,
+    ...(slots !== undefined ? { capacity: { slots } } : {}),
+  });
+  const server = startAgentServer({
+    manager,
+    secret,
+    uploadDir: join(stateDir, "uploads"),
+    hostname: listenHost,
+    port: port(m[2], 7070, "listen"),
+    version,
+    log,
+  });
+  const id = values.id ?? `${hostname()}-${new URL(server.url).port}`;
+  const heartbeats = startHeartbeats({
+    gatewayUrl: values.gateway,
+    secret,
+    id,
+    region: values.region ?? "local",
+    advertiseUrl: values.advertise ?? server.url,
+    capacity: () => manager.capacityNow(),
+    log,
+  });
+  log(`agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}`);
+  process.stdout.write(`listening ${server.url}\n`);
+  if (!values["no-catalog"]) {
+    void buildCatalogOnAgent(dataDir, manager, log).catch((err) =>
+      log(`catalog: python template failed: ${describeError(err)}`),
+    );
+  }
+  await untilSignal();
+  heartbeats.stop();
+  await server.stop();
+  await manager.detach();
+  return 0;
+}

@@ -1,0 +1,299 @@
+/**
+ * `AgentRouter`: the gateway's view of many host agents (gateway/agents.ts keeps the registry).
+ *
+ * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region
+ *   with room, least-loaded first (smallest share of slots in use, then most slots free). Room is
+ *   the heartbeat's `slotsFree` minus what this gateway placed there since that heartbeat. None:
+ *   503 `at_capacity`.
+ * - A sandbox's later calls go to the agent recorded on its row (`forAgent`); a stale or
+ *   unregistered agent fails at once with 503 `agent_unavailable`, an unreachable one as soon as
+ *   the connection is refused (AgentHttpClient), never a hang.
+ * - Templates are built on every live agent of the region (an uploaded image is hard-linked once
+ *   per agent, as each agent takes ownership of its file); status is `ready` once any of them has
+ *   it ready. A create tries the next candidate when one has no room, lacks the template or
+ *   refuses the connection, so an agent that is still building is simply skipped.
+ *
+ * As an `AgentApi` the router serves the calls that name no VM (templates, exec-once, health);
+ * calls on a VM need the agent id and go through `forAgent`.
+ */
+import { copyFile, link, rm } from "node:fs/promises";
+import { eq } from "drizzle-orm";
+import { AgentHttpClient, type AgentTimeouts } from "../agent/api/client.ts";
+import type { TunnelProtocol } from "../contracts/api/family-b.ts";
+import { SandboxdError } from "../contracts/errors.ts";
+import type { Db } from "../db/client.ts";
+import { agents } from "../db/schema/agents.ts";
+import type {
+  AgentApi,
+  AgentHealth,
+  CreatedVm,
+  CreateVmOpts,
+  ExecAction,
+  ExecResult,
+  OneShotResult,
+  ResumeResult,
+  SuspendResult,
+  TemplateBuildStatus,
+  TemplateRef,
+  TemplateSource,
+  Tunnel,
+  VmId,
+} from "./agent-api.ts";
+import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./agents.ts";
+
+export interface AgentRouterOptions {
+  db: Db;
+  /** HS256 secret shared with every agent. */
+  secret: string | Uint8Array;
+  /** The region placements go to (tenants carry none yet: config.region). */
+  region: string;
+  staleAfterMs?: number;
+  clock?: () => number;
+  timeouts?: Partial<AgentTimeouts>;
+}
+
+export interface Placement {
+  agentId: string;
+  api: AgentApi;
+}
+
+/** Errors after which the same call may go to another agent: nothing was started there. */
+function retryElsewhere(err: unknown): boolean {
+  if (!(err instanceof SandboxdError)) return false;
+  if (err.code === "agent_unavailable") return err.details?.timedOut !== true;
+  return err.code === "at_capacity" || err.code === "not_found" || err.code === "template_not_ready";
+}
+
+export class AgentRouter implements AgentApi {
+  readonly region: string;
+  private readonly db: Db;
+  private readonly secret: string | Uint8Array;
+  private readonly staleAfterMs: number;
+  private readonly clock: () => number;
+  private readonly timeouts: Partial<AgentTimeouts> | undefined;
+  private readonly clients = new Map<string, AgentHttpClient>();
+  /** Per agent: creates placed since its heartbeat at `hb` (ms). */
+  private readonly placed = new Map<string, { hb: number; n: number }>();
+
+  constructor(opts: AgentRouterOptions) {
+    this.db = opts.db;
+    this.secret = opts.secret;
+    this.region = opts.region;
+    this.staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
+    this.clock = opts.clock ?? Date.now;
+    this.timeouts = opts.timeouts;
+  }
+
+  private client(row: AgentRow): AgentHttpClient {
+    const k = `${row.id} ${row.url}`;
+    let c = this.clients.get(k);
+    if (!c) {
+      c = new AgentHttpClient({
+        baseUrl: row.url,
+        secret: this.secret,
+        ...(this.timeouts ? { timeouts: this.timeouts } : {}),
+      });
+      this.clients.set(k, c);
+    }
+    return c;
+  }
+
+  private live(region = this.region): Promise<AgentRow[]> {
+    return liveAgents(this.db, region, this.clock(), this.staleAfterMs);
+  }
+
+  private freeSlots(row: AgentRow): number {
+    const hb = row.lastHeartbeatAt?.getTime() ?? 0;
+    const p = this.placed.get(row.id);
+    return row.slotsFree - (p && p.hb === hb ? p.n : 0);
+  }
+
+  private notePlaced(row: AgentRow): void {
+    const hb = row.lastHeartbeatAt?.getTime() ?? 0;
+    const p = this.placed.get(row.id);
+    this.placed.set(row.id, { hb, n: p && p.hb === hb ? p.n + 1 : 1 });
+  }
+
+  /** Live agents of `region` with room, least-loaded first; none is 503 `at_capacity`. */
+  async candidates(region = this.region): Promise<AgentRow[]> {
+    const rows = (await this.live(region)).filter((r) => this.freeSlots(r) > 0);
+    if (rows.length === 0) {
+      throw new SandboxdError("at_capacity", `no agent in region ${region} has room; retry with backoff`, {
+        details: { region, retryAfterSeconds: 5 },
+      });
+    }
+    const load = (r: AgentRow) => (r.slotsTotal > 0 ? 1 - this.freeSlots(r) / r.slotsTotal : 1);
+    return rows.sort(
+      (a, b) => load(a) - load(b) || this.freeSlots(b) - this.freeSlots(a) || (a.id < b.id ? -1 : 1),
+    );
+  }
+
+  /**
+   * Runs `fn` on the first candidate that takes it; returns which agent did. The last error is
+   * thrown when every candidate refused (no room anywhere reads as `at_capacity`).
+   */
+  async place<T>(
+    fn: (api: AgentApi) => Promise<T>,
+    region = this.region,
+  ): Promise<{ agentId: string; result: T }> {
+    const rows = await this.candidates(region);
+    let last: unknown;
+    for (const row of rows) {
+      this.notePlaced(row);
+      try {
+        return { agentId: row.id, result: await fn(this.client(row)) };
+      } catch (err) {
+        last = err;
+        if (!retryElsewhere(err)) throw err;
+      }
+    }
+    throw last;
+  }
+
+  /** The agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
+  forAgent(agentId: string): AgentApi {
+    const lookup = async (): Promise<AgentHttpClient> => {
+      const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
+      if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
+        throw new SandboxdError(
+          "agent_unavailable",
+          `agent ${agentId} has not reported for over ${this.staleAfterMs / 1000} s; retry later`,
+          { details: { agentId, retryAfterSeconds: 5 } },
+        );
+      }
+      return this.client(row);
+    };
+    return {
+      createSandbox: async (t, o) => (await lookup()).createSandbox(t, o),
+      execOnce: async (t, a) => (await lookup()).execOnce(t, a),
+      exec: async (v, a) => (await lookup()).exec(v, a),
+      fork: async (v, n) => (await lookup()).fork(v, n),
+      suspend: async (v) => (await lookup()).suspend(v),
+      resume: async (v) => (await lookup()).resume(v),
+      destroy: async (v, o) => (await lookup()).destroy(v, o),
+      buildTemplate: async (t, s) => (await lookup()).buildTemplate(t, s),
+      templateStatus: async (t) => (await lookup()).templateStatus(t),
+      deleteTemplate: async (t) => (await lookup()).deleteTemplate(t),
+      expectWidth: async (t, w) => (await lookup()).expectWidth(t, w),
+      releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
+      openTunnel: async (v, p, pr) => (await lookup()).openTunnel(v, p, pr),
+      health: async () => (await lookup()).health(),
+    };
+  }
+
+  // ---- AgentApi: calls that name no VM --------------------------------------------------------
+
+  async createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
+    return (await this.place((a) => a.createSandbox(template, opts))).result;
+  }
+
+  async execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
+    return (await this.place((a) => a.execOnce(template, action))).result;
+  }
+
+  /** Every live agent of the region; fails only if none took it. */
+  async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
+    const rows = await this.live();
+    try {
+      if (rows.length === 0) {
+        throw new SandboxdError("agent_unavailable", `no live agent in region ${this.region} to build on`);
+      }
+      const sources: TemplateSource[] = [];
+      for (let i = 0; i < rows.length; i++) {
+        if (source.kind === "upload" && i < rows.length - 1) {
+          const path = `${source.path}.${i}`;
+          await link(source.path, path).catch(() => copyFile(source.path, path));
+          sources.push({ ...source, path });
+        } else sources.push(source);
+      }
+      const results = await Promise.allSettled(
+        rows.map((r, i) => this.client(r).buildTemplate(template, sources[i]!)),
+      );
+      const ok = results.some((r) => r.status === "fulfilled");
+      if (!ok) throw (results[0] as PromiseRejectedResult).reason;
+    } finally {
+      if (source.kind === "upload") await rm(source.path, { force: true });
+    }
+  }
+
+  async templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
+    const settled = await Promise.allSettled(
+      (await this.live()).map((r) => this.client(r).templateStatus(template)),
+    );
+    const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
+    const ready = got.find((s) => s.status === "ready");
+    if (ready) return ready;
+    const building = got.find((s) => s.status === "building");
+    if (building) return building;
+    if (got[0]) return got[0];
+    const err = settled.find((s): s is PromiseRejectedResult => s.status === "rejected");
+    throw err?.reason ?? new SandboxdError("agent_unavailable", `no live agent in region ${this.region}`);
+  }
+
+  private async everyLive(fn: (a: AgentApi) => Promise<void>): Promise<void> {
+    const settled = await Promise.allSettled((await this.live()).map((r) => fn(this.client(r))));
+    for (const s of settled) {
+      if (s.status === "rejected" && !(s.reason instanceof SandboxdError && s.reason.code === "not_found")) {
+        throw s.reason;
+      }
+    }
+  }
+
+  /** On every live agent of the region (an agent that is down keeps its copy: see docs). */
+  deleteTemplate(template: TemplateRef): Promise<void> {
+    return this.everyLive((a) => a.deleteTemplate(template));
+  }
+
+  expectWidth(template: TemplateRef, width: number): Promise<void> {
+    return this.everyLive((a) => a.expectWidth(template, width));
+  }
+
+  releaseTemplate(template: TemplateRef): Promise<void> {
+    return this.everyLive((a) => a.releaseTemplate(template));
+  }
+
+  /** The region as a whole: ok while one live agent answers; capacity summed over them. */
+  async health(): Promise<AgentHealth> {
+    const settled = await Promise.allSettled((await this.live()).map((r) => this.client(r).health()));
+    const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
+    const sum = (f: (h: AgentHealth) => number) => got.reduce((n, h) => n + f(h), 0);
+    return {
+      ok: got.some((h) => h.ok),
+      version: got[0]?.version ?? "none",
+      capacity: {
+        slotsFree: sum((h) => h.capacity.slotsFree),
+        slotsTotal: sum((h) => h.capacity.slotsTotal),
+        vcpusFree: sum((h) => h.capacity.vcpusFree),
+        memMibFree: sum((h) => h.capacity.memMibFree),
+      },
+    };
+  }
+
+  // ---- calls on a VM: the caller must say which agent (forAgent) ------------------------------
+
+  private noAgent(): never {
+    throw new SandboxdError("internal", "a call on a VM must go through AgentRouter.forAgent(agentId)");
+  }
+  async exec(_vmId: VmId, _action: ExecAction): Promise<ExecResult> {
+    return this.noAgent();
+  }
+  async fork(_vmId: VmId, _count: number): Promise<CreatedVm[]> {
+    return this.noAgent();
+  }
+  async suspend(_vmId: VmId): Promise<SuspendResult> {
+    return this.noAgent();
+  }
+  async resume(_vmId: VmId): Promise<ResumeResult> {
+    return this.noAgent();
+  }
+  async destroy(_vmId: VmId, _opts: { force: boolean }): Promise<void> {
+    return this.noAgent();
+  }
+  async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
+    return this.noAgent();
+  }
+}
+
+export function isAgentRouter(a: AgentApi): a is AgentRouter {
+  return a instanceof AgentRouter;
+}
