@@ -24,7 +24,7 @@
 import { createHash, randomBytes } from "node:crypto";
 import { existsSync, readFileSync } from "node:fs";
 import { readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
-import { basename, join, resolve } from "node:path";
+import { basename, dirname, join, resolve } from "node:path";
 import { z } from "zod";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts";
@@ -36,6 +36,7 @@ import { QmpClient } from "../qemu/qmp/client.ts";
 import type { SnapshotError } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";
 import { reclaimSnapshotStorage } from "../snapshot/recover.ts";
+import { claimShmRoot, sweepOrphanShmRoots } from "../snapshot/shm.ts";
 import { spawnFromTemplate } from "../snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../snapshot/suspend.ts";
 import {
@@ -59,6 +60,7 @@ import type {
   VmExitInfo,
   VmSize,
 } from "./driver.ts";
+import type { PreparedWithTelemetry } from "./templates.ts";
 
 export interface SnapshotDriverOptions {
   /** Guest artifacts and imported images are cached here (shared between agents and tests). */
@@ -156,11 +158,18 @@ export class SnapshotDriver implements SandboxDriver {
       opts.artifacts ?? ensureGuestArtifacts({ dataDir: opts.cacheDir, log: opts.log }),
       opts.accel ? Promise.resolve(opts.accel) : probeAccelerator({ log: opts.log }).then((a) => a.accel),
     ]);
-    return new SnapshotDriver(opts, artifacts, accel);
+    const driver = new SnapshotDriver(opts, artifacts, accel);
+    // RAM files live on tmpfs, outside the data dir: claim ours and drop those whose data dir was
+    // removed (agent/snapshot/shm.ts), so an `rm -rf` of a data dir does not strand its RAM files.
+    await claimShmRoot(driver.shmRoot, driver.stateDir);
+    const swept = await sweepOrphanShmRoots(dirname(driver.shmRoot));
+    for (const root of swept) driver.log(`removed RAM files of a deleted data dir: ${root}`);
+    return driver;
   }
 
   // ---- templates -----------------------------------------------------------------------------
 
+  /** Returns `PreparedWithTelemetry`: the registry reports its `telemetry` (spec 2.4). */
   async prepareTemplate(
     templateId: string,
     input: TemplateInput,
@@ -177,7 +186,9 @@ export class SnapshotDriver implements SandboxDriver {
     // A failed (or orphaned) build of the same id left its meta.json: clear it for the rebuild.
     const old = (await listTemplates(this.stateDir)).find((t) => t.id === id);
     if (old && old.state !== "building") await deleteTemplate(this.stateDir, id);
+    const tImport = performance.now();
     const image = await importImage({ source: input.path, dataDir: this.opts.cacheDir, log: this.log });
+    const importMs = performance.now() - tImport;
     if (signal.aborted)
       throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
     const size = { ...this.defaultSize, ...input.size };
@@ -210,7 +221,12 @@ export class SnapshotDriver implements SandboxDriver {
     this.log(
       `template ${templateId} (${id}) frozen: boot ${meta.timings?.bootMs.toFixed(0)} ms, snapshot ${meta.timings?.snapshotMs.toFixed(0)} ms`,
     );
-    return { image: image.config, exposedPorts: image.config.exposedPorts };
+    const prepared: PreparedWithTelemetry = {
+      image: image.config,
+      exposedPorts: image.config.exposedPorts,
+      telemetry: snapshotTelemetry(meta, importMs),
+    };
+    return prepared;
   }
 
   async restoreTemplate(templateId: string, prepared: PreparedTemplate): Promise<void> {
@@ -716,4 +732,23 @@ async function connectAdopted(proc: VmProcess): Promise<GuestClient> {
   throw new SandboxdError("vm_lost", `guest agent did not answer HELLO: ${describeError(lastErr)}`, {
     cause: lastErr,
   });
+}
+
+/** Readiness telemetry of a frozen template (contracts/api/family-b.ts TemplateTelemetry). */
+function snapshotTelemetry(meta: TemplateMeta, importMs: number): PreparedWithTelemetry["telemetry"] {
+  const t = meta.timings;
+  if (!t) return { import_ms: importMs };
+  return {
+    import_ms: importMs,
+    boot_ms: t.bootMs,
+    ready_cmd_ms: t.readyCmdMs,
+    snapshot_ms: t.snapshotMs,
+    converting_ms: importMs + t.bootMs + t.readyCmdMs + t.snapshotMs,
+    ...(t.distributeMs !== undefined ? { distributing_ms: t.distributeMs } : {}),
+    snapshot_bytes: {
+      memory: meta.memFileBytes ?? 0,
+      device_state: meta.stateBytes ?? 0,
+      disk: meta.diskFileBytes ?? 0,
+    },
+  };
 }
