@@ -36,7 +36,17 @@ function schemaOf(schema: z.ZodType, io: "input" | "output", components: Json): 
 }
 
 function queryParams(q: z.ZodObject, components: Json): Json[] {
-  const js = schemaOf(q, "input", components) as { properties?: Record<string, Json>; required?: string[] };
+  let js = schemaOf(q, "input", components) as {
+    $ref?: string;
+    properties?: Record<string, Json>;
+    required?: string[];
+  };
+  // A named query schema (`.meta({id})`) is spread into parameters, not referenced as a component.
+  if (js.$ref !== undefined) {
+    const id = js.$ref.replace("#/components/schemas/", "");
+    js = components[id] as typeof js;
+    delete components[id];
+  }
   return Object.entries(js.properties ?? {}).map(([name, schema]) => ({
     name,
     in: "query",
@@ -58,24 +68,52 @@ function operation(r: RouteContract, components: Json): Json {
   const params: Json[] = [];
   if (r.path.includes("{id}"))
     params.push({ name: "id", in: "path", required: true, schema: { type: "string" } });
-  if (r.query) params.push(...queryParams(r.query, components));
+  if (r.query) {
+    const qs = queryParams(r.query, components);
+    // A shared path whose query is Family A's (POST /v1/templates): a Family B call sends none.
+    if (r.familyB !== undefined)
+      for (const q of qs) {
+        q.description = q.required ? "Family A: required. Family B: not used." : "Family A only.";
+        q.required = false;
+      }
+    params.push(...qs);
+  }
   if (params.length > 0) op.parameters = params;
   const content: Json = {};
   if (r.body) content["application/json"] = { schema: schemaOf(r.body, "input", components) };
   if (r.rawBody) content[r.rawBody] = { schema: { type: "string", contentMediaType: r.rawBody } };
   if (Object.keys(content).length > 0) op.requestBody = { required: true, content };
   const responses: Json = {};
+  const json = (schema: Json) => ({ "application/json": { schema } });
   const ok: Json = { description: r.status === 101 ? "WebSocket upgrade" : "Success" };
-  if (r.response) ok.content = { "application/json": { schema: schemaOf(r.response, "output", components) } };
+  if (r.response) ok.content = json(schemaOf(r.response, "output", components));
   if (r.rawResponse) ok.content = { [r.rawResponse]: { schema: { type: "string" } } };
   responses[String(r.status)] = ok;
-  const errs = new Set(r.errors);
+  const b = r.familyB;
+  if (b !== undefined) {
+    const bSchema = b.response ? schemaOf(b.response, "output", components) : undefined;
+    if (b.status === r.status && bSchema !== undefined && r.response) {
+      ok.description = "Success (Family A or Family B form, by the key's family)";
+      ok.content = json({ oneOf: [schemaOf(r.response, "output", components), bSchema] });
+    } else if (b.status !== r.status) {
+      ok.description = "Success (Family A)";
+      responses[String(b.status)] = {
+        description: "Success (Family B)",
+        ...(bSchema !== undefined ? { content: json(bSchema) } : {}),
+      };
+    }
+  }
+  const errs = new Set([...r.errors, 500]);
   if (r.family !== "none") {
     errs.add(401);
     errs.add(429);
   }
   for (const s of [...errs].sort()) responses[String(s)] = { $ref: "#/components/responses/Error" };
-  op.responses = responses;
+  op.responses = Object.fromEntries(
+    Object.keys(responses)
+      .sort()
+      .map((k) => [k, responses[k]]),
+  );
   return op;
 }
 

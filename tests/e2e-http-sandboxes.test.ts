@@ -164,6 +164,15 @@ describe("Family B: catalog", () => {
     const t = expectOk(await api().get(`/v1/templates/${PYTHON}`, { key: keys.pro }), 200, B.TemplateB);
     expect(t.phase).toBe("Live");
     expect(t.visibility).toBe("public");
+    // readiness telemetry of the real build (docs/api.md): phase timings and snapshot sizes
+    const tm = t.telemetry;
+    for (const v of [tm.converting_ms, tm.boot_ms, tm.snapshot_ms, tm.total_ms]) expect(v).toBeGreaterThan(0);
+    for (const v of [tm.pending_ms, tm.import_ms, tm.ready_cmd_ms, tm.distributing_ms])
+      expect(v).toBeGreaterThanOrEqual(0);
+    expect(tm.total_ms!).toBeGreaterThanOrEqual(tm.converting_ms!);
+    expect(tm.snapshot_bytes?.memory).toBeGreaterThan(0);
+    expect(tm.snapshot_bytes?.device_state).toBeGreaterThan(0);
+    expect(tm.snapshot_bytes?.disk).toBeGreaterThan(0);
     // shared catalog rows cannot be deleted: 403 forbidden (spec 4.2)
     expectError(await api().delete(`/v1/templates/${PYTHON}`, { key: keys.pro }), 403, "forbidden");
     expectError(await api().get("/v1/templates/no-such-template", { key: keys.pro }), 404, "not_found");

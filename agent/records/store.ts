@@ -60,6 +60,8 @@ export const TemplateRecord = z.object({
       exposedPorts: z.array(z.int()),
     })
     .optional(),
+  /** Readiness telemetry measured by the build (contracts TemplateTelemetry), kept across restarts. */
+  telemetry: z.record(z.string(), z.unknown()).optional(),
 });
 export type TemplateRecord = z.infer<typeof TemplateRecord>;
 

@@ -2,8 +2,14 @@
  * Templates on this agent: building -> ready | failed (spec 3.1), kept as records so that a
  * restarted agent still spawns from them. The build runs in the background (the API answers 202
  * at once); a failure is a status with a readable error, never a crash (spec 3.1).
+ *
+ * Readiness telemetry (spec 2.4, contracts/api/family-b.ts TemplateTelemetry): the registry times
+ * the Pending wait and the whole build; a driver may add what it measured (phase timings,
+ * snapshot sizes) by returning `PreparedWithTelemetry`. It is written into the template's record,
+ * so a template restored after an agent restart reports what its build measured.
  */
 
+import type { TemplateTelemetry } from "../../contracts/api/family-b.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { TemplateBuildStatus } from "../../gateway/agent-api.ts";
 import type { RecordStore, TemplateRecord } from "../records/store.ts";
@@ -15,8 +21,12 @@ export interface ReadyTemplate {
   size: Partial<VmSize>;
 }
 
+/** What `prepareTemplate` may return: the template plus what the driver measured building it. */
+export type PreparedWithTelemetry = PreparedTemplate & { telemetry?: TemplateTelemetry };
+
 interface Entry {
   record: TemplateRecord;
+  telemetry: TemplateTelemetry;
   abort?: AbortController;
   build?: Promise<void>;
 }
@@ -47,7 +57,7 @@ export class TemplateRegistry {
           await this.store.write(record);
         }
       }
-      this.entries.set(r.id, { record });
+      this.entries.set(r.id, { record, telemetry: (record.telemetry ?? {}) as TemplateTelemetry });
     }
   }
 
@@ -59,15 +69,34 @@ export class TemplateRegistry {
       throw new SandboxdError("conflict", `template ${id} already exists (${existing.record.status})`);
     }
     const record: TemplateRecord = { version: 1, id, status: "building", size };
-    const entry: Entry = { record, abort: new AbortController() };
+    const entry: Entry = { record, telemetry: {}, abort: new AbortController() };
+    const t0 = performance.now();
     this.entries.set(id, entry);
     const signal = entry.abort!.signal;
     entry.build = (async () => {
       await this.store.write(record);
+      const tStart = performance.now();
+      entry.telemetry = { pending_ms: tStart - t0 };
       try {
-        const prepared = await this.driver.prepareTemplate(id, input, signal);
+        const { telemetry, ...prepared }: PreparedWithTelemetry = await this.driver.prepareTemplate(
+          id,
+          input,
+          signal,
+        );
         if (signal.aborted) return;
-        entry.record = { ...record, status: "ready", readyAtMs: Date.now(), prepared };
+        entry.telemetry = {
+          ...entry.telemetry,
+          converting_ms: performance.now() - tStart,
+          ...telemetry,
+          total_ms: performance.now() - t0,
+        };
+        entry.record = {
+          ...record,
+          status: "ready",
+          readyAtMs: Date.now(),
+          prepared,
+          telemetry: entry.telemetry,
+        };
       } catch (err) {
         if (signal.aborted) return;
         this.log(`template ${id} build failed: ${describeError(err)}`);
@@ -78,12 +107,13 @@ export class TemplateRegistry {
   }
 
   status(id: string): TemplateBuildStatus {
-    const r = this.mustGet(id).record;
+    const e = this.mustGet(id);
+    const r = e.record;
     const out: TemplateBuildStatus = {
       status: r.status,
       phase: r.status === "ready" ? "Live" : r.status === "failed" ? "Failed" : "Converting",
       exposedPorts: r.prepared?.exposedPorts ?? [],
-      telemetry: {},
+      telemetry: { ...e.telemetry },
     };
     if (r.error !== undefined) out.error = r.error;
     if (r.readyAtMs !== undefined) out.readyAtMs = r.readyAtMs;

@@ -49,8 +49,23 @@ export interface TemplateMeta {
   artifacts: GuestArtifacts;
   readyCmd?: string[];
   createdAt: string;
-  timings?: { bootMs: number; readyCmdMs: number; snapshotMs: number; totalMs: number };
+  /**
+   * Readiness telemetry of the build (ms): boot (QEMU start to HELLO), ready command, snapshot
+   * (sync + stop + device-state save), distribute (registering the files with the chain store),
+   * total (overlay creation to ready).
+   */
+  timings?: {
+    bootMs: number;
+    readyCmdMs: number;
+    snapshotMs: number;
+    distributeMs?: number;
+    totalMs: number;
+  };
+  /** Saved device state, bytes. */
   stateBytes?: number;
+  /** Allocated bytes of the RAM file (tmpfs) and of the frozen overlay at freeze time. */
+  memFileBytes?: number;
+  diskFileBytes?: number;
 }
 
 export interface BuildTemplateOptions {
@@ -217,6 +232,10 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     await rm(vmDir, { recursive: true, force: true });
     await chmod(meta.disk, 0o444);
     meta.stateBytes = (await stat(meta.statePath)).size;
+    const [memStat, diskStat] = await Promise.all([stat(meta.memPath), stat(meta.disk)]);
+    meta.memFileBytes = memStat.blocks * 512;
+    meta.diskFileBytes = diskStat.blocks * 512;
+    const tDistribute = performance.now();
     const chain = await openChainStore(dataDir);
     const holder = `template:${id}`;
     await chain.add(meta.memPath, { kind: "ram", holder });
@@ -227,6 +246,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       bootMs: tBoot - t0,
       readyCmdMs: tReady - tBoot,
       snapshotMs,
+      distributeMs: performance.now() - tDistribute,
       totalMs: performance.now() - t0,
     };
     await writeMeta(meta);

@@ -65,6 +65,46 @@ export const BakeTemplateRequest = z
   .meta({ id: "BakeTemplateRequest" });
 export type BakeTemplateRequest = z.infer<typeof BakeTemplateRequest>;
 
+const Ms = z.number().min(0);
+const Bytes = z.int().min(0);
+
+/**
+ * Readiness telemetry of a Family B template (spec 2.4 leaves its fields to us; docs/api.md).
+ * Every member is optional: a member appears once the host agent has measured it (nothing while
+ * Pending, the phase timings as they complete, all of them once Live; a template built by a driver
+ * that does not measure a step lacks those members). The agent keeps them across its restarts.
+ * Durations are milliseconds of wall time on the host agent; sizes are bytes on the host.
+ */
+export const TemplateTelemetry = z
+  .object({
+    pending_ms: Ms.optional().describe(
+      "Pending: from the build request at the agent to the start of the build.",
+    ),
+    converting_ms: Ms.optional().describe(
+      "Converting: image to frozen snapshot (import + boot_ms + ready_cmd_ms + snapshot_ms).",
+    ),
+    import_ms: Ms.optional().describe("Part of converting: unpacking the image into a bootable disk."),
+    boot_ms: Ms.optional().describe("Part of converting: QEMU start to the guest agent answering."),
+    ready_cmd_ms: Ms.optional().describe(
+      "Part of converting: the ready command (`ready.cmd`); 0 without one.",
+    ),
+    snapshot_ms: Ms.optional().describe("Part of converting: guest sync, pause and device-state save."),
+    distributing_ms: Ms.optional().describe(
+      "Distributing: registering the snapshot files so sandboxes can be restored from them.",
+    ),
+    total_ms: Ms.optional().describe("Build request at the agent to Live."),
+    snapshot_bytes: z
+      .object({
+        memory: Bytes.describe("Guest RAM file as stored (allocated bytes, shared by every fork)."),
+        device_state: Bytes.describe("Saved device state (CPU, devices)."),
+        disk: Bytes.describe("Frozen copy-on-write disk overlay (allocated bytes)."),
+      })
+      .optional()
+      .describe("Size of the frozen snapshot."),
+  })
+  .meta({ id: "TemplateTelemetry" });
+export type TemplateTelemetry = z.infer<typeof TemplateTelemetry>;
+
 export const TemplateB = z
   .object({
     id: TemplateId,
@@ -76,9 +116,7 @@ export const TemplateB = z
     phase: BakePhase,
     error: z.string().optional().describe("Present when the phase is Failed."),
     exposed_ports: z.array(Port),
-    telemetry: z
-      .record(z.string(), z.unknown())
-      .describe("Readiness telemetry as reported by the host agent (fields not specified)."),
+    telemetry: TemplateTelemetry,
   })
   .meta({ id: "TemplateB" });
 export type TemplateB = z.infer<typeof TemplateB>;

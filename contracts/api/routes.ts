@@ -24,7 +24,15 @@ export interface RouteContract {
   /** Non-JSON response content type. */
   rawResponse?: string;
   status: number;
-  /** Error statuses the route can return besides 401/429 (which every authed route can). */
+  /**
+   * The Family B form of a path both families share ("both"), when it differs from the Family A
+   * one above: its own body, and its own status when that differs too (e.g. DELETE 200 vs 204).
+   */
+  familyB?: { status: number; response?: z.ZodType };
+  /**
+   * Error statuses the route can return besides 401/429 (which every authed route can) and 500
+   * (which every route can: an unexpected failure, envelope code `internal`).
+   */
   errors: number[];
 }
 
@@ -76,6 +84,7 @@ export const ROUTES: RouteContract[] = [
     body: A.CreateSessionRequest,
     response: A.CreateSessionResponse,
     status: 201,
+    familyB: { status: 201, response: B.CreateSandboxResponse },
     errors: [400, 403, 404, 409, 503, 504],
   },
   {
@@ -135,6 +144,7 @@ export const ROUTES: RouteContract[] = [
     body: B.BakeTemplateRequest,
     response: A.RegisterTemplateResponse,
     status: 202,
+    familyB: { status: 202, response: B.TemplateB },
     errors: [400, 403, 409, 413],
   },
   {
@@ -144,6 +154,7 @@ export const ROUTES: RouteContract[] = [
     summary: "Family A: map id -> {ready}. Family B: alias of /v1/images (array)",
     response: A.TemplateListA,
     status: 200,
+    familyB: { status: 200, response: B.CatalogList },
     errors: [],
   },
   {
@@ -153,6 +164,7 @@ export const ROUTES: RouteContract[] = [
     summary: "Family A: build status. Family B: bake phase and readiness",
     response: A.TemplateA,
     status: 200,
+    familyB: { status: 200, response: B.TemplateB },
     errors: [404],
   },
   {
@@ -161,6 +173,7 @@ export const ROUTES: RouteContract[] = [
     family: "both",
     summary: "Delete an own template (A: 204, scale key; B: 200 {deleted,id})",
     status: 204,
+    familyB: { status: 200, response: B.DeleteTemplateResponseB },
     errors: [403, 404, 409],
   },
   // Family B

@@ -58,12 +58,21 @@ export function catalogEntry(row: TemplateRow) {
   return out;
 }
 
+/**
+ * The agent's readiness telemetry in the public shape (B.TemplateTelemetry): members the
+ * contract does not define are dropped, and a malformed report shows as none rather than a 500.
+ */
+function publicTelemetry(raw: Record<string, unknown>): B.TemplateTelemetry {
+  const r = B.TemplateTelemetry.safeParse(raw);
+  return r.success ? r.data : {};
+}
+
 function templateB(row: TemplateRow, telemetry: Record<string, unknown>) {
   const out: Record<string, unknown> = {
     ...catalogEntry(row),
     phase: row.phase,
     exposed_ports: row.exposedPorts,
-    telemetry,
+    telemetry: publicTelemetry(telemetry),
   };
   if (row.image !== null) out.image = row.image;
   if (row.status === "failed") out.error = row.error ?? "bake failed";

@@ -1,7 +1,8 @@
 /**
  * Test harness for gateway tests: a real PGlite db in a temp dir (or a Postgres URL), the
  * in-memory stand-in agent (memory-agent.ts), a controllable clock, and helpers to issue keys
- * and make requests through `app.request()`.
+ * and make requests through `app.request()`. Every response `req` returns has been checked against
+ * openapi.yaml (tests/support/openapi-check.ts) unless `validate: false`: a mismatch rejects.
  */
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -9,6 +10,7 @@ import { join } from "node:path";
 import type { Tier } from "../../contracts/api/common.ts";
 import type { Limits } from "../../contracts/api/limits.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
+import { assertFetchResponse } from "../../tests/support/openapi-check.ts";
 import { createApp } from "../app.ts";
 import { resolveConfig } from "../config.ts";
 import { upsertPublicTemplate } from "../core/templates.ts";
@@ -33,7 +35,9 @@ export interface Harness {
   close(): Promise<void>;
 }
 
-export async function makeHarness(opts: { url?: string; limits?: Partial<Limits> } = {}): Promise<Harness> {
+export async function makeHarness(
+  opts: { url?: string; limits?: Partial<Limits>; validate?: boolean } = {},
+): Promise<Harness> {
   const dir = mkdtempSync(join(tmpdir(), "sandboxd-gw-"));
   const handle = await openDb(opts.url !== undefined ? { url: opts.url } : { dataDir: dir });
   const agent = new MemoryAgent();
@@ -71,7 +75,10 @@ export async function makeHarness(opts: { url?: string; limits?: Partial<Limits>
       }
       const init: RequestInit = { method, headers };
       if (body !== undefined) init.body = body;
-      return Promise.resolve(app.request(path, init));
+      return Promise.resolve(app.request(path, init)).then(async (res) => {
+        if (opts.validate !== false) await assertFetchResponse(method, path, res);
+        return res;
+      });
     },
     close: async () => {
       await handle.close();

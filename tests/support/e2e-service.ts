@@ -15,6 +15,7 @@ import type { z } from "zod";
 import { ensurePythonImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import type { Tier } from "../../contracts/api/common.ts";
+import { assertResponse } from "./openapi-check.ts";
 
 export const REPO = resolve(import.meta.dir, "../..");
 const SANDBOXD = join(REPO, "bin/sandboxd");
@@ -123,6 +124,7 @@ export interface RequestOptions {
   timeoutMs?: number;
 }
 
+/** Every response is checked against openapi.yaml (tests/support/openapi-check.ts); a mismatch throws. */
 export class Api {
   constructor(readonly baseUrl: string) {}
 
@@ -151,6 +153,13 @@ export class Api {
     });
     const text = await res.text();
     const ms = performance.now() - t0;
+    assertResponse({
+      method,
+      path: url.pathname,
+      status: res.status,
+      contentType: res.headers.get("content-type"),
+      text,
+    });
     let parsed: unknown;
     if ((res.headers.get("content-type") ?? "").includes("application/json") && text.length > 0) {
       parsed = JSON.parse(text);
