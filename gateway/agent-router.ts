@@ -1,10 +1,11 @@
 /**
  * `AgentRouter`: the gateway's view of many host agents (gateway/agents.ts keeps the registry).
  *
- * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region
- *   with room, least-loaded first (smallest share of slots in use, then most slots free). Room is
- *   the heartbeat's `slotsFree` minus what this gateway placed there since that heartbeat. None:
- *   503 `at_capacity`.
+ * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region,
+ *   least-loaded first (smallest share of slots in use, then most slots free). Room is estimated
+ *   as the heartbeat's `slotsFree` minus what this gateway placed there since that heartbeat; the
+ *   agent has the last word (`at_capacity`, and the next one is tried). No live agent, or every
+ *   one full: 503 `at_capacity`.
  * - A sandbox's later calls go to the agent recorded on its row (`forAgent`); a stale or
  *   unregistered agent fails at once with 503 `agent_unavailable`, an unreachable one as soon as
  *   the connection is refused (AgentHttpClient), never a hang.
@@ -114,18 +115,29 @@ export class AgentRouter implements AgentApi {
     this.placed.set(row.id, { hb, n: p && p.hb === hb ? p.n + 1 : 1 });
   }
 
-  /** Live agents of `region` with room, least-loaded first; none is 503 `at_capacity`. */
+  /**
+   * Live agents of `region`, most room first (smallest share of slots in use, then most slots
+   * free). Nobody is left out for looking full: the estimate is a heartbeat up to 5 s old minus
+   * what was placed since, and sandboxes deleted in between are not in it, so an agent that
+   * looks full may have room. The agent itself is authoritative: one that is really full answers
+   * `at_capacity` at once and `place` moves on to the next.
+   */
   async candidates(region = this.region): Promise<AgentRow[]> {
-    const rows = (await this.live(region)).filter((r) => this.freeSlots(r) > 0);
+    const rows = await this.live(region);
+    const free = (r: AgentRow) => Math.max(0, this.freeSlots(r));
+    const load = (r: AgentRow) => (r.slotsTotal > 0 ? 1 - free(r) / r.slotsTotal : 1);
+    return rows.sort((a, b) => load(a) - load(b) || free(b) - free(a) || (a.id < b.id ? -1 : 1));
+  }
+
+  /** `candidates`, or 503 `at_capacity` when the region has no live agent. */
+  async placementOrder(region = this.region): Promise<AgentRow[]> {
+    const rows = await this.candidates(region);
     if (rows.length === 0) {
-      throw new SandboxdError("at_capacity", `no agent in region ${region} has room; retry with backoff`, {
+      throw new SandboxdError("at_capacity", `no live agent in region ${region}; retry with backoff`, {
         details: { region, retryAfterSeconds: 5 },
       });
     }
-    const load = (r: AgentRow) => (r.slotsTotal > 0 ? 1 - this.freeSlots(r) / r.slotsTotal : 1);
-    return rows.sort(
-      (a, b) => load(a) - load(b) || this.freeSlots(b) - this.freeSlots(a) || (a.id < b.id ? -1 : 1),
-    );
+    return rows;
   }
 
   /**
@@ -136,7 +148,7 @@ export class AgentRouter implements AgentApi {
     fn: (api: AgentApi) => Promise<T>,
     region = this.region,
   ): Promise<{ agentId: string; result: T }> {
-    const rows = await this.candidates(region);
+    const rows = await this.placementOrder(region);
     let last: unknown;
     for (const row of rows) {
       this.notePlaced(row);

@@ -39,7 +39,7 @@ function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi {
  * (503 at_capacity when none); otherwise the one configured agent.
  */
 async function firstPlacement(deps: Deps): Promise<string> {
-  if (isAgentRouter(deps.agent)) return (await deps.agent.candidates())[0]!.id;
+  if (isAgentRouter(deps.agent)) return (await deps.agent.placementOrder())[0]!.id;
   await ensureAgentRow(deps);
   return deps.config.agent.id;
 }
