@@ -3,6 +3,7 @@
  * drives QEMU through node:child_process and node:net, both of which Bun provides).
  */
 import { createAgentApp } from "./api/app.ts";
+import { tunnelWebSocket } from "./api/tunnel-ws.ts";
 import type { SandboxManager } from "./sandbox/manager.ts";
 
 export interface AgentServerOptions {
@@ -45,6 +46,8 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
     // Template images are streamed to disk by the route; no whole-body buffering limit applies.
     maxRequestBodySize: Number.MAX_SAFE_INTEGER,
     fetch: app.fetch,
+    // The only WebSocket route: GET /v1/vms/{id}/tunnel (upgraded in app.ts).
+    websocket: tunnelWebSocket,
   });
   return {
     url: `http://${opts.hostname}:${server.port}`,

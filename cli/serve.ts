@@ -10,6 +10,7 @@ import { hostname } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
+import type { EgressDefault } from "../agent/egress/policy.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import { startAgentServer } from "../agent/server.ts";
@@ -35,6 +36,15 @@ function port(value: string | undefined, def: number, name = "port"): number {
     throw new SandboxdError("bad_request", `--${name} must be 0-65535, got ${value}`);
   }
   return n;
+}
+
+/** `SANDBOXD_EGRESS_DEFAULT` (`deny`, the default, or `allow`): egress of sandboxes created without `egress`. */
+export function egressDefaultFromEnv(): EgressDefault {
+  const v = process.env.SANDBOXD_EGRESS_DEFAULT ?? "deny";
+  if (v !== "deny" && v !== "allow") {
+    throw new SandboxdError("bad_request", `SANDBOXD_EGRESS_DEFAULT must be deny or allow, got ${v}`);
+  }
+  return v;
 }
 
 function untilSignal(): Promise<void> {
@@ -141,6 +151,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     driver,
     stateDir,
     log,
+    egressDefault: egressDefaultFromEnv(),
     ...(slots !== undefined ? { capacity: { slots } } : {}),
   });
   const server = startAgentServer({

@@ -14,7 +14,7 @@ import { startHeartbeats } from "../gateway/agents.ts";
 import { loadSecrets } from "../gateway/secrets.ts";
 import { startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
-import { buildCatalogOnAgent, registerCatalog } from "./serve.ts";
+import { buildCatalogOnAgent, egressDefaultFromEnv, registerCatalog } from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -37,7 +37,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const secrets = loadSecrets(dataDir);
 
   const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
-  const manager = await SandboxManager.open({ driver, stateDir, log });
+  const manager = await SandboxManager.open({ driver, stateDir, log, egressDefault: egressDefaultFromEnv() });
   const agentServer = startAgentServer({
     manager,
     secret: secrets.agentSecret,

@@ -74,8 +74,18 @@ export const Tag = {
   BOOT_ID: 34,
   UPTIME_MS: 35,
   PID: 36,
+  /** CONNECT: IPv4/IPv6 literal to dial inside the guest (default 127.0.0.1). */
+  HOST: 37,
 } as const;
 export type Tag = (typeof Tag)[keyof typeof Tag];
+
+/**
+ * Tunnels (Op.CONNECT): each direction starts with this many bytes of credit once the CONNECT
+ * succeeds; a sender never has more DATA payload outstanding than the receiver granted (CREDIT
+ * payload: u32 bytes). 256 KiB keeps the virtio-serial link busy while bounding what one tunnel can
+ * make either side buffer.
+ */
+export const TUNNEL_WINDOW = 262144;
 
 /** Bits of Tag.STREAM. */
 export const StreamFlag = { OUTPUT: 1, STDIN: 2 } as const;

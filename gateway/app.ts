@@ -13,8 +13,9 @@ import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
 import { verifyKey } from "./keys.ts";
 import { RateLimiter } from "./rate-limit.ts";
+import { RelayRegistry } from "./relay/registry.ts";
 import { createSessionA, registerFamilyA } from "./routes/family-a.ts";
-import { connectCheck, createSandboxB, registerSandboxes } from "./routes/sandboxes.ts";
+import { connect, createSandboxB, registerSandboxes } from "./routes/sandboxes.ts";
 import { registerHealth, registerSystem } from "./routes/system.ts";
 import { registerTemplates } from "./routes/templates.ts";
 
@@ -24,6 +25,8 @@ export interface CreateAppDeps {
   config: GatewayConfig;
   clock?: Clock;
   log?: (line: string) => void;
+  /** Connect relays of this process; one is made when not given. */
+  relays?: RelayRegistry;
 }
 
 export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
@@ -32,6 +35,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     agent: input.agent,
     config: input.config,
     clock: input.clock ?? Date.now,
+    relays: input.relays ?? new RelayRegistry(),
   };
   const log = input.log ?? ((line: string) => console.error(line));
   const limiter = new RateLimiter(deps.config.limits.ratePerSecond, 1000, deps.clock);
@@ -48,7 +52,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   // A connect request carrying a scoped token and no key is authorised by the token (spec 5.5).
   app.get("/v1/sandboxes/:id/connect", async (c, next) => {
     if (c.req.header("authorization") === undefined && c.req.query("t") !== undefined) {
-      return connectCheck(deps, c, undefined);
+      return connect(deps, c, undefined);
     }
     await next();
   });
@@ -78,7 +82,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   app.post("/v1/sessions", (c) =>
     c.get("principal").family === "a" ? createSessionA(deps, c) : createSandboxB(deps, c),
   );
-  app.get("/v1/sandboxes/:id/connect", (c) => connectCheck(deps, c, c.get("principal")));
+  app.get("/v1/sandboxes/:id/connect", (c) => connect(deps, c, c.get("principal")));
   registerFamilyA(app, deps);
   registerSandboxes(app, deps);
   registerTemplates(app, deps);

@@ -1,40 +1,72 @@
 /**
- * Connect-url tokens (spec 4.2): an HMAC-SHA256 over (tenant, sandbox, port, protocol, expiry)
- * with a server secret. The token carries only the expiry and the MAC; the rest comes from the
- * request and the sandbox record, so a token is useless for any other sandbox, port or tenant.
- * Deleting the sandbox revokes its tokens: verification requires a live sandbox record.
+ * Connect-url tokens (spec 2.8, 4.2): a JWT (HS256, jose) scoped to one tenant, sandbox, guest
+ * port and protocol, with an expiry (`ttl_seconds`, clamped to 3600 by the route). The token
+ * names its tenant, so the connect endpoint needs no key; every claim must match the request, so
+ * a token is useless for any other sandbox, port, protocol or tenant. Deleting the sandbox revokes
+ * its tokens: the connect route then refuses them (only a live sandbox record is accepted).
+ *
+ * The signing key is derived from the server's connect secret (HMAC-SHA256 with a fixed label),
+ * so the key is always 256 bits (RFC 7518 3.2) and never equals a key used for anything else.
  */
-import { createHmac, timingSafeEqual } from "node:crypto";
+import { createHmac } from "node:crypto";
+import { jwtVerify, SignJWT } from "jose";
+import type { TunnelProtocol } from "../contracts/api/family-b.ts";
 
-function mac(
-  secret: string,
-  tenantId: string,
-  sandboxId: string,
-  port: number,
-  protocol: string,
-  exp: number,
-) {
-  return createHmac("sha256", secret)
-    .update(`v1\n${tenantId}\n${sandboxId}\n${port}\n${protocol}\n${exp}`)
-    .digest();
+/** `aud` of every connect token: not accepted anywhere else (agent tokens use their own). */
+export const CONNECT_AUDIENCE = "sandboxd-connect";
+
+export interface ConnectScope {
+  tenantId: string;
+  sandboxId: string;
+  port: number;
+  protocol: TunnelProtocol;
+}
+
+const keys = new Map<string, Uint8Array>();
+function keyOf(secret: string): Uint8Array {
+  let key = keys.get(secret);
+  if (!key) {
+    key = new Uint8Array(createHmac("sha256", secret).update("sandboxd connect-token v1").digest());
+    keys.set(secret, key);
+  }
+  return key;
 }
 
 export function signConnectToken(
   secret: string,
-  s: { tenantId: string; sandboxId: string; port: number; protocol: string; expSecs: number },
-): string {
-  return `${s.expSecs}.${mac(secret, s.tenantId, s.sandboxId, s.port, s.protocol, s.expSecs).toString("base64url")}`;
+  s: ConnectScope & { nowSecs: number; expSecs: number },
+): Promise<string> {
+  return new SignJWT({ tid: s.tenantId, port: s.port, proto: s.protocol })
+    .setProtectedHeader({ alg: "HS256", typ: "JWT" })
+    .setAudience(CONNECT_AUDIENCE)
+    .setSubject(s.sandboxId)
+    .setIssuedAt(s.nowSecs)
+    .setExpirationTime(s.expSecs)
+    .sign(keyOf(secret));
 }
 
-export function verifyConnectToken(
+/**
+ * The tenant the token was minted for, when the token is genuine, unexpired and scoped to this
+ * sandbox, port and protocol; otherwise undefined (the caller answers 401 without saying why).
+ */
+export async function verifyConnectToken(
   secret: string,
   token: string,
-  s: { tenantId: string; sandboxId: string; port: number; protocol: string; nowSecs: number },
-): boolean {
-  const m = /^(\d{1,12})\.([A-Za-z0-9_-]{43})$/.exec(token);
-  if (!m) return false;
-  const exp = Number(m[1]);
-  const given = Buffer.from(m[2]!, "base64url");
-  const want = mac(secret, s.tenantId, s.sandboxId, s.port, s.protocol, exp);
-  return given.length === want.length && timingSafeEqual(given, want) && s.nowSecs < exp;
+  want: { sandboxId: string; port: number; protocol: TunnelProtocol; nowMs: number },
+): Promise<string | undefined> {
+  try {
+    const { payload } = await jwtVerify(token, keyOf(secret), {
+      algorithms: ["HS256"],
+      audience: CONNECT_AUDIENCE,
+      subject: want.sandboxId,
+      requiredClaims: ["exp", "sub", "tid"],
+      currentDate: new Date(want.nowMs),
+      clockTolerance: 0,
+    });
+    const { tid, port, proto } = payload as { tid?: unknown; port?: unknown; proto?: unknown };
+    if (typeof tid !== "string" || port !== want.port || proto !== want.protocol) return undefined;
+    return tid;
+  } catch {
+    return undefined;
+  }
 }

@@ -4,6 +4,8 @@ import type { Db } from "../db/client.ts";
 import type { AgentApi } from "./agent-api.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { Principal } from "./keys.ts";
+import type { RelayRegistry } from "./relay/registry.ts";
+import type { Upgrade } from "./runtime/types.ts";
 
 /** Milliseconds since the epoch; injectable so tests control time (rate limiter, idle, usage). */
 export type Clock = () => number;
@@ -13,6 +15,12 @@ export interface Deps {
   agent: AgentApi;
   config: GatewayConfig;
   clock: Clock;
+  /** Connect relays open in this process (gateway/relay/), closed when their sandbox goes. */
+  relays?: RelayRegistry;
 }
 
-export type HonoEnv = { Variables: { principal: Principal } };
+/**
+ * `upgrade`: given by the server (gateway/server.ts, runtime/) with a request that asks for a
+ * WebSocket; absent under `app.request()`.
+ */
+export type HonoEnv = { Variables: { principal: Principal }; Bindings: { upgrade?: Upgrade } };

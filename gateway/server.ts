@@ -127,12 +127,13 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       ...(opts.log ? { log: opts.log } : {}),
     });
     server = await serveFetch({
-      fetch: (request) => {
+      fetch: (request, upgrade) => {
         // Agents report here (gateway/agents.ts); outside /v1: not part of the public API.
         if (heartbeatKey && request.method === "POST" && new URL(request.url).pathname === HEARTBEAT_PATH) {
           return handleHeartbeat(handle.db, heartbeatKey, request, clock);
         }
-        return app.fetch(request);
+        // `upgrade` reaches the connect route as a binding (HonoEnv); relays: gateway/relay/.
+        return app.fetch(request, upgrade ? { upgrade } : {});
       },
       hostname,
       port: opts.port ?? 8080,

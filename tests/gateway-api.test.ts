@@ -364,11 +364,12 @@ describe("templates", () => {
       ).status,
     ).toBe(404);
     // the token authorises the connect checks without a key; a wrong port or deleted sandbox does not
+    // (a deleted sandbox revokes its tokens: 401, an invalid credential)
     const path = new URL(cuBody.url).pathname + new URL(cuBody.url).search;
     expect((await json(await h.req("GET", path))).code).toBe("bad_request"); // passes auth; not an upgrade
     expect((await h.req("GET", path.replace("port=8080", "port=8081"))).status).toBe(401);
     await h.req("DELETE", `/v1/sandboxes/${sb.id}`, { key: pro });
-    expect((await h.req("GET", path)).status).toBe(404);
+    expect((await h.req("GET", path)).status).toBe(401);
     expect((await h.req("DELETE", "/v1/templates/llm", { key: pro })).status).toBe(200);
   });
 });

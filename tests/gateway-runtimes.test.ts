@@ -4,7 +4,8 @@
  * runtime runs the same small entry in its own process, on 127.0.0.1 with a free port and a
  * fresh PGlite data dir, with the in-memory stand-in agent (health needs no real VM). The test
  * reads the bound URL from the process, checks `GET /v1/health` (200, status, version,
- * templates) and a 401 on `/v1/sandboxes` without a key, then stops it with SIGTERM.
+ * templates), a 401 on `/v1/sandboxes` without a key and the runtime's WebSocket upgrade (a
+ * connect relay to an echo server, `connectSmoke`), then stops it with SIGTERM.
  *
  * Node and Deno run a bundle (`bun build --target=node`, npm packages left external and
  * resolved from the repo's node_modules). Deno comes from the `deno` devDependency. Node is
@@ -16,6 +17,7 @@ import { mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSyn
 import { createRequire } from "node:module";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
+import WebSocket from "ws";
 
 const REPO = resolve(import.meta.dir, "..");
 const HAVE_NODE = spawnSync("node", ["--version"]).status === 0;
@@ -37,23 +39,39 @@ const children = new Set<ChildProcess>();
 const timings: Record<string, { readyMs: number; startGatewayMs: number }> = {};
 
 // The entry each runtime runs: start the gateway, print one JSON line, stop on SIGTERM.
+// It also sets up a connect relay's far end: a template exposing port 7000, whose tunnels the
+// stand-in agent connects to an echo server in the same process, and a Pro key (printed).
 const ENTRY = `
+import { createServer } from "node:net";
 import { startGateway } from ${JSON.stringify(join(REPO, "gateway/server.ts"))};
+import { upsertPublicTemplate } from ${JSON.stringify(join(REPO, "gateway/core/templates.ts"))};
+import { createKey } from ${JSON.stringify(join(REPO, "gateway/keys.ts"))};
 import { MemoryAgent } from ${JSON.stringify(join(REPO, "gateway/testing/memory-agent.ts"))};
 const t0 = performance.now();
+const agent = new MemoryAgent();
 const gw = await startGateway({
   port: 0,
   hostname: "127.0.0.1",
   dataDir: process.env.GW_DATA_DIR,
-  agent: new MemoryAgent(),
+  agent,
   config: { version: "runtime-smoke-1" },
   log: () => {},
 });
-console.log(JSON.stringify({ url: gw.url, runtime: gw.runtime, startGatewayMs: performance.now() - t0 }));
+const startGatewayMs = performance.now() - t0;
+const echo = createServer((s) => s.pipe(s));
+await new Promise((r) => echo.listen(0, "127.0.0.1", r));
+agent.tunnelTargets.set(7000, echo.address().port);
+agent.addReadyTemplate("web", [7000]);
+const key = await gw.withDb(async (db) => {
+  await upsertPublicTemplate({ db, clock: Date.now }, { id: "web", name: "web", description: "echo" });
+  return (await createKey(db, gw.config.keyPepper, { tenant: "smoke", tier: "pro" })).key;
+});
+console.log(JSON.stringify({ url: gw.url, runtime: gw.runtime, startGatewayMs, key }));
 let stopping = false;
 const stop = () => {
   if (stopping) return;
   stopping = true;
+  echo.close();
   gw.stop().then(() => process.exit(0), (err) => { console.error(err); process.exit(1); });
 };
 process.on("SIGTERM", stop);
@@ -93,6 +111,7 @@ async function bundle(entry: string, outdir: string): Promise<string> {
 interface Started {
   child: ChildProcess;
   url: string;
+  key: string;
   runtime: string;
   readyMs: number;
   startGatewayMs: number;
@@ -121,7 +140,12 @@ function startRuntime(cmd: string, args: string[], env: Record<string, string>):
       if (nl < 0) return;
       clearTimeout(timer);
       try {
-        const line = JSON.parse(out.slice(0, nl)) as { url: string; runtime: string; startGatewayMs: number };
+        const line = JSON.parse(out.slice(0, nl)) as {
+          url: string;
+          runtime: string;
+          startGatewayMs: number;
+          key: string;
+        };
         resolveStart({ child, ...line, readyMs: performance.now() - t0, stderr: () => err });
       } catch {
         reject(new Error(`unexpected output from ${cmd}: ${out}\nstderr:\n${err}`));
@@ -168,10 +192,56 @@ async function smoke(name: string, cmd: string, args: string[], env: Record<stri
       headers: { authorization: `Bearer svc_pro_000000000000_${"x".repeat(40)}` },
     });
     expect(badKey.status).toBe(401);
+
+    await connectSmoke(s);
   } finally {
     const code = await stopRuntime(s);
     expect({ code, stderr: s.stderr() }).toEqual({ code: 0, stderr: "" });
   }
+}
+
+/**
+ * The runtime's WebSocket upgrade (gateway/runtime/): a connect URL minted for a sandbox, a
+ * WebSocket through it to the echo server, one message there and back, a 401 without a token.
+ */
+async function connectSmoke(s: Started) {
+  const auth = { authorization: `Bearer ${s.key}`, "content-type": "application/json" };
+  const created = await fetch(`${s.url}/v1/sandboxes`, {
+    method: "POST",
+    headers: auth,
+    body: JSON.stringify({ template: "web" }),
+  });
+  expect(created.status).toBe(201);
+  const { id } = (await created.json()) as { id: string };
+  const minted = await fetch(`${s.url}/v1/sandboxes/${id}/connect-url`, {
+    method: "POST",
+    headers: auth,
+    body: JSON.stringify({ port: 7000, ttl_seconds: 60 }),
+  });
+  expect(minted.status).toBe(200);
+  const issued = new URL(((await minted.json()) as { url: string }).url);
+  const url = `${s.url.replace(/^http/, "ws")}${issued.pathname}${issued.search}`;
+  const ws = new WebSocket(url, { perMessageDeflate: false });
+  const echoed = await new Promise<string>((resolve, reject) => {
+    ws.once("open", () => ws.send(Buffer.from("ping through the relay")));
+    ws.once("message", (b: Buffer) => resolve(b.toString()));
+    ws.once("error", reject);
+  });
+  expect(echoed).toBe("ping through the relay");
+  const closed = new Promise<number>((resolve) => ws.once("close", (code) => resolve(code)));
+  ws.close(1000);
+  expect(await closed).toBe(1000);
+  // Refused before the upgrade: the handshake gets the API's 401.
+  const refused = await new Promise<number>((resolve, reject) => {
+    const bad = new WebSocket(url.replace(/&t=[^&]*/, "&t=x"));
+    bad.once("unexpected-response", (_req, res) => {
+      res.resume();
+      resolve(res.statusCode ?? 0);
+    });
+    bad.once("open", () => reject(new Error("upgraded without a valid token")));
+    bad.once("error", reject);
+  });
+  expect(refused).toBe(401);
 }
 
 let bundled = "";

@@ -20,6 +20,7 @@ test("protocol.h defines exactly the TypeScript constants", () => {
     ["SBX_VERSION", P.VERSION],
     ["SBX_HEADER_LEN", P.HEADER_LEN],
     ["SBX_MAX_PAYLOAD", P.MAX_PAYLOAD],
+    ["SBX_TUNNEL_WINDOW", P.TUNNEL_WINDOW],
     ...screaming("SBX_T_", P.FrameType),
     ...screaming("SBX_OP_", P.Op),
     ...screaming("SBX_TAG_", P.Tag),

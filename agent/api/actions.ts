@@ -5,6 +5,7 @@
  */
 import { rm } from "node:fs/promises";
 import type { CreateVmOpts, TemplateSource } from "../../gateway/agent-api.ts";
+import type { TemplateInput } from "../sandbox/driver.ts";
 import type { ExecRequest, SandboxManager } from "../sandbox/manager.ts";
 
 export type AgentAction =
@@ -75,7 +76,9 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
         // The agent owns the uploaded file (gateway/agent-api.ts): gone once the build is over.
         void m.templates.settled(a.template).finally(() => rm(s.path, { force: true }));
       } else {
-        m.buildTemplate(a.template, { kind: "oci", image: s.image });
+        m.buildTemplate(a.template, ociInput(s));
+        // Bake `expected_width` (spec 4.2): warm VMs once the build is Live.
+        if (s.expectedWidth !== undefined) m.expectWidth(a.template, s.expectedWidth);
       }
       return { status: 202, body: m.templates.status(a.template) };
     }
@@ -85,10 +88,25 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
       await m.deleteTemplate(a.template);
       return { status: 204 };
     case "expectWidth":
+      m.expectWidth(a.template, a.width);
+      return { status: 204 };
     case "releaseTemplate":
-      // Capacity pre-warming needs the snapshot driver's warm pool; accepted as a hint (both are
-      // optional and idempotent, spec 4.2) once the template is known.
-      m.templates.status(a.template);
+      await m.releaseTemplate(a.template);
       return { status: 204 };
   }
+}
+
+/**
+ * A bake's source as the driver takes it (spec 4.3): `ready.cmd` runs under `/bin/sh -c` with
+ * `ready.env` added to the image's Env, bounded by `ready.http_timeout_s` (the command blocks
+ * until the service answers its health check, so that is how long the bake waits for health);
+ * `ready.ports` become the template's exposed ports.
+ */
+function ociInput(s: Extract<TemplateSource, { kind: "oci" }>): TemplateInput {
+  const input: Extract<TemplateInput, { kind: "oci" }> = { kind: "oci", image: s.image };
+  if (s.ready?.cmd) input.readyCmd = ["/bin/sh", "-c", s.ready.cmd];
+  if (s.ready?.http_timeout_s !== undefined) input.readyTimeoutMs = s.ready.http_timeout_s * 1000;
+  if (s.ready?.env) input.readyEnv = s.ready.env;
+  if (s.ready?.ports) input.exposedPorts = [...new Set(s.ready.ports)];
+  return input;
 }

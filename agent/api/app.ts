@@ -23,10 +23,12 @@ import {
   ForkBody,
   OciBuildBody,
   TemplateRefParam,
+  TunnelQuery,
   UploadQuery,
   VmIdParam,
   WidthBody,
 } from "./schemas.ts";
+import type { TunnelSocketData } from "./tunnel-ws.ts";
 
 export interface AgentAppDeps {
   manager: SandboxManager;
@@ -106,6 +108,30 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
       count: parse(ForkBody, await body(c.req.raw)).count,
     }),
   );
+  // A byte tunnel to a guest port, upgraded to a WebSocket (docs/agent-api.md "Tunnels"). The
+  // guest connect happens before the upgrade, so a refused port or a stopped VM is an ordinary
+  // JSON error; once upgraded, agent/api/tunnel-ws.ts carries the bytes. The result is a live
+  // stream rather than a body, so the manager is called here instead of through `perform`.
+  r.get("/vms/:id/tunnel", async (c) => {
+    const vmId = parse(VmIdParam, c.req.param("id"));
+    const { port } = parse(TunnelQuery, c.req.query());
+    if (c.req.header("upgrade")?.toLowerCase() !== "websocket") {
+      throw new SandboxdError("bad_request", "the tunnel route needs a WebSocket upgrade");
+    }
+    // Under Bun.serve, Hono's env is the server (agent/server.ts); app.request() has none.
+    const server = c.env as
+      | { upgrade?: (req: Request, o: { data: TunnelSocketData }) => boolean }
+      | undefined;
+    if (typeof server?.upgrade !== "function") {
+      throw new SandboxdError("unsupported", "this agent server cannot upgrade to WebSocket");
+    }
+    const tunnel = await deps.manager.openTunnel(vmId, port);
+    if (!server.upgrade(c.req.raw, { data: { kind: "tunnel", tunnel } })) {
+      tunnel.close();
+      throw new SandboxdError("bad_request", "the WebSocket upgrade failed");
+    }
+    return new Response(null); // ignored by Bun once upgraded
+  });
   r.post("/vms/:id/suspend", (c) => run({ kind: "suspend", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.post("/vms/:id/resume", (c) => run({ kind: "resume", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.delete("/vms/:id", (c) =>

@@ -41,6 +41,7 @@ import {
   SuspendResultSchema,
   TemplateStatusSchema,
 } from "./schemas.ts";
+import { connectTunnel } from "./tunnel-client.ts";
 
 /** Deadlines per kind of call, ms. Each is the longest the agent can legitimately take. */
 export interface AgentTimeouts {
@@ -164,8 +165,16 @@ export class AgentHttpClient implements AgentApi {
     await this.call("POST", `/templates/${enc(template)}/release`, undefined, this.t.quick, null);
   }
 
-  async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
-    throw new SandboxdError("unsupported", "tunnels to guest ports are not implemented by the agent yet");
+  /**
+   * A raw byte tunnel to a guest port: `GET /vms/{id}/tunnel?port=N` upgraded to a WebSocket
+   * (tunnel-client.ts). Errors before the upgrade are the agent's codes (not_found, conflict,
+   * gone, port_unreachable). The agent always carries raw bytes: a `cdp` relay's framing is the
+   * gateway's business on top of them, so `_protocol` does not reach the agent.
+   */
+  async openTunnel(vmId: VmId, port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
+    const url = `${this.base.replace(/^http/, "ws")}/vms/${enc(vmId)}/tunnel?port=${port}`;
+    // Opening wakes an idle-paused VM and connects inside the guest: a VM operation's deadline.
+    return connectTunnel(url, await signAgentToken(this.key), this.t.vmOp);
   }
 
   async health(): Promise<AgentHealth> {

@@ -18,6 +18,8 @@ export const AGENT_STATUS_OF_CODE: Readonly<Record<string, ContentfulStatusCode>
   template_in_use: 409,
   template_not_ready: 409,
   port_not_exposed: 409,
+  /** A tunnel's connect inside the guest failed (nothing listens: ECONNREFUSED, ...). */
+  port_unreachable: 502,
   payload_too_large: 413,
   /** The driver cannot do this at all (fork/suspend on a cold-boot agent). */
   unsupported: 501,

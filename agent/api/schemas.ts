@@ -62,6 +62,9 @@ export const UploadQuery = z.object({
 
 export const WidthBody = z.object({ width: z.int().min(1) });
 
+/** `GET /vms/{id}/tunnel?port=N`: a TCP port inside the guest. */
+export const TunnelQuery = z.object({ port: z.coerce.number().int().min(1).max(65535) });
+
 export const DeleteQuery = z.object({
   force: z
     .enum(["true", "false", "1", "0"])

@@ -19,12 +19,14 @@
  * goes on; there is no exit() on any path once we are PID 1.
  */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
 #include <net/if.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -266,6 +268,7 @@ static struct outframe *outq_head, *outq_tail;
 static size_t outq_bytes;
 
 static void decoder_reset(void);
+static void tunnels_close_all(const char *why);
 static void send_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n);
 
 static void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -307,6 +310,7 @@ static void host_lost(const char *why, int err) {
   connected = 0;
   outq_clear();
   decoder_reset();
+  tunnels_close_all("host disconnected"); /* the host's side of them is gone */
   next_probe_ms = mono_ms() + RECONNECT_MS;
   if (host_mode && port_fd >= 0) {
     close(port_fd);
@@ -497,6 +501,9 @@ static int n_execs;
 static int detached[MAX_DETACHED];
 static int n_detached;
 static uint8_t scratch[STREAM_CHUNK];
+
+struct tunnel;
+static struct tunnel *find_tunnel(uint32_t stream);
 
 static struct exec *find_exec(uint32_t stream) {
   for (struct exec *e = execs; e; e = e->next)
@@ -732,8 +739,8 @@ static void op_exec(uint32_t stream, const uint8_t *p, size_t n) {
     respond_status(stream, EAGAIN, "too many execs in flight");
     return;
   }
-  if (find_exec(stream)) {
-    respond_status(stream, EEXIST, "stream id already in use by a running exec");
+  if (find_exec(stream) || find_tunnel(stream)) {
+    respond_status(stream, EEXIST, "stream id already in use by a running exec or tunnel");
     return;
   }
   size_t nargv = 0, nenv = 0, off = 0;
@@ -861,6 +868,318 @@ out:
   free(argv);
   free(envp);
   free(cwd);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* tunnels (OP CONNECT): a raw byte duplex between the host and a TCP socket in the guest
+ *
+ * After a successful RESPONSE the stream carries DATA both ways. Each direction has credit
+ * (SBX_TUNNEL_WINDOW bytes to start): we read the socket only while the host has granted us
+ * room, and grant the host CREDIT only for bytes already written into the socket. So what a
+ * tunnel can hold in PID 1 is bounded by one window per direction, whatever the speed of either
+ * end, and a slow reader on either side exerts back-pressure all the way to the writer.
+ *
+ * Closing (docs "Tunnels"): there is no half-close. EOF or an error on the socket sends CLOSE
+ * (after the DATA already read; an error rides in the CLOSE as STATUS/ERROR) and frees the
+ * tunnel. A CLOSE from the host stops reading, writes what the host already sent into the socket
+ * (at most TUNNEL_LINGER_MS), closes it and answers CLOSE: the host sees exactly one CLOSE per
+ * tunnel from us, after which its stream id is free again. Frames for unknown streams are
+ * dropped: they cross a CLOSE in flight.
+ */
+
+/* Bound on tunnels: each costs a socket fd, a poll slot and up to one window (256 KiB) of queued
+ * host data, so 128 caps that at 32 MiB even if every reader in the guest stalls. The host needs
+ * a few per sandbox; a buggy host must not be able to exhaust PID 1's memory or fds. */
+#define MAX_TUNNELS 128
+/* A CONNECT still in progress after this long fails with ETIMEDOUT. Loopback connects finish at
+ * once (or are refused at once); the bound is for a HOST that silently drops SYNs, where the
+ * kernel's own retry schedule would take minutes while the host caller waits. */
+#define TUNNEL_CONNECT_MS 10000
+/* After the host's CLOSE we still write what it sent before (the request before a hang-up). A
+ * guest reader that never drains must not hold the socket and its queue for ever: 5 s. */
+#define TUNNEL_LINGER_MS 5000
+/* CREDIT is granted in batches of at least this many bytes (or when the queue empties), so a
+ * stream of small socket writes does not answer every DATA frame with a CREDIT frame. */
+#define TUNNEL_GRANT_BATCH (SBX_TUNNEL_WINDOW / 4)
+
+struct tunnel {
+  struct tunnel *next;
+  uint32_t stream;
+  int fd;                      /* -1 once closed */
+  int connecting;              /* non-blocking connect in progress; RESPONSE not sent yet */
+  int64_t connect_deadline_ms; /* TUNNEL_CONNECT_MS after the request */
+  uint32_t send_credit;        /* DATA bytes we may still send to the host */
+  uint32_t recv_credit;        /* DATA bytes the host may still send us */
+  uint32_t grant;              /* written into the socket, not yet granted back as CREDIT */
+  struct chunk *in_head, *in_tail; /* host -> socket bytes not yet written */
+  size_t in_bytes;
+  int host_closed;             /* CLOSE received: flush, close, answer CLOSE */
+  int64_t linger_deadline_ms;
+  int dead;                    /* finished; freed by tunnels_sweep between poll passes */
+};
+
+static struct tunnel *tunnels;
+static int n_tunnels;      /* live ones (the MAX_TUNNELS bound) */
+static int n_tunnel_slots; /* structs in the list, dead ones included (poll set size) */
+
+static struct tunnel *find_tunnel(uint32_t stream) {
+  for (struct tunnel *t = tunnels; t; t = t->next)
+    if (t->stream == stream && !t->dead) return t;
+  return NULL;
+}
+
+static void tunnel_queue_clear(struct tunnel *t) {
+  while (t->in_head) {
+    struct chunk *c = t->in_head;
+    t->in_head = c->next;
+    free(c);
+  }
+  t->in_tail = NULL;
+  t->in_bytes = 0;
+}
+
+/* Ends a tunnel: the socket is closed now, the struct is freed by tunnels_sweep (a poll pass may
+ * still hold a pointer to it). `send_close`: tell the host (err 0 = clean EOF). */
+static void tunnel_end(struct tunnel *t, int send_close, int err, const char *what) {
+  if (t->dead) return;
+  t->dead = 1;
+  n_tunnels--;
+  if (t->fd >= 0) close(t->fd);
+  t->fd = -1;
+  tunnel_queue_clear(t);
+  if (!send_close) return;
+  if (!err) {
+    send_frame(SBX_T_CLOSE, t->stream, NULL, 0);
+    return;
+  }
+  char msg[200];
+  snprintf(msg, sizeof msg, "tunnel %s: %s", what, strerror(err));
+  struct buf b = {0};
+  tlv_u32(&b, SBX_TAG_STATUS, (uint32_t)err);
+  tlv_str(&b, SBX_TAG_ERROR, msg);
+  send_buf(SBX_T_CLOSE, t->stream, &b);
+  buf_free(&b);
+}
+
+/* The host is gone (disconnect) or starts afresh (HELLO): its tunnel state is gone, so ours goes
+ * too, without frames. This is also what keeps a snapshot-restored fork child from inheriting
+ * its parent's tunnels: its host reconnects and sends HELLO before anything else. */
+static void tunnels_close_all(const char *why) {
+  int n = 0;
+  for (struct tunnel *t = tunnels; t; t = t->next)
+    if (!t->dead) {
+      tunnel_end(t, 0, 0, NULL);
+      n++;
+    }
+  if (n) logmsg("%d tunnel(s) closed: %s", n, why);
+}
+
+static void tunnels_sweep(void) {
+  struct tunnel **pp = &tunnels;
+  while (*pp) { /* bounded by MAX_TUNNELS plus those ended since the last sweep */
+    struct tunnel *t = *pp;
+    if (t->dead) {
+      *pp = t->next;
+      n_tunnel_slots--;
+      free(t);
+      continue;
+    }
+    pp = &t->next;
+  }
+}
+
+static void tunnel_grant(struct tunnel *t, int force) {
+  if (t->dead || t->host_closed || t->grant == 0) return;
+  if (!force && t->grant < TUNNEL_GRANT_BATCH) return;
+  uint8_t v[4];
+  put32(v, t->grant);
+  send_frame(SBX_T_CREDIT, t->stream, v, 4);
+  t->recv_credit += t->grant;
+  t->grant = 0;
+}
+
+/* Writes queued host data into the socket without blocking; grants CREDIT for what went in. */
+static void tunnel_pump(struct tunnel *t) {
+  while (!t->dead && t->in_head) { /* ends at EAGAIN or an empty queue (<= one window) */
+    struct chunk *c = t->in_head;
+    ssize_t n = write(t->fd, c->data + c->off, c->len - c->off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) break;
+      tunnel_end(t, 1, errno, "write"); /* EPIPE/ECONNRESET: the guest side is gone */
+      return;
+    }
+    c->off += (size_t)n;
+    t->grant += (uint32_t)n;
+    if (c->off == c->len) {
+      t->in_head = c->next;
+      if (!t->in_head) t->in_tail = NULL;
+      t->in_bytes -= c->len;
+      free(c);
+    }
+  }
+  if (t->dead) return;
+  if (t->host_closed && !t->in_head) {
+    tunnel_end(t, 1, 0, NULL); /* flushed: close and answer the host's CLOSE */
+    return;
+  }
+  tunnel_grant(t, t->in_head == NULL);
+}
+
+/* Reads the socket while the host has credit; at most READ_PASS_MAX per wakeup (fairness). */
+static void tunnel_read(struct tunnel *t) {
+  size_t done = 0;
+  while (!t->dead && !t->host_closed && t->send_credit > 0 && done < READ_PASS_MAX) {
+    size_t want = t->send_credit < sizeof scratch ? t->send_credit : sizeof scratch;
+    ssize_t n = read(t->fd, scratch, want);
+    if (n > 0) {
+      send_frame(SBX_T_DATA, t->stream, scratch, (size_t)n);
+      t->send_credit -= (uint32_t)n;
+      done += (size_t)n;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    /* EOF or an error: what the peer sent before is already queued to the host, ahead of the
+     * CLOSE. Host data not yet written is dropped with the socket (no half-close, see above). */
+    tunnel_end(t, 1, n < 0 ? errno : 0, "read");
+    return;
+  }
+}
+
+/* The non-blocking connect finished (POLLOUT/POLLERR) or timed out. */
+static void tunnel_connected(struct tunnel *t, int timed_out) {
+  int err = 0;
+  socklen_t len = sizeof err;
+  if (timed_out)
+    err = ETIMEDOUT;
+  else if (getsockopt(t->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0)
+    err = errno;
+  t->connecting = 0;
+  if (err) {
+    respond_errno(t->stream, err, "connect", NULL);
+    tunnel_end(t, 0, 0, NULL); /* the RESPONSE was the stream's final answer */
+    return;
+  }
+  t->send_credit = t->recv_credit = SBX_TUNNEL_WINDOW;
+  respond_status(t->stream, 0, NULL);
+}
+
+static void op_connect(uint32_t stream, const uint8_t *p, size_t n) {
+  if (n_tunnels >= MAX_TUNNELS) {
+    respond_status(stream, EAGAIN, "connect: too many tunnels");
+    return;
+  }
+  if (find_tunnel(stream) || find_exec(stream)) {
+    respond_status(stream, EEXIST, "connect: stream id already in use");
+    return;
+  }
+  uint32_t port = 0;
+  if (tlv_get_u32(p, n, SBX_TAG_PORT, &port) != 1 || port == 0 || port > 65535) {
+    respond_status(stream, EINVAL, "connect: PORT missing or not in 1..65535");
+    return;
+  }
+  char host[64] = "127.0.0.1";
+  struct tlv t;
+  if (tlv_find(p, n, SBX_TAG_HOST, &t)) {
+    if (t.len == 0 || t.len >= sizeof host) {
+      respond_status(stream, EINVAL, "connect: HOST is not an IP address");
+      return;
+    }
+    memcpy(host, t.v, t.len);
+    host[t.len] = 0;
+  }
+  struct sockaddr_storage ss;
+  memset(&ss, 0, sizeof ss);
+  socklen_t sl;
+  struct sockaddr_in *s4 = (struct sockaddr_in *)&ss;
+  struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&ss;
+  if (inet_pton(AF_INET, host, &s4->sin_addr) == 1) {
+    s4->sin_family = AF_INET;
+    s4->sin_port = htons((uint16_t)port);
+    sl = sizeof *s4;
+  } else if (inet_pton(AF_INET6, host, &s6->sin6_addr) == 1) {
+    s6->sin6_family = AF_INET6;
+    s6->sin6_port = htons((uint16_t)port);
+    sl = sizeof *s6;
+  } else {
+    respond_status(stream, EINVAL, "connect: HOST is not an IP address");
+    return;
+  }
+  int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    respond_errno(stream, errno, "connect: socket", NULL);
+    return;
+  }
+  struct tunnel *tn = calloc(1, sizeof *tn);
+  if (!tn) {
+    close(fd);
+    respond_status(stream, ENOMEM, "connect: out of memory");
+    return;
+  }
+  tn->stream = stream;
+  tn->fd = fd;
+  tn->next = tunnels;
+  tunnels = tn;
+  n_tunnels++;
+  n_tunnel_slots++;
+  if (connect(fd, (struct sockaddr *)&ss, sl) == 0) {
+    tunnel_connected(tn, 0);
+  } else if (errno == EINPROGRESS || errno == EINTR) {
+    tn->connecting = 1; /* POLLOUT tells when it is done */
+    tn->connect_deadline_ms = mono_ms() + TUNNEL_CONNECT_MS;
+  } else {
+    respond_errno(stream, errno, "connect", NULL);
+    tunnel_end(tn, 0, 0, NULL);
+  }
+}
+
+static void tunnel_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
+  struct tunnel *t = find_tunnel(stream);
+  /* Unknown (already closed: the frame crossed our CLOSE), or still connecting (the host must
+   * wait for the RESPONSE): dropped. */
+  if (!t || t->connecting) return;
+  switch (type) {
+  case SBX_T_DATA: {
+    if (t->host_closed || n == 0) return;
+    if (n > t->recv_credit) {
+      logmsg("tunnel %u: host sent %zu bytes with %u of credit", stream, n, t->recv_credit);
+      tunnel_end(t, 1, EPROTO, "credit");
+      return;
+    }
+    struct chunk *c = malloc(sizeof *c + n);
+    if (!c) {
+      tunnel_end(t, 1, ENOMEM, "queue");
+      return;
+    }
+    c->next = NULL;
+    c->len = n;
+    c->off = 0;
+    memcpy(c->data, p, n);
+    if (t->in_tail)
+      t->in_tail->next = c;
+    else
+      t->in_head = c;
+    t->in_tail = c;
+    t->in_bytes += n;
+    t->recv_credit -= (uint32_t)n;
+    tunnel_pump(t);
+    return;
+  }
+  case SBX_T_CREDIT: {
+    if (n != 4) return;
+    uint64_t c64 = (uint64_t)t->send_credit + get32(p);
+    /* A correct host only returns what it consumed; never trust more than one window. */
+    t->send_credit = c64 > SBX_TUNNEL_WINDOW ? SBX_TUNNEL_WINDOW : (uint32_t)c64;
+    return;
+  }
+  case SBX_T_CLOSE:
+    if (t->host_closed) return;
+    t->host_closed = 1;
+    t->linger_deadline_ms = mono_ms() + TUNNEL_LINGER_MS;
+    tunnel_pump(t); /* ends it at once when nothing is queued */
+    return;
+  }
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1194,6 +1513,9 @@ static void op_request(uint32_t stream, const uint8_t *p, size_t n) {
     respond_status(stream, 0, NULL);
     return;
   }
+  case SBX_OP_CONNECT:
+    op_connect(stream, p, n);
+    return;
   case SBX_OP_SYNC:
     sync();
     respond_status(stream, 0, NULL);
@@ -1208,6 +1530,8 @@ static void dispatch(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) 
   struct exec *e;
   switch (type) {
   case SBX_T_HELLO:
+    /* A HELLO starts the host afresh: tunnels it knew are gone on its side (docs "Tunnels"). */
+    tunnels_close_all("host said HELLO");
     op_hello();
     return;
   case SBX_T_REQUEST:
@@ -1232,7 +1556,8 @@ static void dispatch(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) 
   case SBX_T_DATA:
   case SBX_T_CLOSE:
   case SBX_T_CREDIT:
-    return; /* reserved for tunnels (OP CONNECT), not implemented */
+    tunnel_frame(type, stream, p, n);
+    return;
   default:
     logmsg("unknown frame type %u on stream %u ignored", type, stream);
     return;
@@ -1572,7 +1897,7 @@ static void boot(void) {
 /* ------------------------------------------------------------------------------------------ */
 /* the loop */
 
-enum { K_SIG, K_PORT, K_IN, K_OUT, K_ERR, K_DETACHED };
+enum { K_SIG, K_PORT, K_IN, K_OUT, K_ERR, K_DETACHED, K_TUN };
 
 static void reap(int sigfd) {
   struct signalfd_siginfo si;
@@ -1604,6 +1929,13 @@ static void timers(void) {
       e->deadline_ms = 0;
       kill_group(e);
     }
+  for (struct tunnel *t = tunnels; t; t = t->next) {
+    if (t->dead) continue;
+    if (t->connecting && now >= t->connect_deadline_ms)
+      tunnel_connected(t, 1);
+    else if (t->host_closed && now >= t->linger_deadline_ms)
+      tunnel_end(t, 1, 0, NULL); /* the guest reader never drained: give up on the rest */
+  }
 }
 
 /* Answer execs whose pid exited and whose pipes reached EOF or whose drain expired. */
@@ -1638,6 +1970,11 @@ static int poll_timeout(void) {
     if (!e->exited && e->deadline_ms && e->deadline_ms < next) next = e->deadline_ms;
     if (e->exited && e->draining && e->drain_deadline_ms < next) next = e->drain_deadline_ms;
   }
+  for (struct tunnel *t = tunnels; t; t = t->next) {
+    if (t->dead) continue;
+    if (t->connecting && t->connect_deadline_ms < next) next = t->connect_deadline_ms;
+    if (t->host_closed && t->linger_deadline_ms < next) next = t->linger_deadline_ms;
+  }
   if (next == INT64_MAX) return sigfd_missing ? 100 : -1;
   if (next <= now) return 0;
   return next - now > 60000 ? 60000 : (int)(next - now);
@@ -1648,14 +1985,16 @@ static void loop(int sigfd) {
   struct {
     int kind;
     struct exec *e;
+    struct tunnel *t;
   } *ref = NULL;
   size_t cap = 0;
   for (;;) { /* PID 1: forever */
     if (sigfd < 0) reap(sigfd); /* no signalfd (should not happen): reap by polling */
     timers();
     complete_execs();
+    tunnels_sweep(); /* frees tunnels ended during the last pass, before the poll set is rebuilt */
 
-    size_t need = 2 + 3 * (size_t)n_execs + (size_t)n_detached, k = 0;
+    size_t need = 2 + 3 * (size_t)n_execs + (size_t)n_detached + (size_t)n_tunnel_slots, k = 0;
     if (need > cap) {
       struct pollfd *np = realloc(pfd, need * sizeof *pfd);
       if (np) pfd = np;
@@ -1668,8 +2007,9 @@ static void loop(int sigfd) {
       }
       cap = need;
     }
-#define ADD(fd_, ev_, kind_, e_) \
-  (pfd[k].fd = (fd_), pfd[k].events = (ev_), pfd[k].revents = 0, ref[k].kind = (kind_), ref[k].e = (e_), k++)
+#define ADD(fd_, ev_, kind_, e_)                                                                     \
+  (pfd[k].fd = (fd_), pfd[k].events = (ev_), pfd[k].revents = 0, ref[k].kind = (kind_), ref[k].e = (e_), \
+   ref[k].t = NULL, k++)
     ADD(sigfd, POLLIN, K_SIG, NULL);
     if (connected) ADD(port_fd, POLLIN | (outq_head ? POLLOUT : 0), K_PORT, NULL);
     int backpressure = connected && outq_bytes > OUTQ_STREAM_HIGH;
@@ -1680,6 +2020,19 @@ static void loop(int sigfd) {
       if (e->err_fd >= 0 && !paused) ADD(e->err_fd, POLLIN, K_ERR, e);
     }
     for (int i = 0; i < n_detached; i++) ADD(detached[i], POLLIN, K_DETACHED, NULL);
+    for (struct tunnel *t = tunnels; t; t = t->next) {
+      if (t->dead) continue;
+      /* Read only with credit, and not while the port's queue is over its high mark: both are
+       * the back-pressure that keeps PID 1's memory bounded. With nothing to wait for, the fd
+       * stays out of the set (a POLLHUP there would only spin); it is looked at again when
+       * credit comes or the host sends data. */
+      short ev = t->connecting ? POLLOUT
+                               : (short)((t->send_credit > 0 && !t->host_closed && !backpressure ? POLLIN : 0) |
+                                         (t->in_head ? POLLOUT : 0));
+      if (!ev) continue;
+      ADD(t->fd, ev, K_TUN, NULL);
+      ref[k - 1].t = t;
+    }
 #undef ADD
 
     int r = poll(pfd, k, poll_timeout());
@@ -1713,6 +2066,22 @@ static void loop(int sigfd) {
       case K_ERR:
         if (e->err_fd == pfd[i].fd) exec_read(e, 2, READ_PASS_MAX);
         break;
+      case K_TUN: {
+        struct tunnel *t = ref[i].t;
+        if (t->dead || t->fd != pfd[i].fd) break; /* ended earlier in this pass */
+        if (t->connecting) {
+          tunnel_connected(t, 0);
+          break;
+        }
+        if (re & POLLOUT) tunnel_pump(t);
+        if (!t->dead && (re & (POLLIN | POLLHUP | POLLERR))) {
+          if (t->send_credit > 0 && !t->host_closed)
+            tunnel_read(t); /* reads the data, the EOF or the error */
+          else if (!t->in_head || (re & POLLERR))
+            tunnel_pump(t); /* a write error ends it; an empty queue waits for credit */
+        }
+        break;
+      }
       case K_DETACHED: {
         ssize_t n = read(pfd[i].fd, scratch, sizeof scratch);
         if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) break;

@@ -450,3 +450,241 @@ describe("connection", () => {
     expect(agent.exitCode).toBeNull();
   });
 });
+
+describe("tunnels (OP CONNECT)", () => {
+  /** A loopback TCP server on this host standing in for a service inside the guest. */
+  async function tcpServer(
+    onConn: (s: Socket) => void,
+  ): Promise<{ port: number; server: Server; conns: Socket[] }> {
+    const conns: Socket[] = [];
+    const server = createServer((s) => {
+      conns.push(s);
+      onConn(s);
+    });
+    await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+    return { port: (server.address() as { port: number }).port, server, conns };
+  }
+
+  async function stop(srv: { server: Server; conns: Socket[] }): Promise<void> {
+    for (const c of srv.conns) c.destroy();
+    await new Promise<void>((resolve) => srv.server.close(() => resolve()));
+  }
+
+  async function readAll(r: ReadableStream<Uint8Array>): Promise<Buffer> {
+    const parts: Uint8Array[] = [];
+    for await (const c of r) parts.push(c);
+    return Buffer.concat(parts);
+  }
+
+  function agentMemKb(field: "VmRSS"): number {
+    const m = new RegExp(`${field}:\\s+(\\d+) kB`).exec(readFileSync(`/proc/${agent.pid}/status`, "utf8"));
+    return Number(m?.[1] ?? 0);
+  }
+
+  test("echo through a tunnel to a loopback TCP server", async () => {
+    const srv = await tcpServer((s) => s.pipe(s));
+    try {
+      const t = await client.openTunnel(srv.port);
+      const w = t.writable.getWriter();
+      const r = t.readable.getReader();
+      await w.write(Buffer.from("hello, tunnel"));
+      let got = "";
+      while (got.length < 13) {
+        const { value, done } = await r.read();
+        if (done) break;
+        got += Buffer.from(value).toString();
+      }
+      expect(got).toBe("hello, tunnel");
+      t.close();
+      await t.closed;
+      expect(t.error).toBeUndefined();
+    } finally {
+      await stop(srv);
+    }
+  });
+
+  test("24 MB each way with checksums under slow readers: back-pressure, bounded memory", async () => {
+    const { createHash } = await import("node:crypto");
+    const SIZE = 24 * 1024 * 1024;
+    const pattern = (seed: number) => {
+      const b = Buffer.allocUnsafe(SIZE);
+      let x = seed;
+      for (let i = 0; i < SIZE; i += 4) {
+        x = (Math.imul(x, 1103515245) + 12345) >>> 0;
+        b.writeUInt32LE(x, i);
+      }
+      return b;
+    };
+    const down = pattern(1); // server -> host
+    const up = pattern(2); // host -> server
+    const serverGot = createHash("sha256");
+    let serverBytes = 0;
+    const serverDone = Promise.withResolvers<void>();
+    const srv = await tcpServer((s) => {
+      s.write(down, () => s.end());
+      // A slow reader inside the "guest": pauses 5 ms after every 256 KiB.
+      let sincePause = 0;
+      s.on("data", (c: Buffer) => {
+        serverGot.update(c);
+        serverBytes += c.length;
+        sincePause += c.length;
+        if (sincePause >= 256 * 1024) {
+          sincePause = 0;
+          s.pause();
+          setTimeout(() => s.resume(), 5);
+        }
+        if (serverBytes === SIZE) serverDone.resolve();
+      });
+    });
+    try {
+      const rssBefore = agentMemKb("VmRSS");
+      let rssPeak = rssBefore;
+      const sampler = setInterval(() => {
+        rssPeak = Math.max(rssPeak, agentMemKb("VmRSS"));
+      }, 10);
+      const t = await client.openTunnel(srv.port);
+      const writer = (async () => {
+        const w = t.writable.getWriter();
+        for (let off = 0; off < SIZE; off += 1 << 20) await w.write(up.subarray(off, off + (1 << 20)));
+        w.releaseLock();
+      })();
+      // The host reader is slow too: 5 ms after every 512 KiB.
+      const hostGot = createHash("sha256");
+      let hostBytes = 0;
+      let since = 0;
+      const r = t.readable.getReader();
+      for (;;) {
+        const { value, done } = await r.read();
+        if (done) break;
+        hostGot.update(value);
+        hostBytes += value.length;
+        since += value.length;
+        if (since >= 512 * 1024) {
+          since = 0;
+          await Bun.sleep(5);
+        }
+      }
+      await writer.catch(() => {});
+      await serverDone.promise;
+      clearInterval(sampler);
+      expect(hostBytes).toBe(SIZE);
+      expect(hostGot.digest("hex")).toBe(createHash("sha256").update(down).digest("hex"));
+      expect(serverBytes).toBe(SIZE);
+      expect(serverGot.digest("hex")).toBe(createHash("sha256").update(up).digest("hex"));
+      // Never more than one window waited on the host side...
+      expect(t.peakBuffered).toBeLessThanOrEqual(256 * 1024);
+      // ...and the agent (PID 1 in a VM) grew by far less than the 48 MB that went through it.
+      expect(rssPeak - rssBefore).toBeLessThan(8 * 1024);
+      await t.closed;
+    } finally {
+      await stop(srv);
+    }
+  });
+
+  test("a refused port is a guest_error with ECONNREFUSED", async () => {
+    const srv = await tcpServer(() => {});
+    const port = srv.port;
+    await stop(srv); // nothing listens there now
+    const err = await client.openTunnel(port).catch((e) => e);
+    expect(err).toBeInstanceOf(GuestError);
+    expect(err.code).toBe("guest_error");
+    expect(err.errno).toBe(111);
+    expect(err.message).toContain("connect");
+    const bad = await client.openTunnel(70000).catch((e) => e);
+    expect(bad.code).toBe("guest_error");
+    await client.ping(); // the agent is fine
+  });
+
+  test("the guest side closing ends the host side after its data, and the reverse", async () => {
+    const srv = await tcpServer((s) => {
+      s.once("data", (c: Buffer) => {
+        if (c.toString() === "bye") s.end("later\n"); // server closes after answering
+      });
+    });
+    try {
+      const t = await client.openTunnel(srv.port);
+      const w = t.writable.getWriter();
+      await w.write(Buffer.from("bye"));
+      expect((await readAll(t.readable)).toString()).toBe("later\n");
+      await t.closed;
+      expect(t.error).toBeUndefined();
+      expect(await w.write(Buffer.from("more")).catch((e) => e)).toBeInstanceOf(Error);
+
+      // The host closing: the server sees its socket end.
+      const t2 = await client.openTunnel(srv.port);
+      expect(await waitFor(() => srv.conns.length === 2)).toBe(true);
+      const ended = new Promise<void>((resolve) => srv.conns[1]!.once("close", () => resolve()));
+      await t2.writable.getWriter().close(); // ending our side closes the tunnel (no half-close)
+      await ended;
+      await t2.closed;
+    } finally {
+      await stop(srv);
+    }
+  });
+
+  test("50 concurrent tunnels keep their bytes apart", async () => {
+    const srv = await tcpServer((s) => s.pipe(s));
+    try {
+      const results = await Promise.all(
+        Array.from({ length: 50 }, async (_, i) => {
+          const t = await client.openTunnel(srv.port);
+          const payload = Buffer.alloc(100_000 + i, i);
+          const w = t.writable.getWriter();
+          const r = t.readable.getReader();
+          void w.write(payload);
+          const parts: Uint8Array[] = [];
+          let n = 0;
+          while (n < payload.length) {
+            const { value, done } = await r.read();
+            if (done) break;
+            parts.push(value);
+            n += value.length;
+          }
+          t.close();
+          await t.closed;
+          return Buffer.concat(parts).equals(payload);
+        }),
+      );
+      expect(results.every(Boolean)).toBe(true);
+      await client.ping();
+    } finally {
+      await stop(srv);
+    }
+  });
+
+  test("host disconnect and a new HELLO close every guest tunnel", async () => {
+    const srv = await tcpServer(() => {});
+    try {
+      const t1 = await client.openTunnel(srv.port);
+      const t2 = await client.openTunnel(srv.port);
+      expect(await waitFor(() => srv.conns.length === 2)).toBe(true);
+      const closedBoth = Promise.all(
+        srv.conns.map((c) => new Promise((resolve) => c.once("close", resolve))),
+      );
+      client.close();
+      await t1.closed;
+      await t2.closed;
+      expect(t1.error && (t1.error as GuestError).code).toBe("guest_disconnected");
+      expect(
+        await t2.readable
+          .getReader()
+          .read()
+          .catch((e) => e),
+      ).toBeInstanceOf(GuestError);
+      await closedBoth; // the agent closed its sockets when the host went away
+      client = await accept();
+
+      // HELLO from the host (what a restored fork child's host sends first) ends old tunnels too.
+      const t3 = await client.openTunnel(srv.port);
+      expect(await waitFor(() => srv.conns.length === 3)).toBe(true);
+      const closed3 = new Promise((resolve) => srv.conns[2]!.once("close", resolve));
+      await client.hello();
+      await closed3;
+      expect(t3.isClosed).toBe(true);
+      expect(logs.some((l) => l.includes("tunnel(s) closed: host said HELLO"))).toBe(true);
+      await client.ping();
+    } finally {
+      await stop(srv);
+    }
+  });
+});

@@ -12,8 +12,10 @@ import { rmSync } from "node:fs";
 import { createConnection, createServer, type Server, type Socket } from "node:net";
 import { FrameType, MAX_PAYLOAD, Op, StreamFlag, Tag } from "../../contracts/guest-protocol.ts";
 import { decodeTlv, encodeFrame, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
+import { GuestTunnel } from "./tunnel.ts";
 
 export { GuestError, type GuestErrorCode } from "./codec.ts";
+export { GuestTunnel } from "./tunnel.ts";
 
 export interface GuestClientOptions {
   /** Bound on the HELLO round trip. 10 s: a restored VM answers its first frame in ~150 ms under
@@ -106,11 +108,15 @@ interface Pending {
 interface RequestOptions {
   timeoutMs?: number | undefined;
   onFrame?: (type: number, payload: Buffer) => void;
+  /** Runs with the stream id just before the REQUEST is written. */
+  beforeSend?: (stream: number) => void;
 }
 
 export class GuestClient {
   private readonly decoder = new FrameDecoder();
   private readonly pending = new Map<number, Pending>();
+  /** Open tunnels by stream id (docs "Tunnels"); an id stays taken until the guest's CLOSE. */
+  private readonly tunnels = new Map<number, GuestTunnel>();
   private nextStream = 1;
   private helloWaiter: { promise: Promise<HelloInfo>; resolve: (h: HelloInfo) => void } | undefined;
   private closedWith: GuestError | undefined;
@@ -184,9 +190,16 @@ export class GuestClient {
     this.fail(new GuestError("guest_disconnected", "guest client closed"));
   }
 
-  /** Sends HELLO and waits for the guest's answer; concurrent calls share one round trip. */
+  /**
+   * Sends HELLO and waits for the guest's answer; concurrent calls share one round trip. The
+   * guest drops every tunnel on a HELLO (docs "Tunnels"), so ours end here too.
+   */
   hello(timeoutMs = this.opts.helloTimeoutMs): Promise<HelloInfo> {
     if (this.helloWaiter) return this.helloWaiter.promise;
+    for (const t of [...this.tunnels.values()]) {
+      t.disconnected(new GuestError("guest_disconnected", `tunnel ${t.stream} ended by a new HELLO`));
+    }
+    this.tunnels.clear();
     let resolveFn!: (h: HelloInfo) => void;
     let rejectFn!: (e: GuestError) => void;
     const promise = new Promise<HelloInfo>((resolve, reject) => {
@@ -342,6 +355,46 @@ export class GuestClient {
     await this.request(new TlvWriter().u32(Tag.OP, Op.SYNC));
   }
 
+  /**
+   * Opens a byte tunnel to `host:port` inside the guest (default 127.0.0.1): resolves once the
+   * guest's connect succeeded; a refused or failed connect is a `guest_error` with its errno
+   * (111 ECONNREFUSED). See tunnel.ts for flow control and closing.
+   */
+  async openTunnel(port: number, opts: { host?: string } = {}): Promise<GuestTunnel> {
+    if (!Number.isInteger(port) || port < 1 || port > 65535) {
+      throw new GuestError("guest_error", `tunnel port ${port} is not in 1..65535`, { errno: 22 });
+    }
+    const w = new TlvWriter().u32(Tag.OP, Op.CONNECT).u32(Tag.PORT, port);
+    if (opts.host !== undefined) w.str(Tag.HOST, opts.host);
+    let tunnel: GuestTunnel | undefined;
+    // The tunnel is registered before the request goes out: its first DATA may follow the
+    // RESPONSE in the same read, before our await resumes.
+    const { promise } = this.start(w, {
+      timeoutMs: this.opts.requestTimeoutMs,
+      beforeSend: (s) => {
+        tunnel = new GuestTunnel(s, port, {
+          send: (type, payload) => this.send(type, s, payload),
+          drained: () => this.drained(),
+          release: () => {
+            if (this.tunnels.get(s) === tunnel) this.tunnels.delete(s);
+          },
+        });
+        this.tunnels.set(s, tunnel);
+      },
+    });
+    try {
+      await promise;
+    } catch (err) {
+      tunnel?.disconnected(err as GuestError);
+      throw err;
+    }
+    // The guest's DATA and even its CLOSE (a server that answers and hangs up at once) may have
+    // arrived with the RESPONSE: they wait in the tunnel for the caller to read.
+    const t = tunnel!;
+    t.opened();
+    return t;
+  }
+
   // -------------------------------------------------------------------------------------------
 
   private request(w: TlvWriter): Promise<TlvRecords> {
@@ -361,6 +414,7 @@ export class GuestClient {
       if (ro.onFrame) p.onFrame = ro.onFrame;
       this.pending.set(stream, p);
       if (ro.timeoutMs !== undefined) this.armTimer(stream, ro.timeoutMs, "no answer");
+      ro.beforeSend?.(stream);
       try {
         this.send(FrameType.REQUEST, stream, w.finish());
       } catch (err) {
@@ -395,7 +449,7 @@ export class GuestClient {
     for (;;) {
       const s = this.nextStream;
       this.nextStream = s >= 0xffffffff ? 1 : s + 1;
-      if (!this.pending.has(s)) return s;
+      if (!this.pending.has(s) && !this.tunnels.has(s)) return s;
     }
   }
 
@@ -428,16 +482,22 @@ export class GuestClient {
     }
   }
 
+  /** One shared wait for the socket to drain: many tunnels and stdin pumps may wait at once. */
+  private drainWait: Promise<void> | undefined;
+
   private drained(): Promise<void> {
-    return new Promise((resolve) => {
+    if (this.closedWith || this.socket.destroyed || !this.socket.writableNeedDrain) return Promise.resolve();
+    this.drainWait ??= new Promise<void>((resolve) => {
       const done = () => {
         this.socket.off("drain", done);
         this.socket.off("close", done);
+        this.drainWait = undefined;
         resolve();
       };
       this.socket.once("drain", done);
       this.socket.once("close", done);
     });
+    return this.drainWait;
   }
 
   private onData(chunk: Buffer): void {
@@ -491,8 +551,16 @@ export class GuestClient {
         p.resolve(d.records);
         return;
       }
+      case FrameType.DATA:
+      case FrameType.CREDIT:
+      case FrameType.CLOSE: {
+        // Unknown stream: a tunnel we already finished (frames crossing our CLOSE): dropped.
+        const err = this.tunnels.get(stream)?.onFrame(type, payload);
+        if (err) this.fail(err);
+        return;
+      }
       default:
-        return; // reserved (tunnels) or newer frame types: ignored
+        return; // newer frame types: ignored
     }
   }
 
@@ -508,6 +576,12 @@ export class GuestClient {
           : new GuestError("guest_disconnected", `guest disconnected (stream ${stream})`, { cause: err }),
       );
     }
+    for (const t of [...this.tunnels.values()]) {
+      t.disconnected(
+        new GuestError("guest_disconnected", `guest disconnected (tunnel ${t.stream})`, { cause: err }),
+      );
+    }
+    this.tunnels.clear();
     for (const l of this.closeListeners.splice(0)) l(err);
   }
 

@@ -1,7 +1,17 @@
 import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
 import { FrameType, HEADER_LEN, MAGIC, MAX_PAYLOAD, Tag, VERSION } from "../../contracts/guest-protocol.ts";
-import { decodeTlv, encodeFrame, type Frame, FrameDecoder, GuestError, TlvWriter } from "./codec.ts";
+import {
+  decodeClose,
+  decodeCredit,
+  decodeTlv,
+  encodeCredit,
+  encodeFrame,
+  type Frame,
+  FrameDecoder,
+  GuestError,
+  TlvWriter,
+} from "./codec.ts";
 
 /** Cuts `buf` at the given (sorted, deduplicated) offsets. */
 function split(buf: Buffer, cuts: number[]): Buffer[] {
@@ -257,5 +267,82 @@ describe("protocol.h agrees with contracts/guest-protocol.ts", () => {
     for (const [k, v] of Object.entries(T)) expect([k, defs.get(`TAG_${k}`)]).toEqual([k, v]);
     const cCount = [...defs.keys()].filter((k) => /^(T|OP|TAG)_/.test(k)).length;
     expect(cCount).toBe(Object.keys(FT).length + Object.keys(Op).length + Object.keys(T).length);
+  });
+});
+
+describe("tunnel frames (CREDIT, CLOSE)", () => {
+  test("CREDIT round-trips every u32 > 0 and refuses 0 or more", () => {
+    fc.assert(
+      fc.property(fc.integer({ min: 1, max: 0xffffffff }), (n) => {
+        const d = decodeCredit(encodeCredit(n));
+        expect(d.ok && d.bytes).toBe(n);
+      }),
+    );
+    expect(() => encodeCredit(0)).toThrow(RangeError);
+    expect(() => encodeCredit(2 ** 32)).toThrow(RangeError);
+    expect(() => encodeCredit(1.5)).toThrow(RangeError);
+  });
+
+  test("a CREDIT payload of any other length is a protocol_error value, never a throw", () => {
+    fc.assert(
+      fc.property(fc.uint8Array({ maxLength: 64 }), (bytes) => {
+        const d = decodeCredit(bytes);
+        if (bytes.length === 4) expect(d.ok).toBe(true);
+        else {
+          expect(d.ok).toBe(false);
+          if (!d.ok) expect(d.error.code).toBe("protocol_error");
+        }
+      }),
+    );
+  });
+
+  test("CLOSE: empty is a clean end; STATUS/ERROR round-trip as a guest_error with errno", () => {
+    expect(decodeClose(new Uint8Array(0))).toEqual({ ok: true, error: undefined });
+    fc.assert(
+      fc.property(fc.integer({ min: 0, max: 0xffffffff }), fc.string({ maxLength: 200 }), (status, text) => {
+        const d = decodeClose(new TlvWriter().u32(Tag.STATUS, status).str(Tag.ERROR, text).finish());
+        expect(d.ok).toBe(true);
+        if (!d.ok) return;
+        if (status === 0) expect(d.error).toBeUndefined();
+        else {
+          expect(d.error?.code).toBe("guest_error");
+          expect(d.error?.errno).toBe(status);
+          expect(d.error?.message).toBe(text);
+        }
+      }),
+    );
+  });
+
+  test("arbitrary CLOSE payloads decode to a value, never a throw", () => {
+    fc.assert(
+      fc.property(fc.uint8Array({ maxLength: 300 }), (bytes) => {
+        const d = decodeClose(bytes);
+        if (!d.ok) expect(d.error.code).toBe("protocol_error");
+      }),
+    );
+  });
+
+  test("tunnel frames go through the incremental decoder cut anywhere", () => {
+    fc.assert(
+      fc.property(
+        fc.array(
+          fc.record({
+            type: fc.constantFrom(FrameType.DATA, FrameType.CREDIT, FrameType.CLOSE),
+            stream: fc.integer({ min: 1, max: 0xffffffff }),
+            payload: fc.uint8Array({ maxLength: 2000 }),
+          }),
+          { maxLength: 8 },
+        ),
+        fc.array(fc.nat(), { maxLength: 10 }),
+        (frames, cuts) => {
+          const bytes = Buffer.concat(frames.map((f) => encodeFrame(f.type, f.stream, f.payload)));
+          const { frames: got, errors } = decodeAll(split(bytes, cuts));
+          expect(errors).toEqual([]);
+          expect(got.map((f) => [f.type, f.stream, Buffer.from(f.payload)])).toEqual(
+            frames.map((f) => [f.type, f.stream, Buffer.from(f.payload)]),
+          );
+        },
+      ),
+    );
   });
 });

@@ -8,7 +8,7 @@
  * allocates a frame's payload as its bytes arrive, so a corrupt length costs nothing.
  */
 import { SandboxdError } from "../../contracts/errors.ts";
-import { HEADER_LEN, MAGIC, MAX_PAYLOAD, VERSION } from "../../contracts/guest-protocol.ts";
+import { HEADER_LEN, MAGIC, MAX_PAYLOAD, Tag, VERSION } from "../../contracts/guest-protocol.ts";
 
 export type GuestErrorCode = "guest_disconnected" | "guest_timeout" | "protocol_error" | "guest_error";
 
@@ -273,4 +273,45 @@ export class TlvRecords {
     const v = this.get(tag);
     return v?.length === 8 ? v.readBigUInt64LE(0) : undefined;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tunnel frames (docs "Tunnels"): CREDIT carries a u32 byte count; CLOSE is empty (clean end) or
+// a TLV list with STATUS (errno) and ERROR (text) when the guest side failed.
+
+/** Payload of a CREDIT frame granting `bytes` (1..2^32-1). */
+export function encodeCredit(bytes: number): Buffer {
+  if (!Number.isInteger(bytes) || bytes <= 0 || bytes > 0xffffffff) throw new RangeError(`credit ${bytes}`);
+  const b = Buffer.allocUnsafe(4);
+  b.writeUInt32LE(bytes, 0);
+  return b;
+}
+
+/** A CREDIT payload's byte count, or a protocol error value when it is not exactly a u32. */
+export function decodeCredit(
+  payload: Uint8Array,
+): { ok: true; bytes: number } | { ok: false; error: GuestError } {
+  if (payload.length !== 4) {
+    return {
+      ok: false,
+      error: protocolError("bad_credit", `CREDIT payload of ${payload.length} bytes, not 4`),
+    };
+  }
+  return { ok: true, bytes: Buffer.from(payload.buffer, payload.byteOffset, 4).readUInt32LE(0) };
+}
+
+/**
+ * A CLOSE payload: `undefined` for a clean end, else the guest's failure as a `guest_error`
+ * (errno in `errno`). A malformed payload is a protocol error value.
+ */
+export function decodeClose(
+  payload: Uint8Array,
+): { ok: true; error: GuestError | undefined } | { ok: false; error: GuestError } {
+  if (payload.length === 0) return { ok: true, error: undefined };
+  const d = decodeTlv(payload);
+  if (!d.ok) return d;
+  const status = d.records.u32(Tag.STATUS) ?? 0;
+  if (status === 0) return { ok: true, error: undefined };
+  const text = d.records.str(Tag.ERROR) ?? `errno ${status}`;
+  return { ok: true, error: new GuestError("guest_error", text, { errno: status }) };
 }

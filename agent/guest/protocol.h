@@ -8,6 +8,11 @@
  * Payload of HELLO/REQUEST/RESPONSE is a list of TLV records:
  *   u16 tag  u32 len  value[len]
  * Integers inside TLV values are little-endian u32/i32/u64 by the tag's kind.
+ *
+ * Tunnels (OP CONNECT: PORT, optional HOST): after a RESPONSE with STATUS 0 the stream carries
+ * DATA both ways, each direction limited by CREDIT (u32 bytes granted; SBX_TUNNEL_WINDOW to
+ * start). CLOSE ends the whole tunnel (no half-close; empty, or TLV STATUS/ERROR on a failure);
+ * the guest answers a host CLOSE with its own. A host hang-up or HELLO closes every tunnel.
  */
 #ifndef SANDBOXD_GUEST_PROTOCOL_H
 #define SANDBOXD_GUEST_PROTOCOL_H
@@ -85,5 +90,12 @@
 #define SBX_TAG_BOOT_ID 34      /* string */
 #define SBX_TAG_UPTIME_MS 35    /* u64 */
 #define SBX_TAG_PID 36          /* u32 */
+#define SBX_TAG_HOST 37         /* string: IPv4/IPv6 literal a CONNECT dials (default 127.0.0.1) */
+
+/* Tunnels (OP CONNECT, docs "Tunnels"). Each direction of a tunnel starts with this many bytes of
+ * credit once the CONNECT succeeds: a sender never has more DATA payload outstanding than the
+ * credit the receiver granted (CREDIT payload: u32 bytes). 256 KiB keeps a virtio-serial link
+ * busy while bounding what one tunnel can make either side buffer. */
+#define SBX_TUNNEL_WINDOW 262144
 
 #endif

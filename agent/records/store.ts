@@ -32,6 +32,8 @@ export const SandboxRecord = z.object({
   lastUsedAtMs: z.number(),
   execCount: z.int().min(0),
   endpoints: z.record(z.string(), z.string()),
+  /** The egress allow-list in force; absent in records written before egress existed. */
+  egressAllow: z.array(z.string()).optional(),
 });
 export type SandboxRecord = z.infer<typeof SandboxRecord>;
 

@@ -8,7 +8,7 @@ import { readdir, readFile, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts";
-import type { GuestClient } from "../guest/client.ts";
+import type { GuestClient, GuestTunnel } from "../guest/client.ts";
 import { type ImportedImage, importImage } from "../image/import.ts";
 import { type Accel, probeAccelerator } from "../qemu/accel.ts";
 import { QmpClient } from "../qemu/qmp/client.ts";
@@ -173,6 +173,10 @@ export class BootDriver implements SandboxDriver {
 
   async unpause(vm: DriverVm): Promise<void> {
     await this.mustLive(vm).qmp.execute("cont");
+  }
+
+  async openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel> {
+    return this.mustLive(vm).handle.guest.openTunnel(port);
   }
 
   async destroy(vmId: string, vm: DriverVm | undefined): Promise<void> {

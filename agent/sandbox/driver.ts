@@ -15,7 +15,7 @@
  * - Each VM lives in `<stateDir>/vms/<vmId>/` (agent/vm/workdir.ts); `reap` removes what no record
  *   claims.
  */
-import type { GuestClient } from "../guest/client.ts";
+import type { GuestClient, GuestTunnel } from "../guest/client.ts";
 import type { ImageConfig } from "../image/import.ts";
 
 export interface VmSize {
@@ -56,14 +56,33 @@ export type TemplateInput =
    * and exits 0 once they are healthy (non-zero or a timeout fails the build).
    */
   | { kind: "archive"; path: string; size?: Partial<VmSize>; readyCmd?: string[]; readyTimeoutMs?: number }
-  /** An OCI reference to pull (Family B bake). */
-  | { kind: "oci"; image: string };
+  /**
+   * An OCI reference to pull (Family B bake, agent/image/pull.ts), then as an archive. `exposedPorts`
+   * (`ready.ports`) replace the image's ExposedPorts when given.
+   */
+  | {
+      kind: "oci";
+      image: string;
+      size?: Partial<VmSize>;
+      readyCmd?: string[];
+      readyTimeoutMs?: number;
+      readyEnv?: Record<string, string>;
+      exposedPorts?: number[];
+    };
+
+/** Where a build is (spec 3.2): the registry reports it as the template's bake phase. */
+export type BuildPhase = "Converting" | "Distributing";
 
 export interface SandboxDriver {
   /** Readable name for health output and logs, e.g. "boot (tcg)". */
   readonly name: string;
   /** Turns a template source into something `spawn` can start, e.g. import + bake. */
-  prepareTemplate(templateId: string, input: TemplateInput, signal: AbortSignal): Promise<PreparedTemplate>;
+  prepareTemplate(
+    templateId: string,
+    input: TemplateInput,
+    signal: AbortSignal,
+    onPhase?: (phase: BuildPhase) => void,
+  ): Promise<PreparedTemplate>;
   /** Frees a template's own files. Called only once no VM uses it. */
   dropTemplate(templateId: string): Promise<void>;
   /** Re-registers a template prepared before an agent restart (from the template record). */
@@ -78,6 +97,12 @@ export interface SandboxDriver {
   /** Stops / restarts the vCPUs (QMP `stop` / `cont`); the guest connection stays open. */
   pause(vm: DriverVm): Promise<void>;
   unpause(vm: DriverVm): Promise<void>;
+  /**
+   * A byte tunnel to 127.0.0.1:`port` inside the running guest over the guest agent's channel
+   * (OP CONNECT, docs/guest-protocol.md "Tunnels"); no guest network is involved. Throws the
+   * guest's `guest_error` (errno ECONNREFUSED etc.) when nothing accepts the connection.
+   */
+  openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel>;
   /**
    * Kills the QEMU (when a handle is given), and removes everything the VM owns on disk,
    * including a suspended VM's snapshot. Idempotent; never fires `onExit`.

@@ -17,6 +17,7 @@
  *   after an agent restart, marks the others `lost`, and reaps every VM no record claims.
  */
 import { cpus, totalmem } from "node:os";
+import type { Duplex } from "node:stream";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type {
   AgentCapacity,
@@ -28,7 +29,9 @@ import type {
   ResumeResult,
   SuspendResult,
 } from "../../gateway/agent-api.ts";
-import { type GuestClient, GuestError } from "../guest/client.ts";
+import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
+import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
+import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
 import { resolveCommand } from "../image/import.ts";
 import { type SandboxRecord, sandboxRecords, templateRecords } from "../records/store.ts";
 import { newVmId } from "../vm/boot.ts";
@@ -36,6 +39,7 @@ import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.t
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./driver.ts";
 import { checkTransition, holdsVm, isTerminal, type SandboxState } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
+import { WarmPool } from "./warm-pool.ts";
 
 /** Spec 8: the default per-exec timeout is 30 seconds. */
 export const DEFAULT_EXEC_TIMEOUT_MS = 30_000;
@@ -51,6 +55,8 @@ export const DEFAULT_IDLE_PAUSE_MS = 2_000;
  * before treating the drop as a guest failure: the exit follows the hang-up within milliseconds.
  */
 const DEATH_NOTICE_MS = 1_000;
+/** Refused egress attempts kept per sandbox for `info`: enough to see a pattern, bounded memory. */
+const EGRESS_REFUSED_KEPT = 50;
 /** The guest's exit status for a command killed by its timeout, as GNU `timeout` reports it. */
 const TIMEOUT_EXIT_CODE = 124;
 
@@ -63,6 +69,8 @@ export interface ManagerOptions {
   /** What this host may hand out; defaults below. */
   capacity?: Partial<HostCapacity>;
   idlePauseMs?: number;
+  /** Egress of a sandbox created without `egress` (spec 2.5 leaves it to the deployment). */
+  egressDefault?: EgressDefault;
   onUsage?: (iv: UsageInterval) => void;
   log?: (msg: string) => void;
 }
@@ -91,6 +99,10 @@ export interface SandboxInfo {
   execCount: number;
   endpoints: Record<string, string>;
   qemuPid?: number;
+  /** The allow-list in force (`["*"]`: everything, `[]`: nothing). */
+  egressAllow: readonly string[];
+  /** The latest refused egress attempts, oldest first (at most EGRESS_REFUSED_KEPT). */
+  egressRefused: EgressAttempt[];
 }
 
 interface Sandbox {
@@ -105,6 +117,8 @@ interface Sandbox {
   lastUsedAtMs: number;
   execCount: number;
   endpoints: Record<string, string>;
+  egress: EgressPolicy;
+  egressRefused: EgressAttempt[];
   memBytes: number;
   /** The exec in flight (state busy), abortable by a force destroy. */
   inflight?: { abort: AbortController; done: Promise<unknown> };
@@ -118,15 +132,21 @@ interface Sandbox {
   died?: VmExitInfo;
   onDied: Array<() => void>;
   meter: UsageMeter;
+  /** Open tunnels to guest ports; while any is open (or opening) the VM is not idle-paused. */
+  tunnels: Set<GuestTunnel>;
+  tunnelOpens: number;
 }
 
 export class SandboxManager {
   private readonly sandboxes = new Map<string, Sandbox>();
   private readonly records;
   readonly templates: TemplateRegistry;
+  /** Pre-spawned, paused VMs per template (spec 4.2 expect/release; warm-pool.ts). */
+  readonly warm: WarmPool;
   private readonly driver: SandboxDriver;
   private readonly idlePauseMs: number;
   private readonly defaultSize: VmSize;
+  private readonly egressDefault: EgressPolicy;
   readonly capacity: HostCapacity;
   private readonly log: (msg: string) => void;
   private detached = false;
@@ -136,9 +156,17 @@ export class SandboxManager {
     this.log = opts.log ?? (() => {});
     this.records = sandboxRecords(opts.stateDir);
     this.templates = new TemplateRegistry(opts.driver, templateRecords(opts.stateDir), this.log);
+    this.warm = new WarmPool({
+      driver: opts.driver,
+      templates: this.templates,
+      fits: (size) => this.fits(size, 1),
+      sizeOf: (id) => ({ ...this.defaultSize, ...this.templates.sizeOf(id) }),
+      log: this.log,
+    });
     this.idlePauseMs = opts.idlePauseMs ?? DEFAULT_IDLE_PAUSE_MS;
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
+    this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
     this.capacity = {
       // 64 VMs: a bound on QEMU processes and sockets per host, not on memory.
       slots: opts.capacity?.slots ?? 64,
@@ -210,15 +238,38 @@ export class SandboxManager {
     const t0 = performance.now();
     const tpl = this.templates.ready(templateId);
     const size: VmSize = { ...this.defaultSize, ...tpl.size };
-    this.reserve(size, 1);
-    const id = newVmId();
+    // A malformed allow-list is refused before anything is reserved.
+    const egress =
+      opts.egressAllow !== undefined ? EgressPolicy.fromAllowList(opts.egressAllow) : this.egressDefault;
+    // A warm VM of this template first (already restored and paused: only `cont` and the clock);
+    // it was counted against capacity while pooled. Else make room, evicting another template's
+    // warm VMs when the host is full, and restore one.
+    const tTake = performance.now();
+    const pooled = await this.warm.take(templateId);
+    const takeMs = performance.now() - tTake;
+    if (!pooled) {
+      while (!this.fits(size, 1) && (await this.warm.evictOne(templateId))) {
+        // each round frees one pooled VM of another template
+      }
+      this.reserve(size, 1);
+    }
+    const id = pooled?.vmId ?? newVmId();
     const now = Date.now();
     const endpoints = Object.fromEntries(tpl.prepared.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
-    const sb = this.newSandbox({ id, templateId, kind: opts.kind, state: "creating", size, endpoints, now });
+    const sb = this.newSandbox({
+      id,
+      templateId,
+      kind: opts.kind,
+      state: "creating",
+      size,
+      endpoints,
+      egress,
+      now,
+    });
     // The record lands before the VM directory exists, so a restart never reaps a VM being made.
     await this.persist(sb);
     sb.op = (async () => {
-      sb.vm = await this.driver.spawn(templateId, id, size);
+      sb.vm = pooled ?? (await this.driver.spawn(templateId, id, size));
     })();
     try {
       await sb.op;
@@ -239,7 +290,7 @@ export class SandboxManager {
     void this.refreshDisk(sb);
     return {
       vmId: id,
-      forkTimeMs: vm.spawnMs,
+      forkTimeMs: pooled ? takeMs : vm.spawnMs,
       createTimeMs: performance.now() - t0,
       endpoints,
       resources: { ...size, diskBytes: sb.meter.resources.diskBytes },
@@ -294,6 +345,8 @@ export class SandboxManager {
           state: "creating",
           size: sb.size,
           endpoints,
+          // Children keep the parent's egress: a fork must not widen what its parent could reach.
+          egress: sb.egress,
           now,
         });
         children.push(child);
@@ -338,6 +391,7 @@ export class SandboxManager {
   async suspend(id: string): Promise<SuspendResult> {
     const sb = this.mustGet(id);
     this.setState(sb, "suspending");
+    this.closeTunnels(sb, "is being suspended"); // its QEMU ends: no connection survives
     try {
       await this.wake(sb);
       const op = this.driver.suspend(sb.vm!);
@@ -390,6 +444,7 @@ export class SandboxManager {
     }
     this.setState(sb, "destroying");
     this.clearIdle(sb);
+    this.closeTunnels(sb, "is being destroyed");
     sb.destroying = (async () => {
       if (sb.inflight) {
         if (opts.force) sb.inflight.abort.abort();
@@ -405,6 +460,62 @@ export class SandboxManager {
     return sb.destroying;
   }
 
+  /**
+   * A byte tunnel to 127.0.0.1:`port` inside the sandbox's VM (spec 1.8 connect-from-outside),
+   * over the guest agent's channel. Only a VM that runs: an idle-paused one is woken first, one
+   * busy with an exec is fine, any other state is `conflict` (`gone` once terminal). While a
+   * tunnel is open the VM is never idle-paused: a paused guest would freeze a live connection
+   * that the client cannot see as idle. Destroy, failure and suspend end its tunnels at once.
+   * Nothing accepting connections on the port inside the guest is `port_unreachable`. Which
+   * ports a client may reach is the gateway's rule (exposed ports, spec 4.2), not ours.
+   */
+  async openTunnel(id: string, port: number): Promise<GuestTunnel> {
+    const sb = this.mustGet(id);
+    if (isTerminal(sb.state)) throw this.goneError(sb);
+    if (sb.state === "paused") this.setState(sb, "running");
+    if (sb.state !== "running" && sb.state !== "busy") {
+      throw new SandboxdError("conflict", `sandbox ${id} is ${sb.state}: a tunnel needs a running VM`, {
+        details: { id, state: sb.state },
+      });
+    }
+    sb.tunnelOpens++;
+    this.clearIdle(sb);
+    try {
+      await this.wake(sb);
+      const vm = sb.vm;
+      if (!vm) throw this.goneError(sb);
+      const t = await this.driver.openTunnel(vm, port);
+      if (isTerminal(sb.state) || sb.vm !== vm) {
+        t.abort(this.goneError(sb)); // destroyed or failed while connecting
+        throw this.goneError(sb);
+      }
+      sb.tunnels.add(t);
+      sb.lastUsedAtMs = Date.now();
+      t.onEnd(() => {
+        sb.tunnels.delete(t);
+        this.tunnelsChanged(sb);
+      });
+      return t;
+    } catch (err) {
+      if (err instanceof GuestError && err.code === "guest_error") {
+        throw new SandboxdError(
+          "port_unreachable",
+          `sandbox ${id}: cannot connect to port ${port} inside the VM: ${err.message}`,
+          { cause: err, details: { id, port, errno: err.errno } },
+        );
+      }
+      if (err instanceof GuestError) {
+        throw sb.died || isTerminal(sb.state)
+          ? this.goneError(sb)
+          : new SandboxdError("internal", `tunnel to sandbox ${id}: ${describeError(err)}`, { cause: err });
+      }
+      throw err;
+    } finally {
+      sb.tunnelOpens--;
+      this.tunnelsChanged(sb);
+    }
+  }
+
   info(id: string): SandboxInfo {
     const sb = this.mustGet(id);
     const out: SandboxInfo = {
@@ -416,6 +527,8 @@ export class SandboxManager {
       lastUsedAtMs: sb.lastUsedAtMs,
       execCount: sb.execCount,
       endpoints: sb.endpoints,
+      egressAllow: sb.egress.entries,
+      egressRefused: [...sb.egressRefused],
     };
     if (sb.reason !== undefined) out.reason = sb.reason;
     if (sb.vm) out.qemuPid = sb.vm.qemuPid;
@@ -430,13 +543,32 @@ export class SandboxManager {
     return this.mustGet(id).meter.report(Date.now());
   }
 
+  /**
+   * Serves one connection a guest program opened to its egress proxy (agent/egress/proxy.ts),
+   * under the sandbox's allow-list. Refused attempts are logged and kept per sandbox (`info`).
+   * An unknown or ended sandbox gets its stream closed.
+   */
+  egressConnection(id: string, stream: Duplex): Promise<void> {
+    const sb = this.sandboxes.get(id);
+    if (!sb || isTerminal(sb.state)) {
+      stream.destroy();
+      return Promise.resolve();
+    }
+    return serveEgressConnection(stream, {
+      sandboxId: id,
+      policy: sb.egress,
+      onAttempt: (a) => {
+        if (a.allowed) return;
+        sb.egressRefused.push(a);
+        if (sb.egressRefused.length > EGRESS_REFUSED_KEPT) sb.egressRefused.shift();
+      },
+      log: this.log,
+    });
+  }
+
   // ---- templates and host --------------------------------------------------------------------
 
   buildTemplate(id: string, input: TemplateInput, size?: Partial<VmSize>): void {
-    if (input.kind !== "archive") {
-      this.templates.build(id, input, size);
-      return;
-    }
     // The driver learns the size the VMs of this template will get: a snapshot driver freezes
     // RAM and vCPUs into the template, so it must build it at the size `create` asks for.
     const want: Partial<VmSize> = { ...input.size, ...size };
@@ -445,7 +577,19 @@ export class SandboxManager {
 
   async deleteTemplate(id: string): Promise<void> {
     const inUse = [...this.sandboxes.values()].some((s) => s.templateId === id && !isTerminal(s.state));
+    if (!inUse) await this.warm.release(id);
     await this.templates.delete(id, inUse);
+  }
+
+  /** Spec 4.2 expect: keep `width` warm VMs of the template (bounded by capacity); idempotent. */
+  expectWidth(id: string, width: number): void {
+    this.warm.expect(id, width);
+  }
+
+  /** Spec 4.2 release: drop the template's warm VMs now; idempotent. */
+  async releaseTemplate(id: string): Promise<void> {
+    this.templates.status(id); // not_found for a template this agent does not know
+    await this.warm.release(id);
   }
 
   capacityNow(): AgentCapacity {
@@ -473,6 +617,8 @@ export class SandboxManager {
    */
   async detach(): Promise<void> {
     this.detached = true;
+    // Warm VMs have no record (a restart would reap them): they go now rather than linger.
+    await this.warm.close();
     for (const sb of this.sandboxes.values()) this.clearIdle(sb);
     await this.records.flush();
     this.driver.detach();
@@ -604,6 +750,7 @@ export class SandboxManager {
     this.log(`sandbox ${sb.id}: ${info.reason}`);
     sb.reason = info.reason;
     this.clearIdle(sb);
+    this.closeTunnels(sb, `failed: ${info.reason}`);
     sb.vm?.guest.close(); // in-flight guest requests reject now, not at their timeout
     this.setState(sb, "failed");
   }
@@ -632,7 +779,8 @@ export class SandboxManager {
     if (this.detached) return;
     sb.idleTimer = setTimeout(() => {
       sb.idleTimer = undefined;
-      if (sb.state !== "running" || !sb.vm) return;
+      // Re-armed by tunnelsChanged once the last tunnel ends.
+      if (sb.state !== "running" || !sb.vm || sb.tunnels.size > 0 || sb.tunnelOpens > 0) return;
       this.setState(sb, "paused");
       this.vcpus(sb, true).catch((err) => {
         this.log(`sandbox ${sb.id}: idle pause failed: ${describeError(err)}`);
@@ -641,6 +789,20 @@ export class SandboxManager {
     }, this.idlePauseMs);
     // An idle timer never keeps the agent process alive.
     sb.idleTimer.unref?.();
+  }
+
+  /** The last tunnel ended: the idle pause applies again. */
+  private tunnelsChanged(sb: Sandbox): void {
+    if (sb.tunnels.size === 0 && sb.tunnelOpens === 0 && sb.state === "running" && !sb.idleTimer) {
+      this.armIdle(sb);
+    }
+  }
+
+  /** Ends every tunnel of the sandbox now (destroy, failure, suspend): the VM is going away. */
+  private closeTunnels(sb: Sandbox, why: string): void {
+    const err = new SandboxdError("gone", `sandbox ${sb.id} ${why}`, { details: { id: sb.id } });
+    for (const t of [...sb.tunnels]) t.abort(err);
+    sb.tunnels.clear();
   }
 
   private clearIdle(sb: Sandbox): void {
@@ -682,10 +844,20 @@ export class SandboxManager {
     }
   }
 
+  /** Whether `count` more VMs of `size` fit the host now. */
+  private fits(size: VmSize, count: number): boolean {
+    const used = this.used();
+    const c = this.capacity;
+    return (
+      used.count + count <= c.slots &&
+      used.vcpus + size.vcpus * count <= c.vcpus &&
+      used.memMib + size.memMib * count <= c.memMib
+    );
+  }
+
+  /** VMs of sandboxes and of warm pools. */
   private used(): { count: number; vcpus: number; memMib: number } {
-    let count = 0;
-    let vcpus = 0;
-    let memMib = 0;
+    let { count, vcpus, memMib } = this.warm.used();
     for (const sb of this.sandboxes.values()) {
       if (!holdsVm(sb.state)) continue;
       count++;
@@ -716,6 +888,7 @@ export class SandboxManager {
     state: SandboxState;
     size: VmSize;
     endpoints: Record<string, string>;
+    egress: EgressPolicy;
     now: number;
   }): Sandbox {
     const sb: Sandbox = {
@@ -728,10 +901,14 @@ export class SandboxManager {
       lastUsedAtMs: o.now,
       execCount: 0,
       endpoints: o.endpoints,
+      egress: o.egress,
+      egressRefused: [],
       memBytes: 0,
       vcpus: Promise.resolve(),
       stopped: false,
       onDied: [],
+      tunnels: new Set(),
+      tunnelOpens: 0,
       meter: new UsageMeter(o.id, o.templateId, { ...o.size, diskBytes: 0 }, (iv) => this.opts.onUsage?.(iv)),
     };
     sb.meter.enter(o.state, o.now);
@@ -747,6 +924,8 @@ export class SandboxManager {
       state: r.state,
       size: r.size,
       endpoints: r.endpoints,
+      // Records from before egress existed: the deployment default of today.
+      egress: r.egressAllow !== undefined ? EgressPolicy.fromAllowList(r.egressAllow) : this.egressDefault,
       now: Date.now(),
     });
     sb.createdAtMs = r.createdAtMs;
@@ -770,6 +949,7 @@ export class SandboxManager {
       lastUsedAtMs: sb.lastUsedAtMs,
       execCount: sb.execCount,
       endpoints: sb.endpoints,
+      egressAllow: [...sb.egress.entries],
     };
     if (sb.reason !== undefined) record.reason = sb.reason;
     if (sb.vm) record.qemuPid = sb.vm.qemuPid;

@@ -48,11 +48,18 @@ async function codeOf(p: Promise<unknown>): Promise<string> {
 const SIZE = { vcpus: 1, memMib: 256 };
 
 describe("SnapshotDriver (no VMs)", () => {
-  test("OCI references are a typed `unsupported`; unknown templates and VMs are typed errors", async () => {
+  test("a malformed OCI reference is refused before skopeo; unknown templates and VMs are typed errors", async () => {
     const { d } = await driver();
     expect(d.name).toBe("snapshot (tcg)");
-    const oci = d.prepareTemplate("py", { kind: "oci", image: "python:3.12" }, new AbortController().signal);
-    expect(await codeOf(oci)).toBe("unsupported");
+    const phases: string[] = [];
+    const oci = d.prepareTemplate(
+      "py",
+      { kind: "oci", image: "--src-creds=a:b" },
+      new AbortController().signal,
+      (p) => phases.push(p),
+    );
+    expect(await codeOf(oci)).toBe("bad_request");
+    expect(phases).toEqual(["Converting"]);
     expect(await codeOf(d.spawn("nope", "vm-0000000000000001", SIZE))).toBe("not_found");
     expect(await codeOf(d.resume("vm-0000000000000001", "nope", SIZE))).toBe("gone");
     expect(await codeOf(d.restoreTemplate("nope", { image: {} as never, exposedPorts: [] }))).toBe(

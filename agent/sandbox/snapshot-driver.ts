@@ -28,8 +28,9 @@ import { basename, dirname, join, resolve } from "node:path";
 import { z } from "zod";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts";
-import { GuestClient } from "../guest/client.ts";
+import { GuestClient, type GuestTunnel } from "../guest/client.ts";
 import { type ImageConfig, importImage } from "../image/import.ts";
+import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../image/pull.ts";
 import { type Accel, probeAccelerator } from "../qemu/accel.ts";
 import type { VmExit, VmProcess } from "../qemu/launch.ts";
 import { QmpClient } from "../qemu/qmp/client.ts";
@@ -53,6 +54,7 @@ import { openChainStore } from "../storage/chain.ts";
 import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../vm/workdir.ts";
 import type {
   AdoptRef,
+  BuildPhase,
   DriverVm,
   PreparedTemplate,
   SandboxDriver,
@@ -75,6 +77,8 @@ export interface SnapshotDriverOptions {
   shmRoot?: string;
   /** Size of a template whose input says none (the manager passes its own default). */
   defaultSize?: VmSize;
+  /** Registry credentials and insecure registries for OCI pulls; default: from the environment. */
+  registry?: RegistryConfig;
   log?: (msg: string) => void;
 }
 
@@ -132,6 +136,7 @@ export class SnapshotDriver implements SandboxDriver {
   private readonly stateDir: string;
   private readonly shmRoot: string;
   private readonly defaultSize: VmSize;
+  private readonly registry: RegistryConfig;
   private readonly templates = new Map<string, { meta: TemplateMeta; image: ImageConfig }>();
   /** Engine template ids being built by this process (their files are not registered yet). */
   private readonly building = new Set<string>();
@@ -151,6 +156,8 @@ export class SnapshotDriver implements SandboxDriver {
     this.stateDir = resolve(opts.stateDir);
     this.shmRoot = opts.shmRoot ?? defaultShmRoot(this.stateDir);
     this.defaultSize = opts.defaultSize ?? DEFAULT_SIZE;
+    // A malformed SANDBOXD_INSECURE_REGISTRIES stops the agent at start, not a bake later.
+    this.registry = opts.registry ?? registryConfigFromEnv();
   }
 
   static async create(opts: SnapshotDriverOptions): Promise<SnapshotDriver> {
@@ -174,20 +181,32 @@ export class SnapshotDriver implements SandboxDriver {
     templateId: string,
     input: TemplateInput,
     signal: AbortSignal,
+    onPhase?: (phase: BuildPhase) => void,
   ): Promise<PreparedTemplate> {
-    if (input.kind !== "archive") {
-      throw new SandboxdError(
-        "unsupported",
-        `template ${templateId}: pulling OCI references (${input.image}) is not supported by this agent yet; upload an image archive`,
-        { details: { image: input.image } },
-      );
-    }
+    onPhase?.("Converting");
     const id = engineTemplateId(templateId);
     // A failed (or orphaned) build of the same id left its meta.json: clear it for the rebuild.
     const old = (await listTemplates(this.stateDir)).find((t) => t.id === id);
     if (old && old.state !== "building") await deleteTemplate(this.stateDir, id);
+    let source = input.kind === "archive" ? input.path : "";
+    let pullMs: number | undefined;
+    if (input.kind === "oci") {
+      // Pulled once per manifest digest into the cache (agent/image/pull.ts), then imported like
+      // any OCI layout (the import is cached by config digest too).
+      const pulled = await pullImage({
+        reference: input.image,
+        cacheDir: this.opts.cacheDir,
+        registry: this.registry,
+        signal,
+        log: this.log,
+      });
+      source = pulled.layout;
+      pullMs = pulled.pullMs;
+    }
+    if (signal.aborted)
+      throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
     const tImport = performance.now();
-    const image = await importImage({ source: input.path, dataDir: this.opts.cacheDir, log: this.log });
+    const image = await importImage({ source, dataDir: this.opts.cacheDir, log: this.log });
     const importMs = performance.now() - tImport;
     if (signal.aborted)
       throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
@@ -206,6 +225,8 @@ export class SnapshotDriver implements SandboxDriver {
         shmRoot: this.shmRoot,
         ...(input.readyCmd ? { readyCmd: input.readyCmd } : {}),
         ...(input.readyTimeoutMs ? { readyTimeoutMs: input.readyTimeoutMs } : {}),
+        ...(input.kind === "oci" && input.readyEnv ? { readyEnv: input.readyEnv } : {}),
+        onDistributing: () => onPhase?.("Distributing"),
         log: this.log,
       });
       if (!r.ok) throw r.error;
@@ -223,8 +244,10 @@ export class SnapshotDriver implements SandboxDriver {
     );
     const prepared: PreparedWithTelemetry = {
       image: image.config,
-      exposedPorts: image.config.exposedPorts,
-      telemetry: snapshotTelemetry(meta, importMs),
+      // A bake's `ready.ports` (spec 2.4) are the template's ports; else the image's ExposedPorts.
+      exposedPorts:
+        input.kind === "oci" && input.exposedPorts ? [...input.exposedPorts] : image.config.exposedPorts,
+      telemetry: snapshotTelemetry(meta, importMs, pullMs),
     };
     return prepared;
   }
@@ -331,6 +354,12 @@ export class SnapshotDriver implements SandboxDriver {
   async unpause(vm: DriverVm): Promise<void> {
     const r = await unpauseVm(this.mustLive(vm).sbx);
     if (!r.ok) throw r.error;
+  }
+
+  async openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel> {
+    // The live guest connection (a fork or restore reconnects it; the handle's may be stale).
+    const guest = this.mustLive(vm).sbx.guest ?? vm.guest;
+    return guest.openTunnel(port);
   }
 
   async destroy(vmId: string, vm: DriverVm | undefined): Promise<void> {
@@ -735,15 +764,21 @@ async function connectAdopted(proc: VmProcess): Promise<GuestClient> {
 }
 
 /** Readiness telemetry of a frozen template (contracts/api/family-b.ts TemplateTelemetry). */
-function snapshotTelemetry(meta: TemplateMeta, importMs: number): PreparedWithTelemetry["telemetry"] {
+function snapshotTelemetry(
+  meta: TemplateMeta,
+  importMs: number,
+  pullMs: number | undefined,
+): PreparedWithTelemetry["telemetry"] {
   const t = meta.timings;
-  if (!t) return { import_ms: importMs };
+  const pull = pullMs !== undefined ? { pull_ms: pullMs } : {};
+  if (!t) return { ...pull, import_ms: importMs };
   return {
+    ...pull,
     import_ms: importMs,
     boot_ms: t.bootMs,
     ready_cmd_ms: t.readyCmdMs,
     snapshot_ms: t.snapshotMs,
-    converting_ms: importMs + t.bootMs + t.readyCmdMs + t.snapshotMs,
+    converting_ms: (pullMs ?? 0) + importMs + t.bootMs + t.readyCmdMs + t.snapshotMs,
     ...(t.distributeMs !== undefined ? { distributing_ms: t.distributeMs } : {}),
     snapshot_bytes: {
       memory: meta.memFileBytes ?? 0,

@@ -9,11 +9,19 @@
  * so a template restored after an agent restart reports what its build measured.
  */
 
-import type { TemplateTelemetry } from "../../contracts/api/family-b.ts";
+import type { BakePhase, TemplateTelemetry } from "../../contracts/api/family-b.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { TemplateBuildStatus } from "../../gateway/agent-api.ts";
 import type { RecordStore, TemplateRecord } from "../records/store.ts";
-import type { PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./driver.ts";
+import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./driver.ts";
+
+/**
+ * Builds that run at once on one agent; later ones wait, reported as `Pending` (spec 3.2). Each
+ * build boots a VM and runs the image tools (skopeo, umoci, mkfs.ext4), which are CPU and disk
+ * bound: two keep a small host busy without making every build slower than it would be alone,
+ * and a burst of bakes cannot starve the sandboxes already running.
+ */
+export const MAX_CONCURRENT_BUILDS = 2;
 
 export interface ReadyTemplate {
   id: string;
@@ -26,6 +34,8 @@ export type PreparedWithTelemetry = PreparedTemplate & { telemetry?: TemplateTel
 
 interface Entry {
   record: TemplateRecord;
+  /** Where a build in progress is: Pending (queued), Converting, Distributing (spec 3.2). */
+  phase: Extract<BakePhase, "Pending" | "Converting" | "Distributing">;
   telemetry: TemplateTelemetry;
   abort?: AbortController;
   build?: Promise<void>;
@@ -33,6 +43,8 @@ interface Entry {
 
 export class TemplateRegistry {
   private readonly entries = new Map<string, Entry>();
+  private running = 0;
+  private readonly queue: Array<() => void> = [];
 
   constructor(
     private readonly driver: SandboxDriver,
@@ -57,7 +69,11 @@ export class TemplateRegistry {
           await this.store.write(record);
         }
       }
-      this.entries.set(r.id, { record, telemetry: (record.telemetry ?? {}) as TemplateTelemetry });
+      this.entries.set(r.id, {
+        record,
+        phase: "Converting",
+        telemetry: (record.telemetry ?? {}) as TemplateTelemetry,
+      });
     }
   }
 
@@ -69,19 +85,35 @@ export class TemplateRegistry {
       throw new SandboxdError("conflict", `template ${id} already exists (${existing.record.status})`);
     }
     const record: TemplateRecord = { version: 1, id, status: "building", size };
-    const entry: Entry = { record, telemetry: {}, abort: new AbortController() };
+    const entry: Entry = { record, phase: "Pending", telemetry: {}, abort: new AbortController() };
     const t0 = performance.now();
     this.entries.set(id, entry);
     const signal = entry.abort!.signal;
     entry.build = (async () => {
-      await this.store.write(record);
-      const tStart = performance.now();
-      entry.telemetry = { pending_ms: tStart - t0 };
+      // Slots are claimed in request order (before the first await), so the queue is FIFO.
+      const slot = this.slot();
       try {
+        await this.store.write(record);
+      } catch (err) {
+        await slot;
+        this.release();
+        throw err;
+      }
+      await slot;
+      let tStart = performance.now();
+      try {
+        if (signal.aborted) return;
+        tStart = performance.now();
+        entry.telemetry = { pending_ms: tStart - t0 };
+        entry.phase = "Converting";
+        const onPhase = (p: BuildPhase) => {
+          if (!signal.aborted) entry.phase = p;
+        };
         const { telemetry, ...prepared }: PreparedWithTelemetry = await this.driver.prepareTemplate(
           id,
           input,
           signal,
+          onPhase,
         );
         if (signal.aborted) return;
         entry.telemetry = {
@@ -101,6 +133,8 @@ export class TemplateRegistry {
         if (signal.aborted) return;
         this.log(`template ${id} build failed: ${describeError(err)}`);
         entry.record = { ...record, status: "failed", error: describeError(err) };
+      } finally {
+        this.release();
       }
       await this.store.write(entry.record);
     })().catch((err) => this.log(`template ${id}: cannot write its record: ${describeError(err)}`));
@@ -111,13 +145,18 @@ export class TemplateRegistry {
     const r = e.record;
     const out: TemplateBuildStatus = {
       status: r.status,
-      phase: r.status === "ready" ? "Live" : r.status === "failed" ? "Failed" : "Converting",
+      phase: r.status === "ready" ? "Live" : r.status === "failed" ? "Failed" : e.phase,
       exposedPorts: r.prepared?.exposedPorts ?? [],
       telemetry: { ...e.telemetry },
     };
     if (r.error !== undefined) out.error = r.error;
     if (r.readyAtMs !== undefined) out.readyAtMs = r.readyAtMs;
     return out;
+  }
+
+  /** The size the template's VMs get (what its build was asked for). */
+  sizeOf(id: string): Partial<VmSize> {
+    return this.mustGet(id).record.size ?? {};
   }
 
   /** A template a VM can be spawned from, or the spec's error for why not. */
@@ -143,6 +182,21 @@ export class TemplateRegistry {
   /** Resolves when the build of `id` (if any) has finished. */
   async settled(id: string): Promise<void> {
     await this.entries.get(id)?.build;
+  }
+
+  /** Waits for one of the `MAX_CONCURRENT_BUILDS` build slots. */
+  private async slot(): Promise<void> {
+    if (this.running < MAX_CONCURRENT_BUILDS) {
+      this.running++;
+      return;
+    }
+    await new Promise<void>((resolve) => this.queue.push(resolve));
+  }
+
+  private release(): void {
+    const next = this.queue.shift();
+    if (next) next();
+    else this.running--;
   }
 
   private mustGet(id: string): Entry {

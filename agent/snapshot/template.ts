@@ -82,6 +82,10 @@ export interface BuildTemplateOptions {
   readyCmd?: string[];
   /** Default 60 s (spec 4.3 leaves it to the caller; a service that is not healthy in a minute is broken). */
   readyTimeoutMs?: number;
+  /** Added to (and overriding) the image's Env for the ready command only (Family B `ready.env`). */
+  readyEnv?: Record<string, string>;
+  /** Called when the frozen files start being registered for restores (bake phase Distributing). */
+  onDistributing?: () => void;
   /** QEMU start to the guest agent's HELLO. Default 60 s: a cold boot takes ~3 s under TCG. */
   bringupTimeoutMs?: number;
   /** tmpfs directory for RAM files (default `defaultShmRoot(dataDir)`). */
@@ -189,7 +193,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       const timeoutMs = o.readyTimeoutMs ?? DEFAULT_READY_TIMEOUT_MS;
       const r = await guest.exec({
         argv: o.readyCmd,
-        env: o.image.config.env,
+        env: withEnv(o.image.config.env, o.readyEnv),
         cwd: o.image.config.workingDir,
         uid: o.image.config.user.uid,
         gid: o.image.config.user.gid,
@@ -236,6 +240,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     meta.memFileBytes = memStat.blocks * 512;
     meta.diskFileBytes = diskStat.blocks * 512;
     const tDistribute = performance.now();
+    o.onDistributing?.();
     const chain = await openChainStore(dataDir);
     const holder = `template:${id}`;
     await chain.add(meta.memPath, { kind: "ram", holder });
@@ -264,6 +269,13 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     log(`template ${id} failed: ${e.message}`);
     return fail(e);
   }
+}
+
+/** `KEY=value` list of the image with `extra` added; a key in both takes `extra`'s value. */
+function withEnv(env: string[], extra: Record<string, string> | undefined): string[] {
+  if (!extra || Object.keys(extra).length === 0) return env;
+  const keep = env.filter((kv) => !Object.hasOwn(extra, kv.slice(0, Math.max(0, kv.indexOf("=")))));
+  return [...keep, ...Object.entries(extra).map(([k, v]) => `${k}=${v}`)];
 }
 
 /** Reads a template's meta.json (after a restart too). Not ready -> `template_not_ready`. */

@@ -81,7 +81,10 @@ export const TemplateTelemetry = z
       "Pending: from the build request at the agent to the start of the build.",
     ),
     converting_ms: Ms.optional().describe(
-      "Converting: image to frozen snapshot (import + boot_ms + ready_cmd_ms + snapshot_ms).",
+      "Converting: image to frozen snapshot (pull_ms + import_ms + boot_ms + ready_cmd_ms + snapshot_ms).",
+    ),
+    pull_ms: Ms.optional().describe(
+      "Part of converting: resolving and fetching the image from its registry (a digest already in the host's cache is only resolved).",
     ),
     import_ms: Ms.optional().describe("Part of converting: unpacking the image into a bootable disk."),
     boot_ms: Ms.optional().describe("Part of converting: QEMU start to the guest agent answering."),
@@ -268,8 +271,13 @@ export const ConnectQuery = z.object({
     .regex(/^\d{1,5}$/)
     .transform(Number)
     .pipe(Port),
-  protocol: TunnelProtocol.optional(),
-  t: z.string().min(1).max(512).optional(),
+  protocol: TunnelProtocol.optional().describe("Default tcp; must be the token's."),
+  t: z
+    .string()
+    .min(1)
+    .max(512)
+    .optional()
+    .describe("The scoped token of a connect URL (connect-url); without it, a Bearer key."),
 });
 
 // ---- usage (2.9) ---------------------------------------------------------------------------

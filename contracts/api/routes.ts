@@ -270,7 +270,8 @@ export const ROUTES: RouteContract[] = [
     summary: "WebSocket tunnel to a guest port (Bearer key or `t` token)",
     query: B.ConnectQuery,
     status: 101,
-    errors: [400, 403, 404, 409],
+    // 503/501: the sandbox's agent does not answer / offers no tunnels (opened before the upgrade).
+    errors: [400, 403, 404, 409, 501, 503],
   },
   {
     method: "post",

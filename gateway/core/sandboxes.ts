@@ -5,6 +5,7 @@
  * requests cannot both apply.
  */
 import { and, eq, inArray, isNull, sql } from "drizzle-orm";
+import { EgressPolicy } from "../../agent/egress/policy.ts";
 import type { Family, Tier } from "../../contracts/api/common.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
@@ -30,7 +31,7 @@ const LIVE: SandboxState[] = ["starting", "running", "suspended"];
  * The agent a sandbox lives on: the one recorded on its row (gateway/agent-router.ts). With a
  * single configured agent (tests' stand-in) that agent.
  */
-function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi {
+export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi {
   return isAgentRouter(deps.agent) ? deps.agent.forAgent(row.agentId) : deps.agent;
 }
 
@@ -235,6 +236,8 @@ export async function createVm(
 ): Promise<{ row: SandboxRow; vm: CreatedVm }> {
   const template = await resolveTemplate(deps, p.tenantId, input.templateId);
   requireReady(template);
+  // A malformed egress.allow is a 400 here, before a row is reserved or an agent is asked.
+  if (input.egressAllow !== undefined) EgressPolicy.fromAllowList(input.egressAllow);
   const [id] = await reserve(deps, p, kind, template, [{ labels: input.labels }], await firstPlacement(deps));
   let vm: CreatedVm;
   let agentId: string;
@@ -395,6 +398,9 @@ export async function destroyVm(
     { endReason: opts.reason, destroyedAt: new Date(deps.clock()) },
     null,
   );
+  // Its connect tokens are refused from now on (the record is destroyed); relays already open on
+  // it end too, with 1001 going away (gateway/relay/).
+  deps.relays?.closeSandbox(row.id, 1001, `sandbox ${opts.reason}`);
 }
 
 /**
@@ -457,7 +463,7 @@ export type { Family, Tier };
  * The agent names VMs by its own ids; a client knows only the sandbox or session id. Agent errors
  * about this sandbox are restated with the client's id (same code, cause kept).
  */
-async function inTermsOf<T>(row: { id: string; vmId: string | null }, call: Promise<T>): Promise<T> {
+export async function inTermsOf<T>(row: { id: string; vmId: string | null }, call: Promise<T>): Promise<T> {
   try {
     return await call;
   } catch (err) {

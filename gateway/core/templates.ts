@@ -7,6 +7,7 @@ import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
 import type { Family } from "../../contracts/api/common.ts";
 import type { BakeTemplateRequest } from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
 import type { TemplateSource } from "../agent-api.ts";
@@ -63,7 +64,8 @@ export async function refreshTemplate(deps: Deps, row: TemplateRow): Promise<Tem
       status: st.status,
       phase: st.phase,
       error: st.error ?? null,
-      exposedPorts: st.exposedPorts,
+      // While building the agent knows no ports yet; the row keeps the ones the request named.
+      ...(st.status === "ready" ? { exposedPorts: st.exposedPorts } : {}),
       readyAt,
     })
     .where(and(eq(templates.pk, row.pk), eq(templates.status, "building")))
@@ -164,6 +166,14 @@ export async function bakeTemplate(
   tenantId: string,
   req: BakeTemplateRequest,
 ): Promise<TemplateRow> {
+  // Refused here with a readable 400 rather than as a failed bake; the agent checks again before
+  // it hands the reference to skopeo (agent/image/pull.ts).
+  try {
+    parseImageReference(req.image);
+  } catch (err) {
+    if (err instanceof ImageReferenceError) throw new SandboxdError("bad_request", err.message);
+    throw err;
+  }
   const spec: Record<string, unknown> = { image: req.image };
   if (req.ready !== undefined) spec.ready = req.ready;
   if (req.width !== undefined) spec.width = req.width;
@@ -218,7 +228,7 @@ export async function bakeTemplate(
       .returning();
     return failed ?? row;
   }
-  return row;
+  return refreshTemplate(deps, row);
 }
 
 function stableJson(v: unknown): string {

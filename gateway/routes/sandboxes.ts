@@ -5,19 +5,24 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { ExecAction } from "../agent-api.ts";
 import { signConnectToken, verifyConnectToken } from "../connect-token.ts";
 import {
+  agentOf,
   ages,
   createVm,
   destroyVm,
   execIn,
   forkVm,
   getOwned,
+  inTermsOf,
   listOwned,
   resumeVm,
+  type SandboxRow,
   suspendVm,
 } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import type { Principal } from "../keys.ts";
+import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
+import { TcpRelay } from "../relay/tcp.ts";
 import { timeoutMs } from "./family-a.ts";
 import { requireFamily, requirePro } from "./guards.ts";
 
@@ -140,12 +145,14 @@ export function registerSandboxes(app: Hono<HonoEnv>, deps: Deps): void {
     }
     const ttl = Math.min(req.ttl_seconds, deps.config.limits.connectTtlMaxS); // clamp, spec 4.2
     const protocol = req.protocol ?? "tcp";
-    const expSecs = Math.floor(deps.clock() / 1000) + ttl;
-    const t = signConnectToken(deps.config.connectSecret, {
+    const nowSecs = Math.floor(deps.clock() / 1000);
+    const expSecs = nowSecs + ttl;
+    const t = await signConnectToken(deps.config.connectSecret, {
       tenantId: p.tenantId,
       sandboxId: row.id,
       port: req.port,
       protocol,
+      nowSecs,
       expSecs,
     });
     const base = new URL(deps.config.publicBaseUrl);
@@ -180,34 +187,37 @@ export function registerSandboxes(app: Hono<HonoEnv>, deps: Deps): void {
 }
 
 /**
- * `GET /v1/sandboxes/{id}/connect`: authorised by a Bearer key (checked by the auth middleware,
- * which lets a request with `t` through unauthenticated) or by the scoped token `t`.
- * All checks (token, tier, ownership, port, state) are done here. The WebSocket relay itself is
- * not wired yet: it needs the Bun server's upgrade hook and the agent's `openTunnel`.
+ * `GET /v1/sandboxes/{id}/connect` (spec 4.2): authorised by a Bearer key (checked by the auth
+ * middleware, which lets a request with `t` and no key through) or by the scoped token `t`. Every
+ * check (token, tier, ownership, port, state, that it is a WebSocket upgrade) runs before the
+ * upgrade, as does opening the tunnel, so that those failures are HTTP statuses; after the
+ * upgrade, failures close the WebSocket (gateway/relay/common.ts has the codes).
  */
-export async function connectCheck(deps: Deps, c: Context<HonoEnv>, principal: Principal | undefined) {
+export async function connect(deps: Deps, c: Context<HonoEnv>, principal: Principal | undefined) {
   const id = c.req.param("id") ?? "";
   const q = query(c, B.ConnectQuery);
   const protocol = q.protocol ?? "tcp";
-  let row: Awaited<ReturnType<typeof getOwned>>;
+  let row: SandboxRow;
   if (principal) {
     requirePro(principal, "connect");
     row = await getOwned(deps, principal, id);
   } else {
     const unauthorized = new SandboxdError("unauthorized", "invalid or expired connect token");
     if (q.t === undefined) throw new SandboxdError("unauthorized", "missing API key or connect token");
-    const found = await deps.db.query.sandboxes.findFirst({ where: (s, { eq }) => eq(s.id, id) });
-    if (found?.family !== "b") throw unauthorized;
-    const ok = verifyConnectToken(deps.config.connectSecret, q.t, {
-      tenantId: found.tenantId,
+    const tenantId = await verifyConnectToken(deps.config.connectSecret, q.t, {
       sandboxId: id,
       port: q.port,
       protocol,
-      nowSecs: Math.floor(deps.clock() / 1000),
+      nowMs: deps.clock(),
     });
-    if (!ok) throw unauthorized;
-    // Deleted sandboxes revoke their tokens (spec 4.2): getOwned refuses destroyed records.
-    row = await getOwned(deps, { tenantId: found.tenantId, keyId: "", tier: "pro", family: "b" }, id);
+    if (tenantId === undefined) throw unauthorized;
+    // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
+    // the token's tenant, and a revoked token is an invalid credential (401), not a 404.
+    row = await getOwned(deps, { tenantId, keyId: "", tier: "pro", family: "b" }, id).catch(
+      (err: unknown) => {
+        throw err instanceof SandboxdError && err.code === "not_found" ? unauthorized : err;
+      },
+    );
   }
   if (!Object.hasOwn(row.endpoints, String(q.port))) {
     throw new SandboxdError(
@@ -219,5 +229,27 @@ export async function connectCheck(deps: Deps, c: Context<HonoEnv>, principal: P
   if (c.req.header("upgrade")?.toLowerCase() !== "websocket") {
     throw new SandboxdError("bad_request", "this endpoint needs a WebSocket upgrade");
   }
-  throw new SandboxdError("internal", "WebSocket tunnelling is not available in this build");
+  const upgrade = c.env?.upgrade;
+  if (!upgrade) throw new SandboxdError("internal", "this server cannot upgrade to a WebSocket");
+
+  const agent = agentOf(deps, row);
+  const dial = () => agent.openTunnel(row.vmId!, q.port, "tcp");
+  const tunnel = await inTermsOf(row, dial());
+  let relay: TcpRelay | CdpRelay;
+  if (protocol === "tcp") {
+    relay = new TcpRelay(tunnel);
+  } else {
+    // The guest's DevTools port through tcp tunnels; failures from here on close the WebSocket.
+    const upstream = await connectDevTools(tunnel, dial, q.port).catch((err: unknown) =>
+      err instanceof Error ? err : new Error(String(err)),
+    );
+    relay = new CdpRelay(upstream);
+  }
+  if (deps.relays) relay.registered(deps.relays.add(row.id, relay));
+  try {
+    return upgrade(relay);
+  } catch (err) {
+    relay.close(1011, "upgrade failed");
+    throw err;
+  }
 }

@@ -143,7 +143,9 @@ export function registerTemplates(app: Hono<HonoEnv>, deps: Deps): void {
       requirePro(p, "baking templates");
       const req = await jsonBody(c, B.BakeTemplateRequest, deps.config.limits.maxJsonBodyBytes);
       const row = await bakeTemplate(deps, p.tenantId, req);
-      return c.json(templateB(row, {}), 202);
+      // The template as GET /v1/templates/{id} shows it (a retry sees the build's progress).
+      const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
+      return c.json(templateB(row, st?.telemetry ?? {}), 202);
     }
     requireScale(p);
     const ct = c.req.header("content-type")?.split(";")[0]?.trim().toLowerCase();

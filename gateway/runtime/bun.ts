@@ -1,18 +1,61 @@
-/** The gateway served by `Bun.serve`. */
-import type { RunningServer, ServeOptions } from "./types.ts";
+/** The gateway served by `Bun.serve`, WebSockets included (`server.upgrade` + `websocket`). */
+import type { ServerWebSocket } from "bun";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { RunningServer, ServeOptions, ServerSocket, SocketHandler, Upgrade } from "./types.ts";
+import { isUpgradeRequest, WS_IDLE_TIMEOUT_S, WS_MAX_MESSAGE_BYTES } from "./ws-limits.ts";
 
 /** Bun's idle timeout is at most 255 s; 0 turns it off. */
 const BUN_MAX_IDLE_S = 255;
 
+type WsData = { handler: SocketHandler };
+
+function serverSocket(ws: ServerWebSocket<WsData>): ServerSocket {
+  return {
+    sendBinary: (data) => void ws.sendBinary(data),
+    sendText: (data) => void ws.sendText(data),
+    bufferedAmount: () => ws.getBufferedAmount(),
+    pause: () => ws.pause(),
+    resume: () => ws.resume(),
+    close: (code, reason) => ws.close(code, reason),
+  };
+}
+
 export async function serveBun(opts: ServeOptions): Promise<RunningServer> {
   const idleS = Math.ceil(opts.requestTimeoutMs / 1000);
-  const server = Bun.serve({
+  const server = Bun.serve<WsData>({
     hostname: opts.hostname,
     port: opts.port,
     // A request may outlast Bun's 255 s cap (a 600 s exec): then no idle timeout at all, as under
     // Deno; the exec itself is bounded by its own timeout.
     idleTimeout: idleS > BUN_MAX_IDLE_S ? 0 : idleS,
-    fetch: opts.fetch,
+    fetch: async (request, srv) => {
+      let upgraded = false;
+      const upgrade: Upgrade | undefined = isUpgradeRequest(request)
+        ? (handler) => {
+            if (!srv.upgrade(request, { data: { handler } })) {
+              throw new SandboxdError("bad_request", "not a valid WebSocket upgrade request");
+            }
+            upgraded = true;
+            return new Response(null);
+          }
+        : undefined;
+      const response = await opts.fetch(request, upgrade);
+      // After server.upgrade Bun answers 101 itself and wants no response.
+      return upgraded ? undefined : response;
+    },
+    websocket: {
+      idleTimeout: WS_IDLE_TIMEOUT_S,
+      sendPings: true,
+      maxPayloadLength: WS_MAX_MESSAGE_BYTES,
+      // No drop or close on a full send queue: the relay bounds it (gateway/relay/).
+      backpressureLimit: 0,
+      closeOnBackpressureLimit: false,
+      perMessageDeflate: false,
+      open: (ws) => ws.data.handler.open(serverSocket(ws)),
+      message: (ws, message) => ws.data.handler.message(message),
+      drain: (ws) => ws.data.handler.drain(),
+      close: (ws, code, reason) => ws.data.handler.close(code, reason),
+    },
   });
   return {
     runtime: "bun",

@@ -6,7 +6,42 @@
  */
 export type RuntimeName = "bun" | "deno" | "node";
 
-export type FetchHandler = (request: Request) => Response | Promise<Response>;
+/**
+ * The server side of one accepted WebSocket, the same under every runtime. Sends never block: a
+ * caller that cares about memory checks `bufferedAmount()` and waits for `SocketHandler.drain`.
+ */
+export interface ServerSocket {
+  sendBinary(data: Uint8Array): void;
+  sendText(data: string): void;
+  /** Bytes given to send* and not yet written to the network. */
+  bufferedAmount(): number;
+  /**
+   * Stops reading from the client, which then sees TCP back-pressure; messages already read may
+   * still arrive. A no-op where the runtime cannot pause a WebSocket (Deno).
+   */
+  pause(): void;
+  resume(): void;
+  close(code: number, reason: string): void;
+}
+
+/** What runs an upgraded connection. Called by the runtime adapter, one socket per handler. */
+export interface SocketHandler {
+  open(socket: ServerSocket): void;
+  message(data: Uint8Array | string): void;
+  /** The send queue went down after having been high (see `ServerSocket.bufferedAmount`). */
+  drain(): void;
+  /** The connection ended, whoever closed it. Called once. */
+  close(code: number, reason: string): void;
+}
+
+/**
+ * Given to the fetch handler with a request that asks for a WebSocket upgrade. Calling it accepts
+ * the upgrade (the handler returns what it returns: the runtime then answers 101 itself); it
+ * throws where the request cannot be upgraded after all.
+ */
+export type Upgrade = (handler: SocketHandler) => Response;
+
+export type FetchHandler = (request: Request, upgrade?: Upgrade) => Response | Promise<Response>;
 
 export interface ServeOptions {
   fetch: FetchHandler;

@@ -5,6 +5,8 @@
  * end-to-end tests come with the real agent (agent/). Never wire it into a running service.
  */
 import { readFile, rm } from "node:fs/promises";
+import { connect, type Socket } from "node:net";
+import { Duplex } from "node:stream";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type {
   AgentApi,
@@ -42,6 +44,16 @@ export class MemoryAgent implements AgentApi {
   readonly calls: string[] = [];
   /** Slots left; createSandbox/fork throw at_capacity at 0. */
   slotsFree = 1000;
+  /**
+   * Where `openTunnel` goes: guest port -> a real TCP port on 127.0.0.1 (a test's own server),
+   * so the gateway's relays run over real sockets up to this boundary.
+   */
+  readonly tunnelTargets = new Map<number, number>();
+  /** Tunnels opened, as `vmId:port`, and the sockets still open. */
+  readonly tunnelsOpened: string[] = [];
+  /** Bytes the gateway has read from all tunnels (what left the "guest" towards the client). */
+  tunnelBytesRead = 0;
+  readonly openTunnelSockets = new Set<Socket>();
   /** When set, the next exec waits for this promise (to test `busy`). */
   execGate: Promise<void> | null = null;
   private seq = 0;
@@ -197,8 +209,34 @@ export class MemoryAgent implements AgentApi {
     this.calls.push(`release ${template}`);
   }
 
-  async openTunnel(): Promise<Tunnel> {
-    throw new SandboxdError("internal", "the stand-in agent has no tunnels");
+  async openTunnel(vmId: VmId, port: number): Promise<Tunnel> {
+    const vm = this.vm(vmId);
+    if (vm.state !== "running") throw new SandboxdError("conflict", `vm ${vmId} is ${vm.state}`);
+    const target = this.tunnelTargets.get(port);
+    if (target === undefined)
+      throw new SandboxdError("port_not_exposed", `no tunnel target for port ${port}`);
+    this.tunnelsOpened.push(`${vmId}:${port}`);
+    const socket = connect(target, "127.0.0.1");
+    await new Promise<void>((resolve, reject) => {
+      socket.once("connect", resolve);
+      socket.once("error", reject);
+    });
+    this.openTunnelSockets.add(socket);
+    socket.once("close", () => this.openTunnelSockets.delete(socket));
+    const { readable, writable } = Duplex.toWeb(socket);
+    const counted = (readable as ReadableStream<Uint8Array>).pipeThrough(
+      new TransformStream<Uint8Array, Uint8Array>({
+        transform: (chunk, c) => {
+          this.tunnelBytesRead += chunk.byteLength;
+          c.enqueue(chunk);
+        },
+      }),
+    );
+    return {
+      readable: counted,
+      writable: writable as WritableStream<Uint8Array>,
+      close: () => socket.destroy(),
+    };
   }
 
   async health(): Promise<AgentHealth> {

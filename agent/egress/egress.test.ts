@@ -1,0 +1,218 @@
+/**
+ * Egress allow-lists and the host-side egress proxy, with real sockets: the proxy serves real
+ * TCP connections on loopback (standing in for the guest's stream channel), and servers on
+ * loopback stand in for an allowed and a denied host. Names are pointed at loopback by the
+ * proxy's `connect` hook: DNS is the one boundary replaced here (no /etc/hosts edits).
+ */
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { createServer, type Server, Socket } from "node:net";
+import fc from "fast-check";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { EgressPolicy } from "./policy.ts";
+import { defaultConnect, type EgressAttempt, serveEgressConnection } from "./proxy.ts";
+
+describe("EgressPolicy", () => {
+  test("exact names, *.suffix wildcards, IP literals, *", () => {
+    const p = EgressPolicy.fromAllowList(["api.example.com", "*.pkg.dev", "10.0.0.7", "Upper.Example.ORG."]);
+    expect(p.allows("api.example.com")).toBe(true);
+    expect(p.allows("API.Example.com.")).toBe(true);
+    expect(p.allows("upper.example.org")).toBe(true);
+    expect(p.allows("www.example.com")).toBe(false);
+    expect(p.allows("example.com")).toBe(false);
+    expect(p.allows("a.pkg.dev")).toBe(true);
+    expect(p.allows("a.b.pkg.dev")).toBe(true);
+    expect(p.allows("pkg.dev")).toBe(false);
+    expect(p.allows("evilpkg.dev")).toBe(false);
+    expect(p.allows("10.0.0.7")).toBe(true);
+    expect(p.allows("10.0.0.8")).toBe(false);
+    expect(EgressPolicy.fromAllowList(["*"]).allows("anything.at.all")).toBe(true);
+    expect(EgressPolicy.byDefault("deny").allows("localhost")).toBe(false);
+    expect(EgressPolicy.byDefault("allow").allows("localhost")).toBe(true);
+  });
+
+  test("malformed entries are bad_request naming the entry", () => {
+    for (const bad of [
+      "",
+      "http://x.com",
+      "a..b",
+      "*.",
+      "*x.com",
+      "x.com/path",
+      "-a.com",
+      "a b",
+      "*.*.com",
+    ]) {
+      let err: unknown;
+      try {
+        EgressPolicy.fromAllowList([bad]);
+      } catch (e) {
+        err = e;
+      }
+      expect(err).toBeInstanceOf(SandboxdError);
+      expect((err as SandboxdError).code).toBe("bad_request");
+    }
+    expect(() => EgressPolicy.fromAllowList(Array.from({ length: 257 }, (_, i) => `h${i}.com`))).toThrow(
+      SandboxdError,
+    );
+  });
+
+  test("property: a wildcard allows exactly the names strictly below its suffix", () => {
+    const label = fc.stringMatching(/^[a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?$/);
+    const name = fc.array(label, { minLength: 1, maxLength: 4 }).map((ls) => ls.join("."));
+    fc.assert(
+      fc.property(name, name, (suffix, host) => {
+        const p = EgressPolicy.fromAllowList([`*.${suffix}`]);
+        const below = host.endsWith(`.${suffix}`);
+        expect(p.allows(host)).toBe(below);
+        expect(p.allows(suffix)).toBe(false);
+        expect(p.allows(`x.${suffix}`)).toBe(true);
+      }),
+      { numRuns: 500 },
+    );
+  });
+});
+
+describe("egress proxy over real loopback sockets", () => {
+  let allowedOrigin: Server;
+  let deniedOrigin: Server;
+  let proxy: Server;
+  let deniedHits = 0;
+  const seen: string[] = [];
+  const attempts: EgressAttempt[] = [];
+  const logs: string[] = [];
+  const port = (s: Server) => (s.address() as { port: number }).port;
+
+  beforeAll(async () => {
+    allowedOrigin = createServer((sock) => {
+      let buf = "";
+      sock.on("data", (d) => {
+        buf += d.toString();
+        if (buf.startsWith("PING")) sock.write("PONG");
+        else if (buf.includes("\r\n\r\n")) {
+          seen.push(buf.split("\r\n")[0]!);
+          sock.end("HTTP/1.1 200 OK\r\nContent-Length: 7\r\nConnection: close\r\n\r\norigin!");
+        }
+      });
+    });
+    deniedOrigin = createServer((sock) => {
+      deniedHits++;
+      sock.end("should never be reached");
+    });
+    await Promise.all([
+      new Promise<void>((r) => allowedOrigin.listen(0, "127.0.0.1", r)),
+      new Promise<void>((r) => deniedOrigin.listen(0, "127.0.0.1", r)),
+    ]);
+    const names: Record<string, number> = {
+      "api.allowed.test": port(allowedOrigin),
+      "cdn.allowed.test": port(allowedOrigin),
+      "evil.test": port(deniedOrigin),
+    };
+    const policy = EgressPolicy.fromAllowList(["api.allowed.test", "*.allowed.test", "localhost"]);
+    proxy = createServer((sock) => {
+      void serveEgressConnection(sock, {
+        sandboxId: "sbx-test",
+        policy,
+        // The test hosts' names resolve to loopback servers; any other name (`localhost`) goes
+        // through the host's real resolver and connect.
+        connect: (host, p) => {
+          const target = names[host];
+          if (target === undefined) return defaultConnect(host, p);
+          return defaultConnect("127.0.0.1", target);
+        },
+        onAttempt: (a) => attempts.push(a),
+        log: (m) => logs.push(m),
+      });
+    });
+    await new Promise<void>((r) => proxy.listen(0, "127.0.0.1", r));
+  });
+
+  afterAll(() => {
+    for (const s of [allowedOrigin, deniedOrigin, proxy]) s.close();
+  });
+
+  /** Sends `request` to the proxy; resolves with everything received until close (or `until`). */
+  function talk(
+    request: string,
+    opts: { send?: string; until?: string } = {},
+  ): Promise<{ text: string; ms: number }> {
+    const t0 = performance.now();
+    return new Promise((resolve, reject) => {
+      const s = new Socket();
+      let text = "";
+      s.on("data", (d) => {
+        text += d.toString();
+        if (opts.send && text.includes("\r\n\r\n") && text.startsWith("HTTP/1.1 200")) {
+          s.write(opts.send);
+          opts.send = undefined;
+        }
+        if (opts.until && text.includes(opts.until)) s.end();
+      });
+      s.on("close", () => resolve({ text, ms: performance.now() - t0 }));
+      s.on("error", reject);
+      s.connect({ host: "127.0.0.1", port: port(proxy) }, () => s.write(request));
+    });
+  }
+
+  test("CONNECT to an allowed host: 200, then raw bytes both ways", async () => {
+    const r = await talk("CONNECT api.allowed.test:9999 HTTP/1.1\r\nHost: api.allowed.test:9999\r\n\r\n", {
+      send: "PING",
+      until: "PONG",
+    });
+    expect(r.text).toStartWith("HTTP/1.1 200 Connection established\r\n\r\n");
+    expect(r.text).toEndWith("PONG");
+  });
+
+  test("plain HTTP through the proxy reaches the origin in origin form", async () => {
+    const r = await talk(
+      "GET http://cdn.allowed.test/health?x=1 HTTP/1.1\r\nHost: cdn.allowed.test\r\nProxy-Connection: keep-alive\r\n\r\n",
+    );
+    expect(r.text).toStartWith("HTTP/1.1 200 OK");
+    expect(r.text).toEndWith("origin!");
+    expect(seen.at(-1)).toBe("GET /health?x=1 HTTP/1.1");
+  });
+
+  test("a denied host is refused at once with 403, logged, and never contacted", async () => {
+    const before = deniedHits;
+    for (const req of [
+      "CONNECT evil.test:443 HTTP/1.1\r\nHost: evil.test:443\r\n\r\n",
+      "GET http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+      "CONNECT allowed.test:443 HTTP/1.1\r\n\r\n", // the bare suffix of a wildcard
+      "CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n", // an IP literal no entry names
+    ]) {
+      const r = await talk(req);
+      expect(r.text).toStartWith("HTTP/1.1 403 Forbidden");
+      expect(r.text).toContain("X-Sandboxd-Egress: denied");
+      expect(r.ms).toBeLessThan(1_000);
+    }
+    expect(deniedHits).toBe(before);
+    const refused = attempts.filter((a) => !a.allowed).map((a) => `${a.host}:${a.port}`);
+    expect(refused).toEqual(["evil.test:443", "evil.test:80", "allowed.test:443", "127.0.0.1:22"]);
+    expect(logs.filter((l) => l.includes("egress denied: sandbox sbx-test -> evil.test"))).toHaveLength(2);
+  });
+
+  test("an allowed name resolved by the host's own resolver (localhost) is connected", async () => {
+    const r = await talk(`CONNECT localhost:${port(allowedOrigin)} HTTP/1.1\r\n\r\n`, {
+      send: "PING",
+      until: "PONG",
+    });
+    expect(r.text).toEndWith("PONG");
+  });
+
+  test("malformed requests get 400, an unreachable allowed port 502, both at once", async () => {
+    for (const req of [
+      "hello\r\n\r\n",
+      "CONNECT api.allowed.test HTTP/1.1\r\n\r\n",
+      "GET /relative HTTP/1.1\r\n\r\n",
+    ]) {
+      const r = await talk(req);
+      expect(r.text).toStartWith("HTTP/1.1 400 Bad Request");
+    }
+    const closed = createServer();
+    await new Promise<void>((r) => closed.listen(0, "127.0.0.1", r));
+    const dead = port(closed);
+    closed.close();
+    const r = await talk(`CONNECT localhost:${dead} HTTP/1.1\r\n\r\n`);
+    expect(r.text).toStartWith("HTTP/1.1 502 Bad Gateway");
+    expect(r.ms).toBeLessThan(2_000);
+  });
+});

@@ -1,0 +1,218 @@
+/**
+ * Image references (contracts/image-ref.ts), the plain-HTTP decision for registries, the registry
+ * settings, and real pulls with skopeo from a real registry (Debian's docker-registry on a free
+ * loopback port, tests/support/registry.ts): the first pull fetches, a second of the same digest
+ * fetches nothing, an unknown tag is a readable error.
+ */
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { existsSync } from "node:fs";
+import { mkdtemp, readdir, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { SandboxdError } from "../../contracts/errors.ts";
+import { parseImageReference } from "../../contracts/image-ref.ts";
+import { busyboxImageSpec, makeOciArchive } from "../../tests/fixtures/images.ts";
+import { type LocalRegistry, REGISTRY_BIN, startRegistry } from "../../tests/support/registry.ts";
+import {
+  isLoopbackHost,
+  pullImage,
+  type RegistryConfig,
+  registryConfigFromEnv,
+  registryTlsVerify,
+  skopeoReason,
+} from "./pull.ts";
+
+const NO_CONFIG: RegistryConfig = { insecureRegistries: [] };
+
+describe("image references", () => {
+  test("valid references parse into registry, path, tag and digest", () => {
+    expect(parseImageReference("busybox")).toMatchObject({
+      path: "busybox",
+      tag: "latest",
+      canonical: "busybox:latest",
+    });
+    expect(parseImageReference("busybox").domain).toBeUndefined();
+    expect(parseImageReference("team/app:1.2")).toMatchObject({ path: "team/app", tag: "1.2" });
+    expect(parseImageReference("127.0.0.1:5000/bb:1")).toMatchObject({
+      domain: "127.0.0.1:5000",
+      host: "127.0.0.1",
+      port: 5000,
+      path: "bb",
+      tag: "1",
+      name: "127.0.0.1:5000/bb",
+    });
+    expect(parseImageReference("localhost/a/b")).toMatchObject({ host: "localhost", path: "a/b" });
+    expect(parseImageReference("[::1]:5000/x:y")).toMatchObject({ host: "::1", port: 5000, path: "x" });
+    const d = `sha256:${"a".repeat(64)}`;
+    const pinned = parseImageReference(`reg.example:443/x/y@${d}`);
+    expect(pinned).toMatchObject({ digest: d, path: "x/y", host: "reg.example", port: 443 });
+    expect(pinned.tag).toBeUndefined();
+    expect(parseImageReference(`r.example/x:t@${d}`).canonical).toBe(`r.example/x:t@${d}`);
+    expect(parseImageReference("my_org/a__b-c.d:v_1.0-rc")).toMatchObject({ path: "my_org/a__b-c.d" });
+  });
+
+  test("anything that could read as an option, a scheme or another transport is refused", () => {
+    for (const bad of [
+      "",
+      "-x",
+      "--src-creds=a:b",
+      "--authfile=/etc/shadow",
+      " busybox",
+      "busybox ",
+      "bus box",
+      "busybox\n",
+      "docker://busybox",
+      "oci:/tmp/x",
+      "docker-archive:/tmp/x.tar",
+      "Busybox",
+      "reg.example/UPPER",
+      "reg.example//x",
+      "x/",
+      "/x",
+      "x:",
+      "x:-tag",
+      "x@sha256:short",
+      `x@md5:${"a".repeat(32)}`,
+      "reg.example:99999/x",
+      "reg.example:port/x",
+      "[::1/x",
+      "[zz::1]:5000/x",
+      "x/[::1]",
+      "a$b",
+      "a;b",
+      `${"a".repeat(300)}`,
+    ]) {
+      expect(() => parseImageReference(bad)).toThrow(/invalid image reference/);
+    }
+  });
+});
+
+describe("plain HTTP or TLS", () => {
+  test("loopback registries are spoken to over plain HTTP, as Docker does", () => {
+    for (const h of ["127.0.0.1", "127.1.2.3", "127.255.255.254", "localhost", "LOCALHOST", "::1", "[::1]"])
+      expect(isLoopbackHost(h)).toBe(true);
+    expect(isLoopbackHost("0:0:0:0:0:0:0:1")).toBe(true);
+    for (const h of [
+      "128.0.0.1",
+      "10.0.0.1",
+      "126.0.0.1",
+      "127.0.0.1.nip.example",
+      "::2",
+      "reg.example",
+      "localhostx",
+    ])
+      expect(isLoopbackHost(h)).toBe(false);
+    const tls = (ref: string, cfg = NO_CONFIG) => registryTlsVerify(parseImageReference(ref), cfg);
+    expect(tls("127.0.0.1:5000/x")).toBe(false);
+    expect(tls("localhost:5000/x")).toBe(false);
+    expect(tls("[::1]:5000/x")).toBe(false);
+    expect(tls("10.0.0.5:5000/x")).toBe(true);
+    expect(tls("reg.example/x")).toBe(true);
+    expect(tls("busybox")).toBe(true); // the default registry: always TLS
+  });
+
+  test("other registries go without TLS only when configured, by host:port or by host", () => {
+    const cfg = registryConfigFromEnv({ SANDBOXD_INSECURE_REGISTRIES: " 10.0.0.5:5000, Reg.Internal ,," });
+    expect(cfg.insecureRegistries).toEqual(["10.0.0.5:5000", "reg.internal"]);
+    expect(cfg.authFile).toBeUndefined();
+    const tls = (ref: string) => registryTlsVerify(parseImageReference(ref), cfg);
+    expect(tls("10.0.0.5:5000/x")).toBe(false);
+    expect(tls("10.0.0.5:5001/x")).toBe(true); // another port of a host listed with a port
+    expect(tls("reg.internal/x")).toBe(false);
+    expect(tls("reg.internal:8443/x")).toBe(false); // a host listed without a port: every port
+    expect(tls("reg.example/x")).toBe(true);
+    expect(() => registryConfigFromEnv({ SANDBOXD_INSECURE_REGISTRIES: "http://x" })).toThrow(
+      /not host or host:port/,
+    );
+    expect(registryConfigFromEnv({ SANDBOXD_REGISTRY_AUTH: "/etc/sandboxd/auth.json" }).authFile).toBe(
+      "/etc/sandboxd/auth.json",
+    );
+  });
+
+  test("skopeo's error lines are reduced to the registry's words", () => {
+    expect(
+      skopeoReason(
+        'time="2026-11-23T10:00:00Z" level=fatal msg="Error parsing image name \\"docker://x\\": reading manifest nope in 127.0.0.1:5000/bb: manifest unknown: manifest unknown"',
+      ),
+    ).toBe(
+      'Error parsing image name "docker://x": reading manifest nope in 127.0.0.1:5000/bb: manifest unknown: manifest unknown',
+    );
+    expect(skopeoReason("plain failure\n\n")).toBe("plain failure");
+  });
+});
+
+describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopback", () => {
+  let reg: LocalRegistry;
+  let work: string;
+  beforeAll(async () => {
+    work = await mkdtemp(join(tmpdir(), "sbx-pull-"));
+    reg = await startRegistry();
+    const archive = join(work, "bb.tar");
+    await makeOciArchive(archive, await busyboxImageSpec(work));
+    await reg.push(`oci-archive:${archive}`, "bb:1");
+  }, 120_000);
+  afterAll(async () => {
+    await reg?.stop();
+    if (work) await rm(work, { recursive: true, force: true });
+  });
+
+  test("first pull fetches into the cache by digest; the same digest again fetches nothing", async () => {
+    const cacheDir = join(work, "cache");
+    const first = await pullImage({ reference: `${reg.host}/bb:1`, cacheDir, registry: NO_CONFIG });
+    expect(first.cached).toBe(false);
+    expect(first.digest).toMatch(/^sha256:[a-f0-9]{64}$/);
+    expect(first.layout).toBe(join(cacheDir, "images", "pulled", first.digest.slice(7)));
+    expect(existsSync(join(first.layout, "index.json"))).toBe(true);
+    expect(await readdir(join(cacheDir, "tmp"))).toEqual([]); // the work dir is gone
+    const blobGets = () => (reg.log().match(/"GET \/v2\/bb\/blobs\//g) ?? []).length;
+    const before = blobGets();
+    expect(before).toBeGreaterThan(0);
+    const again = await pullImage({ reference: `${reg.host}/bb:1`, cacheDir, registry: NO_CONFIG });
+    expect(again).toMatchObject({ cached: true, digest: first.digest, layout: first.layout });
+    // By digest: no lookup needed, still no blob fetched.
+    const pinned = await pullImage({
+      reference: `${reg.host}/bb@${first.digest}`,
+      cacheDir,
+      registry: NO_CONFIG,
+    });
+    expect(pinned.cached).toBe(true);
+    await Bun.sleep(200);
+    expect(blobGets()).toBe(before);
+    console.log(
+      JSON.stringify({ pull_ms: Math.round(first.pullMs), cached_pull_ms: Math.round(again.pullMs) }),
+    );
+  }, 120_000);
+
+  test("an unknown tag, an unknown repository and a bad reference are readable errors", async () => {
+    const cacheDir = join(work, "cache2");
+    const err = async (reference: string) => {
+      try {
+        await pullImage({ reference, cacheDir, registry: NO_CONFIG });
+      } catch (e) {
+        return e as SandboxdError;
+      }
+      throw new Error(`pull of ${reference} succeeded`);
+    };
+    const tag = await err(`${reg.host}/bb:nope`);
+    expect(tag.code).toBe("image_pull_failed");
+    expect(tag.message).toContain(`looking up ${reg.host}/bb:nope failed`);
+    expect(tag.message).toMatch(/manifest unknown/);
+    const repo = await err(`${reg.host}/missing/repo:1`);
+    expect(repo.code).toBe("image_pull_failed");
+    expect(repo.message).toMatch(/unknown|not found/i);
+    const bad = await err("--src-creds=a:b");
+    expect(bad.code).toBe("bad_request");
+    // A missing credentials file is named, before skopeo runs.
+    try {
+      await pullImage({
+        reference: `${reg.host}/bb:1`,
+        cacheDir,
+        registry: { insecureRegistries: [], authFile: join(work, "no-such-auth.json") },
+      });
+      throw new Error("pull succeeded");
+    } catch (e) {
+      expect((e as SandboxdError).message).toContain("no-such-auth.json");
+    }
+    expect(existsSync(join(cacheDir, "images", "pulled"))).toBe(false);
+  }, 120_000);
+});

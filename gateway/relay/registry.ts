@@ -1,0 +1,62 @@
+/**
+ * The connect relays open in this gateway process, by sandbox, so that deleting (or reaping) a
+ * sandbox closes them at once (spec 4.2: deletion revokes its connect tokens; a relay already
+ * open on the sandbox ends with it). Per process: with several gateway replicas a relay on another
+ * replica ends when the agent tears the VM's tunnels down.
+ */
+
+export interface OpenRelay {
+  /** Ends the relay: the client's WebSocket closes with `code`, the tunnel is closed. */
+  close(code: number, reason: string): void;
+}
+
+/**
+ * How long a sandbox's relays stay refused after it was closed, ms: covers a connect that passed
+ * its checks just before the delete and registers just after it.
+ */
+const CLOSED_MEMORY_MS = 60_000;
+
+export class RelayRegistry {
+  private readonly open = new Map<string, Set<OpenRelay>>();
+  private readonly closed = new Map<string, { at: number; code: number; reason: string }>();
+
+  constructor(private readonly now: () => number = Date.now) {}
+
+  /** Registers a relay; returns its removal. A sandbox closed a moment ago closes it at once. */
+  add(sandboxId: string, relay: OpenRelay): () => void {
+    const ended = this.closed.get(sandboxId);
+    if (ended && this.now() - ended.at < CLOSED_MEMORY_MS) {
+      relay.close(ended.code, ended.reason);
+      return () => {};
+    }
+    let set = this.open.get(sandboxId);
+    if (!set) {
+      set = new Set();
+      this.open.set(sandboxId, set);
+    }
+    set.add(relay);
+    return () => {
+      set.delete(relay);
+      if (set.size === 0 && this.open.get(sandboxId) === set) this.open.delete(sandboxId);
+    };
+  }
+
+  /** Closes every relay of the sandbox and refuses new ones for a while; returns how many. */
+  closeSandbox(sandboxId: string, code: number, reason: string): number {
+    const t = this.now();
+    for (const [id, e] of this.closed) if (t - e.at >= CLOSED_MEMORY_MS) this.closed.delete(id);
+    this.closed.set(sandboxId, { at: t, code, reason });
+    const set = this.open.get(sandboxId);
+    this.open.delete(sandboxId);
+    for (const relay of set ?? []) relay.close(code, reason);
+    return set?.size ?? 0;
+  }
+
+  /** Relays open on the sandbox (or in all), for tests and metrics. */
+  count(sandboxId?: string): number {
+    if (sandboxId !== undefined) return this.open.get(sandboxId)?.size ?? 0;
+    let n = 0;
+    for (const set of this.open.values()) n += set.size;
+    return n;
+  }
+}

@@ -1,0 +1,117 @@
+/**
+ * A real OCI registry for pull tests: Debian's `docker-registry` binary (distribution 2.8),
+ * started by the test on a free loopback port with a temporary config and filesystem storage
+ * (never its systemd service), and images pushed to it with skopeo over plain HTTP. Test code only.
+ */
+import { spawn } from "node:child_process";
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import { createServer } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+
+export const REGISTRY_BIN = "/usr/bin/docker-registry";
+/** The registry answers /v2/ within ~100 ms of its start; 20 s means it will not. */
+const START_TIMEOUT_MS = 20_000;
+
+export interface LocalRegistry {
+  /** `127.0.0.1:PORT`, the domain part of references. */
+  host: string;
+  /** Pushes an oci-archive (or any skopeo source) as `host/nameTag`, e.g. `bb:1`. */
+  push(source: string, nameTag: string): Promise<void>;
+  /** Access log lines so far (method and path of each request). */
+  log(): string;
+  stop(): Promise<void>;
+}
+
+async function freePort(): Promise<number> {
+  return new Promise((done, fail) => {
+    const srv = createServer();
+    srv.once("error", fail);
+    srv.listen(0, "127.0.0.1", () => {
+      const addr = srv.address();
+      const port = typeof addr === "object" && addr ? addr.port : 0;
+      srv.close(() => done(port));
+    });
+  });
+}
+
+export async function startRegistry(): Promise<LocalRegistry> {
+  const dir = await mkdtemp(join(tmpdir(), "sbx-registry-"));
+  const port = await freePort();
+  const host = `127.0.0.1:${port}`;
+  const config = join(dir, "config.yml");
+  await writeFile(
+    config,
+    [
+      "version: 0.1",
+      "log:",
+      "  level: info",
+      "  accesslog:",
+      "    disabled: false",
+      "storage:",
+      "  filesystem:",
+      `    rootdirectory: ${join(dir, "storage")}`,
+      "  delete:",
+      "    enabled: true",
+      "http:",
+      `  addr: ${host}`,
+      "",
+    ].join("\n"),
+  );
+  const child = spawn(REGISTRY_BIN, ["serve", config], { stdio: ["ignore", "pipe", "pipe"] });
+  let out = "";
+  const onData = (b: Buffer) => {
+    out = (out + b.toString()).slice(-500_000);
+  };
+  child.stdout.on("data", onData);
+  child.stderr.on("data", onData);
+  let exited = false;
+  child.once("exit", () => {
+    exited = true;
+  });
+  const deadline = performance.now() + START_TIMEOUT_MS;
+  for (;;) {
+    try {
+      const r = await fetch(`http://${host}/v2/`, { signal: AbortSignal.timeout(1000) });
+      if (r.status === 200) break;
+    } catch {
+      // not listening yet
+    }
+    if (exited || performance.now() > deadline) {
+      child.kill("SIGKILL");
+      await rm(dir, { recursive: true, force: true });
+      throw new Error(`docker-registry did not start on ${host}:\n${out.slice(-2000)}`);
+    }
+    await Bun.sleep(50);
+  }
+  return {
+    host,
+    async push(source, nameTag) {
+      const p = Bun.spawn(
+        [
+          "skopeo",
+          "copy",
+          "--quiet",
+          "--insecure-policy",
+          "--dest-tls-verify=false",
+          source,
+          `docker://${host}/${nameTag}`,
+        ],
+        { stdout: "pipe", stderr: "pipe" },
+      );
+      const [err, code] = await Promise.all([new Response(p.stderr).text(), p.exited]);
+      if (code !== 0) throw new Error(`skopeo push to ${host}/${nameTag} failed: ${err}`);
+    },
+    log: () => out,
+    async stop() {
+      if (!exited) {
+        const gone = new Promise<void>((r) => child.once("exit", () => r()));
+        child.kill("SIGTERM");
+        const t = setTimeout(() => child.kill("SIGKILL"), 5_000);
+        await gone;
+        clearTimeout(t);
+      }
+      await rm(dir, { recursive: true, force: true });
+    },
+  };
+}
