@@ -21,6 +21,7 @@ export const FrameType = {
   CLOSE: 9,
   CREDIT: 10,
   LOG: 11,
+  OPEN: 12,
 } as const;
 export type FrameType = (typeof FrameType)[keyof typeof FrameType];
 
@@ -86,6 +87,10 @@ export type Tag = (typeof Tag)[keyof typeof Tag];
  * make either side buffer.
  */
 export const TUNNEL_WINDOW = 262144;
+/** Stream ids of tunnels the guest opens (OPEN: egress) have this bit; the host's never do. */
+export const GUEST_STREAM_BIT = 0x80000000;
+/** The egress proxy port the guest agent listens on (127.0.0.1) inside every VM. */
+export const EGRESS_PORT = 3128;
 
 /** Bits of Tag.STREAM. */
 export const StreamFlag = { OUTPUT: 1, STDIN: 2 } as const;

@@ -12,6 +12,7 @@ import { existsSync } from "node:fs";
 import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { WebSocket } from "ws";
 import * as B from "../contracts/api/family-b.ts";
 import { busyboxImageSpec, makeOciArchive } from "./fixtures/images.ts";
 import {
@@ -54,6 +55,28 @@ let keys: Record<"demo" | "pro" | "other", string>;
 const liveSandboxes = new Map<string, string>();
 const liveTemplates = new Map<string, string>();
 const figures: Record<string, unknown> = {};
+
+/**
+ * Opens a WebSocket to `url`, sends `send` (if any) as one binary message and collects what comes
+ * back until the relay closes; a refused handshake gives its HTTP status instead.
+ */
+function wsExchange(url: string, send: string): Promise<{ status: number; text: string }> {
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket(url, { perMessageDeflate: false });
+    const parts: Buffer[] = [];
+    ws.once("open", () => {
+      if (send) ws.send(Buffer.from(send));
+      else ws.close();
+    });
+    ws.on("message", (d: Buffer) => parts.push(Buffer.from(d)));
+    ws.once("close", () => resolve({ status: 101, text: Buffer.concat(parts).toString() }));
+    ws.once("unexpected-response", (_req, res) => {
+      res.resume();
+      resolve({ status: res.statusCode ?? 0, text: "" });
+    });
+    ws.once("error", reject);
+  });
+}
 
 function service(): RunningService {
   if (!svc) throw new Error("the service did not start (see beforeAll)");
@@ -277,6 +300,41 @@ describe("Family B bake from a registry", () => {
         const r = await exec(c.id, HEALTH);
         expect({ code: r.exit_code, out: r.stdout }).toEqual({ code: 0, out: "healthy\n" });
       }
+      // Connect from outside (spec 4.2): a connect URL's WebSocket carries raw HTTP to httpd in
+      // the sandbox, through the gateway, the agent and the guest agent (no guest network).
+      const mint = async (id: string, ttl = 300) => {
+        const r = expectOk(
+          await api().post(`/v1/sandboxes/${id}/connect-url`, {
+            key: keys.pro,
+            json: { port: PORT, ttl_seconds: ttl, protocol: "tcp" },
+          }),
+          200,
+          B.ConnectUrlResponse,
+        );
+        expect(r.url).toStartWith("wss://");
+        const u = new URL(r.url);
+        return `${service().url.replace(/^http/, "ws")}${u.pathname}${u.search}`;
+      };
+      const url = await mint(sb.id);
+      const t0 = performance.now();
+      const reply = await wsExchange(url, "GET /health HTTP/1.0\r\nHost: sandbox\r\n\r\n");
+      expect(reply.text).toStartWith("HTTP/1.1 200 OK");
+      expect(reply.text).toEndWith("healthy\n");
+      figures.connect = { http_over_ws_ms: Math.round(performance.now() - t0) };
+      // A token for another sandbox, an expired one: refused before any upgrade.
+      const childUrl = await mint(forked.children[0]!.id);
+      const foreign = childUrl.replace(forked.children[0]!.id, sb.id);
+      expect((await wsExchange(foreign, "")).status).toBe(401);
+      const shortLived = await mint(sb.id, 1);
+      await Bun.sleep(2_100);
+      expect((await wsExchange(shortLived, "")).status).toBe(401);
+      // A deleted sandbox revokes its tokens.
+      await deleteSandbox(forked.children[1]!.id);
+      const revoked = await mint(forked.children[0]!.id);
+      await deleteSandbox(forked.children[0]!.id);
+      expect((await wsExchange(revoked, "")).status).toBe(401);
+      forked.children.splice(0, 2);
+
       // A template with live sandboxes cannot go (spec 4.2), the shared catalog never.
       expectError(await api().delete("/v1/templates/web", { key: keys.pro }), 409, "template_in_use");
       expectError(await api().delete(`/v1/templates/${PYTHON}`, { key: keys.pro }), 403, "forbidden");

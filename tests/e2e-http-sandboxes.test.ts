@@ -10,6 +10,7 @@
  */
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
 import { readdir } from "node:fs/promises";
+import { createServer, type Server } from "node:net";
 import { join } from "node:path";
 import type { z } from "zod";
 import * as B from "../contracts/api/family-b.ts";
@@ -506,6 +507,53 @@ describe("Family B: sandboxes", () => {
       );
       await deleteSandbox(pro);
       await expectNoVms();
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "egress.allow: an allowed host answers through the guest's proxy, others get 403 at once; malformed is 400",
+    async () => {
+      // Host loopback addresses stand in for an allowed and a denied host.
+      let deniedHits = 0;
+      const serve = (host: string, onConn: () => void) =>
+        new Promise<Server>((resolve) => {
+          const srv = createServer((sock) => {
+            onConn();
+            sock.once("data", () =>
+              sock.end("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"),
+            );
+          });
+          srv.listen(0, host, () => resolve(srv));
+        });
+      const allowed = await serve("127.0.0.2", () => {});
+      const denied = await serve("127.0.0.3", () => deniedHits++);
+      const port = (srv: Server) => (srv.address() as { port: number }).port;
+      try {
+        expectError(
+          await api().post("/v1/sandboxes", {
+            key: keys.pro,
+            json: { template: PYTHON, egress: { allow: ["http://not-a-host/"] } },
+          }),
+          400,
+          "bad_request",
+        );
+        const sb = await createSandbox(keys.pro, { template: PYTHON, egress: { allow: ["127.0.0.2"] } });
+        const fetchPy = (url: string) =>
+          `python3 -c "import urllib.request as u, urllib.error as e
+try: print(u.urlopen('${url}', timeout=10).read().decode())
+except e.HTTPError as x: print('status', x.code)"`;
+        const ok = await exec(sb.id, { command: fetchPy(`http://127.0.0.2:${port(allowed)}/`) });
+        expect(ok.stdout.trim()).toBe("hi");
+        const t0 = performance.now();
+        const no = await exec(sb.id, { command: fetchPy(`http://127.0.0.3:${port(denied)}/`) });
+        expect(no.stdout.trim()).toBe("status 403");
+        expect(performance.now() - t0).toBeLessThan(5_000);
+        expect(deniedHits).toBe(0);
+      } finally {
+        allowed.close();
+        denied.close();
+      }
     },
     TEST_TIMEOUT_MS,
   );

@@ -21,6 +21,8 @@ test("protocol.h defines exactly the TypeScript constants", () => {
     ["SBX_HEADER_LEN", P.HEADER_LEN],
     ["SBX_MAX_PAYLOAD", P.MAX_PAYLOAD],
     ["SBX_TUNNEL_WINDOW", P.TUNNEL_WINDOW],
+    ["SBX_GUEST_STREAM_BIT", P.GUEST_STREAM_BIT],
+    ["SBX_EGRESS_PORT", P.EGRESS_PORT],
     ...screaming("SBX_T_", P.FrameType),
     ...screaming("SBX_OP_", P.Op),
     ...screaming("SBX_TAG_", P.Tag),

@@ -9,7 +9,7 @@ import { createServer, type Server, Socket } from "node:net";
 import fc from "fast-check";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { EgressPolicy } from "./policy.ts";
-import { defaultConnect, type EgressAttempt, serveEgressConnection } from "./proxy.ts";
+import { defaultConnect, type EgressAttempt, isInternalAddress, serveEgressConnection } from "./proxy.ts";
 
 describe("EgressPolicy", () => {
   test("exact names, *.suffix wildcards, IP literals, *", () => {
@@ -177,7 +177,7 @@ describe("egress proxy over real loopback sockets", () => {
       "CONNECT evil.test:443 HTTP/1.1\r\nHost: evil.test:443\r\n\r\n",
       "GET http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\n\r\n",
       "CONNECT allowed.test:443 HTTP/1.1\r\n\r\n", // the bare suffix of a wildcard
-      "CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n", // an IP literal no entry names
+      "CONNECT 127.0.0.9:22 HTTP/1.1\r\n\r\n", // an IP literal no entry names
     ]) {
       const r = await talk(req);
       expect(r.text).toStartWith("HTTP/1.1 403 Forbidden");
@@ -186,16 +186,18 @@ describe("egress proxy over real loopback sockets", () => {
     }
     expect(deniedHits).toBe(before);
     const refused = attempts.filter((a) => !a.allowed).map((a) => `${a.host}:${a.port}`);
-    expect(refused).toEqual(["evil.test:443", "evil.test:80", "allowed.test:443", "127.0.0.1:22"]);
+    expect(refused).toEqual(["evil.test:443", "evil.test:80", "allowed.test:443", "127.0.0.9:22"]);
     expect(logs.filter((l) => l.includes("egress denied: sandbox sbx-test -> evil.test"))).toHaveLength(2);
   });
 
-  test("an allowed name resolved by the host's own resolver (localhost) is connected", async () => {
-    const r = await talk(`CONNECT localhost:${port(allowedOrigin)} HTTP/1.1\r\n\r\n`, {
-      send: "PING",
-      until: "PONG",
+  test("the default connect resolves names with the host's resolver", async () => {
+    const sock = await defaultConnect("localhost", port(allowedOrigin));
+    const got = await new Promise<string>((resolve) => {
+      sock.once("data", (d) => resolve(d.toString()));
+      sock.write("PING");
     });
-    expect(r.text).toEndWith("PONG");
+    expect(got).toBe("PONG");
+    sock.destroy();
   });
 
   test("malformed requests get 400, an unreachable allowed port 502, both at once", async () => {
@@ -207,12 +209,50 @@ describe("egress proxy over real loopback sockets", () => {
       const r = await talk(req);
       expect(r.text).toStartWith("HTTP/1.1 400 Bad Request");
     }
-    const closed = createServer();
-    await new Promise<void>((r) => closed.listen(0, "127.0.0.1", r));
-    const dead = port(closed);
-    closed.close();
-    const r = await talk(`CONNECT localhost:${dead} HTTP/1.1\r\n\r\n`);
+    // The guest's own loopback with no route back into a guest (this proxy has none): 502.
+    const r = await talk("CONNECT localhost:1 HTTP/1.1\r\n\r\n");
     expect(r.text).toStartWith("HTTP/1.1 502 Bad Gateway");
     expect(r.ms).toBeLessThan(2_000);
   });
+});
+
+test("`*` and wildcards never reach the host's own addresses, an exact entry does; the guest's own loopback stays in the guest", async () => {
+  const origin = createServer((s) => s.end("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"));
+  await new Promise<void>((r) => origin.listen(0, "127.0.0.2", r));
+  const originPort = (origin.address() as { port: number }).port;
+  const ask = async (allow: string[], target: string): Promise<string> => {
+    const proxy = createServer((sock) => {
+      void serveEgressConnection(sock, {
+        sandboxId: "sbx-int",
+        policy: EgressPolicy.fromAllowList(allow),
+        // The guest's own loopback: here the origin plays the server inside the guest.
+        connectLocal: (p) => defaultConnect("127.0.0.2", p),
+      });
+    });
+    await new Promise<void>((r) => proxy.listen(0, "127.0.0.1", r));
+    const text = await new Promise<string>((resolve, reject) => {
+      const s = new Socket();
+      let got = "";
+      s.on("data", (d) => {
+        got += d.toString();
+      });
+      s.on("close", () => resolve(got));
+      s.on("error", reject);
+      s.connect({ host: "127.0.0.1", port: (proxy.address() as { port: number }).port }, () =>
+        s.write(`GET http://${target}:${originPort}/ HTTP/1.1\r\nHost: ${target}\r\n\r\n`),
+      );
+    });
+    proxy.close();
+    return text;
+  };
+  expect(await ask(["*"], "127.0.0.2")).toStartWith("HTTP/1.1 403");
+  expect(await ask(["*.allowed.test", "*"], "127.0.0.2")).toStartWith("HTTP/1.1 403");
+  expect(await ask(["127.0.0.2"], "127.0.0.2")).toEndWith("ok");
+  // localhost / 127.0.0.1 / ::1 mean the sandbox itself: routed back into it, whatever the list.
+  for (const local of ["localhost", "127.0.0.1"]) expect(await ask([], local)).toEndWith("ok");
+  expect(isInternalAddress("169.254.169.254")).toBe(true);
+  expect(isInternalAddress("::ffff:127.0.0.1")).toBe(true);
+  expect(isInternalAddress("fe80::1")).toBe(true);
+  expect(isInternalAddress("93.184.216.34")).toBe(false);
+  origin.close();
 });

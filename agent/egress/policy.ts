@@ -73,6 +73,11 @@ export class EgressPolicy {
     return EgressPolicy.fromAllowList(d === "allow" ? ["*"] : []);
   }
 
+  /** Whether `host` is named by an exact entry (not only by `*` or a wildcard). */
+  namesExactly(host: string): boolean {
+    return this.exact.has(normalizeHost(host));
+  }
+
   allows(host: string): boolean {
     if (this.all) return true;
     const h = normalizeHost(host);

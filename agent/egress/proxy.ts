@@ -13,7 +13,8 @@
  * a client never hangs on a blocked host, and is logged with the sandbox id. An allowed name is
  * resolved on the host (the guest has no resolver of its own and no other way out).
  */
-import { Socket } from "node:net";
+import { lookup } from "node:dns/promises";
+import { isIP, Socket } from "node:net";
 import type { Duplex } from "node:stream";
 import { describeError } from "../../contracts/errors.ts";
 import { type EgressPolicy, normalizeHost } from "./policy.ts";
@@ -34,11 +35,16 @@ export interface EgressAttempt {
   reason?: string;
 }
 
+/** What a guest means by itself (the names no_proxy lists): served inside the guest, not egress. */
+export const GUEST_LOCAL: ReadonlySet<string> = new Set(["localhost", "127.0.0.1", "::1"]);
+
 export interface EgressContext {
   sandboxId: string;
   policy: EgressPolicy;
   /** Connects to an allowed destination (default: TCP with host DNS). Tests point names at loopback. */
   connect?: (host: string, port: number) => Promise<Duplex>;
+  /** A connection to the guest's own loopback `port` (a request for localhost comes back in). */
+  connectLocal?: (port: number) => Promise<Duplex>;
   /** Every attempt, allowed or not (the agent keeps the refused ones per sandbox). */
   onAttempt?: (a: EgressAttempt) => void;
   log?: (msg: string) => void;
@@ -97,8 +103,35 @@ export function parseHead(buf: Buffer): Head | { error: string } {
   return { method, host: normalizeHost(url.hostname), port, forward, rest };
 }
 
-/** TCP to `host:port`, the name resolved by the host (getaddrinfo), bounded by CONNECT_TIMEOUT_MS. */
-export function defaultConnect(host: string, port: number): Promise<Duplex> {
+/** A destination the policy allows by name but that may not be reached (an internal address). */
+export class EgressRefused extends Error {}
+
+/**
+ * The host's own addresses and the link-local range (cloud metadata services): reaching them
+ * from a sandbox would expose the host's services (the gateway, the agent API, a database) to
+ * untrusted code, so `*` and wildcards never lead there; only an exact entry naming the host or
+ * address does (the tests' loopback servers are reached that way).
+ */
+export function isInternalAddress(addr: string): boolean {
+  const a = addr.toLowerCase().replace(/^::ffff:(?=\d+\.)/, "");
+  if (isIP(a) === 4) {
+    const [x, y] = a.split(".").map(Number) as [number, number];
+    return x === 127 || x === 0 || (x === 169 && y === 254);
+  }
+  return a === "::1" || a === "::" || /^fe[89ab]/.test(a);
+}
+
+/**
+ * TCP to `host:port`, the name resolved by the host (getaddrinfo), bounded by CONNECT_TIMEOUT_MS.
+ * A name that resolves to an internal address is refused unless `internalOk`.
+ */
+export async function defaultConnect(host: string, port: number, internalOk = true): Promise<Duplex> {
+  const addrs = isIP(host) !== 0 ? [{ address: host }] : await lookup(host, { all: true });
+  if (addrs.length === 0) throw new Error(`${host} does not resolve`);
+  if (!internalOk && addrs.some((a) => isInternalAddress(a.address))) {
+    throw new EgressRefused(`${host} resolves to an internal address of the host`);
+  }
+  const address = addrs[0]!.address;
   return new Promise((resolve, reject) => {
     const sock = new Socket();
     const timer = setTimeout(() => {
@@ -109,7 +142,7 @@ export function defaultConnect(host: string, port: number): Promise<Duplex> {
       clearTimeout(timer);
       reject(err);
     });
-    sock.connect({ host, port }, () => {
+    sock.connect({ host: address, port }, () => {
       clearTimeout(timer);
       sock.removeAllListeners("error");
       resolve(sock);
@@ -156,6 +189,20 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
     reply(stream, "400 Bad Request", `X-Sandboxd-Egress: ${head.error}\r\n`);
     return;
   }
+  if (GUEST_LOCAL.has(head.host)) {
+    // The sandbox's own loopback: clients that ignore no_proxy (busybox wget) send it here.
+    // It is served inside the guest, never on the host, and is not egress.
+    let local: Duplex;
+    try {
+      if (!ctx.connectLocal) throw new Error("no route back into the guest");
+      local = await ctx.connectLocal(head.port);
+    } catch {
+      reply(stream, "502 Bad Gateway", "X-Sandboxd-Egress: local port unreachable\r\n");
+      return;
+    }
+    splice(stream, local, head);
+    return;
+  }
   const attempt: EgressAttempt = { atMs: Date.now(), host: head.host, port: head.port, allowed: false };
   if (!ctx.policy.allows(head.host)) {
     attempt.reason = "not in egress.allow";
@@ -166,14 +213,28 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
   }
   let upstream: Duplex;
   try {
-    upstream = await (ctx.connect ?? defaultConnect)(head.host, head.port);
+    upstream = ctx.connect
+      ? await ctx.connect(head.host, head.port)
+      : await defaultConnect(head.host, head.port, ctx.policy.namesExactly(head.host));
   } catch (err) {
+    if (err instanceof EgressRefused) {
+      attempt.reason = err.message;
+      ctx.onAttempt?.(attempt);
+      log(`egress denied: sandbox ${ctx.sandboxId} -> ${head.host}:${head.port} (${err.message})`);
+      reply(stream, "403 Forbidden", "X-Sandboxd-Egress: denied\r\n");
+      return;
+    }
     attempt.reason = describeError(err);
     ctx.onAttempt?.({ ...attempt, allowed: true });
     reply(stream, "502 Bad Gateway", "X-Sandboxd-Egress: unreachable\r\n");
     return;
   }
   ctx.onAttempt?.({ ...attempt, allowed: true });
+  splice(stream, upstream, head);
+}
+
+/** Answers the proxy request and pipes the client and `upstream` together until either ends. */
+function splice(stream: Duplex, upstream: Duplex, head: Head): void {
   upstream.on("error", () => stream.destroy());
   stream.on("close", () => upstream.destroy());
   upstream.on("close", () => stream.destroy());

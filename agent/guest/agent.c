@@ -115,6 +115,7 @@
 
 static int host_mode;
 static const char *port_path; /* host mode: unix socket to connect to */
+static uint32_t test_egress_port; /* host mode: egress proxy port (0: none; the host's 3128 may be taken) */
 static int console_fd = -1;   /* /dev/console (ttyS0) as PID 1, stderr in host mode */
 
 static int64_t mono_us(void) {
@@ -1134,6 +1135,76 @@ static void op_connect(uint32_t stream, const uint8_t *p, size_t n) {
   }
 }
 
+/* Egress (docs "Egress"): the guest has no network interface; its one way out is this proxy port
+ * on loopback (every exec gets http_proxy & co. pointing at it). Each connection accepted here
+ * becomes a tunnel that WE open: an OPEN frame on a stream id with SBX_GUEST_STREAM_BIT, then
+ * DATA/CREDIT/CLOSE exactly as for CONNECT. The host agent reads the proxy request, checks it
+ * against the sandbox's allow-list and connects (or refuses) on the host; nothing is decided
+ * here. */
+static int egress_fd = -1;
+static uint32_t egress_port;
+static uint32_t next_guest_stream;
+
+static void egress_listen(uint32_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    logmsg("egress socket: %s", strerror(errno));
+    return;
+  }
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  /* Backlog 64: a burst of client connects waits in the kernel while the loop takes them. */
+  if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 64) < 0) {
+    logmsg("egress listen on 127.0.0.1:%u: %s", port, strerror(errno));
+    close(fd);
+    return;
+  }
+  egress_fd = fd;
+  egress_port = port;
+}
+
+/* Refuses a client at once with a reset (not a silent close), so it fails fast instead of
+ * waiting for a proxy answer that will not come. */
+static void egress_refuse(int fd) {
+  struct linger l = {.l_onoff = 1, .l_linger = 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+  close(fd);
+}
+
+static void egress_accept(void) {
+  /* At most 16 per pass: a flood of connects must not starve the port and the execs. */
+  for (int i = 0; i < 16; i++) {
+    int fd = accept4(egress_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return; /* EAGAIN: none left; other errors (EMFILE...): try next pass */
+    if (!connected || n_tunnels >= MAX_TUNNELS) {
+      egress_refuse(fd); /* no host to decide, or no room: refused, never left hanging */
+      continue;
+    }
+    struct tunnel *tn = calloc(1, sizeof *tn);
+    if (!tn) {
+      egress_refuse(fd);
+      continue;
+    }
+    uint32_t stream;
+    do /* bounded: at most MAX_TUNNELS ids are taken */
+      stream = SBX_GUEST_STREAM_BIT | (next_guest_stream++ & ~SBX_GUEST_STREAM_BIT);
+    while (find_tunnel(stream));
+    tn->stream = stream;
+    tn->fd = fd;
+    tn->send_credit = tn->recv_credit = SBX_TUNNEL_WINDOW;
+    tn->next = tunnels;
+    tunnels = tn;
+    n_tunnels++;
+    n_tunnel_slots++;
+    struct buf b = {0};
+    tlv_u32(&b, SBX_TAG_PORT, egress_port);
+    send_buf(SBX_T_OPEN, stream, &b);
+    buf_free(&b);
+  }
+}
+
 static void tunnel_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
   struct tunnel *t = find_tunnel(stream);
   /* Unknown (already closed: the frame crossed our CLOSE), or still connecting (the host must
@@ -1897,7 +1968,7 @@ static void boot(void) {
 /* ------------------------------------------------------------------------------------------ */
 /* the loop */
 
-enum { K_SIG, K_PORT, K_IN, K_OUT, K_ERR, K_DETACHED, K_TUN };
+enum { K_SIG, K_PORT, K_EGRESS, K_IN, K_OUT, K_ERR, K_DETACHED, K_TUN };
 
 static void reap(int sigfd) {
   struct signalfd_siginfo si;
@@ -1994,7 +2065,7 @@ static void loop(int sigfd) {
     complete_execs();
     tunnels_sweep(); /* frees tunnels ended during the last pass, before the poll set is rebuilt */
 
-    size_t need = 2 + 3 * (size_t)n_execs + (size_t)n_detached + (size_t)n_tunnel_slots, k = 0;
+    size_t need = 3 + 3 * (size_t)n_execs + (size_t)n_detached + (size_t)n_tunnel_slots, k = 0;
     if (need > cap) {
       struct pollfd *np = realloc(pfd, need * sizeof *pfd);
       if (np) pfd = np;
@@ -2012,6 +2083,7 @@ static void loop(int sigfd) {
    ref[k].t = NULL, k++)
     ADD(sigfd, POLLIN, K_SIG, NULL);
     if (connected) ADD(port_fd, POLLIN | (outq_head ? POLLOUT : 0), K_PORT, NULL);
+    if (egress_fd >= 0) ADD(egress_fd, POLLIN, K_EGRESS, NULL);
     int backpressure = connected && outq_bytes > OUTQ_STREAM_HIGH;
     for (struct exec *e = execs; e; e = e->next) {
       if (e->in_fd >= 0 && e->in_head) ADD(e->in_fd, POLLOUT, K_IN, e);
@@ -2056,6 +2128,9 @@ static void loop(int sigfd) {
         if (!connected || pfd[i].fd != port_fd) break;
         if (re & (POLLIN | POLLHUP | POLLERR)) port_readable();
         if (connected && (re & POLLOUT)) flush_out();
+        break;
+      case K_EGRESS:
+        egress_accept();
         break;
       case K_IN:
         if (e->in_fd == pfd[i].fd) stdin_pump(e);
@@ -2102,8 +2177,10 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--port") == 0 && i + 1 < argc)
       port_path = argv[++i];
+    else if (strcmp(argv[i], "--egress-port") == 0 && i + 1 < argc)
+      test_egress_port = (uint32_t)strtoul(argv[++i], NULL, 10);
     else if (getpid() != 1) {
-      fprintf(stderr, "usage: %s --port UNIX_SOCKET_PATH   (host test mode; as PID 1 no arguments)\n", argv[0]);
+      fprintf(stderr, "usage: %s --port UNIX_SOCKET_PATH [--egress-port N]   (host test mode; as PID 1 no arguments)\n", argv[0]);
       return 2;
     }
   }
@@ -2137,6 +2214,10 @@ int main(int argc, char **argv) {
   } else {
     boot();
   }
+  if (!host_mode)
+    egress_listen(SBX_EGRESS_PORT); /* after boot: lo is up */
+  else if (test_egress_port)
+    egress_listen(test_egress_port);
   loop(sigfd);
   return 0; /* not reached */
 }

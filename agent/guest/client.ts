@@ -10,7 +10,14 @@
  */
 import { rmSync } from "node:fs";
 import { createConnection, createServer, type Server, type Socket } from "node:net";
-import { FrameType, MAX_PAYLOAD, Op, StreamFlag, Tag } from "../../contracts/guest-protocol.ts";
+import {
+  FrameType,
+  GUEST_STREAM_BIT,
+  MAX_PAYLOAD,
+  Op,
+  StreamFlag,
+  Tag,
+} from "../../contracts/guest-protocol.ts";
 import { decodeTlv, encodeFrame, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
 import { GuestTunnel } from "./tunnel.ts";
 
@@ -118,6 +125,7 @@ export class GuestClient {
   /** Open tunnels by stream id (docs "Tunnels"); an id stays taken until the guest's CLOSE. */
   private readonly tunnels = new Map<number, GuestTunnel>();
   private nextStream = 1;
+  private incoming: ((t: GuestTunnel) => void) | undefined;
   private helloWaiter: { promise: Promise<HelloInfo>; resolve: (h: HelloInfo) => void } | undefined;
   private closedWith: GuestError | undefined;
   private lastSocketError: Error | undefined;
@@ -395,6 +403,39 @@ export class GuestClient {
     return t;
   }
 
+  /**
+   * Who takes the tunnels the guest opens (OPEN frames: connections to the guest's egress proxy
+   * port, docs "Egress"). Without a handler each one is closed at once, so the guest program
+   * sees its connection end instead of waiting.
+   */
+  onIncomingTunnel(handler: ((t: GuestTunnel) => void) | undefined): void {
+    this.incoming = handler;
+  }
+
+  private acceptTunnel(stream: number, payload: Buffer): void {
+    if ((stream & GUEST_STREAM_BIT) === 0 || this.tunnels.has(stream)) {
+      this.fail(
+        new GuestError("protocol_error", `OPEN on stream ${stream}: not a free guest stream id`, {
+          details: { reason: "open" },
+        }),
+      );
+      return;
+    }
+    const d = decodeTlv(payload);
+    const port = d.ok ? (d.records.u32(Tag.PORT) ?? 0) : 0;
+    const tunnel: GuestTunnel = new GuestTunnel(stream, port, {
+      send: (type, p) => this.send(type, stream, p),
+      drained: () => this.drained(),
+      release: () => {
+        if (this.tunnels.get(stream) === tunnel) this.tunnels.delete(stream);
+      },
+    });
+    this.tunnels.set(stream, tunnel);
+    tunnel.opened();
+    if (this.incoming) this.incoming(tunnel);
+    else tunnel.close();
+  }
+
   // -------------------------------------------------------------------------------------------
 
   private request(w: TlvWriter): Promise<TlvRecords> {
@@ -445,10 +486,11 @@ export class GuestClient {
   }
 
   private allocStream(): number {
-    // Non-zero and unique among requests in flight (docs "Streams"); wraps after 2^32 - 1.
+    // Non-zero and unique among requests in flight (docs "Streams"); wraps below
+    // GUEST_STREAM_BIT, which marks the ids of tunnels the guest opens (OPEN).
     for (;;) {
       const s = this.nextStream;
-      this.nextStream = s >= 0xffffffff ? 1 : s + 1;
+      this.nextStream = s >= GUEST_STREAM_BIT - 1 ? 1 : s + 1;
       if (!this.pending.has(s) && !this.tunnels.has(s)) return s;
     }
   }
@@ -551,6 +593,9 @@ export class GuestClient {
         p.resolve(d.records);
         return;
       }
+      case FrameType.OPEN:
+        this.acceptTunnel(stream, payload);
+        return;
       case FrameType.DATA:
       case FrameType.CREDIT:
       case FrameType.CLOSE: {

@@ -36,6 +36,7 @@
 #define SBX_T_CLOSE 9
 #define SBX_T_CREDIT 10
 #define SBX_T_LOG 11
+#define SBX_T_OPEN 12 /* guest -> host: a tunnel the guest opened (egress); TLV PORT */
 
 /* ops (value of SBX_TAG_OP, a u32) */
 #define SBX_OP_PING 1
@@ -97,5 +98,11 @@
  * credit the receiver granted (CREDIT payload: u32 bytes). 256 KiB keeps a virtio-serial link
  * busy while bounding what one tunnel can make either side buffer. */
 #define SBX_TUNNEL_WINDOW 262144
+
+/* Stream ids of tunnels the guest opens (OPEN, egress) have this bit set; ids the host chooses
+ * never do, so the two sides never pick the same id. */
+#define SBX_GUEST_STREAM_BIT 0x80000000u
+/* The egress proxy port the guest agent listens on (127.0.0.1) as PID 1. */
+#define SBX_EGRESS_PORT 3128
 
 #endif

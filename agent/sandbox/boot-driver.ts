@@ -175,6 +175,9 @@ export class BootDriver implements SandboxDriver {
     await this.mustLive(vm).qmp.execute("cont");
   }
 
+  /** Cold-booted VMs (`sandboxd run`, tests) have no egress: their guests' tunnels are closed. */
+  onGuestTunnel(_handler: (vmId: string, t: GuestTunnel) => void): void {}
+
   async openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel> {
     return this.mustLive(vm).handle.guest.openTunnel(port);
   }

@@ -104,6 +104,11 @@ export interface SandboxDriver {
    */
   openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel>;
   /**
+   * Who takes the tunnels guests open (connections to a guest's egress proxy port,
+   * docs/guest-protocol.md "Egress"); until set, each is closed at once.
+   */
+  onGuestTunnel(handler: (vmId: string, t: GuestTunnel) => void): void;
+  /**
    * Kills the QEMU (when a handle is given), and removes everything the VM owns on disk,
    * including a suspended VM's snapshot. Idempotent; never fires `onExit`.
    */

@@ -17,8 +17,9 @@
  *   after an agent restart, marks the others `lost`, and reaps every VM no record claims.
  */
 import { cpus, totalmem } from "node:os";
-import type { Duplex } from "node:stream";
+import { Duplex } from "node:stream";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import { EGRESS_PORT } from "../../contracts/guest-protocol.ts";
 import type {
   AgentCapacity,
   CreatedVm,
@@ -185,6 +186,11 @@ export class SandboxManager {
    */
   static async open(opts: ManagerOptions): Promise<SandboxManager> {
     const m = new SandboxManager(opts);
+    // Connections guest programs make to their egress proxy port, checked against the sandbox's
+    // allow-list (agent/egress). Set before any VM is adopted or spawned.
+    m.driver.onGuestTunnel((vmId, t) => {
+      void m.egressConnection(vmId, Duplex.fromWeb({ readable: t.readable, writable: t.writable }));
+    });
     await m.templates.load();
     const { records, bad } = await m.records.list();
     for (const b of bad) m.log(`sandbox record ${b.file} unreadable: ${b.error}`);
@@ -557,6 +563,10 @@ export class SandboxManager {
     return serveEgressConnection(stream, {
       sandboxId: id,
       policy: sb.egress,
+      connectLocal: async (port) => {
+        const t = await this.openTunnel(id, port);
+        return Duplex.fromWeb({ readable: t.readable, writable: t.writable });
+      },
       onAttempt: (a) => {
         if (a.allowed) return;
         sb.egressRefused.push(a);
@@ -639,7 +649,7 @@ export class SandboxManager {
       const cwd = img.workingDir || "/";
       const ids = { uid: img.user.uid, gid: img.user.gid };
       for (const f of req.files) await vm.guest.writeFile(f.path, f.content, { cwd, ...ids });
-      const env = mergeEnv(img.env, req.env);
+      const env = mergeEnv(mergeEnv(img.env, EGRESS_PROXY_ENV), req.env);
       const seed = req.seed === undefined ? undefined : seedBytes(req.seed);
       const tExec = performance.now();
       const run = req.run;
@@ -1018,6 +1028,23 @@ async function runOne(
     timedOut: r.timedOut,
   };
 }
+
+/**
+ * Every exec's way out (docs/decisions.md "Egress"): the guest agent's proxy port on loopback.
+ * Ours win over the image's (there is no other route); the request's own env can still override.
+ * Local addresses stay direct: a program talking to a server inside its own VM must not be sent
+ * to the host.
+ */
+const EGRESS_PROXY_URL = `http://127.0.0.1:${EGRESS_PORT}`;
+export const EGRESS_PROXY_ENV: Readonly<Record<string, string>> = {
+  http_proxy: EGRESS_PROXY_URL,
+  https_proxy: EGRESS_PROXY_URL,
+  HTTP_PROXY: EGRESS_PROXY_URL,
+  HTTPS_PROXY: EGRESS_PROXY_URL,
+  ALL_PROXY: EGRESS_PROXY_URL,
+  no_proxy: "localhost,127.0.0.1,::1",
+  NO_PROXY: "localhost,127.0.0.1,::1",
+};
 
 /** The image's Env with `extra` added; a name in both takes the value from `extra`. */
 export function mergeEnv(base: string[], extra: Record<string, string> | undefined): string[] {

@@ -144,6 +144,7 @@ export class SnapshotDriver implements SandboxDriver {
   /** Suspended VMs this process knows; after a restart they are read from their VM file. */
   private readonly suspended = new Map<string, { sbx: SandboxVm; file: VmFile }>();
   private detached = false;
+  private guestTunnelHandler: ((vmId: string, t: GuestTunnel) => void) | undefined;
   private readonly log: (msg: string) => void;
 
   private constructor(
@@ -356,6 +357,15 @@ export class SnapshotDriver implements SandboxDriver {
     if (!r.ok) throw r.error;
   }
 
+  onGuestTunnel(handler: (vmId: string, t: GuestTunnel) => void): void {
+    this.guestTunnelHandler = handler;
+  }
+
+  private guestTunnels(vmId: string, t: GuestTunnel): void {
+    if (this.guestTunnelHandler) this.guestTunnelHandler(vmId, t);
+    else t.close();
+  }
+
   async openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel> {
     // The live guest connection (a fork or restore reconnects it; the handle's may be stale).
     const guest = this.mustLive(vm).sbx.guest ?? vm.guest;
@@ -521,6 +531,10 @@ export class SnapshotDriver implements SandboxDriver {
     };
     const l: Live = { sbx, proc, handle, destroying: false, exitFired: false };
     this.live.set(sbx.id, l);
+    sbx.onGuestTunnel = (t) => this.guestTunnels(sbx.id, t);
+    // A connection made before this point (between restore and here) found no taker and was
+    // closed; the guest program sees it end, not hang.
+    guest.onIncomingTunnel((t) => sbx.onGuestTunnel?.(t));
     try {
       await this.writeVmFile(sbx, handle);
     } catch (err) {

@@ -11,7 +11,13 @@ import { randomBytes, randomUUID } from "node:crypto";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import { type ExecOptions, type ExecResult, GuestClient, GuestError } from "../guest/client.ts";
+import {
+  type ExecOptions,
+  type ExecResult,
+  GuestClient,
+  GuestError,
+  type GuestTunnel,
+} from "../guest/client.ts";
 import type { Accel } from "../qemu/accel.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
@@ -91,6 +97,11 @@ export class SandboxVm {
   memPath: string;
   process: VmProcess | undefined;
   guest: GuestClient | undefined;
+  /**
+   * Takes the tunnels the guest opens (egress, docs/guest-protocol.md "Egress"), through every
+   * guest connection this VM gets (a restore, resume or fork reconnects). Unset: closed at once.
+   */
+  onGuestTunnel: ((t: GuestTunnel) => void) | undefined;
   /** Full RAM image while suspended. */
   suspendState: string | undefined;
   /** How many overlays this VM made for itself (names of its next overlay). */
@@ -134,6 +145,7 @@ export class SandboxVm {
   attach(process: VmProcess, guest: GuestClient): void {
     this.process = process;
     this.guest = guest;
+    guest.onIncomingTunnel((t) => (this.onGuestTunnel ? this.onGuestTunnel(t) : t.close()));
     process.exited.then((exit) => {
       if (this.process !== process) return; // an intended stop (suspend) already detached it
       if (this.state === "dead") return;
