@@ -28,8 +28,17 @@ export const PYTHON_IMAGE = {
   scriptVersion: 1,
 } as const;
 
-function cacheKey(): string {
-  return createHash("sha256").update(JSON.stringify(PYTHON_IMAGE)).digest("hex").slice(0, 16);
+/** What a debootstrapped image is made of; the whole object is its cache key. */
+export interface DebootstrapImageSpec {
+  suite: string;
+  variant: string;
+  packages: readonly string[];
+  config: object;
+  scriptVersion: number;
+}
+
+function cacheKey(spec: DebootstrapImageSpec): string {
+  return createHash("sha256").update(JSON.stringify(spec)).digest("hex").slice(0, 16);
 }
 
 /**
@@ -135,13 +144,79 @@ export async function packRootfsAsOciLayout(
   );
 }
 
+/** Where a debootstrapped image's OCI layout is kept: `<dir>/<name>-<key>/`. */
+export function debootstrapLayoutDir(dir: string, name: string, spec: DebootstrapImageSpec): string {
+  return join(dir, `${name}-${cacheKey(spec)}`);
+}
+
 /** Where the python image's OCI layout is kept (an image source `sandboxd run --image` takes). */
 export function pythonLayoutDir(dataDir: string): string {
-  return join(dataDir, "catalog", `python-${cacheKey()}`);
+  return debootstrapLayoutDir(join(dataDir, "catalog"), "python", PYTHON_IMAGE);
 }
 
 /**
- * Builds (once) and imports the python image. The OCI layout is kept in
+ * Builds (once) the OCI layout of a Debian image made by debootstrap from `spec`, in
+ * `debootstrapLayoutDir(dir, name, spec)`, and returns that directory. A layout already
+ * there is used as it is; a failed build leaves nothing behind.
+ */
+export async function ensureDebootstrapLayout(opts: {
+  /** Parent directory of the layout (and of the build's scratch directory). */
+  dir: string;
+  name: string;
+  spec: DebootstrapImageSpec;
+  log?: (m: string) => void;
+}): Promise<string> {
+  const { spec, name } = opts;
+  const log = opts.log ?? (() => {});
+  const layout = debootstrapLayoutDir(opts.dir, name, spec);
+  if (existsSync(join(layout, "index.json"))) return layout;
+  await mkdir(opts.dir, { recursive: true });
+  const work = await mkdtemp(join(opts.dir, ".build-"));
+  try {
+    const rootfs = join(work, "rootfs");
+    log(`catalog: building the ${name} image (debootstrap ${spec.suite})`);
+    await run(
+      [
+        "debootstrap",
+        `--variant=${spec.variant}`,
+        `--include=${spec.packages.join(",")}`,
+        spec.suite,
+        rootfs,
+        debianMirror(),
+      ],
+      log,
+    );
+    // The apt lists and caches debootstrap leaves are 30+ MB no sandbox needs.
+    await rm(join(rootfs, "var/cache/apt/archives"), { recursive: true, force: true });
+    await rm(join(rootfs, "var/lib/apt/lists"), { recursive: true, force: true });
+    await mkdir(join(rootfs, "var/lib/apt/lists/partial"), { recursive: true });
+    const out = join(work, "layout");
+    await packRootfsAsOciLayout(rootfs, out, spec.config, log);
+    await rm(layout, { recursive: true, force: true });
+    await rename(out, layout);
+  } finally {
+    await unmountUnder(work, log);
+    await rm(work, { recursive: true, force: true });
+  }
+  return layout;
+}
+
+/**
+ * Detaches what a failed debootstrap left mounted in its target (its /proc, /sys), deepest first.
+ * A mounted /proc in a scratch directory is a trap: `cp -a` of a parent copies /proc/kcore
+ * (the size of the address space) until the disk is full, and `rm -r` stops at its files.
+ */
+async function unmountUnder(dir: string, log: (m: string) => void): Promise<void> {
+  const points = readFileSync("/proc/self/mounts", "utf8")
+    .split("\n")
+    .map((line) => line.split(" ")[1] ?? "")
+    .filter((p) => p.startsWith(`${dir}/`))
+    .sort((x, y) => y.length - x.length);
+  for (const p of points) await run(["umount", "--lazy", p], log).catch(() => undefined);
+}
+
+/**
+ * Builds (once, ~1 min) and imports the python image. The OCI layout is kept in
  * `<dataDir>/catalog/python-<key>/` so a later import (e.g. after the image cache was cleared)
  * skips debootstrap; the import itself is cached by digest.
  */
@@ -150,35 +225,11 @@ export async function ensurePythonImage(opts: {
   log?: (m: string) => void;
 }): Promise<ImportedImage> {
   const log = opts.log ?? (() => {});
-  const layout = pythonLayoutDir(opts.dataDir);
-  if (!existsSync(join(layout, "index.json"))) {
-    await mkdir(join(opts.dataDir, "catalog"), { recursive: true });
-    const work = await mkdtemp(join(opts.dataDir, "catalog", ".build-"));
-    try {
-      const rootfs = join(work, "rootfs");
-      log(`catalog: building the python image (debootstrap ${PYTHON_IMAGE.suite}, ~1 min)`);
-      await run(
-        [
-          "debootstrap",
-          `--variant=${PYTHON_IMAGE.variant}`,
-          `--include=${PYTHON_IMAGE.packages.join(",")}`,
-          PYTHON_IMAGE.suite,
-          rootfs,
-          debianMirror(),
-        ],
-        log,
-      );
-      // The apt lists and caches debootstrap leaves are 30+ MB no sandbox needs.
-      await rm(join(rootfs, "var/cache/apt/archives"), { recursive: true, force: true });
-      await rm(join(rootfs, "var/lib/apt/lists"), { recursive: true, force: true });
-      await mkdir(join(rootfs, "var/lib/apt/lists/partial"), { recursive: true });
-      const out = join(work, "layout");
-      await packRootfsAsOciLayout(rootfs, out, PYTHON_IMAGE.config, log);
-      await rm(layout, { recursive: true, force: true });
-      await rename(out, layout);
-    } finally {
-      await rm(work, { recursive: true, force: true });
-    }
-  }
+  const layout = await ensureDebootstrapLayout({
+    dir: join(opts.dataDir, "catalog"),
+    name: "python",
+    spec: PYTHON_IMAGE,
+    log,
+  });
   return importImage({ source: layout, dataDir: opts.dataDir, log });
 }

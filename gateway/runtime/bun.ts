@@ -28,6 +28,10 @@ export async function serveBun(opts: ServeOptions): Promise<RunningServer> {
     // A request may outlast Bun's 255 s cap (a 600 s exec): then no idle timeout at all, as under
     // Deno; the exec itself is bounded by its own timeout.
     idleTimeout: idleS > BUN_MAX_IDLE_S ? 0 : idleS,
+    // The app bounds every body itself while streaming it (JSON bodies, template uploads up to
+    // their 20 GiB limit, docs/decisions.md); Bun's own default cap (128 MiB) refused larger
+    // template uploads with a bare 413 before the app saw them.
+    maxRequestBodySize: Number.MAX_SAFE_INTEGER,
     fetch: async (request, srv) => {
       let upgraded = false;
       const upgrade: Upgrade | undefined = isUpgradeRequest(request)

@@ -217,9 +217,13 @@ export interface RunningService {
   stop(graceMs?: number): Promise<number | null>;
 }
 
-/** Starts `bin/sandboxd up` on 127.0.0.1 (the OS picks a free port) and waits for `listening`. */
-export async function startUp(dataDir: string): Promise<RunningService> {
-  const child = spawn(SANDBOXD, ["up", "--host", "127.0.0.1", "--port", "0", "--data-dir", dataDir], {
+/**
+ * Starts `bin/sandboxd up` on 127.0.0.1 (the OS picks a free port) and waits for `listening`;
+ * `extraArgs` are added to its command line (e.g. `--no-catalog`).
+ */
+export async function startUp(dataDir: string, extraArgs: string[] = []): Promise<RunningService> {
+  const args = ["up", "--host", "127.0.0.1", "--port", "0", "--data-dir", dataDir, ...extraArgs];
+  const child = spawn(SANDBOXD, args, {
     env: childEnv(),
     stdio: ["ignore", "pipe", "pipe"],
   });
