@@ -189,6 +189,14 @@ async function reserve(
   });
 }
 
+/**
+ * Connect hints in the client's terms (spec 2.5: not a dialable address): `<sandbox id>:<port>`,
+ * the two things a connect URL needs. The agent's VM id stays internal.
+ */
+export function publicEndpoints(id: string, vmEndpoints: Record<string, string>): Record<string, string> {
+  return Object.fromEntries(Object.keys(vmEndpoints).map((port) => [port, `${id}:${port}`]));
+}
+
 async function markStarted(
   deps: Deps,
   id: string,
@@ -204,7 +212,7 @@ async function markStarted(
         state: "running",
         agentId,
         vmId: vm.vmId,
-        endpoints: vm.endpoints,
+        endpoints: publicEndpoints(id, vm.endpoints),
         vcpus: vm.resources.vcpus,
         memMib: vm.resources.memMib,
         diskBytes: vm.resources.diskBytes,

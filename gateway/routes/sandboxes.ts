@@ -14,6 +14,7 @@ import {
   getOwned,
   inTermsOf,
   listOwned,
+  publicEndpoints,
   resumeVm,
   type SandboxRow,
   suspendVm,
@@ -49,7 +50,7 @@ export async function createSandboxB(deps: Deps, c: Context<HonoEnv>) {
       state: "running" as const,
       fork_time_ms: vm.forkTimeMs,
       create_time_ms: vm.createTimeMs,
-      endpoints: vm.endpoints,
+      endpoints: row.endpoints,
     },
     201,
   );
@@ -128,7 +129,7 @@ export function registerSandboxes(app: Hono<HonoEnv>, deps: Deps): void {
     const { parent, children } = await forkVm(deps, p, c.req.param("id"), req.count ?? 1, req.labels ?? []);
     return c.json({
       parent: parent.id,
-      children: children.map((ch) => ({ id: ch.id, endpoints: ch.vm.endpoints })),
+      children: children.map((ch) => ({ id: ch.id, endpoints: publicEndpoints(ch.id, ch.vm.endpoints) })),
     });
   });
 
