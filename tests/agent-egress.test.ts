@@ -6,8 +6,10 @@
  * (127.0.0.3) host; an unresolvable name shows that refusal needs no DNS.
  */
 import { afterAll, expect, test } from "bun:test";
+import { readFileSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
+import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
@@ -18,6 +20,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
 } from "../agent/sandbox/testing.ts";
+import { OWNER_FILE } from "../agent/snapshot/shm.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import type { SandboxdError } from "../contracts/errors.ts";
 
@@ -49,6 +52,9 @@ test(
     const artifacts = await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR });
     const driver = await SnapshotDriver.create({ cacheDir: TEST_CACHE_DIR, stateDir, artifacts });
     const manager = await SandboxManager.open({ driver, stateDir, log: (m) => logs.push(m) });
+    // The tmpfs root of RAM files names its data dir (agent/snapshot/shm.ts), also after the
+    // start-up sweep of unregistered files: an `rm -rf` of the data dir lets a later agent free it.
+    expect(readFileSync(join(defaultShmRoot(stateDir), OWNER_FILE), "utf8")).toBe(resolve(stateDir));
     const sh = (id: string, command: string) =>
       manager.exec(id, { files: [], run: { kind: "shell", command }, timeoutMs: 30_000 });
     const A = `http://127.0.0.2:${portOf(allowed)}/hello`;

@@ -37,7 +37,7 @@ import { QmpClient } from "../qemu/qmp/client.ts";
 import type { SnapshotError } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";
 import { reclaimSnapshotStorage } from "../snapshot/recover.ts";
-import { claimShmRoot, sweepOrphanShmRoots } from "../snapshot/shm.ts";
+import { claimShmRoot, OWNER_FILE, sweepOrphanShmRoots } from "../snapshot/shm.ts";
 import { spawnFromTemplate } from "../snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../snapshot/suspend.ts";
 import {
@@ -603,6 +603,7 @@ export class SnapshotDriver implements SandboxDriver {
     const chain = await openChainStore(this.stateDir);
     const known = new Set(chain.list().map((f) => f.path));
     for (const t of this.templates.values()) known.add(t.meta.memPath);
+    known.add(join(this.shmRoot, OWNER_FILE)); // the root's claim (agent/snapshot/shm.ts)
     const building = new Set([...this.building].map((id) => join(this.shmRoot, `tpl-${id}.mem`)));
     const swept: string[] = [];
     const dirs = [this.shmRoot, storageDir(this.stateDir), join(this.stateDir, "storage", "suspended")];

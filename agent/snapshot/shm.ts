@@ -10,7 +10,8 @@ import { mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
 
 export const SHM_BASE = "/dev/shm/sandboxd";
-const OWNER_FILE = ".owner";
+/** The file in a shm root naming its data directory (kept by every sweep of the root). */
+export const OWNER_FILE = ".owner";
 
 /** Creates `shmRoot` (if needed) and records `dataDir` as its owner. */
 export async function claimShmRoot(shmRoot: string, dataDir: string): Promise<void> {
