@@ -206,6 +206,8 @@ export class SnapshotDriver implements SandboxDriver {
     }
     if (signal.aborted)
       throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
+    // The RAM root goes with its last RAM file (agent/storage/chain.ts): claim it again.
+    await claimShmRoot(this.shmRoot, this.stateDir);
     const tImport = performance.now();
     const image = await importImage({ source, dataDir: this.opts.cacheDir, log: this.log });
     const importMs = performance.now() - tImport;
