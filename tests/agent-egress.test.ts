@@ -9,7 +9,7 @@ import { afterAll, expect, test } from "bun:test";
 import { readFileSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
-import { join, resolve } from "node:path";
+import { resolve } from "node:path";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
@@ -20,7 +20,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
 } from "../agent/sandbox/testing.ts";
-import { OWNER_FILE } from "../agent/snapshot/shm.ts";
+import { ownerFileOf } from "../agent/snapshot/shm.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import type { SandboxdError } from "../contracts/errors.ts";
 
@@ -54,7 +54,7 @@ test(
     const manager = await SandboxManager.open({ driver, stateDir, log: (m) => logs.push(m) });
     // The tmpfs root of RAM files names its data dir (agent/snapshot/shm.ts), also after the
     // start-up sweep of unregistered files: an `rm -rf` of the data dir lets a later agent free it.
-    expect(readFileSync(join(defaultShmRoot(stateDir), OWNER_FILE), "utf8")).toBe(resolve(stateDir));
+    expect(readFileSync(ownerFileOf(defaultShmRoot(stateDir)), "utf8")).toBe(resolve(stateDir));
     const sh = (id: string, command: string) =>
       manager.exec(id, { files: [], run: { kind: "shell", command }, timeoutMs: 30_000 });
     const A = `http://127.0.0.2:${portOf(allowed)}/hello`;

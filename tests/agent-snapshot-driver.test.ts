@@ -95,8 +95,7 @@ async function leaks(): Promise<{ qemus: number[]; files: string[] }> {
     ...filesUnder(join(stateDir, "vms")),
     ...filesUnder(join(stateDir, "storage", "disks")),
     ...filesUnder(join(stateDir, "storage", "suspended")),
-    // The template's RAM file and the root's owner record live as long as the template.
-    ...filesUnder(shmRoot).filter((f) => !f.endsWith(`/tpl-${TEMPLATE}.mem`) && !f.endsWith("/.owner")),
+    ...filesUnder(shmRoot).filter((f) => !f.endsWith(`/tpl-${TEMPLATE}.mem`)),
   ];
   return { qemus: await qemuPidsUnder(stateDir), files };
 }

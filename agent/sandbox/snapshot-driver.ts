@@ -37,7 +37,7 @@ import { QmpClient } from "../qemu/qmp/client.ts";
 import type { SnapshotError } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";
 import { reclaimSnapshotStorage } from "../snapshot/recover.ts";
-import { claimShmRoot, OWNER_FILE, sweepOrphanShmRoots } from "../snapshot/shm.ts";
+import { claimShmRoot, sweepOrphanShmRoots } from "../snapshot/shm.ts";
 import { spawnFromTemplate } from "../snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../snapshot/suspend.ts";
 import {
@@ -206,7 +206,7 @@ export class SnapshotDriver implements SandboxDriver {
     }
     if (signal.aborted)
       throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
-    // The RAM root goes with its last RAM file (agent/storage/chain.ts): claim it again.
+    // The RAM root goes with its last RAM file (agent/storage/chain.ts): make and claim it again.
     await claimShmRoot(this.shmRoot, this.stateDir);
     const tImport = performance.now();
     const image = await importImage({ source, dataDir: this.opts.cacheDir, log: this.log });
@@ -533,10 +533,9 @@ export class SnapshotDriver implements SandboxDriver {
     };
     const l: Live = { sbx, proc, handle, destroying: false, exitFired: false };
     this.live.set(sbx.id, l);
+    // SandboxVm.attach routes every guest connection's tunnels here from now on; one opened
+    // before this point (between restore and here) found no taker and was closed at once.
     sbx.onGuestTunnel = (t) => this.guestTunnels(sbx.id, t);
-    // A connection made before this point (between restore and here) found no taker and was
-    // closed; the guest program sees it end, not hang.
-    guest.onIncomingTunnel((t) => sbx.onGuestTunnel?.(t));
     try {
       await this.writeVmFile(sbx, handle);
     } catch (err) {
@@ -605,7 +604,6 @@ export class SnapshotDriver implements SandboxDriver {
     const chain = await openChainStore(this.stateDir);
     const known = new Set(chain.list().map((f) => f.path));
     for (const t of this.templates.values()) known.add(t.meta.memPath);
-    known.add(join(this.shmRoot, OWNER_FILE)); // the root's claim (agent/snapshot/shm.ts)
     const building = new Set([...this.building].map((id) => join(this.shmRoot, `tpl-${id}.mem`)));
     const swept: string[] = [];
     const dirs = [this.shmRoot, storageDir(this.stateDir), join(this.stateDir, "storage", "suspended")];

@@ -2,7 +2,7 @@ import { afterAll, expect, test } from "bun:test";
 import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { claimShmRoot, sweepOrphanShmRoots } from "./shm.ts";
+import { claimShmRoot, ownerFileOf, sweepOrphanShmRoots } from "./shm.ts";
 
 const scratch = mkdtempSync(join(tmpdir(), "shm-sweep-"));
 afterAll(() => rmSync(scratch, { recursive: true, force: true }));
@@ -21,7 +21,8 @@ test("a RAM root whose data directory is gone is swept; live and unclaimed ones 
 
   expect(await sweepOrphanShmRoots(base)).toEqual([join(base, "gone")]);
   expect(existsSync(join(base, "gone"))).toBe(false);
-  expect(existsSync(join(base, "live", ".owner"))).toBe(true);
+  expect(existsSync(ownerFileOf(join(base, "gone")))).toBe(false);
+  expect(existsSync(ownerFileOf(join(base, "live")))).toBe(true);
   expect(existsSync(join(base, "unclaimed"))).toBe(true);
   expect(await sweepOrphanShmRoots(join(scratch, "no-such-base"))).toEqual([]);
 });

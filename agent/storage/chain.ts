@@ -14,10 +14,9 @@
  * what they held. One ChainStore per data dir per process (`openChainStore` caches it); its
  * changes are serialised by a promise chain, so concurrent forks cannot lose an update.
  */
-import { mkdir, readdir, readFile, rename, rm, rmdir, writeFile } from "node:fs/promises";
+import { mkdir, readFile, rename, rm, rmdir, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { OWNER_FILE } from "../snapshot/shm.ts";
 
 export type StoredFileKind = "overlay" | "state" | "ram";
 
@@ -176,9 +175,8 @@ export class ChainStore {
       await this.persist();
       for (const p of freed) {
         await rm(p, { force: true });
-        // The directory of a family's files (a template's dir, a tmpfs RAM root with only its
-        // owner record left: agent/snapshot/shm.ts) goes with its last file.
-        await removeIfOnly(dirname(p), OWNER_FILE);
+        // The directory of a family's files (a template's dir) goes with its last file.
+        await rmdir(dirname(p)).catch(() => {});
       }
       return freed;
     };
@@ -211,12 +209,4 @@ export function openChainStore(dataDir: string): Promise<ChainStore> {
 /** Forgets the cached store of `dataDir` (tests simulating a restart). */
 export function forgetChainStore(dataDir: string): void {
   stores.delete(dataDir);
-}
-
-/** Removes `dir` when it is empty or holds nothing but `keepName` (ENOTEMPTY otherwise: left). */
-async function removeIfOnly(dir: string, keepName: string): Promise<void> {
-  const names = await readdir(dir).catch(() => undefined);
-  if (names === undefined) return;
-  if (names.length === 1 && names[0] === keepName) await rm(join(dir, keepName), { force: true });
-  await rmdir(dir).catch(() => {}); // ENOTEMPTY: other files still live there
 }
