@@ -31,8 +31,8 @@ import { AGENT_API_PREFIX } from "./app.ts";
 import { secretKey, signAgentToken } from "./auth.ts";
 import {
   CreatedVmSchema,
-  ErrorBody,
   ExecResultSchema,
+  errorFromAgentAnswer,
   ForkResultSchema,
   HealthSchema,
   MAX_EXEC_TIMEOUT_MS,
@@ -236,20 +236,7 @@ export class AgentHttpClient implements AgentApi {
         { cause: err, details: { url, timeoutMs, timedOut } },
       );
     }
-    if (!res.ok) {
-      let parsed: { code: string; message: string } | undefined;
-      try {
-        const r = ErrorBody.safeParse(JSON.parse(text));
-        if (r.success) parsed = r.data;
-      } catch {
-        parsed = undefined;
-      }
-      if (parsed) throw new SandboxdError(parsed.code, parsed.message, { details: { status: res.status } });
-      throw new SandboxdError(
-        "internal",
-        `agent answered ${res.status} to ${method} ${path}: ${text.slice(0, 200)}`,
-      );
-    }
+    if (!res.ok) throw errorFromAgentAnswer(res.status, text, `${method} ${path}`);
     if (schema === null) return undefined;
     let json: unknown;
     try {

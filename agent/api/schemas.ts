@@ -6,6 +6,7 @@
  */
 import { z } from "zod";
 import { ReadySpec } from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 
 /** The gateway's template refs: the id, or `<tenantId>.<templateId>` (gateway/agent-api.ts). */
 export const TemplateRefParam = z
@@ -120,3 +121,21 @@ export const HealthSchema = z.object({
 });
 
 export const ErrorBody = z.object({ code: z.string(), message: z.string() });
+
+export type ErrorBody = z.infer<typeof ErrorBody>;
+
+/**
+ * The error an agent's non-2xx answer means for its caller: its own `{code, message}` kept as the
+ * same `SandboxdError` code, or `internal` naming what was asked (`what`) when the body is not one.
+ */
+export function errorFromAgentAnswer(status: number, text: string, what: string): SandboxdError {
+  let parsed: ErrorBody | undefined;
+  try {
+    const r = ErrorBody.safeParse(JSON.parse(text));
+    if (r.success) parsed = r.data;
+  } catch {
+    parsed = undefined;
+  }
+  if (parsed) return new SandboxdError(parsed.code, parsed.message, { details: { status } });
+  return new SandboxdError("internal", `agent answered ${status} to ${what}: ${text.slice(0, 200)}`);
+}

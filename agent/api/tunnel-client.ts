@@ -9,7 +9,7 @@
 import WebSocket from "ws";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Tunnel } from "../../gateway/agent-api.ts";
-import { ErrorBody } from "./schemas.ts";
+import { errorFromAgentAnswer } from "./schemas.ts";
 
 /** Messages are cut to 64 KiB: the guest's DATA frame size, well under the agent's 1 MiB cap. */
 const MESSAGE_MAX = 64 * 1024;
@@ -35,21 +35,8 @@ export async function connectTunnel(url: string, token: string, timeoutMs: numbe
       const parts: Buffer[] = [];
       res.on("data", (d: Buffer) => parts.push(d));
       res.on("end", () => {
-        const text = Buffer.concat(parts).toString();
-        let parsed: { code: string; message: string } | undefined;
-        try {
-          const r = ErrorBody.safeParse(JSON.parse(text));
-          if (r.success) parsed = r.data;
-        } catch {
-          parsed = undefined;
-        }
         reject(
-          parsed
-            ? new SandboxdError(parsed.code, parsed.message, { details: { status: res.statusCode } })
-            : new SandboxdError(
-                "internal",
-                `agent answered ${res.statusCode} to a tunnel upgrade: ${text.slice(0, 200)}`,
-              ),
+          errorFromAgentAnswer(res.statusCode ?? 0, Buffer.concat(parts).toString(), "a tunnel upgrade"),
         );
         ws.terminate();
       });

@@ -380,14 +380,7 @@ export class GuestClient {
     const { promise } = this.start(w, {
       timeoutMs: this.opts.requestTimeoutMs,
       beforeSend: (s) => {
-        tunnel = new GuestTunnel(s, port, {
-          send: (type, payload) => this.send(type, s, payload),
-          drained: () => this.drained(),
-          release: () => {
-            if (this.tunnels.get(s) === tunnel) this.tunnels.delete(s);
-          },
-        });
-        this.tunnels.set(s, tunnel);
+        tunnel = this.registerTunnel(s, port);
       },
     });
     try {
@@ -412,6 +405,19 @@ export class GuestClient {
     this.incoming = handler;
   }
 
+  /** A tunnel on `stream`, known to this client until the guest's CLOSE frees the id. */
+  private registerTunnel(stream: number, port: number): GuestTunnel {
+    const tunnel: GuestTunnel = new GuestTunnel(stream, port, {
+      send: (type, payload) => this.send(type, stream, payload),
+      drained: () => this.drained(),
+      release: () => {
+        if (this.tunnels.get(stream) === tunnel) this.tunnels.delete(stream);
+      },
+    });
+    this.tunnels.set(stream, tunnel);
+    return tunnel;
+  }
+
   private acceptTunnel(stream: number, payload: Buffer): void {
     if ((stream & GUEST_STREAM_BIT) === 0 || this.tunnels.has(stream)) {
       this.fail(
@@ -423,14 +429,7 @@ export class GuestClient {
     }
     const d = decodeTlv(payload);
     const port = d.ok ? (d.records.u32(Tag.PORT) ?? 0) : 0;
-    const tunnel: GuestTunnel = new GuestTunnel(stream, port, {
-      send: (type, p) => this.send(type, stream, p),
-      drained: () => this.drained(),
-      release: () => {
-        if (this.tunnels.get(stream) === tunnel) this.tunnels.delete(stream);
-      },
-    });
-    this.tunnels.set(stream, tunnel);
+    const tunnel = this.registerTunnel(stream, port);
     tunnel.opened();
     if (this.incoming) this.incoming(tunnel);
     else tunnel.close();
