@@ -30,7 +30,8 @@ export const CATALOG = [
   },
 ] as const;
 
-function port(value: string | undefined, def: number, name = "port"): number {
+/** `--NAME` as a port number (0: any free port); anything else is a usage error. */
+export function parsePort(value: string | undefined, def: number, name = "port"): number {
   const n = Number(value ?? def);
   if (!Number.isInteger(n) || n < 0 || n > 65535) {
     throw new SandboxdError("bad_request", `--${name} must be 0-65535, got ${value}`);
@@ -101,7 +102,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
   });
   const dataDir = values["data-dir"] ?? defaultDataDir();
   const gateway = await startGateway({
-    port: port(values.port, 8080),
+    port: parsePort(values.port, 8080),
     hostname: values.host ?? "127.0.0.1",
     dataDir,
     databaseUrl: process.env.DATABASE_URL,
@@ -146,7 +147,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   const secret =
     process.env.SANDBOXD_AGENT_SECRET || loadSecrets(values["secrets-dir"] ?? dataDir).agentSecret;
   const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
-  const slots = values.slots === undefined ? undefined : port(values.slots, 64, "slots");
+  const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
   const manager = await SandboxManager.open({
     driver,
     stateDir,
@@ -159,7 +160,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     secret,
     uploadDir: join(stateDir, "uploads"),
     hostname: listenHost,
-    port: port(m[2], 7070, "listen"),
+    port: parsePort(m[2], 7070, "listen"),
     version,
     log,
   });

@@ -9,12 +9,12 @@ import { parseArgs } from "node:util";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import { startAgentServer } from "../agent/server.ts";
-import { describeError, SandboxdError } from "../contracts/errors.ts";
+import { describeError } from "../contracts/errors.ts";
 import { startHeartbeats } from "../gateway/agents.ts";
 import { loadSecrets } from "../gateway/secrets.ts";
 import { startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
-import { buildCatalogOnAgent, egressDefaultFromEnv, registerCatalog } from "./serve.ts";
+import { buildCatalogOnAgent, egressDefaultFromEnv, parsePort, registerCatalog } from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -27,10 +27,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
       "no-catalog": { type: "boolean" },
     },
   });
-  const port = Number(values.port ?? 8080);
-  if (!Number.isInteger(port) || port < 0 || port > 65535) {
-    throw new SandboxdError("bad_request", `--port must be 0-65535, got ${values.port}`);
-  }
+  const port = parsePort(values.port, 8080);
   const dataDir = values["data-dir"] ?? defaultDataDir();
   const stateDir = join(dataDir, "agent");
   await mkdir(stateDir, { recursive: true });
