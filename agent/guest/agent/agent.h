@@ -14,6 +14,7 @@
  *   egress.c    the guest's egress proxy port: accepted connections become tunnels
  *   files.c     WRITE_FILE, READ_FILE
  *   machine.c   entropy, realtime clock, hostname, boot id
+ *   queue.c     byte queues for pipes and sockets that were not ready
  *   protocol.h  the wire numbers (kept equal to contracts/guest-protocol.ts by a test)
  */
 #ifndef SANDBOXD_GUEST_AGENT_H
@@ -119,23 +120,31 @@ void port_readable(void);
 void dispatch(uint8_t type, uint32_t stream, const uint8_t *p, size_t n);
 
 /* ------------------------------------------------------------------------------------------ */
-/* exec.c: execs */
+/* queue.c: bytes queued for a pipe or socket that was not ready */
 
-/* Bytes queued for a pipe or socket that was not ready (exec stdin, host data for a tunnel). */
 struct chunk {
   struct chunk *next;
   size_t len, off;
   uint8_t data[];
 };
+struct chunkq {
+  struct chunk *head, *tail;
+  size_t bytes;
+};
+int chunkq_push(struct chunkq *q, const uint8_t *p, size_t n); /* a copy; -1 out of memory */
+void chunkq_consumed(struct chunkq *q, size_t n); /* n bytes of the head chunk were written */
+void chunkq_clear(struct chunkq *q);
+
+/* ------------------------------------------------------------------------------------------ */
+/* exec.c: execs */
 
 struct exec {
   struct exec *next;
   uint32_t stream;
   pid_t pid; /* also the process group and session id (setsid in the child) */
   int in_fd, out_fd, err_fd; /* our pipe ends, -1 once closed */
-  struct chunk *in_head, *in_tail;
-  size_t in_bytes;
-  int in_eof; /* close stdin once the queue is written */
+  struct chunkq in; /* stdin not yet written to the child */
+  int in_eof;       /* close stdin once the queue is written */
   struct buf out, err;
   size_t max_output;
   int out_trunc, err_trunc;
@@ -173,8 +182,7 @@ struct tunnel {
   uint32_t send_credit;        /* DATA bytes we may still send to the host */
   uint32_t recv_credit;        /* DATA bytes the host may still send us */
   uint32_t grant;              /* written into the socket, not yet granted back as CREDIT */
-  struct chunk *in_head, *in_tail; /* host -> socket bytes not yet written */
-  size_t in_bytes;
+  struct chunkq in;            /* host -> socket bytes not yet written */
   int host_closed;             /* CLOSE received: flush, close, answer CLOSE */
   int64_t linger_deadline_ms;
   int dead;                    /* finished; freed by tunnels_sweep between poll passes */

@@ -58,58 +58,31 @@ void kill_group(struct exec *e) {
   if (kill(-e->pid, SIGKILL) < 0) kill(e->pid, SIGKILL);
 }
 
-static void stdin_clear(struct exec *e) {
-  while (e->in_head) {
-    struct chunk *c = e->in_head;
-    e->in_head = c->next;
-    free(c);
-  }
-  e->in_tail = NULL;
-  e->in_bytes = 0;
-}
-
 void stdin_push(struct exec *e, const uint8_t *p, size_t n) {
-  if (e->in_bytes + n > STDIN_QUEUE_LIMIT) {
+  if (e->in.bytes + n > STDIN_QUEUE_LIMIT) {
     logmsg("stream %u: stdin queue over %u bytes, dropping %zu bytes", e->stream, STDIN_QUEUE_LIMIT, n);
     return;
   }
-  struct chunk *c = malloc(sizeof *c + n);
-  if (!c) return;
-  c->next = NULL;
-  c->len = n;
-  c->off = 0;
-  memcpy(c->data, p, n);
-  if (e->in_tail)
-    e->in_tail->next = c;
-  else
-    e->in_head = c;
-  e->in_tail = c;
-  e->in_bytes += n;
+  chunkq_push(&e->in, p, n); /* out of memory: dropped, like data over the limit */
 }
 
 /* Write queued stdin without blocking; close the pipe at EOF. The child closing its stdin
  * early (EPIPE; SIGPIPE is ignored in the agent) just discards the rest. */
 void stdin_pump(struct exec *e) {
-  while (e->in_fd >= 0 && e->in_head) {
-    struct chunk *c = e->in_head;
+  while (e->in_fd >= 0 && e->in.head) {
+    struct chunk *c = e->in.head;
     ssize_t n = write(e->in_fd, c->data + c->off, c->len - c->off);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN) return;
-      stdin_clear(e);
+      chunkq_clear(&e->in);
       close(e->in_fd);
       e->in_fd = -1;
       return;
     }
-    c->off += (size_t)n;
-    if (c->off == c->len) {
-      e->in_head = c->next;
-      if (!e->in_head) e->in_tail = NULL;
-      e->in_bytes -= c->len;
-      free(c);
-    }
+    chunkq_consumed(&e->in, (size_t)n);
   }
-  if (e->in_fd >= 0 && !e->in_head && e->in_eof) {
+  if (e->in_fd >= 0 && !e->in.head && e->in_eof) {
     close(e->in_fd);
     e->in_fd = -1;
   }
@@ -166,7 +139,7 @@ static void detach_fd(int fd) {
 }
 
 static void exec_free(struct exec *e) {
-  stdin_clear(e);
+  chunkq_clear(&e->in);
   buf_free(&e->out);
   buf_free(&e->err);
   free(e);

@@ -147,7 +147,7 @@ void loop(int sigfd) {
     if (egress_fd >= 0) ADD(egress_fd, POLLIN, K_EGRESS, NULL);
     int backpressure = connected && outq_bytes > OUTQ_STREAM_HIGH;
     for (struct exec *e = execs; e; e = e->next) {
-      if (e->in_fd >= 0 && e->in_head) ADD(e->in_fd, POLLOUT, K_IN, e);
+      if (e->in_fd >= 0 && e->in.head) ADD(e->in_fd, POLLOUT, K_IN, e);
       int paused = backpressure && e->stream_output;
       if (e->out_fd >= 0 && !paused) ADD(e->out_fd, POLLIN, K_OUT, e);
       if (e->err_fd >= 0 && !paused) ADD(e->err_fd, POLLIN, K_ERR, e);
@@ -161,7 +161,7 @@ void loop(int sigfd) {
        * credit comes or the host sends data. */
       short ev = t->connecting ? POLLOUT
                                : (short)((t->send_credit > 0 && !t->host_closed && !backpressure ? POLLIN : 0) |
-                                         (t->in_head ? POLLOUT : 0));
+                                         (t->in.head ? POLLOUT : 0));
       if (!ev) continue;
       ADD(t->fd, ev, K_TUN, NULL);
       ref[k - 1].t = t;
@@ -213,7 +213,7 @@ void loop(int sigfd) {
         if (!t->dead && (re & (POLLIN | POLLHUP | POLLERR))) {
           if (t->send_credit > 0 && !t->host_closed)
             tunnel_read(t); /* reads the data, the EOF or the error */
-          else if (!t->in_head || (re & POLLERR))
+          else if (!t->in.head || (re & POLLERR))
             tunnel_pump(t); /* a write error ends it; an empty queue waits for credit */
         }
         break;

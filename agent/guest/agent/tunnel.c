@@ -56,16 +56,6 @@ void tunnel_link(struct tunnel *t) {
   n_tunnel_slots++;
 }
 
-static void tunnel_queue_clear(struct tunnel *t) {
-  while (t->in_head) {
-    struct chunk *c = t->in_head;
-    t->in_head = c->next;
-    free(c);
-  }
-  t->in_tail = NULL;
-  t->in_bytes = 0;
-}
-
 /* Ends a tunnel: the socket is closed now, the struct is freed by tunnels_sweep (a poll pass may
  * still hold a pointer to it). `send_close`: tell the host (err 0 = clean EOF). */
 void tunnel_end(struct tunnel *t, int send_close, int err, const char *what) {
@@ -74,7 +64,7 @@ void tunnel_end(struct tunnel *t, int send_close, int err, const char *what) {
   n_tunnels--;
   if (t->fd >= 0) close(t->fd);
   t->fd = -1;
-  tunnel_queue_clear(t);
+  chunkq_clear(&t->in);
   if (!send_close) return;
   if (!err) {
     send_frame(SBX_T_CLOSE, t->stream, NULL, 0);
@@ -128,8 +118,8 @@ static void tunnel_grant(struct tunnel *t, int force) {
 
 /* Writes queued host data into the socket without blocking; grants CREDIT for what went in. */
 void tunnel_pump(struct tunnel *t) {
-  while (!t->dead && t->in_head) { /* ends at EAGAIN or an empty queue (<= one window) */
-    struct chunk *c = t->in_head;
+  while (!t->dead && t->in.head) { /* ends at EAGAIN or an empty queue (<= one window) */
+    struct chunk *c = t->in.head;
     ssize_t n = write(t->fd, c->data + c->off, c->len - c->off);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -137,21 +127,15 @@ void tunnel_pump(struct tunnel *t) {
       tunnel_end(t, 1, errno, "write"); /* EPIPE/ECONNRESET: the guest side is gone */
       return;
     }
-    c->off += (size_t)n;
     t->grant += (uint32_t)n;
-    if (c->off == c->len) {
-      t->in_head = c->next;
-      if (!t->in_head) t->in_tail = NULL;
-      t->in_bytes -= c->len;
-      free(c);
-    }
+    chunkq_consumed(&t->in, (size_t)n);
   }
   if (t->dead) return;
-  if (t->host_closed && !t->in_head) {
+  if (t->host_closed && !t->in.head) {
     tunnel_end(t, 1, 0, NULL); /* flushed: close and answer the host's CLOSE */
     return;
   }
-  tunnel_grant(t, t->in_head == NULL);
+  tunnel_grant(t, t->in.head == NULL);
 }
 
 /* Reads the socket while the host has credit; at most READ_PASS_MAX per wakeup (fairness). */
@@ -272,21 +256,10 @@ void tunnel_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
       tunnel_end(t, 1, EPROTO, "credit");
       return;
     }
-    struct chunk *c = malloc(sizeof *c + n);
-    if (!c) {
+    if (chunkq_push(&t->in, p, n) < 0) {
       tunnel_end(t, 1, ENOMEM, "queue");
       return;
     }
-    c->next = NULL;
-    c->len = n;
-    c->off = 0;
-    memcpy(c->data, p, n);
-    if (t->in_tail)
-      t->in_tail->next = c;
-    else
-      t->in_head = c;
-    t->in_tail = c;
-    t->in_bytes += n;
     t->recv_credit -= (uint32_t)n;
     tunnel_pump(t);
     return;
