@@ -23,7 +23,12 @@ import { type Subprocess, spawn, spawnSync } from "bun";
 import { HEADER_LEN, MAX_PAYLOAD } from "../../contracts/guest-protocol.ts";
 import { type GuestClient, GuestError, GuestListener } from "./client.ts";
 
-const SRC = join(import.meta.dir, "agent.c");
+/** Every C file of the agent (one per concern; agent.h and protocol.h are included by them). */
+const SRC_DIR = join(import.meta.dir, "agent");
+const SRCS = readdirSync(SRC_DIR)
+  .filter((f) => f.endsWith(".c"))
+  .sort()
+  .map((f) => join(SRC_DIR, f));
 const ENV = { PATH: "/usr/local/bin:/usr/bin:/bin", LANG: "C" };
 
 let dir: string;
@@ -71,7 +76,9 @@ async function accept(): Promise<GuestClient> {
 function compile(out: string): { ok: boolean; warnings: string } {
   // musl-gcc is what ships the agent; plain cc is enough for host mode where musl is missing.
   for (const cc of [["musl-gcc", "-static"], ["cc"]]) {
-    const r = spawnSync([...cc, "-Os", "-Wall", "-Wextra", "-std=gnu11", "-o", out, SRC], { stderr: "pipe" });
+    const r = spawnSync([...cc, "-Os", "-Wall", "-Wextra", "-std=gnu11", "-o", out, ...SRCS], {
+      stderr: "pipe",
+    });
     if (r.exitCode === 0) return { ok: true, warnings: r.stderr.toString() };
   }
   return { ok: false, warnings: "" };
@@ -82,7 +89,7 @@ beforeAll(async () => {
   sock = join(dir, "agent.sock");
   bin = join(dir, "sandboxd-agent");
   const c = compile(bin);
-  if (!c.ok) throw new Error("cannot compile agent.c");
+  if (!c.ok) throw new Error(`cannot compile the agent (${SRC_DIR}/*.c)`);
   expect(c.warnings).toBe("");
   listener = await GuestListener.listen(sock);
   agent = spawn([bin, "--port", sock], { stdin: "ignore", stdout: "ignore", stderr: "pipe" });

@@ -84,6 +84,8 @@ export const GUEST_MODULES: ReadonlyArray<{ name: string; required: boolean }> =
 
 const REPO_ROOT = resolve(import.meta.dir, "..", "..");
 const AGENT_SRC_DIR = join(REPO_ROOT, "agent", "guest");
+/** The guest agent's C sources: one file per concern, one shared header, protocol.h. */
+const AGENT_C_DIR = join(AGENT_SRC_DIR, "agent");
 export const DEFAULT_AGENT_BINARY = join(REPO_ROOT, "build", "guest", "sandboxd-agent");
 
 /** One build per cache directory at a time inside this process. */
@@ -349,8 +351,8 @@ async function walk(dir: string): Promise<string[]> {
 
 /**
  * Builds the static guest agent: through agent/guest/Makefile when there is one (its owner knows
- * the flags), else straight from agent.c with musl-gcc. Skipped when the binary is newer than
- * every source, so a cached initramfs stays valid.
+ * the flags), else straight from every .c in agent/guest/agent/ with musl-gcc. Skipped when the
+ * binary is newer than every source (.c and .h), so a cached initramfs stays valid.
  */
 async function buildAgent(log: (msg: string) => void): Promise<string> {
   const makefile = join(AGENT_SRC_DIR, "Makefile");
@@ -358,17 +360,18 @@ async function buildAgent(log: (msg: string) => void): Promise<string> {
     log("building the guest agent: make -C agent/guest");
     await run("make", ["-C", AGENT_SRC_DIR], { cwd: REPO_ROOT });
   } else {
-    const src = join(AGENT_SRC_DIR, "agent.c");
-    if (!existsSync(src)) {
+    const srcs = await agentSources();
+    if (!srcs.some((f) => f.endsWith(".c"))) {
       throw new GuestArtifactsError(
-        `no guest agent: neither ${makefile} nor ${src} exists (pass agentBinary)`,
+        `no guest agent: neither ${makefile} nor C sources in ${AGENT_C_DIR} exist (pass agentBinary)`,
       );
     }
-    if (await isStale(DEFAULT_AGENT_BINARY, AGENT_SRC_DIR)) {
-      log("building the guest agent: musl-gcc -static agent/guest/agent.c");
+    if (await isStale(DEFAULT_AGENT_BINARY, srcs)) {
+      log("building the guest agent: musl-gcc -static agent/guest/agent/*.c");
       await mkdir(dirname(DEFAULT_AGENT_BINARY), { recursive: true });
-      await run("musl-gcc", ["-static", "-Os", "-Wall", "-o", DEFAULT_AGENT_BINARY, src], {
-        cwd: AGENT_SRC_DIR,
+      const cFiles = srcs.filter((f) => f.endsWith(".c"));
+      await run("musl-gcc", ["-static", "-Os", "-Wall", "-o", DEFAULT_AGENT_BINARY, ...cFiles], {
+        cwd: AGENT_C_DIR,
       });
     }
   }
@@ -377,12 +380,20 @@ async function buildAgent(log: (msg: string) => void): Promise<string> {
   return DEFAULT_AGENT_BINARY;
 }
 
-async function isStale(target: string, srcDir: string): Promise<boolean> {
+/** Every .c and .h of the guest agent (sorted, absolute): what the binary is built from. */
+async function agentSources(): Promise<string[]> {
+  const names = await readdir(AGENT_C_DIR).catch(() => [] as string[]);
+  return names
+    .filter((f) => /\.(c|h)$/.test(f))
+    .sort()
+    .map((f) => join(AGENT_C_DIR, f));
+}
+
+async function isStale(target: string, srcs: string[]): Promise<boolean> {
   const t = await stat(target).catch(() => undefined);
   if (!t) return true;
-  for (const f of await readdir(srcDir)) {
-    if (!/\.(c|h)$/.test(f)) continue;
-    if ((await stat(join(srcDir, f))).mtimeMs > t.mtimeMs) return true;
+  for (const f of srcs) {
+    if ((await stat(f)).mtimeMs > t.mtimeMs) return true;
   }
   return false;
 }
