@@ -2,7 +2,7 @@ import { afterAll, afterEach, describe, expect, test } from "bun:test";
 import { mkdir, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { UsageInterval } from "../agent/sandbox/accounting.ts";
-import { BootDriver } from "../agent/sandbox/boot-driver.ts";
+import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { type ManagerOptions, SandboxManager } from "../agent/sandbox/manager.ts";
 import {
   busyboxArchive,

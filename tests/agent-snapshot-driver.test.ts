@@ -11,8 +11,8 @@ import { existsSync, readdirSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../agent/guest/artifacts.ts";
+import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
-import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import {
   busyboxArchive,
   qemuPidsUnder,

@@ -37,7 +37,7 @@ import { resolveCommand } from "../image/import.ts";
 import { type SandboxRecord, sandboxRecords, templateRecords } from "../records/store.ts";
 import { newVmId } from "../vm/boot.ts";
 import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
-import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./driver.ts";
+import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import { checkTransition, holdsVm, isTerminal, type SandboxState } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";

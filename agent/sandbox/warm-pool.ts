@@ -13,7 +13,7 @@
  */
 import { describeError } from "../../contracts/errors.ts";
 import { newVmId } from "../vm/boot.ts";
-import type { DriverVm, SandboxDriver, VmSize } from "./driver.ts";
+import type { DriverVm, SandboxDriver, VmSize } from "./drivers/driver.ts";
 import type { TemplateRegistry } from "./templates.ts";
 
 /**

@@ -8,9 +8,9 @@ import { existsSync } from "node:fs";
 import { mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { SandboxdError } from "../../contracts/errors.ts";
-import { openChainStore } from "../storage/chain.ts";
-import { engineTemplateId, SnapshotDriver } from "./snapshot-driver.ts";
+import { SandboxdError } from "../../../contracts/errors.ts";
+import { openChainStore } from "../../storage/chain.ts";
+import { engineTemplateId, SnapshotDriver } from "./snapshot.ts";
 
 const dirs: string[] = [];
 afterEach(async () => {
