@@ -1,6 +1,6 @@
 /**
  * The sandbox manager: every live VM on this host, its state (states.ts, one table), its
- * records on disk (agent/records), idle pause, accounting, and the exec rules of spec 3.3. It sits
+ * records on disk (records.ts), idle pause, accounting, and the exec rules of spec 3.3. It sits
  * on a narrow `SandboxDriver` (driver.ts) and never sees HTTP: agent/api/app.ts parses requests
  * into the typed calls below (style.md habit 1).
  *
@@ -34,10 +34,10 @@ import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
 import { resolveCommand } from "../image/import.ts";
-import { type SandboxRecord, sandboxRecords, templateRecords } from "../records/store.ts";
 import { newVmId } from "../vm/boot.ts";
 import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
+import { type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { checkTransition, holdsVm, isTerminal, type SandboxState } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";

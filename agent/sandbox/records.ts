@@ -11,7 +11,7 @@ import { mkdir, open, readdir, readFile, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { z } from "zod";
 import type { ImageConfig } from "../image/import.ts";
-import { SandboxState } from "../sandbox/states.ts";
+import { SandboxState } from "./states.ts";
 
 export const RECORD_VERSION = 1;
 
