@@ -38,7 +38,7 @@ import { newVmId } from "../vm/boot.ts";
 import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import { type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
-import { checkTransition, holdsVm, isTerminal, type SandboxState } from "./states.ts";
+import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";
 
@@ -93,7 +93,7 @@ export interface SandboxInfo {
   id: string;
   templateId: string;
   kind: "session" | "sandbox";
-  state: SandboxState;
+  state: AgentSandboxState;
   reason?: string;
   createdAtMs: number;
   lastUsedAtMs: number;
@@ -110,7 +110,7 @@ interface Sandbox {
   id: string;
   templateId: string;
   kind: "session" | "sandbox";
-  state: SandboxState;
+  state: AgentSandboxState;
   reason?: string;
   size: VmSize;
   vm?: DriverVm;
@@ -774,7 +774,7 @@ export class SandboxManager {
   }
 
   /** The one place state changes: checked against the table, metered, recorded, idle re-armed. */
-  private setState(sb: Sandbox, to: SandboxState): void {
+  private setState(sb: Sandbox, to: AgentSandboxState): void {
     const check = checkTransition(sb.id, sb.state, to);
     if (!check.ok) throw check.error;
     sb.state = to;
@@ -895,7 +895,7 @@ export class SandboxManager {
     id: string;
     templateId: string;
     kind: "session" | "sandbox";
-    state: SandboxState;
+    state: AgentSandboxState;
     size: VmSize;
     endpoints: Record<string, string>;
     egress: EgressPolicy;
@@ -970,7 +970,7 @@ export class SandboxManager {
 }
 
 /** What a restart should assume of a sandbox caught in each state. */
-function persistedState(s: SandboxState): SandboxState {
+function persistedState(s: AgentSandboxState): AgentSandboxState {
   switch (s) {
     case "paused":
     case "busy":

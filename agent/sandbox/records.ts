@@ -11,7 +11,7 @@ import { mkdir, open, readdir, readFile, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { z } from "zod";
 import type { ImageConfig } from "../image/import.ts";
-import { SandboxState } from "./states.ts";
+import { AgentSandboxState } from "./states.ts";
 
 export const RECORD_VERSION = 1;
 
@@ -23,7 +23,7 @@ export const SandboxRecord = z.object({
   templateId: z.string().min(1),
   kind: z.enum(["session", "sandbox"]),
   /** The state when written; in-flight states are written as the state they return to. */
-  state: z.enum(SandboxState),
+  state: z.enum(AgentSandboxState),
   /** Why the sandbox is failed or lost. */
   reason: z.string().optional(),
   size: Size,
