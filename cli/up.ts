@@ -6,8 +6,8 @@
 import { mkdir } from "node:fs/promises";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
-import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError } from "../contracts/errors.ts";
 import { startHeartbeats } from "../gateway/agents.ts";

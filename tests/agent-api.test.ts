@@ -5,7 +5,7 @@ import { join } from "node:path";
 import { SignJWT } from "jose";
 import { createAgentApp } from "../agent/api/app.ts";
 import { AgentHttpClient } from "../agent/api/client.ts";
-import { BootDriver } from "../agent/sandbox/boot-driver.ts";
+import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
   busyboxArchive,

@@ -11,8 +11,8 @@ import { rm } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { resolve } from "node:path";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
+import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
-import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import {
   busyboxArchive,
   leftovers,

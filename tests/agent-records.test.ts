@@ -2,7 +2,7 @@ import { afterEach, describe, expect, test } from "bun:test";
 import { mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { type SandboxRecord, sandboxRecords } from "../agent/records/store.ts";
+import { type SandboxRecord, sandboxRecords } from "../agent/sandbox/records.ts";
 
 /** The on-disk records the agent re-adopts from: atomic writes, ordering, torn/foreign files. */
 

@@ -2,10 +2,11 @@ import { afterAll, afterEach, describe, expect, test } from "bun:test";
 import { mkdir, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { UsageInterval } from "../agent/sandbox/accounting.ts";
-import { BootDriver } from "../agent/sandbox/boot-driver.ts";
+import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { type ManagerOptions, SandboxManager } from "../agent/sandbox/manager.ts";
 import {
   busyboxArchive,
+  codeOf,
   leftovers,
   removeBusyboxArchive,
   TEST_CACHE_DIR,
@@ -50,15 +51,6 @@ async function setup(extra: Partial<ManagerOptions> = {}) {
   await m.templates.settled(TEMPLATE);
   expect(m.templates.status(TEMPLATE)).toMatchObject({ status: "ready", phase: "Live" });
   return { m, stateDir, managers };
-}
-
-async function codeOf(p: Promise<unknown>): Promise<string> {
-  try {
-    await p;
-    return "ok";
-  } catch (err) {
-    return err instanceof SandboxdError ? err.code : `not a SandboxdError: ${String(err)}`;
-  }
 }
 
 describe("SandboxManager with real VMs", () => {

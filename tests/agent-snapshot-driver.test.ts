@@ -11,10 +11,11 @@ import { existsSync, readdirSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../agent/guest/artifacts.ts";
+import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
-import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import {
   busyboxArchive,
+  codeOf,
   qemuPidsUnder,
   removeBusyboxArchive,
   TEST_CACHE_DIR,
@@ -107,15 +108,6 @@ async function sh(id: string, command: string): Promise<string> {
 }
 
 const counter = async (id: string) => Number((await sh(id, "cat /tmp/c")).trim());
-
-async function codeOf(p: Promise<unknown>): Promise<string> {
-  try {
-    await p;
-    return "ok";
-  } catch (err) {
-    return err instanceof SandboxdError ? err.code : `not a SandboxdError: ${String(err)}`;
-  }
-}
 
 /** The parent stall of the last fork, from the driver's log line. */
 function lastStallMs(): number {

@@ -15,8 +15,8 @@ import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
+import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
-import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import {
   busyboxArchive,
   qemuPidsUnder,
@@ -35,7 +35,7 @@ const CHILD_SCRIPT = `
 import { writeFileSync } from "node:fs";
 import { ensureGuestArtifacts } from "${REPO}/agent/guest/artifacts.ts";
 import { SandboxManager } from "${REPO}/agent/sandbox/manager.ts";
-import { SnapshotDriver } from "${REPO}/agent/sandbox/snapshot-driver.ts";
+import { SnapshotDriver } from "${REPO}/agent/sandbox/drivers/snapshot.ts";
 
 const [stateDir, cacheDir, archive, out] = process.argv.slice(2);
 const COUNTER = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done' >/dev/null 2>&1 &";

@@ -13,8 +13,8 @@ import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { AgentHttpClient } from "../agent/api/client.ts";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
+import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
-import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import {
   busyboxArchive,
   leftovers,

@@ -3,7 +3,7 @@ import { copyFile, mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
-import { BootDriver } from "../agent/sandbox/boot-driver.ts";
+import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
   busyboxArchive,

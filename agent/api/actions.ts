@@ -5,8 +5,9 @@
  */
 import { rm } from "node:fs/promises";
 import type { CreateVmOpts, TemplateSource } from "../../gateway/agent-api.ts";
-import type { TemplateInput } from "../sandbox/driver.ts";
-import type { ExecRequest, SandboxManager } from "../sandbox/manager.ts";
+import type { TemplateInput } from "../sandbox/drivers/driver.ts";
+import type { ExecRequest } from "../sandbox/exec.ts";
+import type { SandboxManager } from "../sandbox/manager.ts";
 
 export type AgentAction =
   | { kind: "health" }

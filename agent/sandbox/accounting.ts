@@ -5,12 +5,12 @@
  * spec's usage totals (cpu_core_hours, ram_gb_hours, disk_gb_hours, snapshot_gb_months; spec
  * 2.9) is the gateway's job.
  */
-import type { SandboxState } from "./states.ts";
+import type { AgentSandboxState } from "./states.ts";
 
 export type UsagePhase = "running" | "paused" | "suspended";
 
 /** Which metering phase a state is in; none for states without a VM or a snapshot. */
-export function phaseOf(state: SandboxState): UsagePhase | undefined {
+export function phaseOf(state: AgentSandboxState): UsagePhase | undefined {
   switch (state) {
     case "creating":
     case "running":
@@ -70,7 +70,7 @@ export class UsageMeter {
   }
 
   /** Enters the phase of `state` at `nowMs`, closing (and reporting) the previous interval. */
-  enter(state: SandboxState, nowMs: number): void {
+  enter(state: AgentSandboxState, nowMs: number): void {
     const phase = phaseOf(state);
     if (this.open?.phase === phase) return;
     if (this.open) {

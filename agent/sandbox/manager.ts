@@ -1,8 +1,9 @@
 /**
  * The sandbox manager: every live VM on this host, its state (states.ts, one table), its
- * records on disk (agent/records), idle pause, accounting, and the exec rules of spec 3.3. It sits
- * on a narrow `SandboxDriver` (driver.ts) and never sees HTTP: agent/api/app.ts parses requests
- * into the typed calls below (style.md habit 1).
+ * records on disk (records.ts), idle pause and metering; it carries out what exec.ts plans and
+ * admits VMs by capacity.ts. It sits on a narrow `SandboxDriver` (drivers/driver.ts) and never
+ * sees HTTP: agent/api/app.ts parses requests into typed actions (agent/api/actions.ts) that
+ * call the methods below.
  *
  * Rules carried out here:
  * - Execs are serialized per sandbox; a second exec, or a fork, while one is in flight fails at
@@ -16,15 +17,12 @@
  * - Records are written on every state change; `SandboxManager.open` re-adopts VMs that still run
  *   after an agent restart, marks the others `lost`, and reaps every VM no record claims.
  */
-import { cpus, totalmem } from "node:os";
 import { Duplex } from "node:stream";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import { EGRESS_PORT } from "../../contracts/guest-protocol.ts";
 import type {
   AgentCapacity,
   CreatedVm,
   CreateVmOpts,
-  ExecAction,
   ExecResult,
   OneShotResult,
   ResumeResult,
@@ -33,17 +31,23 @@ import type {
 import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
-import { resolveCommand } from "../image/import.ts";
-import { type SandboxRecord, sandboxRecords, templateRecords } from "../records/store.ts";
 import { newVmId } from "../vm/boot.ts";
 import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
-import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./driver.ts";
-import { checkTransition, holdsVm, isTerminal, type SandboxState } from "./states.ts";
+import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
+import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
+import {
+  type ExecPlan,
+  type ExecRequest,
+  exitCodeOf,
+  type PlannedCommand,
+  planExec,
+  TIMEOUT_EXIT_CODE,
+} from "./exec.ts";
+import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
+import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";
 
-/** Spec 8: the default per-exec timeout is 30 seconds. */
-export const DEFAULT_EXEC_TIMEOUT_MS = 30_000;
 /**
  * Idle grace before the vCPUs are stopped. 2 s: calls of one client come in bursts (an agent loop
  * issues its next exec within a few hundred ms), and `stop`/`cont` cost ~1 ms each, so a short
@@ -58,8 +62,6 @@ export const DEFAULT_IDLE_PAUSE_MS = 2_000;
 const DEATH_NOTICE_MS = 1_000;
 /** Refused egress attempts kept per sandbox for `info`: enough to see a pattern, bounded memory. */
 const EGRESS_REFUSED_KEPT = 50;
-/** The guest's exit status for a command killed by its timeout, as GNU `timeout` reports it. */
-const TIMEOUT_EXIT_CODE = 124;
 
 export interface ManagerOptions {
   driver: SandboxDriver;
@@ -76,24 +78,11 @@ export interface ManagerOptions {
   log?: (msg: string) => void;
 }
 
-export interface HostCapacity {
-  slots: number;
-  vcpus: number;
-  memMib: number;
-}
-
-/** What a caller may ask of exec: the gateway's action plus extra env, timeout defaulted here. */
-export interface ExecRequest extends Omit<ExecAction, "timeoutMs"> {
-  timeoutMs?: number;
-  /** Added to (and overriding) the image's Env. */
-  env?: Record<string, string>;
-}
-
 export interface SandboxInfo {
   id: string;
   templateId: string;
   kind: "session" | "sandbox";
-  state: SandboxState;
+  state: AgentSandboxState;
   reason?: string;
   createdAtMs: number;
   lastUsedAtMs: number;
@@ -110,7 +99,7 @@ interface Sandbox {
   id: string;
   templateId: string;
   kind: "session" | "sandbox";
-  state: SandboxState;
+  state: AgentSandboxState;
   reason?: string;
   size: VmSize;
   vm?: DriverVm;
@@ -148,7 +137,7 @@ export class SandboxManager {
   private readonly idlePauseMs: number;
   private readonly defaultSize: VmSize;
   private readonly egressDefault: EgressPolicy;
-  readonly capacity: HostCapacity;
+  readonly capacity: Capacity;
   private readonly log: (msg: string) => void;
   private detached = false;
 
@@ -160,7 +149,7 @@ export class SandboxManager {
     this.warm = new WarmPool({
       driver: opts.driver,
       templates: this.templates,
-      fits: (size) => this.fits(size, 1),
+      fits: (size) => this.capacity.fits(size, 1),
       sizeOf: (id) => ({ ...this.defaultSize, ...this.templates.sizeOf(id) }),
       log: this.log,
     });
@@ -168,14 +157,7 @@ export class SandboxManager {
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
     this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
-    this.capacity = {
-      // 64 VMs: a bound on QEMU processes and sockets per host, not on memory.
-      slots: opts.capacity?.slots ?? 64,
-      // vCPUs are overcommitted 4x: idle sandboxes are paused and use no CPU (spec 1.3).
-      vcpus: opts.capacity?.vcpus ?? cpus().length * 4,
-      // Guest RAM is not overcommitted: 75% of host memory, the rest for QEMU, page cache, agent.
-      memMib: opts.capacity?.memMib ?? Math.floor((totalmem() / 2 ** 20) * 0.75),
-    };
+    this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.used());
   }
 
   /**
@@ -254,10 +236,10 @@ export class SandboxManager {
     const pooled = await this.warm.take(templateId);
     const takeMs = performance.now() - tTake;
     if (!pooled) {
-      while (!this.fits(size, 1) && (await this.warm.evictOne(templateId))) {
+      while (!this.capacity.fits(size, 1) && (await this.warm.evictOne(templateId))) {
         // each round frees one pooled VM of another template
       }
-      this.reserve(size, 1);
+      this.capacity.admit(size, 1);
     }
     const id = pooled?.vmId ?? newVmId();
     const now = Date.now();
@@ -338,7 +320,7 @@ export class SandboxManager {
     const t0 = performance.now();
     const children: Sandbox[] = [];
     try {
-      this.reserve(sb.size, count);
+      this.capacity.admit(sb.size, count);
       await this.wake(sb);
       const now = Date.now();
       for (let i = 0; i < count; i++) {
@@ -419,7 +401,7 @@ export class SandboxManager {
 
   async resume(id: string): Promise<ResumeResult> {
     const sb = this.mustGet(id);
-    this.reserve(sb.size, 1);
+    this.capacity.admit(sb.size, 1);
     this.setState(sb, "resuming");
     try {
       const op = this.driver.resume(sb.id, sb.templateId, sb.size);
@@ -603,18 +585,7 @@ export class SandboxManager {
   }
 
   capacityNow(): AgentCapacity {
-    const used = this.used();
-    const vcpusFree = Math.max(0, this.capacity.vcpus - used.vcpus);
-    const memMibFree = Math.max(0, this.capacity.memMib - used.memMib);
-    const slotsFree = Math.max(
-      0,
-      Math.min(
-        this.capacity.slots - used.count,
-        Math.floor(vcpusFree / this.defaultSize.vcpus),
-        Math.floor(memMibFree / this.defaultSize.memMib),
-      ),
-    );
-    return { slotsFree, slotsTotal: this.capacity.slots, vcpusFree, memMibFree };
+    return this.capacity.free(this.defaultSize);
   }
 
   get driverName(): string {
@@ -637,66 +608,33 @@ export class SandboxManager {
 
   // ---- internals -----------------------------------------------------------------------------
 
+  /**
+   * Carries out one exec: the plan (exec.ts) is made once the VM is awake, then its files are
+   * written and its commands run in order against one deadline. An image that cannot run the
+   * request (no Entrypoint/Cmd for `code`) is refused before anything is written.
+   */
   private async runExec(sb: Sandbox, req: ExecRequest, signal: AbortSignal): Promise<ExecResult> {
     const t0 = performance.now();
-    const timeoutMs = req.timeoutMs ?? DEFAULT_EXEC_TIMEOUT_MS;
-    const deadline = t0 + timeoutMs;
     try {
       await this.wake(sb);
       const vm = sb.vm;
       if (!vm) throw this.goneError(sb);
-      const img = vm.image;
-      const cwd = img.workingDir || "/";
-      const ids = { uid: img.user.uid, gid: img.user.gid };
-      for (const f of req.files) await vm.guest.writeFile(f.path, f.content, { cwd, ...ids });
-      const env = mergeEnv(mergeEnv(img.env, EGRESS_PROXY_ENV), req.env);
-      const seed = req.seed === undefined ? undefined : seedBytes(req.seed);
+      const plan = planExec(req, vm.image);
+      const deadline = t0 + plan.timeoutMs;
+      const { cwd, uid, gid } = plan;
+      for (const f of plan.files) await vm.guest.writeFile(f.path, f.content, { cwd, uid, gid });
       const tExec = performance.now();
-      const run = req.run;
-      let out: RunOutcome;
-      switch (run.kind) {
-        case "none":
-          if (seed) await vm.guest.entropy(seed);
-          out = { stdout: "", stderr: "", exitCode: 0, seedAck: seed !== undefined };
-          break;
-        case "shell":
-          out = await runOne(vm.guest, ["/bin/sh", "-c", run.command], undefined, deadline, {
-            env,
-            cwd,
-            ids,
-            seed,
-            signal,
-          });
-          break;
-        case "code":
-          // The code goes on stdin to the image's own Entrypoint+Cmd (e.g. `python3`, `sh`).
-          out = await runOne(vm.guest, resolveCommand(img), run.code, deadline, {
-            env,
-            cwd,
-            ids,
-            seed,
-            signal,
-          });
-          break;
-        case "argv": {
-          // In order; each sees what the earlier ones left; the result is the last one's (4.1).
-          // The seed is mixed in by the first command; its ack stands for the whole action.
-          out = { stdout: "", stderr: "", exitCode: 0, seedAck: false };
-          let ack: boolean | undefined;
-          for (const argv of run.commands) {
-            out = await runOne(vm.guest, argv, undefined, deadline, {
-              env,
-              cwd,
-              ids,
-              seed: ack === undefined ? seed : undefined,
-              signal,
-            });
-            ack ??= out.seedAck;
-            if (out.timedOut) break;
-          }
-          out.seedAck = ack ?? false;
-          break;
-        }
+      let out: RunOutcome = { stdout: "", stderr: "", exitCode: 0, seedAck: false };
+      let ack = false;
+      if (plan.entropy) {
+        await vm.guest.entropy(plan.entropy);
+        ack = true;
+      }
+      for (const [i, cmd] of plan.commands.entries()) {
+        out = await runOne(vm.guest, plan, cmd, deadline, signal);
+        // The seed rides on the first command; its ack stands for the whole action.
+        if (i === 0) ack = out.seedAck;
+        if (out.timedOut) break;
       }
       if (signal.aborted) throw this.abortedError(sb);
       const end = performance.now();
@@ -707,7 +645,7 @@ export class SandboxManager {
         execTimeMs: end - tExec,
         totalTimeMs: end - t0,
       };
-      if (seed !== undefined) result.seedAck = out.seedAck ? "verified" : "unverified";
+      if (plan.seeded) result.seedAck = ack ? "verified" : "unverified";
       return result;
     } catch (err) {
       throw await this.execFailure(sb, err, signal);
@@ -774,7 +712,7 @@ export class SandboxManager {
   }
 
   /** The one place state changes: checked against the table, metered, recorded, idle re-armed. */
-  private setState(sb: Sandbox, to: SandboxState): void {
+  private setState(sb: Sandbox, to: AgentSandboxState): void {
     const check = checkTransition(sb.id, sb.state, to);
     if (!check.ok) throw check.error;
     sb.state = to;
@@ -840,41 +778,11 @@ export class SandboxManager {
     return next;
   }
 
-  private reserve(size: VmSize, count: number): void {
-    const used = this.used();
-    const c = this.capacity;
-    if (
-      used.count + count > c.slots ||
-      used.vcpus + size.vcpus * count > c.vcpus ||
-      used.memMib + size.memMib * count > c.memMib
-    ) {
-      throw new SandboxdError("at_capacity", "no capacity on this host", {
-        details: { used, capacity: c, retryAfterSeconds: 5 },
-      });
-    }
-  }
-
-  /** Whether `count` more VMs of `size` fit the host now. */
-  private fits(size: VmSize, count: number): boolean {
-    const used = this.used();
-    const c = this.capacity;
-    return (
-      used.count + count <= c.slots &&
-      used.vcpus + size.vcpus * count <= c.vcpus &&
-      used.memMib + size.memMib * count <= c.memMib
-    );
-  }
-
   /** VMs of sandboxes and of warm pools. */
-  private used(): { count: number; vcpus: number; memMib: number } {
-    let { count, vcpus, memMib } = this.warm.used();
-    for (const sb of this.sandboxes.values()) {
-      if (!holdsVm(sb.state)) continue;
-      count++;
-      vcpus += sb.size.vcpus;
-      memMib += sb.size.memMib;
-    }
-    return { count, vcpus, memMib };
+  private used(): HeldResources {
+    let held = this.warm.used();
+    for (const sb of this.sandboxes.values()) if (holdsVm(sb.state)) held = addHeld(held, sb.size);
+    return held;
   }
 
   private async refreshDisk(sb: Sandbox): Promise<void> {
@@ -895,7 +803,7 @@ export class SandboxManager {
     id: string;
     templateId: string;
     kind: "session" | "sandbox";
-    state: SandboxState;
+    state: AgentSandboxState;
     size: VmSize;
     endpoints: Record<string, string>;
     egress: EgressPolicy;
@@ -969,21 +877,6 @@ export class SandboxManager {
   }
 }
 
-/** What a restart should assume of a sandbox caught in each state. */
-function persistedState(s: SandboxState): SandboxState {
-  switch (s) {
-    case "paused":
-    case "busy":
-    case "forking":
-    case "suspending":
-      return "running"; // the QEMU is (still) there: try to adopt it
-    case "resuming":
-      return "suspended"; // the snapshot is intact until the restore succeeds
-    default:
-      return s;
-  }
-}
-
 interface RunOutcome {
   stdout: string;
   stderr: string;
@@ -992,74 +885,33 @@ interface RunOutcome {
   timedOut?: boolean;
 }
 
+/** One planned command with what is left of the action's time; none left is a timeout. */
 async function runOne(
   guest: GuestClient,
-  argv: string[],
-  stdin: string | undefined,
+  plan: ExecPlan,
+  cmd: PlannedCommand,
   deadline: number,
-  o: {
-    env: string[];
-    cwd: string;
-    ids: { uid: number; gid: number };
-    seed: Uint8Array | undefined;
-    signal: AbortSignal;
-  },
+  signal: AbortSignal,
 ): Promise<RunOutcome> {
   const left = Math.floor(deadline - performance.now());
   if (left <= 0)
     return { stdout: "", stderr: "timed out\n", exitCode: TIMEOUT_EXIT_CODE, seedAck: false, timedOut: true };
   const r = await guest.exec({
-    argv,
-    env: o.env,
-    cwd: o.cwd,
-    uid: o.ids.uid,
-    gid: o.ids.gid,
+    argv: cmd.argv,
+    env: plan.env,
+    cwd: plan.cwd,
+    uid: plan.uid,
+    gid: plan.gid,
     timeoutMs: left,
-    ...(stdin !== undefined ? { stdin } : {}),
-    ...(o.seed !== undefined ? { seed: o.seed } : {}),
-    signal: o.signal,
+    ...(cmd.stdin !== undefined ? { stdin: cmd.stdin } : {}),
+    ...(cmd.seed !== undefined ? { seed: cmd.seed } : {}),
+    signal,
   });
-  const exitCode = r.timedOut ? TIMEOUT_EXIT_CODE : r.exitCode !== null ? r.exitCode : 128 + (r.signal ?? 0); // killed by a signal: the shell's convention
   return {
     stdout: r.stdout.toString("utf8"),
     stderr: r.stderr.toString("utf8"),
-    exitCode,
+    exitCode: exitCodeOf(r),
     seedAck: r.seedAck,
     timedOut: r.timedOut,
   };
-}
-
-/**
- * Every exec's way out (docs/decisions.md "Egress"): the guest agent's proxy port on loopback.
- * Ours win over the image's (there is no other route); the request's own env can still override.
- * Local addresses stay direct: a program talking to a server inside its own VM must not be sent
- * to the host.
- */
-const EGRESS_PROXY_URL = `http://127.0.0.1:${EGRESS_PORT}`;
-export const EGRESS_PROXY_ENV: Readonly<Record<string, string>> = {
-  http_proxy: EGRESS_PROXY_URL,
-  https_proxy: EGRESS_PROXY_URL,
-  HTTP_PROXY: EGRESS_PROXY_URL,
-  HTTPS_PROXY: EGRESS_PROXY_URL,
-  ALL_PROXY: EGRESS_PROXY_URL,
-  no_proxy: "localhost,127.0.0.1,::1",
-  NO_PROXY: "localhost,127.0.0.1,::1",
-};
-
-/** The image's Env with `extra` added; a name in both takes the value from `extra`. */
-export function mergeEnv(base: string[], extra: Record<string, string> | undefined): string[] {
-  if (!extra) return [...base];
-  const out = base.filter((kv) => {
-    const name = kv.slice(0, Math.max(0, kv.indexOf("=")));
-    return !Object.hasOwn(extra, name);
-  });
-  for (const [k, v] of Object.entries(extra)) out.push(`${k}=${v}`);
-  return out;
-}
-
-/** The seed's bytes: hex when it is hex (spec 2.6 "hex-like"), else its UTF-8. */
-export function seedBytes(seed: string): Uint8Array {
-  if (seed.length > 0 && seed.length % 2 === 0 && /^[0-9a-fA-F]+$/.test(seed))
-    return Buffer.from(seed, "hex");
-  return Buffer.from(seed, "utf8");
 }

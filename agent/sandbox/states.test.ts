@@ -2,28 +2,28 @@ import { describe, expect, test } from "bun:test";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { phaseOf } from "./accounting.ts";
 import {
+  AgentSandboxState,
   canTransition,
   checkTransition,
   holdsVm,
   isInFlight,
   isTerminal,
-  SandboxState,
-  TRANSITIONS,
+  SANDBOX_TRANSITIONS,
   transitionError,
 } from "./states.ts";
 
 describe("sandbox state table", () => {
   test("every target in the table is a known state, and no state goes to itself", () => {
-    for (const from of SandboxState) {
-      for (const to of TRANSITIONS[from]) {
-        expect(SandboxState).toContain(to);
+    for (const from of AgentSandboxState) {
+      for (const to of SANDBOX_TRANSITIONS[from]) {
+        expect(AgentSandboxState).toContain(to);
         expect(to).not.toBe(from);
       }
     }
   });
 
   test("the lifecycle paths of spec 3.3 are allowed", () => {
-    const paths: SandboxState[][] = [
+    const paths: AgentSandboxState[][] = [
       ["creating", "running", "busy", "running", "paused", "busy", "running", "destroying", "destroyed"],
       ["creating", "running", "forking", "running", "suspending", "suspended", "resuming", "running"],
       ["running", "paused", "forking", "running"],
@@ -60,7 +60,7 @@ describe("sandbox state table", () => {
         expect(transitionError("x", from, to).code).toBe("gone");
       }
     }
-    expect(TRANSITIONS.destroyed).toEqual([]);
+    expect(SANDBOX_TRANSITIONS.destroyed).toEqual([]);
     expect(transitionError("x", "destroyed", "busy").code).toBe("gone");
     expect(transitionError("x", "destroying", "busy").code).toBe("gone");
   });
@@ -74,9 +74,9 @@ describe("sandbox state table", () => {
   });
 
   test("the table is exactly what checkTransition enforces", () => {
-    for (const from of SandboxState) {
-      for (const to of SandboxState) {
-        const allowed = TRANSITIONS[from].includes(to);
+    for (const from of AgentSandboxState) {
+      for (const to of AgentSandboxState) {
+        const allowed = SANDBOX_TRANSITIONS[from].includes(to);
         const c = checkTransition("x", from, to);
         expect(c.ok).toBe(allowed);
         if (!c.ok) {
@@ -88,14 +88,14 @@ describe("sandbox state table", () => {
   });
 
   test("destroy is reachable from every state but destroyed and destroying", () => {
-    for (const from of SandboxState) {
+    for (const from of AgentSandboxState) {
       if (from === "destroyed" || from === "destroying") continue;
       expect([from, canTransition(from, "destroying")]).toEqual([from, true]);
     }
   });
 
   test("metering phases and VM holding agree", () => {
-    for (const s of SandboxState) {
+    for (const s of AgentSandboxState) {
       const phase = phaseOf(s);
       if (phase === "running" || phase === "paused") expect(holdsVm(s)).toBe(true);
       if (phase === "suspended") expect(holdsVm(s)).toBe(false);

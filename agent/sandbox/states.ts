@@ -1,7 +1,11 @@
 /**
- * The ONE list of sandbox states and the ONE table of allowed transitions (style.md habit 2, after
+ * The ONE list of the agent's sandbox states and the ONE table of allowed transitions (after
  * Cloud Hypervisor's `vm.rs` `valid_transition`). Every state change in the manager goes through
- * `transition`, so a suspend racing a fork becomes a clean 409, never a VM in two operations.
+ * `checkTransition`, so a suspend racing a fork becomes a clean 409, never a VM in two operations.
+ *
+ * This is the middle of three state layers, each with its own name: the gateway's record state
+ * (what the public API reports), this one (what a VM on this host is doing), and the snapshot
+ * engine's VM state (agent/snapshot/vm.ts, one QEMU process and its files).
  *
  * | state        | meaning                                                                    |
  * |--------------|----------------------------------------------------------------------------|
@@ -20,7 +24,7 @@
  */
 import { SandboxdError } from "../../contracts/errors.ts";
 
-export const SandboxState = [
+export const AgentSandboxState = [
   "creating",
   "running",
   "paused",
@@ -34,10 +38,10 @@ export const SandboxState = [
   "failed",
   "lost",
 ] as const;
-export type SandboxState = (typeof SandboxState)[number];
+export type AgentSandboxState = (typeof AgentSandboxState)[number];
 
-/** Allowed `from -> to` changes. Anything absent is refused by `transition`. */
-export const TRANSITIONS: Readonly<Record<SandboxState, readonly SandboxState[]>> = {
+/** Allowed `from -> to` changes. Anything absent is refused by `checkTransition`. */
+export const SANDBOX_TRANSITIONS: Readonly<Record<AgentSandboxState, readonly AgentSandboxState[]>> = {
   creating: ["running", "failed", "destroying"],
   // running -> paused is the idle pause; -> busy/forking start an exec/fork.
   running: ["paused", "busy", "forking", "suspending", "destroying", "failed"],
@@ -60,11 +64,11 @@ export const TRANSITIONS: Readonly<Record<SandboxState, readonly SandboxState[]>
 };
 
 /** States in which an exec or a fork is in flight: a second one gets `busy` (spec 3.3, 7). */
-const IN_FLIGHT: ReadonlySet<SandboxState> = new Set(["busy", "forking"]);
+const IN_FLIGHT: ReadonlySet<AgentSandboxState> = new Set(["busy", "forking"]);
 /** States from which the sandbox is no longer usable; only destroy is accepted. */
-const TERMINAL: ReadonlySet<SandboxState> = new Set(["destroying", "destroyed", "failed", "lost"]);
+const TERMINAL: ReadonlySet<AgentSandboxState> = new Set(["destroying", "destroyed", "failed", "lost"]);
 /** States whose VM has a QEMU (for capacity and metering); suspended/terminal ones do not. */
-const HAS_VM: ReadonlySet<SandboxState> = new Set([
+const HAS_VM: ReadonlySet<AgentSandboxState> = new Set([
   "creating",
   "running",
   "paused",
@@ -75,19 +79,19 @@ const HAS_VM: ReadonlySet<SandboxState> = new Set([
   "destroying",
 ]);
 
-export function canTransition(from: SandboxState, to: SandboxState): boolean {
-  return TRANSITIONS[from].includes(to);
+export function canTransition(from: AgentSandboxState, to: AgentSandboxState): boolean {
+  return SANDBOX_TRANSITIONS[from].includes(to);
 }
 
-export function isInFlight(s: SandboxState): boolean {
+export function isInFlight(s: AgentSandboxState): boolean {
   return IN_FLIGHT.has(s);
 }
 
-export function isTerminal(s: SandboxState): boolean {
+export function isTerminal(s: AgentSandboxState): boolean {
   return TERMINAL.has(s);
 }
 
-export function holdsVm(s: SandboxState): boolean {
+export function holdsVm(s: AgentSandboxState): boolean {
   return HAS_VM.has(s);
 }
 
@@ -98,7 +102,7 @@ export function holdsVm(s: SandboxState): boolean {
  *   coming back, which the gateway reports as Family A's 410 (spec 7);
  * - `conflict` (409) for every other state that does not allow the action.
  */
-export function transitionError(id: string, from: SandboxState, to: SandboxState): SandboxdError {
+export function transitionError(id: string, from: AgentSandboxState, to: AgentSandboxState): SandboxdError {
   const details = { id, from, to };
   if (isInFlight(from)) {
     const what = from === "busy" ? "an exec" : "a fork";
@@ -113,6 +117,6 @@ export function transitionError(id: string, from: SandboxState, to: SandboxState
 export type TransitionCheck = { ok: true } | { ok: false; error: SandboxdError };
 
 /** Checks one change against the table; the error is a value, never thrown here. */
-export function checkTransition(id: string, from: SandboxState, to: SandboxState): TransitionCheck {
+export function checkTransition(id: string, from: AgentSandboxState, to: AgentSandboxState): TransitionCheck {
   return canTransition(from, to) ? { ok: true } : { ok: false, error: transitionError(id, from, to) };
 }

@@ -9,8 +9,8 @@ import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { templateRecords } from "../records/store.ts";
-import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput } from "./driver.ts";
+import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput } from "./drivers/driver.ts";
+import { templateRecords } from "./records.ts";
 import { MAX_CONCURRENT_BUILDS, TemplateRegistry } from "./templates.ts";
 
 interface Held {

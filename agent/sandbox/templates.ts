@@ -12,8 +12,8 @@
 import type { BakePhase, TemplateTelemetry } from "../../contracts/api/family-b.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { TemplateBuildStatus } from "../../gateway/agent-api.ts";
-import type { RecordStore, TemplateRecord } from "../records/store.ts";
-import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./driver.ts";
+import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
+import type { RecordStore, TemplateRecord } from "./records.ts";
 
 /**
  * Builds that run at once on one agent; later ones wait, reported as `Pending` (spec 3.2). Each

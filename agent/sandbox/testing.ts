@@ -6,6 +6,7 @@
 import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../../tests/fixtures/images.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
@@ -75,4 +76,14 @@ export async function waitFor(cond: () => boolean | Promise<boolean>, timeoutMs:
     await Bun.sleep(25);
   }
   return cond();
+}
+
+/** The code a call fails with ("ok" when it succeeds), for one-line expectations on refusals. */
+export async function codeOf(p: Promise<unknown>): Promise<string> {
+  try {
+    await p;
+    return "ok";
+  } catch (err) {
+    return err instanceof SandboxdError ? err.code : `not a SandboxdError: ${String(err)}`;
+  }
 }

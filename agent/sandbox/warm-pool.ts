@@ -6,14 +6,15 @@
  * to the announced width until `release` (or the template's deletion) drops it.
  *
  * Bounds: at most `MAX_WARM_PER_TEMPLATE` per template, and never beyond the host's capacity
- * (`fits`, the manager's own accounting, which counts pooled VMs like sandboxes); a create that
+ * (`fits`, capacity.ts, which counts pooled VMs like sandboxes); a create that
  * finds the host full evicts a pooled VM of another template first (`evictOne`). Pooled VMs
  * have no record: after an agent restart they are reaped like any unclaimed VM directory, and
  * the client announces its width again.
  */
 import { describeError } from "../../contracts/errors.ts";
 import { newVmId } from "../vm/boot.ts";
-import type { DriverVm, SandboxDriver, VmSize } from "./driver.ts";
+import { addHeld, type HeldResources } from "./capacity.ts";
+import type { DriverVm, SandboxDriver, VmSize } from "./drivers/driver.ts";
 import type { TemplateRegistry } from "./templates.ts";
 
 /**
@@ -98,17 +99,10 @@ export class WarmPool {
   }
 
   /** VMs held by pools (pooled and being spawned), for the host's capacity accounting. */
-  used(): { count: number; vcpus: number; memMib: number } {
-    let count = 0;
-    let vcpus = 0;
-    let memMib = 0;
-    for (const p of this.pools.values()) {
-      const n = p.vms.length + p.spawning;
-      count += n;
-      vcpus += n * p.size.vcpus;
-      memMib += n * p.size.memMib;
-    }
-    return { count, vcpus, memMib };
+  used(): HeldResources {
+    let held: HeldResources = { count: 0, vcpus: 0, memMib: 0 };
+    for (const p of this.pools.values()) held = addHeld(held, p.size, p.vms.length + p.spawning);
+    return held;
   }
 
   /** Pooled VMs per template (health, tests). */

@@ -8,9 +8,9 @@ import { existsSync } from "node:fs";
 import { mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { SandboxdError } from "../../contracts/errors.ts";
-import { openChainStore } from "../storage/chain.ts";
-import { engineTemplateId, SnapshotDriver } from "./snapshot-driver.ts";
+import { openChainStore } from "../../storage/chain.ts";
+import { codeOf } from "../testing.ts";
+import { engineTemplateId, SnapshotDriver } from "./snapshot.ts";
 
 const dirs: string[] = [];
 afterEach(async () => {
@@ -34,15 +34,6 @@ async function driver() {
     },
   });
   return { d, stateDir, shmRoot };
-}
-
-async function codeOf(p: Promise<unknown>): Promise<string> {
-  try {
-    await p;
-    return "ok";
-  } catch (err) {
-    return err instanceof SandboxdError ? err.code : `not a SandboxdError: ${String(err)}`;
-  }
 }
 
 const SIZE = { vcpus: 1, memMib: 256 };

@@ -26,20 +26,20 @@ import { existsSync, readFileSync } from "node:fs";
 import { readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
 import { z } from "zod";
-import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts";
-import { GuestClient, type GuestTunnel } from "../guest/client.ts";
-import { type ImageConfig, importImage } from "../image/import.ts";
-import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../image/pull.ts";
-import { type Accel, probeAccelerator } from "../qemu/accel.ts";
-import type { VmExit, VmProcess } from "../qemu/launch.ts";
-import { QmpClient } from "../qemu/qmp/client.ts";
-import type { SnapshotError } from "../snapshot/errors.ts";
-import { forkVm } from "../snapshot/fork.ts";
-import { reclaimSnapshotStorage } from "../snapshot/recover.ts";
-import { claimShmRoot, sweepOrphanShmRoots } from "../snapshot/shm.ts";
-import { spawnFromTemplate } from "../snapshot/spawn.ts";
-import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../snapshot/suspend.ts";
+import { describeError, SandboxdError } from "../../../contracts/errors.ts";
+import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
+import { GuestClient, type GuestTunnel } from "../../guest/client.ts";
+import { type ImageConfig, importImage } from "../../image/import.ts";
+import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../../image/pull.ts";
+import { type Accel, probeAccelerator } from "../../qemu/accel.ts";
+import type { VmExit, VmProcess } from "../../qemu/launch.ts";
+import { QmpClient } from "../../qemu/qmp/client.ts";
+import type { SnapshotError } from "../../snapshot/errors.ts";
+import { forkVm } from "../../snapshot/fork.ts";
+import { reclaimSnapshotStorage } from "../../snapshot/recover.ts";
+import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
+import { spawnFromTemplate } from "../../snapshot/spawn.ts";
+import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../../snapshot/suspend.ts";
 import {
   buildTemplate,
   defaultShmRoot,
@@ -48,10 +48,11 @@ import {
   loadTemplate,
   type TemplateMeta,
   templatesRoot,
-} from "../snapshot/template.ts";
-import { SandboxVm, storageDir, type VmShape } from "../snapshot/vm.ts";
-import { openChainStore } from "../storage/chain.ts";
-import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../vm/workdir.ts";
+} from "../../snapshot/template.ts";
+import { SandboxVm, storageDir, type VmShape } from "../../snapshot/vm.ts";
+import { openChainStore } from "../../storage/chain.ts";
+import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../../vm/workdir.ts";
+import type { PreparedWithTelemetry } from "../templates.ts";
 import type {
   AdoptRef,
   BuildPhase,
@@ -62,7 +63,6 @@ import type {
   VmExitInfo,
   VmSize,
 } from "./driver.ts";
-import type { PreparedWithTelemetry } from "./templates.ts";
 
 export interface SnapshotDriverOptions {
   /** Guest artifacts and imported images are cached here (shared between agents and tests). */

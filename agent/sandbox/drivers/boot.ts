@@ -6,14 +6,14 @@
  */
 import { readdir, readFile, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
-import { SandboxdError } from "../../contracts/errors.ts";
-import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts";
-import type { GuestClient, GuestTunnel } from "../guest/client.ts";
-import { type ImportedImage, importImage } from "../image/import.ts";
-import { type Accel, probeAccelerator } from "../qemu/accel.ts";
-import { QmpClient } from "../qemu/qmp/client.ts";
-import { bootVm, connectGuest } from "../vm/boot.ts";
-import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../vm/workdir.ts";
+import { SandboxdError } from "../../../contracts/errors.ts";
+import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
+import type { GuestClient, GuestTunnel } from "../../guest/client.ts";
+import { type ImportedImage, importImage } from "../../image/import.ts";
+import { type Accel, probeAccelerator } from "../../qemu/accel.ts";
+import { QmpClient } from "../../qemu/qmp/client.ts";
+import { bootVm, connectGuest } from "../../vm/boot.ts";
+import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../../vm/workdir.ts";
 import type {
   AdoptRef,
   DriverVm,

@@ -4,14 +4,15 @@
  * fsync, rename), so that after an agent restart (a crash, a kill -9, an upgrade) the agent knows
  * which VMs it owned, re-adopts those that still run and marks the others `lost` (manager.ts
  * `SandboxManager.open`). Records are parsed with zod when read: a torn or foreign file is
- * reported and skipped, never trusted (style.md habit 1; habit 5: state saves itself beside its code).
+ * reported and skipped, never trusted. The file sits beside the manager and the template
+ * registry, its only writers, and beside the states it records.
  */
 import { randomBytes } from "node:crypto";
 import { mkdir, open, readdir, readFile, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { z } from "zod";
 import type { ImageConfig } from "../image/import.ts";
-import { SandboxState } from "../sandbox/states.ts";
+import { AgentSandboxState } from "./states.ts";
 
 export const RECORD_VERSION = 1;
 
@@ -23,7 +24,7 @@ export const SandboxRecord = z.object({
   templateId: z.string().min(1),
   kind: z.enum(["session", "sandbox"]),
   /** The state when written; in-flight states are written as the state they return to. */
-  state: z.enum(SandboxState),
+  state: z.enum(AgentSandboxState),
   /** Why the sandbox is failed or lost. */
   reason: z.string().optional(),
   size: Size,
@@ -36,6 +37,21 @@ export const SandboxRecord = z.object({
   egressAllow: z.array(z.string()).optional(),
 });
 export type SandboxRecord = z.infer<typeof SandboxRecord>;
+
+/** What a restart should assume of a sandbox caught in each state. */
+export function persistedState(s: AgentSandboxState): AgentSandboxState {
+  switch (s) {
+    case "paused":
+    case "busy":
+    case "forking":
+    case "suspending":
+      return "running"; // the QEMU is (still) there: try to adopt it
+    case "resuming":
+      return "suspended"; // the snapshot is intact until the restore succeeds
+    default:
+      return s;
+  }
+}
 
 /** agent/image/import.ts `ImageConfig`, as it is written into a template record. */
 const ImageConfigRecord = z.object({

@@ -1,8 +1,8 @@
 /**
  * What the sandbox manager needs from the VM layer, and nothing more. The manager owns states,
  * serialization, idle pause, records and accounting; a driver owns QEMU processes, disks and
- * snapshots. Two implementations: `BootDriver` (boot-driver.ts: cold boot from an imported image,
- * no fork/suspend) and `SnapshotDriver` (snapshot-driver.ts, on agent/snapshot/: template
+ * snapshots. Two implementations: `BootDriver` (boot.ts: cold boot from an imported image,
+ * no fork/suspend) and `SnapshotDriver` (snapshot.ts, on agent/snapshot/: template
  * snapshots, fast spawn, live fork, suspend/resume).
  *
  * Contract for implementations:
@@ -15,8 +15,8 @@
  * - Each VM lives in `<stateDir>/vms/<vmId>/` (agent/vm/workdir.ts); `reap` removes what no record
  *   claims.
  */
-import type { GuestClient, GuestTunnel } from "../guest/client.ts";
-import type { ImageConfig } from "../image/import.ts";
+import type { GuestClient, GuestTunnel } from "../../guest/client.ts";
+import type { ImageConfig } from "../../image/import.ts";
 
 export interface VmSize {
   vcpus: number;

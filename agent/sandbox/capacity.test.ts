@@ -1,0 +1,147 @@
+/** Host admission without VMs: the limits, the fit of one or many VMs, the refusal, what is free. */
+import { describe, expect, test } from "bun:test";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
+
+const GiB = 2 ** 30;
+const limits: HostCapacity = { slots: 4, vcpus: 8, memMib: 2048 };
+const small = { vcpus: 1, memMib: 256 };
+
+/** A Capacity whose held resources are whatever `held.now` is when asked. */
+function ledger(c: HostCapacity = limits) {
+  const held = { now: { count: 0, vcpus: 0, memMib: 0 } as HeldResources };
+  return { held, cap: new Capacity(c, () => held.now) };
+}
+
+describe("hostCapacity", () => {
+  test("defaults from the machine: 64 slots, 4 vCPUs per core, 75% of RAM for guests", () => {
+    expect(hostCapacity(undefined, { cpus: 2, memBytes: 8 * GiB })).toEqual({
+      slots: 64,
+      vcpus: 8,
+      memMib: 6144,
+    });
+    expect(hostCapacity({}, { cpus: 16, memBytes: 1 * GiB + 3 })).toEqual({
+      slots: 64,
+      vcpus: 64,
+      memMib: 768,
+    });
+  });
+
+  test("what the operator gives wins, limit by limit", () => {
+    expect(hostCapacity({ slots: 2 }, { cpus: 2, memBytes: 8 * GiB })).toEqual({
+      slots: 2,
+      vcpus: 8,
+      memMib: 6144,
+    });
+    expect(hostCapacity({ slots: 1, vcpus: 3, memMib: 100 }, { cpus: 2, memBytes: 8 * GiB })).toEqual({
+      slots: 1,
+      vcpus: 3,
+      memMib: 100,
+    });
+  });
+
+  test("without a host given, this machine's", () => {
+    const c = hostCapacity(undefined);
+    expect(c.slots).toBe(64);
+    expect(c.vcpus).toBeGreaterThan(0);
+    expect(c.memMib).toBeGreaterThan(0);
+  });
+});
+
+describe("addHeld", () => {
+  test("adds count VMs of a size; one by default", () => {
+    const zero = { count: 0, vcpus: 0, memMib: 0 };
+    expect(addHeld(zero, { vcpus: 2, memMib: 512 })).toEqual({ count: 1, vcpus: 2, memMib: 512 });
+    expect(addHeld({ count: 1, vcpus: 1, memMib: 256 }, { vcpus: 2, memMib: 512 }, 3)).toEqual({
+      count: 4,
+      vcpus: 7,
+      memMib: 1792,
+    });
+    expect(addHeld(zero, small, 0)).toEqual(zero);
+  });
+});
+
+describe("Capacity.fits / admit", () => {
+  test("an empty host takes what fits all three limits, exactly up to each", () => {
+    const { cap } = ledger();
+    expect(cap.fits(small, 4)).toBe(true); // 4 slots, 4 vCPUs, 1024 MiB
+    expect(cap.fits({ vcpus: 2, memMib: 512 }, 4)).toBe(true); // all three at their limit
+    expect(() => cap.admit({ vcpus: 2, memMib: 512 }, 4)).not.toThrow();
+  });
+
+  test("each limit refuses on its own", () => {
+    const { cap } = ledger();
+    expect(cap.fits(small, 5)).toBe(false); // slots
+    expect(cap.fits({ vcpus: 3, memMib: 1 }, 3)).toBe(false); // vCPUs: 9 > 8
+    expect(cap.fits({ vcpus: 1, memMib: 1025 }, 2)).toBe(false); // memory: 2050 > 2048
+  });
+
+  test("what is held counts, asked anew on every check", () => {
+    const { held, cap } = ledger();
+    held.now = { count: 3, vcpus: 7, memMib: 1792 };
+    expect(cap.fits(small, 1)).toBe(true);
+    expect(cap.fits(small, 2)).toBe(false);
+    expect(cap.fits({ vcpus: 2, memMib: 1 }, 1)).toBe(false);
+    held.now = { count: 0, vcpus: 0, memMib: 0 };
+    expect(cap.fits(small, 2)).toBe(true);
+  });
+
+  test("a refusal is at_capacity with what is held, the limits and a retry hint", () => {
+    const { held, cap } = ledger();
+    held.now = { count: 4, vcpus: 4, memMib: 1024 };
+    let err: unknown;
+    try {
+      cap.admit(small, 1);
+    } catch (e) {
+      err = e;
+    }
+    expect(err).toBeInstanceOf(SandboxdError);
+    const e = err as SandboxdError;
+    expect(e.code).toBe("at_capacity");
+    expect(e.message).toBe("no capacity on this host");
+    expect(e.details).toEqual({ used: held.now, capacity: limits, retryAfterSeconds: 5 });
+  });
+
+  test("admit lets through exactly what fits says", () => {
+    const { held, cap } = ledger();
+    for (const h of [
+      { count: 0, vcpus: 0, memMib: 0 },
+      { count: 3, vcpus: 7, memMib: 1792 },
+      { count: 3, vcpus: 8, memMib: 0 },
+      { count: 0, vcpus: 0, memMib: 2000 },
+    ]) {
+      held.now = h;
+      for (const n of [1, 2]) {
+        const admitted = (() => {
+          try {
+            cap.admit(small, n);
+            return true;
+          } catch {
+            return false;
+          }
+        })();
+        expect(admitted).toBe(cap.fits(small, n));
+      }
+    }
+  });
+});
+
+describe("Capacity.free", () => {
+  test("an empty host: slots free is bounded by each limit in units of the default size", () => {
+    expect(ledger().cap.free(small)).toEqual({ slotsFree: 4, slotsTotal: 4, vcpusFree: 8, memMibFree: 2048 });
+    expect(ledger().cap.free({ vcpus: 4, memMib: 256 })).toMatchObject({ slotsFree: 2 }); // vCPUs bind
+    expect(ledger().cap.free({ vcpus: 1, memMib: 1000 })).toMatchObject({ slotsFree: 2 }); // memory binds
+  });
+
+  test("what is held is subtracted", () => {
+    const { held, cap } = ledger();
+    held.now = { count: 1, vcpus: 1, memMib: 256 };
+    expect(cap.free(small)).toEqual({ slotsFree: 3, slotsTotal: 4, vcpusFree: 7, memMibFree: 1792 });
+  });
+
+  test("never below zero, even when more is held than the limits (limits lowered at a restart)", () => {
+    const { held, cap } = ledger();
+    held.now = { count: 6, vcpus: 10, memMib: 4096 };
+    expect(cap.free(small)).toEqual({ slotsFree: 0, slotsTotal: 4, vcpusFree: 0, memMibFree: 0 });
+  });
+});

@@ -1,0 +1,138 @@
+/**
+ * What an exec does, decided before anything touches the guest. After Firecracker's
+ * `parse_put_snapshot_create` -> `VmmAction`: the request becomes a value first, then one loop
+ * carries it out. `planExec` is pure: from the caller's request and the image's config it decides
+ * each command's argv and stdin, the environment, working directory and user, the time budget,
+ * and how the seed reaches the guest. The manager's `runExec` (manager.ts) writes the files and
+ * runs the commands in order; `exitCodeOf` reads the guest's answer the way a shell would.
+ *
+ * The rules (spec 4.1, 2.6, 8):
+ * - Family A `code` goes on stdin to the image's own Entrypoint+Cmd (e.g. `python3`, `sh`), as
+ *   Docker would start the image; an image with neither is refused (`image_no_command`).
+ * - Family B `command` is one line for `/bin/sh -c`; `commands` are argv arrays run in order
+ *   without a shell, each seeing what the earlier ones left; the result is the last one's, and a
+ *   command that runs out of time ends the action.
+ * - Every file and command runs in the image's WorkingDir (else `/`) as the image's User.
+ * - The environment is the image's Env, then the egress proxy (EGRESS_PROXY_ENV), then the
+ *   request's own `env`; a later name wins.
+ * - One budget for the whole action, 30 s unless the request says (the agent API bounds it).
+ * - The seed is hex when it looks like hex, else UTF-8; it is mixed in by the first command, or
+ *   alone into the entropy pool when nothing runs.
+ */
+import { EGRESS_PORT } from "../../contracts/guest-protocol.ts";
+import type { ExecAction, FileWriteAction } from "../../gateway/agent-api.ts";
+import { type ImageConfig, resolveCommand } from "../image/import.ts";
+
+/** Spec 8: the default per-exec timeout is 30 seconds. */
+export const DEFAULT_EXEC_TIMEOUT_MS = 30_000;
+/** The guest's exit status for a command killed by its timeout, as GNU `timeout` reports it. */
+export const TIMEOUT_EXIT_CODE = 124;
+
+/** What a caller may ask of exec: the gateway's action plus extra env, timeout defaulted here. */
+export interface ExecRequest extends Omit<ExecAction, "timeoutMs"> {
+  timeoutMs?: number;
+  /** Added to (and overriding) the image's Env. */
+  env?: Record<string, string>;
+}
+
+/** What of an image decides how its programs run. */
+export type ExecImage = Pick<ImageConfig, "env" | "workingDir" | "user" | "entrypoint" | "cmd">;
+
+export interface PlannedCommand {
+  argv: string[];
+  stdin?: string;
+  /** The seed's bytes, on the first command only: the guest mixes it in once per action. */
+  seed?: Uint8Array;
+}
+
+export interface ExecPlan {
+  /** The whole action's budget, ms from its start; each command gets what is left of it. */
+  timeoutMs: number;
+  /** Working directory of every file write and command. */
+  cwd: string;
+  uid: number;
+  gid: number;
+  /** `NAME=value` entries, the whole environment of every command. */
+  env: string[];
+  /** Written (created or overwritten), in order, before anything runs. */
+  files: FileWriteAction[];
+  /** Run in order until one times out; the result is the last one run. Empty: nothing runs. */
+  commands: PlannedCommand[];
+  /** Nothing runs but a seed was given: these bytes go alone to the guest's entropy pool. */
+  entropy?: Uint8Array;
+  /** Whether the request carried a seed: the result then says whether the guest took it. */
+  seeded: boolean;
+}
+
+export function planExec(req: ExecRequest, image: ExecImage): ExecPlan {
+  const seed = req.seed === undefined ? undefined : seedBytes(req.seed);
+  const plan: ExecPlan = {
+    timeoutMs: req.timeoutMs ?? DEFAULT_EXEC_TIMEOUT_MS,
+    cwd: image.workingDir || "/",
+    uid: image.user.uid,
+    gid: image.user.gid,
+    env: mergeEnv(mergeEnv(image.env, EGRESS_PROXY_ENV), req.env),
+    files: req.files,
+    commands: [],
+    seeded: seed !== undefined,
+  };
+  const run = req.run;
+  switch (run.kind) {
+    case "none":
+      if (seed) plan.entropy = seed;
+      break;
+    case "shell":
+      plan.commands = [{ argv: ["/bin/sh", "-c", run.command] }];
+      break;
+    case "code":
+      plan.commands = [{ argv: resolveCommand(image), stdin: run.code }];
+      break;
+    case "argv":
+      plan.commands = run.commands.map((argv) => ({ argv }));
+      break;
+  }
+  const first = plan.commands[0];
+  if (first && seed) first.seed = seed;
+  return plan;
+}
+
+/** A finished command's exit status: 124 for a timeout, 128+N for a signal (the shell's way). */
+export function exitCodeOf(r: { exitCode: number | null; signal: number | null; timedOut: boolean }): number {
+  if (r.timedOut) return TIMEOUT_EXIT_CODE;
+  return r.exitCode !== null ? r.exitCode : 128 + (r.signal ?? 0);
+}
+
+/**
+ * Every exec's way out (docs/decisions.md "Egress"): the guest agent's proxy port on loopback.
+ * Ours win over the image's (there is no other route); the request's own env can still override.
+ * Local addresses stay direct: a program talking to a server inside its own VM must not be sent
+ * to the host.
+ */
+const EGRESS_PROXY_URL = `http://127.0.0.1:${EGRESS_PORT}`;
+export const EGRESS_PROXY_ENV: Readonly<Record<string, string>> = {
+  http_proxy: EGRESS_PROXY_URL,
+  https_proxy: EGRESS_PROXY_URL,
+  HTTP_PROXY: EGRESS_PROXY_URL,
+  HTTPS_PROXY: EGRESS_PROXY_URL,
+  ALL_PROXY: EGRESS_PROXY_URL,
+  no_proxy: "localhost,127.0.0.1,::1",
+  NO_PROXY: "localhost,127.0.0.1,::1",
+};
+
+/** The image's Env with `extra` added; a name in both takes the value from `extra`. */
+export function mergeEnv(base: string[], extra: Readonly<Record<string, string>> | undefined): string[] {
+  if (!extra) return [...base];
+  const out = base.filter((kv) => {
+    const name = kv.slice(0, Math.max(0, kv.indexOf("=")));
+    return !Object.hasOwn(extra, name);
+  });
+  for (const [k, v] of Object.entries(extra)) out.push(`${k}=${v}`);
+  return out;
+}
+
+/** The seed's bytes: hex when it is hex (spec 2.6 "hex-like"), else its UTF-8. */
+export function seedBytes(seed: string): Uint8Array {
+  if (seed.length > 0 && seed.length % 2 === 0 && /^[0-9a-fA-F]+$/.test(seed))
+    return Buffer.from(seed, "hex");
+  return Buffer.from(seed, "utf8");
+}
