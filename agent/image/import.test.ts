@@ -3,20 +3,10 @@ import { lstat, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises"
 import { tmpdir } from "node:os";
 import { join, posix } from "node:path";
 import fc from "fast-check";
-import {
-  DEFAULT_DISK_SIZING,
-  DEFAULT_PATH,
-  diskSizeFor,
-  ImageError,
-  isSafeEntryPath,
-  normalizeConfig,
-  normalizeEntryPath,
-  type RawImageConfig,
-  resolveCommand,
-  resolveInRootfs,
-  resolveInside,
-  resolveUser,
-} from "./import.ts";
+import { DEFAULT_PATH, normalizeConfig, type RawImageConfig, resolveCommand, resolveUser } from "./config.ts";
+import { ImageError } from "./errors.ts";
+import { DEFAULT_DISK_SIZING, diskSizeFor } from "./ext4.ts";
+import { isSafeEntryPath, normalizeEntryPath, resolveInRootfs, resolveInside } from "./paths.ts";
 
 /** Path-ish strings: mostly the pieces that cause trouble, glued with slashes. */
 const pathPiece = fc.oneof(
