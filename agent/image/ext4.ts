@@ -5,7 +5,7 @@
  */
 import { lstat, open, readdir, rm } from "node:fs/promises";
 import { join } from "node:path";
-import { runTool } from "./tools.ts";
+import { runImageTool } from "./tools.ts";
 
 /**
  * Base disk size = max(minBytes, factor * rootfsBytes + headroomBytes), rounded up to 1 MiB.
@@ -90,7 +90,7 @@ export async function makeBaseDisk(
   const fh = await open(raw, "w");
   await fh.truncate(size);
   await fh.close();
-  await runTool(
+  await runImageTool(
     [
       "mkfs.ext4",
       "-F",
@@ -114,11 +114,10 @@ export async function makeBaseDisk(
       rootfs,
       raw,
     ],
-    {},
-    log,
+    { log },
   );
   await rm(rootfs, { recursive: true, force: true });
-  await runTool(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, dest], {}, log);
+  await runImageTool(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, dest], { log });
   await rm(raw, { force: true });
   return { bytes, size };
 }

@@ -14,7 +14,7 @@ import type { ImportLimits } from "./limits.ts";
 import { type Descriptor, layoutStore, mustRead, OciIndex, OciManifest, readVerified } from "./oci.ts";
 import { resolveInRootfs } from "./paths.ts";
 import type { ScanResult } from "./scan.ts";
-import { runTool } from "./tools.ts";
+import { runImageTool } from "./tools.ts";
 
 /**
  * Copies the scanned source into an OCI layout with skopeo, checks it against the scan and
@@ -44,7 +44,7 @@ export async function unpackRootfs(
         ? "oci-archive"
         : "oci";
   const layout = join(work, "layout");
-  await runTool(
+  await runImageTool(
     [
       "skopeo",
       "copy",
@@ -55,12 +55,11 @@ export async function unpackRootfs(
       `${transport}:${src}${image.ref}`,
       `oci:${layout}:image`,
     ],
-    env,
-    log,
+    { env, log },
   );
   await normaliseLayout(layout, scan, limits);
   const rootfs = join(work, "rootfs");
-  await runTool(["umoci", "raw", "unpack", "--image", `${layout}:image`, rootfs], env, log);
+  await runImageTool(["umoci", "raw", "unpack", "--image", `${layout}:image`, rootfs], { env, log });
   await rm(layout, { recursive: true, force: true });
   return rootfs;
 }
