@@ -7,6 +7,7 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync } from "node:fs";
 import { mkdtemp, readdir, rm } from "node:fs/promises";
+import { type AddressInfo, createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { SandboxdError } from "../../contracts/errors.ts";
@@ -215,4 +216,55 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
     }
     expect(existsSync(join(cacheDir, "images", "pulled"))).toBe(false);
   }, 120_000);
+});
+
+describe.skipIf(!Bun.which("skopeo"))("a registry that never answers", () => {
+  // Accepts connections and says nothing: skopeo waits until our deadline or our cancel.
+  let server: Server;
+  let host: string;
+  let work: string;
+  beforeAll(async () => {
+    work = await mkdtemp(join(tmpdir(), "sbx-pull-silent-"));
+    server = createServer(() => {});
+    await new Promise<void>((ok) => server.listen(0, "127.0.0.1", ok));
+    host = `127.0.0.1:${(server.address() as AddressInfo).port}`;
+  });
+  afterAll(async () => {
+    server?.close();
+    if (work) await rm(work, { recursive: true, force: true });
+  });
+
+  test("the inspect deadline ends the pull with image_pull_failed", async () => {
+    const started = performance.now();
+    try {
+      await pullImage({
+        reference: `${host}/bb:1`,
+        cacheDir: join(work, "cache"),
+        registry: NO_CONFIG,
+        inspectTimeoutMs: 1000,
+      });
+      throw new Error("pull succeeded");
+    } catch (e) {
+      expect((e as SandboxdError).code).toBe("image_pull_failed");
+      expect((e as SandboxdError).message).toBe(`looking up ${host}/bb:1: no answer within 1 s`);
+    }
+    expect(performance.now() - started).toBeLessThan(5000);
+  });
+
+  test("an abort ends the pull with gone", async () => {
+    const ac = new AbortController();
+    setTimeout(() => ac.abort(), 300);
+    try {
+      await pullImage({
+        reference: `${host}/bb:1`,
+        cacheDir: join(work, "cache"),
+        registry: NO_CONFIG,
+        signal: ac.signal,
+      });
+      throw new Error("pull succeeded");
+    } catch (e) {
+      expect((e as SandboxdError).code).toBe("gone");
+      expect((e as SandboxdError).message).toBe(`looking up ${host}/bb:1: cancelled`);
+    }
+  });
 });

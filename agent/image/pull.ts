@@ -24,6 +24,7 @@ import { isIP } from "node:net";
 import { join, resolve } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { type ImageReference, ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
+import { runTool, ToolError } from "../host/tool.ts";
 
 export interface RegistryConfig {
   /** A docker `config.json` style credentials file (skopeo `--authfile`). */
@@ -38,13 +39,11 @@ export interface RegistryConfig {
  */
 export const INSPECT_TIMEOUT_MS = 60_000;
 /**
- * The whole copy. 30 minutes is the bound the gateway already gives an image upload
- * (agent/api/client.ts `upload`): a multi-GB image over a modest link fits in it, and a registry
- * that stalls mid-blob cannot hold a build (and its slot in the build queue) forever.
+ * The whole copy. 30 minutes is the bound the gateway's agent client already gives an image
+ * upload: a multi-GB image over a modest link fits in it, and a registry that stalls mid-blob
+ * cannot hold a build (and its slot in the build queue) forever.
  */
 export const PULL_TIMEOUT_MS = 30 * 60_000;
-/** How much of skopeo's output to keep for an error: the reason is at the end. */
-const OUTPUT_TAIL = 4096;
 
 /** Reads the registry settings from the agent's environment; a bad entry is refused at start. */
 export function registryConfigFromEnv(env: Record<string, string | undefined> = process.env): RegistryConfig {
@@ -225,49 +224,38 @@ async function runSkopeo(
   o: { signal?: AbortSignal; timeoutMs: number; what: string; tmp?: string },
   log: (m: string) => void,
 ): Promise<Buffer> {
-  if (o.signal?.aborted) throw new SandboxdError("gone", `${o.what}: cancelled`);
-  log(`image: skopeo ${args.join(" ")}`);
-  const env: Record<string, string | undefined> = { ...process.env };
-  // skopeo stages blobs in TMPDIR (/var/tmp otherwise): keep them in the work dir we remove.
-  if (o.tmp) env.TMPDIR = o.tmp;
-  let proc: ReturnType<typeof Bun.spawn>;
   try {
-    proc = Bun.spawn(["skopeo", ...args], { stdin: "ignore", stdout: "pipe", stderr: "pipe", env });
+    const { stdout } = await runTool(["skopeo", ...args], {
+      timeoutMs: o.timeoutMs,
+      signal: o.signal,
+      // skopeo stages blobs in TMPDIR (/var/tmp otherwise): keep them in the work dir we remove.
+      env: o.tmp ? { TMPDIR: o.tmp } : undefined,
+      log: (line) => log(`image: ${line}`),
+    });
+    return stdout;
   } catch (err) {
-    throw new SandboxdError("image_pull_failed", `${o.what}: cannot run skopeo`, { cause: err });
-  }
-  let why: "timeout" | "abort" | undefined;
-  const timer = setTimeout(() => {
-    why = "timeout";
-    proc.kill("SIGKILL");
-  }, o.timeoutMs);
-  const onAbort = () => {
-    why ??= "abort";
-    proc.kill("SIGKILL");
-  };
-  o.signal?.addEventListener("abort", onAbort, { once: true });
-  try {
-    const [out, errText, code] = await Promise.all([
-      new Response(proc.stdout as ReadableStream).arrayBuffer().then((b) => Buffer.from(b)),
-      new Response(proc.stderr as ReadableStream).text(),
-      proc.exited,
-    ]);
-    if (why === "timeout")
-      throw new SandboxdError(
-        "image_pull_failed",
-        `${o.what}: no answer within ${Math.round(o.timeoutMs / 1000)} s`,
-      );
-    if (why === "abort") throw new SandboxdError("gone", `${o.what}: cancelled`);
-    if (code !== 0) {
-      const output = `${out.toString("utf8")}\n${errText}`.trim().slice(-OUTPUT_TAIL);
-      throw new SandboxdError("image_pull_failed", `${o.what} failed: ${skopeoReason(output)}`, {
-        details: { exitCode: code, output },
-      });
+    if (!(err instanceof ToolError)) throw err;
+    switch (err.kind) {
+      case "aborted":
+        throw new SandboxdError("gone", `${o.what}: cancelled`, { cause: err });
+      case "timeout":
+        throw new SandboxdError(
+          "image_pull_failed",
+          `${o.what}: no answer within ${Math.round(o.timeoutMs / 1000)} s`,
+          { cause: err },
+        );
+      case "spawn":
+        throw new SandboxdError("image_pull_failed", `${o.what}: cannot run skopeo`, { cause: err });
+      case "output_too_large":
+        throw new SandboxdError("image_pull_failed", `${o.what}: ${err.message}`, { cause: err });
+      default: {
+        const output = err.details.output ?? "";
+        throw new SandboxdError("image_pull_failed", `${o.what} failed: ${skopeoReason(output)}`, {
+          cause: err,
+          details: { exitCode: err.details.exitCode, output },
+        });
+      }
     }
-    return out;
-  } finally {
-    clearTimeout(timer);
-    o.signal?.removeEventListener("abort", onAbort);
   }
 }
 
