@@ -5,11 +5,11 @@ import type { z } from "zod";
 import * as A from "../../contracts/api/family-a.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { ExecAction, ExecResult } from "../agent-api.ts";
+import { requireFamily } from "../auth/guards.ts";
 import { ages, createVm, destroyVm, execIn, forkVm, getOwned, listOwned } from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
-import { requireFamily } from "./guards.ts";
 
 export function timeoutMs(deps: Deps, seconds: number | undefined): number {
   const s = seconds ?? deps.config.limits.defaultExecTimeoutS;

@@ -3,7 +3,9 @@ import type { Context, Hono } from "hono";
 import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { ExecAction } from "../agent-api.ts";
-import { signConnectToken, verifyConnectToken } from "../connect-token.ts";
+import { signConnectToken, verifyConnectToken } from "../auth/connect-token.ts";
+import { requireFamily, requirePro } from "../auth/guards.ts";
+import type { Principal } from "../auth/keys.ts";
 import {
   agentOf,
   ages,
@@ -21,11 +23,9 @@ import {
 } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
-import type { Principal } from "../keys.ts";
 import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
 import { TcpRelay } from "../relay/tcp.ts";
 import { timeoutMs } from "./family-a.ts";
-import { requireFamily, requirePro } from "./guards.ts";
 
 type State = "running" | "suspended";
 const publicState = (s: string): State => (s === "suspended" ? "suspended" : "running");

@@ -4,11 +4,11 @@ import type { Hono } from "hono";
 import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { requireFamily } from "../auth/guards.ts";
 import { visibleTemplates } from "../core/templates.ts";
 import { usageTotals } from "../core/usage.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { query } from "../http.ts";
-import { requireFamily } from "./guards.ts";
 
 export function registerHealth(app: Hono<HonoEnv>, deps: Deps): void {
   // One object that satisfies both forms (spec 2.10): status + version (B) + templates map (A).

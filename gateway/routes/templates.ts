@@ -9,6 +9,7 @@ import type { Context, Hono } from "hono";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { requireFamily, requirePro, requireScale } from "../auth/guards.ts";
 import {
   bakeTemplate,
   deleteTemplate,
@@ -23,7 +24,6 @@ import {
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { base36 } from "../ids.ts";
-import { requireFamily, requirePro, requireScale } from "./guards.ts";
 
 export function templateA(row: TemplateRow) {
   const out: {

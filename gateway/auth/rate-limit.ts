@@ -6,7 +6,7 @@
  * requests. Each key keeps a ring of its last `limit` allowed request times. State is per gateway
  * process: with N replicas behind a balancer a key can reach N times the rate (decisions.md).
  */
-import type { Clock } from "./deps.ts";
+import type { Clock } from "../deps.ts";
 
 interface Window {
   /** Times (ms) of the last `limit` allowed requests, oldest at `next`. */
