@@ -1,15 +1,15 @@
 /**
  * The public HTTP API: `createApp(deps)` builds a Hono app from its dependencies (db, agent,
- * config, clock); nothing global. Middleware order: error mapping (errors.ts) > auth (Bearer key
- * to tenant, tier, family) > per-key rate limit > routes. Body limits and validation happen at
- * the edge of each handler (http.ts), so that the template upload can stream.
+ * config, clock); nothing global. Middleware order: error mapping (errors.ts) > auth
+ * (auth/bearer.ts: Bearer key to tenant, tier, family) > per-key rate limit (auth/rate-limit.ts)
+ * > routes. Body limits and validation happen at the edge of each handler (http.ts), so that the
+ * template upload can stream.
  */
 import { Hono } from "hono";
-import { SandboxdError } from "../contracts/errors.ts";
 import type { Db } from "../db/client.ts";
 import type { AgentApi } from "./agent-api.ts";
-import { verifyKey } from "./auth/keys.ts";
-import { RateLimiter } from "./auth/rate-limit.ts";
+import { bearerKey } from "./auth/bearer.ts";
+import { keyRateLimit } from "./auth/rate-limit.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
@@ -38,8 +38,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     relays: input.relays ?? new RelayRegistry(),
   };
   const log = input.log ?? ((line: string) => console.error(line));
-  const limiter = new RateLimiter(deps.config.limits.ratePerSecond, 1000, deps.clock);
-  const rateLimited = new Map<string, number>();
+  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock);
   const app = new Hono<HonoEnv>();
 
   app.onError((err, c) => errorResponse(err, c, log));
@@ -57,26 +56,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     await next();
   });
 
-  app.use("/v1/*", async (c, next) => {
-    const header = c.req.header("authorization");
-    const m = header === undefined ? null : /^Bearer\s+(\S+)\s*$/i.exec(header);
-    if (!m) throw new SandboxdError("unauthorized", "missing API key: send Authorization: Bearer <key>");
-    const principal = await verifyKey(deps.db, deps.config.keyPepper, m[1]!);
-    if (!principal) throw new SandboxdError("unauthorized", "invalid API key");
-    const wait = limiter.take(principal.keyId);
-    if (wait > 0) {
-      rateLimited.set(principal.keyId, (rateLimited.get(principal.keyId) ?? 0) + 1);
-      throw new SandboxdError(
-        "rate_limited",
-        `more than ${deps.config.limits.ratePerSecond} requests per second`,
-        {
-          details: { retryAfterSeconds: wait },
-        },
-      );
-    }
-    c.set("principal", principal);
-    await next();
-  });
+  app.use("/v1/*", bearerKey({ db: deps.db, pepper: deps.config.keyPepper }), rateLimit.middleware);
 
   // Shared path: the key's family picks the operation (spec 4.2: alias of POST /v1/sandboxes).
   app.post("/v1/sessions", (c) =>
@@ -86,6 +66,6 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   registerFamilyA(app, deps);
   registerSandboxes(app, deps);
   registerTemplates(app, deps);
-  registerSystem(app, deps, { rateLimited: (keyId) => rateLimited.get(keyId) ?? 0 });
+  registerSystem(app, deps, { rateLimited: rateLimit.refused });
   return app;
 }

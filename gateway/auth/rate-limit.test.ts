@@ -1,6 +1,9 @@
-import { expect, test } from "bun:test";
+import { describe, expect, test } from "bun:test";
 import fc from "fast-check";
-import { RateLimiter } from "./rate-limit.ts";
+import { Hono } from "hono";
+import type { HonoEnv } from "../deps.ts";
+import { errorResponse } from "../errors.ts";
+import { keyRateLimit, RateLimiter } from "./rate-limit.ts";
 
 test("100 at once are allowed, the 101st waits until the oldest leaves the window", () => {
   let now = 5_000;
@@ -36,4 +39,56 @@ test("property: no one-second interval ever holds more than the limit of allowed
       },
     ),
   );
+});
+
+describe("keyRateLimit middleware", () => {
+  /** The limit after a stand-in for the key middleware: the key id is the `x-key` header. */
+  function limitedApp(perSecond: number) {
+    const now = { ms: 1_000_000 };
+    const limit = keyRateLimit(perSecond, () => now.ms);
+    const app = new Hono<HonoEnv>();
+    app.onError((err, c) => errorResponse(err, c, () => {}));
+    app.use("*", async (c, next) => {
+      c.set("principal", { tenantId: "t", keyId: c.req.header("x-key") ?? "k", tier: "live", family: "a" });
+      await next();
+    });
+    app.use("*", limit.middleware);
+    const handled = { n: 0 };
+    app.get("/", (c) => {
+      handled.n++;
+      return c.text("ok");
+    });
+    const get = (key: string) => Promise.resolve(app.request("/", { headers: { "x-key": key } }));
+    return { now, limit, get, handled };
+  }
+
+  test("the N+1st request of a key in one second is 429 rate_limited with Retry-After", async () => {
+    const { now, limit, get, handled } = limitedApp(3);
+    for (let i = 0; i < 3; i++) expect((await get("k1")).status).toBe(200);
+    const over = await get("k1");
+    expect(over.status).toBe(429);
+    expect(handled.n).toBe(3); // a refused request never reaches the handler
+    expect(over.headers.get("retry-after")).toBe("1");
+    expect(await over.json()).toEqual({ code: "rate_limited", message: "more than 3 requests per second" });
+    expect(limit.refused("k1")).toBe(1);
+
+    expect((await get("k2")).status).toBe(200); // keys are independent
+    expect(limit.refused("k2")).toBe(0);
+
+    now.ms += 999; // still inside the window of the first three
+    expect((await get("k1")).status).toBe(429);
+    expect(limit.refused("k1")).toBe(2);
+    now.ms += 1; // the first three leave the window together
+    for (let i = 0; i < 3; i++) expect((await get("k1")).status).toBe(200);
+    expect((await get("k1")).status).toBe(429);
+  });
+
+  test("Retry-After is whole seconds, at least 1, however close the next slot is", async () => {
+    const { now, get } = limitedApp(1);
+    expect((await get("k")).status).toBe(200);
+    now.ms += 990;
+    const over = await get("k");
+    expect(over.status).toBe(429);
+    expect(over.headers.get("retry-after")).toBe("1");
+  });
 });
