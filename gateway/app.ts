@@ -1,9 +1,11 @@
 /**
  * The public HTTP API: `createApp(deps)` builds a Hono app from its dependencies (db, agent,
- * config, clock); nothing global. Middleware order: error mapping (errors.ts) > auth
- * (auth/bearer.ts: Bearer key to tenant, tier, family) > per-key rate limit (auth/rate-limit.ts)
- * > routes. Body limits and validation happen at the edge of each handler (http.ts), so that the
- * template upload can stream.
+ * config, clock); nothing global. In order: error mapping (errors.ts); the routes that need no
+ * key (health, connect by token); the key middleware (auth/bearer.ts: Bearer key to tenant, tier,
+ * family) and the per-key rate limit (auth/rate-limit.ts) on every other `/v1/*` path; then one
+ * sub-app per area of routes/. Hono runs the handlers of a request in the order they were added,
+ * so a route mounted before the middleware answers without it. Body limits and validation happen
+ * at the edge of each handler (http.ts), so that the template upload can stream.
  */
 import { Hono } from "hono";
 import type { Db } from "../db/client.ts";
@@ -14,10 +16,11 @@ import type { GatewayConfig } from "./config.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
-import { createSessionA, registerFamilyA } from "./routes/family-a.ts";
-import { connect, createSandboxB, registerSandboxes } from "./routes/sandboxes.ts";
-import { registerHealth, registerSystem } from "./routes/system.ts";
-import { registerTemplates } from "./routes/templates.ts";
+import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
+import { familyARoutes } from "./routes/family-a.ts";
+import { sandboxRoutes } from "./routes/sandboxes.ts";
+import { healthRoutes, systemRoutes } from "./routes/system.ts";
+import { templateRoutes } from "./routes/templates.ts";
 
 export interface CreateAppDeps {
   db: Db;
@@ -46,26 +49,15 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),
   );
 
-  registerHealth(app, deps); // before auth: no key needed (spec 5.1)
-
-  // A connect request carrying a scoped token and no key is authorised by the token (spec 5.5).
-  app.get("/v1/sandboxes/:id/connect", async (c, next) => {
-    if (c.req.header("authorization") === undefined && c.req.query("t") !== undefined) {
-      return connect(deps, c, undefined);
-    }
-    await next();
-  });
+  app.route("/", healthRoutes(deps)); // no key (spec 5.1)
+  app.route("/", connectTokenRoutes(deps)); // a scoped token instead of a key (spec 5.5)
 
   app.use("/v1/*", bearerKey({ db: deps.db, pepper: deps.config.keyPepper }), rateLimit.middleware);
 
-  // Shared path: the key's family picks the operation (spec 4.2: alias of POST /v1/sandboxes).
-  app.post("/v1/sessions", (c) =>
-    c.get("principal").family === "a" ? createSessionA(deps, c) : createSandboxB(deps, c),
-  );
-  app.get("/v1/sandboxes/:id/connect", (c) => connect(deps, c, c.get("principal")));
-  registerFamilyA(app, deps);
-  registerSandboxes(app, deps);
-  registerTemplates(app, deps);
-  registerSystem(app, deps, { rateLimited: rateLimit.refused });
+  app.route("/", familyARoutes(deps));
+  app.route("/", sandboxRoutes(deps));
+  app.route("/", connectRoutes(deps));
+  app.route("/", templateRoutes(deps));
+  app.route("/", systemRoutes(deps, { rateLimited: rateLimit.refused }));
   return app;
 }

@@ -1,0 +1,56 @@
+/**
+ * Exec requests of both families as the typed action the agent runs (`ExecAction`): which
+ * program, which files, what deadline. Pure: no db, no agent, so a handler's parse step ends here.
+ */
+import type * as A from "../../contracts/api/family-a.ts";
+import type * as B from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { ExecAction } from "../agent-api.ts";
+import type { Deps } from "../deps.ts";
+
+/** `timeout_seconds` (default from the limits) in ms; over the maximum is 400. */
+export function timeoutMs(deps: Deps, seconds: number | undefined): number {
+  const s = seconds ?? deps.config.limits.defaultExecTimeoutS;
+  const max = deps.config.limits.maxExecTimeoutS;
+  if (s > max) throw new SandboxdError("bad_request", `timeout_seconds ${s} is over the maximum of ${max}`);
+  return s * 1000;
+}
+
+/** Family A one-shot (`/v1/exec`, each item of `/v1/exec/batch`): code only, no files. */
+export function oneShotAction(deps: Deps, req: A.ExecRequestA): ExecAction {
+  return {
+    files: [],
+    run: { kind: "code", code: req.code },
+    timeoutMs: timeoutMs(deps, req.timeout_seconds),
+  };
+}
+
+/** Family A `POST /v1/sessions/{id}/exec`: code or argv commands, with files. */
+export function sessionExecAction(deps: Deps, req: A.SessionExecRequest): ExecAction {
+  return {
+    files: req.files ?? [],
+    run:
+      req.code !== undefined
+        ? { kind: "code", code: req.code }
+        : req.commands !== undefined
+          ? { kind: "argv", commands: req.commands }
+          : { kind: "none" },
+    timeoutMs: timeoutMs(deps, req.timeout_seconds),
+  };
+}
+
+/** Family B `POST /v1/sandboxes/{id}/exec`: a shell command or argv commands, files, a seed. */
+export function sandboxExecAction(deps: Deps, req: B.ExecRequestB): ExecAction {
+  const action: ExecAction = {
+    files: req.files ?? [],
+    run:
+      req.command !== undefined
+        ? { kind: "shell", command: req.command }
+        : req.commands !== undefined
+          ? { kind: "argv", commands: req.commands }
+          : { kind: "none" },
+    timeoutMs: timeoutMs(deps, req.timeout_seconds),
+  };
+  if (req.seed !== undefined) action.seed = req.seed;
+  return action;
+}
