@@ -3,8 +3,8 @@ import { parseArgs } from "node:util";
 import { Tier } from "../contracts/api/common.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { openDb } from "../db/client.ts";
-import { createKey, listKeys, revokeKey } from "../gateway/keys.ts";
-import { loadSecrets } from "../gateway/secrets.ts";
+import { createKey, listKeys, revokeKey } from "../gateway/auth/keys.ts";
+import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { defaultDataDir } from "./config.ts";
 
 export async function cmdKey(args: string[]): Promise<number> {

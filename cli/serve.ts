@@ -16,8 +16,8 @@ import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { startHeartbeats } from "../gateway/agents.ts";
+import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
-import { loadSecrets } from "../gateway/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 

@@ -11,7 +11,7 @@ import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError } from "../contracts/errors.ts";
 import { startHeartbeats } from "../gateway/agents.ts";
-import { loadSecrets } from "../gateway/secrets.ts";
+import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 import { buildCatalogOnAgent, egressDefaultFromEnv, parsePort, registerCatalog } from "./serve.ts";

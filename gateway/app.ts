@@ -1,23 +1,26 @@
 /**
  * The public HTTP API: `createApp(deps)` builds a Hono app from its dependencies (db, agent,
- * config, clock); nothing global. Middleware order: error mapping (errors.ts) > auth (Bearer key
- * to tenant, tier, family) > per-key rate limit > routes. Body limits and validation happen at
- * the edge of each handler (http.ts), so that the template upload can stream.
+ * config, clock); nothing global. In order: error mapping (errors.ts); the routes that need no
+ * key (health, connect by token); the key middleware (auth/bearer.ts: Bearer key to tenant, tier,
+ * family) and the per-key rate limit (auth/rate-limit.ts) on every other `/v1/*` path; then one
+ * sub-app per area of routes/. Hono runs the handlers of a request in the order they were added,
+ * so a route mounted before the middleware answers without it. Body limits and validation happen
+ * at the edge of each handler (http.ts), so that the template upload can stream.
  */
 import { Hono } from "hono";
-import { SandboxdError } from "../contracts/errors.ts";
 import type { Db } from "../db/client.ts";
 import type { AgentApi } from "./agent-api.ts";
+import { bearerKey } from "./auth/bearer.ts";
+import { keyRateLimit } from "./auth/rate-limit.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
-import { verifyKey } from "./keys.ts";
-import { RateLimiter } from "./rate-limit.ts";
 import { RelayRegistry } from "./relay/registry.ts";
-import { createSessionA, registerFamilyA } from "./routes/family-a.ts";
-import { connect, createSandboxB, registerSandboxes } from "./routes/sandboxes.ts";
-import { registerHealth, registerSystem } from "./routes/system.ts";
-import { registerTemplates } from "./routes/templates.ts";
+import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
+import { familyARoutes } from "./routes/family-a.ts";
+import { sandboxRoutes } from "./routes/sandboxes.ts";
+import { healthRoutes, systemRoutes } from "./routes/system.ts";
+import { templateRoutes } from "./routes/templates.ts";
 
 export interface CreateAppDeps {
   db: Db;
@@ -38,8 +41,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     relays: input.relays ?? new RelayRegistry(),
   };
   const log = input.log ?? ((line: string) => console.error(line));
-  const limiter = new RateLimiter(deps.config.limits.ratePerSecond, 1000, deps.clock);
-  const rateLimited = new Map<string, number>();
+  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock);
   const app = new Hono<HonoEnv>();
 
   app.onError((err, c) => errorResponse(err, c, log));
@@ -47,45 +49,15 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),
   );
 
-  registerHealth(app, deps); // before auth: no key needed (spec 5.1)
+  app.route("/", healthRoutes(deps)); // no key (spec 5.1)
+  app.route("/", connectTokenRoutes(deps)); // a scoped token instead of a key (spec 5.5)
 
-  // A connect request carrying a scoped token and no key is authorised by the token (spec 5.5).
-  app.get("/v1/sandboxes/:id/connect", async (c, next) => {
-    if (c.req.header("authorization") === undefined && c.req.query("t") !== undefined) {
-      return connect(deps, c, undefined);
-    }
-    await next();
-  });
+  app.use("/v1/*", bearerKey({ db: deps.db, pepper: deps.config.keyPepper }), rateLimit.middleware);
 
-  app.use("/v1/*", async (c, next) => {
-    const header = c.req.header("authorization");
-    const m = header === undefined ? null : /^Bearer\s+(\S+)\s*$/i.exec(header);
-    if (!m) throw new SandboxdError("unauthorized", "missing API key: send Authorization: Bearer <key>");
-    const principal = await verifyKey(deps.db, deps.config.keyPepper, m[1]!);
-    if (!principal) throw new SandboxdError("unauthorized", "invalid API key");
-    const wait = limiter.take(principal.keyId);
-    if (wait > 0) {
-      rateLimited.set(principal.keyId, (rateLimited.get(principal.keyId) ?? 0) + 1);
-      throw new SandboxdError(
-        "rate_limited",
-        `more than ${deps.config.limits.ratePerSecond} requests per second`,
-        {
-          details: { retryAfterSeconds: wait },
-        },
-      );
-    }
-    c.set("principal", principal);
-    await next();
-  });
-
-  // Shared path: the key's family picks the operation (spec 4.2: alias of POST /v1/sandboxes).
-  app.post("/v1/sessions", (c) =>
-    c.get("principal").family === "a" ? createSessionA(deps, c) : createSandboxB(deps, c),
-  );
-  app.get("/v1/sandboxes/:id/connect", (c) => connect(deps, c, c.get("principal")));
-  registerFamilyA(app, deps);
-  registerSandboxes(app, deps);
-  registerTemplates(app, deps);
-  registerSystem(app, deps, { rateLimited: (keyId) => rateLimited.get(keyId) ?? 0 });
+  app.route("/", familyARoutes(deps));
+  app.route("/", sandboxRoutes(deps));
+  app.route("/", connectRoutes(deps));
+  app.route("/", templateRoutes(deps));
+  app.route("/", systemRoutes(deps, { rateLimited: rateLimit.refused }));
   return app;
 }

@@ -2,8 +2,8 @@
 
 import type { Db } from "../db/client.ts";
 import type { AgentApi } from "./agent-api.ts";
+import type { Principal } from "./auth/keys.ts";
 import type { GatewayConfig } from "./config.ts";
-import type { Principal } from "./keys.ts";
 import type { RelayRegistry } from "./relay/registry.ts";
 import type { Upgrade } from "./runtime/types.ts";
 

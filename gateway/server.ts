@@ -11,10 +11,10 @@ import type { AgentApi } from "./agent-api.ts";
 import { AgentRouter } from "./agent-router.ts";
 import { HEARTBEAT_PATH, handleHeartbeat } from "./agents.ts";
 import { createApp } from "./app.ts";
+import { loadSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import type { Clock } from "./deps.ts";
 import { type RunningServer, type RuntimeName, serveFetch } from "./runtime/index.ts";
-import { loadSecrets } from "./secrets.ts";
 
 export type StartGatewayOptions = {
   /** Default 8080; 0 picks a free port (see `RunningGateway.port`). */

@@ -15,8 +15,8 @@ import { sandboxes } from "../db/schema/sandboxes.ts";
 import { templates } from "../db/schema/templates.ts";
 import { usageIntervals } from "../db/schema/usage-intervals.ts";
 import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
+import { createKey, ensureTenant, listKeys, revokeKey, verifyKey } from "../gateway/auth/keys.ts";
 import { usageTotals } from "../gateway/core/usage.ts";
-import { createKey, ensureTenant, listKeys, revokeKey, verifyKey } from "../gateway/keys.ts";
 
 const PEPPER = "db-test-pepper-0123456789";
 

@@ -18,8 +18,8 @@ import { createServer, type Server, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import WebSocket from "ws";
+import { createKey } from "../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
-import { createKey } from "../gateway/keys.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
 

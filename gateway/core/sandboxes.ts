@@ -14,10 +14,10 @@ import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../agent-api.ts";
 import { isAgentRouter } from "../agent-router.ts";
+import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { newSandboxId, newSessionId } from "../ids.ts";
-import type { Principal } from "../keys.ts";
 import { checkTransition, type SandboxAction, type SandboxState } from "../sandbox-state.ts";
 import { requireReady, resolveTemplate } from "./templates.ts";
 

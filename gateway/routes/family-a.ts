@@ -1,22 +1,19 @@
-/** Family A: one-shot exec, batch, sessions (spec 4.1). Handlers parse into actions, nothing else. */
+/**
+ * Family A: one-shot exec, batch, sessions (spec 4.1), one sub-app behind the key middleware.
+ * Each handler parses the request, makes the typed action, calls the core and shapes the answer.
+ */
 import { randomUUID } from "node:crypto";
-import type { Context, Hono } from "hono";
+import { Hono } from "hono";
 import type { z } from "zod";
 import * as A from "../../contracts/api/family-a.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { ExecAction, ExecResult } from "../agent-api.ts";
+import type { ExecResult } from "../agent-api.ts";
+import { requireFamily } from "../auth/guards.ts";
 import { ages, createVm, destroyVm, execIn, forkVm, getOwned, listOwned } from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
-import { requireFamily } from "./guards.ts";
-
-export function timeoutMs(deps: Deps, seconds: number | undefined): number {
-  const s = seconds ?? deps.config.limits.defaultExecTimeoutS;
-  const max = deps.config.limits.maxExecTimeoutS;
-  if (s > max) throw new SandboxdError("bad_request", `timeout_seconds ${s} is over the maximum of ${max}`);
-  return s * 1000;
-}
+import { oneShotAction, sessionExecAction, timeoutMs } from "./exec-actions.ts";
 
 function resultA(id: string, r: ExecResult, forkTimeMs: number): z.infer<typeof A.ExecResultA> {
   return {
@@ -37,45 +34,12 @@ async function oneShot(
 ): Promise<z.infer<typeof A.ExecResultA>> {
   const template = await resolveTemplate(deps, tenantId, req.template_id);
   requireReady(template);
-  const action: ExecAction = {
-    files: [],
-    run: { kind: "code", code: req.code },
-    timeoutMs: timeoutMs(deps, req.timeout_seconds),
-  };
-  const r = await deps.agent.execOnce(template.agentRef, action);
+  const r = await deps.agent.execOnce(template.agentRef, oneShotAction(deps, req));
   return resultA(randomUUID(), r, r.forkTimeMs);
 }
 
-export function sessionExecAction(deps: Deps, req: A.SessionExecRequest): ExecAction {
-  return {
-    files: req.files ?? [],
-    run:
-      req.code !== undefined
-        ? { kind: "code", code: req.code }
-        : req.commands !== undefined
-          ? { kind: "argv", commands: req.commands }
-          : { kind: "none" },
-    timeoutMs: timeoutMs(deps, req.timeout_seconds),
-  };
-}
-
-/** `POST /v1/sessions` for a Family A key (the path is shared; app.ts dispatches). */
-export async function createSessionA(deps: Deps, c: Context<HonoEnv>) {
-  const p = c.get("principal");
-  const req = await jsonBody(c, A.CreateSessionRequest, deps.config.limits.maxJsonBodyBytes);
-  const { row, vm } = await createVm(deps, p, "session", { templateId: req.template_id, labels: {} });
-  return c.json(
-    {
-      session_id: row.id,
-      template_id: row.templateId,
-      fork_time_ms: vm.forkTimeMs,
-      create_time_ms: vm.createTimeMs,
-    },
-    201,
-  );
-}
-
-export function registerFamilyA(app: Hono<HonoEnv>, deps: Deps): void {
+export function familyARoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
   const max = () => deps.config.limits.maxJsonBodyBytes;
 
   app.post("/v1/exec", async (c) => {
@@ -100,6 +64,24 @@ export function registerFamilyA(app: Hono<HonoEnv>, deps: Deps): void {
     for (const e of req.executions) timeoutMs(deps, e.timeout_seconds);
     const results = await Promise.all(req.executions.map((e) => oneShot(deps, p.tenantId, e)));
     return c.json({ results });
+  });
+
+  // The path is shared (contracts/api/routes.ts, family "both"): a Family B key passes on to
+  // the alias of POST /v1/sandboxes in sandboxes.ts, whichever sub-app is mounted first.
+  app.post("/v1/sessions", async (c, next) => {
+    const p = c.get("principal");
+    if (p.family !== "a") return next();
+    const req = await jsonBody(c, A.CreateSessionRequest, max());
+    const { row, vm } = await createVm(deps, p, "session", { templateId: req.template_id, labels: {} });
+    return c.json(
+      {
+        session_id: row.id,
+        template_id: row.templateId,
+        fork_time_ms: vm.forkTimeMs,
+        create_time_ms: vm.createTimeMs,
+      },
+      201,
+    );
   });
 
   app.get("/v1/sessions", async (c) => {
@@ -156,4 +138,5 @@ export function registerFamilyA(app: Hono<HonoEnv>, deps: Deps): void {
     await destroyVm(deps, row, { force: q.force ?? false, reason: "deleted" });
     return c.body(null, 204);
   });
+  return app;
 }

@@ -1,16 +1,18 @@
-/** Health (no auth), metrics and usage. */
+/** Health (no key), metrics and usage: two sub-apps, one on each side of the key middleware. */
 import { and, eq, sql } from "drizzle-orm";
-import type { Hono } from "hono";
+import { Hono } from "hono";
 import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { requireFamily } from "../auth/guards.ts";
 import { visibleTemplates } from "../core/templates.ts";
 import { usageTotals } from "../core/usage.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { query } from "../http.ts";
-import { requireFamily } from "./guards.ts";
 
-export function registerHealth(app: Hono<HonoEnv>, deps: Deps): void {
+/** Mounted before the key middleware: health needs no key (spec 5.1). */
+export function healthRoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
   // One object that satisfies both forms (spec 2.10): status + version (B) + templates map (A).
   // Only public templates: the caller is anonymous.
   app.get("/v1/health", async (c) => {
@@ -28,17 +30,18 @@ export function registerHealth(app: Hono<HonoEnv>, deps: Deps): void {
       templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
     });
   });
+  return app;
 }
 
 function escapeLabel(v: string): string {
   return v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n");
 }
 
-export function registerSystem(
-  app: Hono<HonoEnv>,
+export function systemRoutes(
   deps: Deps,
   counters: { rateLimited: (keyId: string) => number },
-): void {
+): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
   // Prometheus text exposition. Scoped to the caller's tenant: a key never sees other tenants.
   app.get("/v1/metrics", async (c) => {
     const p = c.get("principal");
@@ -84,4 +87,5 @@ export function registerSystem(
     const totals = await usageTotals(deps.db, p.tenantId, from, to, now);
     return c.json({ from: from.toISOString(), to: to.toISOString(), totals });
   });
+  return app;
 }

@@ -5,10 +5,11 @@
 import { createWriteStream } from "node:fs";
 import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
-import type { Context, Hono } from "hono";
+import { type Context, Hono } from "hono";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { requireFamily, requirePro, requireScale } from "../auth/guards.ts";
 import {
   bakeTemplate,
   deleteTemplate,
@@ -23,9 +24,8 @@ import {
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { base36 } from "../ids.ts";
-import { requireFamily, requirePro, requireScale } from "./guards.ts";
 
-export function templateA(row: TemplateRow) {
+function templateA(row: TemplateRow) {
   const out: {
     id: string;
     status: "building" | "ready" | "failed";
@@ -41,7 +41,7 @@ export function templateA(row: TemplateRow) {
   return out;
 }
 
-export function catalogEntry(row: TemplateRow) {
+function catalogEntry(row: TemplateRow) {
   const out: {
     id: string;
     name: string;
@@ -121,7 +121,8 @@ async function streamToFile(c: Context, path: string, max: number): Promise<numb
   return total;
 }
 
-export function registerTemplates(app: Hono<HonoEnv>, deps: Deps): void {
+export function templateRoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
   app.get("/v1/images", async (c) => {
     const p = c.get("principal");
     requireFamily(p, "b");
@@ -214,4 +215,5 @@ export function registerTemplates(app: Hono<HonoEnv>, deps: Deps): void {
     await deps.agent.releaseTemplate(row.agentRef);
     return c.json({ id: row.id, released: true as const });
   });
+  return app;
 }

@@ -12,9 +12,9 @@ import type { Limits } from "../../contracts/api/limits.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
 import { assertFetchResponse } from "../../tests/support/openapi-check.ts";
 import { createApp } from "../app.ts";
+import { createKey } from "../auth/keys.ts";
 import { resolveConfig } from "../config.ts";
 import { upsertPublicTemplate } from "../core/templates.ts";
-import { createKey } from "../keys.ts";
 import { MemoryAgent } from "./memory-agent.ts";
 
 export const PEPPER = "test-pepper-0123456789";

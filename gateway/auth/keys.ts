@@ -12,12 +12,12 @@ import {
   KEY_SECRET_CHARS,
   parseApiKey,
   type Tier,
-} from "../contracts/api/common.ts";
-import { SandboxdError } from "../contracts/errors.ts";
-import type { Db } from "../db/client.ts";
-import { apiKeys } from "../db/schema/api-keys.ts";
-import { tenants } from "../db/schema/tenants.ts";
-import { base36, base62, newTenantId } from "./ids.ts";
+} from "../../contracts/api/common.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { Db } from "../../db/client.ts";
+import { apiKeys } from "../../db/schema/api-keys.ts";
+import { tenants } from "../../db/schema/tenants.ts";
+import { base36, base62, newTenantId } from "../ids.ts";
 
 export function hashKey(pepper: string, key: string): string {
   return createHmac("sha256", pepper).update(key).digest("hex");

@@ -6,7 +6,11 @@
  * requests. Each key keeps a ring of its last `limit` allowed request times. State is per gateway
  * process: with N replicas behind a balancer a key can reach N times the rate (decisions.md).
  */
-import type { Clock } from "./deps.ts";
+
+import type { MiddlewareHandler } from "hono";
+import { createMiddleware } from "hono/factory";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { Clock, HonoEnv } from "../deps.ts";
 
 interface Window {
   /** Times (ms) of the last `limit` allowed requests, oldest at `next`. */
@@ -49,4 +53,34 @@ export class RateLimiter {
       if (now - newest >= this.windowMs) this.windows.delete(k);
     }
   }
+}
+
+export interface KeyRateLimit {
+  /**
+   * Runs after `bearerKey` (it reads the principal): over the limit it throws 429
+   * `rate_limited` with `retryAfterSeconds`, which the error mapping sends as `Retry-After`.
+   */
+  middleware: MiddlewareHandler<HonoEnv>;
+  /** Requests of this key refused by this gateway process (`/v1/metrics`). */
+  refused(keyId: string): number;
+}
+
+/** At most `perSecond` requests of one key in any one second. */
+export function keyRateLimit(perSecond: number, clock: Clock): KeyRateLimit {
+  const limiter = new RateLimiter(perSecond, 1000, clock);
+  const refused = new Map<string, number>();
+  return {
+    middleware: createMiddleware<HonoEnv>(async (c, next) => {
+      const { keyId } = c.get("principal");
+      const wait = limiter.take(keyId);
+      if (wait > 0) {
+        refused.set(keyId, (refused.get(keyId) ?? 0) + 1);
+        throw new SandboxdError("rate_limited", `more than ${perSecond} requests per second`, {
+          details: { retryAfterSeconds: wait },
+        });
+      }
+      await next();
+    }),
+    refused: (keyId) => refused.get(keyId) ?? 0,
+  };
 }

@@ -1,7 +1,7 @@
 /** Tier and family checks (spec 5.3, 5.4, 5.6). */
 import { type Family, type Tier, tierAtLeast } from "../../contracts/api/common.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { Principal } from "../keys.ts";
+import type { Principal } from "./keys.ts";
 
 const FAMILY_KEYS: Record<Family, string> = { a: "a live or scale key", b: "a demo, pro or enterprise key" };
 

@@ -1,0 +1,139 @@
+/**
+ * Connecting from outside (spec 4.2): `POST /v1/sandboxes/{id}/connect-url` mints a token scoped
+ * to one sandbox, port and protocol (auth/connect-token.ts); `GET /v1/sandboxes/{id}/connect`
+ * takes a Bearer key or that token instead, then relays a WebSocket to the guest port
+ * (gateway/relay/). Two sub-apps, because the token form must answer before the key middleware.
+ */
+import { type Context, Hono } from "hono";
+import * as B from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { signConnectToken, verifyConnectToken } from "../auth/connect-token.ts";
+import { requirePro } from "../auth/guards.ts";
+import type { Principal } from "../auth/keys.ts";
+import { agentOf, getOwned, inTermsOf, type SandboxRow } from "../core/sandboxes.ts";
+import type { Deps, HonoEnv } from "../deps.ts";
+import { jsonBody, query } from "../http.ts";
+import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
+import { TcpRelay } from "../relay/tcp.ts";
+
+/**
+ * Mounted before the key middleware: a connect request carrying a token `t` and no
+ * Authorization header is authorised by the token alone (spec 5.5). Any other request passes on,
+ * to the key middleware and then `connectRoutes`.
+ */
+export function connectTokenRoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
+  app.get("/v1/sandboxes/:id/connect", async (c, next) => {
+    if (c.req.header("authorization") === undefined && c.req.query("t") !== undefined) {
+      return connect(deps, c, undefined);
+    }
+    await next();
+  });
+  return app;
+}
+
+/** Behind the key middleware: minting connect URLs, and connecting with a key. */
+export function connectRoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
+  const max = () => deps.config.limits.maxJsonBodyBytes;
+
+  app.post("/v1/sandboxes/:id/connect-url", async (c) => {
+    const p = c.get("principal");
+    requirePro(p, "connect URLs");
+    const req = await jsonBody(c, B.ConnectUrlRequest, max());
+    const row = await getOwned(deps, p, c.req.param("id"));
+    if (!Object.hasOwn(row.endpoints, String(req.port))) {
+      throw new SandboxdError(
+        "port_not_exposed",
+        `port ${req.port} is not exposed by template ${row.templateId}`,
+      );
+    }
+    const ttl = Math.min(req.ttl_seconds, deps.config.limits.connectTtlMaxS); // clamp, spec 4.2
+    const protocol = req.protocol ?? "tcp";
+    const nowSecs = Math.floor(deps.clock() / 1000);
+    const expSecs = nowSecs + ttl;
+    const t = await signConnectToken(deps.config.connectSecret, {
+      tenantId: p.tenantId,
+      sandboxId: row.id,
+      port: req.port,
+      protocol,
+      nowSecs,
+      expSecs,
+    });
+    const base = new URL(deps.config.publicBaseUrl);
+    base.protocol = base.protocol === "http:" ? "ws:" : "wss:";
+    const url = `${base.origin}/v1/sandboxes/${row.id}/connect?port=${req.port}&protocol=${protocol}&t=${encodeURIComponent(t)}`;
+    return c.json({ url, expires_at: new Date(expSecs * 1000).toISOString() });
+  });
+
+  app.get("/v1/sandboxes/:id/connect", (c) => connect(deps, c, c.get("principal")));
+  return app;
+}
+
+/**
+ * `GET /v1/sandboxes/{id}/connect` (spec 4.2) with the caller's principal (a Bearer key, checked
+ * by the key middleware) or, without one, the scoped token `t`, checked here. Every check (token,
+ * tier, ownership, port, state, that it is a WebSocket upgrade) runs before the upgrade, as does
+ * opening the tunnel, so that those failures are HTTP statuses; after the upgrade, failures close
+ * the WebSocket (gateway/relay/common.ts has the codes).
+ */
+async function connect(deps: Deps, c: Context<HonoEnv>, principal: Principal | undefined) {
+  const id = c.req.param("id") ?? "";
+  const q = query(c, B.ConnectQuery);
+  const protocol = q.protocol ?? "tcp";
+  let row: SandboxRow;
+  if (principal) {
+    requirePro(principal, "connect");
+    row = await getOwned(deps, principal, id);
+  } else {
+    const unauthorized = new SandboxdError("unauthorized", "invalid or expired connect token");
+    if (q.t === undefined) throw new SandboxdError("unauthorized", "missing API key or connect token");
+    const tenantId = await verifyConnectToken(deps.config.connectSecret, q.t, {
+      sandboxId: id,
+      port: q.port,
+      protocol,
+      nowMs: deps.clock(),
+    });
+    if (tenantId === undefined) throw unauthorized;
+    // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
+    // the token's tenant, and a revoked token is an invalid credential (401), not a 404.
+    row = await getOwned(deps, { tenantId, keyId: "", tier: "pro", family: "b" }, id).catch(
+      (err: unknown) => {
+        throw err instanceof SandboxdError && err.code === "not_found" ? unauthorized : err;
+      },
+    );
+  }
+  if (!Object.hasOwn(row.endpoints, String(q.port))) {
+    throw new SandboxdError(
+      "port_not_exposed",
+      `port ${q.port} is not exposed by template ${row.templateId}`,
+    );
+  }
+  if (row.state !== "running") throw new SandboxdError("conflict", `sandbox ${id} is ${row.state}`);
+  if (c.req.header("upgrade")?.toLowerCase() !== "websocket") {
+    throw new SandboxdError("bad_request", "this endpoint needs a WebSocket upgrade");
+  }
+  const upgrade = c.env?.upgrade;
+  if (!upgrade) throw new SandboxdError("internal", "this server cannot upgrade to a WebSocket");
+
+  const agent = agentOf(deps, row);
+  const dial = () => agent.openTunnel(row.vmId!, q.port, "tcp");
+  const tunnel = await inTermsOf(row, dial());
+  let relay: TcpRelay | CdpRelay;
+  if (protocol === "tcp") {
+    relay = new TcpRelay(tunnel);
+  } else {
+    // The guest's DevTools port through tcp tunnels; failures from here on close the WebSocket.
+    const upstream = await connectDevTools(tunnel, dial, q.port).catch((err: unknown) =>
+      err instanceof Error ? err : new Error(String(err)),
+    );
+    relay = new CdpRelay(upstream);
+  }
+  if (deps.relays) relay.registered(deps.relays.add(row.id, relay));
+  try {
+    return upgrade(relay);
+  } catch (err) {
+    relay.close(1011, "upgrade failed");
+    throw err;
+  }
+}
