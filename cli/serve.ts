@@ -15,7 +15,7 @@ import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
-import { startHeartbeats } from "../gateway/agents.ts";
+import { startHeartbeats } from "../gateway/agents/registry.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { loadSecrets } from "../gateway/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";

@@ -10,7 +10,7 @@ import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { SnapshotDriver } from "../agent/sandbox/snapshot-driver.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError } from "../contracts/errors.ts";
-import { startHeartbeats } from "../gateway/agents.ts";
+import { startHeartbeats } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/secrets.ts";
 import { startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";

@@ -5,9 +5,9 @@
  * the edge of each handler (http.ts), so that the template upload can stream.
  */
 import { Hono } from "hono";
+import type { AgentApi } from "../contracts/agent/api.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import type { Db } from "../db/client.ts";
-import type { AgentApi } from "./agent-api.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";

@@ -1,7 +1,7 @@
 /** What createApp and the core functions are given (no globals). */
 
+import type { AgentApi } from "../contracts/agent/api.ts";
 import type { Db } from "../db/client.ts";
-import type { AgentApi } from "./agent-api.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { Principal } from "./keys.ts";
 import type { RelayRegistry } from "./relay/registry.ts";

@@ -5,11 +5,11 @@
  * http server through @hono/node-server). Nothing here is specific to one runtime.
  */
 import { join } from "node:path";
-import { secretKey } from "../agent/api/auth.ts";
+import type { AgentApi } from "../contracts/agent/api.ts";
+import { secretKey } from "../contracts/agent/token.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
-import type { AgentApi } from "./agent-api.ts";
-import { AgentRouter } from "./agent-router.ts";
-import { HEARTBEAT_PATH, handleHeartbeat } from "./agents.ts";
+import { HEARTBEAT_PATH, handleHeartbeat } from "./agents/registry.ts";
+import { AgentRouter } from "./agents/router.ts";
 import { createApp } from "./app.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import type { Clock } from "./deps.ts";

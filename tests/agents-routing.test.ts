@@ -15,7 +15,7 @@ import {
 import { startAgentServer } from "../agent/server.ts";
 import { agents } from "../db/schema/agents.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
-import { HEARTBEAT_PATH, type HeartbeatSender, startHeartbeats } from "../gateway/agents.ts";
+import { HEARTBEAT_PATH, type HeartbeatSender, startHeartbeats } from "../gateway/agents/registry.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { createKey } from "../gateway/keys.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";

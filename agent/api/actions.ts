@@ -4,7 +4,7 @@
  * `perform` never sees HTTP and answers with a status and a body.
  */
 import { rm } from "node:fs/promises";
-import type { CreateVmOpts, TemplateSource } from "../../gateway/agent-api.ts";
+import type { CreateVmOpts, TemplateSource } from "../../contracts/agent/api.ts";
 import type { TemplateInput } from "../sandbox/driver.ts";
 import type { ExecRequest, SandboxManager } from "../sandbox/manager.ts";
 

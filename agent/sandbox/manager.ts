@@ -18,8 +18,6 @@
  */
 import { cpus, totalmem } from "node:os";
 import { Duplex } from "node:stream";
-import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import { EGRESS_PORT } from "../../contracts/guest-protocol.ts";
 import type {
   AgentCapacity,
   CreatedVm,
@@ -29,7 +27,9 @@ import type {
   OneShotResult,
   ResumeResult,
   SuspendResult,
-} from "../../gateway/agent-api.ts";
+} from "../../contracts/agent/api.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import { EGRESS_PORT } from "../../contracts/guest-protocol.ts";
 import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";

@@ -6,19 +6,19 @@
  */
 import { and, eq, inArray, isNull, sql } from "drizzle-orm";
 import { EgressPolicy } from "../../agent/egress/policy.ts";
+import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../../contracts/agent/api.ts";
 import type { Family, Tier } from "../../contracts/api/common.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
-import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../agent-api.ts";
-import { isAgentRouter } from "../agent-router.ts";
+import { isAgentRouter } from "../agents/router.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { newSandboxId, newSessionId } from "../ids.ts";
 import type { Principal } from "../keys.ts";
-import { checkTransition, type SandboxAction, type SandboxState } from "../sandbox-state.ts";
+import { checkTransition, type SandboxAction, type SandboxState } from "./record-states.ts";
 import { requireReady, resolveTemplate } from "./templates.ts";
 
 export type SandboxRow = typeof sandboxes.$inferSelect;

@@ -2,9 +2,9 @@
 import { randomUUID } from "node:crypto";
 import type { Context, Hono } from "hono";
 import type { z } from "zod";
+import type { ExecAction, ExecResult } from "../../contracts/agent/api.ts";
 import * as A from "../../contracts/api/family-a.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { ExecAction, ExecResult } from "../agent-api.ts";
 import { ages, createVm, destroyVm, execIn, forkVm, getOwned, listOwned } from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";
 import type { Deps, HonoEnv } from "../deps.ts";

@@ -1,8 +1,8 @@
 /** Family B sandboxes (spec 4.2): create, list, info, exec, fork, connect, suspend, resume, delete. */
 import type { Context, Hono } from "hono";
+import type { ExecAction } from "../../contracts/agent/api.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { ExecAction } from "../agent-api.ts";
 import { signConnectToken, verifyConnectToken } from "../connect-token.ts";
 import {
   agentOf,

@@ -12,7 +12,10 @@
  *   (environment bring-up timed out), conflict (state does not allow the action), internal.
  * Any other code or a plain Error becomes a 500 `internal` with no detail leaked to the client.
  */
-import type { BakePhase, ReadySpec, TunnelProtocol } from "../contracts/api/family-b.ts";
+import type { BakePhase, ReadySpec, TunnelProtocol } from "../api/family-b.ts";
+
+/** Every route of the agent's HTTP API is under this prefix. */
+export const AGENT_API_PREFIX = "/v1";
 
 /** The agent's handle for a VM; the gateway's sess_/sbx_ ids map to it in the db. */
 export type VmId = string;

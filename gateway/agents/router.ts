@@ -19,11 +19,6 @@
  */
 import { copyFile, link, rm } from "node:fs/promises";
 import { eq } from "drizzle-orm";
-import { AgentHttpClient, type AgentTimeouts } from "../agent/api/client.ts";
-import type { TunnelProtocol } from "../contracts/api/family-b.ts";
-import { SandboxdError } from "../contracts/errors.ts";
-import type { Db } from "../db/client.ts";
-import { agents } from "../db/schema/agents.ts";
 import type {
   AgentApi,
   AgentHealth,
@@ -39,8 +34,13 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
-} from "./agent-api.ts";
-import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./agents.ts";
+} from "../../contracts/agent/api.ts";
+import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { Db } from "../../db/client.ts";
+import { agents } from "../../db/schema/agents.ts";
+import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
+import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./registry.ts";
 
 export interface AgentRouterOptions {
   db: Db;

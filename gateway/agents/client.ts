@@ -9,8 +9,6 @@ import { createReadStream } from "node:fs";
 import { rm, stat } from "node:fs/promises";
 import { Readable } from "node:stream";
 import type { z } from "zod";
-import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
 import type {
   AgentApi,
   AgentHealth,
@@ -26,9 +24,8 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
-} from "../../gateway/agent-api.ts";
-import { AGENT_API_PREFIX } from "./app.ts";
-import { secretKey, signAgentToken } from "./auth.ts";
+} from "../../contracts/agent/api.ts";
+import { AGENT_API_PREFIX } from "../../contracts/agent/api.ts";
 import {
   CreatedVmSchema,
   ExecResultSchema,
@@ -40,7 +37,10 @@ import {
   ResumeResultSchema,
   SuspendResultSchema,
   TemplateStatusSchema,
-} from "./schemas.ts";
+} from "../../contracts/agent/schemas.ts";
+import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
+import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { connectTunnel } from "./tunnel-client.ts";
 
 /** Deadlines per kind of call, ms. Each is the longest the agent can legitimately take. */

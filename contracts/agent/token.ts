@@ -5,7 +5,7 @@
  * minute, and the agent keeps no session state. The client signs a fresh token per request.
  */
 import { errors as joseErrors, jwtVerify, SignJWT } from "jose";
-import { SandboxdError } from "../../contracts/errors.ts";
+import { SandboxdError } from "../errors.ts";
 
 export const AGENT_AUDIENCE = "sandboxd-agent";
 export const GATEWAY_ISSUER = "sandboxd-gateway";

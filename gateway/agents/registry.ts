@@ -11,11 +11,11 @@
 import { and, eq, gt } from "drizzle-orm";
 import { jwtVerify, SignJWT } from "jose";
 import { z } from "zod";
-import { secretKey } from "../agent/api/auth.ts";
-import { describeError, SandboxdError } from "../contracts/errors.ts";
-import type { Db } from "../db/client.ts";
-import { agents } from "../db/schema/agents.ts";
-import type { AgentCapacity } from "./agent-api.ts";
+import type { AgentCapacity } from "../../contracts/agent/api.ts";
+import { secretKey } from "../../contracts/agent/token.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import type { Db } from "../../db/client.ts";
+import { agents } from "../../db/schema/agents.ts";
 
 export type AgentRow = typeof agents.$inferSelect;
 

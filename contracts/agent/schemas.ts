@@ -5,8 +5,8 @@
  * gateway/agent-api.ts (camelCase): this API is internal, between the gateway and its agents.
  */
 import { z } from "zod";
-import { ReadySpec } from "../../contracts/api/family-b.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
+import { ReadySpec } from "../api/family-b.ts";
+import { SandboxdError } from "../errors.ts";
 
 /** The gateway's template refs: the id, or `<tenantId>.<templateId>` (gateway/agent-api.ts). */
 export const TemplateRefParam = z

@@ -6,7 +6,7 @@
  *   starting --failed--> destroyed;  starting|running|suspended --destroy--> destroyed
  *   exec and fork need running.
  */
-import { SandboxdError } from "../contracts/errors.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 
 export type SandboxState = "starting" | "running" | "suspended" | "destroyed";
 export type SandboxAction = "exec" | "fork" | "suspend" | "resume" | "destroy" | "connect";
