@@ -73,7 +73,7 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           await rm(s.path, { force: true });
           throw err;
         }
-        // The agent owns the uploaded file (gateway/agent-api.ts): gone once the build is over.
+        // The agent owns the uploaded file (TemplateSource): gone once the build is over.
         void m.templates.settled(a.template).finally(() => rm(s.path, { force: true }));
       } else {
         m.buildTemplate(a.template, ociInput(s));

@@ -1,6 +1,6 @@
 /**
  * The agent's own HTTP API (docs/agent-api.md), called only by the gateway through
- * `AgentHttpClient` (client.ts). Handlers only parse: every request becomes a typed
+ * `AgentHttpClient` (gateway/agents/client.ts). Handlers only parse: every request becomes a typed
  * `AgentAction` (zod at the edge) that `perform` (actions.ts) runs on the manager; errors become
  * `{code, message}` in one place (errors.ts). Every route needs the gateway's short-lived JWT.
  */

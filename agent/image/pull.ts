@@ -39,7 +39,7 @@ export interface RegistryConfig {
 export const INSPECT_TIMEOUT_MS = 60_000;
 /**
  * The whole copy. 30 minutes is the bound the gateway already gives an image upload
- * (agent/api/client.ts `upload`): a multi-GB image over a modest link fits in it, and a registry
+ * (gateway/agents/client.ts `upload`): a multi-GB image over a modest link fits in it, and a registry
  * that stalls mid-blob cannot hold a build (and its slot in the build queue) forever.
  */
 export const PULL_TIMEOUT_MS = 30 * 60_000;

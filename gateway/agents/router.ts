@@ -1,5 +1,5 @@
 /**
- * `AgentRouter`: the gateway's view of many host agents (gateway/agents.ts keeps the registry).
+ * `AgentRouter`: the gateway's view of many host agents (registry.ts keeps the registry).
  *
  * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region,
  *   least-loaded first (smallest share of slots in use, then most slots free). Room is estimated
