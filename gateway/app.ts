@@ -8,6 +8,7 @@ import { Hono } from "hono";
 import type { AgentApi } from "../contracts/agent/api.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import type { Db } from "../db/client.ts";
+import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
@@ -22,6 +23,8 @@ import { registerTemplates } from "./routes/templates.ts";
 export interface CreateAppDeps {
   db: Db;
   agent: AgentApi;
+  /** Where VMs go; without it every VM goes to `agent`, named by `config.agent`. */
+  placement?: Placement;
   config: GatewayConfig;
   clock?: Clock;
   log?: (line: string) => void;
@@ -33,6 +36,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   const deps: Deps = {
     db: input.db,
     agent: input.agent,
+    placement: input.placement ?? new FixedPlacement(input.db, input.agent, input.config.agent),
     config: input.config,
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),

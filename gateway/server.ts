@@ -123,6 +123,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     const app = createApp({
       db: handle.db,
       agent: opts.agent ?? router!,
+      ...(router ? { placement: router } : {}),
       config,
       ...(opts.clock ? { clock: opts.clock } : {}),
       ...(opts.log ? { log: opts.log } : {}),

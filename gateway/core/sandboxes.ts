@@ -10,10 +10,8 @@ import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from ".
 import type { Family, Tier } from "../../contracts/api/common.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
-import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
-import { isAgentRouter } from "../agents/router.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { newSandboxId, newSessionId } from "../ids.ts";
@@ -27,48 +25,9 @@ type Kind = "session" | "sandbox";
 
 const LIVE: SandboxState[] = ["starting", "running", "suspended"];
 
-/**
- * The agent a sandbox lives on: the one recorded on its row (gateway/agent-router.ts). With a
- * single configured agent (tests' stand-in) that agent.
- */
+/** The agent a sandbox lives on: the one recorded on its row (gateway/agents/placement.ts). */
 export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi {
-  return isAgentRouter(deps.agent) ? deps.agent.forAgent(row.agentId) : deps.agent;
-}
-
-/**
- * Where a new VM goes: with a router, the least-loaded live agent of the region with room
- * (503 at_capacity when none); otherwise the one configured agent.
- */
-async function firstPlacement(deps: Deps): Promise<string> {
-  if (isAgentRouter(deps.agent)) return (await deps.agent.placementOrder())[0]!.id;
-  await ensureAgentRow(deps);
-  return deps.config.agent.id;
-}
-
-/** Creates on the agent `place` chooses; returns the agent that took it. */
-async function placeVm<T>(
-  deps: Deps,
-  fn: (a: AgentApi) => Promise<T>,
-): Promise<{ agentId: string; result: T }> {
-  if (isAgentRouter(deps.agent)) return deps.agent.place(fn);
-  return { agentId: deps.config.agent.id, result: await fn(deps.agent) };
-}
-
-/** The agent row must exist before sandboxes reference it; upserted once per process. */
-const agentRows = new WeakMap<Db, Promise<void>>();
-function ensureAgentRow(deps: Deps): Promise<void> {
-  let p = agentRows.get(deps.db);
-  if (!p) {
-    const { id, region, url } = deps.config.agent;
-    p = deps.db
-      .insert(agents)
-      .values({ id, region, url })
-      .onConflictDoUpdate({ target: agents.id, set: { region, url } })
-      .then(() => undefined);
-    p.catch(() => agentRows.delete(deps.db));
-    agentRows.set(deps.db, p);
-  }
-  return p;
+  return deps.placement.agentFor(row.agentId);
 }
 
 /** A record owned by the caller, in the caller's family; anything else is 404 (spec 5.7). */
@@ -246,13 +205,20 @@ export async function createVm(
   requireReady(template);
   // A malformed egress.allow is a 400 here, before a row is reserved or an agent is asked.
   if (input.egressAllow !== undefined) EgressPolicy.fromAllowList(input.egressAllow);
-  const [id] = await reserve(deps, p, kind, template, [{ labels: input.labels }], await firstPlacement(deps));
+  const [id] = await reserve(
+    deps,
+    p,
+    kind,
+    template,
+    [{ labels: input.labels }],
+    await deps.placement.firstChoice(),
+  );
   let vm: CreatedVm;
   let agentId: string;
   try {
     const opts: { kind: Kind; egressAllow?: string[] } = { kind };
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
-    ({ agentId, result: vm } = await placeVm(deps, (a) => a.createSandbox(template.agentRef, opts)));
+    ({ agentId, result: vm } = await deps.placement.place((a) => a.createSandbox(template.agentRef, opts)));
   } catch (err) {
     await markFailed(deps, [id!]);
     throw err;
