@@ -5,9 +5,9 @@
  * requests cannot both apply.
  */
 import { and, eq, inArray, isNull, sql } from "drizzle-orm";
-import { EgressPolicy } from "../../agent/egress/policy.ts";
 import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../../contracts/agent/api.ts";
 import type { Family, Tier } from "../../contracts/api/common.ts";
+import { parseAllowList } from "../../contracts/egress.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
@@ -204,7 +204,7 @@ export async function createVm(
   const template = await resolveTemplate(deps, p.tenantId, input.templateId);
   requireReady(template);
   // A malformed egress.allow is a 400 here, before a row is reserved or an agent is asked.
-  if (input.egressAllow !== undefined) EgressPolicy.fromAllowList(input.egressAllow);
+  if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
   const [id] = await reserve(
     deps,
     p,
