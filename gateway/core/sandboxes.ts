@@ -6,7 +6,7 @@
  */
 import { and, eq, inArray, isNull, sql } from "drizzle-orm";
 import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../../contracts/agent/api.ts";
-import type { Family, Tier } from "../../contracts/api/common.ts";
+import type { Family, Tier } from "../../contracts/api/tiers.ts";
 import { parseAllowList } from "../../contracts/egress.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";

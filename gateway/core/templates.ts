@@ -5,8 +5,8 @@
  */
 import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
 import type { TemplateSource } from "../../contracts/agent/api.ts";
-import type { Family } from "../../contracts/api/common.ts";
 import type { BakeTemplateRequest } from "../../contracts/api/family-b.ts";
+import type { Family } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
