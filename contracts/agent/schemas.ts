@@ -7,7 +7,7 @@
  */
 import { z } from "zod";
 import { BakePhase, ReadySpec } from "../api/family-b.ts";
-import { SandboxdError } from "../errors.ts";
+import { AgentErrorCode, SandboxdError } from "../errors.ts";
 
 /**
  * The agent's key for a template. The gateway chooses it, unique across tenants: the template id
@@ -163,13 +163,15 @@ export const HealthSchema = z.object({
   driver: z.string().optional(),
 });
 
-export const ErrorBody = z.object({ code: z.string(), message: z.string() });
+/** Every error answer of the agent; its status is the code's (agent/api/errors.ts). */
+export const ErrorBody = z.object({ code: z.enum(AgentErrorCode), message: z.string() });
 
 export type ErrorBody = z.infer<typeof ErrorBody>;
 
 /**
  * The error an agent's non-2xx answer means for its caller: its own `{code, message}` kept as the
- * same `SandboxdError` code, or `internal` naming what was asked (`what`) when the body is not one.
+ * same `SandboxdError` code, or `internal` naming what was asked (`what`) when the body is not one
+ * (an answer that is not the agent's, or a code this gateway does not know).
  */
 export function errorFromAgentAnswer(status: number, text: string, what: string): SandboxdError {
   let parsed: ErrorBody | undefined;
