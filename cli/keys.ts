@@ -1,6 +1,6 @@
 /** `sandboxd key create|list|revoke`: API keys in the gateway's database. */
 import { parseArgs } from "node:util";
-import { Tier } from "../contracts/api/common.ts";
+import { Tier } from "../contracts/api/tiers.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { openDb } from "../db/client.ts";
 import { createKey, listKeys, revokeKey } from "../gateway/auth/keys.ts";

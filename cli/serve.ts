@@ -1,7 +1,8 @@
 /**
  * `sandboxd gateway` and `sandboxd agent`: the two halves of `up` as separate processes, for a
  * deployment with several host agents. Agents register and heartbeat to the gateway over HTTP
- * (gateway/agents.ts); the gateway routes each sandbox to one of them (gateway/agent-router.ts).
+ * (contracts/agent/heartbeat.ts); the gateway routes each sandbox to one of them
+ * (gateway/agents/router.ts).
  * Both sides need the same agent secret: `SANDBOXD_AGENT_SECRET`, or the same data dir (or
  * `--secrets-dir` naming the gateway's data dir) on one host.
  */
@@ -9,13 +10,13 @@ import { mkdir } from "node:fs/promises";
 import { hostname } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import type { EgressDefault } from "../agent/egress/policy.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
-import { startHeartbeats } from "../gateway/agents.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";

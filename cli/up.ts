@@ -6,11 +6,11 @@
 import { mkdir } from "node:fs/promises";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError } from "../contracts/errors.ts";
-import { startHeartbeats } from "../gateway/agents.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
@@ -45,7 +45,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     version,
     log,
   });
-  // The gateway routes to registered agents (gateway/agent-router.ts); its one agent registers
+  // The gateway routes to registered agents (gateway/agents/router.ts); its one agent registers
   // by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
     port,

@@ -1,8 +1,55 @@
 /**
- * One error hierarchy for the whole service. Callers branch on `code`, never on message text
- * (style.md habit 3). Public codes are the spec's (section 7); internal codes name the layer
- * that failed and are mapped to public ones in one place (gateway/errors.ts, later issues).
+ * One error tree for the whole service. A failure that leaves a module is a `SandboxdError` (or a
+ * subclass) whose `code` is one of the unions below, so a misspelt code does not compile; callers
+ * branch on `code` (or on the subclass), never on message text.
+ *
+ *   Error
+ *   ├── SandboxdError                  contracts/errors.ts    code: ErrorCode (below)
+ *   │   ├── QmpError                   agent/qemu/qmp/errors.ts   qmp_error, qmp_timeout,
+ *   │   │                                qmp_disconnected, qmp_protocol (one subclass each)
+ *   │   ├── GuestError                 agent/guest/codec.ts   guest_disconnected, guest_timeout,
+ *   │   │                                protocol_error, guest_error
+ *   │   ├── VmLaunchError              agent/qemu/launch.ts   vm_launch_failed
+ *   │   ├── StorageError               agent/storage/chain.ts   storage_error
+ *   │   ├── ImageError                 agent/image/import.ts   image_*
+ *   │   └── SnapshotError              agent/snapshot/errors.ts   its own codes and some public
+ *   │                                    ones; RETURNED in a Result<T>, see the rule below
+ *   ├── ToolError                      agent/host/tool.ts   a host tool failed (`kind`); its
+ *   │                                    caller wraps it in its own error, keeping it as `cause`
+ *   ├── GuestArtifactsError            agent/guest/artifacts.ts   guest kernel/initrd setup, for
+ *   │                                    the CLI and tests; never reaches the API
+ *   ├── ImageReferenceError            contracts/image-ref.ts   the gateway answers bad_request
+ *   └── EgressRefused, TarFormatError  private to one module; never leave it
+ *
+ * How a code becomes what a client sees (the only places codes are translated):
+ *
+ *   agent layer codes (InternalErrorCode)
+ *     │  the layer above restates a failure it understands as an AgentErrorCode: a guest_error on a
+ *     │  tunnel connect is port_unreachable, a guest hang-up after QEMU died is gone
+ *     │  (agent/sandbox/manager.ts), a failed restore is spawn_failed (sandbox/snapshot-driver.ts)
+ *     ▼
+ *   AgentErrorCode ── agent/api/errors.ts AGENT_STATUS_OF_CODE ──> the agent's HTTP answer;
+ *     │  any other code (qmp_*, guest_*, image_*, vm_*, ...) is sent as 500 `internal` with the
+ *     │  readable cause chain as message
+ *     ▼
+ *   gateway/agents/client.ts: the same code again, as a SandboxdError in the gateway; an agent
+ *     │  that does not answer is `agent_unavailable`
+ *     ▼
+ *   gateway/errors.ts mapError ──> PublicErrorCode and HTTP status: public codes as they are;
+ *      the agent's own codes through PUBLIC_OF_AGENT_CODE (unsupported -> not_implemented);
+ *      everything else a bare 500 `internal` whose message is logged, not sent
+ *
+ * Result<T> or throw: one layer returns its failures, the snapshot engine (agent/snapshot/):
+ * every public operation answers `Result<T>` (agent/snapshot/errors.ts) holding a SnapshotError.
+ * A failed save, restore or fork leaves QEMU processes and files that only the caller can settle
+ * (kill the VM, keep it running, keep the snapshot), so the type makes its one caller, the
+ * snapshot driver (agent/sandbox/snapshot-driver.ts), handle every failure where it happens; the
+ * driver throws from there on. Every other layer throws SandboxdError or a subclass. Checks that
+ * answer a question rather than do something return their refusal as a value for the caller to
+ * throw (`verifyAgentToken`, the state tables' `checkTransition` and `checkRecordAction`).
  */
+
+/** The codes of the public API (spec section 7); gateway/errors.ts gives each its status. */
 export const PublicErrorCode = [
   "bad_request",
   "unauthorized",
@@ -27,10 +74,96 @@ export const PublicErrorCode = [
 ] as const;
 export type PublicErrorCode = (typeof PublicErrorCode)[number];
 
+/**
+ * Every code an agent puts on its wire (docs/agent-api.md "Errors"); agent/api/errors.ts gives each
+ * its status. Most are public codes with the same meaning; `port_unreachable` and `unsupported`
+ * are the agent's own.
+ */
+export const AgentErrorCode = [
+  "bad_request",
+  "unauthorized",
+  "not_found",
+  "gone",
+  "busy",
+  "conflict",
+  "template_in_use",
+  "template_not_ready",
+  "port_not_exposed",
+  /** A tunnel's connect inside the guest failed (nothing listens: ECONNREFUSED, ...). */
+  "port_unreachable",
+  "payload_too_large",
+  /** The driver cannot do this at all (fork/suspend on a cold-boot agent). */
+  "unsupported",
+  "at_capacity",
+  "spawn_failed",
+  "bringup_timeout",
+  "internal",
+] as const;
+export type AgentErrorCode = (typeof AgentErrorCode)[number];
+
+/**
+ * The codes of the agent's layers, which never cross its wire (they go out as `internal`). Each
+ * layer's own union is a part of this one, and says what its codes mean where it is defined.
+ */
+export const InternalErrorCode = [
+  // QmpErrorCode, agent/qemu/qmp/errors.ts
+  "qmp_error",
+  "qmp_timeout",
+  "qmp_disconnected",
+  "qmp_protocol",
+  // GuestErrorCode, agent/guest/codec.ts
+  "guest_disconnected",
+  "guest_timeout",
+  "protocol_error",
+  "guest_error",
+  // ImageErrorCode, agent/image/import.ts; image_pull_failed: agent/image/pull.ts
+  "image_not_found",
+  "image_not_tar",
+  "image_no_manifest",
+  "image_bad_manifest",
+  "image_bad_config",
+  "image_bad_layer",
+  "image_unsupported",
+  "image_path_escape",
+  "image_link_escape",
+  "image_too_large",
+  "image_digest_mismatch",
+  "image_user_unknown",
+  "image_no_command",
+  "image_tool_failed",
+  "image_pull_failed",
+  // SnapshotErrorCode, agent/snapshot/errors.ts (besides the public codes it shares)
+  "template_build_failed",
+  "template_ready_failed",
+  "template_not_found",
+  "fork_failed",
+  "suspend_failed",
+  "invalid_state",
+  "vm_died",
+  "vm_unresponsive",
+  "migration_failed",
+  // VmLaunchError, agent/qemu/launch.ts: QEMU exited or never answered while starting
+  "vm_launch_failed",
+  // a VM found after an agent restart could not be re-adopted (agent/sandbox/*-driver.ts)
+  "vm_lost",
+  // StorageError, agent/storage/chain.ts
+  "storage_error",
+  // the catalog image build (agent/catalog/python.ts)
+  "catalog_build_failed",
+] as const;
+export type InternalErrorCode = (typeof InternalErrorCode)[number];
+
+/** Every code a SandboxdError may carry. */
+export type ErrorCode = PublicErrorCode | AgentErrorCode | InternalErrorCode;
+
 export class SandboxdError extends Error {
-  readonly code: string;
+  readonly code: ErrorCode;
   readonly details: Record<string, unknown> | undefined;
-  constructor(code: string, message: string, opts?: { cause?: unknown; details?: Record<string, unknown> }) {
+  constructor(
+    code: ErrorCode,
+    message: string,
+    opts?: { cause?: unknown; details?: Record<string, unknown> },
+  ) {
     super(message, opts?.cause === undefined ? undefined : { cause: opts.cause });
     this.name = "SandboxdError";
     this.code = code;

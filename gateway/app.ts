@@ -8,8 +8,9 @@
  * at the edge of each handler (http.ts), so that the template upload can stream.
  */
 import { Hono } from "hono";
+import type { AgentApi } from "../contracts/agent/api.ts";
 import type { Db } from "../db/client.ts";
-import type { AgentApi } from "./agent-api.ts";
+import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import { bearerKey } from "./auth/bearer.ts";
 import { keyRateLimit } from "./auth/rate-limit.ts";
 import type { GatewayConfig } from "./config.ts";
@@ -25,6 +26,8 @@ import { templateRoutes } from "./routes/templates.ts";
 export interface CreateAppDeps {
   db: Db;
   agent: AgentApi;
+  /** Where VMs go; without it every VM goes to `agent`, named by `config.agent`. */
+  placement?: Placement;
   config: GatewayConfig;
   clock?: Clock;
   log?: (line: string) => void;
@@ -36,6 +39,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   const deps: Deps = {
     db: input.db,
     agent: input.agent,
+    placement: input.placement ?? new FixedPlacement(input.db, input.agent, input.config.agent),
     config: input.config,
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),

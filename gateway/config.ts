@@ -14,7 +14,7 @@ export interface GatewayConfig {
   uploadDir: string;
   /**
    * The single host agent of a gateway given one `AgentApi` (tests' stand-in). A gateway that
-   * routes (gateway/agent-router.ts) uses the `agents` table instead.
+   * routes (gateway/agents/router.ts) uses the `agents` table instead.
    */
   agent: { id: string; region: string; url: string };
   /**

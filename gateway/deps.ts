@@ -1,7 +1,8 @@
 /** What createApp and the core functions are given (no globals). */
 
+import type { AgentApi } from "../contracts/agent/api.ts";
 import type { Db } from "../db/client.ts";
-import type { AgentApi } from "./agent-api.ts";
+import type { Placement } from "./agents/placement.ts";
 import type { Principal } from "./auth/keys.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { RelayRegistry } from "./relay/registry.ts";
@@ -12,7 +13,10 @@ export type Clock = () => number;
 
 export interface Deps {
   db: Db;
+  /** Calls that name no VM: templates, exec-once, health. */
   agent: AgentApi;
+  /** Which agent a new VM goes to, and which one a VM lives on (gateway/agents/placement.ts). */
+  placement: Placement;
   config: GatewayConfig;
   clock: Clock;
   /** Connect relays open in this process (gateway/relay/), closed when their sandbox goes. */

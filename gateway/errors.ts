@@ -1,12 +1,19 @@
 /**
- * The one place where errors become HTTP (style.md habit 3). Every handler throws
- * `SandboxdError` (contracts/errors.ts) and this table turns its code into a status and the
- * `{code, message}` envelope (spec 2.11, 7). Unknown codes and foreign errors become 500
+ * The one place where errors become HTTP. Every handler throws `SandboxdError`
+ * (contracts/errors.ts, which draws the whole tree) and this table turns its code into a status
+ * and the `{code, message}` envelope (spec 2.11, 7); the agent's own codes are translated to
+ * public ones first (PUBLIC_OF_AGENT_CODE). Every other code and foreign errors become 500
  * `internal` and their message is logged, not sent.
  */
 import type { Context } from "hono";
 import type { ContentfulStatusCode } from "hono/utils/http-status";
-import { describeError, type PublicErrorCode, SandboxdError } from "../contracts/errors.ts";
+import {
+  type AgentErrorCode,
+  describeError,
+  type ErrorCode,
+  type PublicErrorCode,
+  SandboxdError,
+} from "../contracts/errors.ts";
 
 export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCode>> = {
   bad_request: 400,
@@ -31,7 +38,7 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   internal: 500,
 };
 
-function isPublicCode(code: string): code is PublicErrorCode {
+function isPublicCode(code: ErrorCode): code is PublicErrorCode {
   return Object.hasOwn(STATUS_OF_CODE, code);
 }
 
@@ -41,14 +48,23 @@ export interface MappedError {
   headers: Record<string, string>;
 }
 
-/** Internal codes that have a public meaning; all others stay a 500 without detail. */
-const PUBLIC_ALIAS: Readonly<Record<string, PublicErrorCode>> = {
+/** The agent's codes that are not public ones, each with what it means for a client. */
+const PUBLIC_OF_AGENT_CODE: Readonly<Record<Exclude<AgentErrorCode, PublicErrorCode>, PublicErrorCode>> = {
   unsupported: "not_implemented",
+  // A refused connect inside the guest: the connect route has no answer for it but a 500.
+  port_unreachable: "internal",
 };
 
+function isAgentOnlyCode(code: ErrorCode): code is keyof typeof PUBLIC_OF_AGENT_CODE {
+  return Object.hasOwn(PUBLIC_OF_AGENT_CODE, code);
+}
+
 export function mapError(err: unknown): MappedError {
-  if (err instanceof SandboxdError && !isPublicCode(err.code) && Object.hasOwn(PUBLIC_ALIAS, err.code)) {
-    err = new SandboxdError(PUBLIC_ALIAS[err.code]!, err.message, { cause: err, details: err.details });
+  if (err instanceof SandboxdError && isAgentOnlyCode(err.code)) {
+    err = new SandboxdError(PUBLIC_OF_AGENT_CODE[err.code], err.message, {
+      cause: err,
+      details: err.details,
+    });
   }
   if (err instanceof SandboxdError && isPublicCode(err.code) && err.code !== "internal") {
     const headers: Record<string, string> = {};

@@ -5,11 +5,12 @@
  * http server through @hono/node-server). Nothing here is specific to one runtime.
  */
 import { join } from "node:path";
-import { secretKey } from "../agent/api/auth.ts";
+import type { AgentApi } from "../contracts/agent/api.ts";
+import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
+import { secretKey } from "../contracts/agent/token.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
-import type { AgentApi } from "./agent-api.ts";
-import { AgentRouter } from "./agent-router.ts";
-import { HEARTBEAT_PATH, handleHeartbeat } from "./agents.ts";
+import { handleHeartbeat } from "./agents/registry.ts";
+import { AgentRouter } from "./agents/router.ts";
 import { createApp } from "./app.ts";
 import { loadSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
@@ -23,12 +24,12 @@ export type StartGatewayOptions = {
   hostname?: string;
   /**
    * One fixed agent (tests). Without it the gateway routes to the agents registered by
-   * heartbeat (gateway/agent-router.ts) and serves `POST /internal/agents/heartbeat`.
+   * heartbeat (gateway/agents/router.ts) and serves `POST /internal/agents/heartbeat`.
    */
   agent?: AgentApi;
   /** Routing mode: the secret shared with agents (default `SANDBOXD_AGENT_SECRET` / data dir). */
   agentSecret?: string;
-  /** Routing mode: heartbeat age after which an agent is not live (default agents.ts). */
+  /** Routing mode: heartbeat age after which an agent is not live (default gateway/agents/registry.ts). */
   staleAfterMs?: number;
   /** Overrides of the resolved config (secrets included, which then win over the data dir's). */
   config?: Partial<GatewayConfigInput>;
@@ -122,13 +123,14 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     const app = createApp({
       db: handle.db,
       agent: opts.agent ?? router!,
+      ...(router ? { placement: router } : {}),
       config,
       ...(opts.clock ? { clock: opts.clock } : {}),
       ...(opts.log ? { log: opts.log } : {}),
     });
     server = await serveFetch({
       fetch: (request, upgrade) => {
-        // Agents report here (gateway/agents.ts); outside /v1: not part of the public API.
+        // Agents report here (gateway/agents/registry.ts); outside /v1: not part of the public API.
         if (heartbeatKey && request.method === "POST" && new URL(request.url).pathname === HEARTBEAT_PATH) {
           return handleHeartbeat(handle.db, heartbeatKey, request, clock);
         }

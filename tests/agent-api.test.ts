@@ -4,7 +4,6 @@ import { createServer, type Socket } from "node:net";
 import { join } from "node:path";
 import { SignJWT } from "jose";
 import { createAgentApp } from "../agent/api/app.ts";
-import { AgentHttpClient } from "../agent/api/client.ts";
 import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
@@ -14,8 +13,9 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
 } from "../agent/sandbox/testing.ts";
+import type { ExecAction } from "../contracts/agent/api.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import type { ExecAction } from "../gateway/agent-api.ts";
+import { AgentHttpClient } from "../gateway/agents/client.ts";
 
 /**
  * The agent's HTTP API with REAL VMs under TCG, served by Bun.serve on 127.0.0.1:0 and driven by

@@ -11,7 +11,6 @@ import { afterAll, expect, test } from "bun:test";
 import { createHash } from "node:crypto";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
-import { AgentHttpClient } from "../agent/api/client.ts";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
@@ -25,8 +24,9 @@ import {
 } from "../agent/sandbox/testing.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
+import type { ExecAction, Tunnel } from "../contracts/agent/api.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import type { ExecAction, Tunnel } from "../gateway/agent-api.ts";
+import { AgentHttpClient } from "../gateway/agents/client.ts";
 
 /** A template build, one spawn and one fork under TCG on a 2-core host: 240 s with margin. */
 const VM_TEST_TIMEOUT_MS = 240_000;

@@ -3,6 +3,7 @@ import { copyFile, mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
+import { type HeartbeatSender, startHeartbeats } from "../agent/api/heartbeat.ts";
 import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
@@ -13,15 +14,15 @@ import {
   tempStateDir,
 } from "../agent/sandbox/testing.ts";
 import { startAgentServer } from "../agent/server.ts";
+import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { agents } from "../db/schema/agents.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
-import { HEARTBEAT_PATH, type HeartbeatSender, startHeartbeats } from "../gateway/agents.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 
 /**
- * Routing to several host agents (gateway/agent-router.ts): a real gateway (startGateway, PGlite)
+ * Routing to several host agents (gateway/agents/router.ts): a real gateway (startGateway, PGlite)
  * and real agent HTTP servers (startAgentServer over a SandboxManager) that register and
  * heartbeat over HTTP. The VM tests cold-boot REAL busybox VMs under TCG (BootDriver).
  */

@@ -4,6 +4,7 @@
  * memory-agent.ts), which runs no VMs. Real-VM end-to-end tests come with the real agent.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { FixedPlacement } from "../gateway/agents/placement.ts";
 import { reapIdleSessions } from "../gateway/core/sandboxes.ts";
 import { type Harness, makeHarness } from "../gateway/testing/harness.ts";
 
@@ -199,6 +200,7 @@ describe("family A sessions", () => {
     const reaped = await reapIdleSessions({
       db: h.handle.db,
       agent: h.agent,
+      placement: new FixedPlacement(h.handle.db, h.agent, h.config.agent),
       config: h.config,
       clock: () => h.now.ms,
     });

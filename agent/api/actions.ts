@@ -4,7 +4,7 @@
  * `perform` never sees HTTP and answers with a status and a body.
  */
 import { rm } from "node:fs/promises";
-import type { CreateVmOpts, TemplateSource } from "../../gateway/agent-api.ts";
+import type { CreateVmOpts, TemplateSource } from "../../contracts/agent/api.ts";
 import type { TemplateInput } from "../sandbox/drivers/driver.ts";
 import type { ExecRequest } from "../sandbox/exec.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
@@ -74,7 +74,7 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           await rm(s.path, { force: true });
           throw err;
         }
-        // The agent owns the uploaded file (gateway/agent-api.ts): gone once the build is over.
+        // The agent owns the uploaded file (TemplateSource): gone once the build is over.
         void m.templates.settled(a.template).finally(() => rm(s.path, { force: true }));
       } else {
         m.buildTemplate(a.template, ociInput(s));

@@ -1,6 +1,6 @@
 /**
  * The agent's own HTTP API (docs/agent-api.md), called only by the gateway through
- * `AgentHttpClient` (client.ts). Handlers only parse: every request becomes a typed
+ * `AgentHttpClient` (gateway/agents/client.ts). Handlers only parse: every request becomes a typed
  * `AgentAction` (zod at the edge) that `perform` (actions.ts) runs on the manager; errors become
  * `{code, message}` in one place (errors.ts). Every route needs the gateway's short-lived JWT.
  */
@@ -10,11 +10,7 @@ import { join } from "node:path";
 import { Hono } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import type { z } from "zod";
-import { SandboxdError } from "../../contracts/errors.ts";
-import type { SandboxManager } from "../sandbox/manager.ts";
-import { type AgentAction, perform } from "./actions.ts";
-import { secretKey, verifyAgentToken } from "./auth.ts";
-import { mapAgentError } from "./errors.ts";
+import { AGENT_API_PREFIX } from "../../contracts/agent/api.ts";
 import {
   CreateBody,
   DeleteQuery,
@@ -27,7 +23,12 @@ import {
   UploadQuery,
   VmIdParam,
   WidthBody,
-} from "./schemas.ts";
+} from "../../contracts/agent/schemas.ts";
+import { secretKey, verifyAgentToken } from "../../contracts/agent/token.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { SandboxManager } from "../sandbox/manager.ts";
+import { type AgentAction, perform } from "./actions.ts";
+import { mapAgentError } from "./errors.ts";
 import type { TunnelSocketData } from "./tunnel-ws.ts";
 
 export interface AgentAppDeps {
@@ -45,8 +46,6 @@ export interface AgentAppDeps {
  * refuses a runaway body before it is buffered. Image uploads are streamed to disk instead.
  */
 const MAX_JSON_BODY_BYTES = 32 * 1024 * 1024;
-
-export const AGENT_API_PREFIX = "/v1";
 
 export function createAgentApp(deps: AgentAppDeps): Hono {
   const key = secretKey(deps.secret);

@@ -1,14 +1,15 @@
 /**
- * The one place where the agent's errors become HTTP (style.md habit 3). Codes the gateway knows
- * (gateway/agent-api.ts) keep their code and get the gateway's status; the layers' own codes
- * (guest_*, qmp_*, vm_launch_failed, image_*) are failures of this agent and become `internal`
- * with the readable chain as message: this API is internal, and the gateway never forwards the
- * message of an `internal` to its clients (gateway/errors.ts).
+ * The one place where the agent's errors become HTTP. The codes of its wire (`AgentErrorCode`,
+ * contracts/errors.ts) keep their code and get their status here; the layers' own codes
+ * (`InternalErrorCode`: guest_*, qmp_*, vm_launch_failed, image_*, ...) are failures of this agent
+ * and become `internal` with the readable chain as message: this API is internal, and the gateway
+ * never forwards the message of an `internal` to its clients (gateway/errors.ts).
  */
 import type { ContentfulStatusCode } from "hono/utils/http-status";
-import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import type { ErrorBody } from "../../contracts/agent/schemas.ts";
+import { type AgentErrorCode, describeError, type ErrorCode, SandboxdError } from "../../contracts/errors.ts";
 
-export const AGENT_STATUS_OF_CODE: Readonly<Record<string, ContentfulStatusCode>> = {
+export const AGENT_STATUS_OF_CODE: Readonly<Record<AgentErrorCode, ContentfulStatusCode>> = {
   bad_request: 400,
   unauthorized: 401,
   not_found: 404,
@@ -18,10 +19,8 @@ export const AGENT_STATUS_OF_CODE: Readonly<Record<string, ContentfulStatusCode>
   template_in_use: 409,
   template_not_ready: 409,
   port_not_exposed: 409,
-  /** A tunnel's connect inside the guest failed (nothing listens: ECONNREFUSED, ...). */
   port_unreachable: 502,
   payload_too_large: 413,
-  /** The driver cannot do this at all (fork/suspend on a cold-boot agent). */
   unsupported: 501,
   at_capacity: 503,
   spawn_failed: 503,
@@ -29,14 +28,13 @@ export const AGENT_STATUS_OF_CODE: Readonly<Record<string, ContentfulStatusCode>
   internal: 500,
 };
 
-export interface AgentErrorBody {
-  code: string;
-  message: string;
+function onTheWire(code: ErrorCode): code is AgentErrorCode {
+  return Object.hasOwn(AGENT_STATUS_OF_CODE, code);
 }
 
-export function mapAgentError(err: unknown): { status: ContentfulStatusCode; body: AgentErrorBody } {
-  if (err instanceof SandboxdError && Object.hasOwn(AGENT_STATUS_OF_CODE, err.code)) {
-    return { status: AGENT_STATUS_OF_CODE[err.code]!, body: { code: err.code, message: err.message } };
+export function mapAgentError(err: unknown): { status: ContentfulStatusCode; body: ErrorBody } {
+  if (err instanceof SandboxdError && onTheWire(err.code)) {
+    return { status: AGENT_STATUS_OF_CODE[err.code], body: { code: err.code, message: err.message } };
   }
   return { status: 500, body: { code: "internal", message: describeError(err) } };
 }

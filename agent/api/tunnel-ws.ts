@@ -12,8 +12,8 @@
  * client goes away.
  */
 import type { ServerWebSocket, WebSocketHandler } from "bun";
+import type { Tunnel } from "../../contracts/agent/api.ts";
 import { describeError } from "../../contracts/errors.ts";
-import type { Tunnel } from "../../gateway/agent-api.ts";
 
 export interface TunnelSocketData {
   kind: "tunnel";

@@ -16,8 +16,9 @@
 import { lookup } from "node:dns/promises";
 import { isIP, Socket } from "node:net";
 import type { Duplex } from "node:stream";
+import { normalizeHost } from "../../contracts/egress.ts";
 import { describeError } from "../../contracts/errors.ts";
-import { type EgressPolicy, normalizeHost } from "./policy.ts";
+import type { EgressPolicy } from "./policy.ts";
 
 /** A request head larger than this is not an HTTP client talking to a proxy: refuse it. */
 export const MAX_HEAD_BYTES = 16 * 1024;

@@ -39,9 +39,9 @@ export interface RegistryConfig {
  */
 export const INSPECT_TIMEOUT_MS = 60_000;
 /**
- * The whole copy. 30 minutes is the bound the gateway's agent client already gives an image
- * upload: a multi-GB image over a modest link fits in it, and a registry that stalls mid-blob
- * cannot hold a build (and its slot in the build queue) forever.
+ * The whole copy. 30 minutes is the bound the gateway already gives an image upload: a
+ * multi-GB image over a modest link fits in it, and a registry that stalls mid-blob cannot hold a
+ * build (and its slot in the build queue) forever.
  */
 export const PULL_TIMEOUT_MS = 30 * 60_000;
 

@@ -7,8 +7,8 @@
  * checked together: a VM that fits two of them does not fit.
  */
 import { cpus, totalmem } from "node:os";
+import type { AgentCapacity } from "../../contracts/agent/api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { AgentCapacity } from "../../gateway/agent-api.ts";
 import type { VmSize } from "./drivers/driver.ts";
 
 export interface HostCapacity {

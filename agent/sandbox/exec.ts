@@ -19,8 +19,9 @@
  * - The seed is hex when it looks like hex, else UTF-8; it is mixed in by the first command, or
  *   alone into the entropy pool when nothing runs.
  */
+
+import type { ExecAction, FileWriteAction } from "../../contracts/agent/api.ts";
 import { EGRESS_PORT } from "../../contracts/guest-protocol.ts";
-import type { ExecAction, FileWriteAction } from "../../gateway/agent-api.ts";
 import { type ImageConfig, resolveCommand } from "../image/import.ts";
 
 /** Spec 8: the default per-exec timeout is 30 seconds. */

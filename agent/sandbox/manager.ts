@@ -18,7 +18,6 @@
  *   after an agent restart, marks the others `lost`, and reaps every VM no record claims.
  */
 import { Duplex } from "node:stream";
-import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type {
   AgentCapacity,
   CreatedVm,
@@ -27,7 +26,8 @@ import type {
   OneShotResult,
   ResumeResult,
   SuspendResult,
-} from "../../gateway/agent-api.ts";
+} from "../../contracts/agent/api.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";

@@ -9,9 +9,9 @@
  * so a template restored after an agent restart reports what its build measured.
  */
 
+import type { TemplateBuildStatus } from "../../contracts/agent/api.ts";
 import type { BakePhase, TemplateTelemetry } from "../../contracts/api/family-b.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import type { TemplateBuildStatus } from "../../gateway/agent-api.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
 import type { RecordStore, TemplateRecord } from "./records.ts";
 

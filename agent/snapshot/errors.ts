@@ -46,7 +46,10 @@ export class SnapshotError extends SandboxdError {
   }
 }
 
-/** Every public operation of the engine answers a Result: failures are values, never throws. */
+/**
+ * Every public operation of the engine answers a Result: failures are values, never throws (the
+ * rule, and why this layer alone returns them: contracts/errors.ts, "Result<T> or throw").
+ */
 export type Result<T> = { ok: true; value: T } | { ok: false; error: SnapshotError };
 
 export const ok = <T>(value: T): Result<T> => ({ ok: true, value });

@@ -1,6 +1,6 @@
 /**
- * Shared pieces of the public API (spec sections 2, 5, 7): ids, tiers and families, API key
- * format, the error envelope, labels and file writes. Every request and response schema of both
+ * Shared pieces of the public API (spec sections 2, 5, 7): ids, API key format, the error
+ * envelope, labels and file writes (tiers and families: tiers.ts). Every request and response schema of both
  * endpoint families is built from these; openapi.yaml is generated from them (gateway/openapi.ts).
  */
 import { z } from "zod";
@@ -12,39 +12,7 @@ import {
   MAX_LABELS,
   MAX_PATH_CHARS,
 } from "./limits.ts";
-
-// ---- tiers and families (spec section 5) ---------------------------------------------------
-
-export const Tier = z.enum(["live", "scale", "demo", "pro", "enterprise"]);
-export type Tier = z.infer<typeof Tier>;
-
-/** Family A = stateless exec, sessions, uploaded templates; Family B = sandboxes, catalog, Pro. */
-export type Family = "a" | "b";
-export const FAMILY_OF_TIER: Readonly<Record<Tier, Family>> = {
-  live: "a",
-  scale: "a",
-  demo: "b",
-  pro: "b",
-  enterprise: "b",
-};
-
-/**
- * Tier ranks for "at least this tier" checks: live = demo < scale = pro < enterprise.
- * The spec does not map Family A tiers to Family B ones (section 5.8); the ranks only compare
- * tiers within a family, and the equalities record that each family has a standard and an
- * admin/paid level.
- */
-export const TIER_RANK: Readonly<Record<Tier, number>> = {
-  live: 0,
-  demo: 0,
-  scale: 1,
-  pro: 1,
-  enterprise: 2,
-};
-
-export function tierAtLeast(tier: Tier, min: Tier): boolean {
-  return FAMILY_OF_TIER[tier] === FAMILY_OF_TIER[min] && TIER_RANK[tier] >= TIER_RANK[min];
-}
+import type { Tier } from "./tiers.ts";
 
 // ---- API keys (spec section 5.2) -----------------------------------------------------------
 

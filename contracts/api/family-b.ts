@@ -135,7 +135,11 @@ export const DeleteTemplateResponseB = z
 
 // ---- sandboxes (2.5) -----------------------------------------------------------------------
 
-export const SandboxState = z.enum(["running", "suspended"]);
+/**
+ * A sandbox's state as clients see it. The gateway's record states (gateway/core/record-states.ts)
+ * and the agent's VM states (agent/sandbox/states.ts) are finer; this is what they show as.
+ */
+export const PublicSandboxState = z.enum(["running", "suspended"]);
 
 export const CreateSandboxRequest = z
   .object({
@@ -166,7 +170,7 @@ export const SandboxInfo = z
   .object({
     id: SandboxId,
     template: TemplateId,
-    state: SandboxState,
+    state: PublicSandboxState,
     age_secs: z.number(),
     idle_secs: z.number(),
     exec_count: z.int(),
@@ -176,13 +180,15 @@ export const SandboxInfo = z
   .meta({ id: "SandboxInfo" });
 
 export const SandboxList = z
-  .object({ sandboxes: z.array(z.object({ id: SandboxId, template: TemplateId, state: SandboxState })) })
+  .object({
+    sandboxes: z.array(z.object({ id: SandboxId, template: TemplateId, state: PublicSandboxState })),
+  })
   .meta({ id: "SandboxList" });
 
 export const StateResponse = z
   .object({
     id: SandboxId,
-    state: SandboxState,
+    state: PublicSandboxState,
     mem_bytes: z.int().describe("On suspend: size of the on-disk memory image."),
   })
   .meta({ id: "StateResponse" });

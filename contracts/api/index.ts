@@ -5,3 +5,4 @@ export * from "./family-b.ts";
 export * from "./health.ts";
 export * from "./limits.ts";
 export * from "./routes.ts";
+export * from "./tiers.ts";

@@ -4,7 +4,7 @@
  * defaults: `GatewayConfig.limits` (gateway/config.ts) overrides any of them per deployment
  * (the spec lets BYOC deployments tune the session cap, idle TTL and reaper interval, section 1).
  */
-import type { Tier } from "./common.ts";
+import type { Tier } from "./tiers.ts";
 
 /** Spec section 8: 100 requests per second per key, 429 beyond. */
 export const RATE_LIMIT_PER_SECOND = 100;

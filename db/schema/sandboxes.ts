@@ -8,7 +8,7 @@ import { tenants } from "./tenants.ts";
  * Every live VM a tenant holds: Family A sessions (`sess_`) and Family B sandboxes (`sbx_`).
  * Rows are kept after destruction (state `destroyed`, `end_reason`) so that a reclaimed session
  * answers 410 rather than 404 and usage keeps its history. Allowed state changes are listed in
- * gateway/sandbox-state.ts.
+ * gateway/core/record-states.ts.
  */
 export const sandboxes = pgTable(
   "sandboxes",

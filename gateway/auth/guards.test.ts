@@ -5,7 +5,7 @@
  */
 import { expect, test } from "bun:test";
 import { Hono } from "hono";
-import { FAMILY_OF_TIER, type Tier } from "../../contracts/api/common.ts";
+import { FAMILY_OF_TIER, type Tier } from "../../contracts/api/tiers.ts";
 import type { HonoEnv } from "../deps.ts";
 import { errorResponse } from "../errors.ts";
 import { requireFamily, requirePro, requireScale } from "./guards.ts";

@@ -1,5 +1,5 @@
 /** Tier and family checks (spec 5.3, 5.4, 5.6). */
-import { type Family, type Tier, tierAtLeast } from "../../contracts/api/common.ts";
+import { type Family, type Tier, tierAtLeast } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Principal } from "./keys.ts";
 

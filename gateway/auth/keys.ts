@@ -5,14 +5,8 @@
  */
 import { createHmac, timingSafeEqual } from "node:crypto";
 import { and, asc, eq, isNull } from "drizzle-orm";
-import {
-  FAMILY_OF_TIER,
-  type Family,
-  KEY_ID_CHARS,
-  KEY_SECRET_CHARS,
-  parseApiKey,
-  type Tier,
-} from "../../contracts/api/common.ts";
+import { KEY_ID_CHARS, KEY_SECRET_CHARS, parseApiKey } from "../../contracts/api/common.ts";
+import { FAMILY_OF_TIER, type Family, type Tier } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { apiKeys } from "../../db/schema/api-keys.ts";

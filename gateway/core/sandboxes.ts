@@ -1,74 +1,45 @@
 /**
  * Sessions (Family A) and sandboxes (Family B) without HTTP: the gateway records where each VM
  * runs, its state and its metering; the agent runs it. Every state change goes through
- * sandbox-state.ts and updates the db only with a compare-and-set on the old state, so two racing
+ * record-states.ts and updates the db only with a compare-and-set on the old state, so two racing
  * requests cannot both apply.
  */
 import { and, eq, inArray, isNull, sql } from "drizzle-orm";
-import { EgressPolicy } from "../../agent/egress/policy.ts";
-import type { Family, Tier } from "../../contracts/api/common.ts";
+import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../../contracts/agent/api.ts";
+import type { Family, Tier } from "../../contracts/api/tiers.ts";
+import { parseAllowList } from "../../contracts/egress.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
-import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
-import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../agent-api.ts";
-import { isAgentRouter } from "../agent-router.ts";
 import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { newSandboxId, newSessionId } from "../ids.ts";
-import { checkTransition, type SandboxAction, type SandboxState } from "../sandbox-state.ts";
+import {
+  checkRecordAction,
+  nextState,
+  type RecordAction,
+  type RecordChange,
+  type RecordState,
+} from "./record-states.ts";
 import { requireReady, resolveTemplate } from "./templates.ts";
 
 export type SandboxRow = typeof sandboxes.$inferSelect;
 type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
 type Kind = "session" | "sandbox";
 
-const LIVE: SandboxState[] = ["starting", "running", "suspended"];
+const LIVE: RecordState[] = ["starting", "running", "suspended"];
 
-/**
- * The agent a sandbox lives on: the one recorded on its row (gateway/agent-router.ts). With a
- * single configured agent (tests' stand-in) that agent.
- */
+/** The record's state must allow `action` (record-states.ts); the refusal is thrown as is. */
+function requireAllowed(id: string, state: RecordState, action: RecordAction): void {
+  const check = checkRecordAction(id, state, action);
+  if (!check.ok) throw check.error;
+}
+
+/** The agent a sandbox lives on: the one recorded on its row (gateway/agents/placement.ts). */
 export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi {
-  return isAgentRouter(deps.agent) ? deps.agent.forAgent(row.agentId) : deps.agent;
-}
-
-/**
- * Where a new VM goes: with a router, the least-loaded live agent of the region with room
- * (503 at_capacity when none); otherwise the one configured agent.
- */
-async function firstPlacement(deps: Deps): Promise<string> {
-  if (isAgentRouter(deps.agent)) return (await deps.agent.placementOrder())[0]!.id;
-  await ensureAgentRow(deps);
-  return deps.config.agent.id;
-}
-
-/** Creates on the agent `place` chooses; returns the agent that took it. */
-async function placeVm<T>(
-  deps: Deps,
-  fn: (a: AgentApi) => Promise<T>,
-): Promise<{ agentId: string; result: T }> {
-  if (isAgentRouter(deps.agent)) return deps.agent.place(fn);
-  return { agentId: deps.config.agent.id, result: await fn(deps.agent) };
-}
-
-/** The agent row must exist before sandboxes reference it; upserted once per process. */
-const agentRows = new WeakMap<Db, Promise<void>>();
-function ensureAgentRow(deps: Deps): Promise<void> {
-  let p = agentRows.get(deps.db);
-  if (!p) {
-    const { id, region, url } = deps.config.agent;
-    p = deps.db
-      .insert(agents)
-      .values({ id, region, url })
-      .onConflictDoUpdate({ target: agents.id, set: { region, url } })
-      .then(() => undefined);
-    p.catch(() => agentRows.delete(deps.db));
-    agentRows.set(deps.db, p);
-  }
-  return p;
+  return deps.placement.agentFor(row.agentId);
 }
 
 /** A record owned by the caller, in the caller's family; anything else is 404 (spec 5.7). */
@@ -148,7 +119,7 @@ async function reserve(
   const cap =
     p.family === "a" ? deps.config.limits.sessionCapPerTenant : deps.config.limits.sandboxQuotaByTier[p.tier];
   // Family B quota counts running sandboxes only: suspended ones hold no CPU or memory.
-  const counted: SandboxState[] = p.family === "a" ? LIVE : ["starting", "running"];
+  const counted: RecordState[] = p.family === "a" ? LIVE : ["starting", "running"];
   const now = new Date(deps.clock());
   return deps.db.transaction(async (tx) => {
     await tx.execute(sql`select pg_advisory_xact_lock(hashtext(${p.tenantId}))`);
@@ -245,14 +216,21 @@ export async function createVm(
   const template = await resolveTemplate(deps, p.tenantId, input.templateId);
   requireReady(template);
   // A malformed egress.allow is a 400 here, before a row is reserved or an agent is asked.
-  if (input.egressAllow !== undefined) EgressPolicy.fromAllowList(input.egressAllow);
-  const [id] = await reserve(deps, p, kind, template, [{ labels: input.labels }], await firstPlacement(deps));
+  if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
+  const [id] = await reserve(
+    deps,
+    p,
+    kind,
+    template,
+    [{ labels: input.labels }],
+    await deps.placement.firstChoice(),
+  );
   let vm: CreatedVm;
   let agentId: string;
   try {
     const opts: { kind: Kind; egressAllow?: string[] } = { kind };
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
-    ({ agentId, result: vm } = await placeVm(deps, (a) => a.createSandbox(template.agentRef, opts)));
+    ({ agentId, result: vm } = await deps.placement.place((a) => a.createSandbox(template.agentRef, opts)));
   } catch (err) {
     await markFailed(deps, [id!]);
     throw err;
@@ -263,7 +241,7 @@ export async function createVm(
 
 export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
   const row = await getOwned(deps, p, id);
-  checkTransition(id, row.state, "exec");
+  requireAllowed(id, row.state, "exec");
   const result = await inTermsOf(row, agentOf(deps, row).exec(row.vmId!, action));
   await deps.db
     .update(sandboxes)
@@ -280,7 +258,7 @@ export async function forkVm(
   childLabels: (string | undefined)[],
 ): Promise<{ parent: SandboxRow; children: { id: string; vm: CreatedVm }[] }> {
   const parent = await getOwned(deps, p, id);
-  checkTransition(id, parent.state, "fork");
+  requireAllowed(id, parent.state, "fork");
   const cap = deps.config.limits.forkCapByTier[p.tier];
   if (count > cap) {
     throw new SandboxdError(
@@ -322,8 +300,7 @@ export async function forkVm(
 async function applyTransition(
   deps: Deps,
   row: SandboxRow,
-  action: SandboxAction,
-  to: SandboxState,
+  action: RecordChange,
   set: Partial<typeof sandboxes.$inferInsert>,
   interval: Parameters<typeof switchInterval>[2],
 ): Promise<void> {
@@ -331,7 +308,7 @@ async function applyTransition(
   await deps.db.transaction(async (tx) => {
     const updated = await tx
       .update(sandboxes)
-      .set({ ...set, state: to })
+      .set({ ...set, state: nextState(action) })
       .where(and(eq(sandboxes.id, row.id), eq(sandboxes.state, row.state)))
       .returning({ id: sandboxes.id });
     if (updated.length === 0) {
@@ -343,13 +320,12 @@ async function applyTransition(
 
 export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
   const row = await getOwned(deps, p, id);
-  checkTransition(id, row.state, "suspend");
+  requireAllowed(id, row.state, "suspend");
   const r = await inTermsOf(row, agentOf(deps, row).suspend(row.vmId!));
   await applyTransition(
     deps,
     row,
     "suspend",
-    "suspended",
     {},
     {
       state: "suspended",
@@ -363,7 +339,7 @@ export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{
 
 export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
   const row = await getOwned(deps, p, id);
-  checkTransition(id, row.state, "resume");
+  requireAllowed(id, row.state, "resume");
   // Resuming makes the sandbox count against the running quota again.
   const cap = deps.config.limits.sandboxQuotaByTier[p.tier];
   const [c] = await deps.db
@@ -384,7 +360,6 @@ export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ 
     deps,
     row,
     "resume",
-    "running",
     { vcpus: r.resources.vcpus, memMib: r.resources.memMib, diskBytes: r.resources.diskBytes },
     running(r.resources),
   );
@@ -396,13 +371,12 @@ export async function destroyVm(
   row: SandboxRow,
   opts: { force: boolean; reason: "deleted" | "reaped" },
 ): Promise<void> {
-  checkTransition(row.id, row.state, "destroy");
+  requireAllowed(row.id, row.state, "destroy");
   if (row.vmId !== null) await inTermsOf(row, agentOf(deps, row).destroy(row.vmId, { force: opts.force }));
   await applyTransition(
     deps,
     row,
     "destroy",
-    "destroyed",
     { endReason: opts.reason, destroyedAt: new Date(deps.clock()) },
     null,
   );

@@ -4,13 +4,13 @@
  * the agent builds and holds it.
  */
 import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
-import type { Family } from "../../contracts/api/common.ts";
+import type { TemplateSource } from "../../contracts/agent/api.ts";
 import type { BakeTemplateRequest } from "../../contracts/api/family-b.ts";
+import type { Family } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
-import type { TemplateSource } from "../agent-api.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { newTemplatePk } from "../ids.ts";

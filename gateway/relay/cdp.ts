@@ -11,7 +11,7 @@
  */
 import { Duplex } from "node:stream";
 import WebSocket from "ws";
-import type { Tunnel } from "../agent-api.ts";
+import type { Tunnel } from "../../contracts/agent/api.ts";
 import { CLOSE, errorText, HIGH_WATER_BYTES, LowWater, RelayBase } from "./common.ts";
 
 /** The guest's DevTools must answer discovery and the handshake within this, ms each. */

@@ -6,7 +6,7 @@
  * is paused while more than that waits to be written to the tunnel. Either side ending ends the
  * other; a tunnel error closes the WebSocket with 1011 and the error as the reason.
  */
-import type { Tunnel } from "../agent-api.ts";
+import type { Tunnel } from "../../contracts/agent/api.ts";
 import {
   CLOSE,
   errorText,

@@ -2,10 +2,11 @@
  * Exec requests of both families as the typed action the agent runs (`ExecAction`): which
  * program, which files, what deadline. Pure: no db, no agent, so a handler's parse step ends here.
  */
+
+import type { ExecAction, RunAction } from "../../contracts/agent/api.ts";
 import type * as A from "../../contracts/api/family-a.ts";
 import type * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { ExecAction, RunAction } from "../agent-api.ts";
 import type { Deps } from "../deps.ts";
 
 /** `timeout_seconds` (default from the limits) in ms; over the maximum is 400. */

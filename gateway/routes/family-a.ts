@@ -5,9 +5,9 @@
 import { randomUUID } from "node:crypto";
 import { Hono } from "hono";
 import type { z } from "zod";
+import type { ExecResult } from "../../contracts/agent/api.ts";
 import * as A from "../../contracts/api/family-a.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { ExecResult } from "../agent-api.ts";
 import { requireFamily } from "../auth/guards.ts";
 import { ages, createVm, destroyVm, execIn, forkVm, getOwned, listOwned } from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";

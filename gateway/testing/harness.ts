@@ -7,8 +7,8 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { Tier } from "../../contracts/api/common.ts";
 import type { Limits } from "../../contracts/api/limits.ts";
+import type { Tier } from "../../contracts/api/tiers.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
 import { assertFetchResponse } from "../../tests/support/openapi-check.ts";
 import { createApp } from "../app.ts";

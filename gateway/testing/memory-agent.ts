@@ -7,7 +7,6 @@
 import { readFile, rm } from "node:fs/promises";
 import { connect, type Socket } from "node:net";
 import { Duplex } from "node:stream";
-import { SandboxdError } from "../../contracts/errors.ts";
 import type {
   AgentApi,
   AgentHealth,
@@ -23,7 +22,8 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
-} from "../agent-api.ts";
+} from "../../contracts/agent/api.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 
 interface MemVm {
   id: VmId;

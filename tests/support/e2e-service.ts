@@ -14,7 +14,7 @@ import { join, resolve } from "node:path";
 import type { z } from "zod";
 import { ensurePythonImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
-import type { Tier } from "../../contracts/api/common.ts";
+import type { Tier } from "../../contracts/api/tiers.ts";
 import { assertResponse } from "./openapi-check.ts";
 
 export const REPO = resolve(import.meta.dir, "../..");

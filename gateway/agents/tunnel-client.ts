@@ -7,9 +7,9 @@
  * under SEND_HIGH, so a slow agent/guest slows the writer instead of growing our buffer.
  */
 import WebSocket from "ws";
+import type { Tunnel } from "../../contracts/agent/api.ts";
+import { errorFromAgentAnswer } from "../../contracts/agent/schemas.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { Tunnel } from "../../gateway/agent-api.ts";
-import { errorFromAgentAnswer } from "./schemas.ts";
 
 /** Messages are cut to 64 KiB: the guest's DATA frame size, well under the agent's 1 MiB cap. */
 const MESSAGE_MAX = 64 * 1024;

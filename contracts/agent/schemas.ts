@@ -1,18 +1,23 @@
 /**
- * Bodies of the agent's own HTTP API (docs/agent-api.md), defined once and used by both sides:
- * the app parses requests with them into typed calls on the manager, and the client (client.ts)
- * parses answers with them before handing them to the gateway. Field names follow
- * gateway/agent-api.ts (camelCase): this API is internal, between the gateway and its agents.
+ * Every body of the agent's HTTP API (docs/agent-api.md), defined once and used by both sides:
+ * the agent (agent/api/app.ts) parses requests with them into typed calls on its manager, and
+ * the gateway's client (gateway/agents/client.ts) parses the answers with them. The TypeScript
+ * types of the contract (api.ts) are inferred from these. Field names are camelCase: this API is
+ * internal, between the gateway and its agents, not the public snake_case one.
  */
 import { z } from "zod";
-import { ReadySpec } from "../../contracts/api/family-b.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
+import { BakePhase, ReadySpec } from "../api/family-b.ts";
+import { AgentErrorCode, SandboxdError } from "../errors.ts";
 
-/** The gateway's template refs: the id, or `<tenantId>.<templateId>` (gateway/agent-api.ts). */
+/**
+ * The agent's key for a template. The gateway chooses it, unique across tenants: the template id
+ * for public templates, `<tenantId>.<templateId>` for a tenant's own.
+ */
 export const TemplateRefParam = z
   .string()
   .regex(/^[A-Za-z0-9][A-Za-z0-9_.-]{0,160}$/)
   .refine((s) => !s.includes(".."));
+/** The agent's handle for a VM; the gateway's sess_/sbx_ ids map to it in its db. */
 export const VmIdParam = z.string().regex(/^vm-[0-9a-z-]{1,60}$/);
 
 /** Spec 8 has no exec timeout ceiling; one hour bounds a request the gateway holds open. */
@@ -20,25 +25,39 @@ export const MAX_EXEC_TIMEOUT_MS = 3_600_000;
 
 export const FileWrite = z.object({ path: z.string().min(1).max(4096), content: z.string() });
 
+/** What to run after the files are written. */
 export const RunAction = z.discriminatedUnion("kind", [
+  /** Source code, run by the template's interpreter/entrypoint (Family A `code`). */
   z.object({ kind: z.literal("code"), code: z.string() }),
+  /** One command line run by /bin/sh -c (Family B `command`). */
   z.object({ kind: z.literal("shell"), command: z.string().min(1) }),
+  /** Argv arrays run in order, no shell; the result is the last one's (`commands`). */
   z.object({ kind: z.literal("argv"), commands: z.array(z.array(z.string()).min(1)).min(1).max(64) }),
+  /** Only write files. */
   z.object({ kind: z.literal("none") }),
 ]);
 
 export const ExecBody = z.object({
+  /** Written (created or overwritten) before anything runs. */
   files: z.array(FileWrite).max(256).default([]),
   run: RunAction,
+  /**
+   * Hard limit for the whole action, ms; on expiry the process group is killed. The agent
+   * defaults it to 30 s (spec 8); the gateway always sends it (api.ts `ExecAction`).
+   */
   timeoutMs: z.int().min(1).max(MAX_EXEC_TIMEOUT_MS).optional(),
+  /** Family B `seed`, handed to the guest; the agent reports `seedAck`. */
   seed: z.string().max(1024).optional(),
+  /** Added to (and overriding) the image's Env. */
   env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string()).optional(),
 });
 export type ExecBody = z.infer<typeof ExecBody>;
 
 export const CreateBody = z.object({
   template: TemplateRefParam,
+  /** What the VM is for: affects idle handling only (sessions pause between calls). */
   kind: z.enum(["session", "sandbox"]),
+  /** Egress policy (contracts/egress.ts); host names the guest may reach. Absent: the deployment default. */
   egressAllow: z.array(z.string()).optional(),
 });
 
@@ -47,6 +66,7 @@ export const ExecOnceBody = z.object({ template: TemplateRefParam, action: ExecB
 /** Spec 8: at most 64 children per fork call (Enterprise). */
 export const ForkBody = z.object({ count: z.int().min(1).max(64) });
 
+/** Family B (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
 export const OciBuildBody = z.object({
   image: z.string().min(1).max(1024),
   ready: ReadySpec.optional(),
@@ -75,14 +95,22 @@ export const DeleteQuery = z.object({
 
 // ---- answers (checked by the client) -------------------------------------------------------
 
-const Resources = z.object({ vcpus: z.number(), memMib: z.number(), diskBytes: z.number() });
+export const ResourcesSchema = z.object({
+  vcpus: z.number(),
+  memMib: z.number(),
+  /** Bytes of the VM's own writable disk (its copy-on-write overlay), for metering. */
+  diskBytes: z.number(),
+});
 
 export const CreatedVmSchema = z.object({
   vmId: z.string(),
+  /** Spawn time, ms (a per-call measurement). */
   forkTimeMs: z.number(),
+  /** Total bring-up including the readiness probe, ms. */
   createTimeMs: z.number(),
+  /** Exposed guest port (decimal string) -> connect hint (not a dialable address). */
   endpoints: z.record(z.string(), z.string()),
-  resources: Resources,
+  resources: ResourcesSchema,
 });
 
 export const ExecResultSchema = z.object({
@@ -91,42 +119,59 @@ export const ExecResultSchema = z.object({
   exitCode: z.number(),
   execTimeMs: z.number(),
   totalTimeMs: z.number(),
+  /** e.g. "verified" when the guest saw the seed. */
   seedAck: z.string().optional(),
 });
 
 export const OneShotResultSchema = ExecResultSchema.extend({ forkTimeMs: z.number() });
 export const ForkResultSchema = z.object({ children: z.array(CreatedVmSchema) });
-export const SuspendResultSchema = z.object({ memBytes: z.number(), snapshotBytes: z.number() });
-export const ResumeResultSchema = z.object({ memBytes: z.number(), resources: Resources });
+export const SuspendResultSchema = z.object({
+  /** Size of the on-disk memory image, bytes. */
+  memBytes: z.number(),
+  /** Bytes the suspended VM keeps on disk in all (memory image + disk overlay), for metering. */
+  snapshotBytes: z.number(),
+});
+export const ResumeResultSchema = z.object({ memBytes: z.number(), resources: ResourcesSchema });
 
 export const TemplateStatusSchema = z.object({
   status: z.enum(["building", "ready", "failed"]),
-  phase: z.enum(["Pending", "Converting", "Distributing", "Live", "Failed"]),
+  /** Family B bake phase; `Live` when ready, `Failed` when failed. */
+  phase: BakePhase,
+  /** Readable error when failed (never a crash; spec 3.1). */
   error: z.string().optional(),
+  /** Unix ms when the template became ready. */
   readyAtMs: z.number().optional(),
+  /** Guest ports exposed by forks of this template (`ready.ports`). */
   exposedPorts: z.array(z.number()),
+  /** Readiness telemetry, passed through to clients as is. */
   telemetry: z.record(z.string(), z.unknown()),
+});
+
+export const CapacitySchema = z.object({
+  /** How many more VMs of a default size this host can start now. */
+  slotsFree: z.number(),
+  slotsTotal: z.number(),
+  vcpusFree: z.number(),
+  memMibFree: z.number(),
 });
 
 export const HealthSchema = z.object({
   ok: z.boolean(),
   version: z.string(),
-  capacity: z.object({
-    slotsFree: z.number(),
-    slotsTotal: z.number(),
-    vcpusFree: z.number(),
-    memMibFree: z.number(),
-  }),
+  capacity: CapacitySchema,
+  /** The agent's sandbox driver and accelerator (e.g. `snapshot (kvm)`), for operators. */
   driver: z.string().optional(),
 });
 
-export const ErrorBody = z.object({ code: z.string(), message: z.string() });
+/** Every error answer of the agent; its status is the code's (agent/api/errors.ts). */
+export const ErrorBody = z.object({ code: z.enum(AgentErrorCode), message: z.string() });
 
 export type ErrorBody = z.infer<typeof ErrorBody>;
 
 /**
  * The error an agent's non-2xx answer means for its caller: its own `{code, message}` kept as the
- * same `SandboxdError` code, or `internal` naming what was asked (`what`) when the body is not one.
+ * same `SandboxdError` code, or `internal` naming what was asked (`what`) when the body is not one
+ * (an answer that is not the agent's, or a code this gateway does not know).
  */
 export function errorFromAgentAnswer(status: number, text: string, what: string): SandboxdError {
   let parsed: ErrorBody | undefined;

@@ -7,10 +7,10 @@
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { createHash } from "node:crypto";
-import { SandboxdError } from "../../contracts/errors.ts";
-import type { Tunnel } from "../../gateway/agent-api.ts";
-import { connectTunnel } from "./tunnel-client.ts";
-import { type TunnelSocketData, tunnelWebSocket } from "./tunnel-ws.ts";
+import { type TunnelSocketData, tunnelWebSocket } from "../agent/api/tunnel-ws.ts";
+import type { Tunnel } from "../contracts/agent/api.ts";
+import { SandboxdError } from "../contracts/errors.ts";
+import { connectTunnel } from "../gateway/agents/tunnel-client.ts";
 
 const MiB = 1 << 20;
 let server: ReturnType<typeof Bun.serve<TunnelSocketData>>;

@@ -1,12 +1,12 @@
 /**
- * `AgentRouter`: the gateway's view of many host agents (gateway/agents.ts keeps the registry).
+ * `AgentRouter`: the gateway's view of many host agents (registry.ts keeps the registry).
  *
  * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region,
  *   least-loaded first (smallest share of slots in use, then most slots free). Room is estimated
  *   as the heartbeat's `slotsFree` minus what this gateway placed there since that heartbeat; the
  *   agent has the last word (`at_capacity`, and the next one is tried). No live agent, or every
  *   one full: 503 `at_capacity`.
- * - A sandbox's later calls go to the agent recorded on its row (`forAgent`); a stale or
+ * - A sandbox's later calls go to the agent recorded on its row (`agentFor`); a stale or
  *   unregistered agent fails at once with 503 `agent_unavailable`, an unreachable one as soon as
  *   the connection is refused (AgentHttpClient), never a hang.
  * - Templates are built on every live agent of the region (an uploaded image is hard-linked once
@@ -15,15 +15,11 @@
  *   refuses the connection, so an agent that is still building is simply skipped.
  *
  * As an `AgentApi` the router serves the calls that name no VM (templates, exec-once, health);
- * calls on a VM need the agent id and go through `forAgent`.
+ * as the gateway's `Placement` (placement.ts) it chooses the agent of a new VM (`firstChoice`,
+ * `place`), and calls on a VM go to the agent on its record (`agentFor`).
  */
 import { copyFile, link, rm } from "node:fs/promises";
 import { eq } from "drizzle-orm";
-import { AgentHttpClient, type AgentTimeouts } from "../agent/api/client.ts";
-import type { TunnelProtocol } from "../contracts/api/family-b.ts";
-import { SandboxdError } from "../contracts/errors.ts";
-import type { Db } from "../db/client.ts";
-import { agents } from "../db/schema/agents.ts";
 import type {
   AgentApi,
   AgentHealth,
@@ -39,8 +35,14 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
-} from "./agent-api.ts";
-import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./agents.ts";
+} from "../../contracts/agent/api.ts";
+import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { Db } from "../../db/client.ts";
+import { agents } from "../../db/schema/agents.ts";
+import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
+import type { Placement } from "./placement.ts";
+import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./registry.ts";
 
 export interface AgentRouterOptions {
   db: Db;
@@ -53,11 +55,6 @@ export interface AgentRouterOptions {
   timeouts?: Partial<AgentTimeouts>;
 }
 
-export interface Placement {
-  agentId: string;
-  api: AgentApi;
-}
-
 /** Errors after which the same call may go to another agent: nothing was started there. */
 function retryElsewhere(err: unknown): boolean {
   if (!(err instanceof SandboxdError)) return false;
@@ -65,7 +62,7 @@ function retryElsewhere(err: unknown): boolean {
   return err.code === "at_capacity" || err.code === "not_found" || err.code === "template_not_ready";
 }
 
-export class AgentRouter implements AgentApi {
+export class AgentRouter implements AgentApi, Placement {
   readonly region: string;
   private readonly db: Db;
   private readonly secret: string | Uint8Array;
@@ -140,9 +137,14 @@ export class AgentRouter implements AgentApi {
     return rows;
   }
 
+  /** Placement: the least-loaded live agent of the region, or 503 `at_capacity`. */
+  async firstChoice(): Promise<string> {
+    return (await this.placementOrder())[0]!.id;
+  }
+
   /**
-   * Runs `fn` on the first candidate that takes it; returns which agent did. The last error is
-   * thrown when every candidate refused (no room anywhere reads as `at_capacity`).
+   * Placement: runs `fn` on the first candidate that takes it; returns which agent did. The last
+   * error is thrown when every candidate refused (no room anywhere reads as `at_capacity`).
    */
   async place<T>(
     fn: (api: AgentApi) => Promise<T>,
@@ -162,8 +164,8 @@ export class AgentRouter implements AgentApi {
     throw last;
   }
 
-  /** The agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
-  forAgent(agentId: string): AgentApi {
+  /** Placement: the agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
+  agentFor(agentId: string): AgentApi {
     const lookup = async (): Promise<AgentHttpClient> => {
       const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
       if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
@@ -281,10 +283,10 @@ export class AgentRouter implements AgentApi {
     };
   }
 
-  // ---- calls on a VM: the caller must say which agent (forAgent) ------------------------------
+  // ---- calls on a VM: the caller must say which agent (agentFor) ------------------------------
 
   private noAgent(): never {
-    throw new SandboxdError("internal", "a call on a VM must go through AgentRouter.forAgent(agentId)");
+    throw new SandboxdError("internal", "a call on a VM must go through AgentRouter.agentFor(agentId)");
   }
   async exec(_vmId: VmId, _action: ExecAction): Promise<ExecResult> {
     return this.noAgent();
@@ -304,8 +306,4 @@ export class AgentRouter implements AgentApi {
   async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
     return this.noAgent();
   }
-}
-
-export function isAgentRouter(a: AgentApi): a is AgentRouter {
-  return a instanceof AgentRouter;
 }

@@ -1,5 +1,5 @@
 /**
- * `AgentApi` (gateway/agent-api.ts) over the agent's HTTP API (app.ts, docs/agent-api.md): the
+ * `AgentApi` (contracts/agent/api.ts) over the agent's HTTP API (docs/agent-api.md): the
  * gateway's handle on one host agent. Every request carries a fresh short-lived JWT; every answer
  * is checked with the same zod schemas the agent uses; an agent error comes back as the same
  * `SandboxdError` code it had on the agent. An agent that does not answer (refused, reset, or
@@ -9,26 +9,23 @@ import { createReadStream } from "node:fs";
 import { rm, stat } from "node:fs/promises";
 import { Readable } from "node:stream";
 import type { z } from "zod";
-import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
-import type {
-  AgentApi,
-  AgentHealth,
-  CreatedVm,
-  CreateVmOpts,
-  ExecAction,
-  ExecResult,
-  OneShotResult,
-  ResumeResult,
-  SuspendResult,
-  TemplateBuildStatus,
-  TemplateRef,
-  TemplateSource,
-  Tunnel,
-  VmId,
-} from "../../gateway/agent-api.ts";
-import { AGENT_API_PREFIX } from "./app.ts";
-import { secretKey, signAgentToken } from "./auth.ts";
+import {
+  AGENT_API_PREFIX,
+  type AgentApi,
+  type AgentHealth,
+  type CreatedVm,
+  type CreateVmOpts,
+  type ExecAction,
+  type ExecResult,
+  type OneShotResult,
+  type ResumeResult,
+  type SuspendResult,
+  type TemplateBuildStatus,
+  type TemplateRef,
+  type TemplateSource,
+  type Tunnel,
+  type VmId,
+} from "../../contracts/agent/api.ts";
 import {
   CreatedVmSchema,
   ExecResultSchema,
@@ -40,7 +37,10 @@ import {
   ResumeResultSchema,
   SuspendResultSchema,
   TemplateStatusSchema,
-} from "./schemas.ts";
+} from "../../contracts/agent/schemas.ts";
+import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
+import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { connectTunnel } from "./tunnel-client.ts";
 
 /** Deadlines per kind of call, ms. Each is the longest the agent can legitimately take. */
@@ -140,7 +140,7 @@ export class AgentHttpClient implements AgentApi {
           "content-length": String(size),
         });
       } finally {
-        // The agent owns the image from now on (gateway/agent-api.ts): our copy goes.
+        // The agent owns the image from now on (TemplateSource): our copy goes.
         await rm(source.path, { force: true });
       }
       return;

@@ -1,0 +1,61 @@
+/**
+ * The agent's side of the heartbeat (contracts/agent/heartbeat.ts): reports this agent's id,
+ * region, advertised URL and capacity to the gateway now and every interval. A failed beat is
+ * logged and retried on the next tick (the gateway may be restarting).
+ */
+import type { AgentCapacity } from "../../contracts/agent/api.ts";
+import { HEARTBEAT_INTERVAL_MS, HEARTBEAT_PATH, type Heartbeat } from "../../contracts/agent/heartbeat.ts";
+import { secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
+
+export interface HeartbeatSender {
+  /** Resolves after the first heartbeat was accepted (rejects if it was not). */
+  first: Promise<void>;
+  stop(): void;
+}
+
+export function startHeartbeats(opts: {
+  gatewayUrl: string;
+  secret: string | Uint8Array;
+  id: string;
+  region: string;
+  /** The URL the gateway reaches this agent at. */
+  advertiseUrl: string;
+  capacity: () => AgentCapacity;
+  intervalMs?: number;
+  log?: (m: string) => void;
+}): HeartbeatSender {
+  const key = secretKey(opts.secret);
+  const url = `${opts.gatewayUrl.replace(/\/+$/, "")}${HEARTBEAT_PATH}`;
+  const beat = async (): Promise<void> => {
+    const body: Heartbeat = {
+      id: opts.id,
+      region: opts.region,
+      url: opts.advertiseUrl,
+      capacity: opts.capacity(),
+    };
+    const res = await fetch(url, {
+      method: "POST",
+      headers: {
+        authorization: `Bearer ${await signHeartbeatToken(key)}`,
+        "content-type": "application/json",
+      },
+      body: JSON.stringify(body),
+      signal: AbortSignal.timeout(HEARTBEAT_INTERVAL_MS),
+    });
+    if (!res.ok) throw new SandboxdError("internal", `heartbeat refused: ${res.status} ${await res.text()}`);
+  };
+  const first = beat();
+  first.catch((err) => opts.log?.(`heartbeat: ${describeError(err)}`));
+  let busy = false;
+  const timer = setInterval(() => {
+    if (busy) return;
+    busy = true;
+    beat()
+      .catch((err) => opts.log?.(`heartbeat: ${describeError(err)}`))
+      .finally(() => {
+        busy = false;
+      });
+  }, opts.intervalMs ?? HEARTBEAT_INTERVAL_MS);
+  return { first, stop: () => clearInterval(timer) };
+}

@@ -1,0 +1,88 @@
+/**
+ * What the gateway needs from a host agent: the gateway decides *where* a sandbox runs and
+ * records that it runs; the agent owns *how*. Every call is a typed action; nothing here knows
+ * about HTTP. The agent serves it over HTTP (agent/api/app.ts, docs/agent-api.md); the gateway
+ * calls it through `AgentHttpClient` (gateway/agents/client.ts), and its tests through an
+ * in-memory stand-in (gateway/testing/memory-agent.ts).
+ *
+ * The wire data is defined once, as the zod schemas in schemas.ts; the types below are inferred
+ * from them. Only what never crosses the wire as JSON is written by hand: the method set
+ * (`AgentApi`), the byte `Tunnel`, and the upload source's local file path.
+ *
+ * Errors: an implementation throws `SandboxdError` (contracts/errors.ts) with one of the
+ * `AgentErrorCode`s; the agent's status for each is `AGENT_STATUS_OF_CODE` (agent/api/errors.ts),
+ * and the gateway maps them to public codes in one place (gateway/errors.ts). The client adds
+ * `agent_unavailable` for an agent that does not answer.
+ */
+import type { z } from "zod";
+import type { TunnelProtocol } from "../api/family-b.ts";
+import type * as S from "./schemas.ts";
+
+/** Every route of the agent's HTTP API is under this prefix. */
+export const AGENT_API_PREFIX = "/v1";
+
+export type VmId = z.infer<typeof S.VmIdParam>;
+export type TemplateRef = z.infer<typeof S.TemplateRefParam>;
+
+export type VmResources = z.infer<typeof S.ResourcesSchema>;
+export type CreateVmOpts = Omit<z.infer<typeof S.CreateBody>, "template">;
+export type CreatedVm = z.infer<typeof S.CreatedVmSchema>;
+
+export type FileWriteAction = z.infer<typeof S.FileWrite>;
+export type RunAction = z.infer<typeof S.RunAction>;
+/**
+ * An exec as the gateway sends it: the wire body with its timeout always set, since the client
+ * derives the call's own deadline from it.
+ */
+export type ExecAction = z.infer<typeof S.ExecBody> & { timeoutMs: number };
+export type ExecResult = z.infer<typeof S.ExecResultSchema>;
+export type OneShotResult = z.infer<typeof S.OneShotResultSchema>;
+export type SuspendResult = z.infer<typeof S.SuspendResultSchema>;
+export type ResumeResult = z.infer<typeof S.ResumeResultSchema>;
+
+export type TemplateSource =
+  /**
+   * Family A: an uploaded image at `path`, a file of the side that holds it (the gateway streams
+   * it as the body of `PUT /templates/{ref}/upload`; the agent stages it again). The receiver owns
+   * the file from then on (moves or deletes it).
+   */
+  | ({ kind: "upload"; path: string } & z.infer<typeof S.UploadQuery>)
+  /** Family B (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
+  | ({ kind: "oci" } & z.infer<typeof S.OciBuildBody>);
+export type TemplateBuildStatus = z.infer<typeof S.TemplateStatusSchema>;
+
+export type AgentCapacity = z.infer<typeof S.CapacitySchema>;
+export type AgentHealth = z.infer<typeof S.HealthSchema>;
+
+/** A byte tunnel to a guest port (connect-from-outside). */
+export interface Tunnel {
+  readable: ReadableStream<Uint8Array>;
+  writable: WritableStream<Uint8Array>;
+  close(): void;
+}
+
+export interface AgentApi {
+  /** Spawn a VM from a ready template. */
+  createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm>;
+  /** Run one action in a throwaway VM that is destroyed afterwards (Family A /v1/exec). */
+  execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult>;
+  /** Run an action in a live VM. Serialized per VM: a concurrent call throws `busy`. */
+  exec(vmId: VmId, action: ExecAction): Promise<ExecResult>;
+  /** Branch a running VM into `count` copy-on-write children; `busy` while an exec is in flight. */
+  fork(vmId: VmId, count: number): Promise<CreatedVm[]>;
+  suspend(vmId: VmId): Promise<SuspendResult>;
+  resume(vmId: VmId): Promise<ResumeResult>;
+  /** `force` aborts an in-flight exec; otherwise it is allowed to finish first. Idempotent. */
+  destroy(vmId: VmId, opts: { force: boolean }): Promise<void>;
+  /** Start a build in the background and return at once; poll `templateStatus`. */
+  buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void>;
+  templateStatus(template: TemplateRef): Promise<TemplateBuildStatus>;
+  /** In-flight VMs finish, then the template's resources are reclaimed. */
+  deleteTemplate(template: TemplateRef): Promise<void>;
+  /** Pro: pre-warm capacity for the next session of this width; `releaseTemplate` ends it. */
+  expectWidth(template: TemplateRef, width: number): Promise<void>;
+  releaseTemplate(template: TemplateRef): Promise<void>;
+  /** Open a byte tunnel to a guest port of a running VM (throws `port_not_exposed`). */
+  openTunnel(vmId: VmId, port: number, protocol: TunnelProtocol): Promise<Tunnel>;
+  health(): Promise<AgentHealth>;
+}

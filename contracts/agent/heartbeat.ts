@@ -1,0 +1,28 @@
+/**
+ * The one call an agent makes to the gateway: `POST /internal/agents/heartbeat`, every
+ * HEARTBEAT_INTERVAL_MS, with a heartbeat token (token.ts). Agents report to the gateway over HTTP
+ * rather than write the database themselves: the default database is PGlite, which one process
+ * (the gateway) owns, and an agent host runs untrusted code, so it should hold no database
+ * credentials. The first heartbeat of an agent registers it (gateway/agents/registry.ts); the
+ * agent's sender is agent/api/heartbeat.ts.
+ */
+import { z } from "zod";
+
+/** Outside the public /v1 API. */
+export const HEARTBEAT_PATH = "/internal/agents/heartbeat";
+/** How often an agent reports: capacity shown to placement is at most this old (plus a hop). */
+export const HEARTBEAT_INTERVAL_MS = 5_000;
+
+export const Heartbeat = z.object({
+  id: z.string().regex(/^[A-Za-z0-9._-]{1,64}$/),
+  region: z.string().regex(/^[A-Za-z0-9._-]{1,64}$/),
+  /** The URL the gateway reaches this agent at. */
+  url: z.string().url(),
+  capacity: z.object({
+    slotsFree: z.number().int().min(0),
+    slotsTotal: z.number().int().min(0),
+    vcpusFree: z.number().int().min(0),
+    memMibFree: z.number().int().min(0),
+  }),
+});
+export type Heartbeat = z.infer<typeof Heartbeat>;

@@ -1,0 +1,110 @@
+/**
+ * The tokens between the gateway and its agents, both HS256 JWTs keyed by the one secret they
+ * share (`SANDBOXD_AGENT_SECRET`), each with its own audience so that neither can pass as the other:
+ *
+ * - gateway -> agent: every agent API request carries `Authorization: Bearer <JWT>` for audience
+ *   `sandboxd-agent`, living at most 60 s. Short-lived tokens mean a leaked one is useless within a
+ *   minute, and the agent keeps no session state. The client signs a fresh token per request.
+ * - agent -> gateway: every heartbeat (heartbeat.ts) carries a token for audience
+ *   `sandboxd-gateway-heartbeat`, issued by `sandboxd-agent`.
+ */
+import { errors as joseErrors, jwtVerify, SignJWT } from "jose";
+import { SandboxdError } from "../errors.ts";
+
+export const AGENT_AUDIENCE = "sandboxd-agent";
+export const GATEWAY_ISSUER = "sandboxd-gateway";
+/** The longest life a token may have (exp - iat), seconds. */
+export const MAX_TOKEN_LIFETIME_S = 60;
+/** Lifetime of the tokens our client signs: well inside the limit, long enough for a slow hop. */
+export const CLIENT_TOKEN_LIFETIME_S = 30;
+/** Clock skew tolerated between gateway and agent hosts (both NTP-synced): 5 s. */
+const CLOCK_TOLERANCE_S = 5;
+/** HS256 wants a key at least as long as its output (RFC 7518 3.2). */
+export const MIN_SECRET_BYTES = 32;
+
+const HEARTBEAT_AUDIENCE = "sandboxd-gateway-heartbeat";
+const AGENT_ISSUER = "sandboxd-agent";
+/** Lifetime of a heartbeat token: one beat (heartbeat.ts) with room for a slow hop. */
+const HEARTBEAT_TOKEN_LIFETIME_S = 30;
+
+export type TokenCheck = { ok: true } | { ok: false; error: SandboxdError };
+
+export function secretKey(secret: string | Uint8Array): Uint8Array {
+  const key = typeof secret === "string" ? new TextEncoder().encode(secret) : secret;
+  if (key.length < MIN_SECRET_BYTES)
+    throw new Error(`the agent secret must be at least ${MIN_SECRET_BYTES} bytes`);
+  return key;
+}
+
+function bearerToken(header: string | undefined | null): string | undefined {
+  return /^Bearer ([A-Za-z0-9_.-]+)$/.exec(header ?? "")?.[1];
+}
+
+function sign(key: Uint8Array, issuer: string, audience: string, lifetimeS: number): Promise<string> {
+  return new SignJWT({})
+    .setProtectedHeader({ alg: "HS256", typ: "JWT" })
+    .setIssuer(issuer)
+    .setAudience(audience)
+    .setIssuedAt()
+    .setExpirationTime(`${lifetimeS}s`)
+    .sign(key);
+}
+
+export function signAgentToken(key: Uint8Array, lifetimeS = CLIENT_TOKEN_LIFETIME_S): Promise<string> {
+  return sign(key, GATEWAY_ISSUER, AGENT_AUDIENCE, lifetimeS);
+}
+
+/** Checks a bearer header; the failure is a value (`unauthorized`), with the reason in words. */
+export async function verifyAgentToken(key: Uint8Array, header: string | undefined): Promise<TokenCheck> {
+  const fail = (why: string, cause?: unknown) => ({
+    ok: false as const,
+    error: new SandboxdError("unauthorized", `agent token rejected: ${why}`, { cause }),
+  });
+  const token = bearerToken(header);
+  if (token === undefined) return fail("missing bearer token");
+  try {
+    const { payload } = await jwtVerify(token, key, {
+      algorithms: ["HS256"],
+      audience: AGENT_AUDIENCE,
+      issuer: GATEWAY_ISSUER,
+      requiredClaims: ["exp", "iat"],
+      clockTolerance: CLOCK_TOLERANCE_S,
+    });
+    const { exp, iat } = payload as { exp: number; iat: number };
+    if (exp - iat > MAX_TOKEN_LIFETIME_S)
+      return fail(`lifetime ${exp - iat} s exceeds ${MAX_TOKEN_LIFETIME_S} s`);
+    // An iat in the future would stretch the effective lifetime past the limit.
+    if (iat > Date.now() / 1000 + CLOCK_TOLERANCE_S) return fail("issued in the future");
+    return { ok: true };
+  } catch (err) {
+    const why = err instanceof joseErrors.JOSEError ? err.code : "invalid token";
+    return fail(why, err);
+  }
+}
+
+export function signHeartbeatToken(key: Uint8Array): Promise<string> {
+  return sign(key, AGENT_ISSUER, HEARTBEAT_AUDIENCE, HEARTBEAT_TOKEN_LIFETIME_S);
+}
+
+/** The gateway's check of a heartbeat's bearer header; the failure is a value (`unauthorized`). */
+export async function verifyHeartbeatToken(key: Uint8Array, header: string | null): Promise<TokenCheck> {
+  const token = bearerToken(header);
+  if (token === undefined) {
+    return { ok: false, error: new SandboxdError("unauthorized", "missing bearer token") };
+  }
+  try {
+    await jwtVerify(token, key, {
+      algorithms: ["HS256"],
+      audience: HEARTBEAT_AUDIENCE,
+      issuer: AGENT_ISSUER,
+      requiredClaims: ["exp", "iat"],
+      clockTolerance: CLOCK_TOLERANCE_S,
+    });
+    return { ok: true };
+  } catch (err) {
+    return {
+      ok: false,
+      error: new SandboxdError("unauthorized", "heartbeat token rejected", { cause: err }),
+    };
+  }
+}

@@ -1,0 +1,61 @@
+/**
+ * The states of a sandbox/session RECORD (the gateway's `sandboxes` row) and the ONE table of what
+ * each action needs. The record says what the gateway has decided and recorded; the VM's own,
+ * finer states (paused, busy, forking, ...) are the agent's (agent/sandbox/states.ts). A request
+ * that the record's state does not allow is a clean 409 `conflict`, decided here before the agent
+ * is asked.
+ *
+ * | state     | meaning                                                                   |
+ * |-----------|---------------------------------------------------------------------------|
+ * | starting  | reserved against the tenant's quota; the agent is creating the VM         |
+ * | running   | the VM runs on the agent named by the record                              |
+ * | suspended | the VM is on disk only (Family B suspend)                                 |
+ * | destroyed | gone (deleted, reaped or failed: `end_reason`); the row is kept for 410s  |
+ *
+ *   (none) --create--> starting --started--> running --suspend--> suspended --resume--> running
+ *   starting --failed--> destroyed;  starting|running|suspended --destroy--> destroyed
+ *   exec, fork and connect need running.
+ */
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { sandboxes } from "../../db/schema/sandboxes.ts";
+
+export const RecordState = [
+  "starting",
+  "running",
+  "suspended",
+  "destroyed",
+] as const satisfies readonly (typeof sandboxes.$inferSelect)["state"][];
+export type RecordState = (typeof RecordState)[number];
+
+export type RecordAction = "exec" | "fork" | "suspend" | "resume" | "destroy" | "connect";
+
+/** Per action: the states it may start from, and the state it leads to when it changes one. */
+export const RECORD_TRANSITIONS = {
+  exec: { from: ["running"] },
+  fork: { from: ["running"] },
+  connect: { from: ["running"] },
+  suspend: { from: ["running"], to: "suspended" },
+  resume: { from: ["suspended"], to: "running" },
+  destroy: { from: ["starting", "running", "suspended"], to: "destroyed" },
+} as const satisfies Record<RecordAction, { from: readonly RecordState[]; to?: RecordState }>;
+
+/** The actions that change the record's state. */
+export type RecordChange = "suspend" | "resume" | "destroy";
+
+export function nextState(action: RecordChange): RecordState {
+  return RECORD_TRANSITIONS[action].to;
+}
+
+export type RecordCheck = { ok: true } | { ok: false; error: SandboxdError };
+
+/** Checks one action against the table; the refusal is a value (`conflict`), never thrown here. */
+export function checkRecordAction(id: string, state: RecordState, action: RecordAction): RecordCheck {
+  const from: readonly RecordState[] = RECORD_TRANSITIONS[action].from;
+  if (from.includes(state)) return { ok: true };
+  return {
+    ok: false,
+    error: new SandboxdError("conflict", `cannot ${action} ${id}: it is ${state}`, {
+      details: { state, action },
+    }),
+  };
+}
