@@ -3,9 +3,7 @@ import { constants, existsSync } from "node:fs";
 import { access, open, readFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import { machineOption, QEMU_BINARY } from "./launch.ts";
-
-export type Accel = "kvm" | "tcg";
+import { type Accel, machineOption, QEMU_BINARY } from "./launch.ts";
 
 export interface AccelChoice {
   accel: Accel;

@@ -4,7 +4,6 @@ import { readFile, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import type { Accel } from "./accel.ts";
 import { QmpClient } from "./qmp/client.ts";
 
 /**
@@ -15,6 +14,12 @@ import { QmpClient } from "./qmp/client.ts";
  */
 
 export const QEMU_BINARY = "qemu-system-x86_64";
+
+/**
+ * How QEMU runs the guest's CPU: hardware virtualization or the TCG emulator. A launch option;
+ * which one works on this host is decided by the probe in accel.ts.
+ */
+export type Accel = "kvm" | "tcg";
 
 /**
  * Budget from spawn to a negotiated QMP connection. QEMU reaches its greeting in ~25-35 ms on

@@ -31,8 +31,8 @@ import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts
 import { GuestClient, type GuestTunnel } from "../guest/client.ts";
 import { type ImageConfig, importImage } from "../image/import.ts";
 import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../image/pull.ts";
-import { type Accel, probeAccelerator } from "../qemu/accel.ts";
-import type { VmExit, VmProcess } from "../qemu/launch.ts";
+import { probeAccelerator } from "../qemu/accel.ts";
+import type { Accel, VmExit, VmProcess } from "../qemu/launch.ts";
 import { QmpClient } from "../qemu/qmp/client.ts";
 import type { SnapshotError } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";

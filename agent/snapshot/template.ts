@@ -20,7 +20,7 @@ import { join, resolve } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import type { GuestClient } from "../guest/client.ts";
 import type { ImageConfig, ImportedImage } from "../image/import.ts";
-import type { Accel } from "../qemu/accel.ts";
+import type { Accel } from "../qemu/launch.ts";
 import { createOverlay, launchVm, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { virtualSize } from "../storage/qcow2.ts";

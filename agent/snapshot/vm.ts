@@ -18,7 +18,7 @@ import {
   GuestError,
   type GuestTunnel,
 } from "../guest/client.ts";
-import type { Accel } from "../qemu/accel.ts";
+import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createVmDir, writeOwner } from "../vm/workdir.ts";
