@@ -14,7 +14,8 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import type { GuestClient } from "../agent/guest/client.ts";
-import { createOverlay, launchVm, type VmProcess } from "../agent/qemu/launch.ts";
+import { launchVm, type VmProcess } from "../agent/qemu/launch.ts";
+import { createOverlayOn } from "../agent/storage/qcow2.ts";
 import { connectGuest } from "../agent/vm/boot.ts";
 
 /**
@@ -83,7 +84,7 @@ describe("VM boot under TCG", () => {
       const vmDir = join(scratch, "vm");
       mkdirSync(vmDir);
       const overlay = join(vmDir, "disk.qcow2");
-      await createOverlay(base, overlay);
+      await createOverlayOn(base, overlay);
 
       const t0 = performance.now();
       vm = await launchVm({

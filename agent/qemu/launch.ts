@@ -68,7 +68,7 @@ export interface LaunchOptions {
   /** The VM's own directory; must exist. */
   dir: string;
   artifacts: GuestArtifacts;
-  /** qcow2 overlay the guest sees as /dev/vda (see `createOverlay`). Omit for a diskless VM. */
+  /** qcow2 overlay the guest sees as /dev/vda (agent/storage/qcow2.ts `createOverlayOn`). Omit for a diskless VM. */
   disk?: string;
   memMib: number;
   vcpus: number;
@@ -283,11 +283,6 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
   return args;
 }
 
-/** `qemu-img create -f qcow2 -F qcow2 -b base path`: a copy-on-write overlay over `base`. */
-export async function createOverlay(base: string, path: string): Promise<void> {
-  await runTool("qemu-img", ["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, path]);
-}
-
 /**
  * QEMU 7.2 has no `-run-with` to tie its life to ours, so we start it through `setpriv
  * --pdeathsig KILL` (util-linux): the kernel SIGKILLs QEMU when the process that spawned it dies,
@@ -413,24 +408,4 @@ async function fileTail(path: string, bytes: number): Promise<string> {
   } catch {
     return "";
   }
-}
-
-function runTool(cmd: string, args: string[]): Promise<void> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(cmd, args, { stdio: ["ignore", "ignore", "pipe"] });
-    let stderr = "";
-    child.stderr?.on("data", (d: Buffer) => {
-      stderr = (stderr + d.toString()).slice(-4000);
-    });
-    child.on("error", (err) =>
-      reject(new SandboxdError("internal", `cannot run ${cmd}: ${err.message}`, { cause: err })),
-    );
-    child.on("close", (code) => {
-      if (code === 0) resolve();
-      else
-        reject(
-          new SandboxdError("internal", `${cmd} ${args.join(" ")} failed (exit ${code}): ${stderr.trim()}`),
-        );
-    });
-  });
 }

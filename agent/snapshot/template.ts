@@ -21,9 +21,9 @@ import type { GuestArtifacts } from "../guest/artifacts.ts";
 import type { GuestClient } from "../guest/client.ts";
 import type { ImageConfig, ImportedImage } from "../image/import.ts";
 import type { Accel } from "../qemu/launch.ts";
-import { createOverlay, launchVm, type VmProcess } from "../qemu/launch.ts";
+import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { virtualSize } from "../storage/qcow2.ts";
+import { createOverlayOn, virtualSize } from "../storage/qcow2.ts";
 import { connectGuest } from "../vm/boot.ts";
 import { createVmDir, vmsRoot, writeOwner } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
@@ -168,7 +168,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
   let guest: GuestClient | undefined;
   const t0 = performance.now();
   try {
-    await createOverlay(o.image.disk, meta.disk);
+    await createOverlayOn(o.image.disk, meta.disk);
     meta.diskBytes = await virtualSize(meta.disk);
     await createVmDir(dataDir, vmId);
     vm = await launchVm({

@@ -5,7 +5,8 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { GuestClient } from "../guest/client.ts";
 import type { ImportedImage } from "../image/import.ts";
-import { createOverlay, launchVm, type VmProcess } from "../qemu/launch.ts";
+import { launchVm, type VmProcess } from "../qemu/launch.ts";
+import { createOverlayOn } from "../storage/qcow2.ts";
 import { createVmDir, writeOwner } from "./workdir.ts";
 
 export interface BootOptions {
@@ -53,7 +54,7 @@ export async function bootVm(opts: BootOptions): Promise<BootedVm> {
   };
   try {
     const disk = join(dir, "disk.qcow2");
-    await createOverlay(opts.image.disk, disk);
+    await createOverlayOn(opts.image.disk, disk);
     const started = performance.now();
     vm = await launchVm({
       dir,
