@@ -94,6 +94,30 @@ export interface LaunchOptions {
   log?: (msg: string) => void;
 }
 
+/** The files QEMU makes in a VM's directory: the names every owner of a VM agrees on. */
+export function vmPaths(dir: string): {
+  qmpSocket: string;
+  agentSocket: string;
+  consoleLog: string;
+  pidFile: string;
+} {
+  return {
+    qmpSocket: join(dir, "qmp.sock"),
+    agentSocket: join(dir, "agent.sock"),
+    consoleLog: join(dir, "console.log"),
+    pidFile: join(dir, "qemu.pid"),
+  };
+}
+
+/**
+ * Removes what a QEMU leaves in its directory once it is gone (its sockets and pid file): stale
+ * sockets would make the next QEMU's connect reach nothing, a stale pid file names a dead pid.
+ */
+export async function removeQemuFiles(dir: string): Promise<void> {
+  const { qmpSocket, agentSocket, pidFile } = vmPaths(dir);
+  await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+}
+
 export interface VmExit {
   code: number | null;
   signal: NodeJS.Signals | null;
@@ -203,6 +227,7 @@ function accelArgs(accel: Accel): string[] {
 
 export function buildQemuArgs(opts: LaunchOptions): string[] {
   const { dir } = opts;
+  const paths = vmPaths(dir);
   const hostname = opts.hostname ?? "sandbox";
   const args: string[] = [
     "-name",
@@ -239,12 +264,12 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
     "-append",
     kernelCmdline(opts.accel, hostname, opts.extraKernelArgs),
     "-serial",
-    `file:${join(dir, "console.log")}`,
+    `file:${paths.consoleLog}`,
     // The agent channel: a virtio-serial port named "agent" (the guest finds it by that name under
     // /sys/class/virtio-ports), backed by a unix socket QEMU listens on. wait=off: QEMU runs the
     // guest without waiting for us to connect, and we may reconnect after a restore.
     "-chardev",
-    `socket,id=${DEVICE_IDS.agentChardev},path=${join(dir, "agent.sock")},server=on,wait=off`,
+    `socket,id=${DEVICE_IDS.agentChardev},path=${paths.agentSocket},server=on,wait=off`,
     "-device",
     `virtio-serial-device,id=${DEVICE_IDS.serialBus}`,
     "-device",
@@ -272,9 +297,9 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
     "-device",
     `virtio-rng-device,rng=${DEVICE_IDS.rngBackend},id=${DEVICE_IDS.rng}`,
     "-qmp",
-    `unix:${join(dir, "qmp.sock")},server=on,wait=off`,
+    `unix:${paths.qmpSocket},server=on,wait=off`,
     "-pidfile",
-    join(dir, "qemu.pid"),
+    paths.pidFile,
   );
   if (opts.incoming) args.push("-incoming", "defer");
   // With -incoming, -S keeps the restored guest stopped until `cont` (else QEMU starts it the
@@ -295,12 +320,9 @@ const SETPRIV = "/usr/bin/setpriv";
 export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   const log = opts.log ?? (() => {});
   const { dir } = opts;
-  const qmpSocket = join(dir, "qmp.sock");
-  const agentSocket = join(dir, "agent.sock");
-  const consoleLog = join(dir, "console.log");
-  const pidFile = join(dir, "qemu.pid");
-  // Stale sockets from an earlier QEMU in this directory would make our connect reach nothing.
-  await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+  const { qmpSocket, consoleLog } = vmPaths(dir);
+  // Left by an earlier QEMU in this directory.
+  await removeQemuFiles(dir);
 
   const args = buildQemuArgs(opts);
   const dieWithParent = opts.dieWithParent ?? true;
@@ -344,7 +366,7 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
     }
     // Let the stderr pipe drain after the exit so the tail holds QEMU's last words.
     await new Promise((r) => setTimeout(r, 20));
-    await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+    await removeQemuFiles(dir);
     return new VmLaunchError(
       message,
       {
@@ -376,28 +398,54 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   if (pid === undefined) throw await launchError("qemu has no pid");
   log(`qemu pid ${pid} up, QMP connected`);
 
-  let killing: Promise<void> | undefined;
-  const kill = () => {
-    killing ??= (async () => {
-      if (isAlive()) child.kill("SIGKILL");
-      await exited;
-      qmp.close();
-      await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
-    })();
-    return killing;
-  };
-
-  return {
+  return vmProcess({
     pid,
     dir,
     qmp,
+    exited,
+    stop: async () => {
+      if (isAlive()) child.kill("SIGKILL");
+      await exited;
+    },
+    isAlive,
+    stderrTail: () => stderr,
+  });
+}
+
+/**
+ * The `VmProcess` of a running QEMU, ours (launchVm) or adopted (agent/vm/process.ts): `stop`
+ * kills it and waits for it; `kill` runs that once, then closes QMP and removes QEMU's files.
+ */
+export function vmProcess(o: {
+  pid: number;
+  dir: string;
+  qmp: QmpClient;
+  exited: Promise<VmExit>;
+  stop: () => Promise<void>;
+  isAlive: () => boolean;
+  stderrTail: () => string;
+}): VmProcess {
+  const { agentSocket, consoleLog, pidFile } = vmPaths(o.dir);
+  let killing: Promise<void> | undefined;
+  const kill = () => {
+    killing ??= (async () => {
+      await o.stop();
+      o.qmp.close();
+      await removeQemuFiles(o.dir);
+    })();
+    return killing;
+  };
+  return {
+    pid: o.pid,
+    dir: o.dir,
+    qmp: o.qmp,
     agentSocket,
     consoleLog,
     pidFile,
-    exited,
+    exited: o.exited,
     kill,
-    isAlive,
-    stderrTail: () => stderr,
+    isAlive: o.isAlive,
+    stderrTail: o.stderrTail,
   };
 }
 

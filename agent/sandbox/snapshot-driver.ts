@@ -22,7 +22,7 @@
  * alone after a restart.
  */
 import { createHash, randomBytes } from "node:crypto";
-import { existsSync, readFileSync } from "node:fs";
+import { existsSync } from "node:fs";
 import { readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
 import { z } from "zod";
@@ -33,7 +33,6 @@ import { type ImageConfig, importImage } from "../image/import.ts";
 import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../image/pull.ts";
 import { probeAccelerator } from "../qemu/accel.ts";
 import type { Accel, VmExit, VmProcess } from "../qemu/launch.ts";
-import { QmpClient } from "../qemu/qmp/client.ts";
 import type { SnapshotError } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";
 import { reclaimSnapshotStorage } from "../snapshot/recover.ts";
@@ -51,7 +50,8 @@ import {
 } from "../snapshot/template.ts";
 import { SandboxVm, storageDir, type VmShape } from "../snapshot/vm.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../vm/workdir.ts";
+import { adoptQemu, claimVm, killRecordedQemu } from "../vm/process.ts";
+import { reapVmDirs, vmsRoot } from "../vm/workdir.ts";
 import type {
   AdoptRef,
   BuildPhase,
@@ -84,16 +84,12 @@ export interface SnapshotDriverOptions {
 
 /** The manager's default (manager.ts): 1 vCPU, 256 MiB. */
 const DEFAULT_SIZE: VmSize = { vcpus: 1, memMib: 256 };
-/** QMP connect budget on adoption: a live QEMU greets in ~30 ms; 5 s means it is wedged. */
-const ADOPT_QMP_TIMEOUT_MS = 5_000;
 /**
  * HELLO budget on adoption: a running guest answers in ~50 ms under TCG, but it first has to
  * notice the old connection's hang-up; one attempt is bounded, the whole by this.
  */
 const ADOPT_HELLO_TIMEOUT_MS = 15_000;
 const ADOPT_HELLO_ATTEMPT_MS = 2_000;
-/** How long to wait for a SIGKILLed QEMU to disappear (it exits within milliseconds). */
-const KILL_WAIT_MS = 5_000;
 /** The engine's template ids (template.ts ID_RE); other manager ids are mapped by hash. */
 const ENGINE_TEMPLATE_ID = /^[a-z0-9][a-z0-9-]{0,40}$/;
 const VM_FILE = "snapshot-vm.json";
@@ -389,7 +385,7 @@ export class SnapshotDriver implements SandboxDriver {
     // Whatever this process does not hold (a VM of an earlier agent, a lost one): its QEMU by
     // owner.json, its chain holds, its directory.
     const dir = join(vmsRoot(this.stateDir), id);
-    await killQemuOf(dir);
+    await killRecordedQemu(dir);
     const chain = await openChainStore(this.stateDir);
     await chain.release(`vm:${id}`);
     await rm(dir, { recursive: true, force: true });
@@ -425,15 +421,8 @@ export class SnapshotDriver implements SandboxDriver {
     if (file.suspendState) throw new SandboxdError("vm_lost", `VM ${ref.vmId} was being suspended`);
     const dir = join(vmsRoot(this.stateDir), ref.vmId);
     const pid = ref.qemuPid;
-    if (pid <= 0 || !pidAlive(pid) || !(await isQemuFor(pid, dir)))
-      throw new SandboxdError("vm_lost", `QEMU pid ${pid} is not running`);
-    let qmp: QmpClient;
-    try {
-      qmp = await QmpClient.connect(join(dir, "qmp.sock"), { timeoutMs: ADOPT_QMP_TIMEOUT_MS });
-    } catch (err) {
-      throw new SandboxdError("vm_lost", "QMP socket does not answer", { cause: err });
-    }
-    const proc = adoptedProcess(pid, dir, qmp);
+    const proc = await adoptQemu(pid, dir);
+    const qmp = proc.qmp;
     let guest: GuestClient | undefined;
     try {
       const status = await qmp.execute<{ running: boolean; status: string }>("query-status");
@@ -449,7 +438,7 @@ export class SnapshotDriver implements SandboxDriver {
       qmp.close();
       throw new SandboxdError("vm_lost", "the adopted VM does not answer", { cause: err });
     }
-    await writeOwner(dir, { ownerPid: process.pid, qemuPid: pid, createdAt: new Date().toISOString() });
+    await claimVm(dir, pid);
     const sbx = this.vmFromFile(file);
     sbx.topNode = file.topNode;
     sbx.state = "running";
@@ -460,25 +449,14 @@ export class SnapshotDriver implements SandboxDriver {
   }
 
   async reap(keep: ReadonlySet<string>): Promise<string[]> {
-    const root = vmsRoot(this.stateDir);
-    let ids: string[] = [];
-    try {
-      ids = await readdir(root);
-    } catch {
-      ids = [];
-    }
-    const reaped: string[] = [];
-    for (const id of ids) {
-      if (keep.has(id) || this.live.has(id) || this.suspended.has(id)) continue;
-      if ([...this.building].some((t) => id === `${t}-build`)) continue;
-      const dir = join(root, id);
-      const owner = await readOwner(dir);
-      // Another live agent process on the same state dir is a misconfiguration; never kill its VMs.
-      if (owner && owner.ownerPid !== process.pid && pidAlive(owner.ownerPid)) continue;
-      await killQemuOf(dir);
-      await rm(dir, { recursive: true, force: true });
-      reaped.push(id);
-    }
+    const reaped = await reapVmDirs(
+      this.stateDir,
+      (id) =>
+        keep.has(id) ||
+        this.live.has(id) ||
+        this.suspended.has(id) ||
+        [...this.building].some((t) => id === `${t}-build`),
+    );
     // Builds the dead agent was running (its records say failed): their files go.
     for (const t of await listTemplates(this.stateDir)) {
       if (t.state !== "building" || this.building.has(t.id)) continue;
@@ -658,104 +636,6 @@ async function allocatedBytes(path: string): Promise<number> {
   } catch {
     return 0;
   }
-}
-
-async function readOwner(dir: string): Promise<VmOwner | undefined> {
-  try {
-    return JSON.parse(await readFile(join(dir, "owner.json"), "utf8")) as VmOwner;
-  } catch {
-    return undefined;
-  }
-}
-
-/** True when `pid` is a QEMU started for `dir` (guards against a recycled pid). */
-async function isQemuFor(pid: number, dir: string): Promise<boolean> {
-  try {
-    const cmdline = await readFile(`/proc/${pid}/cmdline`, "utf8");
-    return cmdline.includes("qemu-system") && cmdline.includes(`${dir}/`);
-  } catch {
-    return false;
-  }
-}
-
-function isGone(pid: number): boolean {
-  if (!pidAlive(pid)) return true;
-  try {
-    const s = readFileSync(`/proc/${pid}/stat`, "utf8");
-    return s.slice(s.lastIndexOf(")") + 2).startsWith("Z");
-  } catch {
-    return true;
-  }
-}
-
-/** SIGKILLs the QEMU named by `dir`'s owner.json or qemu.pid, if it still runs, and waits. */
-async function killQemuOf(dir: string): Promise<void> {
-  const owner = await readOwner(dir);
-  let pid = owner?.qemuPid;
-  if (!pid) {
-    try {
-      const n = Number.parseInt((await readFile(join(dir, "qemu.pid"), "utf8")).trim(), 10);
-      if (Number.isFinite(n) && n > 0) pid = n;
-    } catch {
-      // no pid file
-    }
-  }
-  if (!pid || !(await isQemuFor(pid, dir))) return;
-  try {
-    process.kill(pid, "SIGKILL");
-  } catch {
-    return;
-  }
-  const deadline = performance.now() + KILL_WAIT_MS;
-  while (!isGone(pid) && performance.now() < deadline) await Bun.sleep(10);
-}
-
-/**
- * A `VmProcess` for a QEMU another agent process started: no exit event reaches us, but QEMU
- * dying closes its QMP socket; the pid check then tells our own hang-up from a real death.
- */
-function adoptedProcess(pid: number, dir: string, qmp: QmpClient): VmProcess {
-  const qmpSocket = join(dir, "qmp.sock");
-  const agentSocket = join(dir, "agent.sock");
-  const pidFile = join(dir, "qemu.pid");
-  let gone = false;
-  const exited = (async (): Promise<VmExit> => {
-    await qmp.closed;
-    // 100 x 20 ms: a SIGKILLed QEMU is gone within milliseconds of its socket closing.
-    for (let i = 0; i < 100 && !isGone(pid); i++) await Bun.sleep(20);
-    gone = true;
-    return { code: null, signal: null };
-  })();
-  let killing: Promise<void> | undefined;
-  const kill = () => {
-    killing ??= (async () => {
-      if (!isGone(pid) && (await isQemuFor(pid, dir))) {
-        try {
-          process.kill(pid, "SIGKILL");
-        } catch {
-          // already gone
-        }
-      }
-      const deadline = performance.now() + KILL_WAIT_MS;
-      while (!isGone(pid) && performance.now() < deadline) await Bun.sleep(10);
-      qmp.close();
-      gone = true;
-      await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
-    })();
-    return killing;
-  };
-  return {
-    pid,
-    dir,
-    qmp,
-    agentSocket,
-    consoleLog: join(dir, "console.log"),
-    pidFile,
-    exited,
-    kill,
-    isAlive: () => !gone && !isGone(pid),
-    stderrTail: () => "",
-  };
 }
 
 /** HELLO to a running guest whose agent may still be noticing the old host's hang-up. */

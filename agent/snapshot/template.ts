@@ -25,7 +25,8 @@ import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayOn, virtualSize } from "../storage/qcow2.ts";
 import { connectGuest } from "../vm/boot.ts";
-import { createVmDir, vmsRoot, writeOwner } from "../vm/workdir.ts";
+import { claimVm } from "../vm/process.ts";
+import { createVmDir, vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { migrateToFile, qmp, setCapabilities, waitMigration } from "./migrate.ts";
 
@@ -182,7 +183,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       memBackend: { path: meta.memPath, share: true },
       log,
     });
-    await writeOwner(vmDir, { ownerPid: process.pid, qemuPid: vm.pid, createdAt: meta.createdAt });
+    await claimVm(vmDir, vm.pid);
     try {
       guest = await connectGuest(vm, o.bringupTimeoutMs ?? DEFAULT_BRINGUP_TIMEOUT_MS);
     } catch (err) {

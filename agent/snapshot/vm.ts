@@ -21,7 +21,8 @@ import {
 import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { createVmDir, writeOwner } from "../vm/workdir.ts";
+import { claimVm } from "../vm/process.ts";
+import { createVmDir } from "../vm/workdir.ts";
 import { asSnapshotError, SnapshotError } from "./errors.ts";
 import { migrateFromFile, qmp, qmpFailure, setCapabilities } from "./migrate.ts";
 
@@ -259,7 +260,7 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
     // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).
     vm.topNode = DEVICE_IDS.diskNode;
     const tLaunch = performance.now();
-    await writeOwner(vm.dir, { ownerPid: process.pid, qemuPid: p.pid, createdAt: new Date().toISOString() });
+    await claimVm(vm.dir, p.pid);
     await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
     await migrateFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
     const tIncoming = performance.now();

@@ -7,7 +7,8 @@ import { GuestClient } from "../guest/client.ts";
 import type { ImportedImage } from "../image/import.ts";
 import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { createOverlayOn } from "../storage/qcow2.ts";
-import { createVmDir, writeOwner } from "./workdir.ts";
+import { claimVm } from "./process.ts";
+import { createVmDir } from "./workdir.ts";
 
 export interface BootOptions {
   dataDir: string;
@@ -65,7 +66,7 @@ export async function bootVm(opts: BootOptions): Promise<BootedVm> {
       accel: opts.accel,
       hostname: id,
     });
-    await writeOwner(dir, { ownerPid: process.pid, qemuPid: vm.pid, createdAt: new Date().toISOString() });
+    await claimVm(dir, vm.pid);
     guest = await connectGuest(vm, opts.bringupTimeoutMs);
     const bootMs = performance.now() - started;
     opts.log?.(`vm ${id} booted under ${opts.accel} in ${bootMs.toFixed(0)} ms`);
