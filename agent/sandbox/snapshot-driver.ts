@@ -15,17 +15,17 @@
  * crash between creating a file and registering it).
  *
  * Restarts. QEMUs are launched with `dieWithParent: false`: they outlive the agent process.
- * `snapshot-vm.json` (written after every spawn, fork, suspend and resume) holds what a new agent
- * process needs to drive the VM again: its disk chain top and QEMU node name, RAM file, overlay
- * generation, the template's shape, the image config, and while suspended the state file. So
+ * The VM's record `snapshot-vm.json` (agent/snapshot/persist.ts; written after every spawn, fork,
+ * suspend and resume) holds what a new agent process needs to drive the VM again: its disk chain
+ * top and QEMU node name, RAM file, overlay generation, the template's shape, the image config,
+ * and while suspended the state file. So
  * `adopt` re-attaches to a running VM (QMP + guest HELLO), and `resume` works from the record
  * alone after a restart.
  */
-import { createHash, randomBytes } from "node:crypto";
+import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
-import { readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
+import { readdir, rm, stat } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
-import { z } from "zod";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../guest/artifacts.ts";
 import { GuestClient, type GuestTunnel } from "../guest/client.ts";
@@ -33,8 +33,16 @@ import { type ImageConfig, importImage } from "../image/import.ts";
 import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../image/pull.ts";
 import { probeAccelerator } from "../qemu/accel.ts";
 import type { Accel, VmExit, VmProcess } from "../qemu/launch.ts";
-import type { SnapshotError } from "../snapshot/errors.ts";
+import type { Result, SnapshotError } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";
+import {
+  readVmRecord,
+  restoreVm,
+  saveVm,
+  VM_RECORD_FILE,
+  type VmRecord,
+  writeVmRecord,
+} from "../snapshot/persist.ts";
 import { reclaimSnapshotStorage } from "../snapshot/recover.ts";
 import { claimShmRoot, sweepOrphanShmRoots } from "../snapshot/shm.ts";
 import { spawnFromTemplate } from "../snapshot/spawn.ts";
@@ -48,7 +56,7 @@ import {
   type TemplateMeta,
   templatesRoot,
 } from "../snapshot/template.ts";
-import { SandboxVm, storageDir, type VmShape } from "../snapshot/vm.ts";
+import { type SandboxVm, storageDir } from "../snapshot/vm.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { adoptQemu, claimVm, killRecordedQemu } from "../vm/process.ts";
 import { reapVmDirs, vmsRoot } from "../vm/workdir.ts";
@@ -92,25 +100,6 @@ const ADOPT_HELLO_TIMEOUT_MS = 15_000;
 const ADOPT_HELLO_ATTEMPT_MS = 2_000;
 /** The engine's template ids (template.ts ID_RE); other manager ids are mapped by hash. */
 const ENGINE_TEMPLATE_ID = /^[a-z0-9][a-z0-9-]{0,40}$/;
-const VM_FILE = "snapshot-vm.json";
-
-/** What `snapshot-vm.json` holds: enough to adopt or resume the VM from another process. */
-const VmFile = z.object({
-  version: z.literal(1),
-  vmId: z.string(),
-  templateId: z.string(),
-  size: z.object({ vcpus: z.int().min(1), memMib: z.int().min(1) }),
-  image: z.custom<ImageConfig>((v) => typeof v === "object" && v !== null && "env" in v),
-  shape: z.custom<VmShape>((v) => typeof v === "object" && v !== null && "dataDir" in v && "artifacts" in v),
-  disk: z.string(),
-  topNode: z.string(),
-  memPath: z.string(),
-  generation: z.int().min(0),
-  /** Set while suspended: the full RAM + device state file. */
-  suspendState: z.string().optional(),
-  memBytes: z.number().optional(),
-});
-type VmFile = z.infer<typeof VmFile>;
 
 interface Live {
   sbx: SandboxVm;
@@ -138,7 +127,7 @@ export class SnapshotDriver implements SandboxDriver {
   private readonly building = new Set<string>();
   private readonly live = new Map<string, Live>();
   /** Suspended VMs this process knows; after a restart they are read from their VM file. */
-  private readonly suspended = new Map<string, { sbx: SandboxVm; file: VmFile }>();
+  private readonly suspended = new Map<string, { sbx: SandboxVm; record: VmRecord }>();
   private detached = false;
   private guestTunnelHandler: ((vmId: string, t: GuestTunnel) => void) | undefined;
   private readonly log: (msg: string) => void;
@@ -293,7 +282,7 @@ export class SnapshotDriver implements SandboxDriver {
     const l = this.mustLive(parent);
     const r = await forkVm(l.sbx, { count: childIds.length, ids: childIds, log: this.log });
     // The parent moved onto a new overlay (also when only the children failed): record it.
-    if (l.sbx.state !== "dead") await this.writeVmFile(l.sbx, l.handle).catch(() => {});
+    if (l.sbx.state !== "dead") await this.saveRecord(l.sbx, l.handle).catch(() => {});
     if (!r.ok) throw r.error;
     this.log(
       `fork of ${parent.vmId} into ${childIds.length}: parent stalled ${r.value.timings.parentStallMs.toFixed(1)} ms, children ready after ${r.value.timings.childrenReadyMs.toFixed(0)} ms (${r.value.timings.mode})`,
@@ -318,10 +307,9 @@ export class SnapshotDriver implements SandboxDriver {
     const r = await suspendVm(l.sbx);
     if (!r.ok) throw r.error;
     this.live.delete(vm.vmId);
-    const file = this.vmFileOf(l.sbx, vm);
-    file.memBytes = r.value.memBytes;
-    this.suspended.set(vm.vmId, { sbx: l.sbx, file });
-    await writeJson(join(l.sbx.dir, VM_FILE), file);
+    const record = this.recordOf(l.sbx, vm, r.value.memBytes);
+    this.suspended.set(vm.vmId, { sbx: l.sbx, record });
+    await writeVmRecord(l.sbx.dir, record);
     const diskBytes = await allocatedBytes(l.sbx.disk);
     this.log(`suspended ${vm.vmId}: ${r.value.memBytes} B of state in ${r.value.suspendMs.toFixed(0)} ms`);
     return { memBytes: r.value.memBytes, snapshotBytes: r.value.memBytes + diskBytes };
@@ -330,19 +318,23 @@ export class SnapshotDriver implements SandboxDriver {
   async resume(vmId: string, templateId: string, size: VmSize): Promise<DriverVm> {
     let s = this.suspended.get(vmId);
     if (!s) {
-      const file = await this.readVmFile(vmId);
-      if (!file?.suspendState)
-        throw new SandboxdError("gone", `VM ${vmId} has no suspended state on this agent`);
-      const sbx = this.vmFromFile(file);
+      const r = await this.loadRecord(vmId);
+      const record = r.ok ? r.value : undefined;
+      if (!record?.suspendState)
+        throw new SandboxdError(
+          "gone",
+          `VM ${vmId} has no suspended state on this agent`,
+          r.ok ? undefined : { cause: r.error },
+        );
+      const sbx = this.restoreRecord(record);
       sbx.state = "suspended";
-      sbx.suspendState = file.suspendState;
-      s = { sbx, file };
+      s = { sbx, record };
       this.suspended.set(vmId, s);
     }
     const r = await resumeVm(s.sbx);
     if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not resume`);
     this.suspended.delete(vmId);
-    return this.track(s.sbx, templateId, s.file.image, size, r.value.readyMs);
+    return this.track(s.sbx, templateId, s.record.image, size, r.value.readyMs);
   }
 
   async pause(vm: DriverVm): Promise<void> {
@@ -408,7 +400,7 @@ export class SnapshotDriver implements SandboxDriver {
     const disk =
       this.live.get(vmId)?.sbx.disk ??
       this.suspended.get(vmId)?.sbx.disk ??
-      (await this.readVmFile(vmId))?.disk;
+      (await this.loadRecord(vmId).then((r) => (r.ok ? r.value?.disk : undefined)));
     return disk ? allocatedBytes(disk) : 0;
   }
 
@@ -416,8 +408,10 @@ export class SnapshotDriver implements SandboxDriver {
 
   async adopt(ref: AdoptRef): Promise<DriverVm> {
     const started = performance.now();
-    const file = await this.readVmFile(ref.vmId);
-    if (!file) throw new SandboxdError("vm_lost", `VM ${ref.vmId} has no ${VM_FILE}`);
+    const r = await this.loadRecord(ref.vmId);
+    if (!r.ok) throw new SandboxdError("vm_lost", `VM ${ref.vmId}: ${r.error.message}`, { cause: r.error });
+    const file = r.value;
+    if (!file) throw new SandboxdError("vm_lost", `VM ${ref.vmId} has no ${VM_RECORD_FILE}`);
     if (file.suspendState) throw new SandboxdError("vm_lost", `VM ${ref.vmId} was being suspended`);
     const dir = join(vmsRoot(this.stateDir), ref.vmId);
     const pid = ref.qemuPid;
@@ -439,8 +433,7 @@ export class SnapshotDriver implements SandboxDriver {
       throw new SandboxdError("vm_lost", "the adopted VM does not answer", { cause: err });
     }
     await claimVm(dir, pid);
-    const sbx = this.vmFromFile(file);
-    sbx.topNode = file.topNode;
+    const sbx = this.restoreRecord(file);
     sbx.state = "running";
     sbx.attach(proc, guest);
     const handle = await this.track(sbx, ref.templateId, file.image, ref.size, performance.now() - started);
@@ -515,62 +508,41 @@ export class SnapshotDriver implements SandboxDriver {
     // before this point (between restore and here) found no taker and was closed at once.
     sbx.onGuestTunnel = (t) => this.guestTunnels(sbx.id, t);
     try {
-      await this.writeVmFile(sbx, handle);
+      await this.saveRecord(sbx, handle);
     } catch (err) {
       l.destroying = true;
       this.live.delete(sbx.id);
       await sbx.destroy();
-      throw new SandboxdError("spawn_failed", `VM ${sbx.id}: cannot write ${VM_FILE}`, { cause: err });
+      throw new SandboxdError("spawn_failed", `VM ${sbx.id}: cannot write ${VM_RECORD_FILE}`, { cause: err });
     }
     return handle;
   }
 
-  private vmFileOf(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">): VmFile {
-    const file: VmFile = {
-      version: 1,
-      vmId: sbx.id,
+  /** The VM's record (agent/snapshot/persist.ts) with this driver's notes. */
+  private recordOf(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">, memBytes?: number) {
+    return saveVm(sbx, {
       templateId: h.templateId,
-      size: h.size,
       image: h.image,
-      shape: { ...sbx.shape, dieWithParent: false },
-      disk: sbx.disk,
-      topNode: sbx.topNode,
-      memPath: sbx.memPath,
-      generation: sbx.generation,
-    };
-    if (sbx.suspendState) file.suspendState = sbx.suspendState;
-    return file;
+      size: h.size,
+      ...(memBytes === undefined ? {} : { memBytes }),
+    });
   }
 
-  private writeVmFile(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">): Promise<void> {
-    return writeJson(join(sbx.dir, VM_FILE), this.vmFileOf(sbx, h));
+  private saveRecord(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">): Promise<void> {
+    return writeVmRecord(sbx.dir, this.recordOf(sbx, h));
   }
 
-  private async readVmFile(vmId: string): Promise<VmFile | undefined> {
-    try {
-      const raw = JSON.parse(await readFile(join(vmsRoot(this.stateDir), vmId, VM_FILE), "utf8"));
-      const r = VmFile.safeParse(raw);
-      if (!r.success) {
-        this.log(`VM ${vmId}: ${VM_FILE} unreadable: ${z.prettifyError(r.error)}`);
-        return undefined;
-      }
-      return r.data;
-    } catch {
-      return undefined;
-    }
+  /** The record of `vmId`; an unreadable one is logged (and answered as the error). */
+  private async loadRecord(vmId: string): Promise<Result<VmRecord | undefined>> {
+    const r = await readVmRecord(join(vmsRoot(this.stateDir), vmId));
+    if (!r.ok) this.log(`VM ${vmId}: ${r.error.message}`);
+    return r;
   }
 
-  private vmFromFile(file: VmFile): SandboxVm {
-    const sbx = new SandboxVm(
-      file.vmId,
-      join(vmsRoot(this.stateDir), file.vmId),
-      { ...file.shape, dieWithParent: false },
-      file.disk,
-      file.memPath,
-      this.log,
-    );
-    sbx.generation = file.generation;
-    return sbx;
+  /** This driver's VMs outlive the agent process (re-adopted after a restart), whatever was saved. */
+  private restoreRecord(record: VmRecord): SandboxVm {
+    const shape = { ...record.shape, dieWithParent: false };
+    return restoreVm({ ...record, shape }, join(vmsRoot(this.stateDir), record.vmId), this.log);
   }
 
   /**
@@ -622,12 +594,6 @@ function exitReason(exit: VmExit, pid: number): string {
   if (exit.signal) return `QEMU exited (signal ${exit.signal})`;
   if (exit.code !== null) return `QEMU exited (code ${exit.code})`;
   return `QEMU pid ${pid} exited (adopted VM: no exit status)`;
-}
-
-async function writeJson(path: string, value: unknown): Promise<void> {
-  const tmp = `${path}.${randomBytes(4).toString("hex")}.tmp`;
-  await writeFile(tmp, JSON.stringify(value), { mode: 0o600 });
-  await rename(tmp, path);
 }
 
 async function allocatedBytes(path: string): Promise<number> {

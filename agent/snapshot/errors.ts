@@ -18,6 +18,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
  * | `vm_unresponsive`      | QMP did not answer in time; the VM was killed                       |
  * | `migration_failed`     | QEMU reported a failed migration (save or restore)                  |
  * | `bad_request`          | invalid arguments (counts, ids, sizes)                              |
+ * | `vm_record_invalid`    | a VM's saved record is torn, foreign or of another version          |
  */
 export type SnapshotErrorCode =
   | "template_build_failed"
@@ -32,7 +33,8 @@ export type SnapshotErrorCode =
   | "vm_died"
   | "vm_unresponsive"
   | "migration_failed"
-  | "bad_request";
+  | "bad_request"
+  | "vm_record_invalid";
 
 export class SnapshotError extends SandboxdError {
   declare readonly code: SnapshotErrorCode;
