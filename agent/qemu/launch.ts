@@ -180,11 +180,13 @@ export function hostTscKhz(): number {
   return khz;
 }
 
-/** RFC 1123 label: what the guest may pass to sethostname and what DNS tools accept. */
-const HOSTNAME_RE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
+/** An RFC 1123 label: what the guest may pass to sethostname and what DNS tools accept. */
+export function isHostnameLabel(name: string): boolean {
+  return /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(name);
+}
 
 export function kernelCmdline(accel: Accel, hostname: string, extra: string[] = []): string {
-  if (!HOSTNAME_RE.test(hostname))
+  if (!isHostnameLabel(hostname))
     throw new SandboxdError("bad_request", `invalid hostname ${JSON.stringify(hostname)}`);
   const args = [
     "console=ttyS0",

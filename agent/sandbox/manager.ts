@@ -35,7 +35,7 @@ import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
 import { resolveCommand } from "../image/import.ts";
 import { type SandboxRecord, sandboxRecords, templateRecords } from "../records/store.ts";
-import { newVmId } from "../vm/boot.ts";
+import { newVmId } from "../vm/ids.ts";
 import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./driver.ts";
 import { checkTransition, holdsVm, isTerminal, type SandboxState } from "./states.ts";

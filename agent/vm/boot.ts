@@ -1,4 +1,3 @@
-import { randomBytes } from "node:crypto";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -7,6 +6,7 @@ import { GuestClient } from "../guest/client.ts";
 import type { ImportedImage } from "../image/import.ts";
 import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { createOverlayOn } from "../storage/qcow2.ts";
+import { newVmId } from "./ids.ts";
 import { claimVm } from "./process.ts";
 import { createVmDir } from "./workdir.ts";
 
@@ -32,10 +32,6 @@ export interface BootedVm {
   /** QEMU spawn to the first HELLO answer, ms. */
   bootMs: number;
   destroy(): Promise<void>;
-}
-
-export function newVmId(): string {
-  return `vm-${randomBytes(8).toString("hex")}`;
 }
 
 /** How long one HELLO waits for its answer during boot: a booted guest answers in ~50 ms under TCG. */
