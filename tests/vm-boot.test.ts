@@ -17,6 +17,7 @@ import type { GuestClient } from "../agent/guest/client.ts";
 import { launchVm, type VmProcess } from "../agent/qemu/launch.ts";
 import { createOverlayOn } from "../agent/storage/qcow2.ts";
 import { connectGuest } from "../agent/vm/boot.ts";
+import { qemuPidsNaming } from "../agent/vm/process.ts";
 
 /**
  * Boots a real guest under TCG end to end: artifacts (kernel + initramfs with the real guest
@@ -49,20 +50,6 @@ afterAll(async () => {
 function sh(cmd: string, args: string[]): void {
   const r = spawnSync(cmd, args, { encoding: "utf8" });
   if (r.status !== 0) throw new Error(`${cmd} ${args.join(" ")} failed: ${r.stderr}${r.error ?? ""}`);
-}
-
-function qemuProcessesFor(dir: string): number[] {
-  const pids: number[] = [];
-  for (const p of readdirSync("/proc")) {
-    if (!/^\d+$/.test(p)) continue;
-    try {
-      const cmd = readFileSync(`/proc/${p}/cmdline`, "utf8");
-      if (cmd.includes("qemu-system") && cmd.includes(dir)) pids.push(Number(p));
-    } catch {
-      // raced with an exiting process
-    }
-  }
-  return pids;
 }
 
 describe("VM boot under TCG", () => {
@@ -138,7 +125,7 @@ describe("VM boot under TCG", () => {
       await vm.kill();
       expect(vm.isAlive()).toBe(false);
       expect(() => process.kill(pid, 0)).toThrow();
-      expect(qemuProcessesFor(vmDir)).toEqual([]);
+      expect(await qemuPidsNaming([vmDir])).toEqual([]);
       expect(readdirSync(vmDir).filter((f) => f.endsWith(".sock") || f.endsWith(".pid"))).toEqual([]);
     },
     BOOT_TEST_TIMEOUT_MS,
