@@ -227,6 +227,27 @@ function accelArgs(accel: Accel): string[] {
   return accel === "kvm" ? ["-accel", "kvm", "-cpu", "host"] : ["-accel", "tcg"];
 }
 
+/**
+ * The machine every QEMU of ours runs (sandboxes and the accelerator probe alike): microvm with
+ * `accel`'s options and `memMib` of RAM; no default devices, no config files from /etc, no
+ * display, no monitor on stdio (every device is named by the caller; -display none is
+ * -nographic without its stdio multiplexing); a guest reboot exits QEMU instead.
+ */
+export function machineArgs(accel: Accel, memMib: number, memBackend = false): string[] {
+  return [
+    "-M",
+    machineOption(accel, memBackend),
+    ...accelArgs(accel),
+    "-m",
+    `${memMib}M`,
+    "-nodefaults",
+    "-no-user-config",
+    "-display",
+    "none",
+    "-no-reboot",
+  ];
+}
+
 export function buildQemuArgs(opts: LaunchOptions): string[] {
   const { dir } = opts;
   const paths = vmPaths(dir);
@@ -234,20 +255,9 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
   const args: string[] = [
     "-name",
     `sandboxd-${basename(dir)}`,
-    "-M",
-    machineOption(opts.accel, opts.memBackend !== undefined),
-    ...accelArgs(opts.accel),
-    "-m",
-    `${opts.memMib}M`,
+    ...machineArgs(opts.accel, opts.memMib, opts.memBackend !== undefined),
     "-smp",
     String(opts.vcpus),
-    // No default devices, no config files from /etc, no display, no monitor on stdio: every
-    // device is named below. (-display none is -nographic without its stdio multiplexing.)
-    "-nodefaults",
-    "-no-user-config",
-    "-display",
-    "none",
-    "-no-reboot",
   ];
   if (opts.memBackend) {
     const mb = opts.memBackend;
