@@ -24,7 +24,7 @@ import { type VmExit, type VmProcess, vmPaths, vmProcess } from "../qemu/launch.
 import { QmpClient } from "../qemu/qmp/client.ts";
 
 /** How long a SIGKILLed QEMU may take to disappear: it exits within milliseconds. */
-export const KILL_WAIT_MS = 5_000;
+const KILL_WAIT_MS = 5_000;
 /** QMP connect budget when adopting: a live QEMU greets in ~30 ms; 5 s means it is wedged. */
 const ADOPT_QMP_TIMEOUT_MS = 5_000;
 /**
@@ -78,7 +78,7 @@ export function ownedByAnotherLiveAgent(owner: VmOwner | undefined): boolean {
 // ---- pids --------------------------------------------------------------------------------------
 
 /** A pid file's pid (QEMU's `-pidfile`); undefined when missing or not a pid. */
-export async function readPidFile(path: string): Promise<number | undefined> {
+async function readPidFile(path: string): Promise<number | undefined> {
   try {
     const text = (await readFile(path, "utf8")).trim();
     const n = Number(text);
