@@ -410,11 +410,7 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   if (pid === undefined) throw await launchError("qemu has no pid");
   log(`qemu pid ${pid} up, QMP connected`);
 
-  return vmProcess({
-    pid,
-    dir,
-    qmp,
-    exited,
+  return vmProcess(pid, dir, qmp, exited, {
     stop: async () => {
       if (isAlive()) child.kill("SIGKILL");
       await exited;
@@ -428,37 +424,25 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
  * The `VmProcess` of a running QEMU, ours (launchVm) or adopted (agent/vm/process.ts): `stop`
  * kills it and waits for it; `kill` runs that once, then closes QMP and removes QEMU's files.
  */
-export function vmProcess(o: {
-  pid: number;
-  dir: string;
-  qmp: QmpClient;
-  exited: Promise<VmExit>;
-  stop: () => Promise<void>;
-  isAlive: () => boolean;
-  stderrTail: () => string;
-}): VmProcess {
-  const { agentSocket, consoleLog, pidFile } = vmPaths(o.dir);
+export function vmProcess(
+  pid: number,
+  dir: string,
+  qmp: QmpClient,
+  exited: Promise<VmExit>,
+  o: { stop: () => Promise<void>; isAlive: () => boolean; stderrTail: () => string },
+): VmProcess {
+  const { agentSocket, consoleLog, pidFile } = vmPaths(dir);
   let killing: Promise<void> | undefined;
   const kill = () => {
     killing ??= (async () => {
       await o.stop();
-      o.qmp.close();
-      await removeQemuFiles(o.dir);
+      qmp.close();
+      await removeQemuFiles(dir);
     })();
     return killing;
   };
-  return {
-    pid: o.pid,
-    dir: o.dir,
-    qmp: o.qmp,
-    agentSocket,
-    consoleLog,
-    pidFile,
-    exited: o.exited,
-    kill,
-    isAlive: o.isAlive,
-    stderrTail: o.stderrTail,
-  };
+  const { isAlive, stderrTail } = o;
+  return { pid, dir, qmp, agentSocket, consoleLog, pidFile, exited, kill, isAlive, stderrTail };
 }
 
 async function fileTail(path: string, bytes: number): Promise<string> {

@@ -255,11 +255,7 @@ export async function adoptQemu(pid: number, dir: string): Promise<VmProcess> {
     gone = true;
     return { code: null, signal: null };
   })();
-  return vmProcess({
-    pid,
-    dir,
-    qmp,
-    exited,
+  return vmProcess(pid, dir, qmp, exited, {
     stop: async () => {
       await killQemu(pid, dir);
       gone = true;
