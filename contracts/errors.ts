@@ -101,22 +101,27 @@ export const AgentErrorCode = [
 ] as const;
 export type AgentErrorCode = (typeof AgentErrorCode)[number];
 
-/**
+/*
  * The codes of the agent's layers, which never cross its wire (they go out as `internal`). Each
- * layer's own union is a part of this one, and says what its codes mean where it is defined.
+ * layer's union is defined here, once, and imported by the layer, whose error class says what
+ * each code means where it is thrown.
  */
-export const InternalErrorCode = [
-  // QmpErrorCode, agent/qemu/qmp/errors.ts
-  "qmp_error",
-  "qmp_timeout",
-  "qmp_disconnected",
-  "qmp_protocol",
-  // GuestErrorCode, agent/guest/codec.ts
+
+/** QmpError, agent/qemu/qmp/errors.ts. */
+export const QmpErrorCode = ["qmp_error", "qmp_timeout", "qmp_disconnected", "qmp_protocol"] as const;
+export type QmpErrorCode = (typeof QmpErrorCode)[number];
+
+/** GuestError, agent/guest/codec.ts. */
+export const GuestErrorCode = [
   "guest_disconnected",
   "guest_timeout",
   "protocol_error",
   "guest_error",
-  // ImageErrorCode, agent/image/import.ts; image_pull_failed: agent/image/pull.ts
+] as const;
+export type GuestErrorCode = (typeof GuestErrorCode)[number];
+
+/** ImageError, agent/image/errors.ts (one comment per code there); image_pull_failed: agent/image/pull.ts. */
+export const ImageErrorCode = [
   "image_not_found",
   "image_not_tar",
   "image_no_manifest",
@@ -131,8 +136,11 @@ export const InternalErrorCode = [
   "image_user_unknown",
   "image_no_command",
   "image_tool_failed",
-  "image_pull_failed",
-  // SnapshotErrorCode, agent/snapshot/errors.ts (besides the public codes it shares)
+] as const;
+export type ImageErrorCode = (typeof ImageErrorCode)[number];
+
+/** SnapshotError's own codes, agent/snapshot/errors.ts (it also carries some public ones). */
+export const SnapshotOwnErrorCode = [
   "template_build_failed",
   "template_ready_failed",
   "template_not_found",
@@ -142,9 +150,19 @@ export const InternalErrorCode = [
   "vm_died",
   "vm_unresponsive",
   "migration_failed",
+  "vm_record_invalid",
+] as const;
+export type SnapshotOwnErrorCode = (typeof SnapshotOwnErrorCode)[number];
+
+export const InternalErrorCode = [
+  ...QmpErrorCode,
+  ...GuestErrorCode,
+  ...ImageErrorCode,
+  "image_pull_failed",
+  ...SnapshotOwnErrorCode,
   // VmLaunchError, agent/qemu/launch.ts: QEMU exited or never answered while starting
   "vm_launch_failed",
-  // a VM found after an agent restart could not be re-adopted (agent/sandbox/*-driver.ts)
+  // a VM found after an agent restart could not be re-adopted (agent/sandbox/drivers/)
   "vm_lost",
   // StorageError, agent/storage/chain.ts
   "storage_error",
@@ -171,14 +189,20 @@ export class SandboxdError extends Error {
   }
 }
 
-/** The readable chain of causes, for logs and CLI output. */
+/**
+ * The readable chain of causes, for logs and CLI output. A cause whose message its parent already
+ * quotes (a layer wrapping a ToolError with the tool's own words) adds nothing and is left out.
+ */
 export function describeError(err: unknown): string {
   const parts: string[] = [];
   let cur: unknown = err;
+  let parentMessage: string | undefined;
   for (let depth = 0; cur !== undefined && cur !== null && depth < 5; depth++) {
     if (cur instanceof Error) {
       const code = (cur as { code?: unknown }).code;
-      parts.push(typeof code === "string" ? `${cur.message} [${code}]` : cur.message);
+      if (!(parentMessage !== undefined && cur.message !== "" && parentMessage.includes(cur.message)))
+        parts.push(typeof code === "string" ? `${cur.message} [${code}]` : cur.message);
+      parentMessage = cur.message;
       cur = cur.cause;
     } else {
       parts.push(String(cur));

@@ -10,9 +10,9 @@ import { spawn } from "node:child_process";
 import { existsSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
-import { qemuPidsNaming } from "../agent/bench/bench.ts";
 import { parseRollup, parseSmapsFor } from "../agent/bench/rss.ts";
 import { percentile, summarize } from "../agent/bench/stats.ts";
+import { qemuPidsNaming } from "../agent/vm/process.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 
 const REPO = resolve(import.meta.dir, "..");

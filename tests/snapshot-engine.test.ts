@@ -5,7 +5,7 @@
  * test: no QEMU, socket, overlay, RAM file or temp dir left. Measured figures are printed as JSON.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../agent/guest/artifacts.ts";
@@ -23,6 +23,7 @@ import {
 import type { SandboxVm } from "../agent/snapshot/vm.ts";
 import { openChainStore } from "../agent/storage/chain.ts";
 import { blankOverlayPath } from "../agent/storage/qcow2.ts";
+import { qemuPidsNaming } from "../agent/vm/process.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 
 const REPO = resolve(import.meta.dir, "..");
@@ -44,21 +45,6 @@ const figures: Record<string, unknown> = {};
 const log = (m: string) => {
   if (process.env.SNAPSHOT_TEST_VERBOSE) console.log(`[snapshot] ${m}`);
 };
-
-function qemuPids(): number[] {
-  const pids: number[] = [];
-  for (const p of readdirSync("/proc")) {
-    if (!/^\d+$/.test(p)) continue;
-    try {
-      const cmd = readFileSync(`/proc/${p}/cmdline`, "utf8");
-      if (cmd.includes("qemu-system") && (cmd.includes(scratch) || cmd.includes(SHM_ROOT)))
-        pids.push(Number(p));
-    } catch {
-      // raced with an exiting process
-    }
-  }
-  return pids;
-}
 
 function listFiles(dir: string): string[] {
   if (!existsSync(dir)) return [];
@@ -125,7 +111,7 @@ beforeAll(async () => {
 
 afterEach(async () => {
   for (const vm of live.splice(0)) await vm.destroy();
-  expect(qemuPids()).toEqual([]);
+  expect(await qemuPidsNaming([scratch, SHM_ROOT])).toEqual([]);
   expect(leftovers()).toEqual([]);
   expect(listFiles(join(DATA_DIR, "vms"))).toEqual([]);
 });

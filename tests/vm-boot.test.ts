@@ -14,8 +14,10 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import type { GuestClient } from "../agent/guest/client.ts";
-import { createOverlay, launchVm, type VmProcess } from "../agent/qemu/launch.ts";
+import { launchVm, type VmProcess } from "../agent/qemu/launch.ts";
+import { createOverlayOn } from "../agent/storage/qcow2.ts";
 import { connectGuest } from "../agent/vm/boot.ts";
+import { qemuPidsNaming } from "../agent/vm/process.ts";
 
 /**
  * Boots a real guest under TCG end to end: artifacts (kernel + initramfs with the real guest
@@ -50,20 +52,6 @@ function sh(cmd: string, args: string[]): void {
   if (r.status !== 0) throw new Error(`${cmd} ${args.join(" ")} failed: ${r.stderr}${r.error ?? ""}`);
 }
 
-function qemuProcessesFor(dir: string): number[] {
-  const pids: number[] = [];
-  for (const p of readdirSync("/proc")) {
-    if (!/^\d+$/.test(p)) continue;
-    try {
-      const cmd = readFileSync(`/proc/${p}/cmdline`, "utf8");
-      if (cmd.includes("qemu-system") && cmd.includes(dir)) pids.push(Number(p));
-    } catch {
-      // raced with an exiting process
-    }
-  }
-  return pids;
-}
-
 describe("VM boot under TCG", () => {
   test(
     "boots, runs sh -c 'echo hi' through the guest agent, and leaves nothing behind",
@@ -83,7 +71,7 @@ describe("VM boot under TCG", () => {
       const vmDir = join(scratch, "vm");
       mkdirSync(vmDir);
       const overlay = join(vmDir, "disk.qcow2");
-      await createOverlay(base, overlay);
+      await createOverlayOn(base, overlay);
 
       const t0 = performance.now();
       vm = await launchVm({
@@ -137,7 +125,7 @@ describe("VM boot under TCG", () => {
       await vm.kill();
       expect(vm.isAlive()).toBe(false);
       expect(() => process.kill(pid, 0)).toThrow();
-      expect(qemuProcessesFor(vmDir)).toEqual([]);
+      expect(await qemuPidsNaming([vmDir])).toEqual([]);
       expect(readdirSync(vmDir).filter((f) => f.endsWith(".sock") || f.endsWith(".pid"))).toEqual([]);
     },
     BOOT_TEST_TIMEOUT_MS,

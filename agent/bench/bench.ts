@@ -9,13 +9,14 @@
  * the end, on error and on abort, after every QEMU whose command line names them is killed. Only
  * the caches of the real data dir are used: guest artifacts and the imported image (as `run`).
  */
-import { mkdtemp, readdir, readFile, rm, stat } from "node:fs/promises";
+import { mkdtemp, rm, stat } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { ensureGuestArtifacts } from "../guest/artifacts.ts";
 import type { ImageConfig } from "../image/import.ts";
 import { importImage } from "../image/import.ts";
-import { type Accel, probeAccelerator } from "../qemu/accel.ts";
+import { probeAccelerator } from "../qemu/accel.ts";
+import type { Accel } from "../qemu/launch.ts";
 import { unwrap } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";
 import { floorRestoreMs, spawnFromTemplate } from "../snapshot/spawn.ts";
@@ -24,6 +25,7 @@ import { buildTemplate, deleteTemplate, type TemplateMeta } from "../snapshot/te
 import type { SandboxVm } from "../snapshot/vm.ts";
 import { forgetChainStore } from "../storage/chain.ts";
 import { bootVm } from "../vm/boot.ts";
+import { killQemusNaming } from "../vm/process.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
 import { round1, round2, type Summary, summarize } from "./stats.ts";
 
@@ -195,34 +197,6 @@ class Scope {
     await rm(this.dataDir, { recursive: true, force: true });
     await rm(this.shmRoot, { recursive: true, force: true });
   }
-}
-
-/** SIGKILLs QEMU processes whose command line contains one of `paths`; waits until they are gone. */
-export async function killQemusNaming(paths: string[]): Promise<number[]> {
-  const pids = await qemuPidsNaming(paths);
-  for (const pid of pids) {
-    try {
-      process.kill(pid, "SIGKILL");
-    } catch {
-      // already gone
-    }
-  }
-  for (let i = 0; i < 100 && (await qemuPidsNaming(paths)).length > 0; i++) await Bun.sleep(10);
-  return pids;
-}
-
-export async function qemuPidsNaming(paths: string[]): Promise<number[]> {
-  const out: number[] = [];
-  for (const p of await readdir("/proc")) {
-    if (!/^\d+$/.test(p)) continue;
-    try {
-      const cmd = await readFile(`/proc/${p}/cmdline`, "utf8");
-      if (cmd.includes("qemu-system") && paths.some((x) => cmd.includes(x))) out.push(Number(p));
-    } catch {
-      // exited meanwhile
-    }
-  }
-  return out;
 }
 
 function sleep(ms: number, scope: Scope): Promise<void> {

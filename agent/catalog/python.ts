@@ -6,12 +6,12 @@
  * `docker run -i IMAGE < code` would).
  */
 
-import { spawn } from "node:child_process";
 import { createHash } from "node:crypto";
 import { createReadStream, existsSync, readFileSync } from "node:fs";
 import { mkdir, mkdtemp, rename, rm, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { runTool, ToolError } from "../host/tool.ts";
 import { type ImportedImage, importImage } from "../image/import.ts";
 
 /** Inputs of the build; any change gives a new cache key and a rebuild. */
@@ -64,21 +64,19 @@ export function debianMirror(env: NodeJS.ProcessEnv = process.env): string {
   return mirror;
 }
 
-function run(argv: string[], log: (m: string) => void): Promise<void> {
+/** Runs a build tool (agent/host/tool.ts); a failure is `catalog_build_failed`, the ToolError its cause. */
+async function run(argv: string[], log: (m: string) => void): Promise<void> {
   log(argv.join(" "));
-  return new Promise((resolve, reject) => {
-    const child = spawn(argv[0]!, argv.slice(1), { stdio: ["ignore", "ignore", "pipe"] });
-    let err = "";
-    child.stderr.on("data", (b: Buffer) => {
-      err = (err + b.toString()).slice(-4000);
-    });
-    child.on("error", reject);
-    child.on("close", (code) =>
-      code === 0
-        ? resolve()
-        : reject(new SandboxdError("catalog_build_failed", `${argv[0]} exited ${code}: ${err.trim()}`)),
-    );
-  });
+  try {
+    await runTool(argv, { captureStdout: false });
+  } catch (err) {
+    if (!(err instanceof ToolError)) throw err;
+    const message =
+      err.kind === "exit" && err.details.exitCode != null
+        ? `${argv[0]} exited ${err.details.exitCode}: ${err.details.output ?? ""}`
+        : err.message;
+    throw new SandboxdError("catalog_build_failed", message, { cause: err });
+  }
 }
 
 async function sha256File(path: string): Promise<{ digest: string; size: number }> {

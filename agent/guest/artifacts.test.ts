@@ -1,9 +1,9 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { modinfoDepends, writeNewc } from "./artifacts.ts";
+import { extractVmlinux, GuestArtifactsError, modinfoDepends, writeNewc } from "./artifacts.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "artifacts-test-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -35,5 +35,29 @@ describe("initramfs pieces", () => {
     expect(modinfoDepends(ko)).toEqual(["virtio", "virtio_ring"]);
     expect(modinfoDepends(Buffer.from("\0depends=\0name=x\0"))).toEqual([]);
     expect(modinfoDepends(Buffer.from("nothing"))).toEqual([]);
+  });
+});
+
+describe("extractVmlinux", () => {
+  // A bzImage in miniature: a header, the LZ4 legacy payload (an ELF), then trailing bytes, which
+  // make lz4 exit 1 although the payload decompressed whole.
+  const elf = readFileSync("/bin/true");
+  const lz4 = spawnSync("lz4", ["-l", "-c"], { input: elf }).stdout;
+
+  test("finds the LZ4 payload and decompresses it despite the data after it", async () => {
+    const vmlinuz = join(dir, "vmlinuz");
+    writeFileSync(vmlinuz, Buffer.concat([Buffer.alloc(512, 7), lz4, Buffer.alloc(4096, 0xa5)]));
+    const out = join(dir, "out", "vmlinux");
+    await extractVmlinux(vmlinuz, out);
+    expect(readFileSync(out).equals(elf)).toBe(true);
+  });
+
+  test("a payload that is not an ELF is refused", async () => {
+    const notElf = spawnSync("lz4", ["-l", "-c"], { input: Buffer.alloc(4096, 1) }).stdout;
+    const vmlinuz = join(dir, "vmlinuz-bad");
+    writeFileSync(vmlinuz, Buffer.concat([Buffer.alloc(64), notElf]));
+    const err = await extractVmlinux(vmlinuz, join(dir, "bad")).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(GuestArtifactsError);
+    expect((err as Error).message).toContain("is not an ELF file");
   });
 });

@@ -1,6 +1,5 @@
-import { spawn } from "node:child_process";
 import { createHash } from "node:crypto";
-import { closeSync, existsSync, openSync } from "node:fs";
+import { existsSync } from "node:fs";
 import {
   chmod,
   copyFile,
@@ -16,6 +15,7 @@ import {
 } from "node:fs/promises";
 import { basename, dirname, join, relative, resolve } from "node:path";
 import { gzipSync } from "node:zlib";
+import { runTool, ToolError } from "../host/tool.ts";
 
 /**
  * Builds what a guest boots: the uncompressed kernel (`vmlinux`, booted by PVH under `-M microvm`)
@@ -243,7 +243,7 @@ export async function extractVmlinux(vmlinuz: string, out: string): Promise<void
   await mkdir(dirname(out), { recursive: true });
   // lz4 exits 1 here even on success: the payload is followed by the rest of the bzImage, which
   // it reports as trailing garbage. The ELF checks below are what decide success.
-  await run("lz4", ["-dc"], { stdin: image.subarray(at), stdoutFile: out, allowExit: [0, 1] });
+  await run("lz4", ["-d", "-f", "-", out], { stdin: image.subarray(at), allowExit: [0, 1] });
   checkElf(await readFile(out), out);
 }
 
@@ -521,42 +521,29 @@ function firstLine(err: unknown): string {
 interface RunOptions {
   cwd?: string;
   stdin?: Buffer;
-  stdoutFile?: string;
+  /** Exit codes that count as success (default: 0). */
   allowExit?: number[];
 }
 
-/** Runs a tool to completion; a non-allowed exit is an error carrying the tail of its stderr. */
+/**
+ * Runs a tool to completion (agent/host/tool.ts); a failure or a non-allowed exit is a
+ * GuestArtifactsError carrying the tail of its output, the ToolError as its cause.
+ */
 async function run(cmd: string, args: string[], opts: RunOptions = {}): Promise<void> {
-  const outFd = opts.stdoutFile ? openSync(opts.stdoutFile, "w") : undefined;
   try {
-    await new Promise<void>((resolvePromise, reject) => {
-      const child = spawn(cmd, args, {
-        cwd: opts.cwd,
-        stdio: [opts.stdin ? "pipe" : "ignore", outFd ?? "ignore", "pipe"],
-      });
-      let stderr = "";
-      child.stderr?.on("data", (d: Buffer) => {
-        // Only the tail matters for the error message; keep memory bounded.
-        stderr = (stderr + d.toString()).slice(-4000);
-      });
-      child.on("error", (err) =>
-        reject(new GuestArtifactsError(`cannot run ${cmd}: ${err.message}`, { cause: err })),
-      );
-      child.on("close", (code, signal) => {
-        if (code !== null && (opts.allowExit ?? [0]).includes(code)) resolvePromise();
-        else
-          reject(
-            new GuestArtifactsError(
-              `${cmd} ${args.join(" ")} failed (${signal ?? `exit ${code}`}): ${stderr.trim()}`,
-            ),
-          );
-      });
-      if (opts.stdin && child.stdin) {
-        child.stdin.on("error", () => {}); // EPIPE when the tool exits early: the exit code tells.
-        child.stdin.end(opts.stdin);
-      }
+    await runTool([cmd, ...args], {
+      ...(opts.cwd ? { cwd: opts.cwd } : {}),
+      ...(opts.stdin ? { input: opts.stdin } : {}),
+      captureStdout: false,
     });
-  } finally {
-    if (outFd !== undefined) closeSync(outFd);
+  } catch (err) {
+    if (!(err instanceof ToolError)) throw err;
+    const code = err.details.exitCode;
+    if (err.kind === "exit" && code != null && (opts.allowExit ?? [0]).includes(code)) return;
+    if (err.kind === "spawn") throw new GuestArtifactsError(err.message, { cause: err });
+    const how = err.kind === "exit" ? (err.details.signal ?? `exit ${code}`) : err.message;
+    throw new GuestArtifactsError(`${cmd} ${args.join(" ")} failed (${how}): ${err.details.output ?? ""}`, {
+      cause: err,
+    });
   }
 }

@@ -7,10 +7,10 @@
  * connection). The decoder never buffers more than HEADER_LEN + MAX_PAYLOAD bytes, and it only
  * allocates a frame's payload as its bytes arrive, so a corrupt length costs nothing.
  */
-import { SandboxdError } from "../../contracts/errors.ts";
+import { type GuestErrorCode, SandboxdError } from "../../contracts/errors.ts";
 import { HEADER_LEN, MAGIC, MAX_PAYLOAD, Tag, VERSION } from "../../contracts/guest-protocol.ts";
 
-export type GuestErrorCode = "guest_disconnected" | "guest_timeout" | "protocol_error" | "guest_error";
+export type { GuestErrorCode };
 
 /**
  * The one error class of the guest channel. Callers branch on `code`:

@@ -4,26 +4,26 @@
  * on the code, never on the message text.
  */
 import type { z } from "zod";
-import { SandboxdError } from "../../contracts/errors.ts";
+import { ImageErrorCode, SandboxdError } from "../../contracts/errors.ts";
 
-/** Stable codes: callers (and tests) branch on these, never on message text. */
-export const ImageErrorCode = [
-  "image_not_found", // the source path does not exist
-  "image_not_tar", // the source file is not a tar archive (or is a corrupt one)
-  "image_no_manifest", // a tar, but no manifest.json / index.json to say what the image is
-  "image_bad_manifest", // the manifest or index is malformed or names blobs that are missing
-  "image_bad_config", // the image config is not valid JSON of the expected shape
-  "image_bad_layer", // a layer is not a (gzip'd) tar, or holds an entry we refuse
-  "image_unsupported", // a valid but unsupported feature: zstd layers, sparse files, ...
-  "image_path_escape", // an entry name with `..` components or an absolute outer path
-  "image_link_escape", // a symlink/hardlink target leaving the archive root
-  "image_too_large", // a size or count limit was hit (gzip bombs end here)
-  "image_digest_mismatch", // a blob's bytes do not hash to the digest that names it
-  "image_user_unknown", // config User names a user or group missing from /etc/passwd, /etc/group
-  "image_no_command", // neither Entrypoint nor Cmd, and no command given
-  "image_tool_failed", // skopeo, umoci, mkfs.ext4 or qemu-img failed
-] as const;
-export type ImageErrorCode = (typeof ImageErrorCode)[number];
+/**
+ * Stable codes (defined in contracts/errors.ts): callers and tests branch on these, never on text.
+ * - image_not_found: the source path does not exist
+ * - image_not_tar: the source file is not a tar archive (or is a corrupt one)
+ * - image_no_manifest: a tar, but no manifest.json / index.json to say what the image is
+ * - image_bad_manifest: the manifest or index is malformed or names blobs that are missing
+ * - image_bad_config: the image config is not valid JSON of the expected shape
+ * - image_bad_layer: a layer is not a (gzip'd) tar, or holds an entry we refuse
+ * - image_unsupported: a valid but unsupported feature: zstd layers, sparse files, ...
+ * - image_path_escape: an entry name with `..` components or an absolute outer path
+ * - image_link_escape: a symlink/hardlink target leaving the archive root
+ * - image_too_large: a size or count limit was hit (gzip bombs end here)
+ * - image_digest_mismatch: a blob's bytes do not hash to the digest that names it
+ * - image_user_unknown: config User names a user or group missing from /etc/passwd, /etc/group
+ * - image_no_command: neither Entrypoint nor Cmd, and no command given
+ * - image_tool_failed: skopeo, umoci, mkfs.ext4 or qemu-img failed
+ */
+export { ImageErrorCode };
 
 export class ImageError extends SandboxdError {
   declare readonly code: ImageErrorCode;

@@ -3,9 +3,7 @@ import { constants, existsSync } from "node:fs";
 import { access, open, readFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import { machineOption, QEMU_BINARY } from "./launch.ts";
-
-export type Accel = "kvm" | "tcg";
+import { type Accel, machineArgs, QEMU_BINARY } from "./launch.ts";
 
 export interface AccelChoice {
   accel: Accel;
@@ -136,19 +134,7 @@ export async function probeKvmBoot(
   timeoutMs = KVM_BOOT_PROBE_TIMEOUT_MS,
 ): Promise<ProbeResult> {
   const args = [
-    "-M",
-    machineOption("kvm", false),
-    "-accel",
-    "kvm",
-    "-cpu",
-    "host",
-    "-m",
-    "128M",
-    "-nodefaults",
-    "-no-user-config",
-    "-display",
-    "none",
-    "-no-reboot",
+    ...machineArgs("kvm", 128),
     "-kernel",
     artifacts.vmlinux,
     "-initrd",
@@ -175,21 +161,7 @@ export async function probeKvmBoot(
  * Weaker than the boot probe, used only when no artifacts are given.
  */
 async function probeKvmVcpu(timeoutMs = 1_000): Promise<ProbeResult> {
-  const args = [
-    "-M",
-    machineOption("kvm", false),
-    "-accel",
-    "kvm",
-    "-cpu",
-    "host",
-    "-m",
-    "32M",
-    "-nodefaults",
-    "-no-user-config",
-    "-display",
-    "none",
-    "-no-reboot",
-  ];
+  const args = machineArgs("kvm", 32);
   // Still running after the window means the vCPU runs; an early exit means KVM refused.
   const r = await runProbe(args, timeoutMs, () => false, "");
   return r.timedOut

@@ -1,9 +1,9 @@
 import { afterAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
+import { mkdtempSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import { buildQemuArgs, createOverlay, kernelCmdline, launchVm, VmLaunchError } from "./launch.ts";
+import { buildQemuArgs, kernelCmdline, launchVm, VmLaunchError } from "./launch.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "launch-test-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -88,18 +88,5 @@ describe("launchVm failures", () => {
     expect(e.message).toContain("qemu exited during start");
     expect(e.message).toContain("no-vmlinux"); // QEMU's own "could not load kernel" line
     expect(readdirSync(vmDir).filter((f) => f.endsWith(".sock") || f.endsWith(".pid"))).toEqual([]);
-  });
-
-  test("createOverlay makes a qcow2 backed by its base", async () => {
-    const base = join(dir, "base.qcow2");
-    Bun.spawnSync(["qemu-img", "create", "-q", "-f", "qcow2", base, "16M"]);
-    const overlay = join(dir, "overlay.qcow2");
-    await createOverlay(base, overlay);
-    expect(existsSync(overlay)).toBe(true);
-    const info = JSON.parse(
-      Bun.spawnSync(["qemu-img", "info", "--output=json", overlay]).stdout.toString(),
-    ) as Record<string, unknown>;
-    expect(info["backing-filename"]).toBe(base);
-    expect(info["backing-filename-format"]).toBe("qcow2");
   });
 });

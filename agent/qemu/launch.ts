@@ -4,7 +4,6 @@ import { readFile, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import type { Accel } from "./accel.ts";
 import { QmpClient } from "./qmp/client.ts";
 
 /**
@@ -15,6 +14,12 @@ import { QmpClient } from "./qmp/client.ts";
  */
 
 export const QEMU_BINARY = "qemu-system-x86_64";
+
+/**
+ * How QEMU runs the guest's CPU: hardware virtualization or the TCG emulator. A launch option;
+ * which one works on this host is decided by the probe in accel.ts.
+ */
+export type Accel = "kvm" | "tcg";
 
 /**
  * Budget from spawn to a negotiated QMP connection. QEMU reaches its greeting in ~25-35 ms on
@@ -63,7 +68,7 @@ export interface LaunchOptions {
   /** The VM's own directory; must exist. */
   dir: string;
   artifacts: GuestArtifacts;
-  /** qcow2 overlay the guest sees as /dev/vda (see `createOverlay`). Omit for a diskless VM. */
+  /** qcow2 overlay the guest sees as /dev/vda (agent/storage/qcow2.ts `createOverlayOn`). Omit for a diskless VM. */
   disk?: string;
   memMib: number;
   vcpus: number;
@@ -87,6 +92,30 @@ export interface LaunchOptions {
    */
   dieWithParent?: boolean;
   log?: (msg: string) => void;
+}
+
+/** The files QEMU makes in a VM's directory: the names every owner of a VM agrees on. */
+export function vmPaths(dir: string): {
+  qmpSocket: string;
+  agentSocket: string;
+  consoleLog: string;
+  pidFile: string;
+} {
+  return {
+    qmpSocket: join(dir, "qmp.sock"),
+    agentSocket: join(dir, "agent.sock"),
+    consoleLog: join(dir, "console.log"),
+    pidFile: join(dir, "qemu.pid"),
+  };
+}
+
+/**
+ * Removes what a QEMU leaves in its directory once it is gone (its sockets and pid file): stale
+ * sockets would make the next QEMU's connect reach nothing, a stale pid file names a dead pid.
+ */
+export async function removeQemuFiles(dir: string): Promise<void> {
+  const { qmpSocket, agentSocket, pidFile } = vmPaths(dir);
+  await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
 }
 
 export interface VmExit {
@@ -151,11 +180,13 @@ export function hostTscKhz(): number {
   return khz;
 }
 
-/** RFC 1123 label: what the guest may pass to sethostname and what DNS tools accept. */
-const HOSTNAME_RE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
+/** An RFC 1123 label: what the guest may pass to sethostname and what DNS tools accept. */
+export function isHostnameLabel(name: string): boolean {
+  return /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(name);
+}
 
 export function kernelCmdline(accel: Accel, hostname: string, extra: string[] = []): string {
-  if (!HOSTNAME_RE.test(hostname))
+  if (!isHostnameLabel(hostname))
     throw new SandboxdError("bad_request", `invalid hostname ${JSON.stringify(hostname)}`);
   const args = [
     "console=ttyS0",
@@ -196,26 +227,37 @@ function accelArgs(accel: Accel): string[] {
   return accel === "kvm" ? ["-accel", "kvm", "-cpu", "host"] : ["-accel", "tcg"];
 }
 
-export function buildQemuArgs(opts: LaunchOptions): string[] {
-  const { dir } = opts;
-  const hostname = opts.hostname ?? "sandbox";
-  const args: string[] = [
-    "-name",
-    `sandboxd-${basename(dir)}`,
+/**
+ * The machine every QEMU of ours runs (sandboxes and the accelerator probe alike): microvm with
+ * `accel`'s options and `memMib` of RAM; no default devices, no config files from /etc, no
+ * display, no monitor on stdio (every device is named by the caller; -display none is
+ * -nographic without its stdio multiplexing); a guest reboot exits QEMU instead.
+ */
+export function machineArgs(accel: Accel, memMib: number, memBackend = false): string[] {
+  return [
     "-M",
-    machineOption(opts.accel, opts.memBackend !== undefined),
-    ...accelArgs(opts.accel),
+    machineOption(accel, memBackend),
+    ...accelArgs(accel),
     "-m",
-    `${opts.memMib}M`,
-    "-smp",
-    String(opts.vcpus),
-    // No default devices, no config files from /etc, no display, no monitor on stdio: every
-    // device is named below. (-display none is -nographic without its stdio multiplexing.)
+    `${memMib}M`,
     "-nodefaults",
     "-no-user-config",
     "-display",
     "none",
     "-no-reboot",
+  ];
+}
+
+export function buildQemuArgs(opts: LaunchOptions): string[] {
+  const { dir } = opts;
+  const paths = vmPaths(dir);
+  const hostname = opts.hostname ?? "sandbox";
+  const args: string[] = [
+    "-name",
+    `sandboxd-${basename(dir)}`,
+    ...machineArgs(opts.accel, opts.memMib, opts.memBackend !== undefined),
+    "-smp",
+    String(opts.vcpus),
   ];
   if (opts.memBackend) {
     const mb = opts.memBackend;
@@ -234,12 +276,12 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
     "-append",
     kernelCmdline(opts.accel, hostname, opts.extraKernelArgs),
     "-serial",
-    `file:${join(dir, "console.log")}`,
+    `file:${paths.consoleLog}`,
     // The agent channel: a virtio-serial port named "agent" (the guest finds it by that name under
     // /sys/class/virtio-ports), backed by a unix socket QEMU listens on. wait=off: QEMU runs the
     // guest without waiting for us to connect, and we may reconnect after a restore.
     "-chardev",
-    `socket,id=${DEVICE_IDS.agentChardev},path=${join(dir, "agent.sock")},server=on,wait=off`,
+    `socket,id=${DEVICE_IDS.agentChardev},path=${paths.agentSocket},server=on,wait=off`,
     "-device",
     `virtio-serial-device,id=${DEVICE_IDS.serialBus}`,
     "-device",
@@ -267,20 +309,15 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
     "-device",
     `virtio-rng-device,rng=${DEVICE_IDS.rngBackend},id=${DEVICE_IDS.rng}`,
     "-qmp",
-    `unix:${join(dir, "qmp.sock")},server=on,wait=off`,
+    `unix:${paths.qmpSocket},server=on,wait=off`,
     "-pidfile",
-    join(dir, "qemu.pid"),
+    paths.pidFile,
   );
   if (opts.incoming) args.push("-incoming", "defer");
   // With -incoming, -S keeps the restored guest stopped until `cont` (else QEMU starts it the
   // moment the restore completes): snapshot restores need that to re-stage state first.
   if (opts.paused) args.push("-S");
   return args;
-}
-
-/** `qemu-img create -f qcow2 -F qcow2 -b base path`: a copy-on-write overlay over `base`. */
-export async function createOverlay(base: string, path: string): Promise<void> {
-  await runTool("qemu-img", ["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, path]);
 }
 
 /**
@@ -295,12 +332,9 @@ const SETPRIV = "/usr/bin/setpriv";
 export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   const log = opts.log ?? (() => {});
   const { dir } = opts;
-  const qmpSocket = join(dir, "qmp.sock");
-  const agentSocket = join(dir, "agent.sock");
-  const consoleLog = join(dir, "console.log");
-  const pidFile = join(dir, "qemu.pid");
-  // Stale sockets from an earlier QEMU in this directory would make our connect reach nothing.
-  await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+  const { qmpSocket, consoleLog } = vmPaths(dir);
+  // Left by an earlier QEMU in this directory.
+  await removeQemuFiles(dir);
 
   const args = buildQemuArgs(opts);
   const dieWithParent = opts.dieWithParent ?? true;
@@ -344,7 +378,7 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
     }
     // Let the stderr pipe drain after the exit so the tail holds QEMU's last words.
     await new Promise((r) => setTimeout(r, 20));
-    await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+    await removeQemuFiles(dir);
     return new VmLaunchError(
       message,
       {
@@ -376,29 +410,39 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   if (pid === undefined) throw await launchError("qemu has no pid");
   log(`qemu pid ${pid} up, QMP connected`);
 
+  return vmProcess(pid, dir, qmp, exited, {
+    stop: async () => {
+      if (isAlive()) child.kill("SIGKILL");
+      await exited;
+    },
+    isAlive,
+    stderrTail: () => stderr,
+  });
+}
+
+/**
+ * The `VmProcess` of a running QEMU, ours (launchVm) or adopted (agent/vm/process.ts): `stop`
+ * kills it and waits for it; `kill` runs that once, then closes QMP and removes QEMU's files.
+ */
+export function vmProcess(
+  pid: number,
+  dir: string,
+  qmp: QmpClient,
+  exited: Promise<VmExit>,
+  o: { stop: () => Promise<void>; isAlive: () => boolean; stderrTail: () => string },
+): VmProcess {
+  const { agentSocket, consoleLog, pidFile } = vmPaths(dir);
   let killing: Promise<void> | undefined;
   const kill = () => {
     killing ??= (async () => {
-      if (isAlive()) child.kill("SIGKILL");
-      await exited;
+      await o.stop();
       qmp.close();
-      await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+      await removeQemuFiles(dir);
     })();
     return killing;
   };
-
-  return {
-    pid,
-    dir,
-    qmp,
-    agentSocket,
-    consoleLog,
-    pidFile,
-    exited,
-    kill,
-    isAlive,
-    stderrTail: () => stderr,
-  };
+  const { isAlive, stderrTail } = o;
+  return { pid, dir, qmp, agentSocket, consoleLog, pidFile, exited, kill, isAlive, stderrTail };
 }
 
 async function fileTail(path: string, bytes: number): Promise<string> {
@@ -408,24 +452,4 @@ async function fileTail(path: string, bytes: number): Promise<string> {
   } catch {
     return "";
   }
-}
-
-function runTool(cmd: string, args: string[]): Promise<void> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(cmd, args, { stdio: ["ignore", "ignore", "pipe"] });
-    let stderr = "";
-    child.stderr?.on("data", (d: Buffer) => {
-      stderr = (stderr + d.toString()).slice(-4000);
-    });
-    child.on("error", (err) =>
-      reject(new SandboxdError("internal", `cannot run ${cmd}: ${err.message}`, { cause: err })),
-    );
-    child.on("close", (code) => {
-      if (code === 0) resolve();
-      else
-        reject(
-          new SandboxdError("internal", `${cmd} ${args.join(" ")} failed (exit ${code}): ${stderr.trim()}`),
-        );
-    });
-  });
 }

@@ -31,7 +31,7 @@ import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
-import { newVmId } from "../vm/boot.ts";
+import { newVmId } from "../vm/ids.ts";
 import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
 import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";

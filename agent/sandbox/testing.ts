@@ -3,11 +3,12 @@
  * busybox fixture image as a docker-archive, a private state dir per test, and the leak check
  * every such test ends with (no QEMU, socket or VM directory left behind). Test code only.
  */
-import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../../tests/fixtures/images.ts";
+import { qemuPidsNaming } from "../vm/process.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
 /** Guest artifacts and imported images are cached here across runs (kernel download, agent build). */
@@ -42,19 +43,9 @@ export function tempStateDir(): Promise<string> {
   return mkdtemp(join(tmpdir(), "sbx-state-"));
 }
 
-/** Pids of QEMU processes whose command line mentions `dir` (zombies have an empty cmdline). */
-export async function qemuPidsUnder(dir: string): Promise<number[]> {
-  const pids: number[] = [];
-  for (const p of await readdir("/proc")) {
-    if (!/^\d+$/.test(p)) continue;
-    try {
-      const cmd = await readFile(`/proc/${p}/cmdline`, "utf8");
-      if (cmd.includes("qemu-system") && cmd.includes(dir)) pids.push(Number(p));
-    } catch {
-      // raced with an exiting process
-    }
-  }
-  return pids;
+/** Pids of the QEMUs whose arguments name a path inside `dir` (zombies have exited: not listed). */
+export function qemuPidsUnder(dir: string): Promise<number[]> {
+  return qemuPidsNaming([dir]);
 }
 
 /** What a state dir still holds: live QEMUs and VM directories (sockets live inside them). */

@@ -12,7 +12,7 @@
  * the client announces its width again.
  */
 import { describeError } from "../../contracts/errors.ts";
-import { newVmId } from "../vm/boot.ts";
+import { newVmId } from "../vm/ids.ts";
 import { addHeld, type HeldResources } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, VmSize } from "./drivers/driver.ts";
 import type { TemplateRegistry } from "./templates.ts";

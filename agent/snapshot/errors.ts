@@ -1,4 +1,4 @@
-import { SandboxdError } from "../../contracts/errors.ts";
+import { SandboxdError, type SnapshotOwnErrorCode } from "../../contracts/errors.ts";
 
 /**
  * The snapshot engine's errors (style.md habit 3): callers branch on `code`, never on text.
@@ -18,20 +18,13 @@ import { SandboxdError } from "../../contracts/errors.ts";
  * | `vm_unresponsive`      | QMP did not answer in time; the VM was killed                       |
  * | `migration_failed`     | QEMU reported a failed migration (save or restore)                  |
  * | `bad_request`          | invalid arguments (counts, ids, sizes)                              |
+ * | `vm_record_invalid`    | a VM's saved record is torn, foreign or of another version          |
  */
 export type SnapshotErrorCode =
-  | "template_build_failed"
-  | "template_ready_failed"
-  | "template_not_found"
+  | SnapshotOwnErrorCode
   | "template_not_ready"
   | "spawn_failed"
   | "bringup_timeout"
-  | "fork_failed"
-  | "suspend_failed"
-  | "invalid_state"
-  | "vm_died"
-  | "vm_unresponsive"
-  | "migration_failed"
   | "bad_request";
 
 export class SnapshotError extends SandboxdError {

@@ -29,13 +29,15 @@
 import { randomBytes } from "node:crypto";
 import { chmod, mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { isHostnameLabel } from "../qemu/launch.ts";
 import type { QmpEvent } from "../qemu/qmp/framing.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
+import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { eventTimeMs, migrateToFile, qmp, setCapabilities, waitMigration } from "./migrate.ts";
-import { newSandboxId, type RestoreTimings, restoreInto, SandboxVm, storageDir } from "./vm.ts";
+import { type RestoreTimings, restoreInto, SandboxVm, storageDir } from "./vm.ts";
 
 export const MAX_FORK_CHILDREN = 64;
 
@@ -61,7 +63,7 @@ export type ForkMode = "auto" | "direct" | "shared";
 
 export interface ForkOptions {
   count: number;
-  /** The children's ids (RFC 1123 labels, `count` of them); `sbx-<hex>` each by default. */
+  /** The children's ids (RFC 1123 labels, `count` of them); `newVmId()` each by default. */
   ids?: string[];
   /** "auto": direct for one child, shared for more (measured: see the report). */
   mode?: ForkMode;
@@ -105,7 +107,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   const log = o.log ?? (() => {});
   if (!Number.isInteger(o.count) || o.count < 1 || o.count > MAX_FORK_CHILDREN)
     return fail(new SnapshotError("bad_request", `count must be 1..${MAX_FORK_CHILDREN}, got ${o.count}`));
-  if (o.ids && (o.ids.length !== o.count || new Set(o.ids).size !== o.count || !o.ids.every(isLabel)))
+  if (o.ids && (o.ids.length !== o.count || new Set(o.ids).size !== o.count || !o.ids.every(isHostnameLabel)))
     return fail(new SnapshotError("bad_request", `ids must be ${o.count} distinct RFC 1123 labels`));
   const mode = o.mode === "direct" || o.mode === "shared" ? o.mode : o.count > 1 ? "shared" : "direct";
   const bad = parent.begin(["running"], "forking");
@@ -236,7 +238,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     }
     const results = await Promise.allSettled(
       Array.from({ length: o.count }, async (_, i) => {
-        const id = o.ids?.[i] ?? newSandboxId();
+        const id = o.ids?.[i] ?? newVmId();
         const disk = join(disks, `${id}-0.qcow2`);
         const child = new SandboxVm(id, join(vmsRoot(s.dataDir), id), s, disk, memPath, o.log);
         children.push(child);
@@ -277,10 +279,6 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     await chain.release(forkHolder);
     return fail(asSnapshotError(err, "fork_failed", `starting the children of ${parent.id} failed`));
   }
-}
-
-function isLabel(id: string): boolean {
-  return /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(id);
 }
 
 /** Records the parent's move onto its new overlay (the old one stays, as its backing file). */

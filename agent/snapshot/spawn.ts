@@ -14,18 +14,19 @@ import { createConnection, type Socket } from "node:net";
 import { join, resolve } from "node:path";
 import { FrameType, Op, Tag } from "../../contracts/guest-protocol.ts";
 import { encodeFrame, TlvWriter } from "../guest/codec.ts";
-import { buildQemuArgs, QEMU_BINARY } from "../qemu/launch.ts";
+import { buildQemuArgs, isHostnameLabel, QEMU_BINARY } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayFromBlank, createOverlayOn } from "../storage/qcow2.ts";
+import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import type { TemplateMeta } from "./template.ts";
-import { newSandboxId, type RestoreTimings, restoreInto, SandboxVm, storageDir, type VmShape } from "./vm.ts";
+import { type RestoreTimings, restoreInto, SandboxVm, storageDir, type VmShape } from "./vm.ts";
 
 export interface SpawnOptions {
   dataDir: string;
   template: TemplateMeta;
-  /** `sbx-<hex>` by default; must be an RFC 1123 label (it becomes the hostname). */
+  /** `newVmId()` by default; must be an RFC 1123 label (it becomes the hostname). */
   id?: string;
   readyTimeoutMs?: number;
   /** Launch option: false for VMs that must outlive this process (see VmShape). Default true. */
@@ -37,8 +38,6 @@ export interface Spawned {
   vm: SandboxVm;
   timings: RestoreTimings;
 }
-
-const HOSTNAME_RE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
 
 export function shapeOf(dataDir: string, t: TemplateMeta): VmShape {
   return {
@@ -57,8 +56,8 @@ export async function spawnFromTemplate(o: SpawnOptions): Promise<Result<Spawned
   const t = o.template;
   if (t.state !== "ready")
     return fail(new SnapshotError("template_not_ready", `template ${t.id} is ${t.state}`));
-  const id = o.id ?? newSandboxId();
-  if (!HOSTNAME_RE.test(id))
+  const id = o.id ?? newVmId();
+  if (!isHostnameLabel(id))
     return fail(new SnapshotError("bad_request", `invalid sandbox id ${JSON.stringify(id)}`));
   const shape = shapeOf(o.dataDir, t);
   if (o.dieWithParent !== undefined) shape.dieWithParent = o.dieWithParent;

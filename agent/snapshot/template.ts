@@ -20,12 +20,13 @@ import { join, resolve } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import type { GuestClient } from "../guest/client.ts";
 import type { ImageConfig, ImportedImage } from "../image/import.ts";
-import type { Accel } from "../qemu/accel.ts";
-import { createOverlay, launchVm, type VmProcess } from "../qemu/launch.ts";
+import type { Accel } from "../qemu/launch.ts";
+import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { virtualSize } from "../storage/qcow2.ts";
+import { createOverlayOn, virtualSize } from "../storage/qcow2.ts";
 import { connectGuest } from "../vm/boot.ts";
-import { createVmDir, vmsRoot, writeOwner } from "../vm/workdir.ts";
+import { claimVm } from "../vm/process.ts";
+import { createVmDir, vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { migrateToFile, qmp, setCapabilities, waitMigration } from "./migrate.ts";
 
@@ -168,7 +169,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
   let guest: GuestClient | undefined;
   const t0 = performance.now();
   try {
-    await createOverlay(o.image.disk, meta.disk);
+    await createOverlayOn(o.image.disk, meta.disk);
     meta.diskBytes = await virtualSize(meta.disk);
     await createVmDir(dataDir, vmId);
     vm = await launchVm({
@@ -182,7 +183,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       memBackend: { path: meta.memPath, share: true },
       log,
     });
-    await writeOwner(vmDir, { ownerPid: process.pid, qemuPid: vm.pid, createdAt: meta.createdAt });
+    await claimVm(vmDir, vm.pid);
     try {
       guest = await connectGuest(vm, o.bringupTimeoutMs ?? DEFAULT_BRINGUP_TIMEOUT_MS);
     } catch (err) {

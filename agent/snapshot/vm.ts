@@ -4,8 +4,8 @@
  * reconnect the guest agent, then give the guest its own identity (entropy, clock, hostname)
  * before anyone else may talk to it.
  *
- * Explicit states (style.md habit 2): every operation first asks `begin(from, to)`, so a suspend
- * racing a fork gets `invalid_state` instead of two migrations on one QEMU.
+ * Explicit states (states.ts): every operation first asks `begin(from, to)`, so a suspend racing
+ * a fork gets `invalid_state` instead of two migrations on one QEMU.
  */
 import { randomBytes, randomUUID } from "node:crypto";
 import { rm } from "node:fs/promises";
@@ -18,34 +18,14 @@ import {
   GuestError,
   type GuestTunnel,
 } from "../guest/client.ts";
-import type { Accel } from "../qemu/accel.ts";
+import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { createVmDir, writeOwner } from "../vm/workdir.ts";
+import { claimVm } from "../vm/process.ts";
+import { createVmDir } from "../vm/workdir.ts";
 import { asSnapshotError, SnapshotError } from "./errors.ts";
 import { migrateFromFile, qmp, qmpFailure, setCapabilities } from "./migrate.ts";
-
-export type VmState =
-  | "starting"
-  | "running"
-  | "paused"
-  | "forking"
-  | "suspending"
-  | "suspended"
-  | "resuming"
-  | "dead";
-
-/** Allowed state changes. Anything else is `invalid_state` (the API's 409). */
-const TRANSITIONS: Record<VmState, readonly VmState[]> = {
-  starting: ["running", "dead"],
-  running: ["paused", "forking", "suspending", "dead"],
-  paused: ["running", "suspending", "dead"],
-  forking: ["running", "dead"],
-  suspending: ["suspended", "running", "dead"],
-  suspended: ["resuming", "dead"],
-  resuming: ["running", "suspended", "dead"],
-  dead: [],
-};
+import { canVmTransition, checkVmTransition, type EngineVmState } from "./states.ts";
 
 /**
  * Budget from `cont` to the guest's first HELLO answer after a restore. Under TCG the first
@@ -63,10 +43,6 @@ export const RESTORE_MIGRATION_TIMEOUT_MS = 60_000;
 
 /** Bytes of host randomness mixed into each restored guest (its CRNG state is a copy otherwise). */
 const ENTROPY_BYTES = 64;
-
-export function newSandboxId(): string {
-  return `sbx-${randomBytes(6).toString("hex")}`;
-}
 
 export interface VmShape {
   dataDir: string;
@@ -88,7 +64,7 @@ export interface VmShape {
 }
 
 export class SandboxVm {
-  state: VmState = "starting";
+  state: EngineVmState = "starting";
   /** Current top overlay (ours, registered in the chain store, held by `holder`). */
   disk: string;
   /** QEMU node name of the top of the disk chain (changes with every fork of this VM). */
@@ -125,19 +101,16 @@ export class SandboxVm {
   }
 
   /** Moves to `to` if the current state is one of `from` and the table allows it. */
-  begin(from: readonly VmState[], to: VmState): SnapshotError | undefined {
-    if (!from.includes(this.state) || !TRANSITIONS[this.state].includes(to))
-      return new SnapshotError("invalid_state", `VM ${this.id} is ${this.state}; cannot go to ${to}`, {
-        details: { state: this.state, wanted: to },
-      });
-    this.state = to;
-    return undefined;
+  begin(from: readonly EngineVmState[], to: EngineVmState): SnapshotError | undefined {
+    const refused = checkVmTransition(this.id, this.state, to, from);
+    if (!refused) this.state = to;
+    return refused;
   }
 
   /** Sets a state the operation in progress leads to (checked against the table). */
-  enter(to: VmState): void {
+  enter(to: EngineVmState): void {
     if (this.state === to) return;
-    if (!TRANSITIONS[this.state].includes(to)) throw new Error(`internal: ${this.state} -> ${to}`);
+    if (!canVmTransition(this.state, to)) throw new Error(`internal: ${this.state} -> ${to}`);
     this.state = to;
   }
 
@@ -259,7 +232,7 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
     // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).
     vm.topNode = DEVICE_IDS.diskNode;
     const tLaunch = performance.now();
-    await writeOwner(vm.dir, { ownerPid: process.pid, qemuPid: p.pid, createdAt: new Date().toISOString() });
+    await claimVm(vm.dir, p.pid);
     await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
     await migrateFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
     const tIncoming = performance.now();

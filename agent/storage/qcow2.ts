@@ -2,10 +2,10 @@
  * qcow2 helpers for snapshot chains (qemu-img). Every path here is one we made; none may hold a
  * ',' (QEMU option syntax), which the launcher checks too.
  */
-import { spawn } from "node:child_process";
 import { constants, existsSync } from "node:fs";
 import { copyFile, rename } from "node:fs/promises";
 import { basename, dirname, join } from "node:path";
+import { runTool, ToolError } from "../host/tool.ts";
 import { StorageError } from "./chain.ts";
 
 /**
@@ -15,23 +15,23 @@ import { StorageError } from "./chain.ts";
  */
 export const MAX_CHAIN_DEPTH = 8;
 
-export function runQemuImg(args: string[]): Promise<string> {
-  return new Promise((resolve, reject) => {
-    const child = spawn("qemu-img", args, { stdio: ["ignore", "pipe", "pipe"] });
-    let out = "";
-    let err = "";
-    child.stdout?.on("data", (d: Buffer) => {
-      out += d.toString();
-    });
-    child.stderr?.on("data", (d: Buffer) => {
-      err = (err + d.toString()).slice(-4000);
-    });
-    child.on("error", (e) => reject(new StorageError(`cannot run qemu-img: ${e.message}`, { cause: e })));
-    child.on("close", (code) => {
-      if (code === 0) resolve(out);
-      else reject(new StorageError(`qemu-img ${args.join(" ")} failed (exit ${code}): ${err.trim()}`));
-    });
-  });
+/**
+ * Runs qemu-img (agent/host/tool.ts: deadline, bounded output) and returns its stdout; a failure
+ * is a StorageError carrying the ToolError as its cause.
+ */
+async function runQemuImg(args: string[]): Promise<string> {
+  try {
+    return (await runTool(["qemu-img", ...args])).stdout.toString("utf8");
+  } catch (err) {
+    if (!(err instanceof ToolError)) throw err;
+    const message =
+      err.kind === "exit" && err.details.exitCode != null
+        ? `qemu-img ${args.join(" ")} failed (exit ${err.details.exitCode}): ${err.details.output ?? ""}`
+        : err.kind === "spawn"
+          ? err.message
+          : `qemu-img ${args.join(" ")}: ${err.message}`;
+    throw new StorageError(message, { cause: err });
+  }
 }
 
 /** Virtual size in bytes of an image (`-U`: it may be open in a running QEMU). */
@@ -43,25 +43,16 @@ export async function virtualSize(path: string): Promise<number> {
 }
 
 /**
- * A new overlay on `backing`. `-u` with an explicit size: qemu-img does not open the backing
- * file, which a running parent QEMU may hold locked.
+ * A new qcow2 overlay on `backing` (a qcow2 too). The only place overlays are made. With
+ * `sizeBytes`: `-u`, qemu-img does not open the backing file, which a running parent QEMU may hold
+ * locked (a fork's frozen layer, a template's disk). Without: qemu-img opens `backing` to take its
+ * size, for a backing file nobody runs on (an image's base disk).
  */
-export async function createOverlayOn(backing: string, path: string, sizeBytes: number): Promise<void> {
+export async function createOverlayOn(backing: string, path: string, sizeBytes?: number): Promise<void> {
   if (path.includes(",") || backing.includes(","))
     throw new StorageError(`image paths may not contain ',': ${path} ${backing}`);
-  await runQemuImg([
-    "create",
-    "-q",
-    "-f",
-    "qcow2",
-    "-F",
-    "qcow2",
-    "-b",
-    backing,
-    "-u",
-    path,
-    String(sizeBytes),
-  ]);
+  const target = sizeBytes === undefined ? [path] : ["-u", path, String(sizeBytes)];
+  await runQemuImg(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, ...target]);
 }
 
 /**

@@ -1,12 +1,14 @@
-import { randomBytes } from "node:crypto";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { GuestClient } from "../guest/client.ts";
 import type { ImportedImage } from "../image/import.ts";
-import { createOverlay, launchVm, type VmProcess } from "../qemu/launch.ts";
-import { createVmDir, writeOwner } from "./workdir.ts";
+import { launchVm, type VmProcess } from "../qemu/launch.ts";
+import { createOverlayOn } from "../storage/qcow2.ts";
+import { newVmId } from "./ids.ts";
+import { claimVm } from "./process.ts";
+import { createVmDir } from "./workdir.ts";
 
 export interface BootOptions {
   dataDir: string;
@@ -32,10 +34,6 @@ export interface BootedVm {
   destroy(): Promise<void>;
 }
 
-export function newVmId(): string {
-  return `vm-${randomBytes(8).toString("hex")}`;
-}
-
 /** How long one HELLO waits for its answer during boot: a booted guest answers in ~50 ms under TCG. */
 const HELLO_WAIT_MS = 1000;
 /** Pause between HELLO attempts when the socket refused us (QEMU not listening yet). */
@@ -53,7 +51,7 @@ export async function bootVm(opts: BootOptions): Promise<BootedVm> {
   };
   try {
     const disk = join(dir, "disk.qcow2");
-    await createOverlay(opts.image.disk, disk);
+    await createOverlayOn(opts.image.disk, disk);
     const started = performance.now();
     vm = await launchVm({
       dir,
@@ -64,7 +62,7 @@ export async function bootVm(opts: BootOptions): Promise<BootedVm> {
       accel: opts.accel,
       hostname: id,
     });
-    await writeOwner(dir, { ownerPid: process.pid, qemuPid: vm.pid, createdAt: new Date().toISOString() });
+    await claimVm(dir, vm.pid);
     guest = await connectGuest(vm, opts.bringupTimeoutMs);
     const bootMs = performance.now() - started;
     opts.log?.(`vm ${id} booted under ${opts.accel} in ${bootMs.toFixed(0)} ms`);

@@ -250,7 +250,7 @@ export class QmpClient {
         new QmpDisconnectedError(`QMP ${command}: connection is closed`, { cause: this.closedWith }),
       );
     }
-    const id = `sbx-${this.nextId++}`;
+    const id = `cmd-${this.nextId++}`;
     const timeoutMs = opts?.timeoutMs ?? DEFAULT_COMMAND_TIMEOUT_MS;
     return new Promise<T>((resolve, reject) => {
       const entry: Pending = {

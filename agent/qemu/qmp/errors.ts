@@ -1,4 +1,4 @@
-import { SandboxdError } from "../../../contracts/errors.ts";
+import { type QmpErrorCode, SandboxdError } from "../../../contracts/errors.ts";
 
 /**
  * The QMP layer's errors, all in one place (style.md habit 3, after QEMU's
@@ -12,7 +12,7 @@ import { SandboxdError } from "../../../contracts/errors.ts";
  * | `qmp_disconnected` | the socket closed (QEMU died, or we closed) before the answer came  |
  * | `qmp_protocol`     | QEMU sent something that is not QMP (bad JSON, missing greeting...) |
  */
-export type QmpErrorCode = "qmp_error" | "qmp_timeout" | "qmp_disconnected" | "qmp_protocol";
+export type { QmpErrorCode };
 
 export abstract class QmpError extends SandboxdError {
   declare readonly code: QmpErrorCode;

@@ -30,7 +30,7 @@ describe("parseQmpLine", () => {
       version: { qemu: { major: 7, minor: 2, micro: 0 }, package: "" },
       capabilities: ["oob"],
     });
-    expect(parseQmpLine('{"return":{},"id":"sbx-1"}')).toEqual({ kind: "return", id: "sbx-1", value: {} });
+    expect(parseQmpLine('{"return":{},"id":"cmd-1"}')).toEqual({ kind: "return", id: "cmd-1", value: {} });
     expect(parseQmpLine('{"error":{"class":"GenericError","desc":"no"},"id":"x"}')).toEqual({
       kind: "error",
       id: "x",
@@ -53,10 +53,10 @@ describe("parseQmpLine", () => {
   });
 
   test("encode carries our id and omits absent arguments", () => {
-    expect(JSON.parse(encodeQmpCommand("sbx-3", "stop"))).toEqual({ execute: "stop", id: "sbx-3" });
-    expect(JSON.parse(encodeQmpCommand("sbx-4", "x", { a: 1 }))).toEqual({
+    expect(JSON.parse(encodeQmpCommand("cmd-3", "stop"))).toEqual({ execute: "stop", id: "cmd-3" });
+    expect(JSON.parse(encodeQmpCommand("cmd-4", "x", { a: 1 }))).toEqual({
       execute: "x",
-      id: "sbx-4",
+      id: "cmd-4",
       arguments: { a: 1 },
     });
   });

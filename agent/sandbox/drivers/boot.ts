@@ -4,16 +4,18 @@
  * use REAL VMs, and of hosts where the snapshot engine is not available. Spawn is a full boot
  * (~2-3 s under TCG, host-facts.md), not the ~200 ms of a snapshot restore.
  */
-import { readdir, readFile, rm, stat } from "node:fs/promises";
+import { rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
 import type { GuestClient, GuestTunnel } from "../../guest/client.ts";
 import { type ImportedImage, importImage } from "../../image/import.ts";
-import { type Accel, probeAccelerator } from "../../qemu/accel.ts";
-import { QmpClient } from "../../qemu/qmp/client.ts";
+import { probeAccelerator } from "../../qemu/accel.ts";
+import type { Accel } from "../../qemu/launch.ts";
+import type { QmpClient } from "../../qemu/qmp/client.ts";
 import { bootVm, connectGuest } from "../../vm/boot.ts";
-import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../../vm/workdir.ts";
+import { adoptQemu, claimVm, pidGone } from "../../vm/process.ts";
+import { reapVmDirs, vmsRoot } from "../../vm/workdir.ts";
 import type {
   AdoptRef,
   DriverVm,
@@ -39,15 +41,11 @@ export interface BootDriverOptions {
  * loaded CI machine running several boots at once (same budget as `sandboxd run`).
  */
 const COLD_BOOT_TIMEOUT_MS = 60_000;
-/** QMP connect budget on adoption: a live QEMU greets in ~30 ms; 5 s means it is wedged. */
-const ADOPT_QMP_TIMEOUT_MS = 5_000;
 /**
  * HELLO budget on adoption: a running guest answers in ~50 ms under TCG; the guest agent may
  * first have to notice the old connection's hang-up, so allow a few retry rounds.
  */
 const ADOPT_HELLO_TIMEOUT_MS = 10_000;
-/** How long to wait for a SIGKILLed QEMU to disappear (it exits within milliseconds). */
-const KILL_WAIT_MS = 5_000;
 
 interface Live {
   handle: DriverVm;
@@ -218,40 +216,25 @@ export class BootDriver implements SandboxDriver {
     const image = this.templates.get(ref.templateId);
     if (!image) throw new SandboxdError("not_found", `template ${ref.templateId} is gone`);
     const dir = join(vmsRoot(this.opts.stateDir), ref.vmId);
-    if (!pidAlive(ref.qemuPid) || !(await isQemuFor(ref.qemuPid, dir))) {
-      throw new SandboxdError("vm_lost", `QEMU pid ${ref.qemuPid} is not running`);
-    }
     const started = performance.now();
-    let qmp: QmpClient;
-    try {
-      qmp = await QmpClient.connect(join(dir, "qmp.sock"), { timeoutMs: ADOPT_QMP_TIMEOUT_MS });
-    } catch (err) {
-      throw new SandboxdError("vm_lost", "QMP socket does not answer", { cause: err });
-    }
-    const exited = waitGone(qmp, ref.qemuPid);
+    const proc = await adoptQemu(ref.qemuPid, dir);
+    const exited = proc.exited.then(
+      (): VmExitInfo => ({
+        reason: pidGone(ref.qemuPid) ? "QEMU exited (adopted VM)" : "QMP connection to the adopted VM closed",
+      }),
+    );
     let guest: GuestClient;
     try {
-      const status = await qmp.execute<{ running: boolean; status: string }>("query-status");
+      const status = await proc.qmp.execute<{ running: boolean; status: string }>("query-status");
       // A paused guest cannot answer HELLO: wake it; the manager re-arms its idle pause.
-      if (!status.running) await qmp.execute("cont");
-      guest = await connectGuest(
-        {
-          agentSocket: join(dir, "agent.sock"),
-          consoleLog: join(dir, "console.log"),
-          exited: exited.then(() => ({ code: null, signal: null })),
-        },
-        ADOPT_HELLO_TIMEOUT_MS,
-      );
+      if (!status.running) await proc.qmp.execute("cont");
+      guest = await connectGuest(proc, ADOPT_HELLO_TIMEOUT_MS);
     } catch (err) {
-      qmp.close();
+      proc.qmp.close();
       throw new SandboxdError("vm_lost", "guest agent does not answer HELLO", { cause: err });
     }
     // The new owner of the directory is this process (reap uses it to tell live agents apart).
-    await writeOwner(dir, {
-      ownerPid: process.pid,
-      qemuPid: ref.qemuPid,
-      createdAt: new Date().toISOString(),
-    });
+    await claimVm(dir, ref.qemuPid);
     const handle: DriverVm = {
       vmId: ref.vmId,
       templateId: ref.templateId,
@@ -264,56 +247,15 @@ export class BootDriver implements SandboxDriver {
     };
     const kill = async () => {
       guest.close();
-      if (await isQemuFor(ref.qemuPid, dir)) {
-        try {
-          process.kill(ref.qemuPid, "SIGKILL");
-        } catch {
-          // already gone
-        }
-      }
-      await Promise.race([exited, Bun.sleep(KILL_WAIT_MS)]);
-      qmp.close();
+      await proc.kill();
       await rm(dir, { recursive: true, force: true });
     };
-    this.live.set(ref.vmId, { handle, qmp, exited, kill, destroying: false });
+    this.live.set(ref.vmId, { handle, qmp: proc.qmp, exited, kill, destroying: false });
     return handle;
   }
 
-  async reap(keep: ReadonlySet<string>): Promise<string[]> {
-    const root = vmsRoot(this.opts.stateDir);
-    let ids: string[];
-    try {
-      ids = await readdir(root);
-    } catch {
-      return [];
-    }
-    const reaped: string[] = [];
-    for (const id of ids) {
-      if (keep.has(id) || this.live.has(id)) continue;
-      const dir = join(root, id);
-      let owner: VmOwner | undefined;
-      try {
-        owner = JSON.parse(await readFile(join(dir, "owner.json"), "utf8")) as VmOwner;
-      } catch {
-        owner = undefined;
-      }
-      // Another live agent process on the same state dir is a misconfiguration; never kill its VMs.
-      if (owner && owner.ownerPid !== process.pid && pidAlive(owner.ownerPid)) continue;
-      const pid = owner?.qemuPid ?? (await readPid(join(dir, "qemu.pid")));
-      if (pid && (await isQemuFor(pid, dir))) {
-        try {
-          process.kill(pid, "SIGKILL");
-        } catch {
-          // already gone
-        }
-        const deadline = performance.now() + KILL_WAIT_MS;
-        while (pidAlive(pid) && (await isQemuFor(pid, dir)) && performance.now() < deadline)
-          await Bun.sleep(20);
-      }
-      await rm(dir, { recursive: true, force: true });
-      reaped.push(id);
-    }
-    return reaped;
+  reap(keep: ReadonlySet<string>): Promise<string[]> {
+    return reapVmDirs(this.opts.stateDir, (id) => keep.has(id) || this.live.has(id));
   }
 
   detach(): void {
@@ -329,48 +271,5 @@ export class BootDriver implements SandboxDriver {
     const l = this.live.get(vm.vmId);
     if (!l) throw new SandboxdError("gone", `VM ${vm.vmId} has no QEMU`);
     return l;
-  }
-}
-
-/** True when `pid` is a QEMU started for `dir` (guards against a recycled pid). */
-async function isQemuFor(pid: number, dir: string): Promise<boolean> {
-  try {
-    const cmdline = await readFile(`/proc/${pid}/cmdline`, "utf8");
-    return cmdline.includes("qemu-system") && cmdline.includes(dir);
-  } catch {
-    return false;
-  }
-}
-
-async function readPid(path: string): Promise<number | undefined> {
-  try {
-    const n = Number.parseInt((await readFile(path, "utf8")).trim(), 10);
-    return Number.isFinite(n) && n > 0 ? n : undefined;
-  } catch {
-    return undefined;
-  }
-}
-
-/**
- * Death of a QEMU we did not spawn (adopted after a restart): no exit event reaches us, but QEMU
- * dying closes its QMP socket. The pid check then tells a hang-up of ours from a real death.
- */
-async function waitGone(qmp: QmpClient, pid: number): Promise<VmExitInfo> {
-  await qmp.closed;
-  // A zombie (our own child, not yet reaped) still answers kill(0); /proc says it is dead.
-  // 50 x 20 ms: a SIGKILLed QEMU is gone within milliseconds of its socket closing.
-  for (let i = 0; i < 50; i++) {
-    if (!pidAlive(pid) || (await isZombie(pid))) return { reason: "QEMU exited (adopted VM)" };
-    await Bun.sleep(20);
-  }
-  return { reason: "QMP connection to the adopted VM closed" };
-}
-
-async function isZombie(pid: number): Promise<boolean> {
-  try {
-    const s = await readFile(`/proc/${pid}/stat`, "utf8");
-    return s.slice(s.lastIndexOf(")") + 2).startsWith("Z");
-  } catch {
-    return true;
   }
 }

@@ -15,27 +15,34 @@
  * crash between creating a file and registering it).
  *
  * Restarts. QEMUs are launched with `dieWithParent: false`: they outlive the agent process.
- * `snapshot-vm.json` (written after every spawn, fork, suspend and resume) holds what a new agent
- * process needs to drive the VM again: its disk chain top and QEMU node name, RAM file, overlay
- * generation, the template's shape, the image config, and while suspended the state file. So
+ * The VM's record `snapshot-vm.json` (agent/snapshot/persist.ts; written after every spawn, fork,
+ * suspend and resume) holds what a new agent process needs to drive the VM again: its disk chain
+ * top and QEMU node name, RAM file, overlay generation, the template's shape, the image config,
+ * and while suspended the state file. So
  * `adopt` re-attaches to a running VM (QMP + guest HELLO), and `resume` works from the record
  * alone after a restart.
  */
-import { createHash, randomBytes } from "node:crypto";
-import { existsSync, readFileSync } from "node:fs";
-import { readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
+import { createHash } from "node:crypto";
+import { existsSync } from "node:fs";
+import { readdir, rm, stat } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
-import { z } from "zod";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
 import { GuestClient, type GuestTunnel } from "../../guest/client.ts";
 import { type ImageConfig, importImage } from "../../image/import.ts";
 import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../../image/pull.ts";
-import { type Accel, probeAccelerator } from "../../qemu/accel.ts";
-import type { VmExit, VmProcess } from "../../qemu/launch.ts";
-import { QmpClient } from "../../qemu/qmp/client.ts";
-import type { SnapshotError } from "../../snapshot/errors.ts";
+import { probeAccelerator } from "../../qemu/accel.ts";
+import type { Accel, VmExit, VmProcess } from "../../qemu/launch.ts";
+import type { Result, SnapshotError } from "../../snapshot/errors.ts";
 import { forkVm } from "../../snapshot/fork.ts";
+import {
+  readVmRecord,
+  restoreVm,
+  saveVm,
+  VM_RECORD_FILE,
+  type VmRecord,
+  writeVmRecord,
+} from "../../snapshot/persist.ts";
 import { reclaimSnapshotStorage } from "../../snapshot/recover.ts";
 import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
 import { spawnFromTemplate } from "../../snapshot/spawn.ts";
@@ -49,9 +56,10 @@ import {
   type TemplateMeta,
   templatesRoot,
 } from "../../snapshot/template.ts";
-import { SandboxVm, storageDir, type VmShape } from "../../snapshot/vm.ts";
+import { type SandboxVm, storageDir } from "../../snapshot/vm.ts";
 import { openChainStore } from "../../storage/chain.ts";
-import { pidAlive, type VmOwner, vmsRoot, writeOwner } from "../../vm/workdir.ts";
+import { adoptQemu, claimVm, killRecordedQemu } from "../../vm/process.ts";
+import { reapVmDirs, vmsRoot } from "../../vm/workdir.ts";
 import type { PreparedWithTelemetry } from "../templates.ts";
 import type {
   AdoptRef,
@@ -84,37 +92,14 @@ export interface SnapshotDriverOptions {
 
 /** The manager's default (manager.ts): 1 vCPU, 256 MiB. */
 const DEFAULT_SIZE: VmSize = { vcpus: 1, memMib: 256 };
-/** QMP connect budget on adoption: a live QEMU greets in ~30 ms; 5 s means it is wedged. */
-const ADOPT_QMP_TIMEOUT_MS = 5_000;
 /**
  * HELLO budget on adoption: a running guest answers in ~50 ms under TCG, but it first has to
  * notice the old connection's hang-up; one attempt is bounded, the whole by this.
  */
 const ADOPT_HELLO_TIMEOUT_MS = 15_000;
 const ADOPT_HELLO_ATTEMPT_MS = 2_000;
-/** How long to wait for a SIGKILLed QEMU to disappear (it exits within milliseconds). */
-const KILL_WAIT_MS = 5_000;
 /** The engine's template ids (template.ts ID_RE); other manager ids are mapped by hash. */
 const ENGINE_TEMPLATE_ID = /^[a-z0-9][a-z0-9-]{0,40}$/;
-const VM_FILE = "snapshot-vm.json";
-
-/** What `snapshot-vm.json` holds: enough to adopt or resume the VM from another process. */
-const VmFile = z.object({
-  version: z.literal(1),
-  vmId: z.string(),
-  templateId: z.string(),
-  size: z.object({ vcpus: z.int().min(1), memMib: z.int().min(1) }),
-  image: z.custom<ImageConfig>((v) => typeof v === "object" && v !== null && "env" in v),
-  shape: z.custom<VmShape>((v) => typeof v === "object" && v !== null && "dataDir" in v && "artifacts" in v),
-  disk: z.string(),
-  topNode: z.string(),
-  memPath: z.string(),
-  generation: z.int().min(0),
-  /** Set while suspended: the full RAM + device state file. */
-  suspendState: z.string().optional(),
-  memBytes: z.number().optional(),
-});
-type VmFile = z.infer<typeof VmFile>;
 
 interface Live {
   sbx: SandboxVm;
@@ -142,7 +127,7 @@ export class SnapshotDriver implements SandboxDriver {
   private readonly building = new Set<string>();
   private readonly live = new Map<string, Live>();
   /** Suspended VMs this process knows; after a restart they are read from their VM file. */
-  private readonly suspended = new Map<string, { sbx: SandboxVm; file: VmFile }>();
+  private readonly suspended = new Map<string, { sbx: SandboxVm; record: VmRecord }>();
   private detached = false;
   private guestTunnelHandler: ((vmId: string, t: GuestTunnel) => void) | undefined;
   private readonly log: (msg: string) => void;
@@ -297,7 +282,7 @@ export class SnapshotDriver implements SandboxDriver {
     const l = this.mustLive(parent);
     const r = await forkVm(l.sbx, { count: childIds.length, ids: childIds, log: this.log });
     // The parent moved onto a new overlay (also when only the children failed): record it.
-    if (l.sbx.state !== "dead") await this.writeVmFile(l.sbx, l.handle).catch(() => {});
+    if (l.sbx.state !== "dead") await this.saveRecord(l.sbx, l.handle).catch(() => {});
     if (!r.ok) throw r.error;
     this.log(
       `fork of ${parent.vmId} into ${childIds.length}: parent stalled ${r.value.timings.parentStallMs.toFixed(1)} ms, children ready after ${r.value.timings.childrenReadyMs.toFixed(0)} ms (${r.value.timings.mode})`,
@@ -322,10 +307,9 @@ export class SnapshotDriver implements SandboxDriver {
     const r = await suspendVm(l.sbx);
     if (!r.ok) throw r.error;
     this.live.delete(vm.vmId);
-    const file = this.vmFileOf(l.sbx, vm);
-    file.memBytes = r.value.memBytes;
-    this.suspended.set(vm.vmId, { sbx: l.sbx, file });
-    await writeJson(join(l.sbx.dir, VM_FILE), file);
+    const record = this.recordOf(l.sbx, vm, r.value.memBytes);
+    this.suspended.set(vm.vmId, { sbx: l.sbx, record });
+    await writeVmRecord(l.sbx.dir, record);
     const diskBytes = await allocatedBytes(l.sbx.disk);
     this.log(`suspended ${vm.vmId}: ${r.value.memBytes} B of state in ${r.value.suspendMs.toFixed(0)} ms`);
     return { memBytes: r.value.memBytes, snapshotBytes: r.value.memBytes + diskBytes };
@@ -334,19 +318,23 @@ export class SnapshotDriver implements SandboxDriver {
   async resume(vmId: string, templateId: string, size: VmSize): Promise<DriverVm> {
     let s = this.suspended.get(vmId);
     if (!s) {
-      const file = await this.readVmFile(vmId);
-      if (!file?.suspendState)
-        throw new SandboxdError("gone", `VM ${vmId} has no suspended state on this agent`);
-      const sbx = this.vmFromFile(file);
+      const r = await this.loadRecord(vmId);
+      const record = r.ok ? r.value : undefined;
+      if (!record?.suspendState)
+        throw new SandboxdError(
+          "gone",
+          `VM ${vmId} has no suspended state on this agent`,
+          r.ok ? undefined : { cause: r.error },
+        );
+      const sbx = this.restoreRecord(record);
       sbx.state = "suspended";
-      sbx.suspendState = file.suspendState;
-      s = { sbx, file };
+      s = { sbx, record };
       this.suspended.set(vmId, s);
     }
     const r = await resumeVm(s.sbx);
     if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not resume`);
     this.suspended.delete(vmId);
-    return this.track(s.sbx, templateId, s.file.image, size, r.value.readyMs);
+    return this.track(s.sbx, templateId, s.record.image, size, r.value.readyMs);
   }
 
   async pause(vm: DriverVm): Promise<void> {
@@ -389,7 +377,7 @@ export class SnapshotDriver implements SandboxDriver {
     // Whatever this process does not hold (a VM of an earlier agent, a lost one): its QEMU by
     // owner.json, its chain holds, its directory.
     const dir = join(vmsRoot(this.stateDir), id);
-    await killQemuOf(dir);
+    await killRecordedQemu(dir);
     const chain = await openChainStore(this.stateDir);
     await chain.release(`vm:${id}`);
     await rm(dir, { recursive: true, force: true });
@@ -412,7 +400,7 @@ export class SnapshotDriver implements SandboxDriver {
     const disk =
       this.live.get(vmId)?.sbx.disk ??
       this.suspended.get(vmId)?.sbx.disk ??
-      (await this.readVmFile(vmId))?.disk;
+      (await this.loadRecord(vmId).then((r) => (r.ok ? r.value?.disk : undefined)));
     return disk ? allocatedBytes(disk) : 0;
   }
 
@@ -420,20 +408,15 @@ export class SnapshotDriver implements SandboxDriver {
 
   async adopt(ref: AdoptRef): Promise<DriverVm> {
     const started = performance.now();
-    const file = await this.readVmFile(ref.vmId);
-    if (!file) throw new SandboxdError("vm_lost", `VM ${ref.vmId} has no ${VM_FILE}`);
+    const r = await this.loadRecord(ref.vmId);
+    if (!r.ok) throw new SandboxdError("vm_lost", `VM ${ref.vmId}: ${r.error.message}`, { cause: r.error });
+    const file = r.value;
+    if (!file) throw new SandboxdError("vm_lost", `VM ${ref.vmId} has no ${VM_RECORD_FILE}`);
     if (file.suspendState) throw new SandboxdError("vm_lost", `VM ${ref.vmId} was being suspended`);
     const dir = join(vmsRoot(this.stateDir), ref.vmId);
     const pid = ref.qemuPid;
-    if (pid <= 0 || !pidAlive(pid) || !(await isQemuFor(pid, dir)))
-      throw new SandboxdError("vm_lost", `QEMU pid ${pid} is not running`);
-    let qmp: QmpClient;
-    try {
-      qmp = await QmpClient.connect(join(dir, "qmp.sock"), { timeoutMs: ADOPT_QMP_TIMEOUT_MS });
-    } catch (err) {
-      throw new SandboxdError("vm_lost", "QMP socket does not answer", { cause: err });
-    }
-    const proc = adoptedProcess(pid, dir, qmp);
+    const proc = await adoptQemu(pid, dir);
+    const qmp = proc.qmp;
     let guest: GuestClient | undefined;
     try {
       const status = await qmp.execute<{ running: boolean; status: string }>("query-status");
@@ -449,9 +432,8 @@ export class SnapshotDriver implements SandboxDriver {
       qmp.close();
       throw new SandboxdError("vm_lost", "the adopted VM does not answer", { cause: err });
     }
-    await writeOwner(dir, { ownerPid: process.pid, qemuPid: pid, createdAt: new Date().toISOString() });
-    const sbx = this.vmFromFile(file);
-    sbx.topNode = file.topNode;
+    await claimVm(dir, pid);
+    const sbx = this.restoreRecord(file);
     sbx.state = "running";
     sbx.attach(proc, guest);
     const handle = await this.track(sbx, ref.templateId, file.image, ref.size, performance.now() - started);
@@ -460,25 +442,14 @@ export class SnapshotDriver implements SandboxDriver {
   }
 
   async reap(keep: ReadonlySet<string>): Promise<string[]> {
-    const root = vmsRoot(this.stateDir);
-    let ids: string[] = [];
-    try {
-      ids = await readdir(root);
-    } catch {
-      ids = [];
-    }
-    const reaped: string[] = [];
-    for (const id of ids) {
-      if (keep.has(id) || this.live.has(id) || this.suspended.has(id)) continue;
-      if ([...this.building].some((t) => id === `${t}-build`)) continue;
-      const dir = join(root, id);
-      const owner = await readOwner(dir);
-      // Another live agent process on the same state dir is a misconfiguration; never kill its VMs.
-      if (owner && owner.ownerPid !== process.pid && pidAlive(owner.ownerPid)) continue;
-      await killQemuOf(dir);
-      await rm(dir, { recursive: true, force: true });
-      reaped.push(id);
-    }
+    const reaped = await reapVmDirs(
+      this.stateDir,
+      (id) =>
+        keep.has(id) ||
+        this.live.has(id) ||
+        this.suspended.has(id) ||
+        [...this.building].some((t) => id === `${t}-build`),
+    );
     // Builds the dead agent was running (its records say failed): their files go.
     for (const t of await listTemplates(this.stateDir)) {
       if (t.state !== "building" || this.building.has(t.id)) continue;
@@ -537,62 +508,41 @@ export class SnapshotDriver implements SandboxDriver {
     // before this point (between restore and here) found no taker and was closed at once.
     sbx.onGuestTunnel = (t) => this.guestTunnels(sbx.id, t);
     try {
-      await this.writeVmFile(sbx, handle);
+      await this.saveRecord(sbx, handle);
     } catch (err) {
       l.destroying = true;
       this.live.delete(sbx.id);
       await sbx.destroy();
-      throw new SandboxdError("spawn_failed", `VM ${sbx.id}: cannot write ${VM_FILE}`, { cause: err });
+      throw new SandboxdError("spawn_failed", `VM ${sbx.id}: cannot write ${VM_RECORD_FILE}`, { cause: err });
     }
     return handle;
   }
 
-  private vmFileOf(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">): VmFile {
-    const file: VmFile = {
-      version: 1,
-      vmId: sbx.id,
+  /** The VM's record (agent/snapshot/persist.ts) with this driver's notes. */
+  private recordOf(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">, memBytes?: number) {
+    return saveVm(sbx, {
       templateId: h.templateId,
-      size: h.size,
       image: h.image,
-      shape: { ...sbx.shape, dieWithParent: false },
-      disk: sbx.disk,
-      topNode: sbx.topNode,
-      memPath: sbx.memPath,
-      generation: sbx.generation,
-    };
-    if (sbx.suspendState) file.suspendState = sbx.suspendState;
-    return file;
+      size: h.size,
+      ...(memBytes === undefined ? {} : { memBytes }),
+    });
   }
 
-  private writeVmFile(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">): Promise<void> {
-    return writeJson(join(sbx.dir, VM_FILE), this.vmFileOf(sbx, h));
+  private saveRecord(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">): Promise<void> {
+    return writeVmRecord(sbx.dir, this.recordOf(sbx, h));
   }
 
-  private async readVmFile(vmId: string): Promise<VmFile | undefined> {
-    try {
-      const raw = JSON.parse(await readFile(join(vmsRoot(this.stateDir), vmId, VM_FILE), "utf8"));
-      const r = VmFile.safeParse(raw);
-      if (!r.success) {
-        this.log(`VM ${vmId}: ${VM_FILE} unreadable: ${z.prettifyError(r.error)}`);
-        return undefined;
-      }
-      return r.data;
-    } catch {
-      return undefined;
-    }
+  /** The record of `vmId`; an unreadable one is logged (and answered as the error). */
+  private async loadRecord(vmId: string): Promise<Result<VmRecord | undefined>> {
+    const r = await readVmRecord(join(vmsRoot(this.stateDir), vmId));
+    if (!r.ok) this.log(`VM ${vmId}: ${r.error.message}`);
+    return r;
   }
 
-  private vmFromFile(file: VmFile): SandboxVm {
-    const sbx = new SandboxVm(
-      file.vmId,
-      join(vmsRoot(this.stateDir), file.vmId),
-      { ...file.shape, dieWithParent: false },
-      file.disk,
-      file.memPath,
-      this.log,
-    );
-    sbx.generation = file.generation;
-    return sbx;
+  /** This driver's VMs outlive the agent process (re-adopted after a restart), whatever was saved. */
+  private restoreRecord(record: VmRecord): SandboxVm {
+    const shape = { ...record.shape, dieWithParent: false };
+    return restoreVm({ ...record, shape }, join(vmsRoot(this.stateDir), record.vmId), this.log);
   }
 
   /**
@@ -646,116 +596,12 @@ function exitReason(exit: VmExit, pid: number): string {
   return `QEMU pid ${pid} exited (adopted VM: no exit status)`;
 }
 
-async function writeJson(path: string, value: unknown): Promise<void> {
-  const tmp = `${path}.${randomBytes(4).toString("hex")}.tmp`;
-  await writeFile(tmp, JSON.stringify(value), { mode: 0o600 });
-  await rename(tmp, path);
-}
-
 async function allocatedBytes(path: string): Promise<number> {
   try {
     return (await stat(path)).blocks * 512;
   } catch {
     return 0;
   }
-}
-
-async function readOwner(dir: string): Promise<VmOwner | undefined> {
-  try {
-    return JSON.parse(await readFile(join(dir, "owner.json"), "utf8")) as VmOwner;
-  } catch {
-    return undefined;
-  }
-}
-
-/** True when `pid` is a QEMU started for `dir` (guards against a recycled pid). */
-async function isQemuFor(pid: number, dir: string): Promise<boolean> {
-  try {
-    const cmdline = await readFile(`/proc/${pid}/cmdline`, "utf8");
-    return cmdline.includes("qemu-system") && cmdline.includes(`${dir}/`);
-  } catch {
-    return false;
-  }
-}
-
-function isGone(pid: number): boolean {
-  if (!pidAlive(pid)) return true;
-  try {
-    const s = readFileSync(`/proc/${pid}/stat`, "utf8");
-    return s.slice(s.lastIndexOf(")") + 2).startsWith("Z");
-  } catch {
-    return true;
-  }
-}
-
-/** SIGKILLs the QEMU named by `dir`'s owner.json or qemu.pid, if it still runs, and waits. */
-async function killQemuOf(dir: string): Promise<void> {
-  const owner = await readOwner(dir);
-  let pid = owner?.qemuPid;
-  if (!pid) {
-    try {
-      const n = Number.parseInt((await readFile(join(dir, "qemu.pid"), "utf8")).trim(), 10);
-      if (Number.isFinite(n) && n > 0) pid = n;
-    } catch {
-      // no pid file
-    }
-  }
-  if (!pid || !(await isQemuFor(pid, dir))) return;
-  try {
-    process.kill(pid, "SIGKILL");
-  } catch {
-    return;
-  }
-  const deadline = performance.now() + KILL_WAIT_MS;
-  while (!isGone(pid) && performance.now() < deadline) await Bun.sleep(10);
-}
-
-/**
- * A `VmProcess` for a QEMU another agent process started: no exit event reaches us, but QEMU
- * dying closes its QMP socket; the pid check then tells our own hang-up from a real death.
- */
-function adoptedProcess(pid: number, dir: string, qmp: QmpClient): VmProcess {
-  const qmpSocket = join(dir, "qmp.sock");
-  const agentSocket = join(dir, "agent.sock");
-  const pidFile = join(dir, "qemu.pid");
-  let gone = false;
-  const exited = (async (): Promise<VmExit> => {
-    await qmp.closed;
-    // 100 x 20 ms: a SIGKILLed QEMU is gone within milliseconds of its socket closing.
-    for (let i = 0; i < 100 && !isGone(pid); i++) await Bun.sleep(20);
-    gone = true;
-    return { code: null, signal: null };
-  })();
-  let killing: Promise<void> | undefined;
-  const kill = () => {
-    killing ??= (async () => {
-      if (!isGone(pid) && (await isQemuFor(pid, dir))) {
-        try {
-          process.kill(pid, "SIGKILL");
-        } catch {
-          // already gone
-        }
-      }
-      const deadline = performance.now() + KILL_WAIT_MS;
-      while (!isGone(pid) && performance.now() < deadline) await Bun.sleep(10);
-      qmp.close();
-      gone = true;
-      await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
-    })();
-    return killing;
-  };
-  return {
-    pid,
-    dir,
-    qmp,
-    agentSocket,
-    consoleLog: join(dir, "console.log"),
-    pidFile,
-    exited,
-    kill,
-    isAlive: () => !gone && !isGone(pid),
-    stderrTail: () => "",
-  };
 }
 
 /** HELLO to a running guest whose agent may still be noticing the old host's hang-up. */

@@ -1,0 +1,126 @@
+import { afterAll, describe, expect, test } from "bun:test";
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { ImageConfig } from "../image/import.ts";
+import { readVmRecord, restoreVm, saveVm, VM_RECORD_FILE, type VmRecord, writeVmRecord } from "./persist.ts";
+import { SandboxVm, type VmShape } from "./vm.ts";
+
+const root = mkdtempSync(join(tmpdir(), "persist-test-"));
+afterAll(() => rmSync(root, { recursive: true, force: true }));
+
+const shape: VmShape = {
+  dataDir: root,
+  shmRoot: join(root, "shm"),
+  artifacts: { vmlinux: "/k/vmlinux", initramfs: "/k/initrd", kernelVersion: "6.1", key: "abc" },
+  accel: "tcg",
+  memMib: 256,
+  vcpus: 1,
+  baseDisk: "/images/x/rootfs.qcow2",
+  diskBytes: 1 << 30,
+  dieWithParent: false,
+};
+const image: ImageConfig = {
+  env: ["PATH=/bin"],
+  workingDir: "/",
+  entrypoint: [],
+  cmd: ["sh"],
+  user: { uid: 0, gid: 0, name: "root" },
+  digest: "sha256:00",
+  exposedPorts: [8080],
+};
+const notes = { templateId: "tpl", size: { vcpus: 1, memMib: 256 }, image };
+
+let n = 0;
+function vmDir(): string {
+  const dir = join(root, `vm-${n++}`);
+  mkdirSync(dir, { recursive: true });
+  return dir;
+}
+
+async function invalidMessage(dir: string): Promise<string> {
+  const r = await readVmRecord(dir);
+  if (r.ok) throw new Error("expected vm_record_invalid");
+  expect(r.error.code).toBe("vm_record_invalid");
+  return r.error.message;
+}
+
+describe("save / restore", () => {
+  test("a running VM round-trips through its record on disk", async () => {
+    const dir = vmDir();
+    const vm = new SandboxVm("vm-0123", dir, shape, "/s/vm-0123-2.qcow2", "/shm/tpl.mem");
+    vm.topNode = "fork-3";
+    vm.generation = 2;
+    const saved = saveVm(vm, notes);
+    await writeVmRecord(dir, saved);
+    expect(readdirSync(dir)).toEqual([VM_RECORD_FILE]); // no temp file left behind
+    const r = await readVmRecord(dir);
+    if (!r.ok) throw r.error;
+    expect(r.value).toEqual(saved);
+    const back = restoreVm(r.value as VmRecord, dir);
+    expect(back.id).toBe("vm-0123");
+    expect(back.dir).toBe(dir);
+    expect(back.shape).toEqual(shape);
+    expect(back.disk).toBe(vm.disk);
+    expect(back.memPath).toBe(vm.memPath);
+    expect(back.topNode).toBe("fork-3");
+    expect(back.generation).toBe(2);
+    expect(back.suspendState).toBeUndefined();
+    expect(back.process).toBeUndefined();
+    expect(back.state).toBe("starting");
+  });
+
+  test("a suspended VM keeps its state file and size", async () => {
+    const dir = vmDir();
+    const vm = new SandboxVm("vm-susp", dir, shape, "/s/d.qcow2", "/shm/m.mem");
+    vm.suspendState = "/s/suspended/vm-susp.state";
+    await writeVmRecord(dir, saveVm(vm, { ...notes, memBytes: 12345 }));
+    const r = await readVmRecord(dir);
+    if (!r.ok) throw r.error;
+    expect(r.value?.suspendState).toBe(vm.suspendState);
+    expect(r.value?.memBytes).toBe(12345);
+    expect(restoreVm(r.value as VmRecord, dir).suspendState).toBe(vm.suspendState);
+  });
+
+  test("no record is not an error", async () => {
+    expect(await readVmRecord(vmDir())).toEqual({ ok: true, value: undefined });
+  });
+});
+
+describe("what is read back is checked", () => {
+  test("a torn file is vm_record_invalid, not a crash", async () => {
+    const dir = vmDir();
+    const vm = new SandboxVm("vm-torn", dir, shape, "/s/d.qcow2", "/shm/m.mem");
+    await writeVmRecord(dir, saveVm(vm, notes));
+    const full = readFileSync(join(dir, VM_RECORD_FILE), "utf8");
+    writeFileSync(join(dir, VM_RECORD_FILE), full.slice(0, full.length / 2));
+    expect(await invalidMessage(dir)).toContain("is not JSON");
+  });
+
+  test("an unknown version is refused by name", async () => {
+    const dir = vmDir();
+    const vm = new SandboxVm("vm-v2", dir, shape, "/s/d.qcow2", "/shm/m.mem");
+    writeFileSync(join(dir, VM_RECORD_FILE), JSON.stringify({ ...saveVm(vm, notes), version: 2 }));
+    expect(await invalidMessage(dir)).toContain("has version 2; this agent reads version 1");
+    writeFileSync(join(dir, VM_RECORD_FILE), "[1,2]");
+    expect(await invalidMessage(dir)).toContain("has version undefined");
+  });
+
+  test("a foreign or damaged record names the bad field", async () => {
+    const dir = vmDir();
+    const vm = new SandboxVm("vm-bad", dir, shape, "/s/d.qcow2", "/shm/m.mem");
+    const good = saveVm(vm, notes);
+    writeFileSync(
+      join(dir, VM_RECORD_FILE),
+      JSON.stringify({ ...good, shape: { ...good.shape, accel: "hvf", memMib: "256" } }),
+    );
+    const msg = await invalidMessage(dir);
+    expect(msg).toContain("is not a VM record");
+    expect(msg).toContain("shape.accel");
+    expect(msg).toContain("shape.memMib");
+    writeFileSync(join(dir, VM_RECORD_FILE), JSON.stringify({ ...good, image: { env: "PATH=/bin" } }));
+    expect(await invalidMessage(dir)).toContain("image.env");
+    writeFileSync(join(dir, VM_RECORD_FILE), JSON.stringify({ ...good, generation: -1 }));
+    expect(await invalidMessage(dir)).toContain("generation");
+  });
+});
