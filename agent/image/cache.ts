@@ -6,7 +6,7 @@
  */
 import { readFile, rename, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
-import type { ImageConfig } from "./config.ts";
+import { type ImageConfig, StoredImageConfig } from "./config.ts";
 import type { ImageFormat, ResolvedImage } from "./oci.ts";
 
 export interface ImportedImage {
@@ -36,7 +36,7 @@ export async function loadCached(
 ): Promise<ImportedImage | undefined> {
   const dir = imageDir(dataDir, digest);
   try {
-    const config = JSON.parse(await readFile(join(dir, "config.json"), "utf8")) as ImageConfig;
+    const config = StoredImageConfig.parse(JSON.parse(await readFile(join(dir, "config.json"), "utf8")));
     const disk = join(dir, DISK_FILE);
     await stat(disk);
     if (config.digest !== digest) return undefined;

@@ -28,6 +28,20 @@ export interface ImageConfig {
   exposedPorts: number[];
 }
 
+/**
+ * `ImageConfig` as the agent writes it to disk (the image cache's config.json, template and VM
+ * records) and checks it when reading it back: a torn or foreign file is refused, not trusted.
+ */
+export const StoredImageConfig = z.object({
+  env: z.array(z.string()),
+  workingDir: z.string(),
+  entrypoint: z.array(z.string()),
+  cmd: z.array(z.string()),
+  user: z.object({ uid: z.int(), gid: z.int(), name: z.string() }),
+  digest: z.string(),
+  exposedPorts: z.array(z.int()),
+}) satisfies z.ZodType<ImageConfig>;
+
 /** Docker's PATH for images whose Env lacks one (moby `oci.DefaultPathEnv` on Linux). */
 export const DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 

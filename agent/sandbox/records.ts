@@ -11,7 +11,7 @@ import { randomBytes } from "node:crypto";
 import { mkdir, open, readdir, readFile, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { z } from "zod";
-import type { ImageConfig } from "../image/import.ts";
+import { StoredImageConfig } from "../image/config.ts";
 import { AgentSandboxState } from "./states.ts";
 
 export const RECORD_VERSION = 1;
@@ -53,17 +53,6 @@ export function persistedState(s: AgentSandboxState): AgentSandboxState {
   }
 }
 
-/** agent/image/import.ts `ImageConfig`, as it is written into a template record. */
-const ImageConfigRecord = z.object({
-  env: z.array(z.string()),
-  workingDir: z.string(),
-  entrypoint: z.array(z.string()),
-  cmd: z.array(z.string()),
-  user: z.object({ uid: z.int(), gid: z.int(), name: z.string() }),
-  digest: z.string(),
-  exposedPorts: z.array(z.int()),
-}) satisfies z.ZodType<ImageConfig>;
-
 export const TemplateRecord = z.object({
   version: z.literal(RECORD_VERSION),
   id: z.string().min(1),
@@ -74,7 +63,7 @@ export const TemplateRecord = z.object({
   /** What the driver made of it (ImageConfig + ports), opaque here beyond being an object. */
   prepared: z
     .object({
-      image: ImageConfigRecord,
+      image: StoredImageConfig,
       exposedPorts: z.array(z.int()),
     })
     .optional(),

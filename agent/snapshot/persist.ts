@@ -15,23 +15,12 @@ import { readFile, rename, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { z } from "zod";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import type { ImageConfig } from "../image/import.ts";
+import { StoredImageConfig } from "../image/config.ts";
 import { fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { SandboxVm, type VmShape } from "./vm.ts";
 
 export const VM_RECORD_FILE = "snapshot-vm.json";
 export const VM_RECORD_VERSION = 1;
-
-/** agent/image/import.ts `ImageConfig`, as the record keeps it. */
-const ImageConfigState = z.object({
-  env: z.array(z.string()),
-  workingDir: z.string(),
-  entrypoint: z.array(z.string()),
-  cmd: z.array(z.string()),
-  user: z.object({ uid: z.int(), gid: z.int(), name: z.string() }),
-  digest: z.string(),
-  exposedPorts: z.array(z.int()),
-}) satisfies z.ZodType<ImageConfig>;
 
 const GuestArtifactsState = z.object({
   vmlinux: z.string(),
@@ -58,7 +47,7 @@ export const VmRecord = z.object({
   /** The owner's notes: the engine keeps them with the VM and does not read them. */
   templateId: z.string(),
   size: z.object({ vcpus: z.int().min(1), memMib: z.int().min(1) }),
-  image: ImageConfigState,
+  image: StoredImageConfig,
   shape: VmShapeState,
   disk: z.string(),
   topNode: z.string(),
