@@ -50,7 +50,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     const result = await runBench({
       dataDir: values["data-dir"] ?? defaultDataDir(),
       image: values.image,
-      // 256 MiB, 1 vCPU: the shape host-facts' snapshot figures were measured at.
+      // 256 MiB, 1 vCPU: the shape every snapshot figure in docs/benchmarks.md was measured at.
       memMib: intOption(values.mem, "mem", 256, 64, 65536),
       vcpus: intOption(values.vcpus, "vcpus", 1, 1, 64),
       // 20 spawns: p95 is then the second largest, not just the maximum.

@@ -83,7 +83,7 @@ async function cmdRun(args: string[]): Promise<number> {
     dataDir: values["data-dir"] ?? defaultDataDir(),
     image: values.image,
     cmd: positionals,
-    // 256 MiB: the size the snapshot figures in host-facts were measured at; plenty for a shell.
+    // 256 MiB: the size the snapshot figures in docs/benchmarks.md were measured at; plenty for a shell.
     memMib: intOption(values.mem, "mem", 256, 64, 65536),
     vcpus: intOption(values.vcpus, "vcpus", 1, 1, 64),
     // 30 s: the spec's default exec timeout (section 8).

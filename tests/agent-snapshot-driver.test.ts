@@ -130,7 +130,7 @@ describe("SandboxManager + SnapshotDriver with real VMs", () => {
       const firstExecMs = median(created.map((c) => c.firstExecMs));
       figures.spawn_create_ms_p50 = round(createMs);
       figures.spawn_first_exec_ms_p50 = round(firstExecMs);
-      // A cold boot is ~2.7 s under TCG (host-facts.md); a restore answers in a fraction of it.
+      // A cold boot is ~2.7 s under TCG on a 2-core host; a restore answers in a fraction of it.
       expect(createMs + firstExecMs).toBeLessThan(1500);
 
       const [a, b] = created.map((c) => c.id) as [string, string];

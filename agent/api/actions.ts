@@ -1,6 +1,6 @@
 /**
  * The agent API's typed actions and the one function that carries them out on the manager
- * (style.md habit 1, after Firecracker's `VmmAction`): app.ts only parses HTTP into an `AgentAction`;
+ * (after Firecracker's `VmmAction`): app.ts only parses HTTP into an `AgentAction`;
  * `perform` never sees HTTP and answers with a status and a body.
  */
 import { rm } from "node:fs/promises";

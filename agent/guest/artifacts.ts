@@ -65,7 +65,8 @@ export const ARTIFACTS_SCRIPT_VERSION = 1;
 
 /**
  * The modules the guest loads, by module name. In the Debian cloud kernel virtio is modular
- * (host-facts.md); dependencies are added and ordered automatically from each module's
+ * (virtio_ring, virtio, virtio_mmio, virtio_blk, virtio_console are `.ko` files, not built in);
+ * dependencies are added and ordered automatically from each module's
  * `depends=`. Required ones fail the build when missing; optional ones are skipped with a log.
  */
 export const GUEST_MODULES: ReadonlyArray<{ name: string; required: boolean }> = [
@@ -233,7 +234,8 @@ const LZ4_LEGACY_MAGIC = Buffer.from([0x02, 0x21, 0x4c, 0x18]);
 
 /**
  * `-M microvm` boots an ELF by PVH; Debian ships only the bzImage, whose payload is LZ4 (the
- * bzImage itself hung under microvm, host-facts.md). Find the payload and decompress it.
+ * bzImage itself hangs under microvm with QEMU 7.2). Find the payload (the LZ4 legacy magic) and
+ * decompress it.
  */
 export async function extractVmlinux(vmlinuz: string, out: string): Promise<void> {
   const image = await readFile(vmlinuz);

@@ -26,7 +26,7 @@ export { GuestTunnel } from "./tunnel.ts";
 
 export interface GuestClientOptions {
   /** Bound on the HELLO round trip. 10 s: a restored VM answers its first frame in ~150 ms under
-   * TCG (host-facts "Snapshots"); a guest silent for 10 s on a loaded host is treated as dead. */
+   * TCG (~1 ms on KVM); a guest silent for 10 s on a loaded host is treated as dead. */
   helloTimeoutMs?: number;
   /** Bound on every non-exec op. 60 s: the slowest is a 1 MiB WRITE_FILE or a SYNC of a dirty
    * disk under TCG, seconds at worst; beyond a minute the guest is stuck, not slow. */

@@ -42,7 +42,8 @@ let cached: Promise<AccelChoice> | undefined;
  * Picks the accelerator once per process. KVM only when all hold:
  *  1. /dev/kvm opens read-write;
  *  2. `kvm_intel` or `kvm_amd` is loaded. Other KVM providers, like `kvm_pvm` on the CI hosts,
- *     give a /dev/kvm on which stock guest kernels hang after the firmware (host-facts.md);
+ *     give a /dev/kvm on which stock guest kernels hang after the firmware, with no console
+ *     output (`-cpu host` even aborts with "failed to set MSR 0x10a");
  *  3. a probe VM actually runs under `-accel kvm`: the guest kernel reaching /init when artifacts
  *     are given, else a KVM vCPU starting and running.
  * Otherwise TCG, with the reason. `SANDBOXD_ACCEL=tcg|kvm` overrides the probe.

@@ -1,7 +1,7 @@
 import { SandboxdError, type SnapshotOwnErrorCode } from "../../contracts/errors.ts";
 
 /**
- * The snapshot engine's errors (style.md habit 3): callers branch on `code`, never on text.
+ * The snapshot engine's errors: callers branch on `code`, never on text (the tree: contracts/errors.ts).
  *
  * | code                   | meaning                                                            |
  * |------------------------|--------------------------------------------------------------------|

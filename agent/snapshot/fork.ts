@@ -3,7 +3,7 @@
  * the children start from the parent's exact memory (running processes included) and disk.
  *
  * By default the guest is stopped for the whole copy (stop-and-copy, see `live` for why). With
- * `live`, host-facts' floor (stop, full migrate, cont: ~530 ms stall) is beaten by a live precopy:
+ * `live`, the naive floor (stop, full migrate, cont: ~530 ms stall for 256 MiB under TCG) is beaten by a live precopy:
  *
  *   1. `pause-before-switchover` on, bandwidth unlimited, `migrate exec:cat > fork.state`: RAM
  *      streams to tmpfs WHILE the guest runs (dirty pages are sent again).

@@ -13,7 +13,8 @@ import { SnapshotError } from "./errors.ts";
 /**
  * Deadline of one QMP command in the snapshot paths. Every command here answers in milliseconds
  * (QEMU runs them under its big lock; `migrate` only starts a thread); 10 s means a wedged QEMU,
- * which we kill (style.md: a timed-out command blocks every command behind it).
+ * which we kill: QEMU runs in-band commands one at a time, so a timed-out command blocks every
+ * command behind it and a retry would only queue behind it too.
  */
 export const SNAPSHOT_QMP_TIMEOUT_MS = 10_000;
 

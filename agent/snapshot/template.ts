@@ -1,5 +1,5 @@
 /**
- * Templates (issue 3): a booted, optionally warmed-up VM frozen to disk so that sandboxes start by
+ * Templates: a booted, optionally warmed-up VM frozen to disk so that sandboxes start by
  * restoring it instead of booting.
  *
  *   boot (RAM = memory-backend-file share=on at <shmRoot>/tpl-<id>.mem, disk = a new overlay)
@@ -7,7 +7,7 @@
  *   -> guest sync -> QMP stop -> x-ignore-shared -> migrate device state to `state` -> kill QEMU
  *
  * x-ignore-shared leaves the shared RAM block out of the stream: RAM is already in the file, so
- * the state is ~60 KB and written in ~10 ms (host-facts "Snapshots"). Children map that file
+ * the state is ~60 KB and written in ~10 ms (measured under TCG, 256 MiB guest). Children map that file
  * private (copy-on-write): clean pages stay shared in the page cache.
  *
  * On disk: `<dataDir>/templates/<id>/{disk.qcow2 (frozen, 0444), state, meta.json}` + the RAM

@@ -29,7 +29,7 @@ import { canVmTransition, checkVmTransition, type EngineVmState } from "./states
 
 /**
  * Budget from `cont` to the guest's first HELLO answer after a restore. Under TCG the first
- * round trip costs ~150 ms (code re-translation, host-facts "Snapshots"); eight children
+ * round trip costs ~150 ms (TCG re-translates the guest's code; ~1 ms on KVM); eight children
  * restoring at once on two cores share that CPU, so 30 s only catches a guest that is gone.
  */
 export const RESTORE_READY_TIMEOUT_MS = 30_000;

@@ -1,5 +1,5 @@
 /**
- * Each route's contract apart from its handler (style.md habit 4): method, path, which family
+ * Each route's contract apart from its handler: method, path, which family
  * serves it, its body/query schemas, its success response and its error statuses. openapi.yaml is
  * generated from this table (gateway/openapi.ts); the handlers in gateway/routes/ use the same
  * schemas to parse requests.

@@ -1,6 +1,6 @@
 import { integer, pgTable, text, timestamp } from "drizzle-orm/pg-core";
 
-/** Host agents the gateway can place VMs on (where a sandbox runs; habit 7). */
+/** Host agents the gateway can place VMs on: the gateway decides where a sandbox runs, the agent how. */
 export const agents = pgTable("agents", {
   id: text("id").primaryKey(),
   region: text("region").notNull(),

@@ -1,7 +1,7 @@
 import { type QmpErrorCode, SandboxdError } from "../../../contracts/errors.ts";
 
 /**
- * The QMP layer's errors, all in one place (style.md habit 3, after QEMU's
+ * The QMP layer's errors, all in one place (after QEMU's
  * `python/qemu/qmp/error.py`). Callers branch on `code` (or `instanceof`), never on message
  * text, and never on QEMU's `desc`, which is human text that changes between QEMU versions.
  *
@@ -45,7 +45,7 @@ export class QmpCommandError extends QmpError {
 /**
  * No answer in time. QEMU runs in-band commands one at a time, so the command may still be
  * running and every command queued behind it is stuck too: the caller should kill the VM rather
- * than retry (style.md, "QMP, the details that bite").
+ * than retry.
  */
 export class QmpTimeoutError extends QmpError {
   readonly command: string;

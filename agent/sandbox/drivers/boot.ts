@@ -2,7 +2,7 @@
  * A `SandboxDriver` that cold-boots every VM from an imported image (agent/vm/boot.ts): no
  * snapshots, so fork, suspend and resume throw `unsupported`. It is the driver of the tests that
  * use REAL VMs, and of hosts where the snapshot engine is not available. Spawn is a full boot
- * (~2-3 s under TCG, host-facts.md), not the ~200 ms of a snapshot restore.
+ * (~2-3 s under TCG on a 2-core host), not the ~200 ms of a snapshot restore.
  */
 import { rm, stat } from "node:fs/promises";
 import { join } from "node:path";
