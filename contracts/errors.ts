@@ -11,7 +11,7 @@
  *   │   │                                protocol_error, guest_error
  *   │   ├── VmLaunchError              agent/qemu/launch.ts   vm_launch_failed
  *   │   ├── StorageError               agent/storage/chain.ts   storage_error
- *   │   ├── ImageError                 agent/image/import.ts   image_*
+ *   │   ├── ImageError                 agent/image/errors.ts   image_*
  *   │   └── SnapshotError              agent/snapshot/errors.ts   its own codes and some public
  *   │                                    ones; RETURNED in a Result<T>, see the rule below
  *   ├── ToolError                      agent/host/tool.ts   a host tool failed (`kind`); its
@@ -26,7 +26,7 @@
  *   agent layer codes (InternalErrorCode)
  *     │  the layer above restates a failure it understands as an AgentErrorCode: a guest_error on a
  *     │  tunnel connect is port_unreachable, a guest hang-up after QEMU died is gone
- *     │  (agent/sandbox/manager.ts), a failed restore is spawn_failed (sandbox/snapshot-driver.ts)
+ *     │  (agent/sandbox/manager.ts), a failed restore is spawn_failed (agent/sandbox/drivers/snapshot.ts)
  *     ▼
  *   AgentErrorCode ── agent/api/errors.ts AGENT_STATUS_OF_CODE ──> the agent's HTTP answer;
  *     │  any other code (qmp_*, guest_*, image_*, vm_*, ...) is sent as 500 `internal` with the
@@ -43,10 +43,10 @@
  * every public operation answers `Result<T>` (agent/snapshot/errors.ts) holding a SnapshotError.
  * A failed save, restore or fork leaves QEMU processes and files that only the caller can settle
  * (kill the VM, keep it running, keep the snapshot), so the type makes its one caller, the
- * snapshot driver (agent/sandbox/snapshot-driver.ts), handle every failure where it happens; the
+ * snapshot driver (agent/sandbox/drivers/snapshot.ts), handle every failure where it happens; the
  * driver throws from there on. Every other layer throws SandboxdError or a subclass. Checks that
  * answer a question rather than do something return their refusal as a value for the caller to
- * throw (`verifyAgentToken`, the state tables' `checkTransition` and `checkRecordAction`).
+ * throw (`verifyAgentToken`, the state tables' `checkRecordAction`, `checkTransition` and `checkVmTransition`).
  */
 
 /** The codes of the public API (spec section 7); gateway/errors.ts gives each its status. */

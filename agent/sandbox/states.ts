@@ -3,9 +3,9 @@
  * Cloud Hypervisor's `vm.rs` `valid_transition`). Every state change in the manager goes through
  * `checkTransition`, so a suspend racing a fork becomes a clean 409, never a VM in two operations.
  *
- * This is the middle of three state layers, each with its own name: the gateway's record state
- * (what the public API reports), this one (what a VM on this host is doing), and the snapshot
- * engine's VM state (agent/snapshot/vm.ts, one QEMU process and its files).
+ * This is the middle of three state layers, each with its own name: the gateway's `RecordState`
+ * (gateway/core/record-states.ts: what the public API reports), this one (what a VM on this host is doing), and the snapshot
+ * engine's VM state (`EngineVmState`, agent/snapshot/states.ts: one QEMU process and its files).
  *
  * | state        | meaning                                                                    |
  * |--------------|----------------------------------------------------------------------------|

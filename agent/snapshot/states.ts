@@ -4,10 +4,10 @@
  * checks here, so a suspend racing a fork on the same VM gets `invalid_state` instead of two
  * migrations on one QEMU.
  *
- * This is the lowest of three state layers, each with its own name: the gateway's record state
- * (what the public API reports), the agent's `SandboxState` (agent/sandbox/states.ts: a sandbox's
- * whole life, execs and loss included), and this `EngineVmState`: what one QEMU of the engine is
- * doing right now.
+ * This is the lowest of three state layers, each with its own name: the gateway's `RecordState`
+ * (gateway/core/record-states.ts: what the public API reports), the agent's `AgentSandboxState`
+ * (agent/sandbox/states.ts: a sandbox's whole life, execs and loss included), and this
+ * `EngineVmState`: what one QEMU of the engine is doing right now.
  *
  * | state        | meaning                                                                  |
  * |--------------|--------------------------------------------------------------------------|

@@ -15,7 +15,7 @@ import { tenants } from "./tenants.ts";
 /**
  * Metering: one row per stretch of time a sandbox spent in one billable state with one size.
  * A state change closes the open row (ended_at) and opens the next; at most one row per sandbox
- * is open. Usage over a window is computed in SQL from the overlap (gateway/usage.ts).
+ * is open. Usage over a window is computed in SQL from the overlap (gateway/core/usage.ts).
  * - running: vCPUs, memory and disk are billed.
  * - paused (a session between calls: no scheduled CPU): memory and disk.
  * - suspended: only the on-disk snapshot (memory image + disk), as `disk_bytes`.

@@ -1,7 +1,8 @@
 /**
  * The states of a sandbox/session RECORD (the gateway's `sandboxes` row) and the ONE table of what
  * each action needs. The record says what the gateway has decided and recorded; the VM's own,
- * finer states (paused, busy, forking, ...) are the agent's (agent/sandbox/states.ts). A request
+ * finer states (paused, busy, forking, ...) are the agent's `AgentSandboxState`
+ * (agent/sandbox/states.ts), and one QEMU's are the engine's `EngineVmState` (agent/snapshot/states.ts). A request
  * that the record's state does not allow is a clean 409 `conflict`, decided here before the agent
  * is asked.
  *
