@@ -250,11 +250,11 @@ export async function loadFromFile(vm: StreamVm, path: string, timeoutMs: number
     await rm(sockPath, { force: true });
     await qmp(vm, "migrate-incoming", { uri: `unix:${sockPath}` });
     conn = await connectUnix(sockPath, deadline);
-    const sent = sendFile(file, conn, path);
-    sent.catch(() => {});
-    const info = await waitMigration(vm, ["completed"], Math.max(0, deadline - performance.now()));
-    await sent;
-    return info;
+    // QEMU's status is the verdict: `completed` means it read the whole stream (a write that
+    // failed after that changes nothing), and a stream cut short makes the load fail at once.
+    const c = conn;
+    sendFile(file, c, path).catch(() => c.destroy());
+    return await waitMigration(vm, ["completed"], Math.max(0, deadline - performance.now()));
   } finally {
     conn?.destroy();
     await file.close().catch(() => {});
