@@ -1,8 +1,9 @@
 /**
  * Migration streams the agent carries itself: QEMU never spawns a helper. QEMU 7.2 has no `file:`
- * migration URI (added in 8.2) and `exec:` makes QEMU run `/bin/sh`, which a seccomp filter with
- * `spawn=deny` forbids; so state goes through a unix socket in the VM's own directory (the only
- * directory a jailed QEMU sees), and the agent copies between that socket and the state file.
+ * migration URI (added in 8.2), and an `exec` URI makes QEMU run `/bin/sh`, which a seccomp
+ * filter with `spawn=deny` forbids; so state goes through a unix socket in the VM's own directory
+ * (the only directory a jailed QEMU sees), and the agent copies between that socket and the
+ * state file.
  *
  * - Save (`startSave` / `saveToFile`): the agent listens on `<vm dir>/migrate-out.sock`, runs
  *   `migrate uri=unix:...`, accepts QEMU's one connection and writes what arrives to the file with
