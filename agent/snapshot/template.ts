@@ -228,12 +228,12 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     const tSnap = performance.now();
     await qmp(vm, "stop");
     await setCapabilities(vm, { events: true, "x-ignore-shared": true });
-    // fsync: the template outlives the agent, and every spawn reads this file.
+    // No fsync: the state is useless without the RAM file on tmpfs, which a host crash loses
+    // too; an agent crash leaves the written pages in the page cache.
     meta.stateBytes = await saveToFile(vm, {
       path: meta.statePath,
       maxBytes: migrationByteCap(memMib),
       timeoutMs: SAVE_TIMEOUT_MS,
-      fsync: true,
     });
     const snapshotMs = performance.now() - tSnap;
     guest.close();
