@@ -141,7 +141,7 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
     };
     await cmd("qmp_capabilities");
     await cmd("migrate-set-capabilities", { capabilities: [{ capability: "x-ignore-shared", state: true }] });
-    const migrateSock = join(dir, "migrate-in.sock");
+    const migrateSock = join(dir, "mig-in.sock");
     await cmd("migrate-incoming", { uri: `unix:${migrateSock}` });
     incoming = await connectRetry(migrateSock);
     incoming.end(await readFile(t.statePath));

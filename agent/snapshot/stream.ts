@@ -5,11 +5,11 @@
  * (the only directory a jailed QEMU sees), and the agent copies between that socket and the
  * state file.
  *
- * - Save (`startSave` / `saveToFile`): the agent listens on `<vm dir>/migrate-out.sock`, runs
+ * - Save (`startSave` / `saveToFile`): the agent listens on `<vm dir>/mig-out.sock`, runs
  *   `migrate uri=unix:...`, accepts QEMU's one connection and writes what arrives to the file with
  *   back-pressure. The file is whole only when QEMU reports `completed`, the socket reached EOF and
  *   the last write (and fsync, when asked) finished; any failure removes the partial file.
- * - Load (`loadFromFile`): `migrate-incoming uri=unix:<vm dir>/migrate-in.sock` makes QEMU listen;
+ * - Load (`loadFromFile`): `migrate-incoming uri=unix:<vm dir>/mig-in.sock` makes QEMU listen;
  *   the agent connects and streams the file into it, then waits for `completed`.
  *
  * Both are bounded: one deadline for the whole exchange, and a save stops (and fails) past
@@ -24,9 +24,12 @@ import type { VmProcess } from "../qemu/launch.ts";
 import { SnapshotError } from "./errors.ts";
 import { type MigrateInfo, qmp, waitMigration } from "./migrate.ts";
 
-/** File names of the two sockets inside the VM directory (one migration per QEMU at a time). */
-export const SAVE_SOCKET = "migrate-out.sock";
-export const LOAD_SOCKET = "migrate-in.sock";
+/**
+ * File names of the two sockets inside the VM directory (one migration per QEMU at a time). Short:
+ * a unix socket path has at most 107 bytes, and these sit beside QEMU's own qmp.sock and agent.sock.
+ */
+export const SAVE_SOCKET = "mig-out.sock";
+export const LOAD_SOCKET = "mig-in.sock";
 
 /**
  * Who may connect to the save socket the agent creates: its mode, and optionally its owner. QEMU
