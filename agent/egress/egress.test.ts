@@ -11,7 +11,7 @@ import fc from "fast-check";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { EgressFence, parseIpLiteral } from "./fence.ts";
 import { EgressPolicy } from "./policy.ts";
-import { type EgressAttempt, serveEgressConnection } from "./proxy.ts";
+import { type EgressAttempt, parseHead, serveEgressConnection } from "./proxy.ts";
 
 describe("EgressPolicy", () => {
   test("exact names, *.suffix wildcards, IP literals, *", () => {
@@ -258,6 +258,23 @@ test("no tenant entry reaches the host's own addresses, the operator's range doe
   expect(await ask(["127.0.0.2"], "127.0.0.2")).toStartWith("HTTP/1.1 403");
   expect(await ask(["127.0.0.2"], "127.0.0.2", ["127.0.0.2/32"])).toEndWith("ok");
   expect(await ask(["*"], "127.0.0.2", ["127.0.0.0/30"])).toEndWith("ok");
+  // Other spellings of the origin's address, listed exactly or under `*`: refused, never routed
+  // into the guest as its own loopback either.
+  for (const spelling of [
+    "2130706434",
+    "127.2",
+    "0x7f.0.0.2",
+    "0177.0.0.2",
+    "[::ffff:127.0.0.2]",
+    "[::ffff:7f00:2]",
+  ]) {
+    expect(await ask(["*"], spelling)).toStartWith("HTTP/1.1 403");
+    expect(await ask([spelling], spelling)).toStartWith("HTTP/1.1 403");
+  }
+  expect(parseHead(Buffer.from("GET http://127.1:8/x HTTP/1.1\r\n\r\n"))).toMatchObject({
+    host: "127.1",
+    port: 8,
+  });
   // The operator's range opens what it names, no more.
   expect(await ask(["*"], "127.0.0.2", ["127.0.0.3/32"])).toStartWith("HTTP/1.1 403");
   // localhost / 127.0.0.1 / ::1 mean the sandbox itself: routed back into it, whatever the list.

@@ -93,14 +93,18 @@ export function parseHead(buf: Buffer): Head | { error: string } {
     return { error: "a plain HTTP proxy request needs an absolute http:// URL" };
   }
   if (url.protocol !== "http:") return { error: `${url.protocol} is only reachable through CONNECT` };
-  const port = url.port === "" ? 80 : Number(url.port);
+  // The host as the client wrote it, not as URL parsing rewrites it (`http://127.1/` would become
+  // 127.0.0.1, the guest's own loopback): the policy and the fence read every spelling themselves.
+  const authority = /^http:\/\/(?:[^/?#@]*@)?([^/?#]*)/i.exec(target)?.[1] ?? "";
+  const hp = hostPort(authority, 80);
+  if (!hp) return { error: `${target} names no valid host:port` };
   // Origin form for the origin; hop-by-hop proxy headers are dropped.
   const headers = headerLines.filter((l) => !/^proxy-(connection|authorization):/i.test(l));
   const forward = Buffer.from(
     `${method} ${url.pathname}${url.search} HTTP/1.1\r\n${headers.join("\r\n")}\r\n\r\n`,
     "latin1",
   );
-  return { method, host: normalizeHost(url.hostname), port, forward, rest };
+  return { method, ...hp, forward, rest };
 }
 
 /** Reads the request head (bounded in size and time), without consuming past it. */
