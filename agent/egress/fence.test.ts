@@ -60,7 +60,16 @@ test("literals are read as the resolver reads them", () => {
   // Names are names; dotted numbers no resolver reads are malformed, not names.
   for (const name of ["example.com", "x.0", "1.2.3.example", "0x7f.example"])
     expect(canon(name)).toBeUndefined();
-  for (const bad of ["256.1.1.1", "1.2.3.4.5", "08.1", "1.16777216", "4294967296", "fe80::1%eth0", "1:2:3"]) {
+  for (const bad of [
+    "256.1.1.1",
+    "1.2.3.4.5",
+    "08.1",
+    "0x.1",
+    "1.16777216",
+    "4294967296",
+    "fe80::1%eth0",
+    "1:2:3",
+  ]) {
     expect(canon(bad)).toBe("malformed");
   }
 });
@@ -165,6 +174,8 @@ test("the operator's ranges open what they name, no more; malformed ranges are r
   expect(env.classify("127.9.9.9").ok).toBe(true);
   expect(env.classify("::1").ok).toBe(true);
   expect(EgressFence.fromEnv({}).allowInternal).toEqual([]);
+  expect(env.allowedRanges).toEqual(["127.0.0.0/8", "::1/128"]);
+  expect(fence(["10.1.2.3/8"]).allowedRanges).toEqual(["10.0.0.0/8"]);
 });
 
 test("the host's own addresses are read again once they are stale", async () => {

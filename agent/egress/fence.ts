@@ -8,6 +8,10 @@
  *   if (!d.ok) refuse(d.reason);                   // d.code: internal | malformed | unresolvable
  *   else sock = await fence.connect(d);            // TCP to d.address, the checked address
  *
+ * `d.address` is the address to use from then on: a caller that hands the connection to another
+ * program (the registry pull's skopeo) must make it connect to that address, not resolve the
+ * name again. `check` never throws; `d.host` is the host as normalized (lower case, no brackets).
+ *
  * - Literals are read the way the resolver (`inet_aton`) reads them: `2130706433`, `0177.0.0.1`,
  *   `0x7f.1`, `127.1`, `127.0.1`; IPv6 in or out of brackets, with IPv4 inside it (v4-mapped
  *   `::ffff:127.0.0.1` / `::ffff:7f00:1`, v4-compatible `::127.0.0.1`, NAT64 `64:ff9b::/96`,
@@ -75,7 +79,7 @@ const V4_PART = /^(?:0x[0-9a-f]*|[0-9]+)$/i;
 
 /** One `inet_aton` part: `0x` hex, leading-zero octal, or decimal; undefined when invalid. */
 function atonPart(p: string): bigint | undefined {
-  if (/^0x[0-9a-f]*$/i.test(p)) return p.length === 2 ? 0n : BigInt(p);
+  if (/^0x[0-9a-f]+$/i.test(p)) return BigInt(p);
   if (/^0[0-7]*$/.test(p)) return BigInt(`0o${p.slice(1) || "0"}`);
   if (/^[1-9][0-9]*$/.test(p)) return BigInt(p);
   return undefined;
@@ -294,6 +298,11 @@ export class EgressFence {
     const text = env[ALLOW_INTERNAL_ENV] ?? "";
     parseAllowInternal(text); // refused here, naming the variable
     return new EgressFence({ ...opts, allowInternal: text.split(",") });
+  }
+
+  /** The operator's ranges as text, for the agent's start-up line. */
+  get allowedRanges(): string[] {
+    return this.allowInternal.map((c) => `${formatIp({ family: c.family, value: c.network })}/${c.prefix}`);
   }
 
   private operatorAllows(ip: Ip): boolean {

@@ -176,6 +176,8 @@ export class SandboxManager {
    */
   static async open(opts: ManagerOptions): Promise<SandboxManager> {
     const m = new SandboxManager(opts);
+    const ranges = m.fence.allowedRanges;
+    if (ranges.length > 0) m.log(`egress: the operator opens internal ranges ${ranges.join(", ")}`);
     // Connections guest programs make to their egress proxy port, checked against the sandbox's
     // allow-list (agent/egress). Set before any VM is adopted or spawned.
     m.driver.onGuestTunnel((vmId, t) => {
