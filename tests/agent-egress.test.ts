@@ -1,15 +1,19 @@
 /**
  * Egress with REAL VMs under TCG (spec 2.5 `egress.allow`, docs/decisions.md "Egress"): the guest
  * has no network interface; busybox wget inside it goes through the guest agent's proxy port,
- * whose connections reach the host agent as guest-opened tunnels and are checked there by name.
- * Servers on host loopback addresses stand in for an allowed (127.0.0.2) and a denied
- * (127.0.0.3) host; an unresolvable name shows that refusal needs no DNS.
+ * whose connections reach the host agent as guest-opened tunnels and are checked there by name,
+ * then by the operator's fence. Servers on host loopback addresses stand in for an allowed
+ * (127.0.0.5, reachable because the operator's range names it) and a denied (127.0.0.3) host; an
+ * unresolvable name shows that refusal needs no DNS. Canaries on 127.0.0.1 and 127.0.0.2 count
+ * what every bypass of the fence reaches on the host: nothing. Names resolve through a stub given
+ * in the agent's options (no DNS, no /etc/hosts).
  */
 import { afterAll, expect, test } from "bun:test";
 import { readFileSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { resolve } from "node:path";
+import { EgressFence } from "../agent/egress/fence.ts";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
@@ -40,24 +44,43 @@ function listen(host: string, onConn: () => void, body: string): Promise<Server>
 }
 const portOf = (s: Server) => (s.address() as { port: number }).port;
 
+/** What a name resolves to, for the fence: only these names exist. */
+const NAMES: Record<string, string[]> = {
+  "ok.allowed.test": ["127.0.0.5"],
+  "loop.allowed.test": ["127.0.0.1"],
+  "mixed.allowed.test": ["203.0.113.7", "127.0.0.1"],
+};
+
 test(
-  "allowed host reached through the guest's proxy; denied and unknown hosts refused at once and logged; no other route; default deny; forks keep the list",
+  "allowed host reached through the guest's proxy; denied and unknown hosts refused at once and logged; no other route; default deny; forks keep the list; no bypass of the operator's fence reaches the host",
   async () => {
     let allowedHits = 0;
     let deniedHits = 0;
-    const allowed = await listen("127.0.0.2", () => allowedHits++, "egress-ok");
+    let canaryHits = 0;
+    const allowed = await listen("127.0.0.5", () => allowedHits++, "egress-ok");
     const denied = await listen("127.0.0.3", () => deniedHits++, "must-not-see");
+    const canary1 = await listen("127.0.0.1", () => canaryHits++, "canary");
+    const canary2 = await listen("127.0.0.2", () => canaryHits++, "canary");
     const stateDir = await tempStateDir();
     const logs: string[] = [];
     const artifacts = await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR });
     const driver = await SnapshotDriver.create({ cacheDir: TEST_CACHE_DIR, stateDir, artifacts });
-    const manager = await SandboxManager.open({ driver, stateDir, log: (m) => logs.push(m) });
+    // The operator opens one loopback address for the allowed stand-in; no tenant entry can.
+    const fence = new EgressFence({
+      allowInternal: ["127.0.0.5/32"],
+      resolve: async (name) => {
+        const a = NAMES[name];
+        if (!a) throw new Error(`${name}: no such name`);
+        return a;
+      },
+    });
+    const manager = await SandboxManager.open({ driver, stateDir, log: (m) => logs.push(m), fence });
     // The tmpfs root of RAM files names its data dir (agent/snapshot/shm.ts), also after the
     // start-up sweep of unregistered files: an `rm -rf` of the data dir lets a later agent free it.
     expect(readFileSync(ownerFileOf(defaultShmRoot(stateDir)), "utf8")).toBe(resolve(stateDir));
     const sh = (id: string, command: string) =>
       manager.exec(id, { files: [], run: { kind: "shell", command }, timeoutMs: 30_000 });
-    const A = `http://127.0.0.2:${portOf(allowed)}/hello`;
+    const A = `http://127.0.0.5:${portOf(allowed)}/hello`;
     const B = `http://127.0.0.3:${portOf(denied)}/`;
     try {
       manager.buildTemplate("busybox", { kind: "archive", path: await busyboxArchive() });
@@ -74,7 +97,7 @@ test(
 
       const vm = await manager.create("busybox", {
         kind: "sandbox",
-        egressAllow: ["127.0.0.2", "*.allowed.test"],
+        egressAllow: ["127.0.0.5", "*.allowed.test"],
       });
       const id = vm.vmId;
 
@@ -116,7 +139,7 @@ test(
       const [child] = await manager.fork(id, 1);
       expect((await sh(child!.vmId, `wget -q -O - ${A}`)).stdout).toBe("egress-ok");
       expect((await sh(child!.vmId, `wget -q -O - ${B}; echo "rc=$?"`)).stdout).toContain("rc=1");
-      expect(manager.info(child!.vmId).egressAllow).toEqual(["127.0.0.2", "*.allowed.test"]);
+      expect(manager.info(child!.vmId).egressAllow).toEqual(["127.0.0.5", "*.allowed.test"]);
 
       // No `egress`: the deployment default, deny.
       const plain = await manager.create("busybox", { kind: "sandbox" });
@@ -124,6 +147,98 @@ test(
       expect((await sh(plain.vmId, `wget -q -O - ${A}; echo "rc=$?"`)).stdout).toContain("rc=1");
       expect(allowedHits).toBe(2);
       expect(deniedHits).toBe(0);
+
+      // The operator's range reached by name too: the fence connects to the address it checked.
+      expect((await sh(id, `wget -q -O - http://ok.allowed.test:${portOf(allowed)}/`)).stdout).toBe(
+        "egress-ok",
+      );
+      expect(allowedHits).toBe(3);
+
+      // Bypasses of the fence, listed exactly by the tenant or under `*`: each is a 403 at once
+      // (timed inside the guest) and the canaries on host loopback see nothing.
+      const P1 = portOf(canary1);
+      const P2 = portOf(canary2);
+      const get = (host: string) => `GET http://${host}/ HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n`;
+      const connect = (hp: string) => `CONNECT ${hp} HTTP/1.1\\r\\n\\r\\n`;
+      const bypass = async (allow: string[], requests: string[]) => {
+        const sb = await manager.create("busybox", { kind: "sandbox", egressAllow: allow });
+        // The guest's tunnels have no half-close, so the request is fed through a FIFO held open
+        // past the answer (nc exits when the proxy closes); `time` measures nc alone.
+        const script = requests
+          .map(
+            (r, i) =>
+              `printf '${r}' > /tmp/r${i}; mkfifo /tmp/f${i}; (cat /tmp/r${i}; sleep 3) > /tmp/f${i} 2>/dev/null &\n` +
+              `echo "== ${i}"; busybox time -f "t=%e" nc -w 3 127.0.0.1 \${http_proxy##*:} < /tmp/f${i} 2>/tmp/t${i} | tr -d "\\r" | grep -E "^(HTTP|X-Sandboxd)"; cat /tmp/t${i}`,
+          )
+          .join("\n");
+        const out = (await sh(sb.vmId, `mkdir -p /tmp\n${script}`)).stdout;
+        const blocks = out.split(/^== \d+\n/m).slice(1);
+        expect(blocks).toHaveLength(requests.length);
+        for (const [i, b] of blocks.entries()) {
+          const at = { request: requests[i], b };
+          expect(at.b).toContain("HTTP/1.1 403 Forbidden\nX-Sandboxd-Egress: denied\n");
+          const t = Number(/^t=([\d.]+)$/m.exec(b)?.[1]);
+          expect({ ...at, t: t < 1 }).toEqual({ ...at, t: true });
+        }
+        return sb.vmId;
+      };
+      const exact = await bypass(
+        ["0.0.0.0", "127.0.0.2", "::ffff:127.0.0.1"],
+        [
+          get(`0.0.0.0:${P1}`),
+          get(`127.0.0.2:${P2}`),
+          connect(`[::ffff:127.0.0.1]:${P1}`),
+          get(`[::ffff:127.0.0.1]:${P1}`),
+        ],
+      );
+      const star = await bypass(
+        ["*"],
+        [
+          connect(`[::ffff:7f00:1]:${P1}`),
+          connect(`2130706433:${P1}`),
+          get(`2130706433:${P1}`),
+          connect(`127.1:${P1}`),
+          get(`127.1:${P1}`),
+          get(`0x7f.1:${P1}`),
+          connect(`0177.0.0.2:${P2}`),
+          connect(`[::127.0.0.1]:${P1}`),
+          connect(`0:${P1}`),
+          connect(`loop.allowed.test:${P1}`),
+          get(`mixed.allowed.test:${P1}`),
+        ],
+      );
+      // The tenant's list cannot name loopback for the fence either: a wildcard name that
+      // resolves there is refused too.
+      const viaName = await sh(id, `wget -q -O - http://loop.allowed.test:${P1}/; echo "rc=$?"`);
+      expect(viaName.stdout).toContain("rc=1");
+      expect(canaryHits).toBe(0);
+      // Kept in the refusal list with the fence's reason, and logged.
+      const refusedExact = manager.info(exact).egressRefused;
+      expect(refusedExact.map((a) => a.host)).toEqual([
+        "0.0.0.0",
+        "127.0.0.2",
+        "::ffff:127.0.0.1",
+        "::ffff:127.0.0.1",
+      ]);
+      expect(refusedExact.every((a) => /internal/.test(a.reason ?? ""))).toBe(true);
+      const refusedStar = manager.info(star).egressRefused.map((a) => a.host);
+      expect(refusedStar).toEqual([
+        "::ffff:7f00:1",
+        "2130706433",
+        "2130706433",
+        "127.1",
+        "127.1",
+        "0x7f.1",
+        "0177.0.0.2",
+        "::127.0.0.1",
+        "0",
+        "loop.allowed.test",
+        "mixed.allowed.test",
+      ]);
+      expect(
+        logs.some((l) => l.includes(`egress denied: sandbox ${star} -> mixed.allowed.test:${P1} (`)),
+      ).toBe(true);
+      expect(allowedHits).toBe(3);
     } finally {
       for (const s of manager.list()) await manager.destroy(s.id, { force: true });
       await manager.deleteTemplate("busybox").catch(() => {});
@@ -132,6 +247,8 @@ test(
       await rm(defaultShmRoot(stateDir), { recursive: true, force: true });
       allowed.close();
       denied.close();
+      canary1.close();
+      canary2.close();
       expect(left).toEqual({ qemus: [], vmDirs: [] });
     }
   },
