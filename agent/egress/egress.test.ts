@@ -281,3 +281,46 @@ test("no tenant entry reaches the host's own addresses, the operator's range doe
   for (const local of ["localhost", "127.0.0.1"]) expect(await ask([], local)).toEndWith("ok");
   origin.close();
 });
+
+describe("splice", () => {
+  test("a destination that answers and closes at once still reaches a slow client whole", async () => {
+    // The client reads slowly (as a guest tunnel does, one credit window at a time); the
+    // destination writes its whole reply, ends and closes before the client has read it.
+    const reply = Buffer.alloc(512 * 1024, 7);
+    let received = 0;
+    const { Duplex } = await import("node:stream");
+    let finished!: () => void;
+    const done = new Promise<void>((r) => {
+      finished = r;
+    });
+    const client = new Duplex({
+      read() {},
+      write(chunk: Buffer, _enc, cb) {
+        received += chunk.length;
+        setTimeout(cb, 2);
+      },
+      final(cb) {
+        finished();
+        cb();
+      },
+    });
+    client.push("GET http://localhost:8080/x HTTP/1.1\r\nHost: localhost:8080\r\n\r\n");
+    const upstream = new Duplex({
+      read() {},
+      write(_chunk, _enc, cb) {
+        // The request arrived: answer everything, end, and close like a socket whose peer is done.
+        this.push(reply);
+        this.push(null);
+        this.once("end", () => this.destroy());
+        cb();
+      },
+    });
+    await serveEgressConnection(client, {
+      sandboxId: "sbx-test",
+      policy: EgressPolicy.fromAllowList([]),
+      connectLocal: async () => upstream,
+    });
+    await Promise.race([done, Bun.sleep(10_000)]);
+    expect(received).toBe(reply.length);
+  });
+});

@@ -194,8 +194,15 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
 /** Answers the proxy request and pipes the client and `upstream` together until either ends. */
 function splice(stream: Duplex, upstream: Duplex, head: Head): void {
   upstream.on("error", () => stream.destroy());
+  // The client gone: nothing can receive what the destination still sends.
   stream.on("close", () => upstream.destroy());
-  upstream.on("close", () => stream.destroy());
+  // A destination that ENDED cleanly has its last bytes still queued towards the client (the
+  // guest tunnel sends only as the guest grants credit): pipe() ends the client side after they
+  // are flushed, and destroying it here would drop them (a truncated reply). Only a destination
+  // that closed without ending (reset, aborted) takes the client side down at once.
+  upstream.on("close", () => {
+    if (!upstream.readableEnded) stream.destroy();
+  });
   if (head.method === "CONNECT") stream.write("HTTP/1.1 200 Connection established\r\n\r\n");
   else upstream.write(head.forward!);
   if (head.rest.length > 0) upstream.write(head.rest);
