@@ -3,6 +3,7 @@ import { copyFile, mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
+import { enroll } from "../agent/api/enroll.ts";
 import { type HeartbeatSender, startHeartbeats } from "../agent/api/heartbeat.ts";
 import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
@@ -17,16 +18,18 @@ import { startAgentServer } from "../agent/server.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { agents } from "../db/schema/agents.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
+import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 
 /**
  * Routing to several host agents (gateway/agents/router.ts): a real gateway (startGateway, PGlite)
- * and real agent HTTP servers (startAgentServer over a SandboxManager) that register and
- * heartbeat over HTTP. The VM tests cold-boot REAL busybox VMs under TCG (BootDriver).
+ * and real agent HTTP servers (startAgentServer over a SandboxManager) that enroll with a one-time
+ * token, then heartbeat over HTTP with their own keys. The VM tests cold-boot REAL busybox VMs under TCG (BootDriver).
  */
 
+/** The gateway's agent secret, from which each enrolled agent's key is derived. */
 const SECRET = "routing-test-agent-secret-0123456789abcdef";
 /** Fast beats and a short staleness bound keep the test quick; the ratio is production's (1:3+). */
 const HB_MS = 200;
@@ -82,9 +85,11 @@ async function startAgent(
   const stateDir = await tempStateDir();
   const driver = await BootDriver.create({ cacheDir: TEST_CACHE_DIR, stateDir });
   const manager = await SandboxManager.open({ driver, stateDir, capacity: { slots } });
+  const { token } = await gw.withDb((db) => createEnrollmentToken(db, SECRET));
+  const credentials = await enroll({ gatewayUrl: gw.url, token, id, stateDir });
   const server = startAgentServer({
     manager,
-    secret: SECRET,
+    credentials,
     uploadDir: join(stateDir, "uploads"),
     hostname: "127.0.0.1",
     port: 0,
@@ -92,8 +97,7 @@ async function startAgent(
   });
   const hb = startHeartbeats({
     gatewayUrl: gw.url,
-    secret: SECRET,
-    id,
+    credentials,
     region,
     advertiseUrl: server.url,
     capacity: () => manager.capacityNow(),
@@ -167,7 +171,7 @@ describe("routing to registered agents", () => {
     const [again] = await gw.withDb((db) => db.select().from(agents).where(eq(agents.id, "eu-a")));
     expect(again!.lastHeartbeatAt!.getTime()).toBeGreaterThan(first);
 
-    // A heartbeat needs the shared secret.
+    // A heartbeat needs an enrolled agent's key.
     const forged = await fetch(`${gw.url}${HEARTBEAT_PATH}`, {
       method: "POST",
       headers: { authorization: "Bearer x.y.z", "content-type": "application/json" },
