@@ -8,15 +8,12 @@
 import { parseArgs } from "node:util";
 import { AgentId } from "../contracts/agent/enroll.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { openDb } from "../db/client.ts";
 import { agents } from "../db/schema/agents.ts";
-import {
-  createEnrollmentToken,
-  DEFAULT_ENROLLMENT_TTL_S,
-  revokeAgent,
-} from "../gateway/agents/enrollment.ts";
+import { createEnrollmentToken, DEFAULT_ENROLLMENT_TTL_S } from "../gateway/agents/enrollment.ts";
+import { revokeAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { defaultDataDir } from "./config.ts";
+import { withGatewayDb } from "./gateway-db.ts";
 
 /** `90`, `90s`, `30m`, `2h`, `1d` -> seconds. */
 export function parseTtl(value: string): number {
@@ -41,16 +38,14 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
     allowPositionals: true,
   });
   const dataDir = values["data-dir"] ?? defaultDataDir();
-  const url = process.env.DATABASE_URL;
-  const handle = await openDb(url ? { url } : { dataDir });
-  try {
+  return withGatewayDb(dataDir, async (db) => {
     switch (sub) {
       case "create": {
         const ttlS = values.ttl === undefined ? DEFAULT_ENROLLMENT_TTL_S : parseTtl(values.ttl);
         if (values.agent !== undefined && !AgentId.safeParse(values.agent).success)
           throw new SandboxdError("bad_request", `--agent ${values.agent} is not a valid agent id`);
         const { agentSecret } = loadSecrets(dataDir);
-        const issued = await createEnrollmentToken(handle.db, agentSecret, {
+        const issued = await createEnrollmentToken(db, agentSecret, {
           ttlS,
           ...(values.agent !== undefined ? { agentId: values.agent } : {}),
         });
@@ -63,12 +58,12 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
         return 0;
       }
       case "list": {
-        const rows = await handle.db.select().from(agents).orderBy(agents.id);
+        const rows = await db.select().from(agents).orderBy(agents.id);
         for (const r of rows) {
           const state = r.keyId ? "enrolled" : r.revokedAt ? "revoked" : "not enrolled";
-          const { id, region, url: agentUrl, enrolledAt, revokedAt, lastHeartbeatAt } = r;
+          const { id, region, url, enrolledAt, revokedAt, lastHeartbeatAt } = r;
           process.stdout.write(
-            `${JSON.stringify({ id, state, region, url: agentUrl, enrolledAt, revokedAt, lastHeartbeatAt })}\n`,
+            `${JSON.stringify({ id, state, region, url, enrolledAt, revokedAt, lastHeartbeatAt })}\n`,
           );
         }
         return 0;
@@ -76,15 +71,12 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
       case "revoke": {
         const id = positionals[0];
         if (!id) throw new SandboxdError("bad_request", "agent-token revoke needs an agent id");
-        if (!(await revokeAgent(handle.db, id)))
-          throw new SandboxdError("not_found", `no enrolled agent ${id}`);
+        if (!(await revokeAgent(db, id))) throw new SandboxdError("not_found", `no enrolled agent ${id}`);
         process.stdout.write(`revoked agent ${id}\n`);
         return 0;
       }
       default:
         throw new SandboxdError("bad_request", "usage: sandboxd agent-token create|list|revoke ...");
     }
-  } finally {
-    await handle.close();
-  }
+  });
 }

@@ -14,8 +14,8 @@ import {
   tempStateDir,
 } from "../agent/sandbox/testing.ts";
 import type { ExecAction } from "../contracts/agent/api.ts";
-import { SandboxdError } from "../contracts/errors.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
+import { errorOf } from "./support/agents.ts";
 
 /**
  * The agent's HTTP API with REAL VMs under TCG, served by Bun.serve on 127.0.0.1:0 and driven by
@@ -93,16 +93,6 @@ const shell = (command: string, timeoutMs = 30_000): ExecAction => ({
   run: { kind: "shell", command },
   timeoutMs,
 });
-
-async function errorOf(p: Promise<unknown>): Promise<SandboxdError> {
-  try {
-    await p;
-  } catch (err) {
-    if (err instanceof SandboxdError) return err;
-    throw err;
-  }
-  throw new Error("expected a rejection");
-}
 
 describe("agent HTTP API with real VMs", () => {
   test(

@@ -1,22 +1,22 @@
 import { afterEach, describe, expect, test } from "bun:test";
-import { mkdtemp, rm, stat } from "node:fs/promises";
-import { tmpdir } from "node:os";
+import { rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { CREDENTIALS_FILE, enroll, loadOrEnroll } from "../agent/api/enroll.ts";
-import { type HeartbeatSender, startHeartbeats } from "../agent/api/heartbeat.ts";
+import type { HeartbeatSender } from "../agent/api/heartbeat.ts";
 import type { SandboxDriver } from "../agent/sandbox/drivers/driver.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { tempStateDir } from "../agent/sandbox/testing.ts";
-import { startAgentServer } from "../agent/server.ts";
 import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
 import { HEARTBEAT_PATH, type Heartbeat } from "../contracts/agent/heartbeat.ts";
 import { type AgentCredentials, secretKey, signHeartbeatToken } from "../contracts/agent/token.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { agentEnrollmentTokens, agents } from "../db/schema/agents.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
-import { createEnrollmentToken, revokeAgent } from "../gateway/agents/enrollment.ts";
-import { type RunningGateway, startGateway } from "../gateway/server.ts";
+import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
+import { revokeAgent } from "../gateway/agents/registry.ts";
+import type { RunningGateway } from "../gateway/server.ts";
+import { errorOf, startEnrolledAgent, startRoutingGateway } from "./support/agents.ts";
 
 /**
  * Per-agent credentials (gateway/agents/enrollment.ts, agent/api/enroll.ts): a real gateway
@@ -64,22 +64,8 @@ function inertDriver(): SandboxDriver {
   };
 }
 
-async function startGw(): Promise<RunningGateway> {
-  const dir = await mkdtemp(join(tmpdir(), "sbx-creds-gw-"));
-  const gw = await startGateway({
-    dataDir: dir,
-    port: 0,
-    agentSecret: SECRET,
-    staleAfterMs: STALE_MS,
-    config: { region: "eu", version: "test" },
-    log: () => {},
-  });
-  cleanups.push(async () => {
-    await gw.stop();
-    await rm(dir, { recursive: true, force: true });
-  });
-  return gw;
-}
+const startGw = () =>
+  startRoutingGateway({ agentSecret: SECRET, staleAfterMs: STALE_MS, onCleanup: (c) => cleanups.push(c) });
 
 const newToken = (gw: RunningGateway, opts: Parameters<typeof createEnrollmentToken>[2] = {}) =>
   gw.withDb(async (db) => (await createEnrollmentToken(db, SECRET, opts)).token);
@@ -94,21 +80,13 @@ interface TestAgent {
 async function startAgent(gw: RunningGateway, id: string): Promise<TestAgent> {
   const stateDir = await tempStateDir();
   const manager = await SandboxManager.open({ driver: inertDriver(), stateDir, capacity: { slots: 2 } });
-  const credentials = await enroll({ gatewayUrl: gw.url, token: await newToken(gw), id, stateDir });
-  const server = startAgentServer({
+  const { credentials, server, hb } = await startEnrolledAgent({
+    gw,
+    agentSecret: SECRET,
     manager,
-    credentials,
-    uploadDir: join(stateDir, "uploads"),
-    hostname: "127.0.0.1",
-    port: 0,
-    version: "test",
-  });
-  const hb = startHeartbeats({
-    gatewayUrl: gw.url,
-    credentials,
+    stateDir,
+    id,
     region: "eu",
-    advertiseUrl: server.url,
-    capacity: () => manager.capacityNow(),
     intervalMs: HB_MS,
   });
   cleanups.push(async () => {
@@ -145,16 +123,6 @@ async function heartbeatAs(gw: RunningGateway, signer: AgentCredentials, body: H
 
 const rowOf = (gw: RunningGateway, id: string) =>
   gw.withDb(async (db) => (await db.select().from(agents).where(eq(agents.id, id)))[0]);
-
-async function errorOf(p: Promise<unknown>): Promise<SandboxdError> {
-  try {
-    await p;
-  } catch (err) {
-    if (err instanceof SandboxdError) return err;
-    throw err;
-  }
-  throw new Error("expected a SandboxdError");
-}
 
 describe("per-agent credentials", () => {
   test(

@@ -25,8 +25,8 @@ import {
 import { startAgentServer } from "../agent/server.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import type { ExecAction, Tunnel } from "../contracts/agent/api.ts";
-import { SandboxdError } from "../contracts/errors.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
+import { errorOf } from "./support/agents.ts";
 
 /** A template build, one spawn and one fork under TCG on a 2-core host: 240 s with margin. */
 const VM_TEST_TIMEOUT_MS = 240_000;
@@ -44,16 +44,6 @@ const shell = (command: string): ExecAction => ({
   run: { kind: "shell", command },
   timeoutMs: 60_000,
 });
-
-async function errorOf(p: Promise<unknown>): Promise<SandboxdError> {
-  try {
-    await p;
-  } catch (err) {
-    if (err instanceof SandboxdError) return err;
-    throw err;
-  }
-  throw new Error("expected a rejection");
-}
 
 /** Everything the tunnel delivers until it ends. */
 async function readAll(t: Tunnel): Promise<Buffer> {

@@ -7,16 +7,17 @@
  *   key to sign its calls to that agent, and deriving it from the gateway's agent secret (a file
  *   in `<data>/secrets/` or `SANDBOXD_AGENT_SECRET`, never the database) means the `agents` table
  *   holds only the random key id. A leaked database alone signs nothing (docs/decisions.md).
- * - Revoking an agent clears its key id: its heartbeats and the gateway's calls to it stop at
- *   once, and it leaves placement. A new enrollment gives it a new key id, so the old key stays
+ * - Revoking an agent (registry.ts `revokeAgent`) clears its key id: its heartbeats and the
+ *   gateway's calls to it stop at once, and it leaves placement. A new enrollment gives it a new key id, so the old key stays
  *   dead.
  */
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
-import { and, eq, isNotNull, isNull } from "drizzle-orm";
+import { and, eq, isNull } from "drizzle-orm";
 import { ENROLLMENT_TOKEN_RE, EnrollRequest, type EnrollResponse } from "../../contracts/agent/enroll.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agentEnrollmentTokens, agents } from "../../db/schema/agents.ts";
+import { jsonAnswer, parseJsonBody } from "./internal-http.ts";
 
 /** Default life of an enrollment token: long enough to start a host by hand, short if leaked. */
 export const DEFAULT_ENROLLMENT_TTL_S = 3600;
@@ -112,16 +113,6 @@ export async function enrollAgent(
   });
 }
 
-/** Clears agent `id`'s key: nothing it signs is accepted and nothing is sent to it. */
-export async function revokeAgent(db: Db, id: string, now: Date = new Date()): Promise<boolean> {
-  const done = await db
-    .update(agents)
-    .set({ keyId: null, revokedAt: now, lastHeartbeatAt: null })
-    .where(and(eq(agents.id, id), isNotNull(agents.keyId)))
-    .returning({ id: agents.id });
-  return done.length === 1;
-}
-
 /** `POST /internal/agents/enroll` (`ENROLL_PATH`, contracts/agent/enroll.ts). */
 export async function handleEnroll(
   db: Db,
@@ -129,20 +120,13 @@ export async function handleEnroll(
   request: Request,
   clock: () => number,
 ): Promise<Response> {
-  const json = (status: number, body: unknown) => Response.json(body, { status });
-  let body: unknown;
+  const req = await parseJsonBody(request, EnrollRequest, "enrollment");
+  if (!req.ok) return req.answer;
   try {
-    body = await request.json();
-  } catch {
-    return json(400, { code: "bad_request", message: "enrollment body is not JSON" });
-  }
-  const req = EnrollRequest.safeParse(body);
-  if (!req.success) return json(400, { code: "bad_request", message: req.error.message });
-  try {
-    return json(200, await enrollAgent(db, agentSecret, req.data, new Date(clock())));
+    return jsonAnswer(200, await enrollAgent(db, agentSecret, req.data, new Date(clock())));
   } catch (err) {
     if (!(err instanceof SandboxdError)) throw err;
     const status = { unauthorized: 401, forbidden: 403, conflict: 409 }[err.code as string] ?? 500;
-    return json(status, { code: err.code, message: err.message });
+    return jsonAnswer(status, { code: err.code, message: err.message });
   }
 }

@@ -4,12 +4,13 @@
  * heartbeat, signed with that agent's own key and for that agent's id only, refreshes its URL,
  * region and capacity. Placement (router.ts) reads the live ones from here.
  */
-import { and, eq, gt, isNotNull } from "drizzle-orm";
+import { and, eq, gt, isNotNull, type SQL } from "drizzle-orm";
 import { HEARTBEAT_INTERVAL_MS, Heartbeat } from "../../contracts/agent/heartbeat.ts";
 import { heartbeatTokenAgent, secretKey, verifyHeartbeatToken } from "../../contracts/agent/token.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { deriveAgentKey } from "./enrollment.ts";
+import { jsonAnswer, parseJsonBody } from "./internal-http.ts";
 
 export type AgentRow = typeof agents.$inferSelect;
 
@@ -24,20 +25,37 @@ export const AGENT_STALE_AFTER_MS = 3 * HEARTBEAT_INTERVAL_MS;
  * Refreshes the row of the enrolled agent `hb.id` whose current key id is `keyId`; false when
  * there is none (revoked or re-keyed since the heartbeat was checked).
  */
-export async function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date): Promise<boolean> {
-  const done = await db
-    .update(agents)
-    .set({
-      region: hb.region,
-      url: hb.url,
-      slotsTotal: hb.capacity.slotsTotal,
-      slotsFree: hb.capacity.slotsFree,
-      vcpusFree: hb.capacity.vcpusFree,
-      memMibFree: hb.capacity.memMibFree,
-      lastHeartbeatAt: at,
-    })
-    .where(and(eq(agents.id, hb.id), eq(agents.keyId, keyId)))
-    .returning({ id: agents.id });
+export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date): Promise<boolean> {
+  return updateAgent(db, and(eq(agents.id, hb.id), eq(agents.keyId, keyId)), {
+    region: hb.region,
+    url: hb.url,
+    slotsTotal: hb.capacity.slotsTotal,
+    slotsFree: hb.capacity.slotsFree,
+    vcpusFree: hb.capacity.vcpusFree,
+    memMibFree: hb.capacity.memMibFree,
+    lastHeartbeatAt: at,
+  });
+}
+
+/**
+ * Clears agent `id`'s key: nothing it signs is accepted, nothing is sent to it, and it leaves
+ * placement at once. False when it had no key (unknown, or already revoked).
+ */
+export function revokeAgent(db: Db, id: string, now: Date = new Date()): Promise<boolean> {
+  return updateAgent(db, and(eq(agents.id, id), isNotNull(agents.keyId)), {
+    keyId: null,
+    revokedAt: now,
+    lastHeartbeatAt: null,
+  });
+}
+
+/** Updates the one agent row `where` selects; false when there is none. */
+async function updateAgent(
+  db: Db,
+  where: SQL | undefined,
+  set: Partial<typeof agents.$inferInsert>,
+): Promise<boolean> {
+  const done = await db.update(agents).set(set).where(where).returning({ id: agents.id });
   return done.length === 1;
 }
 
@@ -88,32 +106,25 @@ export async function handleHeartbeat(
   request: Request,
   clock: () => number,
 ): Promise<Response> {
-  const json = (status: number, body: unknown) => Response.json(body, { status });
   const header = request.headers.get("authorization");
   const claimed = heartbeatTokenAgent(header);
   const agent = claimed === undefined ? undefined : await enrolledAgent(db, agentSecret, claimed);
   if (claimed === undefined || agent === undefined) {
     const why = claimed === undefined ? "no agent named" : `agent ${claimed} is not enrolled`;
-    return json(401, { code: "unauthorized", message: `heartbeat token rejected: ${why}` });
+    return jsonAnswer(401, { code: "unauthorized", message: `heartbeat token rejected: ${why}` });
   }
   const token = await verifyHeartbeatToken(secretKey(agent.key), agent.row.id, header);
-  if (!token.ok) return json(401, { code: token.error.code, message: token.error.message });
-  let body: unknown;
-  try {
-    body = await request.json();
-  } catch {
-    return json(400, { code: "bad_request", message: "heartbeat body is not JSON" });
-  }
-  const hb = Heartbeat.safeParse(body);
-  if (!hb.success) return json(400, { code: "bad_request", message: hb.error.message });
+  if (!token.ok) return jsonAnswer(401, { code: token.error.code, message: token.error.message });
+  const hb = await parseJsonBody(request, Heartbeat, "heartbeat");
+  if (!hb.ok) return hb.answer;
   if (hb.data.id !== agent.row.id) {
-    return json(403, {
+    return jsonAnswer(403, {
       code: "forbidden",
       message: `agent ${agent.row.id} may not report for agent ${hb.data.id}`,
     });
   }
   if (!(await recordHeartbeat(db, hb.data, agent.row.keyId, new Date(clock())))) {
-    return json(401, { code: "unauthorized", message: `agent ${agent.row.id} was revoked` });
+    return jsonAnswer(401, { code: "unauthorized", message: `agent ${agent.row.id} was revoked` });
   }
-  return json(200, { ok: true });
+  return jsonAnswer(200, { ok: true });
 }
