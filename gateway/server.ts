@@ -8,6 +8,7 @@ import { join } from "node:path";
 import type { AgentApi } from "../contracts/agent/api.ts";
 import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
+import { secretKey } from "../contracts/agent/token.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
 import { handleHeartbeat } from "./agents/registry.ts";
@@ -116,6 +117,8 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
           ? loadSecrets(opts.dataDir).agentSecret
           : process.env.SANDBOXD_AGENT_SECRET);
       if (!secret) throw new Error("a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)");
+      // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
+      secretKey(secret);
       agentSecret = secret;
       router = new AgentRouter({
         db: handle.db,
