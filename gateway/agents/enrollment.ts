@@ -64,9 +64,10 @@ export async function createEnrollmentToken(
 }
 
 /**
- * Redeems `token` for agent `wantedId`: returns the agent's id and new key. Refused (401) when
- * the token is unknown, wrong, used or expired; 409 when the id belongs to another enrolled
- * agent (a token not bound to that id cannot take it over) — then the token stays unused.
+ * Redeems `req.token` for agent `req.id`: returns the agent's id and its new key. Refused with
+ * `unauthorized` when the token is unknown, altered, used or expired; `forbidden` when it is bound
+ * to another id; `conflict` when the id is enrolled and the token is not bound to it (a token
+ * cannot take over another agent). Only a successful enrollment spends the token.
  */
 export async function enrollAgent(
   db: Db,
