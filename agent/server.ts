@@ -2,14 +2,15 @@
  * Serves the agent's HTTP API (agent/api/app.ts) for the gateway. The agent runs under Bun (it
  * drives QEMU through node:child_process and node:net, both of which Bun provides).
  */
+import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { createAgentApp } from "./api/app.ts";
 import { tunnelWebSocket } from "./api/tunnel-ws.ts";
 import type { SandboxManager } from "./sandbox/manager.ts";
 
 export interface AgentServerOptions {
   manager: SandboxManager;
-  /** HS256 secret shared with the gateway (>= 32 bytes). */
-  secret: string;
+  /** This agent's id and key from enrollment (api/enroll.ts). */
+  credentials: AgentCredentials;
   uploadDir: string;
   /** 127.0.0.1 when gateway and agent share a host; a private address when they do not. */
   hostname: string;
@@ -34,7 +35,7 @@ const AGENT_IDLE_TIMEOUT_S = 0;
 export function startAgentServer(opts: AgentServerOptions): AgentServer {
   const app = createAgentApp({
     manager: opts.manager,
-    secret: opts.secret,
+    credentials: opts.credentials,
     uploadDir: opts.uploadDir,
     version: opts.version,
     log: opts.log,

@@ -2,10 +2,10 @@
 import { parseArgs } from "node:util";
 import { Tier } from "../contracts/api/tiers.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { openDb } from "../db/client.ts";
 import { createKey, listKeys, revokeKey } from "../gateway/auth/keys.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { defaultDataDir } from "./config.ts";
+import { withGatewayDb } from "./gateway-db.ts";
 
 export async function cmdKey(args: string[]): Promise<number> {
   const [sub, ...rest] = args;
@@ -20,9 +20,7 @@ export async function cmdKey(args: string[]): Promise<number> {
     allowPositionals: true,
   });
   const dataDir = values["data-dir"] ?? defaultDataDir();
-  const url = process.env.DATABASE_URL;
-  const handle = await openDb(url ? { url } : { dataDir });
-  try {
+  return withGatewayDb(dataDir, async (db) => {
     switch (sub) {
       case "create": {
         if (!values.tenant) throw new SandboxdError("bad_request", "key create needs --tenant NAME");
@@ -35,7 +33,7 @@ export async function cmdKey(args: string[]): Promise<number> {
         }
         const tier = parsed.data;
         const { keyPepper } = loadSecrets(dataDir);
-        const issued = await createKey(handle.db, keyPepper, {
+        const issued = await createKey(db, keyPepper, {
           tenant: values.tenant,
           tier,
           name: values.name,
@@ -48,14 +46,14 @@ export async function cmdKey(args: string[]): Promise<number> {
         return 0;
       }
       case "list": {
-        const rows = await listKeys(handle.db, { tenant: values.tenant });
+        const rows = await listKeys(db, { tenant: values.tenant });
         for (const r of rows) process.stdout.write(`${JSON.stringify(r)}\n`);
         return 0;
       }
       case "revoke": {
         const id = positionals[0];
         if (!id) throw new SandboxdError("bad_request", "key revoke needs a key id or prefix");
-        const ok = await revokeKey(handle.db, id);
+        const ok = await revokeKey(db, id);
         if (!ok) throw new SandboxdError("not_found", `no active key ${id}`);
         process.stdout.write(`revoked ${id}\n`);
         return 0;
@@ -63,7 +61,5 @@ export async function cmdKey(args: string[]): Promise<number> {
       default:
         throw new SandboxdError("bad_request", "usage: sandboxd key create|list|revoke ...");
     }
-  } finally {
-    await handle.close();
-  }
+  });
 }

@@ -17,12 +17,12 @@ commands:
   gateway [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--region R] [--no-catalog]
         run the HTTP gateway alone; it places sandboxes on the agents that heartbeat to it
         (live, in region R, with room, least-loaded first); DATABASE_URL as for up
-  agent --gateway URL [--listen HOST:PORT] [--advertise URL] [--region R] [--id ID] [--slots N]
-        [--data-dir DIR] [--secrets-dir DIR] [--no-catalog]
-        run one host agent: serve the agent API on --listen (default 127.0.0.1:7070), register
-        and heartbeat to the gateway at URL as reachable at --advertise; builds the catalog's
-        python template. The agent secret is SANDBOXD_AGENT_SECRET, else the one in
-        --secrets-dir (default the data dir; name the gateway's data dir on a shared host)
+  agent --gateway URL [--enroll TOKEN] [--listen HOST:PORT] [--advertise URL] [--region R]
+        [--id ID] [--slots N] [--data-dir DIR] [--no-catalog]
+        run one host agent: serve the agent API on --listen (default 127.0.0.1:7070), heartbeat
+        to the gateway at URL as reachable at --advertise; builds the catalog's python template.
+        The first start enrolls with a one-time token (--enroll, from agent-token create) and
+        keeps the agent's own key in <data>/agent/credentials.json; later starts need no token
   run --image ARCHIVE [--mem MIB] [--vcpus N] [--timeout S] [-i] [--data-dir DIR] [-- CMD [ARG...]]
         import an OCI image archive (docker save tar, oci-archive tar or OCI layout dir), boot a
         microVM from it, run CMD (default: the image's Entrypoint+Cmd) as the image's config
@@ -37,6 +37,12 @@ commands:
   key revoke KEY-ID [--data-dir DIR]
         API keys (svc_<tier>_<id>_<secret>) in the gateway database: PGlite in the data dir, or
         PostgreSQL when DATABASE_URL is set; create prints the new key as its last line
+  agent-token create [--ttl 1h] [--agent ID] [--data-dir DIR]
+  agent-token list [--data-dir DIR]
+  agent-token revoke AGENT-ID [--data-dir DIR]
+        per-agent credentials in the gateway database: create prints a one-time enrollment
+        token (sbxe_..., default life 1h; --agent binds it to that id and re-keys it) as its last
+        line; revoke makes the gateway refuse the agent's heartbeats and stop calling it
   test [FILE-FILTER...]
         type check, lint and run the test suite (the README's test command)
   --version`;
@@ -136,6 +142,10 @@ async function main(argv: string[]): Promise<number> {
     case "key": {
       const { cmdKey } = await import("./keys.ts");
       return cmdKey(rest);
+    }
+    case "agent-token": {
+      const { cmdAgentToken } = await import("./agent-tokens.ts");
+      return cmdAgentToken(rest);
     }
     case "test": {
       const { runTests } = await import("./test-runner.ts");

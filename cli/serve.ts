@@ -3,13 +3,14 @@
  * deployment with several host agents. Agents register and heartbeat to the gateway over HTTP
  * (contracts/agent/heartbeat.ts); the gateway routes each sandbox to one of them
  * (gateway/agents/router.ts).
- * Both sides need the same agent secret: `SANDBOXD_AGENT_SECRET`, or the same data dir (or
- * `--secrets-dir` naming the gateway's data dir) on one host.
+ * Each agent has its own key: it enrolls once with a one-time token from
+ * `sandboxd agent-token create` (`--enroll TOKEN`) and keeps the key in its data dir.
  */
 import { mkdir } from "node:fs/promises";
 import { hostname } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { loadOrEnroll } from "../agent/api/enroll.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import type { EgressDefault } from "../agent/egress/policy.ts";
@@ -17,7 +18,6 @@ import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
-import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
@@ -133,7 +133,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
       advertise: { type: "string" },
       id: { type: "string" },
       slots: { type: "string" },
-      "secrets-dir": { type: "string" },
+      enroll: { type: "string" },
       "no-catalog": { type: "boolean" },
     },
   });
@@ -145,8 +145,15 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   const listenHost = m[1]!.replace(/^\[(.*)\]$/, "$1");
   const stateDir = join(dataDir, "agent");
   await mkdir(stateDir, { recursive: true });
-  const secret =
-    process.env.SANDBOXD_AGENT_SECRET || loadSecrets(values["secrets-dir"] ?? dataDir).agentSecret;
+  const listenPort = parsePort(m[2], 7070, "listen");
+  const credentials = await loadOrEnroll({
+    gatewayUrl: values.gateway,
+    stateDir,
+    ...(values.enroll !== undefined ? { token: values.enroll } : {}),
+    ...(values.id !== undefined ? { id: values.id } : {}),
+    defaultId: `${hostname()}-${listenPort}`,
+  });
+  const id = credentials.id;
   const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
   const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
   const manager = await SandboxManager.open({
@@ -158,18 +165,16 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   });
   const server = startAgentServer({
     manager,
-    secret,
+    credentials,
     uploadDir: join(stateDir, "uploads"),
     hostname: listenHost,
-    port: parsePort(m[2], 7070, "listen"),
+    port: listenPort,
     version,
     log,
   });
-  const id = values.id ?? `${hostname()}-${new URL(server.url).port}`;
   const heartbeats = startHeartbeats({
     gatewayUrl: values.gateway,
-    secret,
-    id,
+    credentials,
     region: values.region ?? "local",
     advertiseUrl: values.advertise ?? server.url,
     capacity: () => manager.capacityNow(),

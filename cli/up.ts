@@ -1,18 +1,24 @@
 /**
  * `sandboxd up`: the embedded deployment, the gateway and one host agent in one process. The
  * gateway reaches the agent over its real HTTP API on loopback (the same path a multi-host
- * deployment uses), so there is one code path, not an in-process shortcut.
+ * deployment uses), so there is one code path, not an in-process shortcut. The agent enrolls
+ * like any other, with a one-time token this process makes for it, and keeps its key in
+ * `<data>/agent/credentials.json`; a later `up` reuses that key while the gateway still knows it.
  */
 import { mkdir } from "node:fs/promises";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { enroll, readCredentials } from "../agent/api/enroll.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
+import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { describeError } from "../contracts/errors.ts";
+import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
+import { enrolledAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
-import { startGateway } from "../gateway/server.ts";
+import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 import { buildCatalogOnAgent, egressDefaultFromEnv, parsePort, registerCatalog } from "./serve.ts";
 
@@ -35,18 +41,8 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
 
   const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
   const manager = await SandboxManager.open({ driver, stateDir, log, egressDefault: egressDefaultFromEnv() });
-  const agentServer = startAgentServer({
-    manager,
-    secret: secrets.agentSecret,
-    uploadDir: join(stateDir, "uploads"),
-    // The agent listens on loopback only: in the embedded deployment only our gateway calls it.
-    hostname: "127.0.0.1",
-    port: 0,
-    version,
-    log,
-  });
-  // The gateway routes to registered agents (gateway/agents/router.ts); its one agent registers
-  // by heartbeat like any other, as agent `local` in region `local`.
+  // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
+  // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
     port,
     hostname: values.host ?? "127.0.0.1",
@@ -60,10 +56,21 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     },
     log,
   });
+  const gatewayUrl = gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:");
+  const credentials = await ownAgentCredentials(gateway, secrets.agentSecret, gatewayUrl, stateDir);
+  const agentServer = startAgentServer({
+    manager,
+    credentials,
+    uploadDir: join(stateDir, "uploads"),
+    // The agent listens on loopback only: in the embedded deployment only our gateway calls it.
+    hostname: "127.0.0.1",
+    port: 0,
+    version,
+    log,
+  });
   const heartbeats = startHeartbeats({
-    gatewayUrl: gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:"),
-    secret: secrets.agentSecret,
-    id: "local",
+    gatewayUrl,
+    credentials,
     region: "local",
     advertiseUrl: agentServer.url,
     capacity: () => manager.capacityNow(),
@@ -90,4 +97,28 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   await agentServer.stop();
   await manager.detach();
   return 0;
+}
+
+/** The id of `up`'s own agent. */
+const LOCAL_AGENT_ID = "local";
+/** `up` redeems the token it makes at once: a minute is plenty. */
+const LOCAL_ENROLL_TTL_S = 60;
+
+/**
+ * The stored key of `up`'s agent while the gateway still holds it; otherwise (first start,
+ * revoked, or a new gateway secret) a fresh enrollment with a token bound to that id.
+ */
+async function ownAgentCredentials(
+  gateway: RunningGateway,
+  agentSecret: string,
+  gatewayUrl: string,
+  stateDir: string,
+): Promise<AgentCredentials> {
+  const stored = await readCredentials(stateDir);
+  const current = await gateway.withDb((db) => enrolledAgent(db, agentSecret, LOCAL_AGENT_ID));
+  if (stored && stored.id === LOCAL_AGENT_ID && current?.key === stored.key) return stored;
+  const { token } = await gateway.withDb((db) =>
+    createEnrollmentToken(db, agentSecret, { agentId: LOCAL_AGENT_ID, ttlS: LOCAL_ENROLL_TTL_S }),
+  );
+  return enroll({ gatewayUrl, token, id: LOCAL_AGENT_ID, stateDir });
 }

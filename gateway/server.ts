@@ -6,9 +6,11 @@
  */
 import { join } from "node:path";
 import type { AgentApi } from "../contracts/agent/api.ts";
+import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { secretKey } from "../contracts/agent/token.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
+import { handleEnroll } from "./agents/enrollment.ts";
 import { handleHeartbeat } from "./agents/registry.ts";
 import { AgentRouter } from "./agents/router.ts";
 import { createApp } from "./app.ts";
@@ -24,10 +26,14 @@ export type StartGatewayOptions = {
   hostname?: string;
   /**
    * One fixed agent (tests). Without it the gateway routes to the agents registered by
-   * heartbeat (gateway/agents/router.ts) and serves `POST /internal/agents/heartbeat`.
+   * heartbeat (gateway/agents/router.ts) and serves `POST /internal/agents/enroll` and
+   * `POST /internal/agents/heartbeat`.
    */
   agent?: AgentApi;
-  /** Routing mode: the secret shared with agents (default `SANDBOXD_AGENT_SECRET` / data dir). */
+  /**
+   * Routing mode: the gateway's agent secret, from which every enrolled agent's key is derived
+   * (default `SANDBOXD_AGENT_SECRET` / data dir). Agents never see it.
+   */
   agentSecret?: string;
   /** Routing mode: heartbeat age after which an agent is not live (default gateway/agents/registry.ts). */
   staleAfterMs?: number;
@@ -103,7 +109,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let router: AgentRouter | undefined;
   try {
     const clock = opts.clock ?? Date.now;
-    let heartbeatKey: Uint8Array | undefined;
+    let agentSecret: string | undefined;
     if (opts.agent === undefined) {
       const secret =
         opts.agentSecret ??
@@ -111,10 +117,12 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
           ? loadSecrets(opts.dataDir).agentSecret
           : process.env.SANDBOXD_AGENT_SECRET);
       if (!secret) throw new Error("a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)");
-      heartbeatKey = secretKey(secret);
+      // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
+      secretKey(secret);
+      agentSecret = secret;
       router = new AgentRouter({
         db: handle.db,
-        secret,
+        agentSecret: secret,
         region: config.region,
         clock,
         ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
@@ -130,9 +138,11 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     });
     server = await serveFetch({
       fetch: (request, upgrade) => {
-        // Agents report here (gateway/agents/registry.ts); outside /v1: not part of the public API.
-        if (heartbeatKey && request.method === "POST" && new URL(request.url).pathname === HEARTBEAT_PATH) {
-          return handleHeartbeat(handle.db, heartbeatKey, request, clock);
+        // Agents enroll and report here (gateway/agents/); outside /v1: not part of the public API.
+        if (agentSecret !== undefined && request.method === "POST") {
+          const path = new URL(request.url).pathname;
+          if (path === HEARTBEAT_PATH) return handleHeartbeat(handle.db, agentSecret, request, clock);
+          if (path === ENROLL_PATH) return handleEnroll(handle.db, agentSecret, request, clock);
         }
         // `upgrade` reaches the connect route as a binding (HonoEnv); relays: gateway/relay/.
         return app.fetch(request, upgrade ? { upgrade } : {});

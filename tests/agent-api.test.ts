@@ -14,8 +14,8 @@ import {
   tempStateDir,
 } from "../agent/sandbox/testing.ts";
 import type { ExecAction } from "../contracts/agent/api.ts";
-import { SandboxdError } from "../contracts/errors.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
+import { errorOf } from "./support/agents.ts";
 
 /**
  * The agent's HTTP API with REAL VMs under TCG, served by Bun.serve on 127.0.0.1:0 and driven by
@@ -27,6 +27,8 @@ import { AgentHttpClient } from "../gateway/agents/client.ts";
 /** Each cold boot is ~2-3 s under TCG, plus the image import on a cold cache (~5 s). */
 const VM_TEST_TIMEOUT_MS = 180_000;
 const SECRET = "test-secret-0123456789abcdef-0123456789";
+/** The agent's enrolled identity: its id and key. */
+const CREDS = { id: "test-agent", key: SECRET };
 
 const cleanups: Array<() => Promise<void>> = [];
 afterEach(async () => {
@@ -44,11 +46,16 @@ interface Agent {
 async function startAgent(stateDir: string): Promise<Agent> {
   const driver = await BootDriver.create({ cacheDir: TEST_CACHE_DIR, stateDir });
   const manager = await SandboxManager.open({ driver, stateDir });
-  const app = createAgentApp({ manager, secret: SECRET, uploadDir: join(stateDir, "uploads") });
+  const app = createAgentApp({ manager, credentials: CREDS, uploadDir: join(stateDir, "uploads") });
   // idleTimeout 0: an exec may hold a request open far longer than Bun's 10 s default.
   const server = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: app.fetch, idleTimeout: 0 });
   const url = `http://127.0.0.1:${server.port}`;
-  return { manager, server, url, client: new AgentHttpClient({ baseUrl: url, secret: SECRET }) };
+  return {
+    manager,
+    server,
+    url,
+    client: new AgentHttpClient({ baseUrl: url, agentId: CREDS.id, key: SECRET }),
+  };
 }
 
 /** An agent with the busybox template uploaded and built through the API. */
@@ -86,16 +93,6 @@ const shell = (command: string, timeoutMs = 30_000): ExecAction => ({
   run: { kind: "shell", command },
   timeoutMs,
 });
-
-async function errorOf(p: Promise<unknown>): Promise<SandboxdError> {
-  try {
-    await p;
-  } catch (err) {
-    if (err instanceof SandboxdError) return err;
-    throw err;
-  }
-  throw new Error("expected a rejection");
-}
 
 describe("agent HTTP API with real VMs", () => {
   test(
@@ -170,7 +167,7 @@ describe("agent HTTP API with real VMs", () => {
     // No VM is needed: the manager is never reached.
     const driver = await BootDriver.create({ cacheDir: TEST_CACHE_DIR, stateDir });
     const manager = await SandboxManager.open({ driver, stateDir });
-    const app = createAgentApp({ manager, secret: SECRET, uploadDir: join(stateDir, "uploads") });
+    const app = createAgentApp({ manager, credentials: CREDS, uploadDir: join(stateDir, "uploads") });
     const key = new TextEncoder().encode(SECRET);
     const sign = (o: {
       aud?: string;
@@ -180,7 +177,7 @@ describe("agent HTTP API with real VMs", () => {
       iat?: number;
     }) => {
       const j = new SignJWT({}).setProtectedHeader({ alg: "HS256" }).setIssuer(o.iss ?? "sandboxd-gateway");
-      j.setAudience(o.aud ?? "sandboxd-agent").setIssuedAt(o.iat ?? Math.floor(Date.now() / 1000));
+      j.setAudience(o.aud ?? "sandboxd-agent:test-agent").setIssuedAt(o.iat ?? Math.floor(Date.now() / 1000));
       return j.setExpirationTime(o.life ?? "30s").sign(o.key ?? key);
     };
     const status = async (auth: string | undefined) => {
@@ -196,18 +193,27 @@ describe("agent HTTP API with real VMs", () => {
       "401 unauthorized",
     );
     expect(await status(`Bearer ${await sign({ aud: "someone-else" })}`)).toBe("401 unauthorized");
+    // Signed with this agent's key but made out to another agent (and the old shared audience).
+    expect(await status(`Bearer ${await sign({ aud: "sandboxd-agent:other-agent" })}`)).toBe(
+      "401 unauthorized",
+    );
+    expect(await status(`Bearer ${await sign({ aud: "sandboxd-agent" })}`)).toBe("401 unauthorized");
     expect(await status(`Bearer ${await sign({ iss: "someone-else" })}`)).toBe("401 unauthorized");
     expect(await status(`Bearer ${await sign({ life: "120s" })}`)).toBe("401 unauthorized"); // > 60 s
     const old = Math.floor(Date.now() / 1000) - 100;
     expect(await status(`Bearer ${await sign({ iat: old, life: old + 30 })}`)).toBe("401 unauthorized"); // expired
     const noneAlg = `${Buffer.from('{"alg":"none"}').toString("base64url")}.${Buffer.from(
-      JSON.stringify({ aud: "sandboxd-agent", iss: "sandboxd-gateway", exp: old + 1000 }),
+      JSON.stringify({ aud: "sandboxd-agent:test-agent", iss: "sandboxd-gateway", exp: old + 1000 }),
     ).toString("base64url")}.`;
     expect(await status(`Bearer ${noneAlg}`)).toBe("401 unauthorized");
     // A wrong secret in the client is the same 401, surfaced as a typed error.
     const server = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: app.fetch });
     try {
-      const bad = new AgentHttpClient({ baseUrl: `http://127.0.0.1:${server.port}`, secret: "y".repeat(40) });
+      const bad = new AgentHttpClient({
+        baseUrl: `http://127.0.0.1:${server.port}`,
+        agentId: CREDS.id,
+        key: "y".repeat(40),
+      });
       expect((await errorOf(bad.health())).code).toBe("unauthorized");
     } finally {
       server.stop(true);
@@ -269,7 +275,8 @@ describe("agent HTTP API with real VMs", () => {
     try {
       const c = new AgentHttpClient({
         baseUrl: `http://127.0.0.1:${port}`,
-        secret: SECRET,
+        agentId: CREDS.id,
+        key: SECRET,
         timeouts: { quick: 300 },
       });
       const t0 = performance.now();
@@ -282,7 +289,7 @@ describe("agent HTTP API with real VMs", () => {
       silent.close();
     }
     // Nobody listening at all: refused at once.
-    const dead = new AgentHttpClient({ baseUrl: `http://127.0.0.1:${port}`, secret: SECRET });
+    const dead = new AgentHttpClient({ baseUrl: `http://127.0.0.1:${port}`, agentId: CREDS.id, key: SECRET });
     const err = await errorOf(dead.health());
     expect(err.code).toBe("agent_unavailable");
     expect(err.message).toContain("unreachable");

@@ -25,12 +25,14 @@ import {
 import { startAgentServer } from "../agent/server.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import type { ExecAction, Tunnel } from "../contracts/agent/api.ts";
-import { SandboxdError } from "../contracts/errors.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
+import { errorOf } from "./support/agents.ts";
 
 /** A template build, one spawn and one fork under TCG on a 2-core host: 240 s with margin. */
 const VM_TEST_TIMEOUT_MS = 240_000;
 const SECRET = "test-secret-0123456789abcdef-0123456789";
+/** The agent's enrolled identity: its id and key. */
+const CREDS = { id: "test-agent", key: SECRET };
 /** Short idle pause so the test sees it happen (and not happen) within a second or two. */
 const IDLE_PAUSE_MS = 400;
 const BIG_MIB = 8;
@@ -42,16 +44,6 @@ const shell = (command: string): ExecAction => ({
   run: { kind: "shell", command },
   timeoutMs: 60_000,
 });
-
-async function errorOf(p: Promise<unknown>): Promise<SandboxdError> {
-  try {
-    await p;
-  } catch (err) {
-    if (err instanceof SandboxdError) return err;
-    throw err;
-  }
-  throw new Error("expected a rejection");
-}
 
 /** Everything the tunnel delivers until it ends. */
 async function readAll(t: Tunnel): Promise<Buffer> {
@@ -93,13 +85,13 @@ test(
     const manager = await SandboxManager.open({ driver, stateDir, idlePauseMs: IDLE_PAUSE_MS });
     const server = startAgentServer({
       manager,
-      secret: SECRET,
+      credentials: CREDS,
       uploadDir: join(stateDir, "uploads"),
       hostname: "127.0.0.1",
       port: 0,
       version: "test",
     });
-    const c = new AgentHttpClient({ baseUrl: server.url, secret: SECRET });
+    const c = new AgentHttpClient({ baseUrl: server.url, agentId: CREDS.id, key: SECRET });
     try {
       manager.buildTemplate("busybox", { kind: "archive", path: await busyboxArchive() });
       await manager.templates.settled("busybox");

@@ -1,9 +1,8 @@
 import { afterAll, afterEach, describe, expect, test } from "bun:test";
-import { copyFile, mkdtemp, rm } from "node:fs/promises";
-import { tmpdir } from "node:os";
+import { copyFile, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
-import { type HeartbeatSender, startHeartbeats } from "../agent/api/heartbeat.ts";
+import type { HeartbeatSender } from "../agent/api/heartbeat.ts";
 import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
@@ -13,25 +12,28 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
 } from "../agent/sandbox/testing.ts";
-import { startAgentServer } from "../agent/server.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { agents } from "../db/schema/agents.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
-import { type RunningGateway, startGateway } from "../gateway/server.ts";
+import type { RunningGateway } from "../gateway/server.ts";
+import { startEnrolledAgent, startRoutingGateway } from "./support/agents.ts";
 
 /**
  * Routing to several host agents (gateway/agents/router.ts): a real gateway (startGateway, PGlite)
- * and real agent HTTP servers (startAgentServer over a SandboxManager) that register and
- * heartbeat over HTTP. The VM tests cold-boot REAL busybox VMs under TCG (BootDriver).
+ * and real agent HTTP servers (startAgentServer over a SandboxManager) that enroll with a one-time
+ * token, then heartbeat over HTTP with their own keys. The VM tests cold-boot REAL busybox VMs under TCG (BootDriver).
  */
 
+/** The gateway's agent secret, from which each enrolled agent's key is derived. */
 const SECRET = "routing-test-agent-secret-0123456789abcdef";
 /** Fast beats and a short staleness bound keep the test quick; the ratio is production's (1:3+). */
 const HB_MS = 200;
 const STALE_MS = 1_500;
 const VM_TEST_TIMEOUT_MS = 240_000;
+/** Three PGlite enrollments and two staleness waits (2 x 1.8 s) on a loaded host. */
+const TEST_TIMEOUT_MS = 30_000;
 
 const cleanups: Array<() => Promise<void>> = [];
 afterEach(async () => {
@@ -48,19 +50,11 @@ interface TestAgent {
   kill(): Promise<void>;
 }
 
-async function startGw(): Promise<{ gw: RunningGateway; key: string; dir: string }> {
-  const dir = await mkdtemp(join(tmpdir(), "sbx-route-gw-"));
-  const gw = await startGateway({
-    dataDir: dir,
-    port: 0,
+async function startGw(): Promise<{ gw: RunningGateway; key: string }> {
+  const gw = await startRoutingGateway({
     agentSecret: SECRET,
     staleAfterMs: STALE_MS,
-    config: { region: "eu", version: "test" },
-    log: () => {},
-  });
-  cleanups.push(async () => {
-    await gw.stop();
-    await rm(dir, { recursive: true, force: true });
+    onCleanup: (c) => cleanups.push(c),
   });
   const key = await gw.withDb(async (db) => {
     await upsertPublicTemplate(
@@ -69,7 +63,7 @@ async function startGw(): Promise<{ gw: RunningGateway; key: string; dir: string
     );
     return (await createKey(db, gw.config.keyPepper, { tenant: "routing", tier: "pro" })).key;
   });
-  return { gw, key, dir };
+  return { gw, key };
 }
 
 async function startAgent(
@@ -82,21 +76,13 @@ async function startAgent(
   const stateDir = await tempStateDir();
   const driver = await BootDriver.create({ cacheDir: TEST_CACHE_DIR, stateDir });
   const manager = await SandboxManager.open({ driver, stateDir, capacity: { slots } });
-  const server = startAgentServer({
+  const { server, hb } = await startEnrolledAgent({
+    gw,
+    agentSecret: SECRET,
     manager,
-    secret: SECRET,
-    uploadDir: join(stateDir, "uploads"),
-    hostname: "127.0.0.1",
-    port: 0,
-    version: "test",
-  });
-  const hb = startHeartbeats({
-    gatewayUrl: gw.url,
-    secret: SECRET,
+    stateDir,
     id,
     region,
-    advertiseUrl: server.url,
-    capacity: () => manager.capacityNow(),
     intervalMs: HB_MS,
   });
   let killed = false;
@@ -148,54 +134,58 @@ const agentOfSandbox = (gw: RunningGateway, id: string) =>
   gw.withDb(async (db) => (await db.select().from(sandboxes).where(eq(sandboxes.id, id)))[0]?.agentId);
 
 describe("routing to registered agents", () => {
-  test("registration and heartbeat, region, least-loaded order, stale agents and at_capacity", async () => {
-    const { gw, key } = await startGw();
-    const a = await startAgent(gw, "eu-a", "eu", 2);
-    const b = await startAgent(gw, "eu-b", "eu", 4);
-    await startAgent(gw, "us-c", "us", 8);
+  test(
+    "registration and heartbeat, region, least-loaded order, stale agents and at_capacity",
+    async () => {
+      const { gw, key } = await startGw();
+      const a = await startAgent(gw, "eu-a", "eu", 2);
+      const b = await startAgent(gw, "eu-b", "eu", 4);
+      await startAgent(gw, "us-c", "us", 8);
 
-    const rows = await gw.withDb((db) => db.select().from(agents).orderBy(agents.id));
-    expect(rows.map((r) => [r.id, r.region, r.slotsTotal])).toEqual([
-      ["eu-a", "eu", 2],
-      ["eu-b", "eu", 4],
-      ["us-c", "us", 8],
-    ]);
-    expect(rows[0]!.url).toBe(a.url);
-    const first = rows[0]!.lastHeartbeatAt!.getTime();
-    expect(Date.now() - first).toBeLessThan(2_000);
-    await Bun.sleep(HB_MS * 3);
-    const [again] = await gw.withDb((db) => db.select().from(agents).where(eq(agents.id, "eu-a")));
-    expect(again!.lastHeartbeatAt!.getTime()).toBeGreaterThan(first);
+      const rows = await gw.withDb((db) => db.select().from(agents).orderBy(agents.id));
+      expect(rows.map((r) => [r.id, r.region, r.slotsTotal])).toEqual([
+        ["eu-a", "eu", 2],
+        ["eu-b", "eu", 4],
+        ["us-c", "us", 8],
+      ]);
+      expect(rows[0]!.url).toBe(a.url);
+      const first = rows[0]!.lastHeartbeatAt!.getTime();
+      expect(Date.now() - first).toBeLessThan(2_000);
+      await Bun.sleep(HB_MS * 3);
+      const [again] = await gw.withDb((db) => db.select().from(agents).where(eq(agents.id, "eu-a")));
+      expect(again!.lastHeartbeatAt!.getTime()).toBeGreaterThan(first);
 
-    // A heartbeat needs the shared secret.
-    const forged = await fetch(`${gw.url}${HEARTBEAT_PATH}`, {
-      method: "POST",
-      headers: { authorization: "Bearer x.y.z", "content-type": "application/json" },
-      body: "{}",
-    });
-    expect(forged.status).toBe(401);
+      // A heartbeat needs an enrolled agent's key.
+      const forged = await fetch(`${gw.url}${HEARTBEAT_PATH}`, {
+        method: "POST",
+        headers: { authorization: "Bearer x.y.z", "content-type": "application/json" },
+        body: "{}",
+      });
+      expect(forged.status).toBe(401);
 
-    // Only the gateway's region; least-loaded (both empty: the one with more free slots) first.
-    const router = gw.router!;
-    expect((await router.candidates()).map((r) => r.id)).toEqual(["eu-b", "eu-a"]);
-    expect((await router.candidates("us")).map((r) => r.id)).toEqual(["us-c"]);
+      // Only the gateway's region; least-loaded (both empty: the one with more free slots) first.
+      const router = gw.router!;
+      expect((await router.candidates()).map((r) => r.id)).toEqual(["eu-b", "eu-a"]);
+      expect((await router.candidates("us")).map((r) => r.id)).toEqual(["us-c"]);
 
-    // A stale heartbeat takes an agent out of placement.
-    b.hb.stop();
-    await Bun.sleep(STALE_MS + 300);
-    expect((await router.candidates()).map((r) => r.id)).toEqual(["eu-a"]);
+      // A stale heartbeat takes an agent out of placement.
+      b.hb.stop();
+      await Bun.sleep(STALE_MS + 300);
+      expect((await router.candidates()).map((r) => r.id)).toEqual(["eu-a"]);
 
-    // No live agent with room in the region: 503 at_capacity, promptly.
-    a.hb.stop();
-    await Bun.sleep(STALE_MS + 300);
-    expect(await router.candidates()).toEqual([]);
-    const res = await api(gw, key, "POST", "/v1/sandboxes", { template: "busybox" });
-    expect(res.status).toBe(503);
-    expect(res.body.code).toBe("at_capacity");
-    // ...and it left no sandbox behind.
-    const live = await gw.withDb((db) => db.select().from(sandboxes).where(eq(sandboxes.state, "running")));
-    expect(live).toEqual([]);
-  });
+      // No live agent with room in the region: 503 at_capacity, promptly.
+      a.hb.stop();
+      await Bun.sleep(STALE_MS + 300);
+      expect(await router.candidates()).toEqual([]);
+      const res = await api(gw, key, "POST", "/v1/sandboxes", { template: "busybox" });
+      expect(res.status).toBe(503);
+      expect(res.body.code).toBe("at_capacity");
+      // ...and it left no sandbox behind.
+      const live = await gw.withDb((db) => db.select().from(sandboxes).where(eq(sandboxes.state, "running")));
+      expect(live).toEqual([]);
+    },
+    TEST_TIMEOUT_MS,
+  );
 
   test(
     "real VMs: creates land on agents with room, calls follow the sandbox, a dead agent is 503 agent_unavailable",

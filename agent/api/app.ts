@@ -2,7 +2,8 @@
  * The agent's own HTTP API (docs/agent-api.md), called only by the gateway through
  * `AgentHttpClient` (gateway/agents/client.ts). Handlers only parse: every request becomes a typed
  * `AgentAction` (zod at the edge) that `perform` (actions.ts) runs on the manager; errors become
- * `{code, message}` in one place (errors.ts). Every route needs the gateway's short-lived JWT.
+ * `{code, message}` in one place (errors.ts). Every route needs the gateway's short-lived JWT,
+ * signed with this agent's own key and made out to this agent's id (contracts/agent/token.ts).
  */
 import { randomBytes } from "node:crypto";
 import { mkdir, rm } from "node:fs/promises";
@@ -24,7 +25,7 @@ import {
   VmIdParam,
   WidthBody,
 } from "../../contracts/agent/schemas.ts";
-import { secretKey, verifyAgentToken } from "../../contracts/agent/token.ts";
+import { type AgentCredentials, secretKey, verifyAgentToken } from "../../contracts/agent/token.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
 import { type AgentAction, perform } from "./actions.ts";
@@ -33,8 +34,8 @@ import type { TunnelSocketData } from "./tunnel-ws.ts";
 
 export interface AgentAppDeps {
   manager: SandboxManager;
-  /** Shared with the gateway; HS256 key of the request tokens (>= 32 bytes). */
-  secret: string | Uint8Array;
+  /** This agent's id and key from enrollment (agent/api/enroll.ts); tokens must be for this id. */
+  credentials: AgentCredentials;
   /** Uploaded template images are staged here until their build ends. */
   uploadDir: string;
   version?: string;
@@ -48,7 +49,8 @@ export interface AgentAppDeps {
 const MAX_JSON_BODY_BYTES = 32 * 1024 * 1024;
 
 export function createAgentApp(deps: AgentAppDeps): Hono {
-  const key = secretKey(deps.secret);
+  const key = secretKey(deps.credentials.key);
+  const agentId = deps.credentials.id;
   const log = deps.log ?? (() => {});
   const actionDeps = { manager: deps.manager, version: deps.version ?? "sandboxd-agent-dev", log };
   const app = new Hono();
@@ -61,7 +63,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
   app.notFound((c) => c.json({ code: "not_found", message: `no route ${c.req.method} ${c.req.path}` }, 404));
 
   app.use("*", async (c, next) => {
-    const v = await verifyAgentToken(key, c.req.header("authorization"));
+    const v = await verifyAgentToken(key, agentId, c.req.header("authorization"));
     if (!v.ok) throw v.error;
     await next();
   });

@@ -1,11 +1,12 @@
 /**
  * The agent's side of the heartbeat (contracts/agent/heartbeat.ts): reports this agent's id,
- * region, advertised URL and capacity to the gateway now and every interval. A failed beat is
+ * region, advertised URL and capacity to the gateway now and every interval, signed with the key
+ * this agent got at enrollment (enroll.ts). A failed beat is
  * logged and retried on the next tick (the gateway may be restarting).
  */
 import type { AgentCapacity } from "../../contracts/agent/api.ts";
 import { HEARTBEAT_INTERVAL_MS, HEARTBEAT_PATH, type Heartbeat } from "../../contracts/agent/heartbeat.ts";
-import { secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
+import { type AgentCredentials, secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 
 export interface HeartbeatSender {
@@ -16,8 +17,7 @@ export interface HeartbeatSender {
 
 export function startHeartbeats(opts: {
   gatewayUrl: string;
-  secret: string | Uint8Array;
-  id: string;
+  credentials: AgentCredentials;
   region: string;
   /** The URL the gateway reaches this agent at. */
   advertiseUrl: string;
@@ -25,11 +25,12 @@ export function startHeartbeats(opts: {
   intervalMs?: number;
   log?: (m: string) => void;
 }): HeartbeatSender {
-  const key = secretKey(opts.secret);
+  const key = secretKey(opts.credentials.key);
+  const id = opts.credentials.id;
   const url = `${opts.gatewayUrl.replace(/\/+$/, "")}${HEARTBEAT_PATH}`;
   const beat = async (): Promise<void> => {
     const body: Heartbeat = {
-      id: opts.id,
+      id,
       region: opts.region,
       url: opts.advertiseUrl,
       capacity: opts.capacity(),
@@ -37,7 +38,7 @@ export function startHeartbeats(opts: {
     const res = await fetch(url, {
       method: "POST",
       headers: {
-        authorization: `Bearer ${await signHeartbeatToken(key)}`,
+        authorization: `Bearer ${await signHeartbeatToken(key, id)}`,
         "content-type": "application/json",
       },
       body: JSON.stringify(body),

@@ -7,6 +7,7 @@
  * agent's sender is agent/api/heartbeat.ts.
  */
 import { z } from "zod";
+import { AgentId } from "./enroll.ts";
 
 /** Outside the public /v1 API. */
 export const HEARTBEAT_PATH = "/internal/agents/heartbeat";
@@ -14,7 +15,7 @@ export const HEARTBEAT_PATH = "/internal/agents/heartbeat";
 export const HEARTBEAT_INTERVAL_MS = 5_000;
 
 export const Heartbeat = z.object({
-  id: z.string().regex(/^[A-Za-z0-9._-]{1,64}$/),
+  id: AgentId,
   region: z.string().regex(/^[A-Za-z0-9._-]{1,64}$/),
   /** The URL the gateway reaches this agent at. */
   url: z.string().url(),

@@ -1,17 +1,22 @@
 /**
- * The tokens between the gateway and its agents, both HS256 JWTs keyed by the one secret they
- * share (`SANDBOXD_AGENT_SECRET`), each with its own audience so that neither can pass as the other:
+ * The tokens between the gateway and its agents: HS256 JWTs keyed by the one agent's own key
+ * (issued at enrollment, enroll.ts), each with its own audience so that neither direction can pass
+ * as the other, and each naming the agent so that one agent's key speaks for that agent only:
  *
  * - gateway -> agent: every agent API request carries `Authorization: Bearer <JWT>` for audience
- *   `sandboxd-agent`, living at most 60 s. Short-lived tokens mean a leaked one is useless within a
- *   minute, and the agent keeps no session state. The client signs a fresh token per request.
+ *   `sandboxd-agent:<agent id>`, living at most 60 s, signed with that agent's key. An agent
+ *   accepts only its own audience, so a token minted for agent A is refused by agent B even if
+ *   B somehow held A's key. Short-lived tokens mean a leaked one is useless within a minute, and
+ *   the agent keeps no session state. The client signs a fresh token per request.
  * - agent -> gateway: every heartbeat (heartbeat.ts) carries a token for audience
- *   `sandboxd-gateway-heartbeat`, issued by `sandboxd-agent`.
+ *   `sandboxd-gateway-heartbeat`, issued by `sandboxd-agent`, whose subject (and `kid` header) is
+ *   the agent's id: the gateway looks that agent's key up by the `kid`, verifies with it, and
+ *   accepts a heartbeat only for that same id.
  */
-import { errors as joseErrors, jwtVerify, SignJWT } from "jose";
+import { decodeProtectedHeader, errors as joseErrors, jwtVerify, SignJWT } from "jose";
 import { SandboxdError } from "../errors.ts";
 
-export const AGENT_AUDIENCE = "sandboxd-agent";
+export const AGENT_AUDIENCE_PREFIX = "sandboxd-agent:";
 export const GATEWAY_ISSUER = "sandboxd-gateway";
 /** The longest life a token may have (exp - iat), seconds. */
 export const MAX_TOKEN_LIFETIME_S = 60;
@@ -29,10 +34,21 @@ const HEARTBEAT_TOKEN_LIFETIME_S = 30;
 
 export type TokenCheck = { ok: true } | { ok: false; error: SandboxdError };
 
+/** An agent's identity as both ends hold it: its id and its HS256 key. */
+export interface AgentCredentials {
+  id: string;
+  key: string | Uint8Array;
+}
+
+/** The audience of gateway -> agent tokens meant for agent `agentId`. */
+export function agentAudience(agentId: string): string {
+  return `${AGENT_AUDIENCE_PREFIX}${agentId}`;
+}
+
 export function secretKey(secret: string | Uint8Array): Uint8Array {
   const key = typeof secret === "string" ? new TextEncoder().encode(secret) : secret;
   if (key.length < MIN_SECRET_BYTES)
-    throw new Error(`the agent secret must be at least ${MIN_SECRET_BYTES} bytes`);
+    throw new Error(`an agent key or secret must be at least ${MIN_SECRET_BYTES} bytes`);
   return key;
 }
 
@@ -40,22 +56,41 @@ function bearerToken(header: string | undefined | null): string | undefined {
   return /^Bearer ([A-Za-z0-9_.-]+)$/.exec(header ?? "")?.[1];
 }
 
-function sign(key: Uint8Array, issuer: string, audience: string, lifetimeS: number): Promise<string> {
+function sign(
+  key: Uint8Array,
+  agentId: string,
+  issuer: string,
+  audience: string,
+  lifetimeS: number,
+): Promise<string> {
   return new SignJWT({})
-    .setProtectedHeader({ alg: "HS256", typ: "JWT" })
+    .setProtectedHeader({ alg: "HS256", typ: "JWT", kid: agentId })
     .setIssuer(issuer)
+    .setSubject(agentId)
     .setAudience(audience)
     .setIssuedAt()
     .setExpirationTime(`${lifetimeS}s`)
     .sign(key);
 }
 
-export function signAgentToken(key: Uint8Array, lifetimeS = CLIENT_TOKEN_LIFETIME_S): Promise<string> {
-  return sign(key, GATEWAY_ISSUER, AGENT_AUDIENCE, lifetimeS);
+/** A gateway -> agent token for agent `agentId`, signed with that agent's key. */
+export function signAgentToken(
+  key: Uint8Array,
+  agentId: string,
+  lifetimeS = CLIENT_TOKEN_LIFETIME_S,
+): Promise<string> {
+  return sign(key, agentId, GATEWAY_ISSUER, agentAudience(agentId), lifetimeS);
 }
 
-/** Checks a bearer header; the failure is a value (`unauthorized`), with the reason in words. */
-export async function verifyAgentToken(key: Uint8Array, header: string | undefined): Promise<TokenCheck> {
+/**
+ * The agent's check of a bearer header: signed with its key, for its own id. The failure is a
+ * value (`unauthorized`), with the reason in words.
+ */
+export async function verifyAgentToken(
+  key: Uint8Array,
+  agentId: string,
+  header: string | undefined,
+): Promise<TokenCheck> {
   const fail = (why: string, cause?: unknown) => ({
     ok: false as const,
     error: new SandboxdError("unauthorized", `agent token rejected: ${why}`, { cause }),
@@ -65,7 +100,7 @@ export async function verifyAgentToken(key: Uint8Array, header: string | undefin
   try {
     const { payload } = await jwtVerify(token, key, {
       algorithms: ["HS256"],
-      audience: AGENT_AUDIENCE,
+      audience: agentAudience(agentId),
       issuer: GATEWAY_ISSUER,
       requiredClaims: ["exp", "iat"],
       clockTolerance: CLOCK_TOLERANCE_S,
@@ -82,12 +117,34 @@ export async function verifyAgentToken(key: Uint8Array, header: string | undefin
   }
 }
 
-export function signHeartbeatToken(key: Uint8Array): Promise<string> {
-  return sign(key, AGENT_ISSUER, HEARTBEAT_AUDIENCE, HEARTBEAT_TOKEN_LIFETIME_S);
+export function signHeartbeatToken(key: Uint8Array, agentId: string): Promise<string> {
+  return sign(key, agentId, AGENT_ISSUER, HEARTBEAT_AUDIENCE, HEARTBEAT_TOKEN_LIFETIME_S);
 }
 
-/** The gateway's check of a heartbeat's bearer header; the failure is a value (`unauthorized`). */
-export async function verifyHeartbeatToken(key: Uint8Array, header: string | null): Promise<TokenCheck> {
+/**
+ * The agent id a heartbeat's token claims (its `kid`), read before any check so the gateway
+ * knows whose key to verify it with; `verifyHeartbeatToken` then proves the claim.
+ */
+export function heartbeatTokenAgent(header: string | null): string | undefined {
+  const token = bearerToken(header);
+  if (token === undefined) return undefined;
+  try {
+    const { kid } = decodeProtectedHeader(token);
+    return typeof kid === "string" && kid.length > 0 ? kid : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * The gateway's check of a heartbeat's bearer header against agent `agentId`'s key; the subject
+ * must be that agent. The failure is a value (`unauthorized`).
+ */
+export async function verifyHeartbeatToken(
+  key: Uint8Array,
+  agentId: string,
+  header: string | null,
+): Promise<TokenCheck> {
   const token = bearerToken(header);
   if (token === undefined) {
     return { ok: false, error: new SandboxdError("unauthorized", "missing bearer token") };
@@ -97,6 +154,7 @@ export async function verifyHeartbeatToken(key: Uint8Array, header: string | nul
       algorithms: ["HS256"],
       audience: HEARTBEAT_AUDIENCE,
       issuer: AGENT_ISSUER,
+      subject: agentId,
       requiredClaims: ["exp", "iat"],
       clockTolerance: CLOCK_TOLERANCE_S,
     });

@@ -1,6 +1,12 @@
 import { integer, pgTable, text, timestamp } from "drizzle-orm/pg-core";
 
-/** Host agents the gateway can place VMs on: the gateway decides where a sandbox runs, the agent how. */
+/**
+ * Host agents the gateway can place VMs on: the gateway decides where a sandbox runs, the agent how.
+ * An agent's row is made when it enrolls (gateway/agents/enrollment.ts); its heartbeats keep URL,
+ * region and capacity current. `keyId` names the agent's current key: the key itself is derived
+ * from it and the gateway's agent secret, so the table holds nothing an agent could sign with.
+ * No `keyId` (never enrolled, or revoked): nothing from or to this agent is accepted.
+ */
 export const agents = pgTable("agents", {
   id: text("id").primaryKey(),
   region: text("region").notNull(),
@@ -11,4 +17,22 @@ export const agents = pgTable("agents", {
   memMibFree: integer("mem_mib_free").notNull().default(0),
   lastHeartbeatAt: timestamp("last_heartbeat_at", { withTimezone: true, mode: "date" }),
   createdAt: timestamp("created_at", { withTimezone: true, mode: "date" }).notNull().defaultNow(),
+  keyId: text("key_id"),
+  enrolledAt: timestamp("enrolled_at", { withTimezone: true, mode: "date" }),
+  revokedAt: timestamp("revoked_at", { withTimezone: true, mode: "date" }),
+});
+
+/**
+ * One-time enrollment tokens (`sandboxd agent-token create`): only an HMAC of the token's secret
+ * is stored. `usedAt` is set by the one enrollment that redeems it; `agentId`, when set, is the
+ * only id the token may enroll (and it then replaces that agent's key).
+ */
+export const agentEnrollmentTokens = pgTable("agent_enrollment_tokens", {
+  id: text("id").primaryKey(),
+  hash: text("hash").notNull(),
+  agentId: text("agent_id"),
+  createdAt: timestamp("created_at", { withTimezone: true, mode: "date" }).notNull().defaultNow(),
+  expiresAt: timestamp("expires_at", { withTimezone: true, mode: "date" }).notNull(),
+  usedAt: timestamp("used_at", { withTimezone: true, mode: "date" }),
+  usedBy: text("used_by"),
 });

@@ -1,6 +1,7 @@
 /**
  * `AgentApi` (contracts/agent/api.ts) over the agent's HTTP API (docs/agent-api.md): the
- * gateway's handle on one host agent. Every request carries a fresh short-lived JWT; every answer
+ * gateway's handle on one host agent. Every request carries a fresh short-lived JWT for that agent,
+ * signed with its own key (contracts/agent/token.ts); every answer
  * is checked with the same zod schemas the agent uses; an agent error comes back as the same
  * `SandboxdError` code it had on the agent. An agent that does not answer (refused, reset, or
  * silent past the call's deadline) is a `SandboxdError("agent_unavailable")`, never a hang.
@@ -68,17 +69,22 @@ export const DEFAULT_AGENT_TIMEOUTS: AgentTimeouts = {
 export interface AgentHttpClientOptions {
   /** e.g. `http://10.0.0.5:7070` */
   baseUrl: string;
-  secret: string | Uint8Array;
+  /** The agent this client speaks to: its tokens are for this id only. */
+  agentId: string;
+  /** That agent's key (gateway/agents/enrollment.ts). */
+  key: string | Uint8Array;
   timeouts?: Partial<AgentTimeouts>;
 }
 
 export class AgentHttpClient implements AgentApi {
   private readonly key: Uint8Array;
+  private readonly agentId: string;
   private readonly base: string;
   private readonly t: AgentTimeouts;
 
   constructor(opts: AgentHttpClientOptions) {
-    this.key = secretKey(opts.secret);
+    this.key = secretKey(opts.key);
+    this.agentId = opts.agentId;
     this.base = `${opts.baseUrl.replace(/\/+$/, "")}${AGENT_API_PREFIX}`;
     this.t = { ...DEFAULT_AGENT_TIMEOUTS, ...opts.timeouts };
   }
@@ -174,7 +180,7 @@ export class AgentHttpClient implements AgentApi {
   async openTunnel(vmId: VmId, port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
     const url = `${this.base.replace(/^http/, "ws")}/vms/${enc(vmId)}/tunnel?port=${port}`;
     // Opening wakes an idle-paused VM and connects inside the guest: a VM operation's deadline.
-    return connectTunnel(url, await signAgentToken(this.key), this.t.vmOp);
+    return connectTunnel(url, await signAgentToken(this.key, this.agentId), this.t.vmOp);
   }
 
   async health(): Promise<AgentHealth> {
@@ -210,7 +216,7 @@ export class AgentHttpClient implements AgentApi {
   ): Promise<unknown> {
     const url = `${this.base}${path}`;
     const h: Record<string, string> = {
-      authorization: `Bearer ${await signAgentToken(this.key)}`,
+      authorization: `Bearer ${await signAgentToken(this.key, this.agentId)}`,
       ...headers,
     };
     let payload: RequestInit["body"];

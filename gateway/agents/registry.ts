@@ -1,13 +1,16 @@
 /**
  * The registry of host agents (the `agents` table), kept current by their heartbeats
- * (contracts/agent/heartbeat.ts): the first heartbeat of an agent registers it, every later one
- * refreshes its URL, region and capacity. Placement (router.ts) reads the live ones from here.
+ * (contracts/agent/heartbeat.ts). An agent's row is made when it enrolls (enrollment.ts); each
+ * heartbeat, signed with that agent's own key and for that agent's id only, refreshes its URL,
+ * region and capacity. Placement (router.ts) reads the live ones from here.
  */
-import { and, eq, gt } from "drizzle-orm";
+import { and, eq, gt, isNotNull, type SQL } from "drizzle-orm";
 import { HEARTBEAT_INTERVAL_MS, Heartbeat } from "../../contracts/agent/heartbeat.ts";
-import { verifyHeartbeatToken } from "../../contracts/agent/token.ts";
+import { heartbeatTokenAgent, secretKey, verifyHeartbeatToken } from "../../contracts/agent/token.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
+import { deriveAgentKey } from "./enrollment.ts";
+import { jsonAnswer, parseJsonBody } from "./internal-http.ts";
 
 export type AgentRow = typeof agents.$inferSelect;
 
@@ -18,9 +21,12 @@ export type AgentRow = typeof agents.$inferSelect;
  */
 export const AGENT_STALE_AFTER_MS = 3 * HEARTBEAT_INTERVAL_MS;
 
-/** Registers the agent or refreshes its row (URL and region may change across restarts). */
-export async function recordHeartbeat(db: Db, hb: Heartbeat, at: Date): Promise<void> {
-  const set = {
+/**
+ * Refreshes the row of the enrolled agent `hb.id` whose current key id is `keyId`; false when
+ * there is none (revoked or re-keyed since the heartbeat was checked).
+ */
+export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date): Promise<boolean> {
+  return updateAgent(db, and(eq(agents.id, hb.id), eq(agents.keyId, keyId)), {
     region: hb.region,
     url: hb.url,
     slotsTotal: hb.capacity.slotsTotal,
@@ -28,14 +34,43 @@ export async function recordHeartbeat(db: Db, hb: Heartbeat, at: Date): Promise<
     vcpusFree: hb.capacity.vcpusFree,
     memMibFree: hb.capacity.memMibFree,
     lastHeartbeatAt: at,
-  };
-  await db
-    .insert(agents)
-    .values({ id: hb.id, ...set })
-    .onConflictDoUpdate({ target: agents.id, set });
+  });
 }
 
-/** Agents of `region` whose heartbeat is fresher than `staleAfterMs`. */
+/**
+ * Clears agent `id`'s key: nothing it signs is accepted, nothing is sent to it, and it leaves
+ * placement at once. False when it had no key (unknown, or already revoked).
+ */
+export function revokeAgent(db: Db, id: string, now: Date = new Date()): Promise<boolean> {
+  return updateAgent(db, and(eq(agents.id, id), isNotNull(agents.keyId)), {
+    keyId: null,
+    revokedAt: now,
+    lastHeartbeatAt: null,
+  });
+}
+
+/** Updates the one agent row `where` selects; false when there is none. */
+async function updateAgent(
+  db: Db,
+  where: SQL | undefined,
+  set: Partial<typeof agents.$inferInsert>,
+): Promise<boolean> {
+  const done = await db.update(agents).set(set).where(where).returning({ id: agents.id });
+  return done.length === 1;
+}
+
+/** The enrolled agent `id` and its current key, or undefined (unknown, never enrolled, revoked). */
+export async function enrolledAgent(
+  db: Db,
+  agentSecret: string,
+  id: string,
+): Promise<{ row: AgentRow & { keyId: string }; key: string } | undefined> {
+  const [row] = await db.select().from(agents).where(eq(agents.id, id));
+  if (!row?.keyId) return undefined;
+  return { row: { ...row, keyId: row.keyId }, key: deriveAgentKey(agentSecret, id, row.keyId) };
+}
+
+/** Enrolled agents of `region` whose heartbeat is fresher than `staleAfterMs`. */
 export async function liveAgents(
   db: Db,
   region: string,
@@ -45,31 +80,51 @@ export async function liveAgents(
   return db
     .select()
     .from(agents)
-    .where(and(eq(agents.region, region), gt(agents.lastHeartbeatAt, new Date(nowMs - staleAfterMs))));
+    .where(
+      and(
+        eq(agents.region, region),
+        isNotNull(agents.keyId),
+        gt(agents.lastHeartbeatAt, new Date(nowMs - staleAfterMs)),
+      ),
+    );
 }
 
 export function isLive(row: AgentRow, nowMs: number, staleAfterMs: number): boolean {
-  return row.lastHeartbeatAt !== null && row.lastHeartbeatAt.getTime() > nowMs - staleAfterMs;
+  return (
+    row.keyId !== null && row.lastHeartbeatAt !== null && row.lastHeartbeatAt.getTime() > nowMs - staleAfterMs
+  );
 }
 
-/** The gateway's side: checks the token, validates the body, upserts the row. */
+/**
+ * The gateway's side: the token names an agent (`kid`) and must be signed with that enrolled
+ * agent's key (401 otherwise); the body must be about that same agent (403 otherwise). A refused
+ * heartbeat changes nothing.
+ */
 export async function handleHeartbeat(
   db: Db,
-  key: Uint8Array,
+  agentSecret: string,
   request: Request,
   clock: () => number,
 ): Promise<Response> {
-  const json = (status: number, body: unknown) => Response.json(body, { status });
-  const token = await verifyHeartbeatToken(key, request.headers.get("authorization"));
-  if (!token.ok) return json(401, { code: token.error.code, message: token.error.message });
-  let body: unknown;
-  try {
-    body = await request.json();
-  } catch {
-    return json(400, { code: "bad_request", message: "heartbeat body is not JSON" });
+  const header = request.headers.get("authorization");
+  const claimed = heartbeatTokenAgent(header);
+  const agent = claimed === undefined ? undefined : await enrolledAgent(db, agentSecret, claimed);
+  if (claimed === undefined || agent === undefined) {
+    const why = claimed === undefined ? "no agent named" : `agent ${claimed} is not enrolled`;
+    return jsonAnswer(401, { code: "unauthorized", message: `heartbeat token rejected: ${why}` });
   }
-  const hb = Heartbeat.safeParse(body);
-  if (!hb.success) return json(400, { code: "bad_request", message: hb.error.message });
-  await recordHeartbeat(db, hb.data, new Date(clock()));
-  return json(200, { ok: true });
+  const token = await verifyHeartbeatToken(secretKey(agent.key), agent.row.id, header);
+  if (!token.ok) return jsonAnswer(401, { code: token.error.code, message: token.error.message });
+  const hb = await parseJsonBody(request, Heartbeat, "heartbeat");
+  if (!hb.ok) return hb.answer;
+  if (hb.data.id !== agent.row.id) {
+    return jsonAnswer(403, {
+      code: "forbidden",
+      message: `agent ${agent.row.id} may not report for agent ${hb.data.id}`,
+    });
+  }
+  if (!(await recordHeartbeat(db, hb.data, agent.row.keyId, new Date(clock())))) {
+    return jsonAnswer(401, { code: "unauthorized", message: `agent ${agent.row.id} was revoked` });
+  }
+  return jsonAnswer(200, { ok: true });
 }

@@ -16,7 +16,8 @@
  *
  * As an `AgentApi` the router serves the calls that name no VM (templates, exec-once, health);
  * as the gateway's `Placement` (placement.ts) it chooses the agent of a new VM (`firstChoice`,
- * `place`), and calls on a VM go to the agent on its record (`agentFor`).
+ * `place`), and calls on a VM go to the agent on its record (`agentFor`). Every call to an agent
+ * is signed with that agent's own key (enrollment.ts); a revoked agent is neither live nor called.
  */
 import { copyFile, link, rm } from "node:fs/promises";
 import { eq } from "drizzle-orm";
@@ -41,13 +42,14 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
+import { deriveAgentKey } from "./enrollment.ts";
 import type { Placement } from "./placement.ts";
 import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./registry.ts";
 
 export interface AgentRouterOptions {
   db: Db;
-  /** HS256 secret shared with every agent. */
-  secret: string | Uint8Array;
+  /** The gateway's agent secret, from which each agent's key is derived (enrollment.ts). */
+  agentSecret: string;
   /** The region placements go to (tenants carry none yet: config.region). */
   region: string;
   staleAfterMs?: number;
@@ -65,7 +67,7 @@ function retryElsewhere(err: unknown): boolean {
 export class AgentRouter implements AgentApi, Placement {
   readonly region: string;
   private readonly db: Db;
-  private readonly secret: string | Uint8Array;
+  private readonly agentSecret: string;
   private readonly staleAfterMs: number;
   private readonly clock: () => number;
   private readonly timeouts: Partial<AgentTimeouts> | undefined;
@@ -75,20 +77,24 @@ export class AgentRouter implements AgentApi, Placement {
 
   constructor(opts: AgentRouterOptions) {
     this.db = opts.db;
-    this.secret = opts.secret;
+    this.agentSecret = opts.agentSecret;
     this.region = opts.region;
     this.staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
     this.clock = opts.clock ?? Date.now;
     this.timeouts = opts.timeouts;
   }
 
+  /** Rows come from `live`/`isLive`, which keep only enrolled agents (a key id). */
   private client(row: AgentRow): AgentHttpClient {
-    const k = `${row.id} ${row.url}`;
+    const keyId = row.keyId;
+    if (keyId === null) throw new SandboxdError("agent_unavailable", `agent ${row.id} is not enrolled`);
+    const k = `${row.id} ${row.url} ${keyId}`;
     let c = this.clients.get(k);
     if (!c) {
       c = new AgentHttpClient({
         baseUrl: row.url,
-        secret: this.secret,
+        agentId: row.id,
+        key: deriveAgentKey(this.agentSecret, row.id, keyId),
         ...(this.timeouts ? { timeouts: this.timeouts } : {}),
       });
       this.clients.set(k, c);

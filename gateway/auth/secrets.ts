@@ -4,7 +4,7 @@ import { join } from "node:path";
 
 /**
  * The gateway's server secrets: the key pepper (API key hashes), the connect-token secret and
- * the agent-token secret. From the environment when set (`SANDBOXD_KEY_PEPPER`,
+ * the agent secret (every enrolled agent's key is derived from it: gateway/agents/enrollment.ts). From the environment when set (`SANDBOXD_KEY_PEPPER`,
  * `SANDBOXD_CONNECT_SECRET`, `SANDBOXD_AGENT_SECRET`: what several
  * gateway replicas over one PostgreSQL must share), else generated once into
  * `<dataDir>/secrets/` (0600). Never stored in the database: a leaked database alone does not
@@ -13,7 +13,7 @@ import { join } from "node:path";
 export interface GatewaySecrets {
   keyPepper: string;
   connectSecret: string;
-  /** HS256 secret of the gateway -> agent request tokens. */
+  /** The root of the per-agent keys (gateway/agents/enrollment.ts); agents never hold it. */
   agentSecret: string;
 }
 

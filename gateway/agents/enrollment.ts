@@ -1,0 +1,133 @@
+/**
+ * Per-agent credentials on the gateway's side (contracts/agent/enroll.ts).
+ *
+ * - Enrollment tokens are one-time and expiring; only an HMAC of their secret is stored. The one
+ *   enrollment that redeems a token marks it used in the same transaction that (re)keys the agent.
+ * - An agent's key is HMAC-SHA256(agent secret, id, key id): the gateway must hold every agent's
+ *   key to sign its calls to that agent, and deriving it from the gateway's agent secret (a file
+ *   in `<data>/secrets/` or `SANDBOXD_AGENT_SECRET`, never the database) means the `agents` table
+ *   holds only the random key id. A leaked database alone signs nothing (docs/decisions.md).
+ * - Revoking an agent (registry.ts `revokeAgent`) clears its key id: its heartbeats and the
+ *   gateway's calls to it stop at once, and it leaves placement. A new enrollment gives it a new key id, so the old key stays
+ *   dead.
+ */
+import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+import { and, eq, isNull } from "drizzle-orm";
+import { ENROLLMENT_TOKEN_RE, EnrollRequest, type EnrollResponse } from "../../contracts/agent/enroll.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import type { Db } from "../../db/client.ts";
+import { agentEnrollmentTokens, agents } from "../../db/schema/agents.ts";
+import { jsonAnswer, parseJsonBody } from "./internal-http.ts";
+
+/** Default life of an enrollment token: long enough to start a host by hand, short if leaked. */
+export const DEFAULT_ENROLLMENT_TTL_S = 3600;
+
+function hmac(secret: string, ...parts: string[]): string {
+  return createHmac("sha256", secret).update(parts.join("\0")).digest("hex");
+}
+
+/** The key of agent `id` under key id `keyId` (64 hex characters). */
+export function deriveAgentKey(agentSecret: string, id: string, keyId: string): string {
+  return hmac(agentSecret, "sandboxd-agent-key", id, keyId);
+}
+
+function tokenHash(agentSecret: string, secret: string): string {
+  return hmac(agentSecret, "sandboxd-enrollment-token", secret);
+}
+
+export interface IssuedEnrollmentToken {
+  token: string;
+  id: string;
+  expiresAt: Date;
+}
+
+export async function createEnrollmentToken(
+  db: Db,
+  agentSecret: string,
+  opts: { ttlS?: number; agentId?: string; now?: Date } = {},
+): Promise<IssuedEnrollmentToken> {
+  const now = opts.now ?? new Date();
+  const ttlS = opts.ttlS ?? DEFAULT_ENROLLMENT_TTL_S;
+  if (!Number.isFinite(ttlS) || ttlS <= 0)
+    throw new SandboxdError("bad_request", `token ttl must be positive, got ${ttlS}`);
+  const id = randomBytes(8).toString("hex");
+  const secret = randomBytes(32).toString("base64url");
+  const expiresAt = new Date(now.getTime() + ttlS * 1000);
+  await db.insert(agentEnrollmentTokens).values({
+    id,
+    hash: tokenHash(agentSecret, secret),
+    agentId: opts.agentId ?? null,
+    createdAt: now,
+    expiresAt,
+  });
+  return { token: `sbxe_${id}_${secret}`, id, expiresAt };
+}
+
+/**
+ * Redeems `req.token` for agent `req.id`: returns the agent's id and its new key. Refused with
+ * `unauthorized` when the token is unknown, altered, used or expired; `forbidden` when it is bound
+ * to another id; `conflict` when the id is enrolled and the token is not bound to it (a token
+ * cannot take over another agent). Only a successful enrollment spends the token.
+ */
+export async function enrollAgent(
+  db: Db,
+  agentSecret: string,
+  req: EnrollRequest,
+  now: Date = new Date(),
+): Promise<EnrollResponse> {
+  const refuse = (why: string) => new SandboxdError("unauthorized", `enrollment token refused: ${why}`);
+  const m = ENROLLMENT_TOKEN_RE.exec(req.token);
+  if (!m) throw refuse("malformed");
+  const [, tokenId, secret] = m as unknown as [string, string, string];
+  return db.transaction(async (tx) => {
+    const [row] = await tx.select().from(agentEnrollmentTokens).where(eq(agentEnrollmentTokens.id, tokenId));
+    const presented = Buffer.from(tokenHash(agentSecret, secret), "hex");
+    const stored = Buffer.from(row?.hash ?? "", "hex");
+    if (!row || stored.length !== presented.length || !timingSafeEqual(stored, presented))
+      throw refuse("unknown token");
+    if (row.usedAt) throw refuse("already used");
+    if (row.expiresAt.getTime() <= now.getTime()) throw refuse("expired");
+    if (row.agentId !== null && row.agentId !== req.id)
+      throw new SandboxdError("forbidden", `this token enrolls agent ${row.agentId} only, not ${req.id}`);
+    const [existing] = await tx.select().from(agents).where(eq(agents.id, req.id));
+    if (existing?.keyId && row.agentId !== req.id) {
+      throw new SandboxdError(
+        "conflict",
+        `agent ${req.id} is already enrolled; revoke it first (sandboxd agent-token revoke ${req.id}) or use a token made with --agent ${req.id}`,
+      );
+    }
+    // Only the first of two racing redemptions finds the token unused.
+    const used = await tx
+      .update(agentEnrollmentTokens)
+      .set({ usedAt: now, usedBy: req.id })
+      .where(and(eq(agentEnrollmentTokens.id, tokenId), isNull(agentEnrollmentTokens.usedAt)))
+      .returning({ usedAt: agentEnrollmentTokens.usedAt });
+    if (used.length !== 1) throw refuse("already used");
+    const keyId = randomBytes(16).toString("hex");
+    // URL and region stay empty until the first heartbeat; without one the agent is not live.
+    const set = { keyId, enrolledAt: now, revokedAt: null, lastHeartbeatAt: null };
+    await tx
+      .insert(agents)
+      .values({ id: req.id, region: "", url: "", ...set })
+      .onConflictDoUpdate({ target: agents.id, set });
+    return { id: req.id, key: deriveAgentKey(agentSecret, req.id, keyId) };
+  });
+}
+
+/** `POST /internal/agents/enroll` (`ENROLL_PATH`, contracts/agent/enroll.ts). */
+export async function handleEnroll(
+  db: Db,
+  agentSecret: string,
+  request: Request,
+  clock: () => number,
+): Promise<Response> {
+  const req = await parseJsonBody(request, EnrollRequest, "enrollment");
+  if (!req.ok) return req.answer;
+  try {
+    return jsonAnswer(200, await enrollAgent(db, agentSecret, req.data, new Date(clock())));
+  } catch (err) {
+    if (!(err instanceof SandboxdError)) throw err;
+    const status = { unauthorized: 401, forbidden: 403, conflict: 409 }[err.code as string] ?? 500;
+    return jsonAnswer(status, { code: err.code, message: err.message });
+  }
+}

@@ -1,0 +1,88 @@
+/**
+ * Helpers of the suites that run a routing gateway with real agent HTTP servers
+ * (tests/agents-routing.test.ts, tests/agent-credentials.test.ts) and of those that drive the
+ * agent API's client. Test code only.
+ */
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { enroll } from "../../agent/api/enroll.ts";
+import { type HeartbeatSender, startHeartbeats } from "../../agent/api/heartbeat.ts";
+import type { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { type AgentServer, startAgentServer } from "../../agent/server.ts";
+import type { AgentCredentials } from "../../contracts/agent/token.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { createEnrollmentToken } from "../../gateway/agents/enrollment.ts";
+import { type RunningGateway, startGateway } from "../../gateway/server.ts";
+
+/**
+ * A gateway routing to enrolled agents (no fixed agent), on PGlite in a fresh temp dir, region
+ * `eu`; `onCleanup` receives what stops it and removes the dir.
+ */
+export async function startRoutingGateway(opts: {
+  agentSecret: string;
+  staleAfterMs: number;
+  onCleanup: (c: () => Promise<void>) => void;
+}): Promise<RunningGateway> {
+  const dir = await mkdtemp(join(tmpdir(), "sbx-route-gw-"));
+  const gw = await startGateway({
+    dataDir: dir,
+    port: 0,
+    agentSecret: opts.agentSecret,
+    staleAfterMs: opts.staleAfterMs,
+    config: { region: "eu", version: "test" },
+    log: () => {},
+  });
+  opts.onCleanup(async () => {
+    await gw.stop();
+    await rm(dir, { recursive: true, force: true });
+  });
+  return gw;
+}
+
+/** The `SandboxdError` `p` rejects with; anything else (or no rejection) fails the test. */
+export async function errorOf(p: Promise<unknown>): Promise<SandboxdError> {
+  try {
+    await p;
+  } catch (err) {
+    if (err instanceof SandboxdError) return err;
+    throw err;
+  }
+  throw new Error("expected a rejection");
+}
+
+/**
+ * An agent HTTP server over `manager` that enrolls at `gw` with a fresh one-time token (as
+ * `sandboxd agent --enroll` does) and heartbeats every `intervalMs` with its own key. The caller
+ * stops `hb` and `server`.
+ */
+export async function startEnrolledAgent(opts: {
+  gw: RunningGateway;
+  agentSecret: string;
+  manager: SandboxManager;
+  stateDir: string;
+  id: string;
+  region: string;
+  intervalMs: number;
+}): Promise<{ credentials: AgentCredentials; server: AgentServer; hb: HeartbeatSender }> {
+  const { gw, manager, stateDir, id } = opts;
+  const { token } = await gw.withDb((db) => createEnrollmentToken(db, opts.agentSecret));
+  const credentials = await enroll({ gatewayUrl: gw.url, token, id, stateDir });
+  const server = startAgentServer({
+    manager,
+    credentials,
+    uploadDir: join(stateDir, "uploads"),
+    hostname: "127.0.0.1",
+    port: 0,
+    version: "test",
+  });
+  const hb = startHeartbeats({
+    gatewayUrl: gw.url,
+    credentials,
+    region: opts.region,
+    advertiseUrl: server.url,
+    capacity: () => manager.capacityNow(),
+    intervalMs: opts.intervalMs,
+  });
+  return { credentials, server, hb };
+}
