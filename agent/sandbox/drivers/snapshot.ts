@@ -177,12 +177,14 @@ export class SnapshotDriver implements SandboxDriver {
     let source = input.kind === "archive" ? input.path : "";
     let pullMs: number | undefined;
     if (input.kind === "oci") {
-      // Pulled once per manifest digest into the cache (agent/image/pull.ts), then imported like
-      // any OCI layout (the import is cached by config digest too).
+      // Pulled once per repository and manifest digest into the cache, and used only after the
+      // registry served this bake's credentials the manifest (agent/image/pull.ts); then imported
+      // like any OCI layout (the import is cached by config digest too).
       const pulled = await pullImage({
         reference: input.image,
         cacheDir: this.opts.cacheDir,
         registry: this.registry,
+        ...(input.registryAuth ? { auth: input.registryAuth } : {}),
         signal,
         log: this.log,
       });
@@ -194,7 +196,14 @@ export class SnapshotDriver implements SandboxDriver {
     // The RAM root goes with its last RAM file (agent/storage/chain.ts): make and claim it again.
     await claimShmRoot(this.shmRoot, this.stateDir);
     const tImport = performance.now();
-    const image = await importImage({ source, dataDir: this.opts.cacheDir, log: this.log });
+    // A pulled layout is the agent's own (the registry authorized this bake for it); an upload is
+    // the tenant's and is scanned before the cache may answer for it.
+    const image = await importImage({
+      source,
+      dataDir: this.opts.cacheDir,
+      log: this.log,
+      trustedSource: input.kind === "oci",
+    });
     const importMs = performance.now() - tImport;
     if (signal.aborted)
       throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
