@@ -8,6 +8,8 @@
  * example.com itself: list both to allow both, as with TLS wildcards' intent), an IP literal
  * (matched exactly; a request for an IP is otherwise refused, since no name can vouch for it), or
  * `*` (everything). Anything else is a 400 at create: a typo must not silently allow nothing.
+ * Entries only name destinations: an internal address (loopback, private, link-local, the host's
+ * own) stays refused whatever the list says, unless the operator opens its range on the agent.
  */
 import { isIP } from "node:net";
 import { SandboxdError } from "./errors.ts";

@@ -56,7 +56,8 @@ beforeAll(async () => {
     ent: ["acme", "enterprise"],
     other: ["globex", "pro"],
   });
-  svc = await startUp(dataDir);
+  // The egress test's allowed stand-in lives on host loopback: the operator opens that one address.
+  svc = await startUp(dataDir, [], { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.2/32" });
   await waitForTemplate(svc, PYTHON, 300_000);
 }, SETUP_TIMEOUT_MS);
 
@@ -514,7 +515,8 @@ describe("Family B: sandboxes", () => {
   test(
     "egress.allow: an allowed host answers through the guest's proxy, others get 403 at once; malformed is 400",
     async () => {
-      // Host loopback addresses stand in for an allowed and a denied host.
+      // Host loopback addresses stand in for an allowed and a denied host; the allowed one is
+      // reachable because the operator's range (set at start) covers it, not by the tenant's entry.
       let deniedHits = 0;
       const serve = (host: string, onConn: () => void) =>
         new Promise<Server>((resolve) => {

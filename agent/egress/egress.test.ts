@@ -2,14 +2,16 @@
  * Egress allow-lists and the host-side egress proxy, with real sockets: the proxy serves real
  * TCP connections on loopback (standing in for the guest's stream channel), and servers on
  * loopback stand in for an allowed and a denied host. Names are pointed at loopback by the
- * proxy's `connect` hook: DNS is the one boundary replaced here (no /etc/hosts edits).
+ * fence's resolver, and the operator's range lets the fence reach 127.0.0.1: DNS is the one
+ * boundary replaced here (no /etc/hosts edits).
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { createServer, type Server, Socket } from "node:net";
 import fc from "fast-check";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { EgressFence, parseIpLiteral } from "./fence.ts";
 import { EgressPolicy } from "./policy.ts";
-import { defaultConnect, type EgressAttempt, isInternalAddress, serveEgressConnection } from "./proxy.ts";
+import { type EgressAttempt, parseHead, serveEgressConnection } from "./proxy.ts";
 
 describe("EgressPolicy", () => {
   test("exact names, *.suffix wildcards, IP literals, *", () => {
@@ -58,7 +60,12 @@ describe("EgressPolicy", () => {
 
   test("property: a wildcard allows exactly the names strictly below its suffix", () => {
     const label = fc.stringMatching(/^[a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?$/);
-    const name = fc.array(label, { minLength: 1, maxLength: 4 }).map((ls) => ls.join("."));
+    // Names, not addresses: dotted numbers (`1.0`) are what the resolver reads as an IPv4 address,
+    // which only an exact entry can name.
+    const name = fc
+      .array(label, { minLength: 1, maxLength: 4 })
+      .map((ls) => ls.join("."))
+      .filter((n) => parseIpLiteral(n) === undefined);
     fc.assert(
       fc.property(name, name, (suffix, host) => {
         const p = EgressPolicy.fromAllowList([`*.${suffix}`]);
@@ -102,23 +109,17 @@ describe("egress proxy over real loopback sockets", () => {
       new Promise<void>((r) => allowedOrigin.listen(0, "127.0.0.1", r)),
       new Promise<void>((r) => deniedOrigin.listen(0, "127.0.0.1", r)),
     ]);
-    const names: Record<string, number> = {
-      "api.allowed.test": port(allowedOrigin),
-      "cdn.allowed.test": port(allowedOrigin),
-      "evil.test": port(deniedOrigin),
-    };
     const policy = EgressPolicy.fromAllowList(["api.allowed.test", "*.allowed.test", "localhost"]);
+    // The test hosts' names resolve to the loopback servers, which the operator's range opens.
+    const fence = new EgressFence({
+      allowInternal: ["127.0.0.1/32"],
+      resolve: async (name) => (name.endsWith(".test") ? ["127.0.0.1"] : []),
+    });
     proxy = createServer((sock) => {
       void serveEgressConnection(sock, {
         sandboxId: "sbx-test",
         policy,
-        // The test hosts' names resolve to loopback servers; any other name (`localhost`) goes
-        // through the host's real resolver and connect.
-        connect: (host, p) => {
-          const target = names[host];
-          if (target === undefined) return defaultConnect(host, p);
-          return defaultConnect("127.0.0.1", target);
-        },
+        fence,
         onAttempt: (a) => attempts.push(a),
         log: (m) => logs.push(m),
       });
@@ -154,17 +155,15 @@ describe("egress proxy over real loopback sockets", () => {
   }
 
   test("CONNECT to an allowed host: 200, then raw bytes both ways", async () => {
-    const r = await talk("CONNECT api.allowed.test:9999 HTTP/1.1\r\nHost: api.allowed.test:9999\r\n\r\n", {
-      send: "PING",
-      until: "PONG",
-    });
+    const hp = `api.allowed.test:${port(allowedOrigin)}`;
+    const r = await talk(`CONNECT ${hp} HTTP/1.1\r\nHost: ${hp}\r\n\r\n`, { send: "PING", until: "PONG" });
     expect(r.text).toStartWith("HTTP/1.1 200 Connection established\r\n\r\n");
     expect(r.text).toEndWith("PONG");
   });
 
   test("plain HTTP through the proxy reaches the origin in origin form", async () => {
     const r = await talk(
-      "GET http://cdn.allowed.test/health?x=1 HTTP/1.1\r\nHost: cdn.allowed.test\r\nProxy-Connection: keep-alive\r\n\r\n",
+      `GET http://cdn.allowed.test:${port(allowedOrigin)}/health?x=1 HTTP/1.1\r\nHost: cdn.allowed.test\r\nProxy-Connection: keep-alive\r\n\r\n`,
     );
     expect(r.text).toStartWith("HTTP/1.1 200 OK");
     expect(r.text).toEndWith("origin!");
@@ -190,8 +189,11 @@ describe("egress proxy over real loopback sockets", () => {
     expect(logs.filter((l) => l.includes("egress denied: sandbox sbx-test -> evil.test"))).toHaveLength(2);
   });
 
-  test("the default connect resolves names with the host's resolver", async () => {
-    const sock = await defaultConnect("localhost", port(allowedOrigin));
+  test("the default fence resolves names with the host's resolver", async () => {
+    const fence = new EgressFence({ allowInternal: ["127.0.0.0/8", "::1"] });
+    const d = await fence.check("localhost", port(allowedOrigin));
+    if (!d.ok) throw new Error(d.reason);
+    const sock = await fence.connect(d);
     const got = await new Promise<string>((resolve) => {
       sock.once("data", (d) => resolve(d.toString()));
       sock.write("PING");
@@ -216,17 +218,23 @@ describe("egress proxy over real loopback sockets", () => {
   });
 });
 
-test("`*` and wildcards never reach the host's own addresses, an exact entry does; the guest's own loopback stays in the guest", async () => {
+test("no tenant entry reaches the host's own addresses, the operator's range does; the guest's own loopback stays in the guest", async () => {
   const origin = createServer((s) => s.end("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"));
   await new Promise<void>((r) => origin.listen(0, "127.0.0.2", r));
   const originPort = (origin.address() as { port: number }).port;
-  const ask = async (allow: string[], target: string): Promise<string> => {
+  const ask = async (allow: string[], target: string, allowInternal: string[] = []): Promise<string> => {
     const proxy = createServer((sock) => {
       void serveEgressConnection(sock, {
         sandboxId: "sbx-int",
         policy: EgressPolicy.fromAllowList(allow),
+        fence: new EgressFence({ allowInternal }),
         // The guest's own loopback: here the origin plays the server inside the guest.
-        connectLocal: (p) => defaultConnect("127.0.0.2", p),
+        connectLocal: (p) =>
+          new EgressFence({ allowInternal: ["127.0.0.2"] }).connect({
+            address: "127.0.0.2",
+            port: p,
+            family: 4,
+          }),
       });
     });
     await new Promise<void>((r) => proxy.listen(0, "127.0.0.1", r));
@@ -247,12 +255,29 @@ test("`*` and wildcards never reach the host's own addresses, an exact entry doe
   };
   expect(await ask(["*"], "127.0.0.2")).toStartWith("HTTP/1.1 403");
   expect(await ask(["*.allowed.test", "*"], "127.0.0.2")).toStartWith("HTTP/1.1 403");
-  expect(await ask(["127.0.0.2"], "127.0.0.2")).toEndWith("ok");
+  expect(await ask(["127.0.0.2"], "127.0.0.2")).toStartWith("HTTP/1.1 403");
+  expect(await ask(["127.0.0.2"], "127.0.0.2", ["127.0.0.2/32"])).toEndWith("ok");
+  expect(await ask(["*"], "127.0.0.2", ["127.0.0.0/30"])).toEndWith("ok");
+  // Other spellings of the origin's address, listed exactly or under `*`: refused, never routed
+  // into the guest as its own loopback either.
+  for (const spelling of [
+    "2130706434",
+    "127.2",
+    "0x7f.0.0.2",
+    "0177.0.0.2",
+    "[::ffff:127.0.0.2]",
+    "[::ffff:7f00:2]",
+  ]) {
+    expect(await ask(["*"], spelling)).toStartWith("HTTP/1.1 403");
+    expect(await ask([spelling], spelling)).toStartWith("HTTP/1.1 403");
+  }
+  expect(parseHead(Buffer.from("GET http://127.1:8/x HTTP/1.1\r\n\r\n"))).toMatchObject({
+    host: "127.1",
+    port: 8,
+  });
+  // The operator's range opens what it names, no more.
+  expect(await ask(["*"], "127.0.0.2", ["127.0.0.3/32"])).toStartWith("HTTP/1.1 403");
   // localhost / 127.0.0.1 / ::1 mean the sandbox itself: routed back into it, whatever the list.
   for (const local of ["localhost", "127.0.0.1"]) expect(await ask([], local)).toEndWith("ok");
-  expect(isInternalAddress("169.254.169.254")).toBe(true);
-  expect(isInternalAddress("::ffff:127.0.0.1")).toBe(true);
-  expect(isInternalAddress("fe80::1")).toBe(true);
-  expect(isInternalAddress("93.184.216.34")).toBe(false);
   origin.close();
 });

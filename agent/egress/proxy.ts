@@ -9,23 +9,22 @@
  *   to the origin in origin form, the rest of the connection is piped to that origin.
  *
  * The destination NAME is checked against the sandbox's EgressPolicy before anything is resolved
- * or connected; a refusal is immediate (`403` with `X-Sandboxd-Egress: denied`, then close), so
- * a client never hangs on a blocked host, and is logged with the sandbox id. An allowed name is
- * resolved on the host (the guest has no resolver of its own and no other way out).
+ * or connected; an allowed destination then passes the operator's fence (fence.ts), which
+ * resolves a name once on the host (the guest has no resolver of its own and no other way out),
+ * refuses it when any address is internal, and connects to the address it checked. A refusal by
+ * either is immediate (`403` with `X-Sandboxd-Egress: denied`, then close), so a client never
+ * hangs on a blocked host, and is logged with the sandbox id and the reason.
  */
-import { lookup } from "node:dns/promises";
-import { isIP, Socket } from "node:net";
 import type { Duplex } from "node:stream";
 import { normalizeHost } from "../../contracts/egress.ts";
 import { describeError } from "../../contracts/errors.ts";
+import { type EgressFence, operatorFence } from "./fence.ts";
 import type { EgressPolicy } from "./policy.ts";
 
 /** A request head larger than this is not an HTTP client talking to a proxy: refuse it. */
 export const MAX_HEAD_BYTES = 16 * 1024;
 /** A client that connected but says nothing for this long is dropped (it holds a stream slot). */
 export const HEAD_TIMEOUT_MS = 10_000;
-/** Host-side connect to an allowed destination: long enough for a slow WAN SYN, not a hang. */
-export const CONNECT_TIMEOUT_MS = 10_000;
 
 export interface EgressAttempt {
   atMs: number;
@@ -42,8 +41,8 @@ export const GUEST_LOCAL: ReadonlySet<string> = new Set(["localhost", "127.0.0.1
 export interface EgressContext {
   sandboxId: string;
   policy: EgressPolicy;
-  /** Connects to an allowed destination (default: TCP with host DNS). Tests point names at loopback. */
-  connect?: (host: string, port: number) => Promise<Duplex>;
+  /** Resolves, fences and connects an allowed destination (default: the operator's, from env). */
+  fence?: EgressFence;
   /** A connection to the guest's own loopback `port` (a request for localhost comes back in). */
   connectLocal?: (port: number) => Promise<Duplex>;
   /** Every attempt, allowed or not (the agent keeps the refused ones per sandbox). */
@@ -94,61 +93,18 @@ export function parseHead(buf: Buffer): Head | { error: string } {
     return { error: "a plain HTTP proxy request needs an absolute http:// URL" };
   }
   if (url.protocol !== "http:") return { error: `${url.protocol} is only reachable through CONNECT` };
-  const port = url.port === "" ? 80 : Number(url.port);
+  // The host as the client wrote it, not as URL parsing rewrites it (`http://127.1/` would become
+  // 127.0.0.1, the guest's own loopback): the policy and the fence read every spelling themselves.
+  const authority = /^http:\/\/(?:[^/?#@]*@)?([^/?#]*)/i.exec(target)?.[1] ?? "";
+  const hp = hostPort(authority, 80);
+  if (!hp) return { error: `${target} names no valid host:port` };
   // Origin form for the origin; hop-by-hop proxy headers are dropped.
   const headers = headerLines.filter((l) => !/^proxy-(connection|authorization):/i.test(l));
   const forward = Buffer.from(
     `${method} ${url.pathname}${url.search} HTTP/1.1\r\n${headers.join("\r\n")}\r\n\r\n`,
     "latin1",
   );
-  return { method, host: normalizeHost(url.hostname), port, forward, rest };
-}
-
-/** A destination the policy allows by name but that may not be reached (an internal address). */
-export class EgressRefused extends Error {}
-
-/**
- * The host's own addresses and the link-local range (cloud metadata services): reaching them
- * from a sandbox would expose the host's services (the gateway, the agent API, a database) to
- * untrusted code, so `*` and wildcards never lead there; only an exact entry naming the host or
- * address does (the tests' loopback servers are reached that way).
- */
-export function isInternalAddress(addr: string): boolean {
-  const a = addr.toLowerCase().replace(/^::ffff:(?=\d+\.)/, "");
-  if (isIP(a) === 4) {
-    const [x, y] = a.split(".").map(Number) as [number, number];
-    return x === 127 || x === 0 || (x === 169 && y === 254);
-  }
-  return a === "::1" || a === "::" || /^fe[89ab]/.test(a);
-}
-
-/**
- * TCP to `host:port`, the name resolved by the host (getaddrinfo), bounded by CONNECT_TIMEOUT_MS.
- * A name that resolves to an internal address is refused unless `internalOk`.
- */
-export async function defaultConnect(host: string, port: number, internalOk = true): Promise<Duplex> {
-  const addrs = isIP(host) !== 0 ? [{ address: host }] : await lookup(host, { all: true });
-  if (addrs.length === 0) throw new Error(`${host} does not resolve`);
-  if (!internalOk && addrs.some((a) => isInternalAddress(a.address))) {
-    throw new EgressRefused(`${host} resolves to an internal address of the host`);
-  }
-  const address = addrs[0]!.address;
-  return new Promise((resolve, reject) => {
-    const sock = new Socket();
-    const timer = setTimeout(() => {
-      sock.destroy();
-      reject(new Error(`connect to ${host}:${port} timed out after ${CONNECT_TIMEOUT_MS} ms`));
-    }, CONNECT_TIMEOUT_MS);
-    sock.once("error", (err) => {
-      clearTimeout(timer);
-      reject(err);
-    });
-    sock.connect({ host: address, port }, () => {
-      clearTimeout(timer);
-      sock.removeAllListeners("error");
-      resolve(sock);
-    });
-  });
+  return { method, ...hp, forward, rest };
 }
 
 /** Reads the request head (bounded in size and time), without consuming past it. */
@@ -212,19 +168,20 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
     reply(stream, "403 Forbidden", "X-Sandboxd-Egress: denied\r\n");
     return;
   }
+  const fence = ctx.fence ?? operatorFence();
+  const dest = await fence.check(head.host, head.port);
+  if (!dest.ok && dest.code !== "unresolvable") {
+    attempt.reason = dest.reason;
+    ctx.onAttempt?.(attempt);
+    log(`egress denied: sandbox ${ctx.sandboxId} -> ${head.host}:${head.port} (${dest.reason})`);
+    reply(stream, "403 Forbidden", "X-Sandboxd-Egress: denied\r\n");
+    return;
+  }
   let upstream: Duplex;
   try {
-    upstream = ctx.connect
-      ? await ctx.connect(head.host, head.port)
-      : await defaultConnect(head.host, head.port, ctx.policy.namesExactly(head.host));
+    if (!dest.ok) throw new Error(dest.reason);
+    upstream = await fence.connect(dest);
   } catch (err) {
-    if (err instanceof EgressRefused) {
-      attempt.reason = err.message;
-      ctx.onAttempt?.(attempt);
-      log(`egress denied: sandbox ${ctx.sandboxId} -> ${head.host}:${head.port} (${err.message})`);
-      reply(stream, "403 Forbidden", "X-Sandboxd-Egress: denied\r\n");
-      return;
-    }
     attempt.reason = describeError(err);
     ctx.onAttempt?.({ ...attempt, allowed: true });
     reply(stream, "502 Bad Gateway", "X-Sandboxd-Egress: unreachable\r\n");

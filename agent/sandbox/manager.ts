@@ -28,6 +28,7 @@ import type {
   SuspendResult,
 } from "../../contracts/agent/api.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import { type EgressFence, operatorFence } from "../egress/fence.ts";
 import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
@@ -74,6 +75,11 @@ export interface ManagerOptions {
   idlePauseMs?: number;
   /** Egress of a sandbox created without `egress` (spec 2.5 leaves it to the deployment). */
   egressDefault?: EgressDefault;
+  /**
+   * Which addresses egress may reach and how names resolve (agent/egress/fence.ts); default: the
+   * operator's fence from `SANDBOXD_EGRESS_ALLOW_INTERNAL`. Never set from the API.
+   */
+  fence?: EgressFence;
   onUsage?: (iv: UsageInterval) => void;
   log?: (msg: string) => void;
 }
@@ -137,6 +143,7 @@ export class SandboxManager {
   private readonly idlePauseMs: number;
   private readonly defaultSize: VmSize;
   private readonly egressDefault: EgressPolicy;
+  private readonly fence: EgressFence;
   readonly capacity: Capacity;
   private readonly log: (msg: string) => void;
   private detached = false;
@@ -157,6 +164,7 @@ export class SandboxManager {
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
     this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
+    this.fence = opts.fence ?? operatorFence();
     this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.used());
   }
 
@@ -545,6 +553,7 @@ export class SandboxManager {
     return serveEgressConnection(stream, {
       sandboxId: id,
       policy: sb.egress,
+      fence: this.fence,
       connectLocal: async (port) => {
         const t = await this.openTunnel(id, port);
         return Duplex.fromWeb({ readable: t.readable, writable: t.writable });

@@ -177,7 +177,9 @@ export const CreateSandboxRequest = z
       .object({ allow: z.array(z.string().min(1).max(253)).max(256) })
       .loose()
       .optional()
-      .describe("Egress policy; `allow` lists permitted host names."),
+      .describe(
+        "Egress policy; `allow` lists permitted host names. Internal addresses (loopback, private, link-local, cloud metadata, the host's own) stay unreachable whatever it lists; only the operator opens them.",
+      ),
   })
   .meta({ id: "CreateSandboxRequest" });
 export type CreateSandboxRequest = z.infer<typeof CreateSandboxRequest>;

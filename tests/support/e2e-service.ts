@@ -219,12 +219,17 @@ export interface RunningService {
 
 /**
  * Starts `bin/sandboxd up` on 127.0.0.1 (the OS picks a free port) and waits for `listening`;
- * `extraArgs` are added to its command line (e.g. `--no-catalog`).
+ * `extraArgs` are added to its command line (e.g. `--no-catalog`), `extraEnv` to its environment
+ * (operator settings such as `SANDBOXD_EGRESS_ALLOW_INTERNAL`).
  */
-export async function startUp(dataDir: string, extraArgs: string[] = []): Promise<RunningService> {
+export async function startUp(
+  dataDir: string,
+  extraArgs: string[] = [],
+  extraEnv: Record<string, string> = {},
+): Promise<RunningService> {
   const args = ["up", "--host", "127.0.0.1", "--port", "0", "--data-dir", dataDir, ...extraArgs];
   const child = spawn(SANDBOXD, args, {
-    env: childEnv(),
+    env: { ...childEnv(), ...extraEnv },
     stdio: ["ignore", "pipe", "pipe"],
   });
   let log = "";
