@@ -12,10 +12,13 @@ import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { busyboxImageSpec, makeOciArchive } from "../../tests/fixtures/images.ts";
 import { type LocalRegistry, REGISTRY_BIN, startRegistry } from "../../tests/support/registry.ts";
+import { EgressFence } from "../egress/fence.ts";
 import { pullImage } from "../image/pull.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput } from "./drivers/driver.ts";
+import { fencedRegistry } from "./drivers/snapshot.ts";
 import { templateRecords } from "./records.ts";
 import { MAX_CONCURRENT_BUILDS, TemplateRegistry } from "./templates.ts";
+import { tenantErrorText } from "./tenant-error.ts";
 
 interface Held {
   onPhase?: (p: BuildPhase) => void;
@@ -192,4 +195,26 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("bakes of two tenants from a private 
     await Bun.sleep(200);
     expect((reg.log().match(/"GET \/v2\/a\/private\/blobs\//g) ?? []).length).toBe(blobs);
   }, 120_000);
+
+  test("the egress fence refuses a loopback registry unless the operator allows its range", async () => {
+    const pull = (fence: EgressFence) =>
+      pullImage({
+        reference: `${reg.host}/a/private:1`,
+        cacheDir: join(work, "cache-fenced"),
+        registry: { insecureRegistries: [], checkDestination: fencedRegistry(fence) },
+        auth: A,
+      });
+    const before = reg.log().length;
+    const refused = await pull(new EgressFence()).then(
+      () => undefined,
+      (e: SandboxdError) => e,
+    );
+    expect(refused?.details?.reason).toBe("registry_forbidden");
+    expect(tenantErrorText(refused, "err-000000000000")).toBe(
+      `registry_forbidden: looking up ${reg.host}/a/private:1 failed: the registry's address is not allowed (error id err-000000000000)`,
+    );
+    expect(reg.log().length).toBe(before); // nothing reached the registry
+    const allowed = await pull(new EgressFence({ allowInternal: ["127.0.0.1/32"] }));
+    expect(allowed.cached).toBe(false);
+  }, 60_000);
 });
