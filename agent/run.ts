@@ -41,7 +41,8 @@ export async function runOnce(opts: RunOnceOptions): Promise<RunOnceResult> {
   const [artifacts, accel, image] = await Promise.all([
     ensureGuestArtifacts({ dataDir: opts.dataDir, log: opts.log }),
     probeAccelerator({ log: opts.log }),
-    importImage({ source: opts.image, dataDir: opts.dataDir, log: opts.log }),
+    // The operator's own file on the command line.
+    importImage({ source: opts.image, dataDir: opts.dataDir, log: opts.log, trustedSource: true }),
   ]);
   const importMs = performance.now() - t0;
   const argv = resolveCommand(image.config, opts.cmd);

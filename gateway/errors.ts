@@ -3,8 +3,12 @@
  * (contracts/errors.ts, which draws the whole tree) and this table turns its code into a status
  * and the `{code, message}` envelope (spec 2.11, 7); the agent's own codes are translated to
  * public ones first (PUBLIC_OF_AGENT_CODE). Every other code and foreign errors become 500
- * `internal` and their message is logged, not sent.
+ * `internal` and their message is logged, not sent. The public 5xx codes whose message is written
+ * from what a host said (a QEMU's stderr in a failed restore, an agent's address in a tunnel that
+ * did not open) are sent with a fixed text and an error id; the log line carries the same id and
+ * the whole text.
  */
+import { randomBytes } from "node:crypto";
 import type { Context } from "hono";
 import type { ContentfulStatusCode } from "hono/utils/http-status";
 import {
@@ -46,7 +50,16 @@ export interface MappedError {
   status: ContentfulStatusCode;
   body: { code: PublicErrorCode; message: string };
   headers: Record<string, string>;
+  /** Names the full text in the log when the body's message is a fixed one. */
+  errorId?: string;
 }
+
+/** Public codes whose message quotes a host: what the client reads instead. */
+const FIXED_MESSAGE: Partial<Record<PublicErrorCode, string>> = {
+  spawn_failed: "the VM did not start",
+  bringup_timeout: "the VM did not answer in time",
+  agent_unavailable: "the sandbox's host agent did not answer; retry with backoff",
+};
 
 /** The agent's codes that are not public ones, each with what it means for a client. */
 const PUBLIC_OF_AGENT_CODE: Readonly<Record<Exclude<AgentErrorCode, PublicErrorCode>, PublicErrorCode>> = {
@@ -70,6 +83,12 @@ export function mapError(err: unknown): MappedError {
     const headers: Record<string, string> = {};
     const retry = err.details?.retryAfterSeconds;
     if (typeof retry === "number") headers["Retry-After"] = String(Math.max(1, Math.ceil(retry)));
+    const fixed = FIXED_MESSAGE[err.code];
+    if (fixed) {
+      const errorId = `err-${randomBytes(6).toString("hex")}`;
+      const message = `${fixed} (error id ${errorId})`;
+      return { status: STATUS_OF_CODE[err.code], body: { code: err.code, message }, headers, errorId };
+    }
     return { status: STATUS_OF_CODE[err.code], body: { code: err.code, message: err.message }, headers };
   }
   return { status: 500, body: { code: "internal", message: "internal error" }, headers: {} };
@@ -78,7 +97,8 @@ export function mapError(err: unknown): MappedError {
 /** Hono `onError` handler. */
 export function errorResponse(err: unknown, c: Context, log: (line: string) => void): Response {
   const mapped = mapError(err);
-  if (mapped.status >= 500) log(`${c.req.method} ${c.req.path}: ${describeError(err)}`);
+  const id = mapped.errorId ? ` [${mapped.errorId}]` : "";
+  if (mapped.status >= 500) log(`${c.req.method} ${c.req.path}${id}: ${describeError(err)}`);
   return c.json(mapped.body, mapped.status, mapped.headers);
 }
 

@@ -5,7 +5,11 @@
  * CLI), real pulls and real VMs under TCG. A bake with a ready command that starts busybox httpd
  * detached and waits for /health; every sandbox and fork restores with the server already up.
  * Failures (unknown tag, a ready command that fails), idempotence, tier and ownership rules, the
- * warm pool of expect/release. Figures (pull, phases, spawn) are printed as JSON.
+ * warm pool of expect/release. A second, private registry (basic auth): tenant A bakes with its
+ * own `registry_auth`; tenant B, knowing the digest but not the credentials, is refused and gets
+ * no template. The registries are on loopback, which the pull's egress fence refuses unless the
+ * operator allows it: `up` runs with SANDBOXD_EGRESS_ALLOW_INTERNAL=127.0.0.1/32. Figures (pull,
+ * phases, spawn) are printed as JSON.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync } from "node:fs";
@@ -49,6 +53,9 @@ const HEALTH = "wget -qO- http://127.0.0.1:8080/health";
 
 let svc: RunningService | undefined;
 let reg: LocalRegistry | undefined;
+/** The private registry: only `PRIVATE_USER` reads it. */
+let privateReg: LocalRegistry | undefined;
+const PRIVATE_USER = { username: "acme-robot", password: "acme-only-token-1b2c" };
 let dataDir = "";
 let work = "";
 let keys: Record<"demo" | "pro" | "other", string>;
@@ -96,13 +103,16 @@ beforeAll(async () => {
   const archive = join(work, "bb.tar");
   await makeOciArchive(archive, await busyboxImageSpec(work));
   await reg.push(`oci-archive:${archive}`, "web/bb:1");
+  privateReg = await startRegistry({ auth: PRIVATE_USER });
+  await privateReg.push(`oci-archive:${archive}`, "acme/secret:1");
   dataDir = await prepareDataDir();
   keys = await createKeys(dataDir, {
     demo: ["acme", "demo"],
     pro: ["acme", "pro"],
     other: ["globex", "pro"],
   });
-  svc = await startUp(dataDir);
+  // The test registries are on loopback: the operator (not a tenant) lets pulls reach it.
+  svc = await startUp(dataDir, [], { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" });
   await waitForTemplate(svc, PYTHON, 300_000);
 }, SETUP_TIMEOUT_MS);
 
@@ -139,6 +149,7 @@ afterAll(async () => {
     await removeDataDir(dataDir);
   }
   await reg?.stop();
+  await privateReg?.stop();
   if (work) await rm(work, { recursive: true, force: true });
   console.log(JSON.stringify({ bake_figures: figures }));
 });
@@ -460,6 +471,53 @@ describe("Family B bake from a registry", () => {
       expect(slow.t.error).toMatch(/timed out after 2000 ms/);
       await deleteTemplate("slow-ready");
       expect((await api().get("/v1/health")).status).toBe(200); // the service is fine
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "caches never cross tenants: B bakes the digest of A's private image and is refused; A's re-bake is cached",
+    async () => {
+      const priv = privateReg!;
+      const privateBlobs = () => (priv.log().match(/"GET \/v2\/acme\/secret\/blobs\//g) ?? []).length;
+      await bake({ name: "secret", image: `${priv.host}/acme/secret:1`, registry_auth: PRIVATE_USER });
+      const a = await settle("secret");
+      expect(a.t.phase).toBe("Live");
+      const digest = /"GET \/v2\/acme\/secret\/manifests\/(sha256:[0-9a-f]{64})/.exec(priv.log())?.[1];
+      expect(digest).toBeDefined();
+      const pinned = `${priv.host}/acme/secret@${digest}`;
+      const blobs = privateBlobs();
+
+      // Tenant B (another Pro tenant) knows the digest, not the credentials: anonymous, then guessing.
+      for (const [name, extra] of [
+        ["stolen", {}],
+        ["stolen-guess", { registry_auth: { username: PRIVATE_USER.username, password: "guess" } }],
+      ] as const) {
+        await bake({ name, image: pinned, ...extra }, keys.other);
+        const b = await settle(name, keys.other);
+        expect(b.t.phase).toBe("Failed");
+        expect(b.t.error).toMatch(
+          /^registry_denied: looking up \S+ failed: the registry refused the credentials or access to the image \(error id err-[0-9a-f]{12}\)$/,
+        );
+        for (const leak of [dataDir, "/var/", "/tmp/", "level=", "msg=", "skopeo"])
+          expect(b.t.error).not.toContain(leak);
+        // No template: a sandbox from it is refused.
+        const res = await api().post("/v1/sandboxes", { key: keys.other, json: { template: name } });
+        expect(res.status).toBe(409);
+        await deleteTemplate(name, keys.other);
+      }
+      await Bun.sleep(200);
+      expect(privateBlobs()).toBe(blobs); // nothing was fetched for B, and B was served nothing
+
+      // A's re-bake by digest: authorized again by the registry, served from the cache.
+      await bake({ name: "secret-again", image: pinned, registry_auth: PRIVATE_USER });
+      const again = await settle("secret-again");
+      expect(again.t.phase).toBe("Live");
+      await Bun.sleep(200);
+      expect(privateBlobs()).toBe(blobs);
+      figures.private_rebake = roundAll(again.t.telemetry);
+      await deleteTemplate("secret-again");
+      await deleteTemplate("secret");
     },
     TEST_TIMEOUT_MS,
   );

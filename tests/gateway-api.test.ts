@@ -4,6 +4,8 @@
  * memory-agent.ts), which runs no VMs. Real-VM end-to-end tests come with the real agent.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { eq } from "drizzle-orm";
+import { templates } from "../db/schema/templates.ts";
 import { FixedPlacement } from "../gateway/agents/placement.ts";
 import { reapIdleSessions } from "../gateway/core/sandboxes.ts";
 import { type Harness, makeHarness } from "../gateway/testing/harness.ts";
@@ -313,6 +315,32 @@ describe("templates", () => {
     } finally {
       await small.close();
     }
+  });
+
+  test("a bake's registry credentials go to the agent with the tenant id, and are kept nowhere", async () => {
+    const auth = { username: "robot", password: "tok-9f8e7d6c5b4a" };
+    const body = { name: "priv", image: "127.0.0.1:5000/team/app:1", registry_auth: auth };
+    const res = await h.req("POST", "/v1/templates", { key: pro, json: body });
+    expect(res.status).toBe(202);
+    expect(await res.text()).not.toContain(auth.password);
+    const ref = [...h.agent.templates.keys()].find((r) => r.endsWith(".priv"))!;
+    const source = h.agent.templates.get(ref)?.source;
+    expect(source).toMatchObject({ kind: "oci", image: body.image, registryAuth: auth });
+    // The tenant id the agent is told is the one its template ref names.
+    expect(source?.kind === "oci" ? `${source.tenantId}.priv` : "").toBe(ref);
+    // The db row (its spec is what a retry is compared with) holds no credentials: a retry
+    // with other credentials is the same bake.
+    const rows = await h.handle.db.select().from(templates).where(eq(templates.id, "priv"));
+    expect(JSON.stringify(rows)).not.toContain(auth.password);
+    const retry = { ...body, registry_auth: { username: "robot", password: "other" } };
+    expect((await h.req("POST", "/v1/templates", { key: pro, json: retry })).status).toBe(202);
+    expect(await (await h.req("GET", "/v1/templates/priv", { key: pro })).text()).not.toContain(
+      auth.password,
+    );
+    // A user name with ':' cannot be basic auth.
+    const bad = { ...body, name: "priv2", registry_auth: { username: "a:b", password: "x" } };
+    expect((await h.req("POST", "/v1/templates", { key: pro, json: bad })).status).toBe(400);
+    expect((await h.req("DELETE", "/v1/templates/priv", { key: pro })).status).toBe(200);
   });
 
   test("family B bake is idempotent; delete shared is 403; in use is 409", async () => {

@@ -301,3 +301,44 @@ describe("importImage: hostile input", () => {
     expect((err as ImageError).code).toBe("image_no_manifest");
   });
 });
+
+describe("importImage: the cache never answers for layers the source does not hold", () => {
+  test("a tenant's layout with another image's config but not its layers is refused, not served the cached disk", async () => {
+    const dataDir = join(root, "data-cross");
+    const owner = await importImage({ source: built.ociLayout!.path, dataDir });
+    expect(owner.cached).toBe(false);
+    // Another tenant has the config blob (and so the manifest), not the layers: it makes a layout
+    // of them with a layer blob of its own bytes under the owner's layer digest.
+    const stolen = join(root, "stolen-layout");
+    sh(["cp", "-a", built.ociLayout!.path, stolen]);
+    const manifest = JSON.parse(
+      await Bun.file(
+        join(
+          stolen,
+          "blobs/sha256",
+          (
+            JSON.parse(await Bun.file(join(stolen, "index.json")).text()) as {
+              manifests: { digest: string }[];
+            }
+          ).manifests[0]!.digest.slice(7),
+        ),
+      ).text(),
+    ) as { layers: { digest: string }[] };
+    for (const l of manifest.layers)
+      await writeFile(join(stolen, "blobs/sha256", l.digest.slice(7)), "not yours");
+    let code: ImageErrorCode | undefined;
+    try {
+      await importImage({ source: stolen, dataDir });
+    } catch (e) {
+      code = (e as ImageError).code;
+    }
+    expect(code).toBeDefined();
+    expect(code === "image_digest_mismatch" || code === "image_bad_layer").toBe(true);
+    // The config digest alone is a hit only for a source the host made itself.
+    expect((await importImage({ source: stolen, dataDir, trustedSource: true })).cached).toBe(true);
+    // The owner's own bytes again: scanned, then served from the cache.
+    const again = await importImage({ source: built.ociLayout!.path, dataDir });
+    expect(again).toMatchObject({ cached: true, digest: owner.digest });
+    await expectTmpEmpty(dataDir);
+  }, 60_000);
+});

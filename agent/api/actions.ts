@@ -105,6 +105,8 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
  */
 function ociInput(s: Extract<TemplateSource, { kind: "oci" }>): TemplateInput {
   const input: Extract<TemplateInput, { kind: "oci" }> = { kind: "oci", image: s.image };
+  if (s.tenantId !== undefined) input.tenantId = s.tenantId;
+  if (s.registryAuth !== undefined) input.registryAuth = s.registryAuth;
   if (s.ready?.cmd) input.readyCmd = ["/bin/sh", "-c", s.ready.cmd];
   if (s.ready?.http_timeout_s !== undefined) input.readyTimeoutMs = s.ready.http_timeout_s * 1000;
   if (s.ready?.env) input.readyEnv = s.ready.env;

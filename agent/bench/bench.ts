@@ -253,7 +253,7 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
     const artifacts = await ensureGuestArtifacts({ dataDir: o.dataDir, log });
     const [accel, image] = await Promise.all([
       probeAccelerator({ artifacts, log }),
-      importImage({ source: o.image, dataDir: o.dataDir, log }),
+      importImage({ source: o.image, dataDir: o.dataDir, log, trustedSource: true }),
     ]);
     const config = image.config;
     log(`accelerator ${accel.accel} (${accel.reason}); ${o.memMib} MiB, ${o.vcpus} vCPU`);

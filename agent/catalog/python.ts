@@ -229,5 +229,5 @@ export async function ensurePythonImage(opts: {
     spec: PYTHON_IMAGE,
     log,
   });
-  return importImage({ source: layout, dataDir: opts.dataDir, log });
+  return importImage({ source: layout, dataDir: opts.dataDir, log, trustedSource: true });
 }

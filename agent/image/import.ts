@@ -41,11 +41,21 @@ export interface ImportOptions {
   log?: (m: string) => void;
   limits?: Partial<ImportLimits>;
   disk?: Partial<DiskSizing>;
+  /**
+   * The source was made by this host, not handed in by a tenant: a layout the agent pulled after
+   * the registry authorized the bake (pull.ts), the catalog build, the operator's own file on the
+   * command line. Only then may a cache hit be served on the config digest alone, before any layer
+   * is read. A tenant's upload is scanned first (every layer hashed against the config's diff
+   * ids), so a hit proves the uploader holds every layer of the cached image: knowing another
+   * tenant's config blob is not enough to be served its disk.
+   */
+  trustedSource?: boolean;
 }
 
 /**
  * Imports an image into `<dataDir>/images/<hex>/` (hex of the source's config digest) and returns
- * it; an image already there is returned without unpacking anything.
+ * it; an image already there is returned without unpacking anything (see `trustedSource` for
+ * when its layers are read first).
  */
 export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
   const limits: ImportLimits = { ...DEFAULT_IMPORT_LIMITS, ...opts.limits };
@@ -58,7 +68,7 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
   const ms = () => `${(performance.now() - t0).toFixed(0)} ms`;
 
   const quick = await quickLook(source, kind, limits);
-  const hit = quick && (await loadCached(dataDir, quick.configDigest, quick.format));
+  const hit = opts.trustedSource && quick && (await loadCached(dataDir, quick.configDigest, quick.format));
   if (hit) {
     log(`image: ${hit.digest} cached (${ms()})`);
     return hit;
@@ -77,8 +87,12 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
     log(
       `image: scanned ${image.format} ${image.configDigest}: ${image.layers.length} layers, ${budget.entries} entries, ${budget.bytes} bytes (${ms()})`,
     );
+    // Every layer is verified now (scan.ts): the cached disk is one the source could build.
     const raced = await loadCached(dataDir, image.configDigest, image.format);
-    if (raced) return raced;
+    if (raced) {
+      log(`image: ${raced.digest} cached, its layers verified (${ms()})`);
+      return raced;
+    }
 
     const rootfs = await unpackRootfs(work, source, scan, limits, log);
     const { passwd, group } = await readImageUsers(rootfs, limits.maxMetadataBytes);
@@ -103,17 +117,22 @@ async function detectSource(source: string): Promise<"dir" | "file"> {
   try {
     st = await stat(source);
   } catch (err) {
-    throw new ImageError("image_not_found", `image source ${source} does not exist`, { cause: err });
+    throw new ImageError("image_not_found", "the image source does not exist", {
+      cause: err,
+      details: { source },
+    });
   }
   if (st.isDirectory()) return "dir";
   if (st.isFile()) return "file";
-  throw new ImageError("image_not_tar", `image source ${source} is neither a file nor a directory`);
+  throw new ImageError("image_not_tar", "the image source is neither a file nor a directory", {
+    details: { source },
+  });
 }
 
 /**
- * Quick look for a cache hit: the config digest without reading any layer. A hit is safe to
- * return whatever the rest of the archive holds: the config pins every layer by diff id, and
- * the cached disk was built from layers verified against exactly those.
+ * Quick look for a cache hit: the config digest without reading any layer. For a trusted source
+ * a hit is safe to return whatever the rest of the source holds: the config pins every layer by
+ * diff id, and the cached disk was built from layers verified against exactly those.
  */
 async function quickLook(
   source: string,

@@ -2,11 +2,13 @@
  * Image references (contracts/image-ref.ts), the plain-HTTP decision for registries, the registry
  * settings, and real pulls with skopeo from a real registry (Debian's docker-registry on a free
  * loopback port, tests/support/registry.ts): the first pull fetches, a second of the same digest
- * fetches nothing, an unknown tag is a readable error.
+ * fetches no blob, an unknown tag is a readable error. A private registry (basic auth): the owner's
+ * credentials pull; another caller who knows the digest but not the credentials is refused by the
+ * registry and served nothing from the cache; the operator's credentials only for a shared registry.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync } from "node:fs";
-import { mkdtemp, readdir, rm } from "node:fs/promises";
+import { mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { type AddressInfo, createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -15,9 +17,13 @@ import { parseImageReference } from "../../contracts/image-ref.ts";
 import { busyboxImageSpec, makeOciArchive } from "../../tests/fixtures/images.ts";
 import { type LocalRegistry, REGISTRY_BIN, startRegistry } from "../../tests/support/registry.ts";
 import {
+  classifySkopeoFailure,
   isLoopbackHost,
+  isSharedRegistry,
+  pulledKey,
   pullImage,
   type RegistryConfig,
+  registryAddress,
   registryConfigFromEnv,
   registryTlsVerify,
   skopeoReason,
@@ -130,6 +136,62 @@ describe("plain HTTP or TLS", () => {
     );
   });
 
+  test("host-wide credentials belong to the registries the operator shares, by host:port or by host", () => {
+    const cfg = registryConfigFromEnv({
+      SANDBOXD_REGISTRY_AUTH: "/etc/sandboxd/auth.json",
+      SANDBOXD_SHARED_REGISTRIES: "mirror.internal:5000, Docker.io",
+    });
+    expect(cfg.sharedRegistries).toEqual(["mirror.internal:5000", "docker.io"]);
+    const shared = (ref: string) => isSharedRegistry(parseImageReference(ref), cfg);
+    expect(shared("mirror.internal:5000/x")).toBe(true);
+    expect(shared("mirror.internal:5001/x")).toBe(false);
+    expect(shared("busybox")).toBe(true); // the default registry is docker.io
+    expect(shared("reg.example/x")).toBe(false);
+    expect(isSharedRegistry(parseImageReference("busybox"), registryConfigFromEnv({}))).toBe(false);
+    expect(() => registryConfigFromEnv({ SANDBOXD_SHARED_REGISTRIES: "a b" })).toThrow(
+      /not host or host:port/,
+    );
+  });
+
+  test("the address the egress fence checks: Docker's default registry and ports", () => {
+    expect(registryAddress(parseImageReference("busybox"))).toEqual({
+      host: "registry-1.docker.io",
+      port: 443,
+    });
+    expect(registryAddress(parseImageReference("reg.example/x"))).toEqual({ host: "reg.example", port: 443 });
+    expect(registryAddress(parseImageReference("127.0.0.1:5000/x"))).toEqual({
+      host: "127.0.0.1",
+      port: 5000,
+    });
+    expect(registryAddress(parseImageReference("localhost/x"))).toEqual({ host: "localhost", port: 80 });
+  });
+
+  test("skopeo's failures become a stable reason and a text that quotes nothing of skopeo's", () => {
+    const line = (msg: string) => `time="2026-11-23T10:00:00Z" level=fatal msg="${msg}"`;
+    const cases: Array<[string, string]> = [
+      [
+        "Error reading manifest sha256:ab in 10.1.2.3:5000/x: unauthorized: authentication required",
+        "registry_denied",
+      ],
+      ["reading manifest 1 in 127.0.0.1:5000/bb: manifest unknown: manifest unknown", "image_not_found"],
+      [
+        'pinging container registry 10.0.0.5: Get \\"https://10.0.0.5/v2/\\": x509: certificate signed by unknown authority',
+        "registry_tls",
+      ],
+      [
+        'Get \\"http://169.254.169.254:80/v2/\\": dial tcp 169.254.169.254:80: connect: connection refused',
+        "registry_unreachable",
+      ],
+      ["writing blob: open /var/tmp/storage123: no space left on device", "image_too_large"],
+      ["something else at /var/lib/sandboxd/cache", "image_pull_failed"],
+    ];
+    for (const [msg, reason] of cases) {
+      const [got, text] = classifySkopeoFailure(line(msg));
+      expect(got).toBe(reason);
+      expect(text).not.toMatch(/\/var|\/tmp|10\.|169\.254|https?:|level=|msg=/);
+    }
+  });
+
   test("skopeo's error lines are reduced to the registry's words", () => {
     expect(
       skopeoReason(
@@ -162,7 +224,8 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
     const first = await pullImage({ reference: `${reg.host}/bb:1`, cacheDir, registry: NO_CONFIG });
     expect(first.cached).toBe(false);
     expect(first.digest).toMatch(/^sha256:[a-f0-9]{64}$/);
-    expect(first.layout).toBe(join(cacheDir, "images", "pulled", first.digest.slice(7)));
+    // Keyed by repository and digest: the registry's permission is per repository.
+    expect(first.layout).toBe(join(cacheDir, "images", "pulled", pulledKey(`${reg.host}/bb`, first.digest)));
     expect(existsSync(join(first.layout, "index.json"))).toBe(true);
     expect(await readdir(join(cacheDir, "tmp"))).toEqual([]); // the work dir is gone
     const blobGets = () => (reg.log().match(/"GET \/v2\/bb\/blobs\//g) ?? []).length;
@@ -170,7 +233,10 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
     expect(before).toBeGreaterThan(0);
     const again = await pullImage({ reference: `${reg.host}/bb:1`, cacheDir, registry: NO_CONFIG });
     expect(again).toMatchObject({ cached: true, digest: first.digest, layout: first.layout });
-    // By digest: no lookup needed, still no blob fetched.
+    // By digest: the registry is still asked for the manifest (it authorizes every use of the
+    // cache), and still no blob is fetched.
+    const manifestGets = () => (reg.log().match(/"GET \/v2\/bb\/manifests\/sha256:/g) ?? []).length;
+    const manifestsBefore = manifestGets();
     const pinned = await pullImage({
       reference: `${reg.host}/bb@${first.digest}`,
       cacheDir,
@@ -179,8 +245,13 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
     expect(pinned.cached).toBe(true);
     await Bun.sleep(200);
     expect(blobGets()).toBe(before);
+    expect(manifestGets()).toBeGreaterThan(manifestsBefore);
     console.log(
-      JSON.stringify({ pull_ms: Math.round(first.pullMs), cached_pull_ms: Math.round(again.pullMs) }),
+      JSON.stringify({
+        pull_ms: Math.round(first.pullMs),
+        cached_pull_ms: Math.round(again.pullMs),
+        cached_pinned_pull_ms: Math.round(pinned.pullMs),
+      }),
     );
   }, 120_000);
 
@@ -198,17 +269,26 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
     expect(tag.code).toBe("image_pull_failed");
     expect(tag.message).toContain(`looking up ${reg.host}/bb:nope failed`);
     expect(tag.message).toMatch(/manifest unknown/);
+    expect(tag.details?.reason).toBe("image_not_found");
+    // What the tenant reads: their reference and a reason; no skopeo log line, no host path.
+    expect(tag.message).not.toMatch(/level=|msg=|time=|\/tmp|\/var/);
+    expect(tag.message).not.toContain(work);
     const repo = await err(`${reg.host}/missing/repo:1`);
     expect(repo.code).toBe("image_pull_failed");
     expect(repo.message).toMatch(/unknown|not found/i);
     const bad = await err("--src-creds=a:b");
     expect(bad.code).toBe("bad_request");
-    // A missing credentials file is named, before skopeo runs.
+    // A missing credentials file is named (to the agent's log), before skopeo runs; only a
+    // shared registry reads it.
     try {
       await pullImage({
         reference: `${reg.host}/bb:1`,
         cacheDir,
-        registry: { insecureRegistries: [], authFile: join(work, "no-such-auth.json") },
+        registry: {
+          insecureRegistries: [],
+          sharedRegistries: [reg.host],
+          authFile: join(work, "no-such-auth.json"),
+        },
       });
       throw new Error("pull succeeded");
     } catch (e) {
@@ -216,6 +296,152 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
     }
     expect(existsSync(join(cacheDir, "images", "pulled"))).toBe(false);
   }, 120_000);
+});
+
+describe.skipIf(!existsSync(REGISTRY_BIN))("a private registry: caches never cross tenants", () => {
+  const OWNER = { username: "tenant-a", password: "s3cret-of-a" };
+  let reg: LocalRegistry;
+  let work: string;
+  let cacheDir: string;
+  let digest: string;
+  beforeAll(async () => {
+    work = await mkdtemp(join(tmpdir(), "sbx-pull-private-"));
+    cacheDir = join(work, "cache");
+    reg = await startRegistry({ auth: OWNER });
+    const archive = join(work, "bb.tar");
+    await makeOciArchive(archive, await busyboxImageSpec(work));
+    await reg.push(`oci-archive:${archive}`, "private/app:1");
+  }, 120_000);
+  afterAll(async () => {
+    await reg?.stop();
+    if (work) await rm(work, { recursive: true, force: true });
+  });
+  const blobGets = () => (reg.log().match(/"GET \/v2\/private\/app\/blobs\//g) ?? []).length;
+  const refused = async (o: Parameters<typeof pullImage>[0]) => {
+    try {
+      await pullImage(o);
+    } catch (e) {
+      return e as SandboxdError;
+    }
+    throw new Error(`pull of ${o.reference} succeeded`);
+  };
+
+  test("the owner's credentials pull; the same digest without them is refused and served nothing", async () => {
+    const a = await pullImage({
+      reference: `${reg.host}/private/app:1`,
+      cacheDir,
+      registry: NO_CONFIG,
+      auth: OWNER,
+    });
+    expect(a.cached).toBe(false);
+    digest = a.digest;
+    const blobs = blobGets();
+    const pinned = `${reg.host}/private/app@${digest}`;
+    // Another tenant who knows the digest: anonymous, then with wrong credentials.
+    for (const auth of [
+      undefined,
+      { username: "tenant-b", password: "guess" },
+      { ...OWNER, password: "nope" },
+    ]) {
+      const e = await refused({
+        reference: pinned,
+        cacheDir,
+        registry: NO_CONFIG,
+        ...(auth ? { auth } : {}),
+      });
+      expect(e.code).toBe("image_pull_failed");
+      expect(e.details?.reason).toBe("registry_denied");
+      expect(e.message).toBe(
+        `looking up ${pinned} failed: the registry refused the credentials or access to the image`,
+      );
+    }
+    // Host-wide credentials do not help for a registry the operator does not share.
+    const hostAuth = join(work, "host-auth.json");
+    await writeFile(
+      hostAuth,
+      JSON.stringify({
+        auths: {
+          [reg.host]: { auth: Buffer.from(`${OWNER.username}:${OWNER.password}`).toString("base64") },
+        },
+      }),
+    );
+    const unshared = await refused({
+      reference: pinned,
+      cacheDir,
+      registry: { insecureRegistries: [], authFile: hostAuth },
+    });
+    expect(unshared.details?.reason).toBe("registry_denied");
+    await Bun.sleep(200);
+    expect(blobGets()).toBe(blobs); // nothing was fetched for the refused callers...
+    // ...and the owner's layout is still the only one: nothing was copied for them either.
+    expect(await readdir(join(cacheDir, "images", "pulled"))).toEqual([
+      pulledKey(`${reg.host}/private/app`, digest),
+    ]);
+    expect(await readdir(join(cacheDir, "tmp"))).toEqual([]);
+
+    // The owner's re-bake (by tag and by digest) is served from the cache: no blob fetched.
+    const again = await pullImage({
+      reference: `${reg.host}/private/app:1`,
+      cacheDir,
+      registry: NO_CONFIG,
+      auth: OWNER,
+    });
+    const byDigest = await pullImage({ reference: pinned, cacheDir, registry: NO_CONFIG, auth: OWNER });
+    expect(again).toMatchObject({ cached: true, digest, layout: a.layout });
+    expect(byDigest).toMatchObject({ cached: true, digest, layout: a.layout });
+    // The operator's credentials apply once the operator shares the registry.
+    const shared = await pullImage({
+      reference: pinned,
+      cacheDir,
+      registry: { insecureRegistries: [], sharedRegistries: [reg.host], authFile: hostAuth },
+    });
+    expect(shared.cached).toBe(true);
+    await Bun.sleep(200);
+    expect(blobGets()).toBe(blobs);
+    console.log(
+      JSON.stringify({
+        private_pull_ms: Math.round(a.pullMs),
+        authorized_cached_pull_ms: Math.round(again.pullMs),
+        authorized_cached_pinned_pull_ms: Math.round(byDigest.pullMs),
+      }),
+    );
+  }, 120_000);
+
+  test("credentials never reach argv or the log", async () => {
+    const lines: string[] = [];
+    await pullImage({
+      reference: `${reg.host}/private/app:1`,
+      cacheDir,
+      registry: NO_CONFIG,
+      auth: OWNER,
+      log: (l) => lines.push(l),
+    });
+    const b64 = Buffer.from(`${OWNER.username}:${OWNER.password}`).toString("base64");
+    expect(lines.some((l) => l.includes("skopeo"))).toBe(true);
+    for (const l of lines) {
+      expect(l).not.toContain(OWNER.password);
+      expect(l).not.toContain(b64);
+    }
+  }, 60_000);
+
+  test("a registry address the egress fence refuses is never contacted", async () => {
+    const before = reg.log().length;
+    const e = await refused({
+      reference: `${reg.host}/private/app:1`,
+      cacheDir,
+      auth: OWNER,
+      registry: {
+        insecureRegistries: [],
+        checkDestination: (host, port) => {
+          throw new Error(`refused ${host}:${port}`);
+        },
+      },
+    });
+    expect(e.details?.reason).toBe("registry_forbidden");
+    expect(e.message).not.toContain("refused 127"); // the fence's own words go to the log only
+    await Bun.sleep(100);
+    expect(reg.log().length).toBe(before);
+  });
 });
 
 describe.skipIf(!Bun.which("skopeo"))("a registry that never answers", () => {

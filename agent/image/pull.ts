@@ -3,9 +3,30 @@
  * cache, then handing the OCI layout to the importer (import.ts) like any uploaded image:
  *
  *   parse the reference (contracts/image-ref.ts: no option injection, no schemes)
- *   -> skopeo inspect          the manifest digest of the reference as it is now
- *   -> <cacheDir>/images/pulled/<hex>/ exists?   yes: done, nothing is fetched again
+ *   -> the registry's address through the egress fence (RegistryConfig.checkDestination)
+ *   -> skopeo inspect --raw    with THIS bake's credentials, every time, also for a digest:
+ *                              the registry authorizes the caller for the repository and
+ *                              serves the manifest, whose hash we check against the digest
+ *   -> <cacheDir>/images/pulled/<sha256(name@digest)>/ exists?   yes: done, no blob is fetched
  *   -> skopeo copy docker://NAME@DIGEST oci:<tmp>:image   then rename into place (atomic)
+ *
+ * Why every bake asks the registry: the cache is shared by all tenants of the host, and a
+ * digest is not a secret (it is printed in logs, CI output, image listings). A layout is used
+ * only after the registry has served its manifest to the credentials of the bake asking for it,
+ * so a tenant that knows another tenant's private digest but cannot read the repository is
+ * refused by the registry and never reaches the cached blobs. The cache key holds the repository
+ * name with the digest: the check is the registry's own per-repository permission, and a tenant
+ * serving a copy of someone's manifest bytes from its own registry gets its own cache entry,
+ * filled only with blobs its registry really has. The cost is one manifest GET per bake (a few KB,
+ * no blob); decisions.md has the figures.
+ *
+ * Credentials: a bake may carry its own (`registryAuth`, username and password; a token is
+ * given as the password, as GHCR, Docker Hub and GitLab take it). They are written to a 0600
+ * authfile in the pull's private work dir, removed with it, and never appear in argv or logs.
+ * The operator's host-wide file (`SANDBOXD_REGISTRY_AUTH`) is used only for registries the
+ * operator lists in `SANDBOXD_SHARED_REGISTRIES`; every other pull runs with an authfile of only
+ * the bake's credentials (or none), so skopeo never falls back to the host's docker or
+ * containers auth files.
  *
  * Copying by the inspected digest (not by tag) makes the cache key and the bytes agree even when
  * the tag moves between the two calls. skopeo checks every blob against its digest while it
@@ -13,25 +34,46 @@
  *
  * Transport security follows Docker: a registry on a loopback address (127.0.0.0/8, ::1,
  * `localhost`) is spoken to over plain HTTP, any other only over verified TLS unless the operator
- * lists it in `SANDBOXD_INSECURE_REGISTRIES`. Credentials come from a docker `config.json` style
- * file named by `SANDBOXD_REGISTRY_AUTH` (skopeo `--authfile`); without it skopeo looks in its
- * usual places.
+ * lists it in `SANDBOXD_INSECURE_REGISTRIES`.
+ *
+ * Errors: the message of a failed pull is written for the tenant: the reference as they gave it
+ * and a short, stable reason (`details.reason`: registry_denied, image_not_found, ...). skopeo's
+ * own words (host paths, internal URLs, token realms) stay in the ToolError kept as `cause`, which
+ * reaches the agent's log and nothing else.
  */
 import { createHash, randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
-import { mkdir, rename, rm, stat } from "node:fs/promises";
+import { mkdir, rename, rm, stat, writeFile } from "node:fs/promises";
 import { isIP } from "node:net";
 import { join, resolve } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { type ImageReference, ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { runTool, ToolError } from "../host/tool.ts";
 
+/** Refuses (throws) a registry address the egress fence does not allow; resolves otherwise. */
+export type DestinationCheck = (host: string, port: number) => void | Promise<void>;
+
 export interface RegistryConfig {
-  /** A docker `config.json` style credentials file (skopeo `--authfile`). */
+  /** A docker `config.json` style credentials file (skopeo `--authfile`), for shared registries only. */
   authFile?: string;
   /** `host` or `host:port` entries spoken to without TLS verification (beyond loopback). */
   insecureRegistries: string[];
+  /** `host` or `host:port` entries the operator shares with every tenant: `authFile` applies there. */
+  sharedRegistries?: string[];
+  /** The egress fence for registry addresses; absent: no check (tests of the pull alone). */
+  checkDestination?: DestinationCheck;
 }
+
+/** A bake's own registry credentials; a token goes in `password`. Never logged, never stored. */
+export interface RegistryAuth {
+  username: string;
+  password: string;
+}
+
+/** The registry Docker means when a reference names none. */
+export const DEFAULT_REGISTRY = "docker.io";
+/** Where the default registry's API really is (what the fence checks). */
+const DEFAULT_REGISTRY_HOST = "registry-1.docker.io";
 
 /**
  * Inspecting a manifest is a few KB: a registry that has not answered in a minute is down or
@@ -45,21 +87,28 @@ export const INSPECT_TIMEOUT_MS = 60_000;
  */
 export const PULL_TIMEOUT_MS = 30 * 60_000;
 
-/** Reads the registry settings from the agent's environment; a bad entry is refused at start. */
-export function registryConfigFromEnv(env: Record<string, string | undefined> = process.env): RegistryConfig {
-  const out: RegistryConfig = { insecureRegistries: [] };
-  const auth = env.SANDBOXD_REGISTRY_AUTH?.trim();
-  if (auth) out.authFile = resolve(auth);
-  for (const raw of (env.SANDBOXD_INSECURE_REGISTRIES ?? "").split(",")) {
+const REGISTRY_ENTRY = /^(?:[a-z0-9]([a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?$/;
+
+function registryList(env: Record<string, string | undefined>, name: string): string[] {
+  const out: string[] = [];
+  for (const raw of (env[name] ?? "").split(",")) {
     const entry = raw.trim().toLowerCase();
     if (entry === "") continue;
-    if (!/^(?:[a-z0-9]([a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?$/.test(entry))
-      throw new SandboxdError(
-        "bad_request",
-        `SANDBOXD_INSECURE_REGISTRIES: ${JSON.stringify(raw)} is not host or host:port`,
-      );
-    out.insecureRegistries.push(entry);
+    if (!REGISTRY_ENTRY.test(entry))
+      throw new SandboxdError("bad_request", `${name}: ${JSON.stringify(raw)} is not host or host:port`);
+    out.push(entry);
   }
+  return out;
+}
+
+/** Reads the registry settings from the agent's environment; a bad entry is refused at start. */
+export function registryConfigFromEnv(env: Record<string, string | undefined> = process.env): RegistryConfig {
+  const out: RegistryConfig = {
+    insecureRegistries: registryList(env, "SANDBOXD_INSECURE_REGISTRIES"),
+    sharedRegistries: registryList(env, "SANDBOXD_SHARED_REGISTRIES"),
+  };
+  const auth = env.SANDBOXD_REGISTRY_AUTH?.trim();
+  if (auth) out.authFile = resolve(auth);
   return out;
 }
 
@@ -76,6 +125,13 @@ export function isLoopbackHost(host: string): boolean {
   return false;
 }
 
+/** Whether `list` names the reference's registry: by `host:port`, or by `host` for every port. */
+function listed(ref: ImageReference, list: readonly string[]): boolean {
+  const domain = (ref.domain ?? DEFAULT_REGISTRY).toLowerCase();
+  const host = ref.host ?? DEFAULT_REGISTRY;
+  return list.some((e) => e === domain || e === host);
+}
+
 /**
  * Whether to verify TLS for the reference's registry: not for loopback (as Docker), not for a
  * registry the operator listed as insecure (by `host:port`, or by `host` for every port).
@@ -83,8 +139,12 @@ export function isLoopbackHost(host: string): boolean {
 export function registryTlsVerify(ref: ImageReference, cfg: RegistryConfig): boolean {
   if (!ref.host) return true; // the default registry: always TLS
   if (isLoopbackHost(ref.host)) return false;
-  const domain = (ref.domain ?? "").toLowerCase();
-  return !cfg.insecureRegistries.some((e) => e === domain || e === ref.host);
+  return !listed(ref, cfg.insecureRegistries);
+}
+
+/** Whether the operator's host-wide credentials may be used for the reference's registry. */
+export function isSharedRegistry(ref: ImageReference, cfg: RegistryConfig): boolean {
+  return listed(ref, cfg.sharedRegistries ?? []);
 }
 
 export interface PullOptions {
@@ -92,6 +152,8 @@ export interface PullOptions {
   /** The agent's cache dir; layouts go to `<cacheDir>/images/pulled/<hex>/`. */
   cacheDir: string;
   registry: RegistryConfig;
+  /** This bake's credentials for the reference's registry. */
+  auth?: RegistryAuth;
   signal?: AbortSignal;
   inspectTimeoutMs?: number;
   pullTimeoutMs?: number;
@@ -103,13 +165,21 @@ export interface PulledImage {
   layout: string;
   /** `sha256:<hex>` of the manifest that was pulled. */
   digest: string;
-  /** True when the digest was already in the cache: nothing was fetched. */
+  /** True when the digest was already in the cache: nothing but the manifest was fetched. */
   cached: boolean;
   /** Wall time of inspect + copy, ms. */
   pullMs: number;
 }
 
-/** Pulls `reference` into the cache (once per manifest digest) and returns its OCI layout. */
+/** The cache directory name of `name@digest`: the repository is part of the key (see above). */
+export function pulledKey(name: string, digest: string): string {
+  return createHash("sha256").update(`${name}@${digest}`).digest("hex");
+}
+
+/**
+ * Pulls `reference` into the cache (once per repository and manifest digest) and returns its OCI
+ * layout; a cached layout is returned only after the registry served this caller the manifest.
+ */
 export async function pullImage(o: PullOptions): Promise<PulledImage> {
   const log = o.log ?? (() => {});
   const t0 = performance.now();
@@ -120,21 +190,21 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
     if (err instanceof ImageReferenceError) throw new SandboxdError("bad_request", err.message);
     throw err;
   }
-  const common = commonArgs(ref, o.registry);
-  const digest = ref.digest ?? (await inspectDigest(ref, common, o, log));
-  const hex = digest.slice(digest.indexOf(":") + 1);
-  const root = join(resolve(o.cacheDir), "images", "pulled");
-  const layout = join(root, hex);
-  if (await isLayout(layout)) {
-    log(`image: ${ref.canonical} is ${digest}, already pulled`);
-    return { layout, digest, cached: true, pullMs: performance.now() - t0 };
-  }
-  await mkdir(root, { recursive: true });
+  await checkRegistryAddress(ref, o.registry);
   const tmpRoot = join(resolve(o.cacheDir), "tmp");
   await mkdir(tmpRoot, { recursive: true, mode: 0o700 });
-  const work = join(tmpRoot, `pull-${hex.slice(0, 12)}-${randomBytes(4).toString("hex")}`);
+  const work = join(tmpRoot, `pull-${randomBytes(6).toString("hex")}`);
   await mkdir(work, { mode: 0o700 });
   try {
+    const common = await commonArgs(ref, o, work);
+    const digest = await authorizedDigest(ref, common, o, work, log);
+    const root = join(resolve(o.cacheDir), "images", "pulled");
+    const layout = join(root, pulledKey(ref.name, digest));
+    if (await isLayout(layout)) {
+      log(`image: ${ref.canonical} is ${digest}, already pulled`);
+      return { layout, digest, cached: true, pullMs: performance.now() - t0 };
+    }
+    await mkdir(root, { recursive: true });
     const dest = join(work, "layout");
     await runSkopeo(
       [
@@ -158,54 +228,100 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
       // A concurrent pull of the same digest won the rename: its layout is as good as ours.
       if (!(await isLayout(layout))) throw err;
     }
+    const pullMs = performance.now() - t0;
+    log(`image: pulled ${ref.canonical} (${digest}) in ${pullMs.toFixed(0)} ms`);
+    return { layout, digest, cached: false, pullMs };
   } finally {
     await rm(work, { recursive: true, force: true });
   }
-  const pullMs = performance.now() - t0;
-  log(`image: pulled ${ref.canonical} (${digest}) in ${pullMs.toFixed(0)} ms`);
-  return { layout, digest, cached: false, pullMs };
 }
 
-/** Options every skopeo call for `ref` takes: TLS, credentials. */
-function commonArgs(ref: ImageReference, cfg: RegistryConfig): string[] {
-  const args: string[] = [];
-  if (!registryTlsVerify(ref, cfg)) args.push("--src-tls-verify=false");
-  if (cfg.authFile) {
-    if (!existsSync(cfg.authFile))
-      throw new SandboxdError(
-        "bad_request",
-        `SANDBOXD_REGISTRY_AUTH names ${cfg.authFile}, which does not exist`,
-      );
-    args.push("--authfile", cfg.authFile);
+/** The registry's host and port as the fence sees them: Docker's defaults where none is written. */
+export function registryAddress(ref: ImageReference): { host: string; port: number } {
+  if (!ref.host) return { host: DEFAULT_REGISTRY_HOST, port: 443 };
+  return { host: ref.host, port: ref.port ?? (isLoopbackHost(ref.host) ? 80 : 443) };
+}
+
+async function checkRegistryAddress(ref: ImageReference, cfg: RegistryConfig): Promise<void> {
+  if (!cfg.checkDestination) return;
+  const { host, port } = registryAddress(ref);
+  try {
+    await cfg.checkDestination(host, port);
+  } catch (err) {
+    throw new SandboxdError(
+      "image_pull_failed",
+      `looking up ${ref.canonical} failed: the registry's address is not allowed`,
+      { cause: err, details: { reason: "registry_forbidden" } },
+    );
   }
+}
+
+/**
+ * Options every skopeo call for `ref` takes: TLS, and always `--authfile`: the bake's own
+ * credentials, the operator's file for a shared registry, or an empty file (anonymous), so that
+ * skopeo never reads the host's default auth files.
+ */
+async function commonArgs(ref: ImageReference, o: PullOptions, work: string): Promise<string[]> {
+  const args: string[] = [];
+  if (!registryTlsVerify(ref, o.registry)) args.push("--src-tls-verify=false");
+  const shared = o.registry.authFile;
+  if (!o.auth && shared && isSharedRegistry(ref, o.registry)) {
+    if (!existsSync(shared))
+      throw new SandboxdError("internal", `SANDBOXD_REGISTRY_AUTH names ${shared}, which does not exist`);
+    args.push("--authfile", shared);
+    return args;
+  }
+  const file = join(work, "auth.json");
+  const auths: Record<string, { auth: string }> = {};
+  if (o.auth) {
+    const key = ref.domain ?? DEFAULT_REGISTRY;
+    auths[key] = { auth: Buffer.from(`${o.auth.username}:${o.auth.password}`).toString("base64") };
+  }
+  await writeFile(file, JSON.stringify({ auths }), { mode: 0o600 });
+  args.push("--authfile", file);
   return args;
 }
 
-async function inspectDigest(
+/**
+ * The manifest digest the registry serves THIS caller for `ref`: its manifest is fetched with the
+ * caller's credentials (for a pinned digest too) and hashed. A pinned digest the registry serves
+ * other bytes for is refused.
+ */
+async function authorizedDigest(
   ref: ImageReference,
   common: string[],
   o: PullOptions,
+  work: string,
   log: (m: string) => void,
 ): Promise<string> {
   // `--raw`: only the manifest (or multi-platform index) is fetched, no config blob; its digest
-  // is the sha256 of those exact bytes, what the registry serves it by.
+  // is the hash of those exact bytes, what the registry serves it by.
+  const what = `looking up ${ref.canonical}`;
   const raw = await runSkopeo(
     [
       "inspect",
       "--raw",
       // `inspect` spells the TLS option without the `src-` prefix.
       ...common.map((a) => (a === "--src-tls-verify=false" ? "--tls-verify=false" : a)),
-      `docker://${ref.canonical}`,
+      `docker://${ref.digest ? `${ref.name}@${ref.digest}` : ref.canonical}`,
     ],
-    { ...o, timeoutMs: o.inspectTimeoutMs ?? INSPECT_TIMEOUT_MS, what: `looking up ${ref.canonical}` },
+    { ...o, timeoutMs: o.inspectTimeoutMs ?? INSPECT_TIMEOUT_MS, what, tmp: work },
     log,
   );
   if (raw.length === 0 || raw[0] !== 0x7b /* { */)
-    throw new SandboxdError(
-      "image_pull_failed",
-      `looking up ${ref.canonical}: the registry sent no manifest`,
-    );
-  return `sha256:${createHash("sha256").update(raw).digest("hex")}`;
+    throw pullError(what, "bad_manifest", "the registry sent no manifest");
+  const algo = ref.digest?.startsWith("sha512:") ? "sha512" : "sha256";
+  const digest = `${algo}:${createHash(algo).update(raw).digest("hex")}`;
+  if (ref.digest && digest !== ref.digest)
+    throw pullError(what, "digest_mismatch", "the registry served a manifest with another digest");
+  return digest;
+}
+
+function pullError(what: string, reason: string, text: string, cause?: unknown): SandboxdError {
+  return new SandboxdError("image_pull_failed", `${what} failed: ${text}`, {
+    ...(cause === undefined ? {} : { cause }),
+    details: { reason },
+  });
 }
 
 async function isLayout(dir: string): Promise<boolean> {
@@ -218,7 +334,7 @@ async function isLayout(dir: string): Promise<boolean> {
   }
 }
 
-/** Runs skopeo with a deadline and the caller's abort signal; a failure says skopeo's reason. */
+/** Runs skopeo with a deadline and the caller's abort signal; a failure says a tenant-safe reason. */
 async function runSkopeo(
   args: string[],
   o: { signal?: AbortSignal; timeoutMs: number; what: string; tmp?: string },
@@ -242,26 +358,53 @@ async function runSkopeo(
         throw new SandboxdError(
           "image_pull_failed",
           `${o.what}: no answer within ${Math.round(o.timeoutMs / 1000)} s`,
-          { cause: err },
+          { cause: err, details: { reason: "registry_timeout" } },
         );
       case "spawn":
-        throw new SandboxdError("image_pull_failed", `${o.what}: cannot run skopeo`, { cause: err });
+        throw pullError(o.what, "internal", "the agent cannot run its image tool", err);
       case "output_too_large":
-        throw new SandboxdError("image_pull_failed", `${o.what}: ${err.message}`, { cause: err });
+        throw pullError(o.what, "image_too_large", "the registry's answer is too large", err);
       default: {
         const output = err.details.output ?? "";
-        throw new SandboxdError("image_pull_failed", `${o.what} failed: ${skopeoReason(output)}`, {
-          cause: err,
-          details: { exitCode: err.details.exitCode, output },
-        });
+        const [reason, text] = classifySkopeoFailure(output);
+        throw pullError(o.what, reason, text, err);
       }
     }
   }
 }
 
 /**
- * The readable part of a skopeo error: its last line, without the `time=... level=fatal msg=`
- * logging prefix and the long Go error chain before the registry's own words.
+ * skopeo's failure as a stable reason and a short text for the tenant. The text never quotes
+ * skopeo: its lines carry the registry's internal URLs, token realms and host paths.
+ */
+export function classifySkopeoFailure(output: string): [reason: string, text: string] {
+  const msg = skopeoReason(output);
+  if (
+    /unauthorized|authentication required|denied|forbidden|\b40[13]\b|invalid username|credentials/i.test(msg)
+  )
+    return ["registry_denied", "the registry refused the credentials or access to the image"];
+  if (/manifest unknown|name unknown|not found|404/i.test(msg))
+    return [
+      "image_not_found",
+      "manifest unknown: the registry has no such image, or not for these credentials",
+    ];
+  if (/x509|certificate|tls:|https? response to https? client/i.test(msg))
+    return ["registry_tls", "the registry's TLS could not be verified"];
+  if (/too large|exceeds|no space/i.test(msg)) return ["image_too_large", "image too large"];
+  if (
+    /connection refused|no such host|dial tcp|i\/o timeout|network is unreachable|no route|connection reset|EOF/i.test(
+      msg,
+    )
+  )
+    return ["registry_unreachable", "the registry could not be reached"];
+  if (/unsupported|no image found|choosing image instance|manifest list/i.test(msg))
+    return ["image_unsupported", "the image has no linux/amd64 variant or an unsupported format"];
+  return ["image_pull_failed", "the registry transfer failed"];
+}
+
+/**
+ * The readable part of a skopeo error, for the agent's log: its last line, without the
+ * `time=... level=fatal msg=` logging prefix.
  */
 export function skopeoReason(output: string): string {
   const last =

@@ -4,14 +4,21 @@
  * `MAX_CONCURRENT_BUILDS` builds, Converting, Distributing, Live; a failure is Failed with the
  * driver's reason. Real records on disk.
  */
-import { afterEach, describe, expect, test } from "bun:test";
+import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
+import { existsSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { busyboxImageSpec, makeOciArchive } from "../../tests/fixtures/images.ts";
+import { type LocalRegistry, REGISTRY_BIN, startRegistry } from "../../tests/support/registry.ts";
+import { EgressFence } from "../egress/fence.ts";
+import { pullImage } from "../image/pull.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput } from "./drivers/driver.ts";
+import { fencedRegistry } from "./drivers/snapshot.ts";
 import { templateRecords } from "./records.ts";
 import { MAX_CONCURRENT_BUILDS, TemplateRegistry } from "./templates.ts";
+import { tenantErrorText } from "./tenant-error.ts";
 
 interface Held {
   onPhase?: (p: BuildPhase) => void;
@@ -97,4 +104,117 @@ describe("TemplateRegistry phases", () => {
     await Bun.sleep(50);
     expect(held.has("q2")).toBe(false);
   });
+});
+
+/**
+ * Two tenants' bakes through the registry with a driver that really pulls (agent/image/pull.ts)
+ * from a private registry on loopback and stops before any VM: tenant B, who knows the digest of
+ * tenant A's private image but not A's credentials, gets a Failed build whose error names a
+ * stable code and an error id and nothing of the host; the agent's log has the full text.
+ */
+describe.skipIf(!existsSync(REGISTRY_BIN))("bakes of two tenants from a private registry", () => {
+  const A = { username: "tenant-a", password: "a-only-secret" };
+  let reg: LocalRegistry;
+  let work: string;
+  beforeAll(async () => {
+    work = await mkdtemp(join(tmpdir(), "sbx-tpl-reg-"));
+    reg = await startRegistry({ auth: A });
+    const archive = join(work, "bb.tar");
+    await makeOciArchive(archive, await busyboxImageSpec(work));
+    await reg.push(`oci-archive:${archive}`, "a/private:1");
+  }, 120_000);
+  afterAll(async () => {
+    await reg?.stop();
+    if (work) await rm(work, { recursive: true, force: true });
+  });
+
+  test("B bakes A's digest and is refused; the error carries no host path; A's re-bake is cached", async () => {
+    const cacheDir = join(work, "cache");
+    const pulls: Array<{ id: string; cached: boolean; digest: string }> = [];
+    const driver = {
+      async prepareTemplate(
+        id: string,
+        input: TemplateInput,
+        signal: AbortSignal,
+      ): Promise<PreparedTemplate> {
+        if (input.kind !== "oci") throw new Error("oci only");
+        const p = await pullImage({
+          reference: input.image,
+          cacheDir,
+          registry: { insecureRegistries: [] },
+          signal,
+          ...(input.registryAuth ? { auth: input.registryAuth } : {}),
+        });
+        pulls.push({ id, cached: p.cached, digest: p.digest });
+        return { image: {} as PreparedTemplate["image"], exposedPorts: [] };
+      },
+      dropTemplate: async () => {},
+      restoreTemplate: async () => {},
+    } as unknown as SandboxDriver;
+    const logs: string[] = [];
+    const reg2 = new TemplateRegistry(driver, templateRecords(join(work, "records")), (m) => logs.push(m));
+    const build = async (id: string, input: TemplateInput) => {
+      reg2.build(id, input);
+      await reg2.settled(id);
+      return reg2.status(id);
+    };
+    const a = await build("tenant-a.app", {
+      kind: "oci",
+      image: `${reg.host}/a/private:1`,
+      tenantId: "tenant-a",
+      registryAuth: A,
+    });
+    expect(a.status).toBe("ready");
+    const digest = pulls[0]!.digest;
+    const blobs = (reg.log().match(/"GET \/v2\/a\/private\/blobs\//g) ?? []).length;
+
+    const pinned = `${reg.host}/a/private@${digest}`;
+    const b = await build("tenant-b.stolen", { kind: "oci", image: pinned, tenantId: "tenant-b" });
+    expect(b).toMatchObject({ status: "failed", phase: "Failed" });
+    expect(b.error).toMatch(
+      /^registry_denied: looking up .* failed: the registry refused the credentials or access to the image \(error id err-[0-9a-f]{12}\)$/,
+    );
+    for (const leak of ["/tmp", "/var", work, cacheDir, "level=", "msg=", "time=", "skopeo"])
+      expect(b.error).not.toContain(leak);
+    expect(() => reg2.ready("tenant-b.stolen")).toThrow(/failed to build/);
+    expect(pulls.map((p) => p.id)).toEqual(["tenant-a.app"]); // B's build never got a layout
+    // The full text is in the agent's log, under the id the tenant was given.
+    const errorId = /error id (err-[0-9a-f]+)/.exec(b.error ?? "")![1]!;
+    const line = logs.find((l) => l.includes(errorId));
+    expect(line).toContain("tenant-b");
+    expect(line).toMatch(/unauthorized|authentication required/);
+
+    const again = await build("tenant-a.app2", {
+      kind: "oci",
+      image: pinned,
+      tenantId: "tenant-a",
+      registryAuth: A,
+    });
+    expect(again.status).toBe("ready");
+    expect(pulls.at(-1)).toMatchObject({ id: "tenant-a.app2", cached: true, digest });
+    await Bun.sleep(200);
+    expect((reg.log().match(/"GET \/v2\/a\/private\/blobs\//g) ?? []).length).toBe(blobs);
+  }, 120_000);
+
+  test("the egress fence refuses a loopback registry unless the operator allows its range", async () => {
+    const pull = (fence: EgressFence) =>
+      pullImage({
+        reference: `${reg.host}/a/private:1`,
+        cacheDir: join(work, "cache-fenced"),
+        registry: { insecureRegistries: [], checkDestination: fencedRegistry(fence) },
+        auth: A,
+      });
+    const before = reg.log().length;
+    const refused = await pull(new EgressFence()).then(
+      () => undefined,
+      (e: SandboxdError) => e,
+    );
+    expect(refused?.details?.reason).toBe("registry_forbidden");
+    expect(tenantErrorText(refused, "err-000000000000")).toBe(
+      `registry_forbidden: looking up ${reg.host}/a/private:1 failed: the registry's address is not allowed (error id err-000000000000)`,
+    );
+    expect(reg.log().length).toBe(before); // nothing reached the registry
+    const allowed = await pull(new EgressFence({ allowInternal: ["127.0.0.1/32"] }));
+    expect(allowed.cached).toBe(false);
+  }, 60_000);
 });

@@ -1,7 +1,8 @@
 /**
  * Templates on this agent: building -> ready | failed (spec 3.1), kept as records so that a
  * restarted agent still spawns from them. The build runs in the background (the API answers 202
- * at once); a failure is a status with a readable error, never a crash (spec 3.1).
+ * at once); a failure is a status with a readable error, never a crash (spec 3.1): a stable code,
+ * a short reason and an error id naming the full text in the agent's log (tenant-error.ts).
  *
  * Readiness telemetry (spec 2.4, contracts/api/family-b.ts TemplateTelemetry): the registry times
  * the Pending wait and the whole build; a driver may add what it measured (phase timings,
@@ -14,6 +15,7 @@ import type { BakePhase, TemplateTelemetry } from "../../contracts/api/family-b.
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
 import type { RecordStore, TemplateRecord } from "./records.ts";
+import { newErrorId, tenantErrorText } from "./tenant-error.ts";
 
 /**
  * Builds that run at once on one agent; later ones wait, reported as `Pending` (spec 3.2). Each
@@ -65,7 +67,13 @@ export class TemplateRegistry {
         try {
           await this.driver.restoreTemplate(r.id, r.prepared);
         } catch (err) {
-          record = { ...r, status: "failed", error: `template files are gone: ${describeError(err)}` };
+          const errorId = newErrorId();
+          this.log(`template ${r.id} cannot be restored [${errorId}]: ${describeError(err)}`);
+          record = {
+            ...r,
+            status: "failed",
+            error: `template_files_gone: the template's files are gone (error id ${errorId})`,
+          };
           await this.store.write(record);
         }
       }
@@ -131,8 +139,11 @@ export class TemplateRegistry {
         };
       } catch (err) {
         if (signal.aborted) return;
-        this.log(`template ${id} build failed: ${describeError(err)}`);
-        entry.record = { ...record, status: "failed", error: describeError(err) };
+        // The tenant reads `error`: a code, a short reason and the id of the full text logged here.
+        const errorId = newErrorId();
+        const tenant = input.kind === "oci" && input.tenantId ? ` of ${input.tenantId}` : "";
+        this.log(`template ${id}${tenant} build failed [${errorId}]: ${describeError(err)}`);
+        entry.record = { ...record, status: "failed", error: tenantErrorText(err, errorId) };
       } finally {
         this.release();
       }

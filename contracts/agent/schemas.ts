@@ -6,7 +6,7 @@
  * internal, between the gateway and its agents, not the public snake_case one.
  */
 import { z } from "zod";
-import { BakePhase, ReadySpec } from "../api/family-b.ts";
+import { BakePhase, ReadySpec, RegistryAuth } from "../api/family-b.ts";
 import { AgentErrorCode, SandboxdError } from "../errors.ts";
 
 /**
@@ -69,6 +69,10 @@ export const ForkBody = z.object({ count: z.int().min(1).max(64) });
 /** Family B (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
 export const OciBuildBody = z.object({
   image: z.string().min(1).max(1024),
+  /** The tenant the bake is for (the agent's log names it beside each pull). */
+  tenantId: z.string().min(1).max(200).optional(),
+  /** This bake's registry credentials (the tenant's `registry_auth`); used for the pull only. */
+  registryAuth: RegistryAuth.optional(),
   ready: ReadySpec.optional(),
   width: z.int().min(1).optional(),
   expectedWidth: z.int().min(1).optional(),

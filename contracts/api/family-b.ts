@@ -53,11 +53,38 @@ export type ReadySpec = z.infer<typeof ReadySpec>;
 
 const Width = z.int().min(1).max(MAX_TEMPLATE_WIDTH);
 
+/**
+ * Credentials for the registry of a bake's image, used for that bake only: sent to the agent that
+ * pulls, never stored (the template's record keeps no copy) and never logged. A registry token
+ * (GHCR, Docker Hub, GitLab) is given as `password`.
+ */
+export const RegistryAuth = z
+  .object({
+    // Basic auth splits at the first ':'; control characters would break the header.
+    username: z
+      .string()
+      .min(1)
+      .max(256)
+      .regex(/^[^:\p{Cc}]+$/u)
+      .describe("Registry user name (no ':')."),
+    password: z
+      .string()
+      .min(1)
+      .max(8192)
+      .regex(/^\P{Cc}+$/u)
+      .describe("Password or access token."),
+  })
+  .meta({ id: "RegistryAuth" });
+export type RegistryAuth = z.infer<typeof RegistryAuth>;
+
 /** `POST /v1/templates` (Family B, Pro): idempotent on (tenant, name); `name` becomes the id. */
 export const BakeTemplateRequest = z
   .object({
     name: TemplateId.describe("Template name; also its id."),
     image: z.string().min(1).max(1024).describe("OCI image reference."),
+    registry_auth: RegistryAuth.optional().describe(
+      "Credentials for the image's registry, for this bake only; never stored. Without them the pull is anonymous (or uses the operator's credentials for a registry the operator shares).",
+    ),
     ready: ReadySpec.optional(),
     width: Width.optional().describe("Fan-out hint."),
     expected_width: Width.optional().describe("Pre-warms capacity for the first rollout."),

@@ -3,11 +3,12 @@
  * build status from the agent, delete. The db records *that* a template exists and its state;
  * the agent builds and holds it.
  */
+import { randomBytes } from "node:crypto";
 import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
 import type { TemplateSource } from "../../contracts/agent/api.ts";
 import type { BakeTemplateRequest } from "../../contracts/api/family-b.ts";
 import type { Family } from "../../contracts/api/tiers.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
@@ -143,7 +144,7 @@ export async function startUploadBuild(
     await deps.agent.buildTemplate(row.agentRef, source);
   } catch (err) {
     // A build that cannot even start is a failed build (spec 3.1: reported, never a crash).
-    const message = err instanceof Error ? err.message : String(err);
+    const message = buildStartError(err);
     await deps.db
       .update(templates)
       .set({ status: "failed", phase: "Failed", error: message })
@@ -213,14 +214,16 @@ export async function bakeTemplate(
     .returning();
   const row = rows[0];
   if (!row) return bakeTemplate(deps, tenantId, req); // lost a race with an identical retry
-  const source: TemplateSource = { kind: "oci", image: req.image };
+  // The credentials go to the agent with this request only: `spec` (stored) never holds them.
+  const source: TemplateSource = { kind: "oci", image: req.image, tenantId };
+  if (req.registry_auth !== undefined) source.registryAuth = req.registry_auth;
   if (req.ready !== undefined) source.ready = req.ready;
   if (req.width !== undefined) source.width = req.width;
   if (req.expected_width !== undefined) source.expectedWidth = req.expected_width;
   try {
     await deps.agent.buildTemplate(row.agentRef, source);
   } catch (err) {
-    const message = err instanceof Error ? err.message : String(err);
+    const message = buildStartError(err);
     const [failed] = await deps.db
       .update(templates)
       .set({ status: "failed", phase: "Failed", error: message })
@@ -229,6 +232,23 @@ export async function bakeTemplate(
     return failed ?? row;
   }
   return refreshTemplate(deps, row);
+}
+
+/**
+ * A build the agent refused to start, as the template's `error`: the agent's own words where it
+ * judged the request (they are about the request), else a code and an error id; the full text,
+ * which can name an agent's address, goes to the gateway's log under that id.
+ */
+function buildStartError(err: unknown): string {
+  if (
+    err instanceof SandboxdError &&
+    ["bad_request", "conflict", "forbidden", "not_found"].includes(err.code)
+  )
+    return `${err.code}: ${err.message}`;
+  const errorId = `err-${randomBytes(6).toString("hex")}`;
+  console.error(`template build could not start [${errorId}]: ${describeError(err)}`);
+  const code = err instanceof SandboxdError ? err.code : "internal";
+  return `${code}: the build could not be started on an agent (error id ${errorId})`;
 }
 
 function stableJson(v: unknown): string {

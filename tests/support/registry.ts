@@ -2,6 +2,8 @@
  * A real OCI registry for pull tests: Debian's `docker-registry` binary (distribution 2.8),
  * started by the test on a free loopback port with a temporary config and filesystem storage
  * (never its systemd service), and images pushed to it with skopeo over plain HTTP. Test code only.
+ * With `auth`, the registry asks for basic auth (its htpasswd backend, a bcrypt entry) on every
+ * request: a "private" registry whose images only holders of the credentials can read.
  */
 import { spawn } from "node:child_process";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
@@ -35,11 +37,22 @@ async function freePort(): Promise<number> {
   });
 }
 
-export async function startRegistry(): Promise<LocalRegistry> {
+export interface RegistryUser {
+  username: string;
+  password: string;
+}
+
+export async function startRegistry(opts: { auth?: RegistryUser } = {}): Promise<LocalRegistry> {
   const dir = await mkdtemp(join(tmpdir(), "sbx-registry-"));
   const port = await freePort();
   const host = `127.0.0.1:${port}`;
   const config = join(dir, "config.yml");
+  const auth: string[] = [];
+  if (opts.auth) {
+    const hash = await Bun.password.hash(opts.auth.password, { algorithm: "bcrypt", cost: 4 });
+    await writeFile(join(dir, "htpasswd"), `${opts.auth.username}:${hash}\n`);
+    auth.push("auth:", "  htpasswd:", "    realm: sandboxd-test", `    path: ${join(dir, "htpasswd")}`);
+  }
   await writeFile(
     config,
     [
@@ -55,6 +68,7 @@ export async function startRegistry(): Promise<LocalRegistry> {
       "    enabled: true",
       "http:",
       `  addr: ${host}`,
+      ...auth,
       "",
     ].join("\n"),
   );
@@ -73,7 +87,7 @@ export async function startRegistry(): Promise<LocalRegistry> {
   for (;;) {
     try {
       const r = await fetch(`http://${host}/v2/`, { signal: AbortSignal.timeout(1000) });
-      if (r.status === 200) break;
+      if (r.status === 200 || (opts.auth && r.status === 401)) break;
     } catch {
       // not listening yet
     }
@@ -94,6 +108,7 @@ export async function startRegistry(): Promise<LocalRegistry> {
           "--quiet",
           "--insecure-policy",
           "--dest-tls-verify=false",
+          ...(opts.auth ? ["--dest-creds", `${opts.auth.username}:${opts.auth.password}`] : []),
           source,
           `docker://${host}/${nameTag}`,
         ],

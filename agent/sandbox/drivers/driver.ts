@@ -17,6 +17,7 @@
  */
 import type { GuestClient, GuestTunnel } from "../../guest/client.ts";
 import type { ImageConfig } from "../../image/import.ts";
+import type { RegistryAuth } from "../../image/pull.ts";
 
 export interface VmSize {
   vcpus: number;
@@ -63,6 +64,10 @@ export type TemplateInput =
   | {
       kind: "oci";
       image: string;
+      /** Whose bake this is, for the log. */
+      tenantId?: string;
+      /** The bake's registry credentials: the pull uses them and nothing keeps them. */
+      registryAuth?: RegistryAuth;
       size?: Partial<VmSize>;
       readyCmd?: string[];
       readyTimeoutMs?: number;

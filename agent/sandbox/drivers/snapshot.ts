@@ -27,10 +27,16 @@ import { existsSync } from "node:fs";
 import { readdir, rm, stat } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
+import { checkDestination, type EgressFence, operatorFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
 import { GuestClient, type GuestTunnel } from "../../guest/client.ts";
 import { type ImageConfig, importImage } from "../../image/import.ts";
-import { pullImage, type RegistryConfig, registryConfigFromEnv } from "../../image/pull.ts";
+import {
+  type DestinationCheck,
+  pullImage,
+  type RegistryConfig,
+  registryConfigFromEnv,
+} from "../../image/pull.ts";
 import { probeAccelerator } from "../../qemu/accel.ts";
 import type { Accel, VmExit, VmProcess } from "../../qemu/launch.ts";
 import type { Result, SnapshotError } from "../../snapshot/errors.ts";
@@ -142,8 +148,9 @@ export class SnapshotDriver implements SandboxDriver {
     this.stateDir = resolve(opts.stateDir);
     this.shmRoot = opts.shmRoot ?? defaultShmRoot(this.stateDir);
     this.defaultSize = opts.defaultSize ?? DEFAULT_SIZE;
-    // A malformed SANDBOXD_INSECURE_REGISTRIES stops the agent at start, not a bake later.
-    this.registry = opts.registry ?? registryConfigFromEnv();
+    // A malformed SANDBOXD_INSECURE_REGISTRIES (or SANDBOXD_EGRESS_ALLOW_INTERNAL) stops the agent
+    // at start, not a bake later.
+    this.registry = opts.registry ?? { ...registryConfigFromEnv(), checkDestination: fencedRegistry() };
   }
 
   static async create(opts: SnapshotDriverOptions): Promise<SnapshotDriver> {
@@ -177,12 +184,14 @@ export class SnapshotDriver implements SandboxDriver {
     let source = input.kind === "archive" ? input.path : "";
     let pullMs: number | undefined;
     if (input.kind === "oci") {
-      // Pulled once per manifest digest into the cache (agent/image/pull.ts), then imported like
-      // any OCI layout (the import is cached by config digest too).
+      // Pulled once per repository and manifest digest into the cache, and used only after the
+      // registry served this bake's credentials the manifest (agent/image/pull.ts); then imported
+      // like any OCI layout (the import is cached by config digest too).
       const pulled = await pullImage({
         reference: input.image,
         cacheDir: this.opts.cacheDir,
         registry: this.registry,
+        ...(input.registryAuth ? { auth: input.registryAuth } : {}),
         signal,
         log: this.log,
       });
@@ -194,7 +203,14 @@ export class SnapshotDriver implements SandboxDriver {
     // The RAM root goes with its last RAM file (agent/storage/chain.ts): make and claim it again.
     await claimShmRoot(this.shmRoot, this.stateDir);
     const tImport = performance.now();
-    const image = await importImage({ source, dataDir: this.opts.cacheDir, log: this.log });
+    // A pulled layout is the agent's own (the registry authorized this bake for it); an upload is
+    // the tenant's and is scanned before the cache may answer for it.
+    const image = await importImage({
+      source,
+      dataDir: this.opts.cacheDir,
+      log: this.log,
+      trustedSource: input.kind === "oci",
+    });
     const importMs = performance.now() - tImport;
     if (signal.aborted)
       throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
@@ -579,6 +595,18 @@ export class SnapshotDriver implements SandboxDriver {
     if (!l) throw new SandboxdError("gone", `VM ${vm.vmId} has no QEMU`);
     return l;
   }
+}
+
+/**
+ * Registry pulls go through the same egress fence as sandboxes (agent/egress/fence.ts): a registry
+ * on loopback, a private range, link-local or metadata, or one of the host's own addresses is
+ * refused unless the operator allows its range (`SANDBOXD_EGRESS_ALLOW_INTERNAL`).
+ */
+export function fencedRegistry(fence: EgressFence = operatorFence()): DestinationCheck {
+  return async (host, port) => {
+    const d = await checkDestination(host, port, fence);
+    if (!d.ok) throw new SandboxdError("forbidden", `registry ${host}:${port}: ${d.reason}`);
+  };
 }
 
 /** A restore that did not produce a VM is the contract's `spawn_failed` (unless it timed out). */
