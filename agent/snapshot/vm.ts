@@ -232,7 +232,7 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
     // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).
     vm.topNode = DEVICE_IDS.diskNode;
     const tLaunch = performance.now();
-    await claimVm(vm.dir, p.pid);
+    await claimVm(vm.dir, p.pid, p.jailUid);
     await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
     await migrateFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
     const tIncoming = performance.now();

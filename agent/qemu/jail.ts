@@ -1,0 +1,178 @@
+/**
+ * The jail every QEMU of ours runs in, built from util-linux alone (no setuid or compiled helper
+ * of ours), on the model of Firecracker's jailer:
+ *
+ *   unshare --mount --pid --ipc --uts --net --fork --propagation private --kill-child=KILL
+ *     -- /bin/sh -c SCRIPT
+ *
+ * SCRIPT (generated here, every path shell-quoted) runs as root in the new namespaces and:
+ *   1. writes its own host pid (read through the host's /proc, before a new one is mounted) to
+ *      the VM's `qemu.pid`: the shell execs QEMU, so that pid is QEMU's on the host;
+ *   2. joins the VM's cgroups (agent/qemu/cgroup.ts), so QEMU's memory, pids and CPU are capped;
+ *   3. mounts a tmpfs as the new root (`<vm dir>/root`) and recreates under it the SAME absolute
+ *      paths QEMU's argv names, each a bind mount: /usr read-only (QEMU, its libraries and ROMs;
+ *      Debian is merged-usr, so /bin, /lib, /lib64, /sbin are symlinks into it), the kernel, the
+ *      initramfs and every backing file of the disk read-only, the VM's own overlay and RAM file
+ *      and its directory (sockets, console, pid file) writable; /dev holds null, zero, random,
+ *      urandom (and kvm under KVM); a fresh /proc for the new pid namespace;
+ *   4. pivot_root into it and detaches the old root: nothing else of the host is reachable;
+ *   5. sets rlimits (file size, open files) and execs `setpriv` to the VM's own uid/gid with no
+ *      supplementary groups, no capabilities (effective, permitted, inheritable, ambient and
+ *      bounding set), no-new-privs and a parent-death signal, which execs QEMU with
+ *      `-sandbox on,...` (seccomp: no spawning, no privilege changes, no obsolete syscalls, no
+ *      resource control).
+ *
+ * The new net namespace holds only a down loopback: the guest has no NIC, QEMU needs no network.
+ * QEMU is pid 1 of its pid namespace: when it ends, the namespace and every mount of the jail go.
+ */
+import { existsSync } from "node:fs";
+import { SandboxdError } from "../../contracts/errors.ts";
+
+export const UNSHARE = "/usr/bin/unshare";
+export const SETPRIV = "/usr/bin/setpriv";
+export const PIVOT_ROOT = "/usr/sbin/pivot_root";
+export const MOUNT = "/usr/bin/mount";
+export const UMOUNT = "/usr/bin/umount";
+export const SH = "/bin/sh";
+
+/**
+ * QEMU's seccomp policy: deny obsolete syscalls, privilege changes, spawning processes and
+ * resource control (affinity, scheduler, rlimits). `allowSpawn` exists only for migrations that
+ * still go through `exec:` (a shell QEMU spawns).
+ */
+export function sandboxOption(allowSpawn: boolean): string {
+  return `on,obsolete=deny,elevateprivileges=deny,spawn=${allowSpawn ? "allow" : "deny"},resourcecontrol=deny`;
+}
+
+/** A jail's failure to be built: the VM does not start (never an unjailed QEMU). */
+export class JailError extends SandboxdError {
+  constructor(message: string, cause?: unknown) {
+    super("vm_launch_failed", `cannot build the VM's jail: ${message}`, cause === undefined ? {} : { cause });
+    this.name = "JailError";
+  }
+}
+
+export interface JailSpec {
+  /** The VM's directory: bound writable; the jail's root is a tmpfs mounted on `<dir>/root`. */
+  dir: string;
+  uid: number;
+  gid: number;
+  /** Files bound read-only at their own path (kernel, initramfs, backing files). */
+  readOnly: readonly string[];
+  /** Files bound writable at their own path (the VM's overlay, its RAM file). */
+  readWrite: readonly string[];
+  /** Under KVM /dev/kvm is bound too. */
+  kvm: boolean;
+  /** `cgroup.procs` files the jail joins before it starts QEMU. */
+  cgroupProcs: readonly string[];
+  /** RLIMIT_FSIZE in bytes: the largest file QEMU may write (its overlay, RAM file, console). */
+  maxFileBytes: number;
+  /** RLIMIT_NOFILE. */
+  maxOpenFiles: number;
+  /** The pid file the script writes QEMU's host pid to (inside `dir`). */
+  pidFile: string;
+  /** `unshare` to run (an option so a missing one can be tested). */
+  unshare?: string;
+}
+
+/** The root of the jail inside the VM directory (a mount point only inside the jail). */
+export function jailRoot(dir: string): string {
+  return `${dir.replace(/\/+$/, "")}/root`;
+}
+
+/** POSIX shell single-quoting. */
+export function shq(s: string): string {
+  return `'${s.replaceAll("'", `'\\''`)}'`;
+}
+
+function checkPath(p: string): void {
+  if (!p.startsWith("/") || p.includes("\0") || p.split("/").includes(".."))
+    throw new JailError(`not an absolute, normalised path: ${JSON.stringify(p)}`);
+}
+
+const DEVICES = ["null", "zero", "random", "urandom"] as const;
+
+/** The script `sh -c` runs inside the new namespaces (see the header). */
+export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string {
+  const r = jailRoot(spec.dir);
+  for (const p of [spec.dir, ...spec.readOnly, ...spec.readWrite, spec.pidFile, ...spec.cgroupProcs])
+    checkPath(p);
+  const L: string[] = ["set -eu"];
+  // 1. QEMU's host pid: /proc is still the host's, so /proc/self/stat names this shell by its
+  // host pid, and the shell becomes QEMU by exec.
+  L.push("read -r hostpid rest < /proc/self/stat", `echo "$hostpid" > ${shq(spec.pidFile)}`);
+  // 2. cgroups: writing 0 moves the writer itself.
+  for (const procs of spec.cgroupProcs) L.push(`echo 0 > ${shq(procs)}`);
+  // 3. the new root.
+  L.push(`mkdir -p ${shq(r)}`, `${MOUNT} -t tmpfs -o mode=0755,size=1m,nr_inodes=4096 jail ${shq(r)}`);
+  const dirOf = (p: string) => p.slice(0, p.lastIndexOf("/")) || "/";
+  const bindFile = (p: string, ro: boolean) => {
+    L.push(`mkdir -p ${shq(r + dirOf(p))}`, `: > ${shq(r + p)}`);
+    L.push(`${MOUNT} --bind ${ro ? "-o ro,nosuid,nodev " : "-o nosuid,nodev "}${shq(p)} ${shq(r + p)}`);
+  };
+  const bindDir = (p: string, ro: boolean, opts = "nosuid,nodev") => {
+    L.push(`mkdir -p ${shq(r + p)}`);
+    L.push(`${MOUNT} --bind -o ${ro ? "ro," : ""}${opts} ${shq(p)} ${shq(r + p)}`);
+  };
+  bindDir("/usr", true, "nodev");
+  for (const l of ["bin", "lib", "lib64", "sbin"]) L.push(`ln -s usr/${l} ${shq(`${r}/${l}`)}`);
+  L.push(`mkdir -p ${shq(`${r}/dev`)} ${shq(`${r}/proc`)} ${shq(`${r}/tmp`)} ${shq(`${r}/.old`)}`);
+  for (const d of [...DEVICES, ...(spec.kvm ? ["kvm"] : [])]) {
+    L.push(`: > ${shq(`${r}/dev/${d}`)}`, `${MOUNT} --bind /dev/${d} ${shq(`${r}/dev/${d}`)}`);
+  }
+  L.push(`${MOUNT} -t proc -o nosuid,nodev,noexec proc ${shq(`${r}/proc`)}`);
+  for (const p of spec.readOnly) bindFile(p, true);
+  for (const p of spec.readWrite) bindFile(p, false);
+  bindDir(spec.dir, false, "nosuid,nodev,noexec");
+  // 4. pivot: the old root is detached and its mount point removed.
+  L.push(`cd ${shq(r)}`, `${PIVOT_ROOT} . .old`, `${UMOUNT} -l /.old`, "rmdir /.old", "cd /");
+  L.push(`${MOUNT} -o remount,bind,ro /`);
+  // 5. rlimits (dash counts -f in 512-byte blocks), then drop every privilege and exec QEMU.
+  L.push(`ulimit -f ${Math.ceil(spec.maxFileBytes / 512)}`, `ulimit -n ${spec.maxOpenFiles}`);
+  L.push(
+    [
+      "exec",
+      SETPRIV,
+      `--reuid=${spec.uid}`,
+      `--regid=${spec.gid}`,
+      "--clear-groups",
+      "--no-new-privs",
+      "--inh-caps=-all",
+      "--ambient-caps=-all",
+      "--bounding-set=-all",
+      "--pdeathsig=KILL",
+      "--",
+      ...qemuArgv.map(shq),
+    ].join(" "),
+  );
+  return L.join("\n");
+}
+
+/**
+ * The argv that starts QEMU (`qemuArgv`, program first) jailed. `unshare --kill-child` ties the
+ * jail's pid 1 (QEMU) to unshare, and setpriv's parent-death signal keeps that tie after the
+ * uid change (a credential change clears the one unshare set).
+ */
+export function jailArgv(spec: JailSpec, qemuArgv: readonly string[]): string[] {
+  return [
+    spec.unshare ?? UNSHARE,
+    "--mount",
+    "--pid",
+    "--ipc",
+    "--uts",
+    "--net",
+    "--fork",
+    "--propagation",
+    "private",
+    "--kill-child=KILL",
+    "--",
+    SH,
+    "-c",
+    jailScript(spec, qemuArgv),
+  ];
+}
+
+/** The util-linux tools a jail needs, each with what is missing when it is not there. */
+export function missingJailTools(unshare = UNSHARE): string[] {
+  return [unshare, SETPRIV, PIVOT_ROOT, MOUNT, UMOUNT, SH].filter((t) => !existsSync(t));
+}
