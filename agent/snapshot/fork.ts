@@ -27,12 +27,12 @@
  */
 
 import { randomBytes } from "node:crypto";
-import { chmod, mkdir, rm } from "node:fs/promises";
-import { join } from "node:path";
+import { chmod, chown, mkdir, rename, rm } from "node:fs/promises";
+import { basename, join } from "node:path";
 import { isHostnameLabel } from "../qemu/launch.ts";
 import type { QmpEvent } from "../qemu/qmp/framing.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
+import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH, virtualSize } from "../storage/qcow2.ts";
 import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
@@ -133,9 +133,16 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   });
   let switched = false;
   let precopyMs = 0;
+  // The parent's jail sees only its own files, so the new overlay is made by us in the parent's
+  // directory (owned by its uid), taken over by QEMU as an `existing` image, and renamed into
+  // the storage directory once QEMU holds it open (same file system: the data dir).
+  const staged = join(parent.dir, basename(newTop));
+  let topPath = staged;
   try {
     await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
     await mkdir(disks, { recursive: true, mode: 0o700 });
+    await createOverlayOn(frozen, staged, await virtualSize(frozen));
+    if (proc.jailUid !== undefined) await chown(staged, proc.jailUid, proc.jailUid);
     // -- 1. live precopy
     await setCapabilities(proc, { events: true, "x-ignore-shared": false, "pause-before-switchover": true });
     await qmp(proc, "migrate-set-parameters", {
@@ -150,12 +157,14 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     // -- 2. guest stopped: move the parent onto a new overlay; the old one is the fork's disk
     await qmp(proc, "blockdev-snapshot-sync", {
       "node-name": parent.topNode,
-      "snapshot-file": newTop,
+      "snapshot-file": staged,
       "snapshot-node-name": newNode,
       format: "qcow2",
-      mode: "absolute-paths",
+      mode: "existing",
     });
     switched = true;
+    await rename(staged, newTop);
+    topPath = newTop;
     // -- 3. finish the migration, 4. run again
     await qmp(proc, "migrate-continue", { state: "pre-switchover" });
     await waitMigration(proc, ["completed"], PRECOPY_TIMEOUT_MS);
@@ -177,8 +186,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     if (proc.isAlive()) {
       await proc.qmp.execute("migrate_cancel").catch(() => {});
       await proc.qmp.execute("cont").catch(() => {});
-      if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
-      else await rm(newTop, { force: true });
+      if (switched) await adoptNewTop(parent, topPath, newNode).catch(() => {});
+      else await rm(staged, { force: true });
       parent.enter("running");
     } else await parent.destroy();
     return fail(e);

@@ -1,5 +1,7 @@
 import { mkdir, readdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { sweepCgroups } from "../qemu/cgroup.ts";
+import { sweepUidLocks } from "../qemu/uids.ts";
 import { claimVm, killRecordedQemu, ownedByAnotherLiveAgent, readOwner, type VmOwner } from "./process.ts";
 
 /**
@@ -45,6 +47,10 @@ export async function reapVmDirs(
     await rm(dir, { recursive: true, force: true });
     reaped.push(id);
   }
+  // What jails of crashed agents left on the host (their cgroups and uid locks), once no process
+  // is in them: killRecordedQemu above frees those of the directories it reaped.
+  await sweepCgroups();
+  await sweepUidLocks();
   return reaped;
 }
 
