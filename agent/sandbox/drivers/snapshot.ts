@@ -135,7 +135,7 @@ export class SnapshotDriver implements SandboxDriver {
   private constructor(
     private readonly opts: SnapshotDriverOptions,
     private readonly artifacts: GuestArtifacts,
-    private readonly accel: Accel,
+    readonly accel: Accel,
   ) {
     this.name = `snapshot (${accel})`;
     this.log = opts.log ?? (() => {});
