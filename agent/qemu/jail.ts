@@ -92,41 +92,60 @@ function checkPath(p: string): void {
 
 const DEVICES = ["null", "zero", "random", "urandom"] as const;
 
+/** An fstab field: space, tab, newline and backslash as fstab's octal escapes. */
+function fstabField(p: string): string {
+  return p.replace(/[\\ \t\n]/g, (c) => `\\${c.charCodeAt(0).toString(8).padStart(3, "0")}`);
+}
+
+/**
+ * The jail's mounts under its root `r`, in order, as fstab lines for one `mount -a`: each
+ * util-linux `mount` is a process start, and the jail is built on every spawn's critical path.
+ */
+export function jailFstab(spec: JailSpec): string[] {
+  const r = jailRoot(spec.dir);
+  const line = (src: string, dst: string, type: string, opts: string) =>
+    `${fstabField(src)} ${fstabField(r + dst)} ${type} ${opts} 0 0`;
+  const out = [line("/usr", "/usr", "none", "bind,ro,nodev")];
+  for (const d of [...DEVICES, ...(spec.kvm ? ["kvm"] : [])])
+    out.push(line(`/dev/${d}`, `/dev/${d}`, "none", "bind,nosuid,noexec"));
+  out.push(line("proc", "/proc", "proc", "nosuid,nodev,noexec"));
+  for (const p of spec.readOnly) out.push(line(p, p, "none", "bind,ro,nosuid,nodev,noexec"));
+  for (const p of spec.readWrite) out.push(line(p, p, "none", "bind,nosuid,nodev,noexec"));
+  out.push(line(spec.dir, spec.dir, "none", "bind,nosuid,nodev,noexec"));
+  return out;
+}
+
 /** The script `sh -c` runs inside the new namespaces (see the header). */
 export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string {
   const r = jailRoot(spec.dir);
   for (const p of [spec.dir, ...spec.readOnly, ...spec.readWrite, spec.pidFile, ...spec.cgroupProcs])
     checkPath(p);
+  const fstab = `${spec.dir.replace(/\/+$/, "")}/jail.fstab`;
   const L: string[] = ["set -eu"];
   // 1. QEMU's host pid: /proc is still the host's, so /proc/self/stat names this shell by its
   // host pid, and the shell becomes QEMU by exec.
   L.push("read -r hostpid rest < /proc/self/stat", `echo "$hostpid" > ${shq(spec.pidFile)}`);
   // 2. cgroups: writing 0 moves the writer itself.
   for (const procs of spec.cgroupProcs) L.push(`echo 0 > ${shq(procs)}`);
-  // 3. the new root.
+  // 3. the new root: a tmpfs, the mount points (files are made by the shell's own redirection,
+  // directories by one mkdir), then every bind mount and /proc in one `mount -a`.
+  L.push(`printf '%s\\n' ${jailFstab(spec).map(shq).join(" ")} > ${shq(fstab)}`);
   L.push(`mkdir -p ${shq(r)}`, `${MOUNT} -t tmpfs -o mode=0755,size=1m,nr_inodes=4096 jail ${shq(r)}`);
   const dirOf = (p: string) => p.slice(0, p.lastIndexOf("/")) || "/";
-  const bindFile = (p: string, ro: boolean) => {
-    L.push(`mkdir -p ${shq(r + dirOf(p))}`, `: > ${shq(r + p)}`);
-    L.push(`${MOUNT} --bind ${ro ? "-o ro,nosuid,nodev " : "-o nosuid,nodev "}${shq(p)} ${shq(r + p)}`);
-  };
-  const bindDir = (p: string, ro: boolean, opts = "nosuid,nodev") => {
-    L.push(`mkdir -p ${shq(r + p)}`);
-    L.push(`${MOUNT} --bind -o ${ro ? "ro," : ""}${opts} ${shq(p)} ${shq(r + p)}`);
-  };
-  bindDir("/usr", true, "nodev");
-  for (const l of ["bin", "lib", "lib64", "sbin"]) L.push(`ln -s usr/${l} ${shq(`${r}/${l}`)}`);
-  L.push(`mkdir -p ${shq(`${r}/dev`)} ${shq(`${r}/proc`)} ${shq(`${r}/tmp`)} ${shq(`${r}/.old`)}`);
-  for (const d of [...DEVICES, ...(spec.kvm ? ["kvm"] : [])]) {
-    L.push(`: > ${shq(`${r}/dev/${d}`)}`, `${MOUNT} --bind /dev/${d} ${shq(`${r}/dev/${d}`)}`);
-  }
-  L.push(`${MOUNT} -t proc -o nosuid,nodev,noexec proc ${shq(`${r}/proc`)}`);
-  for (const p of spec.readOnly) bindFile(p, true);
-  for (const p of spec.readWrite) bindFile(p, false);
-  bindDir(spec.dir, false, "nosuid,nodev,noexec");
-  // 4. pivot: the old root is detached and its mount point removed.
-  L.push(`cd ${shq(r)}`, `${PIVOT_ROOT} . .old`, `${UMOUNT} -l /.old`, "rmdir /.old", "cd /");
-  L.push(`${MOUNT} -o remount,bind,ro /`);
+  const files = [
+    ...DEVICES.map((d) => `/dev/${d}`),
+    ...(spec.kvm ? ["/dev/kvm"] : []),
+    ...spec.readOnly,
+    ...spec.readWrite,
+  ];
+  const dirs = new Set(["/usr", "/proc", "/tmp", "/.old", spec.dir, ...files.map(dirOf)]);
+  L.push(`mkdir -p ${[...dirs].map((d) => shq(r + d)).join(" ")}`);
+  for (const f of files) L.push(`: > ${shq(r + f)}`);
+  // Debian is merged-usr: /bin, /lib, /lib64 and /sbin are symlinks into /usr.
+  L.push(`ln -s usr/bin usr/lib usr/lib64 usr/sbin ${shq(`${r}/`)}`);
+  L.push(`${MOUNT} -a -T ${shq(fstab)}`);
+  // 4. pivot: the old root is detached; nothing of the host is reachable any more.
+  L.push(`cd ${shq(r)}`, `${PIVOT_ROOT} . .old`, `${UMOUNT} -l /.old`, "cd /");
   // 5. rlimits (dash counts -f in 512-byte blocks), then drop every privilege and exec QEMU.
   L.push(`ulimit -f ${Math.ceil(spec.maxFileBytes / 512)}`, `ulimit -n ${spec.maxOpenFiles}`);
   L.push(

@@ -337,6 +337,9 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
  */
 const SETPRIV = "/usr/bin/setpriv";
 
+/** How long unshare may take to exit after its QEMU was killed (it follows within milliseconds). */
+const UNSHARE_EXIT_WAIT_MS = 5_000;
+
 /** How long the jail may take to write QEMU's host pid after QMP answered (it writes it first). */
 const HOST_PID_WAIT_MS = 2_000;
 
@@ -451,11 +454,13 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
 
   const stop = async () => {
     qemuPid ??= await readHostPid(dir);
-    if (isAlive()) {
-      // QEMU first (unshare then exits with its status), unshare too in case QEMU never started.
-      if (qemuPid !== undefined) killQuietly(qemuPid);
-      child.kill("SIGKILL");
+    if (isAlive() && qemuPid !== undefined) {
+      // QEMU only: unshare, its parent, reaps it and then exits. Killing unshare too would leave
+      // QEMU's exit status to whoever adopts orphans, and the pid visible until they collect it.
+      killQuietly(qemuPid);
+      await Promise.race([exited, Bun.sleep(UNSHARE_EXIT_WAIT_MS)]);
     }
+    if (isAlive()) child.kill("SIGKILL"); // QEMU never started, or unshare did not follow it
     await exited;
     await jail.release();
   };

@@ -162,12 +162,21 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
   } finally {
     agent?.destroy();
     qmpSock?.destroy();
+    // QEMU first: unshare, its parent, reaps it and exits (as launchVm's stop does).
     const qemuPid = await readHostPid(dir);
-    if (qemuPid !== undefined) process.kill(qemuPid, "SIGKILL");
-    child.kill("SIGKILL");
-    await new Promise((r) =>
+    const exited = new Promise((r) =>
       child.exitCode !== null || child.signalCode !== null ? r(null) : child.once("exit", r),
     );
+    if (qemuPid !== undefined) {
+      try {
+        process.kill(qemuPid, "SIGKILL");
+      } catch {
+        // already gone
+      }
+    }
+    await Promise.race([exited, Bun.sleep(5_000)]);
+    child.kill("SIGKILL");
+    await exited;
     await launch.release();
     await rm(dir, { recursive: true, force: true });
   }
