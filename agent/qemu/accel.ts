@@ -181,7 +181,7 @@ function runProbe(
     const t0 = Date.now();
     // The probe runs only our own kernel and initramfs, never tenant code, for a moment at agent
     // start, so it is not jailed; it still runs under QEMU's seccomp sandbox.
-    const child = spawn(QEMU_BINARY, [...args, "-sandbox", sandboxOption(false)], {
+    const child = spawn(QEMU_BINARY, [...args, "-sandbox", sandboxOption()], {
       stdio: ["ignore", "pipe", "pipe"],
     });
     let out = "";

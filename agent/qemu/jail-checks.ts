@@ -95,11 +95,11 @@ export function jailChecks(): JailCheck[] {
         ? "enable the controllers: echo '+memory +pids +cpu' > /sys/fs/cgroup/cgroup.subtree_control"
         : "mount the cgroup hierarchies (v2: mount -t cgroup2 none /sys/fs/cgroup)",
   });
-  const sb = run([QEMU_BINARY_PATH, "-sandbox", sandboxOption(false), "-version"]);
+  const sb = run([QEMU_BINARY_PATH, "-sandbox", sandboxOption(), "-version"]);
   out.push({
     name: "jail: seccomp",
     ok: sb.ok,
-    detail: sb.ok ? `QEMU accepts -sandbox ${sandboxOption(false)}` : (sb.out.split("\n").at(-1) ?? ""),
+    detail: sb.ok ? `QEMU accepts -sandbox ${sandboxOption()}` : (sb.out.split("\n").at(-1) ?? ""),
     fix: "install a QEMU built with seccomp (Debian's qemu-system-x86 is)",
   });
   return out;

@@ -76,9 +76,7 @@ describe("jail argv", () => {
     expect(shq("it's")).toBe("'it'\\''s'");
     expect(() => jailScript({ ...spec, readOnly: ["relative/path"] }, ["q"])).toThrow(JailError);
     expect(() => jailScript({ ...spec, readOnly: ["/a/../etc/shadow"] }, ["q"])).toThrow(JailError);
-    expect(sandboxOption(false)).toBe(
-      "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-    );
+    expect(sandboxOption()).toBe("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny");
   });
 });
 

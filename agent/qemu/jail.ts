@@ -36,12 +36,12 @@ export const UMOUNT = "/usr/bin/umount";
 export const SH = "/bin/sh";
 
 /**
- * QEMU's seccomp policy: deny obsolete syscalls, privilege changes, spawning processes and
- * resource control (affinity, scheduler, rlimits). `allowSpawn` exists only for migrations that
- * still go through `exec:` (a shell QEMU spawns).
+ * QEMU's seccomp policy: deny obsolete syscalls, privilege changes, spawning processes (no
+ * migration uses `exec:`: state streams through unix sockets the agent reads and writes) and
+ * resource control (affinity, scheduler, rlimits).
  */
-export function sandboxOption(allowSpawn: boolean): string {
-  return `on,obsolete=deny,elevateprivileges=deny,spawn=${allowSpawn ? "allow" : "deny"},resourcecontrol=deny`;
+export function sandboxOption(): string {
+  return "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 }
 
 /** A jail's failure to be built: the VM does not start (never an unjailed QEMU). */

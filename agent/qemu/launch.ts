@@ -145,6 +145,11 @@ export interface VmProcess {
   stderrTail(): string;
   /** The uid its jail runs it as (recorded in the VM's owner record for adoption). */
   jailUid?: number;
+  /**
+   * How a migration socket the agent listens on must be made for this QEMU to connect to it:
+   * owned by its jail's uid (agent/snapshot/stream.ts).
+   */
+  migrationSocket?: { mode: number; uid: number; gid: number };
 }
 
 /** QEMU exited or never answered while starting. Carries what QEMU and the guest said last. */
@@ -343,18 +348,9 @@ const UNSHARE_EXIT_WAIT_MS = 5_000;
 /** How long the jail may take to write QEMU's host pid after QMP answered (it writes it first). */
 const HOST_PID_WAIT_MS = 2_000;
 
-/**
- * Until every migration streams through a unix socket the agent reads and writes, `exec:`
- * migrations need QEMU to spawn a shell: `SANDBOXD_JAIL_DENY_SPAWN=1` turns the seccomp rule that
- * forbids it on.
- */
-function denySpawn(): boolean {
-  return process.env.SANDBOXD_JAIL_DENY_SPAWN === "1";
-}
-
 /** The argv (program first) of QEMU with the seccomp sandbox every jailed QEMU runs under. */
 export function sandboxedQemuArgv(opts: LaunchOptions): string[] {
-  return [QEMU_BINARY_PATH, ...buildQemuArgs(opts), "-sandbox", sandboxOption(!denySpawn())];
+  return [QEMU_BINARY_PATH, ...buildQemuArgs(opts), "-sandbox", sandboxOption()];
 }
 
 /** The absolute path of QEMU: the jail has no PATH search to rely on. */
@@ -549,7 +545,9 @@ export function vmProcess(
     kill,
     isAlive,
     stderrTail,
-    ...(jailUid === undefined ? {} : { jailUid }),
+    ...(jailUid === undefined
+      ? {}
+      : { jailUid, migrationSocket: { mode: 0o600, uid: jailUid, gid: jailUid } }),
   };
 }
 

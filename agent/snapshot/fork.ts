@@ -5,8 +5,9 @@
  * By default the guest is stopped for the whole copy (stop-and-copy, see `live` for why). With
  * `live`, the naive floor (stop, full migrate, cont: ~530 ms stall for 256 MiB under TCG) is beaten by a live precopy:
  *
- *   1. `pause-before-switchover` on, bandwidth unlimited, `migrate exec:cat > fork.state`: RAM
- *      streams to tmpfs WHILE the guest runs (dirty pages are sent again).
+ *   1. `pause-before-switchover` on, bandwidth unlimited, `migrate` into a socket the agent copies
+ *      to fork.state (stream.ts): RAM streams to tmpfs WHILE the guest runs (dirty pages are sent
+ *      again).
  *   2. QEMU stops the guest for the switchover and pauses in `pre-switchover`. The STOP event
  *      starts the stall. Now `blockdev-snapshot-sync` moves the parent onto a NEW overlay: its
  *      old overlay becomes the frozen disk of the fork point (the backing file of every child).
@@ -36,13 +37,14 @@ import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH, virtualSize } from "../s
 import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
-import { eventTimeMs, migrateToFile, qmp, setCapabilities, waitMigration } from "./migrate.ts";
+import { eventTimeMs, qmp, setCapabilities } from "./migrate.ts";
+import { migrationByteCap, type SaveStream, saveToFile, startSave } from "./stream.ts";
 import { type RestoreTimings, restoreInto, SandboxVm, storageDir } from "./vm.ts";
 
 export const MAX_FORK_CHILDREN = 64;
 
 /**
- * Precopy bandwidth cap: effectively none (32 GiB/s). The stream goes to tmpfs through a pipe;
+ * Precopy bandwidth cap: effectively none (32 GiB/s). The stream goes to tmpfs through a socket;
  * QEMU's default (32 MiB/s... 128 MiB/s) would make the precopy take seconds.
  */
 const PRECOPY_MAX_BANDWIDTH = 32 * 1024 ** 3;
@@ -138,6 +140,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   // the storage directory once QEMU holds it open (same file system: the data dir).
   const staged = join(parent.dir, basename(newTop));
   let topPath = staged;
+  let stateBytes = 0;
+  let save: SaveStream | undefined;
   try {
     await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
     await mkdir(disks, { recursive: true, mode: 0o700 });
@@ -151,8 +155,13 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     });
     const live = o.live ?? process.env.SANDBOXD_FORK_LIVE === "1";
     if (!live) await qmp(proc, "stop");
-    await migrateToFile(proc, statePath);
-    await waitMigration(proc, ["pre-switchover"], PRECOPY_TIMEOUT_MS);
+    // A live precopy sends the pages the guest dirties meanwhile again: room for a second pass.
+    save = await startSave(proc, {
+      path: statePath,
+      maxBytes: migrationByteCap(s.memMib, live ? 2 : 1),
+      timeoutMs: 2 * PRECOPY_TIMEOUT_MS,
+    });
+    await save.waitFor(["pre-switchover"], PRECOPY_TIMEOUT_MS);
     precopyMs = performance.now() - t0;
     // -- 2. guest stopped: move the parent onto a new overlay; the old one is the fork's disk
     await qmp(proc, "blockdev-snapshot-sync", {
@@ -167,7 +176,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     topPath = newTop;
     // -- 3. finish the migration, 4. run again
     await qmp(proc, "migrate-continue", { state: "pre-switchover" });
-    await waitMigration(proc, ["completed"], PRECOPY_TIMEOUT_MS);
+    stateBytes = await save.finish();
     // The migration thread reports "completed" a moment before it moves the run state from
     // finish-migrate to postmigrate, and `cont` refuses finish-migrate ("not finalized yet").
     for (let i = 0; ; i++) {
@@ -182,6 +191,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     offStop();
     offResume();
     const e = asSnapshotError(err, "fork_failed", `forking VM ${parent.id} failed`);
+    await save?.abort();
     await rm(statePath, { force: true });
     if (proc.isAlive()) {
       await proc.qmp.execute("migrate_cancel").catch(() => {});
@@ -198,12 +208,6 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   offResume();
   const tResumed = performance.now();
   const parentStallMs = stopTs !== undefined && resumeTs !== undefined ? resumeTs - stopTs : -1;
-  let stateBytes = 0;
-  try {
-    stateBytes = (await Bun.file(statePath).size) ?? 0;
-  } catch {
-    // only a figure
-  }
   await adoptNewTop(parent, newTop, newNode);
   parent.enter("running");
   await chmod(frozen, 0o444).catch(() => {});
@@ -331,8 +335,11 @@ async function makeForkPoint(
     const p = point.process;
     if (!p) throw new SnapshotError("fork_failed", "fork point has no QEMU");
     await setCapabilities(p, { events: true, "x-ignore-shared": true });
-    await migrateToFile(p, statePath);
-    await waitMigration(p, ["completed"], PRECOPY_TIMEOUT_MS);
+    await saveToFile(p, {
+      path: statePath,
+      maxBytes: migrationByteCap(s.memMib),
+      timeoutMs: PRECOPY_TIMEOUT_MS,
+    });
     return { memPath, statePath };
   } catch (err) {
     await rm(memPath, { force: true });

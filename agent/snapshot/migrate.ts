@@ -1,8 +1,7 @@
 /**
  * QMP building blocks of save / restore: guarded commands (a QMP timeout kills the VM, a dead
- * QEMU is `vm_died`), migration capabilities, migrating to / from a file and waiting for a
- * migration status. QEMU 7.2 has no `file:` migration URI (added in 8.2), so state goes through
- * `exec:cat`; the paths we pass are our own, checked to need no shell quoting.
+ * QEMU is `vm_died`), migration capabilities and waiting for a migration status. Moving the state
+ * between QEMU and a file is stream.ts.
  */
 
 import type { VmProcess } from "../qemu/launch.ts";
@@ -20,17 +19,6 @@ export const SNAPSHOT_QMP_TIMEOUT_MS = 10_000;
 
 /** How often query-migrate is polled besides the MIGRATION events (a lost event never hangs us). */
 const MIGRATION_POLL_MS = 25;
-
-const SAFE_PATH = /^[A-Za-z0-9._/@+-]+$/;
-
-export function shellSafePath(path: string): string {
-  if (!SAFE_PATH.test(path))
-    throw new SnapshotError(
-      "bad_request",
-      `path ${JSON.stringify(path)} has characters we do not pass to a shell`,
-    );
-  return path;
-}
 
 type Vm = Pick<VmProcess, "qmp" | "kill" | "isAlive" | "exited" | "stderrTail" | "pid">;
 
@@ -128,17 +116,6 @@ export async function waitMigration(vm: Vm, until: string[], timeoutMs: number):
   } finally {
     off();
   }
-}
-
-/** Starts an outgoing migration into `path` (the file is replaced). */
-export async function migrateToFile(vm: Vm, path: string): Promise<void> {
-  await qmp(vm, "migrate", { uri: `exec:cat > ${shellSafePath(path)}` });
-}
-
-/** On a QEMU started with `-incoming defer`: load the state in `path` and wait for the end. */
-export async function migrateFromFile(vm: Vm, path: string, timeoutMs: number): Promise<MigrateInfo> {
-  await qmp(vm, "migrate-incoming", { uri: `exec:cat ${shellSafePath(path)}` });
-  return waitMigration(vm, ["completed"], timeoutMs);
 }
 
 /** QEMU event timestamps ({seconds, microseconds}) in ms. */

@@ -9,7 +9,7 @@
  */
 
 import { spawn } from "node:child_process";
-import { mkdir, mkdtemp, rm } from "node:fs/promises";
+import { mkdir, mkdtemp, readFile, rm } from "node:fs/promises";
 import { createConnection, type Socket } from "node:net";
 import { join, resolve } from "node:path";
 import { FrameType, Op, Tag } from "../../contracts/guest-protocol.ts";
@@ -98,8 +98,9 @@ export interface FloorTimings {
 
 /**
  * A bare restore of the template: the argv of launchVm, then a minimal QMP conversation written
- * out here (capabilities, migrate-incoming, poll query-migrate, cont) and one HELLO + PING on the
- * agent socket. No retries, no identity, no bookkeeping. The VM is killed and its files removed.
+ * out here (capabilities, migrate-incoming on a unix socket, the state file written into it, poll
+ * query-migrate, cont) and one HELLO + PING on the agent socket. No retries, no identity, no
+ * bookkeeping. The VM is killed and its files removed.
  */
 export async function floorRestoreMs(o: { dataDir: string; template: TemplateMeta }): Promise<FloorTimings> {
   const t = o.template;
@@ -128,6 +129,7 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
   const child = spawn(cmd, argv, { stdio: "ignore" });
   let qmpSock: Socket | undefined;
   let agent: Socket | undefined;
+  let incoming: Socket | undefined;
   try {
     qmpSock = await connectRetry(join(dir, "qmp.sock"));
     const q = lineReader(qmpSock);
@@ -143,7 +145,10 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
     };
     await cmd("qmp_capabilities");
     await cmd("migrate-set-capabilities", { capabilities: [{ capability: "x-ignore-shared", state: true }] });
-    await cmd("migrate-incoming", { uri: `exec:cat ${t.statePath}` });
+    const migrateSock = join(dir, "mig-in.sock");
+    await cmd("migrate-incoming", { uri: `unix:${migrateSock}` });
+    incoming = await connectRetry(migrateSock);
+    incoming.end(await readFile(t.statePath));
     for (;;) {
       const r = (await cmd("query-migrate")) as { status?: string };
       if (r.status === "completed") break;
@@ -161,6 +166,7 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
     return { totalMs: performance.now() - t0, contMs };
   } finally {
     agent?.destroy();
+    incoming?.destroy();
     qmpSock?.destroy();
     // QEMU first: unshare, its parent, reaps it and exits (as launchVm's stop does).
     const qemuPid = await readHostPid(dir);

@@ -28,7 +28,8 @@ import { connectGuest } from "../vm/boot.ts";
 import { claimVm } from "../vm/process.ts";
 import { createVmDir, vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
-import { migrateToFile, qmp, setCapabilities, waitMigration } from "./migrate.ts";
+import { qmp, setCapabilities } from "./migrate.ts";
+import { migrationByteCap, saveToFile } from "./stream.ts";
 
 export type TemplateState = "building" | "ready" | "failed";
 
@@ -227,8 +228,13 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     const tSnap = performance.now();
     await qmp(vm, "stop");
     await setCapabilities(vm, { events: true, "x-ignore-shared": true });
-    await migrateToFile(vm, meta.statePath);
-    await waitMigration(vm, ["completed"], SAVE_TIMEOUT_MS);
+    // No fsync: the state is useless without the RAM file on tmpfs, which a host crash loses
+    // too; an agent crash leaves the written pages in the page cache.
+    meta.stateBytes = await saveToFile(vm, {
+      path: meta.statePath,
+      maxBytes: migrationByteCap(memMib),
+      timeoutMs: SAVE_TIMEOUT_MS,
+    });
     const snapshotMs = performance.now() - tSnap;
     guest.close();
     guest = undefined;
@@ -236,7 +242,6 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     vm = undefined;
     await rm(vmDir, { recursive: true, force: true });
     await chmod(meta.disk, 0o444);
-    meta.stateBytes = (await stat(meta.statePath)).size;
     const [memStat, diskStat] = await Promise.all([stat(meta.memPath), stat(meta.disk)]);
     meta.memFileBytes = memStat.blocks * 512;
     meta.diskFileBytes = diskStat.blocks * 512;

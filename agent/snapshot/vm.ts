@@ -24,8 +24,9 @@ import { openChainStore } from "../storage/chain.ts";
 import { claimVm } from "../vm/process.ts";
 import { createVmDir } from "../vm/workdir.ts";
 import { asSnapshotError, SnapshotError } from "./errors.ts";
-import { migrateFromFile, qmp, qmpFailure, setCapabilities } from "./migrate.ts";
+import { qmp, qmpFailure, setCapabilities } from "./migrate.ts";
 import { canVmTransition, checkVmTransition, type EngineVmState } from "./states.ts";
+import { loadFromFile } from "./stream.ts";
 
 /**
  * Budget from `cont` to the guest's first HELLO answer after a restore. Under TCG the first
@@ -234,7 +235,7 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
     const tLaunch = performance.now();
     await claimVm(vm.dir, p.pid, p.jailUid);
     await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
-    await migrateFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
+    await loadFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
     const tIncoming = performance.now();
     if (a.stayPaused) {
       vm.process = p;

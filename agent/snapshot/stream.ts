@@ -1,0 +1,318 @@
+/**
+ * Migration streams the agent carries itself: QEMU never spawns a helper. QEMU 7.2 has no `file:`
+ * migration URI (added in 8.2), and an `exec` URI makes QEMU run `/bin/sh`, which a seccomp
+ * filter with `spawn=deny` forbids; so state goes through a unix socket in the VM's own directory
+ * (the only directory a jailed QEMU sees), and the agent copies between that socket and the
+ * state file.
+ *
+ * - Save (`startSave` / `saveToFile`): the agent listens on `<vm dir>/mig-out.sock`, runs
+ *   `migrate uri=unix:...`, accepts QEMU's one connection and writes what arrives to the file with
+ *   back-pressure. The file is whole only when QEMU reports `completed`, the socket reached EOF and
+ *   the last write (and fsync, when asked) finished; any failure removes the partial file.
+ * - Load (`loadFromFile`): `migrate-incoming uri=unix:<vm dir>/mig-in.sock` makes QEMU listen;
+ *   the agent connects and streams the file into it, then waits for `completed`.
+ *
+ * Both are bounded: one deadline for the whole exchange, and a save stops (and fails) past
+ * `maxBytes`, so a QEMU that keeps sending cannot fill the disk.
+ */
+
+import { constants } from "node:fs";
+import { chmod, chown, type FileHandle, open, rm } from "node:fs/promises";
+import { createConnection, createServer, type Server, type Socket } from "node:net";
+import { join } from "node:path";
+import type { VmProcess } from "../qemu/launch.ts";
+import { SnapshotError } from "./errors.ts";
+import { type MigrateInfo, qmp, waitMigration } from "./migrate.ts";
+
+/**
+ * File names of the two sockets inside the VM directory (one migration per QEMU at a time). Short:
+ * a unix socket path has at most 107 bytes, and these sit beside QEMU's own qmp.sock and agent.sock.
+ */
+export const SAVE_SOCKET = "mig-out.sock";
+export const LOAD_SOCKET = "mig-in.sock";
+
+/**
+ * Who may connect to the save socket the agent creates: its mode, and optionally its owner. QEMU
+ * running as another uid than the agent needs one of them (0o666 in a directory only that uid can
+ * traverse, or the socket chowned to that uid).
+ */
+export interface SocketAccess {
+  mode: number;
+  uid?: number;
+  gid?: number;
+}
+
+/** The agent's own QEMU runs as the agent's uid: only it may connect. */
+export const DEFAULT_SOCKET_ACCESS: SocketAccess = { mode: 0o600 };
+
+/** Slack on top of guest RAM in a save's byte cap: page headers, device state, ROM/firmware blocks. */
+const CAP_MARGIN_BYTES = 64 * 1024 ** 2;
+
+/**
+ * Byte cap of a save of a guest with `memMib` of RAM. `passes` > 1 for a live precopy, which sends
+ * pages the guest dirties again (a guest that keeps dirtying more than that fails its fork).
+ */
+export function migrationByteCap(memMib: number, passes = 1): number {
+  return passes * memMib * 1024 ** 2 + CAP_MARGIN_BYTES;
+}
+
+/** How long `loadFromFile` retries connecting while QEMU's listening socket is not there yet. */
+const CONNECT_RETRY_MS = 2;
+
+/** Reads of the state file on load: large enough that a full RAM image is few writes. */
+const LOAD_CHUNK_BYTES = 1024 * 1024;
+
+/**
+ * What these functions need of a QEMU: its QMP, its directory, and how the socket it connects to
+ * must be opened (`migrationSocket`, the default otherwise).
+ */
+export type StreamVm = Pick<
+  VmProcess,
+  "qmp" | "kill" | "isAlive" | "exited" | "stderrTail" | "pid" | "dir"
+> & {
+  migrationSocket?: SocketAccess;
+};
+
+export interface SaveOptions {
+  /** The state file (replaced; removed again if the save fails). */
+  path: string;
+  /** Past this many bytes the save fails. */
+  maxBytes: number;
+  /** Deadline of the whole save, from the `migrate` command to the last byte written. */
+  timeoutMs: number;
+  /** fsync the file before it counts as written (state that must survive a host crash). */
+  fsync?: boolean;
+}
+
+/** A save in flight: the caller drives QEMU through the statuses it wants, then `finish`es. */
+export interface SaveStream {
+  /** Waits for a migration status; fails at once if the stream broke (its own error wins). */
+  waitFor(until: string[], timeoutMs?: number): Promise<MigrateInfo>;
+  /** Waits for `completed`, EOF and the last write; returns the bytes written. Aborts on failure. */
+  finish(): Promise<number>;
+  /** Drops the socket and the connection and removes the partial file. Idempotent. */
+  abort(): Promise<void>;
+}
+
+function streamError(message: string, cause?: unknown): SnapshotError {
+  return new SnapshotError("migration_failed", message, cause === undefined ? undefined : { cause });
+}
+
+function listen(server: Server, path: string): Promise<void> {
+  return new Promise((resolve, reject) => {
+    server.once("error", reject);
+    server.listen(path, () => {
+      server.off("error", reject);
+      resolve();
+    });
+  });
+}
+
+/**
+ * Starts an outgoing migration of `vm` into `o.path` through a socket in `vm.dir`. The returned
+ * stream is already receiving; on any error here nothing is left behind.
+ */
+export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStream> {
+  const sockPath = join(vm.dir, SAVE_SOCKET);
+  const access = vm.migrationSocket ?? DEFAULT_SOCKET_ACCESS;
+  const deadline = performance.now() + o.timeoutMs;
+  let file: FileHandle | undefined;
+  let conn: Socket | undefined;
+  let failure: SnapshotError | undefined;
+  let onFailure: ((e: SnapshotError) => void) | undefined;
+  const failed = new Promise<never>((_, reject) => {
+    onFailure = reject;
+  });
+  failed.catch(() => {});
+  const server = createServer();
+  const fail = (e: SnapshotError) => {
+    if (failure) return;
+    failure = e;
+    conn?.destroy();
+    server.close();
+    onFailure?.(e);
+  };
+  const timer = setTimeout(
+    () => fail(streamError(`migration stream to ${o.path} did not finish within ${o.timeoutMs} ms`)),
+    o.timeoutMs,
+  );
+  let cleaned = false;
+  const cleanup = async (removeFile: boolean) => {
+    if (cleaned) return;
+    cleaned = true;
+    clearTimeout(timer);
+    conn?.destroy();
+    server.close();
+    await file?.close().catch(() => {});
+    await rm(sockPath, { force: true });
+    if (removeFile) await rm(o.path, { force: true });
+  };
+
+  let received: Promise<number> | undefined;
+  try {
+    await rm(sockPath, { force: true });
+    file = await open(o.path, constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC, 0o600);
+    const out = file;
+    received = new Promise<number>((resolve) => {
+      server.once("connection", (c: Socket) => {
+        // One connection, QEMU's: nobody else may follow it in.
+        server.close();
+        conn = c;
+        if (failure) {
+          c.destroy();
+          return;
+        }
+        resolve(copyInto(c, out, o, fail));
+      });
+    });
+    received.catch(() => {});
+    await listen(server, sockPath);
+    await chmod(sockPath, access.mode);
+    if (access.uid !== undefined || access.gid !== undefined)
+      await chown(sockPath, access.uid ?? -1, access.gid ?? -1);
+    await qmp(vm, "migrate", { uri: `unix:${sockPath}` });
+  } catch (err) {
+    await cleanup(true);
+    throw err;
+  }
+
+  const waitFor = async (until: string[], timeoutMs?: number): Promise<MigrateInfo> => {
+    if (failure) throw failure;
+    const left = Math.max(0, deadline - performance.now());
+    const status = waitMigration(vm, until, Math.min(timeoutMs ?? left, left));
+    status.catch(() => {});
+    return Promise.race([status, failed]);
+  };
+  const got = received;
+  return {
+    waitFor,
+    async finish() {
+      try {
+        await waitFor(["completed"]);
+        const bytes = await Promise.race([got, failed]);
+        // A stream cut by the deadline may still end "normally": the failure decides.
+        if (failure) throw failure;
+        await cleanup(false);
+        return bytes;
+      } catch (err) {
+        await cleanup(true);
+        throw err;
+      }
+    },
+    abort: () => cleanup(true),
+  };
+}
+
+/** Copies the socket into the file until EOF; resolves with the byte count once it is written. */
+async function copyInto(
+  c: Socket,
+  out: FileHandle,
+  o: SaveOptions,
+  fail: (e: SnapshotError) => void,
+): Promise<number> {
+  let bytes = 0;
+  try {
+    // Async iteration reads the next chunk only after the write of this one: back-pressure.
+    for await (const chunk of c as AsyncIterable<Buffer>) {
+      bytes += chunk.length;
+      if (bytes > o.maxBytes)
+        throw streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`);
+      let off = 0;
+      while (off < chunk.length) off += (await out.write(chunk, off, chunk.length - off)).bytesWritten;
+    }
+    if (o.fsync) await out.sync();
+    return bytes;
+  } catch (err) {
+    const e =
+      err instanceof SnapshotError
+        ? err
+        : streamError(`writing the migration stream to ${o.path} failed`, err);
+    fail(e);
+    throw e;
+  }
+}
+
+/** Saves `vm` into `o.path`: `migrate`, wait for `completed`, all written. Returns the bytes. */
+export async function saveToFile(vm: StreamVm, o: SaveOptions): Promise<number> {
+  const s = await startSave(vm, o);
+  return s.finish();
+}
+
+/**
+ * On a QEMU started with `-incoming defer`: QEMU listens on a socket in its directory, the agent
+ * streams the state file into it, then waits for `completed`.
+ */
+export async function loadFromFile(vm: StreamVm, path: string, timeoutMs: number): Promise<MigrateInfo> {
+  const deadline = performance.now() + timeoutMs;
+  const sockPath = join(vm.dir, LOAD_SOCKET);
+  // Open first: a missing state file is a clear error, not a QEMU that waits for bytes.
+  const file = await open(path, "r").catch((err) => {
+    throw streamError(`cannot read the state file ${path}`, err);
+  });
+  let conn: Socket | undefined;
+  try {
+    await rm(sockPath, { force: true });
+    await qmp(vm, "migrate-incoming", { uri: `unix:${sockPath}` });
+    conn = await connectUnix(sockPath, deadline);
+    // QEMU's status is the verdict: `completed` means it read the whole stream (a write that
+    // failed after that changes nothing), and a stream cut short makes the load fail at once.
+    const c = conn;
+    sendFile(file, c, path).catch(() => c.destroy());
+    return await waitMigration(vm, ["completed"], Math.max(0, deadline - performance.now()));
+  } finally {
+    conn?.destroy();
+    await file.close().catch(() => {});
+    await rm(sockPath, { force: true });
+  }
+}
+
+async function sendFile(file: FileHandle, conn: Socket, path: string): Promise<void> {
+  try {
+    let left = (await file.stat()).size;
+    while (left > 0) {
+      const buf = Buffer.allocUnsafe(Math.min(left, LOAD_CHUNK_BYTES));
+      const { bytesRead } = await file.read(buf, 0, buf.length, null);
+      if (bytesRead === 0) break;
+      left -= bytesRead;
+      if (!conn.write(buf.subarray(0, bytesRead))) await drained(conn);
+    }
+    conn.end();
+  } catch (err) {
+    throw streamError(`streaming ${path} into QEMU failed`, err);
+  }
+}
+
+/** Resolves when the socket can take more; rejects if it closes first (QEMU stopped reading). */
+function drained(conn: Socket): Promise<void> {
+  return new Promise<void>((resolve, reject) => {
+    const done = (err?: Error) => {
+      conn.off("drain", onDrain);
+      conn.off("close", onClose);
+      if (err) reject(err);
+      else resolve();
+    };
+    const onDrain = () => done();
+    const onClose = () => done(new Error("QEMU closed the migration socket"));
+    conn.once("drain", onDrain);
+    conn.once("close", onClose);
+  });
+}
+
+async function connectUnix(path: string, deadline: number): Promise<Socket> {
+  for (;;) {
+    try {
+      return await new Promise<Socket>((resolve, reject) => {
+        const s = createConnection({ path });
+        s.once("connect", () => {
+          s.off("error", reject);
+          resolve(s);
+        });
+        s.once("error", reject);
+      });
+    } catch (err) {
+      if (performance.now() > deadline)
+        throw streamError(`QEMU's migration socket ${path} did not accept a connection in time`, err);
+      await Bun.sleep(CONNECT_RETRY_MS);
+    }
+  }
+}
