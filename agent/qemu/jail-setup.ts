@@ -5,8 +5,8 @@
  * Any missing ingredient is a JailError and nothing is started; what was made is undone.
  */
 import { accessSync, constants } from "node:fs";
-import { chmod, chown, open } from "node:fs/promises";
-import { dirname, resolve } from "node:path";
+import { chmod, chown, lchown, open, readdir } from "node:fs/promises";
+import { dirname, join, resolve } from "node:path";
 import { createVmCgroup, removeVmCgroup, vmLimits } from "./cgroup.ts";
 import { JailError, type JailSpec, missingJailTools, UNSHARE } from "./jail.ts";
 import { allocateUid, releaseUid } from "./uids.ts";
@@ -92,6 +92,11 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     // QEMU writes its directory (sockets, console, pid file), its overlay and a shared RAM file.
     await chown(i.dir, uid, uid);
     await chmod(i.dir, 0o700);
+    // What an earlier QEMU of this VM left (its console log, a state socket): this QEMU's now.
+    // owner.json stays root's: it is the agent's record.
+    for (const name of await readdir(i.dir)) {
+      if (name !== "owner.json") await lchown(join(i.dir, name), uid, uid).catch(() => {});
+    }
     if (i.disk) await chown(i.disk, uid, uid);
     if (i.mem?.share) {
       // QEMU would create it, but only paths that exist can be bound into the jail.
