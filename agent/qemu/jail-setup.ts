@@ -5,10 +5,19 @@
  * Any missing ingredient is a JailError and nothing is started; what was made is undone.
  */
 import { accessSync, constants } from "node:fs";
-import { chmod, chown, lchown, open, readdir } from "node:fs/promises";
+import { chmod, chown, lchown, mkdir, open, readdir, rm, symlink, writeFile } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { createVmCgroup, removeVmCgroup, vmLimits } from "./cgroup.ts";
-import { JailError, type JailSpec, missingJailTools, UNSHARE } from "./jail.ts";
+import {
+  JailError,
+  type JailSpec,
+  jailFstab,
+  jailFstabPath,
+  jailRoot,
+  jailSkeleton,
+  missingJailTools,
+  UNSHARE,
+} from "./jail.ts";
 import { allocateUid, releaseUid } from "./uids.ts";
 
 /** RLIMIT_NOFILE of a jailed QEMU: its sockets, images and eventfds fit many times over. */
@@ -95,9 +104,10 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     // What an earlier QEMU of this VM left (its console log, a state socket): this QEMU's now.
     // owner.json stays root's: it is the agent's record.
     for (const name of await readdir(i.dir)) {
-      if (name !== "owner.json") await lchown(join(i.dir, name), uid, uid).catch(() => {});
+      if (!["owner.json", "root", "jail.fstab"].includes(name))
+        await lchown(join(i.dir, name), uid, uid).catch(() => {});
     }
-    if (i.disk) await chown(i.disk, uid, uid);
+    if (i.disk) await lchown(i.disk, uid, uid);
     if (i.mem?.share) {
       // QEMU would create it, but only paths that exist can be bound into the jail.
       await (await open(i.mem.path, "a", 0o600)).close();
@@ -124,12 +134,31 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       pidFile: i.hostPidFile,
       unshare,
     };
+    await makeSkeleton(spec);
     return { spec, uid };
   } catch (err) {
     await releaseJail(i.dir, uid);
     if (err instanceof JailError) throw err;
     throw new JailError((err as Error).message, err);
   }
+}
+
+/**
+ * Lays out the jail's root on disk under `<vm dir>/root` and writes its fstab. No QEMU of this VM
+ * runs now (a VM's earlier QEMU is gone before its next starts), but one could have left symlinks
+ * in the directory it owned: what was there is removed first (rm never follows a link), and
+ * every entry is made new ("wx" and mkdir fail on an existing name rather than follow it).
+ */
+async function makeSkeleton(spec: JailSpec): Promise<void> {
+  const r = jailRoot(spec.dir);
+  const fstab = jailFstabPath(spec.dir);
+  await Promise.all([r, fstab, spec.pidFile].map((p) => rm(p, { recursive: true, force: true })));
+  const sk = jailSkeleton(spec);
+  await mkdir(r, { mode: 0o755 });
+  for (const d of sk.dirs) await mkdir(r + d, { recursive: true, mode: 0o755 });
+  for (const f of sk.files) await writeFile(r + f, "", { flag: "wx", mode: 0o644 });
+  for (const [name, target] of sk.links) await symlink(target, r + name);
+  await writeFile(fstab, `${jailFstab(spec).join("\n")}\n`, { flag: "wx", mode: 0o644 });
 }
 
 /** Frees what a VM's jail held on the host (its QEMU must be gone): its cgroup and its uid. */

@@ -40,6 +40,7 @@ describe("jail argv", () => {
     ]);
     const script = argv.at(-1) ?? "";
     expect(script).toContain("echo 0 > '/sys/fs/cgroup/pids/sandboxd/vm-1-abc/cgroup.procs'");
+    expect(script).toContain("/usr/bin/mount -a -T '/data/vms/vm-1/jail.fstab'");
     expect(script).toContain("/usr/sbin/pivot_root . .old");
     expect(script).toContain("/usr/bin/umount -l /.old");
     expect(script).toContain("ulimit -f 1048576");
@@ -61,7 +62,9 @@ describe("jail argv", () => {
 
   test("fstab binds backing files read-only, the VM's own files writable, /dev/kvm only under KVM", () => {
     const fstab = jailFstab(spec);
-    expect(fstab[0]).toBe("/usr /data/vms/vm-1/root/usr none bind,ro,nodev 0 0");
+    // The root is bound onto itself read-only first (pivot_root needs a mount point).
+    expect(fstab[0]).toBe("/data/vms/vm-1/root /data/vms/vm-1/root none bind,ro,nosuid,nodev 0 0");
+    expect(fstab[1]).toBe("/usr /data/vms/vm-1/root/usr none bind,ro,nodev 0 0");
     expect(fstab).toContain(
       "/data/images/it's\\040base.qcow2 /data/vms/vm-1/root/data/images/it's\\040base.qcow2 none bind,ro,nosuid,nodev,noexec 0 0",
     );
@@ -81,13 +84,13 @@ describe("jail argv", () => {
 });
 
 describe("cgroups", () => {
-  test("limits: guest RAM plus QEMU's overhead, QEMU's threads plus margin, vCPUs of CPU", () => {
+  test("limits: guest RAM plus QEMU's overhead, QEMU's threads plus margin, vCPUs plus a core of CPU", () => {
     const l = vmLimits(256, 2);
     expect(l.memoryBytes).toBeGreaterThan(256 * 1024 * 1024);
     expect(l.pids).toBeGreaterThan(64);
-    expect(limitFiles(1, l)).toContainEqual({ controller: "cpu", file: "cpu.cfs_quota_us", value: "200000" });
+    expect(limitFiles(1, l)).toContainEqual({ controller: "cpu", file: "cpu.cfs_quota_us", value: "300000" });
     expect(limitFiles(1, l)).toContainEqual({ controller: "pids", file: "pids.max", value: String(l.pids) });
-    expect(limitFiles(2, l)).toContainEqual({ controller: "", file: "cpu.max", value: "200000 100000" });
+    expect(limitFiles(2, l)).toContainEqual({ controller: "", file: "cpu.max", value: "300000 100000" });
     expect(limitFiles(2, l)).toContainEqual({
       controller: "",
       file: "memory.max",
@@ -116,7 +119,7 @@ describe("cgroups", () => {
     const d = cg.dirs[0] ?? "";
     expect(readFileSync(join(d, "memory.max"), "utf8")).toBe(String(vmLimits(256, 1).memoryBytes));
     expect(readFileSync(join(d, "pids.max"), "utf8")).toBe(String(vmLimits(256, 1).pids));
-    expect(readFileSync(join(d, "cpu.max"), "utf8")).toBe("100000 100000");
+    expect(readFileSync(join(d, "cpu.max"), "utf8")).toBe("200000 100000");
   });
 
   test("a host with neither layout is a JailError naming what is missing", async () => {

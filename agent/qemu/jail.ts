@@ -97,15 +97,40 @@ function fstabField(p: string): string {
   return p.replace(/[\\ \t\n]/g, (c) => `\\${c.charCodeAt(0).toString(8).padStart(3, "0")}`);
 }
 
+/** Where the fstab of the jail's mounts is written (by the agent, before the jail starts). */
+export function jailFstabPath(dir: string): string {
+  return `${dir.replace(/\/+$/, "")}/jail.fstab`;
+}
+
 /**
- * The jail's mounts under its root `r`, in order, as fstab lines for one `mount -a`: each
- * util-linux `mount` is a process start, and the jail is built on every spawn's critical path.
+ * The jail's root, made on disk by the agent before QEMU starts (no process start per entry):
+ * the directories and empty files its mounts go on, relative to the root, and the merged-usr
+ * symlinks (/bin, /lib, /lib64, /sbin into /usr).
+ */
+export function jailSkeleton(spec: JailSpec): { dirs: string[]; files: string[]; links: [string, string][] } {
+  const dirOf = (p: string) => p.slice(0, p.lastIndexOf("/")) || "/";
+  const files = [
+    ...DEVICES.map((d) => `/dev/${d}`),
+    ...(spec.kvm ? ["/dev/kvm"] : []),
+    ...spec.readOnly,
+    ...spec.readWrite,
+  ];
+  const dirs = [...new Set(["/usr", "/proc", "/tmp", "/.old", spec.dir, ...files.map(dirOf)])];
+  const links: [string, string][] = ["bin", "lib", "lib64", "sbin"].map((l) => [`/${l}`, `usr/${l}`]);
+  return { dirs, files, links };
+}
+
+/**
+ * The jail's mounts, in order, as fstab lines for one `mount -a` (each util-linux `mount` is a
+ * process start, and the jail is built on every spawn's critical path): the root bound onto itself
+ * read-only (pivot_root needs a mount point), then /usr, the devices, /proc and the VM's files.
  */
 export function jailFstab(spec: JailSpec): string[] {
   const r = jailRoot(spec.dir);
   const line = (src: string, dst: string, type: string, opts: string) =>
     `${fstabField(src)} ${fstabField(r + dst)} ${type} ${opts} 0 0`;
-  const out = [line("/usr", "/usr", "none", "bind,ro,nodev")];
+  const out = [`${fstabField(r)} ${fstabField(r)} none bind,ro,nosuid,nodev 0 0`];
+  out.push(line("/usr", "/usr", "none", "bind,ro,nodev"));
   for (const d of [...DEVICES, ...(spec.kvm ? ["kvm"] : [])])
     out.push(line(`/dev/${d}`, `/dev/${d}`, "none", "bind,nosuid,noexec"));
   out.push(line("proc", "/proc", "proc", "nosuid,nodev,noexec"));
@@ -120,30 +145,14 @@ export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string 
   const r = jailRoot(spec.dir);
   for (const p of [spec.dir, ...spec.readOnly, ...spec.readWrite, spec.pidFile, ...spec.cgroupProcs])
     checkPath(p);
-  const fstab = `${spec.dir.replace(/\/+$/, "")}/jail.fstab`;
   const L: string[] = ["set -eu"];
   // 1. QEMU's host pid: /proc is still the host's, so /proc/self/stat names this shell by its
   // host pid, and the shell becomes QEMU by exec.
   L.push("read -r hostpid rest < /proc/self/stat", `echo "$hostpid" > ${shq(spec.pidFile)}`);
   // 2. cgroups: writing 0 moves the writer itself.
   for (const procs of spec.cgroupProcs) L.push(`echo 0 > ${shq(procs)}`);
-  // 3. the new root: a tmpfs, the mount points (files are made by the shell's own redirection,
-  // directories by one mkdir), then every bind mount and /proc in one `mount -a`.
-  L.push(`printf '%s\\n' ${jailFstab(spec).map(shq).join(" ")} > ${shq(fstab)}`);
-  L.push(`mkdir -p ${shq(r)}`, `${MOUNT} -t tmpfs -o mode=0755,size=1m,nr_inodes=4096 jail ${shq(r)}`);
-  const dirOf = (p: string) => p.slice(0, p.lastIndexOf("/")) || "/";
-  const files = [
-    ...DEVICES.map((d) => `/dev/${d}`),
-    ...(spec.kvm ? ["/dev/kvm"] : []),
-    ...spec.readOnly,
-    ...spec.readWrite,
-  ];
-  const dirs = new Set(["/usr", "/proc", "/tmp", "/.old", spec.dir, ...files.map(dirOf)]);
-  L.push(`mkdir -p ${[...dirs].map((d) => shq(r + d)).join(" ")}`);
-  for (const f of files) L.push(`: > ${shq(r + f)}`);
-  // Debian is merged-usr: /bin, /lib, /lib64 and /sbin are symlinks into /usr.
-  L.push(`ln -s usr/bin usr/lib usr/lib64 usr/sbin ${shq(`${r}/`)}`);
-  L.push(`${MOUNT} -a -T ${shq(fstab)}`);
+  // 3. every mount of the jail (jailFstab) at once, on the skeleton the agent made.
+  L.push(`${MOUNT} -a -T ${shq(jailFstabPath(spec.dir))}`);
   // 4. pivot: the old root is detached; nothing of the host is reachable any more.
   L.push(`cd ${shq(r)}`, `${PIVOT_ROOT} . .old`, `${UMOUNT} -l /.old`, "cd /");
   // 5. rlimits (dash counts -f in 512-byte blocks), then drop every privilege and exec QEMU.

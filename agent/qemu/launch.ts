@@ -1,6 +1,6 @@
 import { type ChildProcess, spawn } from "node:child_process";
-import { readFileSync } from "node:fs";
-import { readFile, rm } from "node:fs/promises";
+import { constants, readFileSync } from "node:fs";
+import { open, readFile, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
@@ -553,7 +553,9 @@ export function vmProcess(
 
 async function fileTail(path: string, bytes: number): Promise<string> {
   try {
-    const buf = await readFile(path);
+    // O_NOFOLLOW: the file is in the jailed QEMU's own directory, where it could be a symlink.
+    const fh = await open(path, constants.O_RDONLY | constants.O_NOFOLLOW);
+    const buf = await fh.readFile().finally(() => fh.close());
     return buf.subarray(Math.max(0, buf.length - bytes)).toString("utf8");
   } catch {
     return "";

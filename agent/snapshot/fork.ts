@@ -28,7 +28,7 @@
  */
 
 import { randomBytes } from "node:crypto";
-import { chmod, chown, mkdir, rename, rm } from "node:fs/promises";
+import { chmod, chown, link, mkdir, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { isHostnameLabel } from "../qemu/launch.ts";
 import type { QmpEvent } from "../qemu/qmp/framing.ts";
@@ -135,18 +135,20 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   });
   let switched = false;
   let precopyMs = 0;
-  // The parent's jail sees only its own files, so the new overlay is made by us in the parent's
-  // directory (owned by its uid), taken over by QEMU as an `existing` image, and renamed into
-  // the storage directory once QEMU holds it open (same file system: the data dir).
+  // The parent's jail sees only its own files: the new overlay is made in the storage directory,
+  // owned by the parent's uid, hard-linked into the parent's directory (link(2) fails on a name
+  // its QEMU planted, never follows it), taken over by QEMU as an `existing` image there, and
+  // the link removed once QEMU holds it open (same file system: the data dir).
   const staged = join(parent.dir, basename(newTop));
-  let topPath = staged;
   let stateBytes = 0;
   let save: SaveStream | undefined;
   try {
     await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
     await mkdir(disks, { recursive: true, mode: 0o700 });
-    await createOverlayOn(frozen, staged, await virtualSize(frozen));
-    if (proc.jailUid !== undefined) await chown(staged, proc.jailUid, proc.jailUid);
+    await createOverlayOn(frozen, newTop, await virtualSize(frozen));
+    if (proc.jailUid !== undefined) await chown(newTop, proc.jailUid, proc.jailUid);
+    await rm(staged, { force: true });
+    await link(newTop, staged);
     // -- 1. live precopy
     await setCapabilities(proc, { events: true, "x-ignore-shared": false, "pause-before-switchover": true });
     await qmp(proc, "migrate-set-parameters", {
@@ -172,8 +174,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       mode: "existing",
     });
     switched = true;
-    await rename(staged, newTop);
-    topPath = newTop;
+    await rm(staged, { force: true });
     // -- 3. finish the migration, 4. run again
     await qmp(proc, "migrate-continue", { state: "pre-switchover" });
     stateBytes = await save.finish();
@@ -196,8 +197,9 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     if (proc.isAlive()) {
       await proc.qmp.execute("migrate_cancel").catch(() => {});
       await proc.qmp.execute("cont").catch(() => {});
-      if (switched) await adoptNewTop(parent, topPath, newNode).catch(() => {});
-      else await rm(staged, { force: true });
+      await rm(staged, { force: true });
+      if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
+      else await rm(newTop, { force: true });
       parent.enter("running");
     } else await parent.destroy();
     return fail(e);

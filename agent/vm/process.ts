@@ -15,8 +15,10 @@
  * Imports: the launch's file names and `VmProcess` shape (agent/qemu/launch.ts) and the QMP
  * client; nothing from the sandbox layer.
  */
+
+import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
-import { readdir, readFile, writeFile } from "node:fs/promises";
+import { readdir, readFile, rename, writeFile } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { z } from "zod";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -72,7 +74,11 @@ export async function claimVm(dir: string, qemuPid?: number, jailUid?: number): 
   if (qemuPid !== undefined) owner.qemuPid = qemuPid;
   const uid = jailUid ?? (qemuPid === undefined ? undefined : (await readOwner(dir))?.jailUid);
   if (uid !== undefined) owner.jailUid = uid;
-  await writeFile(join(dir, OWNER_FILE), JSON.stringify(owner));
+  // The directory belongs to the VM's jailed QEMU, which could plant a symlink at any name: a new
+  // file made exclusively ("wx" never follows one) and renamed over the record.
+  const tmp = join(dir, `.${OWNER_FILE}.${randomBytes(6).toString("hex")}`);
+  await writeFile(tmp, JSON.stringify(owner), { flag: "wx", mode: 0o644 });
+  await rename(tmp, join(dir, OWNER_FILE));
 }
 
 /**
