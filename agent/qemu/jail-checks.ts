@@ -6,7 +6,7 @@
 import { spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
 import { CGROUP_ROOT, cgroupVersion, missingControllers } from "./cgroup.ts";
-import { PIVOT_ROOT, SETPRIV, sandboxOption } from "./jail.ts";
+import { PIVOT_ROOT, SETPRIV, sandboxOption, UNSHARE_FLAGS } from "./jail.ts";
 import { unsharePath } from "./jail-setup.ts";
 import { QEMU_BINARY_PATH } from "./launch.ts";
 import { rangeClashes, uidRange } from "./uids.ts";
@@ -47,18 +47,7 @@ export function jailChecks(): JailCheck[] {
     });
   }
   if (root && existsSync(unshare)) {
-    const r = run([
-      unshare,
-      "--mount",
-      "--pid",
-      "--ipc",
-      "--uts",
-      "--net",
-      "--fork",
-      "--propagation",
-      "private",
-      "true",
-    ]);
+    const r = run([unshare, ...UNSHARE_FLAGS, "true"]);
     out.push({
       name: "jail: namespaces",
       ok: r.ok,

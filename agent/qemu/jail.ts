@@ -184,14 +184,7 @@ export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string 
 export function jailArgv(spec: JailSpec, qemuArgv: readonly string[]): string[] {
   return [
     spec.unshare ?? UNSHARE,
-    "--mount",
-    "--pid",
-    "--ipc",
-    "--uts",
-    "--net",
-    "--fork",
-    "--propagation",
-    "private",
+    ...UNSHARE_FLAGS,
     "--kill-child=KILL",
     "--",
     SH,
@@ -199,6 +192,18 @@ export function jailArgv(spec: JailSpec, qemuArgv: readonly string[]): string[] 
     jailScript(spec, qemuArgv),
   ];
 }
+
+/** The namespaces of a jail: everything but user and cgroup, mounts private to it. */
+export const UNSHARE_FLAGS = [
+  "--mount",
+  "--pid",
+  "--ipc",
+  "--uts",
+  "--net",
+  "--fork",
+  "--propagation",
+  "private",
+] as const;
 
 /** The util-linux tools a jail needs, each with what is missing when it is not there. */
 export function missingJailTools(unshare = UNSHARE): string[] {
