@@ -6,9 +6,11 @@
  *   `memory.max`, `pids.max`, `cpu.max`; the `sandboxd` parent holds no process and enables the
  *   three controllers for its children in `cgroup.subtree_control`.
  * - v1 (a hierarchy per controller, e.g. `/sys/fs/cgroup/memory`): `<hierarchy>/<the agent's own
- *   cgroup there>/sandboxd/<name>` with `memory.limit_in_bytes`, `pids.max` and
+ *   cgroup there>/sandboxd-<name>` with `memory.limit_in_bytes`, `pids.max` and
  *   `cpu.cfs_quota_us`/`cpu.cfs_period_us`. Nesting under the agent's own cgroup keeps the VMs
- *   inside whatever limits the agent's host gives the agent.
+ *   inside whatever limits the agent's host gives the agent; no common `sandboxd` parent, because
+ *   v1's CPU scheduler weighs a group as one task: all VMs under one parent would share the CPU
+ *   weight an unconfined QEMU has alone.
  *
  * A VM's cgroup is named after its directory and removed when its QEMU is gone; `sweepCgroups`
  * removes the empty ones a crashed agent left.
@@ -118,7 +120,7 @@ export function limitFiles(
   ];
 }
 
-/** The `sandboxd` parent directories, one per hierarchy (one on v2). */
+/** Where VM cgroups are made, one directory per hierarchy (one on v2), and their name prefix. */
 function parents(version: CgroupVersion, root: string): string[] {
   if (version === 2) return [join(root, PARENT)];
   let self = "";
@@ -127,7 +129,11 @@ function parents(version: CgroupVersion, root: string): string[] {
   } catch {
     // not Linux: the jail check fails later anyway
   }
-  return ["memory", "pids", "cpu"].map((c) => join(root, c, ownV1Path(c, self), PARENT));
+  return ["memory", "pids", "cpu"].map((c) => join(root, c, ownV1Path(c, self)));
+}
+
+function prefix(version: CgroupVersion): string {
+  return version === 2 ? "" : `${PARENT}-`;
 }
 
 export interface VmCgroup {
@@ -142,7 +148,7 @@ export interface VmCgroup {
 export function vmCgroupDirs(dir: string, root = CGROUP_ROOT): VmCgroup | undefined {
   const version = cgroupVersion(root);
   if (version === undefined) return undefined;
-  const dirs = parents(version, root).map((p) => join(p, cgroupName(dir)));
+  const dirs = parents(version, root).map((p) => join(p, prefix(version) + cgroupName(dir)));
   return { version, dirs, procs: dirs.map((d) => join(d, "cgroup.procs")) };
 }
 
@@ -167,7 +173,8 @@ export async function createVmCgroup(
     }
     for (const d of cg.dirs) await mkdir(d, { recursive: true });
     for (const f of limitFiles(cg.version, limits)) {
-      const d = cg.version === 2 ? cg.dirs[0] : cg.dirs.find((x) => x.includes(`/${f.controller}/`));
+      const d =
+        cg.version === 2 ? cg.dirs[0] : cg.dirs.find((x) => x.startsWith(join(root, f.controller, "/")));
       if (d === undefined) continue;
       // memory.swap.max exists only where swap accounting is on.
       if (f.file === "memory.swap.max" && !existsSync(join(d, f.file))) continue;
@@ -224,6 +231,7 @@ export async function sweepCgroups(root = CGROUP_ROOT, minAgeMs = 60_000): Promi
       continue;
     }
     for (const name of names) {
+      if (!name.startsWith(prefix(version))) continue;
       const d = join(parent, name);
       try {
         if (!(await stat(d)).isDirectory()) continue;
