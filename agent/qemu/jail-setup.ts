@@ -5,7 +5,7 @@
  * Any missing ingredient is a JailError and nothing is started; what was made is undone.
  */
 import { accessSync, constants } from "node:fs";
-import { chmod, chown, lchown, mkdir, open, readdir, rm, symlink, writeFile } from "node:fs/promises";
+import { chmod, chown, lchown, lstat, mkdir, open, readdir, rm, symlink, writeFile } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { createVmCgroup, removeVmCgroup, vmLimits } from "./cgroup.ts";
 import {
@@ -103,9 +103,14 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     await chmod(i.dir, 0o700);
     // What an earlier QEMU of this VM left (its console log, a state socket): this QEMU's now.
     // owner.json stays root's: it is the agent's record.
+    // A file with more than one link is a fork's staging link to what is now a frozen backing
+    // file (agent/snapshot/fork.ts): it goes, never to be writable by this QEMU.
     for (const name of await readdir(i.dir)) {
-      if (!["owner.json", "root", "jail.fstab"].includes(name))
-        await lchown(join(i.dir, name), uid, uid).catch(() => {});
+      if (["owner.json", "root", "jail.fstab"].includes(name)) continue;
+      const p = join(i.dir, name);
+      const st = await lstat(p).catch(() => undefined);
+      if (st?.isFile() && st.nlink > 1 && p !== i.disk) await rm(p, { force: true });
+      else await lchown(p, uid, uid).catch(() => {});
     }
     if (i.disk) await lchown(i.disk, uid, uid);
     if (i.mem?.share) {

@@ -28,7 +28,7 @@
  */
 
 import { randomBytes } from "node:crypto";
-import { chmod, chown, link, mkdir, rm } from "node:fs/promises";
+import { chmod, chown, link, lstat, mkdir, readdir, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { isHostnameLabel } from "../qemu/launch.ts";
 import type { QmpEvent } from "../qemu/qmp/framing.ts";
@@ -137,8 +137,10 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   let precopyMs = 0;
   // The parent's jail sees only its own files: the new overlay is made in the storage directory,
   // owned by the parent's uid, hard-linked into the parent's directory (link(2) fails on a name
-  // its QEMU planted, never follows it), taken over by QEMU as an `existing` image there, and
-  // the link removed once QEMU holds it open (same file system: the data dir).
+  // its QEMU planted, never follows it) and taken over by QEMU as an `existing` image there
+  // (same file system: the data dir). The link stays while it is the parent's top: QEMU reopens
+  // a node by its file name when it becomes a backing file (read-only) at the next fork, and
+  // with the name gone it would keep writing it; that fork removes it.
   const staged = join(parent.dir, basename(newTop));
   let stateBytes = 0;
   let save: SaveStream | undefined;
@@ -174,7 +176,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       mode: "existing",
     });
     switched = true;
-    await rm(staged, { force: true });
+    await removeStagedLinks(parent.dir, staged);
     // -- 3. finish the migration, 4. run again
     await qmp(proc, "migrate-continue", { state: "pre-switchover" });
     stateBytes = await save.finish();
@@ -197,9 +199,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     if (proc.isAlive()) {
       await proc.qmp.execute("migrate_cancel").catch(() => {});
       await proc.qmp.execute("cont").catch(() => {});
-      await rm(staged, { force: true });
       if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
-      else await rm(newTop, { force: true });
+      else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
       parent.enter("running");
     } else await parent.destroy();
     return fail(e);
@@ -293,6 +294,16 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     for (const c of children) await c.destroy();
     await chain.release(forkHolder);
     return fail(asSnapshotError(err, "fork_failed", `starting the children of ${parent.id} failed`));
+  }
+}
+
+/** Removes the hard links earlier forks left in `dir` (see forkVm), all but `keep`. */
+async function removeStagedLinks(dir: string, keep?: string): Promise<void> {
+  for (const name of await readdir(dir)) {
+    const p = join(dir, name);
+    if (p === keep) continue;
+    const st = await lstat(p).catch(() => undefined);
+    if (st?.isFile() && st.nlink > 1) await rm(p, { force: true });
   }
 }
 
