@@ -35,7 +35,9 @@ describe("jail argv", () => {
     expect(script).toContain("/usr/bin/umount -l /.old");
     expect(script).toContain("ulimit -f 1048576");
     expect(script).toContain("ulimit -n 1024");
-    const exec = script.split("\n").at(-1) ?? "";
+    const exec = script.split("\n").find((l) => l.includes("exec /usr/bin/setpriv")) ?? "";
+    // pid 1 waits for the jailed QEMU and exits with its status (128 + a signal that killed it).
+    expect(script).toEndWith(') &\nwait "$!"\nexit "$?"');
     for (const flag of [
       "--reuid=900123",
       "--regid=900123",

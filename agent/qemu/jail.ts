@@ -5,7 +5,8 @@
  *   unshare --mount --pid --ipc --uts --net --fork --propagation private --kill-child=KILL
  *     -- /bin/sh -c SCRIPT
  *
- * SCRIPT (generated here, every path shell-quoted) runs as root in the new namespaces and:
+ * SCRIPT (generated here, every path shell-quoted) runs as root in the new namespaces; the
+ * namespace's pid 1 (the shell) waits for a subshell that:
  *   1. writes its own host pid (read through the host's /proc, before a new one is mounted) to
  *      the VM's `qemu.pid`: the shell execs QEMU, so that pid is QEMU's on the host;
  *   2. joins the VM's cgroups (agent/qemu/cgroup.ts), so QEMU's memory, pids and CPU are capped;
@@ -173,7 +174,10 @@ export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string 
       ...qemuArgv.map(shq),
     ].join(" "),
   );
-  return L.join("\n");
+  // The jail runs in a child of the namespace's pid 1 (this shell), which waits for it and exits
+  // with its status: unshare (util-linux 2.38) turns a child killed by a signal into a plain exit
+  // 1, while the shell's `wait` reports 128 + the signal, which launch.ts reads back.
+  return ["(", ...L.map((l) => `  ${l}`), ") &", 'wait "$!"', 'exit "$?"'].join("\n");
 }
 
 /**

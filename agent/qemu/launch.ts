@@ -1,6 +1,7 @@
 import { type ChildProcess, spawn } from "node:child_process";
 import { constants, readFileSync } from "node:fs";
 import { open, readFile, rm } from "node:fs/promises";
+import { constants as osConstants } from "node:os";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
@@ -434,7 +435,7 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   let exitInfo: VmExit | undefined;
   const exited = new Promise<VmExit>((resolve) => {
     child.on("exit", (code, signal) => {
-      exitInfo = { code, signal };
+      exitInfo = jailExit(code, signal);
       started.abort(new Error(`qemu exited (${signal ?? `code ${code}`})`));
       resolve(exitInfo);
     });
@@ -501,6 +502,18 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   log(`qemu pid ${pid} (uid ${jail.uid}) up, QMP connected`);
 
   return vmProcess(pid, dir, qmp, exited, { stop, isAlive, stderrTail: () => stderr }, jail.uid);
+}
+
+/**
+ * QEMU's exit as the jail reports it: its pid 1 exits with 128 + the signal that killed QEMU
+ * (jail.ts), which reads back as that signal.
+ */
+export function jailExit(code: number | null, signal: NodeJS.Signals | null): VmExit {
+  if (code !== null && code > 128 && code < 128 + 65) {
+    const name = Object.entries(osConstants.signals).find(([, n]) => n === code - 128)?.[0];
+    if (name) return { code: null, signal: name as NodeJS.Signals };
+  }
+  return { code, signal };
 }
 
 function killQuietly(pid: number): void {

@@ -59,7 +59,7 @@ import {
 import { type SandboxVm, storageDir } from "../../snapshot/vm.ts";
 import { openChainStore } from "../../storage/chain.ts";
 import { adoptQemu, claimVm, killRecordedQemu } from "../../vm/process.ts";
-import { reapVmDirs, vmsRoot } from "../../vm/workdir.ts";
+import { reapVmDirs, removeVmDir, vmsRoot } from "../../vm/workdir.ts";
 import type { PreparedWithTelemetry } from "../templates.ts";
 import type {
   AdoptRef,
@@ -380,7 +380,7 @@ export class SnapshotDriver implements SandboxDriver {
     await killRecordedQemu(dir);
     const chain = await openChainStore(this.stateDir);
     await chain.release(`vm:${id}`);
-    await rm(dir, { recursive: true, force: true });
+    await removeVmDir(dir);
     await rm(join(this.stateDir, "storage", "suspended", `${id}.state`), { force: true });
   }
 
