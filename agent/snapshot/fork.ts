@@ -176,7 +176,6 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       mode: "existing",
     });
     switched = true;
-    await removeStagedLinks(parent.dir, staged);
     // -- 3. finish the migration, 4. run again
     await qmp(proc, "migrate-continue", { state: "pre-switchover" });
     stateBytes = await save.finish();
@@ -212,6 +211,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   const tResumed = performance.now();
   const parentStallMs = stopTs !== undefined && resumeTs !== undefined ? resumeTs - stopTs : -1;
   await adoptNewTop(parent, newTop, newNode);
+  // Off the stall: the guest runs again, and only the new top's link is still needed.
+  await removeStagedLinks(parent.dir, staged);
   parent.enter("running");
   await chmod(frozen, 0o444).catch(() => {});
   log(
