@@ -96,8 +96,11 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
   }
   const uid = await allocateUid(i.dir);
   try {
-    const chain = i.disk ? await backingChain(i.disk) : { files: [], virtualSize: 0 };
-    const cg = await createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus));
+    // Independent steps at once: the jail is built on every spawn's critical path.
+    const [chain, cg] = await Promise.all([
+      i.disk ? backingChain(i.disk) : { files: [], virtualSize: 0 },
+      createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus)),
+    ]);
     // QEMU writes its directory (sockets, console, pid file), its overlay and a shared RAM file.
     await chown(i.dir, uid, uid);
     await chmod(i.dir, 0o700);
@@ -161,9 +164,11 @@ async function makeSkeleton(spec: JailSpec): Promise<void> {
   const sk = jailSkeleton(spec);
   await mkdir(r, { mode: 0o755 });
   for (const d of sk.dirs) await mkdir(r + d, { recursive: true, mode: 0o755 });
-  for (const f of sk.files) await writeFile(r + f, "", { flag: "wx", mode: 0o644 });
-  for (const [name, target] of sk.links) await symlink(target, r + name);
-  await writeFile(fstab, `${jailFstab(spec).join("\n")}\n`, { flag: "wx", mode: 0o644 });
+  await Promise.all([
+    ...sk.files.map((f) => writeFile(r + f, "", { flag: "wx", mode: 0o644 })),
+    ...sk.links.map(([name, target]) => symlink(target, r + name)),
+    writeFile(fstab, `${jailFstab(spec).join("\n")}\n`, { flag: "wx", mode: 0o644 }),
+  ]);
 }
 
 /** Frees what a VM's jail held on the host (its QEMU must be gone): its cgroup and its uid. */
