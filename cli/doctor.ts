@@ -3,6 +3,8 @@ import { statfsSync } from "node:fs";
 import { mkdir } from "node:fs/promises";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { probeAccelerator } from "../agent/qemu/accel.ts";
+import { jailChecks } from "../agent/qemu/jail-checks.ts";
+import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError } from "../contracts/errors.ts";
 
 interface Check {
@@ -10,6 +12,8 @@ interface Check {
   ok: boolean;
   detail: string;
   fix?: string;
+  /** Passes, but must be read: printed as WARN. */
+  warn?: boolean;
 }
 
 /** QEMU 7.2 (Debian 12) is what microvm snapshots were measured on; older lacks x-ignore-shared on microvm. */
@@ -66,6 +70,7 @@ export async function doctor(dataDir: string, opts: { build: boolean }): Promise
   try {
     const acc = await probeAccelerator({});
     checks.push({ name: "accelerator", ok: true, detail: `${acc.accel} (${acc.reason})` });
+    if (acc.accel === "tcg") checks.push({ name: "boundary", ok: true, warn: true, detail: TCG_BOUNDARY });
   } catch (err) {
     checks.push({
       name: "accelerator",
@@ -74,6 +79,8 @@ export async function doctor(dataDir: string, opts: { build: boolean }): Promise
       fix: "install qemu-system-x86",
     });
   }
+
+  checks.push(...jailChecks());
 
   await mkdir(dataDir, { recursive: true });
   const disk = freeGiB(dataDir);
@@ -109,7 +116,7 @@ export async function doctor(dataDir: string, opts: { build: boolean }): Promise
 
   let failed = 0;
   for (const c of checks) {
-    process.stdout.write(`${c.ok ? "ok  " : "FAIL"}  ${c.name.padEnd(12)} ${c.detail}\n`);
+    process.stdout.write(`${c.ok ? (c.warn ? "WARN" : "ok  ") : "FAIL"}  ${c.name.padEnd(12)} ${c.detail}\n`);
     if (!c.ok) {
       failed++;
       if (c.fix) process.stdout.write(`      fix: ${c.fix}\n`);

@@ -17,6 +17,7 @@ import type { EgressDefault } from "../agent/egress/policy.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
+import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
@@ -180,7 +181,10 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     capacity: () => manager.capacityNow(),
     log,
   });
-  log(`agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}`);
+  log(
+    `agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}, ${manager.driverName}`,
+  );
+  if (manager.accel === "tcg") log(`WARNING: ${TCG_BOUNDARY}`);
   process.stdout.write(`listening ${server.url}\n`);
   if (!values["no-catalog"]) {
     void buildCatalogOnAgent(dataDir, manager, log).catch((err) =>

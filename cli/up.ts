@@ -14,6 +14,7 @@ import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import type { AgentCredentials } from "../contracts/agent/token.ts";
+import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError } from "../contracts/errors.ts";
 import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { enrolledAgent } from "../gateway/agents/registry.ts";
@@ -77,7 +78,10 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     log,
   });
   await heartbeats.first.catch(() => {}); // logged; the next beat retries
-  log(`gateway ${gateway.url} (${gateway.runtime}), agent ${agentServer.url}, data ${dataDir}`);
+  log(
+    `gateway ${gateway.url} (${gateway.runtime}), agent ${agentServer.url}, data ${dataDir}, ${manager.driverName}`,
+  );
+  if (manager.accel === "tcg") log(`WARNING: ${TCG_BOUNDARY}`);
   // Machine-readable line for scripts and tests: the URL clients use.
   process.stdout.write(`listening ${gateway.url}\n`);
 

@@ -46,7 +46,10 @@ function sandboxd(args: string[], input?: string): Promise<RunResult> {
 
 /** QEMU processes started for this data directory (the VM dirs live under it). */
 function qemuPidsForDataDir(): number[] {
-  const out = spawnSync("pgrep", ["-f", `qemu-system.*${DATA_DIR}/vms/`], { encoding: "utf8" }).stdout;
+  // Anchored at the program: the jail's unshare and shell name QEMU's argv in theirs too.
+  const out = spawnSync("pgrep", ["-f", `^\\S*qemu-system\\S* .*${DATA_DIR}/vms/`], {
+    encoding: "utf8",
+  }).stdout;
   return out.split("\n").filter(Boolean).map(Number);
 }
 

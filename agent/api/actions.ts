@@ -40,7 +40,13 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
     case "health":
       return {
         status: 200,
-        body: { ok: true, version: deps.version, capacity: m.capacityNow(), driver: m.driverName },
+        body: {
+          ok: true,
+          version: deps.version,
+          capacity: m.capacityNow(),
+          driver: m.driverName,
+          ...(m.accel ? { accel: m.accel } : {}),
+        },
       };
     case "create":
       return { status: 201, body: await m.create(a.template, a.opts) };

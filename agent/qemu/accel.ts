@@ -3,6 +3,7 @@ import { constants, existsSync } from "node:fs";
 import { access, open, readFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
+import { sandboxOption } from "./jail.ts";
 import { type Accel, machineArgs, QEMU_BINARY } from "./launch.ts";
 
 export interface AccelChoice {
@@ -178,7 +179,11 @@ function runProbe(
 ): Promise<ProbeResult & { timedOut: boolean }> {
   return new Promise((resolve) => {
     const t0 = Date.now();
-    const child = spawn(QEMU_BINARY, args, { stdio: ["ignore", "pipe", "pipe"] });
+    // The probe runs only our own kernel and initramfs, never tenant code, for a moment at agent
+    // start, so it is not jailed; it still runs under QEMU's seccomp sandbox.
+    const child = spawn(QEMU_BINARY, [...args, "-sandbox", sandboxOption()], {
+      stdio: ["ignore", "pipe", "pipe"],
+    });
     let out = "";
     let err = "";
     let settled = false;

@@ -90,3 +90,10 @@ describe("launchVm failures", () => {
     expect(readdirSync(vmDir).filter((f) => f.endsWith(".sock") || f.endsWith(".pid"))).toEqual([]);
   });
 });
+
+test("a jail's exit 128 + N reads back as QEMU killed by signal N", async () => {
+  const { jailExit } = await import("./launch.ts");
+  expect(jailExit(137, null)).toEqual({ code: null, signal: "SIGKILL" });
+  expect(jailExit(1, null)).toEqual({ code: 1, signal: null });
+  expect(jailExit(null, "SIGTERM")).toEqual({ code: null, signal: "SIGTERM" });
+});

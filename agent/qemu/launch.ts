@@ -1,9 +1,12 @@
 import { type ChildProcess, spawn } from "node:child_process";
-import { existsSync, readFileSync } from "node:fs";
-import { readFile, rm } from "node:fs/promises";
+import { constants, readFileSync } from "node:fs";
+import { open, readFile, rm } from "node:fs/promises";
+import { constants as osConstants } from "node:os";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
+import { jailArgv, sandboxOption } from "./jail.ts";
+import { prepareJail, releaseJail } from "./jail-setup.ts";
 import { QmpClient } from "./qmp/client.ts";
 
 /**
@@ -100,12 +103,16 @@ export function vmPaths(dir: string): {
   agentSocket: string;
   consoleLog: string;
   pidFile: string;
+  hostPidFile: string;
 } {
   return {
     qmpSocket: join(dir, "qmp.sock"),
     agentSocket: join(dir, "agent.sock"),
     consoleLog: join(dir, "console.log"),
+    // QEMU's own -pidfile (it also locks it: one QEMU per directory) holds its pid inside its pid
+    // namespace; the jail writes QEMU's host pid beside it.
     pidFile: join(dir, "qemu.pid"),
+    hostPidFile: join(dir, "qemu.hostpid"),
   };
 }
 
@@ -114,8 +121,8 @@ export function vmPaths(dir: string): {
  * sockets would make the next QEMU's connect reach nothing, a stale pid file names a dead pid.
  */
 export async function removeQemuFiles(dir: string): Promise<void> {
-  const { qmpSocket, agentSocket, pidFile } = vmPaths(dir);
-  await Promise.all([qmpSocket, agentSocket, pidFile].map((p) => rm(p, { force: true })));
+  const { qmpSocket, agentSocket, pidFile, hostPidFile } = vmPaths(dir);
+  await Promise.all([qmpSocket, agentSocket, pidFile, hostPidFile].map((p) => rm(p, { force: true })));
 }
 
 export interface VmExit {
@@ -137,6 +144,13 @@ export interface VmProcess {
   isAlive(): boolean;
   /** Last bytes QEMU wrote to stderr (for diagnostics). */
   stderrTail(): string;
+  /** The uid its jail runs it as (recorded in the VM's owner record for adoption). */
+  jailUid?: number;
+  /**
+   * How a migration socket the agent listens on must be made for this QEMU to connect to it:
+   * owned by its jail's uid (agent/snapshot/stream.ts).
+   */
+  migrationSocket?: { mode: number; uid: number; gid: number };
 }
 
 /** QEMU exited or never answered while starting. Carries what QEMU and the guest said last. */
@@ -322,13 +336,70 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
 }
 
 /**
- * QEMU 7.2 has no `-run-with` to tie its life to ours, so we start it through `setpriv
- * --pdeathsig KILL` (util-linux): the kernel SIGKILLs QEMU when the process that spawned it dies,
- * even by SIGKILL. Where setpriv is missing, a crashed agent leaves QEMU running; the agent's
- * reaper (agent/vm/workdir.ts `reapOrphanVms`) kills such QEMUs by `qemu.pid` on its next start.
- * `dieWithParent: false` skips it (the agent's sandboxes, re-adopted after a restart).
+ * QEMU 7.2 has no `-run-with` to tie its life to ours, so the jail is started through `setpriv
+ * --pdeathsig KILL` (util-linux): the kernel SIGKILLs it when the process that spawned it dies,
+ * even by SIGKILL, and the jail's own parent-death signal takes QEMU with it. `dieWithParent:
+ * false` skips it (the agent's sandboxes, re-adopted after a restart).
  */
 const SETPRIV = "/usr/bin/setpriv";
+
+/** How long unshare may take to exit after its QEMU was killed (it follows within milliseconds). */
+const UNSHARE_EXIT_WAIT_MS = 5_000;
+
+/** How long the jail may take to write QEMU's host pid after QMP answered (it writes it first). */
+const HOST_PID_WAIT_MS = 2_000;
+
+/** The argv (program first) of QEMU with the seccomp sandbox every jailed QEMU runs under. */
+export function sandboxedQemuArgv(opts: LaunchOptions): string[] {
+  return [QEMU_BINARY_PATH, ...buildQemuArgs(opts), "-sandbox", sandboxOption()];
+}
+
+/** The absolute path of QEMU: the jail has no PATH search to rely on. */
+export const QEMU_BINARY_PATH = `/usr/bin/${QEMU_BINARY}`;
+
+/**
+ * Readies the jail of `opts`'s VM (uid, cgroup, file ownership) and returns the argv that starts
+ * its QEMU in it, wrapped for `dieWithParent`. Throws JailError (`vm_launch_failed`) when an
+ * ingredient is missing; `release` frees what it took once QEMU is gone.
+ */
+export async function jailedLaunchArgv(
+  opts: LaunchOptions,
+): Promise<{ argv: string[]; uid: number; release: () => Promise<void> }> {
+  const { dir } = opts;
+  const jail = await prepareJail({
+    dir,
+    vmlinux: opts.artifacts.vmlinux,
+    initramfs: opts.artifacts.initramfs,
+    ...(opts.disk ? { disk: opts.disk } : {}),
+    ...(opts.memBackend ? { mem: opts.memBackend } : {}),
+    memMib: opts.memMib,
+    vcpus: opts.vcpus,
+    kvm: opts.accel === "kvm",
+    hostPidFile: vmPaths(dir).hostPidFile,
+  });
+  const argv = jailArgv(jail.spec, sandboxedQemuArgv(opts));
+  const dieWithParent = opts.dieWithParent ?? true;
+  return {
+    argv: dieWithParent ? [SETPRIV, "--pdeathsig", "KILL", "--", ...argv] : argv,
+    uid: jail.uid,
+    release: () => releaseJail(dir, jail.uid),
+  };
+}
+
+/** QEMU's host pid as the jail wrote it; undefined when it is not there (yet). */
+export async function readHostPid(dir: string, waitMs = 0): Promise<number | undefined> {
+  const deadline = performance.now() + waitMs;
+  for (;;) {
+    try {
+      const text = (await readFile(vmPaths(dir).hostPidFile, "utf8")).trim();
+      if (/^\d+$/.test(text) && Number(text) > 0) return Number(text);
+    } catch {
+      // not written yet
+    }
+    if (performance.now() >= deadline) return undefined;
+    await Bun.sleep(5);
+  }
+}
 
 export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   const log = opts.log ?? (() => {});
@@ -337,18 +408,24 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   // Left by an earlier QEMU in this directory.
   await removeQemuFiles(dir);
 
-  const args = buildQemuArgs(opts);
   const dieWithParent = opts.dieWithParent ?? true;
-  const [cmd, argv] =
-    dieWithParent && existsSync(SETPRIV)
-      ? [SETPRIV, ["--pdeathsig", "KILL", "--", QEMU_BINARY, ...args]]
-      : [QEMU_BINARY, args];
-  log(`starting ${QEMU_BINARY} (${opts.accel}, ${opts.memMib} MiB, ${opts.vcpus} vCPU) in ${dir}`);
-  const child: ChildProcess = spawn(cmd, argv, {
-    cwd: dir,
-    detached: !dieWithParent,
-    stdio: ["ignore", "ignore", "pipe"],
-  });
+  const jail = await jailedLaunchArgv(opts);
+  const [cmd, ...argv] = jail.argv as [string, ...string[]];
+  log(
+    `starting ${QEMU_BINARY} jailed as uid ${jail.uid} (${opts.accel}, ${opts.memMib} MiB, ${opts.vcpus} vCPU) in ${dir}`,
+  );
+  let child: ChildProcess;
+  try {
+    child = spawn(cmd, argv, {
+      cwd: dir,
+      detached: !dieWithParent,
+      stdio: ["ignore", "ignore", "pipe"],
+    });
+  } catch (err) {
+    await jail.release();
+    throw err;
+  }
+  let qemuPid: number | undefined;
 
   let stderr = "";
   child.stderr?.on("data", (d: Buffer) => {
@@ -358,7 +435,7 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   let exitInfo: VmExit | undefined;
   const exited = new Promise<VmExit>((resolve) => {
     child.on("exit", (code, signal) => {
-      exitInfo = { code, signal };
+      exitInfo = jailExit(code, signal);
       started.abort(new Error(`qemu exited (${signal ?? `code ${code}`})`));
       resolve(exitInfo);
     });
@@ -372,11 +449,20 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   });
   const isAlive = () => exitInfo === undefined;
 
-  const launchError = async (message: string, cause?: unknown) => {
-    if (isAlive()) {
-      child.kill("SIGKILL");
-      await exited;
+  const stop = async () => {
+    qemuPid ??= await readHostPid(dir);
+    if (isAlive() && qemuPid !== undefined) {
+      // QEMU only: unshare, its parent, reaps it and then exits. Killing unshare too would leave
+      // QEMU's exit status to whoever adopts orphans, and the pid visible until they collect it.
+      killQuietly(qemuPid);
+      await Promise.race([exited, Bun.sleep(UNSHARE_EXIT_WAIT_MS)]);
     }
+    if (isAlive()) child.kill("SIGKILL"); // QEMU never started, or unshare did not follow it
+    await exited;
+    await jail.release();
+  };
+  const launchError = async (message: string, cause?: unknown) => {
+    await stop();
     // Let the stderr pipe drain after the exit so the tail holds QEMU's last words.
     await new Promise((r) => setTimeout(r, 20));
     await removeQemuFiles(dir);
@@ -407,18 +493,35 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
       : "qemu did not answer on QMP";
     throw await launchError(why, err);
   }
-  const pid = child.pid;
-  if (pid === undefined) throw await launchError("qemu has no pid");
-  log(`qemu pid ${pid} up, QMP connected`);
+  qemuPid = await readHostPid(dir, HOST_PID_WAIT_MS);
+  if (qemuPid === undefined) {
+    qmp.close();
+    throw await launchError("the jail did not report QEMU's host pid");
+  }
+  const pid = qemuPid;
+  log(`qemu pid ${pid} (uid ${jail.uid}) up, QMP connected`);
 
-  return vmProcess(pid, dir, qmp, exited, {
-    stop: async () => {
-      if (isAlive()) child.kill("SIGKILL");
-      await exited;
-    },
-    isAlive,
-    stderrTail: () => stderr,
-  });
+  return vmProcess(pid, dir, qmp, exited, { stop, isAlive, stderrTail: () => stderr }, jail.uid);
+}
+
+/**
+ * QEMU's exit as the jail reports it: its pid 1 exits with 128 + the signal that killed QEMU
+ * (jail.ts), which reads back as that signal.
+ */
+export function jailExit(code: number | null, signal: NodeJS.Signals | null): VmExit {
+  if (code !== null && code > 128 && code < 128 + 65) {
+    const name = Object.entries(osConstants.signals).find(([, n]) => n === code - 128)?.[0];
+    if (name) return { code: null, signal: name as NodeJS.Signals };
+  }
+  return { code, signal };
+}
+
+function killQuietly(pid: number): void {
+  try {
+    process.kill(pid, "SIGKILL");
+  } catch {
+    // already gone
+  }
 }
 
 /**
@@ -431,6 +534,7 @@ export function vmProcess(
   qmp: QmpClient,
   exited: Promise<VmExit>,
   o: { stop: () => Promise<void>; isAlive: () => boolean; stderrTail: () => string },
+  jailUid?: number,
 ): VmProcess {
   const { agentSocket, consoleLog, pidFile } = vmPaths(dir);
   let killing: Promise<void> | undefined;
@@ -443,12 +547,28 @@ export function vmProcess(
     return killing;
   };
   const { isAlive, stderrTail } = o;
-  return { pid, dir, qmp, agentSocket, consoleLog, pidFile, exited, kill, isAlive, stderrTail };
+  return {
+    pid,
+    dir,
+    qmp,
+    agentSocket,
+    consoleLog,
+    pidFile,
+    exited,
+    kill,
+    isAlive,
+    stderrTail,
+    ...(jailUid === undefined
+      ? {}
+      : { jailUid, migrationSocket: { mode: 0o600, uid: jailUid, gid: jailUid } }),
+  };
 }
 
 async function fileTail(path: string, bytes: number): Promise<string> {
   try {
-    const buf = await readFile(path);
+    // O_NOFOLLOW: the file is in the jailed QEMU's own directory, where it could be a symlink.
+    const fh = await open(path, constants.O_RDONLY | constants.O_NOFOLLOW);
+    const buf = await fh.readFile().finally(() => fh.close());
     return buf.subarray(Math.max(0, buf.length - bytes)).toString("utf8");
   } catch {
     return "";

@@ -603,6 +603,10 @@ export class SandboxManager {
     return this.driver.name;
   }
 
+  get accel(): "kvm" | "tcg" | undefined {
+    return this.driver.accel;
+  }
+
   /**
    * Lets go of every VM WITHOUT killing it, as an agent process exit does: timers stop, the
    * driver closes its sockets, records stay. A new manager over the same state dir re-adopts.

@@ -28,12 +28,12 @@
  */
 
 import { randomBytes } from "node:crypto";
-import { chmod, mkdir, rm } from "node:fs/promises";
-import { join } from "node:path";
+import { chmod, chown, link, lstat, mkdir, readdir, rm } from "node:fs/promises";
+import { basename, join } from "node:path";
 import { isHostnameLabel } from "../qemu/launch.ts";
 import type { QmpEvent } from "../qemu/qmp/framing.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
+import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH, virtualSize } from "../storage/qcow2.ts";
 import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
@@ -135,11 +135,22 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   });
   let switched = false;
   let precopyMs = 0;
+  // The parent's jail sees only its own files: the new overlay is made in the storage directory,
+  // owned by the parent's uid, hard-linked into the parent's directory (link(2) fails on a name
+  // its QEMU planted, never follows it) and taken over by QEMU as an `existing` image there
+  // (same file system: the data dir). The link stays while it is the parent's top: QEMU reopens
+  // a node by its file name when it becomes a backing file (read-only) at the next fork, and
+  // with the name gone it would keep writing it; that fork removes it.
+  const staged = join(parent.dir, basename(newTop));
   let stateBytes = 0;
   let save: SaveStream | undefined;
   try {
     await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
     await mkdir(disks, { recursive: true, mode: 0o700 });
+    await createOverlayOn(frozen, newTop, await virtualSize(frozen));
+    if (proc.jailUid !== undefined) await chown(newTop, proc.jailUid, proc.jailUid);
+    await rm(staged, { force: true });
+    await link(newTop, staged);
     // -- 1. live precopy
     await setCapabilities(proc, { events: true, "x-ignore-shared": false, "pause-before-switchover": true });
     await qmp(proc, "migrate-set-parameters", {
@@ -159,10 +170,10 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     // -- 2. guest stopped: move the parent onto a new overlay; the old one is the fork's disk
     await qmp(proc, "blockdev-snapshot-sync", {
       "node-name": parent.topNode,
-      "snapshot-file": newTop,
+      "snapshot-file": staged,
       "snapshot-node-name": newNode,
       format: "qcow2",
-      mode: "absolute-paths",
+      mode: "existing",
     });
     switched = true;
     // -- 3. finish the migration, 4. run again
@@ -188,7 +199,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       await proc.qmp.execute("migrate_cancel").catch(() => {});
       await proc.qmp.execute("cont").catch(() => {});
       if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
-      else await rm(newTop, { force: true });
+      else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
       parent.enter("running");
     } else await parent.destroy();
     return fail(e);
@@ -200,6 +211,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   const tResumed = performance.now();
   const parentStallMs = stopTs !== undefined && resumeTs !== undefined ? resumeTs - stopTs : -1;
   await adoptNewTop(parent, newTop, newNode);
+  // Off the stall: the guest runs again, and only the new top's link is still needed.
+  await removeStagedLinks(parent.dir, staged);
   parent.enter("running");
   await chmod(frozen, 0o444).catch(() => {});
   log(
@@ -282,6 +295,16 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     for (const c of children) await c.destroy();
     await chain.release(forkHolder);
     return fail(asSnapshotError(err, "fork_failed", `starting the children of ${parent.id} failed`));
+  }
+}
+
+/** Removes the hard links earlier forks left in `dir` (see forkVm), all but `keep`. */
+async function removeStagedLinks(dir: string, keep?: string): Promise<void> {
+  for (const name of await readdir(dir)) {
+    const p = join(dir, name);
+    if (p === keep) continue;
+    const st = await lstat(p).catch(() => undefined);
+    if (st?.isFile() && st.nlink > 1) await rm(p, { force: true });
   }
 }
 

@@ -14,7 +14,7 @@ import { createConnection, type Socket } from "node:net";
 import { join, resolve } from "node:path";
 import { FrameType, Op, Tag } from "../../contracts/guest-protocol.ts";
 import { encodeFrame, TlvWriter } from "../guest/codec.ts";
-import { buildQemuArgs, isHostnameLabel, QEMU_BINARY } from "../qemu/launch.ts";
+import { isHostnameLabel, jailedLaunchArgv, readHostPid } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayFromBlank, createOverlayOn } from "../storage/qcow2.ts";
 import { newVmId } from "../vm/ids.ts";
@@ -109,7 +109,11 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
   const dir = await mkdtemp(join(root, "floor-"));
   const disk = join(dir, "disk.qcow2");
   await createOverlayOn(t.disk, disk, t.diskBytes);
-  const args = buildQemuArgs({
+  // Jailed exactly as launchVm jails a spawn (uid, cgroup, ownership, namespaces, pivot_root,
+  // seccomp), the jail's preparation inside the timing as it is inside a spawn's, so
+  // spawn_vs_floor compares like with like.
+  const t0 = performance.now();
+  const launch = await jailedLaunchArgv({
     dir,
     artifacts: t.artifacts,
     disk,
@@ -121,8 +125,8 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
     incoming: true,
     paused: true,
   });
-  const t0 = performance.now();
-  const child = spawn(QEMU_BINARY, args, { stdio: "ignore" });
+  const [cmd, ...argv] = launch.argv as [string, ...string[]];
+  const child = spawn(cmd, argv, { stdio: "ignore" });
   let qmpSock: Socket | undefined;
   let agent: Socket | undefined;
   let incoming: Socket | undefined;
@@ -164,10 +168,22 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
     agent?.destroy();
     incoming?.destroy();
     qmpSock?.destroy();
-    child.kill("SIGKILL");
-    await new Promise((r) =>
+    // QEMU first: unshare, its parent, reaps it and exits (as launchVm's stop does).
+    const qemuPid = await readHostPid(dir);
+    const exited = new Promise((r) =>
       child.exitCode !== null || child.signalCode !== null ? r(null) : child.once("exit", r),
     );
+    if (qemuPid !== undefined) {
+      try {
+        process.kill(qemuPid, "SIGKILL");
+      } catch {
+        // already gone
+      }
+    }
+    await Promise.race([exited, Bun.sleep(5_000)]);
+    child.kill("SIGKILL");
+    await exited;
+    await launch.release();
     await rm(dir, { recursive: true, force: true });
   }
 }

@@ -17,7 +17,7 @@
  */
 
 import { constants } from "node:fs";
-import { chmod, chown, type FileHandle, open, rm } from "node:fs/promises";
+import { chmod, type FileHandle, lchown, open, rm } from "node:fs/promises";
 import { createConnection, createServer, type Server, type Socket } from "node:net";
 import { join } from "node:path";
 import type { VmProcess } from "../qemu/launch.ts";
@@ -55,6 +55,9 @@ const CAP_MARGIN_BYTES = 64 * 1024 ** 2;
 export function migrationByteCap(memMib: number, passes = 1): number {
   return passes * memMib * 1024 ** 2 + CAP_MARGIN_BYTES;
 }
+
+/** Linux's O_PATH (not among node's fs.constants): a handle on the path itself, never opened. */
+const O_PATH = 0o10000000;
 
 /** How long `loadFromFile` retries connecting while QEMU's listening socket is not there yet. */
 const CONNECT_RETRY_MS = 2;
@@ -167,9 +170,16 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
     });
     received.catch(() => {});
     await listen(server, sockPath);
-    await chmod(sockPath, access.mode);
+    // A jailed QEMU owns its directory and could swap the socket for a symlink: the mode is set
+    // through a handle opened without following one, the owner by lchown, which never does.
+    const fh = await open(sockPath, O_PATH | constants.O_NOFOLLOW);
+    try {
+      await chmod(`/proc/self/fd/${fh.fd}`, access.mode);
+    } finally {
+      await fh.close();
+    }
     if (access.uid !== undefined || access.gid !== undefined)
-      await chown(sockPath, access.uid ?? -1, access.gid ?? -1);
+      await lchown(sockPath, access.uid ?? -1, access.gid ?? -1);
     await qmp(vm, "migrate", { uri: `unix:${sockPath}` });
   } catch (err) {
     await cleanup(true);

@@ -184,7 +184,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       memBackend: { path: meta.memPath, share: true },
       log,
     });
-    await claimVm(vmDir, vm.pid);
+    await claimVm(vmDir, vm.pid, vm.jailUid);
     try {
       guest = await connectGuest(vm, o.bringupTimeoutMs ?? DEFAULT_BRINGUP_TIMEOUT_MS);
     } catch (err) {

@@ -8,7 +8,6 @@
  * a fork gets `invalid_state` instead of two migrations on one QEMU.
  */
 import { randomBytes, randomUUID } from "node:crypto";
-import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import {
@@ -22,7 +21,7 @@ import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { claimVm } from "../vm/process.ts";
-import { createVmDir } from "../vm/workdir.ts";
+import { createVmDir, removeVmDir } from "../vm/workdir.ts";
 import { asSnapshotError, SnapshotError } from "./errors.ts";
 import { qmp, qmpFailure, setCapabilities } from "./migrate.ts";
 import { canVmTransition, checkVmTransition, type EngineVmState } from "./states.ts";
@@ -167,7 +166,7 @@ export class SandboxVm {
       await this.process?.kill();
       const chain = await openChainStore(this.shape.dataDir);
       await chain.release(this.holder);
-      await rm(this.dir, { recursive: true, force: true });
+      await removeVmDir(this.dir);
     })();
     return this.destroying;
   }
@@ -233,7 +232,7 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
     // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).
     vm.topNode = DEVICE_IDS.diskNode;
     const tLaunch = performance.now();
-    await claimVm(vm.dir, p.pid);
+    await claimVm(vm.dir, p.pid, p.jailUid);
     await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
     await loadFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
     const tIncoming = performance.now();

@@ -62,7 +62,7 @@ export async function bootVm(opts: BootOptions): Promise<BootedVm> {
       accel: opts.accel,
       hostname: id,
     });
-    await claimVm(dir, vm.pid);
+    await claimVm(dir, vm.pid, vm.jailUid);
     guest = await connectGuest(vm, opts.bringupTimeoutMs);
     const bootMs = performance.now() - started;
     opts.log?.(`vm ${id} booted under ${opts.accel} in ${bootMs.toFixed(0)} ms`);

@@ -174,7 +174,7 @@ describe("owner.json and the recorded pid", () => {
     mkdirSync(dir, { recursive: true });
     expect(await readOwner(dir)).toBeUndefined();
     expect(await recordedQemuPid(dir)).toBeUndefined();
-    writeFileSync(join(dir, "qemu.pid"), "4242\n");
+    writeFileSync(join(dir, "qemu.hostpid"), "4242\n");
     expect(await recordedQemuPid(dir)).toBe(4242);
     await claimVm(dir, 4343);
     expect(await readOwner(dir)).toMatchObject({ ownerPid: process.pid, qemuPid: 4343 });
@@ -187,7 +187,7 @@ describe("owner.json and the recorded pid", () => {
     expect(await readOwner(dir)).toBeUndefined();
     writeFileSync(join(dir, "owner.json"), '{"ownerPid":');
     expect(await readOwner(dir)).toBeUndefined();
-    writeFileSync(join(dir, "qemu.pid"), "12abc");
+    writeFileSync(join(dir, "qemu.hostpid"), "12abc");
     expect(await recordedQemuPid(dir)).toBeUndefined();
   });
 
@@ -195,9 +195,9 @@ describe("owner.json and the recorded pid", () => {
     const dir = join(vms, "recorded");
     mkdirSync(dir, { recursive: true });
     const pid = await startFake(dir);
-    writeFileSync(join(dir, "qemu.pid"), `${process.pid}\n`);
+    writeFileSync(join(dir, "qemu.hostpid"), `${process.pid}\n`);
     expect(await killRecordedQemu(dir)).toBe(false);
-    writeFileSync(join(dir, "qemu.pid"), `${pid}\n`);
+    writeFileSync(join(dir, "qemu.hostpid"), `${pid}\n`);
     expect(await killRecordedQemu(dir)).toBe(true);
     expect(pidGone(pid)).toBe(true);
   });

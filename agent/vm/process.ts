@@ -15,11 +15,14 @@
  * Imports: the launch's file names and `VmProcess` shape (agent/qemu/launch.ts) and the QMP
  * client; nothing from the sandbox layer.
  */
+
+import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
-import { readdir, readFile, writeFile } from "node:fs/promises";
+import { readdir, readFile, rename, writeFile } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { z } from "zod";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { releaseJail } from "../qemu/jail-setup.ts";
 import { type VmExit, type VmProcess, vmPaths, vmProcess } from "../qemu/launch.ts";
 import { QmpClient } from "../qemu/qmp/client.ts";
 
@@ -43,6 +46,8 @@ const POLL_MS = 10;
 const VmOwner = z.object({
   ownerPid: z.int().positive(),
   qemuPid: z.int().positive().optional(),
+  /** The uid its jail runs QEMU as (agent/qemu/uids.ts): freed when the VM ends. */
+  jailUid: z.int().positive().optional(),
   /** Informational (for an operator reading the file). */
   createdAt: z.string().optional(),
 });
@@ -60,11 +65,20 @@ export async function readOwner(dir: string): Promise<VmOwner | undefined> {
   }
 }
 
-/** Records this agent process as the owner of `dir` (and of `qemuPid` once QEMU runs). */
-export async function claimVm(dir: string, qemuPid?: number): Promise<void> {
+/**
+ * Records this agent process as the owner of `dir` (and of `qemuPid` once QEMU runs, with the
+ * uid its jail runs it as; a claim without one keeps the uid already recorded for that QEMU).
+ */
+export async function claimVm(dir: string, qemuPid?: number, jailUid?: number): Promise<void> {
   const owner: VmOwner = { ownerPid: process.pid, createdAt: new Date().toISOString() };
   if (qemuPid !== undefined) owner.qemuPid = qemuPid;
-  await writeFile(join(dir, OWNER_FILE), JSON.stringify(owner));
+  const uid = jailUid ?? (qemuPid === undefined ? undefined : (await readOwner(dir))?.jailUid);
+  if (uid !== undefined) owner.jailUid = uid;
+  // The directory belongs to the VM's jailed QEMU, which could plant a symlink at any name: a new
+  // file made exclusively ("wx" never follows one) and renamed over the record.
+  const tmp = join(dir, `.${OWNER_FILE}.${randomBytes(6).toString("hex")}`);
+  await writeFile(tmp, JSON.stringify(owner), { flag: "wx", mode: 0o644 });
+  await rename(tmp, join(dir, OWNER_FILE));
 }
 
 /**
@@ -88,9 +102,12 @@ async function readPidFile(path: string): Promise<number | undefined> {
   }
 }
 
-/** The pid of `dir`'s QEMU as recorded: owner.json's, else the pid file QEMU wrote itself. */
+/**
+ * The host pid of `dir`'s QEMU as recorded: owner.json's, else the one its jail wrote. (QEMU's
+ * own pid file holds its pid inside its pid namespace: 1.)
+ */
 export async function recordedQemuPid(dir: string): Promise<number | undefined> {
-  return (await readOwner(dir))?.qemuPid ?? (await readPidFile(vmPaths(dir).pidFile));
+  return (await readOwner(dir))?.qemuPid ?? (await readPidFile(vmPaths(dir).hostPidFile));
 }
 
 /** True while `pid` exists (a zombie included; EPERM means it exists but is not ours to signal). */
@@ -211,10 +228,16 @@ async function killIfQemuNaming(pid: number, dirs: readonly string[], waitMs: nu
   return true;
 }
 
-/** Kills the QEMU recorded for `dir` (owner.json, else qemu.pid) if it still runs, and waits. */
+/**
+ * Kills the QEMU recorded for `dir` (owner.json, else the jail's pid file) if it still runs,
+ * waits, and frees what its jail held (cgroup, uid) once it is gone.
+ */
 export async function killRecordedQemu(dir: string, waitMs = KILL_WAIT_MS): Promise<boolean> {
+  const owner = await readOwner(dir);
   const pid = await recordedQemuPid(dir);
-  return pid === undefined ? false : killQemu(pid, dir, waitMs);
+  const killed = pid === undefined ? false : await killQemu(pid, dir, waitMs);
+  if (pid === undefined || pidGone(pid)) await releaseJail(dir, owner?.jailUid);
+  return killed;
 }
 
 /**
@@ -241,6 +264,7 @@ export async function killQemusNaming(dirs: readonly string[], waitMs = KILL_WAI
  */
 export async function adoptQemu(pid: number, dir: string): Promise<VmProcess> {
   if (!(await isQemuFor(pid, dir))) throw new SandboxdError("vm_lost", `QEMU pid ${pid} is not running`);
+  const jailUid = (await readOwner(dir))?.jailUid;
   const paths = vmPaths(dir);
   let qmp: QmpClient;
   try {
@@ -255,12 +279,20 @@ export async function adoptQemu(pid: number, dir: string): Promise<VmProcess> {
     gone = true;
     return { code: null, signal: null };
   })();
-  return vmProcess(pid, dir, qmp, exited, {
-    stop: async () => {
-      await killQemu(pid, dir);
-      gone = true;
+  return vmProcess(
+    pid,
+    dir,
+    qmp,
+    exited,
+    {
+      stop: async () => {
+        await killQemu(pid, dir);
+        gone = true;
+        if (pidGone(pid)) await releaseJail(dir, jailUid);
+      },
+      isAlive: () => !gone && !pidGone(pid),
+      stderrTail: () => "",
     },
-    isAlive: () => !gone && !pidGone(pid),
-    stderrTail: () => "",
-  });
+    jailUid,
+  );
 }

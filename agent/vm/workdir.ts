@@ -1,5 +1,8 @@
+import { existsSync } from "node:fs";
 import { mkdir, readdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { sweepCgroups } from "../qemu/cgroup.ts";
+import { sweepUidLocks } from "../qemu/uids.ts";
 import { claimVm, killRecordedQemu, ownedByAnotherLiveAgent, readOwner, type VmOwner } from "./process.ts";
 
 /**
@@ -11,6 +14,22 @@ import { claimVm, killRecordedQemu, ownedByAnotherLiveAgent, readOwner, type VmO
  */
 export function vmsRoot(dataDir: string): string {
   return join(dataDir, "vms");
+}
+
+/**
+ * Removes a VM directory and everything in it (its jail's root is a deep tree of mount points),
+ * trying again while entries are still there: two removals racing (a failed VM's own cleanup and
+ * a destroy) each stop at the first entry the other took.
+ */
+export async function removeVmDir(dir: string): Promise<void> {
+  for (let i = 0; i < 5; i++) {
+    try {
+      await rm(dir, { recursive: true, force: true });
+    } catch {
+      // another removal took an entry first: go round again
+    }
+    if (!existsSync(dir)) return;
+  }
 }
 
 export async function createVmDir(dataDir: string, id: string): Promise<string> {
@@ -42,9 +61,13 @@ export async function reapVmDirs(
     const owner = await readOwner(dir);
     if (keep(id, owner) || ownedByAnotherLiveAgent(owner)) continue;
     await killRecordedQemu(dir);
-    await rm(dir, { recursive: true, force: true });
+    await removeVmDir(dir);
     reaped.push(id);
   }
+  // What jails of crashed agents left on the host (their cgroups and uid locks), once no process
+  // is in them: killRecordedQemu above frees those of the directories it reaped.
+  await sweepCgroups();
+  await sweepUidLocks();
   return reaped;
 }
 

@@ -165,6 +165,8 @@ export const HealthSchema = z.object({
   capacity: CapacitySchema,
   /** The agent's sandbox driver and accelerator (e.g. `snapshot (kvm)`), for operators. */
   driver: z.string().optional(),
+  /** How the agent's VMs run; `tcg` is software emulation, not a security boundary by QEMU's policy. */
+  accel: z.enum(["kvm", "tcg"]).optional(),
 });
 
 /** Every error answer of the agent; its status is the code's (agent/api/errors.ts). */

@@ -2,11 +2,30 @@
 import { z } from "zod";
 import { TemplateReadyMap } from "./family-a.ts";
 
+/**
+ * What the service says wherever it reports TCG (health, `doctor`, the agent's start-up line):
+ * QEMU's security policy treats only hardware virtualization (KVM) as a security boundary.
+ */
+export const TCG_BOUNDARY =
+  "the VM boundary is TCG (software emulation), which QEMU's security policy does not treat as a security boundary; each QEMU's jail is the boundary that remains";
+
 export const HealthResponse = z
   .object({
     status: z.enum(["ok", "degraded"]).describe("`degraded` when the host agent does not answer."),
     version: z.string().describe("API build stamp (Family B form)."),
     templates: TemplateReadyMap.describe("Public templates and readiness (Family A form)."),
+    accel: z
+      .enum(["kvm", "tcg"])
+      .optional()
+      .describe(
+        "How VMs run: `kvm` (hardware virtualization) or `tcg` (software emulation). `tcg` when any host runs TCG. Absent when no host answers.",
+      ),
+    vm_boundary: z
+      .string()
+      .optional()
+      .describe(
+        "Present under TCG: says that the VM boundary is software emulation, which QEMU's security policy does not treat as a security boundary.",
+      ),
   })
   .meta({ id: "HealthResponse" });
 export type HealthResponse = z.infer<typeof HealthResponse>;

@@ -277,7 +277,15 @@ export class AgentRouter implements AgentApi, Placement {
     const settled = await Promise.allSettled((await this.live()).map((r) => this.client(r).health()));
     const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
     const sum = (f: (h: AgentHealth) => number) => got.reduce((n, h) => n + f(h), 0);
+    // The region is as strong as its weakest host: one agent under TCG makes it `tcg`.
+    const accels = got.map((h) => h.accel);
+    const accel = accels.includes("tcg")
+      ? "tcg"
+      : accels.length && accels.every((a) => a === "kvm")
+        ? "kvm"
+        : undefined;
     return {
+      ...(accel ? { accel } : {}),
       ok: got.some((h) => h.ok),
       version: got[0]?.version ?? "none",
       capacity: {

@@ -2,6 +2,7 @@
 import { and, eq, sql } from "drizzle-orm";
 import { Hono } from "hono";
 import * as B from "../../contracts/api/family-b.ts";
+import { TCG_BOUNDARY } from "../../contracts/api/health.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { requireFamily } from "../auth/guards.ts";
@@ -17,9 +18,11 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
   // Only public templates: the caller is anonymous.
   app.get("/v1/health", async (c) => {
     let status: "ok" | "degraded" = "ok";
+    let accel: "kvm" | "tcg" | undefined;
     try {
       const h = await deps.agent.health();
       if (!h.ok) status = "degraded";
+      accel = h.accel;
     } catch {
       status = "degraded";
     }
@@ -28,6 +31,8 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
       status,
       version: deps.config.version,
       templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
+      ...(accel ? { accel } : {}),
+      ...(accel === "tcg" ? { vm_boundary: TCG_BOUNDARY } : {}),
     });
   });
   return app;

@@ -66,7 +66,7 @@ export class BootDriver implements SandboxDriver {
   private constructor(
     private readonly opts: BootDriverOptions,
     private readonly artifacts: GuestArtifacts,
-    private readonly accel: Accel,
+    readonly accel: Accel,
   ) {
     this.name = `boot (${accel})`;
     this.log = opts.log ?? (() => {});

@@ -81,6 +81,8 @@ export type BuildPhase = "Converting" | "Distributing";
 export interface SandboxDriver {
   /** Readable name for health output and logs, e.g. "boot (tcg)". */
   readonly name: string;
+  /** How its VMs run: under TCG the VM boundary is software emulation (health says so). */
+  readonly accel?: "kvm" | "tcg";
   /** Turns a template source into something `spawn` can start, e.g. import + bake. */
   prepareTemplate(
     templateId: string,

@@ -65,7 +65,7 @@ import {
 import { type SandboxVm, storageDir } from "../../snapshot/vm.ts";
 import { openChainStore } from "../../storage/chain.ts";
 import { adoptQemu, claimVm, killRecordedQemu } from "../../vm/process.ts";
-import { reapVmDirs, vmsRoot } from "../../vm/workdir.ts";
+import { reapVmDirs, removeVmDir, vmsRoot } from "../../vm/workdir.ts";
 import type { PreparedWithTelemetry } from "../templates.ts";
 import type {
   AdoptRef,
@@ -141,7 +141,7 @@ export class SnapshotDriver implements SandboxDriver {
   private constructor(
     private readonly opts: SnapshotDriverOptions,
     private readonly artifacts: GuestArtifacts,
-    private readonly accel: Accel,
+    readonly accel: Accel,
   ) {
     this.name = `snapshot (${accel})`;
     this.log = opts.log ?? (() => {});
@@ -396,7 +396,7 @@ export class SnapshotDriver implements SandboxDriver {
     await killRecordedQemu(dir);
     const chain = await openChainStore(this.stateDir);
     await chain.release(`vm:${id}`);
-    await rm(dir, { recursive: true, force: true });
+    await removeVmDir(dir);
     await rm(join(this.stateDir, "storage", "suspended", `${id}.state`), { force: true });
   }
 

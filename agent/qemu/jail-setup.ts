@@ -1,0 +1,178 @@
+/**
+ * What one VM's jail holds, made ready on the host before QEMU starts: the VM's uid (uids.ts),
+ * its cgroup (cgroup.ts), ownership of the files QEMU writes, and the list of files it reads
+ * (kernel, initramfs, every backing file of its disk). `jail.ts` turns that into the argv.
+ * Any missing ingredient is a JailError and nothing is started; what was made is undone.
+ */
+import { accessSync, constants } from "node:fs";
+import { chmod, chown, lchown, lstat, mkdir, open, readdir, rm, symlink, writeFile } from "node:fs/promises";
+import { dirname, join, resolve } from "node:path";
+import { createVmCgroup, removeVmCgroup, vmLimits } from "./cgroup.ts";
+import {
+  JailError,
+  type JailSpec,
+  jailFstab,
+  jailFstabPath,
+  jailRoot,
+  jailSkeleton,
+  missingJailTools,
+  UNSHARE,
+} from "./jail.ts";
+import { allocateUid, releaseUid } from "./uids.ts";
+
+/** RLIMIT_NOFILE of a jailed QEMU: its sockets, images and eventfds fit many times over. */
+export const JAIL_MAX_OPEN_FILES = 1024;
+/** Beyond the largest file a VM may write (its disk or RAM): qcow2 metadata and the console. */
+const FILE_SIZE_MARGIN = 64 * 1024 * 1024;
+
+export interface JailInput {
+  dir: string;
+  vmlinux: string;
+  initramfs: string;
+  disk?: string;
+  mem?: { path: string; share: boolean };
+  memMib: number;
+  vcpus: number;
+  kvm: boolean;
+  hostPidFile: string;
+}
+
+export interface PreparedJail {
+  spec: JailSpec;
+  uid: number;
+}
+
+/** `unshare` to use: `SANDBOXD_JAIL_UNSHARE` (an operator's override) or util-linux's. */
+export function unsharePath(env: NodeJS.ProcessEnv = process.env): string {
+  return env.SANDBOXD_JAIL_UNSHARE || UNSHARE;
+}
+
+/**
+ * The backing files of the qcow2 image `path`, nearest first, read from the images' headers
+ * (magic, then the backing name's offset and length); relative names resolve against the image's
+ * directory, as QEMU resolves them.
+ */
+export async function backingChain(path: string): Promise<{ files: string[]; virtualSize: number }> {
+  const files: string[] = [];
+  let cur = path;
+  let virtualSize = 0;
+  for (let depth = 0; depth < 64; depth++) {
+    const fh = await open(cur, "r");
+    try {
+      const hdr = Buffer.alloc(32);
+      await fh.read(hdr, 0, 32, 0);
+      if (hdr.readUInt32BE(0) !== 0x514649fb) break; // not qcow2: a raw image has no backing file
+      if (depth === 0) virtualSize = Number(hdr.readBigUInt64BE(24));
+      const off = Number(hdr.readBigUInt64BE(8));
+      const len = hdr.readUInt32BE(16);
+      if (off === 0 || len === 0) break;
+      const name = Buffer.alloc(len);
+      await fh.read(name, 0, len, off);
+      cur = resolve(dirname(cur), name.toString("utf8"));
+      files.push(cur);
+    } finally {
+      await fh.close();
+    }
+  }
+  return { files, virtualSize };
+}
+
+function inside(dir: string, p: string): boolean {
+  return p.startsWith(`${dir.replace(/\/+$/, "")}/`);
+}
+
+/** Makes the jail of one VM ready; throws JailError naming the missing ingredient. */
+export async function prepareJail(i: JailInput): Promise<PreparedJail> {
+  if (process.getuid?.() !== 0) throw new JailError("the agent is not root (it needs root to build jails)");
+  const unshare = unsharePath();
+  const missing = missingJailTools(unshare);
+  if (missing.length) throw new JailError(`missing ${missing.join(", ")} (install util-linux)`);
+  if (i.kvm) {
+    try {
+      accessSync("/dev/kvm", constants.R_OK | constants.W_OK);
+    } catch {
+      throw new JailError("/dev/kvm is not usable");
+    }
+  }
+  const uid = await allocateUid(i.dir);
+  try {
+    // Independent steps at once: the jail is built on every spawn's critical path.
+    const [chain, cg] = await Promise.all([
+      i.disk ? backingChain(i.disk) : { files: [], virtualSize: 0 },
+      createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus)),
+    ]);
+    // QEMU writes its directory (sockets, console, pid file), its overlay and a shared RAM file.
+    await chown(i.dir, uid, uid);
+    await chmod(i.dir, 0o700);
+    // What an earlier QEMU of this VM left (its console log, a state socket): this QEMU's now.
+    // owner.json stays root's: it is the agent's record.
+    // A file with more than one link is a fork's staging link to what is now a frozen backing
+    // file (agent/snapshot/fork.ts): it goes, never to be writable by this QEMU.
+    for (const name of await readdir(i.dir)) {
+      if (["owner.json", "root", "jail.fstab"].includes(name)) continue;
+      const p = join(i.dir, name);
+      const st = await lstat(p).catch(() => undefined);
+      if (st?.isFile() && st.nlink > 1 && p !== i.disk) await rm(p, { force: true });
+      else await lchown(p, uid, uid).catch(() => {});
+    }
+    if (i.disk) await lchown(i.disk, uid, uid);
+    if (i.mem?.share) {
+      // QEMU would create it, but only paths that exist can be bound into the jail.
+      await (await open(i.mem.path, "a", 0o600)).close();
+      await chown(i.mem.path, uid, uid);
+    }
+    // QEMU 7.2 opens a memory-backend-file O_RDWR even with share=off (its private mapping never
+    // writes the file back), so a child's template RAM file must be writable to its uid. The
+    // file is reachable only from the jails that bind it (the template's children; its
+    // directory on the host is root's, mode 0700).
+    if (i.mem && !i.mem.share) await chmod(i.mem.path, 0o666);
+    const readWrite = [i.disk, i.mem?.path].filter((p): p is string => p !== undefined && !inside(i.dir, p));
+    const readOnly = [i.vmlinux, i.initramfs, ...chain.files].filter((p) => !inside(i.dir, p));
+    const memBytes = i.memMib * 1024 * 1024;
+    const spec: JailSpec = {
+      dir: i.dir,
+      uid,
+      gid: uid,
+      readOnly: [...new Set(readOnly)],
+      readWrite: [...new Set(readWrite)],
+      kvm: i.kvm,
+      cgroupProcs: cg.procs,
+      maxFileBytes: Math.max(chain.virtualSize, memBytes) + FILE_SIZE_MARGIN,
+      maxOpenFiles: JAIL_MAX_OPEN_FILES,
+      pidFile: i.hostPidFile,
+      unshare,
+    };
+    await makeSkeleton(spec);
+    return { spec, uid };
+  } catch (err) {
+    await releaseJail(i.dir, uid);
+    if (err instanceof JailError) throw err;
+    throw new JailError((err as Error).message, err);
+  }
+}
+
+/**
+ * Lays out the jail's root on disk under `<vm dir>/root` and writes its fstab. No QEMU of this VM
+ * runs now (a VM's earlier QEMU is gone before its next starts), but one could have left symlinks
+ * in the directory it owned: what was there is removed first (rm never follows a link), and
+ * every entry is made new ("wx" and mkdir fail on an existing name rather than follow it).
+ */
+async function makeSkeleton(spec: JailSpec): Promise<void> {
+  const r = jailRoot(spec.dir);
+  const fstab = jailFstabPath(spec.dir);
+  await Promise.all([r, fstab, spec.pidFile].map((p) => rm(p, { recursive: true, force: true })));
+  const sk = jailSkeleton(spec);
+  await mkdir(r, { mode: 0o755 });
+  for (const d of sk.dirs) await mkdir(r + d, { recursive: true, mode: 0o755 });
+  await Promise.all([
+    ...sk.files.map((f) => writeFile(r + f, "", { flag: "wx", mode: 0o644 })),
+    ...sk.links.map(([name, target]) => symlink(target, r + name)),
+    writeFile(fstab, `${jailFstab(spec).join("\n")}\n`, { flag: "wx", mode: 0o644 }),
+  ]);
+}
+
+/** Frees what a VM's jail held on the host (its QEMU must be gone): its cgroup and its uid. */
+export async function releaseJail(dir: string, uid: number | undefined): Promise<void> {
+  await removeVmCgroup(dir);
+  if (uid !== undefined) await releaseUid(uid, dir);
+}
