@@ -492,6 +492,7 @@ export class GuestClient {
       port,
       {
         send: (type, payload) => this.send(type, stream, payload),
+        congested: () => this.congested(),
         drained: () => this.drained(),
         release: () => {
           if (this.tunnels.get(stream) !== tunnel) return;
@@ -549,7 +550,9 @@ export class GuestClient {
     w: TlvWriter,
     ro: RequestOptions,
   ): Promise<{ stream: number; promise: Promise<TlvRecords> }> {
-    await this.drained();
+    // No await between this check and the write below: concurrent callers each see the socket
+    // as the previous one left it.
+    while (this.congested()) await this.drained();
     const stream = this.allocStream();
     const promise = new Promise<TlvRecords>((resolve, reject) => {
       if (this.closedWith) {
@@ -664,7 +667,9 @@ export class GuestClient {
       for await (const piece of source) {
         const buf = typeof piece === "string" ? Buffer.from(piece) : Buffer.from(piece);
         for (let off = 0; off < buf.length; off += STDIN_CHUNK) {
-          await this.drained(); // before the write: many writers never pile up on a full socket
+          // Before the write, with no await between check and write: writers never pile up on a
+          // full socket.
+          while (this.congested()) await this.drained();
           if (!this.pending.has(stream)) return; // answered or failed: the guest drops more stdin
           this.send(FrameType.STDIN, stream, buf.subarray(off, off + STDIN_CHUNK));
         }
@@ -681,21 +686,20 @@ export class GuestClient {
     }
   }
 
+  /** Bytes wait above the socket's high-water mark: a large frame should wait before it is written. */
+  private congested(): boolean {
+    return !this.closedWith && !this.socket.destroyed && this.socket.writableNeedDrain;
+  }
+
   /**
    * One shared wait for the socket to drain: many tunnels, stdin pumps and requests may wait at
-   * once. Waiters resume in order, each re-checking before it writes, so at most one large frame
-   * is written past the high-water mark. Bounded by sendStallMs: the channel fails (the socket
-   * closes) when nothing drains.
+   * once. Waiters resume in order and each checks `congested()` again right before it writes, so
+   * at most one large frame is written past the high-water mark. Bounded by sendStallMs: the
+   * channel fails (the socket closes) when nothing drains.
    */
   private drainWait: Promise<void> | undefined;
 
-  private async drained(): Promise<void> {
-    while (!this.closedWith && !this.socket.destroyed && this.socket.writableNeedDrain) {
-      await this.drainOnce();
-    }
-  }
-
-  private drainOnce(): Promise<void> {
+  private drained(): Promise<void> {
     if (this.closedWith || this.socket.destroyed || !this.socket.writableNeedDrain) return Promise.resolve();
     this.drainWait ??= new Promise<void>((resolve) => {
       const done = () => {
@@ -712,6 +716,8 @@ export class GuestClient {
 
   private onData(chunk: Buffer): void {
     for (const ev of this.decoder.push(chunk)) {
+      // A frame earlier in this chunk may have ended the channel: nothing after it counts.
+      if (this.closedWith) return;
       if (ev.kind === "error") {
         // A framing error cannot be recovered from on this connection (docs "Framing").
         this.fail(ev.error);

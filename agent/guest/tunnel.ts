@@ -44,6 +44,8 @@ export interface TunnelLink {
   /** Sends one frame on the tunnel's stream; false when the socket's buffer is full. Throws
    * `guest_disconnected` once the connection is gone. */
   send(type: number, payload?: Uint8Array): boolean;
+  /** True while the socket holds bytes above its high-water mark: large frames wait. */
+  congested(): boolean;
   /** Resolves when the socket drained (or closed). */
   drained(): Promise<void>;
   /** The tunnel is finished: its stream id may be reused. */
@@ -295,10 +297,13 @@ export class GuestTunnel {
       if (this.phase !== "open" || this.remoteEnded) {
         throw this.remoteError ?? this.error ?? new GuestError("guest_error", "tunnel closed");
       }
-      // Wait for room BEFORE writing: many tunnels writing at once then add one chunk past the
-      // socket's high-water mark between them, not one each.
-      await this.link.drained();
-      if (this.phase !== "open" || this.remoteEnded || this.sendCredit === 0) continue;
+      // Wait for room BEFORE writing (and check again after: no await between the check and
+      // the write), so tunnels writing at once add one chunk past the socket's high-water mark
+      // between them, not one each.
+      if (this.link.congested()) {
+        await this.link.drained();
+        continue;
+      }
       const n = Math.min(this.sendCredit, TUNNEL_CHUNK, buf.length - off);
       this.sendCredit -= n;
       this.link.send(FrameType.DATA, buf.subarray(off, off + n));
