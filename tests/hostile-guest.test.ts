@@ -398,6 +398,39 @@ describe("hostile guest on the real channel protocol (fake guest, no VM)", () =>
     reportRss("data_beyond_credit", 24 * MiB, await rss.stop(), err.message);
   }, 60_000);
 
+  test("every window filled and never read: the host holds at most MAX_GUEST_TUNNELS windows", async () => {
+    const healthy = await healthyPair();
+    const g = await FakeGuest.listen();
+    const rss = await rssWatch();
+    const c = await g.client();
+    const held: GuestTunnel[] = [];
+    c.onIncomingTunnel((t) => held.push(t)); // kept, never read: no credit ever comes back
+    // One DATA frame reused for every tunnel (its stream id patched once it was sent): the fake
+    // guest lives in this process, and 32 MiB of its own garbage would blur the host's figure.
+    const data = encodeFrame(FrameType.DATA, 0, Buffer.alloc(64 * 1024, 5));
+    for (let i = 0; i < MAX_GUEST_TUNNELS; i++) {
+      const stream = (GUEST_STREAM_BIT | (i + 1)) >>> 0;
+      g.send(FrameType.OPEN, stream, openPayload());
+      data.writeUInt32LE(stream, 4);
+      for (let sent = 0; sent < TUNNEL_WINDOW; sent += data.length - HEADER_LEN) g.raw(data);
+      await g.flushed();
+    }
+    await Bun.sleep(50);
+    expect(c.closed).toBe(false);
+    const buffered = held.reduce((n, t) => n + t.peakBuffered, 0);
+    expect(buffered).toBe(MAX_GUEST_TUNNELS * TUNNEL_WINDOW); // 32 MiB: the most a guest can park here
+    await healthy.check();
+    // One tunnel more is over the guest's own limit.
+    g.send(FrameType.OPEN, (GUEST_STREAM_BIT | 0x7fff0000) >>> 0, openPayload());
+    const err = await expectReason(c, "too_many_tunnels");
+    await healthy.check();
+    held.length = 0;
+    // The bound: twice the 128 windows (32 MiB held): the socket's read chunks, copied into
+    // frame payloads by the decoder, are garbage the GC collects behind the flood (peaks of
+    // 45-50 MiB measured). An unbounded host would park a window per OPEN: 5 GB for 20,000.
+    reportRss("all_windows_filled", 64 * MiB, await rss.stop(), err.message);
+  }, 60_000);
+
   test("a guest that stops reading: writes wait (back-pressure), queued bytes stay bounded, then the channel fails", async () => {
     const healthy = await healthyPair();
     const g = await FakeGuest.listen();
@@ -425,6 +458,33 @@ describe("hostile guest on the real channel protocol (fake guest, no VM)", () =>
     expect(c.load).toMatchObject({ inFlight: 0, tunnels: 0 });
     await healthy.check();
     reportRss("stopped_reading", 32 * MiB, await rss.stop(), err.message);
+  }, 60_000);
+
+  test("small frames that never wait (CREDIT, CLOSE, CANCEL) stop at MAX_QUEUED_TO_GUEST", async () => {
+    const healthy = await healthyPair();
+    const g = await FakeGuest.listen();
+    const rss = await rssWatch();
+    const c = await g.client(); // default stall deadline (a minute): the byte bound ends it first
+    g.conn!.pause();
+    // Control frames answer the guest's own traffic and are written without waiting; a guest
+    // that provokes them and never reads fills the queue. Written here directly, as the
+    // tunnels' CREDIT/CLOSE and the execs' CANCEL write them.
+    const send = (c as unknown as { send(type: number, stream: number): boolean }).send.bind(c);
+    let frames = 0;
+    try {
+      for (; frames < 2_000_000; frames++) send(FrameType.CANCEL, 1);
+    } catch (err) {
+      expect((err as GuestError).code).toBe("guest_disconnected");
+    }
+    const err = await expectReason(c, "unread_port", 1_000);
+    expect(err.message).toContain(`bound ${MAX_QUEUED_TO_GUEST}`);
+    // The socket's own buffer took the first few hundred KiB; then 4 MiB of 12-byte frames.
+    expect(frames * HEADER_LEN).toBeLessThan(MAX_QUEUED_TO_GUEST + 4 * MiB);
+    await healthy.check();
+    // The bound: 4 MiB held, plus the ~350,000 frames encoded in one synchronous burst, garbage
+    // the GC has not caught up with (16-25 MiB peaks measured). Held as separate writes instead
+    // of packed (outbox.ts), the same burst peaked at 56 MiB.
+    reportRss("control_frames_unread", 32 * MiB, await rss.stop(), err.message);
   }, 60_000);
 
   test("requests left unanswered: at most MAX_REQUESTS_IN_FLIGHT, then the channel fails", async () => {

@@ -19,9 +19,11 @@ import {
   Tag,
 } from "../../contracts/guest-protocol.ts";
 import { decodeTlv, encodeFrame, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
+import { Outbox, SEND_STALL_MS } from "./outbox.ts";
 import { CLOSE_ANSWER_MS, GuestTunnel } from "./tunnel.ts";
 
 export { GuestError, type GuestErrorCode } from "./codec.ts";
+export { MAX_QUEUED_TO_GUEST, SEND_STALL_MS } from "./outbox.ts";
 export { GuestTunnel } from "./tunnel.ts";
 
 export interface GuestClientOptions {
@@ -112,9 +114,10 @@ const DEFAULT_MAX_OUTPUT = 1 << 20;
 const STDIN_CHUNK = 64 * 1024;
 
 // ---- bounds on what a guest can make the host hold -----------------------------------------
-// The guest controls every byte it sends. Each queue it can fill has a bound below; overflowing
-// one ends the channel with a `protocol_error` (`details.reason` names the bound) and the sandbox
-// above fails with it: the host never grows without limit for one guest.
+// The guest controls every byte it sends. Each queue it can fill has a bound below (and in
+// outbox.ts for the bytes waiting for it to read); overflowing one ends the channel with a
+// `protocol_error` (`details.reason` names the bound) and the sandbox above fails with it: the
+// host never grows without limit for one guest.
 
 /**
  * Tunnels the guest opened (OPEN) that the host still holds. The guest agent never has more than
@@ -130,21 +133,6 @@ export const MAX_GUEST_TUNNELS = 128;
  * guest's 128 tunnels; 1,024 unanswered requests is a guest sitting on them, not load.
  */
 export const MAX_REQUESTS_IN_FLIGHT = 1024;
-/**
- * Bytes queued towards the guest in our socket's buffer. Every large frame (a request, STDIN,
- * tunnel DATA) waits until the socket drained below its high-water mark (64 KiB) before it is
- * written, so a guest that reads holds at most 64 KiB + one 1 MiB frame here; only small control
- * frames (CREDIT, CLOSE, CANCEL) are written without waiting, and those answer the guest's own
- * traffic. 4 MiB is therefore only reached by a guest that sends and never reads.
- */
-export const MAX_QUEUED_TO_GUEST = 4 * 1024 * 1024;
-/**
- * How long bytes may wait towards the guest with none of them taken. The guest agent reads its
- * port continuously (a 1 MiB frame drains in milliseconds, under a second on a loaded TCG host),
- * and the slowest legitimate stop is a fork's stop-and-copy (~1 s); a minute with no progress
- * is a guest that stopped reading. Writers wait (back-pressure) meanwhile; then the channel fails.
- */
-export const SEND_STALL_MS = 60_000;
 /**
  * A tunnel the guest opened that carries no byte either way for this long is closed by the host.
  * Egress connections idle legitimately (pooled keep-alive connections, a quiet database
@@ -181,9 +169,8 @@ export class GuestClient {
   private readonly opts: Required<Omit<GuestClientOptions, "onLog">> & Pick<GuestClientOptions, "onLog">;
   /** Tunnels in `tunnels` that the guest opened (the MAX_GUEST_TUNNELS bound). */
   private guestTunnels = 0;
-  /** Armed while bytes wait above the socket's high-water mark (SEND_STALL_MS). */
-  private stallTimer: ReturnType<typeof setTimeout> | undefined;
-  private stallQueued = 0;
+  /** What waits for the guest to read it (bounded in bytes and time). */
+  private readonly outbox: Outbox;
 
   private constructor(
     private readonly socket: Socket,
@@ -198,8 +185,8 @@ export class GuestClient {
       closeAnswerMs: opts.closeAnswerMs ?? CLOSE_ANSWER_MS,
       onLog: opts.onLog,
     };
+    this.outbox = new Outbox(socket, this.opts.sendStallMs, (err) => this.fail(err));
     socket.on("data", (chunk: Buffer) => this.onData(chunk));
-    socket.on("drain", () => this.clearStall());
     socket.on("error", (err) => {
       this.lastSocketError = err;
     });
@@ -259,7 +246,7 @@ export class GuestClient {
       tunnels: this.tunnels.size,
       guestTunnels: this.guestTunnels,
       inFlight: this.pending.size,
-      queuedBytes: this.socket.writableLength,
+      queuedBytes: this.outbox.queuedBytes,
     };
   }
 
@@ -492,8 +479,8 @@ export class GuestClient {
       port,
       {
         send: (type, payload) => this.send(type, stream, payload),
-        congested: () => this.congested(),
-        drained: () => this.drained(),
+        congested: () => this.outbox.congested(),
+        drained: () => this.outbox.drained(),
         release: () => {
           if (this.tunnels.get(stream) !== tunnel) return;
           this.tunnels.delete(stream);
@@ -552,7 +539,7 @@ export class GuestClient {
   ): Promise<{ stream: number; promise: Promise<TlvRecords> }> {
     // No await between this check and the write below: concurrent callers each see the socket
     // as the previous one left it.
-    while (this.congested()) await this.drained();
+    while (this.outbox.congested()) await this.outbox.drained();
     const stream = this.allocStream();
     const promise = new Promise<TlvRecords>((resolve, reject) => {
       if (this.closedWith) {
@@ -615,51 +602,12 @@ export class GuestClient {
   }
 
   private send(type: number, stream: number, payload?: Uint8Array): boolean {
-    if (this.closedWith) {
-      throw new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith });
+    if (!this.closedWith) {
+      const ok = this.outbox.write(encodeFrame(type, stream, payload));
+      if (!this.closedWith) return ok;
     }
-    const frame = encodeFrame(type, stream, payload);
-    const queued = this.socket.writableLength;
-    if (queued + frame.length > MAX_QUEUED_TO_GUEST) {
-      const err = misbehaved(
-        "unread_port",
-        `the guest stopped reading its port (${queued} bytes queued towards it, bound ${MAX_QUEUED_TO_GUEST})`,
-      );
-      this.fail(err);
-      throw new GuestError("guest_disconnected", "guest connection is closed", { cause: err });
-    }
-    const ok = this.socket.write(frame);
-    if (!ok) this.armStall();
-    return ok;
-  }
-
-  /** Bytes wait above the high-water mark: they must start moving within sendStallMs. */
-  private armStall(): void {
-    if (this.stallTimer || this.closedWith) return;
-    this.stallQueued = this.socket.writableLength;
-    this.stallTimer = setTimeout(() => this.checkStall(), this.opts.sendStallMs);
-    this.stallTimer.unref?.();
-  }
-
-  private checkStall(): void {
-    this.stallTimer = undefined;
-    if (this.closedWith || !this.socket.writableNeedDrain) return;
-    const queued = this.socket.writableLength;
-    if (queued < this.stallQueued) {
-      this.armStall(); // slow, but moving
-      return;
-    }
-    this.fail(
-      misbehaved(
-        "unread_port",
-        `the guest stopped reading its port (${queued} bytes queued towards it, none taken in ${this.opts.sendStallMs} ms)`,
-      ),
-    );
-  }
-
-  private clearStall(): void {
-    if (this.stallTimer) clearTimeout(this.stallTimer);
-    this.stallTimer = undefined;
+    // Closed before, or by this write crossing the outbox's bound.
+    throw new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith });
   }
 
   private async pumpStdin(stream: number, source: AsyncIterable<Uint8Array | string>): Promise<void> {
@@ -669,7 +617,7 @@ export class GuestClient {
         for (let off = 0; off < buf.length; off += STDIN_CHUNK) {
           // Before the write, with no await between check and write: writers never pile up on a
           // full socket.
-          while (this.congested()) await this.drained();
+          while (this.outbox.congested()) await this.outbox.drained();
           if (!this.pending.has(stream)) return; // answered or failed: the guest drops more stdin
           this.send(FrameType.STDIN, stream, buf.subarray(off, off + STDIN_CHUNK));
         }
@@ -684,34 +632,6 @@ export class GuestClient {
         // disconnected meanwhile: the request is rejected already
       }
     }
-  }
-
-  /** Bytes wait above the socket's high-water mark: a large frame should wait before it is written. */
-  private congested(): boolean {
-    return !this.closedWith && !this.socket.destroyed && this.socket.writableNeedDrain;
-  }
-
-  /**
-   * One shared wait for the socket to drain: many tunnels, stdin pumps and requests may wait at
-   * once. Waiters resume in order and each checks `congested()` again right before it writes, so
-   * at most one large frame is written past the high-water mark. Bounded by sendStallMs: the
-   * channel fails (the socket closes) when nothing drains.
-   */
-  private drainWait: Promise<void> | undefined;
-
-  private drained(): Promise<void> {
-    if (this.closedWith || this.socket.destroyed || !this.socket.writableNeedDrain) return Promise.resolve();
-    this.drainWait ??= new Promise<void>((resolve) => {
-      const done = () => {
-        this.socket.off("drain", done);
-        this.socket.off("close", done);
-        this.drainWait = undefined;
-        resolve();
-      };
-      this.socket.once("drain", done);
-      this.socket.once("close", done);
-    });
-    return this.drainWait;
   }
 
   private onData(chunk: Buffer): void {
@@ -786,7 +706,7 @@ export class GuestClient {
   private fail(err: GuestError): void {
     if (this.closedWith) return;
     this.closedWith = err;
-    this.clearStall();
+    this.outbox.close();
     this.socket.destroy();
     for (const stream of [...this.pending.keys()]) {
       const p = this.settle(stream);
