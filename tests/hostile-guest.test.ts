@@ -596,10 +596,30 @@ describe("hostile guest on the real channel protocol (fake guest, no VM)", () =>
   test("listeners, timers and map entries die with a failed channel", async () => {
     const g = await FakeGuest.listen();
     const c = await g.client();
-    c.onIncomingTunnel(() => {});
+    const held: GuestTunnel[] = [];
+    c.onIncomingTunnel((t) => held.push(t));
+    // Timers armed: each tunnel's idle timeout, half of them waiting for a CLOSE answer, and the
+    // stall deadline of bytes the guest does not read; requests waiting with their timeouts.
     for (let i = 0; i < 10; i++) g.send(FrameType.OPEN, (GUEST_STREAM_BIT | (i + 1)) >>> 0, openPayload());
+    await g.flushed();
+    await Bun.sleep(20);
+    for (const t of held.slice(0, 5)) t.close();
+    g.conn!.pause();
+    g.answer = false;
+    const big = c.writeFile("/tmp/big", Buffer.alloc(900_000));
+    const pings = [c.ping(), c.ping()];
+    for (const p of [big, ...pings]) p.catch(() => {}); // asserted below, once the channel ended
+    await Bun.sleep(20);
+    const outbox = (c as unknown as { outbox: { stallTimer?: unknown } }).outbox;
+    const timerOf = (t: GuestTunnel) => (t as unknown as { timer?: unknown }).timer;
+    expect(outbox.stallTimer).toBeDefined();
+    expect(held.every((t) => timerOf(t) !== undefined)).toBe(true);
+    g.conn!.resume();
     g.raw(Buffer.from("garbage!garbage!"));
     await expectReason(c, "bad_magic");
+    for (const p of [big, ...pings]) await expect(p).rejects.toThrow();
+    expect(outbox.stallTimer).toBeUndefined();
+    expect(held.every((t) => t.isClosed && timerOf(t) === undefined)).toBe(true);
     // Each failed call on the dead channel leaves nothing behind.
     const internals = c as unknown as { closeListeners: unknown[]; pending: Map<number, unknown> };
     for (let i = 0; i < 200; i++) {
