@@ -218,8 +218,8 @@ async function rssWatch(): Promise<{ stop: () => Promise<{ peak: number; end: nu
  * Prints the bound and the figures as one JSON line and asserts the bound. Each bound is what
  * the host may hold by design in that test (a few windows, one 1 MiB frame, 128 small tunnel
  * objects) plus the allocator and GC noise of a Bun process doing the same work with no hostile
- * guest (measured 5-12 MiB here, the healthy guest's loop and the fake guest's own buffers
- * included: both live in this process). Each is far below what the unbounded host reached: +100 MiB
+ * guest (measured 5-20 MiB here, more when earlier tests left a larger heap; the healthy
+ * guest's loop and the fake guest's own buffers included: both live in this process). Each is far below what the unbounded host reached: +100 MiB
  * for 20,000 OPENs, ~10 MiB per round of ten 1 MB writes to a guest that stopped reading.
  */
 function reportRss(
@@ -336,7 +336,7 @@ describe("hostile guest on the real channel protocol (fake guest, no VM)", () =>
     for (const t of held) expect(t.isClosed).toBe(true);
     expect(c.load.tunnels).toBe(0);
     held.length = 0;
-    reportRss("withheld_close_and_idle", 24 * MiB, await rss.stop());
+    reportRss("withheld_close_and_idle", 32 * MiB, await rss.stop());
   }, 60_000);
 
   test("withheld credit: the host sends one window per tunnel and waits; CREDIT beyond the window fails the channel", async () => {
@@ -482,9 +482,9 @@ describe("hostile guest on the real channel protocol (fake guest, no VM)", () =>
     expect(frames * HEADER_LEN).toBeLessThan(MAX_QUEUED_TO_GUEST + 4 * MiB);
     await healthy.check();
     // The bound: 4 MiB held, plus the ~350,000 frames encoded in one synchronous burst, garbage
-    // the GC has not caught up with (16-25 MiB peaks measured). Held as separate writes instead
+    // the GC has not caught up with (16-29 MiB peaks measured). Held as separate writes instead
     // of packed (outbox.ts), the same burst peaked at 56 MiB.
-    reportRss("control_frames_unread", 32 * MiB, await rss.stop(), err.message);
+    reportRss("control_frames_unread", 40 * MiB, await rss.stop(), err.message);
   }, 60_000);
 
   test("requests left unanswered: at most MAX_REQUESTS_IN_FLIGHT, then the channel fails", async () => {
