@@ -19,9 +19,11 @@ import {
   Tag,
 } from "../../contracts/guest-protocol.ts";
 import { decodeTlv, encodeFrame, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
-import { GuestTunnel } from "./tunnel.ts";
+import { Outbox, SEND_STALL_MS } from "./outbox.ts";
+import { CLOSE_ANSWER_MS, GuestTunnel } from "./tunnel.ts";
 
 export { GuestError, type GuestErrorCode } from "./codec.ts";
+export { MAX_QUEUED_TO_GUEST, SEND_STALL_MS } from "./outbox.ts";
 export { GuestTunnel } from "./tunnel.ts";
 
 export interface GuestClientOptions {
@@ -38,6 +40,12 @@ export interface GuestClientOptions {
   execGraceMs?: number;
   /** Diagnostics lines the guest sends as LOG frames. */
   onLog?: (line: string) => void;
+  /** How long bytes may wait towards a guest that reads none of them (default SEND_STALL_MS). */
+  sendStallMs?: number;
+  /** How long a tunnel the guest opened may carry no byte either way (default GUEST_TUNNEL_IDLE_MS). */
+  guestTunnelIdleMs?: number;
+  /** How long a CLOSE we sent may wait for the guest's (default CLOSE_ANSWER_MS, tunnel.ts). */
+  closeAnswerMs?: number;
 }
 
 export interface HelloInfo {
@@ -105,6 +113,34 @@ const DEFAULT_MAX_OUTPUT = 1 << 20;
 /** STDIN frames are cut to this size so one exec's stdin does not hog the port. */
 const STDIN_CHUNK = 64 * 1024;
 
+// ---- bounds on what a guest can make the host hold -----------------------------------------
+// The guest controls every byte it sends. Each queue it can fill has a bound below (and in
+// outbox.ts for the bytes waiting for it to read); overflowing one ends the channel with a
+// `protocol_error` (`details.reason` names the bound) and the sandbox above fails with it: the
+// host never grows without limit for one guest.
+
+/**
+ * Tunnels the guest opened (OPEN) that the host still holds. The guest agent never has more than
+ * 128 tunnels at once (MAX_TUNNELS in agent/guest/agent/agent.h, docs/guest-protocol.md "Limits")
+ * and the host drops its entry as soon as the guest's CLOSE arrives, in order, so an honest guest
+ * never has more than 128 here; one more OPEN is a guest breaking its own rule. 128 also bounds
+ * what its windows can hold on the host: 128 x TUNNEL_WINDOW = 32 MiB.
+ */
+export const MAX_GUEST_TUNNELS = 128;
+/**
+ * Requests awaiting the guest's answer. The manager runs one exec at a time per sandbox (plus
+ * its file writes), and a CONNECT waits at most 10 s in the guest, answered at once past the
+ * guest's 128 tunnels; 1,024 unanswered requests is a guest sitting on them, not load.
+ */
+export const MAX_REQUESTS_IN_FLIGHT = 1024;
+/**
+ * A tunnel the guest opened that carries no byte either way for this long is closed by the host.
+ * Egress connections idle legitimately (pooled keep-alive connections, a quiet database
+ * session), so the bound is a proxy's usual idle read timeout (squid's `read_timeout`, 15 min),
+ * not a short one; the tunnel count above is what bounds memory meanwhile.
+ */
+export const GUEST_TUNNEL_IDLE_MS = 15 * 60_000;
+
 interface Pending {
   resolve: (records: TlvRecords) => void;
   reject: (err: GuestError) => void;
@@ -131,6 +167,10 @@ export class GuestClient {
   private lastSocketError: Error | undefined;
   private readonly closeListeners: Array<(err: GuestError) => void> = [];
   private readonly opts: Required<Omit<GuestClientOptions, "onLog">> & Pick<GuestClientOptions, "onLog">;
+  /** Tunnels in `tunnels` that the guest opened (the MAX_GUEST_TUNNELS bound). */
+  private guestTunnels = 0;
+  /** What waits for the guest to read it (bounded in bytes and time). */
+  private readonly outbox: Outbox;
 
   private constructor(
     private readonly socket: Socket,
@@ -140,8 +180,12 @@ export class GuestClient {
       helloTimeoutMs: opts.helloTimeoutMs ?? 10_000,
       requestTimeoutMs: opts.requestTimeoutMs ?? 60_000,
       execGraceMs: opts.execGraceMs ?? 10_000,
+      sendStallMs: opts.sendStallMs ?? SEND_STALL_MS,
+      guestTunnelIdleMs: opts.guestTunnelIdleMs ?? GUEST_TUNNEL_IDLE_MS,
+      closeAnswerMs: opts.closeAnswerMs ?? CLOSE_ANSWER_MS,
       onLog: opts.onLog,
     };
+    this.outbox = new Outbox(socket, this.opts.sendStallMs, (err) => this.fail(err));
     socket.on("data", (chunk: Buffer) => this.onData(chunk));
     socket.on("error", (err) => {
       this.lastSocketError = err;
@@ -188,6 +232,24 @@ export class GuestClient {
     return this.closedWith !== undefined;
   }
 
+  /**
+   * Why the channel ended, once it has. A `protocol_error` is the guest's doing (bytes that break
+   * the protocol, or a bound above overflowed): the sandbox above fails with it.
+   */
+  get failure(): GuestError | undefined {
+    return this.closedWith;
+  }
+
+  /** What this channel holds now, for tests and diagnostics. */
+  get load(): { tunnels: number; guestTunnels: number; inFlight: number; queuedBytes: number } {
+    return {
+      tunnels: this.tunnels.size,
+      guestTunnels: this.guestTunnels,
+      inFlight: this.pending.size,
+      queuedBytes: this.outbox.queuedBytes,
+    };
+  }
+
   /** Called once when the connection ends, with the error every pending request got. */
   onClose(listener: (err: GuestError) => void): void {
     if (this.closedWith) listener(this.closedWith);
@@ -208,6 +270,7 @@ export class GuestClient {
       t.disconnected(new GuestError("guest_disconnected", `tunnel ${t.stream} ended by a new HELLO`));
     }
     this.tunnels.clear();
+    this.guestTunnels = 0;
     let resolveFn!: (h: HelloInfo) => void;
     let rejectFn!: (e: GuestError) => void;
     const promise = new Promise<HelloInfo>((resolve, reject) => {
@@ -280,7 +343,7 @@ export class GuestClient {
     // No client timeout without a guest timeout: a command may legitimately run for ever; the
     // caller bounds it with `signal`. With one, see execGraceMs.
     const timeoutMs = o.timeoutMs ? o.timeoutMs + this.opts.execGraceMs : undefined;
-    const { stream, promise } = this.start(w, { timeoutMs, onFrame });
+    const { stream, promise } = await this.start(w, { timeoutMs, onFrame });
 
     const onAbort = () => {
       if (!this.pending.has(stream)) return;
@@ -377,7 +440,7 @@ export class GuestClient {
     let tunnel: GuestTunnel | undefined;
     // The tunnel is registered before the request goes out: its first DATA may follow the
     // RESPONSE in the same read, before our await resumes.
-    const { promise } = this.start(w, {
+    const { promise } = await this.start(w, {
       timeoutMs: this.opts.requestTimeoutMs,
       beforeSend: (s) => {
         tunnel = this.registerTunnel(s, port);
@@ -405,16 +468,32 @@ export class GuestClient {
     this.incoming = handler;
   }
 
-  /** A tunnel on `stream`, known to this client until the guest's CLOSE frees the id. */
+  /**
+   * A tunnel on `stream`, known to this client until the guest's CLOSE frees the id (or the
+   * guest does not answer our CLOSE in time, tunnel.ts CLOSE_ANSWER_MS).
+   */
   private registerTunnel(stream: number, port: number): GuestTunnel {
-    const tunnel: GuestTunnel = new GuestTunnel(stream, port, {
-      send: (type, payload) => this.send(type, stream, payload),
-      drained: () => this.drained(),
-      release: () => {
-        if (this.tunnels.get(stream) === tunnel) this.tunnels.delete(stream);
+    const byGuest = (stream & GUEST_STREAM_BIT) !== 0;
+    const tunnel: GuestTunnel = new GuestTunnel(
+      stream,
+      port,
+      {
+        send: (type, payload) => this.send(type, stream, payload),
+        congested: () => this.outbox.congested(),
+        drained: () => this.outbox.drained(),
+        release: () => {
+          if (this.tunnels.get(stream) !== tunnel) return;
+          this.tunnels.delete(stream);
+          if (byGuest) this.guestTunnels--;
+        },
       },
-    });
+      {
+        closeAnswerMs: this.opts.closeAnswerMs,
+        ...(byGuest ? { idleMs: this.opts.guestTunnelIdleMs } : {}),
+      },
+    );
     this.tunnels.set(stream, tunnel);
+    if (byGuest) this.guestTunnels++;
     return tunnel;
   }
 
@@ -424,6 +503,15 @@ export class GuestClient {
         new GuestError("protocol_error", `OPEN on stream ${stream}: not a free guest stream id`, {
           details: { reason: "open" },
         }),
+      );
+      return;
+    }
+    if (this.guestTunnels >= MAX_GUEST_TUNNELS) {
+      this.fail(
+        misbehaved(
+          "too_many_tunnels",
+          `too many open tunnels (the guest opened more than ${MAX_GUEST_TUNNELS})`,
+        ),
       );
       return;
     }
@@ -437,17 +525,36 @@ export class GuestClient {
 
   // -------------------------------------------------------------------------------------------
 
-  private request(w: TlvWriter): Promise<TlvRecords> {
-    return this.start(w, { timeoutMs: this.opts.requestTimeoutMs }).promise;
+  private async request(w: TlvWriter): Promise<TlvRecords> {
+    return (await this.start(w, { timeoutMs: this.opts.requestTimeoutMs })).promise;
   }
 
-  private start(w: TlvWriter, ro: RequestOptions): { stream: number; promise: Promise<TlvRecords> } {
+  /**
+   * Sends a REQUEST once the socket has room (back-pressure: a guest that reads slowly slows its
+   * callers; one that stops reading fails the channel after SEND_STALL_MS) and registers it.
+   */
+  private async start(
+    w: TlvWriter,
+    ro: RequestOptions,
+  ): Promise<{ stream: number; promise: Promise<TlvRecords> }> {
+    // No await between this check and the write below: concurrent callers each see the socket
+    // as the previous one left it.
+    while (this.outbox.congested()) await this.outbox.drained();
     const stream = this.allocStream();
     const promise = new Promise<TlvRecords>((resolve, reject) => {
       if (this.closedWith) {
         reject(
           new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith }),
         );
+        return;
+      }
+      if (this.pending.size >= MAX_REQUESTS_IN_FLIGHT) {
+        const err = misbehaved(
+          "requests_in_flight",
+          `${MAX_REQUESTS_IN_FLIGHT} requests left unanswered by the guest`,
+        );
+        this.fail(err);
+        reject(err);
         return;
       }
       const p: Pending = { resolve, reject };
@@ -495,10 +602,12 @@ export class GuestClient {
   }
 
   private send(type: number, stream: number, payload?: Uint8Array): boolean {
-    if (this.closedWith) {
-      throw new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith });
+    if (!this.closedWith) {
+      const ok = this.outbox.write(encodeFrame(type, stream, payload));
+      if (!this.closedWith) return ok;
     }
-    return this.socket.write(encodeFrame(type, stream, payload));
+    // Closed before, or by this write crossing the outbox's bound.
+    throw new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith });
   }
 
   private async pumpStdin(stream: number, source: AsyncIterable<Uint8Array | string>): Promise<void> {
@@ -506,9 +615,11 @@ export class GuestClient {
       for await (const piece of source) {
         const buf = typeof piece === "string" ? Buffer.from(piece) : Buffer.from(piece);
         for (let off = 0; off < buf.length; off += STDIN_CHUNK) {
+          // Before the write, with no await between check and write: writers never pile up on a
+          // full socket.
+          while (this.outbox.congested()) await this.outbox.drained();
           if (!this.pending.has(stream)) return; // answered or failed: the guest drops more stdin
-          const ok = this.send(FrameType.STDIN, stream, buf.subarray(off, off + STDIN_CHUNK));
-          if (!ok) await this.drained();
+          this.send(FrameType.STDIN, stream, buf.subarray(off, off + STDIN_CHUNK));
         }
       }
     } catch {
@@ -523,26 +634,10 @@ export class GuestClient {
     }
   }
 
-  /** One shared wait for the socket to drain: many tunnels and stdin pumps may wait at once. */
-  private drainWait: Promise<void> | undefined;
-
-  private drained(): Promise<void> {
-    if (this.closedWith || this.socket.destroyed || !this.socket.writableNeedDrain) return Promise.resolve();
-    this.drainWait ??= new Promise<void>((resolve) => {
-      const done = () => {
-        this.socket.off("drain", done);
-        this.socket.off("close", done);
-        this.drainWait = undefined;
-        resolve();
-      };
-      this.socket.once("drain", done);
-      this.socket.once("close", done);
-    });
-    return this.drainWait;
-  }
-
   private onData(chunk: Buffer): void {
     for (const ev of this.decoder.push(chunk)) {
+      // A frame earlier in this chunk may have ended the channel: nothing after it counts.
+      if (this.closedWith) return;
       if (ev.kind === "error") {
         // A framing error cannot be recovered from on this connection (docs "Framing").
         this.fail(ev.error);
@@ -611,6 +706,7 @@ export class GuestClient {
   private fail(err: GuestError): void {
     if (this.closedWith) return;
     this.closedWith = err;
+    this.outbox.close();
     this.socket.destroy();
     for (const stream of [...this.pending.keys()]) {
       const p = this.settle(stream);
@@ -626,13 +722,25 @@ export class GuestClient {
       );
     }
     this.tunnels.clear();
-    for (const l of this.closeListeners.splice(0)) l(err);
+    this.guestTunnels = 0;
+    for (const l of this.closeListeners.splice(0)) {
+      try {
+        l(err);
+      } catch {
+        // a listener's failure is its own: the others still learn the channel ended
+      }
+    }
   }
 
   private closeListenersRemove(l: (err: GuestError) => void): void {
     const i = this.closeListeners.indexOf(l);
     if (i >= 0) this.closeListeners.splice(i, 1);
   }
+}
+
+/** The channel error for a guest that broke a bound: `reason` names it (details.reason). */
+function misbehaved(reason: string, message: string): GuestError {
+  return new GuestError("protocol_error", message, { details: { reason } });
 }
 
 /** Collects streamed output up to a cap, remembering whether more came. */

@@ -11,7 +11,12 @@
  * - Closing: no half-close. Our `close()` (or the writable's end, or cancelling the readable)
  *   sends CLOSE; the guest flushes what we sent into its socket, closes it and answers CLOSE.
  *   The guest's CLOSE (its socket's EOF or error) ends `readable` after the bytes already here.
- *   The stream id is released when the guest's CLOSE arrives or the connection drops.
+ *   The stream id is released when the guest's CLOSE arrives or the connection drops, or when
+ *   the guest leaves our CLOSE unanswered for CLOSE_ANSWER_MS: a guest cannot pin host state by
+ *   withholding CLOSE.
+ * - A guest that grants more credit than the bytes we sent it could have freed (more than one
+ *   window outstanding), or sends DATA beyond the credit we granted, breaks the protocol: the
+ *   channel fails. So nothing here ever holds more than one window of guest bytes.
  */
 import { FrameType, TUNNEL_WINDOW } from "../../contracts/guest-protocol.ts";
 import { decodeClose, decodeCredit, encodeCredit, GuestError } from "./codec.ts";
@@ -20,12 +25,27 @@ import { decodeClose, decodeCredit, encodeCredit, GuestError } from "./codec.ts"
 export const TUNNEL_CHUNK = 64 * 1024;
 /** Credit goes back in batches of a quarter window (or when everything here was consumed). */
 const GRANT_BATCH = TUNNEL_WINDOW / 4;
+/**
+ * How long our CLOSE waits for the guest's before the id is released anyway. The guest answers
+ * once it has written what we sent into its socket, for at most 5 s (TUNNEL_LINGER_MS in
+ * agent/guest/agent/tunnel.c); 30 s adds room for frames queued behind on a loaded TCG host.
+ */
+export const CLOSE_ANSWER_MS = 30_000;
+
+export interface TunnelOptions {
+  /** Ends the tunnel when no byte moved either way for this long (tunnels the guest opened). */
+  idleMs?: number;
+  /** See CLOSE_ANSWER_MS. */
+  closeAnswerMs?: number;
+}
 
 /** What a tunnel needs from its GuestClient. */
 export interface TunnelLink {
   /** Sends one frame on the tunnel's stream; false when the socket's buffer is full. Throws
    * `guest_disconnected` once the connection is gone. */
   send(type: number, payload?: Uint8Array): boolean;
+  /** True while the socket holds bytes above its high-water mark: large frames wait. */
+  congested(): boolean;
   /** Resolves when the socket drained (or closed). */
   drained(): Promise<void>;
   /** The tunnel is finished: its stream id may be reused. */
@@ -62,15 +82,20 @@ export class GuestTunnel {
   private wakeWriter: (() => void) | undefined;
   private resolveClosed!: () => void;
   private readonly listeners: Array<() => void> = [];
+  /** The idle timeout (opts.idleMs) or, once our CLOSE is out, the wait for the guest's. */
+  private timer: ReturnType<typeof setTimeout> | undefined;
+  private lastActivityMs = performance.now();
 
   constructor(
     readonly stream: number,
     readonly port: number,
     private readonly link: TunnelLink,
+    private readonly opts: TunnelOptions = {},
   ) {
     this.closed = new Promise((resolve) => {
       this.resolveClosed = resolve;
     });
+    this.armIdle();
     this.readable = new ReadableStream<Uint8Array>(
       {
         start: (c) => {
@@ -121,7 +146,12 @@ export class GuestTunnel {
       this.link.send(FrameType.CLOSE);
     } catch {
       this.finish(undefined); // disconnected: nothing to wait for
+      return;
     }
+    const ms = this.opts.closeAnswerMs ?? CLOSE_ANSWER_MS;
+    this.setTimer(ms, () => {
+      this.finish(new GuestError("guest_timeout", `tunnel ${this.stream}: no CLOSE answer within ${ms} ms`));
+    });
   }
 
   /**
@@ -168,6 +198,7 @@ export class GuestTunnel {
         this.recvCredit -= payload.length;
         this.bytesIn += payload.length;
         if (payload.length === 0) return undefined;
+        this.lastActivityMs = performance.now();
         this.queue.push(payload);
         this.queued += payload.length;
         if (this.queued > this.peakBuffered) this.peakBuffered = this.queued;
@@ -177,6 +208,14 @@ export class GuestTunnel {
       case FrameType.CREDIT: {
         const d = decodeCredit(payload);
         if (!d.ok) return d.error;
+        // The guest grants only for bytes we sent and it consumed: never past one window.
+        if (this.sendCredit + d.bytes > TUNNEL_WINDOW) {
+          return new GuestError(
+            "protocol_error",
+            `tunnel ${this.stream}: CREDIT of ${d.bytes} bytes leaves ${this.sendCredit + d.bytes} outstanding, more than the ${TUNNEL_WINDOW}-byte window`,
+            { details: { reason: "credit" } },
+          );
+        }
         this.sendCredit += d.bytes;
         this.wakeWriter?.();
         return undefined;
@@ -258,13 +297,41 @@ export class GuestTunnel {
       if (this.phase !== "open" || this.remoteEnded) {
         throw this.remoteError ?? this.error ?? new GuestError("guest_error", "tunnel closed");
       }
+      // Wait for room BEFORE writing (and check again after: no await between the check and
+      // the write), so tunnels writing at once add one chunk past the socket's high-water mark
+      // between them, not one each.
+      if (this.link.congested()) {
+        await this.link.drained();
+        continue;
+      }
       const n = Math.min(this.sendCredit, TUNNEL_CHUNK, buf.length - off);
       this.sendCredit -= n;
-      const ok = this.link.send(FrameType.DATA, buf.subarray(off, off + n));
+      this.link.send(FrameType.DATA, buf.subarray(off, off + n));
       this.bytesOut += n;
+      this.lastActivityMs = performance.now();
       off += n;
-      if (!ok) await this.link.drained();
     }
+  }
+
+  /** Re-arms itself until no byte moved for idleMs, then ends the tunnel (a CLOSE to the guest). */
+  private armIdle(): void {
+    const ms = this.opts.idleMs;
+    if (ms === undefined || this.phase === "closing" || this.phase === "closed") return;
+    const left = this.lastActivityMs + ms - performance.now();
+    if (left > 0) {
+      this.setTimer(left, () => this.armIdle());
+      return;
+    }
+    this.abort(new GuestError("guest_timeout", `tunnel ${this.stream}: idle for ${ms} ms`));
+  }
+
+  private setTimer(ms: number, fn: () => void): void {
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = setTimeout(() => {
+      this.timer = undefined;
+      fn();
+    }, ms);
+    this.timer.unref?.();
   }
 
   private endReadable(err: Error | undefined, discard: boolean): void {
@@ -295,6 +362,8 @@ export class GuestTunnel {
   private finish(err: GuestError | undefined): void {
     if (this.phase === "closed") return;
     this.phase = "closed";
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = undefined;
     if (err && !this.error) this.error = err;
     this.link.release();
     this.wakeReader?.();

@@ -200,7 +200,7 @@ export class SandboxManager {
               paused: false,
             });
             sb.vm = vm;
-            m.driver.onExit(vm, (info) => m.onVmExit(sb, info));
+            m.watchVm(sb, vm);
             keep.add(r.id);
             m.log(`sandbox ${r.id}: re-adopted (QEMU pid ${vm.qemuPid})`);
             m.armIdle(sb);
@@ -280,7 +280,7 @@ export class SandboxManager {
       throw err;
     }
     const vm = sb.vm!;
-    this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
+    this.watchVm(sb, vm);
     if (sb.state !== "creating") throw this.goneError(sb); // destroyed or died meanwhile
     this.setState(sb, "running");
     // What a caller was told exists survives an agent exit right after: the record is on disk.
@@ -360,7 +360,7 @@ export class SandboxManager {
       const created = children.map((child, i) => {
         const vm = vms[i]!;
         child.vm = vm;
-        this.driver.onExit(vm, (info) => this.onVmExit(child, info));
+        this.watchVm(child, vm);
         this.setState(child, "running");
         return {
           vmId: child.id,
@@ -419,7 +419,7 @@ export class SandboxManager {
       const vm = await op;
       sb.vm = vm;
       sb.stopped = false;
-      this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
+      this.watchVm(sb, vm);
       if (sb.state !== "resuming") throw this.goneError(sb);
       this.setState(sb, "running");
       await this.records.flush();
@@ -672,13 +672,20 @@ export class SandboxManager {
     if (err instanceof SandboxdError && !(err instanceof GuestError)) return err;
     if (signal.aborted) return this.abortedError(sb);
     if (err instanceof GuestError && err.code === "guest_disconnected" && !sb.died) {
-      // The hang-up may reach us before QEMU's exit: wait a moment for the real reason.
+      // The hang-up may reach us before QEMU's exit: wait a moment for the real reason. The
+      // waiter leaves `onDied` either way: each failed exec on a VM whose channel is gone but
+      // whose QEMU lives would otherwise leave one behind.
       await new Promise<void>((resolve) => {
-        const t = setTimeout(resolve, DEATH_NOTICE_MS);
-        sb.onDied.push(() => {
+        const onDied = () => {
           clearTimeout(t);
           resolve();
-        });
+        };
+        const t = setTimeout(() => {
+          const i = sb.onDied.indexOf(onDied);
+          if (i >= 0) sb.onDied.splice(i, 1);
+          resolve();
+        }, DEATH_NOTICE_MS);
+        sb.onDied.push(onDied);
       });
     }
     if (sb.died) {
@@ -716,6 +723,25 @@ export class SandboxManager {
     this.closeTunnels(sb, `failed: ${info.reason}`);
     sb.vm?.guest.close(); // in-flight guest requests reject now, not at their timeout
     this.setState(sb, "failed");
+  }
+
+  /**
+   * Watches a VM the sandbox now holds: its QEMU's exit, and its guest channel. A channel that
+   * ends with a `protocol_error` was ended by the guest's own bytes (agent/guest/client.ts: a
+   * malformed frame, DATA beyond credit, or one of the bounds on what a guest can make the host
+   * hold): the sandbox fails with `guest_misbehaved: <why>` and its QEMU is killed, as if it had
+   * died; a failed sandbox holds no capacity, so its VM must not run on.
+   */
+  private watchVm(sb: Sandbox, vm: DriverVm): void {
+    this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
+    vm.guest.onClose((err) => {
+      if (err.code !== "protocol_error" || sb.vm !== vm || this.detached || isTerminal(sb.state)) return;
+      this.onVmExit(sb, { reason: `guest_misbehaved: ${err.message}` });
+      void (async () => {
+        await sb.op?.catch(() => {});
+        await this.driver.destroy(sb.id, vm);
+      })().catch((e) => this.log(`sandbox ${sb.id}: killing the misbehaving VM failed: ${describeError(e)}`));
+    });
   }
 
   private markLost(sb: Sandbox, reason: string): void {

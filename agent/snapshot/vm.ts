@@ -146,7 +146,10 @@ export class SandboxVm {
       return await guest.exec(o);
     } catch (err) {
       if (err instanceof GuestError && err.code === "guest_disconnected") {
-        const exit = await Promise.race([proc.exited, Bun.sleep(1000).then(() => undefined)]);
+        // Up to 1 s for the exit that follows a hang-up. Polled, not raced against `exited`: a
+        // race leaves a reaction on `exited` for as long as QEMU lives, one per failed exec.
+        for (let i = 0; i < 20 && proc.isAlive(); i++) await Bun.sleep(50);
+        const exit = proc.isAlive() ? undefined : await proc.exited;
         if (exit || !proc.isAlive())
           throw new SnapshotError(
             "vm_died",
