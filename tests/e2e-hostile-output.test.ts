@@ -1,7 +1,8 @@
 /**
  * A guest that floods its output, end to end over real HTTP (`bin/sandboxd up`, real VMs under
  * TCG): an exec printing far more than the exec output cap answers a bounded response with
- * `truncated: true` while the service's memory stays bounded, and a guest writing to its serial
+ * `truncated: true` (Family B sandbox exec and Family A one-shot exec; an answer under the cap
+ * carries no flag) while the service's memory stays bounded, and a guest writing to its serial
  * console grows the data dir by no more than the console's bound and keeps answering execs, also
  * under the next agent process after a restart (the running VM is adopted, its console drained).
  *
@@ -13,6 +14,7 @@ import { spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { CONSOLE_DISK_BYTES } from "../agent/qemu/console.ts";
+import * as A from "../contracts/api/family-a.ts";
 import * as B from "../contracts/api/family-b.ts";
 import { MAX_EXEC_OUTPUT_BYTES, MAX_EXEC_RESPONSE_BYTES } from "../contracts/api/limits.ts";
 import {
@@ -45,6 +47,8 @@ const CONSOLE_FLOOD_S = 40;
 let svc: RunningService | undefined;
 let dataDir = "";
 let key = "";
+/** A Family A key (one-shot `/v1/exec`). */
+let keyA = "";
 let sandboxId = "";
 
 const service = () => {
@@ -54,7 +58,7 @@ const service = () => {
 
 beforeAll(async () => {
   dataDir = await prepareDataDir();
-  ({ pro: key } = await createKeys(dataDir, { pro: ["acme", "pro"] }));
+  ({ pro: key, live: keyA } = await createKeys(dataDir, { pro: ["acme", "pro"], live: ["acme", "live"] }));
   svc = await startUp(dataDir);
   await waitForTemplate(svc, PYTHON, 300_000);
   const created = expectOk(
@@ -154,6 +158,27 @@ test("an exec printing 300 MB answers a bounded response with truncated: true; t
   expect(peakGrowth).toBeLessThanOrEqual(EXEC_RSS_BOUND_BYTES);
   expect(peakGrowth0).toBeLessThanOrEqual(EXEC_RSS_BOUND_BYTES);
 }, 900_000);
+
+test("Family A: a one-shot exec printing past the cap answers truncated: true, one under it has no flag", async () => {
+  const big = ["import sys", "for _ in range(20):", "    sys.stdout.write('b' * 1000000)"].join("\n");
+  const res = await service().api.post("/v1/exec", {
+    key: keyA,
+    json: { code: big, template_id: PYTHON, timeout_seconds: 120 },
+    timeoutMs: 240_000,
+  });
+  const r = expectOk(res, 200, A.ExecResultA);
+  expect(r.exit_code).toBe(0);
+  expect(r.truncated).toBe(true);
+  expect(r.stdout).toBe("b".repeat(MAX_EXEC_OUTPUT_BYTES));
+  expect(Buffer.byteLength(res.text)).toBeLessThanOrEqual(MAX_EXEC_RESPONSE_BYTES);
+
+  const small = await service().api.post("/v1/exec", {
+    key: keyA,
+    json: { code: "print('fits')", template_id: PYTHON },
+  });
+  expect(expectOk(small, 200, A.ExecResultA).stdout).toBe("fits\n");
+  expect(small.text).not.toContain("truncated");
+}, 300_000);
 
 /** `du -sb`: bytes of the files under `path` (apparent size, like the files' own sizes). */
 function du(path: string, exclude: string[] = []): number {
