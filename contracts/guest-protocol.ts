@@ -8,6 +8,12 @@ export const VERSION = 1;
 export const HEADER_LEN = 12;
 /** 1 MiB: bounds what a corrupt length can make either side allocate. */
 export const MAX_PAYLOAD = 1048576;
+/**
+ * An exec's stdout+stderr together, at most: one RESPONSE frame less 4 KiB for its other fields.
+ * The guest reads and discards the rest (its command keeps running) and sets STDOUT_TRUNC /
+ * STDERR_TRUNC; the host cuts a longer answer to this too, so the bound does not rest on the guest.
+ */
+export const EXEC_OUTPUT_MAX = 1044480;
 
 export const FrameType = {
   HELLO: 1,

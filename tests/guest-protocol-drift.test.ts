@@ -20,6 +20,7 @@ test("protocol.h defines exactly the TypeScript constants", () => {
     ["SBX_VERSION", P.VERSION],
     ["SBX_HEADER_LEN", P.HEADER_LEN],
     ["SBX_MAX_PAYLOAD", P.MAX_PAYLOAD],
+    ["SBX_EXEC_OUTPUT_MAX", P.EXEC_OUTPUT_MAX],
     ["SBX_TUNNEL_WINDOW", P.TUNNEL_WINDOW],
     ["SBX_GUEST_STREAM_BIT", P.GUEST_STREAM_BIT],
     ["SBX_EGRESS_PORT", P.EGRESS_PORT],

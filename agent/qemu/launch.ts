@@ -1,17 +1,18 @@
 import { type ChildProcess, spawn } from "node:child_process";
-import { constants, readFileSync } from "node:fs";
-import { open, readFile, rm } from "node:fs/promises";
+import { readFileSync } from "node:fs";
+import { readFile, rm } from "node:fs/promises";
 import { constants as osConstants } from "node:os";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
+import { type ConsoleDrain, consoleArgs, consoleTail, startConsoleDrain } from "./console.ts";
 import { jailArgv, sandboxOption } from "./jail.ts";
 import { prepareJail, releaseJail } from "./jail-setup.ts";
 import { QmpClient } from "./qmp/client.ts";
 
 /**
  * Starts one QEMU `microvm` for one sandbox. Everything the VM owns on the host lives in its own
- * directory (`dir`): the QMP and agent sockets, the serial console log and `qemu.pid`, so that
+ * directory (`dir`): the QMP, agent and console sockets, the console log (console.ts) and `qemu.pid`, so that
  * killing the process and removing the directory frees it all (agent/vm/workdir.ts reclaims the
  * directories of a crashed agent through `qemu.pid`).
  */
@@ -101,6 +102,7 @@ export interface LaunchOptions {
 export function vmPaths(dir: string): {
   qmpSocket: string;
   agentSocket: string;
+  consoleSocket: string;
   consoleLog: string;
   pidFile: string;
   hostPidFile: string;
@@ -108,6 +110,7 @@ export function vmPaths(dir: string): {
   return {
     qmpSocket: join(dir, "qmp.sock"),
     agentSocket: join(dir, "agent.sock"),
+    consoleSocket: join(dir, "console.sock"),
     consoleLog: join(dir, "console.log"),
     // QEMU's own -pidfile (it also locks it: one QEMU per directory) holds its pid inside its pid
     // namespace; the jail writes QEMU's host pid beside it.
@@ -121,8 +124,10 @@ export function vmPaths(dir: string): {
  * sockets would make the next QEMU's connect reach nothing, a stale pid file names a dead pid.
  */
 export async function removeQemuFiles(dir: string): Promise<void> {
-  const { qmpSocket, agentSocket, pidFile, hostPidFile } = vmPaths(dir);
-  await Promise.all([qmpSocket, agentSocket, pidFile, hostPidFile].map((p) => rm(p, { force: true })));
+  const { qmpSocket, agentSocket, consoleSocket, pidFile, hostPidFile } = vmPaths(dir);
+  await Promise.all(
+    [qmpSocket, agentSocket, consoleSocket, pidFile, hostPidFile].map((p) => rm(p, { force: true })),
+  );
 }
 
 export interface VmExit {
@@ -290,8 +295,10 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
     opts.artifacts.initramfs,
     "-append",
     kernelCmdline(opts.accel, hostname, opts.extraKernelArgs),
-    "-serial",
-    `file:${paths.consoleLog}`,
+    // The serial console goes to a socket the agent drains into a bounded log (console.ts). A
+    // guest that runs at once (no -incoming, no -S) waits for that reader so its first boot
+    // messages are kept; a restored guest is stopped until `cont`, after the drain connected.
+    ...consoleArgs(paths.consoleSocket, !opts.incoming && !opts.paused),
     // The agent channel: a virtio-serial port named "agent" (the guest finds it by that name under
     // /sys/class/virtio-ports), backed by a unix socket QEMU listens on. wait=off: QEMU runs the
     // guest without waiting for us to connect, and we may reconnect after a restore.
@@ -404,7 +411,7 @@ export async function readHostPid(dir: string, waitMs = 0): Promise<number | und
 export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   const log = opts.log ?? (() => {});
   const { dir } = opts;
-  const { qmpSocket, consoleLog } = vmPaths(dir);
+  const { qmpSocket, consoleSocket, consoleLog } = vmPaths(dir);
   // Left by an earlier QEMU in this directory.
   await removeQemuFiles(dir);
 
@@ -426,6 +433,8 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
     throw err;
   }
   let qemuPid: number | undefined;
+  // Connects while QMP does: a cold boot's QEMU waits for this reader before it goes on.
+  const consoleDrain = startConsoleDrain(consoleSocket, consoleLog, log);
 
   let stderr = "";
   child.stderr?.on("data", (d: Buffer) => {
@@ -465,12 +474,13 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
     await stop();
     // Let the stderr pipe drain after the exit so the tail holds QEMU's last words.
     await new Promise((r) => setTimeout(r, 20));
+    await consoleDrain.close();
     await removeQemuFiles(dir);
     return new VmLaunchError(
       message,
       {
         stderrTail: stderr,
-        consoleTail: await fileTail(consoleLog, CONSOLE_TAIL_BYTES),
+        consoleTail: await consoleTail(consoleLog, CONSOLE_TAIL_BYTES),
         ...(exitInfo ? { exit: exitInfo } : {}),
       },
       cause,
@@ -500,8 +510,18 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   }
   const pid = qemuPid;
   log(`qemu pid ${pid} (uid ${jail.uid}) up, QMP connected`);
+  // QMP answering means every chardev exists: the drain is connected (or the QEMU has none),
+  // before a restored guest is let run.
+  await consoleDrain.ready;
 
-  return vmProcess(pid, dir, qmp, exited, { stop, isAlive, stderrTail: () => stderr }, jail.uid);
+  return vmProcess(
+    pid,
+    dir,
+    qmp,
+    exited,
+    { stop, isAlive, stderrTail: () => stderr, consoleDrain },
+    jail.uid,
+  );
 }
 
 /**
@@ -526,22 +546,35 @@ function killQuietly(pid: number): void {
 
 /**
  * The `VmProcess` of a running QEMU, ours (launchVm) or adopted (agent/vm/process.ts): `stop`
- * kills it and waits for it; `kill` runs that once, then closes QMP and removes QEMU's files.
+ * kills it and waits for it; `kill` runs that once, then closes QMP and the console drain and
+ * removes QEMU's files. An adopted QEMU's console is drained from here on (`consoleDrain` omitted:
+ * a drain is started), so a VM that outlived its agent keeps a bounded console under the next one.
  */
 export function vmProcess(
   pid: number,
   dir: string,
   qmp: QmpClient,
   exited: Promise<VmExit>,
-  o: { stop: () => Promise<void>; isAlive: () => boolean; stderrTail: () => string },
+  o: {
+    stop: () => Promise<void>;
+    isAlive: () => boolean;
+    stderrTail: () => string;
+    consoleDrain?: ConsoleDrain;
+  },
   jailUid?: number,
 ): VmProcess {
-  const { agentSocket, consoleLog, pidFile } = vmPaths(dir);
+  const { agentSocket, consoleSocket, consoleLog, pidFile } = vmPaths(dir);
+  const consoleDrain = o.consoleDrain ?? startConsoleDrain(consoleSocket, consoleLog);
+  // The console is drained while this process holds the QEMU's QMP: every way of letting go of a
+  // QEMU (kill, its death, a detach that leaves it to the next agent) closes QMP, and a drain left
+  // connected would keep QEMU's one console client slot from the agent that adopts it.
+  void qmp.closed.then(() => consoleDrain.close());
   let killing: Promise<void> | undefined;
   const kill = () => {
     killing ??= (async () => {
       await o.stop();
       qmp.close();
+      await consoleDrain.close();
       await removeQemuFiles(dir);
     })();
     return killing;
@@ -562,15 +595,4 @@ export function vmProcess(
       ? {}
       : { jailUid, migrationSocket: { mode: 0o600, uid: jailUid, gid: jailUid } }),
   };
-}
-
-async function fileTail(path: string, bytes: number): Promise<string> {
-  try {
-    // O_NOFOLLOW: the file is in the jailed QEMU's own directory, where it could be a symlink.
-    const fh = await open(path, constants.O_RDONLY | constants.O_NOFOLLOW);
-    const buf = await fh.readFile().finally(() => fh.close());
-    return buf.subarray(Math.max(0, buf.length - bytes)).toString("utf8");
-  } catch {
-    return "";
-  }
 }

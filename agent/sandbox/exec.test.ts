@@ -1,7 +1,9 @@
 /** planExec and its helpers without a VM: every decision an exec makes before the guest is called. */
 import { describe, expect, test } from "bun:test";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { EXEC_OUTPUT_MAX } from "../../contracts/guest-protocol.ts";
 import {
+  capOutput,
   DEFAULT_EXEC_TIMEOUT_MS,
   EGRESS_PROXY_ENV,
   type ExecImage,
@@ -227,5 +229,44 @@ describe("exitCodeOf", () => {
     expect(exitCodeOf({ exitCode: null, signal: 9, timedOut: false })).toBe(137);
     expect(exitCodeOf({ exitCode: null, signal: 15, timedOut: false })).toBe(143);
     expect(exitCodeOf({ exitCode: null, signal: null, timedOut: false })).toBe(128);
+  });
+});
+
+describe("capOutput", () => {
+  const out = (stdout: string, stderr: string, flags: Partial<Record<"o" | "e", boolean>> = {}) => ({
+    stdout: Buffer.from(stdout),
+    stderr: Buffer.from(stderr),
+    stdoutTruncated: flags.o ?? false,
+    stderrTruncated: flags.e ?? false,
+  });
+
+  test("output within the cap is returned as it is, not truncated", () => {
+    const r = out("hello", "warn");
+    const c = capOutput(r, 9);
+    expect(c.stdout).toBe(r.stdout);
+    expect(c.stderr).toBe(r.stderr);
+    expect(c.truncated).toBe(false);
+  });
+
+  test("the guest's own flags make it truncated even when the bytes fit", () => {
+    expect(capOutput(out("a", ""), 10).truncated).toBe(false);
+    expect(capOutput(out("a", "", { o: true }), 10).truncated).toBe(true);
+    expect(capOutput(out("a", "", { e: true }), 10).truncated).toBe(true);
+  });
+
+  test("over the cap: the shorter keeps what it has up to half, the longer gets the rest", () => {
+    let c = capOutput(out("abcdefghij", "xy"), 8);
+    expect([c.stdout.toString(), c.stderr.toString(), c.truncated]).toEqual(["abcdef", "xy", true]);
+    c = capOutput(out("ab", "0123456789"), 8);
+    expect([c.stdout.toString(), c.stderr.toString(), c.truncated]).toEqual(["ab", "012345", true]);
+    c = capOutput(out("abcdefghij", "0123456789"), 8);
+    expect([c.stdout.toString(), c.stderr.toString(), c.truncated]).toEqual(["abcd", "0123", true]);
+  });
+
+  test("the default cap is EXEC_OUTPUT_MAX, stdout and stderr together", () => {
+    const c = capOutput(out("a".repeat(EXEC_OUTPUT_MAX), "b".repeat(10)));
+    expect(c.stdout.length + c.stderr.length).toBe(EXEC_OUTPUT_MAX);
+    expect(c.stderr.toString()).toBe("b".repeat(10));
+    expect(c.truncated).toBe(true);
   });
 });

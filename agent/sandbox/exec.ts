@@ -21,7 +21,7 @@
  */
 
 import type { ExecAction, FileWriteAction } from "../../contracts/agent/api.ts";
-import { EGRESS_PORT } from "../../contracts/guest-protocol.ts";
+import { EGRESS_PORT, EXEC_OUTPUT_MAX } from "../../contracts/guest-protocol.ts";
 import { type ImageConfig, resolveCommand } from "../image/import.ts";
 
 /** Spec 8: the default per-exec timeout is 30 seconds. */
@@ -95,6 +95,31 @@ export function planExec(req: ExecRequest, image: ExecImage): ExecPlan {
   const first = plan.commands[0];
   if (first && seed) first.seed = seed;
   return plan;
+}
+
+/**
+ * An exec's output as the API returns it: stdout+stderr together at most `EXEC_OUTPUT_MAX` bytes.
+ * The guest already clamps its captures so (the smaller stream keeps up to half, the larger the
+ * rest) and flags the cut; the same rule applied here bounds what a guest that ignores it can
+ * make the host hold and encode. `truncated` is true when either side cut anything.
+ */
+export function capOutput(
+  r: { stdout: Buffer; stderr: Buffer; stdoutTruncated: boolean; stderrTruncated: boolean },
+  max = EXEC_OUTPUT_MAX,
+): { stdout: Buffer; stderr: Buffer; truncated: boolean } {
+  let o = r.stdout.length;
+  let e = r.stderr.length;
+  if (o + e > max) {
+    const half = Math.floor(max / 2);
+    if (o <= half) e = max - o;
+    else if (e <= half) o = max - e;
+    else [o, e] = [half, max - half];
+  }
+  return {
+    stdout: o < r.stdout.length ? r.stdout.subarray(0, o) : r.stdout,
+    stderr: e < r.stderr.length ? r.stderr.subarray(0, e) : r.stderr,
+    truncated: r.stdoutTruncated || r.stderrTruncated || o < r.stdout.length || e < r.stderr.length,
+  };
 }
 
 /** A finished command's exit status: 124 for a timeout, 128+N for a signal (the shell's way). */

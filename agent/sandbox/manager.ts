@@ -37,6 +37,7 @@ import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.t
 import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import {
+  capOutput,
   type ExecPlan,
   type ExecRequest,
   exitCodeOf,
@@ -661,6 +662,7 @@ export class SandboxManager {
         totalTimeMs: end - t0,
       };
       if (plan.seeded) result.seedAck = ack ? "verified" : "unverified";
+      if (out.truncated) result.truncated = true;
       return result;
     } catch (err) {
       throw await this.execFailure(sb, err, signal);
@@ -924,6 +926,8 @@ interface RunOutcome {
   exitCode: number;
   seedAck: boolean;
   timedOut?: boolean;
+  /** stdout+stderr were cut at EXEC_OUTPUT_MAX (capOutput). */
+  truncated?: boolean;
 }
 
 /** One planned command with what is left of the action's time; none left is a timeout. */
@@ -948,11 +952,13 @@ async function runOne(
     ...(cmd.seed !== undefined ? { seed: cmd.seed } : {}),
     signal,
   });
+  const out = capOutput(r);
   return {
-    stdout: r.stdout.toString("utf8"),
-    stderr: r.stderr.toString("utf8"),
+    stdout: out.stdout.toString("utf8"),
+    stderr: out.stderr.toString("utf8"),
     exitCode: exitCodeOf(r),
     seedAck: r.seedAck,
     timedOut: r.timedOut,
+    truncated: out.truncated,
   };
 }

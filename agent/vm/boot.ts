@@ -4,6 +4,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { GuestClient } from "../guest/client.ts";
 import type { ImportedImage } from "../image/import.ts";
+import { consoleTail } from "../qemu/console.ts";
 import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { createOverlayOn } from "../storage/qcow2.ts";
 import { newVmId } from "./ids.ts";
@@ -38,6 +39,8 @@ export interface BootedVm {
 const HELLO_WAIT_MS = 1000;
 /** Pause between HELLO attempts when the socket refused us (QEMU not listening yet). */
 const HELLO_RETRY_MS = 100;
+/** How much of the console a boot failure carries in its details. */
+const CONSOLE_TAIL_BYTES = 4000;
 
 export async function bootVm(opts: BootOptions): Promise<BootedVm> {
   const id = opts.id ?? newVmId();
@@ -111,7 +114,7 @@ export async function connectGuest(
   if (exited) throw await vmDiedError(vm, lastErr);
   throw new SandboxdError("bringup_timeout", `guest agent did not answer within ${timeoutMs} ms`, {
     cause: lastErr,
-    details: { console: await consoleTail(vm) },
+    details: { console: await vmConsoleTail(vm) },
   });
 }
 
@@ -122,15 +125,10 @@ async function vmDiedError(
   const status = await vm.exited;
   return new SandboxdError("spawn_failed", `QEMU exited during boot (${JSON.stringify(status)})`, {
     cause,
-    details: { console: await consoleTail(vm) },
+    details: { console: await vmConsoleTail(vm) },
   });
 }
 
-async function consoleTail(vm: Pick<VmProcess, "consoleLog">): Promise<string> {
-  try {
-    const text = await Bun.file(vm.consoleLog).text();
-    return text.slice(-4000);
-  } catch {
-    return "";
-  }
+function vmConsoleTail(vm: Pick<VmProcess, "consoleLog">): Promise<string> {
+  return consoleTail(vm.consoleLog, CONSOLE_TAIL_BYTES);
 }

@@ -125,6 +125,12 @@ export const ExecResultSchema = z.object({
   totalTimeMs: z.number(),
   /** e.g. "verified" when the guest saw the seed. */
   seedAck: z.string().optional(),
+  /**
+   * Present, and true, only when stdout+stderr were cut at the exec output cap
+   * (`MAX_EXEC_OUTPUT_BYTES`, contracts/guest-protocol.ts); absent otherwise, so an answer under
+   * the cap is what it was before the flag existed.
+   */
+  truncated: z.literal(true).optional(),
 });
 
 export const OneShotResultSchema = ExecResultSchema.extend({ forkTimeMs: z.number() });

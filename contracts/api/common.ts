@@ -7,6 +7,8 @@ import { z } from "zod";
 import { PublicErrorCode } from "../errors.ts";
 import {
   MAX_EXEC_FILES,
+  MAX_EXEC_OUTPUT_BYTES,
+  MAX_EXEC_RESPONSE_BYTES,
   MAX_LABEL_KEY_CHARS,
   MAX_LABEL_VALUE_CHARS,
   MAX_LABELS,
@@ -87,6 +89,17 @@ export const FileWrites = z.array(FileWrite).max(MAX_EXEC_FILES);
 
 /** Argv arrays: each command is a non-empty list of strings, run without a shell. */
 export const ArgvCommands = z.array(z.array(z.string()).min(1)).min(1);
+
+/**
+ * An exec response's `truncated`: present (true) only when output was cut, so a response whose
+ * output fits is exactly what it was before the field existed.
+ */
+export const ExecTruncated = z
+  .literal(true)
+  .optional()
+  .describe(
+    `Present, and true, only when stdout and stderr were cut: together they carry at most ${MAX_EXEC_OUTPUT_BYTES} bytes of the command's output (when both are long, the shorter keeps up to half). The command itself ran to its end; what it wrote past the cap was discarded. JSON escaping makes a response at most ${MAX_EXEC_RESPONSE_BYTES} bytes.`,
+  );
 
 /** Positive integer seconds; the upper bound is the deployment's `maxExecTimeoutS`. */
 export const TimeoutSeconds = z.int().min(1);

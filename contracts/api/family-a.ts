@@ -3,7 +3,7 @@
  * templates registered from an uploaded image.
  */
 import { z } from "zod";
-import { ArgvCommands, FileWrites, SessionId, TemplateId, TimeoutSeconds } from "./common.ts";
+import { ArgvCommands, ExecTruncated, FileWrites, SessionId, TemplateId, TimeoutSeconds } from "./common.ts";
 
 // ---- exec (2.2, 4.1) -----------------------------------------------------------------------
 
@@ -25,6 +25,7 @@ export const ExecResultA = z
     fork_time_ms: z.number().describe("VM spawn time; 0 for a session exec."),
     exec_time_ms: z.number(),
     total_time_ms: z.number(),
+    truncated: ExecTruncated,
   })
   .meta({ id: "ExecResultA" });
 export type ExecResultA = z.infer<typeof ExecResultA>;

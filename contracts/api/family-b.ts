@@ -6,6 +6,7 @@ import { z } from "zod";
 import {
   ArgvCommands,
   Endpoints,
+  ExecTruncated,
   FileWrites,
   Labels,
   Rfc3339,
@@ -260,6 +261,7 @@ export const ExecResponseB = z
     total_time_ms: z.number(),
     seed: z.string().optional(),
     seed_ack: z.string().optional().describe("`verified` when the guest saw the seed."),
+    truncated: ExecTruncated,
   })
   .meta({ id: "ExecResponseB" });
 

@@ -4,6 +4,7 @@
  * defaults: `GatewayConfig.limits` (gateway/config.ts) overrides any of them per deployment
  * (the spec lets BYOC deployments tune the session cap, idle TTL and reaper interval, section 1).
  */
+import { EXEC_OUTPUT_MAX } from "../guest-protocol.ts";
 import type { Tier } from "./tiers.ts";
 
 /** Spec section 8: 100 requests per second per key, 429 beyond. */
@@ -30,6 +31,17 @@ export const MAX_JSON_BODY_BYTES = 10 * 1024 * 1024;
  * the disk. The body is streamed to a file, never held in memory.
  */
 export const MAX_TEMPLATE_UPLOAD_BYTES = 20 * 1024 * 1024 * 1024;
+
+/**
+ * Our choice (decisions.md): an exec's stdout and stderr together carry at most this many bytes
+ * (1,044,480: one guest RESPONSE frame less its other fields); the response then says
+ * `truncated: true`. The guest discards the rest as it is written, so neither the guest, the
+ * agent nor the gateway holds more. JSON escapes a control byte as `\u00XX` (6 bytes), so one
+ * exec's JSON response is at most 6 x 1,044,480 + 512 = 6,267,392 bytes.
+ */
+export const MAX_EXEC_OUTPUT_BYTES = EXEC_OUTPUT_MAX;
+/** The worst-case JSON size of one exec response (see MAX_EXEC_OUTPUT_BYTES). */
+export const MAX_EXEC_RESPONSE_BYTES = 6 * MAX_EXEC_OUTPUT_BYTES + 512;
 
 /**
  * Our choice: most executions in one `POST /v1/exec/batch`. Each runs in its own VM at once,

@@ -24,6 +24,7 @@ function resultA(id: string, r: ExecResult, forkTimeMs: number): z.infer<typeof 
     fork_time_ms: forkTimeMs,
     exec_time_ms: r.execTimeMs,
     total_time_ms: r.totalTimeMs,
+    ...(r.truncated ? { truncated: true as const } : {}),
   };
 }
 

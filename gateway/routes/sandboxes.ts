@@ -105,6 +105,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     };
     if (req.seed !== undefined) body.seed = req.seed;
     if (r.seedAck !== undefined) body.seed_ack = r.seedAck;
+    if (r.truncated) body.truncated = true;
     return c.json(body);
   });
 

@@ -16,6 +16,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+_Static_assert(SBX_EXEC_OUTPUT_MAX == SBX_MAX_PAYLOAD - RESPONSE_RESERVE, "exec output cap is a RESPONSE less its fields");
+
 /* Default per-stream capture cap (docs: MAX_OUTPUT default 1 MiB). */
 #define DEFAULT_MAX_OUTPUT (1u << 20)
 /* Bound on execs in flight: each holds up to 3 fds, two capture buffers (<= 2 MiB) and a poll
@@ -154,7 +156,7 @@ void exec_finish(struct exec *e) {
   if (!e->stream_output) {
     /* Both captures together must fit one RESPONSE frame (SBX_MAX_PAYLOAD); when they do not,
      * the smaller keeps what it has up to half and the larger gets the rest. */
-    size_t budget = SBX_MAX_PAYLOAD - RESPONSE_RESERVE, half = budget / 2;
+    size_t budget = SBX_EXEC_OUTPUT_MAX, half = budget / 2;
     if (o + r > budget) {
       if (o <= half)
         r = budget - o;

@@ -23,6 +23,9 @@
 /* 1 MiB: large enough for a file chunk or an exec's bounded output, small enough that a
  * corrupt length cannot make either side allocate without bound. */
 #define SBX_MAX_PAYLOAD 1048576
+/* An exec's captured stdout+stderr together, at most: one RESPONSE frame less 4 KiB for its
+ * other fields. Past it the rest is read and discarded and the *_TRUNC flags are set. */
+#define SBX_EXEC_OUTPUT_MAX 1044480
 
 /* frame types */
 #define SBX_T_HELLO 1
