@@ -4,7 +4,11 @@ import { TemplateReadyMap } from "./family-a.ts";
 
 export const HealthResponse = z
   .object({
-    status: z.enum(["ok", "degraded"]).describe("`degraded` when the host agent does not answer."),
+    status: z
+      .enum(["ok", "degraded"])
+      .describe(
+        "`degraded` when the host agent or the database does not answer (then `templates` is empty).",
+      ),
     version: z.string().describe("API build stamp (Family B form)."),
     templates: TemplateReadyMap.describe("Public templates and readiness (Family A form)."),
   })
