@@ -333,16 +333,17 @@ async function run(name: string, cmd: string, args: string[], env: Record<string
     }
 
     // HTTP idle and header timeouts: a silent connection and one with half its headers are cut.
-    // Bun's socket timers tick every 4 s (uSockets), so a cut comes up to two ticks late.
+    // Bun's socket timers tick every 4 s (uSockets) and a timeout is rounded up to whole ticks:
+    // measured 9-12 s for 2 s on this machine. Without the timeout: never.
     const [silent, halfHeaders] = await Promise.all([
-      secondsUntilClosed(url, "", IDLE_S + 10),
-      secondsUntilClosed(url, "GET /v1/health HTTP/1.1\r\nHost: x\r\n", IDLE_S + 10),
+      secondsUntilClosed(url, "", IDLE_S + 30),
+      secondsUntilClosed(url, "GET /v1/health HTTP/1.1\r\nHost: x\r\n", IDLE_S + 30),
     ]);
     const idle = { test: "gateway-http-idle", runtime: name, idle_s: IDLE_S, silent, halfHeaders };
     console.log(JSON.stringify(idle));
     if (name !== "deno") {
-      expect(silent).toBeLessThan(IDLE_S + 10);
-      expect(halfHeaders).toBeLessThan(IDLE_S + 10);
+      expect(silent).toBeLessThan(IDLE_S + 16);
+      expect(halfHeaders).toBeLessThan(IDLE_S + 16);
     }
     // Deno.serve has no idle or header timeout setting, and none of its own was seen within a
     // minute: under Deno a proxy in front must bound them (docs/decisions.md).
