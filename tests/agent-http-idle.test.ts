@@ -6,11 +6,11 @@
  */
 import { afterAll, expect, test } from "bun:test";
 import { mkdtempSync, rmSync } from "node:fs";
-import { connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
+import { HALF_HEADERS, secondsUntilClosed } from "./support/idle.ts";
 
 const IDLE_S = 2;
 const dir = mkdtempSync(join(tmpdir(), "sandboxd-agent-idle-"));
@@ -29,31 +29,10 @@ afterAll(async () => {
   rmSync(dir, { recursive: true, force: true });
 });
 
-/** Seconds until the server closes a raw connection that sent `send` and then nothing. */
-function secondsUntilClosed(send: string, capS: number): Promise<number> {
-  const u = new URL(server.url);
-  return new Promise((resolve) => {
-    const t0 = performance.now();
-    const sock = connect(Number(u.port), u.hostname, () => {
-      if (send) sock.write(send);
-    });
-    sock.on("data", () => {});
-    sock.on("error", () => {});
-    const cap = setTimeout(() => {
-      sock.destroy();
-      resolve(Number.POSITIVE_INFINITY);
-    }, capS * 1000);
-    sock.once("close", () => {
-      clearTimeout(cap);
-      resolve((performance.now() - t0) / 1000);
-    });
-  });
-}
-
 test("a silent connection and one with half its headers are closed after the idle timeout", async () => {
   const [silent, halfHeaders] = await Promise.all([
-    secondsUntilClosed("", IDLE_S + 30),
-    secondsUntilClosed("GET /v1/health HTTP/1.1\r\nHost: x\r\n", IDLE_S + 30),
+    secondsUntilClosed(server.url, "", IDLE_S + 30),
+    secondsUntilClosed(server.url, HALF_HEADERS, IDLE_S + 30),
   ]);
   console.log(JSON.stringify({ test: "agent-http-idle", idle_s: IDLE_S, silent, halfHeaders }));
   // Bun's socket timers tick every 4 s (uSockets) and a timeout is rounded up to whole ticks:

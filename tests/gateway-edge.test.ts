@@ -19,10 +19,10 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { type ChildProcess, spawnSync } from "node:child_process";
 import { existsSync, mkdirSync, readFileSync, rmSync } from "node:fs";
-import { connect as tcpConnect } from "node:net";
 import { join, resolve } from "node:path";
 import WebSocket from "ws";
 import { TCP_MESSAGE_BYTES } from "../gateway/runtime/ws-limits.ts";
+import { HALF_HEADERS, secondsUntilClosed } from "./support/idle.ts";
 import {
   denoArgs,
   denoBinary,
@@ -173,27 +173,6 @@ function echoOnce(ws: WebSocket, text: string): Promise<string> {
   });
 }
 
-/** Seconds until the server closes a raw connection that sent `send` and then nothing. */
-function secondsUntilClosed(url: string, send: string, capS: number): Promise<number> {
-  const u = new URL(url);
-  return new Promise((resolve) => {
-    const t0 = performance.now();
-    const sock = tcpConnect(Number(u.port), u.hostname, () => {
-      if (send) sock.write(send);
-    });
-    sock.on("data", () => {});
-    sock.on("error", () => {});
-    const cap = setTimeout(() => {
-      sock.destroy();
-      resolve(Number.POSITIVE_INFINITY);
-    }, capS * 1000);
-    sock.once("close", () => {
-      clearTimeout(cap);
-      resolve((performance.now() - t0) / 1000);
-    });
-  });
-}
-
 async function run(name: string, cmd: string, args: string[], env: Record<string, string> = {}) {
   const dataDir = join(root, `data-${name}`);
   mkdirSync(dataDir);
@@ -337,7 +316,7 @@ async function run(name: string, cmd: string, args: string[], env: Record<string
     // measured 9-12 s for 2 s on this machine. Without the timeout: never.
     const [silent, halfHeaders] = await Promise.all([
       secondsUntilClosed(url, "", IDLE_S + 30),
-      secondsUntilClosed(url, "GET /v1/health HTTP/1.1\r\nHost: x\r\n", IDLE_S + 30),
+      secondsUntilClosed(url, HALF_HEADERS, IDLE_S + 30),
     ]);
     const idle = { test: "gateway-http-idle", runtime: name, idle_s: IDLE_S, silent, halfHeaders };
     console.log(JSON.stringify(idle));
