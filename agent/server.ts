@@ -18,6 +18,8 @@ export interface AgentServerOptions {
   port: number;
   version: string;
   log?: (msg: string) => void;
+  /** Default `AGENT_IDLE_TIMEOUT_S`. */
+  idleTimeoutS?: number;
 }
 
 export interface AgentServer {
@@ -26,11 +28,12 @@ export interface AgentServer {
 }
 
 /**
- * 0 = no idle cut-off. An exec request is silent for as long as the command runs (up to the
- * gateway's 600 s exec cap) and Bun's idleTimeout cannot exceed 255 s; the gateway's
- * AgentHttpClient bounds every call with its own deadline instead.
+ * Seconds a connection may take to send a request's headers, or stay idle between requests.
+ * Once a request's headers are in, its own timeout is lifted (`server.timeout(request, 0)`): an
+ * exec request is silent for as long as the command runs (up to the gateway's 600 s exec cap),
+ * over Bun's 255 s cap, and the gateway's AgentHttpClient bounds every call with its own deadline.
  */
-const AGENT_IDLE_TIMEOUT_S = 0;
+export const AGENT_IDLE_TIMEOUT_S = 30;
 
 export function startAgentServer(opts: AgentServerOptions): AgentServer {
   const app = createAgentApp({
@@ -43,10 +46,13 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
   const server = Bun.serve({
     hostname: opts.hostname,
     port: opts.port,
-    idleTimeout: AGENT_IDLE_TIMEOUT_S,
+    idleTimeout: opts.idleTimeoutS ?? AGENT_IDLE_TIMEOUT_S,
     // Template images are streamed to disk by the route; no whole-body buffering limit applies.
     maxRequestBodySize: Number.MAX_SAFE_INTEGER,
-    fetch: app.fetch,
+    fetch: (request, srv) => {
+      srv.timeout(request, 0);
+      return app.fetch(request, srv);
+    },
     // The only WebSocket route: GET /v1/vms/{id}/tunnel (upgraded in app.ts).
     websocket: tunnelWebSocket,
   });

@@ -67,6 +67,7 @@ export const PublicErrorCode = [
   "quota_exceeded",
   "at_capacity",
   "agent_unavailable",
+  "db_unavailable",
   "not_implemented",
   "spawn_failed",
   "bringup_timeout",

@@ -54,7 +54,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   );
 
   app.route("/", healthRoutes(deps)); // no key (spec 5.1)
-  app.route("/", connectTokenRoutes(deps)); // a scoped token instead of a key (spec 5.5)
+  app.route("/", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
 
   app.use("/v1/*", bearerKey({ db: deps.db, pepper: deps.config.keyPepper }), rateLimit.middleware);
 

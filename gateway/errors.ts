@@ -18,6 +18,21 @@ import {
   type PublicErrorCode,
   SandboxdError,
 } from "../contracts/errors.ts";
+import { isDbUnavailable } from "../db/unavailable.ts";
+
+/**
+ * `Retry-After` of a 503 `db_unavailable`, seconds: a restarting PostgreSQL is back within
+ * seconds, and a client retrying every 5 s adds little load to one that is not.
+ */
+export const DB_RETRY_AFTER_S = 5;
+
+/** The error a call answers while the database cannot be reached. */
+export function dbUnavailable(cause: unknown): SandboxdError {
+  return new SandboxdError("db_unavailable", "the database is unreachable; retry shortly", {
+    cause,
+    details: { retryAfterSeconds: DB_RETRY_AFTER_S },
+  });
+}
 
 export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCode>> = {
   bad_request: 400,
@@ -36,6 +51,7 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   quota_exceeded: 429,
   at_capacity: 503,
   agent_unavailable: 503, // the sandbox's host agent does not answer; retry with backoff
+  db_unavailable: 503, // the gateway's database does not answer; retry after Retry-After
   not_implemented: 501, // a feature this deployment's agent does not offer
   spawn_failed: 503,
   bringup_timeout: 504,
@@ -73,6 +89,9 @@ function isAgentOnlyCode(code: ErrorCode): code is keyof typeof PUBLIC_OF_AGENT_
 }
 
 export function mapError(err: unknown): MappedError {
+  if ((!(err instanceof SandboxdError) || err.code === "internal") && isDbUnavailable(err)) {
+    err = dbUnavailable(err);
+  }
   if (err instanceof SandboxdError && isAgentOnlyCode(err.code)) {
     err = new SandboxdError(PUBLIC_OF_AGENT_CODE[err.code], err.message, {
       cause: err,

@@ -31,7 +31,8 @@ export async function readBodyLimited(c: Context, max: number): Promise<Uint8Arr
     if (done) break;
     total += value.byteLength;
     if (total > max) {
-      await reader.cancel();
+      // Not cancelled: the server drains the rest before answering 413 (runtime/early-answer.ts).
+      reader.releaseLock();
       throw tooLarge();
     }
     chunks.push(value);

@@ -107,6 +107,8 @@ function operation(r: RouteContract, components: Json): Json {
   if (r.family !== "none") {
     errs.add(401);
     errs.add(429);
+    // db_unavailable (with Retry-After): the key is looked up in the database.
+    errs.add(503);
   }
   for (const s of [...errs].sort()) responses[String(s)] = { $ref: "#/components/responses/Error" };
   op.responses = Object.fromEntries(

@@ -17,6 +17,7 @@ import { createApp } from "./app.ts";
 import { loadSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import type { Clock } from "./deps.ts";
+import { answerAfterBody } from "./runtime/early-answer.ts";
 import { type RunningServer, type RuntimeName, serveFetch } from "./runtime/index.ts";
 
 export type StartGatewayOptions = {
@@ -41,6 +42,11 @@ export type StartGatewayOptions = {
   config?: Partial<GatewayConfigInput>;
   clock?: Clock;
   log?: (line: string) => void;
+  /**
+   * Seconds a connection may wait for a request's headers, or sit idle between requests, before
+   * it is closed (default `HTTP_IDLE_TIMEOUT_S`, runtime/types.ts).
+   */
+  httpIdleTimeoutS?: number;
 } & (
   | {
       /** Secrets (`<dataDir>/secrets`), uploads and, without `databaseUrl`, the PGlite db. */
@@ -145,10 +151,13 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
           if (path === ENROLL_PATH) return handleEnroll(handle.db, agentSecret, request, clock);
         }
         // `upgrade` reaches the connect route as a binding (HonoEnv); relays: gateway/relay/.
-        return app.fetch(request, upgrade ? { upgrade } : {});
+        if (upgrade) return app.fetch(request, { upgrade });
+        // An error answered before the body was read drains it first (runtime/early-answer.ts).
+        return Promise.resolve(app.fetch(request, {})).then((res) => answerAfterBody(request, res));
       },
       hostname,
       port: opts.port ?? 8080,
+      ...(opts.httpIdleTimeoutS !== undefined ? { idleTimeoutS: opts.httpIdleTimeoutS } : {}),
       // The longest exec a client may ask for, plus a minute for the VM around it.
       requestTimeoutMs: (config.limits.maxExecTimeoutS + 60) * 1000,
     });

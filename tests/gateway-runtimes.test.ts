@@ -12,27 +12,22 @@
  * skipped, with a message, only when no `node` binary is on PATH.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { type ChildProcess, spawn, spawnSync } from "node:child_process";
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
-import { createRequire } from "node:module";
-import { tmpdir } from "node:os";
-import { dirname, join, resolve } from "node:path";
+import type { ChildProcess } from "node:child_process";
+import { mkdirSync, rmSync } from "node:fs";
+import { join, resolve } from "node:path";
 import WebSocket from "ws";
+import {
+  denoArgs,
+  denoBinary,
+  entryStopOnSignal,
+  HAVE_NODE,
+  prepareEntry,
+  START_TIMEOUT_MS,
+  startRuntime as startProcess,
+  stopRuntime as stopProcess,
+} from "./support/runtimes.ts";
 
 const REPO = resolve(import.meta.dir, "..");
-const HAVE_NODE = spawnSync("node", ["--version"]).status === 0;
-/** Cold start of a runtime plus PGlite's first migration; generous for a loaded CI machine. */
-const START_TIMEOUT_MS = 60_000;
-
-/**
- * The native Deno binary of the `deno` devDependency, found by that package's own resolver (its
- * postinstall does the same; `trustedDependencies` lets it run). Not `node_modules/.bin/deno`
- * when that is still the package's Node wrapper: a signal to the wrapper would orphan Deno.
- */
-function denoBinary(): string {
-  const api = createRequire(import.meta.url)("deno/install_api.cjs") as { runInstall(): string };
-  return api.runInstall();
-}
 
 let root = "";
 const children = new Set<ChildProcess>();
@@ -67,46 +62,7 @@ const key = await gw.withDb(async (db) => {
   return (await createKey(db, gw.config.keyPepper, { tenant: "smoke", tier: "pro" })).key;
 });
 console.log(JSON.stringify({ url: gw.url, runtime: gw.runtime, startGatewayMs, key }));
-let stopping = false;
-const stop = () => {
-  if (stopping) return;
-  stopping = true;
-  echo.close();
-  gw.stop().then(() => process.exit(0), (err) => { console.error(err); process.exit(1); });
-};
-process.on("SIGTERM", stop);
-process.on("SIGINT", stop);
-`;
-
-/**
- * Bundles the entry for Node and Deno. db/client.ts locates its migrations relative to its own
- * file (`import.meta.dirname`); in a bundle that would be the bundle's directory, so the plugin
- * replaces it with each source file's directory at build time.
- */
-async function bundle(entry: string, outdir: string): Promise<string> {
-  const result = await Bun.build({
-    entrypoints: [entry],
-    outdir,
-    target: "node",
-    packages: "external",
-    plugins: [
-      {
-        name: "import-meta-dirname",
-        setup(build) {
-          build.onLoad({ filter: /\.ts$/ }, (args) => ({
-            contents: readFileSync(args.path, "utf8").replace(
-              /import\.meta\.dirname\b/g,
-              JSON.stringify(dirname(args.path)),
-            ),
-            loader: "ts",
-          }));
-        },
-      },
-    ],
-  });
-  if (!result.success) throw new Error(`bun build failed: ${result.logs.join("\n")}`);
-  return join(outdir, "entry.js");
-}
+${entryStopOnSignal("echo.close();")}`;
 
 interface Started {
   child: ChildProcess;
@@ -119,51 +75,17 @@ interface Started {
 }
 
 /** Spawns a runtime on the entry and waits for its JSON line (the bound URL). */
-function startRuntime(cmd: string, args: string[], env: Record<string, string>): Promise<Started> {
-  const t0 = performance.now();
-  const child = spawn(cmd, args, { cwd: root, env: { ...process.env, ...env }, stdio: "pipe" });
-  children.add(child);
-  child.once("exit", () => children.delete(child));
-  let out = "";
-  let err = "";
-  child.stderr!.on("data", (b: Buffer) => {
-    err += b.toString();
-  });
-  return new Promise((resolveStart, reject) => {
-    const timer = setTimeout(() => {
-      child.kill("SIGKILL");
-      reject(new Error(`${cmd} did not start in ${START_TIMEOUT_MS} ms; stderr:\n${err}`));
-    }, START_TIMEOUT_MS);
-    child.stdout!.on("data", (b: Buffer) => {
-      out += b.toString();
-      const nl = out.indexOf("\n");
-      if (nl < 0) return;
-      clearTimeout(timer);
-      try {
-        const line = JSON.parse(out.slice(0, nl)) as {
-          url: string;
-          runtime: string;
-          startGatewayMs: number;
-          key: string;
-        };
-        resolveStart({ child, ...line, readyMs: performance.now() - t0, stderr: () => err });
-      } catch {
-        reject(new Error(`unexpected output from ${cmd}: ${out}\nstderr:\n${err}`));
-      }
-    });
-    child.once("exit", (code, signal) => {
-      clearTimeout(timer);
-      reject(new Error(`${cmd} exited (${code ?? signal}) before listening; stderr:\n${err}`));
-    });
-  });
+async function startRuntime(cmd: string, args: string[], env: Record<string, string>): Promise<Started> {
+  const s = await startProcess<{ url: string; runtime: string; startGatewayMs: number; key: string }>(
+    cmd,
+    args,
+    { cwd: root, env, children },
+  );
+  return { child: s.child, ...s.line, readyMs: s.readyMs, stderr: s.stderr };
 }
 
 function stopRuntime(s: Started): Promise<number | null> {
-  return new Promise((resolveStop) => {
-    if (s.child.exitCode !== null) return resolveStop(s.child.exitCode);
-    s.child.once("exit", (code) => resolveStop(code));
-    s.child.kill("SIGTERM");
-  });
+  return stopProcess(s.child);
 }
 
 async function smoke(name: string, cmd: string, args: string[], env: Record<string, string> = {}) {
@@ -247,11 +169,7 @@ async function connectSmoke(s: Started) {
 let bundled = "";
 
 beforeAll(async () => {
-  root = mkdtempSync(join(tmpdir(), "sandboxd-runtimes-"));
-  writeFileSync(join(root, "entry.ts"), ENTRY);
-  // Node and Deno resolve the bundle's npm imports (hono, drizzle, PGlite...) from here.
-  symlinkSync(join(REPO, "node_modules"), join(root, "node_modules"));
-  bundled = await bundle(join(root, "entry.ts"), join(root, "out"));
+  ({ root, bundled } = await prepareEntry("sandboxd-runtimes-", ENTRY));
 });
 
 afterAll(() => {
@@ -285,9 +203,8 @@ describe("gateway under each runtime", () => {
     async () => {
       const denoDir = join(root, "deno-cache");
       mkdirSync(denoDir);
-      // --node-modules-dir=manual: resolve npm imports from node_modules as Node does; DENO_DIR
-      // keeps Deno's cache inside the test's temp dir.
-      await smoke("deno", denoBinary(), ["run", "-A", "--node-modules-dir=manual", "--no-lock", bundled], {
+      // DENO_DIR keeps Deno's cache inside the test's temp dir.
+      await smoke("deno", denoBinary(), denoArgs(bundled), {
         DENO_DIR: denoDir,
         NO_COLOR: "1",
       });

@@ -11,7 +11,11 @@ export const TCG_BOUNDARY =
 
 export const HealthResponse = z
   .object({
-    status: z.enum(["ok", "degraded"]).describe("`degraded` when the host agent does not answer."),
+    status: z
+      .enum(["ok", "degraded"])
+      .describe(
+        "`degraded` when the host agent or the database does not answer (then `templates` is empty).",
+      ),
     version: z.string().describe("API build stamp (Family B form)."),
     templates: TemplateReadyMap.describe("Public templates and readiness (Family A form)."),
     accel: z

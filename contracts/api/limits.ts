@@ -96,6 +96,15 @@ export const SESSION_IDLE_TTL_S = 15 * 60;
  */
 export const REAPER_INTERVAL_S = 30;
 
+/**
+ * Our choice: connect relays (WebSockets of `GET /v1/sandboxes/{id}/connect`) one tenant may hold
+ * open on one gateway process; the next is refused with 429 `quota_exceeded` before the upgrade.
+ * Each relay holds at most one client message plus its back-pressure margin (decisions.md,
+ * "Connect relays"), so this bounds what one tenant can make a gateway hold. 100 is a browser per
+ * agent worker plus a database pool each for a sizeable fleet of workers.
+ */
+export const RELAYS_PER_TENANT = 100;
+
 /** Our choice: longest `GET /v1/usage` window, so one query scans at most a year of intervals. */
 export const MAX_USAGE_WINDOW_S = 366 * 24 * 3600;
 
@@ -123,6 +132,7 @@ export interface Limits {
   forkCapByTier: Record<Tier, number>;
   connectTtlMaxS: number;
   sessionCapPerTenant: number;
+  relaysPerTenant: number;
   sandboxQuotaByTier: Record<Tier, number>;
   sessionIdleTtlS: number;
   reaperIntervalS: number;
@@ -139,6 +149,7 @@ export const DEFAULT_LIMITS: Readonly<Limits> = Object.freeze({
   forkCapByTier: { ...FORK_CAP_BY_TIER },
   connectTtlMaxS: CONNECT_TTL_MAX_S,
   sessionCapPerTenant: SESSION_CAP_PER_TENANT,
+  relaysPerTenant: RELAYS_PER_TENANT,
   sandboxQuotaByTier: { ...SANDBOX_QUOTA_BY_TIER },
   sessionIdleTtlS: SESSION_IDLE_TTL_S,
   reaperIntervalS: REAPER_INTERVAL_S,

@@ -29,7 +29,12 @@ async function freePort(): Promise<number> {
 
 export interface TestPostgres {
   url: string;
+  /** Stops the server and removes its files. */
   stop(): void;
+  /** Stops the server (as a crash would: `-m immediate`), keeping its data for `start`. */
+  halt(): void;
+  /** Starts a halted server again on the same port and data. */
+  start(): void;
 }
 
 export async function startPostgres(): Promise<TestPostgres | null> {
@@ -62,8 +67,7 @@ export async function startPostgres(): Promise<TestPostgres | null> {
     if (r.status !== 0) throw new Error(`${args.join(" ")} failed: ${r.stderr || r.stdout}`);
   };
   const port = await freePort();
-  try {
-    run([join(bin, "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]);
+  const start = () =>
     run([
       join(bin, "pg_ctl"),
       "-D",
@@ -75,15 +79,23 @@ export async function startPostgres(): Promise<TestPostgres | null> {
       `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off`,
       "start",
     ]);
+  const halt = () => run([join(bin, "pg_ctl"), "-D", data, "-m", "immediate", "-w", "stop"]);
+  try {
+    run([join(bin, "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]);
+    start();
   } catch (err) {
     rmSync(dir, { recursive: true, force: true });
     throw err;
   }
   return {
     url: `postgres://postgres@127.0.0.1:${port}/postgres`,
+    halt,
+    start,
     stop: () => {
       try {
-        run([join(bin, "pg_ctl"), "-D", data, "-m", "immediate", "-w", "stop"]);
+        halt();
+      } catch {
+        // already halted
       } finally {
         rmSync(dir, { recursive: true, force: true });
       }

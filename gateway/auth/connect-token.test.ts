@@ -6,7 +6,12 @@
 import { expect, test } from "bun:test";
 import { decodeJwt, decodeProtectedHeader } from "jose";
 import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
-import { CONNECT_AUDIENCE, signConnectToken, verifyConnectToken } from "./connect-token.ts";
+import {
+  CONNECT_AUDIENCE,
+  signConnectToken,
+  verifyConnectToken,
+  verifyConnectTokenClaims,
+} from "./connect-token.ts";
 
 const SECRET = "connect-test-secret-0123";
 const NOW_SECS = 1_740_830_400;
@@ -56,4 +61,19 @@ test("another secret, a changed payload or not a token at all is refused", async
   const none = Buffer.from(JSON.stringify({ alg: "none", typ: "JWT" })).toString("base64url");
   expect(await verifyConnectToken(SECRET, `${none}.${t.split(".")[1]}.`, want)).toBeUndefined();
   for (const junk of ["", "x", "a.b.c"]) expect(await verifyConnectToken(SECRET, junk, want)).toBeUndefined();
+});
+
+test("the rate-limit key is the minting key's id (claim `kid`), else the tenant", async () => {
+  const withKid = await signConnectToken(SECRET, {
+    ...scope,
+    keyId: "k1",
+    nowSecs: NOW_SECS,
+    expSecs: NOW_SECS + 60,
+  });
+  expect(decodeJwt(withKid).kid).toBe("k1");
+  expect(await verifyConnectTokenClaims(SECRET, withKid, want)).toEqual({ tenantId: "ten_1", rateKey: "k1" });
+  expect(await verifyConnectTokenClaims(SECRET, await mint(), want)).toEqual({
+    tenantId: "ten_1",
+    rateKey: "tenant:ten_1",
+  });
 });

@@ -17,6 +17,11 @@ export const CONNECT_AUDIENCE = "sandboxd-connect";
 
 export interface ConnectScope {
   tenantId: string;
+  /**
+   * The API key that minted the token (claim `kid`): a connect by token counts against that
+   * key's rate limit. Tokens minted without it count against `tenant:<id>`.
+   */
+  keyId?: string;
   sandboxId: string;
   port: number;
   protocol: TunnelProtocol;
@@ -36,7 +41,12 @@ export function signConnectToken(
   secret: string,
   s: ConnectScope & { nowSecs: number; expSecs: number },
 ): Promise<string> {
-  return new SignJWT({ tid: s.tenantId, port: s.port, proto: s.protocol })
+  return new SignJWT({
+    tid: s.tenantId,
+    port: s.port,
+    proto: s.protocol,
+    ...(s.keyId !== undefined ? { kid: s.keyId } : {}),
+  })
     .setProtectedHeader({ alg: "HS256", typ: "JWT" })
     .setAudience(CONNECT_AUDIENCE)
     .setSubject(s.sandboxId)
@@ -54,6 +64,15 @@ export async function verifyConnectToken(
   token: string,
   want: { sandboxId: string; port: number; protocol: TunnelProtocol; nowMs: number },
 ): Promise<string | undefined> {
+  return (await verifyConnectTokenClaims(secret, token, want))?.tenantId;
+}
+
+/** As `verifyConnectToken`, with the rate-limit key: the minting key's id, else `tenant:<id>`. */
+export async function verifyConnectTokenClaims(
+  secret: string,
+  token: string,
+  want: { sandboxId: string; port: number; protocol: TunnelProtocol; nowMs: number },
+): Promise<{ tenantId: string; rateKey: string } | undefined> {
   try {
     const { payload } = await jwtVerify(token, keyOf(secret), {
       algorithms: ["HS256"],
@@ -63,9 +82,14 @@ export async function verifyConnectToken(
       currentDate: new Date(want.nowMs),
       clockTolerance: 0,
     });
-    const { tid, port, proto } = payload as { tid?: unknown; port?: unknown; proto?: unknown };
+    const { tid, port, proto, kid } = payload as {
+      tid?: unknown;
+      port?: unknown;
+      proto?: unknown;
+      kid?: unknown;
+    };
     if (typeof tid !== "string" || port !== want.port || proto !== want.protocol) return undefined;
-    return tid;
+    return { tenantId: tid, rateKey: typeof kid === "string" ? kid : `tenant:${tid}` };
   } catch {
     return undefined;
   }

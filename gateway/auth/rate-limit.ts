@@ -61,6 +61,12 @@ export interface KeyRateLimit {
    * `rate_limited` with `retryAfterSeconds`, which the error mapping sends as `Retry-After`.
    */
   middleware: MiddlewareHandler<HonoEnv>;
+  /**
+   * Counts one request of `keyId` against the same window, throwing the same 429: for requests
+   * authorised without the key middleware (a connect by token counts against the key that
+   * minted the token).
+   */
+  take(keyId: string): void;
   /** Requests of this key refused by this gateway process (`/v1/metrics`). */
   refused(keyId: string): number;
 }
@@ -69,18 +75,21 @@ export interface KeyRateLimit {
 export function keyRateLimit(perSecond: number, clock: Clock): KeyRateLimit {
   const limiter = new RateLimiter(perSecond, 1000, clock);
   const refused = new Map<string, number>();
+  const take = (keyId: string) => {
+    const wait = limiter.take(keyId);
+    if (wait > 0) {
+      refused.set(keyId, (refused.get(keyId) ?? 0) + 1);
+      throw new SandboxdError("rate_limited", `more than ${perSecond} requests per second`, {
+        details: { retryAfterSeconds: wait },
+      });
+    }
+  };
   return {
     middleware: createMiddleware<HonoEnv>(async (c, next) => {
-      const { keyId } = c.get("principal");
-      const wait = limiter.take(keyId);
-      if (wait > 0) {
-        refused.set(keyId, (refused.get(keyId) ?? 0) + 1);
-        throw new SandboxdError("rate_limited", `more than ${perSecond} requests per second`, {
-          details: { retryAfterSeconds: wait },
-        });
-      }
+      take(c.get("principal").keyId);
       await next();
     }),
+    take,
     refused: (keyId) => refused.get(keyId) ?? 0,
   };
 }

@@ -12,17 +12,18 @@
 import { Duplex } from "node:stream";
 import WebSocket from "ws";
 import type { Tunnel } from "../../contracts/agent/api.ts";
-import { CLOSE, errorText, HIGH_WATER_BYTES, LowWater, RelayBase } from "./common.ts";
+import { CDP_MESSAGE_BYTES } from "../runtime/ws-limits.ts";
+import { CLOSE, errorText, HIGH_WATER_BYTES, LowWater, maxHeldBytes, RelayBase } from "./common.ts";
 
 /** The guest's DevTools must answer discovery and the handshake within this, ms each. */
 export const DEVTOOLS_TIMEOUT_MS = 10_000;
 /** `/json/version` is a few hundred bytes; a larger answer is not DevTools. */
 const MAX_DISCOVERY_BYTES = 64 * 1024;
 /**
- * Largest message accepted from Chromium, bytes: full-page screenshots and big DOM snapshots are
- * tens of MB of base64; Playwright's own client accepts up to 256 MiB.
+ * What the relay holds for the browser at most (its send queue) before closing with 1008, where
+ * the client cannot be paused (Deno).
  */
-const MAX_UPSTREAM_MESSAGE_BYTES = 256 * 1024 * 1024;
+const MAX_HELD_BYTES = maxHeldBytes(CDP_MESSAGE_BYTES);
 
 function withTimeout<T>(p: Promise<T>, what: string, onTimeout: () => void): Promise<T> {
   let timer: ReturnType<typeof setTimeout> | undefined;
@@ -96,7 +97,8 @@ export function openDevTools(tunnel: Tunnel, port: number, path: string): Promis
   const ws = new WebSocket(`ws://localhost:${port}${path}`, {
     // Any Duplex will do as the connection: here the agent's tunnel.
     createConnection: () => Duplex.fromWeb({ readable: tunnel.readable, writable: tunnel.writable }),
-    maxPayload: MAX_UPSTREAM_MESSAGE_BYTES,
+    // A larger message from the browser fails the upstream socket with 1009; the relay ends.
+    maxPayload: CDP_MESSAGE_BYTES,
     perMessageDeflate: false,
     handshakeTimeout: DEVTOOLS_TIMEOUT_MS,
   });
@@ -126,6 +128,7 @@ export async function connectDevTools(first: Tunnel, dial: () => Promise<Tunnel>
 }
 
 export class CdpRelay extends RelayBase {
+  readonly maxMessageBytes = CDP_MESSAGE_BYTES;
   private readonly upstreamSent: LowWater | undefined;
   private paused = false;
 
@@ -147,7 +150,9 @@ export class CdpRelay extends RelayBase {
     }
     up.ws.on("message", (data, isBinary) => {
       if (this.ended) return;
-      const buf = Array.isArray(data) ? Buffer.concat(data) : Buffer.from(data as Buffer);
+      // `ws` gives a Buffer (one frame) or its fragments: the message is copied at most once
+      // here, and once more into a string for a text frame (the runtimes send text as a string).
+      const buf = Array.isArray(data) ? Buffer.concat(data) : (data as Buffer);
       if (isBinary) this.socket!.sendBinary(buf);
       else this.socket!.sendText(buf.toString("utf8"));
       if (this.socket!.bufferedAmount() > HIGH_WATER_BYTES && !up.ws.isPaused) {
@@ -159,18 +164,26 @@ export class CdpRelay extends RelayBase {
     });
     up.ws.on("close", (code, reason) =>
       this.end(
-        code === 1000 || code === 1005 ? CLOSE.normal : CLOSE.error,
+        code === 1000 || code === 1005 ? CLOSE.normal : code === CLOSE.tooBig ? CLOSE.tooBig : CLOSE.error,
         `DevTools closed the connection${reason.length > 0 ? `: ${reason.toString("utf8")}` : ""}`,
       ),
     );
-    up.ws.on("error", (err) => this.end(CLOSE.error, `devtools: ${errorText(err)}`));
+    up.ws.on("error", (err) =>
+      (err as { code?: unknown }).code === "WS_ERR_UNSUPPORTED_MESSAGE_LENGTH"
+        ? this.end(CLOSE.tooBig, `DevTools sent a message over the relay's ${CDP_MESSAGE_BYTES} bytes`)
+        : this.end(CLOSE.error, `devtools: ${errorText(err)}`),
+    );
     up.ws.resume();
   }
 
   message(data: Uint8Array | string): void {
     const up = this.upstream;
-    if (this.ended || up instanceof Error) return;
+    if (this.ended || up instanceof Error || this.tooBig(data)) return;
     up.ws.send(typeof data === "string" ? data : new TextDecoder().decode(data), { binary: false });
+    if (up.ws.bufferedAmount > MAX_HELD_BYTES) {
+      this.end(CLOSE.policy, "the client sends faster than the browser reads");
+      return;
+    }
     if (!this.paused && up.ws.bufferedAmount > HIGH_WATER_BYTES) {
       this.paused = true;
       this.socket!.pause();

@@ -2,6 +2,7 @@
  * What the tcp and cdp relays share: WebSocket close codes, back-pressure thresholds (reasons in
  * docs/decisions.md, "Connect relays") and the socket-side bookkeeping.
  */
+import { Buffer } from "node:buffer";
 import type { ServerSocket, SocketHandler } from "../runtime/types.ts";
 import type { OpenRelay } from "./registry.ts";
 
@@ -13,6 +14,8 @@ export const CLOSE = {
   goingAway: 1001,
   /** The client sent faster than the guest reads, past what the gateway will hold. */
   policy: 1008,
+  /** A message over the relay's size limit (either way). */
+  tooBig: 1009,
   /** The tunnel or the guest side failed; the reason says how. */
   error: 1011,
 } as const;
@@ -30,10 +33,14 @@ export const FLUSH_TIMEOUT_MS = 5_000;
 export const HIGH_WATER_BYTES = 1024 * 1024;
 export const LOW_WATER_BYTES = 256 * 1024;
 /**
- * Where the client cannot be paused (Deno's WebSocket), what the gateway holds for the guest at
- * most before closing with 1008.
+ * What a relay holds for the guest at most before closing with 1008: the high-water mark plus
+ * `maxMessage` and the few messages a paused socket may still deliver (Bun and Node stop reading
+ * at once, what they had parsed still arrives). Only where the client cannot be paused (Deno's
+ * WebSocket) does a fast client reach it.
  */
-export const MAX_HELD_BYTES = 64 * 1024 * 1024;
+export function maxHeldBytes(maxMessage: number): number {
+  return HIGH_WATER_BYTES + 4 * maxMessage;
+}
 /** Drain events are not given by every runtime (Deno): the send queue is also polled this often. */
 export const DRAIN_POLL_MS = 20;
 /** A handler whose WebSocket has not opened this long after the upgrade gives up its tunnel. */
@@ -88,6 +95,7 @@ export class LowWater {
  * exactly once whoever ends first (client, guest, deletion, error). Subclasses move the data.
  */
 export abstract class RelayBase implements SocketHandler, OpenRelay {
+  abstract readonly maxMessageBytes: number;
   protected socket: ServerSocket | undefined;
   protected ended = false;
   private pending: { code: number; reason: string } | undefined;
@@ -130,6 +138,17 @@ export abstract class RelayBase implements SocketHandler, OpenRelay {
   }
 
   abstract message(data: Uint8Array | string): void;
+
+  /**
+   * Ends this relay (only this one) with 1009 when a message is over the limit. A string is
+   * measured as its UTF-8 size, counted without encoding it.
+   */
+  protected tooBig(data: Uint8Array | string, limit = this.maxMessageBytes): boolean {
+    const size = typeof data === "string" ? Buffer.byteLength(data, "utf8") : data.byteLength;
+    if (size <= limit) return false;
+    this.end(CLOSE.tooBig, `message of ${size} bytes is over the relay's ${limit}`);
+    return true;
+  }
 
   drain(): void {
     this.drained.kick();

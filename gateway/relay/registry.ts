@@ -19,8 +19,33 @@ const CLOSED_MEMORY_MS = 60_000;
 export class RelayRegistry {
   private readonly open = new Map<string, Set<OpenRelay>>();
   private readonly closed = new Map<string, { at: number; code: number; reason: string }>();
+  /** Relay slots held per tenant: reserved before the tunnel is dialled, freed when it ends. */
+  private readonly slots = new Map<string, number>();
 
   constructor(private readonly now: () => number = Date.now) {}
+
+  /**
+   * Takes one of the tenant's `max` relay slots, synchronously (two connects racing cannot both
+   * take the last one); returns its release (idempotent), or undefined when all are held.
+   */
+  reserve(tenantId: string, max: number): (() => void) | undefined {
+    const held = this.slots.get(tenantId) ?? 0;
+    if (held >= max) return undefined;
+    this.slots.set(tenantId, held + 1);
+    let released = false;
+    return () => {
+      if (released) return;
+      released = true;
+      const n = (this.slots.get(tenantId) ?? 1) - 1;
+      if (n <= 0) this.slots.delete(tenantId);
+      else this.slots.set(tenantId, n);
+    };
+  }
+
+  /** Relay slots the tenant holds (open relays and connects under way). */
+  held(tenantId: string): number {
+    return this.slots.get(tenantId) ?? 0;
+  }
 
   /** Registers a relay; returns its removal. A sandbox closed a moment ago closes it at once. */
   add(sandboxId: string, relay: OpenRelay): () => void {

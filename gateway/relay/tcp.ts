@@ -3,21 +3,26 @@
  * written to the tunnel as they are (a text message as its UTF-8 bytes); bytes from the tunnel go
  * to the client as binary messages, one per chunk read. Back-pressure both ways (common.ts): the
  * tunnel is not read while the client's send queue is above the high-water mark, and the client
- * is paused while more than that waits to be written to the tunnel. Either side ending ends the
- * other; a tunnel error closes the WebSocket with 1011 and the error as the reason.
+ * is paused while more than that waits to be written to the tunnel. A client message over
+ * `TCP_MESSAGE_BYTES` closes the relay with 1009. Either side ending ends the other; a tunnel
+ * error closes the WebSocket with 1011 and the error as the reason.
  */
 import type { Tunnel } from "../../contracts/agent/api.ts";
+import { TCP_MESSAGE_BYTES } from "../runtime/ws-limits.ts";
 import {
   CLOSE,
   errorText,
   FLUSH_TIMEOUT_MS,
   HIGH_WATER_BYTES,
   LowWater,
-  MAX_HELD_BYTES,
+  maxHeldBytes,
   RelayBase,
 } from "./common.ts";
 
+const MAX_HELD_BYTES = maxHeldBytes(TCP_MESSAGE_BYTES);
+
 export class TcpRelay extends RelayBase {
+  readonly maxMessageBytes = TCP_MESSAGE_BYTES;
   private readonly writer: WritableStreamDefaultWriter<Uint8Array>;
   private reader: { cancel(): Promise<void> } | undefined;
   /** Bytes handed to the tunnel's writer and not yet taken by it. */
@@ -56,7 +61,7 @@ export class TcpRelay extends RelayBase {
   }
 
   message(data: Uint8Array | string): void {
-    if (this.ended) return;
+    if (this.ended || this.tooBig(data)) return;
     const bytes = typeof data === "string" ? new TextEncoder().encode(data) : data;
     if (bytes.byteLength === 0) return;
     this.held += bytes.byteLength;

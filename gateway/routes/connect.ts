@@ -7,7 +7,7 @@
 import { type Context, Hono } from "hono";
 import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { signConnectToken, verifyConnectToken } from "../auth/connect-token.ts";
+import { signConnectToken, verifyConnectTokenClaims } from "../auth/connect-token.ts";
 import { requirePro } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import { agentOf, getOwned, inTermsOf, type SandboxRow } from "../core/sandboxes.ts";
@@ -21,11 +21,11 @@ import { TcpRelay } from "../relay/tcp.ts";
  * Authorization header is authorised by the token alone (spec 5.5). Any other request passes on,
  * to the key middleware and then `connectRoutes`.
  */
-export function connectTokenRoutes(deps: Deps): Hono<HonoEnv> {
+export function connectTokenRoutes(deps: Deps, rateLimit: (keyId: string) => void): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   app.get("/v1/sandboxes/:id/connect", async (c, next) => {
     if (c.req.header("authorization") === undefined && c.req.query("t") !== undefined) {
-      return connect(deps, c, undefined);
+      return connect(deps, c, { rateLimit });
     }
     await next();
   });
@@ -54,6 +54,7 @@ export function connectRoutes(deps: Deps): Hono<HonoEnv> {
     const expSecs = nowSecs + ttl;
     const t = await signConnectToken(deps.config.connectSecret, {
       tenantId: p.tenantId,
+      keyId: p.keyId,
       sandboxId: row.id,
       port: req.port,
       protocol,
@@ -75,26 +76,34 @@ export function connectRoutes(deps: Deps): Hono<HonoEnv> {
  * by the key middleware) or, without one, the scoped token `t`, checked here. Every check (token,
  * tier, ownership, port, state, that it is a WebSocket upgrade) runs before the upgrade, as does
  * opening the tunnel, so that those failures are HTTP statuses; after the upgrade, failures close
- * the WebSocket (gateway/relay/common.ts has the codes).
+ * the WebSocket (gateway/relay/common.ts has the codes). A token connect counts against the
+ * minting key's rate limit (`byToken.rateLimit`) as a keyed one does in the key middleware; every
+ * connect takes one of the tenant's relay slots (`limits.relaysPerTenant`, 429 beyond).
  */
-async function connect(deps: Deps, c: Context<HonoEnv>, principal: Principal | undefined) {
+async function connect(
+  deps: Deps,
+  c: Context<HonoEnv>,
+  principal: Principal | { rateLimit: (keyId: string) => void },
+) {
   const id = c.req.param("id") ?? "";
   const q = query(c, B.ConnectQuery);
   const protocol = q.protocol ?? "tcp";
   let row: SandboxRow;
-  if (principal) {
+  if (!("rateLimit" in principal)) {
     requirePro(principal, "connect");
     row = await getOwned(deps, principal, id);
   } else {
     const unauthorized = new SandboxdError("unauthorized", "invalid or expired connect token");
     if (q.t === undefined) throw new SandboxdError("unauthorized", "missing API key or connect token");
-    const tenantId = await verifyConnectToken(deps.config.connectSecret, q.t, {
+    const claims = await verifyConnectTokenClaims(deps.config.connectSecret, q.t, {
       sandboxId: id,
       port: q.port,
       protocol,
       nowMs: deps.clock(),
     });
-    if (tenantId === undefined) throw unauthorized;
+    if (claims === undefined) throw unauthorized;
+    principal.rateLimit(claims.rateKey);
+    const { tenantId } = claims;
     // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
     // the token's tenant, and a revoked token is an invalid credential (401), not a 404.
     row = await getOwned(deps, { tenantId, keyId: "", tier: "pro", family: "b" }, id).catch(
@@ -116,20 +125,34 @@ async function connect(deps: Deps, c: Context<HonoEnv>, principal: Principal | u
   const upgrade = c.env?.upgrade;
   if (!upgrade) throw new SandboxdError("internal", "this server cannot upgrade to a WebSocket");
 
+  const max = deps.config.limits.relaysPerTenant;
+  const release = deps.relays ? deps.relays.reserve(row.tenantId, max) : () => {};
+  if (!release) {
+    throw new SandboxdError("quota_exceeded", `this tenant already holds ${max} connect relays`);
+  }
   const agent = agentOf(deps, row);
   const dial = () => agent.openTunnel(row.vmId!, q.port, "tcp");
-  const tunnel = await inTermsOf(row, dial());
   let relay: TcpRelay | CdpRelay;
-  if (protocol === "tcp") {
-    relay = new TcpRelay(tunnel);
-  } else {
-    // The guest's DevTools port through tcp tunnels; failures from here on close the WebSocket.
-    const upstream = await connectDevTools(tunnel, dial, q.port).catch((err: unknown) =>
-      err instanceof Error ? err : new Error(String(err)),
-    );
-    relay = new CdpRelay(upstream);
+  try {
+    const tunnel = await inTermsOf(row, dial());
+    if (protocol === "tcp") {
+      relay = new TcpRelay(tunnel);
+    } else {
+      // The guest's DevTools port through tcp tunnels; failures from here on close the WebSocket.
+      const upstream = await connectDevTools(tunnel, dial, q.port).catch((err: unknown) =>
+        err instanceof Error ? err : new Error(String(err)),
+      );
+      relay = new CdpRelay(upstream);
+    }
+  } catch (err) {
+    release();
+    throw err;
   }
-  if (deps.relays) relay.registered(deps.relays.add(row.id, relay));
+  const unregister = deps.relays ? deps.relays.add(row.id, relay) : () => {};
+  relay.registered(() => {
+    unregister();
+    release();
+  });
   try {
     return upgrade(relay);
   } catch (err) {

@@ -5,6 +5,7 @@ import * as B from "../../contracts/api/family-b.ts";
 import { TCG_BOUNDARY } from "../../contracts/api/health.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { isDbUnavailable } from "../../db/unavailable.ts";
 import { requireFamily } from "../auth/guards.ts";
 import { visibleTemplates } from "../core/templates.ts";
 import { usageTotals } from "../core/usage.ts";
@@ -26,7 +27,15 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
     } catch {
       status = "degraded";
     }
-    const rows = await visibleTemplates(deps, null);
+    // Without the database health still answers (200, `degraded`, no templates): a balancer
+    // keeps probing and sees the gateway come back; every other call is 503 `db_unavailable`.
+    let rows: Awaited<ReturnType<typeof visibleTemplates>> = [];
+    try {
+      rows = await visibleTemplates(deps, null);
+    } catch (err) {
+      if (!isDbUnavailable(err)) throw err;
+      status = "degraded";
+    }
     return c.json({
       status,
       version: deps.config.version,

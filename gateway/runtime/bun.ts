@@ -1,11 +1,15 @@
 /** The gateway served by `Bun.serve`, WebSockets included (`server.upgrade` + `websocket`). */
 import type { ServerWebSocket } from "bun";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { RunningServer, ServeOptions, ServerSocket, SocketHandler, Upgrade } from "./types.ts";
+import {
+  HTTP_IDLE_TIMEOUT_S,
+  type RunningServer,
+  type ServeOptions,
+  type ServerSocket,
+  type SocketHandler,
+  type Upgrade,
+} from "./types.ts";
 import { isUpgradeRequest, WS_IDLE_TIMEOUT_S, WS_MAX_MESSAGE_BYTES } from "./ws-limits.ts";
-
-/** Bun's idle timeout is at most 255 s; 0 turns it off. */
-const BUN_MAX_IDLE_S = 255;
 
 type WsData = { handler: SocketHandler };
 
@@ -21,18 +25,20 @@ function serverSocket(ws: ServerWebSocket<WsData>): ServerSocket {
 }
 
 export async function serveBun(opts: ServeOptions): Promise<RunningServer> {
-  const idleS = Math.ceil(opts.requestTimeoutMs / 1000);
   const server = Bun.serve<WsData>({
     hostname: opts.hostname,
     port: opts.port,
-    // A request may outlast Bun's 255 s cap (a 600 s exec): then no idle timeout at all, as under
-    // Deno; the exec itself is bounded by its own timeout.
-    idleTimeout: idleS > BUN_MAX_IDLE_S ? 0 : idleS,
+    // Bun's one socket timeout covers the wait for a request's headers and the idle time between
+    // requests. Once a request's headers are in, `srv.timeout(request, 0)` lifts it for that
+    // request: a 600 s exec is silent for its whole run, over Bun's 255 s cap, and is bounded by
+    // its own deadlines instead.
+    idleTimeout: opts.idleTimeoutS ?? HTTP_IDLE_TIMEOUT_S,
     // The app bounds every body itself while streaming it (JSON bodies, template uploads up to
     // their 20 GiB limit, docs/decisions.md); Bun's own default cap (128 MiB) refused larger
     // template uploads with a bare 413 before the app saw them.
     maxRequestBodySize: Number.MAX_SAFE_INTEGER,
     fetch: async (request, srv) => {
+      srv.timeout(request, 0);
       let upgraded = false;
       const upgrade: Upgrade | undefined = isUpgradeRequest(request)
         ? (handler) => {

@@ -8,7 +8,13 @@ import { type IncomingMessage, type Server, STATUS_CODES } from "node:http";
 import type { AddressInfo, Socket } from "node:net";
 import { serve } from "@hono/node-server";
 import { type WebSocket, WebSocketServer } from "ws";
-import type { RunningServer, ServeOptions, SocketHandler, Upgrade } from "./types.ts";
+import {
+  HTTP_IDLE_TIMEOUT_S,
+  type RunningServer,
+  type ServeOptions,
+  type SocketHandler,
+  type Upgrade,
+} from "./types.ts";
 import { isUpgradeRequest, WS_IDLE_TIMEOUT_S, WS_MAX_MESSAGE_BYTES } from "./ws-limits.ts";
 
 function webRequest(req: IncomingMessage, fallbackHost: string): Request {
@@ -74,21 +80,40 @@ function wire(ws: WebSocket, socket: Socket, handler: SocketHandler, open: Set<W
 }
 
 export async function serveNode(opts: ServeOptions): Promise<RunningServer> {
+  const idleMs = (opts.idleTimeoutS ?? HTTP_IDLE_TIMEOUT_S) * 1000;
   const server = await new Promise<Server>((resolve, reject) => {
     const s = serve({
       fetch: (request) => opts.fetch(request),
       hostname: opts.hostname,
       port: opts.port,
-      serverOptions: { requestTimeout: opts.requestTimeoutMs },
+      // headersTimeout: the whole header block within the idle timeout (Node checks it every
+      // `connectionsCheckingInterval`); keepAliveTimeout: idle between requests; requestTimeout:
+      // the whole request, body included.
+      serverOptions: {
+        requestTimeout: opts.requestTimeoutMs,
+        headersTimeout: idleMs,
+        keepAliveTimeout: idleMs,
+        connectionsCheckingInterval: Math.min(1000, idleMs),
+      },
     }) as Server;
     s.once("listening", () => resolve(s));
     s.once("error", reject);
   });
-  const wss = new WebSocketServer({
-    noServer: true,
-    maxPayload: WS_MAX_MESSAGE_BYTES,
-    perMessageDeflate: false,
-  });
+  // One WebSocketServer per message limit: `ws` checks `maxPayload` while parsing a frame's
+  // header, so a relay's own limit refuses an oversized message (1009) before it is read.
+  const servers = new Map<number, WebSocketServer>();
+  const wssFor = (limit: number) => {
+    let wss = servers.get(limit);
+    if (!wss) {
+      wss = new WebSocketServer({
+        noServer: true,
+        maxPayload: Math.min(limit, WS_MAX_MESSAGE_BYTES),
+        perMessageDeflate: false,
+      });
+      servers.set(limit, wss);
+    }
+    return wss;
+  };
   const open = new Set<WebSocket>();
   server.on("upgrade", (req: IncomingMessage, socket: Socket, head: Buffer) => {
     socket.on("error", () => socket.destroy());
@@ -97,7 +122,9 @@ export async function serveNode(opts: ServeOptions): Promise<RunningServer> {
     const upgrade: Upgrade | undefined = isUpgradeRequest(request)
       ? (handler) => {
           accepted = true;
-          wss.handleUpgrade(req, socket, head, (ws) => wire(ws, socket, handler, open));
+          wssFor(handler.maxMessageBytes).handleUpgrade(req, socket, head, (ws) =>
+            wire(ws, socket, handler, open),
+          );
           return new Response(null);
         }
       : undefined;

@@ -26,6 +26,11 @@ export interface ServerSocket {
 
 /** What runs an upgraded connection. Called by the runtime adapter, one socket per handler. */
 export interface SocketHandler {
+  /**
+   * Largest client message this handler takes, bytes; the runtime closes with 1009 beyond where
+   * it can apply a limit per socket (Node), and the handler checks it itself everywhere.
+   */
+  readonly maxMessageBytes: number;
   open(socket: ServerSocket): void;
   message(data: Uint8Array | string): void;
   /** The send queue went down after having been high (see `ServerSocket.bufferedAmount`). */
@@ -54,7 +59,21 @@ export interface ServeOptions {
    * raised to this.
    */
   requestTimeoutMs: number;
+  /**
+   * Seconds a connection may take to send a request's headers, or stay idle between requests,
+   * before the server closes it (default `HTTP_IDLE_TIMEOUT_S`). Under Deno, whose `Deno.serve`
+   * has no such setting, its own HTTP stack's header timeout applies.
+   */
+  idleTimeoutS?: number;
 }
+
+/**
+ * Default `ServeOptions.idleTimeoutS`: a client that opened a connection and sends no request
+ * (or not all of its headers) for 30 s is cut, as is a keep-alive connection idle that long;
+ * nginx's `client_header_timeout` is 60 s, Node's `headersTimeout` 60 s. A request being answered
+ * is not idle: its handler's own deadlines bound it (`requestTimeoutMs`).
+ */
+export const HTTP_IDLE_TIMEOUT_S = 30;
 
 export interface RunningServer {
   runtime: RuntimeName;

@@ -1,13 +1,30 @@
 /**
- * WebSocket settings shared by the runtime adapters (connect relays, spec 4.2). The values and
- * their reasons are in docs/decisions.md ("Connect relays").
+ * WebSocket settings shared by the runtime adapters and the connect relays (spec 4.2). The values
+ * and their reasons are in docs/decisions.md ("Connect relays").
  */
 
 /**
- * Largest message a client may send, bytes: a CDP command (a big `Page.setContent`, a file
- * upload) fits; one frame can never make the gateway hold more than this.
+ * Largest message a `tcp` relay takes from its client, bytes (1009 beyond). A WebSocket-to-TCP
+ * bridge (websocat, a local forwarder in front of psql) sends one message per socket read,
+ * 64 KiB or less; 1 MiB leaves 16 times that.
  */
-export const WS_MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
+export const TCP_MESSAGE_BYTES = 1024 * 1024;
+
+/**
+ * Largest CDP message either way, bytes (1009 beyond). Chromium's DevTools server reads client
+ * messages up to 100 MiB (its `kReceiveBufferSizeForDevTools`), so nothing larger could reach the
+ * browser; Playwright's largest command, a 50 MiB `setInputFiles` payload (its
+ * `fileUploadSizeLimit`) as base64, is ~67 MiB. The browser's answers (screenshots, DOM
+ * snapshots) are tens of MB; Playwright's client would take up to 256 MiB, but one relay holding
+ * that for a guest that chose to send it is what this bound is for.
+ */
+export const CDP_MESSAGE_BYTES = 100 * 1024 * 1024;
+
+/**
+ * What the runtime itself accepts in one client message: the largest of any relay. Each relay
+ * checks its own, smaller limit; Node applies each relay's limit in the parser already.
+ */
+export const WS_MAX_MESSAGE_BYTES = Math.max(TCP_MESSAGE_BYTES, CDP_MESSAGE_BYTES);
 
 /**
  * Seconds without any frame after which a WebSocket is closed; the server pings before that
