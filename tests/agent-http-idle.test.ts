@@ -16,7 +16,7 @@ const IDLE_S = 2;
 const dir = mkdtempSync(join(tmpdir(), "sandboxd-agent-idle-"));
 const server = startAgentServer({
   manager: {} as SandboxManager,
-  secret: "s".repeat(32),
+  credentials: { id: "idle-test-agent", key: "s".repeat(32) },
   uploadDir: join(dir, "uploads"),
   hostname: "127.0.0.1",
   port: 0,
