@@ -311,7 +311,12 @@ export async function pidsMentioning(dir: string, filter: (cmd: string) => boole
   return out;
 }
 
-export const qemusUnder = (dir: string) => pidsMentioning(dir, (cmd) => cmd.includes("qemu-system"));
+/**
+ * QEMU processes of `dir`: the program itself is qemu-system-*. The jail's wrappers (setpriv,
+ * unshare, its shell) carry QEMU's argv in theirs and are not counted as QEMUs.
+ */
+export const qemusUnder = (dir: string) =>
+  pidsMentioning(dir, (cmd) => /(^|\/)qemu-system-[^/ ]*$/.test(cmd.split(" ", 1)[0] ?? ""));
 
 /** Polls until `cond` holds or `timeoutMs` passes; returns whether it held. */
 export async function waitFor(cond: () => boolean | Promise<boolean>, timeoutMs: number): Promise<boolean> {
