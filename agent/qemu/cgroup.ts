@@ -34,6 +34,13 @@ const PARENT = "sandboxd";
  */
 export const QEMU_OVERHEAD_BYTES = 384 * 1024 * 1024;
 /**
+ * Under TCG, QEMU's translated-code buffer: QEMU 7.2 sizes it at min(1 GiB, host RAM / 8) when
+ * `tb-size` is not given (accel/tcg `size_code_gen_buffer`), and fills it as the guest runs new
+ * code. A Chromium guest (1 GiB RAM) filled enough of it that guest RAM + 384 MiB got QEMU
+ * OOM-killed by its own cgroup (anon RSS 1.06 GB at the kill); KVM has no such buffer.
+ */
+export const TCG_CODE_BUFFER_BYTES = 1024 * 1024 * 1024;
+/**
  * Tasks: QEMU's main loop, RCU and signal threads, one thread per vCPU and its block I/O thread
  * pool (up to 64 workers), plus margin.
  */
@@ -55,9 +62,9 @@ export interface CgroupLimits {
   cpus: number;
 }
 
-export function vmLimits(memMib: number, vcpus: number): CgroupLimits {
+export function vmLimits(memMib: number, vcpus: number, tcg: boolean): CgroupLimits {
   return {
-    memoryBytes: memMib * 1024 * 1024 + QEMU_OVERHEAD_BYTES,
+    memoryBytes: memMib * 1024 * 1024 + QEMU_OVERHEAD_BYTES + (tcg ? TCG_CODE_BUFFER_BYTES : 0),
     pids: PIDS_BASE + vcpus,
     cpus: vcpus + MAIN_LOOP_CPUS,
   };

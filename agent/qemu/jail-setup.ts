@@ -99,7 +99,7 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     // Independent steps at once: the jail is built on every spawn's critical path.
     const [chain, cg] = await Promise.all([
       i.disk ? backingChain(i.disk) : { files: [], virtualSize: 0 },
-      createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus)),
+      createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus, !i.kvm)),
     ]);
     // QEMU writes its directory (sockets, console, pid file), its overlay and a shared RAM file.
     await chown(i.dir, uid, uid);

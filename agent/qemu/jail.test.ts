@@ -77,8 +77,10 @@ describe("jail argv", () => {
 
 describe("cgroups", () => {
   test("limits: guest RAM plus QEMU's overhead, QEMU's threads plus margin, vCPUs plus a core of CPU", () => {
-    const l = vmLimits(256, 2);
+    const l = vmLimits(256, 2, false);
     expect(l.memoryBytes).toBeGreaterThan(256 * 1024 * 1024);
+    // Under TCG the translated-code buffer (up to 1 GiB in QEMU 7.2) is QEMU's memory too.
+    expect(vmLimits(256, 2, true).memoryBytes - l.memoryBytes).toBe(1024 * 1024 * 1024);
     expect(l.pids).toBeGreaterThan(64);
     expect(limitFiles(1, l)).toContainEqual({ controller: "cpu", file: "cpu.cfs_quota_us", value: "300000" });
     expect(limitFiles(1, l)).toContainEqual({ controller: "pids", file: "pids.max", value: String(l.pids) });
@@ -105,18 +107,18 @@ describe("cgroups", () => {
     writeFileSync(join(root, "cgroup.controllers"), "cpuset cpu io memory pids\n");
     mkdirSync(join(root, "sandboxd"));
     writeFileSync(join(root, "sandboxd", "cgroup.subtree_control"), "");
-    const cg = await createVmCgroup("/d/vms/vm-1", vmLimits(256, 1), root);
+    const cg = await createVmCgroup("/d/vms/vm-1", vmLimits(256, 1, true), root);
     expect(cg.version).toBe(2);
     expect(readFileSync(join(root, "sandboxd", "cgroup.subtree_control"), "utf8")).toBe("+memory +pids +cpu");
     const d = cg.dirs[0] ?? "";
-    expect(readFileSync(join(d, "memory.max"), "utf8")).toBe(String(vmLimits(256, 1).memoryBytes));
-    expect(readFileSync(join(d, "pids.max"), "utf8")).toBe(String(vmLimits(256, 1).pids));
+    expect(readFileSync(join(d, "memory.max"), "utf8")).toBe(String(vmLimits(256, 1, true).memoryBytes));
+    expect(readFileSync(join(d, "pids.max"), "utf8")).toBe(String(vmLimits(256, 1, true).pids));
     expect(readFileSync(join(d, "cpu.max"), "utf8")).toBe("200000 100000");
   });
 
   test("a host with neither layout is a JailError naming what is missing", async () => {
     const root = mkdtempSync(join(scratch, "cgroup-none-"));
-    const err = await createVmCgroup("/d/vms/vm-1", vmLimits(256, 1), root).catch((e: unknown) => e);
+    const err = await createVmCgroup("/d/vms/vm-1", vmLimits(256, 1, true), root).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(JailError);
     expect((err as JailError).code).toBe("vm_launch_failed");
     expect((err as JailError).message).toContain("no cgroup v2 or v1");
