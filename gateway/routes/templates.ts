@@ -183,7 +183,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     const reserveBytes = deps.config.limits.diskReserveBytes;
     await requireFreeSpace(deps.config.uploadDir, {
       what: "the image upload",
-      bytes: declared !== undefined ? Number(declared) : 0,
+      bytes: Number.isSafeInteger(Number(declared)) ? Number(declared) : 0,
       reserveBytes,
     });
     const row = await reserveUploadTemplate(deps, p.tenantId, opts);
