@@ -26,6 +26,7 @@ import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
 import { readdir, rm, stat } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
+import { diskReserveFromEnv } from "../../../contracts/disk-space.ts";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { checkDestination, type EgressFence, operatorFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
@@ -158,6 +159,8 @@ export class SnapshotDriver implements SandboxDriver {
     // at start, not a bake later.
     this.registry = opts.registry ?? { ...registryConfigFromEnv(), checkDestination: fencedRegistry() };
     this.imageCacheBytes = opts.imageCacheBytes ?? imageCacheBudgetFromEnv();
+    // Read again at each write (contracts/disk-space.ts); a malformed value stops the agent here.
+    diskReserveFromEnv();
   }
 
   static async create(opts: SnapshotDriverOptions): Promise<SnapshotDriver> {
