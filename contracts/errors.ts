@@ -66,6 +66,8 @@ export const PublicErrorCode = [
   "rate_limited",
   "quota_exceeded",
   "at_capacity",
+  /** The host's disk (or tmpfs) lacks the room a write needs plus its reserve (contracts/disk-space.ts). */
+  "insufficient_storage",
   "agent_unavailable",
   "db_unavailable",
   "not_implemented",
@@ -96,6 +98,7 @@ export const AgentErrorCode = [
   /** The driver cannot do this at all (fork/suspend on a cold-boot agent). */
   "unsupported",
   "at_capacity",
+  "insufficient_storage",
   "spawn_failed",
   "bringup_timeout",
   "internal",

@@ -1,5 +1,6 @@
 /** Gateway configuration. Every limit defaults to contracts/api/limits.ts and can be overridden. */
 import { DEFAULT_LIMITS, type Limits } from "../contracts/api/limits.ts";
+import { diskReserveFromEnv } from "../contracts/disk-space.ts";
 
 export interface GatewayConfig {
   /** API build stamp reported by `GET /v1/health` (spec 9). */
@@ -45,6 +46,9 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
       ...input.limits,
       forkCapByTier: { ...DEFAULT_LIMITS.forkCapByTier, ...input.limits?.forkCapByTier },
       sandboxQuotaByTier: { ...DEFAULT_LIMITS.sandboxQuotaByTier, ...input.limits?.sandboxQuotaByTier },
+      suspendedQuotaByTier: { ...DEFAULT_LIMITS.suspendedQuotaByTier, ...input.limits?.suspendedQuotaByTier },
+      templateQuotaByTier: { ...DEFAULT_LIMITS.templateQuotaByTier, ...input.limits?.templateQuotaByTier },
+      diskReserveBytes: input.limits?.diskReserveBytes ?? diskReserveFromEnv(),
     },
   };
 }

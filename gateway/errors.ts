@@ -50,6 +50,7 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   rate_limited: 429,
   quota_exceeded: 429,
   at_capacity: 503,
+  insufficient_storage: 507, // the host's disk lacks room for this write; retry once space returns
   agent_unavailable: 503, // the sandbox's host agent does not answer; retry with backoff
   db_unavailable: 503, // the gateway's database does not answer; retry after Retry-After
   not_implemented: 501, // a feature this deployment's agent does not offer
@@ -75,6 +76,8 @@ const FIXED_MESSAGE: Partial<Record<PublicErrorCode, string>> = {
   spawn_failed: "the VM did not start",
   bringup_timeout: "the VM did not answer in time",
   agent_unavailable: "the sandbox's host agent did not answer; retry with backoff",
+  // Its message may quote a host path (an ENOSPC from a write) or a VM id.
+  insufficient_storage: "the host has no disk space for this; retry once space is freed",
 };
 
 /** The agent's codes that are not public ones, each with what it means for a client. */

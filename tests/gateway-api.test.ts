@@ -317,6 +317,78 @@ describe("templates", () => {
     }
   });
 
+  test("an upload the disk cannot hold with its reserve is 507 before a byte is written", async () => {
+    // A reserve larger than any disk: the free-space check refuses whatever the body's size.
+    const tight = await makeHarness({ limits: { diskReserveBytes: 2 ** 60 } });
+    try {
+      const k = await tight.key("t", "scale");
+      const builds = tight.agent.templates.size;
+      const res = await tight.req("POST", "/v1/templates?id=img", {
+        key: k,
+        body: "0123456789AB",
+        headers: { "content-type": "application/octet-stream" },
+      });
+      expect(res.status).toBe(507);
+      const body = await json(res);
+      expect(body.code).toBe("insufficient_storage");
+      expect(body.message).toContain("retry once space is freed");
+      expect((await json(await tight.req("GET", "/v1/templates", { key: k }))).templates.img).toBeUndefined();
+      expect(tight.agent.templates.size).toBe(builds);
+    } finally {
+      await tight.close();
+    }
+  });
+
+  test("template quota: registering or baking past the tier's count is 429; a retry of a bake is not", async () => {
+    const few = await makeHarness({
+      limits: { templateQuotaByTier: { live: 0, scale: 1, demo: 0, pro: 1, enterprise: 1 } },
+    });
+    try {
+      const k = await few.key("t", "scale");
+      const up = (id: string) =>
+        few.req("POST", `/v1/templates?id=${id}`, {
+          key: k,
+          body: "0123456789AB",
+          headers: { "content-type": "application/octet-stream" },
+        });
+      expect((await up("one")).status).toBe(202);
+      const over = await up("two");
+      expect(over.status).toBe(429);
+      expect((await json(over)).code).toBe("quota_exceeded");
+      const p = await few.key("p", "pro");
+      const bake = { name: "b1", image: "127.0.0.1:5000/team/app:1" };
+      expect((await few.req("POST", "/v1/templates", { key: p, json: bake })).status).toBe(202);
+      // The same bake again is the existing template, not a new one.
+      expect((await few.req("POST", "/v1/templates", { key: p, json: bake })).status).toBe(202);
+      const b2 = await few.req("POST", "/v1/templates", { key: p, json: { ...bake, name: "b2" } });
+      expect(b2.status).toBe(429);
+      expect((await json(b2)).code).toBe("quota_exceeded");
+    } finally {
+      await few.close();
+    }
+  });
+
+  test("suspended sandboxes count toward their own quota", async () => {
+    const few = await makeHarness({
+      limits: { suspendedQuotaByTier: { live: 0, scale: 0, demo: 1, pro: 1, enterprise: 1 } },
+    });
+    try {
+      const p = await few.key("p", "pro");
+      const a = await json(await few.req("POST", "/v1/sandboxes", { key: p, json: { template: "python" } }));
+      const b = await json(await few.req("POST", "/v1/sandboxes", { key: p, json: { template: "python" } }));
+      expect((await few.req("POST", `/v1/sandboxes/${a.id}/suspend`, { key: p })).status).toBe(200);
+      const over = await few.req("POST", `/v1/sandboxes/${b.id}/suspend`, { key: p });
+      expect(over.status).toBe(429);
+      expect((await json(over)).code).toBe("quota_exceeded");
+      // Refused before the agent was asked: it runs on.
+      expect((await json(await few.req("GET", `/v1/sandboxes/${b.id}`, { key: p }))).state).toBe("running");
+      expect((await few.req("DELETE", `/v1/sandboxes/${a.id}`, { key: p })).status).toBe(200);
+      expect((await few.req("POST", `/v1/sandboxes/${b.id}/suspend`, { key: p })).status).toBe(200);
+    } finally {
+      await few.close();
+    }
+  });
+
   test("a bake's registry credentials go to the agent with the tenant id, and are kept nowhere", async () => {
     const auth = { username: "robot", password: "tok-9f8e7d6c5b4a" };
     const body = { name: "priv", image: "127.0.0.1:5000/team/app:1", registry_auth: auth };

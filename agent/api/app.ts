@@ -26,6 +26,7 @@ import {
   WidthBody,
 } from "../../contracts/agent/schemas.ts";
 import { type AgentCredentials, secretKey, verifyAgentToken } from "../../contracts/agent/token.ts";
+import { asNoSpace, isNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
 import { type AgentAction, perform } from "./actions.ts";
@@ -147,6 +148,10 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     const template = parse(TemplateRefParam, c.req.param("ref"));
     const q = parse(UploadQuery, c.req.query());
     if (!c.req.raw.body) throw new SandboxdError("bad_request", "the image upload has no body");
+    // The gateway sends the length of the file it staged: refused before a byte is written when
+    // it does not fit with the reserve; a write that still fills the disk is 507 too.
+    const declared = Number(c.req.header("content-length") ?? 0);
+    await needFreeSpace(deps.uploadDir, "the image upload", Number.isSafeInteger(declared) ? declared : 0);
     await mkdir(deps.uploadDir, { recursive: true, mode: 0o700 });
     const path = join(deps.uploadDir, `${randomBytes(8).toString("hex")}.upload`);
     try {
@@ -154,6 +159,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
       await Bun.write(path, new Response(c.req.raw.body));
     } catch (err) {
       await rm(path, { force: true });
+      if (isNoSpace(err)) throw asNoSpace(err, "the image upload");
       throw new SandboxdError("bad_request", "the image upload was interrupted", { cause: err });
     }
     return run({ kind: "buildTemplate", template, source: { kind: "upload", path, ...q } });

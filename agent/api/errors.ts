@@ -23,6 +23,7 @@ export const AGENT_STATUS_OF_CODE: Readonly<Record<AgentErrorCode, ContentfulSta
   payload_too_large: 413,
   unsupported: 501,
   at_capacity: 503,
+  insufficient_storage: 507,
   spawn_failed: 503,
   bringup_timeout: 504,
   internal: 500,

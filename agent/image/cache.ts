@@ -7,6 +7,7 @@
 import { readFile, rename, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { type ImageConfig, StoredImageConfig } from "./config.ts";
+import { touchEntry } from "./evict.ts";
 import type { ImageFormat, ResolvedImage } from "./oci.ts";
 
 export interface ImportedImage {
@@ -40,6 +41,7 @@ export async function loadCached(
     const disk = join(dir, DISK_FILE);
     await stat(disk);
     if (config.digest !== digest) return undefined;
+    await touchEntry(dir); // served: the least-recently-used eviction keeps it longest
     return { digest, dir, disk, config, cached: true, format };
   } catch {
     return undefined;

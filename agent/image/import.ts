@@ -20,6 +20,7 @@
 import type { Stats } from "node:fs";
 import { mkdir, mkdtemp, rm, stat } from "node:fs/promises";
 import { join, resolve as resolvePath } from "node:path";
+import { asNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
 import { quickResolveArchive, scanArchive } from "./archive.ts";
 import { DISK_FILE, type ImportedImage, loadCached, publish } from "./cache.ts";
 import { normalizeConfig } from "./config.ts";
@@ -94,6 +95,9 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
       return raced;
     }
 
+    // The unpacked tree, the raw ext4 image and its qcow2 each hold about the layers' bytes; ask
+    // before writing any of them (a short disk is a clear refusal, not a half-built image).
+    await needFreeSpace(work, "importing the image", 3 * budget.bytes);
     const rootfs = await unpackRootfs(work, source, scan, limits, log);
     const { passwd, group } = await readImageUsers(rootfs, limits.maxMetadataBytes);
     const config = normalizeConfig(image.config, image.configDigest, passwd, group);
@@ -107,6 +111,8 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
       );
     }
     return imported;
+  } catch (err) {
+    throw asNoSpace(err, "importing the image");
   } finally {
     await rm(work, { recursive: true, force: true });
   }

@@ -20,6 +20,7 @@ import {
   classifySkopeoFailure,
   isLoopbackHost,
   isSharedRegistry,
+  manifestSize,
   pulledKey,
   pullImage,
   type RegistryConfig,
@@ -204,6 +205,39 @@ describe("plain HTTP or TLS", () => {
   });
 });
 
+describe("pull size", () => {
+  const d = (size: number) => ({ mediaType: "x", digest: `sha256:${"0".repeat(64)}`, size });
+  test("an image manifest's size is its config and layers as declared", () => {
+    expect(manifestSize(JSON.stringify({ config: d(1000), layers: [d(10), d(20)] }))).toEqual({
+      bytes: 1030,
+    });
+  });
+  test("an index names its linux/amd64 manifest; none is a readable refusal", () => {
+    const amd = `sha256:${"a".repeat(64)}`;
+    const index = {
+      manifests: [
+        { digest: `sha256:${"b".repeat(64)}`, size: 1, platform: { os: "linux", architecture: "arm64" } },
+        { digest: amd, size: 1, platform: { os: "linux", architecture: "amd64" } },
+      ],
+    };
+    expect(manifestSize(JSON.stringify(index))).toEqual({ platform: amd });
+    const arm = { manifests: [index.manifests[0]] };
+    expect(() => manifestSize(JSON.stringify(arm))).toThrow(/no linux\/amd64 variant/);
+  });
+  test("a blob without a size, or no layers at all, is a bad manifest", () => {
+    expect(() => manifestSize(JSON.stringify({ config: d(1), layers: [{ digest: "x" }] }))).toThrow(
+      /no size/,
+    );
+    expect(() => manifestSize(JSON.stringify({ config: d(-1), layers: [] }))).toThrow(/no size/);
+    expect(() => manifestSize(JSON.stringify({ schemaVersion: 1, fsLayers: [] }))).toThrow(/lists no layers/);
+  });
+  test("the cap is a setting", () => {
+    expect(registryConfigFromEnv({}).maxPullBytes).toBeUndefined();
+    expect(registryConfigFromEnv({ SANDBOXD_PULL_MAX_BYTES: "1000" }).maxPullBytes).toBe(1000);
+    expect(() => registryConfigFromEnv({ SANDBOXD_PULL_MAX_BYTES: "1k" })).toThrow(/byte count/);
+  });
+});
+
 describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopback", () => {
   let reg: LocalRegistry;
   let work: string;
@@ -254,6 +288,40 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
       }),
     );
   }, 120_000);
+
+  test("an image over the pull cap is refused before a blob is fetched; too little disk is 507", async () => {
+    const cacheDir = join(work, "cache-cap");
+    const blobGets = () => (reg.log().match(/"GET \/v2\/bb\/blobs\//g) ?? []).length;
+    const before = blobGets();
+    const refused = (o: Parameters<typeof pullImage>[0]) =>
+      pullImage(o).then(
+        () => {
+          throw new Error("the pull succeeded");
+        },
+        (e) => e as SandboxdError,
+      );
+    const big = await refused({
+      reference: `${reg.host}/bb:1`,
+      cacheDir,
+      registry: { ...NO_CONFIG, maxPullBytes: 1000 },
+    });
+    expect(big.code).toBe("image_pull_failed");
+    expect(big.details?.reason).toBe("image_too_large");
+    expect(big.message).toMatch(/over the 1000-byte pull limit/);
+    const saved = process.env.SANDBOXD_DISK_RESERVE_BYTES;
+    process.env.SANDBOXD_DISK_RESERVE_BYTES = String(2 ** 50);
+    try {
+      const full = await refused({ reference: `${reg.host}/bb:1`, cacheDir, registry: NO_CONFIG });
+      expect(full.code).toBe("insufficient_storage");
+    } finally {
+      if (saved === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
+      else process.env.SANDBOXD_DISK_RESERVE_BYTES = saved;
+    }
+    await Bun.sleep(200);
+    expect(blobGets()).toBe(before);
+    expect(existsSync(join(cacheDir, "images", "pulled"))).toBe(false);
+    expect(await readdir(join(cacheDir, "tmp"))).toEqual([]);
+  }, 60_000);
 
   test("an unknown tag, an unknown repository and a bad reference are readable errors", async () => {
     const cacheDir = join(work, "cache2");

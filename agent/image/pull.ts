@@ -46,9 +46,11 @@ import { existsSync } from "node:fs";
 import { mkdir, rename, rm, stat, writeFile } from "node:fs/promises";
 import { isIP } from "node:net";
 import { join, resolve } from "node:path";
+import { asNoSpace, bytesSetting, isNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { type ImageReference, ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { runTool, ToolError } from "../host/tool.ts";
+import { touchEntry } from "./evict.ts";
 
 /** Refuses (throws) a registry address the egress fence does not allow; resolves otherwise. */
 export type DestinationCheck = (host: string, port: number) => void | Promise<void>;
@@ -62,7 +64,17 @@ export interface RegistryConfig {
   sharedRegistries?: string[];
   /** The egress fence for registry addresses; absent: no check (tests of the pull alone). */
   checkDestination?: DestinationCheck;
+  /** Largest image a pull may copy, bytes as its manifest declares them; absent: the default. */
+  maxPullBytes?: number;
 }
+
+/**
+ * Our choice (decisions.md, "Disk budgets"): the largest image a bake may pull, counted as the
+ * registry's manifest declares it (config plus compressed layers, the bytes skopeo writes). 8 GiB
+ * matches the import's limit on unpacked bytes (limits.ts), which no smaller pull can exceed by
+ * much. `SANDBOXD_PULL_MAX_BYTES` overrides it.
+ */
+export const DEFAULT_MAX_PULL_BYTES = 8 * 1024 ** 3;
 
 /** A bake's own registry credentials; a token goes in `password`. Never logged, never stored. */
 export interface RegistryAuth {
@@ -109,6 +121,8 @@ export function registryConfigFromEnv(env: Record<string, string | undefined> = 
   };
   const auth = env.SANDBOXD_REGISTRY_AUTH?.trim();
   if (auth) out.authFile = resolve(auth);
+  if (env.SANDBOXD_PULL_MAX_BYTES !== undefined)
+    out.maxPullBytes = bytesSetting(env, "SANDBOXD_PULL_MAX_BYTES", DEFAULT_MAX_PULL_BYTES);
   return out;
 }
 
@@ -197,13 +211,24 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
   await mkdir(work, { mode: 0o700 });
   try {
     const common = await commonArgs(ref, o, work);
-    const digest = await authorizedDigest(ref, common, o, work, log);
+    const { digest, raw } = await authorizedDigest(ref, common, o, work, log);
     const root = join(resolve(o.cacheDir), "images", "pulled");
     const layout = join(root, pulledKey(ref.name, digest));
     if (await isLayout(layout)) {
       log(`image: ${ref.canonical} is ${digest}, already pulled`);
+      await touchEntry(layout);
       return { layout, digest, cached: true, pullMs: performance.now() - t0 };
     }
+    // Sized before a blob is fetched: over the cap is refused, short of disk is 507.
+    const bytes = await declaredImageBytes(ref, raw, common, o, work, log);
+    const cap = o.registry.maxPullBytes ?? DEFAULT_MAX_PULL_BYTES;
+    if (bytes > cap)
+      throw pullError(
+        `pulling ${ref.canonical}`,
+        "image_too_large",
+        `the image is ${bytes} bytes, over the ${cap}-byte pull limit`,
+      );
+    await needFreeSpace(work, `pulling ${ref.canonical}`, bytes);
     await mkdir(root, { recursive: true });
     const dest = join(work, "layout");
     await runSkopeo(
@@ -293,7 +318,7 @@ async function authorizedDigest(
   o: PullOptions,
   work: string,
   log: (m: string) => void,
-): Promise<string> {
+): Promise<{ digest: string; raw: Buffer }> {
   // `--raw`: only the manifest (or multi-platform index) is fetched, no config blob; its digest
   // is the hash of those exact bytes, what the registry serves it by.
   const what = `looking up ${ref.canonical}`;
@@ -314,7 +339,69 @@ async function authorizedDigest(
   const digest = `${algo}:${createHash(algo).update(raw).digest("hex")}`;
   if (ref.digest && digest !== ref.digest)
     throw pullError(what, "digest_mismatch", "the registry served a manifest with another digest");
-  return digest;
+  return { digest, raw };
+}
+
+/**
+ * What a manifest says about size: an image manifest's bytes (config plus layers, as declared;
+ * skopeo checks every blob against its digest, so a blob cannot be longer than its descriptor
+ * says), or, for a multi-platform index, the digest of its linux/amd64 manifest.
+ */
+export function manifestSize(raw: Buffer | string): { bytes: number } | { platform: string } {
+  let m: unknown;
+  try {
+    m = JSON.parse(raw.toString());
+  } catch {
+    throw pullError("reading the manifest", "bad_manifest", "the registry sent a manifest that is not JSON");
+  }
+  const o = (m ?? {}) as { layers?: unknown; config?: unknown; manifests?: unknown };
+  const sizeOf = (d: unknown): number => {
+    const n = (d as { size?: unknown } | null)?.size;
+    if (typeof n !== "number" || !Number.isSafeInteger(n) || n < 0)
+      throw pullError("reading the manifest", "bad_manifest", "the manifest declares no size for a blob");
+    return n;
+  };
+  if (Array.isArray(o.layers))
+    return { bytes: o.layers.reduce((a: number, l) => a + sizeOf(l), sizeOf(o.config)) };
+  if (Array.isArray(o.manifests)) {
+    const hit = o.manifests.find((d) => {
+      const p = (d as { platform?: { os?: unknown; architecture?: unknown } }).platform;
+      return p?.os === "linux" && p.architecture === "amd64";
+    }) as { digest?: unknown } | undefined;
+    if (typeof hit?.digest !== "string" || !/^sha256:[a-f0-9]{64}$/.test(hit.digest))
+      throw pullError("reading the manifest", "no_platform", "the image has no linux/amd64 variant");
+    return { platform: hit.digest };
+  }
+  throw pullError("reading the manifest", "bad_manifest", "the manifest lists no layers");
+}
+
+/** The bytes the copy will write: the manifest's declared sizes (the platform's, for an index). */
+async function declaredImageBytes(
+  ref: ImageReference,
+  raw: Buffer,
+  common: string[],
+  o: PullOptions,
+  work: string,
+  log: (m: string) => void,
+): Promise<number> {
+  const first = manifestSize(raw);
+  if ("bytes" in first) return first.bytes;
+  const what = `looking up ${ref.canonical}`;
+  const inner = await runSkopeo(
+    [
+      "inspect",
+      "--raw",
+      ...common.map((a) => (a === "--src-tls-verify=false" ? "--tls-verify=false" : a)),
+      `docker://${ref.name}@${first.platform}`,
+    ],
+    { ...o, timeoutMs: o.inspectTimeoutMs ?? INSPECT_TIMEOUT_MS, what, tmp: work },
+    log,
+  );
+  if (`sha256:${createHash("sha256").update(inner).digest("hex")}` !== first.platform)
+    throw pullError(what, "digest_mismatch", "the registry served a manifest with another digest");
+  const second = manifestSize(inner);
+  if ("bytes" in second) return second.bytes;
+  throw pullError(what, "bad_manifest", "the platform's manifest is another index");
 }
 
 function pullError(what: string, reason: string, text: string, cause?: unknown): SandboxdError {
@@ -366,6 +453,7 @@ async function runSkopeo(
         throw pullError(o.what, "image_too_large", "the registry's answer is too large", err);
       default: {
         const output = err.details.output ?? "";
+        if (isNoSpace(output)) throw asNoSpace(new Error(output), o.what);
         const [reason, text] = classifySkopeoFailure(output);
         throw pullError(o.what, reason, text, err);
       }

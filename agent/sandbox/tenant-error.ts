@@ -28,6 +28,7 @@ const FIXED: Partial<Record<ErrorCode, string>> = {
   template_build_failed: "the template VM did not start or could not be saved",
   vm_launch_failed: "the template VM did not start",
   spawn_failed: "the template VM did not start",
+  insufficient_storage: "the agent's disk has no room for this build; retry once space is freed",
 };
 
 /** A fresh id naming one failure in the agent's log, e.g. `err-3f9a1c0b2e4d`. */

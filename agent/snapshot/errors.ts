@@ -1,3 +1,4 @@
+import { isNoSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError, type SnapshotOwnErrorCode } from "../../contracts/errors.ts";
 
 /**
@@ -19,13 +20,15 @@ import { SandboxdError, type SnapshotOwnErrorCode } from "../../contracts/errors
  * | `migration_failed`     | QEMU reported a failed migration (save or restore)                  |
  * | `bad_request`          | invalid arguments (counts, ids, sizes)                              |
  * | `vm_record_invalid`    | a VM's saved record is torn, foreign or of another version          |
+ * | `insufficient_storage` | the disk lacks room for a state file or template (nothing written)  |
  */
 export type SnapshotErrorCode =
   | SnapshotOwnErrorCode
   | "template_not_ready"
   | "spawn_failed"
   | "bringup_timeout"
-  | "bad_request";
+  | "bad_request"
+  | "insufficient_storage";
 
 export class SnapshotError extends SandboxdError {
   declare readonly code: SnapshotErrorCode;
@@ -48,11 +51,16 @@ export type Result<T> = { ok: true; value: T } | { ok: false; error: SnapshotErr
 export const ok = <T>(value: T): Result<T> => ({ ok: true, value });
 export const fail = <T>(error: SnapshotError): Result<T> => ({ ok: false, error });
 
-/** Wraps anything thrown into a SnapshotError of `code` (keeping a SnapshotError as it is). */
+/**
+ * Wraps anything thrown into a SnapshotError of `code` (keeping a SnapshotError as it is). A full
+ * disk (ENOSPC, or a free-space check's refusal) is `insufficient_storage` whatever `code` says:
+ * the caller may retry once space returns, and the public API answers it as 507.
+ */
 export function asSnapshotError(err: unknown, code: SnapshotErrorCode, message: string): SnapshotError {
   if (err instanceof SnapshotError) return err;
   const why = err instanceof Error ? err.message : String(err);
-  return new SnapshotError(code, `${message}: ${why}`, { cause: err });
+  const full = (err instanceof SandboxdError && err.code === "insufficient_storage") || isNoSpace(err);
+  return new SnapshotError(full ? "insufficient_storage" : code, `${message}: ${why}`, { cause: err });
 }
 
 /** For callers (tests, the CLI) that want the value or a throw. */

@@ -8,6 +8,7 @@
  */
 import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { needFreeSpace } from "../../contracts/disk-space.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { asSnapshotError, fail, ok, type Result } from "./errors.ts";
 import { qmp, setCapabilities } from "./migrate.ts";
@@ -32,6 +33,13 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
   const statePath = join(dir, `${vm.id}.state`);
   const t0 = performance.now();
   try {
+    // Asked while the VM still runs: a short disk refuses the suspend and the sandbox runs on.
+    // The state file holds at most the guest's RAM (zero pages compress to nothing).
+    await needFreeSpace(
+      vm.shape.dataDir,
+      "the suspended sandbox's memory image",
+      vm.shape.memMib * 1024 * 1024,
+    );
     await mkdir(dir, { recursive: true, mode: 0o700 });
     await qmp(proc, "stop");
     await setCapabilities(proc, { events: true, "x-ignore-shared": false, "pause-before-switchover": false });

@@ -17,6 +17,7 @@
 import { createHash, randomBytes } from "node:crypto";
 import { chmod, mkdir, readdir, readFile, rename, rm, rmdir, stat, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
+import { needFreeSpace } from "../../contracts/disk-space.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import type { GuestClient } from "../guest/client.ts";
 import type { ImageConfig, ImportedImage } from "../image/import.ts";
@@ -123,6 +124,13 @@ async function writeMeta(meta: TemplateMeta): Promise<void> {
   await rename(tmp, join(dir, "meta.json"));
 }
 
+/**
+ * Disk a template build is expected to write in the data dir beyond its RAM file: the device
+ * state (~67 KB) and the overlay's growth during boot and the ready command. 64 MiB covers a
+ * package install's worth; a build that writes more meets ENOSPC, reported the same way.
+ */
+const TEMPLATE_DISK_ESTIMATE_BYTES = 64 * 1024 * 1024;
+
 export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<TemplateMeta>> {
   const log = o.log ?? (() => {});
   const id = o.id ?? `tpl-${randomBytes(6).toString("hex")}`;
@@ -137,6 +145,14 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
   const dataDir = resolve(o.dataDir);
   const shmRoot = o.shmRoot ?? defaultShmRoot(dataDir);
   const dir = templateDir(dataDir, id);
+  try {
+    // Asked before anything is created: the RAM file fills guest RAM on tmpfs; the disk holds the
+    // device state and what the ready command writes on the overlay.
+    await needFreeSpace(shmRoot, "the template's memory file", memMib * 1024 * 1024);
+    await needFreeSpace(dataDir, "the template's disk", TEMPLATE_DISK_ESTIMATE_BYTES);
+  } catch (err) {
+    return fail(asSnapshotError(err, "template_build_failed", `building template ${id} failed`));
+  }
   try {
     await mkdir(templatesRoot(dataDir), { recursive: true });
     await mkdir(dir); // EEXIST: the id is taken

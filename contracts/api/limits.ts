@@ -4,6 +4,7 @@
  * defaults: `GatewayConfig.limits` (gateway/config.ts) overrides any of them per deployment
  * (the spec lets BYOC deployments tune the session cap, idle TTL and reaper interval, section 1).
  */
+import { DEFAULT_DISK_RESERVE_BYTES } from "../disk-space.ts";
 import { EXEC_OUTPUT_MAX } from "../guest-protocol.ts";
 import type { Tier } from "./tiers.ts";
 
@@ -84,6 +85,36 @@ export const SANDBOX_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
 };
 
 /**
+ * Our choice (decisions.md, "Disk budgets"): suspended Family B sandboxes per tenant, by tier,
+ * counted apart from the running quota: a suspended sandbox holds no CPU but keeps its RAM image
+ * on the host's disk (up to its memory size) and may pin a RAM file on tmpfs, so a tenant that
+ * suspends without end would fill the disk. A suspend beyond it is 429 `quota_exceeded`; resume
+ * or delete one first. The same numbers as the running quota: a tenant may park every sandbox it
+ * may run, and no more.
+ */
+export const SUSPENDED_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
+  live: 0,
+  scale: 0,
+  demo: 5,
+  pro: 200,
+  enterprise: 1000,
+};
+
+/**
+ * Our choice (decisions.md, "Disk budgets"): templates one tenant may own (building, ready or
+ * failed), by tier. Each holds a base disk and a RAM file on every agent of its region, so the
+ * count bounds what one tenant makes every host keep. Registering or baking beyond it is 429
+ * `quota_exceeded`; delete one first. Live and demo keys cannot register templates at all.
+ */
+export const TEMPLATE_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
+  live: 0,
+  scale: 50,
+  demo: 0,
+  pro: 100,
+  enterprise: 500,
+};
+
+/**
  * Our choice: a Family A session idle (no exec) longer than this is reclaimed (spec 3.3);
  * later calls get 410. 15 minutes outlasts a human's think-time between agent steps while
  * bounding the memory an abandoned session holds.
@@ -134,6 +165,13 @@ export interface Limits {
   sessionCapPerTenant: number;
   relaysPerTenant: number;
   sandboxQuotaByTier: Record<Tier, number>;
+  suspendedQuotaByTier: Record<Tier, number>;
+  templateQuotaByTier: Record<Tier, number>;
+  /**
+   * Free space the gateway keeps on the disk of its upload directory: an upload that would leave
+   * less is 507 `insufficient_storage` (contracts/disk-space.ts; `SANDBOXD_DISK_RESERVE_BYTES`).
+   */
+  diskReserveBytes: number;
   sessionIdleTtlS: number;
   reaperIntervalS: number;
   maxUsageWindowS: number;
@@ -151,6 +189,9 @@ export const DEFAULT_LIMITS: Readonly<Limits> = Object.freeze({
   sessionCapPerTenant: SESSION_CAP_PER_TENANT,
   relaysPerTenant: RELAYS_PER_TENANT,
   sandboxQuotaByTier: { ...SANDBOX_QUOTA_BY_TIER },
+  suspendedQuotaByTier: { ...SUSPENDED_QUOTA_BY_TIER },
+  templateQuotaByTier: { ...TEMPLATE_QUOTA_BY_TIER },
+  diskReserveBytes: DEFAULT_DISK_RESERVE_BYTES,
   sessionIdleTtlS: SESSION_IDLE_TTL_S,
   reaperIntervalS: REAPER_INTERVAL_S,
   maxUsageWindowS: MAX_USAGE_WINDOW_S,

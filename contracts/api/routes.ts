@@ -145,7 +145,8 @@ export const ROUTES: RouteContract[] = [
     response: A.RegisterTemplateResponse,
     status: 202,
     familyB: { status: 202, response: B.TemplateB },
-    errors: [400, 403, 409, 413],
+    // 507: the upload does not fit on the disk with its reserve (checked before and while writing).
+    errors: [400, 403, 409, 413, 507],
   },
   {
     method: "get",
@@ -280,7 +281,8 @@ export const ROUTES: RouteContract[] = [
     summary: "Snapshot to disk; metering stops",
     response: B.StateResponse,
     status: 200,
-    errors: [403, 404, 409],
+    // 507: the host's disk has no room for the RAM image; the sandbox keeps running.
+    errors: [403, 404, 409, 507],
   },
   {
     method: "post",

@@ -123,17 +123,7 @@ async function reserve(
   const now = new Date(deps.clock());
   return deps.db.transaction(async (tx) => {
     await tx.execute(sql`select pg_advisory_xact_lock(hashtext(${p.tenantId}))`);
-    const [c] = await tx
-      .select({ n: sql<number>`count(*)::int` })
-      .from(sandboxes)
-      .where(
-        and(
-          eq(sandboxes.tenantId, p.tenantId),
-          eq(sandboxes.family, p.family),
-          inArray(sandboxes.state, counted),
-        ),
-      );
-    const n = c?.n ?? 0;
+    const n = await countInStates(tx, p, counted);
     if (n + items.length > cap) {
       const what = p.family === "a" ? "live sessions" : "running sandboxes";
       throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} ${what}`, {
@@ -318,9 +308,36 @@ async function applyTransition(
   });
 }
 
+/** The tenant's records of its family in `states` (in `db`, or a transaction of it). */
+async function countInStates(
+  db: Pick<Deps["db"], "select">,
+  p: Principal,
+  states: RecordState[],
+): Promise<number> {
+  const [c] = await db
+    .select({ n: sql<number>`count(*)::int` })
+    .from(sandboxes)
+    .where(
+      and(
+        eq(sandboxes.tenantId, p.tenantId),
+        eq(sandboxes.family, p.family),
+        inArray(sandboxes.state, states),
+      ),
+    );
+  return c?.n ?? 0;
+}
+
 export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
   const row = await getOwned(deps, p, id);
   requireAllowed(id, row.state, "suspend");
+  // Suspended sandboxes keep a RAM image on the host's disk: their own quota bounds them.
+  const cap = deps.config.limits.suspendedQuotaByTier[p.tier];
+  const n = await countInStates(deps.db, p, ["suspended"]);
+  if (n >= cap) {
+    throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} suspended sandboxes`, {
+      details: { cap, current: n },
+    });
+  }
   const r = await inTermsOf(row, agentOf(deps, row).suspend(row.vmId!));
   await applyTransition(
     deps,
@@ -342,18 +359,9 @@ export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ 
   requireAllowed(id, row.state, "resume");
   // Resuming makes the sandbox count against the running quota again.
   const cap = deps.config.limits.sandboxQuotaByTier[p.tier];
-  const [c] = await deps.db
-    .select({ n: sql<number>`count(*)::int` })
-    .from(sandboxes)
-    .where(
-      and(
-        eq(sandboxes.tenantId, p.tenantId),
-        eq(sandboxes.family, p.family),
-        inArray(sandboxes.state, ["starting", "running"]),
-      ),
-    );
-  if ((c?.n ?? 0) >= cap) {
-    throw new SandboxdError("quota_exceeded", `quota reached: ${c?.n} of ${cap} running sandboxes`);
+  const n = await countInStates(deps.db, p, ["starting", "running"]);
+  if (n >= cap) {
+    throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} running sandboxes`);
   }
   const r = await inTermsOf(row, agentOf(deps, row).resume(row.vmId!));
   await applyTransition(

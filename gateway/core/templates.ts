@@ -97,6 +97,23 @@ async function assertIdFree(deps: Deps, tenantId: string, id: string): Promise<v
 }
 
 /**
+ * Refuses a new template when the tenant already owns `cap` (any status but deleted): each one
+ * holds a base disk and a RAM file on every agent of its region (decisions.md, "Disk budgets").
+ */
+export async function requireTemplateRoom(deps: Deps, tenantId: string, cap: number): Promise<void> {
+  const [c] = await deps.db
+    .select({ n: sql<number>`count(*)::int` })
+    .from(templates)
+    .where(and(eq(templates.tenantId, tenantId), isNull(templates.deletedAt)));
+  const n = c?.n ?? 0;
+  if (n >= cap) {
+    throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} templates`, {
+      details: { cap, current: n },
+    });
+  }
+}
+
+/**
  * Family A: reserve the id (status building) before the upload is read, so a duplicate is
  * refused without consuming a multi-GB body. Returns the row; `startUploadBuild` follows.
  */
@@ -166,6 +183,7 @@ export async function bakeTemplate(
   deps: Deps,
   tenantId: string,
   req: BakeTemplateRequest,
+  templateCap = Number.POSITIVE_INFINITY,
 ): Promise<TemplateRow> {
   // Refused here with a readable 400 rather than as a failed bake; the agent checks again before
   // it hands the reference to skopeo (agent/image/pull.ts).
@@ -193,6 +211,8 @@ export async function bakeTemplate(
     }
     throw new SandboxdError("conflict", `template ${req.name} already exists with a different definition`);
   }
+  // A retry of an existing bake (above) is not a new template and is never refused here.
+  await requireTemplateRoom(deps, tenantId, templateCap);
   const rows = await deps.db
     .insert(templates)
     .values({
@@ -213,7 +233,7 @@ export async function bakeTemplate(
     .onConflictDoNothing()
     .returning();
   const row = rows[0];
-  if (!row) return bakeTemplate(deps, tenantId, req); // lost a race with an identical retry
+  if (!row) return bakeTemplate(deps, tenantId, req, templateCap); // lost a race with an identical retry
   // The credentials go to the agent with this request only: `spec` (stored) never holds them.
   const source: TemplateSource = { kind: "oci", image: req.image, tenantId };
   if (req.registry_auth !== undefined) source.registryAuth = req.registry_auth;

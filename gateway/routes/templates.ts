@@ -8,6 +8,7 @@ import { join } from "node:path";
 import { type Context, Hono } from "hono";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
+import { asNoSpace, freeBytes, requireFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { requireFamily, requirePro, requireScale } from "../auth/guards.ts";
 import {
@@ -15,6 +16,7 @@ import {
   deleteTemplate,
   dropReservation,
   ownTemplate,
+  requireTemplateRoom,
   reserveUploadTemplate,
   resolveTemplate,
   startUploadBuild,
@@ -79,11 +81,15 @@ function templateB(row: TemplateRow, telemetry: Record<string, unknown>) {
   return out;
 }
 
+/** How often (bytes written) a streaming upload asks the filesystem how much room is left. */
+const SPACE_CHECK_EVERY_BYTES = 16 * 1024 * 1024;
+
 /**
  * Streams the request body to a file, never holding more than one chunk in memory; refuses
- * bodies over `max` bytes (413) and removes the partial file on any failure.
+ * bodies over `max` bytes (413) and bodies that would leave less than `reserveBytes` free on the
+ * disk (507), and removes the partial file on any failure.
  */
-async function streamToFile(c: Context, path: string, max: number): Promise<number> {
+async function streamToFile(c: Context, path: string, max: number, reserveBytes: number): Promise<number> {
   const body = c.req.raw.body;
   if (!body) throw new SandboxdError("bad_request", "the image body is empty");
   const out = createWriteStream(path, { flags: "wx", mode: 0o600 });
@@ -98,10 +104,17 @@ async function streamToFile(c: Context, path: string, max: number): Promise<numb
     for (;;) {
       const { done, value } = await reader.read();
       if (done) break;
+      const before = total;
       total += value.byteLength;
       if (total > max) {
         await reader.cancel();
         throw new SandboxdError("payload_too_large", `template image is over ${max} bytes`);
+      }
+      if (Math.floor(total / SPACE_CHECK_EVERY_BYTES) !== Math.floor(before / SPACE_CHECK_EVERY_BYTES)) {
+        if ((await freeBytes(path)) < reserveBytes + value.byteLength) {
+          await reader.cancel();
+          throw new SandboxdError("insufficient_storage", "not enough disk space for the image upload");
+        }
       }
       // Respect backpressure: wait for the disk when the stream's buffer is full.
       if (!out.write(value)) await new Promise<void>((r) => out.once("drain", () => r()));
@@ -112,7 +125,7 @@ async function streamToFile(c: Context, path: string, max: number): Promise<numb
   } catch (err) {
     out.destroy();
     await rm(path, { force: true });
-    throw err;
+    throw asNoSpace(err, "the image upload");
   }
   if (total === 0) {
     await rm(path, { force: true });
@@ -143,7 +156,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     if (p.family === "b") {
       requirePro(p, "baking templates");
       const req = await jsonBody(c, B.BakeTemplateRequest, deps.config.limits.maxJsonBodyBytes);
-      const row = await bakeTemplate(deps, p.tenantId, req);
+      const row = await bakeTemplate(deps, p.tenantId, req, deps.config.limits.templateQuotaByTier[p.tier]);
       // The template as GET /v1/templates/{id} shows it (a retry sees the build's progress).
       const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
       return c.json(templateB(row, st?.telemetry ?? {}), 202);
@@ -163,13 +176,22 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     if (q.mem_mib !== undefined) opts.memMib = q.mem_mib;
     if (q.vcpu_count !== undefined) opts.vcpuCount = q.vcpu_count;
     if (q.wait_secs !== undefined) opts.waitSecs = q.wait_secs;
-    const row = await reserveUploadTemplate(deps, p.tenantId, opts);
+    await requireTemplateRoom(deps, p.tenantId, deps.config.limits.templateQuotaByTier[p.tier]);
     const dir = join(deps.config.uploadDir, p.tenantId);
+    // Refused before a byte is read when the declared size (or, unknown, nothing) plus the
+    // reserve does not fit; the stream checks again as it writes (a chunked body declares none).
+    const reserveBytes = deps.config.limits.diskReserveBytes;
+    await requireFreeSpace(deps.config.uploadDir, {
+      what: "the image upload",
+      bytes: Number.isSafeInteger(Number(declared)) ? Number(declared) : 0,
+      reserveBytes,
+    });
+    const row = await reserveUploadTemplate(deps, p.tenantId, opts);
     const path = join(dir, `${q.id}-${base36(8)}.img`);
     let bytes: number;
     try {
       await mkdir(dir, { recursive: true, mode: 0o700 });
-      bytes = await streamToFile(c, path, max);
+      bytes = await streamToFile(c, path, max, reserveBytes);
     } catch (err) {
       await dropReservation(deps, row);
       throw err;

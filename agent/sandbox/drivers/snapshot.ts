@@ -26,10 +26,12 @@ import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
 import { readdir, rm, stat } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
+import { diskReserveFromEnv } from "../../../contracts/disk-space.ts";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { checkDestination, type EgressFence, operatorFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
 import { GuestClient, type GuestTunnel } from "../../guest/client.ts";
+import { evictImageCaches, imageCacheBudgetFromEnv } from "../../image/evict.ts";
 import { type ImageConfig, importImage } from "../../image/import.ts";
 import {
   type DestinationCheck,
@@ -93,6 +95,8 @@ export interface SnapshotDriverOptions {
   defaultSize?: VmSize;
   /** Registry credentials and insecure registries for OCI pulls; default: from the environment. */
   registry?: RegistryConfig;
+  /** Budget of the image caches in `cacheDir` (image/evict.ts); default `SANDBOXD_IMAGE_CACHE_BYTES`. */
+  imageCacheBytes?: number;
   log?: (msg: string) => void;
 }
 
@@ -132,6 +136,9 @@ export class SnapshotDriver implements SandboxDriver {
   /** Engine template ids being built by this process (their files are not registered yet). */
   private readonly building = new Set<string>();
   private readonly live = new Map<string, Live>();
+  /** Image cache entries (directories) that builds in progress hold, with how many hold each. */
+  private readonly pinned = new Map<string, number>();
+  private readonly imageCacheBytes: number;
   /** Suspended VMs this process knows; after a restart they are read from their VM file. */
   private readonly suspended = new Map<string, { sbx: SandboxVm; record: VmRecord }>();
   private detached = false;
@@ -151,6 +158,9 @@ export class SnapshotDriver implements SandboxDriver {
     // A malformed SANDBOXD_INSECURE_REGISTRIES (or SANDBOXD_EGRESS_ALLOW_INTERNAL) stops the agent
     // at start, not a bake later.
     this.registry = opts.registry ?? { ...registryConfigFromEnv(), checkDestination: fencedRegistry() };
+    this.imageCacheBytes = opts.imageCacheBytes ?? imageCacheBudgetFromEnv();
+    // Read again at each write (contracts/disk-space.ts); a malformed value stops the agent here.
+    diskReserveFromEnv();
   }
 
   static async create(opts: SnapshotDriverOptions): Promise<SnapshotDriver> {
@@ -176,6 +186,52 @@ export class SnapshotDriver implements SandboxDriver {
     signal: AbortSignal,
     onPhase?: (phase: BuildPhase) => void,
   ): Promise<PreparedTemplate> {
+    const held: string[] = [];
+    // Before (room for this pull and import) and after (what this build added), the image caches
+    // go back under their budget; the entries this build holds are kept meanwhile.
+    await this.evictImages();
+    try {
+      return await this.prepareHolding(templateId, input, signal, held, onPhase);
+    } finally {
+      for (const d of held) {
+        const n = (this.pinned.get(d) ?? 1) - 1;
+        if (n > 0) this.pinned.set(d, n);
+        else this.pinned.delete(d);
+      }
+      await this.evictImages();
+    }
+  }
+
+  private hold(held: string[], dir: string): void {
+    held.push(dir);
+    this.pinned.set(dir, (this.pinned.get(dir) ?? 0) + 1);
+  }
+
+  /**
+   * The image caches least-recently-used down to `SANDBOXD_IMAGE_CACHE_BYTES`, keeping every
+   * base disk a template of this data dir stands on and every entry a build here holds. Never
+   * fails a build: a failed eviction is logged.
+   */
+  private async evictImages(): Promise<void> {
+    try {
+      const bases = new Set((await listTemplates(this.stateDir)).map((t) => dirname(t.baseDisk)));
+      await evictImageCaches(this.opts.cacheDir, {
+        budgetBytes: this.imageCacheBytes,
+        inUse: (dir) => bases.has(dir) || this.pinned.has(dir),
+        log: this.log,
+      });
+    } catch (err) {
+      this.log(`image cache eviction failed: ${describeError(err)}`);
+    }
+  }
+
+  private async prepareHolding(
+    templateId: string,
+    input: TemplateInput,
+    signal: AbortSignal,
+    held: string[],
+    onPhase?: (phase: BuildPhase) => void,
+  ): Promise<PreparedTemplate> {
     onPhase?.("Converting");
     const id = engineTemplateId(templateId);
     // A failed (or orphaned) build of the same id left its meta.json: clear it for the rebuild.
@@ -196,6 +252,7 @@ export class SnapshotDriver implements SandboxDriver {
         log: this.log,
       });
       source = pulled.layout;
+      this.hold(held, pulled.layout);
       pullMs = pulled.pullMs;
     }
     if (signal.aborted)
@@ -211,6 +268,7 @@ export class SnapshotDriver implements SandboxDriver {
       log: this.log,
       trustedSource: input.kind === "oci",
     });
+    this.hold(held, image.dir);
     const importMs = performance.now() - tImport;
     if (signal.aborted)
       throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
