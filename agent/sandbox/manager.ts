@@ -319,7 +319,12 @@ export class SandboxManager {
     const created = await this.create(templateId, { kind: "session" });
     try {
       const r = await this.exec(created.vmId, req);
-      return { ...r, forkTimeMs: created.forkTimeMs, totalTimeMs: r.totalTimeMs + created.createTimeMs };
+      return {
+        ...r,
+        forkTimeMs: created.forkTimeMs,
+        totalTimeMs: r.totalTimeMs + created.createTimeMs,
+        resources: created.resources,
+      };
     } finally {
       await this.destroy(created.vmId, { force: true });
     }
@@ -331,8 +336,9 @@ export class SandboxManager {
     const t0 = performance.now();
     const children: Sandbox[] = [];
     try {
+      // The children are held (state `creating`) from the admission on, with no await between:
+      // a create or fork racing this one sees them counted and cannot be promised the same room.
       this.capacity.admit(sb.size, count);
-      await this.wake(sb);
       const now = Date.now();
       for (let i = 0; i < count; i++) {
         const childId = newVmId();
@@ -349,8 +355,9 @@ export class SandboxManager {
           now,
         });
         children.push(child);
-        await this.persist(child);
       }
+      for (const child of children) await this.persist(child);
+      await this.wake(sb);
       const op = this.driver.fork(
         sb.vm!,
         children.map((c) => c.id),
