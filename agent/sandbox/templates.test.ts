@@ -58,6 +58,13 @@ afterEach(async () => {
   for (const d of dirs.splice(0)) await rm(d, { recursive: true, force: true });
 });
 
+/** A fresh directory for a registry's records, removed after the test. */
+async function scratchDir(): Promise<string> {
+  const dir = await mkdtemp(join(tmpdir(), "sbx-tpl-"));
+  dirs.push(dir);
+  return dir;
+}
+
 async function until(cond: () => boolean): Promise<void> {
   for (let i = 0; i < 200 && !cond(); i++) await Bun.sleep(5);
   expect(cond()).toBe(true);
@@ -65,10 +72,8 @@ async function until(cond: () => boolean): Promise<void> {
 
 describe("TemplateRegistry phases", () => {
   test("Pending while queued, then Converting, Distributing, Live; a failure is Failed with its reason", async () => {
-    const dir = await mkdtemp(join(tmpdir(), "sbx-tpl-"));
-    dirs.push(dir);
     const { driver, held } = heldDriver();
-    const reg = new TemplateRegistry(driver, templateRecords(dir), () => {});
+    const reg = new TemplateRegistry(driver, templateRecords(await scratchDir()), () => {});
     const ids = Array.from({ length: MAX_CONCURRENT_BUILDS + 1 }, (_, i) => `t${i}`);
     for (const id of ids) reg.build(id, { kind: "oci", image: "r.example/x:1" });
     const last = ids.at(-1)!;
@@ -119,10 +124,8 @@ function processGone(pid: number): boolean {
 
 describe("build slots shared between tenants", () => {
   test("a tenant's queue holds no more than its turn: the other tenant's bake starts next", async () => {
-    const dir = await mkdtemp(join(tmpdir(), "sbx-tpl-"));
-    dirs.push(dir);
     const { driver, held } = heldDriver();
-    const reg = new TemplateRegistry(driver, templateRecords(dir), () => {});
+    const reg = new TemplateRegistry(driver, templateRecords(await scratchDir()), () => {});
     // Tenant A queues four bakes first; alone, it uses every slot.
     const a = ["ten_a.a0", "ten_a.a1", "ten_a.a2", "ten_a.a3"];
     for (const id of a) reg.build(id, { kind: "oci", image: "r.example/x:1", tenantId: "ten_a" });
@@ -157,8 +160,7 @@ describe("build slots shared between tenants", () => {
   });
 
   test("deleting a template cancels its running build: its tool and the tool's children are killed", async () => {
-    const dir = await mkdtemp(join(tmpdir(), "sbx-tpl-"));
-    dirs.push(dir);
+    const dir = await scratchDir();
     const pidFile = join(dir, "child.pid");
     let toolDone: Promise<unknown> | undefined;
     const driver = {
