@@ -53,7 +53,8 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
         log,
       });
       process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
-      return 0;
+      // Stopped early: what ran is printed, and the exit says it was cut short.
+      return abort.signal.aborted ? 130 : 0;
     } finally {
       process.off("SIGINT", onSignal);
       process.off("SIGTERM", onSignal);
