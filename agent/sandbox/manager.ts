@@ -448,10 +448,11 @@ export class SandboxManager {
       if (opts.force) sb.inflight?.abort.abort();
       return sb.destroying;
     }
-    this.setState(sb, "destroying");
+    // `destroying` already: an earlier destroy failed (a full disk) and this one tries again.
+    if (sb.state !== "destroying") this.setState(sb, "destroying");
     this.clearIdle(sb);
     this.closeTunnels(sb, "is being destroyed");
-    sb.destroying = (async () => {
+    const attempt = (async () => {
       if (sb.inflight) {
         if (opts.force) sb.inflight.abort.abort();
         else await sb.inflight.done.catch(() => {});
@@ -463,7 +464,13 @@ export class SandboxManager {
       this.sandboxes.delete(sb.id);
       await this.records.remove(sb.id);
     })();
-    return sb.destroying;
+    sb.destroying = attempt;
+    // A failed attempt is not kept: the next destroy of this sandbox runs again instead of
+    // answering the old failure for ever.
+    attempt.catch(() => {
+      if (sb.destroying === attempt) sb.destroying = undefined;
+    });
+    return attempt;
   }
 
   /**
