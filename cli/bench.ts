@@ -2,6 +2,8 @@
  * `sandboxd bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N]
  * [--data-dir DIR]`: the snapshot engine's figures on this host (agent/bench/bench.ts;
  * docs/benchmarks.md explains them). SIGINT/SIGTERM free every VM and file of the run first.
+ * `--soak N`: N session create -> exec -> delete cycles through a real `up` instead (soak.ts),
+ * printed as JSON: what the service holds at the start and the end, and what it left behind.
  */
 import { parseArgs } from "node:util";
 import { SandboxdError } from "../contracts/errors.ts";
@@ -32,9 +34,32 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       spawns: { type: "string" },
       execs: { type: "string" },
       "data-dir": { type: "string" },
+      soak: { type: "string" },
     },
   });
   if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
+  if (values.soak !== undefined) {
+    const { runSoak } = await import("./soak.ts");
+    const abort = new AbortController();
+    const onSignal = () => abort.abort();
+    process.on("SIGINT", onSignal);
+    process.on("SIGTERM", onSignal);
+    try {
+      const result = await runSoak({
+        cycles: intOption(values.soak, "soak", 1, 1, 1_000_000),
+        image: values.image,
+        cacheDir: values["data-dir"] ?? defaultDataDir(),
+        signal: abort.signal,
+        log,
+      });
+      process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
+      // Stopped early: what ran is printed, and the exit says it was cut short.
+      return abort.signal.aborted ? 130 : 0;
+    } finally {
+      process.off("SIGINT", onSignal);
+      process.off("SIGTERM", onSignal);
+    }
+  }
   const { runBench, isInterrupted } = await import("../agent/bench/bench.ts");
   const abort = new AbortController();
   let exitTimer: ReturnType<typeof setTimeout> | undefined;

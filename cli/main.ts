@@ -30,6 +30,9 @@ commands:
   bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N] [--data-dir DIR]
         measure boot, spawn (next to a bare QEMU restore), exec, fork, suspend/resume and idle
         memory on this host; removes every VM and file it made (docs/benchmarks.md)
+  bench --soak N --image ARCHIVE [--data-dir DIR]
+        N session create -> exec -> delete cycles through a real up; prints the service's RSS,
+        fds, /dev/shm and data-dir use at the start and the end, and any leftovers (JSON)
   doctor [--build] [--data-dir DIR]
         check the host; --build also builds missing guest artifacts
   key create --tenant NAME --tier TIER [--name LABEL] [--data-dir DIR]

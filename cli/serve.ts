@@ -22,6 +22,7 @@ import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
+import { installFaultHandlers } from "./faults.ts";
 
 /** The catalog (spec 2.4): only `python` ships publicly. */
 export const CATALOG = [
@@ -64,11 +65,37 @@ export async function registerCatalog(gateway: RunningGateway): Promise<void> {
   }
 }
 
+/**
+ * Starts the catalog build in the background with its own stop: `stop()` aborts it (debootstrap
+ * and the image tools are killed with their process groups) and resolves once it has ended, so
+ * a stopped agent leaves no build running behind it.
+ */
+export function startCatalogBuild(
+  dataDir: string,
+  manager: SandboxManager,
+  log: (m: string) => void,
+  before: () => Promise<void> = async () => {},
+): { stop(): Promise<void> } {
+  const abort = new AbortController();
+  const done = before()
+    .then(() => buildCatalogOnAgent(dataDir, manager, log, abort.signal))
+    .catch((err) => {
+      if (!abort.signal.aborted) log(`catalog: python template failed: ${describeError(err)}`);
+    });
+  return {
+    async stop() {
+      abort.abort();
+      await done;
+    },
+  };
+}
+
 /** Builds the catalog's templates on this agent once (cached in its data dir). */
 export async function buildCatalogOnAgent(
   dataDir: string,
   manager: SandboxManager,
   log: (m: string) => void,
+  signal?: AbortSignal,
 ): Promise<void> {
   for (const t of CATALOG) {
     let status: string | undefined;
@@ -78,7 +105,8 @@ export async function buildCatalogOnAgent(
       status = undefined; // never built on this host
     }
     if (status === "ready" || status === "building") continue;
-    await ensurePythonImage({ dataDir, log });
+    await ensurePythonImage({ dataDir, log, ...(signal ? { signal } : {}) });
+    if (signal?.aborted) return;
     manager.buildTemplate(t.id, {
       kind: "archive",
       path: pythonLayoutDir(dataDir),
@@ -103,6 +131,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
     },
   });
   const dataDir = values["data-dir"] ?? defaultDataDir();
+  const removeFaultHandlers = installFaultHandlers(log);
   const gateway = await startGateway({
     port: parsePort(values.port, 8080),
     hostname: values.host ?? "127.0.0.1",
@@ -120,6 +149,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
   process.stdout.write(`listening ${gateway.url}\n`);
   await untilSignal();
   await gateway.stop();
+  removeFaultHandlers();
   return 0;
 }
 
@@ -141,6 +171,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   if (!values.gateway)
     throw new SandboxdError("bad_request", "agent needs --gateway URL (where it registers)");
   const dataDir = values["data-dir"] ?? defaultDataDir();
+  const removeFaultHandlers = installFaultHandlers(log);
   const m = /^(.*):(\d+)$/.exec(values.listen ?? "127.0.0.1:7070");
   if (!m) throw new SandboxdError("bad_request", `--listen must be HOST:PORT, got ${values.listen}`);
   const listenHost = m[1]!.replace(/^\[(.*)\]$/, "$1");
@@ -186,14 +217,12 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   );
   if (manager.accel === "tcg") log(`WARNING: ${TCG_BOUNDARY}`);
   process.stdout.write(`listening ${server.url}\n`);
-  if (!values["no-catalog"]) {
-    void buildCatalogOnAgent(dataDir, manager, log).catch((err) =>
-      log(`catalog: python template failed: ${describeError(err)}`),
-    );
-  }
+  const catalog = values["no-catalog"] ? undefined : startCatalogBuild(dataDir, manager, log);
   await untilSignal();
+  await catalog?.stop();
   heartbeats.stop();
   await server.stop();
   await manager.detach();
+  removeFaultHandlers();
   return 0;
 }

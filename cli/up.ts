@@ -15,13 +15,13 @@ import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
-import { describeError } from "../contracts/errors.ts";
 import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { enrolledAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
-import { buildCatalogOnAgent, egressDefaultFromEnv, parsePort, registerCatalog } from "./serve.ts";
+import { installFaultHandlers } from "./faults.ts";
+import { egressDefaultFromEnv, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -39,6 +39,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const stateDir = join(dataDir, "agent");
   await mkdir(stateDir, { recursive: true });
   const secrets = loadSecrets(dataDir);
+  const removeFaultHandlers = installFaultHandlers(log);
 
   const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
   const manager = await SandboxManager.open({ driver, stateDir, log, egressDefault: egressDefaultFromEnv() });
@@ -85,21 +86,21 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   // Machine-readable line for scripts and tests: the URL clients use.
   process.stdout.write(`listening ${gateway.url}\n`);
 
-  if (!values["no-catalog"]) {
-    void registerCatalog(gateway)
-      .then(() => buildCatalogOnAgent(dataDir, manager, log))
-      .catch((err) => log(`catalog: python template failed: ${describeError(err)}`));
-  }
+  const catalog = values["no-catalog"]
+    ? undefined
+    : startCatalogBuild(dataDir, manager, log, () => registerCatalog(gateway));
 
   await new Promise<void>((resolve) => {
     process.once("SIGINT", resolve);
     process.once("SIGTERM", resolve);
   });
   log("stopping: running sandboxes keep running and are re-adopted by the next `up`");
+  await catalog?.stop();
   heartbeats.stop();
   await gateway.stop();
   await agentServer.stop();
   await manager.detach();
+  removeFaultHandlers();
   return 0;
 }
 

@@ -13,6 +13,7 @@ import { join, resolve } from "node:path";
 import { parseRollup, parseSmapsFor } from "../agent/bench/rss.ts";
 import { percentile, summarize } from "../agent/bench/stats.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
+import type { SoakResult } from "../cli/soak.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 
 const REPO = resolve(import.meta.dir, "..");
@@ -175,6 +176,52 @@ describe("sandboxd bench", () => {
     expect(r.stderr).toContain("bench needs --image");
     expect(r.stdout).toBe("");
   });
+});
+
+/**
+ * Bounds of the soak test: what 20 cycles may add to the service. RSS: the JIT, the allocator's
+ * arenas and PGlite's buffers settle within a few cycles of the warm-up; a leak of one VM's
+ * bookkeeping per cycle (tunnels, guest clients, records) would show as steady growth past it.
+ * Fds: the database's files and a keep-alive socket or two may come and go. The data dir grows
+ * by the database's rows and its WAL, not by VM files.
+ */
+const SOAK_CYCLES = 20;
+const SOAK_RSS_GROWTH_KIB = 64 * 1024;
+const SOAK_FD_SLACK = 4;
+const SOAK_DATA_GROWTH_BYTES = 32 * 2 ** 20;
+
+describe("sandboxd bench --soak", () => {
+  test(
+    `${SOAK_CYCLES} create -> exec -> delete cycles through a real up leak nothing`,
+    async () => {
+      const r = await sandboxd([
+        "bench",
+        "--soak",
+        String(SOAK_CYCLES),
+        "--image",
+        image,
+        "--data-dir",
+        DATA_DIR,
+      ]);
+      if (r.code !== 0) console.error(r.stderr);
+      expect(r.code).toBe(0);
+      const out = JSON.parse(r.stdout) as SoakResult;
+      console.log(
+        `SOAK ${JSON.stringify(out)} bounds: rss +${SOAK_RSS_GROWTH_KIB} KiB, fds +${SOAK_FD_SLACK}, data dir +${SOAK_DATA_GROWTH_BYTES} B`,
+      );
+      expect(out.cycles).toBe(SOAK_CYCLES);
+      expect(out.failures).toBe(0);
+      expect(out.leftovers).toEqual({ qemu_processes: [], vm_dirs: [], cgroups: [], uid_locks: [] });
+      expect(out.end.open_fds).toBeLessThanOrEqual(out.start.open_fds + SOAK_FD_SLACK);
+      expect(out.end.rss_kib).toBeLessThanOrEqual(out.start.rss_kib + SOAK_RSS_GROWTH_KIB);
+      // No RAM file outlives its sandbox: what is on /dev/shm is the template's, as at the start.
+      expect(out.end.shm_bytes).toBeLessThanOrEqual(out.start.shm_bytes);
+      expect(out.end.data_dir_bytes).toBeLessThanOrEqual(out.start.data_dir_bytes + SOAK_DATA_GROWTH_BYTES);
+      // The soak's own data dir is gone (the JSON names nothing of it that still exists).
+      expect(entries(tmpdir()).filter((e) => e.startsWith("sbx-soak-"))).toEqual([]);
+    },
+    BENCH_TIMEOUT_MS,
+  );
 });
 
 describe("bench figures", () => {

@@ -4,10 +4,13 @@
  * memory-agent.ts), which runs no VMs. Real-VM end-to-end tests come with the real agent.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { eq } from "drizzle-orm";
+import { eq, inArray } from "drizzle-orm";
+import { sandboxes } from "../db/schema/sandboxes.ts";
 import { templates } from "../db/schema/templates.ts";
+import { usageIntervals } from "../db/schema/usage-intervals.ts";
 import { FixedPlacement } from "../gateway/agents/placement.ts";
-import { reapIdleSessions } from "../gateway/core/sandboxes.ts";
+import { endStaleExecs, reapIdleSessions } from "../gateway/core/sandboxes.ts";
+import type { Deps } from "../gateway/deps.ts";
 import { type Harness, makeHarness } from "../gateway/testing/harness.ts";
 
 let h: Harness;
@@ -238,6 +241,99 @@ describe("family A sessions", () => {
       await capped.close();
     }
   });
+});
+
+describe("one-shot execs share the tenant's cap and are metered", () => {
+  test("an exec in flight holds a place; a batch over the cap is refused whole; each call is one running interval", async () => {
+    const capped = await makeHarness({ limits: { sessionCapPerTenant: 2 } });
+    try {
+      const k = await capped.key("t", "live");
+      let release!: () => void;
+      capped.agent.execOnceGate = new Promise<void>((r) => {
+        release = r;
+      });
+      const inFlight = capped.req("POST", "/v1/exec", { key: k, json: { code: "1", template_id: "python" } });
+      for (let i = 0; i < 100 && !capped.agent.calls.some((c) => c.startsWith("execOnce")); i++)
+        await Bun.sleep(5);
+      // One place taken by the exec: a session fits, then nothing more does.
+      expect(
+        (await capped.req("POST", "/v1/sessions", { key: k, json: { template_id: "python" } })).status,
+      ).toBe(201);
+      const over = await capped.req("POST", "/v1/exec", {
+        key: k,
+        json: { code: "2", template_id: "python" },
+      });
+      expect(over.status).toBe(429);
+      expect(await json(over)).toMatchObject({ code: "quota_exceeded" });
+      const execs = capped.agent.calls.filter((c) => c.startsWith("execOnce")).length;
+      const batch = await capped.req("POST", "/v1/exec/batch", {
+        key: k,
+        json: { executions: [{ code: "3", template_id: "python" }] },
+      });
+      expect(batch.status).toBe(429);
+      // Refused before any VM was asked for.
+      expect(capped.agent.calls.filter((c) => c.startsWith("execOnce")).length).toBe(execs);
+      // The exec runs for an hour of the gateway's clock, then ends.
+      capped.now.ms += 3600_000;
+      release();
+      expect((await inFlight).status).toBe(200);
+      capped.agent.execOnceGate = undefined;
+      // Its place is free again: a batch of one fits next to the session.
+      const ok = await capped.req("POST", "/v1/exec/batch", {
+        key: k,
+        json: { executions: [{ code: "4", template_id: "python" }] },
+      });
+      expect(ok.status).toBe(200);
+      const rows = await capped.handle.db.select().from(sandboxes).where(eq(sandboxes.kind, "exec"));
+      expect(rows.map((r) => r.state)).toEqual(["destroyed", "destroyed"]);
+      const intervals = await capped.handle.db
+        .select()
+        .from(usageIntervals)
+        .where(
+          inArray(
+            usageIntervals.sandboxId,
+            rows.map((r) => r.id),
+          ),
+        );
+      expect(intervals).toHaveLength(2);
+      for (const iv of intervals) {
+        expect(iv).toMatchObject({ state: "running", vcpus: 2, memMib: 512 });
+        expect(iv.endedAt).not.toBeNull();
+      }
+      const hours = intervals.map((iv) => (iv.endedAt!.getTime() - iv.startedAt.getTime()) / 3600_000).sort();
+      expect(hours).toEqual([0, 1]);
+    } finally {
+      await capped.close();
+    }
+  });
+});
+
+test("a one-shot exec whose call was lost stops holding its place once no exec could still run", async () => {
+  const capped = await makeHarness({ limits: { sessionCapPerTenant: 1 } });
+  try {
+    const k = await capped.key("t", "live");
+    capped.agent.execOnceGate = new Promise<void>(() => {}); // the call never ends
+    void capped.req("POST", "/v1/exec", { key: k, json: { code: "1", template_id: "python" } });
+    for (let i = 0; i < 100 && !capped.agent.calls.some((c) => c.startsWith("execOnce")); i++)
+      await Bun.sleep(5);
+    capped.agent.execOnceGate = undefined;
+    expect(
+      (await capped.req("POST", "/v1/sessions", { key: k, json: { template_id: "python" } })).status,
+    ).toBe(429);
+    const deps = {
+      db: capped.handle.db,
+      clock: () => capped.now.ms,
+      config: capped.config,
+    } as unknown as Deps;
+    expect(await endStaleExecs(deps)).toEqual([]); // still within any exec's time
+    capped.now.ms += (capped.config.limits.maxExecTimeoutS + 601) * 1000;
+    expect(await endStaleExecs(deps)).toHaveLength(1);
+    expect(
+      (await capped.req("POST", "/v1/sessions", { key: k, json: { template_id: "python" } })).status,
+    ).toBe(201);
+  } finally {
+    await capped.close();
+  }
 });
 
 describe("templates", () => {

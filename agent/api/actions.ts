@@ -81,7 +81,10 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           throw err;
         }
         // The agent owns the uploaded file (TemplateSource): gone once the build is over.
-        void m.templates.settled(a.template).finally(() => rm(s.path, { force: true }));
+        void m.templates
+          .settled(a.template)
+          .finally(() => rm(s.path, { force: true }))
+          .catch(() => {}); // a leftover upload is swept with the upload dir; never a crash
       } else {
         m.buildTemplate(a.template, ociInput(s));
         // Bake `expected_width` (spec 4.2): warm VMs once the build is Live.

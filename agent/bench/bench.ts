@@ -171,7 +171,7 @@ class Scope {
   track<T extends Destroyable>(vm: T): T {
     this.vms.add(vm);
     if (this.aborted) {
-      void this.release(vm);
+      this.release(vm).catch(() => {}); // cleanup() retries what is left
       throw new Interrupted();
     }
     return vm;

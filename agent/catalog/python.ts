@@ -65,10 +65,12 @@ export function debianMirror(env: NodeJS.ProcessEnv = process.env): string {
 }
 
 /** Runs a build tool (agent/host/tool.ts); a failure is `catalog_build_failed`, the ToolError its cause. */
-async function run(argv: string[], log: (m: string) => void): Promise<void> {
+async function run(argv: string[], log: (m: string) => void, signal?: AbortSignal): Promise<void> {
   log(argv.join(" "));
   try {
-    await runTool(argv, { captureStdout: false });
+    // An abort (the agent stopping) kills the tool's whole process group: debootstrap's chroot
+    // children (dpkg, apt) do not outlive it.
+    await runTool(argv, { captureStdout: false, ...(signal ? { signal } : {}) });
   } catch (err) {
     if (!(err instanceof ToolError)) throw err;
     const message =
@@ -163,6 +165,8 @@ export async function ensureDebootstrapLayout(opts: {
   name: string;
   spec: DebootstrapImageSpec;
   log?: (m: string) => void;
+  /** Stops the build (its tools are killed) and leaves nothing behind; the caller's stop. */
+  signal?: AbortSignal;
 }): Promise<string> {
   const { spec, name } = opts;
   const log = opts.log ?? (() => {});
@@ -183,13 +187,16 @@ export async function ensureDebootstrapLayout(opts: {
         debianMirror(),
       ],
       log,
+      opts.signal,
     );
+    opts.signal?.throwIfAborted();
     // The apt lists and caches debootstrap leaves are 30+ MB no sandbox needs.
     await rm(join(rootfs, "var/cache/apt/archives"), { recursive: true, force: true });
     await rm(join(rootfs, "var/lib/apt/lists"), { recursive: true, force: true });
     await mkdir(join(rootfs, "var/lib/apt/lists/partial"), { recursive: true });
     const out = join(work, "layout");
     await packRootfsAsOciLayout(rootfs, out, spec.config, log);
+    opts.signal?.throwIfAborted();
     await rm(layout, { recursive: true, force: true });
     await rename(out, layout);
   } finally {
@@ -221,6 +228,8 @@ async function unmountUnder(dir: string, log: (m: string) => void): Promise<void
 export async function ensurePythonImage(opts: {
   dataDir: string;
   log?: (m: string) => void;
+  /** The agent's stop: an aborted build kills its tools and imports nothing. */
+  signal?: AbortSignal;
 }): Promise<ImportedImage> {
   const log = opts.log ?? (() => {});
   const layout = await ensureDebootstrapLayout({
@@ -228,6 +237,8 @@ export async function ensurePythonImage(opts: {
     name: "python",
     spec: PYTHON_IMAGE,
     log,
+    ...(opts.signal ? { signal: opts.signal } : {}),
   });
+  opts.signal?.throwIfAborted();
   return importImage({ source: layout, dataDir: opts.dataDir, log, trustedSource: true });
 }

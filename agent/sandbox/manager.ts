@@ -319,7 +319,12 @@ export class SandboxManager {
     const created = await this.create(templateId, { kind: "session" });
     try {
       const r = await this.exec(created.vmId, req);
-      return { ...r, forkTimeMs: created.forkTimeMs, totalTimeMs: r.totalTimeMs + created.createTimeMs };
+      return {
+        ...r,
+        forkTimeMs: created.forkTimeMs,
+        totalTimeMs: r.totalTimeMs + created.createTimeMs,
+        resources: created.resources,
+      };
     } finally {
       await this.destroy(created.vmId, { force: true });
     }
@@ -331,8 +336,9 @@ export class SandboxManager {
     const t0 = performance.now();
     const children: Sandbox[] = [];
     try {
+      // The children are held (state `creating`) from the admission on, with no await between:
+      // a create or fork racing this one sees them counted and cannot be promised the same room.
       this.capacity.admit(sb.size, count);
-      await this.wake(sb);
       const now = Date.now();
       for (let i = 0; i < count; i++) {
         const childId = newVmId();
@@ -349,8 +355,9 @@ export class SandboxManager {
           now,
         });
         children.push(child);
-        await this.persist(child);
       }
+      for (const child of children) await this.persist(child);
+      await this.wake(sb);
       const op = this.driver.fork(
         sb.vm!,
         children.map((c) => c.id),
@@ -441,10 +448,11 @@ export class SandboxManager {
       if (opts.force) sb.inflight?.abort.abort();
       return sb.destroying;
     }
-    this.setState(sb, "destroying");
+    // `destroying` already: an earlier destroy failed (a full disk) and this one tries again.
+    if (sb.state !== "destroying") this.setState(sb, "destroying");
     this.clearIdle(sb);
     this.closeTunnels(sb, "is being destroyed");
-    sb.destroying = (async () => {
+    const attempt = (async () => {
       if (sb.inflight) {
         if (opts.force) sb.inflight.abort.abort();
         else await sb.inflight.done.catch(() => {});
@@ -456,7 +464,13 @@ export class SandboxManager {
       this.sandboxes.delete(sb.id);
       await this.records.remove(sb.id);
     })();
-    return sb.destroying;
+    sb.destroying = attempt;
+    // A failed attempt is not kept: the next destroy of this sandbox runs again instead of
+    // answering the old failure for ever.
+    attempt.catch(() => {
+      if (sb.destroying === attempt) sb.destroying = undefined;
+    });
+    return attempt;
   }
 
   /**

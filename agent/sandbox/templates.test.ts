@@ -5,19 +5,20 @@
  * driver's reason. Real records on disk.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
-import { mkdtemp, rm } from "node:fs/promises";
+import { existsSync, readFileSync } from "node:fs";
+import { mkdtemp, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { busyboxImageSpec, makeOciArchive } from "../../tests/fixtures/images.ts";
 import { type LocalRegistry, REGISTRY_BIN, startRegistry } from "../../tests/support/registry.ts";
 import { EgressFence } from "../egress/fence.ts";
+import { runTool } from "../host/tool.ts";
 import { pullImage } from "../image/pull.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput } from "./drivers/driver.ts";
 import { fencedRegistry } from "./drivers/snapshot.ts";
 import { templateRecords } from "./records.ts";
-import { MAX_CONCURRENT_BUILDS, TemplateRegistry } from "./templates.ts";
+import { buildOwner, MAX_CONCURRENT_BUILDS, TemplateRegistry } from "./templates.ts";
 import { tenantErrorText } from "./tenant-error.ts";
 
 interface Held {
@@ -57,6 +58,13 @@ afterEach(async () => {
   for (const d of dirs.splice(0)) await rm(d, { recursive: true, force: true });
 });
 
+/** A fresh directory for a registry's records, removed after the test. */
+async function scratchDir(): Promise<string> {
+  const dir = await mkdtemp(join(tmpdir(), "sbx-tpl-"));
+  dirs.push(dir);
+  return dir;
+}
+
 async function until(cond: () => boolean): Promise<void> {
   for (let i = 0; i < 200 && !cond(); i++) await Bun.sleep(5);
   expect(cond()).toBe(true);
@@ -64,10 +72,8 @@ async function until(cond: () => boolean): Promise<void> {
 
 describe("TemplateRegistry phases", () => {
   test("Pending while queued, then Converting, Distributing, Live; a failure is Failed with its reason", async () => {
-    const dir = await mkdtemp(join(tmpdir(), "sbx-tpl-"));
-    dirs.push(dir);
     const { driver, held } = heldDriver();
-    const reg = new TemplateRegistry(driver, templateRecords(dir), () => {});
+    const reg = new TemplateRegistry(driver, templateRecords(await scratchDir()), () => {});
     const ids = Array.from({ length: MAX_CONCURRENT_BUILDS + 1 }, (_, i) => `t${i}`);
     for (const id of ids) reg.build(id, { kind: "oci", image: "r.example/x:1" });
     const last = ids.at(-1)!;
@@ -103,6 +109,82 @@ describe("TemplateRegistry phases", () => {
     held.get("q1")!.finish();
     await Bun.sleep(50);
     expect(held.has("q2")).toBe(false);
+  });
+});
+
+/** Whether `pid` is gone (or a zombie no one has reaped yet: it runs nothing). */
+function processGone(pid: number): boolean {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+    return stat.slice(stat.lastIndexOf(")") + 2).startsWith("Z");
+  } catch {
+    return true;
+  }
+}
+
+describe("build slots shared between tenants", () => {
+  test("a tenant's queue holds no more than its turn: the other tenant's bake starts next", async () => {
+    const { driver, held } = heldDriver();
+    const reg = new TemplateRegistry(driver, templateRecords(await scratchDir()), () => {});
+    // Tenant A queues four bakes first; alone, it uses every slot.
+    const a = ["ten_a.a0", "ten_a.a1", "ten_a.a2", "ten_a.a3"];
+    for (const id of a) reg.build(id, { kind: "oci", image: "r.example/x:1", tenantId: "ten_a" });
+    await until(() => held.size === MAX_CONCURRENT_BUILDS);
+    // Then B queues two: the next free slot is B's, not A's third.
+    for (const id of ["ten_b.b0", "ten_b.b1"]) reg.build(id, { kind: "archive", path: "/nonexistent" });
+    await Bun.sleep(20);
+    expect(reg.slotsByOwner()).toEqual({ running: { ten_a: 2 }, waiting: { ten_a: 2, ten_b: 2 } });
+    held.get("ten_a.a0")!.finish();
+    await until(() => held.has("ten_b.b0"));
+    expect(held.has("ten_a.a2")).toBe(false);
+    expect(reg.slotsByOwner().running).toEqual({ ten_a: 1, ten_b: 1 });
+    // A's build ends: A runs none, B runs one, so A's next bake takes the slot, not B's second.
+    held.get("ten_a.a1")!.finish();
+    await until(() => held.has("ten_a.a2"));
+    expect(held.has("ten_b.b1")).toBe(false);
+    expect(reg.slotsByOwner().running).toEqual({ ten_a: 1, ten_b: 1 });
+    held.get("ten_b.b0")!.finish();
+    await until(() => held.has("ten_b.b1"));
+    expect(held.has("ten_a.a3")).toBe(false);
+    for (const id of ["ten_a.a2", "ten_b.b1"]) held.get(id)!.finish();
+    await until(() => held.has("ten_a.a3"));
+    held.get("ten_a.a3")!.finish();
+    for (const id of [...a, "ten_b.b0", "ten_b.b1"]) await reg.settled(id);
+    expect(reg.slotsByOwner()).toEqual({ running: {}, waiting: {} });
+  });
+
+  test("the owner of a build: the bake's tenant, else the template ref's owner part", () => {
+    expect(buildOwner("x.y", { kind: "oci", image: "i", tenantId: "ten_q" })).toBe("ten_q");
+    expect(buildOwner("ten_r.tpl", { kind: "archive", path: "/p" })).toBe("ten_r");
+    expect(buildOwner("python", { kind: "archive", path: "/p" })).toBe("");
+  });
+
+  test("deleting a template cancels its running build: its tool and the tool's children are killed", async () => {
+    const dir = await scratchDir();
+    const pidFile = join(dir, "child.pid");
+    let toolDone: Promise<unknown> | undefined;
+    const driver = {
+      prepareTemplate(_id: string, _input: TemplateInput, signal: AbortSignal): Promise<PreparedTemplate> {
+        // A build tool that starts a child of its own (as debootstrap and skopeo do).
+        const run = runTool(["sh", "-c", `sleep 300 & echo $! > ${pidFile}; wait`], { signal });
+        toolDone = run.catch((e) => e);
+        return run.then(() => ({ image: {} as PreparedTemplate["image"], exposedPorts: [] }));
+      },
+      dropTemplate: async () => {},
+      restoreTemplate: async () => {},
+    } as unknown as SandboxDriver;
+    const reg = new TemplateRegistry(driver, templateRecords(dir), () => {});
+    reg.build("ten_c.slow", { kind: "archive", path: "/nonexistent" });
+    await until(() => existsSync(pidFile) && readFileSync(pidFile, "utf8").trim() !== "");
+    const child = Number((await readFile(pidFile, "utf8")).trim());
+    expect(processGone(child)).toBe(false);
+    await reg.delete("ten_c.slow", false);
+    const err = (await toolDone) as { kind?: string };
+    expect(err.kind).toBe("aborted");
+    await until(() => processGone(child));
+    await reg.settled("ten_c.slow");
+    expect(reg.slotsByOwner()).toEqual({ running: {}, waiting: {} });
+    expect(() => reg.status("ten_c.slow")).toThrow();
   });
 });
 

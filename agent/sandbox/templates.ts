@@ -25,6 +25,22 @@ import { newErrorId, tenantErrorText } from "./tenant-error.ts";
  */
 export const MAX_CONCURRENT_BUILDS = 2;
 
+/**
+ * Whose build this is, for sharing the slots: the tenant a bake names, else the owner part of
+ * the gateway's template ref (`<tenant>.<id>`); builds of the operator (the catalog) share "".
+ */
+export function buildOwner(id: string, input: TemplateInput): string {
+  if (input.kind === "oci" && input.tenantId) return input.tenantId;
+  const dot = id.indexOf(".");
+  return dot > 0 ? id.slice(0, dot) : "";
+}
+
+/** A build waiting for a slot. */
+interface Waiter {
+  owner: string;
+  grant: () => void;
+}
+
 export interface ReadyTemplate {
   id: string;
   prepared: PreparedTemplate;
@@ -46,7 +62,13 @@ interface Entry {
 export class TemplateRegistry {
   private readonly entries = new Map<string, Entry>();
   private running = 0;
-  private readonly queue: Array<() => void> = [];
+  /** Running builds per owner. */
+  private readonly runningBy = new Map<string, number>();
+  /**
+   * Waiting builds per owner, FIFO within an owner; the map's order is the round-robin order
+   * (an owner served moves to the back).
+   */
+  private readonly waiting = new Map<string, Waiter[]>();
 
   constructor(
     private readonly driver: SandboxDriver,
@@ -97,17 +119,19 @@ export class TemplateRegistry {
     const t0 = performance.now();
     this.entries.set(id, entry);
     const signal = entry.abort!.signal;
+    const owner = buildOwner(id, input);
     entry.build = (async () => {
-      // Slots are claimed in request order (before the first await), so the queue is FIFO.
-      const slot = this.slot();
+      // Slots are claimed in request order (before the first await): FIFO within an owner,
+      // round-robin between owners.
+      const slot = this.slot(owner, signal);
       try {
         await this.store.write(record);
       } catch (err) {
-        await slot;
-        this.release();
+        if (await slot) this.release(owner);
         throw err;
       }
-      await slot;
+      // A build deleted while it waited never held a slot.
+      if (!(await slot)) return;
       let tStart = performance.now();
       try {
         if (signal.aborted) return;
@@ -145,7 +169,7 @@ export class TemplateRegistry {
         this.log(`template ${id}${tenant} build failed [${errorId}]: ${describeError(err)}`);
         entry.record = { ...record, status: "failed", error: tenantErrorText(err, errorId) };
       } finally {
-        this.release();
+        this.release(owner);
       }
       await this.store.write(entry.record);
     })().catch((err) => this.log(`template ${id}: cannot write its record: ${describeError(err)}`));
@@ -195,19 +219,74 @@ export class TemplateRegistry {
     await this.entries.get(id)?.build;
   }
 
-  /** Waits for one of the `MAX_CONCURRENT_BUILDS` build slots. */
-  private async slot(): Promise<void> {
-    if (this.running < MAX_CONCURRENT_BUILDS) {
-      this.running++;
-      return;
-    }
-    await new Promise<void>((resolve) => this.queue.push(resolve));
+  /**
+   * Waits for one of the `MAX_CONCURRENT_BUILDS` build slots, shared between owners: a free slot
+   * goes first to an owner with no build running (round-robin among them), so while others wait
+   * an owner holds at most one slot more than it already had, and one tenant's queue of bakes
+   * (each may hold its slot for its whole `ready` timeout) cannot keep the others out. An owner
+   * alone uses every slot.
+   * Resolves false, holding nothing, if `signal` aborts (the template was deleted) while it waits.
+   */
+  private slot(owner: string, signal: AbortSignal): Promise<boolean> {
+    if (signal.aborted) return Promise.resolve(false);
+    return new Promise<boolean>((resolve) => {
+      const w: Waiter = {
+        owner,
+        grant: () => {
+          signal.removeEventListener("abort", onAbort);
+          resolve(true);
+        },
+      };
+      const onAbort = () => {
+        const q = this.waiting.get(owner);
+        const i = q?.indexOf(w) ?? -1;
+        if (q && i >= 0) {
+          q.splice(i, 1);
+          if (q.length === 0) this.waiting.delete(owner);
+        }
+        resolve(false);
+      };
+      signal.addEventListener("abort", onAbort, { once: true });
+      const q = this.waiting.get(owner);
+      if (q) q.push(w);
+      else this.waiting.set(owner, [w]);
+      this.dispatch();
+    });
   }
 
-  private release(): void {
-    const next = this.queue.shift();
-    if (next) next();
-    else this.running--;
+  private release(owner: string): void {
+    this.running--;
+    const n = (this.runningBy.get(owner) ?? 1) - 1;
+    if (n > 0) this.runningBy.set(owner, n);
+    else this.runningBy.delete(owner);
+    this.dispatch();
+  }
+
+  /**
+   * Hands free slots to waiting builds: the first owner in round-robin order with nothing
+   * running, else (every waiting owner runs one already) the first in that order.
+   */
+  private dispatch(): void {
+    while (this.running < MAX_CONCURRENT_BUILDS && this.waiting.size > 0) {
+      const owners = [...this.waiting.keys()];
+      const owner = owners.find((o) => !this.runningBy.has(o)) ?? owners[0]!;
+      const q = this.waiting.get(owner)!;
+      const w = q.shift()!;
+      // The served owner goes to the back of the rotation.
+      this.waiting.delete(owner);
+      if (q.length > 0) this.waiting.set(owner, q);
+      this.running++;
+      this.runningBy.set(owner, (this.runningBy.get(owner) ?? 0) + 1);
+      w.grant();
+    }
+  }
+
+  /** Builds waiting and running per owner (for tests and diagnostics). */
+  slotsByOwner(): { running: Record<string, number>; waiting: Record<string, number> } {
+    return {
+      running: Object.fromEntries(this.runningBy),
+      waiting: Object.fromEntries([...this.waiting].map(([o, q]) => [o, q.length])),
+    };
   }
 
   private mustGet(id: string): Entry {

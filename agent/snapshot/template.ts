@@ -94,6 +94,11 @@ export interface BuildTemplateOptions {
   /** tmpfs directory for RAM files (default `defaultShmRoot(dataDir)`). */
   shmRoot?: string;
   log?: (m: string) => void;
+  /**
+   * Ends the build (the template was deleted): a ready command in flight is cancelled in the
+   * guest and the build fails, so its VM and files go as for any failed build.
+   */
+  signal?: AbortSignal;
 }
 
 const DEFAULT_MEM_MIB = 256;
@@ -207,6 +212,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       throw asSnapshotError(err, "template_build_failed", "template VM did not come up");
     }
     const tBoot = performance.now();
+    if (o.signal?.aborted) throw new SnapshotError("template_build_failed", "the build was cancelled");
     if (o.readyCmd) {
       const timeoutMs = o.readyTimeoutMs ?? DEFAULT_READY_TIMEOUT_MS;
       const r = await guest.exec({
@@ -216,7 +222,9 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
         uid: o.image.config.user.uid,
         gid: o.image.config.user.gid,
         timeoutMs,
+        ...(o.signal ? { signal: o.signal } : {}),
       });
+      if (o.signal?.aborted) throw new SnapshotError("template_build_failed", "the build was cancelled");
       if (r.timedOut || r.exitCode !== 0) {
         const why = r.timedOut
           ? `timed out after ${timeoutMs} ms`

@@ -9,6 +9,7 @@
  */
 import { randomBytes, randomUUID } from "node:crypto";
 import { join } from "node:path";
+import { describeError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import {
   type ExecOptions,
@@ -123,7 +124,11 @@ export class SandboxVm {
       if (this.process !== process) return; // an intended stop (suspend) already detached it
       if (this.state === "dead") return;
       this.log(`vm ${this.id}: QEMU exited unexpectedly (${exit.signal ?? `code ${exit.code}`})`);
-      void this.destroy();
+      // Nobody awaits this destroy: a failure (ENOSPC while releasing the chain, an EBUSY
+      // directory) is logged here, and the next destroy() of this VM tries again.
+      this.destroy().catch((err) =>
+        this.log(`vm ${this.id}: freeing it after its QEMU exited failed: ${describeError(err)}`),
+      );
     });
   }
 
@@ -171,7 +176,13 @@ export class SandboxVm {
       await chain.release(this.holder);
       await removeVmDir(this.dir);
     })();
-    return this.destroying;
+    const attempt = this.destroying;
+    // A failed attempt is not remembered: the caller (or the agent's next sweep) may retry once
+    // the cause (a full disk) is gone.
+    attempt.catch(() => {
+      if (this.destroying === attempt) this.destroying = undefined;
+    });
+    return attempt;
   }
 }
 

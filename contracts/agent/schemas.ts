@@ -133,7 +133,11 @@ export const ExecResultSchema = z.object({
   truncated: z.literal(true).optional(),
 });
 
-export const OneShotResultSchema = ExecResultSchema.extend({ forkTimeMs: z.number() });
+export const OneShotResultSchema = ExecResultSchema.extend({
+  forkTimeMs: z.number(),
+  /** What the throwaway VM held, for metering the call (absent from an agent that predates it). */
+  resources: ResourcesSchema.optional(),
+});
 export const ForkResultSchema = z.object({ children: z.array(CreatedVmSchema) });
 export const SuspendResultSchema = z.object({
   /** Size of the on-disk memory image, bytes. */

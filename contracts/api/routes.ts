@@ -60,7 +60,8 @@ export const ROUTES: RouteContract[] = [
     method: "post",
     path: "/v1/exec",
     family: "a",
-    summary: "One-shot exec in a throwaway VM",
+    summary:
+      "One-shot exec in a throwaway VM; while it runs it counts toward the live-session cap, and it is metered",
     body: A.ExecRequestA,
     response: A.ExecResultA,
     status: 200,
@@ -70,7 +71,8 @@ export const ROUTES: RouteContract[] = [
     method: "post",
     path: "/v1/exec/batch",
     family: "a",
-    summary: "Batch exec, one VM per execution",
+    summary:
+      "Batch exec, one VM per execution; each counts toward the live-session cap (all are reserved at once)",
     body: A.BatchExecRequest,
     response: A.BatchExecResponse,
     status: 200,

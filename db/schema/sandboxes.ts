@@ -5,7 +5,8 @@ import { templates } from "./templates.ts";
 import { tenants } from "./tenants.ts";
 
 /**
- * Every live VM a tenant holds: Family A sessions (`sess_`) and Family B sandboxes (`sbx_`).
+ * Every live VM a tenant holds: Family A sessions (`sess_`) and one-shot execs (`exec_`), Family B
+ * sandboxes (`sbx_`).
  * Rows are kept after destruction (state `destroyed`, `end_reason`) so that a reclaimed session
  * answers 410 rather than 404 and usage keeps its history. Allowed state changes are listed in
  * gateway/core/record-states.ts.
@@ -18,7 +19,8 @@ export const sandboxes = pgTable(
       .notNull()
       .references(() => tenants.id),
     family: text("family", { enum: ["a", "b"] }).notNull(),
-    kind: text("kind", { enum: ["session", "sandbox"] }).notNull(),
+    /** `exec`: a Family A one-shot exec (`/v1/exec`, each item of a batch), live for its call. */
+    kind: text("kind", { enum: ["session", "sandbox", "exec"] }).notNull(),
     templatePk: text("template_pk")
       .notNull()
       .references(() => templates.pk),

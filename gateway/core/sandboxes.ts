@@ -5,7 +5,14 @@
  * requests cannot both apply.
  */
 import { and, eq, inArray, isNull, sql } from "drizzle-orm";
-import type { AgentApi, CreatedVm, ExecAction, ExecResult, VmResources } from "../../contracts/agent/api.ts";
+import type {
+  AgentApi,
+  CreatedVm,
+  ExecAction,
+  ExecResult,
+  OneShotResult,
+  VmResources,
+} from "../../contracts/agent/api.ts";
 import type { Family, Tier } from "../../contracts/api/tiers.ts";
 import { parseAllowList } from "../../contracts/egress.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -15,7 +22,7 @@ import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
-import { newSandboxId, newSessionId } from "../ids.ts";
+import { newExecId, newSandboxId, newSessionId } from "../ids.ts";
 import {
   checkRecordAction,
   nextState,
@@ -27,7 +34,9 @@ import { requireReady, resolveTemplate } from "./templates.ts";
 
 export type SandboxRow = typeof sandboxes.$inferSelect;
 type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
-type Kind = "session" | "sandbox";
+type Kind = "session" | "sandbox" | "exec";
+/** The kinds that hold a VM past one call. */
+type VmKind = Exclude<Kind, "exec">;
 
 const LIVE: RecordState[] = ["starting", "running", "suspended"];
 
@@ -113,7 +122,7 @@ async function reserve(
   p: Principal,
   kind: Kind,
   template: { pk: string; id: string },
-  items: { labels: Record<string, string>; parentId?: string }[],
+  items: { labels: Record<string, string>; parentId?: string; template?: { pk: string; id: string } }[],
   agentId: string,
 ): Promise<string[]> {
   const cap =
@@ -125,20 +134,28 @@ async function reserve(
     await tx.execute(sql`select pg_advisory_xact_lock(hashtext(${p.tenantId}))`);
     const n = await countInStates(tx, p, counted);
     if (n + items.length > cap) {
-      const what = p.family === "a" ? "live sessions" : "running sandboxes";
+      // One-shot execs hold a VM for their call: they count with the sessions.
+      const what =
+        p.family === "a"
+          ? kind === "exec"
+            ? "live sessions and execs"
+            : "live sessions"
+          : "running sandboxes";
       throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} ${what}`, {
         details: { cap, current: n },
       });
     }
-    const ids = items.map(() => (kind === "session" ? newSessionId() : newSandboxId()));
+    const ids = items.map(() =>
+      kind === "session" ? newSessionId() : kind === "exec" ? newExecId() : newSandboxId(),
+    );
     await tx.insert(sandboxes).values(
       items.map((it, i) => ({
         id: ids[i]!,
         tenantId: p.tenantId,
         family: p.family,
         kind,
-        templatePk: template.pk,
-        templateId: template.id,
+        templatePk: (it.template ?? template).pk,
+        templateId: (it.template ?? template).id,
         agentId,
         parentId: it.parentId ?? null,
         state: "starting" as const,
@@ -200,7 +217,7 @@ export interface CreateInput {
 export async function createVm(
   deps: Deps,
   p: Principal,
-  kind: Kind,
+  kind: VmKind,
   input: CreateInput,
 ): Promise<{ row: SandboxRow; vm: CreatedVm }> {
   const template = await resolveTemplate(deps, p.tenantId, input.templateId);
@@ -218,7 +235,7 @@ export async function createVm(
   let vm: CreatedVm;
   let agentId: string;
   try {
-    const opts: { kind: Kind; egressAllow?: string[] } = { kind };
+    const opts: { kind: VmKind; egressAllow?: string[] } = { kind };
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
     ({ agentId, result: vm } = await deps.placement.place((a) => a.createSandbox(template.agentRef, opts)));
   } catch (err) {
@@ -227,6 +244,79 @@ export async function createVm(
   }
   await markStarted(deps, id!, p.tenantId, vm, agentId);
   return { row: await getOwned(deps, p, id!), vm };
+}
+
+/**
+ * Family A one-shot execs (`/v1/exec`, `/v1/exec/batch`): each holds a VM for its call, so each
+ * takes a place in the tenant's concurrency cap (a row of kind `exec`, reserved for the whole
+ * batch at once: a batch over the cap is refused before any VM starts) and is metered like a
+ * session that ran for the call (one running interval with the VM's size). The row ends
+ * `destroyed` when the call ends, whatever its outcome.
+ */
+export async function execOneShots(
+  deps: Deps,
+  p: Principal,
+  calls: { template: { pk: string; id: string; agentRef: string }; action: ExecAction }[],
+): Promise<OneShotResult[]> {
+  if (calls.length === 0) return [];
+  const ids = await reserve(
+    deps,
+    p,
+    "exec",
+    calls[0]!.template,
+    calls.map((c) => ({ labels: {}, template: c.template })),
+    await deps.placement.firstChoice(),
+  );
+  const startedAt = new Date(deps.clock());
+  const settled = await Promise.allSettled(
+    calls.map(async (c, i) => {
+      const id = ids[i]!;
+      try {
+        const { agentId, result } = await deps.placement.place((a) =>
+          a.execOnce(c.template.agentRef, c.action),
+        );
+        await endOneShot(deps, id, p.tenantId, agentId, startedAt, result.resources);
+        return result;
+      } catch (err) {
+        await markFailed(deps, [id]).catch(() => {});
+        throw err;
+      }
+    }),
+  );
+  for (const r of settled) if (r.status === "rejected") throw r.reason;
+  return settled.map((r) => (r as PromiseFulfilledResult<OneShotResult>).value);
+}
+
+/** A one-shot exec's row ends `destroyed` with the call metered as one running interval. */
+async function endOneShot(
+  deps: Deps,
+  id: string,
+  tenantId: string,
+  agentId: string,
+  startedAt: Date,
+  resources: VmResources | undefined,
+): Promise<void> {
+  const at = new Date(deps.clock());
+  const r = resources ?? { vcpus: 0, memMib: 0, diskBytes: 0 };
+  await deps.db.transaction(async (tx) => {
+    await tx
+      .update(sandboxes)
+      .set({
+        state: "destroyed",
+        endReason: "deleted",
+        destroyedAt: at,
+        agentId,
+        vcpus: r.vcpus,
+        memMib: r.memMib,
+        diskBytes: r.diskBytes,
+        execCount: 1,
+        lastExecAt: at,
+      })
+      .where(and(eq(sandboxes.id, id), eq(sandboxes.state, "starting")));
+    await tx
+      .insert(usageIntervals)
+      .values({ sandboxId: id, tenantId, ...running(r), startedAt, endedAt: at });
+  });
 }
 
 export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
@@ -425,6 +515,34 @@ export async function reapIdleSessions(
   return reaped;
 }
 
+/**
+ * How long past the longest allowed exec a one-shot exec's row may stay `starting` before it is
+ * taken for the row of a gateway that died during the call: the agent's own grace and the VM's
+ * create fit well within it.
+ */
+const STALE_EXEC_MARGIN_S = 600;
+
+/**
+ * Ends the rows of one-shot execs whose gateway died during the call (still `starting` long after
+ * any exec could have ended), so they stop holding a place in their tenant's cap. Returns the ids.
+ */
+export async function endStaleExecs(deps: Deps): Promise<string[]> {
+  const limits = deps.config.limits;
+  const cutoff = new Date(deps.clock() - (limits.maxExecTimeoutS + STALE_EXEC_MARGIN_S) * 1000);
+  const rows = await deps.db
+    .update(sandboxes)
+    .set({ state: "destroyed", endReason: "failed", destroyedAt: new Date(deps.clock()) })
+    .where(
+      and(
+        eq(sandboxes.kind, "exec"),
+        eq(sandboxes.state, "starting"),
+        sql`${sandboxes.createdAt} < ${cutoff.toISOString()}`,
+      ),
+    )
+    .returning({ id: sandboxes.id });
+  return rows.map((r) => r.id);
+}
+
 /** Runs the reaper every `reaperIntervalS`; returns a stop function. */
 export function startReaper(deps: Deps, log: (line: string) => void = console.error): () => void {
   let running = false;
@@ -432,6 +550,10 @@ export function startReaper(deps: Deps, log: (line: string) => void = console.er
     if (running) return; // a slow pass must not overlap the next
     running = true;
     reapIdleSessions(deps, log)
+      .then(() => endStaleExecs(deps))
+      .then((ended) => {
+        if (ended.length > 0) log(`reaper: ended one-shot execs whose call was lost: ${ended.join(", ")}`);
+      })
       .catch((err) => log(`reaper: ${err instanceof Error ? err.message : String(err)}`))
       .finally(() => {
         running = false;

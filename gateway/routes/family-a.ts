@@ -9,7 +9,17 @@ import type { ExecResult } from "../../contracts/agent/api.ts";
 import * as A from "../../contracts/api/family-a.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { requireFamily } from "../auth/guards.ts";
-import { ages, createVm, destroyVm, execIn, forkVm, getOwned, listOwned } from "../core/sandboxes.ts";
+import type { Principal } from "../auth/keys.ts";
+import {
+  ages,
+  createVm,
+  destroyVm,
+  execIn,
+  execOneShots,
+  forkVm,
+  getOwned,
+  listOwned,
+} from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
@@ -28,15 +38,20 @@ function resultA(id: string, r: ExecResult, forkTimeMs: number): z.infer<typeof 
   };
 }
 
-async function oneShot(
+/** Runs one-shot execs (one per item), counted and metered by the core (execOneShots). */
+async function oneShots(
   deps: Deps,
-  tenantId: string,
-  req: A.ExecRequestA,
-): Promise<z.infer<typeof A.ExecResultA>> {
-  const template = await resolveTemplate(deps, tenantId, req.template_id);
-  requireReady(template);
-  const r = await deps.agent.execOnce(template.agentRef, oneShotAction(deps, req));
-  return resultA(randomUUID(), r, r.forkTimeMs);
+  p: Principal,
+  reqs: A.ExecRequestA[],
+): Promise<z.infer<typeof A.ExecResultA>[]> {
+  const calls = [];
+  for (const req of reqs) {
+    const template = await resolveTemplate(deps, p.tenantId, req.template_id);
+    requireReady(template);
+    calls.push({ template, action: oneShotAction(deps, req) });
+  }
+  const results = await execOneShots(deps, p, calls);
+  return results.map((r) => resultA(randomUUID(), r, r.forkTimeMs));
 }
 
 export function familyARoutes(deps: Deps): Hono<HonoEnv> {
@@ -47,7 +62,8 @@ export function familyARoutes(deps: Deps): Hono<HonoEnv> {
     const p = c.get("principal");
     requireFamily(p, "a");
     const req = await jsonBody(c, A.ExecRequestA, max());
-    return c.json(await oneShot(deps, p.tenantId, req));
+    const [result] = await oneShots(deps, p, [req]);
+    return c.json(result!);
   });
 
   app.post("/v1/exec/batch", async (c) => {
@@ -63,8 +79,7 @@ export function familyARoutes(deps: Deps): Hono<HonoEnv> {
     }
     // Validate every item's timeout before starting any VM.
     for (const e of req.executions) timeoutMs(deps, e.timeout_seconds);
-    const results = await Promise.all(req.executions.map((e) => oneShot(deps, p.tenantId, e)));
-    return c.json({ results });
+    return c.json({ results: await oneShots(deps, p, req.executions) });
   });
 
   // The path is shared (contracts/api/routes.ts, family "both"): a Family B key passes on to

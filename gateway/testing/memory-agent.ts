@@ -42,6 +42,8 @@ export class MemoryAgent implements AgentApi {
     TemplateBuildStatus & { source?: TemplateSource; uploadBytes?: number; uploadHead?: string }
   >();
   readonly calls: string[] = [];
+  /** While set, one-shot execs wait for it (a test holds them in flight). */
+  execOnceGate: Promise<void> | undefined;
   /** Slots left; createSandbox/fork throw at_capacity at 0. */
   slotsFree = 1000;
   /**
@@ -119,7 +121,8 @@ export class MemoryAgent implements AgentApi {
     this.calls.push(`execOnce ${template}`);
     const t = this.template(template);
     if (t.status !== "ready") throw new SandboxdError("template_not_ready", `template ${template} not ready`);
-    return { ...this.run(null, action), forkTimeMs: 1.5 };
+    if (this.execOnceGate) await this.execOnceGate;
+    return { ...this.run(null, action), forkTimeMs: 1.5, resources: { ...RESOURCES } };
   }
 
   async exec(vmId: VmId, action: ExecAction): Promise<ExecResult> {

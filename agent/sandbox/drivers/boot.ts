@@ -6,7 +6,7 @@
  */
 import { rm, stat } from "node:fs/promises";
 import { join } from "node:path";
-import { SandboxdError } from "../../../contracts/errors.ts";
+import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
 import type { GuestClient, GuestTunnel } from "../../guest/client.ts";
 import { type ImportedImage, importImage } from "../../image/import.ts";
@@ -194,13 +194,15 @@ export class BootDriver implements SandboxDriver {
   onExit(vm: DriverVm, cb: (info: VmExitInfo) => void): void {
     const l = this.live.get(vm.vmId);
     if (!l) return;
-    void l.exited.then((info) => {
-      if (this.detached || l.destroying) return;
-      this.live.delete(vm.vmId);
-      l.qmp.close();
-      l.handle.guest.close();
-      cb(info);
-    });
+    l.exited
+      .then((info) => {
+        if (this.detached || l.destroying) return;
+        this.live.delete(vm.vmId);
+        l.qmp.close();
+        l.handle.guest.close();
+        cb(info);
+      })
+      .catch((err) => this.log(`vm ${vm.vmId}: handling its QEMU's exit failed: ${describeError(err)}`));
   }
 
   async diskBytes(vmId: string): Promise<number> {

@@ -290,6 +290,7 @@ export class SnapshotDriver implements SandboxDriver {
         ...(input.kind === "oci" && input.readyEnv ? { readyEnv: input.readyEnv } : {}),
         onDistributing: () => onPhase?.("Distributing"),
         log: this.log,
+        signal,
       });
       if (!r.ok) throw r.error;
       meta = r.value;
@@ -461,13 +462,15 @@ export class SnapshotDriver implements SandboxDriver {
   onExit(vm: DriverVm, cb: (info: VmExitInfo) => void): void {
     const l = this.live.get(vm.vmId);
     if (!l || l.handle !== vm) return;
-    void l.proc.exited.then((exit) => {
-      // Not an unexpected exit: a destroy, a suspend (which detaches the QEMU first), a detach.
-      if (this.detached || l.destroying || l.exitFired || l.sbx.process !== l.proc) return;
-      l.exitFired = true;
-      if (this.live.get(vm.vmId) === l) this.live.delete(vm.vmId);
-      cb({ reason: exitReason(exit, l.proc.pid) });
-    });
+    l.proc.exited
+      .then((exit) => {
+        // Not an unexpected exit: a destroy, a suspend (which detaches the QEMU first), a detach.
+        if (this.detached || l.destroying || l.exitFired || l.sbx.process !== l.proc) return;
+        l.exitFired = true;
+        if (this.live.get(vm.vmId) === l) this.live.delete(vm.vmId);
+        cb({ reason: exitReason(exit, l.proc.pid) });
+      })
+      .catch((err) => this.log(`vm ${vm.vmId}: handling its QEMU's exit failed: ${describeError(err)}`));
   }
 
   async diskBytes(vmId: string): Promise<number> {
