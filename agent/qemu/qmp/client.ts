@@ -25,7 +25,7 @@ export type { QmpEvent, QmpGreeting } from "./framing.ts";
 export const DEFAULT_COMMAND_TIMEOUT_MS = 10_000;
 
 /** How often `connect` retries while QEMU has not created the socket yet (it does so at startup). */
-const CONNECT_RETRY_MS = 10;
+const CONNECT_RETRY_MS = 2;
 
 export interface QmpConnectOptions {
   /** Whole budget for: socket appearing + connect + greeting + qmp_capabilities. */
