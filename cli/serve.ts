@@ -16,6 +16,7 @@ import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import type { EgressDefault } from "../agent/egress/policy.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
+import { MAX_PRELAUNCH_PER_TEMPLATE } from "../agent/sandbox/prelaunch-pool.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
@@ -48,6 +49,20 @@ export function egressDefaultFromEnv(): EgressDefault {
     throw new SandboxdError("bad_request", `SANDBOXD_EGRESS_DEFAULT must be deny or allow, got ${v}`);
   }
   return v;
+}
+
+/**
+ * `SANDBOXD_PRELAUNCH`: QEMUs kept launched in their jail per template, waiting for a create
+ * (agent/sandbox/prelaunch-pool.ts); default 1, 0 turns it off.
+ */
+export function prelaunchFromEnv(): number {
+  const v = process.env.SANDBOXD_PRELAUNCH ?? "1";
+  if (!/^\d+$/.test(v) || Number(v) > MAX_PRELAUNCH_PER_TEMPLATE)
+    throw new SandboxdError(
+      "bad_request",
+      `SANDBOXD_PRELAUNCH must be a whole number from 0 to ${MAX_PRELAUNCH_PER_TEMPLATE}, got ${v}`,
+    );
+  return Number(v);
 }
 
 function untilSignal(): Promise<void> {
@@ -162,6 +177,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     stateDir,
     log,
     egressDefault: egressDefaultFromEnv(),
+    prelaunch: prelaunchFromEnv(),
     ...(slots !== undefined ? { capacity: { slots } } : {}),
   });
   const server = startAgentServer({

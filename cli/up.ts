@@ -21,7 +21,13 @@ import { enrolledAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
-import { buildCatalogOnAgent, egressDefaultFromEnv, parsePort, registerCatalog } from "./serve.ts";
+import {
+  buildCatalogOnAgent,
+  egressDefaultFromEnv,
+  parsePort,
+  prelaunchFromEnv,
+  registerCatalog,
+} from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -41,7 +47,13 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const secrets = loadSecrets(dataDir);
 
   const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
-  const manager = await SandboxManager.open({ driver, stateDir, log, egressDefault: egressDefaultFromEnv() });
+  const manager = await SandboxManager.open({
+    driver,
+    stateDir,
+    log,
+    egressDefault: egressDefaultFromEnv(),
+    prelaunch: prelaunchFromEnv(),
+  });
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
