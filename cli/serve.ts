@@ -65,6 +65,27 @@ export function prelaunchFromEnv(): number {
   return Number(v);
 }
 
+/**
+ * The agent's manager as `up` and `agent` open it: the snapshot driver over `dataDir`'s caches,
+ * egress default and pre-launched QEMUs from the environment.
+ */
+export async function openAgentManager(
+  dataDir: string,
+  stateDir: string,
+  log: (msg: string) => void,
+  slots?: number,
+): Promise<SandboxManager> {
+  const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
+  return SandboxManager.open({
+    driver,
+    stateDir,
+    log,
+    egressDefault: egressDefaultFromEnv(),
+    prelaunch: prelaunchFromEnv(),
+    ...(slots !== undefined ? { capacity: { slots } } : {}),
+  });
+}
+
 function untilSignal(): Promise<void> {
   return new Promise<void>((resolve) => {
     process.once("SIGINT", resolve);
@@ -170,16 +191,8 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     defaultId: `${hostname()}-${listenPort}`,
   });
   const id = credentials.id;
-  const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
   const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
-  const manager = await SandboxManager.open({
-    driver,
-    stateDir,
-    log,
-    egressDefault: egressDefaultFromEnv(),
-    prelaunch: prelaunchFromEnv(),
-    ...(slots !== undefined ? { capacity: { slots } } : {}),
-  });
+  const manager = await openAgentManager(dataDir, stateDir, log, slots);
   const server = startAgentServer({
     manager,
     credentials,
