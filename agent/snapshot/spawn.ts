@@ -129,7 +129,13 @@ export async function spawnFromTemplate(
 ): Promise<Result<Spawned>> {
   const t = o.template;
   let pre = o.prelaunched;
-  if (pre && (pre.template !== t || !pre.process.isAlive() || pre.vm.state !== "starting")) {
+  // One launched for another template (or an older build of this one), for another id, or dead.
+  const stale = (p: Prelaunched) =>
+    p.template !== t ||
+    (o.id !== undefined && o.id !== p.vm.id) ||
+    !p.process.isAlive() ||
+    p.vm.state !== "starting";
+  if (pre && stale(pre)) {
     await pre.discard();
     pre = undefined;
   }
