@@ -16,6 +16,7 @@ import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import type { EgressDefault } from "../agent/egress/policy.ts";
 import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
+import { MAX_PRELAUNCH_PER_TEMPLATE } from "../agent/sandbox/prelaunch-pool.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
@@ -49,6 +50,41 @@ export function egressDefaultFromEnv(): EgressDefault {
     throw new SandboxdError("bad_request", `SANDBOXD_EGRESS_DEFAULT must be deny or allow, got ${v}`);
   }
   return v;
+}
+
+/**
+ * `SANDBOXD_PRELAUNCH`: QEMUs kept launched in their jail per template, waiting for a create
+ * (agent/sandbox/prelaunch-pool.ts); default 1, 0 turns it off.
+ */
+export function prelaunchFromEnv(): number {
+  const v = process.env.SANDBOXD_PRELAUNCH ?? "1";
+  if (!/^\d+$/.test(v) || Number(v) > MAX_PRELAUNCH_PER_TEMPLATE)
+    throw new SandboxdError(
+      "bad_request",
+      `SANDBOXD_PRELAUNCH must be a whole number from 0 to ${MAX_PRELAUNCH_PER_TEMPLATE}, got ${v}`,
+    );
+  return Number(v);
+}
+
+/**
+ * The agent's manager as `up` and `agent` open it: the snapshot driver over `dataDir`'s caches,
+ * egress default and pre-launched QEMUs from the environment.
+ */
+export async function openAgentManager(
+  dataDir: string,
+  stateDir: string,
+  log: (msg: string) => void,
+  slots?: number,
+): Promise<SandboxManager> {
+  const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
+  return SandboxManager.open({
+    driver,
+    stateDir,
+    log,
+    egressDefault: egressDefaultFromEnv(),
+    prelaunch: prelaunchFromEnv(),
+    ...(slots !== undefined ? { capacity: { slots } } : {}),
+  });
 }
 
 function untilSignal(): Promise<void> {
@@ -186,15 +222,8 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     defaultId: `${hostname()}-${listenPort}`,
   });
   const id = credentials.id;
-  const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
   const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
-  const manager = await SandboxManager.open({
-    driver,
-    stateDir,
-    log,
-    egressDefault: egressDefaultFromEnv(),
-    ...(slots !== undefined ? { capacity: { slots } } : {}),
-  });
+  const manager = await openAgentManager(dataDir, stateDir, log, slots);
   const server = startAgentServer({
     manager,
     credentials,

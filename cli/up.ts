@@ -10,8 +10,6 @@ import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { enroll, readCredentials } from "../agent/api/enroll.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
-import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
-import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
 import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
@@ -21,7 +19,7 @@ import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
-import { egressDefaultFromEnv, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
+import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -41,8 +39,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const secrets = loadSecrets(dataDir);
   const removeFaultHandlers = installFaultHandlers(log);
 
-  const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
-  const manager = await SandboxManager.open({ driver, stateDir, log, egressDefault: egressDefaultFromEnv() });
+  const manager = await openAgentManager(dataDir, stateDir, log);
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({

@@ -63,7 +63,14 @@ afterAll(() => {
   rmSync(scratch, { recursive: true, force: true });
 });
 
-const STATS_KEYS = ["spawn_ms", "spawn_restore_ms", "floor_restore_ms", "exec_rtt_ms"];
+const STATS_KEYS = [
+  "spawn_ms",
+  "spawn_restore_ms",
+  "spawn_prelaunched_ms",
+  "prelaunch_ms",
+  "floor_restore_ms",
+  "exec_rtt_ms",
+];
 const SCALAR_KEYS = [
   "guest_mem_mib",
   "vcpus",
@@ -146,6 +153,7 @@ describe("sandboxd bench", () => {
       expect(out.guest_mem_mib).toBe(256);
       expect(out.vcpus).toBe(1);
       expect((out.spawn_ms as { n: number }).n).toBe(3);
+      expect((out.spawn_prelaunched_ms as { n: number }).n).toBe(3);
       expect((out.floor_restore_ms as { n: number }).n).toBe(3);
       expect((out.exec_rtt_ms as { n: number }).n).toBe(10);
       expect(out.fork_children).toBe(8);

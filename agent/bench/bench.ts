@@ -19,7 +19,7 @@ import { probeAccelerator } from "../qemu/accel.ts";
 import type { Accel } from "../qemu/launch.ts";
 import { unwrap } from "../snapshot/errors.ts";
 import { forkVm } from "../snapshot/fork.ts";
-import { floorRestoreMs, spawnFromTemplate } from "../snapshot/spawn.ts";
+import { floorRestoreMs, prelaunchFromTemplate, spawnFromTemplate } from "../snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm } from "../snapshot/suspend.ts";
 import { buildTemplate, deleteTemplate, type TemplateMeta } from "../snapshot/template.ts";
 import type { SandboxVm } from "../snapshot/vm.ts";
@@ -76,10 +76,20 @@ export interface BenchResult {
   boot_ms: number;
   /** Freezing the booted template VM: stop + device-state save (RAM stays in its shared file). */
   template_snapshot_ms: number;
-  /** spawnFromTemplate call to its return: overlay made, QEMU restored, HELLO answered, identity set. */
+  /**
+   * A cold spawn (the agent's pre-launch pool empty): spawnFromTemplate call to its return, overlay
+   * made, jail built, QEMU started and restored, HELLO answered, identity set.
+   */
   spawn_ms: Summary;
   /** The restore part of spawn_ms (QEMU start to identity set), as the engine times it. */
   spawn_restore_ms: Summary;
+  /**
+   * A spawn that takes a QEMU pre-launched in its jail (the agent's pool hit, the usual case):
+   * spawnFromTemplate with `prelaunched` to its return: state loaded, `cont`, HELLO, identity.
+   */
+  spawn_prelaunched_ms: Summary;
+  /** The pre-launch itself (overlay, jail, QEMU start, QMP), done ahead of the spawn, off its path. */
+  prelaunch_ms: Summary;
   /** A bare QEMU restore of the same template, QEMU start to the guest's PING answer (floorRestoreMs). */
   floor_restore_ms: Summary;
   /** spawn_ms.p50 / floor_restore_ms.p50. */
@@ -302,6 +312,16 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
       scope.track(s.vm);
       return { vm: s.vm, wallMs, readyMs: s.timings.readyMs };
     };
+    const spawnPrelaunched = async (): Promise<{ vm: SandboxVm; wallMs: number; launchMs: number }> => {
+      scope.check();
+      const t0 = performance.now();
+      const pre = unwrap(await prelaunchFromTemplate({ dataDir, template }));
+      const launchMs = performance.now() - t0;
+      scope.track(pre.vm);
+      const t1 = performance.now();
+      const s = unwrap(await spawnFromTemplate({ dataDir, template, prelaunched: pre }));
+      return { vm: s.vm, wallMs: performance.now() - t1, launchMs };
+    };
     const floor = async (): Promise<number> => {
       scope.check();
       return (await floorRestoreMs({ dataDir, template })).totalMs;
@@ -312,10 +332,14 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
       // One untimed round: the first of each pays for cold code paths on our side and QEMU's.
       const w = await spawn();
       await scope.release(w.vm);
+      const p = await spawnPrelaunched();
+      await scope.release(p.vm);
       await floor();
     }
     const spawnWall: number[] = [];
     const spawnReady: number[] = [];
+    const preWall: number[] = [];
+    const preLaunch: number[] = [];
     const floors: number[] = [];
     for (let i = 0; i < o.spawns; i++) {
       if (i % 2 === 1) floors.push(await floor());
@@ -323,11 +347,16 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
       spawnWall.push(s.wallMs);
       spawnReady.push(s.readyMs);
       await scope.release(s.vm);
+      const p = await spawnPrelaunched();
+      preWall.push(p.wallMs);
+      preLaunch.push(p.launchMs);
+      await scope.release(p.vm);
       if (i % 2 === 0) floors.push(await floor());
     }
     const spawnMs = summarize(spawnWall);
+    const preMs = summarize(preWall);
     const floorMs = summarize(floors);
-    log(`spawn p50 ${spawnMs.p50} ms, floor p50 ${floorMs.p50} ms`);
+    log(`spawn p50: cold ${spawnMs.p50} ms, pre-launched ${preMs.p50} ms; floor p50 ${floorMs.p50} ms`);
 
     // -- exec round trips on a warm sandbox
     const parent = (await spawn()).vm;
@@ -406,6 +435,8 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
       template_snapshot_ms: round1(templateSnapshotMs),
       spawn_ms: spawnMs,
       spawn_restore_ms: summarize(spawnReady),
+      spawn_prelaunched_ms: preMs,
+      prelaunch_ms: summarize(preLaunch),
       floor_restore_ms: floorMs,
       spawn_vs_floor: spawnVsFloor,
       exec_rtt_ms: execMs,

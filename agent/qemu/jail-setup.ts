@@ -94,38 +94,49 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       throw new JailError("/dev/kvm is not usable");
     }
   }
-  const uid = await allocateUid(i.dir);
+  // Independent steps at once (the jail is built on every cold spawn's critical path); all are
+  // waited for, so a failure undoes what the others made.
+  const settled = await Promise.allSettled([
+    allocateUid(i.dir),
+    i.disk ? backingChain(i.disk) : Promise.resolve({ files: [], virtualSize: 0 }),
+    createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus, !i.kvm)),
+    readdir(i.dir),
+  ] as const);
+  const [uidR] = settled;
+  const uid = uidR.status === "fulfilled" ? uidR.value : undefined;
   try {
-    // Independent steps at once: the jail is built on every spawn's critical path.
-    const [chain, cg] = await Promise.all([
-      i.disk ? backingChain(i.disk) : { files: [], virtualSize: 0 },
-      createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus, !i.kvm)),
-    ]);
+    const [, chainR, cgR, namesR] = settled;
+    if (uid === undefined) throw (uidR as PromiseRejectedResult).reason;
+    if (chainR.status === "rejected") throw chainR.reason;
+    if (cgR.status === "rejected") throw cgR.reason;
+    if (namesR.status === "rejected") throw namesR.reason;
+    const chain = chainR.value;
+    const cg = cgR.value;
     // QEMU writes its directory (sockets, console, pid file), its overlay and a shared RAM file.
-    await chown(i.dir, uid, uid);
-    await chmod(i.dir, 0o700);
     // What an earlier QEMU of this VM left (its console log, a state socket): this QEMU's now.
     // owner.json stays root's: it is the agent's record.
     // A file with more than one link is a fork's staging link to what is now a frozen backing
     // file (agent/snapshot/fork.ts): it goes, never to be writable by this QEMU.
-    for (const name of await readdir(i.dir)) {
-      if (["owner.json", "root", "jail.fstab"].includes(name)) continue;
-      const p = join(i.dir, name);
-      const st = await lstat(p).catch(() => undefined);
-      if (st?.isFile() && st.nlink > 1 && p !== i.disk) await rm(p, { force: true });
-      else await lchown(p, uid, uid).catch(() => {});
-    }
-    if (i.disk) await lchown(i.disk, uid, uid);
-    if (i.mem?.share) {
-      // QEMU would create it, but only paths that exist can be bound into the jail.
-      await (await open(i.mem.path, "a", 0o600)).close();
-      await chown(i.mem.path, uid, uid);
-    }
-    // QEMU 7.2 opens a memory-backend-file O_RDWR even with share=off (its private mapping never
-    // writes the file back), so a child's template RAM file must be writable to its uid. The
-    // file is reachable only from the jails that bind it (the template's children; its
-    // directory on the host is root's, mode 0700).
-    if (i.mem && !i.mem.share) await chmod(i.mem.path, 0o666);
+    const owned = namesR.value
+      .filter((name) => !["owner.json", "root", "jail.fstab"].includes(name))
+      .map(async (name) => {
+        const p = join(i.dir, name);
+        const st = await lstat(p).catch(() => undefined);
+        if (st?.isFile() && st.nlink > 1 && p !== i.disk) await rm(p, { force: true });
+        else await lchown(p, uid, uid).catch(() => {});
+      });
+    const mem = async () => {
+      if (i.mem?.share) {
+        // QEMU would create it, but only paths that exist can be bound into the jail.
+        await (await open(i.mem.path, "a", 0o600)).close();
+        await chown(i.mem.path, uid, uid);
+      }
+      // QEMU 7.2 opens a memory-backend-file O_RDWR even with share=off (its private mapping never
+      // writes the file back), so a child's template RAM file must be writable to its uid. The
+      // file is reachable only from the jails that bind it (the template's children; its
+      // directory on the host is root's, mode 0700).
+      if (i.mem && !i.mem.share) await chmod(i.mem.path, 0o666);
+    };
     const readWrite = [i.disk, i.mem?.path].filter((p): p is string => p !== undefined && !inside(i.dir, p));
     const readOnly = [i.vmlinux, i.initramfs, ...chain.files].filter((p) => !inside(i.dir, p));
     const memBytes = i.memMib * 1024 * 1024;
@@ -142,7 +153,13 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       pidFile: i.hostPidFile,
       unshare,
     };
-    await makeSkeleton(spec);
+    await Promise.all([
+      chown(i.dir, uid, uid).then(() => chmod(i.dir, 0o700)),
+      ...owned,
+      i.disk ? lchown(i.disk, uid, uid) : undefined,
+      mem(),
+      makeSkeleton(spec),
+    ]);
     return { spec, uid };
   } catch (err) {
     await releaseJail(i.dir, uid);

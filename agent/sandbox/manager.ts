@@ -45,6 +45,7 @@ import {
   planExec,
   TIMEOUT_EXIT_CODE,
 } from "./exec.ts";
+import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
@@ -73,6 +74,8 @@ export interface ManagerOptions {
   defaultSize?: VmSize;
   /** What this host may hand out; defaults below. */
   capacity?: Partial<HostCapacity>;
+  /** QEMUs kept pre-launched per template (prelaunch-pool.ts); default 0, the CLI's agent 1. */
+  prelaunch?: number;
   idlePauseMs?: number;
   /** Egress of a sandbox created without `egress` (spec 2.5 leaves it to the deployment). */
   egressDefault?: EgressDefault;
@@ -140,6 +143,8 @@ export class SandboxManager {
   readonly templates: TemplateRegistry;
   /** Pre-spawned, paused VMs per template (spec 4.2 expect/release; warm-pool.ts). */
   readonly warm: WarmPool;
+  /** QEMUs launched in their jail ahead of a create, per template (prelaunch-pool.ts). */
+  readonly prelaunch: PrelaunchPool;
   private readonly driver: SandboxDriver;
   private readonly idlePauseMs: number;
   private readonly defaultSize: VmSize;
@@ -157,6 +162,14 @@ export class SandboxManager {
     this.warm = new WarmPool({
       driver: opts.driver,
       templates: this.templates,
+      fits: (size) => this.capacity.fits(size, 1),
+      sizeOf: (id) => ({ ...this.defaultSize, ...this.templates.sizeOf(id) }),
+      log: this.log,
+    });
+    this.prelaunch = new PrelaunchPool({
+      driver: opts.driver,
+      templates: this.templates,
+      width: opts.prelaunch ?? 0,
       fits: (size) => this.capacity.fits(size, 1),
       sizeOf: (id) => ({ ...this.defaultSize, ...this.templates.sizeOf(id) }),
       log: this.log,
@@ -228,6 +241,8 @@ export class SandboxManager {
     }
     const reaped = await m.driver.reap(keep);
     if (reaped.length > 0) m.log(`reaped VMs no record claims: ${reaped.join(", ")}`);
+    // After the reap, which would take them for a dead agent's.
+    for (const id of m.templates.ids()) m.prelaunch.fill(id);
     return m;
   }
 
@@ -246,13 +261,18 @@ export class SandboxManager {
     const tTake = performance.now();
     const pooled = await this.warm.take(templateId);
     const takeMs = performance.now() - tTake;
-    if (!pooled) {
-      while (!this.capacity.fits(size, 1) && (await this.warm.evictOne(templateId))) {
+    // Else a QEMU already launched in its jail for this template, which held its capacity too.
+    const prelaunched = pooled ? undefined : this.prelaunch.take(templateId, size);
+    if (!pooled && !prelaunched) {
+      while (
+        !this.capacity.fits(size, 1) &&
+        ((await this.warm.evictOne(templateId)) || (await this.prelaunch.evictOne(templateId)))
+      ) {
         // each round frees one pooled VM of another template
       }
       this.capacity.admit(size, 1);
     }
-    const id = pooled?.vmId ?? newVmId();
+    const id = pooled?.vmId ?? prelaunched ?? newVmId();
     const now = Date.now();
     const endpoints = Object.fromEntries(tpl.prepared.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
     const sb = this.newSandbox({
@@ -265,7 +285,10 @@ export class SandboxManager {
       egress,
       now,
     });
-    // The record lands before the VM directory exists, so a restart never reaps a VM being made.
+    // Refilled once this sandbox holds its capacity (a refill only launches into what is left).
+    this.prelaunch.fill(templateId);
+    // The record lands before the VM is handed to it (a pre-launched VM's directory exists, but
+    // it is taken from the pool only by this record), so a restart never reaps a VM being made.
     await this.persist(sb);
     sb.op = (async () => {
       sb.vm = pooled ?? (await this.driver.spawn(templateId, id, size));
@@ -591,11 +614,12 @@ export class SandboxManager {
     // RAM and vCPUs into the template, so it must build it at the size `create` asks for.
     const want: Partial<VmSize> = { ...input.size, ...size };
     this.templates.build(id, { ...input, size: { ...this.defaultSize, ...want } }, want);
+    this.prelaunch.fill(id);
   }
 
   async deleteTemplate(id: string): Promise<void> {
     const inUse = [...this.sandboxes.values()].some((s) => s.templateId === id && !isTerminal(s.state));
-    if (!inUse) await this.warm.release(id);
+    if (!inUse) await Promise.all([this.warm.release(id), this.prelaunch.drain(id)]);
     await this.templates.delete(id, inUse);
   }
 
@@ -629,7 +653,7 @@ export class SandboxManager {
   async detach(): Promise<void> {
     this.detached = true;
     // Warm VMs have no record (a restart would reap them): they go now rather than linger.
-    await this.warm.close();
+    await Promise.all([this.warm.close(), this.prelaunch.close()]);
     for (const sb of this.sandboxes.values()) this.clearIdle(sb);
     await this.records.flush();
     this.driver.detach();
@@ -837,7 +861,9 @@ export class SandboxManager {
 
   /** VMs of sandboxes and of warm pools. */
   private used(): HeldResources {
-    let held = this.warm.used();
+    const w = this.warm.used();
+    const p = this.prelaunch.used();
+    let held = { count: w.count + p.count, vcpus: w.vcpus + p.vcpus, memMib: w.memMib + p.memMib };
     for (const sb of this.sandboxes.values()) if (holdsVm(sb.state)) held = addHeld(held, sb.size);
     return held;
   }

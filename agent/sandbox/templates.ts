@@ -214,6 +214,11 @@ export class TemplateRegistry {
     await this.driver.dropTemplate(id);
   }
 
+  /** Every template id this agent knows, in any state. */
+  ids(): string[] {
+    return [...this.entries.keys()];
+  }
+
   /** Resolves when the build of `id` (if any) has finished. */
   async settled(id: string): Promise<void> {
     await this.entries.get(id)?.build;

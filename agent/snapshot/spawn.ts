@@ -14,14 +14,21 @@ import { createConnection, type Socket } from "node:net";
 import { join, resolve } from "node:path";
 import { FrameType, Op, Tag } from "../../contracts/guest-protocol.ts";
 import { encodeFrame, TlvWriter } from "../guest/codec.ts";
-import { isHostnameLabel, jailedLaunchArgv, readHostPid } from "../qemu/launch.ts";
+import { isHostnameLabel, jailedLaunchArgv, readHostPid, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayFromBlank, createOverlayOn } from "../storage/qcow2.ts";
 import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import type { TemplateMeta } from "./template.ts";
-import { type RestoreTimings, restoreInto, SandboxVm, storageDir, type VmShape } from "./vm.ts";
+import {
+  finishRestore,
+  launchRestoreTarget,
+  type RestoreTimings,
+  SandboxVm,
+  storageDir,
+  type VmShape,
+} from "./vm.ts";
 
 export interface SpawnOptions {
   dataDir: string;
@@ -52,7 +59,27 @@ export function shapeOf(dataDir: string, t: TemplateMeta): VmShape {
   };
 }
 
-export async function spawnFromTemplate(o: SpawnOptions): Promise<Result<Spawned>> {
+/**
+ * A QEMU launched ahead of its spawn (a pool's, agent/sandbox/prelaunch-pool.ts): everything a
+ * spawn does before it reads the template's device state is done, so taking it costs only the
+ * restore proper. It owns its VM id, directory, overlay, chain holds, jail (uid, cgroup) and
+ * owner record exactly as a spawned VM does, and `discard` frees them as `SandboxVm.destroy` does.
+ */
+export interface Prelaunched {
+  vm: SandboxVm;
+  template: TemplateMeta;
+  process: VmProcess;
+  /** QEMU spawn to QMP connected and capabilities set, ms. */
+  launchMs: number;
+  discard(): Promise<void>;
+}
+
+/**
+ * Spawn's first half for a template: overlay, VM directory, QEMU in its jail waiting for the
+ * device state (`-incoming defer -S`), QMP and console drain connected. `spawnFromTemplate` with
+ * `prelaunched` finishes it. The id is fixed here: it names the directory QEMU's argv refers to.
+ */
+export async function prelaunchFromTemplate(o: SpawnOptions): Promise<Result<Prelaunched>> {
   const t = o.template;
   if (t.state !== "ready")
     return fail(new SnapshotError("template_not_ready", `template ${t.id} is ${t.state}`));
@@ -71,16 +98,73 @@ export async function spawnFromTemplate(o: SpawnOptions): Promise<Result<Spawned
     await mkdir(disks, { recursive: true, mode: 0o700 });
     await createOverlayFromBlank(t.disk, disk, t.diskBytes);
     await chain.add(disk, { kind: "overlay", deps: [t.disk], holder: vm.holder });
-    const timings = await restoreInto({
-      vm,
-      mem: { path: t.memPath, share: false },
-      statePath: t.statePath,
-      ignoreShared: true,
-      ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
+    const t0 = performance.now();
+    const proc = await launchRestoreTarget(vm, { path: t.memPath, share: false }, true);
+    // Not attached yet: a QEMU that dies while it waits is freed here, not by SandboxVm.attach.
+    void proc.exited.then(() => {
+      if (vm.process === undefined && vm.state === "starting") void vm.destroy();
     });
+    return ok({
+      vm,
+      template: t,
+      process: proc,
+      launchMs: performance.now() - t0,
+      discard: async () => {
+        await proc.kill();
+        await vm.destroy();
+      },
+    });
+  } catch (err) {
+    await vm.destroy();
+    return fail(asSnapshotError(err, "spawn_failed", `spawning from template ${t.id} failed`));
+  }
+}
+
+/**
+ * A new VM from the template. With `prelaunched` (of this template, alive), only the restore
+ * proper runs: its timings start at the take, and its VM keeps the id it was launched under.
+ */
+export async function spawnFromTemplate(
+  o: SpawnOptions & { prelaunched?: Prelaunched },
+): Promise<Result<Spawned>> {
+  const t = o.template;
+  let pre = o.prelaunched;
+  // One launched for another template (or an older build of this one), for another id, or dead.
+  const stale = (p: Prelaunched) =>
+    p.template !== t ||
+    (o.id !== undefined && o.id !== p.vm.id) ||
+    !p.process.isAlive() ||
+    p.vm.state !== "starting";
+  if (pre && stale(pre)) {
+    await pre.discard();
+    pre = undefined;
+  }
+  const hit = pre !== undefined;
+  if (!pre) {
+    const r = await prelaunchFromTemplate(o);
+    if (!r.ok) return r;
+    pre = r.value;
+  }
+  const { vm, process: proc } = pre;
+  const tLaunch = performance.now();
+  // A cold spawn's timings start where its QEMU's launch did; a pre-launched one's at the take.
+  const t0 = hit ? tLaunch : tLaunch - pre.launchMs;
+  try {
+    const timings = await finishRestore(
+      {
+        vm,
+        mem: { path: t.memPath, share: false },
+        statePath: t.statePath,
+        ignoreShared: true,
+        ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
+      },
+      proc,
+      t0,
+      tLaunch,
+    );
     vm.enter("running");
     o.log?.(
-      `spawned ${id} from ${t.id}: cont at ${timings.forkMs.toFixed(0)} ms, ready at ${timings.readyMs.toFixed(0)} ms`,
+      `spawned ${vm.id} from ${t.id}${hit ? " (pre-launched)" : ""}: cont at ${timings.forkMs.toFixed(0)} ms, ready at ${timings.readyMs.toFixed(0)} ms`,
     );
     return ok({ vm, timings });
   } catch (err) {

@@ -221,12 +221,25 @@ export interface RestoreTimings {
  * the VM's files).
  */
 export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
-  const { vm } = a;
+  const t0 = performance.now();
+  const proc = await launchRestoreTarget(a.vm, a.mem, a.ignoreShared);
+  return finishRestore(a, proc, t0, performance.now());
+}
+
+/**
+ * The first half of a restore, which depends on nothing but the VM's shape, disk and RAM file: its
+ * directory, QEMU started in its jail with `-incoming defer -S`, QMP connected, the console drain
+ * ready, the owner record written and the migration capabilities set. A spawn from a
+ * pre-launched QEMU (prelaunch.ts) did this ahead of time. On failure the QEMU is killed.
+ */
+export async function launchRestoreTarget(
+  vm: SandboxVm,
+  mem: MemBackend,
+  ignoreShared: boolean,
+): Promise<VmProcess> {
   const s = vm.shape;
   await createVmDir(s.dataDir, vm.id);
-  const t0 = performance.now();
   let proc: VmProcess | undefined;
-  let guest: GuestClient | undefined;
   try {
     proc = await launchVm({
       dir: vm.dir,
@@ -236,18 +249,37 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
       vcpus: s.vcpus,
       accel: s.accel,
       hostname: vm.id,
-      memBackend: a.mem,
+      memBackend: mem,
       incoming: true,
       paused: true,
       ...(s.dieWithParent === undefined ? {} : { dieWithParent: s.dieWithParent }),
     });
-    const p = proc;
     // A fresh QEMU names the top of the disk chain with the fixed id, whatever node a fork had
     // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).
     vm.topNode = DEVICE_IDS.diskNode;
-    const tLaunch = performance.now();
-    await claimVm(vm.dir, p.pid, p.jailUid);
-    await setCapabilities(p, { events: true, "x-ignore-shared": a.ignoreShared });
+    await claimVm(vm.dir, proc.pid, proc.jailUid);
+    await setCapabilities(proc, { events: true, "x-ignore-shared": ignoreShared });
+    return proc;
+  } catch (err) {
+    await proc?.kill();
+    throw asSnapshotError(err, "spawn_failed", `restoring VM ${vm.id} failed`);
+  }
+}
+
+/**
+ * The second half: loads the state into `p` (a QEMU from launchRestoreTarget), connects the guest,
+ * `cont`, gives it its identity and attaches it. `t0` is where the timings start, `tLaunch` when
+ * the QEMU was ready. On failure the QEMU is killed.
+ */
+export async function finishRestore(
+  a: RestoreArgs,
+  p: VmProcess,
+  t0: number,
+  tLaunch: number,
+): Promise<RestoreTimings> {
+  const { vm } = a;
+  let guest: GuestClient | undefined;
+  try {
     await loadFromFile(p, a.statePath, RESTORE_MIGRATION_TIMEOUT_MS);
     const tIncoming = performance.now();
     if (a.stayPaused) {
@@ -295,9 +327,9 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
     guest?.close();
     let e: SnapshotError;
     if (err instanceof SnapshotError) e = err;
-    else if (proc && err instanceof GuestError && !proc.isAlive()) e = await qmpFailure(proc, "restore", err);
+    else if (err instanceof GuestError && !p.isAlive()) e = await qmpFailure(p, "restore", err);
     else e = asSnapshotError(err, "spawn_failed", `restoring VM ${vm.id} failed`);
-    await proc?.kill();
+    await p.kill();
     vm.process = undefined;
     throw e;
   }

@@ -31,6 +31,9 @@ function childEnv(): NodeJS.ProcessEnv {
   const env: NodeJS.ProcessEnv = { ...process.env };
   delete env.DATABASE_URL; // PGlite in the data dir, never a developer's database
   delete env.SANDBOXD_DATA_DIR;
+  // The suites count QEMUs as their sandboxes' (none left after a delete, none while suspended):
+  // no pre-launched ones beside them. tests/agent-prelaunch.test.ts covers the pool.
+  env.SANDBOXD_PRELAUNCH = "0";
   return env;
 }
 

@@ -24,8 +24,12 @@ export type { QmpEvent, QmpGreeting } from "./framing.ts";
  */
 export const DEFAULT_COMMAND_TIMEOUT_MS = 10_000;
 
-/** How often `connect` retries while QEMU has not created the socket yet (it does so at startup). */
-const CONNECT_RETRY_MS = 10;
+/**
+ * How often `connect` retries while QEMU has not created the socket yet (~30-40 ms after its start
+ * under TCG). Each attempt costs ~0.1 ms of CPU; at 2 ms the socket is noticed ~4 ms sooner on
+ * average than at 10 ms for ~1-2 ms more CPU per launch.
+ */
+const CONNECT_RETRY_MS = 2;
 
 export interface QmpConnectOptions {
   /** Whole budget for: socket appearing + connect + greeting + qmp_capabilities. */

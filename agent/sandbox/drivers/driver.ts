@@ -95,7 +95,18 @@ export interface SandboxDriver {
   /** Re-registers a template prepared before an agent restart (from the template record). */
   restoreTemplate(templateId: string, prepared: PreparedTemplate): Promise<void>;
 
+  /**
+   * A VM of the template. When this driver holds a QEMU pre-launched for `vmId` (`prelaunch`),
+   * only the restore is left to do; otherwise the whole spawn runs. Either way the VM is `vmId`.
+   */
   spawn(templateId: string, vmId: string, size: VmSize): Promise<DriverVm>;
+  /**
+   * Optional: launches the QEMU of a later `spawn(templateId, vmId, size)` now, in its jail and
+   * waiting for the template's state, so that spawn only restores (agent/sandbox/prelaunch-pool.ts).
+   * The VM is `vmId`'s like any other: `destroy(vmId, undefined)` frees it, `reap` sweeps it
+   * after a restart (nothing records it).
+   */
+  prelaunch?(templateId: string, vmId: string, size: VmSize): Promise<void>;
   /** Copy-on-write children of a running VM; the parent keeps running. */
   fork(parent: DriverVm, childIds: string[]): Promise<DriverVm[]>;
   /** Saves the VM to disk and stops its QEMU; the handle is dead afterwards. */

@@ -53,7 +53,7 @@ import {
 } from "../../snapshot/persist.ts";
 import { reclaimSnapshotStorage } from "../../snapshot/recover.ts";
 import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
-import { spawnFromTemplate } from "../../snapshot/spawn.ts";
+import { type Prelaunched, prelaunchFromTemplate, spawnFromTemplate } from "../../snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../../snapshot/suspend.ts";
 import {
   buildTemplate,
@@ -139,6 +139,8 @@ export class SnapshotDriver implements SandboxDriver {
   /** Image cache entries (directories) that builds in progress hold, with how many hold each. */
   private readonly pinned = new Map<string, number>();
   private readonly imageCacheBytes: number;
+  /** QEMUs launched ahead of their spawn (`prelaunch`), by VM id. */
+  private readonly prelaunched = new Map<string, { templateId: string; pre: Prelaunched }>();
   /** Suspended VMs this process knows; after a restart they are read from their VM file. */
   private readonly suspended = new Map<string, { sbx: SandboxVm; record: VmRecord }>();
   private detached = false;
@@ -335,6 +337,47 @@ export class SnapshotDriver implements SandboxDriver {
   // ---- VMs -----------------------------------------------------------------------------------
 
   async spawn(templateId: string, vmId: string, size: VmSize): Promise<DriverVm> {
+    const held = this.prelaunched.get(vmId);
+    this.prelaunched.delete(vmId);
+    let t: { meta: TemplateMeta; image: ImageConfig };
+    try {
+      t = this.sizedTemplate(templateId, size);
+    } catch (err) {
+      await held?.pre.discard();
+      throw err;
+    }
+    // One launched for another template (or a rebuilt one) is discarded by spawnFromTemplate.
+    const r = await spawnFromTemplate({
+      dataDir: this.stateDir,
+      template: t.meta,
+      id: vmId,
+      dieWithParent: false,
+      log: this.log,
+      ...(held ? { prelaunched: held.pre } : {}),
+    });
+    if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not start from template ${templateId}`);
+    return this.track(r.value.vm, templateId, t.image, size, r.value.timings.readyMs);
+  }
+
+  async prelaunch(templateId: string, vmId: string, size: VmSize): Promise<void> {
+    const t = this.sizedTemplate(templateId, size);
+    if (this.prelaunched.has(vmId) || this.live.has(vmId))
+      throw new SandboxdError("conflict", `VM ${vmId} already exists`);
+    // Outlives the agent process like every sandbox's QEMU (it becomes one); a stop of the agent
+    // destroys it (the pool's close) and a crash leaves it to the next agent's reap.
+    const r = await prelaunchFromTemplate({
+      dataDir: this.stateDir,
+      template: t.meta,
+      id: vmId,
+      dieWithParent: false,
+      log: this.log,
+    });
+    if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not launch for template ${templateId}`);
+    this.prelaunched.set(vmId, { templateId, pre: r.value });
+  }
+
+  /** The template and the one size its VMs have; throws for another. */
+  private sizedTemplate(templateId: string, size: VmSize): { meta: TemplateMeta; image: ImageConfig } {
     const t = this.templates.get(templateId);
     if (!t) throw new SandboxdError("not_found", `template ${templateId} is not prepared on this agent`);
     if (size.memMib !== t.meta.memMib || size.vcpus !== t.meta.vcpus)
@@ -342,15 +385,7 @@ export class SnapshotDriver implements SandboxDriver {
         "bad_request",
         `template ${templateId} was frozen with ${t.meta.memMib} MiB and ${t.meta.vcpus} vCPU; a restore cannot change the size (asked ${size.memMib} MiB, ${size.vcpus} vCPU)`,
       );
-    const r = await spawnFromTemplate({
-      dataDir: this.stateDir,
-      template: t.meta,
-      id: vmId,
-      dieWithParent: false,
-      log: this.log,
-    });
-    if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not start from template ${templateId}`);
-    return this.track(r.value.vm, templateId, t.image, size, r.value.timings.readyMs);
+    return t;
   }
 
   async fork(parent: DriverVm, childIds: string[]): Promise<DriverVm[]> {
@@ -441,6 +476,11 @@ export class SnapshotDriver implements SandboxDriver {
     const id = vm?.vmId ?? vmId;
     const l = this.live.get(id);
     const s = this.suspended.get(id);
+    const p = this.prelaunched.get(id);
+    if (p) {
+      this.prelaunched.delete(id);
+      await p.pre.discard();
+    }
     if (l) {
       l.destroying = true;
       await l.sbx.destroy();
@@ -525,6 +565,7 @@ export class SnapshotDriver implements SandboxDriver {
         keep.has(id) ||
         this.live.has(id) ||
         this.suspended.has(id) ||
+        this.prelaunched.has(id) ||
         [...this.building].some((t) => id === `${t}-build`),
     );
     // Builds the dead agent was running (its records say failed): their files go.
@@ -551,6 +592,9 @@ export class SnapshotDriver implements SandboxDriver {
     }
     this.live.clear();
     this.suspended.clear();
+    // Pre-launched QEMUs have no record: the next agent's reap kills them.
+    for (const p of this.prelaunched.values()) p.pre.process.qmp.close();
+    this.prelaunched.clear();
   }
 
   // ---- internals -----------------------------------------------------------------------------
