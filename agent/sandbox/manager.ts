@@ -31,20 +31,13 @@ import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressFence, operatorFence } from "../egress/fence.ts";
 import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
-import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
+import { GuestError, type GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
 import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
 import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
-import {
-  capOutput,
-  type ExecPlan,
-  type ExecRequest,
-  exitCodeOf,
-  type PlannedCommand,
-  planExec,
-  TIMEOUT_EXIT_CODE,
-} from "./exec.ts";
+import { type ExecRequest, planExec } from "./exec.ts";
+import { type RunOutcome, runOne } from "./exec-run.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
@@ -958,47 +951,4 @@ export class SandboxManager {
       this.log(`sandbox ${sb.id}: cannot write its record: ${describeError(err)}`);
     });
   }
-}
-
-interface RunOutcome {
-  stdout: string;
-  stderr: string;
-  exitCode: number;
-  seedAck: boolean;
-  timedOut?: boolean;
-  /** stdout+stderr were cut at EXEC_OUTPUT_MAX (capOutput). */
-  truncated?: boolean;
-}
-
-/** One planned command with what is left of the action's time; none left is a timeout. */
-async function runOne(
-  guest: GuestClient,
-  plan: ExecPlan,
-  cmd: PlannedCommand,
-  deadline: number,
-  signal: AbortSignal,
-): Promise<RunOutcome> {
-  const left = Math.floor(deadline - performance.now());
-  if (left <= 0)
-    return { stdout: "", stderr: "timed out\n", exitCode: TIMEOUT_EXIT_CODE, seedAck: false, timedOut: true };
-  const r = await guest.exec({
-    argv: cmd.argv,
-    env: plan.env,
-    cwd: plan.cwd,
-    uid: plan.uid,
-    gid: plan.gid,
-    timeoutMs: left,
-    ...(cmd.stdin !== undefined ? { stdin: cmd.stdin } : {}),
-    ...(cmd.seed !== undefined ? { seed: cmd.seed } : {}),
-    signal,
-  });
-  const out = capOutput(r);
-  return {
-    stdout: out.stdout.toString("utf8"),
-    stderr: out.stderr.toString("utf8"),
-    exitCode: exitCodeOf(r),
-    seedAck: r.seedAck,
-    timedOut: r.timedOut,
-    truncated: out.truncated,
-  };
 }

@@ -1,0 +1,50 @@
+/**
+ * Runs one planned command of an exec (exec.ts `planExec` decides what; the manager's loop decides
+ * when) in the guest, with what is left of the action's deadline, and shapes its outcome: output
+ * capped (`capOutput`), the exit code as a shell reports it (`exitCodeOf`).
+ */
+import type { GuestClient } from "../guest/client.ts";
+import { capOutput, type ExecPlan, exitCodeOf, type PlannedCommand, TIMEOUT_EXIT_CODE } from "./exec.ts";
+
+export interface RunOutcome {
+  stdout: string;
+  stderr: string;
+  exitCode: number;
+  seedAck: boolean;
+  timedOut?: boolean;
+  /** stdout+stderr were cut at EXEC_OUTPUT_MAX (capOutput). */
+  truncated?: boolean;
+}
+
+/** One planned command with what is left of the action's time; none left is a timeout. */
+export async function runOne(
+  guest: GuestClient,
+  plan: ExecPlan,
+  cmd: PlannedCommand,
+  deadline: number,
+  signal: AbortSignal,
+): Promise<RunOutcome> {
+  const left = Math.floor(deadline - performance.now());
+  if (left <= 0)
+    return { stdout: "", stderr: "timed out\n", exitCode: TIMEOUT_EXIT_CODE, seedAck: false, timedOut: true };
+  const r = await guest.exec({
+    argv: cmd.argv,
+    env: plan.env,
+    cwd: plan.cwd,
+    uid: plan.uid,
+    gid: plan.gid,
+    timeoutMs: left,
+    ...(cmd.stdin !== undefined ? { stdin: cmd.stdin } : {}),
+    ...(cmd.seed !== undefined ? { seed: cmd.seed } : {}),
+    signal,
+  });
+  const out = capOutput(r);
+  return {
+    stdout: out.stdout.toString("utf8"),
+    stderr: out.stderr.toString("utf8"),
+    exitCode: exitCodeOf(r),
+    seedAck: r.seedAck,
+    timedOut: r.timedOut,
+    truncated: out.truncated,
+  };
+}
