@@ -4,8 +4,8 @@
  * what is measured is the service alone), on a fresh data dir seeded with the guest artifacts of
  * DIR. It prints the service's RSS, open fds, its RAM files on /dev/shm and its data dir's size at
  * the start (after one warm-up cycle: caches, the template's pages, the database's first pages)
- * and at the end, and everything the runs may leave behind: QEMU processes, VM directories,
- * cgroups, jail uid locks. Not a timed benchmark: the figures say whether the service leaks.
+ * and at the end, and everything the runs leave behind once the service has stopped: QEMU
+ * processes, VM directories, cgroups, jail uid locks. Not a timed benchmark: the figures say whether the service leaks.
  */
 import { spawn, spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
@@ -223,6 +223,11 @@ export async function runSoak(o: {
     // Destroys finish in the background of the API's answer (the VM's directory, its cgroup).
     await Bun.sleep(1000);
     const end = sample(pid, dataDir);
+    // Leftovers are counted once the service has stopped: while it runs, the QEMUs it keeps
+    // pre-launched for the template (agent/sandbox/prelaunch-pool.ts) are its own, and it frees
+    // them at stop; a deleted sandbox's QEMU would outlive the stop and be counted.
+    up.kill("SIGTERM");
+    await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
     return {
       cycles: done,
       failures,
