@@ -15,6 +15,7 @@ import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
   busyboxArchive,
+  COUNTER,
   codeOf,
   qemuPidsUnder,
   removeBusyboxArchive,
@@ -27,7 +28,6 @@ import { SandboxdError } from "../contracts/errors.ts";
 /** A test restores up to 6 VMs under TCG on a 2-core host; 180 s covers a loaded CI machine. */
 const VM_TEST_TIMEOUT_MS = 180_000;
 const TEMPLATE = "busybox";
-const COUNTER = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done' >/dev/null 2>&1 &";
 
 let stateDir: string;
 let shmRoot: string;

@@ -36,9 +36,9 @@ import { writeFileSync } from "node:fs";
 import { ensureGuestArtifacts } from "${REPO}/agent/guest/artifacts.ts";
 import { SandboxManager } from "${REPO}/agent/sandbox/manager.ts";
 import { SnapshotDriver } from "${REPO}/agent/sandbox/drivers/snapshot.ts";
+import { COUNTER } from "${REPO}/agent/sandbox/testing.ts";
 
 const [stateDir, cacheDir, archive, out] = process.argv.slice(2);
-const COUNTER = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done' >/dev/null 2>&1 &";
 const artifacts = await ensureGuestArtifacts({ dataDir: cacheDir });
 const driver = await SnapshotDriver.create({ cacheDir, stateDir, artifacts });
 const m = await SandboxManager.open({ driver, stateDir });

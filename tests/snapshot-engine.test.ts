@@ -10,6 +10,7 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../agent/guest/artifacts.ts";
 import { type ImportedImage, importImage } from "../agent/image/import.ts";
+import { COUNTER } from "../agent/sandbox/testing.ts";
 import { unwrap } from "../agent/snapshot/errors.ts";
 import { forkVm } from "../agent/snapshot/fork.ts";
 import { floorRestoreMs, spawnFromTemplate } from "../agent/snapshot/spawn.ts";
@@ -258,8 +259,6 @@ describe("spawn", () => {
     VM_TEST_TIMEOUT_MS,
   );
 });
-
-const COUNTER = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done' >/dev/null 2>&1 &";
 
 async function counter(vm: SandboxVm): Promise<number> {
   return Number((await sh(vm, "cat /tmp/c")).trim());

@@ -78,3 +78,12 @@ export async function codeOf(p: Promise<unknown>): Promise<string> {
     return err instanceof SandboxdError ? err.code : `not a SandboxdError: ${String(err)}`;
   }
 }
+
+/**
+ * A guest process counting up in /tmp/c ten times a second, for tests that check a VM's running
+ * state survives a fork, suspend or restart. Each value is written to a new file and renamed over
+ * the old one: a plain `echo > /tmp/c` truncates first, and a snapshot taken between the
+ * truncation and the write gave a restored child an empty file to read (a flaky 0).
+ */
+export const COUNTER =
+  "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new && mv /tmp/c.new /tmp/c; sleep 0.1; done' >/dev/null 2>&1 &";
