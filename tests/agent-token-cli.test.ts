@@ -6,15 +6,14 @@
  * stopped while the CLI runs.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { spawn } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
+import { join } from "node:path";
 import { enroll, loadOrEnroll } from "../agent/api/enroll.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
+import { runCli } from "./support/e2e-service.ts";
 
-const REPO = resolve(import.meta.dir, "..");
 const TOKEN_RE = /^sbxe_[a-f0-9]{16}_[A-Za-z0-9_-]{43}$/;
 /** bin/sandboxd checks the host and node modules first; PGlite migrates on every open. */
 const CLI_TIMEOUT_MS = 60_000;
@@ -23,23 +22,7 @@ function cli(args: string[]): Promise<{ code: number | null; stdout: string; std
   const env: NodeJS.ProcessEnv = { ...process.env };
   delete env.DATABASE_URL;
   delete env.SANDBOXD_AGENT_SECRET;
-  return new Promise((done, fail) => {
-    const child = spawn(join(REPO, "bin/sandboxd"), args, { env, stdio: ["ignore", "pipe", "pipe"] });
-    let stdout = "";
-    let stderr = "";
-    child.stdout.on("data", (b: Buffer) => {
-      stdout += b.toString();
-    });
-    child.stderr.on("data", (b: Buffer) => {
-      stderr += b.toString();
-    });
-    const timer = setTimeout(() => child.kill("SIGKILL"), CLI_TIMEOUT_MS);
-    child.once("error", fail);
-    child.once("close", (code) => {
-      clearTimeout(timer);
-      done({ code, stdout, stderr });
-    });
-  });
+  return runCli(args, env, CLI_TIMEOUT_MS);
 }
 
 describe("agent-token CLI over PGlite in the data dir", () => {

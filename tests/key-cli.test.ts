@@ -10,15 +10,14 @@
  * running and sees the revocation on the next request.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { spawn } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
+import { join } from "node:path";
 import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
+import { runCli } from "./support/e2e-service.ts";
 
-const REPO = resolve(import.meta.dir, "..");
 const KEY_RE = /^svc_pro_([a-z0-9]{12})_[A-Za-z0-9]{40}$/;
 /** bin/sandboxd checks the host and node modules first; PGlite migrates on every open. */
 const CLI_TIMEOUT_MS = 60_000;
@@ -33,23 +32,7 @@ function cli(args: string[], databaseUrl: string | undefined): Promise<CliResult
   const env: NodeJS.ProcessEnv = { ...process.env };
   delete env.DATABASE_URL;
   if (databaseUrl !== undefined) env.DATABASE_URL = databaseUrl;
-  return new Promise((done, fail) => {
-    const child = spawn(join(REPO, "bin/sandboxd"), args, { env, stdio: ["ignore", "pipe", "pipe"] });
-    let stdout = "";
-    let stderr = "";
-    child.stdout.on("data", (b: Buffer) => {
-      stdout += b.toString();
-    });
-    child.stderr.on("data", (b: Buffer) => {
-      stderr += b.toString();
-    });
-    const timer = setTimeout(() => child.kill("SIGKILL"), CLI_TIMEOUT_MS);
-    child.once("error", fail);
-    child.once("close", (code) => {
-      clearTimeout(timer);
-      done({ code, stdout, stderr });
-    });
-  });
+  return runCli(args, env, CLI_TIMEOUT_MS);
 }
 
 interface Listing {

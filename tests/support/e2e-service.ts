@@ -61,9 +61,14 @@ interface CliResult {
   stderr: string;
 }
 
-export function runCli(args: string[]): Promise<CliResult> {
+/** Runs bin/sandboxd with `args` (env: the suites' own by default); never throws on exit codes. */
+export function runCli(
+  args: string[],
+  env: NodeJS.ProcessEnv = childEnv(),
+  timeoutMs = CLI_TIMEOUT_MS,
+): Promise<CliResult> {
   return new Promise((done, fail) => {
-    const child = spawn(SANDBOXD, args, { env: childEnv(), stdio: ["ignore", "pipe", "pipe"] });
+    const child = spawn(SANDBOXD, args, { env, stdio: ["ignore", "pipe", "pipe"] });
     let stdout = "";
     let stderr = "";
     child.stdout.on("data", (b: Buffer) => {
@@ -72,7 +77,7 @@ export function runCli(args: string[]): Promise<CliResult> {
     child.stderr.on("data", (b: Buffer) => {
       stderr += b.toString();
     });
-    const timer = setTimeout(() => child.kill("SIGKILL"), CLI_TIMEOUT_MS);
+    const timer = setTimeout(() => child.kill("SIGKILL"), timeoutMs);
     child.once("error", fail);
     child.once("close", (code) => {
       clearTimeout(timer);
