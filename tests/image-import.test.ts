@@ -9,6 +9,7 @@ import { existsSync } from "node:fs";
 import { mkdir, mkdtemp, readdir, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import type { ToolError } from "../agent/host/tool.ts";
 import {
   ImageError,
   type ImageErrorCode,
@@ -205,6 +206,40 @@ describe("importImage: config", () => {
     expect((err as ImageError).code).toBe("image_user_unknown");
     await expectClean(dataDir);
   }, 60_000);
+});
+
+describe("importImage: cancel", () => {
+  // The signal aborts as the named tool is about to run: only a stage that hands the import's
+  // signal to its tool is stopped there; one that does not would run on and publish the image.
+  for (const tool of ["skopeo", "umoci", "mkfs.ext4", "qemu-img"]) {
+    test(`aborted as ${tool} starts: rejects with gone and leaves nothing`, async () => {
+      const dataDir = join(root, `data-cancel-${tool}`);
+      const ac = new AbortController();
+      const log = (m: string) => {
+        if (m.startsWith(`image: run: ${tool} `)) ac.abort();
+      };
+      const err = await importImage({ source: built.docker!.path, dataDir, log, signal: ac.signal }).catch(
+        (e: unknown) => e,
+      );
+      expect(ac.signal.aborted).toBe(true);
+      expect((err as ImageError).code as string).toBe("gone");
+      // Stopped by the tool's runner (never started), not by a later stage's check.
+      expect(((err as Error).cause as ToolError | undefined)?.kind).toBe("aborted");
+      expect((err as ImageError).details?.tool).toBe(tool);
+      await expectClean(dataDir);
+    });
+  }
+
+  test("aborted before it starts: nothing is read or written", async () => {
+    const dataDir = join(root, "data-cancel-early");
+    const err = await importImage({
+      source: built.docker!.path,
+      dataDir,
+      signal: AbortSignal.abort(),
+    }).catch((e: unknown) => e);
+    expect((err as ImageError).code as string).toBe("gone");
+    expect(existsSync(dataDir)).toBe(false);
+  });
 });
 
 describe("importImage: hostile input", () => {

@@ -6,7 +6,7 @@
 import { constants as fsc } from "node:fs";
 import { open } from "node:fs/promises";
 import { ImageError } from "./errors.ts";
-import { type Budget, chargeEntry, type ImportLimits } from "./limits.ts";
+import { type Budget, chargeEntry, type ImportLimits, stopIfCancelled } from "./limits.ts";
 import { type ImageFormat, type MetaStore, type ResolvedImage, resolveDocker, resolveOci } from "./oci.ts";
 import { MAX_SYMLINK_HOPS, normalizeEntryPath, resolveInside } from "./paths.ts";
 import { type BlobInfo, checkLayers, type ScanResult, scanBlob } from "./scan.ts";
@@ -107,7 +107,11 @@ function wrapOuterTarError(err: unknown): never {
  * JSON files read in place. Enough to learn the config digest for a cache lookup without reading
  * layers; the full scan below decides everything else.
  */
-async function indexArchive(path: string, limits: ImportLimits): Promise<Map<string, ArchiveEntry>> {
+async function indexArchive(
+  path: string,
+  limits: ImportLimits,
+  signal?: AbortSignal,
+): Promise<Map<string, ArchiveEntry>> {
   const fh = await open(path, fsc.O_RDONLY);
   try {
     const size = (await fh.stat()).size;
@@ -115,6 +119,7 @@ async function indexArchive(path: string, limits: ImportLimits): Promise<Map<str
     const entries = new Map<string, ArchiveEntry>();
     let n = 0;
     for await (const e of readTar(reader, limits.maxPathBytes)) {
+      stopIfCancelled(signal);
       if (++n > limits.maxEntries) throw new ImageError("image_too_large", "too many archive entries");
       const name = checkOuterEntry(e.header, entries);
       entries.set(name, {
@@ -132,8 +137,12 @@ async function indexArchive(path: string, limits: ImportLimits): Promise<Map<str
   }
 }
 
-export async function quickResolveArchive(path: string, limits: ImportLimits): Promise<ResolvedImage> {
-  const entries = await indexArchive(path, limits);
+export async function quickResolveArchive(
+  path: string,
+  limits: ImportLimits,
+  signal?: AbortSignal,
+): Promise<ResolvedImage> {
+  const entries = await indexArchive(path, limits, signal);
   const format = formatOf(entries);
   if (!format) throw new ImageError("image_no_manifest", "archive has no manifest.json or index.json");
   const fh = await open(path, fsc.O_RDONLY);

@@ -5,6 +5,7 @@
  */
 import { lstat, open, readdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { stopIfCancelled } from "./limits.ts";
 import { runImageTool } from "./tools.ts";
 
 /**
@@ -35,7 +36,7 @@ export function diskSizeFor(rootfsBytes: number, sizing: DiskSizing = DEFAULT_DI
 const MIB = 1024 * 1024;
 
 /** Data bytes (4 KiB blocks) and inodes of a tree, hardlinks counted once. */
-async function measureTree(root: string): Promise<{ bytes: number; inodes: number }> {
+async function measureTree(root: string, signal?: AbortSignal): Promise<{ bytes: number; inodes: number }> {
   const BLK = 4096;
   const seen = new Set<number>();
   let bytes = 0;
@@ -43,6 +44,7 @@ async function measureTree(root: string): Promise<{ bytes: number; inodes: numbe
   const stack = [root];
   while (stack.length > 0) {
     const dir = stack.pop() as string;
+    stopIfCancelled(signal);
     const st = await lstat(dir);
     inodes++;
     bytes += Math.max(BLK, Math.ceil(st.size / BLK) * BLK);
@@ -80,8 +82,9 @@ export async function makeBaseDisk(
   dest: string,
   sizing: DiskSizing,
   log: (m: string) => void,
+  signal?: AbortSignal,
 ): Promise<{ bytes: number; size: number }> {
-  const { bytes, inodes } = await measureTree(rootfs);
+  const { bytes, inodes } = await measureTree(rootfs, signal);
   const size = diskSizeFor(bytes, sizing);
   // Twice the inodes in use plus a margin, so the guest can create files as well as bytes; never
   // fewer than mke2fs would pick by itself.
@@ -114,10 +117,10 @@ export async function makeBaseDisk(
       rootfs,
       raw,
     ],
-    { log },
+    { log, signal },
   );
   await rm(rootfs, { recursive: true, force: true });
-  await runImageTool(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, dest], { log });
+  await runImageTool(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, dest], { log, signal });
   await rm(raw, { force: true });
   return { bytes, size };
 }

@@ -26,7 +26,7 @@ import { DISK_FILE, type ImportedImage, loadCached, publish } from "./cache.ts";
 import { normalizeConfig } from "./config.ts";
 import { ImageError } from "./errors.ts";
 import { DEFAULT_DISK_SIZING, type DiskSizing, makeBaseDisk } from "./ext4.ts";
-import { type Budget, DEFAULT_IMPORT_LIMITS, type ImportLimits } from "./limits.ts";
+import { type Budget, DEFAULT_IMPORT_LIMITS, type ImportLimits, stopIfCancelled } from "./limits.ts";
 import { layoutStore, type ResolvedImage, resolveOci } from "./oci.ts";
 import { readImageUsers, unpackRootfs } from "./rootfs.ts";
 import { scanLayoutLayers } from "./scan.ts";
@@ -51,6 +51,11 @@ export interface ImportOptions {
    * tenant's config blob is not enough to be served its disk.
    */
   trustedSource?: boolean;
+  /**
+   * Cancels the import (its template was deleted): every stage stops within a chunk, a directory
+   * or a tool kill, the work dir is removed and the import rejects with `gone`.
+   */
+  signal?: AbortSignal;
 }
 
 /**
@@ -64,11 +69,13 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
   const log = opts.log ?? (() => {});
   const source = resolvePath(opts.source);
   const dataDir = resolvePath(opts.dataDir);
+  const signal = opts.signal;
+  stopIfCancelled(signal);
   const kind = await detectSource(source);
   const t0 = performance.now();
   const ms = () => `${(performance.now() - t0).toFixed(0)} ms`;
 
-  const quick = await quickLook(source, kind, limits);
+  const quick = await quickLook(source, kind, limits, signal);
   const hit = opts.trustedSource && quick && (await loadCached(dataDir, quick.configDigest, quick.format));
   if (hit) {
     log(`image: ${hit.digest} cached (${ms()})`);
@@ -79,7 +86,7 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
   await mkdir(join(dataDir, "images"), { recursive: true });
   const work = await mkdtemp(join(dataDir, "tmp", "import-"));
   try {
-    const budget: Budget = { limits, bytes: 0, entries: 0 };
+    const budget: Budget = { limits, bytes: 0, entries: 0, signal };
     const scan =
       kind === "dir" && quick
         ? await scanLayoutLayers(source, quick, budget)
@@ -98,12 +105,14 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
     // The unpacked tree, the raw ext4 image and its qcow2 each hold about the layers' bytes; ask
     // before writing any of them (a short disk is a clear refusal, not a half-built image).
     await needFreeSpace(work, "importing the image", 3 * budget.bytes);
-    const rootfs = await unpackRootfs(work, source, scan, limits, log);
+    const rootfs = await unpackRootfs(work, source, scan, limits, log, signal);
     const { passwd, group } = await readImageUsers(rootfs, limits.maxMetadataBytes);
     const config = normalizeConfig(image.config, image.configDigest, passwd, group);
     const out = join(work, "out");
     await mkdir(out);
-    const disk = await makeBaseDisk(work, rootfs, join(out, DISK_FILE), sizing, log);
+    const disk = await makeBaseDisk(work, rootfs, join(out, DISK_FILE), sizing, log, signal);
+    // Cancelled at the last moment: the half-owned disk goes with the work dir, not into the cache.
+    stopIfCancelled(signal);
     const imported = await publish(out, dataDir, image, config);
     if (!imported.cached) {
       log(
@@ -144,11 +153,13 @@ async function quickLook(
   source: string,
   kind: "dir" | "file",
   limits: ImportLimits,
+  signal: AbortSignal | undefined,
 ): Promise<ResolvedImage | undefined> {
   if (kind === "dir") return await resolveOci(layoutStore(source, limits), "oci-layout", limits);
   try {
-    return await quickResolveArchive(source, limits);
+    return await quickResolveArchive(source, limits, signal);
   } catch {
+    stopIfCancelled(signal);
     return undefined; // the full scan reports what is wrong, with the right code
   }
 }

@@ -2,6 +2,7 @@
  * The bounds on what an imported image may cost the host, and the running count (the Budget)
  * that the scan charges while it streams, so a limit stops the read as soon as it is crossed.
  */
+import { SandboxdError } from "../../contracts/errors.ts";
 import { ImageError } from "./errors.ts";
 
 export interface ImportLimits {
@@ -35,9 +36,21 @@ export interface Budget {
   limits: ImportLimits;
   bytes: number;
   entries: number;
+  /** The import's cancel (its template deleted): every charge checks it. */
+  signal?: AbortSignal | undefined;
+}
+
+/**
+ * Throws `gone` once `signal` has aborted. The in-process stages call it per chunk read and per
+ * entry or directory walked (through the Budget's charges), and the pipeline between stages, so a
+ * cancelled import stops within one chunk (256 KiB) instead of running to its end.
+ */
+export function stopIfCancelled(signal: AbortSignal | undefined): void {
+  if (signal?.aborted) throw new SandboxdError("gone", "the image import was cancelled");
 }
 
 export function chargeBytes(b: Budget, n: number): void {
+  stopIfCancelled(b.signal);
   b.bytes += n;
   if (b.bytes > b.limits.maxUnpackedBytes) {
     throw new ImageError(
@@ -49,6 +62,7 @@ export function chargeBytes(b: Budget, n: number): void {
 }
 
 export function chargeEntry(b: Budget): void {
+  stopIfCancelled(b.signal);
   b.entries += 1;
   if (b.entries > b.limits.maxEntries) {
     throw new ImageError(

@@ -27,6 +27,7 @@ export async function unpackRootfs(
   scan: ScanResult,
   limits: ImportLimits,
   log: (m: string) => void,
+  signal?: AbortSignal,
 ): Promise<string> {
   const image = scan.image;
   const tmp = join(work, "tmp");
@@ -55,11 +56,15 @@ export async function unpackRootfs(
       `${transport}:${src}${image.ref}`,
       `oci:${layout}:image`,
     ],
-    { env, log },
+    { env, log, signal },
   );
   await normaliseLayout(layout, scan, limits);
   const rootfs = join(work, "rootfs");
-  await runImageTool(["umoci", "raw", "unpack", "--image", `${layout}:image`, rootfs], { env, log });
+  await runImageTool(["umoci", "raw", "unpack", "--image", `${layout}:image`, rootfs], {
+    env,
+    log,
+    signal,
+  });
   await rm(layout, { recursive: true, force: true });
   return rootfs;
 }

@@ -10,7 +10,7 @@ import type { FileHandle } from "node:fs/promises";
 import { Readable } from "node:stream";
 import { createGunzip } from "node:zlib";
 import { ImageError } from "./errors.ts";
-import { type Budget, chargeBytes, chargeEntry } from "./limits.ts";
+import { type Budget, chargeBytes, chargeEntry, stopIfCancelled } from "./limits.ts";
 import { type LayerRef, openInLayout, type ResolvedImage } from "./oci.ts";
 import { normalizeEntryPath } from "./paths.ts";
 import {
@@ -197,6 +197,8 @@ export async function scanBlob(
   let size = 0;
   const counted = tap(all, raw, (n) => {
     size += n;
+    // Blobs that are no tar (configs, or junk in an archive) are read to their end uncharged.
+    stopIfCancelled(budget.signal);
   });
   try {
     if (kind === "tar") {

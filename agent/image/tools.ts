@@ -3,6 +3,7 @@
  * agent's one runner with a deadline; a failure is an ImageError `image_tool_failed` that says
  * the tool's reason and keeps the ToolError as its cause.
  */
+import { SandboxdError } from "../../contracts/errors.ts";
 import { runTool, ToolError } from "../host/tool.ts";
 import { ImageError } from "./errors.ts";
 
@@ -19,6 +20,8 @@ export interface ImageToolOptions {
   env?: Record<string, string>;
   log: (m: string) => void;
   timeoutMs?: number;
+  /** The import's cancel: kills the tool and its process group at once. */
+  signal?: AbortSignal | undefined;
 }
 
 /** Runs one tool of the import; resolves on exit 0, else throws `image_tool_failed`. */
@@ -29,9 +32,12 @@ export async function runImageTool(argv: string[], o: ImageToolOptions): Promise
       env: o.env,
       timeoutMs: o.timeoutMs ?? IMPORT_TOOL_TIMEOUT_MS,
       log: (line) => o.log(`image: ${line}`),
+      ...(o.signal ? { signal: o.signal } : {}),
     });
   } catch (err) {
     if (!(err instanceof ToolError)) throw err;
+    if (err.kind === "aborted")
+      throw new SandboxdError("gone", "the image import was cancelled", { cause: err, details: { tool } });
     if (err.kind === "spawn")
       throw new ImageError("image_tool_failed", `cannot run ${tool}`, { cause: err, details: { tool } });
     // Exit: "<tool> failed (exit N): <its last line>"; a deadline: "<tool>: no answer within N s".

@@ -26,6 +26,15 @@ import { newErrorId, tenantErrorText } from "./tenant-error.ts";
 export const MAX_CONCURRENT_BUILDS = 2;
 
 /**
+ * How long a delete waits for the build it cancelled to unwind (its tools killed, its import's
+ * work dir removed, its VM stopped). Every stage stops within one chunk read or one process kill,
+ * well under a second. 3 s keeps the answer inside the gateway's 5 s deadline for quick agent
+ * calls (gateway/agents/client.ts) even when removing a big partial rootfs is slow: the delete
+ * then answers anyway, the build's own cleanup still runs, and the overrun is logged.
+ */
+export const CANCEL_WAIT_MS = 3_000;
+
+/**
  * Whose build this is, for sharing the slots: the tenant a bake names, else the owner part of
  * the gateway's template ref (`<tenant>.<id>`); builds of the operator (the catalog) share "".
  */
@@ -210,6 +219,19 @@ export class TemplateRegistry {
     if (inUse) throw new SandboxdError("template_in_use", `VMs still run on template ${id}`);
     e.abort?.abort();
     this.entries.delete(id);
+    // The delete answers once the cancelled build has removed its partial files, so a re-bake of
+    // the same id or image never meets them.
+    if (e.build) {
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const late = await Promise.race([
+        e.build.then(() => false),
+        new Promise<boolean>((r) => {
+          timer = setTimeout(() => r(true), CANCEL_WAIT_MS);
+        }),
+      ]);
+      clearTimeout(timer);
+      if (late) this.log(`template ${id}: its cancelled build is still stopping after ${CANCEL_WAIT_MS} ms`);
+    }
     await this.store.remove(id);
     await this.driver.dropTemplate(id);
   }

@@ -80,11 +80,20 @@ export class BootDriver implements SandboxDriver {
     return new BootDriver(opts, artifacts, accel);
   }
 
-  async prepareTemplate(templateId: string, input: TemplateInput): Promise<PreparedTemplate> {
+  async prepareTemplate(
+    templateId: string,
+    input: TemplateInput,
+    signal?: AbortSignal,
+  ): Promise<PreparedTemplate> {
     if (input.kind !== "archive") {
       throw new SandboxdError("unsupported", "this agent builds templates from image archives only");
     }
-    const image = await importImage({ source: input.path, dataDir: this.opts.cacheDir, log: this.log });
+    const image = await importImage({
+      source: input.path,
+      dataDir: this.opts.cacheDir,
+      log: this.log,
+      ...(signal ? { signal } : {}),
+    });
     this.templates.set(templateId, image);
     return { image: image.config, exposedPorts: image.config.exposedPorts };
   }

@@ -269,6 +269,7 @@ export class SnapshotDriver implements SandboxDriver {
       dataDir: this.opts.cacheDir,
       log: this.log,
       trustedSource: input.kind === "oci",
+      signal,
     });
     this.hold(held, image.dir);
     const importMs = performance.now() - tImport;
