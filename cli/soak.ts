@@ -3,9 +3,12 @@
  * cycles of a Family A session through the HTTP API of a real `sandboxd up` (a child process, so
  * what is measured is the service alone), on a fresh data dir seeded with the guest artifacts of
  * DIR. It prints the service's RSS, open fds, its RAM files on /dev/shm and its data dir's size at
- * the start (after one warm-up cycle: caches, the template's pages, the database's first pages)
- * and at the end, and everything the runs leave behind once the service has stopped: QEMU
- * processes, VM directories, cgroups, jail uid locks. Not a timed benchmark: the figures say whether the service leaks.
+ * the start (after one warm-up cycle: caches, the template's pages, the database's first pages),
+ * the middle and the end, each right after a full GC of the service with its JS heap (heap-stats.ts),
+ * a series of RSS and heap every SOAK_SAMPLE_EVERY cycles (a plateau is warm-up, a slope a leak),
+ * the JS types that grew, and everything the runs leave behind once the service has stopped: QEMU
+ * processes, VM directories, cgroups, jail uid locks. Not a timed benchmark: the figures say
+ * whether the service leaks.
  */
 import { spawn, spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
@@ -20,6 +23,7 @@ import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
 import { vmsRoot } from "../agent/vm/workdir.ts";
 import { SandboxdError } from "../contracts/errors.ts";
+import { HEAP_STATS_ENV, type HeapStatsLine, parseHeapStatsLine } from "./heap-stats.ts";
 
 const SANDBOXD = resolve(import.meta.dir, "..", "bin", "sandboxd");
 /** `up` prints `listening URL` once it serves; the first start may build the guest artifacts. */
@@ -27,9 +31,21 @@ const LISTEN_TIMEOUT_MS = 180_000;
 /** The uploaded template boots once and is frozen: well under a minute under TCG. */
 const TEMPLATE_TIMEOUT_MS = 300_000;
 const TEMPLATE_ID = "soak";
+/** Cycles between two points of the RSS/heap series: 20 points over 1,000 cycles. */
+export const SOAK_SAMPLE_EVERY = 50;
+/** A full collection of the service's heap takes tens of ms; 10 s means it does not answer. */
+const HEAP_STATS_TIMEOUT_MS = 10_000;
+/** Types whose live count grew most from start to end, reported. */
+const GROWING_TYPES = 12;
 
 export interface SoakSample {
   rss_kib: number;
+  /** RSS split (/proc/<pid>/status): anonymous memory (heap, allocator, JIT code) ... */
+  rss_anon_kib: number;
+  /** ... and file pages (the Bun binary, shared libraries, mapped files). */
+  rss_file_kib: number;
+  /** The part of RSS in anonymous executable mappings: JIT-compiled code. */
+  rss_jit_kib: number;
   open_fds: number;
   /** Bytes of this service's RAM files on /dev/shm (its shm root). */
   shm_bytes: number;
@@ -37,13 +53,29 @@ export interface SoakSample {
   data_dir_bytes: number;
 }
 
+/** The service's JS heap after a full GC (what each field is: HeapStatsLine in heap-stats.ts). */
+export type SoakHeap = Pick<
+  HeapStatsLine,
+  "heap_bytes" | "external_bytes" | "heap_capacity_bytes" | "object_count"
+>;
+
+/** One point of the series: after `cycle` cycles, with a full GC first. */
+export type SoakPoint = { cycle: number } & Pick<SoakSample, "rss_kib" | "rss_anon_kib" | "rss_jit_kib"> &
+  SoakHeap;
+
 export interface SoakResult {
   cycles: number;
   failures: number;
   /** Failures' first messages (at most 5). */
   errors: string[];
-  start: SoakSample;
-  end: SoakSample;
+  /** Samples are taken after a full GC of the service (heap-stats.ts), so RSS is comparable. */
+  start: SoakSample & SoakHeap;
+  middle: SoakSample & SoakHeap;
+  end: SoakSample & SoakHeap;
+  /** RSS and live heap every SOAK_SAMPLE_EVERY cycles: a plateau is warm-up, a slope is a leak. */
+  series: SoakPoint[];
+  /** Live object counts per type that grew most from start to end (end - start). */
+  growing_types: Record<string, number>;
   leftovers: {
     qemu_processes: number[];
     vm_dirs: string[];
@@ -56,13 +88,35 @@ export interface SoakResult {
 /** A sample of process `pid` and the service's files. */
 export function sample(pid: number, dataDir: string): SoakSample {
   const status = readFileSync(`/proc/${pid}/status`, "utf8");
-  const rss = Number(/^VmRSS:\s+(\d+)/m.exec(status)?.[1] ?? 0);
+  const kib = (field: string) => Number(new RegExp(`^${field}:\\s+(\\d+)`, "m").exec(status)?.[1] ?? 0);
   return {
-    rss_kib: rss,
+    rss_kib: kib("VmRSS"),
+    rss_anon_kib: kib("RssAnon"),
+    rss_file_kib: kib("RssFile"),
+    rss_jit_kib: jitRssKib(pid),
     open_fds: readdirSync(`/proc/${pid}/fd`).length,
     shm_bytes: duBytes(defaultShmRoot(join(dataDir, "agent"))),
     data_dir_bytes: duBytes(dataDir),
   };
+}
+
+/** RSS of the anonymous executable mappings of `pid` (/proc/<pid>/smaps): the JIT's code. */
+export function jitRssKib(pid: number): number {
+  let smaps: string;
+  try {
+    smaps = readFileSync(`/proc/${pid}/smaps`, "utf8");
+  } catch {
+    return 0;
+  }
+  let total = 0;
+  let jit = false;
+  for (const line of smaps.split("\n")) {
+    // A mapping's header: "start-end perms offset dev inode [path]"; anonymous ones have no path.
+    const h = /^[0-9a-f]+-[0-9a-f]+ (\S{4}) \S+ \S+ \S+\s*(.*)$/.exec(line);
+    if (h) jit = h[1]!.includes("x") && h[2] === "";
+    else if (jit && line.startsWith("Rss:")) total += Number(/(\d+)/.exec(line)?.[1] ?? 0);
+  }
+  return total;
 }
 
 function duBytes(path: string): number {
@@ -163,13 +217,49 @@ export async function runSoak(o: {
     .split("\n")
     .at(-1)!;
   const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
-    env: childEnv(),
+    // The service answers SIGUSR2 with its heap after a full GC (heap-stats.ts).
+    env: { ...childEnv(), [HEAP_STATS_ENV]: "1" },
     stdio: ["ignore", "pipe", "pipe"],
   });
   let stderrTail = "";
+  let partial = "";
+  const heapWaiters: ((h: HeapStatsLine) => void)[] = [];
   up.stderr.on("data", (b: Buffer) => {
-    stderrTail = (stderrTail + b.toString()).slice(-4000);
+    const text = b.toString();
+    stderrTail = (stderrTail + text).slice(-4000);
+    const lines = (partial + text).split("\n");
+    partial = lines.pop() ?? "";
+    for (const line of lines) {
+      const h = parseHeapStatsLine(line);
+      if (h) heapWaiters.shift()?.(h);
+    }
   });
+  /** The service's heap after a full GC, and its RSS and files right after. */
+  const measure = async (
+    pid: number,
+  ): Promise<{ s: SoakSample & SoakHeap; types: Record<string, number> }> => {
+    const h = await new Promise<HeapStatsLine>((ok, fail) => {
+      const timer = setTimeout(
+        () => fail(new Error("the service printed no heap stats")),
+        HEAP_STATS_TIMEOUT_MS,
+      );
+      heapWaiters.push((v) => {
+        clearTimeout(timer);
+        ok(v);
+      });
+      process.kill(pid, "SIGUSR2");
+    });
+    return {
+      s: {
+        ...sample(pid, dataDir),
+        heap_bytes: h.heap_bytes,
+        external_bytes: h.external_bytes,
+        object_count: h.object_count,
+        heap_capacity_bytes: h.heap_capacity_bytes,
+      },
+      types: h.types,
+    };
+  };
   try {
     const base = await new Promise<string>((ok, fail) => {
       let out = "";
@@ -207,7 +297,20 @@ export async function runSoak(o: {
         throw new Error(`exec answered ${JSON.stringify(r)}`);
     };
     await cycle(); // warm-up: not counted
-    const start = sample(pid, dataDir);
+    const first = await measure(pid);
+    const start = first.s;
+    const point = (cycle: number, m: SoakSample & SoakHeap): SoakPoint => ({
+      cycle,
+      rss_kib: m.rss_kib,
+      rss_anon_kib: m.rss_anon_kib,
+      rss_jit_kib: m.rss_jit_kib,
+      heap_bytes: m.heap_bytes,
+      external_bytes: m.external_bytes,
+      heap_capacity_bytes: m.heap_capacity_bytes,
+      object_count: m.object_count,
+    });
+    const series: SoakPoint[] = [point(0, start)];
+    let middle = start;
     let failures = 0;
     const errors: string[] = [];
     let done = 0;
@@ -218,11 +321,20 @@ export async function runSoak(o: {
         failures++;
         if (errors.length < 5) errors.push(err instanceof Error ? err.message : String(err));
       }
-      if ((done + 1) % 100 === 0) o.log(`soak: ${done + 1}/${o.cycles}`);
+      const n = done + 1;
+      const half = n === Math.floor(o.cycles / 2);
+      if ((n % SOAK_SAMPLE_EVERY === 0 || half) && n < o.cycles) {
+        const m = (await measure(pid)).s;
+        series.push(point(n, m));
+        if (half) middle = m;
+        o.log(`soak: ${n}/${o.cycles} rss ${m.rss_kib} KiB heap ${m.heap_bytes} B`);
+      }
     }
     // Destroys finish in the background of the API's answer (the VM's directory, its cgroup).
     await Bun.sleep(1000);
-    const end = sample(pid, dataDir);
+    const last = await measure(pid);
+    const end = last.s;
+    series.push(point(done, end));
     // Leftovers are counted once the service has stopped: while it runs, the QEMUs it keeps
     // pre-launched for the template (agent/sandbox/prelaunch-pool.ts) are its own, and it frees
     // them at stop; a deleted sandbox's QEMU would outlive the stop and be counted.
@@ -233,7 +345,10 @@ export async function runSoak(o: {
       failures,
       errors,
       start,
+      middle,
       end,
+      series,
+      growing_types: growingTypes(first.types, last.types),
       leftovers: await leftovers(dataDir),
       total_ms: Math.round(performance.now() - t0),
     };
@@ -246,4 +361,15 @@ export async function runSoak(o: {
     await rm(ownerFileOf(shm), { force: true }).catch(() => {});
     await rm(dataDir, { recursive: true, force: true }).catch(() => {});
   }
+}
+
+/** The GROWING_TYPES types whose live count grew most from `a` to `b`, by growth. */
+export function growingTypes(a: Record<string, number>, b: Record<string, number>): Record<string, number> {
+  return Object.fromEntries(
+    Object.entries(b)
+      .map(([t, n]) => [t, n - (a[t] ?? 0)] as const)
+      .filter(([, d]) => d > 0)
+      .sort((x, y) => y[1] - x[1])
+      .slice(0, GROWING_TYPES),
+  );
 }

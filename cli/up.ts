@@ -19,6 +19,7 @@ import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
+import { installHeapStatsSignal } from "./heap-stats.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
@@ -38,6 +39,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   await mkdir(stateDir, { recursive: true });
   const secrets = loadSecrets(dataDir);
   const removeFaultHandlers = installFaultHandlers(log);
+  const removeHeapStats = installHeapStatsSignal();
 
   const manager = await openAgentManager(dataDir, stateDir, log);
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
@@ -98,6 +100,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   await agentServer.stop();
   await manager.detach();
   removeFaultHandlers();
+  removeHeapStats();
   return 0;
 }
 

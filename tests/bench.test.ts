@@ -225,6 +225,13 @@ describe("sandboxd bench --soak", () => {
       // No RAM file outlives its sandbox: what is on /dev/shm is the template's, as at the start.
       expect(out.end.shm_bytes).toBeLessThanOrEqual(out.start.shm_bytes);
       expect(out.end.data_dir_bytes).toBeLessThanOrEqual(out.start.data_dir_bytes + SOAK_DATA_GROWTH_BYTES);
+      // The service's heap after a full GC at start, middle and end, and the series between.
+      for (const m of [out.start, out.middle, out.end]) {
+        expect(m.heap_bytes).toBeGreaterThan(0);
+        expect(m.object_count).toBeGreaterThan(0);
+        expect(m.rss_anon_kib).toBeGreaterThan(0);
+      }
+      expect(out.series.map((p) => p.cycle)).toEqual([0, SOAK_CYCLES / 2, SOAK_CYCLES]);
       // The soak's own data dir is gone (the JSON names nothing of it that still exists).
       expect(entries(tmpdir()).filter((e) => e.startsWith("sbx-soak-"))).toEqual([]);
     },
