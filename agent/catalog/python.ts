@@ -240,5 +240,11 @@ export async function ensurePythonImage(opts: {
     ...(opts.signal ? { signal: opts.signal } : {}),
   });
   opts.signal?.throwIfAborted();
-  return importImage({ source: layout, dataDir: opts.dataDir, log, trustedSource: true });
+  return importImage({
+    source: layout,
+    dataDir: opts.dataDir,
+    log,
+    trustedSource: true,
+    ...(opts.signal ? { signal: opts.signal } : {}),
+  });
 }
