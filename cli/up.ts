@@ -20,6 +20,7 @@ import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
+import { agentSettings, gatewayLimits, settingFlags, settingsOrRefuse } from "./settings.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -30,8 +31,11 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
       "data-dir": { type: "string" },
       "public-url": { type: "string" },
       "no-catalog": { type: "boolean" },
+      ...settingFlags(),
     },
   });
+  const settings = settingsOrRefuse(values);
+  if (!settings) return 2;
   const port = parsePort(values.port, 8080);
   const dataDir = values["data-dir"] ?? defaultDataDir();
   const stateDir = join(dataDir, "agent");
@@ -39,7 +43,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const secrets = loadSecrets(dataDir);
   const removeFaultHandlers = installFaultHandlers(log);
 
-  const manager = await openAgentManager(dataDir, stateDir, log);
+  const manager = await openAgentManager(dataDir, stateDir, log, undefined, agentSettings(settings));
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
@@ -52,6 +56,9 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
       version,
       region: "local",
       ...(values["public-url"] ? { publicBaseUrl: values["public-url"] } : {}),
+      limits: gatewayLimits(settings),
+      // Gateway and agent run here: health shows both halves' settings.
+      settings,
     },
     log,
   });
