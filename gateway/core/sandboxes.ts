@@ -322,23 +322,29 @@ async function endOneShot(
 export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
   const row = await getOwned(deps, p, id);
   requireAllowed(id, row.state, "exec");
-  await beginExec(deps, p, row);
+  await beginActivity(deps, p, row, "exec");
   let ok = false;
   try {
     const result = await inTermsOf(row, agentOf(deps, row).exec(row.vmId!, action));
     ok = true;
     return result;
   } finally {
-    await endExec(deps, id, ok);
+    await endActivity(deps, id, ok);
   }
 }
 
 /**
- * Counts an exec in flight on the row and resets its idleness, in one compare-and-set on the
- * state just read: a reaper (of any gateway) that claimed the session first wins, and this exec
- * then answers as a call on the reclaimed session would (410), without reaching the agent.
+ * Counts a call in flight on the row (an exec, or a fork of it) and resets its idleness, in one
+ * compare-and-set on the state just read: a reaper (of any gateway) that claimed the session
+ * first wins, and this call then answers as a call on the reclaimed session would (410), without
+ * reaching the agent.
  */
-async function beginExec(deps: Deps, p: Principal, row: SandboxRow): Promise<void> {
+async function beginActivity(
+  deps: Deps,
+  p: Principal,
+  row: SandboxRow,
+  action: "exec" | "fork",
+): Promise<void> {
   const marked = await deps.db
     .update(sandboxes)
     .set({ execsInFlight: sql`${sandboxes.execsInFlight} + 1`, lastExecAt: new Date(deps.clock()) })
@@ -346,18 +352,21 @@ async function beginExec(deps: Deps, p: Principal, row: SandboxRow): Promise<voi
     .returning({ id: sandboxes.id });
   if (marked.length > 0) return;
   const now = await getOwned(deps, p, row.id); // 410 when reaped, 404 when deleted
-  requireAllowed(row.id, now.state, "exec");
-  throw new SandboxdError("conflict", `cannot exec in ${row.id}: its state changed meanwhile`);
+  requireAllowed(row.id, now.state, action);
+  throw new SandboxdError("conflict", `cannot ${action} ${row.id}: its state changed meanwhile`);
 }
 
-/** The exec's end resets idleness again (an exec longer than the TTL leaves a whole TTL after it). */
-async function endExec(deps: Deps, id: string, ok: boolean): Promise<void> {
+/**
+ * The call's end resets idleness again (an exec longer than the TTL leaves a whole TTL after
+ * it); a successful exec counts in `exec_count`.
+ */
+async function endActivity(deps: Deps, id: string, execDone: boolean): Promise<void> {
   await deps.db
     .update(sandboxes)
     .set({
       execsInFlight: sql`greatest(${sandboxes.execsInFlight} - 1, 0)`,
       lastExecAt: new Date(deps.clock()),
-      ...(ok ? { execCount: sql`${sandboxes.execCount} + 1` } : {}),
+      ...(execDone ? { execCount: sql`${sandboxes.execCount} + 1` } : {}),
     })
     .where(eq(sandboxes.id, id));
 }
@@ -385,6 +394,23 @@ export async function forkVm(
     return { labels, parentId: parent.id };
   });
   const kind = parent.kind;
+  // A fork uses the parent like an exec: the reaper leaves it alone until the fork has ended.
+  await beginActivity(deps, p, parent, "fork");
+  try {
+    return await forkMarked(deps, p, parent, kind, count, items);
+  } finally {
+    await endActivity(deps, id, false);
+  }
+}
+
+async function forkMarked(
+  deps: Deps,
+  p: Principal,
+  parent: SandboxRow,
+  kind: Kind,
+  count: number,
+  items: { labels: Record<string, string>; parentId: string }[],
+): Promise<{ parent: SandboxRow; children: { id: string; vm: CreatedVm }[] }> {
   // Children share the parent's memory: they live on the parent's agent.
   const ids = await reserve(
     deps,
