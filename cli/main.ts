@@ -46,6 +46,10 @@ commands:
         per-agent credentials in the gateway database: create prints a one-time enrollment
         token (sbxe_..., default life 1h; --agent binds it to that id and re-keys it) as its last
         line; revoke makes the gateway refuse the agent's heartbeats and stop calling it
+  up, gateway and agent also take the operator settings, each a flag or an environment
+  variable (flag first, then environment, then --config FILE: JSON or KEY=VALUE lines with the
+  environment names), e.g. --session-idle-ttl S / SANDBOXD_SESSION_IDLE_TTL; the list with
+  defaults is in the README ("Operator settings"); an invalid value exits 2
   test [FILE-FILTER...]
         type check, lint and run the test suite (the README's test command)
   --version`;

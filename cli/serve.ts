@@ -24,6 +24,14 @@ import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
+import {
+  type AgentSettings,
+  agentSettings,
+  gatewayLimits,
+  settingFlags,
+  settingsOf,
+  settingsOrRefuse,
+} from "./settings.ts";
 
 /** The catalog (spec 2.4): only `python` ships publicly. */
 export const CATALOG = [
@@ -75,8 +83,14 @@ export async function openAgentManager(
   stateDir: string,
   log: (msg: string) => void,
   slots?: number,
+  settings?: AgentSettings,
 ): Promise<SandboxManager> {
-  const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
+  const driver = await SnapshotDriver.create({
+    cacheDir: dataDir,
+    stateDir,
+    log,
+    ...(settings ? { timeouts: settings.timeouts } : {}),
+  });
   return SandboxManager.open({
     driver,
     stateDir,
@@ -84,6 +98,7 @@ export async function openAgentManager(
     egressDefault: egressDefaultFromEnv(),
     prelaunch: prelaunchFromEnv(),
     ...(slots !== undefined ? { capacity: { slots } } : {}),
+    ...(settings ? { idlePauseMs: settings.idlePauseMs, buildSlots: settings.buildSlots } : {}),
   });
 }
 
@@ -164,8 +179,11 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
       "public-url": { type: "string" },
       region: { type: "string" },
       "no-catalog": { type: "boolean" },
+      ...settingFlags(),
     },
   });
+  const settings = settingsOrRefuse(values);
+  if (!settings) return 2;
   const dataDir = values["data-dir"] ?? defaultDataDir();
   const removeFaultHandlers = installFaultHandlers(log);
   const gateway = await startGateway({
@@ -177,6 +195,8 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
       version,
       region: values.region ?? "local",
       ...(values["public-url"] ? { publicBaseUrl: values["public-url"] } : {}),
+      limits: gatewayLimits(settings),
+      settings: settingsOf(settings, "gateway"),
     },
     log,
   });
@@ -202,8 +222,11 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
       slots: { type: "string" },
       enroll: { type: "string" },
       "no-catalog": { type: "boolean" },
+      ...settingFlags(),
     },
   });
+  const settings = settingsOrRefuse(values);
+  if (!settings) return 2;
   if (!values.gateway)
     throw new SandboxdError("bad_request", "agent needs --gateway URL (where it registers)");
   const dataDir = values["data-dir"] ?? defaultDataDir();
@@ -223,7 +246,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   });
   const id = credentials.id;
   const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
-  const manager = await openAgentManager(dataDir, stateDir, log, slots);
+  const manager = await openAgentManager(dataDir, stateDir, log, slots, agentSettings(settings));
   const server = startAgentServer({
     manager,
     credentials,
@@ -244,6 +267,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   log(
     `agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}, ${manager.driverName}`,
   );
+  log(`settings ${JSON.stringify(settingsOf(settings, "agent"))}`);
   if (manager.accel === "tcg") log(`WARNING: ${TCG_BOUNDARY}`);
   process.stdout.write(`listening ${server.url}\n`);
   const catalog = values["no-catalog"] ? undefined : startCatalogBuild(dataDir, manager, log);

@@ -21,6 +21,7 @@ import { defaultDataDir } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { installHeapStatsSignal } from "./heap-stats.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
+import { agentSettings, gatewayLimits, settingFlags, settingsOrRefuse } from "./settings.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -31,8 +32,11 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
       "data-dir": { type: "string" },
       "public-url": { type: "string" },
       "no-catalog": { type: "boolean" },
+      ...settingFlags(),
     },
   });
+  const settings = settingsOrRefuse(values);
+  if (!settings) return 2;
   const port = parsePort(values.port, 8080);
   const dataDir = values["data-dir"] ?? defaultDataDir();
   const stateDir = join(dataDir, "agent");
@@ -41,7 +45,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const removeFaultHandlers = installFaultHandlers(log);
   const removeHeapStats = installHeapStatsSignal();
 
-  const manager = await openAgentManager(dataDir, stateDir, log);
+  const manager = await openAgentManager(dataDir, stateDir, log, undefined, agentSettings(settings));
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
@@ -54,6 +58,9 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
       version,
       region: "local",
       ...(values["public-url"] ? { publicBaseUrl: values["public-url"] } : {}),
+      limits: gatewayLimits(settings),
+      // Gateway and agent run here: health shows both halves' settings.
+      settings,
     },
     log,
   });

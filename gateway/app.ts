@@ -35,8 +35,12 @@ export interface CreateAppDeps {
   relays?: RelayRegistry;
 }
 
-export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
-  const deps: Deps = {
+/**
+ * The `Deps` createApp serves with, defaults filled in; the server builds them once so that the
+ * work it runs beside the app (the idle reaper) shares the app's placement and relays.
+ */
+export function appDeps(input: CreateAppDeps): Deps {
+  return {
     db: input.db,
     agent: input.agent,
     placement: input.placement ?? new FixedPlacement(input.db, input.agent, input.config.agent),
@@ -44,6 +48,10 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),
   };
+}
+
+export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
+  const deps = appDeps(input);
   const log = input.log ?? ((line: string) => console.error(line));
   const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock);
   const app = new Hono<HonoEnv>();

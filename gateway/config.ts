@@ -24,6 +24,12 @@ export interface GatewayConfig {
    */
   region: string;
   limits: Limits;
+  /**
+   * The operator settings in force in this process by their environment names (cli/settings.ts),
+   * shown by `GET /v1/health`: limits and deadlines only, never a secret. Empty when the gateway
+   * was started without the CLI (tests).
+   */
+  settings: Readonly<Record<string, number>>;
 }
 
 export type GatewayConfigInput = Omit<Partial<GatewayConfig>, "limits"> &
@@ -41,6 +47,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
     uploadDir: input.uploadDir,
     agent: input.agent ?? { id: "local", region: "local", url: "in-process" },
     region: input.region ?? "local",
+    settings: input.settings ?? {},
     limits: {
       ...DEFAULT_LIMITS,
       ...input.limits,

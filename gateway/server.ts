@@ -13,9 +13,10 @@ import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
 import { handleHeartbeat } from "./agents/registry.ts";
 import { AgentRouter } from "./agents/router.ts";
-import { createApp } from "./app.ts";
+import { appDeps, createApp } from "./app.ts";
 import { loadSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
+import { startReaper } from "./core/sandboxes.ts";
 import type { Clock } from "./deps.ts";
 import { answerAfterBody } from "./runtime/early-answer.ts";
 import { type RunningServer, type RuntimeName, serveFetch } from "./runtime/index.ts";
@@ -47,6 +48,12 @@ export type StartGatewayOptions = {
    * it is closed (default `HTTP_IDLE_TIMEOUT_S`, runtime/types.ts).
    */
   httpIdleTimeoutS?: number;
+  /**
+   * Runs the idle-session reaper (gateway/core/sandboxes.ts) every `limits.reaperIntervalS` while
+   * the server runs (default true; every gateway process runs one). Off for tests that drive the
+   * clock themselves.
+   */
+  reaper?: boolean;
 } & (
   | {
       /** Secrets (`<dataDir>/secrets`), uploads and, without `databaseUrl`, the PGlite db. */
@@ -113,6 +120,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   );
   let server: RunningServer;
   let router: AgentRouter | undefined;
+  let reaper: { stop(): Promise<void> } | undefined;
   try {
     const clock = opts.clock ?? Date.now;
     let agentSecret: string | undefined;
@@ -134,14 +142,14 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
         ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
       });
     }
-    const app = createApp({
+    const deps = appDeps({
       db: handle.db,
       agent: opts.agent ?? router!,
       ...(router ? { placement: router } : {}),
       config,
       ...(opts.clock ? { clock: opts.clock } : {}),
-      ...(opts.log ? { log: opts.log } : {}),
     });
+    const app = createApp({ ...deps, ...(opts.log ? { log: opts.log } : {}) });
     server = await serveFetch({
       fetch: (request, upgrade) => {
         // Agents enroll and report here (gateway/agents/); outside /v1: not part of the public API.
@@ -161,6 +169,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       // The longest exec a client may ask for, plus a minute for the VM around it.
       requestTimeoutMs: (config.limits.maxExecTimeoutS + 60) * 1000,
     });
+    if (opts.reaper !== false) reaper = startReaper(deps, opts.log);
   } catch (err) {
     await handle.close();
     throw err;
@@ -180,6 +189,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     stop: () => {
       stopping ??= (async () => {
         try {
+          await reaper?.stop();
           await server.stop();
         } finally {
           await handle.close();

@@ -70,6 +70,8 @@ export interface ManagerOptions {
   /** QEMUs kept pre-launched per template (prelaunch-pool.ts); default 0, the CLI's agent 1. */
   prelaunch?: number;
   idlePauseMs?: number;
+  /** Template builds run at once on this host (templates.ts); default MAX_CONCURRENT_BUILDS. */
+  buildSlots?: number;
   /** Egress of a sandbox created without `egress` (spec 2.5 leaves it to the deployment). */
   egressDefault?: EgressDefault;
   /**
@@ -151,7 +153,12 @@ export class SandboxManager {
     this.driver = opts.driver;
     this.log = opts.log ?? (() => {});
     this.records = sandboxRecords(opts.stateDir);
-    this.templates = new TemplateRegistry(opts.driver, templateRecords(opts.stateDir), this.log);
+    this.templates = new TemplateRegistry(
+      opts.driver,
+      templateRecords(opts.stateDir),
+      this.log,
+      opts.buildSlots,
+    );
     this.warm = new WarmPool({
       driver: opts.driver,
       templates: this.templates,

@@ -83,6 +83,8 @@ export class TemplateRegistry {
     private readonly driver: SandboxDriver,
     private readonly store: RecordStore<TemplateRecord>,
     private readonly log: (msg: string) => void,
+    /** Builds that run at once (`SANDBOXD_BUILD_SLOTS`); default MAX_CONCURRENT_BUILDS. */
+    private readonly slots: number = MAX_CONCURRENT_BUILDS,
   ) {}
 
   /** Loads the records: ready templates are handed back to the driver, interrupted builds fail. */
@@ -247,7 +249,7 @@ export class TemplateRegistry {
   }
 
   /**
-   * Waits for one of the `MAX_CONCURRENT_BUILDS` build slots, shared between owners: a free slot
+   * Waits for one of the `slots` build slots, shared between owners: a free slot
    * goes first to an owner with no build running (round-robin among them), so while others wait
    * an owner holds at most one slot more than it already had, and one tenant's queue of bakes
    * (each may hold its slot for its whole `ready` timeout) cannot keep the others out. An owner
@@ -294,7 +296,7 @@ export class TemplateRegistry {
    * running, else (every waiting owner runs one already) the first in that order.
    */
   private dispatch(): void {
-    while (this.running < MAX_CONCURRENT_BUILDS && this.waiting.size > 0) {
+    while (this.running < this.slots && this.waiting.size > 0) {
       const owners = [...this.waiting.keys()];
       const owner = owners.find((o) => !this.runningBy.has(o)) ?? owners[0]!;
       const q = this.waiting.get(owner)!;

@@ -68,7 +68,11 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
   }
 }
 
-export async function resumeVm(vm: SandboxVm): Promise<Result<RestoreTimings>> {
+/** `readyTimeoutMs`: restore to the guest's first answer (default RESTORE_READY_TIMEOUT_MS, vm.ts). */
+export async function resumeVm(
+  vm: SandboxVm,
+  o: { readyTimeoutMs?: number } = {},
+): Promise<Result<RestoreTimings>> {
   const bad = vm.begin(["suspended"], "resuming");
   if (bad) return fail(bad);
   const statePath = vm.suspendState;
@@ -83,6 +87,7 @@ export async function resumeVm(vm: SandboxVm): Promise<Result<RestoreTimings>> {
       mem: { path: vm.memPath, share: false },
       statePath,
       ignoreShared: false,
+      ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
     });
     vm.suspendState = undefined;
     vm.enter("running");

@@ -102,8 +102,10 @@ export interface BuildTemplateOptions {
 }
 
 const DEFAULT_MEM_MIB = 256;
-const DEFAULT_READY_TIMEOUT_MS = 60_000;
-const DEFAULT_BRINGUP_TIMEOUT_MS = 60_000;
+/** The ready command's deadline when the template names none (`SANDBOXD_READY_TIMEOUT`). */
+export const DEFAULT_READY_TIMEOUT_MS = 60_000;
+/** Cold boot to the guest agent's HELLO (`SANDBOXD_BOOT_TIMEOUT`); ~3 s under TCG. */
+export const DEFAULT_BRINGUP_TIMEOUT_MS = 60_000;
 /** Saving the device state of a stopped VM with shared RAM: ~11 ms; 60 s means QEMU is stuck. */
 const SAVE_TIMEOUT_MS = 60_000;
 const ID_RE = /^[a-z0-9][a-z0-9-]{0,40}$/;

@@ -30,6 +30,12 @@ export const HealthResponse = z
       .describe(
         "Present under TCG: says that the VM boundary is software emulation, which QEMU's security policy does not treat as a security boundary.",
       ),
+    settings: z
+      .record(z.string(), z.number())
+      .optional()
+      .describe(
+        "The operator settings in force in this gateway process, by environment name (e.g. `SANDBOXD_SESSION_IDLE_TTL`): limits, quotas and deadlines, never a secret. `sandboxd up` also shows its agent's.",
+      ),
   })
   .meta({ id: "HealthResponse" });
 export type HealthResponse = z.infer<typeof HealthResponse>;

@@ -40,6 +40,12 @@ export const sandboxes = pgTable(
     memMib: integer("mem_mib").notNull().default(0),
     diskBytes: bigint("disk_bytes", { mode: "number" }).notNull().default(0),
     execCount: integer("exec_count").notNull().default(0),
+    /**
+     * Session execs running now, counted up when one starts and down when it ends (its
+     * `last_exec_at` is set at both): the idle reaper never reclaims a session while one runs,
+     * however long it takes, whichever gateway serves it.
+     */
+    execsInFlight: integer("execs_in_flight").notNull().default(0),
     createdAt: timestamp("created_at", { withTimezone: true, mode: "date" }).notNull(),
     lastExecAt: timestamp("last_exec_at", { withTimezone: true, mode: "date" }),
     destroyedAt: timestamp("destroyed_at", { withTimezone: true, mode: "date" }),

@@ -15,7 +15,7 @@ import type {
 } from "../../contracts/agent/api.ts";
 import type { Family, Tier } from "../../contracts/api/tiers.ts";
 import { parseAllowList } from "../../contracts/egress.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
@@ -322,12 +322,53 @@ async function endOneShot(
 export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
   const row = await getOwned(deps, p, id);
   requireAllowed(id, row.state, "exec");
-  const result = await inTermsOf(row, agentOf(deps, row).exec(row.vmId!, action));
+  await beginActivity(deps, p, row, "exec");
+  let ok = false;
+  try {
+    const result = await inTermsOf(row, agentOf(deps, row).exec(row.vmId!, action));
+    ok = true;
+    return result;
+  } finally {
+    await endActivity(deps, id, ok);
+  }
+}
+
+/**
+ * Counts a call in flight on the row (an exec, or a fork of it) and resets its idleness, in one
+ * compare-and-set on the state just read: a reaper (of any gateway) that claimed the session
+ * first wins, and this call then answers as a call on the reclaimed session would (410), without
+ * reaching the agent.
+ */
+async function beginActivity(
+  deps: Deps,
+  p: Principal,
+  row: SandboxRow,
+  action: "exec" | "fork",
+): Promise<void> {
+  const marked = await deps.db
+    .update(sandboxes)
+    .set({ execsInFlight: sql`${sandboxes.execsInFlight} + 1`, lastExecAt: new Date(deps.clock()) })
+    .where(and(eq(sandboxes.id, row.id), eq(sandboxes.state, row.state)))
+    .returning({ id: sandboxes.id });
+  if (marked.length > 0) return;
+  const now = await getOwned(deps, p, row.id); // 410 when reaped, 404 when deleted
+  requireAllowed(row.id, now.state, action);
+  throw new SandboxdError("conflict", `cannot ${action} ${row.id}: its state changed meanwhile`);
+}
+
+/**
+ * The call's end resets idleness again (an exec longer than the TTL leaves a whole TTL after
+ * it); a successful exec counts in `exec_count`.
+ */
+async function endActivity(deps: Deps, id: string, execDone: boolean): Promise<void> {
   await deps.db
     .update(sandboxes)
-    .set({ execCount: sql`${sandboxes.execCount} + 1`, lastExecAt: new Date(deps.clock()) })
+    .set({
+      execsInFlight: sql`greatest(${sandboxes.execsInFlight} - 1, 0)`,
+      lastExecAt: new Date(deps.clock()),
+      ...(execDone ? { execCount: sql`${sandboxes.execCount} + 1` } : {}),
+    })
     .where(eq(sandboxes.id, id));
-  return result;
 }
 
 export async function forkVm(
@@ -353,6 +394,23 @@ export async function forkVm(
     return { labels, parentId: parent.id };
   });
   const kind = parent.kind;
+  // A fork uses the parent like an exec: the reaper leaves it alone until the fork has ended.
+  await beginActivity(deps, p, parent, "fork");
+  try {
+    return await forkMarked(deps, p, parent, kind, count, items);
+  } finally {
+    await endActivity(deps, id, false);
+  }
+}
+
+async function forkMarked(
+  deps: Deps,
+  p: Principal,
+  parent: SandboxRow,
+  kind: Kind,
+  count: number,
+  items: { labels: Record<string, string>; parentId: string }[],
+): Promise<{ parent: SandboxRow; children: { id: string; vm: CreatedVm }[] }> {
   // Children share the parent's memory: they live on the parent's agent.
   const ids = await reserve(
     deps,
@@ -485,34 +543,51 @@ export async function destroyVm(
 
 /**
  * Reclaims Family A sessions idle past the TTL (spec 3.3); later calls on them get 410.
- * Returns the ids reclaimed. A session that fails to reclaim is retried on the next pass.
+ * Returns the ids reclaimed. Safe with several gateways on one database: each session is claimed
+ * by one conditional UPDATE (running, no exec in flight, idle past the TTL) that also ends its
+ * metering, so exactly one reaper wins it and only the winner calls the agent. An exec counted in
+ * flight is never reaped, however long it runs; a count older than any exec may run was left by
+ * a gateway that died during the call and no longer holds the session.
  */
 export async function reapIdleSessions(
   deps: Deps,
   log: (line: string) => void = () => {},
 ): Promise<string[]> {
-  const cutoff = new Date(deps.clock() - deps.config.limits.sessionIdleTtlS * 1000);
-  const idle = await deps.db
-    .select()
-    .from(sandboxes)
-    .where(
-      and(
-        eq(sandboxes.kind, "session"),
-        eq(sandboxes.family, "a"),
-        eq(sandboxes.state, "running"),
-        sql`coalesce(${sandboxes.lastExecAt}, ${sandboxes.createdAt}) < ${cutoff.toISOString()}`,
-      ),
-    );
-  const reaped: string[] = [];
-  for (const row of idle) {
+  const limits = deps.config.limits;
+  const at = new Date(deps.clock());
+  const cutoff = new Date(at.getTime() - limits.sessionIdleTtlS * 1000);
+  const lostExecCutoff = new Date(at.getTime() - (limits.maxExecTimeoutS + STALE_EXEC_MARGIN_S) * 1000);
+  const lastActivity = sql`coalesce(${sandboxes.lastExecAt}, ${sandboxes.createdAt})`;
+  const claimed = await deps.db.transaction(async (tx) => {
+    const rows = await tx
+      .update(sandboxes)
+      .set({ state: nextState("destroy"), endReason: "reaped", destroyedAt: at })
+      .where(
+        and(
+          eq(sandboxes.kind, "session"),
+          eq(sandboxes.family, "a"),
+          eq(sandboxes.state, "running"),
+          sql`${lastActivity} < ${cutoff.toISOString()}`,
+          sql`(${sandboxes.execsInFlight} = 0 or ${lastActivity} < ${lostExecCutoff.toISOString()})`,
+        ),
+      )
+      .returning();
+    for (const row of rows) await switchInterval(tx, row, null, at);
+    return rows;
+  });
+  for (const row of claimed) {
+    deps.relays?.closeSandbox(row.id, 1001, "session reaped");
+    if (row.vmId === null) continue;
     try {
-      await destroyVm(deps, row, { force: true, reason: "reaped" });
-      reaped.push(row.id);
+      await inTermsOf(row, agentOf(deps, row).destroy(row.vmId, { force: true }));
     } catch (err) {
-      log(`reaper: ${row.id}: ${err instanceof Error ? err.message : String(err)}`);
+      // The row is reclaimed and no longer billed; the VM left on the agent is a VM without a
+      // live row, which the agent's reconciliation with the gateway removes.
+      log(`reaper: ${row.id}: agent ${row.agentId} did not destroy ${row.vmId}: ${describeError(err)}`);
     }
   }
-  return reaped;
+  if (claimed.length > 0) log(`reaper: reclaimed idle sessions ${claimed.map((r) => r.id).join(", ")}`);
+  return claimed.map((r) => r.id);
 }
 
 /**
@@ -543,30 +618,43 @@ export async function endStaleExecs(deps: Deps): Promise<string[]> {
   return rows.map((r) => r.id);
 }
 
-/** Runs the reaper every `reaperIntervalS`; returns a stop function. */
-export function startReaper(deps: Deps, log: (line: string) => void = console.error): () => void {
-  let running = false;
+/**
+ * Runs the reaper every `reaperIntervalS` (every gateway process runs one; reapIdleSessions is
+ * safe beside the others). Returns its stop, which waits for a pass in progress so that the
+ * database is not closed under it.
+ */
+export function startReaper(
+  deps: Deps,
+  log: (line: string) => void = console.error,
+): { stop(): Promise<void> } {
+  let pass: Promise<void> | undefined;
   const timer = setInterval(() => {
-    if (running) return; // a slow pass must not overlap the next
-    running = true;
-    reapIdleSessions(deps, log)
+    if (pass) return; // a slow pass must not overlap the next
+    pass = reapIdleSessions(deps, log)
       .then(() => endStaleExecs(deps))
       .then((ended) => {
         if (ended.length > 0) log(`reaper: ended one-shot execs whose call was lost: ${ended.join(", ")}`);
       })
-      .catch((err) => log(`reaper: ${err instanceof Error ? err.message : String(err)}`))
+      .catch((err) => log(`reaper: ${describeError(err)}`))
       .finally(() => {
-        running = false;
+        pass = undefined;
       });
   }, deps.config.limits.reaperIntervalS * 1000);
-  return () => clearInterval(timer);
+  return {
+    async stop() {
+      clearInterval(timer);
+      await pass;
+    },
+  };
 }
 
 /** Ages for info/status responses, in seconds. */
 export function ages(row: SandboxRow, nowMs: number): { ageSecs: number; idleSecs: number } {
   const created = row.createdAt.getTime();
   const last = row.lastExecAt?.getTime() ?? created;
-  return { ageSecs: Math.max(0, (nowMs - created) / 1000), idleSecs: Math.max(0, (nowMs - last) / 1000) };
+  // A running exec is activity: not idle until it ends.
+  const idleSecs = row.execsInFlight > 0 ? 0 : Math.max(0, (nowMs - last) / 1000);
+  return { ageSecs: Math.max(0, (nowMs - created) / 1000), idleSecs };
 }
 
 export type { Family, Tier };

@@ -42,6 +42,7 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
       templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
       ...(accel ? { accel } : {}),
       ...(accel === "tcg" ? { vm_boundary: TCG_BOUNDARY } : {}),
+      ...(Object.keys(deps.config.settings).length > 0 ? { settings: deps.config.settings } : {}),
     });
   });
   return app;

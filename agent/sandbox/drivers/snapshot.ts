@@ -97,6 +97,13 @@ export interface SnapshotDriverOptions {
   registry?: RegistryConfig;
   /** Budget of the image caches in `cacheDir` (image/evict.ts); default `SANDBOXD_IMAGE_CACHE_BYTES`. */
   imageCacheBytes?: number;
+  /**
+   * Bring-up deadlines (operator settings; each defaults to the engine's constant):
+   * `bootMs` a template build's cold boot to the guest's HELLO (template.ts), `readyMs` its ready
+   * command when the template names no timeout, `restoreMs` a restore (spawn, fork child, resume)
+   * to the guest's first answer (vm.ts).
+   */
+  timeouts?: { bootMs?: number; readyMs?: number; restoreMs?: number };
   log?: (msg: string) => void;
 }
 
@@ -289,7 +296,10 @@ export class SnapshotDriver implements SandboxDriver {
         vcpus: size.vcpus,
         shmRoot: this.shmRoot,
         ...(input.readyCmd ? { readyCmd: input.readyCmd } : {}),
-        ...(input.readyTimeoutMs ? { readyTimeoutMs: input.readyTimeoutMs } : {}),
+        ...(input.readyTimeoutMs || this.opts.timeouts?.readyMs
+          ? { readyTimeoutMs: input.readyTimeoutMs || this.opts.timeouts?.readyMs }
+          : {}),
+        ...(this.opts.timeouts?.bootMs ? { bringupTimeoutMs: this.opts.timeouts.bootMs } : {}),
         ...(input.kind === "oci" && input.readyEnv ? { readyEnv: input.readyEnv } : {}),
         onDistributing: () => onPhase?.("Distributing"),
         log: this.log,
@@ -355,6 +365,7 @@ export class SnapshotDriver implements SandboxDriver {
       dieWithParent: false,
       log: this.log,
       ...(held ? { prelaunched: held.pre } : {}),
+      ...this.restoreDeadline(),
     });
     if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not start from template ${templateId}`);
     return this.track(r.value.vm, templateId, t.image, size, r.value.timings.readyMs);
@@ -377,6 +388,12 @@ export class SnapshotDriver implements SandboxDriver {
     this.prelaunched.set(vmId, { templateId, pre: r.value });
   }
 
+  /** The operator's restore deadline, when set, as the engine's spawn/fork/resume take it. */
+  private restoreDeadline(): { readyTimeoutMs?: number } {
+    const ms = this.opts.timeouts?.restoreMs;
+    return ms ? { readyTimeoutMs: ms } : {};
+  }
+
   /** The template and the one size its VMs have; throws for another. */
   private sizedTemplate(templateId: string, size: VmSize): { meta: TemplateMeta; image: ImageConfig } {
     const t = this.templates.get(templateId);
@@ -391,7 +408,12 @@ export class SnapshotDriver implements SandboxDriver {
 
   async fork(parent: DriverVm, childIds: string[]): Promise<DriverVm[]> {
     const l = this.mustLive(parent);
-    const r = await forkVm(l.sbx, { count: childIds.length, ids: childIds, log: this.log });
+    const r = await forkVm(l.sbx, {
+      count: childIds.length,
+      ids: childIds,
+      log: this.log,
+      ...this.restoreDeadline(),
+    });
     // The parent moved onto a new overlay (also when only the children failed): record it.
     if (l.sbx.state !== "dead") await this.saveRecord(l.sbx, l.handle).catch(() => {});
     if (!r.ok) throw r.error;
@@ -442,7 +464,7 @@ export class SnapshotDriver implements SandboxDriver {
       s = { sbx, record };
       this.suspended.set(vmId, s);
     }
-    const r = await resumeVm(s.sbx);
+    const r = await resumeVm(s.sbx, this.restoreDeadline());
     if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not resume`);
     this.suspended.delete(vmId);
     return this.track(s.sbx, templateId, s.record.image, size, r.value.readyMs);

@@ -1,0 +1,1 @@
+ALTER TABLE "sandboxes" ADD COLUMN "execs_in_flight" integer DEFAULT 0 NOT NULL;
