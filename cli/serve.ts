@@ -11,6 +11,7 @@ import { hostname } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { loadOrEnroll } from "../agent/api/enroll.ts";
+import { EventReporter } from "../agent/api/events.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import type { EgressDefault } from "../agent/egress/policy.ts";
@@ -67,22 +68,41 @@ export function prelaunchFromEnv(): number {
 }
 
 /**
+ * `SANDBOXD_IDLE_PAUSE_MS`: how long a VM may sit idle before its vCPUs are stopped (metered as
+ * paused from then on); default the manager's DEFAULT_IDLE_PAUSE_MS.
+ */
+export function idlePauseFromEnv(): number | undefined {
+  const v = process.env.SANDBOXD_IDLE_PAUSE_MS;
+  if (v === undefined || v === "") return undefined;
+  // A day: beyond it the pause would never happen in practice; 100 ms: below it every burst of
+  // calls would pay a stop/cont.
+  if (!/^\d+$/.test(v) || Number(v) < 100 || Number(v) > 86_400_000)
+    throw new SandboxdError("bad_request", `SANDBOXD_IDLE_PAUSE_MS must be 100 to 86400000 ms, got ${v}`);
+  return Number(v);
+}
+
+/**
  * The agent's manager as `up` and `agent` open it: the snapshot driver over `dataDir`'s caches,
- * egress default and pre-launched QEMUs from the environment.
+ * egress default, idle pause and pre-launched QEMUs from the environment; its state changes go
+ * to `events` (sent to the gateway once the reporter is started).
  */
 export async function openAgentManager(
   dataDir: string,
   stateDir: string,
   log: (msg: string) => void,
+  events: EventReporter,
   slots?: number,
 ): Promise<SandboxManager> {
   const driver = await SnapshotDriver.create({ cacheDir: dataDir, stateDir, log });
+  const idlePauseMs = idlePauseFromEnv();
   return SandboxManager.open({
     driver,
     stateDir,
     log,
     egressDefault: egressDefaultFromEnv(),
     prelaunch: prelaunchFromEnv(),
+    onEvent: (e) => events.push(e),
+    ...(idlePauseMs !== undefined ? { idlePauseMs } : {}),
     ...(slots !== undefined ? { capacity: { slots } } : {}),
   });
 }
@@ -223,7 +243,8 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   });
   const id = credentials.id;
   const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
-  const manager = await openAgentManager(dataDir, stateDir, log, slots);
+  const events = new EventReporter({ log });
+  const manager = await openAgentManager(dataDir, stateDir, log, events, slots);
   const server = startAgentServer({
     manager,
     credentials,
@@ -241,6 +262,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     capacity: () => manager.capacityNow(),
     log,
   });
+  events.start({ gatewayUrl: values.gateway, credentials });
   log(
     `agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}, ${manager.driverName}`,
   );
@@ -250,6 +272,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   await untilSignal();
   await catalog?.stop();
   heartbeats.stop();
+  await events.stop();
   await server.stop();
   await manager.detach();
   removeFaultHandlers();
