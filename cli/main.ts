@@ -40,6 +40,11 @@ commands:
   key revoke KEY-ID [--data-dir DIR]
         API keys (svc_<tier>_<id>_<secret>) in the gateway database: PGlite in the data dir, or
         PostgreSQL when DATABASE_URL is set; create prints the new key as its last line
+  usage --tenant NAME [--from ISO] [--to ISO] [--by sandbox|day] [--json] [--data-dir DIR]
+        a tenant's metered usage over [from, to) (default: this UTC month until now): seconds
+        running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and
+        snapshot_gb_months, in all, per sandbox (with how each ended) or per UTC day; a table,
+        or JSON with --json; database as for key (SQL views: docs/decisions.md)
   agent-token create [--ttl 1h] [--agent ID] [--data-dir DIR]
   agent-token list [--data-dir DIR]
   agent-token revoke AGENT-ID [--data-dir DIR]
@@ -149,6 +154,10 @@ async function main(argv: string[]): Promise<number> {
     case "key": {
       const { cmdKey } = await import("./keys.ts");
       return cmdKey(rest);
+    }
+    case "usage": {
+      const { cmdUsage } = await import("./usage.ts");
+      return cmdUsage(rest);
     }
     case "agent-token": {
       const { cmdAgentToken } = await import("./agent-tokens.ts");

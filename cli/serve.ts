@@ -11,6 +11,7 @@ import { hostname } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { loadOrEnroll } from "../agent/api/enroll.ts";
+import { EventReporter } from "../agent/api/events.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import type { EgressDefault } from "../agent/egress/policy.ts";
@@ -76,12 +77,14 @@ export function prelaunchFromEnv(): number {
 
 /**
  * The agent's manager as `up` and `agent` open it: the snapshot driver over `dataDir`'s caches,
- * egress default and pre-launched QEMUs from the environment.
+ * egress default, idle pause and pre-launched QEMUs from the environment; its state changes go
+ * to `events` (sent to the gateway once the reporter is started).
  */
 export async function openAgentManager(
   dataDir: string,
   stateDir: string,
   log: (msg: string) => void,
+  events: EventReporter,
   slots?: number,
   settings?: AgentSettings,
 ): Promise<SandboxManager> {
@@ -97,6 +100,7 @@ export async function openAgentManager(
     log,
     egressDefault: egressDefaultFromEnv(),
     prelaunch: prelaunchFromEnv(),
+    onEvent: (e) => events.push(e),
     ...(slots !== undefined ? { capacity: { slots } } : {}),
     ...(settings ? { idlePauseMs: settings.idlePauseMs, buildSlots: settings.buildSlots } : {}),
   });
@@ -246,7 +250,8 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   });
   const id = credentials.id;
   const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
-  const manager = await openAgentManager(dataDir, stateDir, log, slots, agentSettings(settings));
+  const events = new EventReporter({ log });
+  const manager = await openAgentManager(dataDir, stateDir, log, events, slots, agentSettings(settings));
   const server = startAgentServer({
     manager,
     credentials,
@@ -264,6 +269,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     capacity: () => manager.capacityNow(),
     log,
   });
+  events.start({ gatewayUrl: values.gateway, credentials });
   log(
     `agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}, ${manager.driverName}`,
   );
@@ -274,6 +280,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   await untilSignal();
   await catalog?.stop();
   heartbeats.stop();
+  await events.stop();
   await server.stop();
   await manager.detach();
   removeFaultHandlers();

@@ -9,6 +9,7 @@ import { mkdir } from "node:fs/promises";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { enroll, readCredentials } from "../agent/api/enroll.ts";
+import { EventReporter } from "../agent/api/events.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { startAgentServer } from "../agent/server.ts";
 import type { AgentCredentials } from "../contracts/agent/token.ts";
@@ -45,7 +46,9 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const removeFaultHandlers = installFaultHandlers(log);
   const removeHeapStats = installHeapStatsSignal();
 
-  const manager = await openAgentManager(dataDir, stateDir, log, undefined, agentSettings(settings));
+  // State changes of the agent's VMs, queued until the gateway is up and the agent enrolled.
+  const events = new EventReporter({ log });
+  const manager = await openAgentManager(dataDir, stateDir, log, events, undefined, agentSettings(settings));
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
@@ -84,6 +87,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     capacity: () => manager.capacityNow(),
     log,
   });
+  events.start({ gatewayUrl, credentials });
   await heartbeats.first.catch(() => {}); // logged; the next beat retries
   log(
     `gateway ${gateway.url} (${gateway.runtime}), agent ${agentServer.url}, data ${dataDir}, ${manager.driverName}`,
@@ -103,6 +107,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   log("stopping: running sandboxes keep running and are re-adopted by the next `up`");
   await catalog?.stop();
   heartbeats.stop();
+  await events.stop();
   await gateway.stop();
   await agentServer.stop();
   await manager.detach();

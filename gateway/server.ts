@@ -7,17 +7,22 @@
 import { join } from "node:path";
 import type { AgentApi } from "../contracts/agent/api.ts";
 import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
+import { AGENT_EVENTS_PATH, type VmEvent } from "../contracts/agent/events.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { secretKey } from "../contracts/agent/token.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
-import { handleHeartbeat } from "./agents/registry.ts";
+import { handleAgentEvents } from "./agents/events-http.ts";
+import { AGENT_STALE_AFTER_MS, handleHeartbeat, liveAgentIds } from "./agents/registry.ts";
 import { AgentRouter } from "./agents/router.ts";
 import { appDeps, createApp } from "./app.ts";
 import { loadSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
+import { applyAgentEvents } from "./core/agent-events.ts";
+import { type Reconciler, startReconciler } from "./core/reconcile.ts";
 import { startReaper } from "./core/sandboxes.ts";
 import type { Clock } from "./deps.ts";
+import { RelayRegistry } from "./relay/registry.ts";
 import { answerAfterBody } from "./runtime/early-answer.ts";
 import { type RunningServer, type RuntimeName, serveFetch } from "./runtime/index.ts";
 
@@ -121,8 +126,11 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let server: RunningServer;
   let router: AgentRouter | undefined;
   let reaper: { stop(): Promise<void> } | undefined;
+  let reconciler: Reconciler | undefined;
   try {
     const clock = opts.clock ?? Date.now;
+    const log = opts.log ?? ((line: string) => console.error(line));
+    const relays = new RelayRegistry();
     let agentSecret: string | undefined;
     if (opts.agent === undefined) {
       const secret =
@@ -147,15 +155,36 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       agent: opts.agent ?? router!,
       ...(router ? { placement: router } : {}),
       config,
+      relays,
       ...(opts.clock ? { clock: opts.clock } : {}),
     });
     const app = createApp({ ...deps, ...(opts.log ? { log: opts.log } : {}) });
+    // The rows against the agents' VMs: their events as they happen, reconciliation for what
+    // events missed (gateway/core/agent-events.ts, reconcile.ts).
+    const staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
+    const truth = { db: handle.db, clock, relays };
+    if (router) {
+      reconciler = startReconciler(
+        { ...truth, placement: router },
+        { liveAgents: () => liveAgentIds(handle.db, clock(), staleAfterMs), staleAfterMs, log },
+      );
+    }
+    const onEvents = async (agentId: string, batch: { events: VmEvent[]; dropped: number }) => {
+      await applyAgentEvents(truth, agentId, batch.events, log);
+      if (batch.dropped > 0) reconciler?.onDropped(agentId, batch.dropped);
+    };
     server = await serveFetch({
       fetch: (request, upgrade) => {
         // Agents enroll and report here (gateway/agents/); outside /v1: not part of the public API.
         if (agentSecret !== undefined && request.method === "POST") {
           const path = new URL(request.url).pathname;
-          if (path === HEARTBEAT_PATH) return handleHeartbeat(handle.db, agentSecret, request, clock);
+          if (path === HEARTBEAT_PATH) {
+            return handleHeartbeat(handle.db, agentSecret, request, clock, (id, previousAt) =>
+              reconciler?.onHeartbeat(id, previousAt),
+            );
+          }
+          if (path === AGENT_EVENTS_PATH)
+            return handleAgentEvents(handle.db, agentSecret, request, onEvents, log);
           if (path === ENROLL_PATH) return handleEnroll(handle.db, agentSecret, request, clock);
         }
         // `upgrade` reaches the connect route as a binding (HonoEnv); relays: gateway/relay/.
@@ -171,6 +200,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     });
     if (opts.reaper !== false) reaper = startReaper(deps, opts.log);
   } catch (err) {
+    reconciler?.stop();
     await handle.close();
     throw err;
   }
@@ -188,6 +218,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     },
     stop: () => {
       stopping ??= (async () => {
+        reconciler?.stop();
         try {
           await reaper?.stop();
           await server.stop();

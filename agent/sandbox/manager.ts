@@ -33,7 +33,7 @@ import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
 import { GuestError, type GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
-import { type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
+import { type MeterEvent, type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
 import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import { type ExecRequest, planExec } from "./exec.ts";
@@ -56,6 +56,11 @@ export const DEFAULT_IDLE_PAUSE_MS = 2_000;
  * before treating the drop as a guest failure: the exit follows the hang-up within milliseconds.
  */
 const DEATH_NOTICE_MS = 1_000;
+/**
+ * How often every VM's disk overlay is measured again (besides after each exec): a `stat` per VM,
+ * cheap; a minute keeps disk GB-hours within a minute's growth of the truth.
+ */
+const DISK_REFRESH_MS = 60_000;
 /** Refused egress attempts kept per sandbox for `info`: enough to see a pattern, bounded memory. */
 const EGRESS_REFUSED_KEPT = 50;
 
@@ -80,6 +85,8 @@ export interface ManagerOptions {
    */
   fence?: EgressFence;
   onUsage?: (iv: UsageInterval) => void;
+  /** State changes the gateway must hear of (accounting.ts; sent by agent/api/events.ts). */
+  onEvent?: (e: MeterEvent) => void;
   log?: (msg: string) => void;
 }
 
@@ -98,6 +105,8 @@ export interface SandboxInfo {
   egressAllow: readonly string[];
   /** The latest refused egress attempts, oldest first (at most EGRESS_REFUSED_KEPT). */
   egressRefused: EgressAttempt[];
+  /** A one-shot exec's VM (`execOnce`): gone with its call, no gateway row names it. */
+  oneShot?: true;
 }
 
 interface Sandbox {
@@ -130,6 +139,7 @@ interface Sandbox {
   /** Open tunnels to guest ports; while any is open (or opening) the VM is not idle-paused. */
   tunnels: Set<GuestTunnel>;
   tunnelOpens: number;
+  oneShot?: true;
 }
 
 export class SandboxManager {
@@ -148,6 +158,7 @@ export class SandboxManager {
   readonly capacity: Capacity;
   private readonly log: (msg: string) => void;
   private detached = false;
+  private diskTimer: ReturnType<typeof setInterval> | undefined;
 
   private constructor(private readonly opts: ManagerOptions) {
     this.driver = opts.driver;
@@ -243,6 +254,10 @@ export class SandboxManager {
     if (reaped.length > 0) m.log(`reaped VMs no record claims: ${reaped.join(", ")}`);
     // After the reap, which would take them for a dead agent's.
     for (const id of m.templates.ids()) m.prelaunch.fill(id);
+    m.diskTimer = setInterval(() => {
+      for (const sb of m.sandboxes.values()) if (sb.vm || sb.state === "suspended") void m.refreshDisk(sb);
+    }, DISK_REFRESH_MS);
+    m.diskTimer.unref?.(); // never keeps the agent process alive
     return m;
   }
 
@@ -309,7 +324,7 @@ export class SandboxManager {
     this.setState(sb, "running");
     // What a caller was told exists survives an agent exit right after: the record is on disk.
     await this.records.flush();
-    void this.refreshDisk(sb);
+    await this.refreshDisk(sb); // the answer carries the measured disk: metering starts with it
     return {
       vmId: id,
       forkTimeMs: pooled ? takeMs : vm.spawnMs,
@@ -340,6 +355,8 @@ export class SandboxManager {
   /** One throwaway VM per call (Family A /v1/exec): create, exec, destroy. */
   async execOnce(templateId: string, req: ExecRequest): Promise<OneShotResult> {
     const created = await this.create(templateId, { kind: "session" });
+    const sb = this.sandboxes.get(created.vmId);
+    if (sb) sb.oneShot = true;
     try {
       const r = await this.exec(created.vmId, req);
       return {
@@ -388,19 +405,19 @@ export class SandboxManager {
       sb.op = op;
       const vms = await op;
       const forkMs = performance.now() - t0;
-      const created = children.map((child, i) => {
-        const vm = vms[i]!;
-        child.vm = vm;
-        this.watchVm(child, vm);
+      for (const [i, child] of children.entries()) {
+        child.vm = vms[i]!;
+        this.watchVm(child, child.vm);
         this.setState(child, "running");
-        return {
-          vmId: child.id,
-          forkTimeMs: forkMs,
-          createTimeMs: performance.now() - t0,
-          endpoints: child.endpoints,
-          resources: { ...child.size, diskBytes: 0 },
-        };
-      });
+      }
+      await Promise.all(children.map((c) => this.refreshDisk(c)));
+      const created = children.map((child) => ({
+        vmId: child.id,
+        forkTimeMs: forkMs,
+        createTimeMs: performance.now() - t0,
+        endpoints: child.endpoints,
+        resources: { ...child.size, diskBytes: child.meter.resources.diskBytes },
+      }));
       await this.records.flush(); // the children's records are on disk before they are announced
       return created;
     } catch (err) {
@@ -428,6 +445,7 @@ export class SandboxManager {
       const r = await op;
       sb.vm = undefined;
       sb.memBytes = r.memBytes;
+      sb.meter.memImageBytes = r.memBytes;
       if (sb.state === "suspending") this.setState(sb, "suspended");
       // A restart right after must find `suspended` (its snapshot kept), not a dead `running` VM.
       await this.records.flush();
@@ -568,6 +586,7 @@ export class SandboxManager {
     };
     if (sb.reason !== undefined) out.reason = sb.reason;
     if (sb.vm) out.qemuPid = sb.vm.qemuPid;
+    if (sb.oneShot) out.oneShot = true;
     return out;
   }
 
@@ -652,6 +671,7 @@ export class SandboxManager {
    */
   async detach(): Promise<void> {
     this.detached = true;
+    clearInterval(this.diskTimer);
     // Warm VMs have no record (a restart would reap them): they go now rather than linger.
     await Promise.all([this.warm.close(), this.prelaunch.close()]);
     for (const sb of this.sandboxes.values()) this.clearIdle(sb);
@@ -788,7 +808,7 @@ export class SandboxManager {
     this.log(`sandbox ${sb.id}: lost: ${reason}`);
     sb.reason = reason;
     sb.state = "lost";
-    sb.meter.enter("lost", Date.now());
+    sb.meter.enter("lost", Date.now(), reason);
     void this.persist(sb);
   }
 
@@ -797,7 +817,7 @@ export class SandboxManager {
     const check = checkTransition(sb.id, sb.state, to);
     if (!check.ok) throw check.error;
     sb.state = to;
-    sb.meter.enter(to, Date.now());
+    sb.meter.enter(to, Date.now(), sb.reason);
     if (to === "running") this.armIdle(sb);
     else this.clearIdle(sb);
     if (to !== "destroyed") void this.persist(sb);
@@ -870,7 +890,7 @@ export class SandboxManager {
 
   private async refreshDisk(sb: Sandbox): Promise<void> {
     try {
-      sb.meter.resources.diskBytes = await this.driver.diskBytes(sb.id);
+      sb.meter.setDisk(await this.driver.diskBytes(sb.id), Date.now());
     } catch {
       // metering is best effort; the last value stays
     }
@@ -910,7 +930,13 @@ export class SandboxManager {
       onDied: [],
       tunnels: new Set(),
       tunnelOpens: 0,
-      meter: new UsageMeter(o.id, o.templateId, { ...o.size, diskBytes: 0 }, (iv) => this.opts.onUsage?.(iv)),
+      meter: new UsageMeter(
+        o.id,
+        o.templateId,
+        { ...o.size, diskBytes: 0 },
+        (iv) => this.opts.onUsage?.(iv),
+        (e) => this.opts.onEvent?.(e),
+      ),
     };
     sb.meter.enter(o.state, o.now);
     this.sandboxes.set(o.id, sb);

@@ -52,6 +52,7 @@ export type TemplateSource =
 export type TemplateBuildStatus = z.infer<typeof S.TemplateStatusSchema>;
 
 export type AgentCapacity = z.infer<typeof S.CapacitySchema>;
+export type VmSummary = z.infer<typeof S.VmSummarySchema>;
 export type AgentHealth = z.infer<typeof S.HealthSchema>;
 
 /** A byte tunnel to a guest port (connect-from-outside). */
@@ -85,4 +86,6 @@ export interface AgentApi {
   /** Open a byte tunnel to a guest port of a running VM (throws `port_not_exposed`). */
   openTunnel(vmId: VmId, port: number, protocol: TunnelProtocol): Promise<Tunnel>;
   health(): Promise<AgentHealth>;
+  /** Every VM the agent holds for sandboxes (not its warm pools), for reconciliation. */
+  listVms(): Promise<VmSummary[]>;
 }

@@ -139,6 +139,22 @@ export const OneShotResultSchema = ExecResultSchema.extend({
   resources: ResourcesSchema.optional(),
 });
 export const ForkResultSchema = z.object({ children: z.array(CreatedVmSchema) });
+
+/**
+ * One VM as `GET /vms` lists it (the agent sends more; these are what the gateway's
+ * reconciliation reads: gateway/core/reconcile.ts).
+ */
+export const VmSummarySchema = z.object({
+  id: z.string(),
+  /** The agent's state (agent/sandbox/states.ts), e.g. `running`, `paused`, `failed`. */
+  state: z.string(),
+  /** Why it is failed or lost. */
+  reason: z.string().optional(),
+  createdAtMs: z.number(),
+  /** A Family A one-shot exec's VM: it lives for its call and has no row of its own. */
+  oneShot: z.boolean().optional(),
+});
+export const VmListSchema = z.object({ vms: z.array(VmSummarySchema) });
 export const SuspendResultSchema = z.object({
   /** Size of the on-disk memory image, bytes. */
   memBytes: z.number(),

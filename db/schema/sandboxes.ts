@@ -34,6 +34,11 @@ export const sandboxes = pgTable(
     parentId: text("parent_id"),
     state: text("state", { enum: ["starting", "running", "suspended", "destroyed"] }).notNull(),
     endReason: text("end_reason", { enum: ["deleted", "reaped", "failed"] }),
+    /**
+     * Why it ended, in words, when the gateway did not end it itself: the agent's reason for a VM
+     * that died (`QEMU exited (signal SIGKILL)`), or what reconciliation found.
+     */
+    endDetail: text("end_detail"),
     labels: jsonb("labels").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
     endpoints: jsonb("endpoints").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
     vcpus: integer("vcpus").notNull().default(0),

@@ -26,6 +26,7 @@ import {
   type TemplateSource,
   type Tunnel,
   type VmId,
+  type VmSummary,
 } from "../../contracts/agent/api.ts";
 import {
   CreatedVmSchema,
@@ -38,6 +39,7 @@ import {
   ResumeResultSchema,
   SuspendResultSchema,
   TemplateStatusSchema,
+  VmListSchema,
 } from "../../contracts/agent/schemas.ts";
 import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
 import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
@@ -186,6 +188,10 @@ export class AgentHttpClient implements AgentApi {
   async health(): Promise<AgentHealth> {
     const h = await this.call("GET", "/health", undefined, this.t.quick, HealthSchema);
     return { ok: h.ok, version: h.version, capacity: h.capacity };
+  }
+
+  async listVms(): Promise<VmSummary[]> {
+    return (await this.call("GET", "/vms", undefined, this.t.quick, VmListSchema)).vms;
   }
 
   // -------------------------------------------------------------------------------------------

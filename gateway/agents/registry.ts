@@ -96,35 +96,73 @@ export function isLive(row: AgentRow, nowMs: number, staleAfterMs: number): bool
 }
 
 /**
+ * Who sent an agent's report (heartbeat or events): the token names an agent (`kid`) and must be
+ * signed with that enrolled agent's key; otherwise the 401 to answer. The body is not read here.
+ */
+export async function authenticateAgentReport(
+  db: Db,
+  agentSecret: string,
+  request: Request,
+  what: string,
+): Promise<{ ok: true; agent: AgentRow & { keyId: string } } | { ok: false; answer: Response }> {
+  const header = request.headers.get("authorization");
+  const claimed = heartbeatTokenAgent(header);
+  const agent = claimed === undefined ? undefined : await enrolledAgent(db, agentSecret, claimed);
+  if (claimed === undefined || agent === undefined) {
+    const why = claimed === undefined ? "no agent named" : `agent ${claimed} is not enrolled`;
+    return {
+      ok: false,
+      answer: jsonAnswer(401, { code: "unauthorized", message: `${what} token rejected: ${why}` }),
+    };
+  }
+  const token = await verifyHeartbeatToken(secretKey(agent.key), agent.row.id, header);
+  if (!token.ok) {
+    return { ok: false, answer: jsonAnswer(401, { code: token.error.code, message: token.error.message }) };
+  }
+  return { ok: true, agent: agent.row };
+}
+
+/** 403 unless a report about agent `about` comes from that agent. */
+export function sameAgent(from: AgentRow, about: string): Response | undefined {
+  if (about === from.id) return undefined;
+  return jsonAnswer(403, {
+    code: "forbidden",
+    message: `agent ${from.id} may not report for agent ${about}`,
+  });
+}
+
+/**
  * The gateway's side: the token names an agent (`kid`) and must be signed with that enrolled
  * agent's key (401 otherwise); the body must be about that same agent (403 otherwise). A refused
- * heartbeat changes nothing.
+ * heartbeat changes nothing. `onBeat` hears of each accepted one with the heartbeat before it
+ * (null: none), so that an agent back after a gap is reconciled (gateway/core/reconcile.ts).
  */
 export async function handleHeartbeat(
   db: Db,
   agentSecret: string,
   request: Request,
   clock: () => number,
+  onBeat?: (agentId: string, previousAt: Date | null) => void,
 ): Promise<Response> {
-  const header = request.headers.get("authorization");
-  const claimed = heartbeatTokenAgent(header);
-  const agent = claimed === undefined ? undefined : await enrolledAgent(db, agentSecret, claimed);
-  if (claimed === undefined || agent === undefined) {
-    const why = claimed === undefined ? "no agent named" : `agent ${claimed} is not enrolled`;
-    return jsonAnswer(401, { code: "unauthorized", message: `heartbeat token rejected: ${why}` });
-  }
-  const token = await verifyHeartbeatToken(secretKey(agent.key), agent.row.id, header);
-  if (!token.ok) return jsonAnswer(401, { code: token.error.code, message: token.error.message });
+  const auth = await authenticateAgentReport(db, agentSecret, request, "heartbeat");
+  if (!auth.ok) return auth.answer;
+  const agent = auth.agent;
   const hb = await parseJsonBody(request, Heartbeat, "heartbeat");
   if (!hb.ok) return hb.answer;
-  if (hb.data.id !== agent.row.id) {
-    return jsonAnswer(403, {
-      code: "forbidden",
-      message: `agent ${agent.row.id} may not report for agent ${hb.data.id}`,
-    });
+  const other = sameAgent(agent, hb.data.id);
+  if (other) return other;
+  if (!(await recordHeartbeat(db, hb.data, agent.keyId, new Date(clock())))) {
+    return jsonAnswer(401, { code: "unauthorized", message: `agent ${agent.id} was revoked` });
   }
-  if (!(await recordHeartbeat(db, hb.data, agent.row.keyId, new Date(clock())))) {
-    return jsonAnswer(401, { code: "unauthorized", message: `agent ${agent.row.id} was revoked` });
-  }
+  onBeat?.(agent.id, agent.lastHeartbeatAt);
   return jsonAnswer(200, { ok: true });
+}
+
+/** Ids of the enrolled agents (any region) whose heartbeat is fresher than `staleAfterMs`. */
+export async function liveAgentIds(db: Db, nowMs: number, staleAfterMs: number): Promise<string[]> {
+  const rows = await db
+    .select({ id: agents.id })
+    .from(agents)
+    .where(and(isNotNull(agents.keyId), gt(agents.lastHeartbeatAt, new Date(nowMs - staleAfterMs))));
+  return rows.map((r) => r.id);
 }

@@ -36,6 +36,7 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
+  VmSummary,
 } from "../../contracts/agent/api.ts";
 import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -198,6 +199,7 @@ export class AgentRouter implements AgentApi, Placement {
       releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
       openTunnel: async (v, p, pr) => (await lookup()).openTunnel(v, p, pr),
       health: async () => (await lookup()).health(),
+      listVms: async () => (await lookup()).listVms(),
     };
   }
 
@@ -318,6 +320,9 @@ export class AgentRouter implements AgentApi, Placement {
     return this.noAgent();
   }
   async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
+    return this.noAgent();
+  }
+  async listVms(): Promise<VmSummary[]> {
     return this.noAgent();
   }
 }

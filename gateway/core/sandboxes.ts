@@ -33,7 +33,7 @@ import {
 import { requireReady, resolveTemplate } from "./templates.ts";
 
 export type SandboxRow = typeof sandboxes.$inferSelect;
-type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
+export type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
 type Kind = "session" | "sandbox" | "exec";
 /** The kinds that hold a VM past one call. */
 type VmKind = Exclude<Kind, "exec">;
@@ -84,7 +84,7 @@ export async function listOwned(deps: Deps, p: Principal): Promise<SandboxRow[]>
 }
 
 /** Closes the open usage interval of a sandbox and opens `next` (null: none). */
-async function switchInterval(
+export async function switchInterval(
   tx: Tx | Db,
   row: Pick<SandboxRow, "id" | "tenantId">,
   next: {
@@ -450,10 +450,18 @@ async function applyTransition(
       .where(and(eq(sandboxes.id, row.id), eq(sandboxes.state, row.state)))
       .returning({ id: sandboxes.id });
     if (updated.length === 0) {
+      // The agent's report of the VM's end (core/agent-events.ts) or reconciliation settled the
+      // row first: what this destroy wanted is done.
+      if (action === "destroy" && (await stateOf(tx, row.id)) === "destroyed") return;
       throw new SandboxdError("conflict", `cannot ${action} ${row.id}: its state changed meanwhile`);
     }
     await switchInterval(tx, row, interval, at);
   });
+}
+
+async function stateOf(tx: Tx, id: string): Promise<RecordState | undefined> {
+  const [r] = await tx.select({ state: sandboxes.state }).from(sandboxes).where(eq(sandboxes.id, id));
+  return r?.state;
 }
 
 /** The tenant's records of its family in `states` (in `db`, or a transaction of it). */

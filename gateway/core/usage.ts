@@ -1,15 +1,19 @@
 /**
- * Usage over a window (spec 2.9), computed in SQL from usage_intervals: each interval contributes
- * its overlap with [from, to) (an open interval runs until `now`), weighted by its size.
+ * Usage over a window (spec 2.9), computed in SQL by `usage_rollup` (migrations/0002_usage_truth.sql,
+ * the one place the formulas live): each usage interval contributes its overlap with [from, to)
+ * (an open interval runs until `now`), weighted by its size.
  *   cpu_core_hours      = sum(vcpus * hours)               over running intervals
  *   ram_gb_hours        = sum(mem_mib / 1024 * hours)      over running and paused intervals
  *   disk_gb_hours       = sum(disk_bytes / 2^30 * hours)   over running and paused intervals
  *   snapshot_gb_months  = sum(disk_bytes / 2^30 * hours / 730) over suspended intervals
  * GB means GiB (2^30 bytes); a month is 730 hours (8760 / 12). See docs/decisions.md.
+ * The operator views (`usage_by_tenant`, `usage_by_tenant_day`, `usage_by_sandbox`) are the same
+ * function over all time; `usageReport` is what `sandboxd usage` prints.
  */
-import { and, eq, gt, isNull, lt, or, sql } from "drizzle-orm";
+import { eq, type SQL, sql } from "drizzle-orm";
 import type { Db } from "../../db/client.ts";
-import { usageIntervals as u } from "../../db/schema/usage-intervals.ts";
+import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { tenants } from "../../db/schema/tenants.ts";
 
 export interface UsageTotals {
   cpu_core_hours: number;
@@ -20,6 +24,39 @@ export interface UsageTotals {
 
 export const HOURS_PER_MONTH = 730;
 
+/** The seconds per metering state beside the totals. */
+export interface UsageFigures extends UsageTotals {
+  running_seconds: number;
+  paused_seconds: number;
+  suspended_seconds: number;
+}
+
+const FIGURES = [
+  "running_seconds",
+  "paused_seconds",
+  "suspended_seconds",
+  "cpu_core_hours",
+  "ram_gb_hours",
+  "disk_gb_hours",
+  "snapshot_gb_months",
+] as const satisfies readonly (keyof UsageFigures)[];
+
+/** `usage_rollup` of one tenant over the window, as a FROM item named `r`. */
+function rollup(tenantId: string, from: Date, to: Date, now: Date): SQL {
+  return sql`usage_rollup(${tenantId}, ${from.toISOString()}::timestamptz, ${to.toISOString()}::timestamptz, ${now.toISOString()}::timestamptz) r`;
+}
+
+/** Each figure summed over the rows of `r` (as text: both drivers read float8 sums alike). */
+function sums(): Record<(typeof FIGURES)[number], SQL<string>> {
+  return Object.fromEntries(
+    FIGURES.map((f) => [f, sql<string>`coalesce(sum(${sql.raw(`r.${f}`)}), 0)::text`]),
+  ) as Record<(typeof FIGURES)[number], SQL<string>>;
+}
+
+function figures(row: Record<(typeof FIGURES)[number], string>): UsageFigures {
+  return Object.fromEntries(FIGURES.map((f) => [f, Number(row[f])])) as unknown as UsageFigures;
+}
+
 export async function usageTotals(
   db: Db,
   tenantId: string,
@@ -27,26 +64,77 @@ export async function usageTotals(
   to: Date,
   now: Date,
 ): Promise<UsageTotals> {
-  const f = from.toISOString();
-  const t = to.toISOString();
-  const n = now.toISOString();
-  // Overlap in hours of [started_at, coalesce(ended_at, now)) with [from, to), never negative.
-  const hours = sql`greatest(0, extract(epoch from (
-      least(coalesce(${u.endedAt}, ${n}::timestamptz), ${t}::timestamptz)
-      - greatest(${u.startedAt}, ${f}::timestamptz)))) / 3600.0`;
-  const [row] = await db
-    .select({
-      cpu: sql<string>`coalesce(sum(case when ${u.state} = 'running' then ${u.vcpus} * ${hours} end), 0)`,
-      ram: sql<string>`coalesce(sum(case when ${u.state} in ('running', 'paused') then ${u.memMib} / 1024.0 * ${hours} end), 0)`,
-      disk: sql<string>`coalesce(sum(case when ${u.state} in ('running', 'paused') then ${u.diskBytes} / 1073741824.0 * ${hours} end), 0)`,
-      snap: sql<string>`coalesce(sum(case when ${u.state} = 'suspended' then ${u.diskBytes} / 1073741824.0 * ${hours} / ${HOURS_PER_MONTH} end), 0)`,
-    })
-    .from(u)
-    .where(and(eq(u.tenantId, tenantId), lt(u.startedAt, to), or(isNull(u.endedAt), gt(u.endedAt, from))));
+  const [row] = await db.select(sums()).from(rollup(tenantId, from, to, now));
+  const f = figures(row!);
   return {
-    cpu_core_hours: Number(row?.cpu ?? 0),
-    ram_gb_hours: Number(row?.ram ?? 0),
-    disk_gb_hours: Number(row?.disk ?? 0),
-    snapshot_gb_months: Number(row?.snap ?? 0),
+    cpu_core_hours: f.cpu_core_hours,
+    ram_gb_hours: f.ram_gb_hours,
+    disk_gb_hours: f.disk_gb_hours,
+    snapshot_gb_months: f.snapshot_gb_months,
   };
+}
+
+export type UsageGrouping = "total" | "sandbox" | "day";
+
+/** One line of a report: the figures, and what the line is about. */
+export type UsageLine = UsageFigures & {
+  /** `--by day`: the UTC day, YYYY-MM-DD. */
+  day?: string;
+  /** `--by sandbox`: the sandbox and how it ended. */
+  sandbox_id?: string;
+  kind?: string;
+  state?: string;
+  end_reason?: string | null;
+  end_detail?: string | null;
+};
+
+/** The tenant named `tenant` (its name, as `key create --tenant` took it, or its `ten_` id). */
+export async function tenantIdOf(db: Db, tenant: string): Promise<string | undefined> {
+  const col = tenant.startsWith("ten_") ? tenants.id : tenants.name;
+  const [row] = await db.select({ id: tenants.id }).from(tenants).where(eq(col, tenant));
+  return row?.id;
+}
+
+/**
+ * The usage of one tenant over [from, to), in total, per sandbox (with its state and how it
+ * ended) or per UTC day, ordered by sandbox id or day.
+ */
+export async function usageReport(
+  db: Db,
+  q: { tenantId: string; from: Date; to: Date; now: Date; by: UsageGrouping },
+): Promise<UsageLine[]> {
+  const src = rollup(q.tenantId, q.from, q.to, q.now);
+  if (q.by === "total") {
+    const rows = await db.select(sums()).from(src);
+    return rows.map(figures);
+  }
+  if (q.by === "day") {
+    const rows = await db
+      .select({ day: sql<string>`to_char(r.day, 'YYYY-MM-DD')`, ...sums() })
+      .from(src)
+      .groupBy(sql`r.day`)
+      .orderBy(sql`r.day`);
+    return rows.map((r) => ({ day: r.day, ...figures(r) }));
+  }
+  const rows = await db
+    .select({
+      sandbox_id: sandboxes.id,
+      kind: sandboxes.kind,
+      state: sandboxes.state,
+      end_reason: sandboxes.endReason,
+      end_detail: sandboxes.endDetail,
+      ...sums(),
+    })
+    .from(src)
+    .innerJoin(sandboxes, sql`${sandboxes.id} = r.sandbox_id`)
+    .groupBy(sandboxes.id)
+    .orderBy(sandboxes.id);
+  return rows.map(({ sandbox_id, kind, state, end_reason, end_detail, ...r }) => ({
+    sandbox_id,
+    kind,
+    state,
+    end_reason,
+    end_detail,
+    ...figures(r),
+  }));
 }

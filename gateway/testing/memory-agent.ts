@@ -22,6 +22,7 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
+  VmSummary,
 } from "../../contracts/agent/api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
@@ -248,5 +249,9 @@ export class MemoryAgent implements AgentApi {
       version: "stand-in",
       capacity: { slotsFree: this.slotsFree, slotsTotal: 1000, vcpusFree: 64, memMibFree: 65536 },
     };
+  }
+
+  async listVms(): Promise<VmSummary[]> {
+    return [...this.vms.values()].map((vm) => ({ id: vm.id, state: vm.state, createdAtMs: 0 }));
   }
 }
