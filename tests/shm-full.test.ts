@@ -13,15 +13,14 @@ import { readdirSync } from "node:fs";
 import { mkdir, mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
-import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
-import { SandboxManager } from "../agent/sandbox/manager.ts";
+import type { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
-  busyboxArchive,
   codeOf,
+  managerWithBusybox,
   qemuPidsUnder,
   removeBusyboxArchive,
-  TEST_CACHE_DIR,
+  setDiskReserve,
+  shellIn,
 } from "../agent/sandbox/testing.ts";
 import { forkShmBytes } from "../agent/snapshot/fork.ts";
 import { freeBytes } from "../contracts/disk-space.ts";
@@ -43,12 +42,11 @@ let shmMount: string;
 let shmRoot: string;
 let stateDir: string;
 let m: SandboxManager;
-let savedReserve: string | undefined;
+let restoreReserve = () => {};
 
 beforeAll(async () => {
   if (!enabled) return;
-  savedReserve = process.env.SANDBOXD_DISK_RESERVE_BYTES;
-  process.env.SANDBOXD_DISK_RESERVE_BYTES = String(RESERVE);
+  restoreReserve = setDiskReserve(RESERVE);
   root = await mkdtemp(join(tmpdir(), "sbx-shm-"));
   shmMount = join(root, "shm");
   await mkdir(shmMount);
@@ -56,16 +54,7 @@ beforeAll(async () => {
   shmRoot = join(shmMount, "ram");
   stateDir = join(root, "state");
   await mkdir(stateDir);
-  const driver = await SnapshotDriver.create({
-    cacheDir: join(root, "cache"),
-    stateDir,
-    shmRoot,
-    artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
-  });
-  m = await SandboxManager.open({ driver, stateDir });
-  m.buildTemplate("bb", { kind: "archive", path: await busyboxArchive() }, { memMib: MEM_MIB });
-  await m.templates.settled("bb");
-  expect(m.templates.status("bb")).toMatchObject({ status: "ready" });
+  m = await managerWithBusybox({ stateDir, cacheDir: join(root, "cache"), shmRoot, memMib: MEM_MIB });
 }, VM_TEST_TIMEOUT_MS);
 
 afterAll(async () => {
@@ -77,19 +66,14 @@ afterAll(async () => {
       expect(await qemuPidsUnder(stateDir)).toEqual([]);
     }
   } finally {
-    if (savedReserve === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
-    else process.env.SANDBOXD_DISK_RESERVE_BYTES = savedReserve;
+    restoreReserve();
     execFileSync("umount", ["-l", shmMount]);
     await rm(root, { recursive: true, force: true });
     await removeBusyboxArchive();
   }
 });
 
-async function sh(id: string, command: string): Promise<string> {
-  const r = await m.exec(id, { files: [], run: { kind: "shell", command } });
-  if (r.exitCode !== 0) throw new Error(`${command}: exit ${r.exitCode}: ${r.stderr}`);
-  return r.stdout;
-}
+const sh = (id: string, command: string) => shellIn(m, id, command);
 
 test.skipIf(!enabled)(
   "a fork the tmpfs cannot hold is 507 with nothing made; the parent runs on; grown, the fork succeeds",
