@@ -58,12 +58,19 @@ export interface SpaceNeed {
   reserveBytes: number;
 }
 
+/** How free space is measured: `freeBytes` (statfs); tests pass their own. */
+export type FreeBytes = (path: string) => Promise<number>;
+
 /**
  * Throws `insufficient_storage` unless the filesystem holding `path` has `need.bytes` plus the
  * reserve free. Never writes anything.
  */
-export async function requireFreeSpace(path: string, need: SpaceNeed): Promise<void> {
-  const free = await freeBytes(path);
+export async function requireFreeSpace(
+  path: string,
+  need: SpaceNeed,
+  measure: FreeBytes = freeBytes,
+): Promise<void> {
+  const free = await measure(path);
   const want = need.bytes + need.reserveBytes;
   if (free < want) {
     throw new SandboxdError(
@@ -75,8 +82,13 @@ export async function requireFreeSpace(path: string, need: SpaceNeed): Promise<v
 }
 
 /** `requireFreeSpace` with the reserve from `SANDBOXD_DISK_RESERVE_BYTES`: the agent's form. */
-export function needFreeSpace(path: string, what: string, bytes: number): Promise<void> {
-  return requireFreeSpace(path, { what, bytes, reserveBytes: diskReserveFromEnv() });
+export function needFreeSpace(
+  path: string,
+  what: string,
+  bytes: number,
+  measure: FreeBytes = freeBytes,
+): Promise<void> {
+  return requireFreeSpace(path, { what, bytes, reserveBytes: diskReserveFromEnv() }, measure);
 }
 
 /** How a tool (skopeo, mkfs, qemu-img) says it: strerror(ENOSPC) and strerror(EDQUOT). */

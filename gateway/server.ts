@@ -1,8 +1,8 @@
 /**
  * Runs the gateway as an HTTP server: opens the database (PGlite under `<dataDir>/pglite`, or
  * PostgreSQL at `databaseUrl`), loads the server secrets, resolves the config and serves
- * `createApp` with the hosting runtime's own server (runtime/: Bun.serve, Deno.serve, or Node's
- * http server through @hono/node-server). Nothing here is specific to one runtime.
+ * `createApp` with the hosting runtime's own server (runtime/: Bun.serve, or the runtime's
+ * node:http server through @hono/node-server under Node and Deno). Nothing here is specific to one runtime.
  */
 import { join } from "node:path";
 import type { AgentApi } from "../contracts/agent/api.ts";

@@ -14,9 +14,9 @@ import { apiKeys } from "../db/schema/api-keys.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
 import { templates } from "../db/schema/templates.ts";
 import { usageIntervals } from "../db/schema/usage-intervals.ts";
-import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
 import { createKey, ensureTenant, listKeys, revokeKey, verifyKey } from "../gateway/auth/keys.ts";
 import { usageTotals } from "../gateway/core/usage.ts";
+import { onPostgres } from "./support/postgres-suite.ts";
 
 const PEPPER = "db-test-pepper-0123456789";
 
@@ -162,13 +162,4 @@ suite("PGlite", async () => {
   return openDb({ dataDir: d });
 });
 
-if (findPgBin() === null) {
-  test.skip("PostgreSQL: SKIPPED, no postgres binaries under /usr/lib/postgresql/*/bin", () => {});
-} else {
-  let pg: TestPostgres | null = null;
-  afterAll(() => pg?.stop());
-  suite("PostgreSQL", async () => {
-    pg = await startPostgres();
-    return openDb({ url: pg!.url });
-  });
-}
+onPostgres((name, url) => suite(name, async () => openDb({ url: await url() })));

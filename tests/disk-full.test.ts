@@ -14,15 +14,15 @@ import { copyFile, mkdir, mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { createAgentApp } from "../agent/api/app.ts";
-import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
-import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
-import { SandboxManager } from "../agent/sandbox/manager.ts";
+import type { SandboxManager } from "../agent/sandbox/manager.ts";
 import {
   busyboxArchive,
   codeOf,
+  managerWithBusybox,
   qemuPidsUnder,
   removeBusyboxArchive,
-  TEST_CACHE_DIR,
+  setDiskReserve,
+  shellIn,
 } from "../agent/sandbox/testing.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import { freeBytes } from "../contracts/disk-space.ts";
@@ -54,13 +54,12 @@ let m: SandboxManager;
 let server: ReturnType<typeof Bun.serve> | undefined;
 let client: AgentHttpClient;
 const CREDS = { id: "disk-agent", key: "test-secret-0123456789abcdef-0123456789" };
-let savedReserve: string | undefined;
+let restoreReserve = () => {};
 const log: string[] = [];
 
 beforeAll(async () => {
   if (!enabled) return;
-  savedReserve = process.env.SANDBOXD_DISK_RESERVE_BYTES;
-  process.env.SANDBOXD_DISK_RESERVE_BYTES = String(RESERVE);
+  restoreReserve = setDiskReserve(RESERVE);
   root = await mkdtemp(join(tmpdir(), "sbx-disk-"));
   mnt = join(root, "d");
   await mkdir(mnt);
@@ -70,13 +69,12 @@ beforeAll(async () => {
   execFileSync("mount", ["-o", "loop", img, mnt]);
   stateDir = join(mnt, "state");
   await mkdir(stateDir);
-  const driver = await SnapshotDriver.create({
-    cacheDir: join(mnt, "cache"),
+  m = await managerWithBusybox({
     stateDir,
-    artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
+    cacheDir: join(mnt, "cache"),
+    memMib: MEM_MIB,
     log: (l) => log.push(l),
   });
-  m = await SandboxManager.open({ driver, stateDir });
   const app = createAgentApp({ manager: m, credentials: CREDS, uploadDir: join(stateDir, "uploads") });
   server = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: app.fetch, idleTimeout: 0 });
   client = new AgentHttpClient({
@@ -84,9 +82,6 @@ beforeAll(async () => {
     agentId: CREDS.id,
     key: CREDS.key,
   });
-  m.buildTemplate("bb", { kind: "archive", path: await busyboxArchive() }, { memMib: MEM_MIB });
-  await m.templates.settled("bb");
-  expect(m.templates.status("bb")).toMatchObject({ status: "ready" });
 }, VM_TEST_TIMEOUT_MS);
 
 afterAll(async () => {
@@ -99,8 +94,7 @@ afterAll(async () => {
       expect(await qemuPidsUnder(stateDir)).toEqual([]);
     }
   } finally {
-    if (savedReserve === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
-    else process.env.SANDBOXD_DISK_RESERVE_BYTES = savedReserve;
+    restoreReserve();
     execFileSync("umount", ["-l", mnt]);
     await rm(root, { recursive: true, force: true });
     await rm(defaultShmRoot(stateDir), { recursive: true, force: true });
@@ -108,11 +102,7 @@ afterAll(async () => {
   }
 });
 
-async function sh(id: string, command: string): Promise<string> {
-  const r = await m.exec(id, { files: [], run: { kind: "shell", command } });
-  if (r.exitCode !== 0) throw new Error(`${command}: exit ${r.exitCode}: ${r.stderr}`);
-  return r.stdout;
-}
+const sh = (id: string, command: string) => shellIn(m, id, command);
 
 const suspendedFiles = () => {
   const dir = join(stateDir, "storage", "suspended");

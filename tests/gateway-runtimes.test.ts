@@ -1,6 +1,7 @@
 /**
  * The gateway is runtime-neutral: `startGateway` (gateway/server.ts) serves `createApp` under
- * Bun (Bun.serve), Node (node:http through @hono/node-server) and Deno (Deno.serve). Each
+ * Bun (Bun.serve), Node (node:http through @hono/node-server) and Deno (its own node:http, the
+ * same adapter: gateway/runtime/deno.ts says why not Deno.serve). Each
  * runtime runs the same small entry in its own process, on 127.0.0.1 with a free port and a
  * fresh PGlite data dir, with the in-memory stand-in agent (health needs no real VM). The test
  * reads the bound URL from the process, checks `GET /v1/health` (200, status, version,
@@ -199,7 +200,7 @@ describe("gateway under each runtime", () => {
   if (!HAVE_NODE) console.warn("gateway-runtimes: no `node` on PATH, skipping the Node smoke test");
 
   test(
-    "deno (Deno.serve)",
+    "deno (node:http)",
     async () => {
       const denoDir = join(root, "deno-cache");
       mkdirSync(denoDir);

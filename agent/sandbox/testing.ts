@@ -8,7 +8,10 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../../tests/fixtures/images.ts";
+import { ensureGuestArtifacts } from "../guest/artifacts.ts";
 import { qemuPidsNaming } from "../vm/process.ts";
+import { SnapshotDriver } from "./drivers/snapshot.ts";
+import { SandboxManager } from "./manager.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
 /** Guest artifacts and imported images are cached here across runs (kernel download, agent build). */
@@ -77,6 +80,52 @@ export async function codeOf(p: Promise<unknown>): Promise<string> {
   } catch (err) {
     return err instanceof SandboxdError ? err.code : `not a SandboxdError: ${String(err)}`;
   }
+}
+
+/**
+ * A manager on a snapshot driver in `stateDir` (guest artifacts from the test cache) with the
+ * busybox template `bb` of `memMib` built and ready: the setup of the tests that fill a disk.
+ */
+export async function managerWithBusybox(o: {
+  stateDir: string;
+  cacheDir: string;
+  memMib: number;
+  shmRoot?: string;
+  log?: (line: string) => void;
+}): Promise<SandboxManager> {
+  const driver = await SnapshotDriver.create({
+    cacheDir: o.cacheDir,
+    stateDir: o.stateDir,
+    ...(o.shmRoot !== undefined ? { shmRoot: o.shmRoot } : {}),
+    artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
+    ...(o.log !== undefined ? { log: o.log } : {}),
+  });
+  const m = await SandboxManager.open({ driver, stateDir: o.stateDir });
+  m.buildTemplate("bb", { kind: "archive", path: await busyboxArchive() }, { memMib: o.memMib });
+  await m.templates.settled("bb");
+  const st = m.templates.status("bb");
+  if (st.status !== "ready") throw new Error(`template bb: ${st.status}: ${st.error ?? ""}`);
+  return m;
+}
+
+/** A shell command in sandbox `id`: its stdout, or a throw naming the exit code and stderr. */
+export async function shellIn(m: Pick<SandboxManager, "exec">, id: string, command: string): Promise<string> {
+  const r = await m.exec(id, { files: [], run: { kind: "shell", command } });
+  if (r.exitCode !== 0) throw new Error(`${command}: exit ${r.exitCode}: ${r.stderr}`);
+  return r.stdout;
+}
+
+/**
+ * Sets the free-space reserve (`SANDBOXD_DISK_RESERVE_BYTES`) for a test file that fills a small
+ * filesystem; returns what puts the previous value back.
+ */
+export function setDiskReserve(bytes: number): () => void {
+  const saved = process.env.SANDBOXD_DISK_RESERVE_BYTES;
+  process.env.SANDBOXD_DISK_RESERVE_BYTES = String(bytes);
+  return () => {
+    if (saved === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
+    else process.env.SANDBOXD_DISK_RESERVE_BYTES = saved;
+  };
 }
 
 /**

@@ -30,6 +30,7 @@
 import { randomBytes } from "node:crypto";
 import { chmod, chown, link, lstat, mkdir, readdir, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
+import { type FreeBytes, needFreeSpace } from "../../contracts/disk-space.ts";
 import { isHostnameLabel } from "../qemu/launch.ts";
 import type { QmpEvent } from "../qemu/qmp/framing.ts";
 import { openChainStore } from "../storage/chain.ts";
@@ -80,6 +81,21 @@ export interface ForkOptions {
   live?: boolean;
   readyTimeoutMs?: number;
   log?: (m: string) => void;
+  /** Measures free space before the fork writes to tmpfs (statfs by default; tests pass one). */
+  freeBytes?: FreeBytes;
+}
+
+/**
+ * Bytes a fork writes to tmpfs (the parent's shm root) before any child runs, at most: the
+ * stream of the parent's RAM (`<fork>.state`, one pass, two with a live precopy), and in shared
+ * mode, while that stream still exists, the fork point's RAM file (guest RAM) and its device
+ * state (a few KB; `migrationByteCap` of the RAM covers both). The children map that RAM file
+ * (or the parent's) private: the pages each one writes are anonymous memory, not tmpfs, so the
+ * number of children does not multiply it (the host's memory check admits each child's RAM).
+ */
+export function forkShmBytes(memMib: number, mode: "direct" | "shared", live: boolean): number {
+  const stream = migrationByteCap(memMib, live ? 2 : 1);
+  return mode === "shared" ? stream + migrationByteCap(memMib) : stream;
 }
 
 export interface ForkTimings {
@@ -112,6 +128,19 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   if (o.ids && (o.ids.length !== o.count || new Set(o.ids).size !== o.count || !o.ids.every(isHostnameLabel)))
     return fail(new SnapshotError("bad_request", `ids must be ${o.count} distinct RFC 1123 labels`));
   const mode = o.mode === "direct" || o.mode === "shared" ? o.mode : o.count > 1 ? "shared" : "direct";
+  const live = o.live ?? process.env.SANDBOXD_FORK_LIVE === "1";
+  try {
+    // Asked before the parent is touched: a short tmpfs refuses the fork (507) and the parent
+    // runs on, with nothing written. The reserve keeps tmpfs room for running VMs' RAM files.
+    await needFreeSpace(
+      parent.shape.shmRoot,
+      "the fork's memory files on tmpfs",
+      forkShmBytes(parent.shape.memMib, mode, live),
+      o.freeBytes,
+    );
+  } catch (err) {
+    return fail(asSnapshotError(err, "fork_failed", `forking VM ${parent.id} failed`));
+  }
   const bad = parent.begin(["running"], "forking");
   if (bad) return fail(bad);
   const proc = parent.process;
@@ -157,7 +186,6 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       "max-bandwidth": PRECOPY_MAX_BANDWIDTH,
       "downtime-limit": PRECOPY_DOWNTIME_LIMIT_MS,
     });
-    const live = o.live ?? process.env.SANDBOXD_FORK_LIVE === "1";
     if (!live) await qmp(proc, "stop");
     // A live precopy sends the pages the guest dirties meanwhile again: room for a second pass.
     save = await startSave(proc, {

@@ -39,6 +39,14 @@ export const sandboxes = pgTable(
      * that died (`QEMU exited (signal SIGKILL)`), or what reconciliation found.
      */
     endDetail: text("end_detail"),
+    /**
+     * A suspend or resume on its way (the agent is being asked): the record already counts
+     * toward the quota of the state it goes to (gateway/core/sandboxes.ts). Taken under the
+     * tenant's lock, cleared when the change is recorded or fails; `hold_until` ends a hold whose
+     * gateway died during the call.
+     */
+    hold: text("hold", { enum: ["suspend", "resume"] }),
+    holdUntil: timestamp("hold_until", { withTimezone: true, mode: "date" }),
     labels: jsonb("labels").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
     endpoints: jsonb("endpoints").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
     vcpus: integer("vcpus").notNull().default(0),

@@ -21,7 +21,8 @@ import type { VmEvent } from "../../contracts/agent/events.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import type { Deps } from "../deps.ts";
-import { type SandboxRow, switchInterval, type Tx } from "./sandboxes.ts";
+import { type SandboxRow, switchInterval } from "./sandboxes.ts";
+import type { Tx } from "./tenant-lock.ts";
 
 export type EventDeps = Pick<Deps, "db" | "clock" | "relays">;
 

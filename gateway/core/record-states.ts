@@ -16,6 +16,10 @@
  *   (none) --create--> starting --started--> running --suspend--> suspended --resume--> running
  *   starting --failed--> destroyed;  starting|running|suspended --destroy--> destroyed
  *   exec, fork and connect need running.
+ *
+ * A suspend or resume in flight does not change the state until the agent has answered; it holds
+ * the record meanwhile (`hold`, sandboxes.ts: it counts toward the quota of the state it goes
+ * to, and a second suspend or resume of it is refused).
  */
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { sandboxes } from "../../db/schema/sandboxes.ts";

@@ -4,7 +4,7 @@
  * record-states.ts and updates the db only with a compare-and-set on the old state, so two racing
  * requests cannot both apply.
  */
-import { and, eq, inArray, isNull, sql } from "drizzle-orm";
+import { and, eq, gt, inArray, isNull, lte, or, sql } from "drizzle-orm";
 import type {
   AgentApi,
   CreatedVm,
@@ -26,14 +26,15 @@ import { newExecId, newSandboxId, newSessionId } from "../ids.ts";
 import {
   checkRecordAction,
   nextState,
+  RECORD_TRANSITIONS,
   type RecordAction,
   type RecordChange,
   type RecordState,
 } from "./record-states.ts";
 import { requireReady, resolveTemplate } from "./templates.ts";
+import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
 export type SandboxRow = typeof sandboxes.$inferSelect;
-export type Tx = Parameters<Parameters<Db["transaction"]>[0]>[0];
 type Kind = "session" | "sandbox" | "exec";
 /** The kinds that hold a VM past one call. */
 type VmKind = Exclude<Kind, "exec">;
@@ -115,7 +116,7 @@ const running = (r: VmResources) => ({
 
 /**
  * Reserves `count` records in state `starting` if the tenant's cap allows, atomically per tenant
- * (an advisory lock serializes concurrent creates of one tenant, in PGlite and Postgres alike).
+ * (tenant-lock.ts: concurrent creates, forks, resumes of one tenant count one after the other).
  */
 async function reserve(
   deps: Deps,
@@ -130,9 +131,9 @@ async function reserve(
   // Family B quota counts running sandboxes only: suspended ones hold no CPU or memory.
   const counted: RecordState[] = p.family === "a" ? LIVE : ["starting", "running"];
   const now = new Date(deps.clock());
-  return deps.db.transaction(async (tx) => {
-    await tx.execute(sql`select pg_advisory_xact_lock(hashtext(${p.tenantId}))`);
-    const n = await countInStates(tx, p, counted);
+  return underTenantLock(deps.db, p.tenantId, async (tx) => {
+    // Resumes on their way count as running already (`holdForQuota`).
+    const n = await countInStates(tx, p, counted, p.family === "a" ? undefined : { hold: "resume", now });
     if (n + items.length > cap) {
       // One-shot execs hold a VM for their call: they count with the sessions.
       const what =
@@ -464,12 +465,17 @@ async function stateOf(tx: Tx, id: string): Promise<RecordState | undefined> {
   return r?.state;
 }
 
-/** The tenant's records of its family in `states` (in `db`, or a transaction of it). */
+/**
+ * The tenant's records of its family in `states` (in `db`, or a transaction of it), plus, with
+ * `held`, the live records held for that change (`holdForQuota`): they are on their way there.
+ */
 async function countInStates(
   db: Pick<Deps["db"], "select">,
   p: Principal,
   states: RecordState[],
+  held?: { hold: QuotaHold; now: Date },
 ): Promise<number> {
+  const inStates = inArray(sandboxes.state, states);
   const [c] = await db
     .select({ n: sql<number>`count(*)::int` })
     .from(sandboxes)
@@ -477,57 +483,137 @@ async function countInStates(
       and(
         eq(sandboxes.tenantId, p.tenantId),
         eq(sandboxes.family, p.family),
-        inArray(sandboxes.state, states),
+        held === undefined
+          ? inStates
+          : or(
+              inStates,
+              and(
+                eq(sandboxes.hold, held.hold),
+                gt(sandboxes.holdUntil, held.now),
+                inArray(sandboxes.state, RECORD_TRANSITIONS[held.hold].from),
+              ),
+            ),
       ),
     );
   return c?.n ?? 0;
 }
 
+type QuotaHold = "suspend" | "resume";
+
+/**
+ * How long a hold counts at most, ms: well past the longest suspend or resume the gateway waits
+ * for (the agent client's `vmOp`, 120 s by default), so only a hold whose gateway died during the
+ * call ever runs out, and it stops counting then.
+ */
+const HOLD_TTL_MS = 10 * 60_000;
+
+/**
+ * Checks the quota of the state `hold` leads to and, in the same locked transaction
+ * (tenant-lock.ts), marks the record as on its way there, so a racing request counts it. The
+ * agent is asked only after the lock is released; `releaseHold` or the recorded change ends it.
+ * A record already held (a suspend or resume of it in flight) is a 409.
+ */
+async function holdForQuota(
+  deps: Deps,
+  p: Principal,
+  row: SandboxRow,
+  hold: QuotaHold,
+  quota: { cap: number; what: string },
+): Promise<void> {
+  const now = new Date(deps.clock());
+  const target = nextState(hold);
+  // Suspended counts those in the target state; running also those still starting.
+  const states: RecordState[] = target === "running" ? ["starting", "running"] : [target];
+  await underTenantLock(deps.db, p.tenantId, async (tx) => {
+    const n = await countInStates(tx, p, states, { hold, now });
+    if (n >= quota.cap) {
+      throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${quota.cap} ${quota.what}`, {
+        details: { cap: quota.cap, current: n },
+      });
+    }
+    const held = await tx
+      .update(sandboxes)
+      .set({ hold, holdUntil: new Date(now.getTime() + HOLD_TTL_MS) })
+      .where(
+        and(
+          eq(sandboxes.id, row.id),
+          eq(sandboxes.state, row.state),
+          or(isNull(sandboxes.hold), lte(sandboxes.holdUntil, now)),
+        ),
+      )
+      .returning({ id: sandboxes.id });
+    if (held.length === 0) {
+      throw new SandboxdError(
+        "conflict",
+        `cannot ${hold} ${row.id}: a suspend or resume of it is in progress`,
+      );
+    }
+  });
+}
+
+/** Ends a hold whose change failed (the record keeps its state). */
+async function releaseHold(deps: Deps, id: string, hold: QuotaHold): Promise<void> {
+  await deps.db
+    .update(sandboxes)
+    .set({ hold: null, holdUntil: null })
+    .where(and(eq(sandboxes.id, id), eq(sandboxes.hold, hold)));
+}
+
 export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
-  const row = await getOwned(deps, p, id);
-  requireAllowed(id, row.state, "suspend");
   // Suspended sandboxes keep a RAM image on the host's disk: their own quota bounds them.
-  const cap = deps.config.limits.suspendedQuotaByTier[p.tier];
-  const n = await countInStates(deps.db, p, ["suspended"]);
-  if (n >= cap) {
-    throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} suspended sandboxes`, {
-      details: { cap, current: n },
-    });
-  }
-  const r = await inTermsOf(row, agentOf(deps, row).suspend(row.vmId!));
-  await applyTransition(
-    deps,
-    row,
-    "suspend",
-    {},
-    {
-      state: "suspended",
-      vcpus: 0,
-      memMib: 0,
-      diskBytes: r.snapshotBytes,
-    },
-  );
-  return { memBytes: r.memBytes };
+  const quota = { cap: deps.config.limits.suspendedQuotaByTier[p.tier], what: "suspended sandboxes" };
+  return changeUnderHold(deps, p, id, "suspend", quota, async (agent, vmId) => {
+    const r = await agent.suspend(vmId);
+    const interval = { state: "suspended" as const, vcpus: 0, memMib: 0, diskBytes: r.snapshotBytes };
+    return { result: { memBytes: r.memBytes }, set: {}, interval };
+  });
 }
 
 export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
-  const row = await getOwned(deps, p, id);
-  requireAllowed(id, row.state, "resume");
   // Resuming makes the sandbox count against the running quota again.
-  const cap = deps.config.limits.sandboxQuotaByTier[p.tier];
-  const n = await countInStates(deps.db, p, ["starting", "running"]);
-  if (n >= cap) {
-    throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} running sandboxes`);
+  const quota = { cap: deps.config.limits.sandboxQuotaByTier[p.tier], what: "running sandboxes" };
+  return changeUnderHold(deps, p, id, "resume", quota, async (agent, vmId) => {
+    const r = await agent.resume(vmId);
+    const { vcpus, memMib, diskBytes } = r.resources;
+    return {
+      result: { memBytes: r.memBytes },
+      set: { vcpus, memMib, diskBytes },
+      interval: running(r.resources),
+    };
+  });
+}
+
+/**
+ * A suspend or resume: the record must allow it, the quota of the state it leads to must have
+ * room (`holdForQuota` reserves it), then the agent is asked and the change recorded, clearing
+ * the hold; any failure releases it.
+ */
+async function changeUnderHold<T>(
+  deps: Deps,
+  p: Principal,
+  id: string,
+  action: QuotaHold,
+  quota: { cap: number; what: string },
+  call: (
+    agent: AgentApi,
+    vmId: string,
+  ) => Promise<{
+    result: T;
+    set: Partial<typeof sandboxes.$inferInsert>;
+    interval: Parameters<typeof switchInterval>[2];
+  }>,
+): Promise<T> {
+  const row = await getOwned(deps, p, id);
+  requireAllowed(id, row.state, action);
+  await holdForQuota(deps, p, row, action, quota);
+  try {
+    const done = await inTermsOf(row, call(agentOf(deps, row), row.vmId!));
+    await applyTransition(deps, row, action, { ...done.set, hold: null, holdUntil: null }, done.interval);
+    return done.result;
+  } catch (err) {
+    await releaseHold(deps, id, action).catch(() => {});
+    throw err;
   }
-  const r = await inTermsOf(row, agentOf(deps, row).resume(row.vmId!));
-  await applyTransition(
-    deps,
-    row,
-    "resume",
-    { vcpus: r.resources.vcpus, memMib: r.resources.memMib, diskBytes: r.resources.diskBytes },
-    running(r.resources),
-  );
-  return { memBytes: r.memBytes };
 }
 
 export async function destroyVm(

@@ -15,6 +15,7 @@ import { templates } from "../../db/schema/templates.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { newTemplatePk } from "../ids.ts";
+import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
 export type TemplateRow = typeof templates.$inferSelect;
 
@@ -99,9 +100,15 @@ async function assertIdFree(deps: Deps, tenantId: string, id: string): Promise<v
 /**
  * Refuses a new template when the tenant already owns `cap` (any status but deleted): each one
  * holds a base disk and a RAM file on every agent of its region (decisions.md, "Disk budgets").
+ * Called alone it is an early refusal (before an upload's body is read); the binding check is
+ * `insertWithinQuota`'s, made with the insert under the tenant's lock.
  */
 export async function requireTemplateRoom(deps: Deps, tenantId: string, cap: number): Promise<void> {
-  const [c] = await deps.db
+  await checkTemplateRoom(deps.db, tenantId, cap);
+}
+
+async function checkTemplateRoom(db: Deps["db"] | Tx, tenantId: string, cap: number): Promise<void> {
+  const [c] = await db
     .select({ n: sql<number>`count(*)::int` })
     .from(templates)
     .where(and(eq(templates.tenantId, tenantId), isNull(templates.deletedAt)));
@@ -114,34 +121,57 @@ export async function requireTemplateRoom(deps: Deps, tenantId: string, cap: num
 }
 
 /**
+ * Inserts a tenant's new template row if the tenant has room for it, counting and inserting in
+ * one transaction under the tenant's lock (tenant-lock.ts): two racing registrations cannot both
+ * take the last place. The row (status `building`) is the reservation; the agent is asked to
+ * build only after it is committed. Undefined when the id is taken (a racing request of the same
+ * id, or one that exists): the caller decides whether that is a retry or a conflict.
+ */
+async function insertWithinQuota(
+  deps: Deps,
+  tenantId: string,
+  cap: number,
+  values: typeof templates.$inferInsert,
+): Promise<TemplateRow | undefined> {
+  return underTenantLock(deps.db, tenantId, async (tx) => {
+    // Before the count: a retry of an existing bake is not a new template.
+    const [clash] = await tx
+      .select({ pk: templates.pk })
+      .from(templates)
+      .where(and(eq(templates.id, values.id), visibleTo(tenantId)));
+    if (clash) return undefined;
+    await checkTemplateRoom(tx, tenantId, cap);
+    const rows = await tx.insert(templates).values(values).onConflictDoNothing().returning();
+    return rows[0];
+  });
+}
+
+/**
  * Family A: reserve the id (status building) before the upload is read, so a duplicate is
- * refused without consuming a multi-GB body. Returns the row; `startUploadBuild` follows.
+ * refused without consuming a multi-GB body, and a place in the tenant's template quota
+ * (`templateCap`). Returns the row; `startUploadBuild` follows.
  */
 export async function reserveUploadTemplate(
   deps: Deps,
   tenantId: string,
   opts: { id: string; memMib?: number; vcpuCount?: number; waitSecs?: number },
+  templateCap = Number.POSITIVE_INFINITY,
 ): Promise<TemplateRow> {
   await assertIdFree(deps, tenantId, opts.id);
-  const rows = await deps.db
-    .insert(templates)
-    .values({
-      pk: newTemplatePk(),
-      id: opts.id,
-      tenantId,
-      family: "a",
-      agentRef: agentRef(tenantId, opts.id),
-      name: opts.id,
-      status: "building",
-      phase: "Pending",
-      spec: { ...opts },
-      memMib: opts.memMib ?? null,
-      vcpuCount: opts.vcpuCount ?? null,
-      createdAt: new Date(deps.clock()),
-    })
-    .onConflictDoNothing()
-    .returning();
-  const row = rows[0];
+  const row = await insertWithinQuota(deps, tenantId, templateCap, {
+    pk: newTemplatePk(),
+    id: opts.id,
+    tenantId,
+    family: "a",
+    agentRef: agentRef(tenantId, opts.id),
+    name: opts.id,
+    status: "building",
+    phase: "Pending",
+    spec: { ...opts },
+    memMib: opts.memMib ?? null,
+    vcpuCount: opts.vcpuCount ?? null,
+    createdAt: new Date(deps.clock()),
+  });
   if (!row) throw new SandboxdError("conflict", `template id ${opts.id} already exists`);
   return row;
 }
@@ -212,27 +242,21 @@ export async function bakeTemplate(
     throw new SandboxdError("conflict", `template ${req.name} already exists with a different definition`);
   }
   // A retry of an existing bake (above) is not a new template and is never refused here.
-  await requireTemplateRoom(deps, tenantId, templateCap);
-  const rows = await deps.db
-    .insert(templates)
-    .values({
-      pk: newTemplatePk(),
-      id: req.name,
-      tenantId,
-      family: "b",
-      agentRef: agentRef(tenantId, req.name),
-      name: req.name,
-      description: `baked from ${req.image}`,
-      image: req.image,
-      spec,
-      status: "building",
-      phase: "Pending",
-      exposedPorts: req.ready?.ports ?? [],
-      createdAt: new Date(deps.clock()),
-    })
-    .onConflictDoNothing()
-    .returning();
-  const row = rows[0];
+  const row = await insertWithinQuota(deps, tenantId, templateCap, {
+    pk: newTemplatePk(),
+    id: req.name,
+    tenantId,
+    family: "b",
+    agentRef: agentRef(tenantId, req.name),
+    name: req.name,
+    description: `baked from ${req.image}`,
+    image: req.image,
+    spec,
+    status: "building",
+    phase: "Pending",
+    exposedPorts: req.ready?.ports ?? [],
+    createdAt: new Date(deps.clock()),
+  });
   if (!row) return bakeTemplate(deps, tenantId, req, templateCap); // lost a race with an identical retry
   // The credentials go to the agent with this request only: `spec` (stored) never holds them.
   const source: TemplateSource = { kind: "oci", image: req.image, tenantId };

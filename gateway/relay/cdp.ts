@@ -20,8 +20,8 @@ export const DEVTOOLS_TIMEOUT_MS = 10_000;
 /** `/json/version` is a few hundred bytes; a larger answer is not DevTools. */
 const MAX_DISCOVERY_BYTES = 64 * 1024;
 /**
- * What the relay holds for the browser at most (its send queue) before closing with 1008, where
- * the client cannot be paused (Deno).
+ * What the relay holds for the browser at most (its send queue) before closing with 1008: every
+ * runtime pauses the client first (runtime/), so only messages already read when it paused count.
  */
 const MAX_HELD_BYTES = maxHeldBytes(CDP_MESSAGE_BYTES);
 

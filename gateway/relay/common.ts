@@ -35,13 +35,16 @@ export const LOW_WATER_BYTES = 256 * 1024;
 /**
  * What a relay holds for the guest at most before closing with 1008: the high-water mark plus
  * `maxMessage` and the few messages a paused socket may still deliver (Bun and Node stop reading
- * at once, what they had parsed still arrives). Only where the client cannot be paused (Deno's
- * WebSocket) does a fast client reach it.
+ * at once, what they had parsed still arrives). Every runtime adapter can pause its client
+ * (runtime/), so only a runtime that could not would let a fast client reach it.
  */
 export function maxHeldBytes(maxMessage: number): number {
   return HIGH_WATER_BYTES + 4 * maxMessage;
 }
-/** Drain events are not given by every runtime (Deno): the send queue is also polled this often. */
+/**
+ * The send queue is also polled this often, ms: a drain event is only a wake-up, and a runtime
+ * that missed one (or an adapter without them) must not leave a relay waiting for ever.
+ */
 export const DRAIN_POLL_MS = 20;
 /** A handler whose WebSocket has not opened this long after the upgrade gives up its tunnel. */
 export const OPEN_TIMEOUT_MS = 10_000;

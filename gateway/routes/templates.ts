@@ -176,7 +176,9 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     if (q.mem_mib !== undefined) opts.memMib = q.mem_mib;
     if (q.vcpu_count !== undefined) opts.vcpuCount = q.vcpu_count;
     if (q.wait_secs !== undefined) opts.waitSecs = q.wait_secs;
-    await requireTemplateRoom(deps, p.tenantId, deps.config.limits.templateQuotaByTier[p.tier]);
+    const templateCap = deps.config.limits.templateQuotaByTier[p.tier];
+    // Early, before the body is read; reserveUploadTemplate checks again with its insert, atomically.
+    await requireTemplateRoom(deps, p.tenantId, templateCap);
     const dir = join(deps.config.uploadDir, p.tenantId);
     // Refused before a byte is read when the declared size (or, unknown, nothing) plus the
     // reserve does not fit; the stream checks again as it writes (a chunked body declares none).
@@ -186,7 +188,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
       bytes: Number.isSafeInteger(Number(declared)) ? Number(declared) : 0,
       reserveBytes,
     });
-    const row = await reserveUploadTemplate(deps, p.tenantId, opts);
+    const row = await reserveUploadTemplate(deps, p.tenantId, opts, templateCap);
     const path = join(dir, `${q.id}-${base36(8)}.img`);
     let bytes: number;
     try {

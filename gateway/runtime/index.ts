@@ -1,7 +1,7 @@
 /**
  * Picks the adapter for the runtime this process runs on. Adapters are imported lazily so that
- * no runtime loads another's code (Node never loads the Bun adapter, Bun and Deno never load
- * @hono/node-server).
+ * no runtime loads another's code (Node and Deno never load the Bun adapter, Bun never loads
+ * @hono/node-server; Deno serves through its node:http, deno.ts).
  */
 import type { RunningServer, RuntimeName, ServeOptions } from "./types.ts";
 

@@ -11,6 +11,7 @@ import { type WebSocket, WebSocketServer } from "ws";
 import {
   HTTP_IDLE_TIMEOUT_S,
   type RunningServer,
+  type RuntimeName,
   type ServeOptions,
   type SocketHandler,
   type Upgrade,
@@ -79,7 +80,15 @@ function wire(ws: WebSocket, socket: Socket, handler: SocketHandler, open: Set<W
   });
 }
 
-export async function serveNode(opts: ServeOptions): Promise<RunningServer> {
+export function serveNode(opts: ServeOptions): Promise<RunningServer> {
+  return serveNodeHttp(opts, "node");
+}
+
+/**
+ * Serves on the runtime's `node:http` and `ws`: Node's own, or Deno's implementation of them
+ * (deno.ts says why Deno uses it rather than `Deno.serve`).
+ */
+export async function serveNodeHttp(opts: ServeOptions, runtime: RuntimeName): Promise<RunningServer> {
   const idleMs = (opts.idleTimeoutS ?? HTTP_IDLE_TIMEOUT_S) * 1000;
   const server = await new Promise<Server>((resolve, reject) => {
     const s = serve({
@@ -138,7 +147,7 @@ export async function serveNode(opts: ServeOptions): Promise<RunningServer> {
   });
   const addr = server.address() as AddressInfo;
   return {
-    runtime: "node",
+    runtime,
     hostname: opts.hostname,
     port: addr.port,
     stop: () =>

@@ -17,7 +17,7 @@ export interface ServerSocket {
   bufferedAmount(): number;
   /**
    * Stops reading from the client, which then sees TCP back-pressure; messages already read may
-   * still arrive. A no-op where the runtime cannot pause a WebSocket (Deno).
+   * still arrive.
    */
   pause(): void;
   resume(): void;
@@ -61,8 +61,8 @@ export interface ServeOptions {
   requestTimeoutMs: number;
   /**
    * Seconds a connection may take to send a request's headers, or stay idle between requests,
-   * before the server closes it (default `HTTP_IDLE_TIMEOUT_S`). Under Deno, whose `Deno.serve`
-   * has no such setting, its own HTTP stack's header timeout applies.
+   * before the server closes it (default `HTTP_IDLE_TIMEOUT_S`). Every adapter applies it (Deno
+   * through its node:http, which is why it does not use `Deno.serve`: deno.ts).
    */
   idleTimeoutS?: number;
 }

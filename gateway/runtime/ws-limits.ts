@@ -28,7 +28,7 @@ export const WS_MAX_MESSAGE_BYTES = Math.max(TCP_MESSAGE_BYTES, CDP_MESSAGE_BYTE
 
 /**
  * Seconds without any frame after which a WebSocket is closed; the server pings before that
- * (Bun, Node), so only a client that stopped answering is cut. Relays themselves have no data
+ * (every adapter), so only a client that stopped answering is cut. Relays themselves have no data
  * idle timeout: a tunnel to a database may be silent for hours.
  */
 export const WS_IDLE_TIMEOUT_S = 120;

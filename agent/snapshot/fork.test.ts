@@ -1,0 +1,90 @@
+/**
+ * A fork asks tmpfs for room before it touches its parent: with too little free (measured by an
+ * injected statfs), it fails with `insufficient_storage` and writes nothing; with enough, it goes
+ * on to the parent (here a stand-in whose `begin` stops it, so no VM is needed). Real VMs on a
+ * tiny tmpfs: tests/shm-full.test.ts.
+ */
+import { afterAll, beforeAll, expect, test } from "bun:test";
+import { existsSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { SnapshotError } from "./errors.ts";
+import { forkShmBytes, forkVm } from "./fork.ts";
+import { migrationByteCap } from "./stream.ts";
+import type { SandboxVm } from "./vm.ts";
+
+const MIB = 1024 * 1024;
+const RESERVE = 32 * MIB;
+const MEM_MIB = 128;
+const scratch = mkdtempSync(join(tmpdir(), "fork-shm-"));
+const shmRoot = join(scratch, "shm");
+let savedReserve: string | undefined;
+
+beforeAll(() => {
+  savedReserve = process.env.SANDBOXD_DISK_RESERVE_BYTES;
+  process.env.SANDBOXD_DISK_RESERVE_BYTES = String(RESERVE);
+});
+afterAll(() => {
+  if (savedReserve === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
+  else process.env.SANDBOXD_DISK_RESERVE_BYTES = savedReserve;
+  rmSync(scratch, { recursive: true, force: true });
+});
+
+/** A parent that records whether the fork got as far as touching it. */
+function standInParent() {
+  const touched: string[] = [];
+  const parent = {
+    id: "vm-parent",
+    shape: { shmRoot, memMib: MEM_MIB, dataDir: join(scratch, "data") },
+    begin: (_from: string[], to: string) => {
+      touched.push(to);
+      return new SnapshotError("invalid_state", "stand-in parent: stop here");
+    },
+  } as unknown as SandboxVm;
+  return { parent, touched };
+}
+
+/** A statfs stand-in: `free` bytes everywhere; records the paths asked about. */
+function measuring(free: number) {
+  const asked: string[] = [];
+  return {
+    asked,
+    freeBytes: async (path: string) => {
+      asked.push(path);
+      return free;
+    },
+  };
+}
+
+test("what a fork needs on tmpfs: the RAM stream, plus the fork point's RAM file when shared", () => {
+  expect(forkShmBytes(MEM_MIB, "direct", false)).toBe(migrationByteCap(MEM_MIB));
+  expect(forkShmBytes(MEM_MIB, "direct", true)).toBe(migrationByteCap(MEM_MIB, 2));
+  expect(forkShmBytes(MEM_MIB, "shared", false)).toBe(2 * migrationByteCap(MEM_MIB));
+  expect(forkShmBytes(MEM_MIB, "shared", false)).toBeGreaterThan(2 * MEM_MIB * MIB);
+});
+
+for (const [count, mode] of [
+  [1, "direct"],
+  [4, "shared"],
+] as const) {
+  test(`fork of ${count} (${mode}): one byte short is 507 with nothing written; enough goes on`, async () => {
+    const need = forkShmBytes(MEM_MIB, mode, false) + RESERVE;
+
+    const short = standInParent();
+    const m = measuring(need - 1);
+    const r = await forkVm(short.parent, { count, live: false, freeBytes: m.freeBytes });
+    expect(r.ok).toBe(false);
+    const err = (r as { error: SnapshotError }).error;
+    expect(err.code).toBe("insufficient_storage");
+    expect(err.message).toContain("the fork's memory files on tmpfs");
+    expect(m.asked).toEqual([shmRoot]);
+    // The parent was never asked to change state, and nothing was created.
+    expect(short.touched).toEqual([]);
+    expect(existsSync(shmRoot)).toBe(false);
+
+    const room = standInParent();
+    const r2 = await forkVm(room.parent, { count, live: false, freeBytes: measuring(need).freeBytes });
+    expect((r2 as { error: SnapshotError }).error.code).toBe("invalid_state");
+    expect(room.touched).toEqual(["forking"]);
+  });
+}
