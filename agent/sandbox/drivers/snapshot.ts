@@ -289,6 +289,9 @@ export class SnapshotDriver implements SandboxDriver {
         shmRoot: this.shmRoot,
         ...(input.readyCmd ? { readyCmd: input.readyCmd } : {}),
         ...(input.readyTimeoutMs ? { readyTimeoutMs: input.readyTimeoutMs } : {}),
+        ...(input.kind === "archive" && input.bringupTimeoutMs !== undefined
+          ? { bringupTimeoutMs: input.bringupTimeoutMs }
+          : {}),
         ...(input.kind === "oci" && input.readyEnv ? { readyEnv: input.readyEnv } : {}),
         onDistributing: () => onPhase?.("Distributing"),
         log: this.log,
