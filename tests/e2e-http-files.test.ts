@@ -22,8 +22,6 @@ import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { spawnSync } from "bun";
-import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import * as A from "../contracts/api/family-a.ts";
 import * as B from "../contracts/api/family-b.ts";
 import { MAX_MEM_MIB } from "../contracts/api/limits.ts";
@@ -32,10 +30,10 @@ import {
   createKeys,
   expectError,
   expectOk,
+  prepareDataDir,
   qemusUnder,
   type RunningService,
-  removeDataDir,
-  SHARED_DATA_DIR,
+  reapDataDir,
   startUp,
   waitFor,
 } from "./support/e2e-service.ts";
@@ -66,10 +64,7 @@ const sha256 = (b: Uint8Array | string) => createHash("sha256").update(b).digest
 
 beforeAll(async () => {
   // Guest artifacts only (no python catalog): `up --no-catalog` builds nothing at start.
-  await ensureGuestArtifacts({ dataDir: SHARED_DATA_DIR });
-  dataDir = await mkdtemp(join(tmpdir(), "sbx-e2e-files-"));
-  const cp = spawnSync(["cp", "-a", join(SHARED_DATA_DIR, "guest"), join(dataDir, "guest")]);
-  if (cp.exitCode !== 0) throw new Error(`cp guest artifacts failed: ${cp.stderr.toString()}`);
+  dataDir = await prepareDataDir("sbx-e2e-files-", { python: false });
   keys = await createKeys(dataDir, {
     live: ["acme", "live"],
     scale: ["acme", "scale"],
@@ -93,11 +88,7 @@ afterAll(async () => {
       await s.api.delete(`/v1/templates/${id}`, { key: keys.scale }).catch(() => {});
     await s.stop();
   }
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    for (const q of await qemusUnder(dataDir)) process.kill(q.pid, "SIGKILL"); // ours: started by our `up`
-    await removeDataDir(dataDir);
-  }
+  if (dataDir) await reapDataDir(dataDir);
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 }, 60_000);
 
