@@ -160,9 +160,10 @@ export const MAX_TEMPLATE_WIDTH = 10_000;
 // tests/shared-limits.test.ts walks SHARED_BOUNDS and probes both sides with max and max + 1.
 
 /**
- * Our choice: guest RAM of a template, MiB. 64 MiB is the least a stock kernel plus the guest
- * agent boots in; 64 GiB is the most one template may freeze into a RAM file on the host's tmpfs
- * (the builder also checks the tmpfs has that much free).
+ * Our choice: guest RAM of a template, MiB. 64 MiB leaves the guest kernel, its initramfs and the
+ * guest agent room to boot with a small workload (the default is 256); 64 GiB is the most one
+ * template may freeze into a RAM file on the host's tmpfs (the builder also checks the tmpfs has
+ * that much free before it starts).
  */
 export const MIN_MEM_MIB = 64;
 export const MAX_MEM_MIB = 65_536;
