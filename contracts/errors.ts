@@ -62,6 +62,8 @@ export const PublicErrorCode = [
   "template_not_ready",
   "conflict",
   "port_not_exposed",
+  /** The guest refused a file of an exec's `files` (bad path, permission, its disk full). */
+  "invalid_file",
   "payload_too_large",
   "rate_limited",
   "quota_exceeded",
@@ -94,6 +96,7 @@ export const AgentErrorCode = [
   "port_not_exposed",
   /** A tunnel's connect inside the guest failed (nothing listens: ECONNREFUSED, ...). */
   "port_unreachable",
+  "invalid_file",
   "payload_too_large",
   /** The driver cannot do this at all (fork/suspend on a cold-boot agent). */
   "unsupported",

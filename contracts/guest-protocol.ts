@@ -41,6 +41,8 @@ export const Op = {
   SET_HOSTNAME: 7,
   SYNC: 8,
   CONNECT: 9,
+  /** WRITE_FILE's fields without DATA; the content follows as STDIN frames, an empty one ends it. */
+  WRITE_FILE_STREAM: 10,
 } as const;
 export type Op = (typeof Op)[keyof typeof Op];
 

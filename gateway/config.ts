@@ -1,5 +1,5 @@
 /** Gateway configuration. Every limit defaults to contracts/api/limits.ts and can be overridden. */
-import { DEFAULT_LIMITS, type Limits } from "../contracts/api/limits.ts";
+import { DEFAULT_LIMITS, type Limits, limitsBeyondAgent } from "../contracts/api/limits.ts";
 import { diskReserveFromEnv } from "../contracts/disk-space.ts";
 
 export interface GatewayConfig {
@@ -39,7 +39,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
   if (input.keyPepper.length < 16 || input.connectSecret.length < 16) {
     throw new Error("keyPepper and connectSecret must be at least 16 characters");
   }
-  return {
+  const config: GatewayConfig = {
     version: input.version ?? "sandboxd-dev",
     keyPepper: input.keyPepper,
     connectSecret: input.connectSecret,
@@ -58,4 +58,8 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
       diskReserveBytes: input.limits?.diskReserveBytes ?? diskReserveFromEnv(),
     },
   };
+  // A limit the agents would refuse past is refused here, at start, not on a request.
+  const beyond = limitsBeyondAgent(config.limits);
+  if (beyond.length > 0) throw new Error(`limits beyond what an agent accepts: ${beyond.join("; ")}`);
+  return config;
 }

@@ -46,6 +46,7 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   template_not_ready: 409, // Family A: spawning from a template still building (spec 3.1)
   conflict: 409, // duplicate template id; a state that does not allow the action
   port_not_exposed: 409,
+  invalid_file: 400, // the guest refused a file of `files`; the message says which and why
   payload_too_large: 413,
   rate_limited: 429,
   quota_exceeded: 429,

@@ -75,7 +75,13 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           ...(s.vcpuCount !== undefined ? { vcpus: s.vcpuCount } : {}),
         };
         try {
-          m.buildTemplate(a.template, { kind: "archive", path: s.path }, size);
+          // `wait_secs` bounds the build's bring-up (contracts/api/family-a.ts RegisterTemplateQuery).
+          const input: TemplateInput = {
+            kind: "archive",
+            path: s.path,
+            ...(s.waitSecs !== undefined ? { bringupTimeoutMs: s.waitSecs * 1000 } : {}),
+          };
+          m.buildTemplate(a.template, input, size);
         } catch (err) {
           await rm(s.path, { force: true });
           throw err;

@@ -26,6 +26,7 @@ import {
   WidthBody,
 } from "../../contracts/agent/schemas.ts";
 import { type AgentCredentials, secretKey, verifyAgentToken } from "../../contracts/agent/token.ts";
+import { AGENT_MAX_JSON_BODY_BYTES } from "../../contracts/api/limits.ts";
 import { asNoSpace, isNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
@@ -44,10 +45,11 @@ export interface AgentAppDeps {
 }
 
 /**
- * JSON bodies are small (an exec's files are capped by the guest frame size anyway); 32 MiB
- * refuses a runaway body before it is buffered. Image uploads are streamed to disk instead.
+ * The largest exec request a gateway may accept (its files included) re-encoded for this API,
+ * plus the gateway's own fields (contracts/api/limits.ts): refused before it is buffered. Image
+ * uploads are streamed to disk instead.
  */
-const MAX_JSON_BODY_BYTES = 32 * 1024 * 1024;
+const MAX_JSON_BODY_BYTES = AGENT_MAX_JSON_BODY_BYTES;
 
 export function createAgentApp(deps: AgentAppDeps): Hono {
   const key = secretKey(deps.credentials.key);

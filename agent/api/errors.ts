@@ -20,6 +20,7 @@ export const AGENT_STATUS_OF_CODE: Readonly<Record<AgentErrorCode, ContentfulSta
   template_not_ready: 409,
   port_not_exposed: 409,
   port_unreachable: 502,
+  invalid_file: 400,
   payload_too_large: 413,
   unsupported: 501,
   at_capacity: 503,

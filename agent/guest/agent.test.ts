@@ -337,6 +337,44 @@ describe("files and small ops", () => {
     }
   });
 
+  test("a file larger than a frame is streamed in chunks and arrives byte-exact", async () => {
+    const big = Buffer.from(crypto.getRandomValues(new Uint8Array(5 * 1024 * 1024 + 17)));
+    await client.writeFile("streamed/big.bin", big, { cwd: dir, mode: 0o640 });
+    const p = join(dir, "streamed/big.bin");
+    expect(readFileSync(p).equals(big)).toBe(true);
+    expect(statSync(p).mode & 0o777).toBe(0o640);
+    expect(readdirSync(join(dir, "streamed"))).toEqual(["big.bin"]); // no temp files left
+    // A second streamed write replaces it whole.
+    const other = Buffer.alloc(MAX_PAYLOAD + 1, 7);
+    await client.writeFile(p, other);
+    expect(readFileSync(p).equals(other)).toBe(true);
+    expect(readdirSync(join(dir, "streamed"))).toEqual(["big.bin"]);
+  });
+
+  test("a refused write is a guest_error with the reason and leaves nothing behind", async () => {
+    writeFileSync(join(dir, "plain"), "keep");
+    const big = Buffer.alloc(2 * MAX_PAYLOAD, 1);
+    // Through a regular file: refused before any content is written (ENOTDIR).
+    for (const data of [Buffer.from("small"), big]) {
+      const e = await client.writeFile("plain/x", data, { cwd: dir }).catch((err) => err);
+      expect(e).toBeInstanceOf(GuestError);
+      expect(e.code).toBe("guest_error");
+      expect(e.errno).toBe(20);
+      expect(e.message).toContain("Not a directory");
+    }
+    // Onto a directory: refused at the rename, after every chunk was written (EISDIR); the temp
+    // file goes with it.
+    mkdirSync(join(dir, "adir"), { recursive: true });
+    writeFileSync(join(dir, "adir/inside"), "x");
+    const e = await client.writeFile("adir", big, { cwd: dir }).catch((err) => err);
+    expect(e.code).toBe("guest_error");
+    expect(e.errno).toBe(21);
+    expect(readdirSync(dir).filter((f) => f.includes("sbx-tmp"))).toEqual([]);
+    expect(readdirSync(join(dir, "adir"))).toEqual(["inside"]);
+    expect(readFileSync(join(dir, "plain"), "utf8")).toBe("keep");
+    await client.ping(); // the channel is fine: late chunks of the refused write were dropped
+  });
+
   test("readFile with size, truncation and errors", async () => {
     writeFileSync(join(dir, "r.txt"), "0123456789");
     const all = await client.readFile("r.txt", { cwd: dir });

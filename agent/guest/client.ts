@@ -112,6 +112,11 @@ export interface WriteFileOptions extends FileOptions {
 const DEFAULT_MAX_OUTPUT = 1 << 20;
 /** STDIN frames are cut to this size so one exec's stdin does not hog the port. */
 const STDIN_CHUNK = 64 * 1024;
+/**
+ * Chunks of a streamed file write (WRITE_FILE_STREAM). 256 KiB: few frames for a large file (a
+ * 10 MiB file is 40 frames), while a small control frame never waits behind more than one.
+ */
+const FILE_CHUNK = 256 * 1024;
 
 // ---- bounds on what a guest can make the host hold -----------------------------------------
 // The guest controls every byte it sends. Each queue it can fill has a bound below (and in
@@ -380,18 +385,49 @@ export class GuestClient {
     }
   }
 
+  /**
+   * Writes a file in the guest, replaced atomically (temp file + rename). Content that fits one
+   * frame goes in the REQUEST (WRITE_FILE); larger content follows it in FILE_CHUNK pieces
+   * (WRITE_FILE_STREAM), so a file is bounded by the guest's disk, not by MAX_PAYLOAD. A refusal
+   * (bad path, permission, ENOSPC) is a `guest_error` with the guest's errno and text; the guest
+   * then leaves no temp file and the old file, if any, untouched.
+   */
   async writeFile(path: string, data: Uint8Array | string, opts: WriteFileOptions = {}): Promise<void> {
-    const w = new TlvWriter().u32(Tag.OP, Op.WRITE_FILE).str(Tag.PATH, path).bytes(Tag.DATA, data);
-    if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
-    if (opts.mode !== undefined) w.u32(Tag.MODE, opts.mode);
-    if (opts.uid !== undefined) w.u32(Tag.UID, opts.uid);
-    if (opts.gid !== undefined) w.u32(Tag.GID, opts.gid);
+    const bytes = typeof data === "string" ? Buffer.from(data) : data;
+    const head = (op: number) => {
+      const w = new TlvWriter().u32(Tag.OP, op).str(Tag.PATH, path);
+      if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
+      if (opts.mode !== undefined) w.u32(Tag.MODE, opts.mode);
+      if (opts.uid !== undefined) w.u32(Tag.UID, opts.uid);
+      if (opts.gid !== undefined) w.u32(Tag.GID, opts.gid);
+      return w;
+    };
+    const w = head(Op.WRITE_FILE);
+    // The TLV header of DATA (6 bytes) and slack for the frame: the whole REQUEST in one frame.
+    if (w.length + bytes.length + 64 <= MAX_PAYLOAD) {
+      await this.request(w.bytes(Tag.DATA, bytes));
+      return;
+    }
     if (w.length + 64 > MAX_PAYLOAD) {
-      throw new GuestError("protocol_error", `writeFile: ${w.length} bytes do not fit one frame`, {
-        details: { reason: "oversize" },
+      throw new GuestError(
+        "protocol_error",
+        `writeFile: a path of ${path.length} characters does not fit a frame`,
+        {
+          details: { reason: "oversize" },
+        },
+      );
+    }
+    const { stream, promise } = await this.start(head(Op.WRITE_FILE_STREAM), {
+      timeoutMs: this.opts.requestTimeoutMs,
+    });
+    void this.pumpFile(stream, bytes);
+    const r = await promise;
+    const size = Number(r.u64(Tag.SIZE) ?? 0n);
+    if (size !== bytes.length) {
+      throw new GuestError("protocol_error", `writeFile: the guest wrote ${size} of ${bytes.length} bytes`, {
+        details: { reason: "short_write" },
       });
     }
-    await this.request(w);
   }
 
   async readFile(path: string, opts: FileOptions & { maxBytes?: number } = {}): Promise<ReadFileResult> {
@@ -608,6 +644,25 @@ export class GuestClient {
     }
     // Closed before, or by this write crossing the outbox's bound.
     throw new GuestError("guest_disconnected", "guest connection is closed", { cause: this.closedWith });
+  }
+
+  /**
+   * A streamed write's content as STDIN frames, then the empty one (EOF). Each chunk waits for the
+   * port to drain (back-pressure) and re-arms the request's timer: the bound is on progress, so a
+   * large file on a slow guest is not cut while its bytes still move.
+   */
+  private async pumpFile(stream: number, bytes: Uint8Array): Promise<void> {
+    try {
+      for (let off = 0; off < bytes.length; off += FILE_CHUNK) {
+        while (this.outbox.congested()) await this.outbox.drained();
+        if (!this.pending.has(stream)) return; // refused (answered early) or failed
+        this.send(FrameType.STDIN, stream, bytes.subarray(off, off + FILE_CHUNK));
+        this.armTimer(stream, this.opts.requestTimeoutMs, "no answer to a file write");
+      }
+      if (this.pending.has(stream)) this.send(FrameType.STDIN, stream); // empty: EOF
+    } catch {
+      // disconnected: the pending request is rejected already
+    }
   }
 
   private async pumpStdin(stream: number, source: AsyncIterable<Uint8Array | string>): Promise<void> {

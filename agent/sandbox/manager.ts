@@ -37,7 +37,7 @@ import { type MeterEvent, type UsageInterval, UsageMeter, type UsageReport } fro
 import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import { type ExecRequest, planExec } from "./exec.ts";
-import { type RunOutcome, runOne } from "./exec-run.ts";
+import { type RunOutcome, runOne, writeFiles } from "./exec-run.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
@@ -695,8 +695,7 @@ export class SandboxManager {
       if (!vm) throw this.goneError(sb);
       const plan = planExec(req, vm.image);
       const deadline = t0 + plan.timeoutMs;
-      const { cwd, uid, gid } = plan;
-      for (const f of plan.files) await vm.guest.writeFile(f.path, f.content, { cwd, uid, gid });
+      await writeFiles(vm.guest, plan);
       const tExec = performance.now();
       let out: RunOutcome = { stdout: "", stderr: "", exitCode: 0, seedAck: false };
       let ack = false;

@@ -28,6 +28,8 @@ const FIXED: Partial<Record<ErrorCode, string>> = {
   template_build_failed: "the template VM did not start or could not be saved",
   vm_launch_failed: "the template VM did not start",
   spawn_failed: "the template VM did not start",
+  bringup_timeout:
+    "the template VM did not come up within its wait (wait_secs, else the agent's bring-up default)",
   insufficient_storage: "the agent's disk has no room for this build; retry once space is freed",
 };
 

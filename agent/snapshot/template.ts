@@ -14,10 +14,13 @@
  * file. meta.json records the state: building -> ready | failed (with the error). A failed build
  * removes its files and keeps meta.json so the caller can read why; `deleteTemplate` frees all.
  */
+
 import { createHash, randomBytes } from "node:crypto";
 import { chmod, mkdir, readdir, readFile, rename, rm, rmdir, stat, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
+import { MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, MIN_VCPUS } from "../../contracts/api/limits.ts";
 import { needFreeSpace } from "../../contracts/disk-space.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import type { GuestClient } from "../guest/client.ts";
 import type { ImageConfig, ImportedImage } from "../image/import.ts";
@@ -145,10 +148,20 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     return fail(new SnapshotError("bad_request", `invalid template id ${JSON.stringify(id)}`));
   const memMib = o.memMib ?? DEFAULT_MEM_MIB;
   const vcpus = o.vcpus ?? 1;
-  if (!Number.isInteger(memMib) || memMib < 64 || memMib > 65536)
-    return fail(new SnapshotError("bad_request", `memMib must be an integer in 64..65536, got ${memMib}`));
-  if (!Number.isInteger(vcpus) || vcpus < 1 || vcpus > 64)
-    return fail(new SnapshotError("bad_request", `vcpus must be an integer in 1..64, got ${vcpus}`));
+  if (!Number.isInteger(memMib) || memMib < MIN_MEM_MIB || memMib > MAX_MEM_MIB)
+    return fail(
+      new SnapshotError(
+        "bad_request",
+        `memMib must be an integer in ${MIN_MEM_MIB}..${MAX_MEM_MIB}, got ${memMib}`,
+      ),
+    );
+  if (!Number.isInteger(vcpus) || vcpus < MIN_VCPUS || vcpus > MAX_VCPUS)
+    return fail(
+      new SnapshotError(
+        "bad_request",
+        `vcpus must be an integer in ${MIN_VCPUS}..${MAX_VCPUS}, got ${vcpus}`,
+      ),
+    );
   const dataDir = resolve(o.dataDir);
   const shmRoot = o.shmRoot ?? defaultShmRoot(dataDir);
   const dir = templateDir(dataDir, id);
@@ -208,10 +221,18 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       log,
     });
     await claimVm(vmDir, vm.pid, vm.jailUid);
+    const bringupMs = o.bringupTimeoutMs ?? DEFAULT_BRINGUP_TIMEOUT_MS;
     try {
-      guest = await connectGuest(vm, o.bringupTimeoutMs ?? DEFAULT_BRINGUP_TIMEOUT_MS);
+      guest = await connectGuest(vm, bringupMs);
     } catch (err) {
-      throw asSnapshotError(err, "template_build_failed", "template VM did not come up");
+      // A guest that did not answer in time is the bring-up bound (Family A `wait_secs`) running
+      // out, a code the tenant's error names; anything else is a failed start.
+      const late = err instanceof SandboxdError && err.code === "bringup_timeout";
+      throw asSnapshotError(
+        err,
+        late ? "bringup_timeout" : "template_build_failed",
+        `template VM did not come up within ${bringupMs} ms`,
+      );
     }
     const tBoot = performance.now();
     if (o.signal?.aborted) throw new SnapshotError("template_build_failed", "the build was cancelled");

@@ -6,7 +6,25 @@
  * internal, between the gateway and its agents, not the public snake_case one.
  */
 import { z } from "zod";
+import { FileWrite as PublicFileWrite } from "../api/common.ts";
 import { BakePhase, ReadySpec, RegistryAuth } from "../api/family-b.ts";
+import {
+  EXEC_TIMEOUT_CEILING_S,
+  MAX_EXEC_COMMANDS,
+  MAX_EXEC_FILES,
+  MAX_FORK_COUNT,
+  MAX_IMAGE_REF_CHARS,
+  MAX_MEM_MIB,
+  MAX_PORT,
+  MAX_SEED_HEX_CHARS,
+  MAX_TEMPLATE_WIDTH,
+  MAX_VCPUS,
+  MAX_WAIT_SECS,
+  MIN_MEM_MIB,
+  MIN_PORT,
+  MIN_VCPUS,
+  MIN_WAIT_SECS,
+} from "../api/limits.ts";
 import { AgentErrorCode, SandboxdError } from "../errors.ts";
 
 /**
@@ -20,10 +38,11 @@ export const TemplateRefParam = z
 /** The agent's handle for a VM; the gateway's sess_/sbx_ ids map to it in its db. */
 export const VmIdParam = z.string().regex(/^vm-[0-9a-z-]{1,60}$/);
 
-/** Spec 8 has no exec timeout ceiling; one hour bounds a request the gateway holds open. */
-export const MAX_EXEC_TIMEOUT_MS = 3_600_000;
+/** Spec 8 has no exec timeout ceiling; the shared ceiling bounds a request the gateway holds open. */
+export const MAX_EXEC_TIMEOUT_MS = EXEC_TIMEOUT_CEILING_S * 1000;
 
-export const FileWrite = z.object({ path: z.string().min(1).max(4096), content: z.string() });
+/** The public shape itself: path bounds, `encoding` and the base64 check are the gateway's too. */
+export const FileWrite = PublicFileWrite;
 
 /** What to run after the files are written. */
 export const RunAction = z.discriminatedUnion("kind", [
@@ -32,14 +51,17 @@ export const RunAction = z.discriminatedUnion("kind", [
   /** One command line run by /bin/sh -c (Family B `command`). */
   z.object({ kind: z.literal("shell"), command: z.string().min(1) }),
   /** Argv arrays run in order, no shell; the result is the last one's (`commands`). */
-  z.object({ kind: z.literal("argv"), commands: z.array(z.array(z.string()).min(1)).min(1).max(64) }),
+  z.object({
+    kind: z.literal("argv"),
+    commands: z.array(z.array(z.string()).min(1)).min(1).max(MAX_EXEC_COMMANDS),
+  }),
   /** Only write files. */
   z.object({ kind: z.literal("none") }),
 ]);
 
 export const ExecBody = z.object({
   /** Written (created or overwritten) before anything runs. */
-  files: z.array(FileWrite).max(256).default([]),
+  files: z.array(FileWrite).max(MAX_EXEC_FILES).default([]),
   run: RunAction,
   /**
    * Hard limit for the whole action, ms; on expiry the process group is killed. The agent
@@ -47,7 +69,7 @@ export const ExecBody = z.object({
    */
   timeoutMs: z.int().min(1).max(MAX_EXEC_TIMEOUT_MS).optional(),
   /** Family B `seed`, handed to the guest; the agent reports `seedAck`. */
-  seed: z.string().max(1024).optional(),
+  seed: z.string().max(MAX_SEED_HEX_CHARS).optional(),
   /** Added to (and overriding) the image's Env. */
   env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string()).optional(),
 });
@@ -64,31 +86,31 @@ export const CreateBody = z.object({
 export const ExecOnceBody = z.object({ template: TemplateRefParam, action: ExecBody });
 
 /** Spec 8: at most 64 children per fork call (Enterprise). */
-export const ForkBody = z.object({ count: z.int().min(1).max(64) });
+export const ForkBody = z.object({ count: z.int().min(1).max(MAX_FORK_COUNT) });
 
 /** Family B (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
 export const OciBuildBody = z.object({
-  image: z.string().min(1).max(1024),
+  image: z.string().min(1).max(MAX_IMAGE_REF_CHARS),
   /** The tenant the bake is for (the agent's log names it beside each pull). */
   tenantId: z.string().min(1).max(200).optional(),
   /** This bake's registry credentials (the tenant's `registry_auth`); used for the pull only. */
   registryAuth: RegistryAuth.optional(),
   ready: ReadySpec.optional(),
-  width: z.int().min(1).optional(),
-  expectedWidth: z.int().min(1).optional(),
+  width: z.int().min(1).max(MAX_TEMPLATE_WIDTH).optional(),
+  expectedWidth: z.int().min(1).max(MAX_TEMPLATE_WIDTH).optional(),
 });
 
 /** Query of `PUT /templates/:ref/upload` (Family A register options, spec 4.1). */
 export const UploadQuery = z.object({
-  memMib: z.coerce.number().int().min(64).max(65536).optional(),
-  vcpuCount: z.coerce.number().int().min(1).max(64).optional(),
-  waitSecs: z.coerce.number().int().min(0).max(3600).optional(),
+  memMib: z.coerce.number().int().min(MIN_MEM_MIB).max(MAX_MEM_MIB).optional(),
+  vcpuCount: z.coerce.number().int().min(MIN_VCPUS).max(MAX_VCPUS).optional(),
+  waitSecs: z.coerce.number().int().min(MIN_WAIT_SECS).max(MAX_WAIT_SECS).optional(),
 });
 
-export const WidthBody = z.object({ width: z.int().min(1) });
+export const WidthBody = z.object({ width: z.int().min(1).max(MAX_TEMPLATE_WIDTH) });
 
 /** `GET /vms/{id}/tunnel?port=N`: a TCP port inside the guest. */
-export const TunnelQuery = z.object({ port: z.coerce.number().int().min(1).max(65535) });
+export const TunnelQuery = z.object({ port: z.coerce.number().int().min(MIN_PORT).max(MAX_PORT) });
 
 export const DeleteQuery = z.object({
   force: z

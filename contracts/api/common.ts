@@ -6,6 +6,7 @@
 import { z } from "zod";
 import { PublicErrorCode } from "../errors.ts";
 import {
+  MAX_EXEC_COMMANDS,
   MAX_EXEC_FILES,
   MAX_EXEC_OUTPUT_BYTES,
   MAX_EXEC_RESPONSE_BYTES,
@@ -75,6 +76,24 @@ export const Labels = z
 export const Endpoints = z.record(z.string(), z.string()).meta({ id: "Endpoints" });
 export type Endpoints = z.infer<typeof Endpoints>;
 
+/** How a file's `content` is written: text as UTF-8 (the default), or base64 for any bytes. */
+export const FileEncoding = z.enum(["utf8", "base64"]);
+export type FileEncoding = z.infer<typeof FileEncoding>;
+/**
+ * Standard base64 (RFC 4648 section 4) with its padding: what `Buffer.from(s, "base64")` reads
+ * whole. One character class and a length check, not a grouped pattern, so a 10 MiB content is
+ * checked in one linear pass with no backtracking.
+ */
+const BASE64_CHARS = /^[A-Za-z0-9+/]*={0,2}$/;
+export function isBase64(s: string): boolean {
+  return s.length % 4 === 0 && BASE64_CHARS.test(s);
+}
+
+/** A file's bytes as the request gives them (`encoding` checked by the schema already). */
+export function fileBytes(f: { content: string; encoding?: FileEncoding | undefined }): Buffer {
+  return Buffer.from(f.content, f.encoding === "base64" ? "base64" : "utf8");
+}
+
 export const FileWrite = z
   .object({
     path: z
@@ -83,12 +102,19 @@ export const FileWrite = z
       .max(MAX_PATH_CHARS)
       .refine((p) => !p.includes("\0"), "path must not contain NUL"),
     content: z.string(),
+    encoding: FileEncoding.optional().describe(
+      "How `content` is written: `utf8` (default) as its UTF-8 bytes, `base64` decoded, for binary files.",
+    ),
+  })
+  .refine((f) => f.encoding !== "base64" || isBase64(f.content), {
+    message: "content is not valid base64 (encoding: base64)",
+    path: ["content"],
   })
   .meta({ id: "FileWrite" });
 export const FileWrites = z.array(FileWrite).max(MAX_EXEC_FILES);
 
 /** Argv arrays: each command is a non-empty list of strings, run without a shell. */
-export const ArgvCommands = z.array(z.array(z.string()).min(1)).min(1);
+export const ArgvCommands = z.array(z.array(z.string()).min(1)).min(1).max(MAX_EXEC_COMMANDS);
 
 /**
  * An exec response's `truncated`: present (true) only when output was cut, so a response whose
@@ -101,7 +127,7 @@ export const ExecTruncated = z
     `Present, and true, only when stdout and stderr were cut: together they carry at most ${MAX_EXEC_OUTPUT_BYTES} bytes of the command's output (when both are long, the shorter keeps up to half). The command itself ran to its end; what it wrote past the cap was discarded. JSON escaping makes a response at most ${MAX_EXEC_RESPONSE_BYTES} bytes.`,
   );
 
-/** Positive integer seconds; the upper bound is the deployment's `maxExecTimeoutS`. */
+/** Positive integer seconds; the upper bound is the deployment's `maxExecTimeoutS` (at most EXEC_TIMEOUT_CEILING_S). */
 export const TimeoutSeconds = z.int().min(1);
 
 /** RFC 3339 timestamp with an explicit offset or Z. */

@@ -4,6 +4,7 @@
  */
 import { z } from "zod";
 import { ArgvCommands, ExecTruncated, FileWrites, SessionId, TemplateId, TimeoutSeconds } from "./common.ts";
+import { MAX_MEM_MIB, MAX_VCPUS, MAX_WAIT_SECS, MIN_MEM_MIB, MIN_VCPUS, MIN_WAIT_SECS } from "./limits.ts";
 
 // ---- exec (2.2, 4.1) -----------------------------------------------------------------------
 
@@ -113,9 +114,17 @@ const IntQuery = (min: number, max: number) =>
 export const RegisterTemplateQuery = z
   .object({
     id: TemplateId,
-    mem_mib: IntQuery(64, 262_144).optional().describe("Guest memory, MiB (64 MiB to 256 GiB)."),
-    vcpu_count: IntQuery(1, 64).optional().describe("Guest vCPUs (1 to 64)."),
-    wait_secs: IntQuery(1, 3600).optional().describe("Readiness wait at build time, seconds."),
+    mem_mib: IntQuery(MIN_MEM_MIB, MAX_MEM_MIB)
+      .optional()
+      .describe(`Guest memory, MiB (${MIN_MEM_MIB} to ${MAX_MEM_MIB}; default 256).`),
+    vcpu_count: IntQuery(MIN_VCPUS, MAX_VCPUS)
+      .optional()
+      .describe(`Guest vCPUs (${MIN_VCPUS} to ${MAX_VCPUS}; default 1).`),
+    wait_secs: IntQuery(MIN_WAIT_SECS, MAX_WAIT_SECS)
+      .optional()
+      .describe(
+        `How long the build waits for the template's VM to come up (QEMU start to the guest agent's answer), seconds (${MIN_WAIT_SECS} to ${MAX_WAIT_SECS}; default 60). A VM that has not answered by then fails the build (status \`failed\`, the error names wait_secs).`,
+      ),
   })
   .meta({ id: "RegisterTemplateQuery" });
 export type RegisterTemplateQuery = z.infer<typeof RegisterTemplateQuery>;

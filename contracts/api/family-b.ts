@@ -14,7 +14,14 @@ import {
   TemplateId,
   TimeoutSeconds,
 } from "./common.ts";
-import { MAX_TEMPLATE_WIDTH } from "./limits.ts";
+import {
+  MAX_FORK_COUNT,
+  MAX_IMAGE_REF_CHARS,
+  MAX_PORT,
+  MAX_SEED_HEX_CHARS,
+  MAX_TEMPLATE_WIDTH,
+  MIN_PORT,
+} from "./limits.ts";
 
 // ---- catalog and templates (2.4, 3.2) ------------------------------------------------------
 
@@ -37,7 +44,7 @@ export const CatalogList = z.object({ templates: z.array(CatalogEntry) }).meta({
 export const BakePhase = z.enum(["Pending", "Converting", "Distributing", "Live", "Failed"]);
 export type BakePhase = z.infer<typeof BakePhase>;
 
-const Port = z.int().min(1).max(65535);
+const Port = z.int().min(MIN_PORT).max(MAX_PORT);
 
 /** Ready-state descriptor (2.4, 4.3). Semantics of `http`, `env`, `network` are not specified. */
 export const ReadySpec = z
@@ -82,7 +89,7 @@ export type RegistryAuth = z.infer<typeof RegistryAuth>;
 export const BakeTemplateRequest = z
   .object({
     name: TemplateId.describe("Template name; also its id."),
-    image: z.string().min(1).max(1024).describe("OCI image reference."),
+    image: z.string().min(1).max(MAX_IMAGE_REF_CHARS).describe("OCI image reference."),
     registry_auth: RegistryAuth.optional().describe(
       "Credentials for the image's registry, for this bake only; never stored. Without them the pull is anonymous (or uses the operator's credentials for a registry the operator shares).",
     ),
@@ -237,7 +244,7 @@ export const ExecRequestB = z
     timeout_seconds: TimeoutSeconds.optional(),
     seed: z
       .string()
-      .regex(/^[0-9a-fA-F]{1,128}$/, "hex string")
+      .regex(new RegExp(`^[0-9a-fA-F]{1,${MAX_SEED_HEX_CHARS}}$`), "hex string")
       .optional()
       .describe("Echoed back."),
   })
@@ -269,7 +276,12 @@ export const ExecResponseB = z
 
 export const ForkRequest = z
   .object({
-    count: z.int().min(1).optional().describe("Default 1; per-call cap by tier (Pro 32, Enterprise 64)."),
+    count: z
+      .int()
+      .min(1)
+      .max(MAX_FORK_COUNT)
+      .optional()
+      .describe("Default 1; per-call cap by tier (Pro 32, Enterprise 64)."),
     labels: z.array(z.string().max(256)).optional().describe("One per child, stored as labels.label."),
   })
   .refine((b) => b.labels === undefined || b.labels.length <= (b.count ?? 1), {

@@ -152,6 +152,94 @@ export const MAX_PATH_CHARS = 4096;
 /** Our choice: Pro bake fan-out hints (`width`, `expected_width`, expect `width`). */
 export const MAX_TEMPLATE_WIDTH = 10_000;
 
+// ---- bounds the gateway and the agent both check -------------------------------------------
+// The public schemas (contracts/api/) and the agent's contract (contracts/agent/schemas.ts, and
+// the template builder) read these same constants, so a value the gateway accepts is one the
+// agent accepts: the gateway refuses a value outside them with 400 before doing any work (an
+// image upload's body is never read), instead of the agent failing the work afterwards.
+// tests/shared-limits.test.ts walks SHARED_BOUNDS and probes both sides with max and max + 1.
+
+/**
+ * Our choice: guest RAM of a template, MiB. 64 MiB leaves the guest kernel, its initramfs and the
+ * guest agent room to boot with a small workload (the default is 256); 64 GiB is the most one
+ * template may freeze into a RAM file on the host's tmpfs (the builder also checks the tmpfs has
+ * that much free before it starts).
+ */
+export const MIN_MEM_MIB = 64;
+export const MAX_MEM_MIB = 65_536;
+/** Our choice: vCPUs of a template's VMs; 64 is QEMU microvm's practical ceiling for one guest. */
+export const MIN_VCPUS = 1;
+export const MAX_VCPUS = 64;
+/**
+ * Our choice: `wait_secs` of a Family A template registration, how long its build waits for the
+ * VM to come up (QEMU start to the guest agent's answer). At least 1 s (a cold boot under TCG
+ * takes a few); at most an hour, past which a guest that has not answered is broken.
+ */
+export const MIN_WAIT_SECS = 1;
+export const MAX_WAIT_SECS = 3600;
+/** Our choice: argv commands in one exec (`commands`); each is one guest round trip. */
+export const MAX_EXEC_COMMANDS = 64;
+/**
+ * The most any deployment may raise `maxExecTimeoutS` to: the agent holds an exec's HTTP request
+ * (and its guest request) open for this long at most. `resolveConfig` refuses a larger setting.
+ */
+export const EXEC_TIMEOUT_CEILING_S = 3600;
+/**
+ * Spec section 4.2: the largest per-call fork `count` of any tier (Enterprise 64). The agent
+ * refuses more; `resolveConfig` refuses a `forkCapByTier` above it.
+ */
+export const MAX_FORK_COUNT = 64;
+/** Our choice: Family B `seed`, hex characters (64 bytes of entropy at most). */
+export const MAX_SEED_HEX_CHARS = 128;
+/** Our choice: length of an OCI image reference to bake (registry, path, tag and digest). */
+export const MAX_IMAGE_REF_CHARS = 1024;
+/** TCP ports: a connect URL's port, a bake's `ready.ports`, the agent's tunnel port. */
+export const MIN_PORT = 1;
+export const MAX_PORT = 65_535;
+/**
+ * The most any deployment may raise `maxJsonBodyBytes` to (`resolveConfig` refuses more). The
+ * gateway re-encodes a request's files for the agent no larger than the client sent them (JSON
+ * escapes the same characters both ways), so the agent's own body limit is this plus
+ * AGENT_BODY_MARGIN_BYTES for the fields it adds.
+ */
+export const JSON_BODY_CEILING_BYTES = 32 * 1024 * 1024;
+/** Room for what the gateway adds around a client's request (template, timeout, env, ...). */
+export const AGENT_BODY_MARGIN_BYTES = 1024 * 1024;
+/** The agent's JSON body limit (agent/api/app.ts). */
+export const AGENT_MAX_JSON_BODY_BYTES = JSON_BODY_CEILING_BYTES + AGENT_BODY_MARGIN_BYTES;
+
+/** Every bound both sides check, by name, for the test that probes both sides with each. */
+export const SHARED_BOUNDS = {
+  memMib: { min: MIN_MEM_MIB, max: MAX_MEM_MIB },
+  vcpus: { min: MIN_VCPUS, max: MAX_VCPUS },
+  waitSecs: { min: MIN_WAIT_SECS, max: MAX_WAIT_SECS },
+  execFiles: { min: 0, max: MAX_EXEC_FILES },
+  pathChars: { min: 1, max: MAX_PATH_CHARS },
+  execCommands: { min: 1, max: MAX_EXEC_COMMANDS },
+  execTimeoutS: { min: 1, max: EXEC_TIMEOUT_CEILING_S },
+  forkCount: { min: 1, max: MAX_FORK_COUNT },
+  seedHexChars: { min: 1, max: MAX_SEED_HEX_CHARS },
+  imageRefChars: { min: 1, max: MAX_IMAGE_REF_CHARS },
+  templateWidth: { min: 1, max: MAX_TEMPLATE_WIDTH },
+  port: { min: MIN_PORT, max: MAX_PORT },
+  jsonBodyBytes: { min: 1, max: JSON_BODY_CEILING_BYTES },
+} as const satisfies Record<string, { min: number; max: number }>;
+
+/**
+ * The settings of a deployment's `Limits` that the agents cannot follow past a shared bound;
+ * empty when every one is within. `resolveConfig` (gateway/config.ts) refuses a config with any.
+ */
+export function limitsBeyondAgent(l: Limits): string[] {
+  const out: string[] = [];
+  if (l.maxExecTimeoutS > EXEC_TIMEOUT_CEILING_S)
+    out.push(`maxExecTimeoutS ${l.maxExecTimeoutS} is over ${EXEC_TIMEOUT_CEILING_S}`);
+  if (l.maxJsonBodyBytes > JSON_BODY_CEILING_BYTES)
+    out.push(`maxJsonBodyBytes ${l.maxJsonBodyBytes} is over ${JSON_BODY_CEILING_BYTES}`);
+  for (const [tier, cap] of Object.entries(l.forkCapByTier))
+    if (cap > MAX_FORK_COUNT) out.push(`forkCapByTier.${tier} ${cap} is over ${MAX_FORK_COUNT}`);
+  return out;
+}
+
 /** The whole set, as the config carries it. */
 export interface Limits {
   ratePerSecond: number;

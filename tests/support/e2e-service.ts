@@ -42,9 +42,10 @@ function childEnv(): NodeJS.ProcessEnv {
  * and the python OCI layout from the shared cache, so `up` neither downloads a kernel nor runs
  * debootstrap. Both are built in the shared dir first when missing (~45 s once).
  */
-export async function prepareDataDir(prefix = "sbx-e2e-"): Promise<string> {
+export async function prepareDataDir(prefix = "sbx-e2e-", opts: { python?: boolean } = {}): Promise<string> {
   await ensureGuestArtifacts({ dataDir: SHARED_DATA_DIR });
-  await ensurePythonImage({ dataDir: SHARED_DATA_DIR });
+  // Without the python layout (`up --no-catalog` suites) there is no debootstrap to wait for.
+  if (opts.python !== false) await ensurePythonImage({ dataDir: SHARED_DATA_DIR });
   const dir = await mkdtemp(join(tmpdir(), prefix));
   for (const sub of ["guest", "catalog"]) {
     const src = join(SHARED_DATA_DIR, sub);
@@ -334,6 +335,18 @@ export async function waitFor(cond: () => boolean | Promise<boolean>, timeoutMs:
     await Bun.sleep(50);
   }
   return cond();
+}
+
+/**
+ * After the service stopped: waits for its QEMUs to exit, kills (by pid) any left for `dir` (ours:
+ * started by our `up`), and removes the dir. Returns the pids it had to kill.
+ */
+export async function reapDataDir(dir: string): Promise<number[]> {
+  await waitFor(async () => (await qemusUnder(dir)).length === 0, 10_000);
+  const left = (await qemusUnder(dir)).map((q) => q.pid);
+  for (const pid of left) process.kill(pid, "SIGKILL");
+  await removeDataDir(dir);
+  return left;
 }
 
 /** Removes a data dir made by `prepareDataDir` (and only such a dir). */

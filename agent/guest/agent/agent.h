@@ -12,7 +12,7 @@
  *   exec.c      EXEC: children, their stdin/stdout/stderr, the answer
  *   tunnel.c    tunnels (OP CONNECT and the egress ones): DATA/CREDIT/CLOSE
  *   egress.c    the guest's egress proxy port: accepted connections become tunnels
- *   files.c     WRITE_FILE, READ_FILE
+ *   files.c     WRITE_FILE, WRITE_FILE_STREAM, READ_FILE
  *   machine.c   entropy, realtime clock, hostname, boot id
  *   queue.c     byte queues for pipes and sockets that were not ready
  *   protocol.h  the wire numbers (kept equal to contracts/guest-protocol.ts by a test)
@@ -49,6 +49,10 @@
  * host data, so 128 caps that at 32 MiB even if every reader in the guest stalls. The host needs
  * a few per sandbox; a buggy host must not be able to exhaust PID 1's memory or fds. */
 #define MAX_TUNNELS 128
+/* Bound on streamed file writes (WRITE_FILE_STREAM) open at once: each holds an fd and a temp
+ * file. The host writes one exec's files one after another; 64 leaves room for several sandbox
+ * calls at once while a buggy host cannot exhaust PID 1's fds. */
+#define MAX_FILE_STREAMS 64
 
 /* ------------------------------------------------------------------------------------------ */
 /* main.c: how the agent runs */
@@ -215,6 +219,12 @@ void egress_accept(void);
 
 void op_write_file(uint32_t stream, const uint8_t *p, size_t n);
 void op_read_file(uint32_t stream, const uint8_t *p, size_t n);
+void op_write_file_stream(uint32_t stream, const uint8_t *p, size_t n);
+int is_file_stream(uint32_t stream);
+/* A STDIN (content; empty = EOF) or CANCEL frame for a streamed write. */
+void file_stream_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n);
+/* The host is gone (hang-up or HELLO): every streamed write is dropped with its temp file. */
+void file_streams_abort_all(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* machine.c: machine-wide state */

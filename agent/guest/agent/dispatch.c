@@ -1,5 +1,5 @@
-/* What each frame from the host asks for: HELLO, the REQUEST ops, and the frames of running execs
- * and tunnels, each routed to the file that owns it. */
+/* What each frame from the host asks for: HELLO, the REQUEST ops, and the frames of running execs,
+ * streamed file writes and tunnels, each routed to the file that owns it. */
 #include "agent.h"
 
 #include <errno.h>
@@ -52,6 +52,9 @@ static void op_request(uint32_t stream, const uint8_t *p, size_t n) {
   case SBX_OP_WRITE_FILE:
     op_write_file(stream, p, n);
     return;
+  case SBX_OP_WRITE_FILE_STREAM:
+    op_write_file_stream(stream, p, n);
+    return;
   case SBX_OP_READ_FILE:
     op_read_file(stream, p, n);
     return;
@@ -83,12 +86,17 @@ void dispatch(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
   case SBX_T_HELLO:
     /* A HELLO starts the host afresh: tunnels it knew are gone on its side (docs "Tunnels"). */
     tunnels_close_all("host said HELLO");
+    file_streams_abort_all();
     op_hello();
     return;
   case SBX_T_REQUEST:
     op_request(stream, p, n);
     return;
   case SBX_T_STDIN:
+    if (is_file_stream(stream)) {
+      file_stream_frame(type, stream, p, n);
+      return;
+    }
     e = find_exec(stream);
     if (!e || !e->stream_stdin || e->in_fd < 0) return; /* late or unknown: drop */
     if (n == 0)
@@ -98,6 +106,10 @@ void dispatch(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
     stdin_pump(e);
     return;
   case SBX_T_CANCEL:
+    if (is_file_stream(stream)) {
+      file_stream_frame(type, stream, p, n);
+      return;
+    }
     e = find_exec(stream);
     if (e && !e->exited) {
       e->cancelled = 1;

@@ -1,5 +1,5 @@
 /* WRITE_FILE and READ_FILE: a whole file in one frame (bounded by SBX_MAX_PAYLOAD), so no file
- * op holds PID 1's loop for long. */
+ * op holds PID 1's loop for long; WRITE_FILE_STREAM: a file of any size in chunks. */
 #include "agent.h"
 
 #include <errno.h>
@@ -62,63 +62,193 @@ static int write_all(int fd, const uint8_t *d, size_t n) {
   return 0;
 }
 
-void op_write_file(uint32_t stream, const uint8_t *p, size_t n) {
+/* Where a write goes: the final path and the temp file beside it, open for writing. */
+struct target {
+  char *path, *tmp;
+  int fd;
+  uint32_t mode, uid, gid;
+  int have_uid, have_gid;
+};
+
+static void target_free(struct target *t) {
+  free(t->tmp);
+  free(t->path);
+  t->tmp = t->path = NULL;
+}
+
+/* The request's PATH/CWD/MODE/UID/GID resolved, the parents made and the temp file created
+ * (O_EXCL, O_NOFOLLOW, 0600 until the end). 0 on success; else the request is answered. */
+static int target_open(uint32_t stream, const uint8_t *p, size_t n, struct target *t) {
   static unsigned counter;
-  uint32_t mode = 0644, uid = 0, gid = 0;
-  int have_uid = tlv_get_u32(p, n, SBX_TAG_UID, &uid), have_gid = tlv_get_u32(p, n, SBX_TAG_GID, &gid);
-  if (tlv_get_u32(p, n, SBX_TAG_MODE, &mode) < 0 || have_uid < 0 || have_gid < 0) {
+  memset(t, 0, sizeof *t);
+  t->fd = -1;
+  t->mode = 0644;
+  t->have_uid = tlv_get_u32(p, n, SBX_TAG_UID, &t->uid);
+  t->have_gid = tlv_get_u32(p, n, SBX_TAG_GID, &t->gid);
+  if (tlv_get_u32(p, n, SBX_TAG_MODE, &t->mode) < 0 || t->have_uid < 0 || t->have_gid < 0) {
     respond_status(stream, EINVAL, "write_file: integer field of the wrong width");
-    return;
+    return -1;
   }
-  struct tlv data = {0};
-  tlv_find(p, n, SBX_TAG_DATA, &data);
-  char *path = resolve_path(p, n, stream), *tmp = NULL;
-  if (!path) return;
-  char *slash = strrchr(path, '/');
+  t->path = resolve_path(p, n, stream);
+  if (!t->path) return -1;
+  char *slash = strrchr(t->path, '/');
   if (slash[1] == 0) {
-    respond_errno(stream, EISDIR, "write_file", path);
-    goto out;
+    respond_errno(stream, EISDIR, "write_file", t->path);
+    goto fail;
   }
-  if (make_parents(path, have_uid, uid, have_gid, gid) < 0) {
-    respond_errno(stream, errno, "write_file: mkdir parents of", path);
-    goto out;
+  if (make_parents(t->path, t->have_uid, t->uid, t->have_gid, t->gid) < 0) {
+    respond_errno(stream, errno, "write_file: mkdir parents of", t->path);
+    goto fail;
   }
   /* Temp file in the same directory, then rename: readers see the old or the new file, never
    * a half-written one (docs: WRITE_FILE). */
   *slash = 0;
-  int r = asprintf(&tmp, "%s/.%s.sbx-tmp-%d-%u", *path ? path : "", slash + 1, (int)getpid(), counter++);
+  int r = asprintf(&t->tmp, "%s/.%s.sbx-tmp-%d-%u", *t->path ? t->path : "", slash + 1, (int)getpid(),
+                   counter++);
   *slash = '/';
   if (r < 0) {
-    tmp = NULL;
+    t->tmp = NULL;
     respond_status(stream, ENOMEM, "write_file: out of memory");
-    goto out;
+    goto fail;
   }
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    respond_errno(stream, errno, "write_file: create", tmp);
-    goto out;
+  t->fd = open(t->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (t->fd < 0) {
+    respond_errno(stream, errno, "write_file: create", t->tmp);
+    goto fail;
   }
-  int err = 0;
-  if (write_all(fd, data.v, data.len) < 0) err = errno;
+  return 0;
+fail:
+  target_free(t);
+  return -1;
+}
+
+/* Owner, mode, close and rename into place; answers SIZE, or the error after removing the temp
+ * file. `err` is an earlier write's errno (0 none). Frees the target. */
+static void target_finish(uint32_t stream, struct target *t, int err, uint64_t size) {
   /* chown before chmod: chown clears set-id bits. */
-  if (!err && (have_uid || have_gid) && fchown(fd, have_uid ? uid : (uid_t)-1, have_gid ? gid : (gid_t)-1) < 0)
+  if (!err && (t->have_uid || t->have_gid) &&
+      fchown(t->fd, t->have_uid ? t->uid : (uid_t)-1, t->have_gid ? t->gid : (gid_t)-1) < 0)
     err = errno;
-  if (!err && fchmod(fd, mode & 07777) < 0) err = errno;
-  if (close(fd) < 0 && !err) err = errno;
-  if (!err && rename(tmp, path) < 0) err = errno;
+  if (!err && fchmod(t->fd, t->mode & 07777) < 0) err = errno;
+  if (close(t->fd) < 0 && !err) err = errno;
+  t->fd = -1;
+  if (!err && rename(t->tmp, t->path) < 0) err = errno;
   if (err) {
-    unlink(tmp);
-    respond_errno(stream, err, "write_file", path);
-    goto out;
+    unlink(t->tmp);
+    respond_errno(stream, err, "write_file", t->path);
+  } else {
+    struct buf b = {0};
+    tlv_u32(&b, SBX_TAG_STATUS, 0);
+    tlv_u64(&b, SBX_TAG_SIZE, size);
+    send_buf(SBX_T_RESPONSE, stream, &b);
+    buf_free(&b);
   }
-  struct buf b = {0};
-  tlv_u32(&b, SBX_TAG_STATUS, 0);
-  tlv_u64(&b, SBX_TAG_SIZE, data.len);
-  send_buf(SBX_T_RESPONSE, stream, &b);
-  buf_free(&b);
-out:
-  free(tmp);
-  free(path);
+  target_free(t);
+}
+
+/* Drops a target without answering: its temp file goes, the old file (if any) stays. */
+static void target_abort(struct target *t) {
+  if (t->fd >= 0) close(t->fd);
+  t->fd = -1;
+  if (t->tmp) unlink(t->tmp);
+  target_free(t);
+}
+
+void op_write_file(uint32_t stream, const uint8_t *p, size_t n) {
+  struct tlv data = {0};
+  tlv_find(p, n, SBX_TAG_DATA, &data);
+  struct target t;
+  if (target_open(stream, p, n, &t) < 0) return;
+  target_finish(stream, &t, write_all(t.fd, data.v, data.len) < 0 ? errno : 0, data.len);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* WRITE_FILE_STREAM: the content follows the REQUEST as STDIN frames, an empty one ends it. Each
+ * chunk is written as it arrives, so a file is bounded by the guest's disk, not by a frame. A
+ * write that fails (ENOSPC, EIO) is answered at once and its temp file removed; STDIN frames
+ * still in flight for it are dropped as frames of an unknown stream. */
+
+struct filew {
+  struct filew *next;
+  uint32_t stream;
+  struct target t;
+  uint64_t size;
+};
+
+static struct filew *filews;
+static int n_filews;
+
+static void filew_unlink(struct filew *w) {
+  for (struct filew **pp = &filews; *pp; pp = &(*pp)->next) {
+    if (*pp == w) {
+      *pp = w->next;
+      break;
+    }
+  }
+  n_filews--;
+  free(w);
+}
+
+int is_file_stream(uint32_t stream) {
+  for (struct filew *w = filews; w; w = w->next)
+    if (w->stream == stream) return 1;
+  return 0;
+}
+
+void op_write_file_stream(uint32_t stream, const uint8_t *p, size_t n) {
+  if (is_file_stream(stream)) {
+    respond_status(stream, EBUSY, "write_file: stream already carries a file");
+    return;
+  }
+  if (n_filews >= MAX_FILE_STREAMS) {
+    respond_status(stream, EAGAIN, "write_file: too many streamed writes at once");
+    return;
+  }
+  struct filew *w = calloc(1, sizeof *w);
+  if (!w) {
+    respond_status(stream, ENOMEM, "write_file: out of memory");
+    return;
+  }
+  if (target_open(stream, p, n, &w->t) < 0) {
+    free(w);
+    return;
+  }
+  w->stream = stream;
+  w->next = filews;
+  filews = w;
+  n_filews++;
+}
+
+void file_stream_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
+  struct filew *w = filews;
+  while (w && w->stream != stream) w = w->next;
+  if (!w) return;
+  if (type == SBX_T_CANCEL) {
+    target_abort(&w->t);
+    respond_status(stream, ECANCELED, "write_file: cancelled");
+    filew_unlink(w);
+    return;
+  }
+  if (n == 0) { /* EOF: the file is complete */
+    target_finish(stream, &w->t, 0, w->size);
+    filew_unlink(w);
+    return;
+  }
+  if (write_all(w->t.fd, p, n) < 0) {
+    respond_errno(stream, errno, "write_file", w->t.path);
+    target_abort(&w->t);
+    filew_unlink(w);
+    return;
+  }
+  w->size += n;
+}
+
+void file_streams_abort_all(void) {
+  while (filews) {
+    struct filew *w = filews;
+    target_abort(&w->t);
+    filew_unlink(w);
+  }
 }
 
 void op_read_file(uint32_t stream, const uint8_t *p, size_t n) {

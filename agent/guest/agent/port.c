@@ -78,6 +78,7 @@ static void host_lost(const char *why, int err) {
   outq_clear();
   decoder_reset();
   tunnels_close_all("host disconnected"); /* the host's side of them is gone */
+  file_streams_abort_all();               /* their content will not arrive */
   next_probe_ms = mono_ms() + RECONNECT_MS;
   if (host_mode && port_fd >= 0) {
     close(port_fd);

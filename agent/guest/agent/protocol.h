@@ -51,6 +51,8 @@
 #define SBX_OP_SET_HOSTNAME 7
 #define SBX_OP_SYNC 8
 #define SBX_OP_CONNECT 9
+/* WRITE_FILE's fields without DATA; the content follows as STDIN frames, an empty one ends it. */
+#define SBX_OP_WRITE_FILE_STREAM 10
 
 /* bits of SBX_TAG_STREAM */
 #define SBX_STREAM_OUTPUT 1

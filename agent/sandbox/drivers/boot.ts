@@ -59,6 +59,8 @@ interface Live {
 export class BootDriver implements SandboxDriver {
   readonly name: string;
   private readonly templates = new Map<string, ImportedImage>();
+  /** A template's `wait_secs` (TemplateInput.bringupTimeoutMs): this driver boots at every spawn. */
+  private readonly bringupMs = new Map<string, number>();
   private readonly live = new Map<string, Live>();
   private detached = false;
   private readonly log: (msg: string) => void;
@@ -95,6 +97,7 @@ export class BootDriver implements SandboxDriver {
       ...(signal ? { signal } : {}),
     });
     this.templates.set(templateId, image);
+    if (input.bringupTimeoutMs !== undefined) this.bringupMs.set(templateId, input.bringupTimeoutMs);
     return { image: image.config, exposedPorts: image.config.exposedPorts };
   }
 
@@ -116,6 +119,7 @@ export class BootDriver implements SandboxDriver {
   async dropTemplate(templateId: string): Promise<void> {
     // The image stays in the content-addressed cache: other templates may share it.
     this.templates.delete(templateId);
+    this.bringupMs.delete(templateId);
   }
 
   async spawn(templateId: string, vmId: string, size: VmSize): Promise<DriverVm> {
@@ -130,7 +134,7 @@ export class BootDriver implements SandboxDriver {
         accel: this.accel,
         memMib: size.memMib,
         vcpus: size.vcpus,
-        bringupTimeoutMs: COLD_BOOT_TIMEOUT_MS,
+        bringupTimeoutMs: this.bringupMs.get(templateId) ?? COLD_BOOT_TIMEOUT_MS,
         id: vmId,
         log: this.log,
       });

@@ -56,7 +56,18 @@ export type TemplateInput =
    * (spec 4.3) runs before a snapshot driver freezes the template: it starts services detached
    * and exits 0 once they are healthy (non-zero or a timeout fails the build).
    */
-  | { kind: "archive"; path: string; size?: Partial<VmSize>; readyCmd?: string[]; readyTimeoutMs?: number }
+  | {
+      kind: "archive";
+      path: string;
+      size?: Partial<VmSize>;
+      readyCmd?: string[];
+      readyTimeoutMs?: number;
+      /**
+       * Family A `wait_secs`: how long the build waits for its VM to come up (QEMU start to the
+       * guest agent's HELLO); the driver's default when absent. Past it the build fails.
+       */
+      bringupTimeoutMs?: number;
+    }
   /**
    * An OCI reference to pull (Family B bake, agent/image/pull.ts), then as an archive. `exposedPorts`
    * (`ready.ports`) replace the image's ExposedPorts when given.

@@ -299,7 +299,12 @@ export class SnapshotDriver implements SandboxDriver {
         ...(input.readyTimeoutMs || this.opts.timeouts?.readyMs
           ? { readyTimeoutMs: input.readyTimeoutMs || this.opts.timeouts?.readyMs }
           : {}),
-        ...(this.opts.timeouts?.bootMs ? { bringupTimeoutMs: this.opts.timeouts.bootMs } : {}),
+        // A build's own wait_secs bounds its bring-up; otherwise the operator's boot timeout.
+        ...(input.kind === "archive" && input.bringupTimeoutMs !== undefined
+          ? { bringupTimeoutMs: input.bringupTimeoutMs }
+          : this.opts.timeouts?.bootMs
+            ? { bringupTimeoutMs: this.opts.timeouts.bootMs }
+            : {}),
         ...(input.kind === "oci" && input.readyEnv ? { readyEnv: input.readyEnv } : {}),
         onDistributing: () => onPhase?.("Distributing"),
         log: this.log,
