@@ -46,6 +46,8 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   template_not_ready: 409, // Family A: spawning from a template still building (spec 3.1)
   conflict: 409, // duplicate template id; a state that does not allow the action
   port_not_exposed: 409,
+  // The gateway reached the sandbox, whose guest refused the connect: an upstream failure.
+  port_unreachable: 502,
   payload_too_large: 413,
   rate_limited: 429,
   quota_exceeded: 429,
@@ -83,8 +85,6 @@ const FIXED_MESSAGE: Partial<Record<PublicErrorCode, string>> = {
 /** The agent's codes that are not public ones, each with what it means for a client. */
 const PUBLIC_OF_AGENT_CODE: Readonly<Record<Exclude<AgentErrorCode, PublicErrorCode>, PublicErrorCode>> = {
   unsupported: "not_implemented",
-  // A refused connect inside the guest: the connect route has no answer for it but a 500.
-  port_unreachable: "internal",
 };
 
 function isAgentOnlyCode(code: ErrorCode): code is keyof typeof PUBLIC_OF_AGENT_CODE {
