@@ -1,5 +1,6 @@
 import { homedir } from "node:os";
 import { join, resolve } from "node:path";
+import { SandboxdError } from "../contracts/errors.ts";
 
 /** Where sandboxd keeps images, guest artifacts, VM directories and (later) its database. */
 export function defaultDataDir(env: NodeJS.ProcessEnv = process.env): string {
@@ -9,3 +10,26 @@ export function defaultDataDir(env: NodeJS.ProcessEnv = process.env): string {
 }
 
 export const REPO_ROOT = resolve(import.meta.dir, "..");
+
+/**
+ * The public URL connect URLs are minted on: `--public-url`, else `SANDBOXD_PUBLIC_URL`, else
+ * none (the gateway then follows each request's scheme and host). Checked at start: a typo
+ * would otherwise surface only as connect URLs that lead nowhere.
+ */
+export function publicUrlOption(
+  flag: string | undefined,
+  env: NodeJS.ProcessEnv = process.env,
+): { publicBaseUrl?: string } {
+  const raw = flag ?? (env.SANDBOXD_PUBLIC_URL || undefined);
+  if (raw === undefined) return {};
+  let u: URL;
+  try {
+    u = new URL(raw);
+  } catch {
+    throw new SandboxdError("bad_request", `--public-url / SANDBOXD_PUBLIC_URL is not a URL: ${raw}`);
+  }
+  if (!["http:", "https:", "ws:", "wss:"].includes(u.protocol)) {
+    throw new SandboxdError("bad_request", `--public-url must be http(s):// or ws(s)://, got ${raw}`);
+  }
+  return { publicBaseUrl: u.origin };
+}

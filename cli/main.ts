@@ -5,6 +5,7 @@
 import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
+import { buildVersion } from "./build-stamp.ts";
 import { defaultDataDir, REPO_ROOT } from "./config.ts";
 
 const USAGE = `usage: sandboxd <command> [options]
@@ -55,11 +56,16 @@ commands:
   variable (flag first, then environment, then --config FILE: JSON or KEY=VALUE lines with the
   environment names), e.g. --session-idle-ttl S / SANDBOXD_SESSION_IDLE_TTL; the list with
   defaults is in the README ("Operator settings"); an invalid value exits 2
+  bun ARGS...
+        run the Bun this launcher installed (the repository's tools, e.g.
+        bin/sandboxd bun tests/fixtures/images.ts busybox /tmp/img.tar)
   test [FILE-FILTER...]
         type check, lint and run the test suite (the README's test command)
   --version`;
 
 const VERSION: string = JSON.parse(readFileSync(`${REPO_ROOT}/package.json`, "utf8")).version;
+/** What the serving commands report as their version: the package version and the commit. */
+const buildStamp = () => buildVersion(REPO_ROOT, VERSION);
 
 function log(msg: string): void {
   if (process.env.SANDBOXD_QUIET !== "1") process.stderr.write(`sandboxd: ${msg}\n`);
@@ -129,15 +135,15 @@ async function main(argv: string[]): Promise<number> {
       return cmdRun(rest);
     case "up": {
       const { cmdUp } = await import("./up.ts");
-      return cmdUp(rest, VERSION, log);
+      return cmdUp(rest, buildStamp(), log);
     }
     case "gateway": {
       const { cmdGateway } = await import("./serve.ts");
-      return cmdGateway(rest, VERSION, log);
+      return cmdGateway(rest, buildStamp(), log);
     }
     case "agent": {
       const { cmdAgent } = await import("./serve.ts");
-      return cmdAgent(rest, VERSION, log);
+      return cmdAgent(rest, buildStamp(), log);
     }
     case "bench": {
       const { cmdBench } = await import("./bench.ts");
@@ -169,7 +175,7 @@ async function main(argv: string[]): Promise<number> {
     }
     case "--version":
     case "version":
-      process.stdout.write(`sandboxd ${VERSION}\n`);
+      process.stdout.write(`sandboxd ${buildStamp()}\n`);
       return 0;
     case undefined:
     case "help":

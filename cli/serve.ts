@@ -23,7 +23,7 @@ import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
-import { defaultDataDir } from "./config.ts";
+import { defaultDataDir, publicUrlOption } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
 import {
   type AgentSettings,
@@ -198,7 +198,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
     config: {
       version,
       region: values.region ?? "local",
-      ...(values["public-url"] ? { publicBaseUrl: values["public-url"] } : {}),
+      ...publicUrlOption(values["public-url"]),
       limits: gatewayLimits(settings),
       settings: settingsOf(settings, "gateway"),
     },

@@ -18,7 +18,7 @@ import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { enrolledAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
-import { defaultDataDir } from "./config.ts";
+import { defaultDataDir, publicUrlOption } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { installHeapStatsSignal } from "./heap-stats.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
@@ -60,7 +60,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     config: {
       version,
       region: "local",
-      ...(values["public-url"] ? { publicBaseUrl: values["public-url"] } : {}),
+      ...publicUrlOption(values["public-url"]),
       limits: gatewayLimits(settings),
       // Gateway and agent run here: health shows both halves' settings.
       settings,

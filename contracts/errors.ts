@@ -64,6 +64,8 @@ export const PublicErrorCode = [
   "port_not_exposed",
   /** The guest refused a file of an exec's `files` (bad path, permission, its disk full). */
   "invalid_file",
+  /** A connect reached the sandbox but nothing accepts connections on the port inside it. */
+  "port_unreachable",
   "payload_too_large",
   "rate_limited",
   "quota_exceeded",
@@ -81,8 +83,7 @@ export type PublicErrorCode = (typeof PublicErrorCode)[number];
 
 /**
  * Every code an agent puts on its wire (docs/agent-api.md "Errors"); agent/api/errors.ts gives each
- * its status. Most are public codes with the same meaning; `port_unreachable` and `unsupported`
- * are the agent's own.
+ * its status. Most are public codes with the same meaning; `unsupported` is the agent's own.
  */
 export const AgentErrorCode = [
   "bad_request",

@@ -66,7 +66,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
 
   app.use("/v1/*", bearerKey({ db: deps.db, pepper: deps.config.keyPepper }), rateLimit.middleware);
 
-  app.route("/", familyARoutes(deps));
+  app.route("/", familyARoutes(deps, log));
   app.route("/", sandboxRoutes(deps));
   app.route("/", connectRoutes(deps));
   app.route("/", templateRoutes(deps));

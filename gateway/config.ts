@@ -9,8 +9,12 @@ export interface GatewayConfig {
   keyPepper: string;
   /** Server secret for connect-url tokens (HMAC-SHA256). */
   connectSecret: string;
-  /** Public base URL; connect URLs use its host with `wss://` (spec 2.8). */
-  publicBaseUrl: string;
+  /**
+   * Public base URL (`--public-url`, `SANDBOXD_PUBLIC_URL`): connect URLs (spec 2.8) use its host
+   * with `wss://` (`ws://` for an `http:` one). Unset, they follow the request: the scheme this
+   * gateway serves (plain HTTP: `ws://`) and the host the client reached it by.
+   */
+  publicBaseUrl?: string;
   /** Where uploaded template images are streamed before the agent takes them. */
   uploadDir: string;
   /**
@@ -43,7 +47,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
     version: input.version ?? "sandboxd-dev",
     keyPepper: input.keyPepper,
     connectSecret: input.connectSecret,
-    publicBaseUrl: input.publicBaseUrl ?? "https://localhost:8080",
+    ...(input.publicBaseUrl !== undefined ? { publicBaseUrl: input.publicBaseUrl } : {}),
     uploadDir: input.uploadDir,
     agent: input.agent ?? { id: "local", region: "local", url: "in-process" },
     region: input.region ?? "local",

@@ -47,6 +47,8 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   conflict: 409, // duplicate template id; a state that does not allow the action
   port_not_exposed: 409,
   invalid_file: 400, // the guest refused a file of `files`; the message says which and why
+  // The gateway reached the sandbox, whose guest refused the connect: an upstream failure.
+  port_unreachable: 502,
   payload_too_large: 413,
   rate_limited: 429,
   quota_exceeded: 429,
@@ -84,8 +86,6 @@ const FIXED_MESSAGE: Partial<Record<PublicErrorCode, string>> = {
 /** The agent's codes that are not public ones, each with what it means for a client. */
 const PUBLIC_OF_AGENT_CODE: Readonly<Record<Exclude<AgentErrorCode, PublicErrorCode>, PublicErrorCode>> = {
   unsupported: "not_implemented",
-  // A refused connect inside the guest: the connect route has no answer for it but a 500.
-  port_unreachable: "internal",
 };
 
 function isAgentOnlyCode(code: ErrorCode): code is keyof typeof PUBLIC_OF_AGENT_CODE {

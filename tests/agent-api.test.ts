@@ -141,7 +141,6 @@ describe("agent HTTP API with real VMs", () => {
       expect((await errorOf(c.createSandbox("no-such-template", { kind: "sandbox" }))).code).toBe(
         "not_found",
       );
-      expect((await errorOf(c.deleteTemplate("busybox"))).code).toBe("template_in_use");
 
       await c.destroy(vm.vmId, { force: false });
       await c.destroy(vm.vmId, { force: false }); // idempotent
@@ -155,7 +154,20 @@ describe("agent HTTP API with real VMs", () => {
       expect(once).toMatchObject({ stdout: "once\n", exitCode: 0 });
       expect(once.forkTimeMs).toBeGreaterThan(0);
 
+      // Spec 3.1: a delete while a VM runs on the template lets it finish; nothing new spawns,
+      // the ref cannot be built again, and the template goes with its last VM.
+      const last = await c.createSandbox("busybox", { kind: "sandbox" });
       await c.deleteTemplate("busybox");
+      expect((await errorOf(c.templateStatus("busybox"))).code).toBe("not_found");
+      expect((await errorOf(c.createSandbox("busybox", { kind: "sandbox" }))).code).toBe("not_found");
+      expect((await errorOf(c.buildTemplate("busybox", { kind: "oci", image: "r.example/x:1" }))).code).toBe(
+        "conflict",
+      );
+      expect((await c.exec(last.vmId, shell("echo still"))).stdout).toBe("still\n");
+      expect(agent.manager.templates.deletingIds()).toEqual(["busybox"]);
+      await c.destroy(last.vmId, { force: false });
+      for (let i = 0; i < 100 && agent.manager.templates.deletingIds().length > 0; i++) await Bun.sleep(50);
+      expect(agent.manager.templates.deletingIds()).toEqual([]);
       expect((await errorOf(c.templateStatus("busybox"))).code).toBe("not_found");
     },
     VM_TEST_TIMEOUT_MS,

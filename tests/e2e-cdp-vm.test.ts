@@ -183,8 +183,7 @@ describe("CDP into a VM", () => {
         }
         figures.chromium_start_in_vm_ms = Number(/chromium_start_ms=(\d+)/.exec(started.stdout)?.[1]);
 
-        // The minted URL is wss:// on the public base URL; the same path and query on the test's
-        // gateway (plain ws on loopback).
+        // No --public-url: the minted URL follows the request (plain ws on loopback), used as issued.
         const minted = expectOk(
           await api().post(`/v1/sandboxes/${id}/connect-url`, {
             key: keys.pro,
@@ -195,7 +194,8 @@ describe("CDP into a VM", () => {
         );
         const u = new URL(minted.url);
         expect(u.searchParams.get("protocol")).toBe("cdp");
-        const url = `${service().url.replace(/^http/, "ws")}${u.pathname}${u.search}`;
+        const url = minted.url;
+        expect(url).toStartWith(`${service().url.replace(/^http:/, "ws:")}/v1/sandboxes/${id}/connect?`);
 
         const { chromium } = await import("playwright-core");
         t0 = performance.now();

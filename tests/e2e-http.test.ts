@@ -296,7 +296,9 @@ describe("Family A: one-shot and batch exec", () => {
       const hostnames = new Set<string>();
       const randoms = new Set<string>();
       const ids = new Set<string>();
-      results.forEach((r, i) => {
+      results.forEach((item, i) => {
+        if ("error" in item) throw new Error(`batch item ${i} failed: ${JSON.stringify(item)}`);
+        const r = item;
         const [idx, markers, hostname, random] = r.stdout.trim().split(" ");
         expect({ idx, markers }).toEqual({ idx: String(i), markers: String(i) });
         expect(r.exit_code).toBe(i === 2 ? 5 : 0);

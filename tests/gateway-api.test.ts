@@ -11,6 +11,7 @@ import { usageIntervals } from "../db/schema/usage-intervals.ts";
 import { FixedPlacement } from "../gateway/agents/placement.ts";
 import { endStaleExecs, reapIdleSessions } from "../gateway/core/sandboxes.ts";
 import type { Deps } from "../gateway/deps.ts";
+import { OPENAPI_PATH } from "../gateway/openapi.ts";
 import { type Harness, makeHarness } from "../gateway/testing/harness.ts";
 
 let h: Harness;
@@ -49,6 +50,13 @@ describe("health and auth", () => {
       version: "test-1",
       templates: { python: { ready: true } },
     });
+  });
+
+  test("GET /v1/openapi.yaml serves the committed API description without a key", async () => {
+    const res = await h.req("GET", "/v1/openapi.yaml");
+    expect(res.status).toBe(200);
+    expect(res.headers.get("content-type")).toStartWith("application/yaml");
+    expect(await res.text()).toBe(await Bun.file(OPENAPI_PATH).text());
   });
 
   test("401 for a missing, malformed, unknown, tampered or revoked key", async () => {
@@ -244,7 +252,7 @@ describe("family A sessions", () => {
 });
 
 describe("one-shot execs share the tenant's cap and are metered", () => {
-  test("an exec in flight holds a place; a batch over the cap is refused whole; each call is one running interval", async () => {
+  test("an exec in flight holds a place; batch items over the cap fail one by one; each call is one running interval", async () => {
     const capped = await makeHarness({ limits: { sessionCapPerTenant: 2 } });
     try {
       const k = await capped.key("t", "live");
@@ -270,7 +278,11 @@ describe("one-shot execs share the tenant's cap and are metered", () => {
         key: k,
         json: { executions: [{ code: "3", template_id: "python" }] },
       });
-      expect(batch.status).toBe(429);
+      // One result per item: this one is the 429 a single exec would get, as its own envelope.
+      expect(batch.status).toBe(200);
+      expect((await json(batch)).results).toEqual([
+        { status: 429, error: { code: "quota_exceeded", message: expect.any(String) } },
+      ]);
       // Refused before any VM was asked for.
       expect(capped.agent.calls.filter((c) => c.startsWith("execOnce")).length).toBe(execs);
       // The exec runs for an hour of the gateway's clock, then ends.
@@ -278,12 +290,23 @@ describe("one-shot execs share the tenant's cap and are metered", () => {
       release();
       expect((await inFlight).status).toBe(200);
       capped.agent.execOnceGate = undefined;
-      // Its place is free again: a batch of one fits next to the session.
+      // Its place is free again: the first item of a batch fits next to the session and runs;
+      // the second finds the cap full, the third names no template; neither discards the first.
       const ok = await capped.req("POST", "/v1/exec/batch", {
         key: k,
-        json: { executions: [{ code: "4", template_id: "python" }] },
+        json: {
+          executions: [
+            { code: "4", template_id: "python" },
+            { code: "5", template_id: "python" },
+            { code: "6", template_id: "nope" },
+          ],
+        },
       });
       expect(ok.status).toBe(200);
+      const items = (await json(ok)).results;
+      expect(items[0]).toMatchObject({ stdout: "4", exit_code: 0 });
+      expect(items[1]).toMatchObject({ status: 429, error: { code: "quota_exceeded" } });
+      expect(items[2]).toMatchObject({ status: 404, error: { code: "not_found" } });
       const rows = await capped.handle.db.select().from(sandboxes).where(eq(sandboxes.kind, "exec"));
       expect(rows.map((r) => r.state)).toEqual(["destroyed", "destroyed"]);
       const intervals = await capped.handle.db
@@ -393,8 +416,30 @@ describe("templates", () => {
     expect(ready).toEqual({ id: "myimg", status: "ready", created_at_secs: 1_700_000_000 });
     expect((await h.req("GET", "/v1/templates/myimg", { key: otherLive })).status).toBe(404);
     expect((await h.req("DELETE", "/v1/templates/myimg", { key: live })).status).toBe(403);
+    // Spec 3.1: a session still on it keeps running; nothing new spawns; the id is free again.
+    const s = await json(await h.req("POST", "/v1/sessions", { key: live, json: { template_id: "myimg" } }));
     expect((await h.req("DELETE", "/v1/templates/myimg", { key: scale })).status).toBe(204);
     expect((await h.req("GET", "/v1/templates/myimg", { key: live })).status).toBe(404);
+    const late = await h.req("POST", "/v1/sessions", { key: live, json: { template_id: "myimg" } });
+    expect(late.status).toBe(404);
+    expect((await json(late)).code).toBe("not_found");
+    const still = await h.req("POST", `/v1/sessions/${s.session_id}/exec`, {
+      key: live,
+      json: { commands: [["echo", "still"]] },
+    });
+    expect(still.status).toBe(200);
+    expect(h.agent.templates.get(agentTpl[0])?.deleting).toBe(true);
+    const again = await h.req("POST", "/v1/templates?id=myimg", {
+      key: scale,
+      body: "IMAGEHEAD again",
+      headers: { "content-type": "application/octet-stream" },
+    });
+    expect(again.status).toBe(202);
+    const refs = [...h.agent.templates.keys()].filter((r) => r.endsWith(".myimg"));
+    expect(refs).toHaveLength(2); // the old one, deleting, and the new registration beside it
+    expect((await h.req("DELETE", `/v1/sessions/${s.session_id}`, { key: live })).status).toBe(204);
+    expect(h.agent.templates.has(agentTpl[0])).toBe(false); // reclaimed with its last VM
+    expect((await h.req("DELETE", "/v1/templates/myimg", { key: scale })).status).toBe(204);
   });
 
   test("upload over the limit is 413 and leaves no template", async () => {

@@ -59,9 +59,9 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
   const app = new Hono();
 
   app.onError((err, c) => {
-    const { status, body } = mapAgentError(err);
+    const { status, body, headers } = mapAgentError(err);
     if (status >= 500) log(`${c.req.method} ${c.req.path}: ${status} ${body.code}: ${body.message}`);
-    return c.json(body, status);
+    return c.json(body, status, headers);
   });
   app.notFound((c) => c.json({ code: "not_found", message: `no route ${c.req.method} ${c.req.path}` }, 404));
 

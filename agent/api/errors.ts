@@ -34,9 +34,25 @@ function onTheWire(code: ErrorCode): code is AgentErrorCode {
   return Object.hasOwn(AGENT_STATUS_OF_CODE, code);
 }
 
-export function mapAgentError(err: unknown): { status: ContentfulStatusCode; body: ErrorBody } {
+/**
+ * The status, body and headers of an error answer. A `retryAfterSeconds` in the error's details
+ * (at_capacity says when a slot may be free) goes out as `Retry-After`, which the gateway's client
+ * reads back (contracts/agent/schemas.ts errorFromAgentAnswer) so the public answer carries it too.
+ */
+export function mapAgentError(err: unknown): {
+  status: ContentfulStatusCode;
+  body: ErrorBody;
+  headers: Record<string, string>;
+} {
   if (err instanceof SandboxdError && onTheWire(err.code)) {
-    return { status: AGENT_STATUS_OF_CODE[err.code], body: { code: err.code, message: err.message } };
+    const headers: Record<string, string> = {};
+    const retry = err.details?.retryAfterSeconds;
+    if (typeof retry === "number") headers["Retry-After"] = String(Math.max(1, Math.ceil(retry)));
+    return {
+      status: AGENT_STATUS_OF_CODE[err.code],
+      body: { code: err.code, message: err.message },
+      headers,
+    };
   }
-  return { status: 500, body: { code: "internal", message: describeError(err) } };
+  return { status: 500, body: { code: "internal", message: describeError(err) }, headers: {} };
 }

@@ -252,6 +252,8 @@ export class SandboxManager {
     }
     const reaped = await m.driver.reap(keep);
     if (reaped.length > 0) m.log(`reaped VMs no record claims: ${reaped.join(", ")}`);
+    m.reclaimTemplates(); // deleted before the restart, and no VM of theirs came back
+
     // After the reap, which would take them for a dead agent's.
     for (const id of m.templates.ids()) m.prelaunch.fill(id);
     m.diskTimer = setInterval(() => {
@@ -313,6 +315,7 @@ export class SandboxManager {
     } catch (err) {
       // Nobody knows this id yet: nothing to keep but the error.
       this.sandboxes.delete(id);
+      this.reclaimTemplates();
       sb.meter.enter("destroyed", Date.now());
       await this.driver.destroy(id, undefined).catch(() => {});
       await this.records.remove(id);
@@ -636,10 +639,31 @@ export class SandboxManager {
     this.prelaunch.fill(id);
   }
 
+  /**
+   * Spec 3.1: in-flight VMs finish, then the template's resources are reclaimed. Its idle pools
+   * (warm and pre-launched VMs, which run nothing) go now; with sandboxes still running on it
+   * the template is marked deleting (nothing new spawns from it) and `reclaimTemplates` removes
+   * it when the last of them ends.
+   */
   async deleteTemplate(id: string): Promise<void> {
-    const inUse = [...this.sandboxes.values()].some((s) => s.templateId === id && !isTerminal(s.state));
-    if (!inUse) await Promise.all([this.warm.release(id), this.prelaunch.drain(id)]);
-    await this.templates.delete(id, inUse);
+    await Promise.all([this.warm.release(id), this.prelaunch.drain(id)]);
+    const done = await this.templates.delete(id, this.templateInUse(id));
+    if (done === "deferred") this.log(`template ${id}: deleting once the VMs still running on it end`);
+  }
+
+  private templateInUse(id: string): boolean {
+    return [...this.sandboxes.values()].some((s) => s.templateId === id && !isTerminal(s.state));
+  }
+
+  /** Removes each template marked deleting whose VMs have all ended. */
+  private reclaimTemplates(): void {
+    for (const id of this.templates.deletingIds()) {
+      if (this.templateInUse(id)) continue;
+      void this.templates.delete(id, false).then(
+        () => this.log(`template ${id}: deleted, the last VM on it has ended`),
+        (err: unknown) => this.log(`template ${id}: deleting it failed: ${describeError(err)}`),
+      );
+    }
   }
 
   /** Spec 4.2 expect: keep `width` warm VMs of the template (bounded by capacity); idempotent. */
@@ -809,6 +833,7 @@ export class SandboxManager {
     sb.state = "lost";
     sb.meter.enter("lost", Date.now(), reason);
     void this.persist(sb);
+    this.reclaimTemplates();
   }
 
   /** The one place state changes: checked against the table, metered, recorded, idle re-armed. */
@@ -820,6 +845,7 @@ export class SandboxManager {
     if (to === "running") this.armIdle(sb);
     else this.clearIdle(sb);
     if (to !== "destroyed") void this.persist(sb);
+    if (isTerminal(to)) this.reclaimTemplates();
   }
 
   private armIdle(sb: Sandbox): void {

@@ -69,6 +69,11 @@ export const TemplateRecord = z.object({
     .optional(),
   /** Readiness telemetry measured by the build (contracts TemplateTelemetry), kept across restarts. */
   telemetry: z.record(z.string(), z.unknown()).optional(),
+  /**
+   * Deleted while VMs still ran on it (spec 3.1): it spawns nothing more and is removed when the
+   * last of them ends, also by an agent that restarted in between.
+   */
+  deleting: z.boolean().optional(),
 });
 export type TemplateRecord = z.infer<typeof TemplateRecord>;
 

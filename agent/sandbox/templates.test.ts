@@ -70,6 +70,56 @@ async function until(cond: () => boolean): Promise<void> {
   expect(cond()).toBe(true);
 }
 
+describe("TemplateRegistry delete while VMs run (spec 3.1)", () => {
+  test("deferred: gone for status and spawns, its ref cannot be rebuilt, kept across a restart, then removed", async () => {
+    // A driver that builds at once, with an image config a record can hold.
+    const image = {
+      env: [],
+      workingDir: "/",
+      entrypoint: [],
+      cmd: ["sh"],
+      user: { uid: 0, gid: 0, name: "root" },
+      digest: "sha256:0",
+      exposedPorts: [],
+    };
+    const driver = {
+      prepareTemplate: async () => ({ image, exposedPorts: [] }),
+      dropTemplate: async () => {},
+      restoreTemplate: async () => {},
+    } as unknown as SandboxDriver;
+    const dir = await scratchDir();
+    const reg = new TemplateRegistry(driver, templateRecords(dir), () => {});
+    reg.build("acme.tag.t", { kind: "oci", image: "r.example/x:1" });
+    await reg.settled("acme.tag.t");
+    expect(reg.ready("acme.tag.t").id).toBe("acme.tag.t");
+
+    expect(await reg.delete("acme.tag.t", true)).toBe("deferred");
+    const code = (f: () => unknown) => {
+      try {
+        f();
+        return "none";
+      } catch (err) {
+        return (err as SandboxdError).code;
+      }
+    };
+    expect(code(() => reg.ready("acme.tag.t"))).toBe("not_found");
+    expect(code(() => reg.status("acme.tag.t"))).toBe("not_found");
+    expect(code(() => reg.build("acme.tag.t", { kind: "oci", image: "r.example/x:1" }))).toBe("conflict");
+    expect(reg.ids()).toEqual([]);
+    expect(reg.deletingIds()).toEqual(["acme.tag.t"]);
+
+    // A restarted agent reads the promise back from the record.
+    const again = new TemplateRegistry(driver, templateRecords(dir), () => {});
+    await again.load();
+    expect(again.deletingIds()).toEqual(["acme.tag.t"]);
+    expect(code(() => again.ready("acme.tag.t"))).toBe("not_found");
+    // The last VM ended: removed, record and all.
+    expect(await again.delete("acme.tag.t", false)).toBe("deleted");
+    expect(again.deletingIds()).toEqual([]);
+    expect(existsSync(join(dir, "records", "templates", "acme.tag.t.json"))).toBe(false);
+  });
+});
+
 describe("TemplateRegistry phases", () => {
   test("Pending while queued, then Converting, Distributing, Live; a failure is Failed with its reason", async () => {
     const { driver, held } = heldDriver();

@@ -122,6 +122,9 @@ export class TemplateRegistry {
    * its build failed. */
   build(id: string, input: TemplateInput, size: Partial<VmSize> = {}): void {
     const existing = this.entries.get(id);
+    if (existing?.record.deleting) {
+      throw new SandboxdError("conflict", `template ${id} is being deleted; VMs still run on it`);
+    }
     if (existing && existing.record.status !== "failed") {
       throw new SandboxdError("conflict", `template ${id} already exists (${existing.record.status})`);
     }
@@ -187,7 +190,7 @@ export class TemplateRegistry {
   }
 
   status(id: string): TemplateBuildStatus {
-    const e = this.mustGet(id);
+    const e = this.visible(id);
     const r = e.record;
     const out: TemplateBuildStatus = {
       status: r.status,
@@ -207,18 +210,29 @@ export class TemplateRegistry {
 
   /** A template a VM can be spawned from, or the spec's error for why not. */
   ready(id: string): ReadyTemplate {
-    const r = this.mustGet(id).record;
+    const r = this.visible(id).record;
     if (r.status === "building") throw new SandboxdError("template_not_ready", `template ${id} is building`);
     if (r.status === "failed" || !r.prepared)
       throw new SandboxdError("template_not_ready", `template ${id} failed to build: ${r.error ?? ""}`);
     return { id, prepared: r.prepared, size: r.size ?? {} };
   }
 
-  /** Removes a template; `inUse` says whether VMs still run on it (409 template_in_use). */
-  async delete(id: string, inUse: boolean): Promise<void> {
+  /**
+   * Removes a template, or, while VMs still run on it (`inUse`), marks it deleting (spec 3.1:
+   * in-flight VMs finish, then its resources are reclaimed): from then on it is unknown to
+   * `status` and `ready` (nothing new spawns from it) and its id cannot be built again; the
+   * manager calls this again with `inUse` false once the last of its VMs has ended.
+   */
+  async delete(id: string, inUse: boolean): Promise<"deleted" | "deferred"> {
     const e = this.entries.get(id);
-    if (!e) return;
-    if (inUse) throw new SandboxdError("template_in_use", `VMs still run on template ${id}`);
+    if (!e) return "deleted";
+    if (inUse) {
+      if (!e.record.deleting) {
+        e.record = { ...e.record, deleting: true };
+        await this.store.write(e.record);
+      }
+      return "deferred";
+    }
     e.abort?.abort();
     this.entries.delete(id);
     // The delete answers once the cancelled build has removed its partial files, so a re-bake of
@@ -236,11 +250,17 @@ export class TemplateRegistry {
     }
     await this.store.remove(id);
     await this.driver.dropTemplate(id);
+    return "deleted";
   }
 
-  /** Every template id this agent knows, in any state. */
+  /** Every template id this agent can spawn from or build, in any state; not those being deleted. */
   ids(): string[] {
-    return [...this.entries.keys()];
+    return [...this.entries].filter(([, e]) => !e.record.deleting).map(([id]) => id);
+  }
+
+  /** The templates deleted while VMs still ran on them, waiting for the last to end. */
+  deletingIds(): string[] {
+    return [...this.entries].filter(([, e]) => e.record.deleting).map(([id]) => id);
   }
 
   /** Resolves when the build of `id` (if any) has finished. */
@@ -316,6 +336,13 @@ export class TemplateRegistry {
       running: Object.fromEntries(this.runningBy),
       waiting: Object.fromEntries([...this.waiting].map(([o, q]) => [o, q.length])),
     };
+  }
+
+  /** A template as the API sees it: one being deleted is already gone (spec 3.1 "removed"). */
+  private visible(id: string): Entry {
+    const e = this.mustGet(id);
+    if (e.record.deleting) throw new SandboxdError("not_found", `template ${id} is being deleted`);
+    return e;
   }
 
   private mustGet(id: string): Entry {

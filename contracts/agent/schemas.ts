@@ -227,7 +227,13 @@ export type ErrorBody = z.infer<typeof ErrorBody>;
  * same `SandboxdError` code, or `internal` naming what was asked (`what`) when the body is not one
  * (an answer that is not the agent's, or a code this gateway does not know).
  */
-export function errorFromAgentAnswer(status: number, text: string, what: string): SandboxdError {
+export function errorFromAgentAnswer(
+  status: number,
+  text: string,
+  what: string,
+  /** The answer's `Retry-After` (seconds), kept so the gateway's own answer carries it on. */
+  retryAfter?: string | null,
+): SandboxdError {
   let parsed: ErrorBody | undefined;
   try {
     const r = ErrorBody.safeParse(JSON.parse(text));
@@ -235,6 +241,13 @@ export function errorFromAgentAnswer(status: number, text: string, what: string)
   } catch {
     parsed = undefined;
   }
-  if (parsed) return new SandboxdError(parsed.code, parsed.message, { details: { status } });
+  // Delay-seconds only (RFC 9110); six digits (11 days) is beyond any wait an agent would ask for.
+  const retry = retryAfter?.trim();
+  const retryAfterSeconds = retry && /^\d{1,6}$/.test(retry) ? Number(retry) : undefined;
+  if (parsed) {
+    return new SandboxdError(parsed.code, parsed.message, {
+      details: retryAfterSeconds === undefined ? { status } : { status, retryAfterSeconds },
+    });
+  }
   return new SandboxdError("internal", `agent answered ${status} to ${what}: ${text.slice(0, 200)}`);
 }

@@ -3,7 +3,15 @@
  * templates registered from an uploaded image.
  */
 import { z } from "zod";
-import { ArgvCommands, ExecTruncated, FileWrites, SessionId, TemplateId, TimeoutSeconds } from "./common.ts";
+import {
+  ArgvCommands,
+  ErrorEnvelope,
+  ExecTruncated,
+  FileWrites,
+  SessionId,
+  TemplateId,
+  TimeoutSeconds,
+} from "./common.ts";
 import { MAX_MEM_MIB, MAX_VCPUS, MAX_WAIT_SECS, MIN_MEM_MIB, MIN_VCPUS, MIN_WAIT_SECS } from "./limits.ts";
 
 // ---- exec (2.2, 4.1) -----------------------------------------------------------------------
@@ -38,8 +46,30 @@ export const BatchExecRequest = z
   .meta({ id: "BatchExecRequest" });
 export type BatchExecRequest = z.infer<typeof BatchExecRequest>;
 
+/**
+ * A batch item that did not run, or whose VM failed: the `{code, message}` envelope a single
+ * `/v1/exec` would have answered, with that answer's status (and `Retry-After`, in seconds).
+ */
+export const BatchItemError = z
+  .object({
+    status: z.int().describe("The HTTP status this failure has on POST /v1/exec."),
+    error: ErrorEnvelope,
+    retry_after_seconds: z
+      .int()
+      .optional()
+      .describe("When the failure is worth retrying later (quota, capacity): seconds to wait."),
+  })
+  .meta({ id: "BatchItemError" });
+export type BatchItemError = z.infer<typeof BatchItemError>;
+
 export const BatchExecResponse = z
-  .object({ results: z.array(ExecResultA).describe("One per execution, in request order.") })
+  .object({
+    results: z
+      .array(z.union([ExecResultA, BatchItemError]))
+      .describe(
+        "One per execution, in request order: its exec result, or a BatchItemError for an item that failed (the others are kept).",
+      ),
+  })
   .meta({ id: "BatchExecResponse" });
 
 // ---- sessions (2.1, 4.1) -------------------------------------------------------------------

@@ -48,6 +48,15 @@ export const ROUTES: RouteContract[] = [
   },
   {
     method: "get",
+    path: "/v1/openapi.yaml",
+    family: "none",
+    summary: "This API description (public documentation: no key)",
+    rawResponse: "application/yaml",
+    status: 200,
+    errors: [],
+  },
+  {
+    method: "get",
     path: "/v1/metrics",
     family: "both",
     summary: "Prometheus metrics for the caller's tenant",
@@ -273,8 +282,9 @@ export const ROUTES: RouteContract[] = [
     summary: "WebSocket tunnel to a guest port (Bearer key or `t` token)",
     query: B.ConnectQuery,
     status: 101,
-    // 503/501: the sandbox's agent does not answer / offers no tunnels (opened before the upgrade).
-    errors: [400, 403, 404, 409, 501, 503],
+    // 503/501: the sandbox's agent does not answer / offers no tunnels; 502 port_unreachable:
+    // nothing accepts connections on the port inside the sandbox (all before the upgrade).
+    errors: [400, 403, 404, 409, 501, 502, 503],
   },
   {
     method: "post",

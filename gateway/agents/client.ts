@@ -248,7 +248,9 @@ export class AgentHttpClient implements AgentApi {
         { cause: err, details: { url, timeoutMs, timedOut } },
       );
     }
-    if (!res.ok) throw errorFromAgentAnswer(res.status, text, `${method} ${path}`);
+    if (!res.ok) {
+      throw errorFromAgentAnswer(res.status, text, `${method} ${path}`, res.headers.get("retry-after"));
+    }
     if (schema === null) return undefined;
     let json: unknown;
     try {

@@ -125,6 +125,8 @@ async function reserve(
   template: { pk: string; id: string },
   items: { labels: Record<string, string>; parentId?: string; template?: { pk: string; id: string } }[],
   agentId: string,
+  /** Reserve the first items that fit instead of refusing all (a batch: the rest fail one by one). */
+  partial = false,
 ): Promise<string[]> {
   const cap =
     p.family === "a" ? deps.config.limits.sessionCapPerTenant : deps.config.limits.sandboxQuotaByTier[p.tier];
@@ -134,7 +136,8 @@ async function reserve(
   return underTenantLock(deps.db, p.tenantId, async (tx) => {
     // Resumes on their way count as running already (`holdForQuota`).
     const n = await countInStates(tx, p, counted, p.family === "a" ? undefined : { hold: "resume", now });
-    if (n + items.length > cap) {
+    const taken = partial ? items.slice(0, Math.max(0, cap - n)) : items;
+    if (n + taken.length > cap) {
       // One-shot execs hold a VM for their call: they count with the sessions.
       const what =
         p.family === "a"
@@ -146,11 +149,12 @@ async function reserve(
         details: { cap, current: n },
       });
     }
-    const ids = items.map(() =>
+    const ids = taken.map(() =>
       kind === "session" ? newSessionId() : kind === "exec" ? newExecId() : newSandboxId(),
     );
+    if (ids.length === 0) return ids;
     await tx.insert(sandboxes).values(
-      items.map((it, i) => ({
+      taken.map((it, i) => ({
         id: ids[i]!,
         tenantId: p.tenantId,
         family: p.family,
@@ -247,18 +251,23 @@ export async function createVm(
   return { row: await getOwned(deps, p, id!), vm };
 }
 
+/** One one-shot exec's outcome: its result, or why it did not run (a batch answers each). */
+export type OneShotOutcome = { ok: true; result: OneShotResult } | { ok: false; error: unknown };
+
 /**
  * Family A one-shot execs (`/v1/exec`, `/v1/exec/batch`): each holds a VM for its call, so each
- * takes a place in the tenant's concurrency cap (a row of kind `exec`, reserved for the whole
- * batch at once: a batch over the cap is refused before any VM starts) and is metered like a
- * session that ran for the call (one running interval with the VM's size). The row ends
- * `destroyed` when the call ends, whatever its outcome.
+ * takes a place in the tenant's concurrency cap (a row of kind `exec`, reserved before any VM
+ * starts) and is metered like a session that ran for the call (one running interval with the
+ * VM's size). The row ends `destroyed` when the call ends, whatever its outcome. `partial` (a
+ * batch): the calls that fit the cap run and the rest are `quota_exceeded` each; otherwise a
+ * set of calls over the cap is refused whole. Every call's outcome is returned, in order.
  */
 export async function execOneShots(
   deps: Deps,
   p: Principal,
   calls: { template: { pk: string; id: string; agentRef: string }; action: ExecAction }[],
-): Promise<OneShotResult[]> {
+  opts: { partial?: boolean } = {},
+): Promise<OneShotOutcome[]> {
   if (calls.length === 0) return [];
   const ids = await reserve(
     deps,
@@ -267,10 +276,11 @@ export async function execOneShots(
     calls[0]!.template,
     calls.map((c) => ({ labels: {}, template: c.template })),
     await deps.placement.firstChoice(),
+    opts.partial ?? false,
   );
   const startedAt = new Date(deps.clock());
   const settled = await Promise.allSettled(
-    calls.map(async (c, i) => {
+    calls.slice(0, ids.length).map(async (c, i) => {
       const id = ids[i]!;
       try {
         const { agentId, result } = await deps.placement.place((a) =>
@@ -284,8 +294,17 @@ export async function execOneShots(
       }
     }),
   );
-  for (const r of settled) if (r.status === "rejected") throw r.reason;
-  return settled.map((r) => (r as PromiseFulfilledResult<OneShotResult>).value);
+  const out: OneShotOutcome[] = settled.map((r) =>
+    r.status === "fulfilled" ? { ok: true, result: r.value } : { ok: false, error: r.reason },
+  );
+  const cap = deps.config.limits.sessionCapPerTenant;
+  for (let i = ids.length; i < calls.length; i++) {
+    const error = new SandboxdError("quota_exceeded", `quota reached: ${cap} live sessions and execs`, {
+      details: { cap },
+    });
+    out.push({ ok: false, error });
+  }
+  return out;
 }
 
 /** A one-shot exec's row ends `destroyed` with the call metered as one running interval. */

@@ -14,7 +14,7 @@ import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
-import { newTemplatePk } from "../ids.ts";
+import { base36, newTemplatePk } from "../ids.ts";
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
 export type TemplateRow = typeof templates.$inferSelect;
@@ -87,6 +87,17 @@ export function requireReady(row: TemplateRow): void {
 function agentRef(tenantId: string, id: string): string {
   return `${tenantId}.${id}`;
 }
+
+/**
+ * The agent's name for one Family A registration: the tenant, a per-registration tag, the id.
+ * A deleted template lives on its agent until the VMs still running on it end (spec 3.1), and
+ * its id is free again at once, so a registration under the same id must not meet it there.
+ */
+function uploadAgentRef(tenantId: string, id: string): string {
+  return `${tenantId}.${base36(UPLOAD_REF_TAG_CHARS)}.${id}`;
+}
+/** 36^6 tags: two registrations of one id by one tenant meeting on an agent is negligible. */
+const UPLOAD_REF_TAG_CHARS = 6;
 
 /** Refuses an id that the tenant already has or that a public template uses (never overwrite). */
 async function assertIdFree(deps: Deps, tenantId: string, id: string): Promise<void> {
@@ -163,7 +174,7 @@ export async function reserveUploadTemplate(
     id: opts.id,
     tenantId,
     family: "a",
-    agentRef: agentRef(tenantId, opts.id),
+    agentRef: uploadAgentRef(tenantId, opts.id),
     name: opts.id,
     status: "building",
     phase: "Pending",
@@ -328,7 +339,8 @@ export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void
       and(eq(sandboxes.templatePk, row.pk), inArray(sandboxes.state, ["starting", "running", "suspended"])),
     );
   // Family B: 409 template_in_use while sandboxes run on it (spec 4.2). Family A: in-flight VMs
-  // finish first, then resources are reclaimed (spec 3.1), which the agent handles.
+  // finish first, then resources are reclaimed (spec 3.1): the agent keeps the template, marked
+  // deleting, until its last VM ends; here the row goes at once (new sessions: 404).
   if (row.family === "b" && (inUse?.n ?? 0) > 0) {
     throw new SandboxdError("template_in_use", `template ${row.id} has ${inUse?.n} live sandboxes`);
   }

@@ -61,14 +61,24 @@ export function connectRoutes(deps: Deps): Hono<HonoEnv> {
       nowSecs,
       expSecs,
     });
-    const base = new URL(deps.config.publicBaseUrl);
-    base.protocol = base.protocol === "http:" ? "ws:" : "wss:";
+    const base = connectBase(deps.config.publicBaseUrl, c.req.url);
     const url = `${base.origin}/v1/sandboxes/${row.id}/connect?port=${req.port}&protocol=${protocol}&t=${encodeURIComponent(t)}`;
     return c.json({ url, expires_at: new Date(expSecs * 1000).toISOString() });
   });
 
   app.get("/v1/sandboxes/:id/connect", (c) => connect(deps, c, c.get("principal")));
   return app;
+}
+
+/**
+ * The origin of connect URLs: the operator's public URL when set, else the URL this request
+ * reached (its scheme as this gateway serves it and the client's Host), so a gateway that serves
+ * plain HTTP hands out `ws://` URLs that work as given. `http:` becomes `ws:`, `https:` `wss:`.
+ */
+export function connectBase(publicBaseUrl: string | undefined, requestUrl: string): URL {
+  const base = new URL(publicBaseUrl ?? requestUrl);
+  base.protocol = base.protocol === "http:" || base.protocol === "ws:" ? "ws:" : "wss:";
+  return base;
 }
 
 /**

@@ -7,7 +7,7 @@ import { Hono } from "hono";
 import type { z } from "zod";
 import type { ExecResult } from "../../contracts/agent/api.ts";
 import * as A from "../../contracts/api/family-a.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { requireFamily } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import {
@@ -22,6 +22,7 @@ import {
 } from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
+import { mapError } from "../errors.ts";
 import { jsonBody, query } from "../http.ts";
 import { oneShotAction, sessionExecAction, timeoutMs } from "./exec-actions.ts";
 
@@ -38,23 +39,63 @@ function resultA(id: string, r: ExecResult, forkTimeMs: number): z.infer<typeof 
   };
 }
 
-/** Runs one-shot execs (one per item), counted and metered by the core (execOneShots). */
-async function oneShots(
+/** One one-shot exec (`POST /v1/exec`), counted and metered by the core (execOneShots). */
+async function oneShot(deps: Deps, p: Principal, req: A.ExecRequestA): Promise<A.ExecResultA> {
+  const template = await resolveTemplate(deps, p.tenantId, req.template_id);
+  requireReady(template);
+  const [outcome] = await execOneShots(deps, p, [{ template, action: oneShotAction(deps, req) }]);
+  if (!outcome!.ok) throw outcome!.error;
+  return resultA(randomUUID(), outcome!.result, outcome!.result.forkTimeMs);
+}
+
+/**
+ * A batch (`POST /v1/exec/batch`): one result per item, in order. An item that cannot run (an
+ * unknown or unready template, no place left in the tenant's cap, a VM that failed) is its own
+ * error envelope with the status `/v1/exec` would answer; the items that ran are never discarded.
+ */
+async function batch(
   deps: Deps,
   p: Principal,
   reqs: A.ExecRequestA[],
-): Promise<z.infer<typeof A.ExecResultA>[]> {
+  log: (line: string) => void,
+): Promise<(A.ExecResultA | A.BatchItemError)[]> {
+  const out: (A.ExecResultA | A.BatchItemError)[] = new Array(reqs.length);
   const calls = [];
-  for (const req of reqs) {
-    const template = await resolveTemplate(deps, p.tenantId, req.template_id);
-    requireReady(template);
-    calls.push({ template, action: oneShotAction(deps, req) });
+  const at: number[] = [];
+  for (const [i, req] of reqs.entries()) {
+    try {
+      const template = await resolveTemplate(deps, p.tenantId, req.template_id);
+      requireReady(template);
+      calls.push({ template, action: oneShotAction(deps, req) });
+      at.push(i);
+    } catch (err) {
+      out[i] = itemError(err, i, log);
+    }
   }
-  const results = await execOneShots(deps, p, calls);
-  return results.map((r) => resultA(randomUUID(), r, r.forkTimeMs));
+  const outcomes = await execOneShots(deps, p, calls, { partial: true });
+  outcomes.forEach((o, j) => {
+    const i = at[j]!;
+    out[i] = o.ok ? resultA(randomUUID(), o.result, o.result.forkTimeMs) : itemError(o.error, i, log);
+  });
+  return out;
 }
 
-export function familyARoutes(deps: Deps): Hono<HonoEnv> {
+/** A failed batch item as `/v1/exec` would have answered it (gateway/errors.ts mapError). */
+function itemError(err: unknown, index: number, log: (line: string) => void): A.BatchItemError {
+  const m = mapError(err);
+  if (m.status >= 500) {
+    const id = m.errorId ? ` [${m.errorId}]` : "";
+    log(`POST /v1/exec/batch item ${index}${id}: ${describeError(err)}`);
+  }
+  const retry = m.headers["Retry-After"];
+  return {
+    status: m.status,
+    error: m.body,
+    ...(retry !== undefined ? { retry_after_seconds: Number(retry) } : {}),
+  };
+}
+
+export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   const max = () => deps.config.limits.maxJsonBodyBytes;
 
@@ -62,8 +103,7 @@ export function familyARoutes(deps: Deps): Hono<HonoEnv> {
     const p = c.get("principal");
     requireFamily(p, "a");
     const req = await jsonBody(c, A.ExecRequestA, max());
-    const [result] = await oneShots(deps, p, [req]);
-    return c.json(result!);
+    return c.json(await oneShot(deps, p, req));
   });
 
   app.post("/v1/exec/batch", async (c) => {
@@ -79,7 +119,7 @@ export function familyARoutes(deps: Deps): Hono<HonoEnv> {
     }
     // Validate every item's timeout before starting any VM.
     for (const e of req.executions) timeoutMs(deps, e.timeout_seconds);
-    return c.json({ results: await oneShots(deps, p, req.executions) });
+    return c.json({ results: await batch(deps, p, req.executions, log) });
   });
 
   // The path is shared (contracts/api/routes.ts, family "both"): a Family B key passes on to

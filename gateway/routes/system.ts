@@ -1,4 +1,5 @@
 /** Health (no key), metrics and usage: two sub-apps, one on each side of the key middleware. */
+import { readFile } from "node:fs/promises";
 import { and, eq, sql } from "drizzle-orm";
 import { Hono } from "hono";
 import * as B from "../../contracts/api/family-b.ts";
@@ -11,6 +12,7 @@ import { visibleTemplates } from "../core/templates.ts";
 import { usageTotals } from "../core/usage.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { query } from "../http.ts";
+import { OPENAPI_PATH } from "../openapi.ts";
 
 /** Mounted before the key middleware: health needs no key (spec 5.1). */
 export function healthRoutes(deps: Deps): Hono<HonoEnv> {
@@ -44,6 +46,17 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
       ...(accel === "tcg" ? { vm_boundary: TCG_BOUNDARY } : {}),
       ...(Object.keys(deps.config.settings).length > 0 ? { settings: deps.config.settings } : {}),
     });
+  });
+  // The API's description, as committed beside the code (gateway/openapi.ts generates it and a
+  // test keeps the two equal): public documentation, so no key, like health. Read on first use.
+  let openapi: Promise<string> | undefined;
+  app.get("/v1/openapi.yaml", async (c) => {
+    openapi ??= readFile(OPENAPI_PATH, "utf8");
+    const text = await openapi.catch((err: unknown) => {
+      openapi = undefined; // a later request tries again
+      throw err;
+    });
+    return c.body(text, 200, { "Content-Type": "application/yaml; charset=utf-8" });
   });
   return app;
 }

@@ -40,7 +40,13 @@ export class MemoryAgent implements AgentApi {
   readonly vms = new Map<VmId, MemVm>();
   readonly templates = new Map<
     TemplateRef,
-    TemplateBuildStatus & { source?: TemplateSource; uploadBytes?: number; uploadHead?: string }
+    TemplateBuildStatus & {
+      source?: TemplateSource;
+      uploadBytes?: number;
+      uploadHead?: string;
+      /** Deleted while VMs ran on it: gone for the API, removed with its last VM (as the agent does). */
+      deleting?: boolean;
+    }
   >();
   readonly calls: string[] = [];
   /** While set, one-shot execs wait for it (a test holds them in flight). */
@@ -79,7 +85,14 @@ export class MemoryAgent implements AgentApi {
   private template(ref: TemplateRef): TemplateBuildStatus {
     const t = this.templates.get(ref);
     if (!t) throw new SandboxdError("not_found", `template ${ref} unknown to agent`);
+    if (t.deleting) throw new SandboxdError("not_found", `template ${ref} is being deleted`);
     return t;
+  }
+
+  /** A template marked deleting goes with its last VM (agent/sandbox/manager.ts reclaimTemplates). */
+  private reclaim(ref: TemplateRef): void {
+    if (!this.templates.get(ref)?.deleting) return;
+    if (![...this.vms.values()].some((v) => v.template === ref)) this.templates.delete(ref);
   }
 
   private vm(id: VmId): MemVm {
@@ -164,11 +177,18 @@ export class MemoryAgent implements AgentApi {
 
   async destroy(vmId: VmId, opts: { force: boolean }): Promise<void> {
     this.calls.push(`destroy ${vmId} force=${opts.force}`);
+    const vm = this.vms.get(vmId);
     if (this.vms.delete(vmId)) this.slotsFree++;
+    if (vm) this.reclaim(vm.template);
   }
 
   async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
     this.calls.push(`build ${template} ${source.kind}`);
+    const existing = this.templates.get(template);
+    if (existing?.deleting) throw new SandboxdError("conflict", `template ${template} is being deleted`);
+    if (existing && existing.status !== "failed") {
+      throw new SandboxdError("conflict", `template ${template} already exists (${existing.status})`);
+    }
     const entry: TemplateBuildStatus & {
       source?: TemplateSource;
       uploadBytes?: number;
@@ -202,7 +222,11 @@ export class MemoryAgent implements AgentApi {
 
   async deleteTemplate(template: TemplateRef): Promise<void> {
     this.calls.push(`deleteTemplate ${template}`);
-    this.templates.delete(template);
+    const t = this.templates.get(template);
+    if (!t) return;
+    // As the agent: with VMs still on it, it is marked deleting and goes with the last of them.
+    t.deleting = true;
+    this.reclaim(template);
   }
 
   async expectWidth(template: TemplateRef, width: number): Promise<void> {
@@ -223,7 +247,10 @@ export class MemoryAgent implements AgentApi {
     const socket = connect(target, "127.0.0.1");
     await new Promise<void>((resolve, reject) => {
       socket.once("connect", resolve);
-      socket.once("error", reject);
+      // As the agent: a refused connect inside the "guest" is port_unreachable.
+      socket.once("error", (err) =>
+        reject(new SandboxdError("port_unreachable", `cannot connect to port ${port}: ${err.message}`)),
+      );
     });
     this.openTunnelSockets.add(socket);
     socket.once("close", () => this.openTunnelSockets.delete(socket));
