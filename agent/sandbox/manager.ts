@@ -38,6 +38,7 @@ import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity 
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import { type ExecRequest, planExec } from "./exec.ts";
 import { type RunOutcome, runOne, writeFiles } from "./exec-run.ts";
+import type { ManagerOptions, Sandbox, SandboxInfo } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
@@ -64,83 +65,7 @@ const DISK_REFRESH_MS = 60_000;
 /** Refused egress attempts kept per sandbox for `info`: enough to see a pattern, bounded memory. */
 const EGRESS_REFUSED_KEPT = 50;
 
-export interface ManagerOptions {
-  driver: SandboxDriver;
-  /** Records and VM directories live here. */
-  stateDir: string;
-  /** Size of a VM whose template does not say (Family A `mem_mib`, `vcpu_count`). */
-  defaultSize?: VmSize;
-  /** What this host may hand out; defaults below. */
-  capacity?: Partial<HostCapacity>;
-  /** QEMUs kept pre-launched per template (prelaunch-pool.ts); default 0, the CLI's agent 1. */
-  prelaunch?: number;
-  idlePauseMs?: number;
-  /** Template builds run at once on this host (templates.ts); default MAX_CONCURRENT_BUILDS. */
-  buildSlots?: number;
-  /** Egress of a sandbox created without `egress` (spec 2.5 leaves it to the deployment). */
-  egressDefault?: EgressDefault;
-  /**
-   * Which addresses egress may reach and how names resolve (agent/egress/fence.ts); default: the
-   * operator's fence from `SANDBOXD_EGRESS_ALLOW_INTERNAL`. Never set from the API.
-   */
-  fence?: EgressFence;
-  onUsage?: (iv: UsageInterval) => void;
-  /** State changes the gateway must hear of (accounting.ts; sent by agent/api/events.ts). */
-  onEvent?: (e: MeterEvent) => void;
-  log?: (msg: string) => void;
-}
-
-export interface SandboxInfo {
-  id: string;
-  templateId: string;
-  kind: "session" | "sandbox";
-  state: AgentSandboxState;
-  reason?: string;
-  createdAtMs: number;
-  lastUsedAtMs: number;
-  execCount: number;
-  endpoints: Record<string, string>;
-  qemuPid?: number;
-  /** The allow-list in force (`["*"]`: everything, `[]`: nothing). */
-  egressAllow: readonly string[];
-  /** The latest refused egress attempts, oldest first (at most EGRESS_REFUSED_KEPT). */
-  egressRefused: EgressAttempt[];
-  /** A one-shot exec's VM (`execOnce`): gone with its call, no gateway row names it. */
-  oneShot?: true;
-}
-
-interface Sandbox {
-  id: string;
-  templateId: string;
-  kind: "session" | "sandbox";
-  state: AgentSandboxState;
-  reason?: string;
-  size: VmSize;
-  vm?: DriverVm;
-  createdAtMs: number;
-  lastUsedAtMs: number;
-  execCount: number;
-  endpoints: Record<string, string>;
-  egress: EgressPolicy;
-  egressRefused: EgressAttempt[];
-  memBytes: number;
-  /** The exec in flight (state busy), abortable by a force destroy. */
-  inflight?: { abort: AbortController; done: Promise<unknown> };
-  /** The driver operation in flight (spawn, fork, suspend, resume); destroy waits for it. */
-  op?: Promise<unknown>;
-  destroying?: Promise<void>;
-  idleTimer?: ReturnType<typeof setTimeout>;
-  /** Serializes QMP stop/cont; `stopped` is what the last one left. */
-  vcpus: Promise<void>;
-  stopped: boolean;
-  died?: VmExitInfo;
-  onDied: Array<() => void>;
-  meter: UsageMeter;
-  /** Open tunnels to guest ports; while any is open (or opening) the VM is not idle-paused. */
-  tunnels: Set<GuestTunnel>;
-  tunnelOpens: number;
-  oneShot?: true;
-}
+export type { ManagerOptions, SandboxInfo } from "./manager-types.ts";
 
 export class SandboxManager {
   private readonly sandboxes = new Map<string, Sandbox>();

@@ -1,5 +1,5 @@
 /**
- * Usage over a window (spec 2.9), computed in SQL by `usage_rollup` (migrations/0002_usage_truth.sql,
+ * Usage over a window (spec 2.9), computed in SQL by `usage_rollup` (migrations/0003_usage_truth.sql,
  * the one place the formulas live): each usage interval contributes its overlap with [from, to)
  * (an open interval runs until `now`), weighted by its size.
  *   cpu_core_hours      = sum(vcpus * hours)               over running intervals
