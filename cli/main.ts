@@ -39,7 +39,9 @@ commands:
   key list [--tenant NAME] [--data-dir DIR]
   key revoke KEY-ID [--data-dir DIR]
         API keys (svc_<tier>_<id>_<secret>) in the gateway database: PGlite in the data dir, or
-        PostgreSQL when DATABASE_URL is set; create prints the new key as its last line
+        PostgreSQL when DATABASE_URL is set; create prints the new key as its last line. While
+        up or gateway runs they go through its operator socket (<data>/operator/sandboxd.sock)
+        and take effect at once; revoke also revokes the connect URLs the key minted
   agent-token create [--ttl 1h] [--agent ID] [--data-dir DIR]
   agent-token list [--data-dir DIR]
   agent-token revoke AGENT-ID [--data-dir DIR]

@@ -19,6 +19,7 @@ import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
+import { serveOperatorCommands } from "./operator-ops.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
@@ -39,7 +40,6 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const secrets = loadSecrets(dataDir);
   const removeFaultHandlers = installFaultHandlers(log);
 
-  const manager = await openAgentManager(dataDir, stateDir, log);
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
@@ -55,6 +55,14 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     },
     log,
   });
+  // The agent's manager opens after the gateway: over PGlite the gateway's database lock
+  // (db/lock.ts) is what stops a second `up` on this data dir, before it touches any VM.
+  const manager = await openAgentManager(dataDir, stateDir, log).catch(async (err) => {
+    await gateway.stop();
+    throw err;
+  });
+  // `sandboxd key` / `agent-token` while this runs: through this socket, on this process's db.
+  const operator = await serveOperatorCommands(dataDir, gateway, secrets, log);
   const gatewayUrl = gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:");
   const credentials = await ownAgentCredentials(gateway, secrets.agentSecret, gatewayUrl, stateDir);
   const agentServer = startAgentServer({
@@ -94,6 +102,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   log("stopping: running sandboxes keep running and are re-adopted by the next `up`");
   await catalog?.stop();
   heartbeats.stop();
+  await operator?.stop();
   await gateway.stop();
   await agentServer.stop();
   await manager.detach();

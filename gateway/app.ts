@@ -45,7 +45,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     relays: input.relays ?? new RelayRegistry(),
   };
   const log = input.log ?? ((line: string) => console.error(line));
-  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock);
+  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock, deps.db);
   const app = new Hono<HonoEnv>();
 
   app.onError((err, c) => errorResponse(err, c, log));
