@@ -75,6 +75,10 @@ describe("while `sandboxd up` runs on PGlite", () => {
       const token = await cli("agent-token", "create", "--ttl", "5m");
       expect(token.code).toBe(0);
       expect(token.stdout.trim().split("\n").at(-1)).toMatch(/^sbxe_[a-f0-9]{16}_[A-Za-z0-9_-]{43}$/);
+      const ghost = await cli("agent-token", "revoke", "ghost");
+      expect(ghost.code).not.toBe(0);
+      expect(ghost.stderr).toContain("no enrolled agent ghost");
+      expect(svc!.logTail(200)).toContain("operator: agent-token.revoke failed");
 
       const revoked = await cli("key", "revoke", keyId!);
       expect(revoked.code).toBe(0);
