@@ -2,18 +2,16 @@
  * `sandboxd agent-token create|list|revoke`: per-agent credentials in the gateway's database
  * (gateway/agents/enrollment.ts). `create` prints a one-time enrollment token for
  * `sandboxd agent --enroll`; `revoke` clears an agent's key so nothing it signs is accepted and the
- * gateway stops calling it. Over PGlite, run them while the gateway is stopped (one process opens
- * the data dir at a time).
+ * gateway stops calling it. They run in the running service through its operator socket when one
+ * answers, else on the database directly (cli/operator.ts).
  */
 import { parseArgs } from "node:util";
 import { AgentId } from "../contracts/agent/enroll.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { agents } from "../db/schema/agents.ts";
-import { createEnrollmentToken, DEFAULT_ENROLLMENT_TTL_S } from "../gateway/agents/enrollment.ts";
-import { revokeAgent } from "../gateway/agents/registry.ts";
-import { loadSecrets } from "../gateway/auth/secrets.ts";
+import { DEFAULT_ENROLLMENT_TTL_S } from "../gateway/agents/enrollment.ts";
 import { defaultDataDir } from "./config.ts";
-import { withGatewayDb } from "./gateway-db.ts";
+import { runOperatorOp } from "./operator.ts";
+import { OPERATOR_OPS } from "./operator-ops.ts";
 
 /** `90`, `90s`, `30m`, `2h`, `1d` -> seconds. */
 export function parseTtl(value: string): number {
@@ -38,45 +36,36 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
     allowPositionals: true,
   });
   const dataDir = values["data-dir"] ?? defaultDataDir();
-  return withGatewayDb(dataDir, async (db) => {
-    switch (sub) {
-      case "create": {
-        const ttlS = values.ttl === undefined ? DEFAULT_ENROLLMENT_TTL_S : parseTtl(values.ttl);
-        if (values.agent !== undefined && !AgentId.safeParse(values.agent).success)
-          throw new SandboxdError("bad_request", `--agent ${values.agent} is not a valid agent id`);
-        const { agentSecret } = loadSecrets(dataDir);
-        const issued = await createEnrollmentToken(db, agentSecret, {
-          ttlS,
-          ...(values.agent !== undefined ? { agentId: values.agent } : {}),
-        });
-        process.stderr.write(
-          `created enrollment token ${issued.id}${values.agent ? ` for agent ${values.agent}` : ""}, ` +
-            `single use, expires ${issued.expiresAt.toISOString()}; it is shown once\n`,
-        );
-        // Last line: the token itself, so scripts can take it with `tail -n1`.
-        process.stdout.write(`${issued.token}\n`);
-        return 0;
-      }
-      case "list": {
-        const rows = await db.select().from(agents).orderBy(agents.id);
-        for (const r of rows) {
-          const state = r.keyId ? "enrolled" : r.revokedAt ? "revoked" : "not enrolled";
-          const { id, region, url, enrolledAt, revokedAt, lastHeartbeatAt } = r;
-          process.stdout.write(
-            `${JSON.stringify({ id, state, region, url, enrolledAt, revokedAt, lastHeartbeatAt })}\n`,
-          );
-        }
-        return 0;
-      }
-      case "revoke": {
-        const id = positionals[0];
-        if (!id) throw new SandboxdError("bad_request", "agent-token revoke needs an agent id");
-        if (!(await revokeAgent(db, id))) throw new SandboxdError("not_found", `no enrolled agent ${id}`);
-        process.stdout.write(`revoked agent ${id}\n`);
-        return 0;
-      }
-      default:
-        throw new SandboxdError("bad_request", "usage: sandboxd agent-token create|list|revoke ...");
+  switch (sub) {
+    case "create": {
+      const ttlS = values.ttl === undefined ? DEFAULT_ENROLLMENT_TTL_S : parseTtl(values.ttl);
+      if (values.agent !== undefined && !AgentId.safeParse(values.agent).success)
+        throw new SandboxdError("bad_request", `--agent ${values.agent} is not a valid agent id`);
+      const issued = await runOperatorOp(dataDir, OPERATOR_OPS, "agent-token.create", {
+        ttlS,
+        ...(values.agent !== undefined ? { agentId: values.agent } : {}),
+      });
+      process.stderr.write(
+        `created enrollment token ${issued.id}${values.agent ? ` for agent ${values.agent}` : ""}, ` +
+          `single use, expires ${issued.expiresAt}; it is shown once\n`,
+      );
+      // Last line: the token itself, so scripts can take it with `tail -n1`.
+      process.stdout.write(`${issued.token}\n`);
+      return 0;
     }
-  });
+    case "list": {
+      const rows = await runOperatorOp(dataDir, OPERATOR_OPS, "agent-token.list", {});
+      for (const r of rows) process.stdout.write(`${JSON.stringify(r)}\n`);
+      return 0;
+    }
+    case "revoke": {
+      const id = positionals[0];
+      if (!id) throw new SandboxdError("bad_request", "agent-token revoke needs an agent id");
+      await runOperatorOp(dataDir, OPERATOR_OPS, "agent-token.revoke", { id });
+      process.stdout.write(`revoked agent ${id}\n`);
+      return 0;
+    }
+    default:
+      throw new SandboxdError("bad_request", "usage: sandboxd agent-token create|list|revoke ...");
+  }
 }

@@ -40,7 +40,9 @@ commands:
   key list [--tenant NAME] [--data-dir DIR]
   key revoke KEY-ID [--data-dir DIR]
         API keys (svc_<tier>_<id>_<secret>) in the gateway database: PGlite in the data dir, or
-        PostgreSQL when DATABASE_URL is set; create prints the new key as its last line
+        PostgreSQL when DATABASE_URL is set; create prints the new key as its last line. While
+        up or gateway runs they go through its operator socket (<data>/operator/sandboxd.sock)
+        and take effect at once; revoke also revokes the connect URLs the key minted
   usage --tenant NAME [--from ISO] [--to ISO] [--by sandbox|day] [--json] [--data-dir DIR]
         a tenant's metered usage over [from, to) (default: this UTC month until now): seconds
         running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and

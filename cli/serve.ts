@@ -21,10 +21,12 @@ import { MAX_PRELAUNCH_PER_TEMPLATE } from "../agent/sandbox/prelaunch-pool.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
+import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir, publicUrlOption } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
+import { serveOperatorCommands } from "./operator-ops.ts";
 import {
   type AgentSettings,
   agentSettings,
@@ -204,10 +206,14 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
     },
     log,
   });
+  const secrets = loadSecrets(dataDir);
+  // `sandboxd key` / `agent-token` while this runs: through this socket, on this process's db.
+  const operator = await serveOperatorCommands(dataDir, gateway, secrets, log);
   if (!values["no-catalog"]) await registerCatalog(gateway);
   log(`gateway ${gateway.url} (${gateway.runtime}), region ${gateway.config.region}, data ${dataDir}`);
   process.stdout.write(`listening ${gateway.url}\n`);
   await untilSignal();
+  await operator?.stop();
   await gateway.stop();
   removeFaultHandlers();
   return 0;

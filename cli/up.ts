@@ -21,6 +21,7 @@ import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { defaultDataDir, publicUrlOption } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { installHeapStatsSignal } from "./heap-stats.ts";
+import { serveOperatorCommands } from "./operator-ops.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
 import { agentSettings, gatewayLimits, settingFlags, settingsOrRefuse } from "./settings.ts";
 
@@ -48,7 +49,6 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
 
   // State changes of the agent's VMs, queued until the gateway is up and the agent enrolled.
   const events = new EventReporter({ log });
-  const manager = await openAgentManager(dataDir, stateDir, log, events, undefined, agentSettings(settings));
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
   const gateway = await startGateway({
@@ -67,6 +67,21 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     },
     log,
   });
+  // The agent's manager opens after the gateway: over PGlite the gateway's database lock
+  // (db/lock.ts) is what stops a second `up` on this data dir, before it touches any VM.
+  const manager = await openAgentManager(
+    dataDir,
+    stateDir,
+    log,
+    events,
+    undefined,
+    agentSettings(settings),
+  ).catch(async (err) => {
+    await gateway.stop();
+    throw err;
+  });
+  // `sandboxd key` / `agent-token` while this runs: through this socket, on this process's db.
+  const operator = await serveOperatorCommands(dataDir, gateway, secrets, log);
   const gatewayUrl = gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:");
   const credentials = await ownAgentCredentials(gateway, secrets.agentSecret, gatewayUrl, stateDir);
   const agentServer = startAgentServer({
@@ -108,6 +123,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   await catalog?.stop();
   heartbeats.stop();
   await events.stop();
+  await operator?.stop();
   await gateway.stop();
   await agentServer.stop();
   await manager.detach();

@@ -14,6 +14,7 @@ import { drizzle as drizzlePostgres } from "drizzle-orm/postgres-js";
 import { migrate as migratePostgres } from "drizzle-orm/postgres-js/migrator";
 import postgres from "postgres";
 import { SandboxdError } from "../contracts/errors.ts";
+import { lockDir } from "./lock.ts";
 import * as schema from "./schema/index.ts";
 
 export type Schema = typeof schema;
@@ -51,13 +52,19 @@ export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
   }
   const dir = join(opts.dataDir, "pglite");
   mkdirSync(dir, { recursive: true });
+  // PGlite has no lock of its own: a second process on the directory would be a second writer.
+  const lock = lockDir(dir);
   const client = new PGlite(dir);
   const db = drizzlePglite(client, { schema });
   try {
     await migratePglite(db, { migrationsFolder: MIGRATIONS_DIR });
   } catch (cause) {
-    await client.close();
+    await client.close().finally(() => lock.release());
     throw new SandboxdError("internal", `cannot migrate the PGlite database in ${dir}`, { cause });
   }
-  return { db: db as unknown as Db, kind: "pglite", close: () => client.close() };
+  return {
+    db: db as unknown as Db,
+    kind: "pglite",
+    close: () => client.close().finally(() => lock.release()),
+  };
 }

@@ -53,7 +53,7 @@ export function appDeps(input: CreateAppDeps): Deps {
 export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   const deps = appDeps(input);
   const log = input.log ?? ((line: string) => console.error(line));
-  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock);
+  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock, deps.db);
   const app = new Hono<HonoEnv>();
 
   app.onError((err, c) => errorResponse(err, c, log));

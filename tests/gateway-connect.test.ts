@@ -18,7 +18,7 @@ import { createServer, type Server, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import WebSocket from "ws";
-import { createKey } from "../gateway/auth/keys.ts";
+import { createKey, revokeKey } from "../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
@@ -294,6 +294,26 @@ describe("connect (tcp)", () => {
     expect((await api("DELETE", `/v1/sandboxes/${a}`, pro)).status).toBe(200);
     await refused(forA.href);
     expect(agent.tunnelsOpened.length).toBe(before);
+  });
+
+  test("revoking the key that minted a connect URL revokes the URL; the tenant's other keys' stand", async () => {
+    const minter = await gw.withDb((db) =>
+      createKey(db, gw.config.keyPepper, { tenant: "acme", tier: "pro" }),
+    );
+    const id = await sandbox();
+    const byMinter = await connectUrl(id, ECHO_PORT, "tcp", 300, minter.key);
+    const byOther = await connectUrl(id, ECHO_PORT, "tcp", 300, pro);
+    const ok = await mustOpen(byMinter); // works before the revocation
+    ok.close(1000);
+    await closed(ok);
+
+    expect(await gw.withDb((db) => revokeKey(db, minter.keyId))).toBe(true);
+    const o = await wsOpen(byMinter);
+    expect("status" in o ? o.status : 101).toBe(401);
+    if ("status" in o) expect(JSON.parse(o.body).code).toBe("unauthorized");
+    const other = await mustOpen(byOther); // minted by another, live key of the same tenant
+    other.close(1000);
+    await closed(other);
   });
 
   test("an open relay closes when its sandbox is deleted", async () => {

@@ -5,8 +5,9 @@
  * dir and once over a real PostgreSQL started by the test (`DATABASE_URL`; skipped, with a
  * message, only when the postgres binaries are absent).
  *
- * PGlite is one process's database: the CLI and a gateway cannot hold the same data dir at once,
- * so over PGlite the gateway is stopped while the CLI runs. Over PostgreSQL the gateway keeps
+ * PGlite is one process's database: this test's in-process gateway serves no operator socket, so
+ * over PGlite it is stopped while the CLI runs (tests/key-cli-live.test.ts runs the CLI against a
+ * running `sandboxd up`, through its operator socket). Over PostgreSQL the gateway keeps
  * running and sees the revocation on the next request.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";

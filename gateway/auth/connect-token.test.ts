@@ -4,7 +4,8 @@
  * mints and the one that accepts them are tested through the app (tests/gateway-api.test.ts).
  */
 import { expect, test } from "bun:test";
-import { decodeJwt, decodeProtectedHeader } from "jose";
+import { createHmac } from "node:crypto";
+import { decodeJwt, decodeProtectedHeader, SignJWT } from "jose";
 import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
 import {
   CONNECT_AUDIENCE,
@@ -15,7 +16,13 @@ import {
 
 const SECRET = "connect-test-secret-0123";
 const NOW_SECS = 1_740_830_400;
-const scope = { tenantId: "ten_1", sandboxId: "sbx_1", port: 8080, protocol: "tcp" as TunnelProtocol };
+const scope = {
+  tenantId: "ten_1",
+  keyId: "k1",
+  sandboxId: "sbx_1",
+  port: 8080,
+  protocol: "tcp" as TunnelProtocol,
+};
 const want = { sandboxId: "sbx_1", port: 8080, protocol: "tcp" as TunnelProtocol, nowMs: NOW_SECS * 1000 };
 
 function mint(over: Partial<typeof scope> = {}, ttl = 60): Promise<string> {
@@ -30,6 +37,7 @@ test("a genuine token names its tenant; the claims are the scope", async () => {
     tid: "ten_1",
     port: 8080,
     proto: "tcp",
+    kid: "k1",
     aud: CONNECT_AUDIENCE,
     sub: "sbx_1",
     iat: NOW_SECS,
@@ -63,17 +71,18 @@ test("another secret, a changed payload or not a token at all is refused", async
   for (const junk of ["", "x", "a.b.c"]) expect(await verifyConnectToken(SECRET, junk, want)).toBeUndefined();
 });
 
-test("the rate-limit key is the minting key's id (claim `kid`), else the tenant", async () => {
-  const withKid = await signConnectToken(SECRET, {
-    ...scope,
-    keyId: "k1",
-    nowSecs: NOW_SECS,
-    expSecs: NOW_SECS + 60,
-  });
-  expect(decodeJwt(withKid).kid).toBe("k1");
-  expect(await verifyConnectTokenClaims(SECRET, withKid, want)).toEqual({ tenantId: "ten_1", rateKey: "k1" });
-  expect(await verifyConnectTokenClaims(SECRET, await mint(), want)).toEqual({
-    tenantId: "ten_1",
-    rateKey: "tenant:ten_1",
-  });
+test("a token names its minting key (claim `kid`); one without it is refused", async () => {
+  const t = await mint();
+  expect(decodeJwt(t).kid).toBe("k1");
+  expect(await verifyConnectTokenClaims(SECRET, t, want)).toEqual({ tenantId: "ten_1", keyId: "k1" });
+  // The same claims signed with the same secret, but no `kid`: not a token this gateway mints,
+  // and one whose revocation could not be checked.
+  const noKid = await new SignJWT({ tid: "ten_1", port: 8080, proto: "tcp" })
+    .setProtectedHeader({ alg: "HS256", typ: "JWT" })
+    .setAudience(CONNECT_AUDIENCE)
+    .setSubject("sbx_1")
+    .setIssuedAt(NOW_SECS)
+    .setExpirationTime(NOW_SECS + 60)
+    .sign(new Uint8Array(createHmac("sha256", SECRET).update("sandboxd connect-token v1").digest()));
+  expect(await verifyConnectTokenClaims(SECRET, noKid, want)).toBeUndefined();
 });

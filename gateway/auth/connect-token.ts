@@ -3,7 +3,9 @@
  * port and protocol, with an expiry (`ttl_seconds`, clamped to 3600 by the route). The token
  * names its tenant, so the connect endpoint needs no key; every claim must match the request, so
  * a token is useless for any other sandbox, port, protocol or tenant. Deleting the sandbox revokes
- * its tokens: the connect route then refuses them (only a live sandbox record is accepted).
+ * its tokens: the connect route then refuses them (only a live sandbox record is accepted). The
+ * token also names the API key that minted it (`kid`), and revoking that key revokes the token:
+ * the connect route accepts a token only while its key is live (`keyIsLive`, gateway/auth/keys.ts).
  *
  * The signing key is derived from the server's connect secret (HMAC-SHA256 with a fixed label),
  * so the key is always 256 bits (RFC 7518 3.2) and never equals a key used for anything else.
@@ -19,9 +21,9 @@ export interface ConnectScope {
   tenantId: string;
   /**
    * The API key that minted the token (claim `kid`): a connect by token counts against that
-   * key's rate limit. Tokens minted without it count against `tenant:<id>`.
+   * key's rate limit, and is refused once that key is revoked.
    */
-  keyId?: string;
+  keyId: string;
   sandboxId: string;
   port: number;
   protocol: TunnelProtocol;
@@ -45,7 +47,7 @@ export function signConnectToken(
     tid: s.tenantId,
     port: s.port,
     proto: s.protocol,
-    ...(s.keyId !== undefined ? { kid: s.keyId } : {}),
+    kid: s.keyId,
   })
     .setProtectedHeader({ alg: "HS256", typ: "JWT" })
     .setAudience(CONNECT_AUDIENCE)
@@ -67,18 +69,18 @@ export async function verifyConnectToken(
   return (await verifyConnectTokenClaims(secret, token, want))?.tenantId;
 }
 
-/** As `verifyConnectToken`, with the rate-limit key: the minting key's id, else `tenant:<id>`. */
+/** As `verifyConnectToken`, with the id of the minting key (its rate limit, its revocation). */
 export async function verifyConnectTokenClaims(
   secret: string,
   token: string,
   want: { sandboxId: string; port: number; protocol: TunnelProtocol; nowMs: number },
-): Promise<{ tenantId: string; rateKey: string } | undefined> {
+): Promise<{ tenantId: string; keyId: string } | undefined> {
   try {
     const { payload } = await jwtVerify(token, keyOf(secret), {
       algorithms: ["HS256"],
       audience: CONNECT_AUDIENCE,
       subject: want.sandboxId,
-      requiredClaims: ["exp", "sub", "tid"],
+      requiredClaims: ["exp", "sub", "tid", "kid"],
       currentDate: new Date(want.nowMs),
       clockTolerance: 0,
     });
@@ -88,8 +90,9 @@ export async function verifyConnectTokenClaims(
       proto?: unknown;
       kid?: unknown;
     };
-    if (typeof tid !== "string" || port !== want.port || proto !== want.protocol) return undefined;
-    return { tenantId: tid, rateKey: typeof kid === "string" ? kid : `tenant:${tid}` };
+    if (typeof tid !== "string" || typeof kid !== "string") return undefined;
+    if (port !== want.port || proto !== want.protocol) return undefined;
+    return { tenantId: tid, keyId: kid };
   } catch {
     return undefined;
   }

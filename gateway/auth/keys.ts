@@ -93,6 +93,16 @@ export async function revokeKey(db: Db, idOrPrefix: string, now: Date = new Date
   return rows.length > 0;
 }
 
+/**
+ * Whether the key with this id exists and is not revoked: a connect token minted by a key is
+ * accepted only while this holds (auth/connect-token.ts). Read on every use, as `verifyKey` is,
+ * so a revocation by any process on the database applies to the next request.
+ */
+export async function keyIsLive(db: Db, keyId: string): Promise<boolean> {
+  const [row] = await db.select({ revokedAt: apiKeys.revokedAt }).from(apiKeys).where(eq(apiKeys.id, keyId));
+  return row !== undefined && row.revokedAt === null;
+}
+
 export interface Principal {
   tenantId: string;
   keyId: string;

@@ -9,7 +9,7 @@ import * as B from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { signConnectToken, verifyConnectTokenClaims } from "../auth/connect-token.ts";
 import { requirePro } from "../auth/guards.ts";
-import type { Principal } from "../auth/keys.ts";
+import { keyIsLive, type Principal } from "../auth/keys.ts";
 import { agentOf, getOwned, inTermsOf, type SandboxRow } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
@@ -21,7 +21,7 @@ import { TcpRelay } from "../relay/tcp.ts";
  * Authorization header is authorised by the token alone (spec 5.5). Any other request passes on,
  * to the key middleware and then `connectRoutes`.
  */
-export function connectTokenRoutes(deps: Deps, rateLimit: (keyId: string) => void): Hono<HonoEnv> {
+export function connectTokenRoutes(deps: Deps, rateLimit: (keyId: string) => Promise<void>): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   app.get("/v1/sandboxes/:id/connect", async (c, next) => {
     if (c.req.header("authorization") === undefined && c.req.query("t") !== undefined) {
@@ -93,7 +93,7 @@ export function connectBase(publicBaseUrl: string | undefined, requestUrl: strin
 async function connect(
   deps: Deps,
   c: Context<HonoEnv>,
-  principal: Principal | { rateLimit: (keyId: string) => void },
+  principal: Principal | { rateLimit: (keyId: string) => Promise<void> },
 ) {
   const id = c.req.param("id") ?? "";
   const q = query(c, B.ConnectQuery);
@@ -112,7 +112,9 @@ async function connect(
       nowMs: deps.clock(),
     });
     if (claims === undefined) throw unauthorized;
-    principal.rateLimit(claims.rateKey);
+    await principal.rateLimit(claims.keyId);
+    // Revoking the minting key revokes its tokens: refused like any invalid credential.
+    if (!(await keyIsLive(deps.db, claims.keyId))) throw unauthorized;
     const { tenantId } = claims;
     // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
     // the token's tenant, and a revoked token is an invalid credential (401), not a 404.

@@ -4,7 +4,8 @@
  * service (`bin/sandboxd up`) as a subprocess, a small typed fetch, and leak checks by process
  * table. Test code only.
  *
- * PGlite is one process's database: every key is created BEFORE `up` opens the data dir.
+ * Keys may be created before `up` starts or while it runs (the CLI then goes through its operator
+ * socket, cli/operator.ts).
  */
 import { spawn, spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
@@ -87,7 +88,7 @@ export function runCli(
   });
 }
 
-/** `bin/sandboxd key create`; the key is the last line of stdout. Run before `up` (PGlite). */
+/** `bin/sandboxd key create`; the key is the last line of stdout. Before or while `up` runs. */
 export async function createKey(dataDir: string, tenant: string, tier: Tier): Promise<string> {
   const r = await runCli(["key", "create", "--data-dir", dataDir, "--tenant", tenant, "--tier", tier]);
   const key = r.stdout.trim().split("\n").at(-1) ?? "";
@@ -231,16 +232,25 @@ export interface RunningService {
  * `extraArgs` are added to its command line (e.g. `--no-catalog`), `extraEnv` to its environment
  * (operator settings such as `SANDBOXD_EGRESS_ALLOW_INTERNAL`).
  */
-export async function startUp(
+export function startUp(
   dataDir: string,
   extraArgs: string[] = [],
   extraEnv: Record<string, string> = {},
 ): Promise<RunningService> {
   const args = ["up", "--host", "127.0.0.1", "--port", "0", "--data-dir", dataDir, ...extraArgs];
-  const child = spawn(SANDBOXD, args, {
-    env: { ...childEnv(), ...extraEnv },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
+  return startServing(args, dataDir, { ...childEnv(), ...extraEnv });
+}
+
+/**
+ * Starts a serving `bin/sandboxd` command (`up`, `gateway`, `agent`) with `args` and the whole
+ * environment `env`, and waits for the `listening URL` line it prints once it serves.
+ */
+export async function startServing(
+  args: string[],
+  dataDir: string,
+  env: NodeJS.ProcessEnv,
+): Promise<RunningService> {
+  const child = spawn(SANDBOXD, args, { env, stdio: ["ignore", "pipe", "pipe"] });
   let log = "";
   child.stderr.on("data", (b: Buffer) => {
     log = (log + b.toString()).slice(-200_000);
@@ -255,7 +265,10 @@ export async function startUp(
   const url = await new Promise<string>((done, fail) => {
     let out = "";
     const timer = setTimeout(
-      () => fail(new Error(`sandboxd up did not listen in ${LISTEN_TIMEOUT_MS} ms:\n${log.slice(-4000)}`)),
+      () =>
+        fail(
+          new Error(`sandboxd ${args[0]} did not listen in ${LISTEN_TIMEOUT_MS} ms:\n${log.slice(-4000)}`),
+        ),
       LISTEN_TIMEOUT_MS,
     );
     child.stdout.on("data", (b: Buffer) => {
@@ -268,7 +281,7 @@ export async function startUp(
     });
     void exited.then((code) => {
       clearTimeout(timer);
-      fail(new Error(`sandboxd up exited ${code} before listening:\n${log.slice(-4000)}`));
+      fail(new Error(`sandboxd ${args[0]} exited ${code} before listening:\n${log.slice(-4000)}`));
     });
   });
   const pid = child.pid!;

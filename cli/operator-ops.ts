@@ -1,0 +1,102 @@
+/**
+ * The operator commands a running service runs for the CLI (cli/operator.ts): API keys and agent
+ * enrollment tokens. Each takes JSON arguments and answers plain JSON (dates as ISO strings), the
+ * same whether it ran in the service or in the CLI on the database.
+ */
+import { z } from "zod";
+import { AgentId } from "../contracts/agent/enroll.ts";
+import { Tier } from "../contracts/api/tiers.ts";
+import { SandboxdError } from "../contracts/errors.ts";
+import { agents } from "../db/schema/agents.ts";
+import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
+import { revokeAgent } from "../gateway/agents/registry.ts";
+import { createKey, listKeys, revokeKey } from "../gateway/auth/keys.ts";
+import type { GatewaySecrets } from "../gateway/auth/secrets.ts";
+import type { RunningGateway } from "../gateway/server.ts";
+import { type OperatorSocket, operatorOp, startOperatorSocket } from "./operator.ts";
+
+const iso = (d: Date | null) => (d === null ? null : d.toISOString());
+
+export const keyCreate = operatorOp(
+  z.object({ tenant: z.string().min(1), tier: Tier, name: z.string().optional() }),
+  async ({ db, secrets }, a) => {
+    const issued = await createKey(db, secrets.keyPepper, {
+      tenant: a.tenant,
+      tier: a.tier,
+      ...(a.name !== undefined ? { name: a.name } : {}),
+    });
+    return { key: issued.key, keyId: issued.keyId, prefix: issued.prefix, tier: issued.tier };
+  },
+);
+
+export const keyList = operatorOp(z.object({ tenant: z.string().optional() }), async ({ db }, a) =>
+  (await listKeys(db, a.tenant !== undefined ? { tenant: a.tenant } : {})).map((r) => ({
+    ...r,
+    createdAt: r.createdAt.toISOString(),
+    revokedAt: iso(r.revokedAt),
+  })),
+);
+
+export const keyRevoke = operatorOp(z.object({ id: z.string().min(1) }), async ({ db }, a) => {
+  if (!(await revokeKey(db, a.id))) throw new SandboxdError("not_found", `no active key ${a.id}`);
+  return { revoked: a.id };
+});
+
+export const agentTokenCreate = operatorOp(
+  z.object({ ttlS: z.number().int().positive(), agentId: AgentId.optional() }),
+  async ({ db, secrets }, a) => {
+    const issued = await createEnrollmentToken(db, secrets.agentSecret, {
+      ttlS: a.ttlS,
+      ...(a.agentId !== undefined ? { agentId: a.agentId } : {}),
+    });
+    return { token: issued.token, id: issued.id, expiresAt: issued.expiresAt.toISOString() };
+  },
+);
+
+export const agentTokenList = operatorOp(z.object({}), async ({ db }) => {
+  const rows = await db.select().from(agents).orderBy(agents.id);
+  return rows.map((r) => ({
+    id: r.id,
+    state: r.keyId ? "enrolled" : r.revokedAt ? "revoked" : "not enrolled",
+    region: r.region,
+    url: r.url,
+    enrolledAt: iso(r.enrolledAt),
+    revokedAt: iso(r.revokedAt),
+    lastHeartbeatAt: iso(r.lastHeartbeatAt),
+  }));
+});
+
+export const agentTokenRevoke = operatorOp(z.object({ id: z.string().min(1) }), async ({ db }, a) => {
+  if (!(await revokeAgent(db, a.id))) throw new SandboxdError("not_found", `no enrolled agent ${a.id}`);
+  return { revoked: a.id };
+});
+
+/** Every command by the name it has on the operator socket. */
+export const OPERATOR_OPS = {
+  "key.create": keyCreate,
+  "key.list": keyList,
+  "key.revoke": keyRevoke,
+  "agent-token.create": agentTokenCreate,
+  "agent-token.list": agentTokenList,
+  "agent-token.revoke": agentTokenRevoke,
+};
+
+/**
+ * Serves these commands on the data dir's operator socket with a running gateway's database and
+ * secrets (its key pepper and connect secret as it resolved them): `sandboxd key` and
+ * `agent-token` while `up` or `gateway` runs.
+ */
+export function serveOperatorCommands(
+  dataDir: string,
+  gateway: RunningGateway,
+  secrets: GatewaySecrets,
+  log: (line: string) => void,
+): Promise<OperatorSocket | undefined> {
+  return startOperatorSocket({
+    dataDir,
+    ops: OPERATOR_OPS,
+    withDb: gateway.withDb,
+    secrets: { ...secrets, keyPepper: gateway.config.keyPepper, connectSecret: gateway.config.connectSecret },
+    log,
+  });
+}
