@@ -12,6 +12,7 @@ import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { revokeAgent } from "../gateway/agents/registry.ts";
 import { createKey, listKeys, revokeKey } from "../gateway/auth/keys.ts";
 import type { GatewaySecrets } from "../gateway/auth/secrets.ts";
+import { tenantIdOf, usageReport } from "../gateway/core/usage.ts";
 import type { RunningGateway } from "../gateway/server.ts";
 import { type OperatorSocket, operatorOp, startOperatorSocket } from "./operator.ts";
 
@@ -71,6 +72,27 @@ export const agentTokenRevoke = operatorOp(z.object({ id: z.string().min(1) }), 
   return { revoked: a.id };
 });
 
+/** `sandboxd usage`: a tenant's usage over [from, to) from the same SQL as `GET /v1/usage`. */
+export const usageRead = operatorOp(
+  z.object({
+    tenant: z.string().min(1),
+    from: z.iso.datetime(),
+    to: z.iso.datetime(),
+    by: z.enum(["total", "sandbox", "day"]),
+  }),
+  async ({ db }, a) => {
+    const tenantId = await tenantIdOf(db, a.tenant);
+    if (!tenantId) throw new SandboxdError("not_found", `no tenant ${a.tenant}`);
+    return usageReport(db, {
+      tenantId,
+      from: new Date(a.from),
+      to: new Date(a.to),
+      now: new Date(),
+      by: a.by,
+    });
+  },
+);
+
 /** Every command by the name it has on the operator socket. */
 export const OPERATOR_OPS = {
   "key.create": keyCreate,
@@ -79,6 +101,7 @@ export const OPERATOR_OPS = {
   "agent-token.create": agentTokenCreate,
   "agent-token.list": agentTokenList,
   "agent-token.revoke": agentTokenRevoke,
+  "usage.read": usageRead,
 };
 
 /**

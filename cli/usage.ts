@@ -7,9 +7,10 @@
  */
 import { parseArgs } from "node:util";
 import { SandboxdError } from "../contracts/errors.ts";
-import { tenantIdOf, type UsageGrouping, type UsageLine, usageReport } from "../gateway/core/usage.ts";
+import type { UsageGrouping, UsageLine } from "../gateway/core/usage.ts";
 import { defaultDataDir } from "./config.ts";
-import { withGatewayDb } from "./gateway-db.ts";
+import { runOperatorOp } from "./operator.ts";
+import { OPERATOR_OPS } from "./operator-ops.ts";
 
 export interface UsageQuery {
   tenant: string;
@@ -19,14 +20,16 @@ export interface UsageQuery {
 }
 
 /**
- * The one place this command reads the gateway's database: PostgreSQL at DATABASE_URL, or the
- * data dir's PGlite (cli/gateway-db.ts).
+ * The one place this command reads the gateway's database: through the running service's
+ * operator socket when `up` or `gateway` runs (a PGlite directory has one opener), else
+ * PostgreSQL at DATABASE_URL or the data dir's PGlite directly (cli/operator.ts).
  */
 export async function readUsage(dataDir: string, q: UsageQuery): Promise<UsageLine[]> {
-  return withGatewayDb(dataDir, async (db) => {
-    const tenantId = await tenantIdOf(db, q.tenant);
-    if (!tenantId) throw new SandboxdError("not_found", `no tenant ${q.tenant}`);
-    return usageReport(db, { tenantId, from: q.from, to: q.to, now: new Date(), by: q.by });
+  return runOperatorOp(dataDir, OPERATOR_OPS, "usage.read", {
+    tenant: q.tenant,
+    from: q.from.toISOString(),
+    to: q.to.toISOString(),
+    by: q.by,
   });
 }
 

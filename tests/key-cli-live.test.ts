@@ -80,6 +80,15 @@ describe("while `sandboxd up` runs on PGlite", () => {
       expect(ghost.stderr).toContain("no enrolled agent ghost");
       expect(svc!.logTail(200)).toContain("operator: agent-token.revoke failed");
 
+      // `usage` reads the same database through the socket too (no second PGlite opener).
+      const usage = await cli("usage", "--tenant", "acme", "--json");
+      expect(usage.code).toBe(0);
+      expect(JSON.parse(usage.stdout.trim()).lines).toBeArray();
+      expect(svc!.logTail(200)).toContain("operator: usage.read done");
+      const nobody = await cli("usage", "--tenant", "nobody");
+      expect(nobody.code).not.toBe(0);
+      expect(nobody.stderr).toContain("no tenant nobody");
+
       const revoked = await cli("key", "revoke", keyId!);
       expect(revoked.code).toBe(0);
       const refused = await list(key);
