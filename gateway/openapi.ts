@@ -4,14 +4,14 @@
  * tests/gateway-openapi.test.ts fails when the committed file differs from the generated one.
  */
 import { writeFileSync } from "node:fs";
-import { join } from "node:path";
 import { stringify } from "yaml";
 import { z } from "zod";
 import { ErrorEnvelope } from "../contracts/api/common.ts";
 import { ROUTES, type RouteContract } from "../contracts/api/routes.ts";
 import { STATUS_OF_CODE } from "./errors.ts";
+import { OPENAPI_PATH } from "./openapi-file.ts";
 
-export const OPENAPI_PATH = join(import.meta.dir, "..", "openapi.yaml");
+export { OPENAPI_PATH };
 
 type Json = Record<string, unknown>;
 

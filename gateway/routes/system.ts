@@ -12,7 +12,7 @@ import { visibleTemplates } from "../core/templates.ts";
 import { usageTotals } from "../core/usage.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { query } from "../http.ts";
-import { OPENAPI_PATH } from "../openapi.ts";
+import { OPENAPI_PATH } from "../openapi-file.ts";
 
 /** Mounted before the key middleware: health needs no key (spec 5.1). */
 export function healthRoutes(deps: Deps): Hono<HonoEnv> {
