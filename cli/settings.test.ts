@@ -85,6 +85,21 @@ describe("readSettings", () => {
     );
   });
 
+  test("the idle lifetime default: off unless set; its action is a word from the list", () => {
+    const d = gatewayLimits(ok({}));
+    expect([d.idleTimeoutS, d.idleAction]).toEqual([0, "suspend"]);
+    const s = ok({ "idle-action": "delete" }, { SANDBOXD_IDLE_TIMEOUT: "600" });
+    expect([s.SANDBOXD_IDLE_TIMEOUT, s.SANDBOXD_IDLE_ACTION]).toEqual([600, "delete"]);
+    expect(gatewayLimits(s)).toMatchObject({ idleTimeoutS: 600, idleAction: "delete" });
+    expect(
+      ok({ config: "/c" }, {}, { "/c": '{"SANDBOXD_IDLE_ACTION": "delete"}' }).SANDBOXD_IDLE_ACTION,
+    ).toBe("delete");
+    expect(refused({}, { SANDBOXD_IDLE_ACTION: "pause" })).toBe(
+      'SANDBOXD_IDLE_ACTION (--idle-action) must be one of suspend, delete, got "pause" from the environment',
+    );
+    expect(refused({ "idle-timeout": "604801" })).toContain("SANDBOXD_IDLE_TIMEOUT (--idle-timeout)");
+  });
+
   test("a config file with an unknown name, bad syntax or a missing path is refused by name", () => {
     expect(refused({ config: "/c" }, {}, { "/c": "SANDBOXD_SESION_CAP=3" })).toContain(
       "SANDBOXD_SESION_CAP is not a setting",

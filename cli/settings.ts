@@ -16,8 +16,11 @@ import { MAX_CONCURRENT_BUILDS } from "../agent/sandbox/templates.ts";
 import { DEFAULT_BRINGUP_TIMEOUT_MS, DEFAULT_READY_TIMEOUT_MS } from "../agent/snapshot/template.ts";
 import { RESTORE_READY_TIMEOUT_MS } from "../agent/snapshot/vm.ts";
 import {
+  DEFAULT_LIMITS,
   FORK_CAP_BY_TIER,
+  IDLE_ACTIONS,
   type Limits,
+  MAX_IDLE_TIMEOUT_S,
   REAPER_INTERVAL_S,
   SANDBOX_QUOTA_BY_TIER,
   SESSION_CAP_PER_TENANT,
@@ -27,18 +30,30 @@ import {
 /** Where a setting is used: the gateway's limits or the host agent's engine. */
 type Scope = "gateway" | "agent";
 
-interface SettingSpec {
+interface SettingBase {
   /** The environment variable and the name in a config file. */
   env: string;
   /** The command-line flag, without `--`. */
   flag: string;
   scope: Scope;
+  doc: string;
+}
+
+interface NumberSetting extends SettingBase {
   def: number;
   min: number;
   max: number;
   unit: "seconds" | "milliseconds" | "count";
-  doc: string;
 }
+
+/** A setting that names one of a few words (an action), not a number. */
+interface ChoiceSetting extends SettingBase {
+  def: string;
+  choices: readonly string[];
+  unit: "choice";
+}
+
+type SettingSpec = NumberSetting | ChoiceSetting;
 
 /** One day: no deadline or interval of ours is meant to be longer; a larger value is a typo. */
 const DAY_S = 24 * 3600;
@@ -66,7 +81,27 @@ export const SETTINGS: readonly SettingSpec[] = [
     min: 1,
     max: DAY_S,
     unit: "seconds",
-    doc: "how often each gateway looks for idle sessions (the most a reclaim runs late)",
+    doc: "how often each gateway looks for idle sessions and sandboxes (the most a reclaim or idle suspend runs late)",
+  },
+  {
+    env: "SANDBOXD_IDLE_TIMEOUT",
+    flag: "idle-timeout",
+    scope: "gateway",
+    def: DEFAULT_LIMITS.idleTimeoutS,
+    min: 0,
+    // The same week as a sandbox's own idle_timeout_seconds may ask for.
+    max: MAX_IDLE_TIMEOUT_S,
+    unit: "seconds",
+    doc: "the idle lifetime of Family B sandboxes created without idle_timeout_seconds; 0: none (they run until deleted)",
+  },
+  {
+    env: "SANDBOXD_IDLE_ACTION",
+    flag: "idle-action",
+    scope: "gateway",
+    def: DEFAULT_LIMITS.idleAction,
+    choices: IDLE_ACTIONS,
+    unit: "choice",
+    doc: "what SANDBOXD_IDLE_TIMEOUT does to an idle sandbox (one created without idle_action): suspend it (its next call resumes it) or delete it",
   },
   {
     env: "SANDBOXD_SESSION_CAP",
@@ -158,8 +193,8 @@ export const SETTINGS: readonly SettingSpec[] = [
   },
 ];
 
-/** Setting values by environment name, e.g. `SANDBOXD_SESSION_IDLE_TTL`. */
-export type Settings = Readonly<Record<string, number>>;
+/** Setting values by environment name, e.g. `SANDBOXD_SESSION_IDLE_TTL`: numbers, or a choice's word. */
+export type Settings = Readonly<Record<string, number | string>>;
 
 export type SettingsResult = { ok: true; settings: Settings } | { ok: false; error: string };
 
@@ -177,14 +212,27 @@ const WholeNumber = z
   .pipe(z.string().regex(/^\d+$/))
   .transform(Number);
 
-function parseValue(spec: SettingSpec, raw: string | number, from: string): number | string {
+/** The value, or (a `{error}`) the refusal that names the setting. */
+function parseValue(
+  spec: SettingSpec,
+  raw: string | number,
+  from: string,
+): number | string | { error: string } {
+  if (spec.unit === "choice") {
+    const word = String(raw).trim();
+    if (spec.choices.includes(word)) return word;
+    return {
+      error: `${spec.env} (--${spec.flag}) must be one of ${spec.choices.join(", ")}, got ${JSON.stringify(raw)} from ${from}`,
+    };
+  }
   const n = WholeNumber.safeParse(raw);
   if (n.success && n.data >= spec.min && n.data <= spec.max) return n.data;
   const unit = spec.unit === "count" ? "" : ` (${spec.unit})`;
-  return (
-    `${spec.env} (--${spec.flag}) must be a whole number from ${spec.min} to ${spec.max}${unit}, ` +
-    `got ${JSON.stringify(raw)} from ${from}`
-  );
+  return {
+    error:
+      `${spec.env} (--${spec.flag}) must be a whole number from ${spec.min} to ${spec.max}${unit}, ` +
+      `got ${JSON.stringify(raw)} from ${from}`,
+  };
 }
 
 /**
@@ -250,7 +298,7 @@ export function readSettings(
     if (typeof parsed === "string") return { ok: false, error: parsed };
     file = parsed;
   }
-  const out: Record<string, number> = {};
+  const out: Record<string, number | string> = {};
   for (const spec of SETTINGS) {
     const flag = flags[spec.flag];
     const raw =
@@ -266,25 +314,29 @@ export function readSettings(
       continue;
     }
     const v = parseValue(spec, raw[0], raw[1]);
-    if (typeof v === "string") return { ok: false, error: v };
+    if (typeof v === "object") return { ok: false, error: v.error };
     out[spec.env] = v;
   }
   return { ok: true, settings: out };
 }
 
 /** The settings of one scope, for health to show what is in force in that process. */
-export function settingsOf(settings: Settings, scope: Scope): Record<string, number> {
+export function settingsOf(settings: Settings, scope: Scope): Record<string, number | string> {
   return Object.fromEntries(SETTINGS.filter((s) => s.scope === scope).map((s) => [s.env, settings[s.env]!]));
 }
 
 /** The gateway's limits the settings override (gateway/config.ts merges them over the defaults). */
 export function gatewayLimits(s: Settings): Partial<Limits> {
+  const n = (env: string) => Number(s[env]);
   const byTier = (prefix: string) =>
-    Object.fromEntries(B_TIERS.map((t) => [t, s[`${prefix}_${t.toUpperCase()}`]!]));
+    Object.fromEntries(B_TIERS.map((t) => [t, n(`${prefix}_${t.toUpperCase()}`)]));
+  const action = IDLE_ACTIONS.find((a) => a === s.SANDBOXD_IDLE_ACTION) ?? DEFAULT_LIMITS.idleAction;
   return {
-    sessionIdleTtlS: s.SANDBOXD_SESSION_IDLE_TTL!,
-    reaperIntervalS: s.SANDBOXD_REAPER_INTERVAL!,
-    sessionCapPerTenant: s.SANDBOXD_SESSION_CAP!,
+    sessionIdleTtlS: n("SANDBOXD_SESSION_IDLE_TTL"),
+    reaperIntervalS: n("SANDBOXD_REAPER_INTERVAL"),
+    idleTimeoutS: n("SANDBOXD_IDLE_TIMEOUT"),
+    idleAction: action,
+    sessionCapPerTenant: n("SANDBOXD_SESSION_CAP"),
     sandboxQuotaByTier: { ...SANDBOX_QUOTA_BY_TIER, ...byTier("SANDBOXD_QUOTA") },
     forkCapByTier: { ...FORK_CAP_BY_TIER, ...byTier("SANDBOXD_FORK_CAP") },
   };
@@ -298,13 +350,14 @@ export interface AgentSettings {
 }
 
 export function agentSettings(s: Settings): AgentSettings {
+  const n = (env: string) => Number(s[env]);
   return {
-    idlePauseMs: s.SANDBOXD_IDLE_PAUSE_MS!,
-    buildSlots: s.SANDBOXD_BUILD_SLOTS!,
+    idlePauseMs: n("SANDBOXD_IDLE_PAUSE_MS"),
+    buildSlots: n("SANDBOXD_BUILD_SLOTS"),
     timeouts: {
-      bootMs: s.SANDBOXD_BOOT_TIMEOUT! * 1000,
-      readyMs: s.SANDBOXD_READY_TIMEOUT! * 1000,
-      restoreMs: s.SANDBOXD_RESTORE_TIMEOUT! * 1000,
+      bootMs: n("SANDBOXD_BOOT_TIMEOUT") * 1000,
+      readyMs: n("SANDBOXD_READY_TIMEOUT") * 1000,
+      restoreMs: n("SANDBOXD_RESTORE_TIMEOUT") * 1000,
     },
   };
 }
@@ -312,6 +365,9 @@ export function agentSettings(s: Settings): AgentSettings {
 /** The README's table of the settings (a test checks README.md carries it as written here). */
 export function settingsTable(): string {
   const rows = SETTINGS.map((s) => {
+    if (s.unit === "choice") {
+      return `| \`${s.env}\` | \`--${s.flag}\` | ${s.scope} | ${s.def} | ${s.choices.join(", ")} | ${s.doc} |`;
+    }
     const unit = s.unit === "count" ? "" : ` ${s.unit === "seconds" ? "s" : "ms"}`;
     return `| \`${s.env}\` | \`--${s.flag}\` | ${s.scope} | ${s.def}${unit} | ${s.min}-${s.max} | ${s.doc} |`;
   });

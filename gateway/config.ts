@@ -33,7 +33,7 @@ export interface GatewayConfig {
    * shown by `GET /v1/health`: limits and deadlines only, never a secret. Empty when the gateway
    * was started without the CLI (tests).
    */
-  settings: Readonly<Record<string, number>>;
+  settings: Readonly<Record<string, number | string>>;
 }
 
 export type GatewayConfigInput = Omit<Partial<GatewayConfig>, "limits"> &

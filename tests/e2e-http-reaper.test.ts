@@ -18,8 +18,8 @@ import {
   prepareDataDir,
   qemusUnder,
   type RunningService,
-  removeDataDir,
   startUp,
+  stopAndClean,
   waitFor,
   waitForTemplate,
 } from "./support/e2e-service.ts";
@@ -67,14 +67,7 @@ afterEach(async () => {
   }
 }, TEARDOWN_TIMEOUT_MS);
 
-afterAll(async () => {
-  await svc?.stop();
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    for (const p of await qemusUnder(dataDir)) process.kill(p.pid, "SIGKILL"); // ours: our `up` started it
-    await removeDataDir(dataDir);
-  }
-}, TEARDOWN_TIMEOUT_MS);
+afterAll(() => stopAndClean(svc, dataDir), TEARDOWN_TIMEOUT_MS);
 
 async function createSession(): Promise<string> {
   const res = await api().post("/v1/sessions", { key, json: { template_id: "python" } });

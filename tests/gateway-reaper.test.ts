@@ -9,30 +9,21 @@
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { eq } from "drizzle-orm";
-import { type Db, openDb } from "../db/client.ts";
+import type { Db } from "../db/client.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
 import { usageIntervals } from "../db/schema/usage-intervals.ts";
-import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
-import { FixedPlacement } from "../gateway/agents/placement.ts";
 import { reapIdleSessions } from "../gateway/core/sandboxes.ts";
 import type { Deps } from "../gateway/deps.ts";
-import { type Harness, makeHarness } from "../gateway/testing/harness.ts";
+import type { Harness } from "../gateway/testing/harness.ts";
+import { gatewayDeps, onBothDatabases } from "./support/postgres-suite.ts";
 
 let h: Harness;
 let live: string;
 /** Other gateways' connections to h's database (PostgreSQL only: PGlite has one opener). */
 let others: Db[] = [];
 
-/** One gateway's view: its own placement over the shared database (by default h's handle) and agent. */
-function gateway(db: Db = h.handle.db): Deps {
-  return {
-    db,
-    agent: h.agent,
-    placement: new FixedPlacement(h.handle.db, h.agent, h.config.agent),
-    config: h.config,
-    clock: () => h.now.ms,
-  };
-}
+/** One gateway's view over `db` (by default h's). */
+const gateway = (db: Db = h.handle.db): Deps => gatewayDeps(h, db);
 
 async function newSession(): Promise<{ id: string; vmId: string }> {
   const res = await h.req("POST", "/v1/sessions", { key: live, json: { template_id: "python" } });
@@ -105,21 +96,4 @@ function suite(name: string, open: () => Promise<{ harness: Harness; others: Db[
   });
 }
 
-suite("PGlite", async () => ({ harness: await makeHarness(), others: [] }));
-
-if (findPgBin() === null) {
-  test.skip("PostgreSQL: SKIPPED, no postgres binaries under /usr/lib/postgresql/*/bin", () => {});
-} else {
-  let pg: TestPostgres | null = null;
-  const closers: (() => Promise<void>)[] = [];
-  afterAll(async () => {
-    for (const c of closers) await c();
-    pg?.stop();
-  });
-  suite("PostgreSQL, two gateways' connection pools", async () => {
-    pg = await startPostgres();
-    const second = await openDb({ url: pg!.url });
-    closers.push(second.close);
-    return { harness: await makeHarness({ url: pg!.url }), others: [second.db] };
-  });
-}
+onBothDatabases(suite);

@@ -12,7 +12,15 @@ import {
   TemplateId,
   TimeoutSeconds,
 } from "./common.ts";
-import { MAX_MEM_MIB, MAX_VCPUS, MAX_WAIT_SECS, MIN_MEM_MIB, MIN_VCPUS, MIN_WAIT_SECS } from "./limits.ts";
+import {
+  MAX_IDLE_TIMEOUT_S,
+  MAX_MEM_MIB,
+  MAX_VCPUS,
+  MAX_WAIT_SECS,
+  MIN_MEM_MIB,
+  MIN_VCPUS,
+  MIN_WAIT_SECS,
+} from "./limits.ts";
 
 // ---- exec (2.2, 4.1) -----------------------------------------------------------------------
 
@@ -75,7 +83,21 @@ export const BatchExecResponse = z
 // ---- sessions (2.1, 4.1) -------------------------------------------------------------------
 
 export const CreateSessionRequest = z
-  .object({ template_id: TemplateId })
+  .object({
+    template_id: TemplateId,
+    idle_timeout_seconds: z
+      .int()
+      .min(1)
+      .max(MAX_IDLE_TIMEOUT_S)
+      .optional()
+      .describe(
+        "This session's idle TTL, overriding the operator's (`SANDBOXD_SESSION_IDLE_TTL`): with no exec for this long it is reclaimed and later calls get 410.",
+      ),
+    idle_action: z
+      .literal("delete")
+      .optional()
+      .describe("Sessions have no suspend: `delete` (reclaim, as the TTL does) is the only action."),
+  })
   .meta({ id: "CreateSessionRequest" });
 
 export const CreateSessionResponse = z

@@ -15,7 +15,9 @@ import {
   TimeoutSeconds,
 } from "./common.ts";
 import {
+  IDLE_ACTIONS,
   MAX_FORK_COUNT,
+  MAX_IDLE_TIMEOUT_S,
   MAX_IMAGE_REF_CHARS,
   MAX_PORT,
   MAX_SEED_HEX_CHARS,
@@ -176,6 +178,16 @@ export const DeleteTemplateResponseB = z
  */
 export const PublicSandboxState = z.enum(["running", "suspended"]);
 
+/** Seconds without a call after which the service acts on the sandbox (`idle_action`). */
+export const IdleTimeoutSeconds = z
+  .int()
+  .min(1)
+  .max(MAX_IDLE_TIMEOUT_S)
+  .describe(
+    "Seconds with no exec, no call in flight and no open connect relay after which the service applies `idle_action` (checked every reaper interval, so it may act up to one interval late).",
+  );
+export const IdleAction = z.enum(IDLE_ACTIONS);
+
 export const CreateSandboxRequest = z
   .object({
     template: TemplateId,
@@ -188,6 +200,12 @@ export const CreateSandboxRequest = z
       .describe(
         "Egress policy; `allow` lists permitted host names. Internal addresses (loopback, private, link-local, cloud metadata, the host's own) stay unreachable whatever it lists; only the operator opens them.",
       ),
+    idle_timeout_seconds: IdleTimeoutSeconds.optional().describe(
+      "Idle lifetime: with no exec, call in flight or open connect relay for this long the service applies `idle_action`. Without it the operator's default applies (none unless the operator set one).",
+    ),
+    idle_action: IdleAction.optional().describe(
+      "`suspend` (default): the service suspends the sandbox, and its next exec, fork or connect resumes it first. `delete`: the service deletes it (later calls get 404).",
+    ),
   })
   .meta({ id: "CreateSandboxRequest" });
 export type CreateSandboxRequest = z.infer<typeof CreateSandboxRequest>;
@@ -213,6 +231,17 @@ export const SandboxInfo = z
     exec_count: z.int(),
     labels: z.record(z.string(), z.string()),
     endpoints: Endpoints,
+    idle_timeout_seconds: z
+      .int()
+      .optional()
+      .describe("The idle lifetime in force (asked for, or the operator's default); absent: none."),
+    idle_action: IdleAction.optional().describe("What the idle lifetime does; with `idle_timeout_seconds`."),
+    suspended_by: z
+      .enum(["user", "idle"])
+      .optional()
+      .describe(
+        "While `suspended`: `idle` when the service suspended it for idleness (the next exec, fork or connect resumes it), `user` when a suspend call did (it stays suspended until resumed).",
+      ),
   })
   .meta({ id: "SandboxInfo" });
 

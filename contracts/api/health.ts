@@ -31,10 +31,10 @@ export const HealthResponse = z
         "Present under TCG: says that the VM boundary is software emulation, which QEMU's security policy does not treat as a security boundary.",
       ),
     settings: z
-      .record(z.string(), z.number())
+      .record(z.string(), z.union([z.number(), z.string()]))
       .optional()
       .describe(
-        "The operator settings in force in this gateway process, by environment name (e.g. `SANDBOXD_SESSION_IDLE_TTL`): limits, quotas and deadlines, never a secret. `sandboxd up` also shows its agent's.",
+        "The operator settings in force in this gateway process, by environment name (e.g. `SANDBOXD_SESSION_IDLE_TTL`): limits, quotas and deadlines (numbers) and the idle action (a word), never a secret. `sandboxd up` also shows its agent's.",
       ),
   })
   .meta({ id: "HealthResponse" });

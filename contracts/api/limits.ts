@@ -128,6 +128,20 @@ export const SESSION_IDLE_TTL_S = 15 * 60;
 export const REAPER_INTERVAL_S = 30;
 
 /**
+ * Our choice: the largest `idle_timeout_seconds` a sandbox or session may ask for (and the
+ * largest operator default, `SANDBOXD_IDLE_TIMEOUT`): 7 days, the same bound as the session TTL
+ * setting. A sandbox meant to idle longer than a week should be suspended by its owner; a larger
+ * value is far more likely a unit mistake (milliseconds) than a wish.
+ */
+export const MAX_IDLE_TIMEOUT_S = 7 * 24 * 3600;
+
+/**
+ * What the service does with a sandbox idle past its `idle_timeout_seconds`: `suspend` it (Family
+ * B only: its memory goes to disk, the next call resumes it) or `delete` it.
+ */
+export const IDLE_ACTIONS = ["suspend", "delete"] as const;
+
+/**
  * Our choice: connect relays (WebSockets of `GET /v1/sandboxes/{id}/connect`) one tenant may hold
  * open on one gateway process; the next is refused with 429 `quota_exceeded` before the upgrade.
  * Each relay holds at most one client message plus its back-pressure margin (decisions.md,
@@ -262,6 +276,13 @@ export interface Limits {
   diskReserveBytes: number;
   sessionIdleTtlS: number;
   reaperIntervalS: number;
+  /**
+   * The operator's default idle timeout of Family B sandboxes created without one, seconds; 0 is
+   * none (a sandbox runs until deleted, as without the setting). `SANDBOXD_IDLE_TIMEOUT`.
+   */
+  idleTimeoutS: number;
+  /** What the operator's default timeout does (`SANDBOXD_IDLE_ACTION`). */
+  idleAction: (typeof IDLE_ACTIONS)[number];
   maxUsageWindowS: number;
 }
 
@@ -282,5 +303,7 @@ export const DEFAULT_LIMITS: Readonly<Limits> = Object.freeze({
   diskReserveBytes: DEFAULT_DISK_RESERVE_BYTES,
   sessionIdleTtlS: SESSION_IDLE_TTL_S,
   reaperIntervalS: REAPER_INTERVAL_S,
+  idleTimeoutS: 0,
+  idleAction: "suspend",
   maxUsageWindowS: MAX_USAGE_WINDOW_S,
 });

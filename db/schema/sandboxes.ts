@@ -59,6 +59,19 @@ export const sandboxes = pgTable(
      * however long it takes, whichever gateway serves it.
      */
     execsInFlight: integer("execs_in_flight").notNull().default(0),
+    /**
+     * The idle lifetime in force, seconds: Family B, the one asked for at create or the
+     * operator's default then (null: none); Family A, the session's own TTL (null: the operator's
+     * TTL). The reaper applies `idle_action` past it (gateway/core/idle.ts).
+     */
+    idleTimeoutS: integer("idle_timeout_s"),
+    idleAction: text("idle_action", { enum: ["suspend", "delete"] }),
+    /**
+     * Who suspended it, or is suspending it (with `hold`): `idle` (the reaper; the next call
+     * resumes it transparently) or `user` (a suspend call; calls are refused until a resume).
+     * Null while running otherwise.
+     */
+    suspendedBy: text("suspended_by", { enum: ["user", "idle"] }),
     createdAt: timestamp("created_at", { withTimezone: true, mode: "date" }).notNull(),
     lastExecAt: timestamp("last_exec_at", { withTimezone: true, mode: "date" }),
     destroyedAt: timestamp("destroyed_at", { withTimezone: true, mode: "date" }),

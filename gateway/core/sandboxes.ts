@@ -4,7 +4,7 @@
  * record-states.ts and updates the db only with a compare-and-set on the old state, so two racing
  * requests cannot both apply.
  */
-import { and, eq, gt, inArray, isNull, lte, or, sql } from "drizzle-orm";
+import { and, eq, gt, inArray, isNotNull, isNull, lte, or, type SQL, sql } from "drizzle-orm";
 import type {
   AgentApi,
   CreatedVm,
@@ -65,6 +65,10 @@ export async function getOwned(deps: Deps, p: Principal, id: string): Promise<Sa
     if (row.family === "a" && row.endReason === "reaped") {
       throw new SandboxdError("gone", `${what} was reclaimed after being idle`);
     }
+    // Family B: one its idle lifetime deleted is gone like a deleted one (404), said why.
+    if (row.endReason === "reaped") {
+      throw new SandboxdError("not_found", `${what} was deleted after being idle`);
+    }
     throw notFound(what);
   }
   return row;
@@ -123,7 +127,12 @@ async function reserve(
   p: Principal,
   kind: Kind,
   template: { pk: string; id: string },
-  items: { labels: Record<string, string>; parentId?: string; template?: { pk: string; id: string } }[],
+  items: {
+    labels: Record<string, string>;
+    parentId?: string;
+    template?: { pk: string; id: string };
+    idle?: IdleLifetime;
+  }[],
   agentId: string,
   /** Reserve the first items that fit instead of refusing all (a batch: the rest fail one by one). */
   partial = false,
@@ -165,6 +174,8 @@ async function reserve(
         parentId: it.parentId ?? null,
         state: "starting" as const,
         labels: it.labels,
+        idleTimeoutS: it.idle?.timeoutS ?? null,
+        idleAction: it.idle?.action ?? null,
         createdAt: now,
       })),
     );
@@ -213,10 +224,17 @@ async function markFailed(deps: Deps, ids: string[]): Promise<void> {
     .where(and(inArray(sandboxes.id, ids), eq(sandboxes.state, "starting")));
 }
 
+/** An idle lifetime as recorded on a row: after `timeoutS` without a call, `action`. */
+export interface IdleLifetime {
+  timeoutS: number | null;
+  action: "suspend" | "delete" | null;
+}
+
 export interface CreateInput {
   templateId: string;
   labels: Record<string, string>;
   egressAllow?: string[];
+  idle?: IdleLifetime;
 }
 
 export async function createVm(
@@ -234,7 +252,7 @@ export async function createVm(
     p,
     kind,
     template,
-    [{ labels: input.labels }],
+    [input.idle === undefined ? { labels: input.labels } : { labels: input.labels, idle: input.idle }],
     await deps.placement.firstChoice(),
   );
   let vm: CreatedVm;
@@ -411,7 +429,12 @@ export async function forkVm(
     const labels = { ...parent.labels };
     const own = childLabels[i];
     if (own !== undefined) labels.label = own;
-    return { labels, parentId: parent.id };
+    // A child is a copy of its parent: it keeps the parent's idle lifetime.
+    return {
+      labels,
+      parentId: parent.id,
+      idle: { timeoutS: parent.idleTimeoutS, action: parent.idleAction },
+    };
   });
   const kind = parent.kind;
   // A fork uses the parent like an exec: the reaper leaves it alone until the fork has ended.
@@ -429,7 +452,7 @@ async function forkMarked(
   parent: SandboxRow,
   kind: Kind,
   count: number,
-  items: { labels: Record<string, string>; parentId: string }[],
+  items: { labels: Record<string, string>; parentId: string; idle: IdleLifetime }[],
 ): Promise<{ parent: SandboxRow; children: { id: string; vm: CreatedVm }[] }> {
   // Children share the parent's memory: they live on the parent's agent.
   const ids = await reserve(
@@ -455,7 +478,7 @@ async function forkMarked(
   return { parent, children };
 }
 
-async function applyTransition(
+export async function applyTransition(
   deps: Deps,
   row: SandboxRow,
   action: RecordChange,
@@ -488,9 +511,9 @@ async function stateOf(tx: Tx, id: string): Promise<RecordState | undefined> {
  * The tenant's records of its family in `states` (in `db`, or a transaction of it), plus, with
  * `held`, the live records held for that change (`holdForQuota`): they are on their way there.
  */
-async function countInStates(
+export async function countInStates(
   db: Pick<Deps["db"], "select">,
-  p: Principal,
+  p: Pick<Principal, "tenantId" | "family">,
   states: RecordState[],
   held?: { hold: QuotaHold; now: Date },
 ): Promise<number> {
@@ -524,7 +547,7 @@ type QuotaHold = "suspend" | "resume";
  * for (the agent client's `vmOp`, 120 s by default), so only a hold whose gateway died during the
  * call ever runs out, and it stops counting then.
  */
-const HOLD_TTL_MS = 10 * 60_000;
+export const HOLD_TTL_MS = 10 * 60_000;
 
 /**
  * Checks the quota of the state `hold` leads to and, in the same locked transaction
@@ -584,19 +607,23 @@ export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{
   return changeUnderHold(deps, p, id, "suspend", quota, async (agent, vmId) => {
     const r = await agent.suspend(vmId);
     const interval = { state: "suspended" as const, vcpus: 0, memMib: 0, diskBytes: r.snapshotBytes };
-    return { result: { memBytes: r.memBytes }, set: {}, interval };
+    // The user's suspend: calls stay refused until a resume (only the reaper's wakes itself).
+    return { result: { memBytes: r.memBytes }, set: { suspendedBy: "user" as const }, interval };
   });
 }
 
 export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
   // Resuming makes the sandbox count against the running quota again.
   const quota = { cap: deps.config.limits.sandboxQuotaByTier[p.tier], what: "running sandboxes" };
-  return changeUnderHold(deps, p, id, "resume", quota, async (agent, vmId) => {
+  return changeUnderHold(deps, p, id, "resume", quota, async (agent, vmId, row) => {
     const r = await agent.resume(vmId);
     const { vcpus, memMib, diskBytes } = r.resources;
+    // A resume of a sandbox with an idle lifetime counts as activity: it gets a whole timeout
+    // before the reaper may suspend it again (else the call that woke it could lose it at once).
+    const touched = row.idleTimeoutS !== null ? { lastExecAt: new Date(deps.clock()) } : {};
     return {
       result: { memBytes: r.memBytes },
-      set: { vcpus, memMib, diskBytes },
+      set: { vcpus, memMib, diskBytes, suspendedBy: null, ...touched },
       interval: running(r.resources),
     };
   });
@@ -616,6 +643,7 @@ async function changeUnderHold<T>(
   call: (
     agent: AgentApi,
     vmId: string,
+    row: SandboxRow,
   ) => Promise<{
     result: T;
     set: Partial<typeof sandboxes.$inferInsert>;
@@ -626,7 +654,7 @@ async function changeUnderHold<T>(
   requireAllowed(id, row.state, action);
   await holdForQuota(deps, p, row, action, quota);
   try {
-    const done = await inTermsOf(row, call(agentOf(deps, row), row.vmId!));
+    const done = await inTermsOf(row, call(agentOf(deps, row), row.vmId!, row));
     await applyTransition(deps, row, action, { ...done.set, hold: null, holdUntil: null }, done.interval);
     return done.result;
   } catch (err) {
@@ -666,22 +694,24 @@ export async function reapIdleSessions(
   deps: Deps,
   log: (line: string) => void = () => {},
 ): Promise<string[]> {
-  const limits = deps.config.limits;
   const at = new Date(deps.clock());
-  const cutoff = new Date(at.getTime() - limits.sessionIdleTtlS * 1000);
-  const lostExecCutoff = new Date(at.getTime() - (limits.maxExecTimeoutS + STALE_EXEC_MARGIN_S) * 1000);
-  const lastActivity = sql`coalesce(${sandboxes.lastExecAt}, ${sandboxes.createdAt})`;
   const claimed = await deps.db.transaction(async (tx) => {
     const rows = await tx
       .update(sandboxes)
       .set({ state: nextState("destroy"), endReason: "reaped", destroyedAt: at })
       .where(
         and(
-          eq(sandboxes.kind, "session"),
-          eq(sandboxes.family, "a"),
-          eq(sandboxes.state, "running"),
-          sql`${lastActivity} < ${cutoff.toISOString()}`,
-          sql`(${sandboxes.execsInFlight} = 0 or ${lastActivity} < ${lostExecCutoff.toISOString()})`,
+          idleClaimable(deps, at),
+          or(
+            and(eq(sandboxes.kind, "session"), eq(sandboxes.family, "a")),
+            // Family B sandboxes whose idle lifetime deletes them (gateway/core/idle.ts suspends
+            // the others with the same test).
+            and(
+              eq(sandboxes.kind, "sandbox"),
+              eq(sandboxes.idleAction, "delete"),
+              isNotNull(sandboxes.idleTimeoutS),
+            ),
+          ),
         ),
       )
       .returning();
@@ -689,7 +719,7 @@ export async function reapIdleSessions(
     return rows;
   });
   for (const row of claimed) {
-    deps.relays?.closeSandbox(row.id, 1001, "session reaped");
+    deps.relays?.closeSandbox(row.id, 1001, `${row.kind} reaped`);
     if (row.vmId === null) continue;
     try {
       await inTermsOf(row, agentOf(deps, row).destroy(row.vmId, { force: true }));
@@ -699,8 +729,54 @@ export async function reapIdleSessions(
       log(`reaper: ${row.id}: agent ${row.agentId} did not destroy ${row.vmId}: ${describeError(err)}`);
     }
   }
-  if (claimed.length > 0) log(`reaper: reclaimed idle sessions ${claimed.map((r) => r.id).join(", ")}`);
+  if (claimed.length > 0) log(`reaper: reclaimed idle ${claimed.map((r) => r.id).join(", ")}`);
   return claimed.map((r) => r.id);
+}
+
+/**
+ * The one test of idleness every reaper claim makes, in SQL: running, no suspend or resume held,
+ * no call in flight (or only a count left by a gateway that died during the call), and no
+ * activity for its idle lifetime (the row's own `idle_timeout_s`; a session without one has the
+ * operator's TTL). Open connect relays count as calls in flight (gateway/routes/connect.ts).
+ */
+export function idleClaimable(deps: Deps, at: Date): SQL {
+  const limits = deps.config.limits;
+  const lostExecCutoff = new Date(at.getTime() - (limits.maxExecTimeoutS + STALE_EXEC_MARGIN_S) * 1000);
+  const lastActivity = sql`coalesce(${sandboxes.lastExecAt}, ${sandboxes.createdAt})`;
+  const idleFor = sql`coalesce(${sandboxes.idleTimeoutS}, ${limits.sessionIdleTtlS}::int)`;
+  return and(
+    eq(sandboxes.state, "running"),
+    or(isNull(sandboxes.hold), lte(sandboxes.holdUntil, at)),
+    sql`${lastActivity} + make_interval(secs => ${idleFor}) < ${at.toISOString()}::timestamptz`,
+    sql`(${sandboxes.execsInFlight} = 0 or ${lastActivity} < ${lostExecCutoff.toISOString()})`,
+  )!;
+}
+
+/**
+ * Counts an open connect relay on the sandbox as a call in flight (+1 when it opens, -1 when it
+ * ends), so no reaper of any gateway takes the sandbox from under it; both reset its idleness.
+ */
+export async function countRelay(deps: Deps, id: string, delta: 1 | -1): Promise<void> {
+  await deps.db
+    .update(sandboxes)
+    .set({
+      execsInFlight: sql`greatest(${sandboxes.execsInFlight} + ${delta}::int, 0)`,
+      lastExecAt: new Date(deps.clock()),
+    })
+    .where(eq(sandboxes.id, id));
+}
+
+/**
+ * Keeps the rows of the sandboxes this gateway relays fresh (each reaper pass), so that a relay
+ * open longer than any exec is not taken for a count left by a dead gateway.
+ */
+export async function touchRelayed(deps: Deps): Promise<void> {
+  const ids = deps.relays?.sandboxIds() ?? [];
+  if (ids.length === 0) return;
+  await deps.db
+    .update(sandboxes)
+    .set({ lastExecAt: new Date(deps.clock()) })
+    .where(and(inArray(sandboxes.id, ids), eq(sandboxes.state, "running")));
 }
 
 /**
@@ -729,36 +805,6 @@ export async function endStaleExecs(deps: Deps): Promise<string[]> {
     )
     .returning({ id: sandboxes.id });
   return rows.map((r) => r.id);
-}
-
-/**
- * Runs the reaper every `reaperIntervalS` (every gateway process runs one; reapIdleSessions is
- * safe beside the others). Returns its stop, which waits for a pass in progress so that the
- * database is not closed under it.
- */
-export function startReaper(
-  deps: Deps,
-  log: (line: string) => void = console.error,
-): { stop(): Promise<void> } {
-  let pass: Promise<void> | undefined;
-  const timer = setInterval(() => {
-    if (pass) return; // a slow pass must not overlap the next
-    pass = reapIdleSessions(deps, log)
-      .then(() => endStaleExecs(deps))
-      .then((ended) => {
-        if (ended.length > 0) log(`reaper: ended one-shot execs whose call was lost: ${ended.join(", ")}`);
-      })
-      .catch((err) => log(`reaper: ${describeError(err)}`))
-      .finally(() => {
-        pass = undefined;
-      });
-  }, deps.config.limits.reaperIntervalS * 1000);
-  return {
-    async stop() {
-      clearInterval(timer);
-      await pass;
-    },
-  };
 }
 
 /** Ages for info/status responses, in seconds. */

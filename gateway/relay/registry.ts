@@ -77,6 +77,11 @@ export class RelayRegistry {
     return set?.size ?? 0;
   }
 
+  /** The sandboxes with a relay open in this process (the reaper keeps them from idling). */
+  sandboxIds(): string[] {
+    return [...this.open.keys()];
+  }
+
   /** Relays open on the sandbox (or in all), for tests and metrics. */
   count(sandboxId?: string): number {
     if (sandboxId !== undefined) return this.open.get(sandboxId)?.size ?? 0;

@@ -10,7 +10,8 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import { signConnectToken, verifyConnectTokenClaims } from "../auth/connect-token.ts";
 import { requirePro } from "../auth/guards.ts";
 import { keyIsLive, type Principal } from "../auth/keys.ts";
-import { agentOf, getOwned, inTermsOf, type SandboxRow } from "../core/sandboxes.ts";
+import { wakeIfIdle } from "../core/idle.ts";
+import { agentOf, countRelay, getOwned, inTermsOf, type SandboxRow } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
@@ -101,6 +102,7 @@ async function connect(
   let row: SandboxRow;
   if (!("rateLimit" in principal)) {
     requirePro(principal, "connect");
+    await wakeIfIdle(deps, principal, id);
     row = await getOwned(deps, principal, id);
   } else {
     const unauthorized = new SandboxdError("unauthorized", "invalid or expired connect token");
@@ -118,11 +120,14 @@ async function connect(
     const { tenantId } = claims;
     // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
     // the token's tenant, and a revoked token is an invalid credential (401), not a 404.
-    row = await getOwned(deps, { tenantId, keyId: "", tier: "pro", family: "b" }, id).catch(
-      (err: unknown) => {
-        throw err instanceof SandboxdError && err.code === "not_found" ? unauthorized : err;
-      },
-    );
+    const tokenPrincipal = { tenantId, keyId: claims.keyId, tier: "pro" as const, family: "b" as const };
+    const owned = async () => {
+      await wakeIfIdle(deps, tokenPrincipal, id);
+      return getOwned(deps, tokenPrincipal, id);
+    };
+    row = await owned().catch((err: unknown) => {
+      throw err instanceof SandboxdError && err.code === "not_found" ? unauthorized : err;
+    });
   }
   if (!Object.hasOwn(row.endpoints, String(q.port))) {
     throw new SandboxdError(
@@ -142,6 +147,12 @@ async function connect(
   if (!release) {
     throw new SandboxdError("quota_exceeded", `this tenant already holds ${max} connect relays`);
   }
+  // An open relay is a call in flight, from before the dial to its end: the reaper does not
+  // suspend or delete the sandbox under it.
+  await countRelay(deps, row.id, 1).catch((err: unknown) => {
+    release();
+    throw err;
+  });
   const agent = agentOf(deps, row);
   const dial = () => agent.openTunnel(row.vmId!, q.port, "tcp");
   let relay: TcpRelay | CdpRelay;
@@ -158,12 +169,14 @@ async function connect(
     }
   } catch (err) {
     release();
+    await countRelay(deps, row.id, -1).catch(() => {});
     throw err;
   }
   const unregister = deps.relays ? deps.relays.add(row.id, relay) : () => {};
   relay.registered(() => {
     unregister();
     release();
+    countRelay(deps, row.id, -1).catch(() => {});
   });
   try {
     return upgrade(relay);

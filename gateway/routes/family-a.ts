@@ -128,7 +128,16 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
     const p = c.get("principal");
     if (p.family !== "a") return next();
     const req = await jsonBody(c, A.CreateSessionRequest, max());
-    const { row, vm } = await createVm(deps, p, "session", { templateId: req.template_id, labels: {} });
+    // The session's own TTL, when given, overrides the operator's; its only action is delete.
+    const idle =
+      req.idle_timeout_seconds !== undefined
+        ? { idle: { timeoutS: req.idle_timeout_seconds, action: "delete" as const } }
+        : {};
+    const { row, vm } = await createVm(deps, p, "session", {
+      templateId: req.template_id,
+      labels: {},
+      ...idle,
+    });
     return c.json(
       {
         session_id: row.id,

@@ -5,13 +5,16 @@
 import { type Context, Hono } from "hono";
 import * as B from "../../contracts/api/family-b.ts";
 import { requireFamily } from "../auth/guards.ts";
+import { idleInfo, wakeIfIdle } from "../core/idle.ts";
 import {
   ages,
+  type CreateInput,
   createVm,
   destroyVm,
   execIn,
   forkVm,
   getOwned,
+  type IdleLifetime,
   listOwned,
   publicEndpoints,
   resumeVm,
@@ -24,6 +27,22 @@ import { sandboxExecAction } from "./exec-actions.ts";
 type State = "running" | "suspended";
 const publicState = (s: string): State => (s === "suspended" ? "suspended" : "running");
 
+/**
+ * The idle lifetime a new sandbox gets: the one asked for (`suspend` unless `idle_action` says
+ * otherwise), else the operator's default (`SANDBOXD_IDLE_TIMEOUT`, with the request's action or
+ * the operator's), else none.
+ */
+function idleLifetime(deps: Deps, req: B.CreateSandboxRequest): IdleLifetime {
+  const limits = deps.config.limits;
+  if (req.idle_timeout_seconds !== undefined) {
+    return { timeoutS: req.idle_timeout_seconds, action: req.idle_action ?? "suspend" };
+  }
+  if (limits.idleTimeoutS > 0) {
+    return { timeoutS: limits.idleTimeoutS, action: req.idle_action ?? limits.idleAction };
+  }
+  return { timeoutS: null, action: null };
+}
+
 /** `POST /v1/sandboxes`, and `POST /v1/sessions` for a Family B key (alias, spec 4.2). */
 async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   const p = c.get("principal");
@@ -31,10 +50,7 @@ async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   const req = await jsonBody(c, B.CreateSandboxRequest, deps.config.limits.maxJsonBodyBytes);
   const labels = { ...req.labels };
   if (req.label !== undefined) labels.label = req.label;
-  const input: { templateId: string; labels: Record<string, string>; egressAllow?: string[] } = {
-    templateId: req.template,
-    labels,
-  };
+  const input: CreateInput = { templateId: req.template, labels, idle: idleLifetime(deps, req) };
   if (req.egress !== undefined) input.egressAllow = req.egress.allow;
   const { row, vm } = await createVm(deps, p, "sandbox", input);
   return c.json(
@@ -85,6 +101,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
       exec_count: row.execCount,
       labels: row.labels,
       endpoints: row.endpoints,
+      ...idleInfo(row),
     });
   });
 
@@ -93,6 +110,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     requireFamily(p, "b");
     const id = c.req.param("id");
     const req = await jsonBody(c, B.ExecRequestB, max());
+    await wakeIfIdle(deps, p, id);
     const r = await execIn(deps, p, id, sandboxExecAction(deps, req));
     const body: Record<string, unknown> = {
       id,
@@ -113,6 +131,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     const p = c.get("principal");
     requireFamily(p, "b");
     const req = await jsonBody(c, B.ForkRequest, max());
+    await wakeIfIdle(deps, p, c.req.param("id"));
     const { parent, children } = await forkVm(deps, p, c.req.param("id"), req.count ?? 1, req.labels ?? []);
     return c.json({
       parent: parent.id,

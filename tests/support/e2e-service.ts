@@ -302,6 +302,18 @@ export async function startServing(
   };
 }
 
+/**
+ * A suite's teardown: stops `up` (if still running), waits up to 10 s for its QEMUs to go, kills
+ * any left (ours: that `up` started them) and removes the data dir.
+ */
+export async function stopAndClean(svc: RunningService | undefined, dataDir: string): Promise<void> {
+  await svc?.stop();
+  if (!dataDir) return;
+  await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
+  for (const p of await qemusUnder(dataDir)) process.kill(p.pid, "SIGKILL");
+  await removeDataDir(dataDir);
+}
+
 /** Polls `GET /v1/health` (no key) until `templates[id].ready` or the deadline. */
 export async function waitForTemplate(svc: RunningService, id: string, timeoutMs: number): Promise<void> {
   const deadline = performance.now() + timeoutMs;

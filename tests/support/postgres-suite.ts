@@ -4,7 +4,11 @@
  * the postgres binaries are absent.
  */
 import { afterAll, test } from "bun:test";
+import { type Db, openDb } from "../../db/client.ts";
 import { findPgBin, startPostgres, type TestPostgres } from "../../db/testing/postgres.ts";
+import { FixedPlacement } from "../../gateway/agents/placement.ts";
+import type { Deps } from "../../gateway/deps.ts";
+import { type Harness, makeHarness } from "../../gateway/testing/harness.ts";
 
 export function onPostgres(suite: (name: string, url: () => Promise<string>) => void): void {
   if (findPgBin() === null) {
@@ -17,4 +21,42 @@ export function onPostgres(suite: (name: string, url: () => Promise<string>) => 
     pg ??= await startPostgres();
     return pg!.url;
   });
+}
+
+/**
+ * A gateway-harness suite on PGlite, then on PostgreSQL with `others`: a second connection pool
+ * to the same database, as a second gateway process would hold (PGlite has one opener, so none
+ * there). The server and pools are closed after the file's tests.
+ */
+export function onBothDatabases(
+  suite: (name: string, open: () => Promise<{ harness: Harness; others: Db[] }>) => void,
+): void {
+  suite("PGlite", async () => ({ harness: await makeHarness(), others: [] }));
+  if (findPgBin() === null) {
+    test.skip("PostgreSQL: SKIPPED, no postgres binaries under /usr/lib/postgresql/*/bin", () => {});
+    return;
+  }
+  let pg: TestPostgres | null = null;
+  const closers: (() => Promise<void>)[] = [];
+  afterAll(async () => {
+    for (const c of closers) await c();
+    pg?.stop();
+  });
+  suite("PostgreSQL, two gateways' connection pools", async () => {
+    pg = await startPostgres();
+    const second = await openDb({ url: pg!.url });
+    closers.push(second.close);
+    return { harness: await makeHarness({ url: pg!.url }), others: [second.db] };
+  });
+}
+
+/** One gateway's view of a harness: its own placement over `db` (by default h's) and h's agent and clock. */
+export function gatewayDeps(h: Harness, db: Db = h.handle.db): Deps {
+  return {
+    db,
+    agent: h.agent,
+    placement: new FixedPlacement(h.handle.db, h.agent, h.config.agent),
+    config: h.config,
+    clock: () => h.now.ms,
+  };
 }
