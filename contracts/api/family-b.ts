@@ -5,7 +5,9 @@
 import { z } from "zod";
 import {
   ArgvCommands,
+  checkExecOptions,
   Endpoints,
+  ExecOptionFields,
   ExecTruncated,
   FileWrites,
   Labels,
@@ -240,7 +242,9 @@ export const ExecRequestB = z
       .regex(/^[0-9a-fA-F]{1,128}$/, "hex string")
       .optional()
       .describe("Echoed back."),
+    ...ExecOptionFields,
   })
+  .refine(checkExecOptions, { message: "send stdin or stdin_b64, not both" })
   .refine((b) => b.command !== undefined || b.commands !== undefined || b.files !== undefined, {
     message: "send command, commands or files",
   })

@@ -24,6 +24,7 @@ import { requireReady, resolveTemplate } from "../core/templates.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { oneShotAction, sessionExecAction, timeoutMs } from "./exec-actions.ts";
+import { sseExec, wantsEventStream } from "./exec-sse.ts";
 
 function resultA(id: string, r: ExecResult, forkTimeMs: number): z.infer<typeof A.ExecResultA> {
   return {
@@ -133,8 +134,15 @@ export function familyARoutes(deps: Deps): Hono<HonoEnv> {
     requireFamily(p, "a");
     const id = c.req.param("id");
     const req = await jsonBody(c, A.SessionExecRequest, max());
-    const r = await execIn(deps, p, id, sessionExecAction(deps, req));
-    return c.json(resultA(id, r, 0));
+    const action = sessionExecAction(deps, req);
+    if (wantsEventStream(c.req.header("accept"))) {
+      return sseExec(
+        c.req.raw.signal,
+        (o) => execIn(deps, p, id, action, o),
+        (r) => resultA(id, r, 0),
+      );
+    }
+    return c.json(resultA(id, await execIn(deps, p, id, action), 0));
   });
 
   app.post("/v1/sessions/:id/fork", async (c) => {
