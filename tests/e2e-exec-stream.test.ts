@@ -4,7 +4,10 @@
  * streams each line as it is printed, text as `data` and bytes that are not UTF-8 as `data_b64`
  * (byte-exact, a character split across writes reassembled), a 20 MB output whole (no cap), a
  * client that disconnects cancels the command (its process is gone afterwards, and a second exec
- * meanwhile is 409 busy); `env`, `cwd`, `user` and `stdin`/`stdin_b64` reach the command, and a
+ * meanwhile is 409 busy), a reader that stops reading stops the command (back-pressure) without
+ * the service's memory growing, a sandbox deleted mid-stream ends it with one `error` event, and
+ * errors before any output stay JSON (busy, foreign id 404); `env`, `cwd`, `user` and
+ * `stdin`/`stdin_b64` reach the command, and a
  * missing cwd or an unknown user is a 400 before anything runs. Prints the first-stdout-byte
  * latency of streamed execs (p50 over 20).
  */
@@ -371,6 +374,31 @@ test("a streamed exec while another runs is 409 busy, as JSON", async () => {
   expect(second.status).toBe(409);
   expect((second.error as { code: string }).code).toBe("busy");
   expect(bytesOf((await first).events, "stdout").toString()).toBe("a\nb\n");
+}, 120_000);
+
+test("a sandbox deleted under a streamed exec ends the stream with one error event, no exit", async () => {
+  const doomed = expectOk(
+    await service().api.post("/v1/sandboxes", { key: keys.pro, json: { template: PYTHON } }),
+    201,
+    B.CreateSandboxResponse,
+  ).id;
+  let deleted: Promise<unknown> | undefined;
+  const s = await streamExec(
+    `/v1/sandboxes/${doomed}/exec`,
+    keys.pro,
+    { command: "echo up; sleep 300", timeout_seconds: 600 },
+    (e) => {
+      if (e.event === "stdout") deleted = service().api.delete(`/v1/sandboxes/${doomed}`, { key: keys.pro });
+      return undefined;
+    },
+  );
+  await deleted;
+  expect(s.status).toBe(200);
+  expect(s.events.map((e) => e.event)).toEqual(["stdout", "error"]);
+  const err = s.events[1]!.data;
+  expect(typeof err.code).toBe("string");
+  expect(typeof err.message).toBe("string");
+  expect(err.code).toBe("gone");
 }, 120_000);
 
 test("another tenant's sandbox is 404 for a streamed exec", async () => {

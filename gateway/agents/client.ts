@@ -120,16 +120,17 @@ export class AgentHttpClient implements AgentApi {
   /**
    * `POST /vms/{id}/exec?stream=1`: the agent answers frames (contracts/agent/exec-stream.ts).
    * Each output frame is awaited through `onOutput` before the next read, so a slow consumer
-   * leaves the agent's body unread and the agent stops reading the guest. No deadline on the
-   * whole exchange (a slow reader may take longer than the command): the agent's guest timeout
-   * bounds the command; `signal` (the client gone) ends the request, which cancels it there.
+   * leaves the agent's body unread and the agent stops reading the guest. One deadline for the
+   * whole exchange, as for `exec`: the guest kills the command at its timeout, after which only
+   * the buffers' worth of output is left to read; a consumer that has not read it within the
+   * grace loses the stream. `signal` (the client gone) ends the request, which cancels the
+   * command at the agent.
    */
   async execStream(vmId: VmId, action: ExecAction, opts: ExecStreamOptions): Promise<ExecResult> {
     const method = "POST";
     const path = `/vms/${enc(vmId)}/exec?stream=1`;
     const url = `${this.base}${path}`;
-    // Until the answer's headers: the agent wakes the VM and writes the files first.
-    const headersBy = AbortSignal.timeout(action.timeoutMs + this.t.execGrace);
+    const deadline = AbortSignal.timeout(action.timeoutMs + this.t.execGrace);
     let res: Response;
     try {
       res = await fetch(url, {
@@ -139,12 +140,12 @@ export class AgentHttpClient implements AgentApi {
           "content-type": "application/json",
         },
         body: JSON.stringify(action),
-        signal: AbortSignal.any([opts.signal, headersBy]),
+        signal: AbortSignal.any([opts.signal, deadline]),
       });
     } catch (err) {
       throw new SandboxdError("agent_unavailable", `agent ${this.base} is unreachable (${method} ${path})`, {
         cause: err,
-        details: { url, timedOut: headersBy.aborted },
+        details: { url, timedOut: deadline.aborted },
       });
     }
     if (!res.ok || !res.body) throw errorFromAgentAnswer(res.status, await res.text(), `${method} ${path}`);
@@ -158,7 +159,12 @@ export class AgentHttpClient implements AgentApi {
         try {
           chunk = await reader.read();
         } catch (err) {
-          throw broken("ended early", err);
+          throw broken(
+            deadline.aborted
+              ? `ran past its ${action.timeoutMs + this.t.execGrace} ms deadline`
+              : "ended early",
+            err,
+          );
         }
         if (chunk.done) throw broken("ended without a result");
         let frames: ReturnType<ExecFrameDecoder["push"]>;
