@@ -210,7 +210,9 @@ test("a line printed every 200 ms streams each line within 300 ms of its print (
   expect(exitAt - lines[0]!.arrived).toBeGreaterThan(1000);
 }, 120_000);
 
-test("a session exec streams too; its exit event is the session exec response", async () => {
+test("a session exec streams too, waking the idle-paused VM; its exit event is the session exec response", async () => {
+  // Idle past the agent's 2 s pause (DEFAULT_IDLE_PAUSE_MS): the streamed exec wakes the VM first.
+  await Bun.sleep(3000);
   const s = await streamExec(sessPath(), keys.live, {
     commands: [["sh", "-c", "echo one; sleep 0.5; echo two >&2; exit 3"]],
   });
@@ -275,7 +277,7 @@ function rssBytes(pid: number): { rss: number; hwm: number } {
  * What a stalled reader may add to the service's peak memory over the stall (gateway and agent
  * are one process under `up`). The output held is small: in an 8 s stall the agent read 12 MB
  * from the guest before it paused and the gateway passed on 5 MB (its 256 KiB and the agent's
- * 1 MiB, the rest loopback socket and fetch buffers); the peak RSS rose 68-112 MiB, the copies
+ * 1 MiB, the rest loopback socket and fetch buffers); the peak RSS rose 9-112 MiB, the copies
  * of those bytes (frames, events, strings) the GC had not returned yet. Without back-pressure all
  * 100 MB would be queued in the stall, with its copies several times that.
  */
