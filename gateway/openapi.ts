@@ -88,6 +88,13 @@ function operation(r: RouteContract, components: Json): Json {
   const ok: Json = { description: r.status === 101 ? "WebSocket upgrade" : "Success" };
   if (r.response) ok.content = json(schemaOf(r.response, "output", components));
   if (r.rawResponse) ok.content = { [r.rawResponse]: { schema: { type: "string" } } };
+  if (r.eventStream) {
+    ok.description = "Success: the JSON response, or with `Accept: text/event-stream` a stream of events";
+    ok.content = {
+      ...(ok.content as Json),
+      "text/event-stream": { schema: { type: "string", description: r.eventStream } },
+    };
+  }
   responses[String(r.status)] = ok;
   const b = r.familyB;
   if (b !== undefined) {

@@ -32,6 +32,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
 import { type AgentAction, perform } from "./actions.ts";
 import { mapAgentError } from "./errors.ts";
+import { streamExec } from "./exec-stream.ts";
 import type { TunnelSocketData } from "./tunnel-ws.ts";
 
 export interface AgentAppDeps {
@@ -98,13 +99,13 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     return run({ kind: "execOnce", template: b.template, action: b.action });
   });
   r.get("/vms/:id", (c) => run({ kind: "info", vmId: parse(VmIdParam, c.req.param("id")) }));
-  r.post("/vms/:id/exec", json, async (c) =>
-    run({
-      kind: "exec",
-      vmId: parse(VmIdParam, c.req.param("id")),
-      action: parse(ExecBody, await body(c.req.raw)),
-    }),
-  );
+  r.post("/vms/:id/exec", json, async (c) => {
+    const vmId = parse(VmIdParam, c.req.param("id"));
+    const action = parse(ExecBody, await body(c.req.raw));
+    // Streamed (exec-stream.ts): a live body rather than one answer, so not through `perform`.
+    if (c.req.query("stream") === "1") return streamExec(deps.manager, vmId, action, c.req.raw.signal);
+    return run({ kind: "exec", vmId, action });
+  });
   r.post("/vms/:id/fork", json, async (c) =>
     run({
       kind: "fork",

@@ -72,6 +72,8 @@ export interface ExecOptions {
   seed?: Uint8Array;
   /** Given either callback, output is streamed as it is produced (and still collected). */
   onStdout?: (chunk: Buffer) => void;
+  /** `false`: streamed output goes to the callbacks only, none is kept for the result. */
+  collect?: boolean;
   onStderr?: (chunk: Buffer) => void;
   /** Aborting sends CANCEL: the group is killed and the result comes back with `signal` 9. */
   signal?: AbortSignal;
@@ -176,6 +178,8 @@ export class GuestClient {
   private guestTunnels = 0;
   /** What waits for the guest to read it (bounded in bytes and time). */
   private readonly outbox: Outbox;
+  /** Outstanding `pauseReading` calls. */
+  private pauses = 0;
 
   private constructor(
     private readonly socket: Socket,
@@ -266,6 +270,21 @@ export class GuestClient {
   }
 
   /**
+   * Stops reading the guest's frames until every pause is matched by `resumeReading`: the
+   * back-pressure of a streamed exec whose consumer is behind. The guest's port then fills, its
+   * queue passes its high mark and it stops reading its commands' output (and its tunnels'), so
+   * the process writing blocks on its pipe; nothing grows on either side meanwhile.
+   */
+  pauseReading(): void {
+    if (this.pauses++ === 0) this.socket.pause();
+  }
+
+  resumeReading(): void {
+    if (this.pauses === 0) return;
+    if (--this.pauses === 0) this.socket.resume();
+  }
+
+  /**
    * Sends HELLO and waits for the guest's answer; concurrent calls share one round trip. The
    * guest drops every tunnel on a HELLO (docs "Tunnels"), so ours end here too.
    */
@@ -334,8 +353,9 @@ export class GuestClient {
     if (typeof o.stdin === "string" || o.stdin instanceof Uint8Array) w.bytes(Tag.STDIN, o.stdin);
 
     // Streamed output is collected here with the same cap the guest applies to captured output.
-    const out = new Collector(maxOutput);
-    const err = new Collector(maxOutput);
+    const keep = o.collect === false ? 0 : maxOutput;
+    const out = new Collector(keep);
+    const err = new Collector(keep);
     const onFrame = (type: number, payload: Buffer) => {
       if (type === FrameType.STDOUT) {
         out.add(payload);
@@ -374,8 +394,8 @@ export class GuestClient {
         timedOut: r.u32(Tag.TIMED_OUT) === 1,
         stdout: streaming ? out.result() : (r.get(Tag.STDOUT) ?? Buffer.alloc(0)),
         stderr: streaming ? err.result() : (r.get(Tag.STDERR) ?? Buffer.alloc(0)),
-        stdoutTruncated: r.u32(Tag.STDOUT_TRUNC) === 1 || out.truncated,
-        stderrTruncated: r.u32(Tag.STDERR_TRUNC) === 1 || err.truncated,
+        stdoutTruncated: r.u32(Tag.STDOUT_TRUNC) === 1 || (keep > 0 && out.truncated),
+        stderrTruncated: r.u32(Tag.STDERR_TRUNC) === 1 || (keep > 0 && err.truncated),
         durationUs: Number(r.u64(Tag.DURATION_US) ?? 0n),
         pid: r.u32(Tag.PID) ?? 0,
         seedAck: r.u32(Tag.SEED_ACK) === 1,

@@ -270,3 +270,30 @@ describe("capOutput", () => {
     expect(c.truncated).toBe(true);
   });
 });
+
+describe("planExec: the request's own cwd, user and stdin", () => {
+  test("cwd and user replace the image's; the user's HOME/USER/LOGNAME yield to the request's env", () => {
+    const img = image({ workingDir: "/app", env: ["HOME=/root", "PATH=/bin"] });
+    const user = { uid: 65534, gid: 65534, name: "nobody", home: "/nonexistent" };
+    const p = planExec(req({ cwd: "/tmp", env: { LOGNAME: "mine" } }), img, user);
+    expect([p.cwd, p.uid, p.gid]).toEqual(["/tmp", 65534, 65534]);
+    expect(envOf(p.env)).toMatchObject({
+      HOME: "/nonexistent",
+      USER: "nobody",
+      LOGNAME: "mine",
+      PATH: "/bin",
+    });
+    const dflt = planExec(req(), img);
+    expect(dflt.cwd).toBe("/app");
+    expect(envOf(dflt.env).HOME).toBe("/root");
+  });
+
+  test("stdin goes to the first command only, and never replaces code's", () => {
+    const stdinB64 = Buffer.from([0, 255]).toString("base64");
+    const argv = planExec(req({ run: { kind: "argv", commands: [["cat"], ["true"]] }, stdinB64 }), image());
+    expect(Buffer.from(argv.commands[0]!.stdin as Uint8Array)).toEqual(Buffer.from([0, 255]));
+    expect(argv.commands[1]!.stdin).toBeUndefined();
+    const code = planExec(req({ run: { kind: "code", code: "print(1)" }, stdinB64 }), image());
+    expect(code.commands[0]!.stdin).toBe("print(1)");
+  });
+});

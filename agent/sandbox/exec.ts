@@ -12,7 +12,8 @@
  * - Family B `command` is one line for `/bin/sh -c`; `commands` are argv arrays run in order
  *   without a shell, each seeing what the earlier ones left; the result is the last one's, and a
  *   command that runs out of time ends the action.
- * - Every file and command runs in the image's WorkingDir (else `/`) as the image's User.
+ * - Every file and command runs in the image's WorkingDir (else `/`) as the image's User, unless
+ *   the request names its own `cwd` or `user` (looked up in the guest's /etc/passwd first).
  * - The environment is the image's Env, then the egress proxy (EGRESS_PROXY_ENV), then the
  *   request's own `env`; a later name wins.
  * - One budget for the whole action, 30 s unless the request says (the agent API bounds it).
@@ -41,7 +42,7 @@ export type ExecImage = Pick<ImageConfig, "env" | "workingDir" | "user" | "entry
 
 export interface PlannedCommand {
   argv: string[];
-  stdin?: string;
+  stdin?: string | Uint8Array;
   /** The seed's bytes, on the first command only: the guest mixes it in once per action. */
   seed?: Uint8Array;
 }
@@ -65,14 +66,24 @@ export interface ExecPlan {
   seeded: boolean;
 }
 
-export function planExec(req: ExecRequest, image: ExecImage): ExecPlan {
+/** The request's `user` as found in the guest's /etc/passwd (exec-run.ts `resolveExecUser`). */
+export interface ExecUser {
+  uid: number;
+  gid: number;
+  name: string;
+  home: string;
+}
+
+export function planExec(req: ExecRequest, image: ExecImage, user?: ExecUser): ExecPlan {
   const seed = req.seed === undefined ? undefined : seedBytes(req.seed);
+  // Another user gets its own HOME, USER and LOGNAME (as `su -` would); the request's env still wins.
+  const userEnv = user ? { HOME: user.home, USER: user.name, LOGNAME: user.name } : undefined;
   const plan: ExecPlan = {
     timeoutMs: req.timeoutMs ?? DEFAULT_EXEC_TIMEOUT_MS,
-    cwd: image.workingDir || "/",
-    uid: image.user.uid,
-    gid: image.user.gid,
-    env: mergeEnv(mergeEnv(image.env, EGRESS_PROXY_ENV), req.env),
+    cwd: req.cwd ?? (image.workingDir || "/"),
+    uid: user?.uid ?? image.user.uid,
+    gid: user?.gid ?? image.user.gid,
+    env: mergeEnv(mergeEnv(mergeEnv(image.env, EGRESS_PROXY_ENV), userEnv), req.env),
     files: req.files,
     commands: [],
     seeded: seed !== undefined,
@@ -94,6 +105,10 @@ export function planExec(req: ExecRequest, image: ExecImage): ExecPlan {
   }
   const first = plan.commands[0];
   if (first && seed) first.seed = seed;
+  // The request's stdin goes to the first command (`code` already is its command's stdin: the
+  // gateway refuses both together).
+  if (first && req.stdinB64 !== undefined && first.stdin === undefined)
+    first.stdin = Buffer.from(req.stdinB64, "base64");
   return plan;
 }
 

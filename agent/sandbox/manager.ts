@@ -29,15 +29,15 @@ import type {
 } from "../../contracts/agent/api.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressFence, operatorFence } from "../egress/fence.ts";
-import { type EgressDefault, EgressPolicy } from "../egress/policy.ts";
-import { type EgressAttempt, serveEgressConnection } from "../egress/proxy.ts";
+import { EgressPolicy } from "../egress/policy.ts";
+import { serveEgressConnection } from "../egress/proxy.ts";
 import { GuestError, type GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
-import { type MeterEvent, type UsageInterval, UsageMeter, type UsageReport } from "./accounting.ts";
-import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
+import { UsageMeter, type UsageReport } from "./accounting.ts";
+import { addHeld, Capacity, type HeldResources, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import { type ExecRequest, planExec } from "./exec.ts";
-import { type RunOutcome, runOne, writeFiles } from "./exec-run.ts";
+import { type OutputSink, type RunOutcome, resolveExecUser, runOne, writeFiles } from "./exec-run.ts";
 import type { ManagerOptions, Sandbox, SandboxInfo } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
@@ -262,11 +262,13 @@ export class SandboxManager {
     };
   }
 
-  async exec(id: string, req: ExecRequest): Promise<ExecResult> {
+  /** With `stream`, output goes to its sink uncapped; its signal (consumer gone) cancels. */
+  async exec(id: string, req: ExecRequest, stream?: { sink: OutputSink; signal: AbortSignal }) {
     const sb = this.mustGet(id);
     this.setState(sb, "busy");
     const abort = new AbortController();
-    const done = this.runExec(sb, req, abort.signal);
+    const signal = stream ? AbortSignal.any([abort.signal, stream.signal]) : abort.signal;
+    const done = this.runExec(sb, req, signal, stream?.sink);
     sb.inflight = { abort, done };
     try {
       return await done;
@@ -636,13 +638,14 @@ export class SandboxManager {
    * written and its commands run in order against one deadline. An image that cannot run the
    * request (no Entrypoint/Cmd for `code`) is refused before anything is written.
    */
-  private async runExec(sb: Sandbox, req: ExecRequest, signal: AbortSignal): Promise<ExecResult> {
+  private async runExec(sb: Sandbox, req: ExecRequest, signal: AbortSignal, sink?: OutputSink) {
     const t0 = performance.now();
     try {
       await this.wake(sb);
       const vm = sb.vm;
       if (!vm) throw this.goneError(sb);
-      const plan = planExec(req, vm.image);
+      const user = req.user === undefined ? undefined : await resolveExecUser(vm.guest, req.user);
+      const plan = planExec(req, vm.image, user);
       const deadline = t0 + plan.timeoutMs;
       await writeFiles(vm.guest, plan);
       const tExec = performance.now();
@@ -653,7 +656,7 @@ export class SandboxManager {
         ack = true;
       }
       for (const [i, cmd] of plan.commands.entries()) {
-        out = await runOne(vm.guest, plan, cmd, deadline, signal);
+        out = await runOne(vm.guest, plan, cmd, deadline, signal, sink);
         // The seed rides on the first command; its ack stands for the whole action.
         if (i === 0) ack = out.seedAck;
         if (out.timedOut) break;

@@ -55,6 +55,11 @@ export type AgentCapacity = z.infer<typeof S.CapacitySchema>;
 export type VmSummary = z.infer<typeof S.VmSummarySchema>;
 export type AgentHealth = z.infer<typeof S.HealthSchema>;
 
+export interface ExecStreamOptions {
+  onOutput: (stream: "stdout" | "stderr", chunk: Uint8Array) => Promise<void> | void;
+  signal: AbortSignal;
+}
+
 /** A byte tunnel to a guest port (connect-from-outside). */
 export interface Tunnel {
   readable: ReadableStream<Uint8Array>;
@@ -69,6 +74,14 @@ export interface AgentApi {
   execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult>;
   /** Run an action in a live VM. Serialized per VM: a concurrent call throws `busy`. */
   exec(vmId: VmId, action: ExecAction): Promise<ExecResult>;
+  /**
+   * `exec` with its output handed over as the guest produces it, uncapped: `onOutput` is awaited
+   * before more is read (a slow consumer slows the guest's output, never the agent's memory), and
+   * aborting `signal` cancels the command (the guest kills its process group). The result's
+   * stdout/stderr are empty: the output went through `onOutput`. Errors before the first output
+   * throw as `exec` does; later ones reject the promise the same way.
+   */
+  execStream(vmId: VmId, action: ExecAction, opts: ExecStreamOptions): Promise<ExecResult>;
   /** Branch a running VM into `count` copy-on-write children; `busy` while an exec is in flight. */
   fork(vmId: VmId, count: number): Promise<CreatedVm[]>;
   suspend(vmId: VmId): Promise<SuspendResult>;

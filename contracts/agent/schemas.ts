@@ -72,6 +72,18 @@ export const ExecBody = z.object({
   seed: z.string().max(MAX_SEED_HEX_CHARS).optional(),
   /** Added to (and overriding) the image's Env. */
   env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string()).optional(),
+  /** Working directory of the files and commands instead of the image's WorkingDir. */
+  cwd: z.string().startsWith("/").max(4096).optional(),
+  /** A user name (looked up in the guest's /etc/passwd) or a decimal uid, instead of the image's User. */
+  user: z.string().min(1).max(64).optional(),
+  /**
+   * Standard input of the (first) command, base64; then closed. The gateway bounds it
+   * (MAX_EXEC_STDIN_BYTES); 16 MiB here is the guest's own stdin queue bound.
+   */
+  stdinB64: z
+    .base64()
+    .max(Math.ceil((16 * 1024 * 1024) / 3) * 4)
+    .optional(),
 });
 export type ExecBody = z.infer<typeof ExecBody>;
 

@@ -7,9 +7,14 @@ import { z } from "zod";
 import { PublicErrorCode } from "../errors.ts";
 import {
   MAX_EXEC_COMMANDS,
+  MAX_EXEC_CWD_CHARS,
+  MAX_EXEC_ENV_BYTES,
+  MAX_EXEC_ENV_ENTRIES,
   MAX_EXEC_FILES,
   MAX_EXEC_OUTPUT_BYTES,
   MAX_EXEC_RESPONSE_BYTES,
+  MAX_EXEC_STDIN_BYTES,
+  MAX_EXEC_USER_CHARS,
   MAX_LABEL_KEY_CHARS,
   MAX_LABEL_VALUE_CHARS,
   MAX_LABELS,
@@ -126,6 +131,74 @@ export const ExecTruncated = z
   .describe(
     `Present, and true, only when stdout and stderr were cut: together they carry at most ${MAX_EXEC_OUTPUT_BYTES} bytes of the command's output (when both are long, the shorter keeps up to half). The command itself ran to its end; what it wrote past the cap was discarded. JSON escaping makes a response at most ${MAX_EXEC_RESPONSE_BYTES} bytes.`,
   );
+
+/** An environment variable name as POSIX shells accept it. */
+const EnvName = z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/, "an environment variable name");
+
+/**
+ * The per-exec options both exec forms take (Family A session exec, Family B sandbox exec): the
+ * fields are spread into each request object, and `checkExecOptions` is refined on it.
+ */
+export const ExecOptionFields = {
+  env: z
+    .record(
+      EnvName,
+      z.string().refine((v) => !v.includes("\0"), "env values must not contain NUL"),
+    )
+    .refine(
+      (r) => Object.keys(r).length <= MAX_EXEC_ENV_ENTRIES,
+      `at most ${MAX_EXEC_ENV_ENTRIES} env entries`,
+    )
+    .refine(
+      (r) =>
+        Object.entries(r).reduce((n, [k, v]) => n + Buffer.byteLength(k) + Buffer.byteLength(v) + 2, 0) <=
+        MAX_EXEC_ENV_BYTES,
+      `env is at most ${MAX_EXEC_ENV_BYTES} bytes (names and values)`,
+    )
+    .optional()
+    .describe(
+      `Added to the image's environment for this exec only; a name here wins over the image's. At most ${MAX_EXEC_ENV_ENTRIES} entries and ${MAX_EXEC_ENV_BYTES} bytes.`,
+    ),
+  cwd: z
+    .string()
+    .startsWith("/", "cwd must be an absolute path")
+    .max(MAX_EXEC_CWD_CHARS)
+    .refine((p) => !p.includes("\0"), "cwd must not contain NUL")
+    .optional()
+    .describe(
+      "Working directory inside the guest for the files' relative paths and the commands (default: the image's WorkingDir). A directory that does not exist is 400 `bad_request`.",
+    ),
+  user: z
+    .string()
+    .min(1)
+    .max(MAX_EXEC_USER_CHARS)
+    .regex(/^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$/, "a user name or a decimal uid")
+    .optional()
+    .describe(
+      "Run as this user: a name looked up in the guest's /etc/passwd (its group and home from there) or a decimal uid (default: the image's User). An unknown name is 400 `bad_request`.",
+    ),
+  stdin: z
+    .string()
+    .refine(
+      (s) => Buffer.byteLength(s) <= MAX_EXEC_STDIN_BYTES,
+      `stdin is at most ${MAX_EXEC_STDIN_BYTES} bytes`,
+    )
+    .optional()
+    .describe("UTF-8 text given to the command's standard input, which is then closed."),
+  stdin_b64: z
+    .base64()
+    .refine(
+      (s) => Math.floor((s.length * 3) / 4) <= MAX_EXEC_STDIN_BYTES + 2,
+      `stdin is at most ${MAX_EXEC_STDIN_BYTES} bytes`,
+    )
+    .optional()
+    .describe("Standard input as base64, for bytes that are not UTF-8; not together with `stdin`."),
+};
+
+/** The checks across the option fields: one stdin form at most. */
+export function checkExecOptions(b: { stdin?: string | undefined; stdin_b64?: string | undefined }): boolean {
+  return b.stdin === undefined || b.stdin_b64 === undefined;
+}
 
 /** Positive integer seconds; the upper bound is the deployment's `maxExecTimeoutS` (at most EXEC_TIMEOUT_CEILING_S). */
 export const TimeoutSeconds = z.int().min(1);

@@ -5,7 +5,9 @@
 import { z } from "zod";
 import {
   ArgvCommands,
+  checkExecOptions,
   ErrorEnvelope,
+  ExecOptionFields,
   ExecTruncated,
   FileWrites,
   SessionId,
@@ -119,6 +121,11 @@ export const SessionExecRequest = z
     commands: ArgvCommands.optional().describe("Run in order; the response reflects the last one."),
     files: FileWrites.optional().describe("Written before any command runs. Absolute paths."),
     timeout_seconds: TimeoutSeconds.optional(),
+    ...ExecOptionFields,
+  })
+  .refine(checkExecOptions, { message: "send stdin or stdin_b64, not both" })
+  .refine((b) => b.code === undefined || (b.stdin === undefined && b.stdin_b64 === undefined), {
+    message: "code is the interpreter's stdin: send stdin with commands, not with code",
   })
   .refine((b) => b.code !== undefined || b.commands !== undefined || b.files !== undefined, {
     message: "send code, commands or files",

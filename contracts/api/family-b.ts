@@ -5,7 +5,9 @@
 import { z } from "zod";
 import {
   ArgvCommands,
+  checkExecOptions,
   Endpoints,
+  ExecOptionFields,
   ExecTruncated,
   FileWrites,
   Labels,
@@ -276,7 +278,9 @@ export const ExecRequestB = z
       .regex(new RegExp(`^[0-9a-fA-F]{1,${MAX_SEED_HEX_CHARS}}$`), "hex string")
       .optional()
       .describe("Echoed back."),
+    ...ExecOptionFields,
   })
+  .refine(checkExecOptions, { message: "send stdin or stdin_b64, not both" })
   .refine((b) => b.command !== undefined || b.commands !== undefined || b.files !== undefined, {
     message: "send command, commands or files",
   })

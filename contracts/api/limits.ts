@@ -307,3 +307,28 @@ export const DEFAULT_LIMITS: Readonly<Limits> = Object.freeze({
   idleAction: "suspend",
   maxUsageWindowS: MAX_USAGE_WINDOW_S,
 });
+
+// ---- per-exec options (env, cwd, user, stdin) and streamed exec ------------------------------
+
+/**
+ * Our choice: most `env` entries on one exec. The request's env rides in the guest's one REQUEST
+ * frame (1 MiB) beside the argv; 256 names is far past what real tools set per call.
+ */
+export const MAX_EXEC_ENV_ENTRIES = 256;
+/**
+ * Our choice: `env` names plus values of one exec, in UTF-8 bytes. 64 KiB leaves most of the
+ * guest's 1 MiB REQUEST frame to the argv and stays under Linux's 128 KiB per-string limit
+ * (MAX_ARG_STRLEN), so a value the kernel would refuse at execve is refused here first.
+ */
+export const MAX_EXEC_ENV_BYTES = 64 * 1024;
+/** PATH_MAX: a longer `cwd` could not be chdir'ed into anyway. */
+export const MAX_EXEC_CWD_CHARS = 4096;
+/** Our choice: a user name (LOGIN_NAME_MAX-ish 32) or a decimal uid. */
+export const MAX_EXEC_USER_CHARS = 32;
+/**
+ * Our choice: `stdin` (or the bytes of `stdin_b64`) of one exec. It is streamed to the guest in
+ * 64 KiB frames, and the guest queues at most 16 MiB of stdin its command has not read yet
+ * (agent/guest/agent/exec.c STDIN_QUEUE_LIMIT); 4 MiB stays well under that and, even as base64,
+ * inside the 10 MiB JSON body.
+ */
+export const MAX_EXEC_STDIN_BYTES = 4 * 1024 * 1024;

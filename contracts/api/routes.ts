@@ -9,6 +9,17 @@ import * as A from "./family-a.ts";
 import * as B from "./family-b.ts";
 import { HealthResponse } from "./health.ts";
 
+/** The streamed form of both exec routes (gateway/routes/exec-sse.ts, docs/api.md "Streamed exec"). */
+const EXEC_EVENTS =
+  "With `Accept: text/event-stream` the exec streams Server-Sent Events while the command runs: " +
+  '`event: stdout` / `event: stderr` with data `{"data": "<UTF-8 text>"}`, or `{"data_b64": "<base64>"}` ' +
+  "for a chunk that is not valid UTF-8 (a character split across chunks is held back and sent whole), " +
+  "in the order the command wrote them and not capped; then one `event: exit` whose data is this " +
+  "route's JSON response with `stdout` and `stderr` empty. A failure after the first event is one " +
+  '`event: error` with data `{"code", "message"}`, then the end of the stream. The status and headers ' +
+  "come with the first output (or the end), so a refusal before any output is the JSON error below. " +
+  "Closing the connection cancels the command (its process group is killed).";
+
 export interface RouteContract {
   method: "get" | "post" | "delete";
   /** OpenAPI-style path (`{id}`). */
@@ -23,6 +34,8 @@ export interface RouteContract {
   response?: z.ZodType;
   /** Non-JSON response content type. */
   rawResponse?: string;
+  /** The success response may also be `text/event-stream` (asked for with `Accept`): its events. */
+  eventStream?: string;
   status: number;
   /**
    * The Family B form of a path both families share ("both"), when it differs from the Family A
@@ -123,6 +136,7 @@ export const ROUTES: RouteContract[] = [
     summary: "Exec in a session",
     body: A.SessionExecRequest,
     response: A.ExecResultA,
+    eventStream: EXEC_EVENTS,
     status: 200,
     errors: [400, 403, 404, 409, 410, 413],
   },
@@ -252,6 +266,7 @@ export const ROUTES: RouteContract[] = [
     summary: "Exec in a sandbox",
     body: B.ExecRequestB,
     response: B.ExecResponseB,
+    eventStream: EXEC_EVENTS,
     status: 200,
     errors: [400, 403, 404, 409, 413],
   },

@@ -18,6 +18,7 @@ import {
   type CreateVmOpts,
   type ExecAction,
   type ExecResult,
+  type ExecStreamOptions,
   type OneShotResult,
   type ResumeResult,
   type SuspendResult,
@@ -28,6 +29,7 @@ import {
   type VmId,
   type VmSummary,
 } from "../../contracts/agent/api.ts";
+import { ExecFrameDecoder, ExecFrameKind } from "../../contracts/agent/exec-stream.ts";
 import {
   CreatedVmSchema,
   ExecResultSchema,
@@ -113,6 +115,79 @@ export class AgentHttpClient implements AgentApi {
       action.timeoutMs + this.t.execGrace,
       ExecResultSchema,
     );
+  }
+
+  /**
+   * `POST /vms/{id}/exec?stream=1`: the agent answers frames (contracts/agent/exec-stream.ts).
+   * Each output frame is awaited through `onOutput` before the next read, so a slow consumer
+   * leaves the agent's body unread and the agent stops reading the guest. One deadline for the
+   * whole exchange, as for `exec`: the guest kills the command at its timeout, after which only
+   * the buffers' worth of output is left to read; a consumer that has not read it within the
+   * grace loses the stream. `signal` (the client gone) ends the request, which cancels the
+   * command at the agent.
+   */
+  async execStream(vmId: VmId, action: ExecAction, opts: ExecStreamOptions): Promise<ExecResult> {
+    const method = "POST";
+    const path = `/vms/${enc(vmId)}/exec?stream=1`;
+    const url = `${this.base}${path}`;
+    const deadline = AbortSignal.timeout(action.timeoutMs + this.t.execGrace);
+    let res: Response;
+    try {
+      res = await fetch(url, {
+        method,
+        headers: {
+          authorization: `Bearer ${await signAgentToken(this.key, this.agentId)}`,
+          "content-type": "application/json",
+        },
+        body: JSON.stringify(action),
+        signal: AbortSignal.any([opts.signal, deadline]),
+      });
+    } catch (err) {
+      throw new SandboxdError("agent_unavailable", `agent ${this.base} is unreachable (${method} ${path})`, {
+        cause: err,
+        details: { url, timedOut: deadline.aborted },
+      });
+    }
+    if (!res.ok || !res.body) throw errorFromAgentAnswer(res.status, await res.text(), `${method} ${path}`);
+    const reader = res.body.getReader();
+    const decoder = new ExecFrameDecoder();
+    const broken = (why: string, cause?: unknown) =>
+      new SandboxdError("agent_unavailable", `agent ${this.base}: exec stream ${why}`, { cause });
+    try {
+      for (;;) {
+        let chunk: Awaited<ReturnType<typeof reader.read>>;
+        try {
+          chunk = await reader.read();
+        } catch (err) {
+          throw broken(
+            deadline.aborted
+              ? `ran past its ${action.timeoutMs + this.t.execGrace} ms deadline`
+              : "ended early",
+            err,
+          );
+        }
+        if (chunk.done) throw broken("ended without a result");
+        let frames: ReturnType<ExecFrameDecoder["push"]>;
+        try {
+          frames = decoder.push(chunk.value);
+        } catch (err) {
+          throw broken("is malformed", err);
+        }
+        for (const f of frames) {
+          if (f.kind === ExecFrameKind.STDOUT) await opts.onOutput("stdout", f.payload);
+          else if (f.kind === ExecFrameKind.STDERR) await opts.onOutput("stderr", f.payload);
+          else {
+            const text = new TextDecoder().decode(f.payload);
+            if (f.kind === ExecFrameKind.ERROR) throw errorFromAgentAnswer(500, text, `${method} ${path}`);
+            const r = ExecResultSchema.safeParse(JSON.parse(text));
+            if (!r.success) throw broken("ended with an unexpected result", r.error);
+            return r.data;
+          }
+        }
+      }
+    } finally {
+      reader.cancel().catch(() => undefined);
+    }
   }
 
   async fork(vmId: VmId, count: number): Promise<CreatedVm[]> {

@@ -28,6 +28,7 @@ import type {
   CreateVmOpts,
   ExecAction,
   ExecResult,
+  ExecStreamOptions,
   OneShotResult,
   ResumeResult,
   SuspendResult,
@@ -188,6 +189,7 @@ export class AgentRouter implements AgentApi, Placement {
       createSandbox: async (t, o) => (await lookup()).createSandbox(t, o),
       execOnce: async (t, a) => (await lookup()).execOnce(t, a),
       exec: async (v, a) => (await lookup()).exec(v, a),
+      execStream: async (v, a, o) => (await lookup()).execStream(v, a, o),
       fork: async (v, n) => (await lookup()).fork(v, n),
       suspend: async (v) => (await lookup()).suspend(v),
       resume: async (v) => (await lookup()).resume(v),
@@ -305,6 +307,9 @@ export class AgentRouter implements AgentApi, Placement {
     throw new SandboxdError("internal", "a call on a VM must go through AgentRouter.agentFor(agentId)");
   }
   async exec(_vmId: VmId, _action: ExecAction): Promise<ExecResult> {
+    return this.noAgent();
+  }
+  async execStream(_vmId: VmId, _action: ExecAction, _opts: ExecStreamOptions): Promise<ExecResult> {
     return this.noAgent();
   }
   async fork(_vmId: VmId, _count: number): Promise<CreatedVm[]> {

@@ -10,6 +10,7 @@ import type {
   CreatedVm,
   ExecAction,
   ExecResult,
+  ExecStreamOptions,
   OneShotResult,
   VmResources,
 } from "../../contracts/agent/api.ts";
@@ -357,13 +358,22 @@ async function endOneShot(
   });
 }
 
-export async function execIn(deps: Deps, p: Principal, id: string, action: ExecAction): Promise<ExecResult> {
+/** Runs an exec in a sandbox or session; with `stream`, its output streams (AgentApi.execStream). */
+export async function execIn(
+  deps: Deps,
+  p: Principal,
+  id: string,
+  action: ExecAction,
+  stream?: ExecStreamOptions,
+): Promise<ExecResult> {
   const row = await getOwned(deps, p, id);
   requireAllowed(id, row.state, "exec");
   await beginActivity(deps, p, row, "exec");
   let ok = false;
   try {
-    const result = await inTermsOf(row, agentOf(deps, row).exec(row.vmId!, action));
+    const agent = agentOf(deps, row);
+    const call = stream ? agent.execStream(row.vmId!, action, stream) : agent.exec(row.vmId!, action);
+    const result = await inTermsOf(row, call);
     ok = true;
     return result;
   } finally {

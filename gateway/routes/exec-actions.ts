@@ -27,7 +27,8 @@ export function oneShotAction(deps: Deps, req: A.ExecRequestA): ExecAction {
 }
 
 /**
- * What the exec requests of both families share: files, argv `commands`, `timeout_seconds`. The
+ * What the exec requests of both families share: files, argv `commands`, `timeout_seconds`, and
+ * the per-exec options `env`, `cwd`, `user`, `stdin`/`stdin_b64`. The
  * family's own single form (`code` or `command`) wins over `commands`; with neither, nothing runs
  * after the files are written.
  */
@@ -36,11 +37,18 @@ function execAction(
   req: A.SessionExecRequest | B.ExecRequestB,
   single: RunAction | undefined,
 ): ExecAction {
-  return {
+  const action: ExecAction = {
     files: req.files ?? [],
     run: single ?? (req.commands !== undefined ? { kind: "argv", commands: req.commands } : { kind: "none" }),
     timeoutMs: timeoutMs(deps, req.timeout_seconds),
   };
+  // The per-exec options: the agent applies them (agent/sandbox/exec.ts planExec).
+  if (req.env !== undefined) action.env = req.env;
+  if (req.cwd !== undefined) action.cwd = req.cwd;
+  if (req.user !== undefined) action.user = req.user;
+  if (req.stdin !== undefined) action.stdinB64 = Buffer.from(req.stdin, "utf8").toString("base64");
+  else if (req.stdin_b64 !== undefined) action.stdinB64 = req.stdin_b64;
+  return action;
 }
 
 /** Family A `POST /v1/sessions/{id}/exec`: code or argv commands, with files. */

@@ -25,6 +25,7 @@ import type { Deps, HonoEnv } from "../deps.ts";
 import { mapError } from "../errors.ts";
 import { jsonBody, query } from "../http.ts";
 import { oneShotAction, sessionExecAction, timeoutMs } from "./exec-actions.ts";
+import { sseExec, wantsEventStream } from "./exec-sse.ts";
 
 function resultA(id: string, r: ExecResult, forkTimeMs: number): z.infer<typeof A.ExecResultA> {
   return {
@@ -182,8 +183,15 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
     requireFamily(p, "a");
     const id = c.req.param("id");
     const req = await jsonBody(c, A.SessionExecRequest, max());
-    const r = await execIn(deps, p, id, sessionExecAction(deps, req));
-    return c.json(resultA(id, r, 0));
+    const action = sessionExecAction(deps, req);
+    if (wantsEventStream(c.req.header("accept"))) {
+      return sseExec(
+        c.req.raw.signal,
+        (o) => execIn(deps, p, id, action, o),
+        (r) => resultA(id, r, 0),
+      );
+    }
+    return c.json(resultA(id, await execIn(deps, p, id, action), 0));
   });
 
   app.post("/v1/sessions/:id/fork", async (c) => {

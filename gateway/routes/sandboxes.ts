@@ -3,6 +3,7 @@
  * sub-app behind the key middleware. Connecting from outside is in connect.ts.
  */
 import { type Context, Hono } from "hono";
+import type { ExecResult } from "../../contracts/agent/api.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { requireFamily } from "../auth/guards.ts";
 import { idleInfo, wakeIfIdle } from "../core/idle.ts";
@@ -23,6 +24,7 @@ import {
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody } from "../http.ts";
 import { sandboxExecAction } from "./exec-actions.ts";
+import { sseExec, wantsEventStream } from "./exec-sse.ts";
 
 type State = "running" | "suspended";
 const publicState = (s: string): State => (s === "suspended" ? "suspended" : "running");
@@ -111,20 +113,26 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     const id = c.req.param("id");
     const req = await jsonBody(c, B.ExecRequestB, max());
     await wakeIfIdle(deps, p, id);
-    const r = await execIn(deps, p, id, sandboxExecAction(deps, req));
-    const body: Record<string, unknown> = {
-      id,
-      stdout: r.stdout,
-      stderr: r.stderr,
-      exit_code: r.exitCode,
-      fork_time_ms: 0,
-      exec_time_ms: r.execTimeMs,
-      total_time_ms: r.totalTimeMs,
+    const action = sandboxExecAction(deps, req);
+    const toBody = (r: ExecResult) => {
+      const body: Record<string, unknown> = {
+        id,
+        stdout: r.stdout,
+        stderr: r.stderr,
+        exit_code: r.exitCode,
+        fork_time_ms: 0,
+        exec_time_ms: r.execTimeMs,
+        total_time_ms: r.totalTimeMs,
+      };
+      if (req.seed !== undefined) body.seed = req.seed;
+      if (r.seedAck !== undefined) body.seed_ack = r.seedAck;
+      if (r.truncated) body.truncated = true;
+      return body;
     };
-    if (req.seed !== undefined) body.seed = req.seed;
-    if (r.seedAck !== undefined) body.seed_ack = r.seedAck;
-    if (r.truncated) body.truncated = true;
-    return c.json(body);
+    if (wantsEventStream(c.req.header("accept"))) {
+      return sseExec(c.req.raw.signal, (o) => execIn(deps, p, id, action, o), toBody);
+    }
+    return c.json(toBody(await execIn(deps, p, id, action)));
   });
 
   app.post("/v1/sandboxes/:id/fork", async (c) => {
