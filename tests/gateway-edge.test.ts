@@ -267,8 +267,10 @@ async function run(name: string, cmd: string, args: string[], env: Record<string
       o.ws.pause();
       let ended: number | undefined;
       void o.closed.then((c) => (ended = c.code));
-      // Well over what the loopback sockets' kernel buffers on the way hold (~20 MiB measured).
-      const total = 64 * MIB;
+      // Well over what passes before the pause takes hold: the loopback sockets' kernel buffers
+      // on the way (~20 MiB measured) plus what the runtime had already parsed (Bun under load:
+      // up to ~33 MiB flowed of 64), so "most of it stayed in the client" is a clear margin.
+      const total = 128 * MIB;
       const part = Buffer.alloc(TCP_MESSAGE_BYTES);
       for (let i = 0; i < total / part.byteLength; i++) o.ws.send(part.fill(i & 0xff));
       let stalledPeak = before;
