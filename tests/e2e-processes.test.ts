@@ -5,8 +5,9 @@
  * while a foreground exec still runs beside it; `DELETE` kills its process group (the guest has no
  * httpd left and the port refuses); logs as JSON and followed as Server-Sent Events show a
  * process's output in order; stdin (JSON and raw) reaches `cat`; the list shows exit codes;
- * another tenant's id is 404, an unknown pid 404; the 32-process cap holds (409), and a suspend
- * ends the processes (they are listed as ended after the resume).
+ * another tenant's id is 404, an unknown pid 404; the 32-process cap holds (409), a suspend
+ * ends the processes (they are listed as ended after the resume), and an idle sandbox is paused
+ * with its process unless the process asked for `keep_awake`.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readFile, rm } from "node:fs/promises";
@@ -315,7 +316,13 @@ describe("Family B", () => {
       const list = expectOk(await api().get(base, { key: keys.pro }), 200, P.ProcessList).processes;
       expect(list.length).toBe(MAX_PROCESSES);
       expect(list.every((p) => p.running)).toBe(true);
-      expect((await exec(id, "pidof sleep | wc -w")).stdout.trim()).toBe(String(MAX_PROCESSES));
+      // A start answers once the command is sent; the guest spawns it a moment later.
+      let inGuest = "";
+      await waitFor(async () => {
+        inGuest = (await exec(id, "pidof sleep | wc -w")).stdout.trim();
+        return inGuest === String(MAX_PROCESSES);
+      }, 30_000);
+      expect(inGuest).toBe(String(MAX_PROCESSES));
 
       expectOk(await api().post(`/v1/sandboxes/${id}/suspend`, { key: keys.pro }), 200, B.StateResponse);
       expectOk(await api().post(`/v1/sandboxes/${id}/resume`, { key: keys.pro }), 200, B.StateResponse);
@@ -323,6 +330,45 @@ describe("Family B", () => {
       expect(after.map((p) => p.pid)).toEqual(pids);
       expect(after.every((p) => !p.running && p.exit_code === 137)).toBe(true);
       expect((await exec(id, "pidof sleep || echo none")).stdout).toBe("none\n");
+    },
+    TEST_TIMEOUT_MS,
+  );
+  test(
+    "without keep_awake an idle sandbox is paused with its process; with keep_awake it runs on",
+    async () => {
+      const base = `/v1/sandboxes/${id}/processes`;
+      const ticker = "while true; do echo tick; sleep 0.2; done";
+      const lines = async (pid: number) =>
+        expectOk(
+          await api().get(`${base}/${pid}/logs`, { key: keys.pro }),
+          200,
+          P.ProcessLogsResponse,
+        ).stdout.split("\n").length;
+      // Logs and lists are answered by the agent from memory: reading them does not wake the VM.
+      const idle = expectOk(
+        await api().post(base, { key: keys.pro, json: { command: ticker } }),
+        201,
+        P.ProcessInfo,
+      );
+      await Bun.sleep(4_000); // past the agent's 2 s idle pause
+      const a = await lines(idle.pid);
+      await Bun.sleep(2_000);
+      const b = await lines(idle.pid);
+      expect(a).toBeGreaterThan(1); // it ran before the pause
+      expect(b).toBe(a); // and not while paused
+      expectOk(await api().delete(`${base}/${idle.pid}`, { key: keys.pro }), 200, P.ProcessInfo);
+
+      const awake = expectOk(
+        await api().post(base, { key: keys.pro, json: { command: ticker, keep_awake: true } }),
+        201,
+        P.ProcessInfo,
+      );
+      expect(awake.keep_awake).toBe(true);
+      await Bun.sleep(4_000);
+      const c = await lines(awake.pid);
+      await Bun.sleep(2_000);
+      expect(await lines(awake.pid)).toBeGreaterThan(c);
+      expectOk(await api().delete(`${base}/${awake.pid}`, { key: keys.pro }), 200, P.ProcessInfo);
     },
     TEST_TIMEOUT_MS,
   );
