@@ -43,28 +43,57 @@ interface Chunk {
   data: Buffer;
 }
 
-/** One stream's newest output, at most `max` bytes; chunks carry a sequence number across streams. */
+/**
+ * What one kept chunk costs beyond its bytes (the object, its Buffer view), counted against the
+ * bound so that a process writing one byte at a time cannot make the log hold far more than
+ * `PROCESS_LOG_BYTES` of host memory.
+ */
+const CHUNK_OVERHEAD_BYTES = 128;
+
+/**
+ * One stream's newest output, at most `max` bytes (with CHUNK_OVERHEAD_BYTES per chunk); the
+ * chunks carry a sequence number across both streams, in increasing order. Dropping from the front
+ * moves `head` (compacted now and then) rather than shifting the array each time.
+ */
 class LogRing {
-  readonly chunks: Chunk[] = [];
+  private chunks: Chunk[] = [];
+  private head = 0;
   private bytes = 0;
   dropped = false;
 
   constructor(private readonly max: number) {}
 
   push(c: Chunk): void {
-    const data = c.data.length > this.max ? c.data.subarray(c.data.length - this.max) : c.data;
+    const room = this.max - CHUNK_OVERHEAD_BYTES;
+    const data = c.data.length > room ? c.data.subarray(c.data.length - room) : c.data;
     if (data !== c.data) this.dropped = true;
     this.chunks.push({ ...c, data });
-    this.bytes += data.length;
+    this.bytes += data.length + CHUNK_OVERHEAD_BYTES;
     while (this.bytes > this.max) {
-      const first = this.chunks.shift()!;
-      this.bytes -= first.data.length;
+      const first = this.chunks[this.head++]!;
+      this.bytes -= first.data.length + CHUNK_OVERHEAD_BYTES;
       this.dropped = true;
+    }
+    if (this.head > 1024 && this.head * 2 > this.chunks.length) {
+      this.chunks = this.chunks.slice(this.head);
+      this.head = 0;
     }
   }
 
+  /** The first kept chunk with a sequence number above `seq` (binary search), if any. */
+  after(seq: number): Chunk | undefined {
+    let lo = this.head;
+    let hi = this.chunks.length;
+    while (lo < hi) {
+      const mid = (lo + hi) >>> 1;
+      if (this.chunks[mid]!.seq > seq) hi = mid;
+      else lo = mid + 1;
+    }
+    return this.chunks[lo];
+  }
+
   text(): Buffer {
-    return Buffer.concat(this.chunks.map((c) => c.data));
+    return Buffer.concat(this.chunks.slice(this.head).map((c) => c.data));
   }
 }
 
@@ -170,21 +199,21 @@ export class BackgroundProcess {
    * process has ended and everything was handed out (or `signal` aborts).
    */
   async *follow(signal: AbortSignal): AsyncGenerator<Chunk> {
+    const aborted = new Promise<void>((r) => signal.addEventListener("abort", () => r(), { once: true }));
     let after = 0;
-    for (;;) {
+    while (!signal.aborted) {
       const wait = this.running ? this.changed() : undefined;
-      const next = [...this.out.chunks, ...this.err.chunks]
-        .filter((c) => c.seq > after)
-        .sort((a, b) => a.seq - b.seq);
-      for (const c of next) {
-        if (signal.aborted) return;
+      // One chunk at a time, the older of the two streams' next: a slow reader holds no copy.
+      for (;;) {
+        const o = this.out.after(after);
+        const e = this.err.after(after);
+        const c = o && (!e || o.seq < e.seq) ? o : e;
+        if (!c || signal.aborted) break;
         after = c.seq;
         yield c;
       }
-      if (!wait) return;
-      if (signal.aborted) return;
-      await Promise.race([wait, new Promise((r) => signal.addEventListener("abort", r, { once: true }))]);
-      if (signal.aborted) return;
+      if (!wait || signal.aborted) return;
+      await Promise.race([wait, aborted]);
     }
   }
 
