@@ -145,21 +145,32 @@ interface Ev {
   data: Record<string, unknown>;
 }
 
-/** Follows a process's logs as Server-Sent Events until the stream ends (or `stop` says so). */
+/**
+ * Reads Server-Sent Events until the stream ends: a process's followed logs (GET), or a streamed
+ * exec (with `json`, POSTed).
+ */
 async function follow(
   path: string,
   key: string,
   opened: () => void,
+  json?: unknown,
 ): Promise<{ status: number; events: Ev[]; error?: unknown }> {
   const url = new URL(path, service().url);
+  const method = json === undefined ? "GET" : "POST";
   const res = await fetch(url, {
-    headers: { authorization: `Bearer ${key}`, accept: "text/event-stream" },
+    method,
+    headers: {
+      authorization: `Bearer ${key}`,
+      accept: "text/event-stream",
+      ...(json === undefined ? {} : { "content-type": "application/json" }),
+    },
+    body: json === undefined ? undefined : JSON.stringify(json),
     signal: AbortSignal.timeout(120_000),
   });
   const contentType = res.headers.get("content-type");
   if (!contentType?.startsWith("text/event-stream")) {
     const text = await res.text();
-    assertResponse({ method: "GET", path: url.pathname, status: res.status, contentType, text });
+    assertResponse({ method, path: url.pathname, status: res.status, contentType, text });
     return { status: res.status, events: [], error: JSON.parse(text) };
   }
   opened();
@@ -212,8 +223,14 @@ describe("Family B", () => {
         P.ProcessInfo,
       );
       expect(started).toMatchObject({ pid: 1, running: true, exit_code: null, keep_awake: false });
-      // The process call returned at once; a foreground exec runs beside it (not busy).
+      // The process call returned at once; a foreground exec runs beside it (not busy), plain
+      // and streamed.
       expect((await exec(id, "echo beside")).stdout).toBe("beside\n");
+      const streamed = await follow(`/v1/sandboxes/${id}/exec`, keys.pro, () => {}, {
+        command: "echo streamed",
+      });
+      expect(stdoutOf(streamed.events)).toBe("streamed\n");
+      expect(streamed.events.at(-1)).toMatchObject({ event: "exit", data: { exit_code: 0 } });
       const url = expectOk(
         await api().post(`/v1/sandboxes/${id}/connect-url`, {
           key: keys.pro,
