@@ -68,6 +68,8 @@ function operation(r: RouteContract, components: Json): Json {
   const params: Json[] = [];
   if (r.path.includes("{id}"))
     params.push({ name: "id", in: "path", required: true, schema: { type: "string" } });
+  if (r.path.includes("{pid}"))
+    params.push({ name: "pid", in: "path", required: true, schema: { type: "integer", minimum: 1 } });
   if (r.query) {
     const qs = queryParams(r.query, components);
     // A shared path whose query is Family A's (POST /v1/templates): a Family B call sends none.

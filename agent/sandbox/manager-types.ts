@@ -9,6 +9,7 @@ import type { GuestTunnel } from "../guest/client.ts";
 import type { MeterEvent, UsageInterval, UsageMeter } from "./accounting.ts";
 import type { HostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, VmExitInfo, VmSize } from "./drivers/driver.ts";
+import type { ProcessTable } from "./processes.ts";
 import type { AgentSandboxState } from "./states.ts";
 
 export interface ManagerOptions {
@@ -87,5 +88,7 @@ export interface Sandbox {
   /** Open tunnels to guest ports; while any is open (or opening) the VM is not idle-paused. */
   tunnels: Set<GuestTunnel>;
   tunnelOpens: number;
+  /** Background processes (processes.ts), made on first use. */
+  procs?: ProcessTable;
   oneShot?: true;
 }

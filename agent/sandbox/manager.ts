@@ -40,6 +40,7 @@ import { type ExecRequest, planExec } from "./exec.ts";
 import { type OutputSink, type RunOutcome, resolveExecUser, runOne, writeFiles } from "./exec-run.ts";
 import type { ManagerOptions, Sandbox, SandboxInfo } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
+import { ProcessTable } from "./processes.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
@@ -370,6 +371,8 @@ export class SandboxManager {
     this.closeTunnels(sb, "is being suspended"); // its QEMU ends: no connection survives
     try {
       await this.wake(sb);
+      // Background processes do not survive a suspend: the restored VM's guest channel is new.
+      await sb.procs?.killAll();
       const op = this.driver.suspend(sb.vm!);
       sb.op = op;
       const r = await op;
@@ -423,6 +426,7 @@ export class SandboxManager {
     if (sb.state !== "destroying") this.setState(sb, "destroying");
     this.clearIdle(sb);
     this.closeTunnels(sb, "is being destroyed");
+    void sb.procs?.killAll();
     const attempt = (async () => {
       if (sb.inflight) {
         if (opts.force) sb.inflight.abort.abort();
@@ -498,6 +502,29 @@ export class SandboxManager {
       sb.tunnelOpens--;
       this.tunnelsChanged(sb);
     }
+  }
+
+  /**
+   * The sandbox's background processes (processes.ts). With `awake`, for a call that needs the
+   * guest (start, stdin, kill): only a VM that runs or runs an exec, woken from its idle pause,
+   * and the call counts as use for the idle pause; otherwise `conflict` (`gone` once terminal).
+   */
+  async processTable(id: string, awake: boolean): Promise<{ table: ProcessTable; vm?: DriverVm }> {
+    const sb = this.mustGet(id);
+    sb.procs ??= new ProcessTable(() => this.tunnelsChanged(sb));
+    if (!awake) return { table: sb.procs };
+    if (isTerminal(sb.state)) throw this.goneError(sb);
+    if (sb.state === "paused") this.setState(sb, "running");
+    if (sb.state !== "running" && sb.state !== "busy") {
+      throw new SandboxdError("conflict", `sandbox ${id} is ${sb.state}: processes need a running VM`, {
+        details: { id, state: sb.state },
+      });
+    }
+    await this.wake(sb);
+    if (!sb.vm) throw this.goneError(sb);
+    sb.lastUsedAtMs = Date.now();
+    if (sb.state === "running") this.armIdle(sb);
+    return { table: sb.procs, vm: sb.vm };
   }
 
   info(id: string): SandboxInfo {
@@ -781,8 +808,8 @@ export class SandboxManager {
     if (this.detached) return;
     sb.idleTimer = setTimeout(() => {
       sb.idleTimer = undefined;
-      // Re-armed by tunnelsChanged once the last tunnel ends.
-      if (sb.state !== "running" || !sb.vm || sb.tunnels.size > 0 || sb.tunnelOpens > 0) return;
+      // Re-armed by tunnelsChanged once the last tunnel or keep-awake process ends.
+      if (sb.state !== "running" || !sb.vm || this.keptAwake(sb)) return;
       this.setState(sb, "paused");
       this.vcpus(sb, true).catch((err) => {
         this.log(`sandbox ${sb.id}: idle pause failed: ${describeError(err)}`);
@@ -793,11 +820,14 @@ export class SandboxManager {
     sb.idleTimer.unref?.();
   }
 
-  /** The last tunnel ended: the idle pause applies again. */
+  /** An open tunnel, or a running background process that asked (`keepAwake`), holds off the pause. */
+  private keptAwake(sb: Sandbox): boolean {
+    return sb.tunnels.size > 0 || sb.tunnelOpens > 0 || sb.procs?.keepsAwake() === true;
+  }
+
+  /** The last tunnel or keep-awake process ended: the idle pause applies again. */
   private tunnelsChanged(sb: Sandbox): void {
-    if (sb.tunnels.size === 0 && sb.tunnelOpens === 0 && sb.state === "running" && !sb.idleTimer) {
-      this.armIdle(sb);
-    }
+    if (!this.keptAwake(sb) && sb.state === "running" && !sb.idleTimer) this.armIdle(sb);
   }
 
   /** Ends every tunnel of the sandbox now (destroy, failure, suspend): the VM is going away. */

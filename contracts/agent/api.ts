@@ -16,6 +16,7 @@
  */
 import type { z } from "zod";
 import type { TunnelProtocol } from "../api/family-b.ts";
+import type { ProcessInfo, ProcessLogs, ProcessStart, ProcessStdin } from "./processes.ts";
 import type * as S from "./schemas.ts";
 
 /** Every route of the agent's HTTP API is under this prefix. */
@@ -58,6 +59,8 @@ export type AgentHealth = z.infer<typeof S.HealthSchema>;
 export interface ExecStreamOptions {
   onOutput: (stream: "stdout" | "stderr", chunk: Uint8Array) => Promise<void> | void;
   signal: AbortSignal;
+  /** Called once the agent has accepted the call, before any output. */
+  onOpen?: () => void;
 }
 
 /** A byte tunnel to a guest port (connect-from-outside). */
@@ -98,6 +101,19 @@ export interface AgentApi {
   releaseTemplate(template: TemplateRef): Promise<void>;
   /** Open a byte tunnel to a guest port of a running VM (throws `port_not_exposed`). */
   openTunnel(vmId: VmId, port: number, protocol: TunnelProtocol): Promise<Tunnel>;
+  /**
+   * Background processes (contracts/agent/processes.ts): started beside the foreground exec,
+   * never `busy`; `pid` is the agent's number for one in its VM. `followProcess` hands over the
+   * kept output, then new output, as `execStream` does, and resolves with the process's info once
+   * it has ended; aborting `signal` stops following (the process runs on).
+   */
+  startProcess(vmId: VmId, req: ProcessStart): Promise<ProcessInfo>;
+  listProcesses(vmId: VmId): Promise<ProcessInfo[]>;
+  processLogs(vmId: VmId, pid: number): Promise<ProcessLogs>;
+  followProcess(vmId: VmId, pid: number, opts: ExecStreamOptions): Promise<ProcessInfo>;
+  processStdin(vmId: VmId, pid: number, input: ProcessStdin): Promise<void>;
+  /** Kills the process group (CANCEL) and resolves with its info once it has ended. */
+  killProcess(vmId: VmId, pid: number): Promise<ProcessInfo>;
   health(): Promise<AgentHealth>;
   /** Every VM the agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;

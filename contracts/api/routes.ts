@@ -8,6 +8,7 @@ import type { z } from "zod";
 import * as A from "./family-a.ts";
 import * as B from "./family-b.ts";
 import { HealthResponse } from "./health.ts";
+import * as P from "./processes.ts";
 
 /** The streamed form of both exec routes (gateway/routes/exec-sse.ts, docs/api.md "Streamed exec"). */
 const EXEC_EVENTS =
@@ -47,6 +48,67 @@ export interface RouteContract {
    * (which every route can: an unexpected failure, envelope code `internal`).
    */
   errors: number[];
+}
+
+/**
+ * The background-process routes of one family (docs/api.md "Background processes"); the same
+ * handlers serve both (gateway/routes/processes.ts). 409: a sandbox that is not running (a
+ * user-suspended one), 32 processes running already, or stdin to one that has ended or is closed.
+ */
+function processRoutes(base: string, family: "a" | "b"): RouteContract[] {
+  const one = `${base}/{id}/processes/{pid}`;
+  return [
+    {
+      method: "post",
+      path: `${base}/{id}/processes`,
+      family,
+      summary: "Start a background process (runs beside exec)",
+      body: P.StartProcessRequest,
+      response: P.ProcessInfo,
+      status: 201,
+      errors: [400, 403, 404, 409, 413],
+    },
+    {
+      method: "get",
+      path: `${base}/{id}/processes`,
+      family,
+      summary: "List background processes",
+      response: P.ProcessList,
+      status: 200,
+      errors: [403, 404, 409],
+    },
+    {
+      method: "get",
+      path: `${one}/logs`,
+      family,
+      summary: "A background process's output so far (or followed)",
+      response: P.ProcessLogsResponse,
+      eventStream: P.PROCESS_LOG_EVENTS,
+      status: 200,
+      errors: [403, 404, 409],
+    },
+    {
+      method: "post",
+      path: `${one}/stdin`,
+      family,
+      summary: "Write to a background process's standard input (JSON or raw bytes)",
+      body: P.ProcessStdinRequest,
+      rawBody: "application/octet-stream",
+      query: P.ProcessStdinQuery,
+      response: P.ProcessStdinResponse,
+      status: 200,
+      errors: [400, 403, 404, 409, 413],
+    },
+    {
+      method: "delete",
+      path: one,
+      family,
+      summary: "Kill a background process's process group",
+      response: P.ProcessInfo,
+      status: 200,
+      errors: [403, 404, 409],
+    },
+  ];
 }
 
 export const ROUTES: RouteContract[] = [
@@ -339,4 +401,6 @@ export const ROUTES: RouteContract[] = [
     status: 200,
     errors: [400, 403],
   },
+  ...processRoutes("/v1/sessions", "a"),
+  ...processRoutes("/v1/sandboxes", "b"),
 ];

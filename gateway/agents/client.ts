@@ -31,6 +31,15 @@ import {
 } from "../../contracts/agent/api.ts";
 import { ExecFrameDecoder, ExecFrameKind } from "../../contracts/agent/exec-stream.ts";
 import {
+  type ProcessInfo,
+  ProcessInfoSchema,
+  ProcessListSchema,
+  type ProcessLogs,
+  ProcessLogsSchema,
+  type ProcessStart,
+  type ProcessStdin,
+} from "../../contracts/agent/processes.ts";
+import {
   CreatedVmSchema,
   ExecResultSchema,
   errorFromAgentAnswer,
@@ -117,54 +126,101 @@ export class AgentHttpClient implements AgentApi {
     );
   }
 
+  /** `POST /vms/{id}/exec?stream=1`: frames (`frames` below), one deadline as for `exec`. */
+  execStream(vmId: VmId, action: ExecAction, opts: ExecStreamOptions): Promise<ExecResult> {
+    const deadlineMs = action.timeoutMs + this.t.execGrace;
+    return this.frames("POST", `/vms/${enc(vmId)}/exec?stream=1`, action, deadlineMs, opts, ExecResultSchema);
+  }
+
+  startProcess(vmId: VmId, req: ProcessStart): Promise<ProcessInfo> {
+    // Wakes an idle-paused VM and may look the user up in the guest: a VM operation's deadline.
+    return this.call("POST", `/vms/${enc(vmId)}/processes`, req, this.t.vmOp, ProcessInfoSchema);
+  }
+
+  async listProcesses(vmId: VmId): Promise<ProcessInfo[]> {
+    const path = `/vms/${enc(vmId)}/processes`;
+    return (await this.call("GET", path, undefined, this.t.quick, ProcessListSchema)).processes;
+  }
+
+  processLogs(vmId: VmId, pid: number): Promise<ProcessLogs> {
+    const path = `/vms/${enc(vmId)}/processes/${pid}/logs`;
+    // Up to 2 MiB of kept output from memory: quick.
+    return this.call("GET", path, undefined, this.t.quick, ProcessLogsSchema);
+  }
+
+  /** No deadline: a process may run for ever; the follower's `signal` ends it. */
+  followProcess(vmId: VmId, pid: number, opts: ExecStreamOptions): Promise<ProcessInfo> {
+    const path = `/vms/${enc(vmId)}/processes/${pid}/logs?follow=1`;
+    return this.frames("GET", path, undefined, undefined, opts, ProcessInfoSchema);
+  }
+
+  async processStdin(vmId: VmId, pid: number, input: ProcessStdin): Promise<void> {
+    await this.call("POST", `/vms/${enc(vmId)}/processes/${pid}/stdin`, input, this.t.vmOp, null);
+  }
+
+  killProcess(vmId: VmId, pid: number): Promise<ProcessInfo> {
+    // Wakes the VM, CANCELs, and waits for the guest's answer (its own grace is 10 s).
+    return this.call(
+      "DELETE",
+      `/vms/${enc(vmId)}/processes/${pid}`,
+      undefined,
+      this.t.vmOp,
+      ProcessInfoSchema,
+    );
+  }
+
   /**
-   * `POST /vms/{id}/exec?stream=1`: the agent answers frames (contracts/agent/exec-stream.ts).
+   * A framed answer (contracts/agent/exec-stream.ts): the streamed exec, a followed process.
    * Each output frame is awaited through `onOutput` before the next read, so a slow consumer
    * leaves the agent's body unread and the agent stops reading the guest. One deadline for the
-   * whole exchange, as for `exec`: the guest kills the command at its timeout, after which only
-   * the buffers' worth of output is left to read; a consumer that has not read it within the
-   * grace loses the stream. `signal` (the client gone) ends the request, which cancels the
-   * command at the agent.
+   * whole exchange when given (a streamed exec: the guest kills the command at its timeout, after
+   * which only the buffers' worth of output is left to read; a consumer that has not read it
+   * within the grace loses the stream). `signal` (the client gone) ends the request, which
+   * cancels the command (or the following) at the agent.
    */
-  async execStream(vmId: VmId, action: ExecAction, opts: ExecStreamOptions): Promise<ExecResult> {
-    const method = "POST";
-    const path = `/vms/${enc(vmId)}/exec?stream=1`;
+  private async frames<T extends z.ZodType>(
+    method: string,
+    path: string,
+    body: unknown,
+    deadlineMs: number | undefined,
+    opts: ExecStreamOptions,
+    schema: T,
+  ): Promise<z.infer<T>> {
     const url = `${this.base}${path}`;
-    const deadline = AbortSignal.timeout(action.timeoutMs + this.t.execGrace);
+    const deadline = deadlineMs === undefined ? undefined : AbortSignal.timeout(deadlineMs);
+    const headers: Record<string, string> = {
+      authorization: `Bearer ${await signAgentToken(this.key, this.agentId)}`,
+    };
+    if (body !== undefined) headers["content-type"] = "application/json";
     let res: Response;
     try {
       res = await fetch(url, {
         method,
-        headers: {
-          authorization: `Bearer ${await signAgentToken(this.key, this.agentId)}`,
-          "content-type": "application/json",
-        },
-        body: JSON.stringify(action),
-        signal: AbortSignal.any([opts.signal, deadline]),
+        headers,
+        body: body === undefined ? undefined : JSON.stringify(body),
+        signal: deadline ? AbortSignal.any([opts.signal, deadline]) : opts.signal,
       });
     } catch (err) {
       throw new SandboxdError("agent_unavailable", `agent ${this.base} is unreachable (${method} ${path})`, {
         cause: err,
-        details: { url, timedOut: deadline.aborted },
+        details: { url, timedOut: deadline?.aborted ?? false },
       });
     }
     if (!res.ok || !res.body) throw errorFromAgentAnswer(res.status, await res.text(), `${method} ${path}`);
+    opts.onOpen?.();
     const reader = res.body.getReader();
     const decoder = new ExecFrameDecoder();
     const broken = (why: string, cause?: unknown) =>
-      new SandboxdError("agent_unavailable", `agent ${this.base}: exec stream ${why}`, { cause });
+      new SandboxdError("agent_unavailable", `agent ${this.base}: ${method} ${path} stream ${why}`, {
+        cause,
+      });
     try {
       for (;;) {
         let chunk: Awaited<ReturnType<typeof reader.read>>;
         try {
           chunk = await reader.read();
         } catch (err) {
-          throw broken(
-            deadline.aborted
-              ? `ran past its ${action.timeoutMs + this.t.execGrace} ms deadline`
-              : "ended early",
-            err,
-          );
+          throw broken(deadline?.aborted ? `ran past its ${deadlineMs} ms deadline` : "ended early", err);
         }
         if (chunk.done) throw broken("ended without a result");
         let frames: ReturnType<ExecFrameDecoder["push"]>;
@@ -179,7 +235,7 @@ export class AgentHttpClient implements AgentApi {
           else {
             const text = new TextDecoder().decode(f.payload);
             if (f.kind === ExecFrameKind.ERROR) throw errorFromAgentAnswer(500, text, `${method} ${path}`);
-            const r = ExecResultSchema.safeParse(JSON.parse(text));
+            const r = schema.safeParse(JSON.parse(text));
             if (!r.success) throw broken("ended with an unexpected result", r.error);
             return r.data;
           }

@@ -39,6 +39,7 @@ import type {
   VmId,
   VmSummary,
 } from "../../contracts/agent/api.ts";
+import type { ProcessInfo, ProcessLogs } from "../../contracts/agent/processes.ts";
 import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
@@ -200,6 +201,12 @@ export class AgentRouter implements AgentApi, Placement {
       expectWidth: async (t, w) => (await lookup()).expectWidth(t, w),
       releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
       openTunnel: async (v, p, pr) => (await lookup()).openTunnel(v, p, pr),
+      startProcess: async (v, r) => (await lookup()).startProcess(v, r),
+      listProcesses: async (v) => (await lookup()).listProcesses(v),
+      processLogs: async (v, n) => (await lookup()).processLogs(v, n),
+      followProcess: async (v, n, o) => (await lookup()).followProcess(v, n, o),
+      processStdin: async (v, n, i) => (await lookup()).processStdin(v, n, i),
+      killProcess: async (v, n) => (await lookup()).killProcess(v, n),
       health: async () => (await lookup()).health(),
       listVms: async () => (await lookup()).listVms(),
     };
@@ -328,6 +335,24 @@ export class AgentRouter implements AgentApi, Placement {
     return this.noAgent();
   }
   async listVms(): Promise<VmSummary[]> {
+    return this.noAgent();
+  }
+  async startProcess(): Promise<ProcessInfo> {
+    return this.noAgent();
+  }
+  async listProcesses(): Promise<ProcessInfo[]> {
+    return this.noAgent();
+  }
+  async processLogs(): Promise<ProcessLogs> {
+    return this.noAgent();
+  }
+  async followProcess(): Promise<ProcessInfo> {
+    return this.noAgent();
+  }
+  async processStdin(): Promise<void> {
+    return this.noAgent();
+  }
+  async killProcess(): Promise<ProcessInfo> {
     return this.noAgent();
   }
 }

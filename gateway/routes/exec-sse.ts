@@ -31,13 +31,18 @@ const enc = new TextEncoder();
 const event = (name: string, data: unknown) =>
   enc.encode(`event: ${name}\ndata: ${JSON.stringify(data)}\n\n`);
 
-export async function sseExec(
+export async function sseExec<R = ExecResult>(
   requestSignal: AbortSignal,
-  run: (o: ExecStreamOptions) => Promise<ExecResult>,
-  exitBody: (r: ExecResult) => unknown,
+  run: (o: ExecStreamOptions) => Promise<R>,
+  exitBody: (r: R) => unknown,
+  /**
+   * Send the headers as soon as the agent has accepted (an SSE comment, `: open`) instead of with
+   * the first output: a followed process may stay quiet for long (a server).
+   */
+  opts: { announce?: boolean } = {},
 ): Promise<Response> {
   const text = { stdout: new Utf8Events("stdout"), stderr: new Utf8Events("stderr") };
-  const answer = await streamedAnswer<ExecResult>({
+  const answer = await streamedAnswer<R>({
     bufferBytes: SSE_BUFFER_BYTES,
     requestSignal,
     run: (out, signal) => {
@@ -46,7 +51,8 @@ export async function sseExec(
         for (const e of text[stream].push(chunk)) room = out.write(e) && room;
         if (!room) await out.drained();
       };
-      return run({ onOutput, signal });
+      const onOpen = opts.announce ? () => void out.write(enc.encode(": open\n\n")) : undefined;
+      return run(onOpen ? { onOutput, signal, onOpen } : { onOutput, signal });
     },
     end: (s) => [
       ...text.stdout.end(),

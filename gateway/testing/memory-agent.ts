@@ -25,6 +25,7 @@ import type {
   VmId,
   VmSummary,
 } from "../../contracts/agent/api.ts";
+import type { ProcessInfo, ProcessLogs } from "../../contracts/agent/processes.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
 interface MemVm {
@@ -244,6 +245,30 @@ export class MemoryAgent implements AgentApi {
 
   async releaseTemplate(template: TemplateRef): Promise<void> {
     this.calls.push(`release ${template}`);
+  }
+
+  // Background processes need a guest: the stand-in has none (tests/e2e-processes.test.ts
+  // drives them through real VMs).
+  private noProcesses(): never {
+    throw new SandboxdError("unsupported", "the in-memory agent runs no background processes");
+  }
+  async startProcess(): Promise<ProcessInfo> {
+    return this.noProcesses();
+  }
+  async listProcesses(): Promise<ProcessInfo[]> {
+    return this.noProcesses();
+  }
+  async processLogs(): Promise<ProcessLogs> {
+    return this.noProcesses();
+  }
+  async followProcess(): Promise<ProcessInfo> {
+    return this.noProcesses();
+  }
+  async processStdin(): Promise<void> {
+    return this.noProcesses();
+  }
+  async killProcess(): Promise<ProcessInfo> {
+    return this.noProcesses();
   }
 
   async openTunnel(vmId: VmId, port: number): Promise<Tunnel> {
