@@ -67,6 +67,11 @@ export interface Tunnel {
   close(): void;
 }
 
+/** A terminal's byte stream (`openPty`): a tunnel that can also change the terminal's size. */
+export interface PtyTunnel extends Tunnel {
+  resize(cols: number, rows: number): void;
+}
+
 export interface AgentApi {
   /** Spawn a VM from a ready template. */
   createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm>;
@@ -98,6 +103,8 @@ export interface AgentApi {
   releaseTemplate(template: TemplateRef): Promise<void>;
   /** Open a byte tunnel to a guest port of a running VM (throws `port_not_exposed`). */
   openTunnel(vmId: VmId, port: number, protocol: TunnelProtocol): Promise<Tunnel>;
+  /** An interactive shell on a new pseudo-terminal in a running VM, killed when the tunnel closes. */
+  openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel>;
   health(): Promise<AgentHealth>;
   /** Every VM the agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;

@@ -30,6 +30,7 @@ import type {
   ExecResult,
   ExecStreamOptions,
   OneShotResult,
+  PtyTunnel,
   ResumeResult,
   SuspendResult,
   TemplateBuildStatus,
@@ -200,6 +201,7 @@ export class AgentRouter implements AgentApi, Placement {
       expectWidth: async (t, w) => (await lookup()).expectWidth(t, w),
       releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
       openTunnel: async (v, p, pr) => (await lookup()).openTunnel(v, p, pr),
+      openPty: async (v, s) => (await lookup()).openPty(v, s),
       health: async () => (await lookup()).health(),
       listVms: async () => (await lookup()).listVms(),
     };
@@ -325,6 +327,9 @@ export class AgentRouter implements AgentApi, Placement {
     return this.noAgent();
   }
   async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
+    return this.noAgent();
+  }
+  async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
     return this.noAgent();
   }
   async listVms(): Promise<VmSummary[]> {
