@@ -2,7 +2,9 @@
  * Terminals end to end over real HTTP (`bin/sandboxd up`, real VMs under TCG, a busybox image
  * whose shell is /bin/sh): a WebSocket client on `GET /v1/sandboxes/{id}/pty` types
  * `echo $((6*7))` and reads `42` (typed as binary and as text messages, as xterm.js sends them);
- * a resize message changes what `stty size` prints; closing the WebSocket kills the shell and a
+ * a resize message changes what `stty size` prints; an open terminal keeps its sandbox from being
+ * suspended for idleness, and one suspended for idleness wakes for a terminal; closing the
+ * WebSocket kills the shell and a
  * background job it started in its own process group (a later exec finds neither); the shell's
  * `exit` closes the WebSocket with 1000; a Family A session has the same terminal; a foreign
  * tenant's id is 404 and a missing key 401, both before the upgrade. Prints the keystroke round
@@ -37,6 +39,10 @@ const BUILD_TIMEOUT_MS = 180_000;
 /** A harness wait for terminal output: a shell answering on a loaded, emulated guest. */
 const OUTPUT_WAIT_MS = 20_000;
 const TEMPLATE = "pty";
+/** The reaper's interval, s: short so that an idle lifetime acts within the test's wait. */
+const REAPER_INTERVAL_S = 1;
+/** A short idle lifetime (suspend) for the wake-up test, s. */
+const IDLE_S = 3;
 const ESC = String.fromCharCode(0x1b);
 
 let svc: RunningService | undefined;
@@ -60,7 +66,7 @@ beforeAll(async () => {
     pro: ["acme", "pro"],
     other: ["evil", "pro"],
   });
-  svc = await startUp(dataDir, ["--no-catalog"]);
+  svc = await startUp(dataDir, ["--no-catalog"], { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) });
   imgDir = await mkdtemp(join(tmpdir(), "sbx-pty-img-"));
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), await busyboxImageSpec(imgDir));
   const res = await api().post("/v1/templates", {
@@ -98,8 +104,8 @@ afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
 
-async function createSandbox(): Promise<string> {
-  const res = await api().post("/v1/sandboxes", { key: keys.pro, json: { template: TEMPLATE } });
+async function createSandbox(extra: Record<string, unknown> = {}): Promise<string> {
+  const res = await api().post("/v1/sandboxes", { key: keys.pro, json: { template: TEMPLATE, ...extra } });
   const id = expectOk(res, 201, B.CreateSandboxResponse).id;
   liveSandboxes.add(id);
   return id;
@@ -246,6 +252,30 @@ describe("terminal (GET .../pty)", () => {
         return left.length === 0;
       }, 20_000);
       expect({ gone, left }).toEqual({ gone: true, left: [] });
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "an open terminal keeps its sandbox from idling; a sandbox suspended for idleness wakes for one",
+    async () => {
+      const id = await createSandbox({ idle_timeout_seconds: IDLE_S, idle_action: "suspend" });
+      const state = async () =>
+        expectOk(await api().get(`/v1/sandboxes/${id}`, { key: keys.pro }), 200, B.SandboxInfo).state;
+      let term = await mustOpen(`/v1/sandboxes/${id}/pty`, keys.pro);
+      // Twice the lifetime with the terminal open and nothing typed: still running, still answering.
+      await Bun.sleep(2 * IDLE_S * 1000 + 2 * REAPER_INTERVAL_S * 1000);
+      expect(await state()).toBe("running");
+      await term.run("echo $((6*7))", /\r\n42\r\n/);
+      term.ws.close(1000);
+      await term.closed;
+      // Closed: the lifetime applies again (so the check above could have failed).
+      expect(await waitFor(async () => (await state()) === "suspended", 20_000)).toBe(true);
+      term = await mustOpen(`/v1/sandboxes/${id}/pty`, keys.pro);
+      await term.run("echo $((6*7))", /\r\n42\r\n/);
+      expect(await state()).toBe("running");
+      term.ws.close(1000);
+      await term.closed;
     },
     TEST_TIMEOUT_MS,
   );
