@@ -233,6 +233,20 @@ describe("terminal (GET .../pty)", () => {
   );
 
   test(
+    "with lines=true a text message is a typed line and Enter is added (wscat sends lines without one)",
+    async () => {
+      const id = await createSandbox();
+      const term = await mustOpen(`/v1/sandboxes/${id}/pty?lines=true`, keys.pro);
+      const from = term.out.length;
+      term.type("echo $((6*7))", true);
+      await term.wait(/\r\n42\r\n/, from);
+      term.ws.close(1000);
+      await term.closed;
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
     "closing the WebSocket kills the shell and the job it left in the background",
     async () => {
       const id = await createSandbox();

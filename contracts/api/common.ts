@@ -220,6 +220,14 @@ const PtyDimQuery = z
 export const PtyQuery = z.object({
   cols: PtyDimQuery.optional().describe("Terminal width in cells (default 80)."),
   rows: PtyDimQuery.optional().describe("Terminal height in cells (default 24)."),
+  lines: z
+    .enum(["true", "false"])
+    .optional()
+    .describe(
+      "true: each text message is one typed line and the Enter key (CR) is added after it, for " +
+        "line-based clients such as wscat that send a line without its newline. Default false " +
+        "(text is typed as it is, as xterm.js sends keystrokes).",
+    ),
 });
 
 /** The one text message a terminal client sends that is not typed input. */

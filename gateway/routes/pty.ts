@@ -41,6 +41,6 @@ async function openPty(deps: Deps, c: Context<HonoEnv>, family: "a" | "b"): Prom
   const size = { cols: q.cols ?? DEFAULT_COLS, rows: q.rows ?? DEFAULT_ROWS };
   const agent = agentOf(deps, row);
   return serveRelay(deps, upgrade, row, async () => {
-    return new PtyRelay(await inTermsOf(row, agent.openPty(row.vmId!, size)));
+    return new PtyRelay(await inTermsOf(row, agent.openPty(row.vmId!, size)), q.lines === "true");
   });
 }
