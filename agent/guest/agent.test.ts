@@ -805,6 +805,19 @@ describe("terminals (OP PTY)", () => {
     expect([await waitDead(shell, 5000), await waitDead(job, 5000)]).toEqual([true, true]);
   });
 
+  test("the shell's exit ends the terminal although a background job still holds it; the job is killed", async () => {
+    const t = await client.openPty({ cols: 80, rows: 24, env: [`PATH=${ENV.PATH}`] });
+    const { out, done } = collect(t);
+    const w = t.writable.getWriter();
+    const m = await typeAndWait(w, out, '(trap "" HUP; exec sleep 4545) & echo job=$!', /job=(\d+)/);
+    const job = Number(m![1]);
+    backgroundPids.push(job);
+    await w.write(Buffer.from("exit\r"));
+    await done;
+    expect({ ended: out.ended, error: out.error }).toEqual({ ended: true, error: undefined });
+    expect(await waitDead(job, 5000)).toBe(true);
+  });
+
   test("a size out of range is refused with EINVAL; nothing is left open", async () => {
     const err = await client.openPty({ cols: 0, rows: 24 }).catch((e) => e);
     expect(err).toBeInstanceOf(GuestError);

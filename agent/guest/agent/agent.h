@@ -215,6 +215,7 @@ void tunnel_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n);
 void op_pty(uint32_t stream, const uint8_t *p, size_t n);
 void pty_resize(struct tunnel *t, const uint8_t *p, size_t n);
 void pty_hangup(struct tunnel *t);
+void pty_exited(pid_t pid);
 void pty_timers(int64_t now);
 int64_t pty_next_deadline(void);
 

@@ -42,6 +42,7 @@ static void reap(int sigfd) {
     int st;
     pid_t pid = waitpid(-1, &st, WNOHANG | __WALL);
     if (pid <= 0) break;
+    pty_exited(pid);
     for (struct exec *e = execs; e; e = e->next)
       if (e->pid == pid && !e->exited) {
         e->exited = 1;

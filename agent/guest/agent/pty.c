@@ -6,7 +6,7 @@
  * (the kernel then sends SIGWINCH to the foreground job).
  *
  * Ending: when the tunnel ends (the host's CLOSE, a host hang-up or HELLO, the shell's exit seen
- * as EIO on the master) the master is closed, which hangs up the terminal (SIGHUP to the
+ * by the reaper or as EIO on the master) the master is closed, which hangs up the terminal (SIGHUP to the
  * session), and the shell's process group gets SIGHUP and SIGCONT. PTY_KILL_GRACE_MS later every
  * process still in the shell's session (found in /proc) gets SIGKILL: job-control shells put each
  * job in its own process group, so the group alone would miss `sleep 100 &`. A process that left
@@ -93,6 +93,18 @@ void pty_hangup(struct tunnel *t) {
   pending[n_pending].sid = sid;
   pending[n_pending].at_ms = mono_ms() + PTY_KILL_GRACE_MS;
   n_pending++;
+}
+
+/* The reaper saw `pid` exit: when it is a terminal's shell, the terminal ends now, after what the
+ * shell wrote last (as far as the host's credit allows), even if a background job still holds the
+ * terminal open: the shell is what the client talks to, and its leftovers go with the session. */
+void pty_exited(pid_t pid) {
+  for (struct tunnel *t = tunnels; t; t = t->next) {
+    if (t->dead || t->pty_pid != pid) continue;
+    if (t->send_credit > 0 && !t->host_closed) tunnel_read(t);
+    if (!t->dead) tunnel_end(t, 1, 0, NULL);
+    return;
+  }
 }
 
 void pty_timers(int64_t now) {
