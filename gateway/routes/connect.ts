@@ -177,7 +177,7 @@ export async function serveRelay(
   const max = deps.config.limits.relaysPerTenant;
   const release = deps.relays ? deps.relays.reserve(row.tenantId, max) : () => {};
   if (!release) {
-    throw new SandboxdError("quota_exceeded", `this tenant already holds ${max} connect relays`);
+    throw new SandboxdError("quota_exceeded", `this tenant already holds ${max} relays (connects and terminals)`);
   }
   // An open relay is a call in flight, from before the dial to its end: the reaper does not
   // suspend or delete the sandbox under it.
