@@ -28,6 +28,8 @@ export const FrameType = {
   CREDIT: 10,
   LOG: 11,
   OPEN: 12,
+  /** Host -> guest on a PTY tunnel (Op.PTY): u16 cols, u16 rows; the guest sets the window size. */
+  RESIZE: 13,
 } as const;
 export type FrameType = (typeof FrameType)[keyof typeof FrameType];
 
@@ -43,6 +45,12 @@ export const Op = {
   CONNECT: 9,
   /** WRITE_FILE's fields without DATA; the content follows as STDIN frames, an empty one ends it. */
   WRITE_FILE_STREAM: 10,
+  /**
+   * A shell on a new pseudo-terminal; on success the stream is a tunnel whose far end is the PTY
+   * master (DATA/CREDIT/CLOSE as for CONNECT, plus RESIZE). ARGV (default: the image's login
+   * shell), ENV, CWD, UID, GID, COLS, ROWS.
+   */
+  PTY: 11,
 } as const;
 export type Op = (typeof Op)[keyof typeof Op];
 
@@ -85,6 +93,9 @@ export const Tag = {
   PID: 36,
   /** CONNECT: IPv4/IPv6 literal to dial inside the guest (default 127.0.0.1). */
   HOST: 37,
+  /** PTY: the terminal's width and height in character cells. */
+  COLS: 38,
+  ROWS: 39,
 } as const;
 export type Tag = (typeof Tag)[keyof typeof Tag];
 

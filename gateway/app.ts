@@ -20,6 +20,7 @@ import { RelayRegistry } from "./relay/registry.ts";
 import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
 import { familyARoutes } from "./routes/family-a.ts";
 import { processRoutes } from "./routes/processes.ts";
+import { ptyRoutes } from "./routes/pty.ts";
 import { sandboxRoutes } from "./routes/sandboxes.ts";
 import { healthRoutes, systemRoutes } from "./routes/system.ts";
 import { templateRoutes } from "./routes/templates.ts";
@@ -71,6 +72,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   app.route("/", sandboxRoutes(deps));
   app.route("/", processRoutes(deps));
   app.route("/", connectRoutes(deps));
+  app.route("/", ptyRoutes(deps));
   app.route("/", templateRoutes(deps));
   app.route("/", systemRoutes(deps, { rateLimited: rateLimit.refused }));
   return app;

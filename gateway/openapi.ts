@@ -63,6 +63,7 @@ function operation(r: RouteContract, components: Json): Json {
       .replace(/\/(\w)/g, (_, ch: string) => ch.toUpperCase())
       .replace(/[^A-Za-z0-9]/g, "")}`,
   };
+  if (r.description !== undefined) op.description = r.description;
   if (r.family !== "none") op.security = [{ bearer: [] }];
   else op.security = [];
   const params: Json[] = [];

@@ -54,6 +54,7 @@ function inertDriver(): SandboxDriver {
     pause: no,
     unpause: no,
     openTunnel: no,
+    openPty: no,
     onGuestTunnel: () => {},
     destroy: no,
     onExit: () => {},

@@ -8,7 +8,7 @@
 import { randomBytes } from "node:crypto";
 import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
-import { Hono } from "hono";
+import { type Context, Hono } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import type { z } from "zod";
 import { AGENT_API_PREFIX } from "../../contracts/agent/api.ts";
@@ -19,6 +19,7 @@ import {
   ExecOnceBody,
   ForkBody,
   OciBuildBody,
+  PtySizeQuery,
   TemplateRefParam,
   TunnelQuery,
   UploadQuery,
@@ -29,6 +30,7 @@ import { type AgentCredentials, secretKey, verifyAgentToken } from "../../contra
 import { AGENT_MAX_JSON_BODY_BYTES } from "../../contracts/api/limits.ts";
 import { asNoSpace, isNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import type { GuestTunnel } from "../guest/client.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
 import { type AgentAction, perform } from "./actions.ts";
 import { mapAgentError } from "./errors.ts";
@@ -118,25 +120,15 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
   // guest connect happens before the upgrade, so a refused port or a stopped VM is an ordinary
   // JSON error; once upgraded, agent/api/tunnel-ws.ts carries the bytes. The result is a live
   // stream rather than a body, so the manager is called here instead of through `perform`.
-  r.get("/vms/:id/tunnel", async (c) => {
-    const vmId = parse(VmIdParam, c.req.param("id"));
+  r.get("/vms/:id/tunnel", (c) => {
     const { port } = parse(TunnelQuery, c.req.query());
-    if (c.req.header("upgrade")?.toLowerCase() !== "websocket") {
-      throw new SandboxdError("bad_request", "the tunnel route needs a WebSocket upgrade");
-    }
-    // Under Bun.serve, Hono's env is the server (agent/server.ts); app.request() has none.
-    const server = c.env as
-      | { upgrade?: (req: Request, o: { data: TunnelSocketData }) => boolean }
-      | undefined;
-    if (typeof server?.upgrade !== "function") {
-      throw new SandboxdError("unsupported", "this agent server cannot upgrade to WebSocket");
-    }
-    const tunnel = await deps.manager.openTunnel(vmId, port);
-    if (!server.upgrade(c.req.raw, { data: { kind: "tunnel", tunnel } })) {
-      tunnel.close();
-      throw new SandboxdError("bad_request", "the WebSocket upgrade failed");
-    }
-    return new Response(null); // ignored by Bun once upgraded
+    return upgradeTunnel(c, (vmId) => deps.manager.openTunnel(vmId, port));
+  });
+  // A shell on a pseudo-terminal (docs/agent-api.md "Terminals"): a tunnel to its master, plus
+  // text messages `{"type":"resize","cols":N,"rows":M}` that set the window size.
+  r.get("/vms/:id/pty", (c) => {
+    const { cols, rows } = parse(PtySizeQuery, c.req.query());
+    return upgradeTunnel(c, (vmId) => deps.manager.openPty(vmId, { cols, rows }), true);
   });
   processRoutes(r, deps.manager, { json, parse, body });
   r.post("/vms/:id/suspend", (c) => run({ kind: "suspend", vmId: parse(VmIdParam, c.req.param("id")) }));
@@ -209,4 +201,28 @@ function parse<T extends z.ZodType>(schema: T, value: unknown): z.infer<T> {
     throw new SandboxdError("bad_request", issues, { cause: r.error });
   }
   return r.data;
+}
+
+/**
+ * Opens the guest side with `open` before the upgrade (so its failures are JSON errors), then
+ * upgrades; agent/api/tunnel-ws.ts carries the bytes. `pty`: text messages are resize requests.
+ */
+async function upgradeTunnel(c: Context, open: (vmId: string) => Promise<GuestTunnel>, pty = false) {
+  const vmId = parse(VmIdParam, c.req.param("id"));
+  if (c.req.header("upgrade")?.toLowerCase() !== "websocket") {
+    throw new SandboxdError("bad_request", "the tunnel route needs a WebSocket upgrade");
+  }
+  // Under Bun.serve, Hono's env is the server (agent/server.ts); app.request() has none.
+  const server = c.env as { upgrade?: (req: Request, o: { data: TunnelSocketData }) => boolean } | undefined;
+  if (typeof server?.upgrade !== "function") {
+    throw new SandboxdError("unsupported", "this agent server cannot upgrade to WebSocket");
+  }
+  const tunnel = await open(vmId);
+  const data: TunnelSocketData = { kind: "tunnel", tunnel };
+  if (pty) data.resize = (cols, rows) => tunnel.resize(cols, rows);
+  if (!server.upgrade(c.req.raw, { data })) {
+    tunnel.close();
+    throw new SandboxdError("bad_request", "the WebSocket upgrade failed");
+  }
+  return new Response(null); // ignored by Bun once upgraded
 }

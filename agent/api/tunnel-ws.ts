@@ -13,12 +13,15 @@
  */
 import type { ServerWebSocket, WebSocketHandler } from "bun";
 import type { Tunnel } from "../../contracts/agent/api.ts";
+import { parsePtyResize } from "../../contracts/api/common.ts";
 import { describeError } from "../../contracts/errors.ts";
 
 export interface TunnelSocketData {
   kind: "tunnel";
   /** A GuestTunnel (agent/guest/tunnel.ts) in the agent; any byte duplex in tests. */
   tunnel: Tunnel;
+  /** PTY tunnels: text messages `{"type":"resize",...}` call this; other tunnels refuse text. */
+  resize?: (cols: number, rows: number) => void;
   writer?: WritableStreamDefaultWriter<Uint8Array>;
   /** Resolves the pump's wait for Bun's `drain` (or the socket's close). */
   drained?: () => void;
@@ -74,7 +77,9 @@ export const tunnelWebSocket: WebSocketHandler<TunnelSocketData> = {
   },
   message(ws, msg) {
     if (typeof msg === "string") {
-      ws.close(1003, "tunnel messages are binary");
+      const r = ws.data.resize ? parsePtyResize(msg) : undefined;
+      if (r) ws.data.resize!(r.cols, r.rows);
+      else ws.close(1003, ws.data.resize ? "a text message must be a resize" : "tunnel messages are binary");
       return;
     }
     const w = ws.data.writer;

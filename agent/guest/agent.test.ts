@@ -733,3 +733,96 @@ describe("tunnels (OP CONNECT)", () => {
     }
   });
 });
+
+describe("terminals (OP PTY)", () => {
+  /** Reads the PTY tunnel's bytes into `text` as they come; `done` once it ends. */
+  function collect(t: { readable: ReadableStream<Uint8Array> }) {
+    const out = { text: "", ended: false, error: undefined as unknown };
+    const done = (async () => {
+      try {
+        for await (const chunk of t.readable) out.text += Buffer.from(chunk).toString();
+      } catch (err) {
+        out.error = err;
+      }
+      out.ended = true;
+    })();
+    return { out, done };
+  }
+
+  /** Waits for `re` in what the shell wrote after `line` was typed (bash's bracketed-paste mode
+   * ends a command's echo with `\r` rather than `\r\n`, hence `[\r\n]` before output lines). */
+  async function typeAndWait(
+    w: WritableStreamDefaultWriter<Uint8Array>,
+    out: { text: string },
+    line: string,
+    re: RegExp,
+  ): Promise<RegExpMatchArray | null> {
+    const from = out.text.length;
+    await w.write(Buffer.from(`${line}\r`));
+    await waitFor(() => re.test(out.text.slice(from)), 3_000);
+    const m = out.text.slice(from).match(re);
+    if (!m) throw new Error(`no ${re} after typing ${line}: ${JSON.stringify(out.text)}`);
+    return m;
+  }
+
+  test("the image's shell on a terminal: typed input, TERM, resize, and exit ends the tunnel cleanly", async () => {
+    const t = await client.openPty({ cols: 80, rows: 24, env: [`PATH=${ENV.PATH}`] });
+    const { out, done } = collect(t);
+    const w = t.writable.getWriter();
+    expect(await typeAndWait(w, out, "echo $((6*7))", /[\r\n]42\r\n/)).not.toBeNull();
+    expect(await typeAndWait(w, out, 'echo "term=$TERM"', /[\r\n]term=xterm-256color\r\n/)).not.toBeNull();
+    expect(await typeAndWait(w, out, "stty size", /[\r\n]24 80\r\n/)).not.toBeNull();
+    t.resize(132, 43);
+    expect(await typeAndWait(w, out, "stty size", /[\r\n]43 132\r\n/)).not.toBeNull();
+    // The terminal is the shell's controlling tty, in its own session.
+    expect(
+      await typeAndWait(w, out, "test $$ = $(ps -o sid= -p $$) && tty", /[\r\n]\/dev\/pts\/\d+\r\n/),
+    ).not.toBeNull();
+    await w.write(Buffer.from("exit\r"));
+    await done;
+    expect({ ended: out.ended, error: out.error }).toEqual({ ended: true, error: undefined });
+  });
+
+  test("closing the tunnel kills the shell's session, a job in its own group that ignores SIGHUP too", async () => {
+    const t = await client.openPty({ cols: 80, rows: 24, env: [`PATH=${ENV.PATH}`] });
+    const { out } = collect(t);
+    const w = t.writable.getWriter();
+    // The job ignores SIGHUP and has its own process group (job control): only the SIGKILL to
+    // the whole session can end it.
+    const m = await typeAndWait(
+      w,
+      out,
+      '(trap "" HUP; exec sleep 4343) & echo pids=$$,$!',
+      /pids=(\d+),(\d+)/,
+    );
+    expect(m).not.toBeNull();
+    const [shell, job] = [Number(m![1]), Number(m![2])];
+    backgroundPids.push(job);
+    expect([alive(shell), alive(job)]).toEqual([true, true]);
+    w.releaseLock();
+    t.close();
+    // SIGHUP at once, SIGKILL to the session 1 s later (pty.c PTY_KILL_GRACE_MS).
+    expect([await waitDead(shell, 5000), await waitDead(job, 5000)]).toEqual([true, true]);
+  });
+
+  test("the shell's exit ends the terminal although a background job still holds it; the job is killed", async () => {
+    const t = await client.openPty({ cols: 80, rows: 24, env: [`PATH=${ENV.PATH}`] });
+    const { out, done } = collect(t);
+    const w = t.writable.getWriter();
+    const m = await typeAndWait(w, out, '(trap "" HUP; exec sleep 4545) & echo job=$!', /job=(\d+)/);
+    const job = Number(m![1]);
+    backgroundPids.push(job);
+    await w.write(Buffer.from("exit\r"));
+    await done;
+    expect({ ended: out.ended, error: out.error }).toEqual({ ended: true, error: undefined });
+    expect(await waitDead(job, 5000)).toBe(true);
+  });
+
+  test("a size out of range is refused with EINVAL; nothing is left open", async () => {
+    const err = await client.openPty({ cols: 0, rows: 24 }).catch((e) => e);
+    expect(err).toBeInstanceOf(GuestError);
+    expect(err.errno).toBe(22);
+    const big = await client.openPty({ cols: 80, rows: 70000 }).catch((e) => e);
+    expect(big.errno).toBe(22);
+  });
+});

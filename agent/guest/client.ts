@@ -48,6 +48,18 @@ export interface GuestClientOptions {
   closeAnswerMs?: number;
 }
 
+/** `GuestClient.openPty`: the terminal's size, and who runs which shell where. */
+export interface PtyOptions {
+  cols: number;
+  rows: number;
+  argv?: string[];
+  /** `NAME=value` entries; the guest adds login defaults for the names missing. */
+  env?: string[];
+  cwd?: string;
+  uid?: number;
+  gid?: number;
+}
+
 export interface HelloInfo {
   protoVersion: number;
   agentVersion: string;
@@ -493,6 +505,11 @@ export class GuestClient {
     }
     const w = new TlvWriter().u32(Tag.OP, Op.CONNECT).u32(Tag.PORT, port);
     if (opts.host !== undefined) w.str(Tag.HOST, opts.host);
+    return this.startTunnel(w, port);
+  }
+
+  /** Sends a request whose success turns its stream into a tunnel (CONNECT, PTY). */
+  private async startTunnel(w: TlvWriter, port: number): Promise<GuestTunnel> {
     let tunnel: GuestTunnel | undefined;
     // The tunnel is registered before the request goes out: its first DATA may follow the
     // RESPONSE in the same read, before our await resumes.
@@ -513,6 +530,23 @@ export class GuestClient {
     const t = tunnel!;
     t.opened();
     return t;
+  }
+
+  /**
+   * Starts an interactive shell on a new pseudo-terminal in the guest (Op.PTY): resolves with a
+   * tunnel whose far end is the PTY master (flow control and closing as for `openTunnel`, plus
+   * `resize`). Without `argv` the guest runs /bin/bash, else /bin/sh, as a login shell; what
+   * `env` leaves out (TERM, PATH, HOME, USER, LOGNAME, SHELL) the guest fills in from the user's
+   * passwd entry. Closing the tunnel hangs up the terminal and kills the shell's session.
+   */
+  async openPty(opts: PtyOptions): Promise<GuestTunnel> {
+    const w = new TlvWriter().u32(Tag.OP, Op.PTY).u32(Tag.COLS, opts.cols).u32(Tag.ROWS, opts.rows);
+    for (const a of opts.argv ?? []) w.str(Tag.ARGV, a);
+    for (const e of opts.env ?? []) w.str(Tag.ENV, e);
+    if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
+    if (opts.uid !== undefined) w.u32(Tag.UID, opts.uid);
+    if (opts.gid !== undefined) w.u32(Tag.GID, opts.gid);
+    return this.startTunnel(w, 0); // port 0: no guest port, the far end is the PTY master
   }
 
   /**

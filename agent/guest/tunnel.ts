@@ -173,6 +173,23 @@ export class GuestTunnel {
     this.finish(undefined);
   }
 
+  /**
+   * PTY tunnels (GuestClient.openPty): sets the terminal's size. Sizes are clamped to 1..65535
+   * (u16 on the wire, as in struct winsize). A no-op once the tunnel is closing.
+   */
+  resize(cols: number, rows: number): void {
+    if (this.phase !== "open" || this.remoteEnded) return;
+    const clamp = (n: number) => Math.max(1, Math.min(0xffff, Math.floor(n)));
+    const p = Buffer.alloc(4);
+    p.writeUInt16LE(clamp(cols), 0);
+    p.writeUInt16LE(clamp(rows), 2);
+    try {
+      this.link.send(FrameType.RESIZE, p);
+    } catch {
+      // disconnected: `disconnected` ends everything
+    }
+  }
+
   // ---- called by GuestClient ---------------------------------------------------------------
 
   /** The CONNECT succeeded: DATA may flow. */

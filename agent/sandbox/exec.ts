@@ -177,3 +177,20 @@ export function seedBytes(seed: string): Uint8Array {
     return Buffer.from(seed, "hex");
   return Buffer.from(seed, "utf8");
 }
+
+/**
+ * How a terminal's shell runs (manager `openPty`): as the image's user, in the image's working
+ * directory when it names one (as `docker exec -it` does; else the guest uses the user's HOME),
+ * with the image's Env, the egress proxy and TERM. The guest adds the login variables missing
+ * (PATH, HOME, USER, LOGNAME, SHELL) from the user's passwd entry.
+ */
+export function planPty(image: ExecImage): { env: string[]; uid: number; gid: number; cwd?: string } {
+  const env = mergeEnv(mergeEnv(image.env, EGRESS_PROXY_ENV), { TERM: "xterm-256color" });
+  const out: { env: string[]; uid: number; gid: number; cwd?: string } = {
+    env,
+    uid: image.user.uid,
+    gid: image.user.gid,
+  };
+  if (image.workingDir) out.cwd = image.workingDir;
+  return out;
+}

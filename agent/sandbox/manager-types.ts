@@ -6,7 +6,7 @@ import type { EgressFence } from "../egress/fence.ts";
 import type { EgressDefault, EgressPolicy } from "../egress/policy.ts";
 import type { EgressAttempt } from "../egress/proxy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
-import type { MeterEvent, UsageInterval, UsageMeter } from "./accounting.ts";
+import { type MeterEvent, type UsageInterval, UsageMeter } from "./accounting.ts";
 import type { HostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import type { ProcessTable } from "./processes.ts";
@@ -91,4 +91,45 @@ export interface Sandbox {
   /** Background processes (processes.ts), made on first use. */
   procs?: ProcessTable;
   oneShot?: true;
+}
+
+/** What a new live record starts from (a create, a fork child, a record read back at start). */
+export interface NewSandbox {
+  id: string;
+  templateId: string;
+  kind: "session" | "sandbox";
+  state: AgentSandboxState;
+  size: VmSize;
+  endpoints: Record<string, string>;
+  egress: EgressPolicy;
+  now: number;
+}
+
+/** A live record in state `o.state` since `o.now`, its meter already in that state. */
+export function makeSandbox(
+  o: NewSandbox,
+  hooks: { onUsage: (iv: UsageInterval) => void; onEvent: (e: MeterEvent) => void },
+): Sandbox {
+  const sb: Sandbox = {
+    id: o.id,
+    templateId: o.templateId,
+    kind: o.kind,
+    state: o.state,
+    size: o.size,
+    createdAtMs: o.now,
+    lastUsedAtMs: o.now,
+    execCount: 0,
+    endpoints: o.endpoints,
+    egress: o.egress,
+    egressRefused: [],
+    memBytes: 0,
+    vcpus: Promise.resolve(),
+    stopped: false,
+    onDied: [],
+    tunnels: new Set(),
+    tunnelOpens: 0,
+    meter: new UsageMeter(o.id, o.templateId, { ...o.size, diskBytes: 0 }, hooks.onUsage, hooks.onEvent),
+  };
+  sb.meter.enter(o.state, o.now);
+  return sb;
 }

@@ -33,12 +33,18 @@ import { EgressPolicy } from "../egress/policy.ts";
 import { serveEgressConnection } from "../egress/proxy.ts";
 import { GuestError, type GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
-import { UsageMeter, type UsageReport } from "./accounting.ts";
+import type { UsageReport } from "./accounting.ts";
 import { addHeld, Capacity, type HeldResources, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
-import { type ExecRequest, planExec } from "./exec.ts";
+import { type ExecRequest, planExec, planPty } from "./exec.ts";
 import { type OutputSink, type RunOutcome, resolveExecUser, runOne, writeFiles } from "./exec-run.ts";
-import type { ManagerOptions, Sandbox, SandboxInfo } from "./manager-types.ts";
+import {
+  type ManagerOptions,
+  makeSandbox,
+  type NewSandbox,
+  type Sandbox,
+  type SandboxInfo,
+} from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { ProcessTable } from "./processes.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
@@ -458,6 +464,45 @@ export class SandboxManager {
    * ports a client may reach is the gateway's rule (exposed ports, spec 4.2), not ours.
    */
   async openTunnel(id: string, port: number): Promise<GuestTunnel> {
+    return this.guestStream(
+      id,
+      (vm) => this.driver.openTunnel(vm, port),
+      (err) =>
+        new SandboxdError(
+          "port_unreachable",
+          `sandbox ${id}: cannot connect to port ${port} inside the VM: ${err.message}`,
+          { cause: err, details: { id, port, errno: err.errno } },
+        ),
+    );
+  }
+
+  /**
+   * An interactive shell on a new pseudo-terminal in the sandbox's VM, as a tunnel to its master
+   * (`resize` sets the window size). The same rules as `openTunnel`: an idle-paused VM is woken,
+   * and while the terminal is open the VM is never idle-paused. The shell runs as the image's
+   * user with its environment (exec.ts `planPty`).
+   */
+  async openPty(id: string, size: { cols: number; rows: number }): Promise<GuestTunnel> {
+    return this.guestStream(
+      id,
+      (vm) => this.driver.openPty(vm, { ...planPty(vm.image), ...size }),
+      (err) =>
+        new SandboxdError("internal", `sandbox ${id}: the guest could not start a terminal: ${err.message}`, {
+          cause: err,
+          details: { id, errno: err.errno },
+        }),
+    );
+  }
+
+  /**
+   * Opens a tunnel-like guest stream (a port, a terminal) on a running VM and keeps the VM from
+   * being idle-paused while it is open; `refused` words the guest's own refusal.
+   */
+  private async guestStream(
+    id: string,
+    open: (vm: DriverVm) => Promise<GuestTunnel>,
+    refused: (err: GuestError) => SandboxdError,
+  ): Promise<GuestTunnel> {
     const sb = this.mustGet(id);
     if (isTerminal(sb.state)) throw this.goneError(sb);
     if (sb.state === "paused") this.setState(sb, "running");
@@ -472,7 +517,7 @@ export class SandboxManager {
       await this.wake(sb);
       const vm = sb.vm;
       if (!vm) throw this.goneError(sb);
-      const t = await this.driver.openTunnel(vm, port);
+      const t = await open(vm);
       if (isTerminal(sb.state) || sb.vm !== vm) {
         t.abort(this.goneError(sb)); // destroyed or failed while connecting
         throw this.goneError(sb);
@@ -485,13 +530,7 @@ export class SandboxManager {
       });
       return t;
     } catch (err) {
-      if (err instanceof GuestError && err.code === "guest_error") {
-        throw new SandboxdError(
-          "port_unreachable",
-          `sandbox ${id}: cannot connect to port ${port} inside the VM: ${err.message}`,
-          { cause: err, details: { id, port, errno: err.errno } },
-        );
-      }
+      if (err instanceof GuestError && err.code === "guest_error") throw refused(err);
       if (err instanceof GuestError) {
         throw sb.died || isTerminal(sb.state)
           ? this.goneError(sb)
@@ -885,43 +924,11 @@ export class SandboxManager {
     return sb;
   }
 
-  private newSandbox(o: {
-    id: string;
-    templateId: string;
-    kind: "session" | "sandbox";
-    state: AgentSandboxState;
-    size: VmSize;
-    endpoints: Record<string, string>;
-    egress: EgressPolicy;
-    now: number;
-  }): Sandbox {
-    const sb: Sandbox = {
-      id: o.id,
-      templateId: o.templateId,
-      kind: o.kind,
-      state: o.state,
-      size: o.size,
-      createdAtMs: o.now,
-      lastUsedAtMs: o.now,
-      execCount: 0,
-      endpoints: o.endpoints,
-      egress: o.egress,
-      egressRefused: [],
-      memBytes: 0,
-      vcpus: Promise.resolve(),
-      stopped: false,
-      onDied: [],
-      tunnels: new Set(),
-      tunnelOpens: 0,
-      meter: new UsageMeter(
-        o.id,
-        o.templateId,
-        { ...o.size, diskBytes: 0 },
-        (iv) => this.opts.onUsage?.(iv),
-        (e) => this.opts.onEvent?.(e),
-      ),
-    };
-    sb.meter.enter(o.state, o.now);
+  private newSandbox(o: NewSandbox): Sandbox {
+    const sb = makeSandbox(o, {
+      onUsage: (iv) => this.opts.onUsage?.(iv),
+      onEvent: (e) => this.opts.onEvent?.(e),
+    });
     this.sandboxes.set(o.id, sb);
     return sb;
   }

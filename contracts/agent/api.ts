@@ -70,6 +70,11 @@ export interface Tunnel {
   close(): void;
 }
 
+/** A terminal's byte stream (`openPty`): a tunnel that can also change the terminal's size. */
+export interface PtyTunnel extends Tunnel {
+  resize(cols: number, rows: number): void;
+}
+
 export interface AgentApi {
   /** Spawn a VM from a ready template. */
   createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm>;
@@ -114,6 +119,8 @@ export interface AgentApi {
   processStdin(vmId: VmId, pid: number, input: ProcessStdin): Promise<void>;
   /** Kills the process group (CANCEL) and resolves with its info once it has ended. */
   killProcess(vmId: VmId, pid: number): Promise<ProcessInfo>;
+  /** An interactive shell on a new pseudo-terminal in a running VM, killed when the tunnel closes. */
+  openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel>;
   health(): Promise<AgentHealth>;
   /** Every VM the agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;

@@ -205,3 +205,46 @@ export const TimeoutSeconds = z.int().min(1);
 
 /** RFC 3339 timestamp with an explicit offset or Z. */
 export const Rfc3339 = z.iso.datetime({ offset: true });
+
+// ---- terminals (GET .../pty, docs/api.md "Terminal") ------------------------------------------
+
+/** A terminal dimension in cells: a u16 in the kernel's struct winsize; 0 is not a size. */
+export const PTY_DIM_MAX = 65535;
+const PtyDim = z.int().min(1).max(PTY_DIM_MAX);
+const PtyDimQuery = z
+  .string()
+  .regex(/^\d{1,5}$/)
+  .transform(Number)
+  .pipe(PtyDim);
+
+export const PtyQuery = z.object({
+  cols: PtyDimQuery.optional().describe("Terminal width in cells (default 80)."),
+  rows: PtyDimQuery.optional().describe("Terminal height in cells (default 24)."),
+  lines: z
+    .enum(["true", "false"])
+    .optional()
+    .describe(
+      "true: each text message is one typed line and the Enter key (CR) is added after it, for " +
+        "line-based clients such as wscat that send a line without its newline. Default false " +
+        "(text is typed as it is, as xterm.js sends keystrokes).",
+    ),
+});
+
+/** The one text message a terminal client sends that is not typed input. */
+export const PtyResize = z.object({ type: z.literal("resize"), cols: PtyDim, rows: PtyDim });
+export type PtyResize = z.infer<typeof PtyResize>;
+
+/**
+ * A text message that is a resize request, else undefined (the text is typed input: xterm.js's
+ * attach addon sends keystrokes as text messages). Cheap for ordinary keystrokes: only text that
+ * starts with `{"` is parsed.
+ */
+export function parsePtyResize(text: string): PtyResize | undefined {
+  if (!text.startsWith('{"')) return undefined;
+  try {
+    const r = PtyResize.safeParse(JSON.parse(text));
+    return r.success ? r.data : undefined;
+  } catch {
+    return undefined;
+  }
+}

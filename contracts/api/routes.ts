@@ -5,12 +5,24 @@
  * schemas to parse requests.
  */
 import type { z } from "zod";
+import { PtyQuery } from "./common.ts";
 import * as A from "./family-a.ts";
 import * as B from "./family-b.ts";
 import { HealthResponse } from "./health.ts";
 import * as P from "./processes.ts";
 
 /** The streamed form of both exec routes (gateway/routes/exec-sse.ts, docs/api.md "Streamed exec"). */
+/** Both terminal routes (gateway/routes/pty.ts, docs/api.md "Terminal"). */
+const PTY_WS =
+  "Binary messages carry terminal bytes both ways (a text message from the client is typed input " +
+  'too, as its UTF-8 bytes); a text message `{"type":"resize","cols":N,"rows":M}` resizes the ' +
+  "terminal. The shell is the image's (/bin/bash if present, else /bin/sh) as a login shell of the " +
+  "image's user, in its own session; closing the WebSocket hangs it up and kills what is left of " +
+  "its session. The WebSocket ends with 1000 when the shell exits. All checks (key, tenant, state, " +
+  "relay slots) and the shell's start happen before the upgrade.";
+// 409: not running; 429 also: the tenant's relay slots are taken; 501/503: no agent terminals.
+const PTY_ERRORS = [400, 403, 404, 409, 501, 503];
+
 const EXEC_EVENTS =
   "With `Accept: text/event-stream` the exec streams Server-Sent Events while the command runs: " +
   '`event: stdout` / `event: stderr` with data `{"data": "<UTF-8 text>"}`, or `{"data_b64": "<base64>"}` ' +
@@ -28,6 +40,8 @@ export interface RouteContract {
   /** Which key family the handler serves; "both" = the same handler; "none" = no auth. */
   family: "a" | "b" | "both" | "none";
   summary: string;
+  /** Longer prose for the operation, where the summary cannot say how it is used. */
+  description?: string;
   body?: z.ZodType;
   /** Raw (non-JSON) body content type. */
   rawBody?: string;
@@ -203,6 +217,16 @@ export const ROUTES: RouteContract[] = [
     errors: [400, 403, 404, 409, 410, 413],
   },
   {
+    method: "get",
+    path: "/v1/sessions/{id}/pty",
+    family: "a",
+    summary: "Interactive terminal over a WebSocket",
+    description: PTY_WS,
+    query: PtyQuery,
+    status: 101,
+    errors: PTY_ERRORS,
+  },
+  {
     method: "post",
     path: "/v1/sessions/{id}/fork",
     family: "a",
@@ -362,6 +386,16 @@ export const ROUTES: RouteContract[] = [
     // 503/501: the sandbox's agent does not answer / offers no tunnels; 502 port_unreachable:
     // nothing accepts connections on the port inside the sandbox (all before the upgrade).
     errors: [400, 403, 404, 409, 501, 502, 503],
+  },
+  {
+    method: "get",
+    path: "/v1/sandboxes/{id}/pty",
+    family: "b",
+    summary: "Interactive terminal over a WebSocket",
+    description: PTY_WS,
+    query: PtyQuery,
+    status: 101,
+    errors: PTY_ERRORS,
   },
   {
     method: "post",

@@ -20,6 +20,7 @@ import {
   type ExecResult,
   type ExecStreamOptions,
   type OneShotResult,
+  type PtyTunnel,
   type ResumeResult,
   type SuspendResult,
   type TemplateBuildStatus,
@@ -313,6 +314,16 @@ export class AgentHttpClient implements AgentApi {
   async openTunnel(vmId: VmId, port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
     const url = `${this.base.replace(/^http/, "ws")}/vms/${enc(vmId)}/tunnel?port=${port}`;
     // Opening wakes an idle-paused VM and connects inside the guest: a VM operation's deadline.
+    return connectTunnel(url, await signAgentToken(this.key, this.agentId), this.t.vmOp);
+  }
+
+  /**
+   * A shell on a pseudo-terminal: `GET /vms/{id}/pty?cols=&rows=` upgraded to a WebSocket, the
+   * same byte tunnel as `openTunnel` whose `resize` sends a text message.
+   */
+  async openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel> {
+    const url = `${this.base.replace(/^http/, "ws")}/vms/${enc(vmId)}/pty?cols=${size.cols}&rows=${size.rows}`;
+    // Opening wakes an idle-paused VM and starts the shell: a VM operation's deadline.
     return connectTunnel(url, await signAgentToken(this.key, this.agentId), this.t.vmOp);
   }
 

@@ -30,6 +30,7 @@ import type {
   ExecResult,
   ExecStreamOptions,
   OneShotResult,
+  PtyTunnel,
   ResumeResult,
   SuspendResult,
   TemplateBuildStatus,
@@ -207,6 +208,7 @@ export class AgentRouter implements AgentApi, Placement {
       followProcess: async (v, n, o) => (await lookup()).followProcess(v, n, o),
       processStdin: async (v, n, i) => (await lookup()).processStdin(v, n, i),
       killProcess: async (v, n) => (await lookup()).killProcess(v, n),
+      openPty: async (v, s) => (await lookup()).openPty(v, s),
       health: async () => (await lookup()).health(),
       listVms: async () => (await lookup()).listVms(),
     };
@@ -332,6 +334,9 @@ export class AgentRouter implements AgentApi, Placement {
     return this.noAgent();
   }
   async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
+    return this.noAgent();
+  }
+  async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
     return this.noAgent();
   }
   async listVms(): Promise<VmSummary[]> {

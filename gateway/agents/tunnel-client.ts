@@ -5,9 +5,10 @@
  * QUEUE_HIGH bytes the socket is paused (TCP back-pressure up to the agent, which then stops
  * reading the guest tunnel) and resumed below QUEUE_LOW. Writes resolve once `bufferedAmount` is
  * under SEND_HIGH, so a slow agent/guest slows the writer instead of growing our buffer.
+ * The same client serves `openPty` (`GET /vms/{id}/pty`): `resize` sends the agent a text message.
  */
 import WebSocket from "ws";
-import type { Tunnel } from "../../contracts/agent/api.ts";
+import type { PtyTunnel } from "../../contracts/agent/api.ts";
 import { errorFromAgentAnswer } from "../../contracts/agent/schemas.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
@@ -22,7 +23,7 @@ const SEND_HIGH = 1 << 20;
 const SEND_POLL_MS = 5;
 
 /** Opens the WebSocket; an HTTP error answer becomes the agent's `SandboxdError` code. */
-export async function connectTunnel(url: string, token: string, timeoutMs: number): Promise<Tunnel> {
+export async function connectTunnel(url: string, token: string, timeoutMs: number): Promise<PtyTunnel> {
   const ws = new WebSocket(url, {
     headers: { authorization: `Bearer ${token}` },
     handshakeTimeout: timeoutMs,
@@ -48,7 +49,7 @@ export async function connectTunnel(url: string, token: string, timeoutMs: numbe
   return wsTunnel(ws);
 }
 
-function wsTunnel(ws: WebSocket): Tunnel {
+function wsTunnel(ws: WebSocket): PtyTunnel {
   const queue: Buffer[] = [];
   let queued = 0;
   let ended = false;
@@ -138,6 +139,10 @@ function wsTunnel(ws: WebSocket): Tunnel {
     writable,
     close() {
       if (ws.readyState === WebSocket.CONNECTING || ws.readyState === WebSocket.OPEN) ws.close(1000);
+    },
+    // Only the agent's pty route reads text messages; its port tunnels never get one.
+    resize(cols, rows) {
+      if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "resize", cols, rows }));
     },
   };
 }

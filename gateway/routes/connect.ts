@@ -15,7 +15,9 @@ import { agentOf, countRelay, getOwned, inTermsOf, type SandboxRow } from "../co
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
+import type { RelayBase } from "../relay/common.ts";
 import { TcpRelay } from "../relay/tcp.ts";
+import type { Upgrade } from "../runtime/types.ts";
 
 /**
  * Mounted before the key middleware: a connect request carrying a token `t` and no
@@ -136,16 +138,49 @@ async function connect(
     );
   }
   if (row.state !== "running") throw new SandboxdError("conflict", `sandbox ${id} is ${row.state}`);
+  const upgrade = wsUpgrade(c);
+  const agent = agentOf(deps, row);
+  const dial = () => agent.openTunnel(row.vmId!, q.port, "tcp");
+  return serveRelay(deps, upgrade, row, async () => {
+    const tunnel = await inTermsOf(row, dial());
+    if (protocol === "tcp") return new TcpRelay(tunnel);
+    // The guest's DevTools port through tcp tunnels; failures from here on close the WebSocket.
+    const upstream = await connectDevTools(tunnel, dial, q.port).catch((err: unknown) =>
+      err instanceof Error ? err : new Error(String(err)),
+    );
+    return new CdpRelay(upstream);
+  });
+}
+
+/** The runtime's upgrade for a request that asks for a WebSocket; 400 for one that does not. */
+export function wsUpgrade(c: Context<HonoEnv>): Upgrade {
   if (c.req.header("upgrade")?.toLowerCase() !== "websocket") {
     throw new SandboxdError("bad_request", "this endpoint needs a WebSocket upgrade");
   }
   const upgrade = c.env?.upgrade;
   if (!upgrade) throw new SandboxdError("internal", "this server cannot upgrade to a WebSocket");
+  return upgrade;
+}
 
+/**
+ * The end every relay route shares once its checks passed: takes one of the tenant's relay slots
+ * (`limits.relaysPerTenant`, 429 beyond), counts the relay as a call in flight on the sandbox,
+ * opens the guest side with `open` (its failures are still HTTP statuses), registers the relay
+ * (deleting the sandbox ends it) and upgrades.
+ */
+export async function serveRelay(
+  deps: Deps,
+  upgrade: Upgrade,
+  row: SandboxRow,
+  open: () => Promise<RelayBase>,
+): Promise<Response> {
   const max = deps.config.limits.relaysPerTenant;
   const release = deps.relays ? deps.relays.reserve(row.tenantId, max) : () => {};
   if (!release) {
-    throw new SandboxdError("quota_exceeded", `this tenant already holds ${max} connect relays`);
+    throw new SandboxdError(
+      "quota_exceeded",
+      `this tenant already holds ${max} relays (connects and terminals)`,
+    );
   }
   // An open relay is a call in flight, from before the dial to its end: the reaper does not
   // suspend or delete the sandbox under it.
@@ -153,20 +188,9 @@ async function connect(
     release();
     throw err;
   });
-  const agent = agentOf(deps, row);
-  const dial = () => agent.openTunnel(row.vmId!, q.port, "tcp");
-  let relay: TcpRelay | CdpRelay;
+  let relay: RelayBase;
   try {
-    const tunnel = await inTermsOf(row, dial());
-    if (protocol === "tcp") {
-      relay = new TcpRelay(tunnel);
-    } else {
-      // The guest's DevTools port through tcp tunnels; failures from here on close the WebSocket.
-      const upstream = await connectDevTools(tunnel, dial, q.port).catch((err: unknown) =>
-        err instanceof Error ? err : new Error(String(err)),
-      );
-      relay = new CdpRelay(upstream);
-    }
+    relay = await open();
   } catch (err) {
     release();
     await countRelay(deps, row.id, -1).catch(() => {});

@@ -16,6 +16,7 @@ import type {
   ExecResult,
   ExecStreamOptions,
   OneShotResult,
+  PtyTunnel,
   ResumeResult,
   SuspendResult,
   TemplateBuildStatus,
@@ -269,6 +270,10 @@ export class MemoryAgent implements AgentApi {
   }
   async killProcess(): Promise<ProcessInfo> {
     return this.noProcesses();
+  }
+  /** Terminals need a guest with a shell: only the real agent has them. */
+  async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
+    throw new SandboxdError("unsupported", "the in-memory agent has no terminals");
   }
 
   async openTunnel(vmId: VmId, port: number): Promise<Tunnel> {

@@ -12,6 +12,7 @@
  *   exec.c      EXEC: children, their stdin/stdout/stderr, the answer
  *   tunnel.c    tunnels (OP CONNECT and the egress ones): DATA/CREDIT/CLOSE
  *   egress.c    the guest's egress proxy port: accepted connections become tunnels
+ *   pty.c       PTY: a shell on a pseudo-terminal whose master is a tunnel's fd
  *   files.c     WRITE_FILE, WRITE_FILE_STREAM, READ_FILE
  *   machine.c   entropy, realtime clock, hostname, boot id
  *   queue.c     byte queues for pipes and sockets that were not ready
@@ -190,6 +191,7 @@ struct tunnel {
   int host_closed;             /* CLOSE received: flush, close, answer CLOSE */
   int64_t linger_deadline_ms;
   int dead;                    /* finished; freed by tunnels_sweep between poll passes */
+  pid_t pty_pid;               /* PTY tunnels: the shell (its session id); 0 for sockets */
 };
 
 extern struct tunnel *tunnels;
@@ -206,6 +208,16 @@ void tunnel_read(struct tunnel *t);
 void tunnel_connected(struct tunnel *t, int timed_out);
 void op_connect(uint32_t stream, const uint8_t *p, size_t n);
 void tunnel_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n);
+
+/* ------------------------------------------------------------------------------------------ */
+/* pty.c: PTY tunnels */
+
+void op_pty(uint32_t stream, const uint8_t *p, size_t n);
+void pty_resize(struct tunnel *t, const uint8_t *p, size_t n);
+void pty_hangup(struct tunnel *t);
+void pty_exited(pid_t pid);
+void pty_timers(int64_t now);
+int64_t pty_next_deadline(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* egress.c: the egress proxy port */

@@ -70,6 +70,9 @@ static void op_request(uint32_t stream, const uint8_t *p, size_t n) {
   case SBX_OP_CONNECT:
     op_connect(stream, p, n);
     return;
+  case SBX_OP_PTY:
+    op_pty(stream, p, n);
+    return;
   case SBX_OP_SYNC:
     sync();
     respond_status(stream, 0, NULL);
@@ -119,6 +122,7 @@ void dispatch(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
   case SBX_T_DATA:
   case SBX_T_CLOSE:
   case SBX_T_CREDIT:
+  case SBX_T_RESIZE:
     tunnel_frame(type, stream, p, n);
     return;
   default:

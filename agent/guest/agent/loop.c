@@ -42,6 +42,7 @@ static void reap(int sigfd) {
     int st;
     pid_t pid = waitpid(-1, &st, WNOHANG | __WALL);
     if (pid <= 0) break;
+    pty_exited(pid);
     for (struct exec *e = execs; e; e = e->next)
       if (e->pid == pid && !e->exited) {
         e->exited = 1;
@@ -61,6 +62,7 @@ static void timers(void) {
       e->deadline_ms = 0;
       kill_group(e);
     }
+  pty_timers(now);
   for (struct tunnel *t = tunnels; t; t = t->next) {
     if (t->dead) continue;
     if (t->connecting && now >= t->connect_deadline_ms)
@@ -107,6 +109,8 @@ static int poll_timeout(void) {
     if (t->connecting && t->connect_deadline_ms < next) next = t->connect_deadline_ms;
     if (t->host_closed && t->linger_deadline_ms < next) next = t->linger_deadline_ms;
   }
+  int64_t pty_next = pty_next_deadline();
+  if (pty_next < next) next = pty_next;
   if (next == INT64_MAX) return sigfd_missing ? 100 : -1;
   if (next <= now) return 0;
   return next - now > 60000 ? 60000 : (int)(next - now);

@@ -40,6 +40,7 @@
 #define SBX_T_CREDIT 10
 #define SBX_T_LOG 11
 #define SBX_T_OPEN 12 /* guest -> host: a tunnel the guest opened (egress); TLV PORT */
+#define SBX_T_RESIZE 13 /* host -> guest on a PTY tunnel: u16 cols, u16 rows (TIOCSWINSZ) */
 
 /* ops (value of SBX_TAG_OP, a u32) */
 #define SBX_OP_PING 1
@@ -53,6 +54,10 @@
 #define SBX_OP_CONNECT 9
 /* WRITE_FILE's fields without DATA; the content follows as STDIN frames, an empty one ends it. */
 #define SBX_OP_WRITE_FILE_STREAM 10
+/* A shell on a new pseudo-terminal: ARGV (default /bin/bash, else /bin/sh, as a login shell),
+ * ENV, CWD, UID, GID, COLS, ROWS. On success the stream is a tunnel whose far end is the PTY
+ * master: DATA/CREDIT/CLOSE as for CONNECT, plus RESIZE. */
+#define SBX_OP_PTY 11
 
 /* bits of SBX_TAG_STREAM */
 #define SBX_STREAM_OUTPUT 1
@@ -97,6 +102,8 @@
 #define SBX_TAG_UPTIME_MS 35    /* u64 */
 #define SBX_TAG_PID 36          /* u32 */
 #define SBX_TAG_HOST 37         /* string: IPv4/IPv6 literal a CONNECT dials (default 127.0.0.1) */
+#define SBX_TAG_COLS 38         /* u32: PTY width in cells */
+#define SBX_TAG_ROWS 39         /* u32: PTY height in cells */
 
 /* Tunnels (OP CONNECT, docs "Tunnels"). Each direction of a tunnel starts with this many bytes of
  * credit once the CONNECT succeeds: a sender never has more DATA payload outstanding than the

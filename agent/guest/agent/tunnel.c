@@ -64,6 +64,7 @@ void tunnel_end(struct tunnel *t, int send_close, int err, const char *what) {
   n_tunnels--;
   if (t->fd >= 0) close(t->fd);
   t->fd = -1;
+  pty_hangup(t); /* a PTY's shell goes with its terminal */
   chunkq_clear(&t->in);
   if (!send_close) return;
   if (!err) {
@@ -154,7 +155,9 @@ void tunnel_read(struct tunnel *t) {
     if (n < 0 && errno == EAGAIN) return;
     /* EOF or an error: what the peer sent before is already queued to the host, ahead of the
      * CLOSE. Host data not yet written is dropped with the socket (no half-close, see above). */
-    tunnel_end(t, 1, n < 0 ? errno : 0, "read");
+    int err = n < 0 ? errno : 0;
+    if (err == EIO && t->pty_pid) err = 0; /* a PTY master's EOF: the shell side closed */
+    tunnel_end(t, 1, err, "read");
     return;
   }
 }
@@ -271,6 +274,9 @@ void tunnel_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n) {
     t->send_credit = c64 > SBX_TUNNEL_WINDOW ? SBX_TUNNEL_WINDOW : (uint32_t)c64;
     return;
   }
+  case SBX_T_RESIZE:
+    pty_resize(t, p, n);
+    return;
   case SBX_T_CLOSE:
     if (t->host_closed) return;
     t->host_closed = 1;

@@ -8,7 +8,7 @@ import { rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
-import type { GuestClient, GuestTunnel } from "../../guest/client.ts";
+import type { GuestClient, GuestTunnel, PtyOptions } from "../../guest/client.ts";
 import { type ImportedImage, importImage } from "../../image/import.ts";
 import { probeAccelerator } from "../../qemu/accel.ts";
 import type { Accel } from "../../qemu/launch.ts";
@@ -191,6 +191,10 @@ export class BootDriver implements SandboxDriver {
 
   async openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel> {
     return this.mustLive(vm).handle.guest.openTunnel(port);
+  }
+
+  async openPty(vm: DriverVm, opts: PtyOptions): Promise<GuestTunnel> {
+    return this.mustLive(vm).handle.guest.openPty(opts);
   }
 
   async destroy(vmId: string, vm: DriverVm | undefined): Promise<void> {

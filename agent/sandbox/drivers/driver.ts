@@ -15,7 +15,7 @@
  * - Each VM lives in `<stateDir>/vms/<vmId>/` (agent/vm/workdir.ts); `reap` removes what no record
  *   claims.
  */
-import type { GuestClient, GuestTunnel } from "../../guest/client.ts";
+import type { GuestClient, GuestTunnel, PtyOptions } from "../../guest/client.ts";
 import type { ImageConfig } from "../../image/import.ts";
 import type { RegistryAuth } from "../../image/pull.ts";
 
@@ -132,6 +132,8 @@ export interface SandboxDriver {
    * guest's `guest_error` (errno ECONNREFUSED etc.) when nothing accepts the connection.
    */
   openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel>;
+  /** A shell on a new pseudo-terminal in the running guest (OP PTY), as a tunnel to its master. */
+  openPty(vm: DriverVm, opts: PtyOptions): Promise<GuestTunnel>;
   /**
    * Who takes the tunnels guests open (connections to a guest's egress proxy port,
    * docs/guest-protocol.md "Egress"); until set, each is closed at once.

@@ -30,7 +30,7 @@ import { diskReserveFromEnv } from "../../../contracts/disk-space.ts";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { checkDestination, type EgressFence, operatorFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
-import { GuestClient, type GuestTunnel } from "../../guest/client.ts";
+import { GuestClient, type GuestTunnel, type PtyOptions } from "../../guest/client.ts";
 import { evictImageCaches, imageCacheBudgetFromEnv } from "../../image/evict.ts";
 import { type ImageConfig, importImage } from "../../image/import.ts";
 import {
@@ -495,9 +495,16 @@ export class SnapshotDriver implements SandboxDriver {
   }
 
   async openTunnel(vm: DriverVm, port: number): Promise<GuestTunnel> {
-    // The live guest connection (a fork or restore reconnects it; the handle's may be stale).
-    const guest = this.mustLive(vm).sbx.guest ?? vm.guest;
-    return guest.openTunnel(port);
+    return this.liveGuest(vm).openTunnel(port);
+  }
+
+  async openPty(vm: DriverVm, opts: PtyOptions): Promise<GuestTunnel> {
+    return this.liveGuest(vm).openPty(opts);
+  }
+
+  /** The live guest connection (a fork or restore reconnects it; the handle's may be stale). */
+  private liveGuest(vm: DriverVm): GuestClient {
+    return this.mustLive(vm).sbx.guest ?? vm.guest;
   }
 
   async destroy(vmId: string, vm: DriverVm | undefined): Promise<void> {

@@ -1,0 +1,46 @@
+/**
+ * Terminals: `GET /v1/sandboxes/{id}/pty` (Family B) and `GET /v1/sessions/{id}/pty` (Family A)
+ * upgrade to a WebSocket carrying an interactive shell in the sandbox (relay/pty.ts). The checks
+ * are the connect route's (connect.ts): the Bearer key and rate limit (key middleware), tenant
+ * scoping (a foreign id is 404), a wake-up of a sandbox suspended for idleness, a running state,
+ * one of the tenant's relay slots; all before the upgrade, so each failure is an HTTP status.
+ * The agent starts the shell before the upgrade too. Terminals are not a Pro feature: like exec,
+ * every tier that reaches the sandbox may open one.
+ */
+import { type Context, Hono } from "hono";
+import { PtyQuery } from "../../contracts/api/common.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { requireFamily } from "../auth/guards.ts";
+import { wakeIfIdle } from "../core/idle.ts";
+import { agentOf, getOwned, inTermsOf } from "../core/sandboxes.ts";
+import type { Deps, HonoEnv } from "../deps.ts";
+import { query } from "../http.ts";
+import { PtyRelay } from "../relay/pty.ts";
+import { serveRelay, wsUpgrade } from "./connect.ts";
+
+/** The size a terminal starts with when the query gives none: the classic VT100 screen. */
+const DEFAULT_COLS = 80;
+const DEFAULT_ROWS = 24;
+
+export function ptyRoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
+  app.get("/v1/sandboxes/:id/pty", (c) => openPty(deps, c, "b"));
+  app.get("/v1/sessions/:id/pty", (c) => openPty(deps, c, "a"));
+  return app;
+}
+
+async function openPty(deps: Deps, c: Context<HonoEnv>, family: "a" | "b"): Promise<Response> {
+  const p = c.get("principal");
+  requireFamily(p, family);
+  const id = c.req.param("id") ?? "";
+  const q = query(c, PtyQuery);
+  await wakeIfIdle(deps, p, id);
+  const row = await getOwned(deps, p, id);
+  if (row.state !== "running") throw new SandboxdError("conflict", `${id} is ${row.state}`);
+  const upgrade = wsUpgrade(c);
+  const size = { cols: q.cols ?? DEFAULT_COLS, rows: q.rows ?? DEFAULT_ROWS };
+  const agent = agentOf(deps, row);
+  return serveRelay(deps, upgrade, row, async () => {
+    return new PtyRelay(await inTermsOf(row, agent.openPty(row.vmId!, size)), q.lines === "true");
+  });
+}
