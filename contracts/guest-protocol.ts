@@ -43,6 +43,10 @@ export const Op = {
   CONNECT: 9,
   /** WRITE_FILE's fields without DATA; the content follows as STDIN frames, an empty one ends it. */
   WRITE_FILE_STREAM: 10,
+  /** A directory's entries (PATH), at most MAX_BYTES of them: ENTRY records, TRUNCATED past it. */
+  LIST_DIR: 11,
+  /** Removes PATH: a file or symlink (unlink), or an empty directory (rmdir). */
+  REMOVE: 12,
 } as const;
 export type Op = (typeof Op)[keyof typeof Op];
 
@@ -85,6 +89,13 @@ export const Tag = {
   PID: 36,
   /** CONNECT: IPv4/IPv6 literal to dial inside the guest (default 127.0.0.1). */
   HOST: 37,
+  /** READ_FILE: where in the file to start (u64, default 0). */
+  OFFSET: 38,
+  /** LIST_DIR answer, repeated: u8 type, u32 mode, u64 size, i64 mtime (s), then the name. */
+  ENTRY: 39,
+  /** File ops: the filesystem uid/gid the op runs with (setfsuid/setfsgid; default root). */
+  FS_UID: 40,
+  FS_GID: 41,
 } as const;
 export type Tag = (typeof Tag)[keyof typeof Tag];
 
@@ -99,6 +110,11 @@ export const TUNNEL_WINDOW = 262144;
 export const GUEST_STREAM_BIT = 0x80000000;
 /** The egress proxy port the guest agent listens on (127.0.0.1) inside every VM. */
 export const EGRESS_PORT = 3128;
+
+/** LIST_DIR entry types (first byte of an ENTRY). */
+export const EntryType = { FILE: 1, DIR: 2, SYMLINK: 3, OTHER: 4 } as const;
+/** Fixed bytes of an ENTRY before its name. */
+export const ENTRY_HEADER_LEN = 21;
 
 /** Bits of Tag.STREAM. */
 export const StreamFlag = { OUTPUT: 1, STDIN: 2 } as const;

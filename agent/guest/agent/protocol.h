@@ -53,6 +53,10 @@
 #define SBX_OP_CONNECT 9
 /* WRITE_FILE's fields without DATA; the content follows as STDIN frames, an empty one ends it. */
 #define SBX_OP_WRITE_FILE_STREAM 10
+/* A directory's entries (PATH), at most MAX_BYTES of them: ENTRY records, TRUNCATED past it. */
+#define SBX_OP_LIST_DIR 11
+/* Removes PATH: a file or symlink (unlink), or an empty directory (rmdir). */
+#define SBX_OP_REMOVE 12
 
 /* bits of SBX_TAG_STREAM */
 #define SBX_STREAM_OUTPUT 1
@@ -97,6 +101,19 @@
 #define SBX_TAG_UPTIME_MS 35    /* u64 */
 #define SBX_TAG_PID 36          /* u32 */
 #define SBX_TAG_HOST 37         /* string: IPv4/IPv6 literal a CONNECT dials (default 127.0.0.1) */
+#define SBX_TAG_OFFSET 38       /* u64: READ_FILE starts here (default 0) */
+#define SBX_TAG_ENTRY 39        /* LIST_DIR answer, repeated: u8 type, u32 mode, u64 size,
+                                   i64 mtime (s), then the name (no NUL) */
+#define SBX_TAG_FS_UID 40       /* u32: file ops run with this filesystem uid (setfsuid) */
+#define SBX_TAG_FS_GID 41       /* u32: and this filesystem gid, no supplementary groups */
+
+/* LIST_DIR entry types (first byte of an ENTRY) */
+#define SBX_ENTRY_FILE 1
+#define SBX_ENTRY_DIR 2
+#define SBX_ENTRY_SYMLINK 3
+#define SBX_ENTRY_OTHER 4
+/* Fixed bytes of an ENTRY before its name. */
+#define SBX_ENTRY_HEADER_LEN 21
 
 /* Tunnels (OP CONNECT, docs "Tunnels"). Each direction of a tunnel starts with this many bytes of
  * credit once the CONNECT succeeds: a sender never has more DATA payload outstanding than the
