@@ -19,6 +19,7 @@ import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
 import { familyARoutes } from "./routes/family-a.ts";
+import { fileRoutes } from "./routes/files.ts";
 import { sandboxRoutes } from "./routes/sandboxes.ts";
 import { healthRoutes, systemRoutes } from "./routes/system.ts";
 import { templateRoutes } from "./routes/templates.ts";
@@ -69,6 +70,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   app.route("/", familyARoutes(deps, log));
   app.route("/", sandboxRoutes(deps));
   app.route("/", connectRoutes(deps));
+  app.route("/", fileRoutes(deps));
   app.route("/", templateRoutes(deps));
   app.route("/", systemRoutes(deps, { rateLimited: rateLimit.refused }));
   return app;

@@ -33,6 +33,7 @@ import type { SandboxManager } from "../sandbox/manager.ts";
 import { type AgentAction, perform } from "./actions.ts";
 import { mapAgentError } from "./errors.ts";
 import { streamExec } from "./exec-stream.ts";
+import { fileRoutes } from "./files.ts";
 import type { TunnelSocketData } from "./tunnel-ws.ts";
 
 export interface AgentAppDeps {
@@ -137,6 +138,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     }
     return new Response(null); // ignored by Bun once upgraded
   });
+  fileRoutes(r, deps.manager, parse);
   r.post("/vms/:id/suspend", (c) => run({ kind: "suspend", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.post("/vms/:id/resume", (c) => run({ kind: "resume", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.delete("/vms/:id", (c) =>

@@ -16,6 +16,7 @@
  */
 import type { z } from "zod";
 import type { TunnelProtocol } from "../api/family-b.ts";
+import type { FileList, FileWritten } from "../api/files.ts";
 import type * as S from "./schemas.ts";
 
 /** Every route of the agent's HTTP API is under this prefix. */
@@ -60,6 +61,24 @@ export interface ExecStreamOptions {
   signal: AbortSignal;
 }
 
+/**
+ * A call of the file API (contracts/api/files.ts) on a live VM; `user` as in the query. An
+ * upload's or a download's `signal` is the client gone: the upload is cancelled (the guest drops
+ * its temp file), the download stops reading the guest.
+ */
+export type FileCall = { path: string; user?: string | undefined } & (
+  | { op: "upload"; body: ReadableStream<Uint8Array>; signal: AbortSignal }
+  | { op: "download"; signal: AbortSignal }
+  | { op: "list" }
+  | { op: "remove" }
+);
+export type FileAnswer =
+  | { op: "upload"; written: z.infer<typeof FileWritten> }
+  /** The file's bytes; an error after the first of them ends the stream with an error. */
+  | { op: "download"; body: ReadableStream<Uint8Array> }
+  | { op: "list"; list: z.infer<typeof FileList> }
+  | { op: "remove" };
+
 /** A byte tunnel to a guest port (connect-from-outside). */
 export interface Tunnel {
   readable: ReadableStream<Uint8Array>;
@@ -98,6 +117,8 @@ export interface AgentApi {
   releaseTemplate(template: TemplateRef): Promise<void>;
   /** Open a byte tunnel to a guest port of a running VM (throws `port_not_exposed`). */
   openTunnel(vmId: VmId, port: number, protocol: TunnelProtocol): Promise<Tunnel>;
+  /** Upload, download, list or remove a file in a live VM, beside any exec (never `busy`). */
+  files(vmId: VmId, call: FileCall): Promise<FileAnswer>;
   health(): Promise<AgentHealth>;
   /** Every VM the agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;

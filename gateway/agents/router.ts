@@ -29,6 +29,8 @@ import type {
   ExecAction,
   ExecResult,
   ExecStreamOptions,
+  FileAnswer,
+  FileCall,
   OneShotResult,
   ResumeResult,
   SuspendResult,
@@ -200,6 +202,7 @@ export class AgentRouter implements AgentApi, Placement {
       expectWidth: async (t, w) => (await lookup()).expectWidth(t, w),
       releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
       openTunnel: async (v, p, pr) => (await lookup()).openTunnel(v, p, pr),
+      files: async (v, f) => (await lookup()).files(v, f),
       health: async () => (await lookup()).health(),
       listVms: async () => (await lookup()).listVms(),
     };
@@ -325,6 +328,9 @@ export class AgentRouter implements AgentApi, Placement {
     return this.noAgent();
   }
   async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
+    return this.noAgent();
+  }
+  async files(_vmId: VmId, _call: FileCall): Promise<FileAnswer> {
     return this.noAgent();
   }
   async listVms(): Promise<VmSummary[]> {

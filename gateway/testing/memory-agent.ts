@@ -15,6 +15,7 @@ import type {
   ExecAction,
   ExecResult,
   ExecStreamOptions,
+  FileAnswer,
   OneShotResult,
   ResumeResult,
   SuspendResult,
@@ -244,6 +245,12 @@ export class MemoryAgent implements AgentApi {
 
   async releaseTemplate(template: TemplateRef): Promise<void> {
     this.calls.push(`release ${template}`);
+  }
+
+  /** The file API needs a guest: only the real agent serves it (tests/e2e-files-api.test.ts). */
+  async files(vmId: VmId): Promise<FileAnswer> {
+    this.vm(vmId);
+    throw new SandboxdError("unsupported", "the in-memory agent has no file API");
   }
 
   async openTunnel(vmId: VmId, port: number): Promise<Tunnel> {
