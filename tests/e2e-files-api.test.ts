@@ -9,7 +9,8 @@
  *   /dev/zero streams 400 MB under the same bound. Prints upload and download throughput.
  * - list, delete (file, empty directory; a non-empty one is 409), a missing file 404, a directory
  *   GET 400, a relative path 400, `..` resolved by the guest, a foreign tenant's id 404, `user`
- *   (a file the user may not write is 400, one written as the user is the user's).
+ *   (a file the user may not write is 400, one written as the user is the user's); an upload
+ *   declaring more than MAX_FILE_TRANSFER_BYTES is 413 with no body byte sent.
  * - Family A sessions serve the same routes, beside a running exec (not `busy`), and after the
  *   VM's idle pause (woken); a sandbox the service suspended for idleness is resumed by a file call.
  *
@@ -19,11 +20,13 @@ import { afterAll, beforeAll, expect, test } from "bun:test";
 import { createHash, randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
+import { connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import * as A from "../contracts/api/family-a.ts";
 import * as B from "../contracts/api/family-b.ts";
 import { FileDeleted, FileList, FileWritten } from "../contracts/api/files.ts";
+import { MAX_FILE_TRANSFER_BYTES } from "../contracts/api/limits.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 import {
   createKeys,
@@ -378,6 +381,48 @@ test(
     );
     expect(owner.stdout).toBe("nobody\n");
     expectError(await put("/tmp/x", "x", { user: "no-such-user" }), 400, "bad_request");
+  },
+  TEST_TIMEOUT_MS,
+);
+
+test(
+  "an upload declaring more than MAX_FILE_TRANSFER_BYTES is 413 before its body is read",
+  async () => {
+    const url = new URL(service().url);
+    const declared = MAX_FILE_TRANSFER_BYTES + 1;
+    // A raw socket: the header declares the size, no body byte is ever sent.
+    const text = await new Promise<string>((resolve, reject) => {
+      const sock = connect({ host: url.hostname, port: Number(url.port) });
+      let got = "";
+      const timer = setTimeout(() => {
+        sock.destroy();
+        reject(new Error(`no answer within 30 s; got ${JSON.stringify(got)}`));
+      }, 30_000);
+      sock.on("data", (b) => {
+        got += b.toString("latin1");
+        if (/\r\n\r\n[\s\S]*\}/.test(got)) {
+          clearTimeout(timer);
+          sock.destroy();
+          resolve(got);
+        }
+      });
+      sock.on("error", reject);
+      sock.on("connect", () =>
+        sock.write(
+          [
+            `PUT ${filesOf(sandboxId)}?path=/tmp/huge HTTP/1.1`,
+            `Host: ${url.host}`,
+            `Authorization: Bearer ${keys.pro}`,
+            "Content-Type: application/octet-stream",
+            `Content-Length: ${declared}`,
+            "",
+            "",
+          ].join("\r\n"),
+        ),
+      );
+    });
+    expect(text).toMatch(/^HTTP\/1\.1 413 /);
+    expect(text).toContain('"code":"payload_too_large"');
   },
   TEST_TIMEOUT_MS,
 );
