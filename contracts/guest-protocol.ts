@@ -51,6 +51,10 @@ export const Op = {
    * shell), ENV, CWD, UID, GID, COLS, ROWS.
    */
   PTY: 11,
+  /** A directory's entries (PATH), at most MAX_BYTES of them: ENTRY records, TRUNCATED past it. */
+  LIST_DIR: 12,
+  /** Removes PATH: a file or symlink (unlink), or an empty directory (rmdir). */
+  REMOVE: 13,
 } as const;
 export type Op = (typeof Op)[keyof typeof Op];
 
@@ -96,6 +100,13 @@ export const Tag = {
   /** PTY: the terminal's width and height in character cells. */
   COLS: 38,
   ROWS: 39,
+  /** READ_FILE: where in the file to start (u64, default 0). */
+  OFFSET: 40,
+  /** LIST_DIR answer, repeated: u8 type, u32 mode, u64 size, i64 mtime (s), then the name. */
+  ENTRY: 41,
+  /** File ops: the filesystem uid/gid the op runs with (setfsuid/setfsgid; default root). */
+  FS_UID: 42,
+  FS_GID: 43,
 } as const;
 export type Tag = (typeof Tag)[keyof typeof Tag];
 
@@ -110,6 +121,11 @@ export const TUNNEL_WINDOW = 262144;
 export const GUEST_STREAM_BIT = 0x80000000;
 /** The egress proxy port the guest agent listens on (127.0.0.1) inside every VM. */
 export const EGRESS_PORT = 3128;
+
+/** LIST_DIR entry types (first byte of an ENTRY). */
+export const EntryType = { FILE: 1, DIR: 2, SYMLINK: 3, OTHER: 4 } as const;
+/** Fixed bytes of an ENTRY before its name. */
+export const ENTRY_HEADER_LEN = 21;
 
 /** Bits of Tag.STREAM. */
 export const StreamFlag = { OUTPUT: 1, STDIN: 2 } as const;

@@ -19,6 +19,7 @@ import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
 import { familyARoutes } from "./routes/family-a.ts";
+import { fileRoutes } from "./routes/files.ts";
 import { processRoutes } from "./routes/processes.ts";
 import { ptyRoutes } from "./routes/pty.ts";
 import { sandboxRoutes } from "./routes/sandboxes.ts";
@@ -73,6 +74,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   app.route("/", processRoutes(deps));
   app.route("/", connectRoutes(deps));
   app.route("/", ptyRoutes(deps));
+  app.route("/", fileRoutes(deps));
   app.route("/", templateRoutes(deps));
   app.route("/", systemRoutes(deps, { rateLimited: rateLimit.refused }));
   return app;

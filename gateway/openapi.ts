@@ -90,7 +90,8 @@ function operation(r: RouteContract, components: Json): Json {
   const json = (schema: Json) => ({ "application/json": { schema } });
   const ok: Json = { description: r.status === 101 ? "WebSocket upgrade" : "Success" };
   if (r.response) ok.content = json(schemaOf(r.response, "output", components));
-  if (r.rawResponse) ok.content = { [r.rawResponse]: { schema: { type: "string" } } };
+  if (r.rawResponse)
+    ok.content = { ...(ok.content as Json), [r.rawResponse]: { schema: { type: "string" } } };
   if (r.eventStream) {
     ok.description = "Success: the JSON response, or with `Accept: text/event-stream` a stream of events";
     ok.content = {

@@ -3,7 +3,8 @@ import { mkdir, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { UsageInterval } from "../agent/sandbox/accounting.ts";
 import { BootDriver } from "../agent/sandbox/drivers/boot.ts";
-import { type ManagerOptions, SandboxManager } from "../agent/sandbox/manager.ts";
+import { SandboxManager } from "../agent/sandbox/manager.ts";
+import type { ManagerOptions } from "../agent/sandbox/manager-types.ts";
 import {
   busyboxArchive,
   codeOf,

@@ -24,10 +24,12 @@ test("protocol.h defines exactly the TypeScript constants", () => {
     ["SBX_TUNNEL_WINDOW", P.TUNNEL_WINDOW],
     ["SBX_GUEST_STREAM_BIT", P.GUEST_STREAM_BIT],
     ["SBX_EGRESS_PORT", P.EGRESS_PORT],
+    ["SBX_ENTRY_HEADER_LEN", P.ENTRY_HEADER_LEN],
     ...screaming("SBX_T_", P.FrameType),
     ...screaming("SBX_OP_", P.Op),
     ...screaming("SBX_TAG_", P.Tag),
     ...screaming("SBX_STREAM_", P.StreamFlag),
+    ...screaming("SBX_ENTRY_", P.EntryType),
   ]);
   expect(Object.fromEntries(defines)).toEqual(Object.fromEntries(expected));
 });

@@ -35,6 +35,7 @@ import type { SandboxManager } from "../sandbox/manager.ts";
 import { type AgentAction, perform } from "./actions.ts";
 import { mapAgentError } from "./errors.ts";
 import { streamExec } from "./exec-stream.ts";
+import { fileRoutes } from "./files.ts";
 import { processRoutes } from "./processes.ts";
 import type { TunnelSocketData } from "./tunnel-ws.ts";
 
@@ -131,6 +132,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     return upgradeTunnel(c, (vmId) => deps.manager.openPty(vmId, { cols, rows }), true);
   });
   processRoutes(r, deps.manager, { json, parse, body });
+  fileRoutes(r, deps.manager, parse);
   r.post("/vms/:id/suspend", (c) => run({ kind: "suspend", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.post("/vms/:id/resume", (c) => run({ kind: "resume", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.delete("/vms/:id", (c) =>

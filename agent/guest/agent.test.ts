@@ -22,6 +22,7 @@ import { join } from "node:path";
 import { type Subprocess, spawn, spawnSync } from "bun";
 import { HEADER_LEN, MAX_PAYLOAD } from "../../contracts/guest-protocol.ts";
 import { type GuestClient, GuestError, GuestListener } from "./client.ts";
+import { listDir, readFileStream, removePath } from "./fs-ops.ts";
 
 /** Every C file of the agent (one per concern; agent.h and protocol.h are included by them). */
 const SRC_DIR = join(import.meta.dir, "agent");
@@ -393,6 +394,61 @@ describe("files and small ops", () => {
     expect(missing.errno).toBe(2);
     const isDir = await client.readFile(dir).catch((e) => e);
     expect(isDir.errno).toBe(21);
+  });
+
+  test("file ops: reads at an offset and as a stream, LIST_DIR (bounded), REMOVE, FS_UID", async () => {
+    const big = crypto.getRandomValues(new Uint8Array(2.5 * 1024 * 1024));
+    writeFileSync(join(dir, "big.bin"), big);
+    const mid = await client.readFile(join(dir, "big.bin"), { offset: 1024 * 1024, maxBytes: 10 });
+    expect([...mid.data]).toEqual([...big.subarray(1024 * 1024, 1024 * 1024 + 10)]);
+    expect(mid.truncated).toBe(true);
+    const tail = await client.readFile(join(dir, "big.bin"), { offset: big.length - 3 });
+    expect(tail.data.length).toBe(3);
+    expect(tail.truncated).toBe(false);
+    const { stream, size } = await readFileStream(client, join(dir, "big.bin"), { maxBytes: 1 << 30 });
+    expect(size).toBe(big.length);
+    const got = Buffer.from(await new Response(stream).arrayBuffer());
+    expect(got.equals(Buffer.from(big))).toBe(true);
+    // Past maxBytes a stream errors (a file that never ends, such as /dev/zero).
+    const zero = await readFileStream(client, "/dev/zero", { maxBytes: 3 * 1024 * 1024 });
+    expect(await new Response(zero.stream).arrayBuffer().catch((e) => e)).toBeInstanceOf(GuestError);
+
+    const d = join(dir, "ls");
+    mkdirSync(join(d, "sub"), { recursive: true });
+    for (let i = 0; i < 5; i++) writeFileSync(join(d, `f${i}`), "x".repeat(i));
+    const all = await listDir(client, d);
+    expect(all.truncated).toBe(false);
+    expect(all.entries.map((e) => e.name).sort()).toEqual(["f0", "f1", "f2", "f3", "f4", "sub"]);
+    expect(all.entries.find((e) => e.name === "f3")).toMatchObject({ type: "file", size: 3 });
+    expect(all.entries.find((e) => e.name === "sub")?.type).toBe("dir");
+    const some = await listDir(client, d, { max: 2 });
+    expect(some.entries.length).toBe(2);
+    expect(some.truncated).toBe(true);
+
+    expect((await removePath(client, d).catch((e) => e)).errno).toBe(39); // ENOTEMPTY
+    await removePath(client, join(d, "f0"));
+    await removePath(client, join(d, "sub"));
+    expect(existsSync(join(d, "f0")) || existsSync(join(d, "sub"))).toBe(false);
+
+    // As uid/gid 65534 a root-only directory refuses reads and writes; root's call passes.
+    const locked = join(dir, "locked");
+    mkdirSync(locked, { mode: 0o700 });
+    writeFileSync(join(locked, "s"), "secret");
+    chmodSync(dir, 0o755);
+    const as = { fsUid: 65534, fsGid: 65534 };
+    expect((await client.readFile(join(locked, "s"), as).catch((e) => e)).errno).toBe(13);
+    expect((await client.writeFile(join(locked, "w"), "x", as).catch((e) => e)).errno).toBe(13);
+    expect((await listDir(client, locked, as).catch((e) => e)).errno).toBe(13);
+    expect((await removePath(client, join(locked, "s"), as).catch((e) => e)).errno).toBe(13);
+    expect((await client.readFile(join(locked, "s"))).data.toString()).toBe("secret");
+    // A file written as the user is the user's; afterwards the agent is root again.
+    const open = join(dir, "open");
+    mkdirSync(open);
+    chmodSync(open, 0o1777);
+    await client.writeFile(join(open, "mine"), "x", as);
+    expect(statSync(join(open, "mine")).uid).toBe(65534);
+    await client.writeFile(join(locked, "root"), "x");
+    expect(statSync(join(locked, "root")).uid).toBe(0);
   });
 
   test("hello, ping, entropy, seed, clock, hostname, sync", async () => {

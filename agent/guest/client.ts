@@ -115,6 +115,9 @@ export interface ReadFileResult {
 export interface FileOptions {
   /** Base for a relative path (default "/"). */
   cwd?: string;
+  /** Whom the guest does the op as (its filesystem uid/gid); default root. */
+  fsUid?: number;
+  fsGid?: number;
 }
 
 export interface WriteFileOptions extends FileOptions {
@@ -426,14 +429,7 @@ export class GuestClient {
    */
   async writeFile(path: string, data: Uint8Array | string, opts: WriteFileOptions = {}): Promise<void> {
     const bytes = typeof data === "string" ? Buffer.from(data) : data;
-    const head = (op: number) => {
-      const w = new TlvWriter().u32(Tag.OP, op).str(Tag.PATH, path);
-      if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
-      if (opts.mode !== undefined) w.u32(Tag.MODE, opts.mode);
-      if (opts.uid !== undefined) w.u32(Tag.UID, opts.uid);
-      if (opts.gid !== undefined) w.u32(Tag.GID, opts.gid);
-      return w;
-    };
+    const head = (op: number) => writeHead(op, path, opts);
     const w = head(Op.WRITE_FILE);
     // The TLV header of DATA (6 bytes) and slack for the frame: the whole REQUEST in one frame.
     if (w.length + bytes.length + 64 <= MAX_PAYLOAD) {
@@ -452,7 +448,7 @@ export class GuestClient {
     const { stream, promise } = await this.start(head(Op.WRITE_FILE_STREAM), {
       timeoutMs: this.opts.requestTimeoutMs,
     });
-    void this.pumpFile(stream, bytes);
+    void this.pumpFile(stream, [bytes]);
     const r = await promise;
     const size = Number(r.u64(Tag.SIZE) ?? 0n);
     if (size !== bytes.length) {
@@ -462,10 +458,33 @@ export class GuestClient {
     }
   }
 
-  async readFile(path: string, opts: FileOptions & { maxBytes?: number } = {}): Promise<ReadFileResult> {
+  /**
+   * WRITE_FILE_STREAM from a source of any length: each piece is read from `source` only once
+   * the port has drained (back-pressure reaches the source's producer), and a source that fails
+   * cancels the write (the guest removes its temp file; the old file stays). The size written.
+   */
+  async writeFileFrom(path: string, source: AsyncIterable<Uint8Array>, opts: WriteFileOptions = {}) {
+    const { stream, promise } = await this.start(writeHead(Op.WRITE_FILE_STREAM, path, opts), {
+      timeoutMs: this.opts.requestTimeoutMs,
+    });
+    void this.pumpFile(stream, source);
+    return Number((await promise).u64(Tag.SIZE) ?? 0n);
+  }
+
+  /** One request, one answer (the file ops of fs-ops.ts). */
+  call(w: TlvWriter): Promise<TlvRecords> {
+    return this.request(w);
+  }
+
+  async readFile(
+    path: string,
+    opts: FileOptions & { maxBytes?: number; offset?: number } = {},
+  ): Promise<ReadFileResult> {
     const w = new TlvWriter().u32(Tag.OP, Op.READ_FILE).str(Tag.PATH, path);
     if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
     if (opts.maxBytes !== undefined) w.u32(Tag.MAX_BYTES, opts.maxBytes);
+    if (opts.offset) w.u64(Tag.OFFSET, BigInt(opts.offset));
+    fsIdentity(w, opts);
     const r = await this.request(w);
     return {
       data: r.get(Tag.DATA) ?? Buffer.alloc(0),
@@ -702,20 +721,29 @@ export class GuestClient {
 
   /**
    * A streamed write's content as STDIN frames, then the empty one (EOF). Each chunk waits for the
-   * port to drain (back-pressure) and re-arms the request's timer: the bound is on progress, so a
-   * large file on a slow guest is not cut while its bytes still move.
+   * port to drain (back-pressure; the next piece of an async source is not even asked for before)
+   * and re-arms the request's timer: the bound is on progress, so a large file on a slow guest is
+   * not cut while its bytes still move. A source that fails sends CANCEL.
    */
-  private async pumpFile(stream: number, bytes: Uint8Array): Promise<void> {
+  private async pumpFile(stream: number, source: Iterable<Uint8Array> | AsyncIterable<Uint8Array>) {
     try {
-      for (let off = 0; off < bytes.length; off += FILE_CHUNK) {
-        while (this.outbox.congested()) await this.outbox.drained();
-        if (!this.pending.has(stream)) return; // refused (answered early) or failed
-        this.send(FrameType.STDIN, stream, bytes.subarray(off, off + FILE_CHUNK));
-        this.armTimer(stream, this.opts.requestTimeoutMs, "no answer to a file write");
+      for await (const piece of source) {
+        for (let off = 0; off < piece.length; off += FILE_CHUNK) {
+          while (this.outbox.congested()) await this.outbox.drained();
+          if (!this.pending.has(stream)) return; // refused (answered early) or failed
+          this.send(FrameType.STDIN, stream, piece.subarray(off, off + FILE_CHUNK));
+          this.armTimer(stream, this.opts.requestTimeoutMs, "no answer to a file write");
+        }
       }
       if (this.pending.has(stream)) this.send(FrameType.STDIN, stream); // empty: EOF
     } catch {
-      // disconnected: the pending request is rejected already
+      // The source failed: the guest drops the file (its answer, ECANCELED, rejects the request).
+      // Or disconnected: the pending request is rejected already.
+      try {
+        if (this.pending.has(stream) && !this.closedWith) this.send(FrameType.CANCEL, stream);
+      } catch {
+        // disconnected meanwhile
+      }
     }
   }
 
@@ -845,6 +873,23 @@ export class GuestClient {
     const i = this.closeListeners.indexOf(l);
     if (i >= 0) this.closeListeners.splice(i, 1);
   }
+}
+
+/** The head of a WRITE_FILE or WRITE_FILE_STREAM request. */
+function writeHead(op: number, path: string, opts: WriteFileOptions): TlvWriter {
+  const w = new TlvWriter().u32(Tag.OP, op).str(Tag.PATH, path);
+  if (opts.cwd !== undefined) w.str(Tag.CWD, opts.cwd);
+  if (opts.mode !== undefined) w.u32(Tag.MODE, opts.mode);
+  if (opts.uid !== undefined) w.u32(Tag.UID, opts.uid);
+  if (opts.gid !== undefined) w.u32(Tag.GID, opts.gid);
+  return fsIdentity(w, opts);
+}
+
+/** The FS_UID/FS_GID of a file op, when it names who does it. */
+export function fsIdentity(w: TlvWriter, o: { fsUid?: number; fsGid?: number }): TlvWriter {
+  if (o.fsUid !== undefined) w.u32(Tag.FS_UID, o.fsUid);
+  if (o.fsGid !== undefined) w.u32(Tag.FS_GID, o.fsGid);
+  return w;
 }
 
 /** The channel error for a guest that broke a bound: `reason` names it (details.reason). */

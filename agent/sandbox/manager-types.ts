@@ -133,3 +133,23 @@ export function makeSandbox(
   sb.meter.enter(o.state, o.now);
   return sb;
 }
+
+/** What `info` answers for a live record: a copy, so callers cannot change the record. */
+export function infoOf(sb: Sandbox): SandboxInfo {
+  const out: SandboxInfo = {
+    id: sb.id,
+    templateId: sb.templateId,
+    kind: sb.kind,
+    state: sb.state,
+    createdAtMs: sb.createdAtMs,
+    lastUsedAtMs: sb.lastUsedAtMs,
+    execCount: sb.execCount,
+    endpoints: sb.endpoints,
+    egressAllow: sb.egress.entries,
+    egressRefused: [...sb.egressRefused],
+  };
+  if (sb.reason !== undefined) out.reason = sb.reason;
+  if (sb.vm) out.qemuPid = sb.vm.qemuPid;
+  if (sb.oneShot) out.oneShot = true;
+  return out;
+}

@@ -31,7 +31,7 @@ import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressFence, operatorFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import { serveEgressConnection } from "../egress/proxy.ts";
-import { GuestError, type GuestTunnel } from "../guest/client.ts";
+import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
 import type { UsageReport } from "./accounting.ts";
 import { addHeld, Capacity, type HeldResources, hostCapacity } from "./capacity.ts";
@@ -39,6 +39,7 @@ import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from 
 import { type ExecRequest, planExec, planPty } from "./exec.ts";
 import { type OutputSink, type RunOutcome, resolveExecUser, runOne, writeFiles } from "./exec-run.ts";
 import {
+  infoOf,
   type ManagerOptions,
   makeSandbox,
   type NewSandbox,
@@ -71,8 +72,6 @@ const DEATH_NOTICE_MS = 1_000;
 const DISK_REFRESH_MS = 60_000;
 /** Refused egress attempts kept per sandbox for `info`: enough to see a pattern, bounded memory. */
 const EGRESS_REFUSED_KEPT = 50;
-
-export type { ManagerOptions, SandboxInfo } from "./manager-types.ts";
 
 export class SandboxManager {
   private readonly sandboxes = new Map<string, Sandbox>();
@@ -455,6 +454,54 @@ export class SandboxManager {
   }
 
   /**
+   * A sandbox whose VM runs (or only idle-paused: it is marked running again), counted as a
+   * tunnel being opened so it is not idle-paused meanwhile; the caller ends the count
+   * (`tunnelOpens--` then `tunnelsChanged`). Any other state is `conflict`, `gone` once terminal.
+   */
+  private holdAwake(id: string, what: string): Sandbox {
+    const sb = this.mustGet(id);
+    if (isTerminal(sb.state)) throw this.goneError(sb);
+    if (sb.state === "paused") this.setState(sb, "running");
+    if (sb.state !== "running" && sb.state !== "busy") {
+      throw new SandboxdError("conflict", `sandbox ${id} is ${sb.state}: ${what} a running VM`, {
+        details: { id, state: sb.state },
+      });
+    }
+    sb.tunnelOpens++;
+    this.clearIdle(sb);
+    return sb;
+  }
+
+  /**
+   * The guest of a sandbox for a call that runs beside its exec (the file API, files.ts): an
+   * idle-paused VM is woken first, as for a tunnel, and it is not idle-paused again until
+   * `release` (counted with the tunnels being opened: a paused guest would stall the transfer).
+   * Any state but running, busy or paused is `conflict` (`gone` once terminal).
+   */
+  async holdGuest(
+    id: string,
+  ): Promise<{ guest: GuestClient; image: DriverVm["image"]; release: () => void }> {
+    const sb = this.holdAwake(id, "file calls need");
+    let held = true;
+    const release = () => {
+      if (!held) return;
+      held = false;
+      sb.tunnelOpens--;
+      sb.lastUsedAtMs = Date.now();
+      this.tunnelsChanged(sb);
+    };
+    try {
+      await this.wake(sb);
+      const vm = sb.vm;
+      if (!vm) throw this.goneError(sb);
+      return { guest: vm.guest, image: vm.image, release };
+    } catch (err) {
+      release();
+      throw err;
+    }
+  }
+
+  /**
    * A byte tunnel to 127.0.0.1:`port` inside the sandbox's VM (spec 1.8 connect-from-outside),
    * over the guest agent's channel. Only a VM that runs: an idle-paused one is woken first, one
    * busy with an exec is fine, any other state is `conflict` (`gone` once terminal). While a
@@ -503,16 +550,7 @@ export class SandboxManager {
     open: (vm: DriverVm) => Promise<GuestTunnel>,
     refused: (err: GuestError) => SandboxdError,
   ): Promise<GuestTunnel> {
-    const sb = this.mustGet(id);
-    if (isTerminal(sb.state)) throw this.goneError(sb);
-    if (sb.state === "paused") this.setState(sb, "running");
-    if (sb.state !== "running" && sb.state !== "busy") {
-      throw new SandboxdError("conflict", `sandbox ${id} is ${sb.state}: a tunnel needs a running VM`, {
-        details: { id, state: sb.state },
-      });
-    }
-    sb.tunnelOpens++;
-    this.clearIdle(sb);
+    const sb = this.holdAwake(id, "a tunnel needs");
     try {
       await this.wake(sb);
       const vm = sb.vm;
@@ -567,23 +605,7 @@ export class SandboxManager {
   }
 
   info(id: string): SandboxInfo {
-    const sb = this.mustGet(id);
-    const out: SandboxInfo = {
-      id: sb.id,
-      templateId: sb.templateId,
-      kind: sb.kind,
-      state: sb.state,
-      createdAtMs: sb.createdAtMs,
-      lastUsedAtMs: sb.lastUsedAtMs,
-      execCount: sb.execCount,
-      endpoints: sb.endpoints,
-      egressAllow: sb.egress.entries,
-      egressRefused: [...sb.egressRefused],
-    };
-    if (sb.reason !== undefined) out.reason = sb.reason;
-    if (sb.vm) out.qemuPid = sb.vm.qemuPid;
-    if (sb.oneShot) out.oneShot = true;
-    return out;
+    return infoOf(this.mustGet(id));
   }
 
   list(): SandboxInfo[] {

@@ -16,6 +16,7 @@
  */
 import type { z } from "zod";
 import type { TunnelProtocol } from "../api/family-b.ts";
+import type { FileList, FileWritten } from "../api/files.ts";
 import type { ProcessInfo, ProcessLogs, ProcessStart, ProcessStdin } from "./processes.ts";
 import type * as S from "./schemas.ts";
 
@@ -62,6 +63,24 @@ export interface ExecStreamOptions {
   /** Called once the agent has accepted the call, before any output. */
   onOpen?: () => void;
 }
+
+/**
+ * A call of the file API (contracts/api/files.ts) on a live VM; `user` as in the query. An
+ * upload's or a download's `signal` is the client gone: the upload is cancelled (the guest drops
+ * its temp file), the download stops reading the guest.
+ */
+export type FileCall = { path: string; user?: string | undefined } & (
+  | { op: "upload"; body: ReadableStream<Uint8Array>; signal: AbortSignal }
+  | { op: "download"; signal: AbortSignal }
+  | { op: "list" }
+  | { op: "remove" }
+);
+export type FileAnswer =
+  | { op: "upload"; written: z.infer<typeof FileWritten> }
+  /** The file's bytes; an error after the first of them ends the stream with an error. */
+  | { op: "download"; body: ReadableStream<Uint8Array> }
+  | { op: "list"; list: z.infer<typeof FileList> }
+  | { op: "remove" };
 
 /** A byte tunnel to a guest port (connect-from-outside). */
 export interface Tunnel {
@@ -121,6 +140,8 @@ export interface AgentApi {
   killProcess(vmId: VmId, pid: number): Promise<ProcessInfo>;
   /** An interactive shell on a new pseudo-terminal in a running VM, killed when the tunnel closes. */
   openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel>;
+  /** Upload, download, list or remove a file in a live VM, beside any exec (never `busy`). */
+  files(vmId: VmId, call: FileCall): Promise<FileAnswer>;
   health(): Promise<AgentHealth>;
   /** Every VM the agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;

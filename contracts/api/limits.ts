@@ -332,3 +332,19 @@ export const MAX_EXEC_USER_CHARS = 32;
  * inside the 10 MiB JSON body.
  */
 export const MAX_EXEC_STDIN_BYTES = 4 * 1024 * 1024;
+
+// ---- the file API (`/files` of sandboxes and sessions) -------------------------------------
+
+/**
+ * Our choice: the largest file one `PUT .../files` uploads, and where a download stops. Both are
+ * streamed end to end, so the bound is not about memory: it stops a runaway upload (or a download
+ * of a file that never ends, such as a device) from running for hours. 4 GiB covers datasets and
+ * model weights a sandbox works on; the guest's own disk is the real limit below it.
+ */
+export const MAX_FILE_TRANSFER_BYTES = 4 * 1024 * 1024 * 1024;
+/**
+ * Our choice: most entries one `list=true` answers. The guest sends them in one 1 MiB frame
+ * (agent/guest/agent/fsops.c LIST_DIR_MAX is the same number); past it the answer says
+ * `truncated: true` and the rest are not listed.
+ */
+export const MAX_LIST_ENTRIES = 10_000;

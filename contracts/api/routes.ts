@@ -8,6 +8,7 @@ import type { z } from "zod";
 import { PtyQuery } from "./common.ts";
 import * as A from "./family-a.ts";
 import * as B from "./family-b.ts";
+import * as F from "./files.ts";
 import { HealthResponse } from "./health.ts";
 import * as P from "./processes.ts";
 
@@ -33,8 +34,52 @@ const EXEC_EVENTS =
   "come with the first output (or the end), so a refusal before any output is the JSON error below. " +
   "Closing the connection cancels the command (its process group is killed).";
 
+/** The file API of both families (gateway/routes/files.ts, docs/api.md "Files"). */
+function fileRoutes(base: string, family: "a" | "b"): RouteContract[] {
+  const path = `${base}/{id}/files`;
+  const what = family === "a" ? "session" : "sandbox";
+  return [
+    {
+      method: "put",
+      path,
+      family,
+      summary: `Upload a file into the ${what} (raw body, streamed; parent directories created)`,
+      query: F.FilesQuery,
+      rawBody: "application/octet-stream",
+      response: F.FileWritten,
+      status: 200,
+      // 400: a relative path, or one the guest refuses (a directory, no permission, its disk
+      // full); 413: over MAX_FILE_TRANSFER_BYTES.
+      errors: [400, 403, 404, 409, 410, 413],
+    },
+    {
+      method: "get",
+      path,
+      family,
+      summary: `Download a file from the ${what} (raw bytes, streamed), or with \`list=true\` list a directory`,
+      query: F.FilesQuery,
+      response: F.FileList,
+      rawResponse: "application/octet-stream",
+      status: 200,
+      // 400: a directory without list=true, a relative path; 404: no such path.
+      errors: [400, 403, 404, 409, 410],
+    },
+    {
+      method: "delete",
+      path,
+      family,
+      summary: `Delete a file, symlink or empty directory in the ${what}`,
+      query: F.FilesQuery,
+      response: F.FileDeleted,
+      status: 200,
+      // 409: a directory that is not empty.
+      errors: [400, 403, 404, 409, 410],
+    },
+  ];
+}
+
 export interface RouteContract {
-  method: "get" | "post" | "delete";
+  method: "get" | "post" | "put" | "delete";
   /** OpenAPI-style path (`{id}`). */
   path: string;
   /** Which key family the handler serves; "both" = the same handler; "none" = no auth. */
@@ -437,4 +482,6 @@ export const ROUTES: RouteContract[] = [
   },
   ...processRoutes("/v1/sessions", "a"),
   ...processRoutes("/v1/sandboxes", "b"),
+  ...fileRoutes("/v1/sandboxes", "b"),
+  ...fileRoutes("/v1/sessions", "a"),
 ];

@@ -19,6 +19,8 @@ import {
   type ExecAction,
   type ExecResult,
   type ExecStreamOptions,
+  type FileAnswer,
+  type FileCall,
   type OneShotResult,
   type PtyTunnel,
   type ResumeResult,
@@ -55,6 +57,7 @@ import {
 } from "../../contracts/agent/schemas.ts";
 import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
 import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import { FileList, FileWritten } from "../../contracts/api/files.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { connectTunnel } from "./tunnel-client.ts";
 
@@ -325,6 +328,56 @@ export class AgentHttpClient implements AgentApi {
     const url = `${this.base.replace(/^http/, "ws")}/vms/${enc(vmId)}/pty?cols=${size.cols}&rows=${size.rows}`;
     // Opening wakes an idle-paused VM and starts the shell: a VM operation's deadline.
     return connectTunnel(url, await signAgentToken(this.key, this.agentId), this.t.vmOp);
+  }
+
+  /**
+   * The agent's file routes (`/vms/{id}/files`). Uploads and downloads stream both ways: the
+   * request body is read only as fast as the agent takes it, the answer's body is handed over
+   * unread. Their deadline is the upload one (a large file over a slow guest channel takes
+   * minutes); `signal` (the client gone) ends them at once. List and remove may wake a paused VM
+   * first: a VM operation's deadline.
+   */
+  async files(vmId: VmId, call: FileCall): Promise<FileAnswer> {
+    const q = new URLSearchParams({ path: call.path });
+    if (call.user !== undefined) q.set("user", call.user);
+    const path = `/vms/${enc(vmId)}/files`;
+    if (call.op === "list") {
+      q.set("list", "true");
+      return { op: "list", list: await this.call("GET", `${path}?${q}`, undefined, this.t.vmOp, FileList) };
+    }
+    if (call.op === "remove") {
+      await this.call("DELETE", `${path}?${q}`, undefined, this.t.vmOp, null);
+      return { op: "remove" };
+    }
+    const method = call.op === "upload" ? "PUT" : "GET";
+    const url = `${this.base}${path}?${q}`;
+    const deadline = AbortSignal.timeout(this.t.upload);
+    let res: Response;
+    try {
+      res = await fetch(url, {
+        method,
+        headers: {
+          authorization: `Bearer ${await signAgentToken(this.key, this.agentId)}`,
+          ...(call.op === "upload" ? { "content-type": "application/octet-stream" } : {}),
+        },
+        ...(call.op === "upload" ? { body: call.body, duplex: "half" } : {}),
+        signal: AbortSignal.any([call.signal, deadline]),
+      } as RequestInit);
+    } catch (err) {
+      throw new SandboxdError("agent_unavailable", `agent ${this.base} is unreachable (${method} ${path})`, {
+        cause: err,
+        details: { url, timedOut: deadline.aborted },
+      });
+    }
+    if (!res.ok || !res.body) throw errorFromAgentAnswer(res.status, await res.text(), `${method} ${path}`);
+    if (call.op === "download") return { op: "download", body: res.body };
+    const r = FileWritten.safeParse(await res.json().catch(() => undefined));
+    if (!r.success) {
+      throw new SandboxdError("internal", `agent answered ${method} ${path} with an unexpected body`, {
+        cause: r.error,
+      });
+    }
+    return { op: "upload", written: r.data };
   }
 
   async health(): Promise<AgentHealth> {

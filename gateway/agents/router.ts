@@ -29,6 +29,8 @@ import type {
   ExecAction,
   ExecResult,
   ExecStreamOptions,
+  FileAnswer,
+  FileCall,
   OneShotResult,
   PtyTunnel,
   ResumeResult,
@@ -209,6 +211,7 @@ export class AgentRouter implements AgentApi, Placement {
       processStdin: async (v, n, i) => (await lookup()).processStdin(v, n, i),
       killProcess: async (v, n) => (await lookup()).killProcess(v, n),
       openPty: async (v, s) => (await lookup()).openPty(v, s),
+      files: async (v, f) => (await lookup()).files(v, f),
       health: async () => (await lookup()).health(),
       listVms: async () => (await lookup()).listVms(),
     };
@@ -337,6 +340,9 @@ export class AgentRouter implements AgentApi, Placement {
     return this.noAgent();
   }
   async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
+    return this.noAgent();
+  }
+  async files(_vmId: VmId, _call: FileCall): Promise<FileAnswer> {
     return this.noAgent();
   }
   async listVms(): Promise<VmSummary[]> {

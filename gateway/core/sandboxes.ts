@@ -382,6 +382,23 @@ export async function execIn(
 }
 
 /**
+ * Starts a call that uses a live sandbox or session beside its exec (the file API): the same
+ * state check as an exec, and counted in flight like one, so no reaper takes the sandbox
+ * mid-transfer; `end` (once, idempotent) when the call is over, a download's stream included.
+ */
+export async function beginUse(
+  deps: Deps,
+  p: Principal,
+  id: string,
+): Promise<{ row: SandboxRow; agent: AgentApi; end: () => Promise<void> }> {
+  const row = await getOwned(deps, p, id);
+  requireAllowed(id, row.state, "exec");
+  await beginActivity(deps, p, row, "exec");
+  let ended: Promise<void> | undefined;
+  return { row, agent: agentOf(deps, row), end: () => (ended ??= endActivity(deps, id, false)) };
+}
+
+/**
  * Counts a call in flight on the row (an exec, or a fork of it) and resets its idleness, in one
  * compare-and-set on the state just read: a reaper (of any gateway) that claimed the session
  * first wins, and this call then answers as a call on the reclaimed session would (410), without

@@ -15,6 +15,7 @@ import type {
   ExecAction,
   ExecResult,
   ExecStreamOptions,
+  FileAnswer,
   OneShotResult,
   PtyTunnel,
   ResumeResult,
@@ -274,6 +275,11 @@ export class MemoryAgent implements AgentApi {
   /** Terminals need a guest with a shell: only the real agent has them. */
   async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
     throw new SandboxdError("unsupported", "the in-memory agent has no terminals");
+  }
+  /** The file API needs a guest: only the real agent serves it (tests/e2e-files-api.test.ts). */
+  async files(vmId: VmId): Promise<FileAnswer> {
+    this.vm(vmId);
+    throw new SandboxdError("unsupported", "the in-memory agent has no file API");
   }
 
   async openTunnel(vmId: VmId, port: number): Promise<Tunnel> {

@@ -183,6 +183,9 @@ export class Api {
   post<T = unknown>(path: string, opts?: RequestOptions) {
     return this.request<T>("POST", path, opts);
   }
+  put<T = unknown>(path: string, opts?: RequestOptions) {
+    return this.request<T>("PUT", path, opts);
+  }
   delete<T = unknown>(path: string, opts?: RequestOptions) {
     return this.request<T>("DELETE", path, opts);
   }

@@ -14,6 +14,7 @@
  *   egress.c    the guest's egress proxy port: accepted connections become tunnels
  *   pty.c       PTY: a shell on a pseudo-terminal whose master is a tunnel's fd
  *   files.c     WRITE_FILE, WRITE_FILE_STREAM, READ_FILE
+ *   fsops.c     LIST_DIR, REMOVE, and the filesystem identity file ops run with
  *   machine.c   entropy, realtime clock, hostname, boot id
  *   queue.c     byte queues for pipes and sockets that were not ready
  *   protocol.h  the wire numbers (kept equal to contracts/guest-protocol.ts by a test)
@@ -237,6 +238,22 @@ int is_file_stream(uint32_t stream);
 void file_stream_frame(uint8_t type, uint32_t stream, const uint8_t *p, size_t n);
 /* The host is gone (hang-up or HELLO): every streamed write is dropped with its temp file. */
 void file_streams_abort_all(void);
+/* A request's PATH, absolute or relative to its CWD (default "/"); NULL once answered. Caller frees. */
+char *file_request_path(const uint8_t *p, size_t n, uint32_t stream);
+
+/* ------------------------------------------------------------------------------------------ */
+/* fsops.c */
+
+/* The filesystem identity of a file op (FS_UID/FS_GID); `set` 0 = root, nothing changes. */
+struct fs_identity {
+  int set;
+  uint32_t uid, gid;
+};
+int fs_identity_read(const uint8_t *p, size_t n, struct fs_identity *id); /* -1: bad width */
+void fs_identity_enter(const struct fs_identity *id);
+void fs_identity_leave(const struct fs_identity *id);
+void op_list_dir(uint32_t stream, const uint8_t *p, size_t n);
+void op_remove(uint32_t stream, const uint8_t *p, size_t n);
 
 /* ------------------------------------------------------------------------------------------ */
 /* machine.c: machine-wide state */

@@ -58,6 +58,12 @@ static void op_request(uint32_t stream, const uint8_t *p, size_t n) {
   case SBX_OP_READ_FILE:
     op_read_file(stream, p, n);
     return;
+  case SBX_OP_LIST_DIR:
+    op_list_dir(stream, p, n);
+    return;
+  case SBX_OP_REMOVE:
+    op_remove(stream, p, n);
+    return;
   case SBX_OP_ENTROPY:
     op_entropy(stream, p, n);
     return;

@@ -1,5 +1,7 @@
 /* WRITE_FILE and READ_FILE: a whole file in one frame (bounded by SBX_MAX_PAYLOAD), so no file
- * op holds PID 1's loop for long; WRITE_FILE_STREAM: a file of any size in chunks. */
+ * op holds PID 1's loop for long; WRITE_FILE_STREAM: a file of any size in chunks; READ_FILE with
+ * OFFSET: a file of any size one frame-sized piece per request. Each may run as FS_UID/FS_GID
+ * (fsops.c). */
 #include "agent.h"
 
 #include <errno.h>
@@ -14,7 +16,7 @@
 #define READ_FILE_MAX (SBX_MAX_PAYLOAD - RESPONSE_RESERVE)
 
 /* PATH absolute, or relative to CWD (default "/"). Caller frees. */
-static char *resolve_path(const uint8_t *p, size_t n, uint32_t stream) {
+char *file_request_path(const uint8_t *p, size_t n, uint32_t stream) {
   struct tlv t;
   if (!tlv_find(p, n, SBX_TAG_PATH, &t) || t.len == 0) {
     respond_status(stream, EINVAL, "missing PATH");
@@ -68,6 +70,7 @@ struct target {
   int fd;
   uint32_t mode, uid, gid;
   int have_uid, have_gid;
+  struct fs_identity id; /* whom the path lookups, the create and the rename are done as */
 };
 
 static void target_free(struct target *t) {
@@ -85,12 +88,14 @@ static int target_open(uint32_t stream, const uint8_t *p, size_t n, struct targe
   t->mode = 0644;
   t->have_uid = tlv_get_u32(p, n, SBX_TAG_UID, &t->uid);
   t->have_gid = tlv_get_u32(p, n, SBX_TAG_GID, &t->gid);
-  if (tlv_get_u32(p, n, SBX_TAG_MODE, &t->mode) < 0 || t->have_uid < 0 || t->have_gid < 0) {
+  if (tlv_get_u32(p, n, SBX_TAG_MODE, &t->mode) < 0 || t->have_uid < 0 || t->have_gid < 0 ||
+      fs_identity_read(p, n, &t->id) < 0) {
     respond_status(stream, EINVAL, "write_file: integer field of the wrong width");
     return -1;
   }
-  t->path = resolve_path(p, n, stream);
+  t->path = file_request_path(p, n, stream);
   if (!t->path) return -1;
+  fs_identity_enter(&t->id);
   char *slash = strrchr(t->path, '/');
   if (slash[1] == 0) {
     respond_errno(stream, EISDIR, "write_file", t->path);
@@ -116,8 +121,10 @@ static int target_open(uint32_t stream, const uint8_t *p, size_t n, struct targe
     respond_errno(stream, errno, "write_file: create", t->tmp);
     goto fail;
   }
+  fs_identity_leave(&t->id);
   return 0;
 fail:
+  fs_identity_leave(&t->id);
   target_free(t);
   return -1;
 }
@@ -125,6 +132,7 @@ fail:
 /* Owner, mode, close and rename into place; answers SIZE, or the error after removing the temp
  * file. `err` is an earlier write's errno (0 none). Frees the target. */
 static void target_finish(uint32_t stream, struct target *t, int err, uint64_t size) {
+  fs_identity_enter(&t->id);
   /* chown before chmod: chown clears set-id bits. */
   if (!err && (t->have_uid || t->have_gid) &&
       fchown(t->fd, t->have_uid ? t->uid : (uid_t)-1, t->have_gid ? t->gid : (gid_t)-1) < 0)
@@ -133,8 +141,9 @@ static void target_finish(uint32_t stream, struct target *t, int err, uint64_t s
   if (close(t->fd) < 0 && !err) err = errno;
   t->fd = -1;
   if (!err && rename(t->tmp, t->path) < 0) err = errno;
+  if (err) unlink(t->tmp);
+  fs_identity_leave(&t->id);
   if (err) {
-    unlink(t->tmp);
     respond_errno(stream, err, "write_file", t->path);
   } else {
     struct buf b = {0};
@@ -253,16 +262,23 @@ void file_streams_abort_all(void) {
 
 void op_read_file(uint32_t stream, const uint8_t *p, size_t n) {
   uint32_t max = READ_FILE_MAX;
-  if (tlv_get_u32(p, n, SBX_TAG_MAX_BYTES, &max) < 0) {
-    respond_status(stream, EINVAL, "read_file: MAX_BYTES of the wrong width");
+  uint64_t offset = 0;
+  struct fs_identity id;
+  if (tlv_get_u32(p, n, SBX_TAG_MAX_BYTES, &max) < 0 || tlv_get_u64(p, n, SBX_TAG_OFFSET, &offset) < 0 ||
+      fs_identity_read(p, n, &id) < 0) {
+    respond_status(stream, EINVAL, "read_file: integer field of the wrong width");
     return;
   }
   if (max > READ_FILE_MAX) max = READ_FILE_MAX; /* the DATA must fit one frame */
-  char *path = resolve_path(p, n, stream);
+  char *path = file_request_path(p, n, stream);
   if (!path) return;
   uint8_t *data = NULL;
   /* O_NONBLOCK: a FIFO or a device must not block PID 1's loop; reads stop at EAGAIN. */
+  fs_identity_enter(&id);
   int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  int open_err = errno;
+  fs_identity_leave(&id);
+  errno = open_err;
   if (fd < 0) {
     respond_errno(stream, errno, "read_file", path);
     goto out;
@@ -271,6 +287,12 @@ void op_read_file(uint32_t stream, const uint8_t *p, size_t n) {
   if (fstat(fd, &st) < 0 || S_ISDIR(st.st_mode)) {
     int err = errno;
     respond_errno(stream, fstat(fd, &st) == 0 ? EISDIR : err, "read_file", path);
+    close(fd);
+    goto out;
+  }
+  /* OFFSET: a large file is read in frame-sized pieces, each its own request. */
+  if (offset && lseek(fd, (off_t)offset, SEEK_SET) < 0) {
+    respond_errno(stream, errno, "read_file: seek in", path);
     close(fd);
     goto out;
   }
@@ -294,8 +316,9 @@ void op_read_file(uint32_t stream, const uint8_t *p, size_t n) {
     got += (size_t)r;
   }
   close(fd);
-  int truncated = got > max || (S_ISREG(st.st_mode) && (uint64_t)st.st_size > max);
-  uint64_t size = S_ISREG(st.st_mode) && (uint64_t)st.st_size > got ? (uint64_t)st.st_size : got;
+  int truncated = got > max || (S_ISREG(st.st_mode) && (uint64_t)st.st_size > offset + max);
+  uint64_t size = S_ISREG(st.st_mode) && (uint64_t)st.st_size > offset + got ? (uint64_t)st.st_size
+                                                                             : offset + got;
   struct buf b = {0};
   tlv_u32(&b, SBX_TAG_STATUS, 0);
   tlv_put(&b, SBX_TAG_DATA, data, got > max ? max : got);

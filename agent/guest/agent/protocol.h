@@ -58,6 +58,10 @@
  * ENV, CWD, UID, GID, COLS, ROWS. On success the stream is a tunnel whose far end is the PTY
  * master: DATA/CREDIT/CLOSE as for CONNECT, plus RESIZE. */
 #define SBX_OP_PTY 11
+/* A directory's entries (PATH), at most MAX_BYTES of them: ENTRY records, TRUNCATED past it. */
+#define SBX_OP_LIST_DIR 12
+/* Removes PATH: a file or symlink (unlink), or an empty directory (rmdir). */
+#define SBX_OP_REMOVE 13
 
 /* bits of SBX_TAG_STREAM */
 #define SBX_STREAM_OUTPUT 1
@@ -104,6 +108,19 @@
 #define SBX_TAG_HOST 37         /* string: IPv4/IPv6 literal a CONNECT dials (default 127.0.0.1) */
 #define SBX_TAG_COLS 38         /* u32: PTY width in cells */
 #define SBX_TAG_ROWS 39         /* u32: PTY height in cells */
+#define SBX_TAG_OFFSET 40       /* u64: READ_FILE starts here (default 0) */
+#define SBX_TAG_ENTRY 41        /* LIST_DIR answer, repeated: u8 type, u32 mode, u64 size,
+                                   i64 mtime (s), then the name (no NUL) */
+#define SBX_TAG_FS_UID 42       /* u32: file ops run with this filesystem uid (setfsuid) */
+#define SBX_TAG_FS_GID 43       /* u32: and this filesystem gid, no supplementary groups */
+
+/* LIST_DIR entry types (first byte of an ENTRY) */
+#define SBX_ENTRY_FILE 1
+#define SBX_ENTRY_DIR 2
+#define SBX_ENTRY_SYMLINK 3
+#define SBX_ENTRY_OTHER 4
+/* Fixed bytes of an ENTRY before its name. */
+#define SBX_ENTRY_HEADER_LEN 21
 
 /* Tunnels (OP CONNECT, docs "Tunnels"). Each direction of a tunnel starts with this many bytes of
  * credit once the CONNECT succeeds: a sender never has more DATA payload outstanding than the
