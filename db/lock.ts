@@ -9,7 +9,7 @@
  */
 
 import { randomBytes } from "node:crypto";
-import { closeSync, linkSync, openSync, readFileSync, renameSync, unlinkSync, writeFileSync } from "node:fs";
+import { linkSync, readFileSync, renameSync, unlinkSync, writeFileSync } from "node:fs";
 import { SandboxdError } from "../contracts/errors.ts";
 
 interface Holder {
@@ -86,13 +86,14 @@ export function lockDir(dir: string): DirLock {
   // Three tries: each lost race against another opener restarts the check; more than that is a
   // live contender, reported as such.
   for (let attempt = 0; attempt < 3; attempt++) {
+    // The holder is written to a file of our own first and linked into place, so the lock file
+    // is never seen empty: an empty one would read as stale to a racing opener, which would move
+    // it aside and take the directory too (two writers on one PGlite directory corrupt it).
+    const mine = `${path}.new.${me.nonce}`;
+    writeFileSync(mine, JSON.stringify(me), { mode: 0o600 });
     try {
-      const fd = openSync(path, "wx", 0o600);
-      try {
-        writeFileSync(fd, JSON.stringify(me));
-      } finally {
-        closeSync(fd);
-      }
+      linkSync(mine, path);
+      unlinkSync(mine);
       let released = false;
       return {
         release() {
@@ -102,6 +103,7 @@ export function lockDir(dir: string): DirLock {
         },
       };
     } catch (err) {
+      unlinkSync(mine);
       if ((err as NodeJS.ErrnoException).code !== "EEXIST") throw err;
     }
     const holder = readHolder(path);

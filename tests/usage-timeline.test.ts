@@ -277,6 +277,43 @@ function suite(name: string, open: () => Promise<Harness>, databaseUrl?: () => s
       },
       TEST_TIMEOUT_MS,
     );
+
+    test(
+      "a create that answers after reconciliation settled its row: its VM is destroyed and nothing bills",
+      async () => {
+        const key = await h.key("late-co", "pro");
+        h.now.ms = at(30_000);
+        const placement = new FixedPlacement(h.handle.db, h.agent, h.config.agent);
+        const original = h.agent.createSandbox.bind(h.agent);
+        let made: string | undefined;
+        // The create outlasts the bring-up bound: a reconciliation pass ends its row meanwhile.
+        h.agent.createSandbox = async (t, o) => {
+          const vm = await original(t, o);
+          made = vm.vmId;
+          h.now.ms += BRINGUP_BOUND_MS + 1_000;
+          await endStuckStarting({ ...deps(), placement }, log);
+          return vm;
+        };
+        try {
+          const r = await h.req("POST", "/v1/sandboxes", { key, json: { template: "python" } });
+          expect(r.status).toBe(503);
+          expect(((await r.json()) as { code: string }).code).toBe("spawn_failed");
+        } finally {
+          h.agent.createSandbox = original;
+        }
+        expect(made).toBeDefined();
+        expect(h.agent.vms.has(made!)).toBe(false);
+        const tenantId = await tenantIdOf(h.handle.db, "late-co");
+        const rows = await h.handle.db.select().from(sandboxes).where(eq(sandboxes.tenantId, tenantId!));
+        expect(rows.map((r) => [r.state, r.endReason])).toEqual([["destroyed", "failed"]]);
+        const open = await h.handle.db
+          .select()
+          .from(usageIntervals)
+          .where(eq(usageIntervals.tenantId, tenantId!));
+        expect(open.filter((iv) => iv.endedAt === null)).toEqual([]);
+      },
+      TEST_TIMEOUT_MS,
+    );
   });
 }
 

@@ -1,5 +1,5 @@
 /**
- * The shared per-key limit over a real PGlite db (the SQL function of migration 0002 decides),
+ * The shared per-key limit over a real PGlite db (the SQL function of migration 0005 decides),
  * with a controlled clock: the sliding window, leases and their longer count, two limiters (two
  * gateway processes' worth) sharing one key's limit, the local fast path's round trips, and the
  * middleware's 429 with Retry-After. tests/rate-limit-replicas.test.ts runs two real gateways on

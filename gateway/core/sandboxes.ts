@@ -192,6 +192,13 @@ export function publicEndpoints(id: string, vmEndpoints: Record<string, string>)
   return Object.fromEntries(Object.keys(vmEndpoints).map((port) => [port, `${id}:${port}`]));
 }
 
+/**
+ * Records that the agent made the VM: the row turns `running` and its metering starts. Only a row
+ * still `starting`: reconciliation settles a row older than the bring-up bound as failed (its
+ * create may still answer later, e.g. after placement retried other agents), and a running
+ * interval opened on that ended row would bill forever. Such a VM has no row to live in: it is
+ * destroyed and the call fails as a failed spawn.
+ */
 async function markStarted(
   deps: Deps,
   id: string,
@@ -200,8 +207,8 @@ async function markStarted(
   agentId: string,
 ): Promise<void> {
   const at = new Date(deps.clock());
-  await deps.db.transaction(async (tx) => {
-    await tx
+  const started = await deps.db.transaction(async (tx) => {
+    const rows = await tx
       .update(sandboxes)
       .set({
         state: "running",
@@ -212,9 +219,21 @@ async function markStarted(
         memMib: vm.resources.memMib,
         diskBytes: vm.resources.diskBytes,
       })
-      .where(and(eq(sandboxes.id, id), eq(sandboxes.state, "starting")));
+      .where(and(eq(sandboxes.id, id), eq(sandboxes.state, "starting")))
+      .returning({ id: sandboxes.id });
+    if (rows.length === 0) return false;
     await switchInterval(tx, { id, tenantId }, running(vm.resources), at);
+    return true;
   });
+  if (started) return;
+  await agentOf(deps, { agentId })
+    .destroy(vm.vmId, { force: true })
+    .catch(() => {}); // reconciliation removes a VM without a row if this fails too
+  throw new SandboxdError(
+    "spawn_failed",
+    `${id} was settled as failed while its VM was starting (the start outlasted the bring-up bound)`,
+    { details: { id } },
+  );
 }
 
 async function markFailed(deps: Deps, ids: string[]): Promise<void> {
