@@ -32,6 +32,7 @@ import {
   type RunningService,
   removeDataDir,
   startUp,
+  uploadTemplate,
   waitFor,
 } from "./support/e2e-service.ts";
 
@@ -61,20 +62,8 @@ function service(): RunningService {
 const api = () => service().api;
 
 async function register(id: string) {
-  const res = await api().post("/v1/templates", {
-    key: keys.scale,
-    query: { id },
-    raw: image,
-    headers: { "content-type": "application/octet-stream" },
-  });
-  expect(expectOk(res, 202, A.RegisterTemplateResponse)).toEqual({ id, status: "building" });
-  let t: A.TemplateA = { id, status: "building" };
-  const deadline = performance.now() + BUILD_TIMEOUT_MS;
-  while (t.status === "building" && performance.now() < deadline) {
-    await Bun.sleep(500);
-    t = expectOk(await api().get(`/v1/templates/${id}`, { key: keys.scale }), 200, A.TemplateA);
-  }
-  if (t.status !== "ready") throw new Error(`template ${id}: ${JSON.stringify(t)}\n${service().logTail()}`);
+  const registered = await uploadTemplate(service(), keys.scale, id, image, BUILD_TIMEOUT_MS);
+  expect(registered).toEqual({ id, status: "building" });
 }
 
 beforeAll(async () => {

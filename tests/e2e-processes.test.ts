@@ -27,6 +27,7 @@ import {
   type RunningService,
   removeDataDir,
   startUp,
+  uploadTemplate,
   waitFor,
 } from "./support/e2e-service.ts";
 import { assertResponse } from "./support/openapi-check.ts";
@@ -68,20 +69,7 @@ beforeAll(async () => {
   const spec = await busyboxImageSpec(imgDir, { config: { ExposedPorts: { [`${PORT}/tcp`]: {} } } });
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), spec);
   const image = new Uint8Array(await readFile(archive.path));
-  const res = await api().post("/v1/templates", {
-    key: keys.scale,
-    query: { id: TEMPLATE },
-    raw: image,
-    headers: { "content-type": "application/octet-stream" },
-  });
-  expectOk(res, 202, A.RegisterTemplateResponse);
-  let t: A.TemplateA = { id: TEMPLATE, status: "building" };
-  const deadline = performance.now() + BUILD_TIMEOUT_MS;
-  while (t.status === "building" && performance.now() < deadline) {
-    await Bun.sleep(500);
-    t = expectOk(await api().get(`/v1/templates/${TEMPLATE}`, { key: keys.scale }), 200, A.TemplateA);
-  }
-  if (t.status !== "ready") throw new Error(`template: ${JSON.stringify(t)}\n${service().logTail()}`);
+  await uploadTemplate(service(), keys.scale, TEMPLATE, image, BUILD_TIMEOUT_MS);
 }, SETUP_TIMEOUT_MS);
 
 afterAll(async () => {

@@ -27,6 +27,7 @@ import {
   type RunningService,
   removeDataDir,
   startUp,
+  uploadTemplate,
   waitFor,
 } from "./support/e2e-service.ts";
 
@@ -69,20 +70,13 @@ beforeAll(async () => {
   svc = await startUp(dataDir, ["--no-catalog"], { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) });
   imgDir = await mkdtemp(join(tmpdir(), "sbx-pty-img-"));
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), await busyboxImageSpec(imgDir));
-  const res = await api().post("/v1/templates", {
-    key: keys.scale,
-    query: { id: TEMPLATE },
-    raw: new Uint8Array(await readFile(archive.path)),
-    headers: { "content-type": "application/octet-stream" },
-  });
-  expectOk(res, 202, A.RegisterTemplateResponse);
-  let t: A.TemplateA = { id: TEMPLATE, status: "building" };
-  const deadline = performance.now() + BUILD_TIMEOUT_MS;
-  while (t.status === "building" && performance.now() < deadline) {
-    await Bun.sleep(500);
-    t = expectOk(await api().get(`/v1/templates/${TEMPLATE}`, { key: keys.scale }), 200, A.TemplateA);
-  }
-  if (t.status !== "ready") throw new Error(`template: ${JSON.stringify(t)}\n${service().logTail()}`);
+  await uploadTemplate(
+    service(),
+    keys.scale,
+    TEMPLATE,
+    new Uint8Array(await readFile(archive.path)),
+    BUILD_TIMEOUT_MS,
+  );
 }, SETUP_TIMEOUT_MS);
 
 afterAll(async () => {

@@ -15,6 +15,7 @@ import { join, resolve } from "node:path";
 import type { z } from "zod";
 import { ensurePythonImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import * as A from "../../contracts/api/family-a.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
 import { assertResponse } from "./openapi-check.ts";
 
@@ -329,6 +330,35 @@ export async function waitForTemplate(svc: RunningService, id: string, timeoutMs
     await Bun.sleep(500);
   }
   throw new Error(`template ${id} not ready after ${timeoutMs} ms; health ${last}\n${svc.logTail()}`);
+}
+
+/**
+ * Registers an uploaded Family A template (`POST /v1/templates?id=`, the image archive as the
+ * body) with a scale `key`, then polls `GET /v1/templates/{id}` until it leaves `building`.
+ * Throws unless it ends `ready`; returns the registration's answer.
+ */
+export async function uploadTemplate(
+  svc: RunningService,
+  key: string,
+  id: string,
+  image: Uint8Array,
+  timeoutMs: number,
+): Promise<z.output<typeof A.RegisterTemplateResponse>> {
+  const res = await svc.api.post("/v1/templates", {
+    key,
+    query: { id },
+    raw: image,
+    headers: { "content-type": "application/octet-stream" },
+  });
+  const registered = expectOk(res, 202, A.RegisterTemplateResponse);
+  let t: A.TemplateA = { id, status: "building" };
+  const deadline = performance.now() + timeoutMs;
+  while (t.status === "building" && performance.now() < deadline) {
+    await Bun.sleep(500);
+    t = expectOk(await svc.api.get(`/v1/templates/${id}`, { key }), 200, A.TemplateA);
+  }
+  if (t.status !== "ready") throw new Error(`template ${id}: ${JSON.stringify(t)}\n${svc.logTail()}`);
+  return registered;
 }
 
 // ---- leak checks -------------------------------------------------------------------------------
