@@ -32,6 +32,15 @@ export const KEY_SECRET_CHARS = 40;
 export const API_KEY_PATTERN =
   /^svc_(live|scale|demo|pro|enterprise)_([a-z0-9]{8,32})_([A-Za-z0-9]{16,128})$/;
 
+/**
+ * A browser cannot set `Authorization` on a WebSocket, so a WebSocket upgrade may carry the key in
+ * `Sec-WebSocket-Protocol` instead: the list must start with `WS_PROTOCOL` (the protocol the
+ * server answers with, so the key is never echoed) followed by `WS_KEY_PROTOCOL_PREFIX + key`,
+ * e.g. `new WebSocket(url, ["sandboxd", "sandboxd.key." + key])` (docs/decisions.md).
+ */
+export const WS_PROTOCOL = "sandboxd";
+export const WS_KEY_PROTOCOL_PREFIX = "sandboxd.key.";
+
 export interface ParsedApiKey {
   tier: Tier;
   keyId: string;

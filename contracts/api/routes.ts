@@ -20,7 +20,9 @@ const PTY_WS =
   "terminal. The shell is the image's (/bin/bash if present, else /bin/sh) as a login shell of the " +
   "image's user, in its own session; closing the WebSocket hangs it up and kills what is left of " +
   "its session. The WebSocket ends with 1000 when the shell exits. All checks (key, tenant, state, " +
-  "relay slots) and the shell's start happen before the upgrade.";
+  "relay slots) and the shell's start happen before the upgrade. A browser, which cannot set " +
+  "`Authorization` on a WebSocket, may offer the key as subprotocols instead: `sandboxd` first, then " +
+  "`sandboxd.key.<key>`; the server answers `sandboxd`.";
 // 409: not running; 429 also: the tenant's relay slots are taken; 501/503: no agent terminals.
 const PTY_ERRORS = [400, 403, 404, 409, 501, 503];
 

@@ -1,7 +1,9 @@
 /**
  * The key middleware alone, in a two-route Hono app over a real PGlite db with keys issued by
  * keys.ts: every refusal is 401 in the one envelope and never reaches the handler; a valid key
- * puts its principal on the context.
+ * puts its principal on the context. A WebSocket upgrade may carry the key as its second
+ * subprotocol after the `sandboxd` marker (what a browser can send); end to end through the
+ * service: tests/console.test.ts.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtempSync, rmSync } from "node:fs";
@@ -11,7 +13,7 @@ import { Hono } from "hono";
 import { type DbHandle, openDb } from "../../db/client.ts";
 import type { HonoEnv } from "../deps.ts";
 import { errorResponse } from "../errors.ts";
-import { bearerKey } from "./bearer.ts";
+import { bearerKey, keyFromWsProtocols } from "./bearer.ts";
 import { createKey, type IssuedKey, revokeKey } from "./keys.ts";
 
 const PEPPER = "bearer-test-pepper-0123";
@@ -124,5 +126,57 @@ describe("a valid key", () => {
     const res = await app.request("/open");
     expect(res.status).toBe(200);
     expect(await res.text()).toBe("no key needed");
+  });
+});
+
+describe("the key as a WebSocket subprotocol", () => {
+  const upgrade = (protocols: string, authorization?: string) =>
+    Promise.resolve(
+      app.request("/auth/whoami", {
+        headers: {
+          upgrade: "websocket",
+          "sec-websocket-protocol": protocols,
+          ...(authorization !== undefined ? { authorization } : {}),
+        },
+      }),
+    );
+
+  test("the marker, then the key: the key's principal", async () => {
+    const res = await upgrade(`sandboxd, sandboxd.key.${pro.key}`);
+    expect(res.status).toBe(200);
+    expect(((await res.json()) as { tenantId: string }).tenantId).toBe(pro.tenantId);
+  });
+
+  test("a wrong key is refused like a wrong header; the header, when sent, is the one used", async () => {
+    await expect401(
+      await upgrade("sandboxd, sandboxd.key.svc_pro_aaaaaaaaaaaa_bbbbbbbbbbbbbbbbbbbb"),
+      INVALID,
+    );
+    await expect401(await upgrade(`sandboxd, sandboxd.key.${pro.key}`, "Bearer nope"), INVALID);
+    await expect401(await upgrade(`sandboxd, sandboxd.key.${pro.key}`, "Basic x"), MISSING);
+  });
+
+  test("not an upgrade, or not the marker first: no key", async () => {
+    const plain = await app.request("/auth/whoami", {
+      headers: { "sec-websocket-protocol": `sandboxd, sandboxd.key.${pro.key}` },
+    });
+    await expect401(plain, MISSING);
+    await expect401(await upgrade(`sandboxd.key.${pro.key}, sandboxd`), MISSING);
+  });
+
+  test("only exactly two protocols, the marker and a non-empty key", () => {
+    const KEY = "svc_pro_abcdefghijkl_0123456789abcdefABCDEF";
+    expect(keyFromWsProtocols("WebSocket", `sandboxd,sandboxd.key.${KEY}`)).toBe(KEY);
+    const none = [
+      [undefined, `sandboxd, sandboxd.key.${KEY}`],
+      ["h2c", `sandboxd, sandboxd.key.${KEY}`],
+      ["websocket", undefined],
+      ["websocket", `sandboxd.key.${KEY}`],
+      ["websocket", "sandboxd"],
+      ["websocket", "sandboxd, sandboxd.key."],
+      ["websocket", `sandboxd, other.${KEY}`],
+      ["websocket", `sandboxd, sandboxd.key.${KEY}, x`],
+    ] as const;
+    for (const [u, p] of none) expect(keyFromWsProtocols(u, p)).toBeUndefined();
   });
 });

@@ -4,8 +4,15 @@
  * malformed header and a key that does not verify (unknown, wrong secret, revoked, another tier)
  * are both 401 `unauthorized`, thrown so that the one error mapping (gateway/errors.ts) answers;
  * the message tells the two apart but never says why a key was refused.
+ *
+ * A WebSocket upgrade without `Authorization` may carry the key as a subprotocol instead
+ * (`WS_PROTOCOL`, then `WS_KEY_PROTOCOL_PREFIX + key`): browsers cannot set headers on a
+ * WebSocket. The marker must come first because every runtime adapter answers with the first
+ * offered protocol (Bun's `server.upgrade`, the `ws` package's default), so the 101 answer names
+ * the marker and never the key.
  */
 import { createMiddleware } from "hono/factory";
+import { WS_KEY_PROTOCOL_PREFIX, WS_PROTOCOL } from "../../contracts/api/common.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import type { HonoEnv } from "../deps.ts";
@@ -14,12 +21,32 @@ import { verifyKey } from "./keys.ts";
 /** The scheme is case-insensitive (RFC 9110 11.1); the key is one token, trailing blanks allowed. */
 const BEARER = /^Bearer\s+(\S+)\s*$/i;
 
+/** The key a WebSocket upgrade offers as its second subprotocol, after the marker; else undefined. */
+export function keyFromWsProtocols(
+  upgrade: string | undefined,
+  protocols: string | undefined,
+): string | undefined {
+  if (upgrade?.toLowerCase() !== "websocket" || protocols === undefined) return undefined;
+  const offered = protocols.split(",").map((p) => p.trim());
+  if (offered.length !== 2 || offered[0] !== WS_PROTOCOL) return undefined;
+  const second = offered[1]!;
+  if (!second.startsWith(WS_KEY_PROTOCOL_PREFIX)) return undefined;
+  const key = second.slice(WS_KEY_PROTOCOL_PREFIX.length);
+  return key.length > 0 ? key : undefined;
+}
+
 export function bearerKey(opts: { db: Db; pepper: string }) {
   return createMiddleware<HonoEnv>(async (c, next) => {
     const header = c.req.header("authorization");
     const m = header === undefined ? null : BEARER.exec(header);
-    if (!m) throw new SandboxdError("unauthorized", "missing API key: send Authorization: Bearer <key>");
-    const principal = await verifyKey(opts.db, opts.pepper, m[1]!);
+    const key =
+      m?.[1] ??
+      (header === undefined
+        ? keyFromWsProtocols(c.req.header("upgrade"), c.req.header("sec-websocket-protocol"))
+        : undefined);
+    if (key === undefined)
+      throw new SandboxdError("unauthorized", "missing API key: send Authorization: Bearer <key>");
+    const principal = await verifyKey(opts.db, opts.pepper, key);
     if (!principal) throw new SandboxdError("unauthorized", "invalid API key");
     c.set("principal", principal);
     await next();
