@@ -1,7 +1,7 @@
 /**
  * The public HTTP API: `createApp(deps)` builds a Hono app from its dependencies (db, agent,
  * config, clock); nothing global. In order: error mapping (errors.ts); the routes that need no
- * key (health, connect by token); the key middleware (auth/bearer.ts: Bearer key to tenant, tier,
+ * key (health, connect by token, the web console's static files); the key middleware (auth/bearer.ts: Bearer key to tenant, tier,
  * family) and the per-key rate limit (auth/rate-limit.ts) on every other `/v1/*` path; then one
  * sub-app per area of routes/. Hono runs the handlers of a request in the order they were added,
  * so a route mounted before the middleware answers without it. Body limits and validation happen
@@ -18,6 +18,7 @@ import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
+import { consoleRoutes } from "./routes/console.ts";
 import { familyARoutes } from "./routes/family-a.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { processRoutes } from "./routes/processes.ts";
@@ -66,6 +67,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
 
   app.route("/", healthRoutes(deps)); // no key (spec 5.1)
   app.route("/", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
+  app.route("/", consoleRoutes()); // the web console's static files; its API calls carry the key
 
   app.use("/v1/*", bearerKey({ db: deps.db, pepper: deps.config.keyPepper }), rateLimit.middleware);
 
