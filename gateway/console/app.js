@@ -307,6 +307,7 @@ $("key-form").addEventListener("submit", (e) => {
 });
 $("forget").addEventListener("click", () => {
   closeTerminal();
+  clearTimeout(bakePoll);
   sessionStorage.removeItem(KEY_STORAGE);
   key = undefined;
   api = undefined;

@@ -4,6 +4,7 @@
  */
 import { el, svg } from "./dom.js";
 
+/** The drawing's size and margins in SVG units (the axis labels fit in LEFT and BOTTOM). */
 const WIDTH = 720;
 const HEIGHT = 180;
 const LEFT = 48;
