@@ -92,7 +92,7 @@ def _content_length(body: Any) -> Optional[int]:
             import stat
 
             if stat.S_ISREG(st.st_mode):
-                return max(0, st.st_size - body.tell())
+                return max(0, st.st_size - int(body.tell()))
         except (OSError, io.UnsupportedOperation):
             return None
     return None
@@ -111,7 +111,7 @@ class Response:
         try:
             return self.raw.read()
         except (OSError, http.client.HTTPException) as e:
-            raise TransportError("connection_error", f"reading the answer failed: {e}") from e
+            raise TransportError("connection_error", None, f"reading the answer failed: {e}") from e
         finally:
             self.close()
 
@@ -125,7 +125,7 @@ class Response:
             return self.raw.read1(n)
         except (OSError, http.client.HTTPException) as e:
             # A chunked body cut short (the service failed mid-download) lands here as IncompleteRead.
-            raise TransportError("connection_error", f"the answer broke off: {e}") from e
+            raise TransportError("connection_error", None, f"the answer broke off: {e}") from e
 
     def iter_bytes(self, chunk: int = BLOCK_BYTES) -> Iterator[bytes]:
         try:
@@ -216,7 +216,7 @@ class Http:
             return Response(conn, conn.getresponse())
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            raise TransportError("connection_error", f"{method} {target}: {e}") from e
+            raise TransportError("connection_error", None, f"{method} {target}: {e}") from e
 
     # ---- the call --------------------------------------------------------------------------
 
@@ -265,8 +265,10 @@ class Http:
             self._sleep(wait)
             attempt += 1
 
-    def json(self, method: str, path: str, **kw: Any) -> Any:
-        return self.request(method, path, **kw).json()
+    def json(self, method: str, path: str, **kw: Any) -> Dict[str, Any]:
+        """A call whose answer is a JSON object (every JSON answer of the API is one)."""
+        d = self.request(method, path, **kw).json()
+        return d if isinstance(d, dict) else {}
 
 
 def _query_value(v: Any) -> str:
@@ -291,4 +293,4 @@ def _error_of(res: Response) -> SandboxdError:
     except ValueError:
         if text:
             message = text[:500].decode("utf-8", "replace")
-    return error_for(code, message, res.status, retry_after)
+    return error_for(code, res.status, message, retry_after)

@@ -16,7 +16,7 @@ import socket
 import ssl
 import struct
 import threading
-from typing import Dict, Optional, Tuple
+from typing import IO, Dict, Optional, Tuple
 from urllib.parse import urlsplit
 
 from .errors import TransportError, error_for
@@ -33,7 +33,7 @@ MAX_HEAD_BYTES = 64 * 1024
 class WebSocket:
     """One client connection. ``recv`` is for one reader thread; ``send`` may be called from any."""
 
-    def __init__(self, sock: socket.socket, reader: "socket.SocketIO") -> None:
+    def __init__(self, sock: socket.socket, reader: IO[bytes]) -> None:
         self._sock = sock
         self._rf = reader
         self._wlock = threading.Lock()
@@ -59,7 +59,7 @@ class WebSocket:
             if secure:
                 sock = (ssl_context or ssl.create_default_context()).wrap_socket(sock, server_hostname=host)
         except OSError as e:
-            raise TransportError("connection_error", f"connecting to {host}:{port}: {e}") from e
+            raise TransportError("connection_error", None, f"connecting to {host}:{port}: {e}") from e
         key = base64.b64encode(os.urandom(16)).decode()
         host_header = host if u.port is None else f"{host}:{u.port}"
         lines = [
@@ -77,7 +77,7 @@ class WebSocket:
             status, head = _read_head(rf)
         except OSError as e:
             sock.close()
-            raise TransportError("connection_error", f"WebSocket handshake: {e}") from e
+            raise TransportError("connection_error", None, f"WebSocket handshake: {e}") from e
         if status != 101:
             body = b""
             try:
@@ -92,11 +92,11 @@ class WebSocket:
                 code, message = str(env["code"]), str(env.get("message", ""))
             except (ValueError, KeyError, TypeError):
                 pass
-            raise error_for(code, message, status)
+            raise error_for(code, status, message)
         want = base64.b64encode(hashlib.sha1(key.encode() + _GUID).digest()).decode()
         if head.get("sec-websocket-accept") != want:
             sock.close()
-            raise TransportError("connection_error", "WebSocket handshake: bad Sec-WebSocket-Accept")
+            raise TransportError("connection_error", None, "WebSocket handshake: bad Sec-WebSocket-Accept")
         # After the handshake the reader thread blocks in recv for as long as the terminal is open.
         sock.settimeout(None)
         return cls(sock, rf)
@@ -117,7 +117,7 @@ class WebSocket:
             try:
                 self._sock.sendall(head + mask + masked)
             except OSError as e:
-                raise TransportError("connection_error", f"WebSocket send: {e}") from e
+                raise TransportError("connection_error", None, f"WebSocket send: {e}") from e
 
     def send_binary(self, data: bytes) -> None:
         self._send_frame(OP_BINARY, data)
@@ -209,7 +209,7 @@ def _mask(payload: bytes, mask: bytes) -> bytes:
     return (int.from_bytes(payload, "big") ^ int.from_bytes(key, "big")).to_bytes(n, "big")
 
 
-def _read_head(rf: "socket.SocketIO") -> Tuple[int, Dict[str, str]]:
+def _read_head(rf: IO[bytes]) -> Tuple[int, Dict[str, str]]:
     line = rf.readline(MAX_HEAD_BYTES)
     parts = line.decode("latin-1").split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/"):

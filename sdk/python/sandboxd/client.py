@@ -89,9 +89,9 @@ class Templates:
             if t.get("status") == "ready" or t.get("phase") == "Live":
                 return t
             if t.get("status") == "failed" or t.get("phase") == "Failed":
-                raise SandboxdError("template_failed", str(t.get("error", "the build failed")))
+                raise SandboxdError("template_failed", None, str(t.get("error", "the build failed")))
             if time.monotonic() > deadline:
-                raise SandboxdError("timeout", f"template {id} not ready after {timeout} s: {t}")
+                raise SandboxdError("timeout", None, f"template {id} not ready after {timeout} s: {t}")
             time.sleep(POLL_INTERVAL_S)
 
 
@@ -167,7 +167,7 @@ class Sandboxd:
         for r in d["results"]:
             if "error" in r and "exit_code" not in r:
                 e = r["error"]
-                out.append(error_for(e["code"], e["message"], r.get("status"), r.get("retry_after_seconds")))
+                out.append(error_for(e["code"], r.get("status"), e["message"], r.get("retry_after_seconds")))
             else:
                 out.append(ExecResult.from_json(r))
         return out

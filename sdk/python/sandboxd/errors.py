@@ -22,8 +22,8 @@ class SandboxdError(Exception):
     def __init__(
         self,
         code: str,
+        status: Optional[int],
         message: str,
-        status: Optional[int] = None,
         retry_after: Optional[float] = None,
     ) -> None:
         super().__init__(f"{code}: {message}" if status is None else f"{status} {code}: {message}")
@@ -114,10 +114,10 @@ _BY_STATUS: Dict[int, Type[SandboxdError]] = {
 
 
 def error_for(
-    code: str, message: str, status: Optional[int], retry_after: Optional[float] = None
+    code: str, status: Optional[int], message: str, retry_after: Optional[float] = None
 ) -> SandboxdError:
     """The most specific class for ``code`` (else for ``status``) holding this answer."""
     cls = _BY_CODE.get(code)
     if cls is None and status is not None:
         cls = _BY_STATUS.get(status, ServiceUnavailableError if status >= 500 else SandboxdError)
-    return (cls or SandboxdError)(code, message, status, retry_after)
+    return (cls or SandboxdError)(code, status, message, retry_after)

@@ -89,7 +89,7 @@ def stream_error(payload: str) -> StreamError:
         d = json.loads(payload)
     except ValueError:
         d = {}
-    return StreamError(str(d.get("code", "internal")), str(d.get("message", payload)))
+    return StreamError(str(d.get("code", "internal")), None, str(d.get("message", payload)))
 
 
 @dataclass(frozen=True)

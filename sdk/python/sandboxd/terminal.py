@@ -86,10 +86,10 @@ class Terminal:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._pending = got
-                raise SandboxdError("timeout", f"no {rx.pattern!r} in the terminal output: {got[-300:]!r}")
+                raise SandboxdError("timeout", None, f"no {rx.pattern!r} in the terminal output: {got[-300:]!r}")
             chunk = self.recv(timeout=left)
             if chunk == b"":
-                raise SandboxdError("closed", f"the terminal ended before {rx.pattern!r}: {got[-300:]!r}")
+                raise SandboxdError("closed", None, f"the terminal ended before {rx.pattern!r}: {got[-300:]!r}")
             if chunk:
                 got += chunk
 

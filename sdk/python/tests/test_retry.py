@@ -10,7 +10,7 @@ import json
 import threading
 import time
 import unittest
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from sandboxd import (
     NotFoundError,
@@ -22,7 +22,7 @@ from sandboxd import (
 )
 
 #: One scripted answer: (status, headers, body).
-Answer = Tuple[int, dict, bytes]
+Answer = Tuple[int, Dict[str, str], bytes]
 
 
 def envelope(code: str, message: str = "scripted") -> bytes:
@@ -89,6 +89,7 @@ def _read_chunked(rf: io.BufferedIOBase) -> bytes:
 
 class RetryTest(unittest.TestCase):
     server: Scripted
+    url: str
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -107,7 +108,7 @@ class RetryTest(unittest.TestCase):
 
     def client(self, policy: Optional[RetryPolicy] = None, real_sleep: bool = False) -> Sandboxd:
         sleep = time.sleep if real_sleep else self.waits.append
-        return Sandboxd(self.url, "svc_pro_test_key", retry=policy, sleep=sleep)  # type: ignore[arg-type]
+        return Sandboxd(self.url, "svc_pro_test_key", retry=policy, sleep=sleep)
 
     def test_429_is_retried_after_its_retry_after_in_real_time(self) -> None:
         self.server.script = [LIMITED_1S, LIMITED_1S, OK_LIST]

@@ -4,6 +4,7 @@ multi-line data as the format defines them."""
 from __future__ import annotations
 
 import unittest
+from typing import List
 
 from sandboxd._sse import SseEvent, SseParser
 
@@ -23,7 +24,7 @@ WANT = [
 
 
 class SseTest(unittest.TestCase):
-    def parse(self, chunks: list) -> list:
+    def parse(self, chunks: List[bytes]) -> List[SseEvent]:
         p = SseParser()
         return [ev for c in chunks for ev in p.feed(c)]
 
