@@ -1,6 +1,7 @@
-"""The retry rules and the error envelope, against a tiny local ``http.server`` that answers what
-each test scripts (no sandboxd needed): 429/503 retried after ``Retry-After``, non-idempotent
-calls not retried unless asked, the policy's bounds, and error answers turned into exceptions."""
+"""The retry rules, the error envelope and the stream's failure paths, against a tiny local
+``http.server`` that answers what each test scripts (no sandboxd needed): 429/503 retried after
+``Retry-After``, non-idempotent calls not retried unless asked, the policy's bounds, error answers
+turned into exceptions, and a streamed exec's ``error`` event or cut-off end raised."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import unittest
 from typing import Dict, List, Optional, Tuple
 
 from sandboxd import (
+    ConflictError,
+    ExecEvent,
     NotFoundError,
     RateLimitedError,
     RetryPolicy,
     Sandboxd,
     SandboxdError,
     ServiceUnavailableError,
+    StreamError,
 )
+from sandboxd.sandbox import Sandbox
 
 #: One scripted answer: (status, headers, body).
 Answer = Tuple[int, Dict[str, str], bytes]
@@ -87,7 +92,9 @@ def _read_chunked(rf: io.BufferedIOBase) -> bytes:
         rf.readline()
 
 
-class RetryTest(unittest.TestCase):
+class LocalServerTest(unittest.TestCase):
+    """A scripted server for the class; ``client()`` talks to it, its sleeps recorded."""
+
     server: Scripted
     url: str
 
@@ -110,6 +117,8 @@ class RetryTest(unittest.TestCase):
         sleep = time.sleep if real_sleep else self.waits.append
         return Sandboxd(self.url, "svc_pro_test_key", retry=policy, sleep=sleep)
 
+
+class RetryTest(LocalServerTest):
     def test_429_is_retried_after_its_retry_after_in_real_time(self) -> None:
         self.server.script = [LIMITED_1S, LIMITED_1S, OK_LIST]
         t0 = time.monotonic()
@@ -192,8 +201,6 @@ class RetryTest(unittest.TestCase):
 
     def test_a_streamed_body_is_never_sent_twice(self) -> None:
         self.server.script = [UNAVAILABLE, (200, {"Content-Type": "application/json"}, b'{"path":"/a","size":3}')]
-        from sandboxd.sandbox import Sandbox
-
         box = Sandbox(self.client()._http, "sbx_abc")
         with self.assertRaises(ServiceUnavailableError):
             box.files.write("/a", iter([b"a", b"bc"]))
@@ -210,6 +217,47 @@ class RetryTest(unittest.TestCase):
             self.client().sandboxes.list()
         self.assertEqual((cm.exception.code, cm.exception.status), ("http_error", 502))
         self.assertIn("bad gateway", cm.exception.message)
+
+
+SSE = {"Content-Type": "text/event-stream"}
+
+
+class StreamFailureTest(LocalServerTest):
+    """The failure paths of a streamed exec, which a healthy service rarely shows."""
+
+    last: List[ExecEvent]
+
+    def stream(self, body: bytes) -> List[ExecEvent]:
+        self.server.script = [(200, SSE, body)]
+        got: List[ExecEvent] = []
+        try:
+            for ev in Sandbox(self.client()._http, "sbx_abc").exec_stream("x"):
+                got.append(ev)
+        finally:
+            self.last = got
+        return got
+
+    def test_an_error_event_is_raised_after_the_output_before_it(self) -> None:
+        body = (
+            b'event: stdout\ndata: {"data_b64":"AP8="}\n\n'
+            b'event: error\ndata: {"code":"agent_unavailable","message":"the host went away"}\n\n'
+        )
+        with self.assertRaises(StreamError) as cm:
+            self.stream(body)
+        self.assertEqual((cm.exception.code, cm.exception.message), ("agent_unavailable", "the host went away"))
+        self.assertEqual([(e.type, e.data) for e in self.last], [("stdout", b"\x00\xff")])
+
+    def test_a_stream_that_ends_without_exit_is_an_error(self) -> None:
+        with self.assertRaises(StreamError) as cm:
+            self.stream(b'event: stdout\ndata: {"data":"partial"}\n\n')
+        self.assertEqual(cm.exception.code, "connection_error")
+
+    def test_a_refusal_before_output_is_the_ordinary_error(self) -> None:
+        self.server.script = [(409, {"Content-Type": "application/json"}, envelope("busy"))]
+        with self.assertRaises(ConflictError) as cm:
+            Sandbox(self.client()._http, "sbx_abc").exec_stream("x")
+        self.assertEqual((cm.exception.code, cm.exception.status), ("busy", 409))
+        self.assertEqual(self.server.seen[0][:2], ("POST", "/v1/sandboxes/sbx_abc/exec"))
 
 
 if __name__ == "__main__":

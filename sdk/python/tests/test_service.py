@@ -58,7 +58,12 @@ class ServiceTest(unittest.TestCase):
             other.sandboxes.get(self.sbx.id)
         self.assertEqual((cm.exception.code, cm.exception.status), ("not_found", 404))
         foreign = Sandbox(other._http, self.sbx.id)
-        for call in (lambda: foreign.exec("true"), lambda: foreign.files.read("/etc/hostname")):
+        calls = (
+            lambda: foreign.exec("true"),
+            lambda: foreign.files.read("/etc/hostname"),
+            lambda: foreign.terminal(),  # refused before the WebSocket upgrade
+        )
+        for call in calls:
             with self.assertRaises(SandboxdError) as cm2:
                 call()
             self.assertEqual((cm2.exception.code, cm2.exception.status), ("not_found", 404))
