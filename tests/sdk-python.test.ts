@@ -110,9 +110,11 @@ function python(args: string[]): Promise<Run> {
   });
 }
 
-function expectRan(r: Run): void {
+/** Asserts a clean exit; prints the script's output (its last lines), what it showed a user. */
+function expectRan(r: Run, label: string): void {
   if (r.code !== 0)
     throw new Error(`python exited ${r.code}:\n${r.out}\n--- service log ---\n${service().logTail()}`);
+  console.log(`--- ${label} (${PYTHON}) ---\n${r.out.trimEnd().split("\n").slice(-25).join("\n")}`);
 }
 
 /** Every sandbox the scripts made was deleted (context managers, explicit deletes). */
@@ -140,7 +142,7 @@ describe("Python SDK under Debian's python3", () => {
       const file = join(scratch, "quickstart.py");
       await writeFile(file, q.code);
       const r = await python([file]);
-      expectRan(r);
+      expectRan(r, "quickstart");
       for (const want of q.expect) expect(r.out).toContain(want);
       await expectNoSandboxesLeft();
     },
@@ -151,7 +153,7 @@ describe("Python SDK under Debian's python3", () => {
     "the agent-loop example keeps the best of its forks and deletes the rest",
     async () => {
       const r = await python([join(SDK, "examples/agent_loop.py"), "--branches", "3"]);
-      expectRan(r);
+      expectRan(r, "agent_loop.py");
       expect(r.out).toMatch(/baseline passed: 3\n/);
       expect(r.out).toMatch(/\[stdout\] preparing numpy-stub/);
       expect(r.out).toMatch(/best: sbx_\w+ passed 6 of 6/);
@@ -165,7 +167,7 @@ describe("Python SDK under Debian's python3", () => {
     "the unittest modules pass, none skipped",
     async () => {
       const r = await python(["-m", "unittest", "discover", "-s", join(SDK, "tests"), "-v"]);
-      expectRan(r);
+      expectRan(r, "unittest");
       expect(r.out).toMatch(/^OK$/m);
       expect(r.out).not.toContain("skipped");
       expect(r.out).toContain("test_another_tenants_id_is_not_found");
