@@ -1,0 +1,159 @@
+"""Family B sandboxes (Pro, demo and enterprise keys): ``client.sandboxes``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from ._box import Box, EventStream, ExecOptions, fields, quote_id
+from ._http import Http
+from .errors import NotFoundError
+from .models import ConnectUrl, ExecResult, SandboxSummary
+
+if TYPE_CHECKING:  # the annotations are strings at run time (PEP 563): 3.9 needs no Unpack
+    from typing_extensions import Unpack
+
+Command = Union[str, Sequence[str], Sequence[Sequence[str]]]
+
+
+def command_fields(cmd: Optional[Command]) -> Dict[str, Any]:
+    """A command line (``/bin/sh -c``), one argv list, or a list of argv lists run in order."""
+    if cmd is None:
+        return {}
+    if isinstance(cmd, str):
+        return {"command": cmd}
+    items = list(cmd)
+    if items and all(isinstance(c, str) for c in items):
+        return {"commands": [items]}
+    return {"commands": [list(c) for c in items]}
+
+
+class Sandbox(Box):
+    """A sandbox: a VM that lives until deleted. ``with client.sandboxes.create(...) as sbx:``
+    deletes it when the block ends."""
+
+    def __init__(self, http: Http, id: str, info: Optional[Dict[str, Any]] = None) -> None:
+        super().__init__(http, f"/v1/sandboxes/{quote_id(id)}")
+        self.id = id
+        #: The last answer describing this sandbox (create, fork or ``info()``).
+        self.data: Dict[str, Any] = dict(info or {"id": id})
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r})"
+
+    @property
+    def template(self) -> Optional[str]:
+        return self.data.get("template")
+
+    @property
+    def endpoints(self) -> Dict[str, str]:
+        return dict(self.data.get("endpoints") or {})
+
+    def info(self) -> Dict[str, Any]:
+        """``GET /v1/sandboxes/{id}``: state, age, idle time, exec count, labels, endpoints..."""
+        self.data = self._http.json("GET", self._base)
+        return self.data
+
+    @property
+    def state(self) -> str:
+        return str(self.info()["state"])
+
+    def exec(self, cmd: Optional[Command] = None, **options: Unpack[ExecOptions]) -> ExecResult:
+        """Runs ``cmd`` (a shell line, an argv list, or argv lists in order) and waits for it.
+
+        Options (``ExecOptions``): ``env`` adds variables, ``cwd`` is an absolute working
+        directory, ``user`` a name or uid of the sandbox, ``stdin`` text or bytes, ``files``
+        ``(path, content)`` pairs written first, ``timeout`` the command's limit in seconds,
+        ``retry`` this call's retry choice. A non-zero exit is a result, not an error."""
+        return self._exec_json(command_fields(cmd), options)
+
+    def exec_stream(self, cmd: Command, **options: Unpack[ExecOptions]) -> EventStream:
+        """Like ``exec`` (the same options), but its output arrives as events while it runs::
+
+            for ev in sbx.exec_stream("make test"):
+                if ev.type == "stdout": print(ev.text, end="")
+                elif ev.type == "exit": print("exit", ev.exit_code)
+
+        Refusals before any output (busy, a bad cwd) raise at the call; closing the stream early
+        cancels the command."""
+        return self._exec_stream(command_fields(cmd), options)
+
+    def fork(
+        self, count: int = 1, *, labels: Optional[Sequence[str]] = None, retry: Optional[bool] = None
+    ) -> List["Sandbox"]:
+        """Copy-on-write children of this sandbox as it is now (memory, disk, processes' state)."""
+        body = fields(count=count, labels=list(labels) if labels is not None else None)
+        d = self._http.json("POST", f"{self._base}/fork", json_body=body, retry=retry)
+        return [
+            Sandbox(self._http, c["id"], {"template": self.template, **c}) for c in d["children"]
+        ]
+
+    def suspend(self, *, retry: Optional[bool] = None) -> Dict[str, Any]:
+        """Snapshots the sandbox to disk (metering stops); ``resume()`` brings it back."""
+        return self._http.json("POST", f"{self._base}/suspend", retry=retry)
+
+    def resume(self, *, retry: Optional[bool] = None) -> Dict[str, Any]:
+        return self._http.json("POST", f"{self._base}/resume", retry=retry)
+
+    def connect_url(self, port: int, *, ttl_seconds: int = 600, protocol: Optional[str] = None) -> ConnectUrl:
+        """A WebSocket URL to ``port`` inside the sandbox that needs no key (Pro), valid for
+        ``ttl_seconds`` (the service clamps it to an hour); ``protocol`` ``"tcp"`` or ``"cdp"``."""
+        body = fields(port=port, ttl_seconds=ttl_seconds, protocol=protocol)
+        # Minting twice only makes two tokens: safe to retry like a read.
+        d = self._http.json("POST", f"{self._base}/connect-url", json_body=body, idempotent=True)
+        return ConnectUrl(d["url"], d["expires_at"])
+
+    def delete(self) -> None:
+        self._http.request("DELETE", self._base).read()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.delete()
+        except NotFoundError:
+            pass  # deleted already (by the block itself, or by its idle lifetime)
+
+
+class Sandboxes:
+    """``client.sandboxes``: create, look up and list the tenant's sandboxes."""
+
+    def __init__(self, http: Http) -> None:
+        self._http = http
+
+    def create(
+        self,
+        template: str,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        label: Optional[str] = None,
+        egress: Union[Sequence[str], Mapping[str, Any], None] = None,
+        idle_timeout_seconds: Optional[int] = None,
+        idle_action: Optional[str] = None,
+        retry: Optional[bool] = None,
+    ) -> Sandbox:
+        """A new running sandbox from ``template``. ``egress`` lists the host names it may reach
+        (or is the service's ``{"allow": [...]}`` object); ``idle_timeout_seconds`` with
+        ``idle_action`` (``"suspend"`` or ``"delete"``) sets its idle lifetime."""
+        body = fields(
+            template=template,
+            labels=dict(labels) if labels is not None else None,
+            label=label,
+            egress=(dict(egress) if isinstance(egress, Mapping) else {"allow": list(egress)})
+            if egress is not None
+            else None,
+            idle_timeout_seconds=idle_timeout_seconds,
+            idle_action=idle_action,
+        )
+        d = self._http.json("POST", "/v1/sandboxes", json_body=body, retry=retry)
+        return Sandbox(self._http, d["id"], d)
+
+    def get(self, id: str) -> Sandbox:
+        """The sandbox ``id`` with its info (NotFoundError when it is not the tenant's)."""
+        sbx = Sandbox(self._http, id)
+        sbx.info()
+        return sbx
+
+    def list(self) -> List[SandboxSummary]:
+        d = self._http.json("GET", "/v1/sandboxes")
+        return [SandboxSummary(s["id"], s["template"], s["state"]) for s in d["sandboxes"]]
