@@ -15,6 +15,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { buildSdk } from "../sdk/typescript/build.ts";
 import { Sandboxd, SandboxdError } from "../sdk/typescript/src/index.ts";
+import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 import {
   createKeys,
   prepareDataDir,
@@ -46,7 +47,7 @@ type Runtime = keyof typeof RUNTIMES;
 let svc: RunningService | undefined;
 let dataDir = "";
 let projectDir = "";
-let keys: Record<"pro" | "live" | "other", string>;
+let keys: Record<"pro" | "live" | "scale" | "other", string>;
 
 const service = () => {
   if (!svc) throw new Error("the service did not start (see beforeAll)");
@@ -82,7 +83,12 @@ beforeAll(async () => {
   await writeFile(join(projectDir, "terminal.mjs"), await exampleAsJs("terminal.ts"));
 
   dataDir = await prepareDataDir("sbx-e2e-sdkts-");
-  keys = await createKeys(dataDir, { pro: ["acme", "pro"], live: ["acme", "live"], other: ["evil", "pro"] });
+  keys = await createKeys(dataDir, {
+    pro: ["acme", "pro"],
+    live: ["acme", "live"],
+    scale: ["acme", "scale"],
+    other: ["evil", "pro"],
+  });
   svc = await startUp(dataDir);
   await waitForTemplate(svc, PYTHON, 300_000);
 }, SETUP_TIMEOUT_MS);
@@ -332,6 +338,59 @@ describe("the rest of the surface, in this process (Bun)", () => {
       const wrong = await a.sandboxes.list().catch((e: unknown) => e);
       expect(wrong).toBeInstanceOf(SandboxdError);
       expect((wrong as SandboxdError).status).toBe(403);
+    },
+    RUN_TIMEOUT_MS,
+  );
+
+  test(
+    "templates: an upload built and waited for, then deleted; a bake that fails is template_failed",
+    async () => {
+      const scale = client(keys.scale);
+      const imgDir = await mkdtemp(join(tmpdir(), "sdk-ts-img-"));
+      try {
+        const archive = await makeDockerArchive(join(imgDir, "bb.tar"), await busyboxImageSpec(imgDir));
+        const image = new Uint8Array(await readFile(archive.path));
+        expect(await scale.templates.upload({ id: "sdk-bb", image })).toEqual({
+          id: "sdk-bb",
+          status: "building",
+        });
+        const phases: string[] = [];
+        const t = await scale.templates.wait("sdk-bb", {
+          timeoutMs: 180_000,
+          onProgress: (x) => phases.push("status" in x ? x.status : x.phase),
+        });
+        expect(t).toMatchObject({ id: "sdk-bb", status: "ready" });
+        expect(phases.at(-1)).toBe("ready");
+        expect((await scale.templates.list()).find((x) => x.id === "sdk-bb")).toEqual({
+          id: "sdk-bb",
+          ready: true,
+        });
+        await scale.templates.delete("sdk-bb");
+        expect(await scale.templates.get("sdk-bb").catch((e: unknown) => e)).toMatchObject({
+          code: "not_found",
+          status: 404,
+        });
+      } finally {
+        await rm(imgDir, { recursive: true, force: true });
+      }
+
+      // A Pro bake: a reference outside the grammar is refused at once; one whose registry does
+      // not answer is accepted, ends Failed, and `wait` says why.
+      const pro = client();
+      expect(
+        await pro.templates.bake({ name: "bad", image: "--option" }).catch((e: unknown) => e),
+      ).toMatchObject({
+        code: "bad_request",
+        status: 400,
+      });
+      const baked = await pro.templates.bake({ name: "nowhere", image: "127.0.0.1:9/none/image:1" });
+      expect(baked.id).toBe("nowhere");
+      expect(baked.phase).not.toBe("Live");
+      const failed = await pro.templates.wait("nowhere", { timeoutMs: 120_000 }).catch((e: unknown) => e);
+      expect(failed).toBeInstanceOf(SandboxdError);
+      expect(failed).toMatchObject({ code: "template_failed" });
+      expect((failed as SandboxdError).message).toMatch(/^template nowhere: [a-z_]+: /);
+      await pro.templates.delete("nowhere");
     },
     RUN_TIMEOUT_MS,
   );

@@ -3,27 +3,17 @@
  * cheap handles (no call is made to build one); `info()` asks the service.
  */
 import type { Transport } from "./http.ts";
-import {
-  type ExecBody,
-  execEvents,
-  execExit,
-  execOptionFields,
-  execTimeoutMs,
-  Files,
-  openTerminal,
-  Processes,
-} from "./resources.ts";
+import { type ExecBody, Files, openTerminal, Processes, runExec, streamExec } from "./resources.ts";
 import type { Terminal, TerminalOptions } from "./terminal.ts";
-import {
-  type Endpoints,
-  type ExecEvent,
-  type ExecOptions,
-  type ExecResult,
-  execResult,
-  type ForkResponse,
-  type SandboxInfo,
-  type SessionStatus,
-  type StateResponse,
+import type {
+  Endpoints,
+  ExecEvent,
+  ExecOptions,
+  ExecResult,
+  ForkResponse,
+  SandboxInfo,
+  SessionStatus,
+  StateResponse,
 } from "./types.ts";
 
 /** A command: a line for /bin/sh -c, or one argv (run without a shell). */
@@ -67,12 +57,7 @@ export class Sandbox {
 
   /** Runs `command` to its end; a non-zero exit is a result, not an error. */
   async exec(command: Command, opts: ExecOptions = {}): Promise<ExecResult> {
-    const w = await this.t.json<Parameters<typeof execResult>[0]>("POST", `${this.base}/exec`, {
-      json: { ...commandFields(command), ...execOptionFields(opts) },
-      timeoutMs: execTimeoutMs(this.t, opts),
-      signal: opts.signal,
-    });
-    return execResult(w);
+    return runExec(this.t, this.base, commandFields(command), opts);
   }
 
   /**
@@ -80,17 +65,7 @@ export class Sandbox {
    * loop early (or `opts.signal`) cancels the command.
    */
   execStream(command: Command, opts: ExecOptions = {}): AsyncGenerator<ExecEvent> {
-    return execEvents(
-      this.t,
-      `${this.base}/exec`,
-      {
-        method: "POST",
-        json: { ...commandFields(command), ...execOptionFields(opts) },
-        signal: opts.signal,
-        timeoutMs: execTimeoutMs(this.t, opts),
-      },
-      execExit,
-    );
+    return streamExec(this.t, this.base, commandFields(command), opts);
   }
 
   /** Copy-on-write children of this sandbox as it is now (memory, disk, running processes). */
@@ -136,6 +111,10 @@ export class Sandbox {
 /** Session exec: `code` for the template's interpreter, or argv commands. */
 export type SessionCode = string | { commands: string[][] };
 
+function codeFields(c: SessionCode): ExecBody {
+  return typeof c === "string" ? { code: c } : { commands: c.commands };
+}
+
 export class Session {
   readonly files: Files;
   readonly processes: Processes;
@@ -155,35 +134,13 @@ export class Session {
     return this.t.json("GET", this.base);
   }
 
-  private body(code: SessionCode, opts: ExecOptions): ExecBody {
-    return {
-      ...(typeof code === "string" ? { code } : { commands: code.commands }),
-      ...execOptionFields(opts),
-    };
-  }
-
   /** Runs `code` (the template's interpreter reads it) or `{commands}` to the end. */
   async exec(code: SessionCode, opts: ExecOptions = {}): Promise<ExecResult> {
-    const w = await this.t.json<Parameters<typeof execResult>[0]>("POST", `${this.base}/exec`, {
-      json: this.body(code, opts),
-      timeoutMs: execTimeoutMs(this.t, opts),
-      signal: opts.signal,
-    });
-    return execResult(w);
+    return runExec(this.t, this.base, codeFields(code), opts);
   }
 
   execStream(code: SessionCode, opts: ExecOptions = {}): AsyncGenerator<ExecEvent> {
-    return execEvents(
-      this.t,
-      `${this.base}/exec`,
-      {
-        method: "POST",
-        json: this.body(code, opts),
-        signal: opts.signal,
-        timeoutMs: execTimeoutMs(this.t, opts),
-      },
-      execExit,
-    );
+    return streamExec(this.t, this.base, codeFields(code), opts);
   }
 
   /** One child session, a copy of this one as it is now. */
