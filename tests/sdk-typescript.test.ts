@@ -343,12 +343,13 @@ describe("the rest of the surface, in this process (Bun)", () => {
   );
 
   test(
-    "templates: an upload built and waited for, then deleted; a bake that fails is template_failed",
+    "templates: an upload built and waited for, a connect URL to its exposed port, then deleted; a bake that fails is template_failed",
     async () => {
       const scale = client(keys.scale);
       const imgDir = await mkdtemp(join(tmpdir(), "sdk-ts-img-"));
       try {
-        const archive = await makeDockerArchive(join(imgDir, "bb.tar"), await busyboxImageSpec(imgDir));
+        const spec = await busyboxImageSpec(imgDir, { config: { ExposedPorts: { "8000/tcp": {} } } });
+        const archive = await makeDockerArchive(join(imgDir, "bb.tar"), spec);
         const image = new Uint8Array(await readFile(archive.path));
         expect(await scale.templates.upload({ id: "sdk-bb", image })).toEqual({
           id: "sdk-bb",
@@ -365,6 +366,23 @@ describe("the rest of the surface, in this process (Bun)", () => {
           id: "sdk-bb",
           ready: true,
         });
+
+        // A sandbox of it (the same tenant's Pro key) exposes the image's port to connect URLs.
+        const sbx = await client().sandboxes.create({ template: "sdk-bb" });
+        try {
+          expect(sbx.endpoints).toEqual({ "8000": `${sbx.id}:8000` });
+          const link = await sbx.connectUrl({ port: 8000, ttlSeconds: 60 });
+          expect(link.url).toStartWith(
+            `${service().url.replace(/^http/, "ws")}/v1/sandboxes/${sbx.id}/connect?port=8000`,
+          );
+          expect(Date.parse(link.expiresAt) - Date.now()).toBeLessThanOrEqual(61_000);
+          expect(await sbx.connectUrl({ port: 9, ttlSeconds: 60 }).catch((e: unknown) => e)).toMatchObject({
+            code: "port_not_exposed",
+            status: 409,
+          });
+        } finally {
+          await sbx.delete();
+        }
         await scale.templates.delete("sdk-bb");
         expect(await scale.templates.get("sdk-bb").catch((e: unknown) => e)).toMatchObject({
           code: "not_found",
