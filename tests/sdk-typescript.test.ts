@@ -308,8 +308,19 @@ describe("the rest of the surface, in this process (Bun)", () => {
           .sandboxes.get(sbx.id)
           .catch((e: unknown) => e);
         expect(foreign).toMatchObject({ code: "not_found", status: 404 });
+
+        // Deleted under a stream: the service's `error` event is thrown as a SandboxdError.
+        const stream = sbx.execStream("echo up; sleep 300", { timeoutSeconds: 600 });
+        expect((await stream.next()).value).toMatchObject({ type: "stdout", data: "up\n" });
+        const deleting = sbx.delete();
+        const ended = await (async () => {
+          for await (const ev of stream) return ev;
+        })().catch((e: unknown) => e);
+        await deleting;
+        expect(ended).toBeInstanceOf(SandboxdError);
+        expect(ended).toMatchObject({ code: "gone" });
       } finally {
-        await sbx.delete();
+        await sbx.delete().catch(() => {});
       }
       await expectNoSandboxes();
     },
