@@ -7,7 +7,8 @@
  * stdin/stdout), fork, suspend/resume, rm and the server's refusal printed as `code: message`
  * (exit 1); every subcommand's --help and usage errors (exit 2); and `sbx shell` in a real
  * terminal (tmux): `echo $((6*7))` shows 42, a window resize reaches the shell, and the terminal is
- * back in cooked mode after `exit`.
+ * back in cooked mode after `exit`; on a terminal an upload, a download and a bake end with their
+ * progress line on stderr (piped, the cp test sees none).
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { spawn, spawnSync } from "node:child_process";
@@ -40,6 +41,10 @@ const TEMPLATE = "clibb";
 
 let svc: RunningService | undefined;
 let reg: LocalRegistry | undefined;
+const registry = (): LocalRegistry => {
+  if (!reg) throw new Error("the registry did not start (see beforeAll)");
+  return reg;
+};
 let dataDir = "";
 let work = "";
 let key = "";
@@ -109,6 +114,27 @@ async function createSandbox(...extra: string[]): Promise<string> {
   expect(id).toMatch(/^sbx_[A-Za-z0-9]+$/);
   live.add(id);
   return id;
+}
+
+/**
+ * A private tmux server (its own socket under the test's dir, never the user's) with the CLI's
+ * environment: `tmux(args)`, a wait for the pane's text to match, and its end.
+ */
+function tmuxServer() {
+  const sock = join(work, `tmux-${Math.random().toString(36).slice(2)}.sock`);
+  const tmux = (...args: string[]) => {
+    const r = spawnSync("tmux", ["-S", sock, ...args], { encoding: "utf8", env: cliEnv() });
+    if (r.status !== 0) throw new Error(`tmux ${args.join(" ")}: ${r.stderr}`);
+    return r.stdout;
+  };
+  const pane = () => tmux("capture-pane", "-p", "-J", "-S", "-200");
+  const waitPane = async (re: RegExp) => {
+    if (!(await waitFor(() => re.test(pane()), PANE_WAIT_MS))) {
+      throw new Error(`the pane never showed ${re}:\n${pane()}`);
+    }
+  };
+  const kill = () => spawnSync("tmux", ["-S", sock, "kill-server"]);
+  return { tmux, waitPane, kill };
 }
 
 beforeAll(async () => {
@@ -269,18 +295,7 @@ describe("sandboxd sbx / template against the real service", () => {
   test(
     "sbx shell in tmux: echo $((6*7)) shows 42, a resize reaches the shell, exit restores the terminal",
     async () => {
-      const sock = join(work, "tmux.sock");
-      const tmux = (...args: string[]) => {
-        const r = spawnSync("tmux", ["-S", sock, ...args], { encoding: "utf8", env: cliEnv() });
-        if (r.status !== 0) throw new Error(`tmux ${args.join(" ")}: ${r.stderr}`);
-        return r.stdout;
-      };
-      const pane = () => tmux("capture-pane", "-p", "-J", "-S", "-200");
-      const waitPane = async (re: RegExp) => {
-        if (!(await waitFor(() => re.test(pane()), PANE_WAIT_MS))) {
-          throw new Error(`the pane never showed ${re}:\n${pane()}`);
-        }
-      };
+      const { tmux, waitPane, kill } = tmuxServer();
       // A private tmux server (its own socket) whose one window runs the CLI itself, no local
       // shell: what is typed can only reach the sandbox's shell. After the CLI, the window
       // reports its exit status and whether the terminal is back in cooked mode with echo.
@@ -309,7 +324,33 @@ describe("sandboxd sbx / template against the real service", () => {
         await waitPane(/^EXIT=0$/m);
         await waitPane(/^icanon echo\s*$/m);
       } finally {
-        spawnSync("tmux", ["-S", sock, "kill-server"]);
+        kill();
+      }
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "on a terminal, an upload, a download and a bake show their progress on stderr",
+    async () => {
+      const local = join(work, "progress.bin");
+      await writeFile(local, randomBytes(2 * 1024 * 1024));
+      const { tmux, waitPane, kill } = tmuxServer();
+      // The window's stdout and stderr are the terminal; `sleep` keeps it open to be read.
+      const steps = [
+        `${SANDBOXD} sbx cp ${local} ${id}:/tmp/`,
+        `${SANDBOXD} sbx cp ${id}:/tmp/progress.bin ${join(work, "progress.back")}`,
+        // Baked already: the same bake again is the same template, Live at once.
+        `${SANDBOXD} template bake ${TEMPLATE} ${registry().host}/cli/bb:1`,
+        "sleep 600",
+      ];
+      tmux("new-session", "-d", "-s", "progress", "-x", "120", "-y", "30", steps.join("; "));
+      try {
+        await waitPane(/^upload \/tmp\/progress\.bin: 2\.0 MiB \(\d+\.\d s\)$/m);
+        await waitPane(/^download \/tmp\/progress\.bin: 2\.0 MiB \(\d+\.\d s\)$/m);
+        await waitPane(new RegExp(`^bake ${TEMPLATE}: Live \\(\\d+\\.\\d s\\)\\n${TEMPLATE} Live$`, "m"));
+      } finally {
+        kill();
       }
     },
     TEST_TIMEOUT_MS,
