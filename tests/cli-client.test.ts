@@ -357,10 +357,44 @@ describe("sandboxd sbx / template against the real service", () => {
   );
 
   test(
-    "rm the last sandbox and the template",
+    "piped, sbx shell runs its input as a script with its exit code; a shell whose sandbox is removed exits 1",
     async () => {
-      expect(await ok(["sbx", "rm", id])).toBe(`${id}\n`);
-      live.delete(id);
+      const piped = await cli(["sbx", "shell", id], { input: "echo $((6*7))\necho oops >&2\nexit 3\n" });
+      expect(piped.code).toBe(3);
+      expect(piped.stdout.toString()).toBe("42\n");
+      expect(piped.stderr).toBe("oops\n");
+
+      // A terminal left open while the sandbox is removed under it: the CLI says so and exits 1.
+      const { tmux, waitPane, kill } = tmuxServer();
+      tmux(
+        "new-session",
+        "-d",
+        "-s",
+        "gone",
+        "-x",
+        "100",
+        "-y",
+        "30",
+        `${SANDBOXD} sbx shell ${id}; echo "EXIT=$?"; sleep 600`,
+      );
+      try {
+        tmux("send-keys", "-t", "gone", "echo ready-$((1+1))", "Enter");
+        await waitPane(/^ready-2$/m);
+        expect(await ok(["sbx", "rm", id])).toBe(`${id}\n`);
+        live.delete(id);
+        // The gateway's close (1001, sandbox deleted) or the agent's tunnel end, whichever comes first.
+        await waitPane(/^sandboxd: terminal closed \(\d{4}: .+\)$/m);
+        await waitPane(/^EXIT=1$/m);
+      } finally {
+        kill();
+      }
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "rm the template; nothing is left",
+    async () => {
       expect(JSON.parse(await ok(["sbx", "ls", "--json"]))).toEqual([]);
       expect(await ok(["template", "rm", TEMPLATE])).toBe(`${TEMPLATE}\n`);
       const templates = JSON.parse(await ok(["template", "ls", "--json"])) as { id: string }[];

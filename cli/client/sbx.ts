@@ -4,9 +4,10 @@
  * make or change sandboxes print the ids they touched (one a line), so scripts can capture them.
  */
 import { MAX_EXEC_TIMEOUT_S, MAX_FORK_COUNT, MAX_IDLE_TIMEOUT_S } from "../../contracts/api/limits.ts";
+import type { ExecOptions, Sandbox } from "../../sdk/typescript/src/index.ts";
 import { type CommandSpec, flag, intOpt, list, type Parsed, pairs, str, UsageError } from "./args.ts";
 import { clientOf } from "./connect.ts";
-import type { Handler } from "./context.ts";
+import type { Ctx, Handler } from "./context.ts";
 import { copy } from "./cp.ts";
 import { parseCopy } from "./cp-args.ts";
 import { duration, json, keyValues, table } from "./output.ts";
@@ -84,6 +85,18 @@ async function readAll(stdin: NodeJS.ReadStream): Promise<Uint8Array> {
   return new Uint8Array(Buffer.concat(chunks));
 }
 
+/** Prints a streamed exec's output as it comes; the command's exit code. */
+async function streamExec(sbx: Sandbox, command: string, opts: ExecOptions, ctx: Ctx): Promise<number> {
+  let exitCode = 1;
+  for await (const ev of sbx.execStream(command, opts)) {
+    // The bytes as the command wrote them (not the text form, which replaces invalid UTF-8).
+    if (ev.type === "stdout") ctx.stdout.write(ev.bytes);
+    else if (ev.type === "stderr") ctx.stderr.write(ev.bytes);
+    else if (ev.type === "exit") exitCode = ev.exitCode;
+  }
+  return exitCode;
+}
+
 const exec: Handler = async (p, spec, ctx) => {
   const words = p.rest;
   if (words.length === 0) throw new UsageError("missing CMD", spec.name);
@@ -91,20 +104,18 @@ const exec: Handler = async (p, spec, ctx) => {
   const timeout = intOpt(p, spec, "timeout", 1, MAX_EXEC_TIMEOUT_S);
   const sbx = clientOf(p, spec, ctx).sandboxes.ref(idOf(p));
   const stdin = flag(p, "stdin") ? await readAll(ctx.stdin) : undefined;
-  let exitCode = 1;
-  for await (const ev of sbx.execStream(command, {
-    env: pairs(p, spec, "env"),
-    cwd: str(p, "cwd"),
-    user: str(p, "user"),
-    ...(timeout !== undefined ? { timeoutSeconds: timeout } : {}),
-    ...(stdin !== undefined ? { stdin } : {}),
-  })) {
-    // The bytes as the command wrote them (not the text form, which replaces invalid UTF-8).
-    if (ev.type === "stdout") ctx.stdout.write(ev.bytes);
-    else if (ev.type === "stderr") ctx.stderr.write(ev.bytes);
-    else if (ev.type === "exit") exitCode = ev.exitCode;
-  }
-  return exitCode;
+  return streamExec(
+    sbx,
+    command,
+    {
+      env: pairs(p, spec, "env"),
+      cwd: str(p, "cwd"),
+      user: str(p, "user"),
+      ...(timeout !== undefined ? { timeoutSeconds: timeout } : {}),
+      ...(stdin !== undefined ? { stdin } : {}),
+    },
+    ctx,
+  );
 };
 
 const cp: Handler = async (p, spec, ctx) => {
@@ -112,8 +123,21 @@ const cp: Handler = async (p, spec, ctx) => {
   return copy(clientOf(p, spec, ctx), plan, { user: str(p, "user"), spec, ctx });
 };
 
+/**
+ * The shell a piped `sbx shell` feeds its input to: the one the terminal route starts (bash where
+ * the image has it, else sh), reading the script from stdin.
+ */
+const PIPED_SHELL = "if [ -x /bin/bash ]; then exec /bin/bash -s; else exec /bin/sh -s; fi";
+
 const shell: Handler = async (p, spec, ctx) => {
   const sbx = clientOf(p, spec, ctx).sandboxes.ref(idOf(p));
+  if (!ctx.stdin.isTTY) {
+    // Input from a pipe or file is a script, not keystrokes: a terminal cannot pass its end on
+    // reliably (a Ctrl-D typed ahead is lost when the shell switches its terminal to raw mode), so
+    // it runs as an exec with that input, which ends at its end and has a real exit code.
+    const script = await readAll(ctx.stdin);
+    return streamExec(sbx, PIPED_SHELL, { stdin: script, timeoutSeconds: MAX_EXEC_TIMEOUT_S }, ctx);
+  }
   const stdout = ctx.stdout as NodeJS.WriteStream;
   const term = await sbx.terminal(localSize(stdout));
   return attach(term, {

@@ -91,7 +91,11 @@ export const SBX_SPECS: Record<string, CommandSpec> = {
     name: "sbx shell",
     usage: "ID",
     summary: "Open an interactive shell in the sandbox (exit or Ctrl-D ends it).",
-    details: "On a terminal, keys go to the shell as typed and a resize of the window resizes the shell's.",
+    details: [
+      "On a terminal, keys go to the shell as typed and a resize of the window resizes the shell's.",
+      "Piped input is a script: echo 'ls /tmp' | sandboxd sbx shell ID runs it (through exec, for",
+      `at most ${MAX_EXEC_TIMEOUT_S} s) and exits with its exit code.`,
+    ].join("\n"),
     options: {},
     positionals: ["ID"],
   },

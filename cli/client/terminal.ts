@@ -2,8 +2,8 @@
  * The local side of `sandboxd sbx shell`: our terminal in raw mode (every key, Ctrl-C included,
  * goes to the sandbox's shell, which echoes and edits), its size sent on start and on each
  * SIGWINCH, and the terminal restored however the session ends: the shell's exit, a closed
- * connection, SIGTERM/SIGHUP, or an exception. Off a terminal (stdin piped) the bytes are passed
- * through as they are, so `echo 'ls' | sandboxd sbx shell ID` runs `ls`.
+ * connection, SIGTERM/SIGHUP, or an exception. (Piped input does not come here: sbx.ts runs it
+ * as a script through exec.)
  */
 import type { Terminal } from "../../sdk/typescript/src/index.ts";
 
@@ -63,14 +63,11 @@ export async function attach(remote: RemoteTerminal, tty: LocalTty): Promise<num
     void remote.close();
   };
   const onInput = (b: Buffer) => remote.write(new Uint8Array(b.buffer, b.byteOffset, b.byteLength));
-  // Piped input that ends: the shell gets an EOF (Ctrl-D) and exits once it has run what it read.
-  const onEnd = () => remote.write("\x04");
   remote.onData((d) => tty.stdout.write(d));
   tty.on("SIGWINCH", onWinch);
   tty.on("SIGTERM", stop);
   tty.on("SIGHUP", stop);
   tty.stdin.on("data", onInput);
-  tty.stdin.on("end", onEnd);
   tty.stdin.resume();
   try {
     const end = await remote.closed;
@@ -85,7 +82,6 @@ export async function attach(remote: RemoteTerminal, tty: LocalTty): Promise<num
     tty.off("SIGTERM", stop);
     tty.off("SIGHUP", stop);
     tty.stdin.off("data", onInput);
-    tty.stdin.off("end", onEnd);
     tty.stdin.pause();
     restore();
   }
