@@ -70,8 +70,21 @@ export function runCli(
   env: NodeJS.ProcessEnv = childEnv(),
   timeoutMs = CLI_TIMEOUT_MS,
 ): Promise<CliResult> {
+  return runCommand(SANDBOXD, args, { env, timeoutMs });
+}
+
+/**
+ * Runs `cmd` with `args` (no stdin), collecting its output; SIGKILL after `timeoutMs` (a harness
+ * bound: a hung program fails its test instead of hanging the suite). Never throws on exit codes.
+ */
+export function runCommand(
+  cmd: string,
+  args: string[],
+  opts: { env: NodeJS.ProcessEnv; timeoutMs: number; cwd?: string },
+): Promise<CliResult> {
+  const { env, timeoutMs, cwd } = opts;
   return new Promise((done, fail) => {
-    const child = spawn(SANDBOXD, args, { env, stdio: ["ignore", "pipe", "pipe"] });
+    const child = spawn(cmd, args, { env, cwd, stdio: ["ignore", "pipe", "pipe"] });
     let stdout = "";
     let stderr = "";
     child.stdout.on("data", (b: Buffer) => {

@@ -24,8 +24,9 @@ try {
     );
     term.onData((bytes) => {
       screen += decoder.decode(bytes, { stream: true });
-      // The echo of the typed line has `$((6*7))`; the answer is 42 on a line of its own.
-      if (/(^|\n)42\r?\n/.test(screen)) {
+      // The echo of the typed line has `$((6*7))`; the answer is 42 at the end of a line (after
+      // the shell's own escape sequences, so not necessarily at its start).
+      if (/(^|[^0-9])42\r?\n/.test(screen)) {
         clearTimeout(timer);
         resolve();
       }

@@ -11,6 +11,7 @@ import { Terminal, type TerminalOptions } from "./terminal.ts";
 import {
   type ExecEvent,
   type ExecOptions,
+  type ExecResult,
   execResult,
   type FileContent,
   type FileList,
@@ -122,6 +123,41 @@ function parseEventData(data: string): Record<string, unknown> {
   } catch (cause) {
     throw new SandboxdError({ code: "protocol", status: 200, message: `bad event data: ${data}`, cause });
   }
+}
+
+/** `POST {base}/exec` with `fields` (the command) and the options, to its end. */
+export async function runExec(
+  t: Transport,
+  base: string,
+  fields: ExecBody,
+  opts: ExecOptions,
+): Promise<ExecResult> {
+  const w = await t.json<Parameters<typeof execResult>[0]>("POST", `${base}/exec`, {
+    json: { ...fields, ...execOptionFields(opts) },
+    timeoutMs: execTimeoutMs(t, opts),
+    signal: opts.signal,
+  });
+  return execResult(w);
+}
+
+/** The streamed form of `runExec`: output events as written, then the exit event. */
+export function streamExec(
+  t: Transport,
+  base: string,
+  fields: ExecBody,
+  opts: ExecOptions,
+): AsyncGenerator<ExecEvent> {
+  return execEvents(
+    t,
+    `${base}/exec`,
+    {
+      method: "POST",
+      json: { ...fields, ...execOptionFields(opts) },
+      signal: opts.signal,
+      timeoutMs: execTimeoutMs(t, opts),
+    },
+    execExit,
+  );
 }
 
 /** The exit event of a streamed exec: the route's JSON result. */

@@ -3,35 +3,21 @@
  * cheap handles (no call is made to build one); `info()` asks the service.
  */
 import type { Transport } from "./http.ts";
-import {
-  type ExecBody,
-  execEvents,
-  execExit,
-  execOptionFields,
-  execTimeoutMs,
-  Files,
-  openTerminal,
-  Processes,
-} from "./resources.ts";
+import { type ExecBody, Files, openTerminal, Processes, runExec, streamExec } from "./resources.ts";
 import type { Terminal, TerminalOptions } from "./terminal.ts";
-import {
-  type Endpoints,
-  type ExecEvent,
-  type ExecOptions,
-  type ExecResult,
-  execResult,
-  type ForkResponse,
-  type SandboxInfo,
-  type SessionStatus,
-  type StateResponse,
+import type {
+  Endpoints,
+  ExecEvent,
+  ExecOptions,
+  ExecResult,
+  ForkResponse,
+  SandboxInfo,
+  SessionStatus,
+  StateResponse,
 } from "./types.ts";
 
 /** A command: a line for /bin/sh -c, or one argv (run without a shell). */
 export type Command = string | string[];
-
-function commandFields(c: Command): ExecBody {
-  return typeof c === "string" ? { command: c } : { commands: [c] };
-}
 
 export interface ConnectUrlOptions {
   /** The guest port (one the template exposes). */
@@ -42,55 +28,66 @@ export interface ConnectUrlOptions {
   protocol?: "tcp" | "cdp";
 }
 
-export class Sandbox {
+/**
+ * What a sandbox and a session have alike: the same routes under their own base path. `C` is
+ * what their exec runs (a command line or argv; a session's code), `I` what `info()` answers.
+ */
+abstract class Workspace<C, I> {
   readonly files: Files;
   readonly processes: Processes;
-  private readonly base: string;
+  protected readonly base: string;
 
   constructor(
-    private readonly t: Transport,
+    protected readonly t: Transport,
+    collection: "sandboxes" | "sessions",
     readonly id: string,
+  ) {
+    this.base = `/v1/${collection}/${encodeURIComponent(id)}`;
+    this.files = new Files(t, this.base);
+    this.processes = new Processes(t, this.base);
+  }
+
+  /** The exec request's fields for `c`. */
+  protected abstract fields(c: C): ExecBody;
+
+  /** Its state as the service reports it now. */
+  info(): Promise<I> {
+    return this.t.json("GET", this.base);
+  }
+
+  /** Runs `c` to its end; a non-zero exit is a result, not an error. */
+  exec(c: C, opts: ExecOptions = {}): Promise<ExecResult> {
+    return runExec(this.t, this.base, this.fields(c), opts);
+  }
+
+  /**
+   * Runs `c`, yielding its output as it is written and then one `exit` event. Leaving the loop
+   * early (or `opts.signal`) cancels the command.
+   */
+  execStream(c: C, opts: ExecOptions = {}): AsyncGenerator<ExecEvent> {
+    return streamExec(this.t, this.base, this.fields(c), opts);
+  }
+
+  /** An interactive shell in it. */
+  terminal(opts: TerminalOptions = {}): Promise<Terminal> {
+    return openTerminal(this.t, this.base, opts);
+  }
+}
+
+export class Sandbox extends Workspace<Command, SandboxInfo> {
+  constructor(
+    t: Transport,
+    id: string,
     /** The template it was created from (known after create or get; "" for a bare handle). */
     readonly template = "",
     /** Exposed guest ports -> connect hints (not addresses: use `connectUrl`). */
     readonly endpoints: Endpoints = {},
   ) {
-    this.base = `/v1/sandboxes/${encodeURIComponent(id)}`;
-    this.files = new Files(t, this.base);
-    this.processes = new Processes(t, this.base);
+    super(t, "sandboxes", id);
   }
 
-  /** The sandbox's state, age, labels and idle lifetime, as the service reports them now. */
-  info(): Promise<SandboxInfo> {
-    return this.t.json("GET", this.base);
-  }
-
-  /** Runs `command` to its end; a non-zero exit is a result, not an error. */
-  async exec(command: Command, opts: ExecOptions = {}): Promise<ExecResult> {
-    const w = await this.t.json<Parameters<typeof execResult>[0]>("POST", `${this.base}/exec`, {
-      json: { ...commandFields(command), ...execOptionFields(opts) },
-      timeoutMs: execTimeoutMs(this.t, opts),
-      signal: opts.signal,
-    });
-    return execResult(w);
-  }
-
-  /**
-   * Runs `command`, yielding its output as it is written and then one `exit` event. Leaving the
-   * loop early (or `opts.signal`) cancels the command.
-   */
-  execStream(command: Command, opts: ExecOptions = {}): AsyncGenerator<ExecEvent> {
-    return execEvents(
-      this.t,
-      `${this.base}/exec`,
-      {
-        method: "POST",
-        json: { ...commandFields(command), ...execOptionFields(opts) },
-        signal: opts.signal,
-        timeoutMs: execTimeoutMs(this.t, opts),
-      },
-      execExit,
-    );
+  protected fields(c: Command): ExecBody {
+    return typeof c === "string" ? { command: c } : { commands: [c] };
   }
 
   /** Copy-on-write children of this sandbox as it is now (memory, disk, running processes). */
@@ -122,11 +119,6 @@ export class Sandbox {
     return { url: r.url, expiresAt: r.expires_at };
   }
 
-  /** An interactive shell in the sandbox. */
-  terminal(opts: TerminalOptions = {}): Promise<Terminal> {
-    return openTerminal(this.t, this.base, opts);
-  }
-
   /** Destroys it (its VM, processes and files). */
   async delete(): Promise<void> {
     await this.t.json("DELETE", this.base);
@@ -136,64 +128,23 @@ export class Sandbox {
 /** Session exec: `code` for the template's interpreter, or argv commands. */
 export type SessionCode = string | { commands: string[][] };
 
-export class Session {
-  readonly files: Files;
-  readonly processes: Processes;
-  private readonly base: string;
-
+export class Session extends Workspace<SessionCode, SessionStatus> {
   constructor(
-    private readonly t: Transport,
-    readonly id: string,
+    t: Transport,
+    id: string,
     readonly templateId = "",
   ) {
-    this.base = `/v1/sessions/${encodeURIComponent(id)}`;
-    this.files = new Files(t, this.base);
-    this.processes = new Processes(t, this.base);
+    super(t, "sessions", id);
   }
 
-  info(): Promise<SessionStatus> {
-    return this.t.json("GET", this.base);
-  }
-
-  private body(code: SessionCode, opts: ExecOptions): ExecBody {
-    return {
-      ...(typeof code === "string" ? { code } : { commands: code.commands }),
-      ...execOptionFields(opts),
-    };
-  }
-
-  /** Runs `code` (the template's interpreter reads it) or `{commands}` to the end. */
-  async exec(code: SessionCode, opts: ExecOptions = {}): Promise<ExecResult> {
-    const w = await this.t.json<Parameters<typeof execResult>[0]>("POST", `${this.base}/exec`, {
-      json: this.body(code, opts),
-      timeoutMs: execTimeoutMs(this.t, opts),
-      signal: opts.signal,
-    });
-    return execResult(w);
-  }
-
-  execStream(code: SessionCode, opts: ExecOptions = {}): AsyncGenerator<ExecEvent> {
-    return execEvents(
-      this.t,
-      `${this.base}/exec`,
-      {
-        method: "POST",
-        json: this.body(code, opts),
-        signal: opts.signal,
-        timeoutMs: execTimeoutMs(this.t, opts),
-      },
-      execExit,
-    );
+  protected fields(c: SessionCode): ExecBody {
+    return typeof c === "string" ? { code: c } : { commands: c.commands };
   }
 
   /** One child session, a copy of this one as it is now. */
   async fork(): Promise<Session> {
     const r = await this.t.json<{ session_id: string }>("POST", `${this.base}/fork`);
     return new Session(this.t, r.session_id, this.templateId);
-  }
-
-  terminal(opts: TerminalOptions = {}): Promise<Terminal> {
-    return openTerminal(this.t, this.base, opts);
   }
 
   /** Deletes it; `force` aborts an exec in flight instead of letting it finish. */
