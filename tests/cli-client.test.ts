@@ -393,6 +393,23 @@ describe("sandboxd sbx / template against the real service", () => {
   );
 
   test(
+    "a bake the server refuses, and one that fails, exit 1 with code: message",
+    async () => {
+      // `--` ends the options: the reference goes to the server as typed, which refuses it.
+      const refused = await cli(["template", "bake", "bad", "--", "--option"]);
+      expect(refused.code).toBe(1);
+      expect(refused.stderr).toMatch(/^bad_request: .+\n$/);
+      // Nothing listens on port 9: the pull fails and the bake ends Failed, which the CLI waited for.
+      const failed = await cli(["template", "bake", "nowhere", "127.0.0.1:9/none/image:1"]);
+      expect(failed.code).toBe(1);
+      expect(failed.stderr).toMatch(/^template_failed: template nowhere: .+\n$/);
+      expect(failed.stdout.length).toBe(0);
+      expect(await ok(["template", "rm", "nowhere"])).toBe("nowhere\n");
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
     "rm the template; nothing is left",
     async () => {
       expect(JSON.parse(await ok(["sbx", "ls", "--json"]))).toEqual([]);
