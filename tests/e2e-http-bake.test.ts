@@ -12,13 +12,11 @@
  * phases, spawn) are printed as JSON.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
 import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { WebSocket } from "ws";
 import * as B from "../contracts/api/family-b.ts";
-import { busyboxImageSpec, makeOciArchive } from "./fixtures/images.ts";
 import {
   createKeys,
   expectError,
@@ -31,7 +29,7 @@ import {
   waitFor,
   waitForTemplate,
 } from "./support/e2e-service.ts";
-import { type LocalRegistry, REGISTRY_BIN, startRegistry } from "./support/registry.ts";
+import { type LocalRegistry, startBusyboxRegistry, startRegistry } from "./support/registry.ts";
 
 /** A test boots a few VMs (~0.2 s restores, ~3 s template boots under TCG); generous for a slow host. */
 const TEST_TIMEOUT_MS = 240_000;
@@ -96,13 +94,10 @@ const registry = (): LocalRegistry => {
 };
 
 beforeAll(async () => {
-  if (!existsSync(REGISTRY_BIN))
-    throw new Error(`${REGISTRY_BIN} is missing: apt-get install docker-registry`);
   work = await mkdtemp(join(tmpdir(), "sbx-bake-"));
-  reg = await startRegistry();
-  const archive = join(work, "bb.tar");
-  await makeOciArchive(archive, await busyboxImageSpec(work));
-  await reg.push(`oci-archive:${archive}`, "web/bb:1");
+  const busybox = await startBusyboxRegistry(work, "web/bb:1");
+  reg = busybox.reg;
+  const archive = busybox.archive;
   privateReg = await startRegistry({ auth: PRIVATE_USER });
   await privateReg.push(`oci-archive:${archive}`, "acme/secret:1");
   dataDir = await prepareDataDir();

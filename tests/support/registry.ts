@@ -6,10 +6,12 @@
  * request: a "private" registry whose images only holders of the credentials can read.
  */
 import { spawn } from "node:child_process";
+import { existsSync } from "node:fs";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { busyboxImageSpec, makeOciArchive } from "../fixtures/images.ts";
 
 export const REGISTRY_BIN = "/usr/bin/docker-registry";
 /** The registry answers /v2/ within ~100 ms of its start; 20 s means it will not. */
@@ -129,4 +131,21 @@ export async function startRegistry(opts: { auth?: RegistryUser } = {}): Promise
       await rm(dir, { recursive: true, force: true });
     },
   };
+}
+
+/**
+ * A registry (plain, on loopback) holding the busybox fixture image as `nameTag` (e.g. `web/bb:1`);
+ * its oci-archive is built in `work` and returned for pushing elsewhere too.
+ */
+export async function startBusyboxRegistry(
+  work: string,
+  nameTag: string,
+): Promise<{ reg: LocalRegistry; archive: string }> {
+  if (!existsSync(REGISTRY_BIN))
+    throw new Error(`${REGISTRY_BIN} is missing: apt-get install docker-registry`);
+  const reg = await startRegistry();
+  const archive = join(work, "bb.tar");
+  await makeOciArchive(archive, await busyboxImageSpec(work));
+  await reg.push(`oci-archive:${archive}`, nameTag);
+  return { reg, archive };
 }
