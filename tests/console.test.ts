@@ -20,6 +20,7 @@ import WebSocket from "ws";
 import * as B from "../contracts/api/family-b.ts";
 import { CONSOLE_CSP } from "../gateway/routes/console.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
+import { CHROMIUM_FLAGS, CHROMIUM_PATH } from "./support/chromium.ts";
 import {
   createKeys,
   expectOk,
@@ -46,16 +47,6 @@ const TEMPLATE = "console";
 const SECOND_TEMPLATE = "console-2";
 const XSS_LABEL = `<img src=x onerror="window.__xss=1">`;
 const ARTIFACTS = join(REPO, ".data", "test-artifacts", "console");
-const CHROMIUM = "/usr/bin/chromium";
-/** The flags every suite starts Chromium with: no GPU, no QUIC, nothing fetched from outside. */
-const CHROMIUM_ARGS = [
-  "--disable-gpu",
-  "--disable-quic",
-  "--no-first-run",
-  "--disable-background-networking",
-  "--disable-component-update",
-  "--disable-sync",
-];
 
 let svc: RunningService | undefined;
 let dataDir = "";
@@ -110,7 +101,7 @@ async function shot(page: Page, name: string): Promise<void> {
 /** Debian's Chromium, headless (Playwright adds --no-sandbox and a fresh profile of its own). */
 async function launchChromium(): Promise<Browser> {
   const { chromium } = await import("playwright-core");
-  return chromium.launch({ executablePath: CHROMIUM, headless: true, args: CHROMIUM_ARGS });
+  return chromium.launch({ executablePath: CHROMIUM_PATH, headless: true, args: CHROMIUM_FLAGS });
 }
 
 /** A page at /console with its console errors and CSP reports collected. */

@@ -22,6 +22,7 @@ import { createKey, revokeKey } from "../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
+import { CHROMIUM_FLAGS } from "./support/chromium.ts";
 
 const HTTP_PORT = 8080; // guest port of the template's web server
 const ECHO_PORT = 7000; // guest port of an echo server
@@ -390,12 +391,7 @@ describe.skipIf(CHROMIUM === undefined)("connect (cdp)", () => {
       [
         "--headless",
         "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
+        ...CHROMIUM_FLAGS,
         "--remote-debugging-port=0",
         `--user-data-dir=${profile}`,
         "about:blank",
