@@ -89,6 +89,11 @@ export interface ExecOptions {
   onStderr?: (chunk: Buffer) => void;
   /** Aborting sends CANCEL: the group is killed and the result comes back with `signal` 9. */
   signal?: AbortSignal;
+  /**
+   * Called once the guest has forked the command (a STARTED frame): its cwd and argv were
+   * accepted, before any output. A refusal (a bad cwd) rejects the exec without calling it.
+   */
+  onStarted?: () => void;
 }
 
 export interface ExecResult {
@@ -363,7 +368,12 @@ export class GuestClient {
     const streaming = o.onStdout !== undefined || o.onStderr !== undefined;
     const streamedStdin =
       o.stdin !== undefined && typeof o.stdin !== "string" && !(o.stdin instanceof Uint8Array);
-    w.u32(Tag.STREAM, (streaming ? StreamFlag.OUTPUT : 0) | (streamedStdin ? StreamFlag.STDIN : 0));
+    w.u32(
+      Tag.STREAM,
+      (streaming ? StreamFlag.OUTPUT : 0) |
+        (streamedStdin ? StreamFlag.STDIN : 0) |
+        (o.onStarted ? StreamFlag.STARTED : 0),
+    );
     if (o.seed !== undefined) w.bytes(Tag.SEED, o.seed);
     if (typeof o.stdin === "string" || o.stdin instanceof Uint8Array) w.bytes(Tag.STDIN, o.stdin);
 
@@ -378,6 +388,8 @@ export class GuestClient {
       } else if (type === FrameType.STDERR) {
         err.add(payload);
         o.onStderr?.(payload);
+      } else if (type === FrameType.STARTED) {
+        o.onStarted?.();
       }
     };
     // No client timeout without a guest timeout: a command may legitimately run for ever; the
@@ -805,6 +817,7 @@ export class GuestClient {
         return;
       case FrameType.STDOUT:
       case FrameType.STDERR:
+      case FrameType.STARTED:
         this.pending.get(stream)?.onFrame?.(type, payload);
         return;
       case FrameType.RESPONSE: {
