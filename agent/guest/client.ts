@@ -18,7 +18,7 @@ import {
   StreamFlag,
   Tag,
 } from "../../contracts/guest-protocol.ts";
-import { decodeTlv, encodeFrame, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
+import { decodeTlv, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
 import { Outbox, SEND_STALL_MS } from "./outbox.ts";
 import { CLOSE_ANSWER_MS, GuestTunnel } from "./tunnel.ts";
 
@@ -722,9 +722,10 @@ export class GuestClient {
     }
   }
 
-  private send(type: number, stream: number, payload?: Uint8Array): boolean {
+  /** `uncopied`: a payload its caller never changes afterwards (Outbox.send). */
+  private send(type: number, stream: number, payload?: Uint8Array, uncopied = false): boolean {
     if (!this.closedWith) {
-      const ok = this.outbox.write(encodeFrame(type, stream, payload));
+      const ok = this.outbox.send(type, stream, payload, uncopied);
       if (!this.closedWith) return ok;
     }
     // Closed before, or by this write crossing the outbox's bound.
@@ -743,7 +744,7 @@ export class GuestClient {
         for (let off = 0; off < piece.length; off += FILE_CHUNK) {
           while (this.outbox.congested()) await this.outbox.drained();
           if (!this.pending.has(stream)) return; // refused (answered early) or failed
-          this.send(FrameType.STDIN, stream, piece.subarray(off, off + FILE_CHUNK));
+          this.send(FrameType.STDIN, stream, piece.subarray(off, off + FILE_CHUNK), true);
           this.armTimer(stream, this.opts.requestTimeoutMs, "no answer to a file write");
         }
       }
