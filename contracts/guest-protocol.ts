@@ -30,6 +30,11 @@ export const FrameType = {
   OPEN: 12,
   /** Host -> guest on a PTY tunnel (Op.PTY): u16 cols, u16 rows; the guest sets the window size. */
   RESIZE: 13,
+  /**
+   * Guest -> host on an EXEC stream that asked for it (StreamFlag.STARTED), empty: the command
+   * was forked (its cwd and argv accepted); output and the RESPONSE follow.
+   */
+  STARTED: 14,
 } as const;
 export type FrameType = (typeof FrameType)[keyof typeof FrameType];
 
@@ -128,4 +133,4 @@ export const EntryType = { FILE: 1, DIR: 2, SYMLINK: 3, OTHER: 4 } as const;
 export const ENTRY_HEADER_LEN = 21;
 
 /** Bits of Tag.STREAM. */
-export const StreamFlag = { OUTPUT: 1, STDIN: 2 } as const;
+export const StreamFlag = { OUTPUT: 1, STDIN: 2, STARTED: 4 } as const;

@@ -1,6 +1,7 @@
 /** Request parsing at the edge: size-limited JSON body and query, validated by the contract. */
 import type { Context } from "hono";
 import type { z } from "zod";
+import { TOO_LARGE } from "../contracts/api/common.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 
 function describeIssues(err: z.ZodError): string {
@@ -12,8 +13,16 @@ function describeIssues(err: z.ZodError): string {
 
 export function validate<S extends z.ZodType>(schema: S, value: unknown, where: string): z.output<S> {
   const r = schema.safeParse(value);
-  if (!r.success) throw new SandboxdError("bad_request", `invalid ${where}: ${describeIssues(r.error)}`);
-  return r.data;
+  if (r.success) return r.data;
+  // A field over its size bound (contracts/api/common.ts TOO_LARGE) makes the request too large:
+  // 413, as a body over its byte bound is, whatever else is wrong with it.
+  const big = r.error.issues.filter((i) => i.code === "custom" && i.params?.[TOO_LARGE] === true);
+  if (big.length > 0)
+    throw new SandboxdError(
+      "payload_too_large",
+      `${where}: ${describeIssues({ ...r.error, issues: big } as z.ZodError)}`,
+    );
+  throw new SandboxdError("bad_request", `invalid ${where}: ${describeIssues(r.error)}`);
 }
 
 /** Reads at most `max` bytes (413 beyond, spec 4.2), whatever Content-Length claims. */

@@ -5,8 +5,9 @@
  * (byte-exact, a character split across writes reassembled), a 20 MB output whole (no cap), a
  * client that disconnects cancels the command (its process is gone afterwards, and a second exec
  * meanwhile is 409 busy), a reader that stops reading stops the command (back-pressure) without
- * the service's memory growing, a sandbox deleted mid-stream ends it with one `error` event, and
- * errors before any output stay JSON (busy, foreign id 404); `env`, `cwd`, `user` and
+ * the service's memory growing, a sandbox deleted mid-stream ends it with one `error` event, a
+ * silent command's stream is open (200, headers) once it started, long before its first output,
+ * and errors before the command starts stay JSON (busy, foreign id 404); `env`, `cwd`, `user` and
  * `stdin`/`stdin_b64` reach the command, and a
  * missing cwd or an unknown user is a 400 before anything runs. Prints the first-stdout-byte
  * latency of streamed execs (p50 over 20).
@@ -15,6 +16,7 @@ import { afterAll, beforeAll, expect, test } from "bun:test";
 import { readFileSync, writeFileSync } from "node:fs";
 import * as A from "../contracts/api/family-a.ts";
 import * as B from "../contracts/api/family-b.ts";
+import { MAX_EXEC_STDIN_BYTES } from "../contracts/api/limits.ts";
 import {
   createKeys,
   expectError,
@@ -90,6 +92,8 @@ interface Streamed {
   /** The JSON error body when the answer was not a stream. */
   error?: unknown;
   t0: number;
+  /** performance.now() when the answer's status and headers arrived. */
+  headersAt: number;
 }
 
 /**
@@ -114,6 +118,7 @@ async function streamExec(
     body: JSON.stringify(json),
     signal: AbortSignal.any([ctl.signal, AbortSignal.timeout(600_000)]),
   });
+  const headersAt = performance.now();
   const contentType = res.headers.get("content-type");
   if (!contentType?.startsWith("text/event-stream")) {
     const text = await res.text();
@@ -124,7 +129,7 @@ async function streamExec(
       contentType,
       text,
     });
-    return { status: res.status, contentType, events: [], error: JSON.parse(text), t0 };
+    return { status: res.status, contentType, events: [], error: JSON.parse(text), t0, headersAt };
   }
   const events: Ev[] = [];
   const reader = res.body!.getReader();
@@ -140,6 +145,7 @@ async function streamExec(
       const block = buf.slice(0, cut);
       buf = buf.slice(cut + 2);
       cut = buf.indexOf("\n\n");
+      if (block.startsWith(":")) continue; // a comment (`: open`, which flushes the headers)
       const name = /^event: (.*)$/m.exec(block)?.[1] ?? "message";
       const data = JSON.parse(/^data: (.*)$/m.exec(block)?.[1] ?? "null") as Record<string, unknown>;
       const e = { event: name, data, at };
@@ -147,12 +153,12 @@ async function streamExec(
       if (onEvent?.(e)) {
         ctl.abort();
         await reader.cancel().catch(() => undefined);
-        return { status: res.status, contentType, events, t0 };
+        return { status: res.status, contentType, events, t0, headersAt };
       }
     }
   }
   expect(buf).toBe("");
-  return { status: res.status, contentType, events, t0 };
+  return { status: res.status, contentType, events, t0, headersAt };
 }
 
 /** The bytes of one output stream's events, in order. */
@@ -208,6 +214,26 @@ test("a line printed every 200 ms streams each line within 300 ms of its print (
   // Streamed, not collected: the first line arrived well before the command's end.
   const exitAt = s.events.at(-1)!.at;
   expect(exitAt - lines[0]!.arrived).toBeGreaterThan(1000);
+}, 120_000);
+
+test("a silent streamed exec answers 200 with its headers once the command started, not at its first output", async () => {
+  // The command prints nothing for 5 s: the stream must be open (status, headers) long before.
+  for (const [path, key, json] of [
+    [sbxPath(), keys.pro, { command: "sleep 5; echo x" }],
+    [sessPath(), keys.live, { commands: [["sh", "-c", "sleep 5; echo x"]] }],
+  ] as const) {
+    const s = await streamExec(path, key, json);
+    expect(s.status).toBe(200);
+    const x = s.events.find((e) => e.event === "stdout");
+    expect(x?.data.data).toBe("x\n");
+    console.log(
+      `silent streamed exec (${path.split("/")[2]}): headers after ${Math.round(s.headersAt - s.t0)} ms, ` +
+        `first output ${Math.round(x!.at - s.t0)} ms`,
+    );
+    // Not a speed bound: the headers came while the command still slept, seconds before its output.
+    expect(x!.at - s.headersAt).toBeGreaterThan(3000);
+    exitOf(s);
+  }
 }, 120_000);
 
 test("a session exec streams too, waking the idle-paused VM; its exit event is the session exec response", async () => {
@@ -520,6 +546,13 @@ test("a missing cwd or an unknown user is a 400 before anything runs, plain or s
   expectError(
     await service().api.post(sbxPath(), { key: keys.pro, json: { command: "true", cwd: "relative" } }),
     400,
+  );
+  // A stdin over its bound is 413 like any body over its bound, exact to the byte in base64 too.
+  const over = Buffer.alloc(MAX_EXEC_STDIN_BYTES + 1, 0x61).toString("base64");
+  expectError(
+    await service().api.post(sbxPath(), { key: keys.pro, json: { command: "true", stdin_b64: over } }),
+    413,
+    "payload_too_large",
   );
 }, 120_000);
 

@@ -5,12 +5,14 @@
  * left idle is `suspended` (`suspended_by: "idle"`) within 5 s, and its next exec resumes it with
  * the guest's state intact (a file written before). One with `idle_action: "delete"` is deleted
  * (404) and its QEMU goes. One whose exec runs longer than its timeout is not suspended mid-exec.
- * One the user suspended still refuses exec (409) as before.
+ * Nor is one whose process log is followed while the follow is open. One the user suspended still
+ * refuses exec (409) as before.
  *
  * Tests run in order and share one service; the last stops it and checks no QEMU is left.
  */
 import { afterAll, afterEach, beforeAll, expect, test } from "bun:test";
 import * as B from "../contracts/api/family-b.ts";
+import * as P from "../contracts/api/processes.ts";
 import {
   createKeys,
   expectError,
@@ -138,6 +140,33 @@ test(
     expect(await running).toBe("slept\n");
     expect(performance.now() - t0).toBeGreaterThan(7_000);
     // The exec's end resets idleness; idle after it, the reaper suspends it (it ran all along).
+    expect(await waitFor(async () => (await info(id)).state === "suspended", RECLAIM_WAIT_MS)).toBe(true);
+  },
+  TEST_TIMEOUT_MS,
+);
+
+test(
+  "an open followed log keeps the sandbox from the idle suspend; once closed, the suspend comes",
+  async () => {
+    const id = await create({ idle_timeout_seconds: IDLE_S, idle_action: "suspend" });
+    const started = await api().post(`/v1/sandboxes/${id}/processes`, {
+      key,
+      json: { command: "sleep 120" },
+    });
+    const proc = expectOk(started, 201, P.ProcessInfo);
+    // Silent: the follow sends nothing after its `: open`, yet it is a call in flight.
+    const ctl = new AbortController();
+    const res = await fetch(new URL(`/v1/sandboxes/${id}/processes/${proc.pid}/logs`, svc!.url), {
+      headers: { authorization: `Bearer ${key}`, accept: "text/event-stream" },
+      signal: ctl.signal,
+    });
+    expect(res.status).toBe(200);
+    await Bun.sleep((IDLE_S + 3 * INTERVAL_S) * 1000);
+    const mid = await info(id);
+    expect(mid.state).toBe("running");
+    expect(mid.idle_secs).toBe(0);
+    ctl.abort();
+    await res.body?.cancel().catch(() => undefined);
     expect(await waitFor(async () => (await info(id)).state === "suspended", RECLAIM_WAIT_MS)).toBe(true);
   },
   TEST_TIMEOUT_MS,

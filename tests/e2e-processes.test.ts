@@ -5,7 +5,8 @@
  * while a foreground exec still runs beside it; `DELETE` kills its process group (the guest has no
  * httpd left and the port refuses); logs as JSON and followed as Server-Sent Events show a
  * process's output in order; stdin (JSON and raw) reaches `cat`; the list shows exit codes;
- * another tenant's id is 404, an unknown pid 404; the 32-process cap holds (409), a suspend
+ * another tenant's id is 404, an unknown pid 404, a missing cwd or unknown user 400 (nothing
+ * started); the 32-process cap holds (409), a suspend
  * ends the processes (they are listed as ended after the resume), and an idle sandbox is paused
  * with its process unless the process asked for `keep_awake`.
  */
@@ -16,6 +17,7 @@ import { join } from "node:path";
 import WebSocket from "ws";
 import * as A from "../contracts/api/family-a.ts";
 import * as B from "../contracts/api/family-b.ts";
+import { MAX_EXEC_STDIN_BYTES } from "../contracts/api/limits.ts";
 import * as P from "../contracts/api/processes.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 import {
@@ -402,6 +404,16 @@ describe("Family A session", () => {
           P.ProcessStdinResponse,
         ),
       ).toEqual({ pid: cat.pid, bytes: 6 });
+      // Stdin over its bound in a JSON body is 413, as the raw form's is, not 409 `busy`: refused
+      // before the call reaches the sandbox.
+      const big = Buffer.alloc(MAX_EXEC_STDIN_BYTES + 1, 0x61).toString("base64");
+      for (const json of [{ data_b64: big }, { data: "a".repeat(MAX_EXEC_STDIN_BYTES + 1) }]) {
+        expectError(
+          await api().post(`${base}/${cat.pid}/stdin`, { key: keys.live, json }),
+          413,
+          "payload_too_large",
+        );
+      }
       let logs: P.ProcessLogsResponse | undefined;
       const echoed = await waitFor(async () => {
         logs = expectOk(
@@ -466,6 +478,16 @@ describe("Family A session", () => {
         P.ProcessLogsResponse,
       );
       expect(shLogs).toMatchObject({ stdout: "out hi\n", stderr: "err\n", process: { exit_code: 3 } });
+      // A missing cwd or an unknown user is 400 as for exec, before any answer says it started;
+      // nothing is listed for it.
+      for (const [json, what] of [
+        [{ command: "touch /tmp/nope", cwd: "/no/such/dir" }, "/no/such/dir"],
+        [{ command: "touch /tmp/nope", user: "nosuchuser" }, "nosuchuser"],
+      ] as const) {
+        const bad = await api().post(base, { key: keys.live, json });
+        expectError(bad, 400, "bad_request");
+        expect((bad.body as { message: string }).message).toContain(what);
+      }
       const list = expectOk(await api().get(base, { key: keys.live }), 200, P.ProcessList).processes;
       expect(list.map((p) => [p.pid, p.running, p.exit_code])).toEqual([
         [cat.pid, false, 0],

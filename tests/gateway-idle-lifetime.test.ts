@@ -14,9 +14,11 @@ import { eq } from "drizzle-orm";
 import type { Db } from "../db/client.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
 import { usageIntervals } from "../db/schema/usage-intervals.ts";
+import { verifyKey } from "../gateway/auth/keys.ts";
 import { suspendIdleSandboxes, wakeIfIdle } from "../gateway/core/idle.ts";
-import { reapIdleSessions } from "../gateway/core/sandboxes.ts";
+import { beginUse, reapIdleSessions, touchRelayed } from "../gateway/core/sandboxes.ts";
 import type { Deps } from "../gateway/deps.ts";
+import { RelayRegistry } from "../gateway/relay/registry.ts";
 import type { Harness } from "../gateway/testing/harness.ts";
 import { gatewayDeps, onBothDatabases } from "./support/postgres-suite.ts";
 
@@ -111,6 +113,26 @@ function suite(name: string, open: () => Promise<{ harness: Harness; others: Db[
       expect((await rowOf(plain)).state).toBe("running");
       // That user's suspend failed: its hold ends (it would count toward the suspended quota).
       await h.handle.db.update(sandboxes).set({ hold: null, holdUntil: null }).where(eq(sandboxes.id, held));
+    });
+
+    test("a long call (a file transfer, a followed log) outlasting any exec is kept fresh, not reaped", async () => {
+      const id = await newSandbox({ idle_timeout_seconds: 3 });
+      const deps = { ...gateway(), relays: new RelayRegistry(() => h.now.ms) };
+      const principal = (await verifyKey(h.handle.db, h.config.keyPepper, pro))!;
+      // The path the file and process routes take (files.ts, core/processes.ts).
+      const use = await beginUse(deps, principal, id);
+      // Past the cutoff after which a count in flight is taken for a dead gateway's: each reaper
+      // pass first touches what this gateway holds open (reaper.ts).
+      const stale = (h.config.limits.maxExecTimeoutS + 600) * 1000;
+      for (let i = 0; i < 3; i++) {
+        h.now.ms += stale / 2;
+        await touchRelayed(deps);
+        expect(await racePasses()).not.toContain(id);
+      }
+      expect((await rowOf(id)).execsInFlight).toBe(1);
+      await use.end();
+      h.now.ms += 4000;
+      expect(await racePasses()).toContain(id);
     });
 
     test("an exec on a sandbox the reaper suspended resumes it first; concurrent calls resume once", async () => {

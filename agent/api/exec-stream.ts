@@ -1,9 +1,9 @@
 /**
  * `POST /v1/vms/{id}/exec?stream=1` (docs/agent-api.md "Streamed exec"): the exec's output as
  * frames (contracts/agent/exec-stream.ts) while the command runs, then its result. The answer's
- * status and headers wait for the first output (or the end): an exec refused before any output
- * (busy, a missing cwd, an unknown user, a VM that is gone) is an ordinary JSON error, and once
- * the body has begun a failure is its last frame.
+ * status and headers go once the guest has started the command (its STARTED frame), before any
+ * output: an exec refused before that (busy, a missing cwd, an unknown user, a VM that is gone)
+ * is an ordinary JSON error, and once the body has begun a failure is its last frame.
  *
  * Back-pressure: the body is a pull stream holding at most `STREAM_BUFFER_BYTES`; past that the
  * sink says "full" and the exec stops reading the guest (exec-run.ts) until the gateway has read
@@ -43,6 +43,8 @@ export async function streamExec(
             encodeExecFrame(stream === "stdout" ? ExecFrameKind.STDOUT : ExecFrameKind.STDERR, chunk),
           ),
         drained: () => out.drained(),
+        // The answer's first bytes: its status and headers go with them, before any output.
+        started: () => void out.write(encodeExecFrame(ExecFrameKind.STARTED, new Uint8Array(0))),
       };
       return manager.exec(vmId, action, { sink, signal });
     },

@@ -60,7 +60,9 @@ export function processRoutes(r: Hono, manager: SandboxManager, h: ProcessRouteH
       bufferBytes: STREAM_BUFFER_BYTES,
       requestSignal: c.req.raw.signal,
       run: async (out, signal) => {
-        out.write(new Uint8Array(0)); // the headers go now: a quiet process still answers
+        // The headers go now, with real bytes (an empty chunk flushes nothing): a quiet process
+        // still answers at once.
+        out.write(encodeExecFrame(ExecFrameKind.STARTED, new Uint8Array(0)));
         for await (const chunk of proc.follow(signal)) {
           const kind = chunk.stream === "stdout" ? ExecFrameKind.STDOUT : ExecFrameKind.STDERR;
           if (!out.write(encodeExecFrame(kind, chunk.data))) await out.drained();

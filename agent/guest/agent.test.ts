@@ -167,6 +167,30 @@ describe("exec", () => {
     expect(err.errno).toBe(2);
   });
 
+  test("STARTED comes once the command is forked, before its output; never for a refused exec", async () => {
+    const t0 = Date.now();
+    let startedAt = 0;
+    const seen: string[] = [];
+    const r = await client.exec({
+      argv: ["sh", "-c", "sleep 0.5; echo x"],
+      env: ENV,
+      onStdout: (b) => seen.push(`out:${b}`),
+      onStarted: () => {
+        startedAt = Date.now();
+        seen.push("started");
+      },
+    });
+    expect(r.exitCode).toBe(0);
+    expect(seen).toEqual(["started", "out:x\n"]);
+    expect(startedAt - t0).toBeLessThan(400); // while the command still sleeps
+    let refusedStarted = false;
+    const err = await client
+      .exec({ argv: ["true"], env: ENV, cwd: join(dir, "nope"), onStarted: () => (refusedStarted = true) })
+      .catch((e) => e);
+    expect(err).toBeInstanceOf(GuestError);
+    expect(refusedStarted).toBe(false);
+  });
+
   test("killed by a signal reports the signal", async () => {
     const r = await client.exec({ argv: ["sh", "-c", "kill -TERM $$"], env: ENV });
     expect(r.exitCode).toBeNull();

@@ -18,7 +18,7 @@ import {
   StreamFlag,
   Tag,
 } from "../../contracts/guest-protocol.ts";
-import { decodeTlv, encodeFrame, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
+import { decodeTlv, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
 import { Outbox, SEND_STALL_MS } from "./outbox.ts";
 import { CLOSE_ANSWER_MS, GuestTunnel } from "./tunnel.ts";
 
@@ -89,6 +89,11 @@ export interface ExecOptions {
   onStderr?: (chunk: Buffer) => void;
   /** Aborting sends CANCEL: the group is killed and the result comes back with `signal` 9. */
   signal?: AbortSignal;
+  /**
+   * Called once the guest has forked the command (a STARTED frame): its cwd and argv were
+   * accepted, before any output. A refusal (a bad cwd) rejects the exec without calling it.
+   */
+  onStarted?: () => void;
 }
 
 export interface ExecResult {
@@ -363,7 +368,12 @@ export class GuestClient {
     const streaming = o.onStdout !== undefined || o.onStderr !== undefined;
     const streamedStdin =
       o.stdin !== undefined && typeof o.stdin !== "string" && !(o.stdin instanceof Uint8Array);
-    w.u32(Tag.STREAM, (streaming ? StreamFlag.OUTPUT : 0) | (streamedStdin ? StreamFlag.STDIN : 0));
+    w.u32(
+      Tag.STREAM,
+      (streaming ? StreamFlag.OUTPUT : 0) |
+        (streamedStdin ? StreamFlag.STDIN : 0) |
+        (o.onStarted ? StreamFlag.STARTED : 0),
+    );
     if (o.seed !== undefined) w.bytes(Tag.SEED, o.seed);
     if (typeof o.stdin === "string" || o.stdin instanceof Uint8Array) w.bytes(Tag.STDIN, o.stdin);
 
@@ -378,6 +388,8 @@ export class GuestClient {
       } else if (type === FrameType.STDERR) {
         err.add(payload);
         o.onStderr?.(payload);
+      } else if (type === FrameType.STARTED) {
+        o.onStarted?.();
       }
     };
     // No client timeout without a guest timeout: a command may legitimately run for ever; the
@@ -710,9 +722,10 @@ export class GuestClient {
     }
   }
 
-  private send(type: number, stream: number, payload?: Uint8Array): boolean {
+  /** `uncopied`: a payload its caller never changes afterwards (Outbox.send). */
+  private send(type: number, stream: number, payload?: Uint8Array, uncopied = false): boolean {
     if (!this.closedWith) {
-      const ok = this.outbox.write(encodeFrame(type, stream, payload));
+      const ok = this.outbox.send(type, stream, payload, uncopied);
       if (!this.closedWith) return ok;
     }
     // Closed before, or by this write crossing the outbox's bound.
@@ -731,7 +744,7 @@ export class GuestClient {
         for (let off = 0; off < piece.length; off += FILE_CHUNK) {
           while (this.outbox.congested()) await this.outbox.drained();
           if (!this.pending.has(stream)) return; // refused (answered early) or failed
-          this.send(FrameType.STDIN, stream, piece.subarray(off, off + FILE_CHUNK));
+          this.send(FrameType.STDIN, stream, piece.subarray(off, off + FILE_CHUNK), true);
           this.armTimer(stream, this.opts.requestTimeoutMs, "no answer to a file write");
         }
       }
@@ -805,6 +818,7 @@ export class GuestClient {
         return;
       case FrameType.STDOUT:
       case FrameType.STDERR:
+      case FrameType.STARTED:
         this.pending.get(stream)?.onFrame?.(type, payload);
         return;
       case FrameType.RESPONSE: {

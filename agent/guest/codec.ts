@@ -42,22 +42,36 @@ export interface Frame {
 
 /** Encodes one frame. Throws `protocol_error` for a payload over MAX_PAYLOAD (a caller bug). */
 export function encodeFrame(type: number, stream: number, payload: Uint8Array = new Uint8Array(0)): Buffer {
-  if (payload.length > MAX_PAYLOAD) {
-    throw new GuestError("protocol_error", `frame payload ${payload.length} bytes exceeds MAX_PAYLOAD`, {
-      details: { reason: "oversize", length: payload.length },
+  const out = Buffer.allocUnsafe(HEADER_LEN + payload.length);
+  writeHeader(out, type, stream, payload.length);
+  out.set(payload, HEADER_LEN);
+  return out;
+}
+
+/**
+ * A frame's header alone, for a payload sent as it is after it (a large one, which is then not
+ * copied into a frame buffer). The same checks as `encodeFrame`.
+ */
+export function encodeHeader(type: number, stream: number, length: number): Buffer {
+  const out = Buffer.allocUnsafe(HEADER_LEN);
+  writeHeader(out, type, stream, length);
+  return out;
+}
+
+function writeHeader(out: Buffer, type: number, stream: number, length: number): void {
+  if (length > MAX_PAYLOAD) {
+    throw new GuestError("protocol_error", `frame payload ${length} bytes exceeds MAX_PAYLOAD`, {
+      details: { reason: "oversize", length },
     });
   }
   if (!Number.isInteger(type) || type < 0 || type > 0xff) throw new RangeError(`frame type ${type}`);
   if (!Number.isInteger(stream) || stream < 0 || stream > 0xffffffff)
     throw new RangeError(`stream id ${stream}`);
-  const out = Buffer.allocUnsafe(HEADER_LEN + payload.length);
   out.writeUInt16LE(MAGIC, 0);
   out.writeUInt8(VERSION, 2);
   out.writeUInt8(type, 3);
   out.writeUInt32LE(stream, 4);
-  out.writeUInt32LE(payload.length, 8);
-  out.set(payload, HEADER_LEN);
-  return out;
+  out.writeUInt32LE(length, 8);
 }
 
 export type DecodeEvent = { kind: "frame"; frame: Frame } | { kind: "error"; error: GuestError };
@@ -70,14 +84,23 @@ export type DecodeEvent = { kind: "frame"; frame: Frame } | { kind: "error"; err
 export class FrameDecoder {
   private header = Buffer.alloc(HEADER_LEN);
   private headerLen = 0;
-  private chunks: Buffer[] = [];
+  /**
+   * The payload being read, allocated at its announced length once the header is in (bounded by
+   * MAX_PAYLOAD, checked first): each input chunk is copied into place once, rather than copied
+   * into a list and then concatenated (two copies of every byte a guest sends, and twice the
+   * garbage: a 100 MB download made 200 MB of it).
+   */
+  private payload: Buffer | undefined;
   private payloadHave = 0;
   private payloadNeed = -1; // -1: reading a header
   private type = 0;
   private stream = 0;
   private failed = false;
 
-  /** Bytes held for an incomplete frame; never more than HEADER_LEN + MAX_PAYLOAD. */
+  /**
+   * Bytes received for an incomplete frame; never more than HEADER_LEN + MAX_PAYLOAD (its buffer
+   * is the announced length, at most MAX_PAYLOAD).
+   */
   get bufferedBytes(): number {
     return this.headerLen + this.payloadHave;
   }
@@ -88,7 +111,7 @@ export class FrameDecoder {
 
   reset(): void {
     this.headerLen = 0;
-    this.chunks = [];
+    this.payload = undefined;
     this.payloadHave = 0;
     this.payloadNeed = -1;
     this.failed = false;
@@ -116,11 +139,12 @@ export class FrameDecoder {
         this.payloadNeed = this.header.readUInt32LE(8);
         this.headerLen = 0;
         if (this.payloadNeed === 0) this.emit(events);
+        else this.payload = Buffer.allocUnsafe(this.payloadNeed);
         continue;
       }
       const take = Math.min(this.payloadNeed - this.payloadHave, buf.length);
       // Copy: the caller may reuse its chunk, and a subarray would pin the whole chunk.
-      this.chunks.push(Buffer.from(buf.subarray(0, take)));
+      buf.copy(this.payload as Buffer, this.payloadHave, 0, take);
       this.payloadHave += take;
       buf = buf.subarray(take);
       if (this.payloadHave === this.payloadNeed) this.emit(events);
@@ -139,10 +163,9 @@ export class FrameDecoder {
   }
 
   private emit(events: DecodeEvent[]): void {
-    const payload =
-      this.chunks.length === 1 ? (this.chunks[0] as Buffer) : Buffer.concat(this.chunks, this.payloadHave);
+    const payload = this.payload ?? Buffer.alloc(0);
     events.push({ kind: "frame", frame: { type: this.type, stream: this.stream, payload } });
-    this.chunks = [];
+    this.payload = undefined;
     this.payloadHave = 0;
     this.payloadNeed = -1;
   }

@@ -13,7 +13,7 @@
  * what makes the byte bound a memory bound.
  */
 import type { Socket } from "node:net";
-import { GuestError } from "./codec.ts";
+import { encodeFrame, encodeHeader, GuestError } from "./codec.ts";
 
 /**
  * Bytes queued towards the guest. Large frames wait until the socket drained below its
@@ -60,13 +60,25 @@ export class Outbox {
   }
 
   /**
-   * Queues one encoded frame. False when it had to wait (congested) or the bound was crossed;
-   * in the latter case `onStuck` has ended the channel before this returns.
+   * Encodes and queues one frame (`write`). With `uncopied`, a payload its caller never changes
+   * afterwards (a file's bytes from an upload body) is written after its header as it is, not
+   * copied into a frame buffer (a 100 MB upload made 100 MB of such copies), unless it has to wait.
    */
-  write(frame: Buffer): boolean {
+  send(type: number, stream: number, payload?: Uint8Array, uncopied = false): boolean {
+    if (uncopied && payload) return this.write(encodeHeader(type, stream, payload.length), payload);
+    return this.write(encodeFrame(type, stream, payload));
+  }
+
+  /**
+   * Queues one encoded frame, or a header and its `payload`. False when it had to wait
+   * (congested) or the bound was crossed; in the latter case `onStuck` has ended the channel
+   * before this returns.
+   */
+  write(frame: Buffer, payload?: Uint8Array): boolean {
     if (this.closed) return false;
     const queued = this.queuedBytes;
-    if (queued + frame.length > MAX_QUEUED_TO_GUEST) {
+    const length = frame.length + (payload?.length ?? 0);
+    if (queued + length > MAX_QUEUED_TO_GUEST) {
       this.onStuck(
         stuck(
           `the guest stopped reading its port (${queued} bytes queued towards it, bound ${MAX_QUEUED_TO_GUEST})`,
@@ -76,10 +88,13 @@ export class Outbox {
     }
     if (this.congested()) {
       this.pack(frame);
+      if (payload) this.pack(payload);
       this.armStall();
       return false;
     }
-    const ok = this.socket.write(frame);
+    let ok = this.socket.write(frame);
+    // Straight after its header, in the same turn: nothing else is written between them.
+    if (payload) ok = this.socket.write(payload) && ok;
     if (!ok) this.armStall();
     return ok;
   }
@@ -113,7 +128,7 @@ export class Outbox {
     this.packedBytes = 0;
   }
 
-  private pack(frame: Buffer): void {
+  private pack(frame: Uint8Array): void {
     let off = 0;
     while (off < frame.length) {
       let tail = this.packed[this.packed.length - 1];
@@ -122,7 +137,8 @@ export class Outbox {
         this.packed.push(tail);
         this.packedTailUsed = 0;
       }
-      const n = frame.copy(tail, this.packedTailUsed, off);
+      const n = Math.min(frame.length - off, tail.length - this.packedTailUsed);
+      tail.set(frame.subarray(off, off + n), this.packedTailUsed);
       this.packedTailUsed += n;
       off += n;
     }

@@ -36,6 +36,8 @@ export interface RunOutcome {
 export interface OutputSink {
   write(stream: "stdout" | "stderr", chunk: Buffer): boolean;
   drained(): Promise<void>;
+  /** The guest has started the command (its cwd and user accepted), before any output. */
+  started?(): void;
 }
 
 /**
@@ -87,6 +89,7 @@ export async function runOne(
             onStdout: (b: Buffer) => out("stdout", b),
             onStderr: (b: Buffer) => out("stderr", b),
             collect: false,
+            ...(sink.started ? { onStarted: () => sink.started?.() } : {}),
           }
         : {}),
       signal,
@@ -149,7 +152,7 @@ async function* oneChunk(b: string | Uint8Array): AsyncIterable<Uint8Array | str
  * The guest refuses an exec whose working directory is missing or not a directory before anything
  * runs (agent/guest/agent/exec.c): that is the request's fault, a 400 naming the path.
  */
-function cwdError(err: unknown, cwd: string): SandboxdError | undefined {
+export function cwdError(err: unknown, cwd: string): SandboxdError | undefined {
   if (!(err instanceof GuestError) || err.code !== "guest_error" || !err.message.startsWith("exec: cwd"))
     return undefined;
   return new SandboxdError(

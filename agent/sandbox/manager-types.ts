@@ -51,7 +51,7 @@ export interface SandboxInfo {
   qemuPid?: number;
   /** The allow-list in force (`["*"]`: everything, `[]`: nothing). */
   egressAllow: readonly string[];
-  /** The latest refused egress attempts, oldest first (at most EGRESS_REFUSED_KEPT, manager.ts). */
+  /** The latest refused egress attempts, oldest first (at most EGRESS_REFUSED_KEPT, guest-access.ts). */
   egressRefused: EgressAttempt[];
   /** A one-shot exec's VM (`execOnce`): gone with its call, no gateway row names it. */
   oneShot?: true;

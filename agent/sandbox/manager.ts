@@ -30,14 +30,14 @@ import type {
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressFence, operatorFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
-import { serveEgressConnection } from "../egress/proxy.ts";
-import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
+import { GuestError, type GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
 import type { UsageReport } from "./accounting.ts";
 import { addHeld, Capacity, type HeldResources, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
-import { type ExecRequest, planExec, planPty } from "./exec.ts";
+import { type ExecRequest, planExec } from "./exec.ts";
 import { type OutputSink, type RunOutcome, resolveExecUser, runOne, writeFiles } from "./exec-run.ts";
+import { GuestAccess } from "./guest-access.ts";
 import {
   infoOf,
   type ManagerOptions,
@@ -47,7 +47,6 @@ import {
   type SandboxInfo,
 } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
-import { ProcessTable } from "./processes.ts";
 import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
@@ -70,8 +69,6 @@ const DEATH_NOTICE_MS = 1_000;
  * cheap; a minute keeps disk GB-hours within a minute's growth of the truth.
  */
 const DISK_REFRESH_MS = 60_000;
-/** Refused egress attempts kept per sandbox for `info`: enough to see a pattern, bounded memory. */
-const EGRESS_REFUSED_KEPT = 50;
 
 export class SandboxManager {
   private readonly sandboxes = new Map<string, Sandbox>();
@@ -89,6 +86,7 @@ export class SandboxManager {
   readonly capacity: Capacity;
   private readonly log: (msg: string) => void;
   private detached = false;
+  private readonly access: GuestAccess;
   private diskTimer: ReturnType<typeof setInterval> | undefined;
 
   private constructor(private readonly opts: ManagerOptions) {
@@ -122,6 +120,19 @@ export class SandboxManager {
     this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
     this.fence = opts.fence ?? operatorFence();
     this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.used());
+    this.access = new GuestAccess({
+      driver: this.driver,
+      fence: this.fence,
+      log: this.log,
+      get: (id) => this.mustGet(id),
+      find: (id) => this.sandboxes.get(id),
+      setState: (sb, to) => this.setState(sb, to),
+      wake: (sb) => this.wake(sb),
+      goneError: (sb) => this.goneError(sb),
+      tunnelsChanged: (sb) => this.tunnelsChanged(sb),
+      armIdle: (sb) => this.armIdle(sb),
+      clearIdle: (sb) => this.clearIdle(sb),
+    });
   }
 
   /**
@@ -453,157 +464,6 @@ export class SandboxManager {
     return attempt;
   }
 
-  /**
-   * A sandbox whose VM runs (or only idle-paused: it is marked running again), counted as a
-   * tunnel being opened so it is not idle-paused meanwhile; the caller ends the count
-   * (`tunnelOpens--` then `tunnelsChanged`). Any other state is `conflict`, `gone` once terminal.
-   */
-  private holdAwake(id: string, what: string): Sandbox {
-    const sb = this.mustGet(id);
-    if (isTerminal(sb.state)) throw this.goneError(sb);
-    if (sb.state === "paused") this.setState(sb, "running");
-    if (sb.state !== "running" && sb.state !== "busy") {
-      throw new SandboxdError("conflict", `sandbox ${id} is ${sb.state}: ${what} a running VM`, {
-        details: { id, state: sb.state },
-      });
-    }
-    sb.tunnelOpens++;
-    this.clearIdle(sb);
-    return sb;
-  }
-
-  /**
-   * The guest of a sandbox for a call that runs beside its exec (the file API, files.ts): an
-   * idle-paused VM is woken first, as for a tunnel, and it is not idle-paused again until
-   * `release` (counted with the tunnels being opened: a paused guest would stall the transfer).
-   * Any state but running, busy or paused is `conflict` (`gone` once terminal).
-   */
-  async holdGuest(
-    id: string,
-  ): Promise<{ guest: GuestClient; image: DriverVm["image"]; release: () => void }> {
-    const sb = this.holdAwake(id, "file calls need");
-    let held = true;
-    const release = () => {
-      if (!held) return;
-      held = false;
-      sb.tunnelOpens--;
-      sb.lastUsedAtMs = Date.now();
-      this.tunnelsChanged(sb);
-    };
-    try {
-      await this.wake(sb);
-      const vm = sb.vm;
-      if (!vm) throw this.goneError(sb);
-      return { guest: vm.guest, image: vm.image, release };
-    } catch (err) {
-      release();
-      throw err;
-    }
-  }
-
-  /**
-   * A byte tunnel to 127.0.0.1:`port` inside the sandbox's VM (spec 1.8 connect-from-outside),
-   * over the guest agent's channel. Only a VM that runs: an idle-paused one is woken first, one
-   * busy with an exec is fine, any other state is `conflict` (`gone` once terminal). While a
-   * tunnel is open the VM is never idle-paused: a paused guest would freeze a live connection
-   * that the client cannot see as idle. Destroy, failure and suspend end its tunnels at once.
-   * Nothing accepting connections on the port inside the guest is `port_unreachable`. Which
-   * ports a client may reach is the gateway's rule (exposed ports, spec 4.2), not ours.
-   */
-  async openTunnel(id: string, port: number): Promise<GuestTunnel> {
-    return this.guestStream(
-      id,
-      (vm) => this.driver.openTunnel(vm, port),
-      (err) =>
-        new SandboxdError(
-          "port_unreachable",
-          `sandbox ${id}: cannot connect to port ${port} inside the VM: ${err.message}`,
-          { cause: err, details: { id, port, errno: err.errno } },
-        ),
-    );
-  }
-
-  /**
-   * An interactive shell on a new pseudo-terminal in the sandbox's VM, as a tunnel to its master
-   * (`resize` sets the window size). The same rules as `openTunnel`: an idle-paused VM is woken,
-   * and while the terminal is open the VM is never idle-paused. The shell runs as the image's
-   * user with its environment (exec.ts `planPty`).
-   */
-  async openPty(id: string, size: { cols: number; rows: number }): Promise<GuestTunnel> {
-    return this.guestStream(
-      id,
-      (vm) => this.driver.openPty(vm, { ...planPty(vm.image), ...size }),
-      (err) =>
-        new SandboxdError("internal", `sandbox ${id}: the guest could not start a terminal: ${err.message}`, {
-          cause: err,
-          details: { id, errno: err.errno },
-        }),
-    );
-  }
-
-  /**
-   * Opens a tunnel-like guest stream (a port, a terminal) on a running VM and keeps the VM from
-   * being idle-paused while it is open; `refused` words the guest's own refusal.
-   */
-  private async guestStream(
-    id: string,
-    open: (vm: DriverVm) => Promise<GuestTunnel>,
-    refused: (err: GuestError) => SandboxdError,
-  ): Promise<GuestTunnel> {
-    const sb = this.holdAwake(id, "a tunnel needs");
-    try {
-      await this.wake(sb);
-      const vm = sb.vm;
-      if (!vm) throw this.goneError(sb);
-      const t = await open(vm);
-      if (isTerminal(sb.state) || sb.vm !== vm) {
-        t.abort(this.goneError(sb)); // destroyed or failed while connecting
-        throw this.goneError(sb);
-      }
-      sb.tunnels.add(t);
-      sb.lastUsedAtMs = Date.now();
-      t.onEnd(() => {
-        sb.tunnels.delete(t);
-        this.tunnelsChanged(sb);
-      });
-      return t;
-    } catch (err) {
-      if (err instanceof GuestError && err.code === "guest_error") throw refused(err);
-      if (err instanceof GuestError) {
-        throw sb.died || isTerminal(sb.state)
-          ? this.goneError(sb)
-          : new SandboxdError("internal", `tunnel to sandbox ${id}: ${describeError(err)}`, { cause: err });
-      }
-      throw err;
-    } finally {
-      sb.tunnelOpens--;
-      this.tunnelsChanged(sb);
-    }
-  }
-
-  /**
-   * The sandbox's background processes (processes.ts). With `awake`, for a call that needs the
-   * guest (start, stdin, kill): only a VM that runs or runs an exec, woken from its idle pause,
-   * and the call counts as use for the idle pause; otherwise `conflict` (`gone` once terminal).
-   */
-  async processTable(id: string, awake: boolean): Promise<{ table: ProcessTable; vm?: DriverVm }> {
-    const sb = this.mustGet(id);
-    sb.procs ??= new ProcessTable(() => this.tunnelsChanged(sb));
-    if (!awake) return { table: sb.procs };
-    if (isTerminal(sb.state)) throw this.goneError(sb);
-    if (sb.state === "paused") this.setState(sb, "running");
-    if (sb.state !== "running" && sb.state !== "busy") {
-      throw new SandboxdError("conflict", `sandbox ${id} is ${sb.state}: processes need a running VM`, {
-        details: { id, state: sb.state },
-      });
-    }
-    await this.wake(sb);
-    if (!sb.vm) throw this.goneError(sb);
-    sb.lastUsedAtMs = Date.now();
-    if (sb.state === "running") this.armIdle(sb);
-    return { table: sb.procs, vm: sb.vm };
-  }
-
   info(id: string): SandboxInfo {
     return infoOf(this.mustGet(id));
   }
@@ -616,32 +476,26 @@ export class SandboxManager {
     return this.mustGet(id).meter.report(Date.now());
   }
 
-  /**
-   * Serves one connection a guest program opened to its egress proxy (agent/egress/proxy.ts),
-   * under the sandbox's allow-list. Refused attempts are logged and kept per sandbox (`info`).
-   * An unknown or ended sandbox gets its stream closed.
-   */
+  // ---- beside the exec (guest-access.ts) -----------------------------------------------------
+
+  holdGuest(id: string): ReturnType<GuestAccess["holdGuest"]> {
+    return this.access.holdGuest(id);
+  }
+
+  openTunnel(id: string, port: number): Promise<GuestTunnel> {
+    return this.access.openTunnel(id, port);
+  }
+
+  openPty(id: string, size: { cols: number; rows: number }): Promise<GuestTunnel> {
+    return this.access.openPty(id, size);
+  }
+
+  processTable(id: string, awake: boolean): ReturnType<GuestAccess["processTable"]> {
+    return this.access.processTable(id, awake);
+  }
+
   egressConnection(id: string, stream: Duplex): Promise<void> {
-    const sb = this.sandboxes.get(id);
-    if (!sb || isTerminal(sb.state)) {
-      stream.destroy();
-      return Promise.resolve();
-    }
-    return serveEgressConnection(stream, {
-      sandboxId: id,
-      policy: sb.egress,
-      fence: this.fence,
-      connectLocal: async (port) => {
-        const t = await this.openTunnel(id, port);
-        return Duplex.fromWeb({ readable: t.readable, writable: t.writable });
-      },
-      onAttempt: (a) => {
-        if (a.allowed) return;
-        sb.egressRefused.push(a);
-        if (sb.egressRefused.length > EGRESS_REFUSED_KEPT) sb.egressRefused.shift();
-      },
-      log: this.log,
-    });
+    return this.access.egressConnection(id, stream);
   }
 
   // ---- templates and host --------------------------------------------------------------------

@@ -16,7 +16,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestClient } from "../guest/client.ts";
 import type { DriverVm } from "./drivers/driver.ts";
 import { type ExecRequest, exitCodeOf, planExec } from "./exec.ts";
-import { resolveExecUser } from "./exec-run.ts";
+import { cwdError, resolveExecUser } from "./exec-run.ts";
 
 /**
  * Background processes kept per sandbox, running or ended. 32: an agent loop runs a handful of
@@ -234,8 +234,12 @@ export class ProcessTable {
   /** `onChange`: a process started or ended (the manager re-checks its idle pause). */
   constructor(private readonly onChange: () => void) {}
 
-  /** Starts the command in the guest; answers once it is sent (a bad cwd fails with the exec). */
-  start(guest: GuestClient, cmd: ProcessCommand): BackgroundProcess {
+  /**
+   * Starts the command in the guest; resolves once the guest has started it (its STARTED frame).
+   * One the guest refuses (a missing cwd: 400) is forgotten and rejects, so a start is answered
+   * only for a process that runs.
+   */
+  async start(guest: GuestClient, cmd: ProcessCommand): Promise<BackgroundProcess> {
     const running = [...this.procs.values()].filter((p) => p.running).length;
     if (running >= MAX_PROCESSES) {
       throw new SandboxdError(
@@ -250,6 +254,12 @@ export class ProcessTable {
       if (!p.running) this.procs.delete(p.pid);
     }
     const proc = new BackgroundProcess(this.nextPid++, cmd);
+    let started!: () => void;
+    let refused!: (err: unknown) => void;
+    const begun = new Promise<void>((resolve, reject) => {
+      started = resolve;
+      refused = reject;
+    });
     proc.done = guest
       .exec({
         argv: cmd.argv,
@@ -262,20 +272,28 @@ export class ProcessTable {
         onStderr: (b) => proc.output("stderr", b),
         collect: false,
         signal: proc.abort.signal,
+        onStarted: () => started(),
       })
       .then(
         (r) => proc.ended(exitCodeOf(r)),
         (e: unknown) => {
-          // The guest refused it (a bad cwd: exit 126, as a shell says it cannot run it) or the
-          // VM went away: the exit status is unknown.
-          if (e instanceof Error && e.message.startsWith("exec: cwd"))
-            proc.output("stderr", Buffer.from(`${e.message}\n`));
+          // Before STARTED: the guest refused it (a bad cwd) and the start fails with that. After
+          // it (once `begun` settled, `refused` does nothing): the VM went away, the exit
+          // status is unknown.
+          refused(e);
           proc.ended(null);
         },
       )
       .finally(() => this.onChange());
+    // Counted from now on: a start racing this one sees the slot taken.
     this.procs.set(proc.pid, proc);
     this.onChange();
+    try {
+      await begun;
+    } catch (err) {
+      this.procs.delete(proc.pid);
+      throw cwdError(err, cmd.cwd) ?? err;
+    }
     return proc;
   }
 
@@ -322,7 +340,7 @@ export async function startProcess(
   const plan = planExec(exec, vm.image, user);
   const argv = plan.commands[0]?.argv ?? [];
   const command = req.run.kind === "shell" ? req.run.command : argv.join(" ");
-  const proc = table.start(vm.guest, {
+  const proc = await table.start(vm.guest, {
     argv,
     command,
     env: plan.env,

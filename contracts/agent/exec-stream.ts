@@ -3,7 +3,8 @@
  * a sequence of frames, each a 1-byte kind, a 4-byte big-endian length and that many bytes.
  * Output frames carry the guest's bytes as they came (no encoding: a 20 MB output is 20 MB on the
  * wire); the body ends with exactly one `result` (the usual `ExecResult` JSON) or one `error`
- * (`{code, message}` JSON, an agent wire code) frame. The agent writes the frames as the guest
+ * (`{code, message}` JSON, an agent wire code) frame; a `started` frame (empty) may come first,
+ * once the guest has started the command. The agent writes the frames as the guest
  * produces them; the gateway's client reads them one by one (`ExecFrameDecoder`), so a slow
  * reader stops the agent reading the guest (back-pressure, agent/api/exec-stream.ts).
  */
@@ -13,6 +14,8 @@ export const ExecFrameKind = {
   STDERR: 2,
   RESULT: 3,
   ERROR: 4,
+  /** Empty: the guest started the command. Real bytes, so the answer's headers are flushed now. */
+  STARTED: 5,
 } as const;
 export type ExecFrameKind = (typeof ExecFrameKind)[keyof typeof ExecFrameKind];
 
@@ -49,7 +52,7 @@ export class ExecFrameDecoder {
     while (this.buf.length - off >= EXEC_FRAME_HEADER_BYTES) {
       const kind = this.buf[off] as number;
       const len = new DataView(this.buf.buffer, this.buf.byteOffset + off + 1, 4).getUint32(0);
-      if (kind < ExecFrameKind.STDOUT || kind > ExecFrameKind.ERROR) {
+      if (kind < ExecFrameKind.STDOUT || kind > ExecFrameKind.STARTED) {
         throw new Error(`exec stream: unknown frame kind ${kind}`);
       }
       if (len > MAX_EXEC_FRAME_BYTES) throw new Error(`exec stream: frame of ${len} bytes`);

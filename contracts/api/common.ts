@@ -145,6 +145,23 @@ export const ExecTruncated = z
 const EnvName = z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/, "an environment variable name");
 
 /**
+ * The params key of a refinement whose failure means "too large" rather than "malformed": the
+ * gateway answers it 413 `payload_too_large` (gateway/http.ts `validate`), as a body over its
+ * byte bound is.
+ */
+export const TOO_LARGE = "tooLarge";
+/** A stdin over MAX_EXEC_STDIN_BYTES: 413 (TOO_LARGE). */
+export const stdinTooLarge = {
+  message: `stdin is at most ${MAX_EXEC_STDIN_BYTES} bytes`,
+  params: { [TOO_LARGE]: true },
+};
+/** The exact number of bytes a base64 text decodes to (padded or not). */
+export function base64Bytes(s: string): number {
+  const pad = s.endsWith("==") ? 2 : s.endsWith("=") ? 1 : 0;
+  return Math.floor((s.length * 3) / 4) - pad;
+}
+
+/**
  * The per-exec options both exec forms take (Family A session exec, Family B sandbox exec): the
  * fields are spread into each request object, and `checkExecOptions` is refined on it.
  */
@@ -188,18 +205,12 @@ export const ExecOptionFields = {
     ),
   stdin: z
     .string()
-    .refine(
-      (s) => Buffer.byteLength(s) <= MAX_EXEC_STDIN_BYTES,
-      `stdin is at most ${MAX_EXEC_STDIN_BYTES} bytes`,
-    )
+    .refine((s) => Buffer.byteLength(s) <= MAX_EXEC_STDIN_BYTES, stdinTooLarge)
     .optional()
     .describe("UTF-8 text given to the command's standard input, which is then closed."),
   stdin_b64: z
     .base64()
-    .refine(
-      (s) => Math.floor((s.length * 3) / 4) <= MAX_EXEC_STDIN_BYTES + 2,
-      `stdin is at most ${MAX_EXEC_STDIN_BYTES} bytes`,
-    )
+    .refine((s) => base64Bytes(s) <= MAX_EXEC_STDIN_BYTES, stdinTooLarge)
     .optional()
     .describe("Standard input as base64, for bytes that are not UTF-8; not together with `stdin`."),
 };

@@ -5,7 +5,7 @@
  * (1, 2, ...), not the guest's pid.
  */
 import { z } from "zod";
-import { ExecOptionFields } from "./common.ts";
+import { ExecOptionFields, stdinTooLarge } from "./common.ts";
 import { MAX_EXEC_STDIN_BYTES } from "./limits.ts";
 
 export const StartProcessRequest = z
@@ -59,7 +59,7 @@ export const ProcessStdinRequest = z
   .object({
     data: z
       .string()
-      .refine((s) => Buffer.byteLength(s) <= MAX_EXEC_STDIN_BYTES, `at most ${MAX_EXEC_STDIN_BYTES} bytes`)
+      .refine((s) => Buffer.byteLength(s) <= MAX_EXEC_STDIN_BYTES, stdinTooLarge)
       .optional()
       .describe("UTF-8 text written to the process's standard input."),
     data_b64: ExecOptionFields.stdin_b64.describe("Bytes written to its standard input, base64."),

@@ -236,6 +236,8 @@ export class AgentHttpClient implements AgentApi {
         for (const f of frames) {
           if (f.kind === ExecFrameKind.STDOUT) await opts.onOutput("stdout", f.payload);
           else if (f.kind === ExecFrameKind.STDERR) await opts.onOutput("stderr", f.payload);
+          else if (f.kind === ExecFrameKind.STARTED)
+            continue; // the headers came with it (onOpen)
           else {
             const text = new TextDecoder().decode(f.payload);
             if (f.kind === ExecFrameKind.ERROR) throw errorFromAgentAnswer(500, text, `${method} ${path}`);

@@ -21,6 +21,7 @@ import type { VmEvent } from "../../contracts/agent/events.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import type { Deps } from "../deps.ts";
+import { recordChange } from "./record-states.ts";
 import { type SandboxRow, switchInterval } from "./sandboxes.ts";
 import type { Tx } from "./tenant-lock.ts";
 
@@ -100,10 +101,12 @@ export async function endRow(
   at: Date,
   detail: string,
 ): Promise<boolean> {
+  // The table's destroy: from any live state (the VM is gone whatever the row said).
+  const ended = recordChange("destroy");
   const done = await tx
     .update(sandboxes)
-    .set({ state: "destroyed", endReason: "failed", endDetail: detail, destroyedAt: at })
-    .where(and(eq(sandboxes.id, row.id), ne(sandboxes.state, "destroyed")))
+    .set({ state: ended.state, endReason: "failed", endDetail: detail, destroyedAt: at })
+    .where(and(eq(sandboxes.id, row.id), ended.from))
     .returning({ id: sandboxes.id });
   if (done.length === 0) return false;
   await switchInterval(tx, row, null, at);

@@ -146,7 +146,7 @@ const WAKE_POLL_MS = 100;
  * one the user suspended keeps refusing calls (409) until resumed.
  */
 export async function wakeIfIdle(deps: Deps, p: Principal, id: string): Promise<void> {
-  const until = Date.now() + WAKE_WAIT_MS;
+  const until = deps.clock() + WAKE_WAIT_MS;
   for (;;) {
     const row = await getOwned(deps, p, id);
     if (row.suspendedBy !== "idle") return;
@@ -161,7 +161,7 @@ export async function wakeIfIdle(deps: Deps, p: Principal, id: string): Promise<
         if (!(err instanceof SandboxdError && err.code === "conflict")) throw err;
       }
     }
-    if (Date.now() > until) {
+    if (deps.clock() > until) {
       throw new SandboxdError("conflict", `sandbox ${id} is being suspended or resumed; try again`);
     }
     await new Promise((r) => setTimeout(r, WAKE_POLL_MS));

@@ -30,6 +30,14 @@ describe("record state table", () => {
     expect(nextState("destroy")).toBe("destroyed");
   });
 
+  test("a start ends running (started) or destroyed (failed), from starting only", () => {
+    for (const a of ["started", "failed"] as const) {
+      for (const s of RecordState)
+        expect([a, s, checkRecordAction("sbx_x", s, a).ok]).toEqual([a, s, s === "starting"]);
+    }
+    expect([nextState("started"), nextState("failed")]).toEqual(["running", "destroyed"]);
+  });
+
   test("nothing is allowed on a destroyed record", () => {
     for (const a of ACTIONS) expect(checkRecordAction("sbx_x", "destroyed", a).ok).toBe(false);
   });

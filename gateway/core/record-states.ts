@@ -17,12 +17,16 @@
  *   starting --failed--> destroyed;  starting|running|suspended --destroy--> destroyed
  *   exec, fork and connect need running.
  *
+ * Every write of a row's state takes its action's entry (`recordChange`): the new state and,
+ * as the UPDATE's condition, the states it may come from.
+ *
  * A suspend or resume in flight does not change the state until the agent has answered; it holds
  * the record meanwhile (`hold`, sandboxes.ts: it counts toward the quota of the state it goes
  * to, and a second suspend or resume of it is refused).
  */
+import { inArray, type SQL } from "drizzle-orm";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { sandboxes } from "../../db/schema/sandboxes.ts";
+import { sandboxes } from "../../db/schema/sandboxes.ts";
 
 export const RecordState = [
   "starting",
@@ -32,7 +36,15 @@ export const RecordState = [
 ] as const satisfies readonly (typeof sandboxes.$inferSelect)["state"][];
 export type RecordState = (typeof RecordState)[number];
 
-export type RecordAction = "exec" | "fork" | "suspend" | "resume" | "destroy" | "connect";
+export type RecordAction =
+  | "exec"
+  | "fork"
+  | "suspend"
+  | "resume"
+  | "destroy"
+  | "connect"
+  | "started"
+  | "failed";
 
 /** Per action: the states it may start from, and the state it leads to when it changes one. */
 export const RECORD_TRANSITIONS = {
@@ -42,13 +54,25 @@ export const RECORD_TRANSITIONS = {
   suspend: { from: ["running"], to: "suspended" },
   resume: { from: ["suspended"], to: "running" },
   destroy: { from: ["starting", "running", "suspended"], to: "destroyed" },
+  /** The agent made the VM (a create, a fork child). */
+  started: { from: ["starting"], to: "running" },
+  /** The VM was never made, or its call was lost (a one-shot exec whose gateway died). */
+  failed: { from: ["starting"], to: "destroyed" },
 } as const satisfies Record<RecordAction, { from: readonly RecordState[]; to?: RecordState }>;
 
 /** The actions that change the record's state. */
-export type RecordChange = "suspend" | "resume" | "destroy";
+export type RecordChange = "suspend" | "resume" | "destroy" | "started" | "failed";
 
 export function nextState(action: RecordChange): RecordState {
   return RECORD_TRANSITIONS[action].to;
+}
+
+/**
+ * A state change as an UPDATE writes it: `state` for its SET and `from` for its WHERE (the row is
+ * in a state the action may start from), so a row another writer moved meanwhile is left alone.
+ */
+export function recordChange(action: RecordChange): { state: RecordState; from: SQL } {
+  return { state: nextState(action), from: inArray(sandboxes.state, [...RECORD_TRANSITIONS[action].from]) };
 }
 
 export type RecordCheck = { ok: true } | { ok: false; error: SandboxdError };

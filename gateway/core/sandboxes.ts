@@ -31,6 +31,7 @@ import {
   type RecordAction,
   type RecordChange,
   type RecordState,
+  recordChange,
 } from "./record-states.ts";
 import { requireReady, resolveTemplate } from "./templates.ts";
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
@@ -43,7 +44,7 @@ type VmKind = Exclude<Kind, "exec">;
 const LIVE: RecordState[] = ["starting", "running", "suspended"];
 
 /** The record's state must allow `action` (record-states.ts); the refusal is thrown as is. */
-function requireAllowed(id: string, state: RecordState, action: RecordAction): void {
+export function requireAllowed(id: string, state: RecordState, action: RecordAction): void {
   const check = checkRecordAction(id, state, action);
   if (!check.ok) throw check.error;
 }
@@ -207,11 +208,12 @@ async function markStarted(
   agentId: string,
 ): Promise<void> {
   const at = new Date(deps.clock());
-  const started = await deps.db.transaction(async (tx) => {
+  const started = recordChange("started");
+  const done = await deps.db.transaction(async (tx) => {
     const rows = await tx
       .update(sandboxes)
       .set({
-        state: "running",
+        state: started.state,
         agentId,
         vmId: vm.vmId,
         endpoints: publicEndpoints(id, vm.endpoints),
@@ -219,13 +221,13 @@ async function markStarted(
         memMib: vm.resources.memMib,
         diskBytes: vm.resources.diskBytes,
       })
-      .where(and(eq(sandboxes.id, id), eq(sandboxes.state, "starting")))
+      .where(and(eq(sandboxes.id, id), started.from))
       .returning({ id: sandboxes.id });
     if (rows.length === 0) return false;
     await switchInterval(tx, { id, tenantId }, running(vm.resources), at);
     return true;
   });
-  if (started) return;
+  if (done) return;
   await agentOf(deps, { agentId })
     .destroy(vm.vmId, { force: true })
     .catch(() => {}); // reconciliation removes a VM without a row if this fails too
@@ -238,10 +240,11 @@ async function markStarted(
 
 async function markFailed(deps: Deps, ids: string[]): Promise<void> {
   if (ids.length === 0) return;
+  const failed = recordChange("failed");
   await deps.db
     .update(sandboxes)
-    .set({ state: "destroyed", endReason: "failed", destroyedAt: new Date(deps.clock()) })
-    .where(and(inArray(sandboxes.id, ids), eq(sandboxes.state, "starting")));
+    .set({ state: failed.state, endReason: "failed", destroyedAt: new Date(deps.clock()) })
+    .where(and(inArray(sandboxes.id, ids), failed.from));
 }
 
 /** An idle lifetime as recorded on a row: after `timeoutS` without a call, `action`. */
@@ -356,11 +359,13 @@ async function endOneShot(
 ): Promise<void> {
   const at = new Date(deps.clock());
   const r = resources ?? { vcpus: 0, memMib: 0, diskBytes: 0 };
+  // Its call is over: destroyed, as a delete leaves a record (a one-shot row is only `starting`).
+  const ended = recordChange("destroy");
   await deps.db.transaction(async (tx) => {
     await tx
       .update(sandboxes)
       .set({
-        state: "destroyed",
+        state: ended.state,
         endReason: "deleted",
         destroyedAt: at,
         agentId,
@@ -370,7 +375,7 @@ async function endOneShot(
         execCount: 1,
         lastExecAt: at,
       })
-      .where(and(eq(sandboxes.id, id), eq(sandboxes.state, "starting")));
+      .where(and(eq(sandboxes.id, id), ended.from));
     await tx
       .insert(usageIntervals)
       .values({ sandboxId: id, tenantId, ...running(r), startedAt, endedAt: at });
@@ -411,10 +416,34 @@ export async function beginUse(
   id: string,
 ): Promise<{ row: SandboxRow; agent: AgentApi; end: () => Promise<void> }> {
   const row = await getOwned(deps, p, id);
-  requireAllowed(id, row.state, "exec");
-  await beginActivity(deps, p, row, "exec");
+  const { end } = await beginUseOf(deps, p, row, "exec");
+  return { row, agent: agentOf(deps, row), end };
+}
+
+/**
+ * Counts a call on `row` in flight, through the one compare-and-set every use of a live record
+ * takes (`beginActivity`): an exec-like call (files, processes) or a relay (`connect`: connects and
+ * terminals). The call is also held in this process's registry (`touchRelayed` keeps its row
+ * fresh each reaper pass), so one that outlasts any exec (a long transfer, a followed log) is not
+ * taken for a count left by a dead gateway. `end` (once, idempotent) ends both.
+ */
+export async function beginUseOf(
+  deps: Deps,
+  p: Principal,
+  row: SandboxRow,
+  action: "exec" | "connect",
+): Promise<{ end: () => Promise<void> }> {
+  requireAllowed(row.id, row.state, action);
+  await beginActivity(deps, p, row, action);
+  const release = deps.relays?.hold(row.id) ?? (() => {});
   let ended: Promise<void> | undefined;
-  return { row, agent: agentOf(deps, row), end: () => (ended ??= endActivity(deps, id, false)) };
+  return {
+    end: () => {
+      release();
+      ended ??= endActivity(deps, row.id, false);
+      return ended;
+    },
+  };
 }
 
 /**
@@ -427,7 +456,7 @@ async function beginActivity(
   deps: Deps,
   p: Principal,
   row: SandboxRow,
-  action: "exec" | "fork",
+  action: "exec" | "fork" | "connect",
 ): Promise<void> {
   const marked = await deps.db
     .update(sandboxes)
@@ -799,20 +828,6 @@ export function idleClaimable(deps: Deps, at: Date): SQL {
 }
 
 /**
- * Counts an open connect relay on the sandbox as a call in flight (+1 when it opens, -1 when it
- * ends), so no reaper of any gateway takes the sandbox from under it; both reset its idleness.
- */
-export async function countRelay(deps: Deps, id: string, delta: 1 | -1): Promise<void> {
-  await deps.db
-    .update(sandboxes)
-    .set({
-      execsInFlight: sql`greatest(${sandboxes.execsInFlight} + ${delta}::int, 0)`,
-      lastExecAt: new Date(deps.clock()),
-    })
-    .where(eq(sandboxes.id, id));
-}
-
-/**
  * Keeps the rows of the sandboxes this gateway relays fresh (each reaper pass), so that a relay
  * open longer than any exec is not taken for a count left by a dead gateway.
  */
@@ -839,15 +854,12 @@ const STALE_EXEC_MARGIN_S = 600;
 export async function endStaleExecs(deps: Deps): Promise<string[]> {
   const limits = deps.config.limits;
   const cutoff = new Date(deps.clock() - (limits.maxExecTimeoutS + STALE_EXEC_MARGIN_S) * 1000);
+  const failed = recordChange("failed");
   const rows = await deps.db
     .update(sandboxes)
-    .set({ state: "destroyed", endReason: "failed", destroyedAt: new Date(deps.clock()) })
+    .set({ state: failed.state, endReason: "failed", destroyedAt: new Date(deps.clock()) })
     .where(
-      and(
-        eq(sandboxes.kind, "exec"),
-        eq(sandboxes.state, "starting"),
-        sql`${sandboxes.createdAt} < ${cutoff.toISOString()}`,
-      ),
+      and(eq(sandboxes.kind, "exec"), failed.from, sql`${sandboxes.createdAt} < ${cutoff.toISOString()}`),
     )
     .returning({ id: sandboxes.id });
   return rows.map((r) => r.id);

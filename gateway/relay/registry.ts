@@ -19,6 +19,8 @@ const CLOSED_MEMORY_MS = 60_000;
 export class RelayRegistry {
   private readonly open = new Map<string, Set<OpenRelay>>();
   private readonly closed = new Map<string, { at: number; code: number; reason: string }>();
+  /** Long calls that are not relays (`hold`), per sandbox. */
+  private readonly longCalls = new Map<string, number>();
   /** Relay slots held per tenant: reserved before the tunnel is dialled, freed when it ends. */
   private readonly slots = new Map<string, number>();
 
@@ -29,17 +31,8 @@ export class RelayRegistry {
    * take the last one); returns its release (idempotent), or undefined when all are held.
    */
   reserve(tenantId: string, max: number): (() => void) | undefined {
-    const held = this.slots.get(tenantId) ?? 0;
-    if (held >= max) return undefined;
-    this.slots.set(tenantId, held + 1);
-    let released = false;
-    return () => {
-      if (released) return;
-      released = true;
-      const n = (this.slots.get(tenantId) ?? 1) - 1;
-      if (n <= 0) this.slots.delete(tenantId);
-      else this.slots.set(tenantId, n);
-    };
+    if ((this.slots.get(tenantId) ?? 0) >= max) return undefined;
+    return countIn(this.slots, tenantId);
   }
 
   /** Relay slots the tenant holds (open relays and connects under way). */
@@ -77,9 +70,22 @@ export class RelayRegistry {
     return set?.size ?? 0;
   }
 
-  /** The sandboxes with a relay open in this process (the reaper keeps them from idling). */
+  /**
+   * Counts a long call on the sandbox that is not a relay (a file transfer, a followed log, any
+   * call counted in flight that may outlast an exec): it is kept fresh like a relay
+   * (`sandboxIds`) until the returned release (idempotent).
+   */
+  hold(sandboxId: string): () => void {
+    return countIn(this.longCalls, sandboxId);
+  }
+
+  /**
+   * The sandboxes with a relay or a long call open in this process: the reaper keeps their rows
+   * fresh, so that a call open longer than any exec is not taken for a count left by a dead
+   * gateway.
+   */
   sandboxIds(): string[] {
-    return [...this.open.keys()];
+    return [...new Set([...this.open.keys(), ...this.longCalls.keys()])];
   }
 
   /** Relays open on the sandbox (or in all), for tests and metrics. */
@@ -89,4 +95,17 @@ export class RelayRegistry {
     for (const set of this.open.values()) n += set.size;
     return n;
   }
+}
+
+/** Adds one to `key`'s count; returns the removal of that one (idempotent; 0 drops the key). */
+function countIn(counts: Map<string, number>, key: string): () => void {
+  counts.set(key, (counts.get(key) ?? 0) + 1);
+  let released = false;
+  return () => {
+    if (released) return;
+    released = true;
+    const n = (counts.get(key) ?? 1) - 1;
+    if (n <= 0) counts.delete(key);
+    else counts.set(key, n);
+  };
 }

@@ -11,7 +11,14 @@ import { signConnectToken, verifyConnectTokenClaims } from "../auth/connect-toke
 import { requirePro } from "../auth/guards.ts";
 import { keyIsLive, type Principal } from "../auth/keys.ts";
 import { wakeIfIdle } from "../core/idle.ts";
-import { agentOf, countRelay, getOwned, inTermsOf, type SandboxRow } from "../core/sandboxes.ts";
+import {
+  agentOf,
+  beginUseOf,
+  getOwned,
+  inTermsOf,
+  requireAllowed,
+  type SandboxRow,
+} from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
@@ -102,10 +109,12 @@ async function connect(
   const q = query(c, B.ConnectQuery);
   const protocol = q.protocol ?? "tcp";
   let row: SandboxRow;
+  let who: Principal;
   if (!("rateLimit" in principal)) {
     requirePro(principal, "connect");
     await wakeIfIdle(deps, principal, id);
     row = await getOwned(deps, principal, id);
+    who = principal;
   } else {
     const unauthorized = new SandboxdError("unauthorized", "invalid or expired connect token");
     if (q.t === undefined) throw new SandboxdError("unauthorized", "missing API key or connect token");
@@ -122,7 +131,8 @@ async function connect(
     const { tenantId } = claims;
     // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
     // the token's tenant, and a revoked token is an invalid credential (401), not a 404.
-    const tokenPrincipal = { tenantId, keyId: claims.keyId, tier: "pro" as const, family: "b" as const };
+    const tokenPrincipal: Principal = { tenantId, keyId: claims.keyId, tier: "pro", family: "b" };
+    who = tokenPrincipal;
     const owned = async () => {
       await wakeIfIdle(deps, tokenPrincipal, id);
       return getOwned(deps, tokenPrincipal, id);
@@ -137,11 +147,11 @@ async function connect(
       `port ${q.port} is not exposed by template ${row.templateId}`,
     );
   }
-  if (row.state !== "running") throw new SandboxdError("conflict", `sandbox ${id} is ${row.state}`);
+  requireAllowed(id, row.state, "connect");
   const upgrade = wsUpgrade(c);
   const agent = agentOf(deps, row);
   const dial = () => agent.openTunnel(row.vmId!, q.port, "tcp");
-  return serveRelay(deps, upgrade, row, async () => {
+  return serveRelay(deps, upgrade, who, row, async () => {
     const tunnel = await inTermsOf(row, dial());
     if (protocol === "tcp") return new TcpRelay(tunnel);
     // The guest's DevTools port through tcp tunnels; failures from here on close the WebSocket.
@@ -171,6 +181,7 @@ export function wsUpgrade(c: Context<HonoEnv>): Upgrade {
 export async function serveRelay(
   deps: Deps,
   upgrade: Upgrade,
+  p: Principal,
   row: SandboxRow,
   open: () => Promise<RelayBase>,
 ): Promise<Response> {
@@ -182,9 +193,10 @@ export async function serveRelay(
       `this tenant already holds ${max} relays (connects and terminals)`,
     );
   }
-  // An open relay is a call in flight, from before the dial to its end: the reaper does not
-  // suspend or delete the sandbox under it.
-  await countRelay(deps, row.id, 1).catch((err: unknown) => {
+  // An open relay is a call in flight, from before the dial to its end, taken with the same
+  // compare-and-set as an exec: the reaper does not suspend or delete the sandbox under it, and a
+  // relay on a sandbox the reaper claimed first is refused (410 or 409) instead of opened.
+  const use = await beginUseOf(deps, p, row, "connect").catch((err: unknown) => {
     release();
     throw err;
   });
@@ -193,14 +205,14 @@ export async function serveRelay(
     relay = await open();
   } catch (err) {
     release();
-    await countRelay(deps, row.id, -1).catch(() => {});
+    await use.end().catch(() => {});
     throw err;
   }
   const unregister = deps.relays ? deps.relays.add(row.id, relay) : () => {};
   relay.registered(() => {
     unregister();
     release();
-    countRelay(deps, row.id, -1).catch(() => {});
+    use.end().catch(() => {});
   });
   try {
     return upgrade(relay);

@@ -4,9 +4,11 @@
  * `{"data_b64": "..."}` for a chunk that is not valid UTF-8, in the order the guest wrote them,
  * each written as soon as it arrives; then one `exit` event whose data is the route's usual JSON
  * response (its stdout and stderr empty: the output went as events). A failure after the stream
- * began is one `error` event `{code, message}`, then the end. The answer's headers wait for the
- * first output (or the end), so a refusal before any output (busy, a missing cwd, an unknown user)
- * is the ordinary JSON error with its status.
+ * began is one `error` event `{code, message}`, then the end. The answer's status and headers go
+ * as soon as the agent has accepted the call (for an exec: the guest started the command), with an
+ * SSE comment `: open` so that they are flushed at once, even for a command that stays silent; a
+ * refusal before that (busy, a missing cwd, an unknown user) is the ordinary JSON error with its
+ * status.
  *
  * Back-pressure: the body holds at most `SSE_BUFFER_BYTES`; past that `onOutput` waits for the
  * client to read, so the agent's body is not read, the agent stops reading the guest, and the
@@ -35,11 +37,6 @@ export async function sseExec<R = ExecResult>(
   requestSignal: AbortSignal,
   run: (o: ExecStreamOptions) => Promise<R>,
   exitBody: (r: R) => unknown,
-  /**
-   * Send the headers as soon as the agent has accepted (an SSE comment, `: open`) instead of with
-   * the first output: a followed process may stay quiet for long (a server).
-   */
-  opts: { announce?: boolean } = {},
 ): Promise<Response> {
   const text = { stdout: new Utf8Events("stdout"), stderr: new Utf8Events("stderr") };
   const answer = await streamedAnswer<R>({
@@ -51,8 +48,8 @@ export async function sseExec<R = ExecResult>(
         for (const e of text[stream].push(chunk)) room = out.write(e) && room;
         if (!room) await out.drained();
       };
-      const onOpen = opts.announce ? () => void out.write(enc.encode(": open\n\n")) : undefined;
-      return run(onOpen ? { onOutput, signal, onOpen } : { onOutput, signal });
+      const onOpen = () => void out.write(enc.encode(": open\n\n"));
+      return run({ onOutput, signal, onOpen });
     },
     end: (s) => [
       ...text.stdout.end(),

@@ -74,7 +74,6 @@ export function processRoutes(deps: Deps): Hono<HonoEnv> {
           c.req.raw.signal,
           (o) => call(c, (a, vm) => a.followProcess(vm, pid, o)),
           (i) => publicInfo(i),
-          { announce: true },
         );
       }
       const logs = await call(c, (a, vm) => a.processLogs(vm, pid));

@@ -9,10 +9,9 @@
  */
 import { type Context, Hono } from "hono";
 import { PtyQuery } from "../../contracts/api/common.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
 import { requireFamily } from "../auth/guards.ts";
 import { wakeIfIdle } from "../core/idle.ts";
-import { agentOf, getOwned, inTermsOf } from "../core/sandboxes.ts";
+import { agentOf, getOwned, inTermsOf, requireAllowed } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { query } from "../http.ts";
 import { PtyRelay } from "../relay/pty.ts";
@@ -36,11 +35,11 @@ async function openPty(deps: Deps, c: Context<HonoEnv>, family: "a" | "b"): Prom
   const q = query(c, PtyQuery);
   await wakeIfIdle(deps, p, id);
   const row = await getOwned(deps, p, id);
-  if (row.state !== "running") throw new SandboxdError("conflict", `${id} is ${row.state}`);
+  requireAllowed(id, row.state, "connect");
   const upgrade = wsUpgrade(c);
   const size = { cols: q.cols ?? DEFAULT_COLS, rows: q.rows ?? DEFAULT_ROWS };
   const agent = agentOf(deps, row);
-  return serveRelay(deps, upgrade, row, async () => {
+  return serveRelay(deps, upgrade, p, row, async () => {
     return new PtyRelay(await inTermsOf(row, agent.openPty(row.vmId!, size)), q.lines === "true");
   });
 }

@@ -158,6 +158,7 @@ export class MemoryAgent implements AgentApi {
   /** The whole output at once, as two chunks: the stand-in has no guest that streams. */
   async execStream(vmId: VmId, action: ExecAction, opts: ExecStreamOptions): Promise<ExecResult> {
     const r = await this.exec(vmId, action);
+    opts.onOpen?.(); // as the agent does once the guest started the command
     if (r.stdout) await opts.onOutput("stdout", Buffer.from(r.stdout));
     if (r.stderr) await opts.onOutput("stderr", Buffer.from(r.stderr));
     return { ...r, stdout: "", stderr: "" };

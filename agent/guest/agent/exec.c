@@ -363,6 +363,9 @@ void op_exec(uint32_t stream, const uint8_t *p, size_t n) {
   e->next = execs;
   execs = e;
   n_execs++;
+  /* Before any output of the command (read by the loop later): the host can answer its caller
+   * that the command runs, even one that stays silent. */
+  if (flags & SBX_STREAM_STARTED) send_frame(SBX_T_STARTED, stream, NULL, 0);
   stdin_pump(e);
   e = NULL; /* owned by the list now */
 
