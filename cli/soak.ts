@@ -166,14 +166,14 @@ function cli(args: string[]): string {
   return r.stdout;
 }
 
-function childEnv(): NodeJS.ProcessEnv {
+export function childEnv(): NodeJS.ProcessEnv {
   const env = { ...process.env };
   delete env.DATABASE_URL; // PGlite in the soak's own data dir
   delete env.SANDBOXD_DATA_DIR;
   return env;
 }
 
-async function call(
+export async function call(
   base: string,
   key: string,
   method: string,
