@@ -41,6 +41,11 @@ export interface CreateAppDeps {
   relays?: RelayRegistry;
   /** Ends of calls written behind (core/activity.ts); each end is its own UPDATE without. */
   activity?: ActivityWriter;
+  /**
+   * The database is this process's alone (PGlite): the rate limit's window is kept in memory
+   * (auth/rate-limit.ts LocalRateLimiter) instead of shared through the database.
+   */
+  localRateLimit?: boolean;
   /** Verified keys of this process (auth/key-cache.ts); one is made when not given. */
   keys?: VerifiedKeys;
 }
@@ -64,7 +69,9 @@ export function appDeps(input: CreateAppDeps): Deps {
 export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   const deps = appDeps(input);
   const log = input.log ?? ((line: string) => console.error(line));
-  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock, deps.db);
+  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock, deps.db, {
+    local: input.localRateLimit === true,
+  });
   const app = new Hono<HonoEnv>();
 
   app.onError((err, c) => errorResponse(err, c, log));

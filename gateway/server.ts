@@ -168,7 +168,12 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       activity,
       ...(opts.clock ? { clock: opts.clock } : {}),
     });
-    const app = createApp({ ...deps, keys, ...(opts.log ? { log: opts.log } : {}) });
+    const app = createApp({
+      ...deps,
+      keys,
+      localRateLimit: handle.kind === "pglite",
+      ...(opts.log ? { log: opts.log } : {}),
+    });
     // The rows against the agents' VMs: their events as they happen, reconciliation for what
     // events missed (gateway/core/agent-events.ts, reconcile.ts).
     const staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
