@@ -19,26 +19,16 @@
  * Not a test: the host's other load shows in every figure, so compare runs made side by side.
  */
 import { spawn, spawnSync } from "node:child_process";
-import { readFileSync } from "node:fs";
-import { mkdtemp, rm } from "node:fs/promises";
-import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { readCredentials } from "../agent/api/enroll.ts";
-import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
-import { ownerFileOf } from "../agent/snapshot/shm.ts";
-import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import type { ExecAction } from "../contracts/agent/api.ts";
 import { openDb } from "../db/client.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
-import { call, childEnv } from "./soak.ts";
+import { call, childEnv, listeningUrl, seededDataDir, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
 
 const SANDBOXD = resolve(import.meta.dir, "..", "bin", "sandboxd");
-/** `up` prints `listening URL` once it serves; the first start may build the guest artifacts. */
-const LISTEN_TIMEOUT_MS = 180_000;
-/** The uploaded template boots once and is frozen: well under a minute under TCG. */
-const TEMPLATE_TIMEOUT_MS = 300_000;
 const TEMPLATE_ID = "gwbench";
 /** Execs before the measured ones: the JIT, the guest's page cache and the db's pages warm up. */
 const WARMUP_EXECS = 5;
@@ -141,9 +131,7 @@ export async function runGatewayBench(o: {
   log: (m: string) => void;
 }): Promise<GatewayBenchResult> {
   const t0 = performance.now();
-  const dataDir = await mkdtemp(join(tmpdir(), "sbx-gwbench-"));
-  await ensureGuestArtifacts({ dataDir: o.cacheDir, log: o.log });
-  spawnSync("cp", ["-a", join(o.cacheDir, "guest"), join(dataDir, "guest")]);
+  const dataDir = await seededDataDir("sbx-gwbench-", o.cacheDir, o.log);
   // The keys, made on the data dir's database before `up` holds it.
   const keys: string[] = [];
   {
@@ -166,31 +154,11 @@ export async function runGatewayBench(o: {
     stderr = (stderr + b.toString()).slice(-20_000);
   });
   try {
-    const base = await new Promise<string>((ok, fail) => {
-      let out = "";
-      const timer = setTimeout(() => fail(new Error(`up did not listen: ${stderr}`)), LISTEN_TIMEOUT_MS);
-      up.stdout.on("data", (b: Buffer) => {
-        out += b.toString();
-        const m = /listening (\S+)/.exec(out);
-        if (m) {
-          clearTimeout(timer);
-          ok(m[1]!);
-        }
-      });
-      up.once("exit", (code) => fail(new Error(`up exited ${code}: ${stderr}`)));
-    });
+    const base = await listeningUrl(up, () => stderr);
     const agentUrl = /agent (http:\/\/\S+),/.exec(stderr)?.[1];
     if (!agentUrl) throw new Error(`up did not say where its agent listens: ${stderr}`);
     o.log(`gateway bench: up ${base}, agent ${agentUrl}, data ${dataDir}`);
-    await call(base, key, "POST", `/v1/templates?id=${TEMPLATE_ID}`, undefined, readFileSync(o.image));
-    const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
-    for (;;) {
-      const st = (await call(base, key, "GET", `/v1/templates/${TEMPLATE_ID}`)) as { status: string };
-      if (st.status === "ready") break;
-      if (st.status === "failed" || Date.now() > deadline)
-        throw new Error(`template ${TEMPLATE_ID}: ${JSON.stringify(st)}`);
-      await Bun.sleep(250);
-    }
+    await uploadTemplateAndWait(base, key, TEMPLATE_ID, o.image);
     const s = (await call(base, key, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {
       session_id: string;
     };
@@ -268,11 +236,6 @@ export async function runGatewayBench(o: {
       total_ms: Math.round(performance.now() - t0),
     };
   } finally {
-    up.kill("SIGTERM");
-    await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
-    const shm = defaultShmRoot(join(dataDir, "agent"));
-    await rm(shm, { recursive: true, force: true }).catch(() => {});
-    await rm(ownerFileOf(shm), { force: true }).catch(() => {});
-    await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+    await stopAndRemove(up, dataDir);
   }
 }
