@@ -63,12 +63,6 @@ export interface AgentRouterOptions {
   timeouts?: Partial<AgentTimeouts>;
 }
 
-/**
- * An agent row is reused for a fifteenth of the staleness bound (1 s of the default 15 s): small
- * beside it, so liveness is judged as before to within a beat's fraction.
- */
-const AGENT_ROW_REUSE_DIVISOR = 15;
-
 /** Errors after which the same call may go to another agent: nothing was started there. */
 function retryElsewhere(err: unknown): boolean {
   if (!(err instanceof SandboxdError)) return false;
@@ -84,8 +78,6 @@ export class AgentRouter implements AgentApi, Placement {
   private readonly clock: () => number;
   private readonly timeouts: Partial<AgentTimeouts> | undefined;
   private readonly clients = new Map<string, AgentHttpClient>();
-  /** Agent rows read for calls on a VM, and until when (performance.now()) each is used. */
-  private readonly rows = new Map<string, { row: AgentRow; until: number }>();
   /** Per agent: creates placed since its heartbeat at `hb` (ms). */
   private readonly placed = new Map<string, { hb: number; n: number }>();
 
@@ -187,7 +179,7 @@ export class AgentRouter implements AgentApi, Placement {
   /** Placement: the agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
   agentFor(agentId: string): AgentApi {
     const lookup = async (): Promise<AgentHttpClient> => {
-      const row = await this.agentRow(agentId);
+      const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
       if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
         throw new SandboxdError(
           "agent_unavailable",
@@ -223,24 +215,6 @@ export class AgentRouter implements AgentApi, Placement {
       health: async () => (await lookup()).health(),
       listVms: async () => (await lookup()).listVms(),
     };
-  }
-
-  /**
-   * The agent's row for a call on one of its VMs, read at most every `staleAfterMs /
-   * AGENT_ROW_REUSE_DIVISOR` (one second at the default bound): a busy sandbox's calls then cost
-   * no database read for their agent. The row's heartbeat time is at most that much older than
-   * the database's, so an agent is judged stale at most that much early (only one that missed
-   * nearly three beats), and one that stopped is judged stale at most that much late; a changed
-   * URL or a revocation reaches calls within the same time.
-   */
-  private async agentRow(agentId: string): Promise<AgentRow | undefined> {
-    const now = performance.now();
-    const hit = this.rows.get(agentId);
-    if (hit && now < hit.until) return hit.row;
-    const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
-    if (row) this.rows.set(agentId, { row, until: now + this.staleAfterMs / AGENT_ROW_REUSE_DIVISOR });
-    else this.rows.delete(agentId);
-    return row;
   }
 
   // ---- AgentApi: calls that name no VM --------------------------------------------------------
