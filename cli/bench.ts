@@ -4,6 +4,8 @@
  * docs/benchmarks.md explains them). SIGINT/SIGTERM free every VM and file of the run first.
  * `--soak N`: N session create -> exec -> delete cycles through a real `up` instead (soak.ts),
  * printed as JSON: what the service holds at the start and the end, and what it left behind.
+ * `--gateway [--connections N] [--seconds S] [--keys K]`: the HTTP service's own share of an exec
+ * and of an authenticated read, beside the agent's own round trip (bench-gateway.ts).
  */
 import { parseArgs } from "node:util";
 import { SandboxdError } from "../contracts/errors.ts";
@@ -35,9 +37,31 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       execs: { type: "string" },
       "data-dir": { type: "string" },
       soak: { type: "string" },
+      gateway: { type: "boolean" },
+      connections: { type: "string" },
+      seconds: { type: "string" },
+      keys: { type: "string" },
     },
   });
   if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
+  if (values.gateway) {
+    const { runGatewayBench } = await import("./bench-gateway.ts");
+    const result = await runGatewayBench({
+      image: values.image,
+      cacheDir: values["data-dir"] ?? defaultDataDir(),
+      // 64 connections: enough requests in flight to keep one core's event loop busy.
+      connections: intOption(values.connections, "connections", 64, 1, 10_000),
+      // 5 s per load phase: ~100k samples at the target rate, so p99 is stable.
+      seconds: intOption(values.seconds, "seconds", 5, 1, 3600),
+      // 200 execs each way: p50 of a ~5 ms call is then steady to a tenth of a ms.
+      execs: intOption(values.execs, "execs", 200, 1, 100_000),
+      // 400 keys: at 20,000 req/s each key sends 50 a second, under the spec's 100.
+      keys: intOption(values.keys, "keys", 400, 1, 100_000),
+      log,
+    });
+    process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
+    return 0;
+  }
   if (values.soak !== undefined) {
     const { runSoak } = await import("./soak.ts");
     const abort = new AbortController();

@@ -10,7 +10,7 @@ import { SandboxdError } from "../contracts/errors.ts";
 import { agents } from "../db/schema/agents.ts";
 import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { revokeAgent } from "../gateway/agents/registry.ts";
-import { createKey, listKeys, revokeKey } from "../gateway/auth/keys.ts";
+import { createKey, keyIdOf, listKeys, revokeKey } from "../gateway/auth/keys.ts";
 import type { GatewaySecrets } from "../gateway/auth/secrets.ts";
 import { tenantIdOf, usageReport } from "../gateway/core/usage.ts";
 import type { RunningGateway } from "../gateway/server.ts";
@@ -38,8 +38,10 @@ export const keyList = operatorOp(z.object({ tenant: z.string().optional() }), a
   })),
 );
 
-export const keyRevoke = operatorOp(z.object({ id: z.string().min(1) }), async ({ db }, a) => {
+export const keyRevoke = operatorOp(z.object({ id: z.string().min(1) }), async ({ db, keyRevoked }, a) => {
   if (!(await revokeKey(db, a.id))) throw new SandboxdError("not_found", `no active key ${a.id}`);
+  // The serving gateway trusts a verified key for a second without its row: not this one.
+  keyRevoked?.(keyIdOf(a.id));
   return { revoked: a.id };
 });
 
@@ -119,6 +121,7 @@ export function serveOperatorCommands(
     dataDir,
     ops: OPERATOR_OPS,
     withDb: gateway.withDb,
+    keyRevoked: gateway.keyRevoked,
     secrets: { ...secrets, keyPepper: gateway.config.keyPepper, connectSecret: gateway.config.connectSecret },
     log,
   });

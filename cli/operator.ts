@@ -23,6 +23,8 @@ import { withGatewayDb } from "./gateway-db.ts";
 export interface OperatorContext {
   db: Db;
   secrets: GatewaySecrets;
+  /** The serving gateway's hook for a key just revoked (its key cache); absent with no service. */
+  keyRevoked?: (keyId: string) => void;
 }
 
 /** One operator command: its arguments' schema and what it does. Results are plain JSON. */
@@ -130,6 +132,8 @@ export async function startOperatorSocket(opts: {
   dataDir: string;
   ops: OperatorOps;
   withDb: <T>(fn: (db: Db) => Promise<T>) => Promise<T>;
+  /** Told of each key the socket revokes (OperatorContext.keyRevoked). */
+  keyRevoked?: (keyId: string) => void;
   secrets: GatewaySecrets;
   log: (line: string) => void;
 }): Promise<OperatorSocket | undefined> {
@@ -166,7 +170,12 @@ export async function startOperatorSocket(opts: {
       if (!op) return Response.json({ ok: false, code: "not_found", message: `no operator command ${name}` });
       try {
         const args = op.args.parse(await req.json());
-        const result = await opts.withDb((db) => op.run({ db, secrets: opts.secrets }, args));
+        const result = await opts.withDb((db) =>
+          op.run(
+            { db, secrets: opts.secrets, ...(opts.keyRevoked ? { keyRevoked: opts.keyRevoked } : {}) },
+            args,
+          ),
+        );
         opts.log(`operator: ${name} done`);
         return Response.json({ ok: true, result: result ?? null });
       } catch (err) {

@@ -10,7 +10,7 @@
  * processes, VM directories, cgroups, jail uid locks. Not a timed benchmark: the figures say
  * whether the service leaks.
  */
-import { spawn, spawnSync } from "node:child_process";
+import { type ChildProcess, spawn, spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
@@ -166,14 +166,14 @@ function cli(args: string[]): string {
   return r.stdout;
 }
 
-function childEnv(): NodeJS.ProcessEnv {
+export function childEnv(): NodeJS.ProcessEnv {
   const env = { ...process.env };
   delete env.DATABASE_URL; // PGlite in the soak's own data dir
   delete env.SANDBOXD_DATA_DIR;
   return env;
 }
 
-async function call(
+export async function call(
   base: string,
   key: string,
   method: string,
@@ -203,11 +203,9 @@ export async function runSoak(o: {
   log: (m: string) => void;
 }): Promise<SoakResult> {
   const t0 = performance.now();
-  const dataDir = await mkdtemp(join(tmpdir(), "sbx-soak-"));
+  const dataDir = await seededDataDir("sbx-soak-", o.cacheDir, o.log);
   // The guest artifacts (kernel, initramfs) are built once in the cache and copied: each soak's
   // `up` then starts without a download.
-  await ensureGuestArtifacts({ dataDir: o.cacheDir, log: o.log });
-  spawnSync("cp", ["-a", join(o.cacheDir, "guest"), join(dataDir, "guest")]);
   const live = cli(["key", "create", "--data-dir", dataDir, "--tenant", "soak", "--tier", "live"])
     .trim()
     .split("\n")
@@ -261,30 +259,10 @@ export async function runSoak(o: {
     };
   };
   try {
-    const base = await new Promise<string>((ok, fail) => {
-      let out = "";
-      const timer = setTimeout(() => fail(new Error(`up did not listen: ${stderrTail}`)), LISTEN_TIMEOUT_MS);
-      up.stdout.on("data", (b: Buffer) => {
-        out += b.toString();
-        const m = /listening (\S+)/.exec(out);
-        if (m) {
-          clearTimeout(timer);
-          ok(m[1]!);
-        }
-      });
-      up.once("exit", (code) => fail(new Error(`up exited ${code}: ${stderrTail}`)));
-    });
+    const base = await listeningUrl(up, () => stderrTail);
     const pid = up.pid!;
     o.log(`soak: up ${base} (pid ${pid}), data ${dataDir}`);
-    await call(base, scale, "POST", `/v1/templates?id=${TEMPLATE_ID}`, undefined, readFileSync(o.image));
-    const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
-    for (;;) {
-      const st = (await call(base, scale, "GET", `/v1/templates/${TEMPLATE_ID}`)) as { status: string };
-      if (st.status === "ready") break;
-      if (st.status === "failed" || Date.now() > deadline)
-        throw new Error(`template ${TEMPLATE_ID}: ${JSON.stringify(st)}`);
-      await Bun.sleep(250);
-    }
+    await uploadTemplateAndWait(base, scale, TEMPLATE_ID, o.image);
     const cycle = async () => {
       const s = (await call(base, live, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {
         session_id: string;
@@ -353,14 +331,66 @@ export async function runSoak(o: {
       total_ms: Math.round(performance.now() - t0),
     };
   } finally {
-    up.kill("SIGTERM");
-    await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
-    // The RAM files of its template live on /dev/shm, outside the data dir.
-    const shm = defaultShmRoot(join(dataDir, "agent"));
-    await rm(shm, { recursive: true, force: true }).catch(() => {});
-    await rm(ownerFileOf(shm), { force: true }).catch(() => {});
-    await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+    await stopAndRemove(up, dataDir);
   }
+}
+
+/** A fresh data dir under the temp dir, seeded with `cacheDir`'s guest artifacts (built if missing). */
+export async function seededDataDir(
+  prefix: string,
+  cacheDir: string,
+  log: (m: string) => void,
+): Promise<string> {
+  const dataDir = await mkdtemp(join(tmpdir(), prefix));
+  await ensureGuestArtifacts({ dataDir: cacheDir, log });
+  spawnSync("cp", ["-a", join(cacheDir, "guest"), join(dataDir, "guest")]);
+  return dataDir;
+}
+
+/** The URL a child `up` prints once it serves; its exit or LISTEN_TIMEOUT_MS fails it. */
+export function listeningUrl(up: ChildProcess, stderrTail: () => string): Promise<string> {
+  return new Promise<string>((ok, fail) => {
+    let out = "";
+    const timer = setTimeout(() => fail(new Error(`up did not listen: ${stderrTail()}`)), LISTEN_TIMEOUT_MS);
+    up.stdout?.on("data", (b: Buffer) => {
+      out += b.toString();
+      const m = /listening (\S+)/.exec(out);
+      if (m) {
+        clearTimeout(timer);
+        ok(m[1]!);
+      }
+    });
+    up.once("exit", (code) => fail(new Error(`up exited ${code}: ${stderrTail()}`)));
+  });
+}
+
+/** Uploads the image at `image` as Family A template `id` with a scale `key`; waits until ready. */
+export async function uploadTemplateAndWait(
+  base: string,
+  key: string,
+  id: string,
+  image: string,
+): Promise<void> {
+  await call(base, key, "POST", `/v1/templates?id=${id}`, undefined, readFileSync(image));
+  const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
+  for (;;) {
+    const st = (await call(base, key, "GET", `/v1/templates/${id}`)) as { status: string };
+    if (st.status === "ready") return;
+    if (st.status === "failed" || Date.now() > deadline)
+      throw new Error(`template ${id}: ${JSON.stringify(st)}`);
+    await Bun.sleep(250);
+  }
+}
+
+/** Stops the child `up` (SIGTERM, waits) and removes its data dir and its RAM files. */
+export async function stopAndRemove(up: ChildProcess, dataDir: string): Promise<void> {
+  up.kill("SIGTERM");
+  await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
+  // The RAM files of its template live on /dev/shm, outside the data dir.
+  const shm = defaultShmRoot(join(dataDir, "agent"));
+  await rm(shm, { recursive: true, force: true }).catch(() => {});
+  await rm(ownerFileOf(shm), { force: true }).catch(() => {});
+  await rm(dataDir, { recursive: true, force: true }).catch(() => {});
 }
 
 /** The GROWING_TYPES types whose live count grew most from `a` to `b`, by growth. */

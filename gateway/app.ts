@@ -12,8 +12,10 @@ import type { AgentApi } from "../contracts/agent/api.ts";
 import type { Db } from "../db/client.ts";
 import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import { bearerKey } from "./auth/bearer.ts";
+import { VerifiedKeys } from "./auth/key-cache.ts";
 import { keyRateLimit } from "./auth/rate-limit.ts";
 import type { GatewayConfig } from "./config.ts";
+import type { ActivityWriter } from "./core/activity.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
@@ -37,6 +39,15 @@ export interface CreateAppDeps {
   log?: (line: string) => void;
   /** Connect relays of this process; one is made when not given. */
   relays?: RelayRegistry;
+  /** Ends of calls written behind (core/activity.ts); each end is its own UPDATE without. */
+  activity?: ActivityWriter;
+  /**
+   * The database is this process's alone (PGlite): the rate limit's window is kept in memory
+   * (auth/rate-limit.ts LocalRateLimiter) instead of shared through the database.
+   */
+  localRateLimit?: boolean;
+  /** Verified keys of this process (auth/key-cache.ts); one is made when not given. */
+  keys?: VerifiedKeys;
 }
 
 /**
@@ -51,13 +62,16 @@ export function appDeps(input: CreateAppDeps): Deps {
     config: input.config,
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),
+    ...(input.activity ? { activity: input.activity } : {}),
   };
 }
 
 export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   const deps = appDeps(input);
   const log = input.log ?? ((line: string) => console.error(line));
-  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock, deps.db);
+  const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock, deps.db, {
+    local: input.localRateLimit === true,
+  });
   const app = new Hono<HonoEnv>();
 
   app.onError((err, c) => errorResponse(err, c, log));
@@ -69,7 +83,8 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   app.route("/", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
   app.route("/", consoleRoutes()); // the web console's static files; its API calls carry the key
 
-  app.use("/v1/*", bearerKey({ db: deps.db, pepper: deps.config.keyPepper }), rateLimit.middleware);
+  const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });
+  app.use("/v1/*", bearerKey(keys), rateLimit.middleware);
 
   app.route("/", familyARoutes(deps, log));
   app.route("/", sandboxRoutes(deps));

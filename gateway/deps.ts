@@ -5,6 +5,7 @@ import type { Db } from "../db/client.ts";
 import type { Placement } from "./agents/placement.ts";
 import type { Principal } from "./auth/keys.ts";
 import type { GatewayConfig } from "./config.ts";
+import type { ActivityWriter } from "./core/activity.ts";
 import type { RelayRegistry } from "./relay/registry.ts";
 import type { Upgrade } from "./runtime/types.ts";
 
@@ -21,6 +22,11 @@ export interface Deps {
   clock: Clock;
   /** Connect relays open in this process (gateway/relay/), closed when their sandbox goes. */
   relays?: RelayRegistry;
+  /**
+   * Where the ends of calls are written behind (core/activity.ts); without it each end is its
+   * own UPDATE, as under `createApp` alone in tests.
+   */
+  activity?: ActivityWriter;
 }
 
 /**

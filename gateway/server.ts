@@ -16,8 +16,10 @@ import { handleAgentEvents } from "./agents/events-http.ts";
 import { AGENT_STALE_AFTER_MS, handleHeartbeat, liveAgentIds } from "./agents/registry.ts";
 import { AgentRouter } from "./agents/router.ts";
 import { appDeps, createApp } from "./app.ts";
+import { VerifiedKeys } from "./auth/key-cache.ts";
 import { loadSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
+import { ActivityWriter } from "./core/activity.ts";
 import { applyAgentEvents } from "./core/agent-events.ts";
 import { startReaper } from "./core/reaper.ts";
 import { type Reconciler, startReconciler } from "./core/reconcile.ts";
@@ -86,6 +88,11 @@ export interface RunningGateway {
    * while the gateway runs), e.g. to register catalog templates. Refused after `stop()`.
    */
   withDb<T>(fn: (db: Db) => Promise<T>): Promise<T>;
+  /**
+   * A key revoked by this process (the operator socket's `key revoke`): the key middleware drops
+   * it from its cache, so its next request here is refused (auth/key-cache.ts).
+   */
+  keyRevoked(keyId: string): void;
   /** Stops the server (open connections are closed), then closes the database. Idempotent. */
   stop(): Promise<void>;
 }
@@ -127,6 +134,8 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let router: AgentRouter | undefined;
   let reaper: { stop(): Promise<void> } | undefined;
   let reconciler: Reconciler | undefined;
+  const keys = new VerifiedKeys({ db: handle.db, pepper: config.keyPepper });
+  const activity = new ActivityWriter(handle.db, opts.log ?? ((line: string) => console.error(line)));
   try {
     const clock = opts.clock ?? Date.now;
     const log = opts.log ?? ((line: string) => console.error(line));
@@ -156,9 +165,15 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       ...(router ? { placement: router } : {}),
       config,
       relays,
+      activity,
       ...(opts.clock ? { clock: opts.clock } : {}),
     });
-    const app = createApp({ ...deps, ...(opts.log ? { log: opts.log } : {}) });
+    const app = createApp({
+      ...deps,
+      keys,
+      localRateLimit: handle.kind === "pglite",
+      ...(opts.log ? { log: opts.log } : {}),
+    });
     // The rows against the agents' VMs: their events as they happen, reconciliation for what
     // events missed (gateway/core/agent-events.ts, reconcile.ts).
     const staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
@@ -216,6 +231,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       if (stopping) throw new Error("the gateway is stopped");
       return fn(handle.db);
     },
+    keyRevoked: (keyId) => keys.forget(keyId),
     stop: () => {
       stopping ??= (async () => {
         reconciler?.stop();
@@ -223,6 +239,8 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
           await reaper?.stop();
           await server.stop();
         } finally {
+          // Served calls' ends reach the database before it closes (core/activity.ts).
+          await activity.stop();
           await handle.close();
         }
       })();

@@ -14,6 +14,7 @@ import { type DbHandle, openDb } from "../../db/client.ts";
 import type { HonoEnv } from "../deps.ts";
 import { errorResponse } from "../errors.ts";
 import { bearerKey, keyFromWsProtocols } from "./bearer.ts";
+import { VerifiedKeys } from "./key-cache.ts";
 import { createKey, type IssuedKey, revokeKey } from "./keys.ts";
 
 const PEPPER = "bearer-test-pepper-0123";
@@ -33,7 +34,7 @@ beforeAll(async () => {
   app = new Hono<HonoEnv>();
   app.onError((err, c) => errorResponse(err, c, () => {}));
   app.get("/open", (c) => c.text("no key needed"));
-  app.use("/auth/*", bearerKey({ db: handle.db, pepper: PEPPER }));
+  app.use("/auth/*", bearerKey(new VerifiedKeys({ db: handle.db, pepper: PEPPER })));
   app.get("/auth/whoami", (c) => {
     handled++;
     return c.json(c.get("principal"));
@@ -101,7 +102,7 @@ describe("refused with 401 before the handler", () => {
   test("the same key under another pepper", async () => {
     const other = new Hono<HonoEnv>();
     other.onError((err, c) => errorResponse(err, c, () => {}));
-    other.use("*", bearerKey({ db: handle.db, pepper: "another-pepper-0123456789" }));
+    other.use("*", bearerKey(new VerifiedKeys({ db: handle.db, pepper: "another-pepper-0123456789" })));
     other.get("/", (c) => c.text("reached"));
     await expect401(await other.request("/", { headers: { authorization: `Bearer ${pro.key}` } }), INVALID);
   });

@@ -14,9 +14,8 @@
 import { createMiddleware } from "hono/factory";
 import { WS_KEY_PROTOCOL_PREFIX, WS_PROTOCOL } from "../../contracts/api/common.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { Db } from "../../db/client.ts";
 import type { HonoEnv } from "../deps.ts";
-import { verifyKey } from "./keys.ts";
+import type { VerifiedKeys } from "./key-cache.ts";
 
 /** The scheme is case-insensitive (RFC 9110 11.1); the key is one token, trailing blanks allowed. */
 const BEARER = /^Bearer\s+(\S+)\s*$/i;
@@ -35,7 +34,8 @@ export function keyFromWsProtocols(
   return key.length > 0 ? key : undefined;
 }
 
-export function bearerKey(opts: { db: Db; pepper: string }) {
+/** Keys resolve through `keys` (auth/key-cache.ts): a verified key skips its row for a second. */
+export function bearerKey(keys: VerifiedKeys) {
   return createMiddleware<HonoEnv>(async (c, next) => {
     const header = c.req.header("authorization");
     const m = header === undefined ? null : BEARER.exec(header);
@@ -46,7 +46,7 @@ export function bearerKey(opts: { db: Db; pepper: string }) {
         : undefined);
     if (key === undefined)
       throw new SandboxdError("unauthorized", "missing API key: send Authorization: Bearer <key>");
-    const principal = await verifyKey(opts.db, opts.pepper, key);
+    const principal = await keys.verify(key);
     if (!principal) throw new SandboxdError("unauthorized", "invalid API key");
     c.set("principal", principal);
     await next();

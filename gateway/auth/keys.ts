@@ -82,9 +82,14 @@ export async function listKeys(db: Db, opts: { tenant?: string } = {}): Promise<
   return rows;
 }
 
+/** The key id a key id or `svc_<tier>_<id>` prefix names. */
+export function keyIdOf(idOrPrefix: string): string {
+  return idOrPrefix.startsWith("svc_") ? (idOrPrefix.split("_")[2] ?? "") : idOrPrefix;
+}
+
 /** Revokes by key id (or the `svc_<tier>_<id>` prefix). Returns false when no live key matched. */
 export async function revokeKey(db: Db, idOrPrefix: string, now: Date = new Date()): Promise<boolean> {
-  const keyId = idOrPrefix.startsWith("svc_") ? (idOrPrefix.split("_")[2] ?? "") : idOrPrefix;
+  const keyId = keyIdOf(idOrPrefix);
   const rows = await db
     .update(apiKeys)
     .set({ revokedAt: now })
@@ -95,8 +100,8 @@ export async function revokeKey(db: Db, idOrPrefix: string, now: Date = new Date
 
 /**
  * Whether the key with this id exists and is not revoked: a connect token minted by a key is
- * accepted only while this holds (auth/connect-token.ts). Read on every use, as `verifyKey` is,
- * so a revocation by any process on the database applies to the next request.
+ * accepted only while this holds (auth/connect-token.ts). Read on every use, so a revocation by
+ * any process on the database applies to the next connect.
  */
 export async function keyIsLive(db: Db, keyId: string): Promise<boolean> {
   const [row] = await db.select({ revokedAt: apiKeys.revokedAt }).from(apiKeys).where(eq(apiKeys.id, keyId));
@@ -111,8 +116,15 @@ export interface Principal {
 }
 
 /** Resolves a presented key to its principal, or null (unknown, malformed, revoked, wrong). */
-export async function verifyKey(db: Db, pepper: string, presented: string): Promise<Principal | null> {
+export function verifyKey(db: Db, pepper: string, presented: string): Promise<Principal | null> {
+  return verifyKeyHashed(db, presented, hashKey(pepper, presented));
+}
+
+/** `verifyKey` with the key's HMAC already computed (`hashKey`), as the key cache has it. */
+export async function verifyKeyHashed(db: Db, presented: string, hash: string): Promise<Principal | null> {
   const parsed = parseApiKey(presented);
+  // Hash even when the key is malformed or its id unknown (the caller did), so the response time
+  // does not reveal which ids exist.
   if (!parsed) return null;
   const [row] = await db
     .select({
@@ -123,8 +135,7 @@ export async function verifyKey(db: Db, pepper: string, presented: string): Prom
     })
     .from(apiKeys)
     .where(eq(apiKeys.id, parsed.keyId));
-  // Hash even when the id is unknown, so the response time does not reveal which ids exist.
-  const presentedHash = Buffer.from(hashKey(pepper, presented), "hex");
+  const presentedHash = Buffer.from(hash, "hex");
   const storedHash = row ? Buffer.from(row.hash, "hex") : Buffer.alloc(presentedHash.length);
   const match = storedHash.length === presentedHash.length && timingSafeEqual(storedHash, presentedHash);
   if (!row || !match || row.revokedAt !== null || row.tier !== parsed.tier) return null;

@@ -14,7 +14,7 @@ import { Hono } from "hono";
 import { type DbHandle, openDb } from "../../db/client.ts";
 import type { HonoEnv } from "../deps.ts";
 import { errorResponse } from "../errors.ts";
-import { keyRateLimit, LEASE_MS, SharedRateLimiter } from "./rate-limit.ts";
+import { keyRateLimit, LEASE_MS, LocalRateLimiter, SharedRateLimiter } from "./rate-limit.ts";
 
 let dir: string;
 let handle: DbHandle;
@@ -173,5 +173,42 @@ describe("keyRateLimit middleware", () => {
     const over = await get(k);
     expect(over.status).toBe(429);
     expect(over.headers.get("retry-after")).toBe("1");
+  });
+});
+
+describe("LocalRateLimiter (a database only this process opens)", () => {
+  test("no second holds more than the limit; the next grant is due when the oldest leaves", async () => {
+    let now = 10_000;
+    const l = new LocalRateLimiter({ limit: 3, clock: () => now });
+    for (let i = 0; i < 3; i++) expect(await l.take("k")).toBe(0);
+    expect(await l.take("k")).toBe(1); // all three at t: a whole second to wait
+    expect(await l.take("other")).toBe(0); // keys are apart
+    now += 400;
+    expect(await l.take("k")).toBeCloseTo(0.6, 5);
+    now += 600; // the first three leave the window
+    expect(await l.take("k")).toBe(0);
+    expect(await l.take("k")).toBe(0);
+    expect(await l.take("k")).toBe(0);
+    expect(await l.take("k")).toBe(1);
+  });
+
+  test("the same property as the shared limiter: any one-second interval holds at most `limit`", async () => {
+    await fc.assert(
+      fc.asyncProperty(
+        fc.array(fc.integer({ min: 0, max: 40 }), { minLength: 1, maxLength: 300 }),
+        async (gaps) => {
+          let now = 0;
+          const limit = 7;
+          const l = new LocalRateLimiter({ limit, clock: () => now });
+          const granted: number[] = [];
+          for (const g of gaps) {
+            now += g;
+            if ((await l.take("k")) === 0) granted.push(now);
+          }
+          for (let i = limit; i < granted.length; i++)
+            expect(granted[i]! - granted[i - limit]!).toBeGreaterThanOrEqual(1000);
+        },
+      ),
+    );
   });
 });

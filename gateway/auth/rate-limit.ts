@@ -16,6 +16,10 @@
  * given back with the gateway's next question for the key. A refusal is remembered until the time
  * the database said a grant ends, so a flood of refused requests costs no round trips either.
  * One request per key at a time asks the database; the others wait for its answer.
+ *
+ * On PGlite the database belongs to this one process (db/lock.ts refuses a second), so there are
+ * no other gateways to share the limit with: `LocalRateLimiter` keeps the same sliding window in
+ * memory, exact, without a database call per lease.
  */
 
 import { sql } from "drizzle-orm";
@@ -173,6 +177,47 @@ export class SharedRateLimiter {
   }
 }
 
+/** What `keyRateLimit` asks: 0 to allow one request of `key`, else the seconds until one would be. */
+export interface RateLimiter {
+  take(key: string): Promise<number>;
+}
+
+/**
+ * The same sliding window kept in this process: the times of the key's grants in the last second
+ * (at most `limit` of them); a request is allowed while fewer than `limit` are younger than a
+ * second. For a database only this process opens (PGlite), where it is the whole truth.
+ */
+export class LocalRateLimiter implements RateLimiter {
+  /** Per key, its grants' times in order: a ring of `limit` slots, oldest at `next`. */
+  private readonly keys = new Map<string, { times: Float64Array; next: number; last: number }>();
+  private readonly windowMs = 1000; // the spec's second
+
+  constructor(private readonly opts: { limit: number; clock: Clock }) {}
+
+  async take(key: string): Promise<number> {
+    const now = this.opts.clock();
+    let s = this.keys.get(key);
+    if (!s) {
+      if (this.keys.size >= SWEEP_AT_KEYS) this.sweep(now);
+      // -Infinity: a slot never granted lies outside every window.
+      s = { times: new Float64Array(this.opts.limit).fill(Number.NEGATIVE_INFINITY), next: 0, last: now };
+      this.keys.set(key, s);
+    }
+    // The oldest of the last `limit` grants: a `limit + 1`st inside its second is refused.
+    const oldest = s.times[s.next]!;
+    if (now - oldest < this.windowMs) return Math.max(oldest + this.windowMs - now, 1) / 1000;
+    s.times[s.next] = now;
+    s.next = (s.next + 1) % s.times.length;
+    s.last = now;
+    return 0;
+  }
+
+  /** Drops keys with no grant for a window: their state is spent. */
+  private sweep(now: number): void {
+    for (const [k, s] of this.keys) if (now - s.last >= this.windowMs) this.keys.delete(k);
+  }
+}
+
 export interface KeyRateLimit {
   /**
    * Runs after `bearerKey` (it reads the principal): over the limit it throws 429
@@ -188,17 +233,27 @@ export interface KeyRateLimit {
   /** Requests of this key refused by this gateway process (`/v1/metrics`). */
   refused(keyId: string): number;
   /** The limiter, for measurements and tests. */
-  limiter: SharedRateLimiter;
+  limiter: RateLimiter;
 }
 
-/** At most `perSecond` requests of one key in any one second, across every gateway on `db`. */
+/**
+ * At most `perSecond` requests of one key in any one second, across every gateway on `db`;
+ * `local` when no other process can open `db` (PGlite): the window is then kept in memory.
+ */
 export function keyRateLimit(
   perSecond: number,
   clock: Clock,
   db: Db,
-  opts: { leaseMs?: number } = {},
+  opts: { leaseMs?: number; local?: boolean } = {},
 ): KeyRateLimit {
-  const limiter = new SharedRateLimiter({ db, limit: perSecond, clock, ...opts });
+  const limiter: RateLimiter = opts.local
+    ? new LocalRateLimiter({ limit: perSecond, clock })
+    : new SharedRateLimiter({
+        db,
+        limit: perSecond,
+        clock,
+        ...(opts.leaseMs !== undefined ? { leaseMs: opts.leaseMs } : {}),
+      });
   const refused = new Map<string, number>();
   const take = async (keyId: string) => {
     const wait = await limiter.take(keyId);

@@ -21,7 +21,9 @@ export function startReaper(
   const refused = new Set<string>();
   const timer = setInterval(() => {
     if (pass) return; // a slow pass must not overlap the next
-    pass = touchRelayed(deps)
+    // This process's ends written first, so that its own finished calls count as finished.
+    pass = (deps.activity?.flush() ?? Promise.resolve())
+      .then(() => touchRelayed(deps))
       .then(() => reapIdleSessions(deps, log))
       .then(() => suspendIdleSandboxes(deps, log, refused))
       .then(() => endStaleExecs(deps))

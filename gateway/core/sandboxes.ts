@@ -56,10 +56,12 @@ export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi 
 
 /** A record owned by the caller, in the caller's family; anything else is 404 (spec 5.7). */
 export async function getOwned(deps: Deps, p: Principal, id: string): Promise<SandboxRow> {
-  const [row] = await deps.db
+  const [read] = await deps.db
     .select()
     .from(sandboxes)
     .where(and(eq(sandboxes.id, id), eq(sandboxes.tenantId, p.tenantId), eq(sandboxes.family, p.family)));
+  // This process's ends not yet written count as written (core/activity.ts).
+  const row = read && deps.activity ? deps.activity.overlay(read) : read;
   const what = p.family === "a" ? `session ${id}` : `sandbox ${id}`;
   if (!row) throw notFound(what);
   if (row.state === "destroyed") {
@@ -77,7 +79,7 @@ export async function getOwned(deps: Deps, p: Principal, id: string): Promise<Sa
 }
 
 export async function listOwned(deps: Deps, p: Principal): Promise<SandboxRow[]> {
-  return deps.db
+  const rows = await deps.db
     .select()
     .from(sandboxes)
     .where(
@@ -88,6 +90,8 @@ export async function listOwned(deps: Deps, p: Principal): Promise<SandboxRow[]>
       ),
     )
     .orderBy(sandboxes.createdAt, sandboxes.id);
+  const activity = deps.activity;
+  return activity ? rows.map((r) => activity.overlay(r)) : rows;
 }
 
 /** Closes the open usage interval of a sandbox and opens `next` (null: none). */
@@ -390,9 +394,7 @@ export async function execIn(
   action: ExecAction,
   stream?: ExecStreamOptions,
 ): Promise<ExecResult> {
-  const row = await getOwned(deps, p, id);
-  requireAllowed(id, row.state, "exec");
-  await beginActivity(deps, p, row, "exec");
+  const row = await claimForExec(deps, p, id);
   let ok = false;
   try {
     const agent = agentOf(deps, row);
@@ -403,6 +405,31 @@ export async function execIn(
   } finally {
     await endActivity(deps, id, ok);
   }
+}
+
+/**
+ * An exec's start in one round trip when it can run: the row, owned by the caller and running,
+ * counted in flight with its idleness reset by one UPDATE (what `getOwned`, the state check and
+ * `beginActivity` do in three steps, which answer every other case: 404, 410, 409).
+ */
+async function claimForExec(deps: Deps, p: Principal, id: string): Promise<SandboxRow> {
+  const [claimed] = await deps.db
+    .update(sandboxes)
+    .set({ execsInFlight: sql`${sandboxes.execsInFlight} + 1`, lastExecAt: new Date(deps.clock()) })
+    .where(
+      and(
+        eq(sandboxes.id, id),
+        eq(sandboxes.tenantId, p.tenantId),
+        eq(sandboxes.family, p.family),
+        inArray(sandboxes.state, RECORD_TRANSITIONS.exec.from),
+      ),
+    )
+    .returning();
+  if (claimed) return claimed;
+  const row = await getOwned(deps, p, id);
+  requireAllowed(id, row.state, "exec");
+  await beginActivity(deps, p, row, "exec");
+  return row;
 }
 
 /**
@@ -474,6 +501,10 @@ async function beginActivity(
  * it); a successful exec counts in `exec_count`.
  */
 async function endActivity(deps: Deps, id: string, execDone: boolean): Promise<void> {
+  if (deps.activity) {
+    deps.activity.end(id, new Date(deps.clock()), execDone);
+    return;
+  }
   await deps.db
     .update(sandboxes)
     .set({

@@ -2,6 +2,7 @@
 import { readFile } from "node:fs/promises";
 import { and, eq, sql } from "drizzle-orm";
 import { Hono } from "hono";
+import type { AgentHealth } from "../../contracts/agent/api.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { TCG_BOUNDARY } from "../../contracts/api/health.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -14,39 +15,36 @@ import type { Deps, HonoEnv } from "../deps.ts";
 import { query } from "../http.ts";
 import { OPENAPI_PATH } from "../openapi-file.ts";
 
+/**
+ * How long the agents' healthy answer serves every `GET /v1/health`: a balancer polling many
+ * gateways (or anyone: it needs no key) then costs the agents one health call a second per
+ * gateway, not one per request, while an agent that died shows as `degraded` within this bound
+ * (plus its own call's timeout when it hangs rather than refuses). An unhealthy answer is not
+ * kept: while degraded every health request asks again (concurrent ones share one call), so the
+ * recovery shows at once. The database part (templates) is read on every request, so a database
+ * that went away shows at once too.
+ */
+export const HEALTH_CACHE_MS = 1000;
+
 /** Mounted before the key middleware: health needs no key (spec 5.1). */
 export function healthRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
-  // One object that satisfies both forms (spec 2.10): status + version (B) + templates map (A).
-  // Only public templates: the caller is anonymous.
-  app.get("/v1/health", async (c) => {
-    let status: "ok" | "degraded" = "ok";
-    let accel: "kvm" | "tcg" | undefined;
-    try {
-      const h = await deps.agent.health();
-      if (!h.ok) status = "degraded";
-      accel = h.accel;
-    } catch {
-      status = "degraded";
+  // The agents' answer being asked or served, and until when (performance.now(): real time).
+  let cached: { health: Promise<AgentHealth | undefined>; until: number } | undefined;
+  const agentHealth = (): Promise<AgentHealth | undefined> => {
+    const now = performance.now();
+    if (cached === undefined || now >= cached.until) {
+      const health = deps.agent.health().catch(() => undefined);
+      // Until answered the call is shared; then only a healthy answer is kept.
+      const entry = { health, until: Number.POSITIVE_INFINITY };
+      cached = entry;
+      void health.then((h) => {
+        entry.until = h?.ok ? performance.now() + HEALTH_CACHE_MS : 0;
+      });
     }
-    // Without the database health still answers (200, `degraded`, no templates): a balancer
-    // keeps probing and sees the gateway come back; every other call is 503 `db_unavailable`.
-    let rows: Awaited<ReturnType<typeof visibleTemplates>> = [];
-    try {
-      rows = await visibleTemplates(deps, null);
-    } catch (err) {
-      if (!isDbUnavailable(err)) throw err;
-      status = "degraded";
-    }
-    return c.json({
-      status,
-      version: deps.config.version,
-      templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
-      ...(accel ? { accel } : {}),
-      ...(accel === "tcg" ? { vm_boundary: TCG_BOUNDARY } : {}),
-      ...(Object.keys(deps.config.settings).length > 0 ? { settings: deps.config.settings } : {}),
-    });
-  });
+    return cached.health;
+  };
+  app.get("/v1/health", async (c) => c.json(await healthBody(deps, await agentHealth())));
   // The API's description, as committed beside the code (gateway/openapi.ts generates it and a
   // test keeps the two equal): public documentation, so no key, like health. Read on first use.
   let openapi: Promise<string> | undefined;
@@ -59,6 +57,29 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
     return c.body(text, 200, { "Content-Type": "application/yaml; charset=utf-8" });
   });
   return app;
+}
+
+/** One health answer (spec 2.10): status + version (B) + templates map (A); public templates only. */
+async function healthBody(deps: Deps, h: AgentHealth | undefined): Promise<Record<string, unknown>> {
+  let status: "ok" | "degraded" = h?.ok ? "ok" : "degraded";
+  const accel = h?.accel;
+  // Without the database health still answers (200, `degraded`, no templates): a balancer
+  // keeps probing and sees the gateway come back; every other call is 503 `db_unavailable`.
+  let rows: Awaited<ReturnType<typeof visibleTemplates>> = [];
+  try {
+    rows = await visibleTemplates(deps, null);
+  } catch (err) {
+    if (!isDbUnavailable(err)) throw err;
+    status = "degraded";
+  }
+  return {
+    status,
+    version: deps.config.version,
+    templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
+    ...(accel ? { accel } : {}),
+    ...(accel === "tcg" ? { vm_boundary: TCG_BOUNDARY } : {}),
+    ...(Object.keys(deps.config.settings).length > 0 ? { settings: deps.config.settings } : {}),
+  };
 }
 
 function escapeLabel(v: string): string {
