@@ -10,11 +10,12 @@
  * processes, VM directories, cgroups, jail uid locks. Not a timed benchmark: the figures say
  * whether the service leaks.
  */
-import { spawn, spawnSync } from "node:child_process";
+import { type ChildProcessByStdio, spawn, spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
+import type { Readable } from "node:stream";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { cgroupName, vmCgroupDirs } from "../agent/qemu/cgroup.ts";
 import { UID_LOCK_DIR } from "../agent/qemu/uids.ts";
@@ -160,20 +161,20 @@ export async function leftovers(dataDir: string): Promise<SoakResult["leftovers"
   };
 }
 
-function cli(args: string[]): string {
+export function cli(args: string[]): string {
   const r = spawnSync(SANDBOXD, args, { encoding: "utf8", env: childEnv() });
   if (r.status !== 0) throw new SandboxdError("internal", `sandboxd ${args[0]} failed: ${r.stderr.trim()}`);
   return r.stdout;
 }
 
-function childEnv(): NodeJS.ProcessEnv {
+export function childEnv(): NodeJS.ProcessEnv {
   const env = { ...process.env };
   delete env.DATABASE_URL; // PGlite in the soak's own data dir
   delete env.SANDBOXD_DATA_DIR;
   return env;
 }
 
-async function call(
+export async function call(
   base: string,
   key: string,
   method: string,
@@ -192,6 +193,39 @@ async function call(
   const text = await res.text();
   if (res.status >= 300) throw new Error(`${method} ${path}: ${res.status} ${text.slice(0, 300)}`);
   return text === "" ? undefined : JSON.parse(text);
+}
+
+/** The URL a started `up` prints (`listening URL`) once it serves; rejects if it exits first. */
+export function listenUrl(
+  up: ChildProcessByStdio<null, Readable, Readable>,
+  tail: () => string,
+): Promise<string> {
+  return new Promise<string>((ok, fail) => {
+    let out = "";
+    const timer = setTimeout(() => fail(new Error(`up did not listen: ${tail()}`)), LISTEN_TIMEOUT_MS);
+    up.stdout.on("data", (b: Buffer) => {
+      out += b.toString();
+      const m = /listening (\S+)/.exec(out);
+      if (m) {
+        clearTimeout(timer);
+        ok(m[1]!);
+      }
+    });
+    up.once("exit", (code) => fail(new Error(`up exited ${code}: ${tail()}`)));
+  });
+}
+
+/** Registers `image` as template `id` with a scale `key` and waits until it is ready. */
+export async function uploadTemplate(base: string, key: string, id: string, image: string): Promise<void> {
+  await call(base, key, "POST", `/v1/templates?id=${id}`, undefined, readFileSync(image));
+  const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
+  for (;;) {
+    const st = (await call(base, key, "GET", `/v1/templates/${id}`)) as { status: string };
+    if (st.status === "ready") return;
+    if (st.status === "failed" || Date.now() > deadline)
+      throw new Error(`template ${id}: ${JSON.stringify(st)}`);
+    await Bun.sleep(250);
+  }
 }
 
 export async function runSoak(o: {
@@ -261,30 +295,10 @@ export async function runSoak(o: {
     };
   };
   try {
-    const base = await new Promise<string>((ok, fail) => {
-      let out = "";
-      const timer = setTimeout(() => fail(new Error(`up did not listen: ${stderrTail}`)), LISTEN_TIMEOUT_MS);
-      up.stdout.on("data", (b: Buffer) => {
-        out += b.toString();
-        const m = /listening (\S+)/.exec(out);
-        if (m) {
-          clearTimeout(timer);
-          ok(m[1]!);
-        }
-      });
-      up.once("exit", (code) => fail(new Error(`up exited ${code}: ${stderrTail}`)));
-    });
+    const base = await listenUrl(up, () => stderrTail);
     const pid = up.pid!;
     o.log(`soak: up ${base} (pid ${pid}), data ${dataDir}`);
-    await call(base, scale, "POST", `/v1/templates?id=${TEMPLATE_ID}`, undefined, readFileSync(o.image));
-    const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
-    for (;;) {
-      const st = (await call(base, scale, "GET", `/v1/templates/${TEMPLATE_ID}`)) as { status: string };
-      if (st.status === "ready") break;
-      if (st.status === "failed" || Date.now() > deadline)
-        throw new Error(`template ${TEMPLATE_ID}: ${JSON.stringify(st)}`);
-      await Bun.sleep(250);
-    }
+    await uploadTemplate(base, scale, TEMPLATE_ID, o.image);
     const cycle = async () => {
       const s = (await call(base, live, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {
         session_id: string;
