@@ -17,7 +17,7 @@
  */
 import { spawn } from "node:child_process";
 import { readFileSync } from "node:fs";
-import { mkdtemp, rm } from "node:fs/promises";
+import { mkdtemp, readdir, rm, stat } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { qemuMemory } from "../agent/bench/rss.ts";
@@ -237,6 +237,16 @@ export async function measureQemus(dataDir: string): Promise<QemuMemorySummary> 
   };
 }
 
+/** KiB allocated by the template RAM files (`tpl-*.mem`) of the service's shm root. */
+async function templateRamKib(dataDir: string): Promise<number> {
+  const root = defaultShmRoot(join(dataDir, "agent"));
+  let kib = 0;
+  for (const name of await readdir(root).catch(() => [] as string[]))
+    if (name.startsWith("tpl-"))
+      kib += ((await stat(join(root, name)).catch(() => undefined))?.blocks ?? 0) / 2;
+  return kib;
+}
+
 export type DensityStop = "max" | "agent_capacity" | "session_cap" | "host_memory" | "error" | "interrupted";
 
 export interface DensityResult {
@@ -258,6 +268,11 @@ export interface DensityResult {
   host_mem_available_before_mib: number;
   host_mem_available_at_peak_mib: number;
   memory: QemuMemorySummary;
+  /**
+   * Host memory the template's RAM files hold on tmpfs (allocated, not apparent size), MiB: paid
+   * once per template, beside the per-VM PSS.
+   */
+  template_ram_files_mib: number;
   /** Create latency while filling, ms (each create alone). */
   create_ms: { p50: number; p95: number; max: number };
   /**
@@ -328,6 +343,7 @@ export async function runDensity(o: {
         host_mem_available_before_mib: before.availableMib,
         host_mem_available_at_peak_mib: peak.availableMib,
         memory,
+        template_ram_files_mib: mib(await templateRamKib(svc.dataDir)),
         create_ms: {
           p50: pct(sorted, 0.5),
           p95: pct(sorted, 0.95),

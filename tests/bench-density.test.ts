@@ -70,6 +70,9 @@ test(
     expect(d.memory.guest_ram_per_vm_mib).toBeGreaterThan(0);
     expect(d.memory.pss_total_mib).toBeGreaterThanOrEqual(d.memory.pss_per_vm_mib * 3);
     expect(d.create_ms.p50).toBeGreaterThan(0);
+    // The template's RAM file is sparse: a 256 MiB guest's file holds far less than 256 MiB.
+    expect(d.template_ram_files_mib).toBeGreaterThan(0);
+    expect(d.template_ram_files_mib).toBeLessThan(256);
     expect(d.memory_bound_estimate).toBeGreaterThan(0);
     expect(d.host_mem_total_mib).toBeGreaterThan(0);
     expect(d.delete_failures).toBe(0);
