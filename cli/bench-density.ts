@@ -322,7 +322,11 @@ export async function runDensity(o: {
           continue;
         }
         stoppedBy =
-          c.code === "at_capacity" ? "agent_capacity" : c.answer?.status === 429 ? "session_cap" : "error";
+          c.code === "at_capacity"
+            ? "agent_capacity"
+            : c.answer?.status === 429 && c.code !== "rate_limited"
+              ? "session_cap"
+              : "error";
         detail = c.answer?.body ?? c.code;
         break;
       }
