@@ -317,8 +317,10 @@ export async function runDensity(o: {
           ids.push(c.id);
           createMs.push(c.ms);
           // Re-estimated every 8 VMs: reading every QEMU's smaps on each step would dominate.
-          if (ids.length % 8 === 1)
-            perVmMib = Math.max(perVmMib, (await measureQemus(svc.dataDir)).pss_per_vm_mib);
+          if (ids.length % 8 === 1) {
+            const measured = (await measureQemus(svc.dataDir)).pss_per_vm_mib;
+            if (measured > 0) perVmMib = measured;
+          }
           continue;
         }
         stoppedBy =
