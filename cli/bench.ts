@@ -6,24 +6,16 @@
  * printed as JSON: what the service holds at the start and the end, and what it left behind.
  * `--gateway [--connections N] [--seconds S] [--keys K]`: the HTTP service's own share of an exec
  * and of an authenticated read, beside the agent's own round trip (bench-gateway.ts).
+ * `--density [--max N] [--reserve-mib MIB]` / `--burst N`: idle sandboxes one host holds, and N
+ * creates at once, through a real `up` (bench-density.ts), printed as JSON.
  */
 import { parseArgs } from "node:util";
 import { SandboxdError } from "../contracts/errors.ts";
 import { defaultDataDir } from "./config.ts";
+import { intOption } from "./int-option.ts";
 
 /** Once aborted, how long the run gets to free its VMs before we exit anyway (QEMUs die with us). */
 const ABORT_GRACE_MS = 15_000;
-
-function intOption(value: string | undefined, name: string, def: number, min: number, max: number): number {
-  if (value === undefined) return def;
-  const n = Number(value);
-  if (!Number.isInteger(n) || n < min || n > max)
-    throw new SandboxdError(
-      "bad_request",
-      `--${name} must be an integer from ${min} to ${max}, got ${value}`,
-    );
-  return n;
-}
 
 export async function cmdBench(args: string[], log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -41,6 +33,10 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       connections: { type: "string" },
       seconds: { type: "string" },
       keys: { type: "string" },
+      density: { type: "boolean" },
+      max: { type: "string" },
+      "reserve-mib": { type: "string" },
+      burst: { type: "string" },
     },
   });
   if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
@@ -61,6 +57,10 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     });
     process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
     return 0;
+  }
+  if (values.density || values.burst !== undefined) {
+    const { cmdBenchDensity } = await import("./bench-density-cmd.ts");
+    return cmdBenchDensity(values, values.image, log);
   }
   if (values.soak !== undefined) {
     const { runSoak } = await import("./soak.ts");

@@ -160,7 +160,7 @@ export async function leftovers(dataDir: string): Promise<SoakResult["leftovers"
   };
 }
 
-function cli(args: string[]): string {
+export function cli(args: string[]): string {
   const r = spawnSync(SANDBOXD, args, { encoding: "utf8", env: childEnv() });
   if (r.status !== 0) throw new SandboxdError("internal", `sandboxd ${args[0]} failed: ${r.stderr.trim()}`);
   return r.stdout;

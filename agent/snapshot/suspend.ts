@@ -12,6 +12,7 @@ import { needFreeSpace } from "../../contracts/disk-space.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { asSnapshotError, fail, ok, type Result } from "./errors.ts";
 import { qmp, setCapabilities } from "./migrate.ts";
+import { digZeroHoles } from "./sparse.ts";
 import { migrationByteCap, saveToFile } from "./stream.ts";
 import { type RestoreTimings, restoreInto, type SandboxVm } from "./vm.ts";
 
@@ -53,6 +54,9 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
     const chain = await openChainStore(vm.shape.dataDir);
     await chain.add(statePath, { kind: "state", holder: vm.holder, deps: [vm.memPath] });
     await vm.detach();
+    // The save read every guest page through the private mapping of the shared RAM file, which
+    // filled the file's holes with zero pages (sparse.ts): punch them again, off the caller's path.
+    void digZeroHoles(vm.memPath, vm.log);
     vm.suspendState = statePath;
     vm.enter("suspended");
     return ok({ memBytes, suspendMs: performance.now() - t0 });
@@ -93,6 +97,9 @@ export async function resumeVm(
     vm.enter("running");
     const chain = await openChainStore(vm.shape.dataDir);
     await chain.release(vm.holder, [statePath]);
+    // Loading the whole RAM wrote every page of the private mapping, and each first write faulted
+    // a zero page into the shared file's hole before copying it (sparse.ts): punch them again.
+    void digZeroHoles(vm.memPath, vm.log);
     return ok(timings);
   } catch (err) {
     // The state file is intact: the VM stays suspended and may be resumed again (or destroyed).

@@ -33,6 +33,7 @@ import { claimVm } from "../vm/process.ts";
 import { createVmDir, vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { qmp, setCapabilities } from "./migrate.ts";
+import { digZeroHoles } from "./sparse.ts";
 import { migrationByteCap, saveToFile } from "./stream.ts";
 
 export type TemplateState = "building" | "ready" | "failed";
@@ -289,6 +290,9 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     vm = undefined;
     await rm(vmDir, { recursive: true, force: true });
     await chmod(meta.disk, 0o444);
+    // The guest zeroed more pages than it kept data in; with the QEMU that wrote the file gone,
+    // its zero pages go back to holes (sparse.ts): only pages with data cost host memory.
+    await digZeroHoles(meta.memPath, log);
     const [memStat, diskStat] = await Promise.all([stat(meta.memPath), stat(meta.disk)]);
     meta.memFileBytes = memStat.blocks * 512;
     meta.diskFileBytes = diskStat.blocks * 512;

@@ -91,7 +91,7 @@ export class SandboxVm {
     readonly shape: VmShape,
     disk: string,
     memPath: string,
-    private readonly log: (m: string) => void = () => {},
+    readonly log: (m: string) => void = () => {},
   ) {
     this.disk = disk;
     this.memPath = memPath;
