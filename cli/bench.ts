@@ -4,6 +4,9 @@
  * docs/benchmarks.md explains them). SIGINT/SIGTERM free every VM and file of the run first.
  * `--soak N`: N session create -> exec -> delete cycles through a real `up` instead (soak.ts),
  * printed as JSON: what the service holds at the start and the end, and what it left behind.
+ * `--http`: the same figures through a real `up` beside the engine's from the same run
+ * (bench-http.ts); `--creates`, `--suspends`, `--tunnels`, `--tunnel-mib`, `--port`,
+ * `--fork-children` size it.
  */
 import { parseArgs } from "node:util";
 import { SandboxdError } from "../contracts/errors.ts";
@@ -35,6 +38,13 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       execs: { type: "string" },
       "data-dir": { type: "string" },
       soak: { type: "string" },
+      http: { type: "boolean" },
+      creates: { type: "string" },
+      suspends: { type: "string" },
+      tunnels: { type: "string" },
+      "tunnel-mib": { type: "string" },
+      port: { type: "string" },
+      "fork-children": { type: "string" },
     },
   });
   if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
@@ -60,6 +70,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       process.off("SIGTERM", onSignal);
     }
   }
+  if (values.http) return await benchHttp(values, log);
   const { runBench, isInterrupted } = await import("../agent/bench/bench.ts");
   const abort = new AbortController();
   let exitTimer: ReturnType<typeof setTimeout> | undefined;
@@ -95,6 +106,46 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     throw err;
   } finally {
     clearTimeout(exitTimer);
+    process.off("SIGINT", onSignal);
+    process.off("SIGTERM", onSignal);
+  }
+}
+
+/** `bench --http` (bench-http.ts), printed as JSON; SIGINT/SIGTERM stop it and free what it made. */
+async function benchHttp(
+  values: Record<string, string | boolean | undefined>,
+  log: (m: string) => void,
+): Promise<number> {
+  const { runHttpBench, defaultForkChildren } = await import("./bench-http.ts");
+  const str = (k: string) => values[k] as string | undefined;
+  const abort = new AbortController();
+  const onSignal = () => abort.abort();
+  process.on("SIGINT", onSignal);
+  process.on("SIGTERM", onSignal);
+  try {
+    const result = await runHttpBench({
+      image: str("image") as string,
+      cacheDir: str("data-dir") ?? defaultDataDir(),
+      memMib: intOption(str("mem"), "mem", 256, 64, 65536),
+      vcpus: intOption(str("vcpus"), "vcpus", 1, 1, 64),
+      // Small defaults: the run (engine and service) takes a few minutes on a loaded 2-core host.
+      creates: intOption(str("creates") ?? str("spawns"), "creates", 10, 1, 1000),
+      execs: intOption(str("execs"), "execs", 100, 1, 100_000),
+      suspends: intOption(str("suspends"), "suspends", 3, 1, 1000),
+      tunnels: intOption(str("tunnels"), "tunnels", 10, 1, 1000),
+      // 16 MiB: long enough that the WebSocket's open is a small part of the transfer.
+      tunnelMib: intOption(str("tunnel-mib"), "tunnel-mib", 16, 1, 1024),
+      port: intOption(str("port"), "port", 8080, 1, 65535),
+      forkChildren: intOption(str("fork-children"), "fork-children", defaultForkChildren(), 1, 64),
+      signal: abort.signal,
+      log,
+    });
+    process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
+    return 0;
+  } catch (err) {
+    if (abort.signal.aborted) return 130;
+    throw err;
+  } finally {
     process.off("SIGINT", onSignal);
     process.off("SIGTERM", onSignal);
   }

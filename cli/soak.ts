@@ -10,7 +10,7 @@
  * processes, VM directories, cgroups, jail uid locks. Not a timed benchmark: the figures say
  * whether the service leaks.
  */
-import { spawn, spawnSync } from "node:child_process";
+import { type ChildProcess, spawn, spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
@@ -160,7 +160,7 @@ export async function leftovers(dataDir: string): Promise<SoakResult["leftovers"
   };
 }
 
-function cli(args: string[]): string {
+export function cli(args: string[]): string {
   const r = spawnSync(SANDBOXD, args, { encoding: "utf8", env: childEnv() });
   if (r.status !== 0) throw new SandboxdError("internal", `sandboxd ${args[0]} failed: ${r.stderr.trim()}`);
   return r.stdout;
@@ -173,7 +173,7 @@ function childEnv(): NodeJS.ProcessEnv {
   return env;
 }
 
-async function call(
+export async function call(
   base: string,
   key: string,
   method: string,
@@ -203,36 +203,14 @@ export async function runSoak(o: {
   log: (m: string) => void;
 }): Promise<SoakResult> {
   const t0 = performance.now();
-  const dataDir = await mkdtemp(join(tmpdir(), "sbx-soak-"));
-  // The guest artifacts (kernel, initramfs) are built once in the cache and copied: each soak's
-  // `up` then starts without a download.
-  await ensureGuestArtifacts({ dataDir: o.cacheDir, log: o.log });
-  spawnSync("cp", ["-a", join(o.cacheDir, "guest"), join(dataDir, "guest")]);
-  const live = cli(["key", "create", "--data-dir", dataDir, "--tenant", "soak", "--tier", "live"])
-    .trim()
-    .split("\n")
-    .at(-1)!;
-  const scale = cli(["key", "create", "--data-dir", dataDir, "--tenant", "soak", "--tier", "scale"])
-    .trim()
-    .split("\n")
-    .at(-1)!;
-  const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
-    // The service answers SIGUSR2 with its heap after a full GC (heap-stats.ts).
-    env: { ...childEnv(), [HEAP_STATS_ENV]: "1" },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  let stderrTail = "";
-  let partial = "";
+  const dataDir = await seedDataDir("sbx-soak-", o.cacheDir, o.log);
+  const live = createKey(dataDir, "soak", "live");
+  const scale = createKey(dataDir, "soak", "scale");
   const heapWaiters: ((h: HeapStatsLine) => void)[] = [];
-  up.stderr.on("data", (b: Buffer) => {
-    const text = b.toString();
-    stderrTail = (stderrTail + text).slice(-4000);
-    const lines = (partial + text).split("\n");
-    partial = lines.pop() ?? "";
-    for (const line of lines) {
-      const h = parseHeapStatsLine(line);
-      if (h) heapWaiters.shift()?.(h);
-    }
+  // The service answers SIGUSR2 with its heap after a full GC (heap-stats.ts).
+  const { up, listening } = spawnUp(dataDir, { [HEAP_STATS_ENV]: "1" }, (line) => {
+    const h = parseHeapStatsLine(line);
+    if (h) heapWaiters.shift()?.(h);
   });
   /** The service's heap after a full GC, and its RSS and files right after. */
   const measure = async (
@@ -261,30 +239,10 @@ export async function runSoak(o: {
     };
   };
   try {
-    const base = await new Promise<string>((ok, fail) => {
-      let out = "";
-      const timer = setTimeout(() => fail(new Error(`up did not listen: ${stderrTail}`)), LISTEN_TIMEOUT_MS);
-      up.stdout.on("data", (b: Buffer) => {
-        out += b.toString();
-        const m = /listening (\S+)/.exec(out);
-        if (m) {
-          clearTimeout(timer);
-          ok(m[1]!);
-        }
-      });
-      up.once("exit", (code) => fail(new Error(`up exited ${code}: ${stderrTail}`)));
-    });
+    const base = await listening;
     const pid = up.pid!;
     o.log(`soak: up ${base} (pid ${pid}), data ${dataDir}`);
-    await call(base, scale, "POST", `/v1/templates?id=${TEMPLATE_ID}`, undefined, readFileSync(o.image));
-    const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
-    for (;;) {
-      const st = (await call(base, scale, "GET", `/v1/templates/${TEMPLATE_ID}`)) as { status: string };
-      if (st.status === "ready") break;
-      if (st.status === "failed" || Date.now() > deadline)
-        throw new Error(`template ${TEMPLATE_ID}: ${JSON.stringify(st)}`);
-      await Bun.sleep(250);
-    }
+    await uploadTemplate(base, scale, TEMPLATE_ID, readFileSync(o.image));
     const cycle = async () => {
       const s = (await call(base, live, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {
         session_id: string;
@@ -338,8 +296,7 @@ export async function runSoak(o: {
     // Leftovers are counted once the service has stopped: while it runs, the QEMUs it keeps
     // pre-launched for the template (agent/sandbox/prelaunch-pool.ts) are its own, and it frees
     // them at stop; a deleted sandbox's QEMU would outlive the stop and be counted.
-    up.kill("SIGTERM");
-    await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
+    await stopUp(up);
     return {
       cycles: done,
       failures,
@@ -353,13 +310,110 @@ export async function runSoak(o: {
       total_ms: Math.round(performance.now() - t0),
     };
   } finally {
-    up.kill("SIGTERM");
-    await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
-    // The RAM files of its template live on /dev/shm, outside the data dir.
-    const shm = defaultShmRoot(join(dataDir, "agent"));
-    await rm(shm, { recursive: true, force: true }).catch(() => {});
-    await rm(ownerFileOf(shm), { force: true }).catch(() => {});
-    await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+    await stopUp(up);
+    await removeDataDir(dataDir);
+  }
+}
+
+/**
+ * A fresh data dir for a service of our own under $TMPDIR (`prefix` + random). The guest
+ * artifacts (kernel, initramfs) are built once in `cacheDir` and copied: its `up` then starts
+ * without a build.
+ */
+export async function seedDataDir(
+  prefix: string,
+  cacheDir: string,
+  log: (m: string) => void,
+): Promise<string> {
+  const dataDir = await mkdtemp(join(tmpdir(), prefix));
+  await ensureGuestArtifacts({ dataDir: cacheDir, log });
+  spawnSync("cp", ["-a", join(cacheDir, "guest"), join(dataDir, "guest")]);
+  return dataDir;
+}
+
+/** Removes a seeded data dir and the RAM files of its templates (on /dev/shm, outside it). */
+export async function removeDataDir(dataDir: string): Promise<void> {
+  const shm = defaultShmRoot(join(dataDir, "agent"));
+  await rm(shm, { recursive: true, force: true }).catch(() => {});
+  await rm(ownerFileOf(shm), { force: true }).catch(() => {});
+  await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+}
+
+/** A new API key of `tenant` at `tier` in the service of `dataDir` (`sandboxd key create`). */
+export function createKey(dataDir: string, tenant: string, tier: string): string {
+  return cli(["key", "create", "--data-dir", dataDir, "--tenant", tenant, "--tier", tier])
+    .trim()
+    .split("\n")
+    .at(-1)!;
+}
+
+/**
+ * `sandboxd up` on `dataDir` in a child process (PGlite there, no catalog, a free port).
+ * `listening` is its base URL once it serves; `onLine` sees each line it writes to stderr.
+ */
+export function spawnUp(
+  dataDir: string,
+  env: Record<string, string>,
+  onLine?: (line: string) => void,
+): { up: ChildProcess; listening: Promise<string> } {
+  const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
+    env: { ...childEnv(), ...env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let stderrTail = "";
+  let partial = "";
+  up.stderr?.on("data", (b: Buffer) => {
+    const text = b.toString();
+    stderrTail = (stderrTail + text).slice(-4000);
+    const lines = (partial + text).split("\n");
+    partial = lines.pop() ?? "";
+    if (onLine) for (const line of lines) onLine(line);
+  });
+  const listening = new Promise<string>((ok, fail) => {
+    let out = "";
+    const timer = setTimeout(() => fail(new Error(`up did not listen: ${stderrTail}`)), LISTEN_TIMEOUT_MS);
+    up.stdout?.on("data", (b: Buffer) => {
+      out += b.toString();
+      const m = /listening (\S+)/.exec(out);
+      if (m) {
+        clearTimeout(timer);
+        ok(m[1]!);
+      }
+    });
+    up.once("exit", (code) => {
+      clearTimeout(timer);
+      fail(new Error(`up exited ${code}: ${stderrTail}`));
+    });
+  });
+  // A caller that gave up waiting (an abort) must not see an unhandled rejection at the exit.
+  listening.catch(() => {});
+  return { up, listening };
+}
+
+/** SIGTERM to a service from spawnUp, and its exit (it frees its VMs first). */
+export async function stopUp(up: ChildProcess): Promise<void> {
+  up.kill("SIGTERM");
+  await new Promise((r) =>
+    up.exitCode !== null || up.signalCode !== null ? r(undefined) : up.once("exit", r),
+  );
+}
+
+/** Uploads the image archive `image` as template `id` and waits until it is ready. */
+export async function uploadTemplate(
+  base: string,
+  key: string,
+  id: string,
+  image: Uint8Array,
+  query = "",
+): Promise<void> {
+  await call(base, key, "POST", `/v1/templates?id=${id}${query}`, undefined, image);
+  const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
+  for (;;) {
+    const st = (await call(base, key, "GET", `/v1/templates/${id}`)) as { status: string };
+    if (st.status === "ready") return;
+    if (st.status === "failed" || Date.now() > deadline)
+      throw new Error(`template ${id}: ${JSON.stringify(st)}`);
+    await Bun.sleep(250);
   }
 }
 
