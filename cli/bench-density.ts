@@ -1,35 +1,22 @@
-/**
- * `sandboxd bench --density --image ARCHIVE [--max N] [--reserve-mib MIB]` and
- * `sandboxd bench --burst N --image ARCHIVE`: what one host holds and what a crowd of creates
- * does, measured through the HTTP API of a real `sandboxd up` (a child process on a fresh data
- * dir seeded with the cache's guest artifacts, as the soak does), printed as JSON.
- *
- * Density: Family A sessions are created one after another from the uploaded template and left
- * idle, until the agent refuses (`at_capacity`), the tenant's session cap answers, the host's
- * available memory would fall under the reserve, or `--max` is reached; then the PSS of every
- * sandbox's QEMU is read from procfs (agent/bench/rss.ts). The stop reason is part of the result.
- *
- * Burst: one create alone first (the floor, on an otherwise idle service), then N creates sent
- * at once; each one's latency, p50/p95/p99 over the successes, and the failures by error code.
- *
- * Both delete what they made, stop the service, and report what it left behind (QEMU processes,
- * VM directories, cgroups, uid locks: soak.ts `leftovers`) before removing the data dir.
- */
-import { spawn } from "node:child_process";
 import { readFileSync } from "node:fs";
-import { mkdtemp, readdir, rm, stat } from "node:fs/promises";
-import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
+import { readdir, stat } from "node:fs/promises";
+import { join } from "node:path";
 import { qemuMemory } from "../agent/bench/rss.ts";
 import { percentile, round1 } from "../agent/bench/stats.ts";
-import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { type HostCapacity, hostCapacity } from "../agent/sandbox/capacity.ts";
-import { ownerFileOf } from "../agent/snapshot/shm.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
-import { childEnv, cli, leftovers, listeningUrl, type SoakResult, uploadTemplateAndWait } from "./soak.ts";
+import {
+  createKey,
+  leftovers,
+  type SoakResult,
+  seededDataDir,
+  spawnUp,
+  stopAndRemove,
+  stopUp,
+  uploadTemplateAndWait,
+} from "./soak.ts";
 
-const SANDBOXD = resolve(import.meta.dir, "..", "bin", "sandboxd");
 const TEMPLATE_ID = "bench";
 /**
  * How long the density's sandboxes sit idle before their memory is read: long enough for the
@@ -104,42 +91,21 @@ async function withService<T>(
   o: { image: string; cacheDir: string; log: (m: string) => void },
   body: (svc: Service) => Promise<T>,
 ): Promise<T & ServiceLeftovers> {
-  const dataDir = await mkdtemp(join(tmpdir(), "sbx-density-"));
-  await ensureGuestArtifacts({ dataDir: o.cacheDir, log: o.log });
-  Bun.spawnSync(["cp", "-a", join(o.cacheDir, "guest"), join(dataDir, "guest")]);
-  const key = (tier: string) =>
-    cli(["key", "create", "--data-dir", dataDir, "--tenant", "bench", "--tier", tier])
-      .trim()
-      .split("\n")
-      .at(-1)!;
-  const live = key("live");
-  const scale = key("scale");
-  const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
-    env: childEnv(),
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  let stderrTail = "";
-  up.stderr.on("data", (b: Buffer) => {
-    stderrTail = (stderrTail + b.toString()).slice(-4000);
-  });
-  const stopped = () => new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
+  const dataDir = await seededDataDir("sbx-density-", o.cacheDir, o.log);
+  const live = createKey(dataDir, "bench", "live");
+  const scale = createKey(dataDir, "bench", "scale");
+  const { up, listening, stderrTail: logTail } = spawnUp(dataDir, {});
   try {
-    const base = await listeningUrl(up, () => stderrTail);
+    const base = await listening;
     o.log(`bench: up ${base} (pid ${up.pid}), data ${dataDir}`);
     await uploadTemplateAndWait(base, scale, TEMPLATE_ID, o.image);
-    const result = await body({ base, pid: up.pid!, dataDir, key: live, logTail: () => stderrTail });
+    const result = await body({ base, pid: up.pid!, dataDir, key: live, logTail });
     await Bun.sleep(DESTROY_SETTLE_MS);
     // Counted once the service has stopped: its pre-launched QEMUs are its own until then.
-    up.kill("SIGTERM");
-    await stopped();
+    await stopUp(up);
     return { ...result, leftovers: await leftovers(dataDir) };
   } finally {
-    up.kill("SIGTERM");
-    await stopped();
-    const shm = defaultShmRoot(join(dataDir, "agent"));
-    await rm(shm, { recursive: true, force: true }).catch(() => {});
-    await rm(ownerFileOf(shm), { force: true }).catch(() => {});
-    await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+    await stopAndRemove(up, dataDir);
   }
 }
 

@@ -18,17 +18,16 @@
  *
  * Not a test: the host's other load shows in every figure, so compare runs made side by side.
  */
-import { spawn, spawnSync } from "node:child_process";
-import { join, resolve } from "node:path";
+import { spawnSync } from "node:child_process";
+import { join } from "node:path";
 import { readCredentials } from "../agent/api/enroll.ts";
 import type { ExecAction } from "../contracts/agent/api.ts";
 import { openDb } from "../db/client.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
-import { call, childEnv, listeningUrl, seededDataDir, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
+import { call, seededDataDir, spawnUp, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
 
-const SANDBOXD = resolve(import.meta.dir, "..", "bin", "sandboxd");
 const TEMPLATE_ID = "gwbench";
 /** Execs before the measured ones: the JIT, the guest's page cache and the db's pages warm up. */
 const WARMUP_EXECS = 5;
@@ -145,18 +144,13 @@ export async function runGatewayBench(o: {
     }
   }
   const key = keys[0]!;
-  const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
-    env: childEnv(),
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  let stderr = "";
-  up.stderr.on("data", (b: Buffer) => {
-    stderr = (stderr + b.toString()).slice(-20_000);
+  let agentUrl: string | undefined;
+  const { up, listening, stderrTail } = spawnUp(dataDir, {}, (line) => {
+    agentUrl ??= /agent (http:\/\/\S+),/.exec(line)?.[1];
   });
   try {
-    const base = await listeningUrl(up, () => stderr);
-    const agentUrl = /agent (http:\/\/\S+),/.exec(stderr)?.[1];
-    if (!agentUrl) throw new Error(`up did not say where its agent listens: ${stderr}`);
+    const base = await listening;
+    if (!agentUrl) throw new Error(`up did not say where its agent listens: ${stderrTail()}`);
     o.log(`gateway bench: up ${base}, agent ${agentUrl}, data ${dataDir}`);
     await uploadTemplateAndWait(base, key, TEMPLATE_ID, o.image);
     const s = (await call(base, key, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {

@@ -34,6 +34,10 @@ commands:
   bench --soak N --image ARCHIVE [--data-dir DIR]
         N session create -> exec -> delete cycles through a real up; prints the service's RSS,
         fds, /dev/shm and data-dir use at the start and the end, and any leftovers (JSON)
+  bench --http --image ARCHIVE [--creates N] [--execs N] [--suspends N] [--tunnels N]
+        [--tunnel-mib N] [--fork-children N] [--port P] [--mem MIB] [--vcpus N] [--data-dir DIR]
+        the engine's figures, then the same through a real up (create, exec, fork, suspend,
+        resume, delete, connect-URL tunnel), each with the service's share (JSON)
   doctor [--build] [--data-dir DIR]
         check the host; --build also builds missing guest artifacts
   key create --tenant NAME --tier TIER [--name LABEL] [--data-dir DIR]

@@ -10,11 +10,12 @@
  * processes, VM directories, cgroups, jail uid locks. Not a timed benchmark: the figures say
  * whether the service leaks.
  */
-import { type ChildProcess, spawn, spawnSync } from "node:child_process";
+import { type ChildProcess, type ChildProcessByStdio, spawn, spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
+import type { Readable } from "node:stream";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { cgroupName, vmCgroupDirs } from "../agent/qemu/cgroup.ts";
 import { UID_LOCK_DIR } from "../agent/qemu/uids.ts";
@@ -206,31 +207,13 @@ export async function runSoak(o: {
   const dataDir = await seededDataDir("sbx-soak-", o.cacheDir, o.log);
   // The guest artifacts (kernel, initramfs) are built once in the cache and copied: each soak's
   // `up` then starts without a download.
-  const live = cli(["key", "create", "--data-dir", dataDir, "--tenant", "soak", "--tier", "live"])
-    .trim()
-    .split("\n")
-    .at(-1)!;
-  const scale = cli(["key", "create", "--data-dir", dataDir, "--tenant", "soak", "--tier", "scale"])
-    .trim()
-    .split("\n")
-    .at(-1)!;
-  const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
-    // The service answers SIGUSR2 with its heap after a full GC (heap-stats.ts).
-    env: { ...childEnv(), [HEAP_STATS_ENV]: "1" },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  let stderrTail = "";
-  let partial = "";
+  const live = createKey(dataDir, "soak", "live");
+  const scale = createKey(dataDir, "soak", "scale");
   const heapWaiters: ((h: HeapStatsLine) => void)[] = [];
-  up.stderr.on("data", (b: Buffer) => {
-    const text = b.toString();
-    stderrTail = (stderrTail + text).slice(-4000);
-    const lines = (partial + text).split("\n");
-    partial = lines.pop() ?? "";
-    for (const line of lines) {
-      const h = parseHeapStatsLine(line);
-      if (h) heapWaiters.shift()?.(h);
-    }
+  // The service answers SIGUSR2 with its heap after a full GC (heap-stats.ts).
+  const { up, listening } = spawnUp(dataDir, { [HEAP_STATS_ENV]: "1" }, (line) => {
+    const h = parseHeapStatsLine(line);
+    if (h) heapWaiters.shift()?.(h);
   });
   /** The service's heap after a full GC, and its RSS and files right after. */
   const measure = async (
@@ -259,7 +242,7 @@ export async function runSoak(o: {
     };
   };
   try {
-    const base = await listeningUrl(up, () => stderrTail);
+    const base = await listening;
     const pid = up.pid!;
     o.log(`soak: up ${base} (pid ${pid}), data ${dataDir}`);
     await uploadTemplateAndWait(base, scale, TEMPLATE_ID, o.image);
@@ -360,7 +343,10 @@ export function listeningUrl(up: ChildProcess, stderrTail: () => string): Promis
         ok(m[1]!);
       }
     });
-    up.once("exit", (code) => fail(new Error(`up exited ${code}: ${stderrTail()}`)));
+    up.once("exit", (code) => {
+      clearTimeout(timer);
+      fail(new Error(`up exited ${code}: ${stderrTail()}`));
+    });
   });
 }
 
@@ -369,9 +355,11 @@ export async function uploadTemplateAndWait(
   base: string,
   key: string,
   id: string,
-  image: string,
+  image: string | Uint8Array,
+  query = "",
 ): Promise<void> {
-  await call(base, key, "POST", `/v1/templates?id=${id}`, undefined, readFileSync(image));
+  const bytes = typeof image === "string" ? readFileSync(image) : image;
+  await call(base, key, "POST", `/v1/templates?id=${id}${query}`, undefined, bytes);
   const deadline = Date.now() + TEMPLATE_TIMEOUT_MS;
   for (;;) {
     const st = (await call(base, key, "GET", `/v1/templates/${id}`)) as { status: string };
@@ -382,15 +370,68 @@ export async function uploadTemplateAndWait(
   }
 }
 
-/** Stops the child `up` (SIGTERM, waits) and removes its data dir and its RAM files. */
-export async function stopAndRemove(up: ChildProcess, dataDir: string): Promise<void> {
+/** Stops the child `up` (SIGTERM) and waits for it, also when it has already exited or was killed. */
+export async function stopUp(up: ChildProcess): Promise<void> {
   up.kill("SIGTERM");
-  await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
-  // The RAM files of its template live on /dev/shm, outside the data dir.
+  await new Promise((r) =>
+    up.exitCode !== null || up.signalCode !== null ? r(undefined) : up.once("exit", r),
+  );
+}
+
+/** Removes a child `up`'s data dir and its template RAM files, which live on /dev/shm outside it. */
+export async function removeDataDir(dataDir: string): Promise<void> {
   const shm = defaultShmRoot(join(dataDir, "agent"));
   await rm(shm, { recursive: true, force: true }).catch(() => {});
   await rm(ownerFileOf(shm), { force: true }).catch(() => {});
   await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+}
+
+/** Stops the child `up` and removes its data dir and its RAM files. */
+export async function stopAndRemove(up: ChildProcess, dataDir: string): Promise<void> {
+  await stopUp(up);
+  await removeDataDir(dataDir);
+}
+
+/** A key made by the real CLI on `dataDir` (the last line `key create` prints). */
+export function createKey(dataDir: string, tenant: string, tier: string): string {
+  return cli(["key", "create", "--data-dir", dataDir, "--tenant", tenant, "--tier", tier])
+    .trim()
+    .split("\n")
+    .at(-1)!;
+}
+
+/**
+ * Starts `sandboxd up` on `dataDir` (any port, no catalog) with `env` on top of childEnv();
+ * `listening` is the URL it serves, `stderrTail` the last 4,000 characters it logged (for error
+ * messages), and `onLine` sees each whole line of its log.
+ */
+export function spawnUp(
+  dataDir: string,
+  env: Record<string, string>,
+  onLine?: (line: string) => void,
+): {
+  up: ChildProcessByStdio<null, Readable, Readable>;
+  listening: Promise<string>;
+  stderrTail: () => string;
+} {
+  const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
+    env: { ...childEnv(), ...env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let tail = "";
+  let partial = "";
+  up.stderr.on("data", (b: Buffer) => {
+    const text = b.toString();
+    tail = (tail + text).slice(-4000);
+    const lines = (partial + text).split("\n");
+    partial = lines.pop() ?? "";
+    if (onLine) for (const line of lines) onLine(line);
+  });
+  const stderrTail = () => tail;
+  const listening = listeningUrl(up, stderrTail);
+  // A caller that gave up waiting (an abort) must not see an unhandled rejection at the exit.
+  listening.catch(() => {});
+  return { up, listening, stderrTail };
 }
 
 /** The GROWING_TYPES types whose live count grew most from `a` to `b`, by growth. */

@@ -13,6 +13,7 @@ import { join, resolve } from "node:path";
 import { parseRollup, parseSmapsFor } from "../agent/bench/rss.ts";
 import { percentile, summarize } from "../agent/bench/stats.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
+import { defaultForkChildren, type HttpBenchResult } from "../cli/bench-http.ts";
 import type { SoakResult } from "../cli/soak.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
 
@@ -26,6 +27,9 @@ const DATA_DIR = process.env.SANDBOXD_TEST_DATA ?? join(REPO, ".data", "test");
 const BENCH_TIMEOUT_MS = 300_000;
 const scratch = mkdtempSync(join(tmpdir(), "bench-test-"));
 const image = join(scratch, "busybox.tar");
+/** The same image exposing a port, for the tunnel of `bench --http`. */
+const HTTP_PORT = 8080;
+const imageWithPort = join(scratch, "busybox-port.tar");
 
 interface Run {
   code: number | null;
@@ -57,6 +61,12 @@ function entries(dir: string): string[] {
 
 beforeAll(async () => {
   await makeDockerArchive(image, await busyboxImageSpec(join(scratch, "img")));
+  await makeDockerArchive(
+    imageWithPort,
+    await busyboxImageSpec(join(scratch, "img-port"), {
+      config: { ExposedPorts: { [`${HTTP_PORT}/tcp`]: {} } },
+    }),
+  );
 });
 
 afterAll(() => {
@@ -234,6 +244,105 @@ describe("sandboxd bench --soak", () => {
       expect(out.series.map((p) => p.cycle)).toEqual([0, SOAK_CYCLES / 2, SOAK_CYCLES]);
       // The soak's own data dir is gone (the JSON names nothing of it that still exists).
       expect(entries(tmpdir()).filter((e) => e.startsWith("sbx-soak-"))).toEqual([]);
+    },
+    BENCH_TIMEOUT_MS,
+  );
+});
+
+describe("sandboxd bench --http", () => {
+  test(
+    "the service's figures beside the engine's from the same run, and nothing left behind",
+    async () => {
+      const vmsBefore = new Set(entries(join(DATA_DIR, "vms")));
+      const tmpBefore = new Set(entries(tmpdir()).filter((e) => e.startsWith("sbx-bench-http-")));
+      const r = await sandboxd([
+        "bench",
+        "--http",
+        "--image",
+        imageWithPort,
+        "--creates",
+        "2",
+        "--execs",
+        "5",
+        "--suspends",
+        "1",
+        "--tunnels",
+        "2",
+        "--tunnel-mib",
+        "1",
+        "--port",
+        String(HTTP_PORT),
+        "--data-dir",
+        DATA_DIR,
+      ]);
+      if (r.code !== 0) console.error(r.stderr);
+      expect(r.code).toBe(0);
+      const out = JSON.parse(r.stdout) as HttpBenchResult;
+      console.log(`BENCH_HTTP ${JSON.stringify(out)}`);
+      const ops = out.operations as unknown as Record<string, Record<string, unknown>>;
+      expect(Object.keys(ops).sort()).toEqual(
+        ["create", "delete", "exec", "fork", "resume", "suspend", "tunnel_open"].sort(),
+      );
+      // Every operation: the service's summary; where the engine has the figure, its summary and
+      // the difference of the p50s.
+      for (const [name, op] of Object.entries(ops)) {
+        expect(Object.keys(op.http as object).sort()).toEqual(["n", "p50", "p95"]);
+        if (name === "delete" || name === "tunnel_open") {
+          expect(op.engine).toBeNull();
+          expect(op.engine_after).toBeNull();
+          expect(op.share_ms).toBeNull();
+          continue;
+        }
+        const engine = op.engine as { p50: number };
+        const engineAfter = op.engine_after as { p50: number };
+        expect(Object.keys(engine).sort()).toEqual(["n", "p50", "p95"]);
+        expect(Object.keys(engineAfter).sort()).toEqual(["n", "p50", "p95"]);
+        const http = (op.http as { p50: number }).p50;
+        expect(op.share_ms).toBeCloseTo(http - (engine.p50 + engineAfter.p50) / 2, 0);
+        expect(op.engine_drift_ms).toBeCloseTo(engineAfter.p50 - engine.p50, 0);
+        expect(typeof op.engine_figure).toBe("string");
+      }
+      // The counts reached both sides (the engine ran before and after the service).
+      const engines = [out.engine.before, out.engine.after];
+      expect(out.operations.create.http.n).toBe(2);
+      expect(out.operations.exec.http.n).toBe(5);
+      expect(out.operations.exec.service_reported.n).toBe(5);
+      expect(out.operations.suspend.http.n).toBe(1);
+      expect(out.operations.tunnel_open.http.n).toBe(2);
+      expect(out.operations.fork.children).toBe(defaultForkChildren());
+      for (const e of engines) {
+        expect(e.spawn_ms.n).toBe(2);
+        expect(e.exec_rtt_ms.n).toBe(5);
+        expect(e.fork_children).toBe(out.operations.fork.children);
+      }
+      expect(out.operations.exec.engine).toEqual(out.engine.before.exec_rtt_ms);
+      expect(out.operations.exec.engine_after).toEqual(out.engine.after.exec_rtt_ms);
+      // The floor is the engine runs', and the tunnel carried the whole file.
+      expect(out.floor_restore_ms).toEqual({
+        before: out.engine.before.floor_restore_ms,
+        after: out.engine.after.floor_restore_ms,
+      });
+      expect(out.tunnel_throughput.bytes).toBeGreaterThanOrEqual(2 ** 20);
+      // Every figure the service measured: a finite positive number.
+      const nums = numbers({ ...out, engine: undefined, leftovers: undefined });
+      // Differences (share, drift) may be negative: the service's figure within the engine's noise.
+      // A load average may be 0 on an idle host.
+      const signed = (k: string) =>
+        k.endsWith("share_ms") || k.endsWith("drift_ms") || k.startsWith("host_load.");
+      expect(nums.filter(([k, x]) => !(Number.isFinite(x) && (signed(k) || x > 0)))).toEqual([]);
+
+      // Nothing left behind: by the service (counted after it stopped), by the engine runs, and
+      // the service's own data dir is gone.
+      expect(out.leftovers).toEqual({ qemu_processes: [], vm_dirs: [], cgroups: [], uid_locks: [] });
+      expect(entries(join(DATA_DIR, "vms")).filter((e) => !vmsBefore.has(e))).toEqual([]);
+      expect(entries(tmpdir()).filter((e) => e.startsWith("sbx-bench-http-") && !tmpBefore.has(e))).toEqual(
+        [],
+      );
+      // Both engine runs name their scratch dirs: gone, and no QEMU names them.
+      const dirs = [...r.stderr.matchAll(/scratch dirs (\S+) (\S+)/g)].flatMap((x) => [x[1]!, x[2]!]);
+      expect(dirs.length).toBe(4);
+      for (const d of dirs) expect(existsSync(d)).toBe(false);
+      expect(await qemuPidsNaming(dirs)).toEqual([]);
     },
     BENCH_TIMEOUT_MS,
   );

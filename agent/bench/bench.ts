@@ -40,6 +40,8 @@ export interface BenchOptions {
   spawns: number;
   /** Timed `true` round trips on one warm sandbox. */
   execs: number;
+  /** Children of the timed fork (default FORK_CHILDREN). */
+  forkChildren?: number;
   /** Aborting kills every VM, removes every file, and makes runBench reject. */
   signal?: AbortSignal;
   log?: (m: string) => void;
@@ -372,14 +374,15 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
     // -- fork of the running sandbox into 8 children, each answering an exec
     scope.check();
     const tFork = performance.now();
-    const forked = unwrap(await forkVm(parent, { count: FORK_CHILDREN }));
+    const forkChildren = o.forkChildren ?? FORK_CHILDREN;
+    const forked = unwrap(await forkVm(parent, { count: forkChildren }));
     for (const c of forked.children) scope.track(c);
     await Promise.all(forked.children.map((c) => runTrue(c, config)));
     const forkChildrenMs = performance.now() - tFork;
     const stall = forked.timings.parentStallMs;
     if (!(stall > 0)) throw new Error("the fork's STOP/RESUME events were not seen: no stall figure");
     await Promise.all(forked.children.map((c) => scope.release(c)));
-    log(`fork: stall ${stall.toFixed(1)} ms, ${FORK_CHILDREN} children in ${forkChildrenMs.toFixed(0)} ms`);
+    log(`fork: stall ${stall.toFixed(1)} ms, ${forkChildren} children in ${forkChildrenMs.toFixed(0)} ms`);
 
     // -- suspend to disk and resume (the parent, which runs on after its fork)
     scope.check();
@@ -441,7 +444,7 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
       spawn_vs_floor: spawnVsFloor,
       exec_rtt_ms: execMs,
       fork_parent_stall_ms: round1(stall),
-      fork_children: FORK_CHILDREN,
+      fork_children: forkChildren,
       fork_children_ms: round1(forkChildrenMs),
       suspend_ms: round1(suspendMs),
       resume_ms: round1(resumeMs),
