@@ -7,12 +7,13 @@
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { spawn } from "node:child_process";
-import { existsSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { parseRollup, parseSmapsFor } from "../agent/bench/rss.ts";
 import { percentile, summarize } from "../agent/bench/stats.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
+import type { GatewayBenchResult } from "../cli/bench-gateway.ts";
 import { defaultForkChildren, type HttpBenchResult } from "../cli/bench-http.ts";
 import type { SoakResult } from "../cli/soak.ts";
 import { busyboxImageSpec, makeDockerArchive } from "./fixtures/images.ts";
@@ -343,6 +344,61 @@ describe("sandboxd bench --http", () => {
       expect(dirs.length).toBe(4);
       for (const d of dirs) expect(existsSync(d)).toBe(false);
       expect(await qemuPidsNaming(dirs)).toEqual([]);
+    },
+    BENCH_TIMEOUT_MS,
+  );
+});
+
+describe("sandboxd bench --gateway", () => {
+  test(
+    "the exec's overhead beside the agent's own round trip, and read and health load, with nothing left behind",
+    async () => {
+      const tmpBefore = new Set(entries(tmpdir()).filter((e) => e.startsWith("sbx-gwbench-")));
+      // Tiny counts: this checks the figures are there and consistent, never their speed.
+      const r = await sandboxd([
+        "bench",
+        "--gateway",
+        "--image",
+        image,
+        "--data-dir",
+        DATA_DIR,
+        "--execs",
+        "5",
+        "--seconds",
+        "1",
+        "--connections",
+        "4",
+        // Enough keys that the load stays under each key's 100 requests a second (a 429 is an error).
+        "--keys",
+        "200",
+      ]);
+      if (r.code !== 0) console.error(r.stderr);
+      expect(r.code).toBe(0);
+      const out = JSON.parse(r.stdout) as GatewayBenchResult;
+      console.log(`GATEWAY_BENCH ${JSON.stringify(out)}`);
+      expect(out.exec.count).toBe(5);
+      for (const v of [out.exec.http_p50_ms, out.exec.agent_p50_ms, out.exec.own_time_p50_ms]) {
+        expect(v).toBeGreaterThan(0);
+      }
+      expect(out.exec.overhead_p50_ms).toBeCloseTo(out.exec.http_p50_ms - out.exec.agent_p50_ms, 2);
+      for (const load of [out.read, out.health]) {
+        expect(load.requests).toBeGreaterThan(0);
+        expect(load.errors).toBe(0);
+        expect(load.req_per_s).toBeGreaterThan(0);
+      }
+      expect(out.read.keys).toBe(200);
+      // Its data dir is gone, and no process (a QEMU of its service) names one any more.
+      expect(entries(tmpdir()).filter((e) => e.startsWith("sbx-gwbench-") && !tmpBefore.has(e))).toEqual([]);
+      const naming = readdirSync("/proc")
+        .filter((pid) => /^\d+$/.test(pid))
+        .filter((pid) => {
+          try {
+            return readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("sbx-gwbench-");
+          } catch {
+            return false; // gone meanwhile
+          }
+        });
+      expect(naming).toEqual([]);
     },
     BENCH_TIMEOUT_MS,
   );
