@@ -51,7 +51,8 @@ export class VerifiedKeys {
 
   async verify(presented: string): Promise<Principal | null> {
     const hash = hashKey(this.opts.pepper, presented);
-    const now = (this.opts.now ?? performance.now)();
+    // Called through `performance`: Node and Deno refuse performance.now without its receiver.
+    const now = this.opts.now ? this.opts.now() : performance.now();
     const hit = this.entries.get(hash);
     if (hit !== undefined && now < hit.until) return hit.principal;
     let p = this.pending.get(hash);
