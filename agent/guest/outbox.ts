@@ -138,7 +138,10 @@ export class Outbox {
         this.packedTailUsed = 0;
       }
       const n = Math.min(frame.length - off, tail.length - this.packedTailUsed);
-      tail.set(frame.subarray(off, off + n), this.packedTailUsed);
+      // A frame that fits whole is copied without a view: a flood of small control frames
+      // would otherwise make one garbage view object per frame (~100 MiB for 350,000 of them).
+      if (off === 0 && n === frame.length) tail.set(frame, this.packedTailUsed);
+      else tail.set(frame.subarray(off, off + n), this.packedTailUsed);
       this.packedTailUsed += n;
       off += n;
     }
