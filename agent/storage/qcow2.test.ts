@@ -3,7 +3,7 @@ import { existsSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { StorageError } from "./chain.ts";
-import { createOverlayOn, virtualSize } from "./qcow2.ts";
+import { createOverlayOn, flattenOnto, virtualSize } from "./qcow2.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "qcow2-test-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -47,5 +47,55 @@ describe("createOverlayOn", () => {
 
   test("paths with ',' are refused before qemu-img runs", async () => {
     await expect(createOverlayOn(base, join(dir, "a,b.qcow2"))).rejects.toBeInstanceOf(StorageError);
+  });
+});
+
+describe("flattenOnto", () => {
+  /** Writes `byte` over `len` bytes at `offset` of a qcow2 through qemu-io (a real guest write). */
+  function write(img: string, byte: number, offset: number, len: number): void {
+    const r = Bun.spawnSync(["qemu-io", "-f", "qcow2", "-c", `write -P ${byte} ${offset} ${len}`, img]);
+    expect(r.exitCode).toBe(0);
+  }
+  /** True when `len` bytes at `offset` of `img` (its whole chain) all equal `byte`. */
+  function holds(img: string, byte: number, offset: number, len: number): boolean {
+    const r = Bun.spawnSync([
+      "qemu-io",
+      "-r",
+      "-U",
+      "-f",
+      "qcow2",
+      "-c",
+      `read -P ${byte} ${offset} ${len}`,
+      img,
+    ]);
+    return r.exitCode === 0 && !r.stdout.toString().includes("Pattern verification failed");
+  }
+
+  test("keeps the data of every layer between top and base, not only top's own", async () => {
+    const base = join(dir, "fl-base.qcow2");
+    Bun.spawnSync(["qemu-img", "create", "-q", "-f", "qcow2", base, "8M"]);
+    write(base, 0x11, 0, 65536);
+    // Three layers, each writing its own cluster: a chain like a fork of a fork of a fork.
+    const layers = [1, 2, 3].map((i) => join(dir, `fl-${i}.qcow2`));
+    let below = base;
+    for (const [i, layer] of layers.entries()) {
+      await createOverlayOn(below, layer);
+      write(layer, 0x20 + i, (i + 1) * 65536, 65536);
+      below = layer;
+    }
+    const top = layers[2] as string;
+    const out = join(dir, "fl-out.qcow2");
+    await flattenOnto(top, base, out);
+    expect(info(out)["backing-filename"]).toBe(base);
+    expect(holds(out, 0x11, 0, 65536)).toBe(true); // the base's data, through the backing link
+    expect(holds(out, 0x20, 65536, 65536)).toBe(true); // the lowest layer: what convert -B lost
+    expect(holds(out, 0x21, 2 * 65536, 65536)).toBe(true);
+    expect(holds(out, 0x22, 3 * 65536, 65536)).toBe(true);
+    // The flat copy stands alone: the layers may go.
+    for (const layer of layers) rmSync(layer);
+    expect(holds(out, 0x20, 65536, 65536)).toBe(true);
+    expect(holds(out, 0x22, 3 * 65536, 65536)).toBe(true);
+    // The check itself can fail: a wrong pattern is seen.
+    expect(holds(out, 0x21, 65536, 65536)).toBe(false);
   });
 });

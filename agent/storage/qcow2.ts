@@ -58,23 +58,17 @@ export async function createOverlayOn(backing: string, path: string, sizeBytes?:
 /**
  * Copies the data of `top`'s whole chain above `base` into a new image `out` backed directly by
  * `base` (a chain of depth 1). `top` and its chain must be frozen (no writer).
+ *
+ * Not `qemu-img convert -B base`: convert assumes the output's new backing holds what the
+ * source's own backing holds, so it copies only the clusters allocated in `top` itself and
+ * drops every layer between `top` and `base` (a fork past MAX_CHAIN_DEPTH read zeros where
+ * its grandparents had written). Instead `out` starts as an empty overlay on `top` and is
+ * rebased onto `base` in safe mode: qemu-img compares the old chain with `base` and writes
+ * into `out` every cluster where they differ, from all layers.
  */
 export async function flattenOnto(top: string, base: string, out: string): Promise<void> {
-  await runQemuImg([
-    "convert",
-    "-U",
-    "-q",
-    "-f",
-    "qcow2",
-    "-O",
-    "qcow2",
-    "-F",
-    "qcow2",
-    "-B",
-    base,
-    top,
-    out,
-  ]);
+  await createOverlayOn(top, out, await virtualSize(top));
+  await runQemuImg(["rebase", "-U", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, out]);
 }
 
 /** Name of the pristine overlay kept beside a template's disk (see createOverlayFromBlank). */
