@@ -94,7 +94,7 @@ export async function openAgentManager(
     cacheDir: dataDir,
     stateDir,
     log,
-    ...(settings ? { timeouts: settings.timeouts } : {}),
+    ...(settings ? { timeouts: settings.timeouts, forkMethod: settings.forkMethod } : {}),
   });
   return SandboxManager.open({
     driver,

@@ -13,6 +13,12 @@ import { readFileSync } from "node:fs";
 import { z } from "zod";
 import { DEFAULT_IDLE_PAUSE_MS } from "../agent/sandbox/manager.ts";
 import { MAX_CONCURRENT_BUILDS } from "../agent/sandbox/templates.ts";
+import {
+  DEFAULT_FORK_METHOD,
+  FORK_METHODS,
+  type ForkMethod,
+  isForkMethod,
+} from "../agent/snapshot/fork-method.ts";
 import { DEFAULT_BRINGUP_TIMEOUT_MS, DEFAULT_READY_TIMEOUT_MS } from "../agent/snapshot/template.ts";
 import { RESTORE_READY_TIMEOUT_MS } from "../agent/snapshot/vm.ts";
 import {
@@ -191,6 +197,15 @@ export const SETTINGS: readonly SettingSpec[] = [
     unit: "milliseconds",
     doc: "an idle VM's vCPUs are stopped after this long (restarted by the next call)",
   },
+  {
+    env: "SANDBOXD_FORK_METHOD",
+    flag: "fork-method",
+    scope: "agent",
+    def: DEFAULT_FORK_METHOD,
+    choices: FORK_METHODS,
+    unit: "choice",
+    doc: "how a fork copies its running parent's memory: snapshot (QEMU background snapshot, the parent stops ~10-50 ms; the agent sets vm.unprivileged_userfaultfd=1, else falls back to stop-copy), stop-copy (the parent stops for the whole copy), precopy (live precopy; not for TCG hosts)",
+  },
 ];
 
 /** Setting values by environment name, e.g. `SANDBOXD_SESSION_IDLE_TTL`: numbers, or a choice's word. */
@@ -346,6 +361,7 @@ export function gatewayLimits(s: Settings): Partial<Limits> {
 export interface AgentSettings {
   idlePauseMs: number;
   buildSlots: number;
+  forkMethod: ForkMethod;
   timeouts: { bootMs: number; readyMs: number; restoreMs: number };
 }
 
@@ -354,6 +370,7 @@ export function agentSettings(s: Settings): AgentSettings {
   return {
     idlePauseMs: n("SANDBOXD_IDLE_PAUSE_MS"),
     buildSlots: n("SANDBOXD_BUILD_SLOTS"),
+    forkMethod: isForkMethod(s.SANDBOXD_FORK_METHOD) ? s.SANDBOXD_FORK_METHOD : DEFAULT_FORK_METHOD,
     timeouts: {
       bootMs: n("SANDBOXD_BOOT_TIMEOUT") * 1000,
       readyMs: n("SANDBOXD_READY_TIMEOUT") * 1000,

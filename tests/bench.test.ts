@@ -81,6 +81,9 @@ const STATS_KEYS = [
   "prelaunch_ms",
   "floor_restore_ms",
   "exec_rtt_ms",
+  "fork_parent_stall_summary_ms",
+  "fork_stop_copy_stall_ms",
+  "fork_populate_ms",
 ];
 const SCALAR_KEYS = [
   "guest_mem_mib",
@@ -89,6 +92,7 @@ const SCALAR_KEYS = [
   "template_snapshot_ms",
   "spawn_vs_floor",
   "fork_parent_stall_ms",
+  "fork_children_stall_ms",
   "fork_children",
   "fork_children_ms",
   "suspend_ms",
@@ -143,6 +147,7 @@ describe("sandboxd bench", () => {
         [
           "accel",
           "accel_reason",
+          "fork_method",
           ...SCALAR_KEYS,
           ...STATS_KEYS,
           "host_memory_per_idle_vm_mb",
@@ -168,6 +173,10 @@ describe("sandboxd bench", () => {
       expect((out.floor_restore_ms as { n: number }).n).toBe(3);
       expect((out.exec_rtt_ms as { n: number }).n).toBe(10);
       expect(out.fork_children).toBe(8);
+      // The agent's default: a background snapshot (this host gives QEMU userfaultfd).
+      expect(out.fork_method).toBe("snapshot");
+      expect((out.fork_parent_stall_summary_ms as { n: number }).n).toBe(3);
+      expect((out.fork_stop_copy_stall_ms as { n: number }).n).toBe(3);
       expect(targets.spawn_vs_floor?.value).toBe(out.spawn_vs_floor as number);
 
       // Every figure: a finite positive number (no NaN, no -1 "not measured").

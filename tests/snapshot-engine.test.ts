@@ -5,7 +5,7 @@
  * test: no QEMU, socket, overlay, RAM file or temp dir left. Measured figures are printed as JSON.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../agent/guest/artifacts.ts";
@@ -13,6 +13,7 @@ import { type ImportedImage, importImage } from "../agent/image/import.ts";
 import { COUNTER } from "../agent/sandbox/testing.ts";
 import { unwrap } from "../agent/snapshot/errors.ts";
 import { forkVm } from "../agent/snapshot/fork.ts";
+import { type ForkMethod, readyForkMethod } from "../agent/snapshot/fork-method.ts";
 import { floorRestoreMs, spawnFromTemplate } from "../agent/snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../agent/snapshot/suspend.ts";
 import {
@@ -91,6 +92,8 @@ const median = (xs: number[]) => {
 const round = (x: number) => Math.round(x * 10) / 10;
 
 beforeAll(async () => {
+  // Forks here use the default method, a background snapshot: what the agent sets up at start.
+  expect(await readyForkMethod("snapshot", log)).toBe("snapshot");
   artifacts = await ensureGuestArtifacts({ dataDir: CACHE_DIR, log });
   const archive = join(scratch, "busybox.tar");
   await makeDockerArchive(archive, await busyboxImageSpec(join(scratch, "img")));
@@ -355,10 +358,17 @@ describe("fork", () => {
       live.push(parent);
       await sh(parent, "echo 0 > /gen");
       for (let i = 1; i <= MAX_CHAIN_DEPTH + 1; i++) {
-        await sh(parent, `echo ${i} > /gen`);
+        // One file per fork: each lives in its own layer of the chain.
+        await sh(parent, `echo ${i} > /gen; echo ${i} > /gen-${i}; sync`);
         const f = unwrap(await forkVm(parent, { count: 1, log }));
         const child = f.children[0] as SandboxVm;
         expect((await sh(child, "cat /gen")).trim()).toBe(String(i));
+        // From the disk, not the page cache the child inherited: past the bound the child's
+        // base is a flattened copy, which must hold every layer's writes.
+        const all = Array.from({ length: i }, (_, k) => `/gen-${k + 1}`).join(" ");
+        expect((await sh(child, `echo 3 > /proc/sys/vm/drop_caches; cat ${all} | tr '\\n' ' '`)).trim()).toBe(
+          Array.from({ length: i }, (_, k) => k + 1).join(" "),
+        );
         const chain = await openChainStore(DATA_DIR);
         expect(chain.depth(child.disk)).toBeLessThanOrEqual(MAX_CHAIN_DEPTH);
         expect(chain.depth(parent.disk)).toBeLessThanOrEqual(MAX_CHAIN_DEPTH + 1);
@@ -367,6 +377,72 @@ describe("fork", () => {
       expect((await sh(parent, "cat /gen")).trim()).toBe(String(MAX_CHAIN_DEPTH + 1));
     },
     VM_TEST_TIMEOUT_MS,
+  );
+  test(
+    "a child's memory is the parent's at the fork: a writer checking every page finds none stale, by each method; the check sees one flipped bit",
+    async () => {
+      // memstress rewrites 48 MiB page by page and checks each page before rewriting it, so a
+      // page the fork's copy took from another instant is found within one pass (~0.5 s).
+      const bin = join(scratch, "memstress");
+      const cc = Bun.spawnSync([
+        "gcc",
+        "-O2",
+        "-static",
+        "-o",
+        bin,
+        join(REPO, "tests/fixtures/memstress.c"),
+      ]);
+      expect(cc.stderr.toString()).toBe("");
+      const parent = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template, log })).vm;
+      live.push(parent);
+      await parent.guest?.writeFile("/memstress", readFileSync(bin), { mode: 0o755 });
+      await sh(parent, "/memstress 48 >/dev/null 2>&1 & echo $! > /tmp/memstress.pid");
+      const check = async (vm: SandboxVm): Promise<string> => {
+        // A full pass of the writer first: every page is checked before it is rewritten.
+        await Bun.sleep(2000);
+        await sh(vm, "rm -f /tmp/memcheck; kill -USR1 $(cat /tmp/memstress.pid)");
+        for (let i = 0; i < 200; i++) {
+          const out = (await sh(vm, "cat /tmp/memcheck 2>/dev/null || true")).trim();
+          if (out) return out;
+          await Bun.sleep(100);
+        }
+        throw new Error(`no memcheck from ${vm.id}`);
+      };
+      await Bun.sleep(1000);
+      const stalls: Record<string, number[]> = {};
+      const fork = async (method: ForkMethod, count = 1): Promise<void> => {
+        const f = unwrap(await forkVm(parent, { count, method, log }));
+        live.push(...f.children);
+        expect(f.timings.method).toBe(method);
+        stalls[method] = [...(stalls[method] ?? []), round(f.timings.parentStallMs)];
+        for (const child of f.children) {
+          expect(await check(child)).toMatch(/^ok pages=12288 .* bad=0 /);
+          await child.destroy();
+        }
+      };
+      for (const method of ["snapshot", "stop-copy", "snapshot", "snapshot"] as const) await fork(method);
+      await fork("snapshot", 2); // shared: the fork point's RAM file, mapped by both children
+      figures.memcheck_fork_stall_ms = stalls;
+
+      // Where QEMU may not use userfaultfd, a snapshot fork falls back to stop-and-copy.
+      const sysctl = "/proc/sys/vm/unprivileged_userfaultfd";
+      writeFileSync(sysctl, "0\n");
+      try {
+        const f = unwrap(await forkVm(parent, { count: 1, method: "snapshot", log }));
+        live.push(...f.children);
+        expect(f.timings.method).toBe("stop-copy");
+        expect(await check(f.children[0] as SandboxVm)).toMatch(/^ok /);
+        await (f.children[0] as SandboxVm).destroy();
+      } finally {
+        writeFileSync(sysctl, "1\n");
+      }
+
+      // The parent is whole too, and the check can fail: one flipped bit is found.
+      expect(await check(parent)).toMatch(/^ok /);
+      await sh(parent, "kill -USR2 $(cat /tmp/memstress.pid)");
+      expect(await check(parent)).toMatch(/^bad .* bad=1 /);
+    },
+    VM_TEST_TIMEOUT_MS * 2,
   );
 });
 

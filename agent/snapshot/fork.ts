@@ -2,8 +2,23 @@
  * Fork of a RUNNING VM into N children; the parent keeps running with its files and processes,
  * the children start from the parent's exact memory (running processes included) and disk.
  *
- * By default the guest is stopped for the whole copy (stop-and-copy, see `live` for why). With
- * `live`, the naive floor (stop, full migrate, cont: ~530 ms stall for 256 MiB under TCG) is beaten by a live precopy:
+ * Three methods copy the parent's memory (fork-method.ts says when each is used):
+ *
+ * `snapshot` (the default), a QEMU background snapshot:
+ *
+ *   1. Before any stop, the pages of the guest's RAM mapping that are not mapped yet are read in
+ *      from the host (populate.ts): QEMU must map every page to write-protect it, and would do it
+ *      inside the stall.
+ *   2. `stop` (the STOP event starts the stall), `blockdev-snapshot-sync` moves the parent onto
+ *      its new overlay (the disk of the fork point, the same instant as the memory), then
+ *      `migrate` with the `background-snapshot` capability: QEMU saves the device state,
+ *      write-protects the RAM (userfaultfd) and starts the guest itself (RESUME ends the stall).
+ *   3. The RAM streams to fork.state while the guest runs: a page the guest writes is copied out
+ *      first, so the stream is the RAM at the stop. No `cont` is needed: the disks stay active.
+ *
+ * `stop-copy`: stop, snapshot the disk, migrate the whole RAM, cont (the stall is the whole copy).
+ *
+ * `precopy`, a live precopy with dirty tracking:
  *
  *   1. `pause-before-switchover` on, bandwidth unlimited, `migrate` into a socket the agent copies
  *      to fork.state (stream.ts): RAM streams to tmpfs WHILE the guest runs (dirty pages are sent
@@ -23,12 +38,12 @@
  * pages and each restore reads 60 KB instead of the whole RAM.
  *
  * Chains: every fork adds one level to the parent's chain and the children's. Past
- * MAX_CHAIN_DEPTH the children's base is flattened (`qemu-img convert -B <image base>`) and the
+ * MAX_CHAIN_DEPTH the children's base is flattened onto the image base (flattenOnto) and the
  * parent's own chain is collapsed live with `block-stream` (see storage/qcow2.ts for the bound).
  */
 
 import { randomBytes } from "node:crypto";
-import { chmod, chown, link, lstat, mkdir, readdir, rm } from "node:fs/promises";
+import { chmod, chown, link, lstat, mkdir, readdir, rm, stat } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { type FreeBytes, needFreeSpace } from "../../contracts/disk-space.ts";
 import { isHostnameLabel } from "../qemu/launch.ts";
@@ -38,7 +53,9 @@ import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH, virtualSize } from "../s
 import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
+import { DEFAULT_FORK_METHOD, type ForkMethod } from "./fork-method.ts";
 import { eventTimeMs, qmp, setCapabilities } from "./migrate.ts";
+import { populateMapping } from "./populate.ts";
 import { migrationByteCap, type SaveStream, saveToFile, startSave } from "./stream.ts";
 import { type RestoreTimings, restoreInto, SandboxVm, storageDir } from "./vm.ts";
 
@@ -71,14 +88,10 @@ export interface ForkOptions {
   /** "auto": direct for one child, shared for more (measured: see the report). */
   mode?: ForkMode;
   /**
-   * Stream RAM while the guest runs (live precopy; the stall is only the switchover) instead of
-   * stopping it for the whole copy. Off by default: under TCG we saw about one fork child in ten
-   * start with corrupted memory after a live precopy on a loaded host ("BUG: Bad rss-counter
-   * state" in the child's kernel), the signature of a write the dirty tracking missed. A stopped
-   * guest cannot write, so stop-and-copy is correct by construction; `SANDBOXD_FORK_LIVE=1`
-   * turns live precopy back on (KVM hosts track dirty pages in the kernel, not in TCG).
+   * How the parent's memory is copied (fork-method.ts): a background snapshot by default. The
+   * driver passes what readyForkMethod settled at the agent's start.
    */
-  live?: boolean;
+  method?: ForkMethod;
   readyTimeoutMs?: number;
   log?: (m: string) => void;
   /** Measures free space before the fork writes to tmpfs (statfs by default; tests pass one). */
@@ -87,22 +100,40 @@ export interface ForkOptions {
 
 /**
  * Bytes a fork writes to tmpfs (the parent's shm root) before any child runs, at most: the
- * stream of the parent's RAM (`<fork>.state`, one pass, two with a live precopy), and in shared
+ * stream of the parent's RAM (`<fork>.state`, one pass, two with a live precopy); with a
+ * background snapshot, the holes of the parent's RAM file (`ramFileHoleBytes`), which reading
+ * them in (populate.ts) allocates on tmpfs even through a private mapping; and in shared
  * mode, while that stream still exists, the fork point's RAM file (guest RAM) and its device
  * state (a few KB; `migrationByteCap` of the RAM covers both). The children map that RAM file
  * (or the parent's) private: the pages each one writes are anonymous memory, not tmpfs, so the
  * number of children does not multiply it (the host's memory check admits each child's RAM).
  */
-export function forkShmBytes(memMib: number, mode: "direct" | "shared", live: boolean): number {
-  const stream = migrationByteCap(memMib, live ? 2 : 1);
-  return mode === "shared" ? stream + migrationByteCap(memMib) : stream;
+export function forkShmBytes(
+  memMib: number,
+  mode: "direct" | "shared",
+  method: ForkMethod,
+  ramFileHoleBytes = 0,
+): number {
+  const stream = migrationByteCap(memMib, method === "precopy" ? 2 : 1);
+  const populated = method === "snapshot" ? ramFileHoleBytes : 0;
+  return (mode === "shared" ? stream + migrationByteCap(memMib) : stream) + populated;
+}
+
+/** Bytes of `path` not backed by blocks (its holes); 0 when it cannot be read. */
+async function holeBytes(path: string): Promise<number> {
+  const st = await stat(path).catch(() => undefined);
+  return st ? Math.max(0, st.size - st.blocks * 512) : 0;
 }
 
 export interface ForkTimings {
   /** Guest stopped time, STOP to RESUME event. */
   parentStallMs: number;
-  /** migrate to the pre-switchover pause (guest running meanwhile). */
+  /** precopy: migrate to the pre-switchover pause; snapshot: the RAM stream after RESUME (guest running meanwhile in both). */
   precopyMs: number;
+  /** snapshot: reading in the RAM mapping's unmapped pages before the stop (guest running). */
+  populateMs: number;
+  /** The method this fork used (a snapshot falls back to stop-copy where QEMU refuses it). */
+  method: ForkMethod;
   /** Bytes of fork.state. */
   stateBytes: number;
   /** Shared mode: restore of the fork point + its x-ignore-shared save. */
@@ -128,14 +159,19 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   if (o.ids && (o.ids.length !== o.count || new Set(o.ids).size !== o.count || !o.ids.every(isHostnameLabel)))
     return fail(new SnapshotError("bad_request", `ids must be ${o.count} distinct RFC 1123 labels`));
   const mode = o.mode === "direct" || o.mode === "shared" ? o.mode : o.count > 1 ? "shared" : "direct";
-  const live = o.live ?? process.env.SANDBOXD_FORK_LIVE === "1";
+  let method = o.method ?? DEFAULT_FORK_METHOD;
   try {
     // Asked before the parent is touched: a short tmpfs refuses the fork (507) and the parent
     // runs on, with nothing written. The reserve keeps tmpfs room for running VMs' RAM files.
     await needFreeSpace(
       parent.shape.shmRoot,
       "the fork's memory files on tmpfs",
-      forkShmBytes(parent.shape.memMib, mode, live),
+      forkShmBytes(
+        parent.shape.memMib,
+        mode,
+        method,
+        method === "snapshot" ? await holeBytes(parent.memPath) : 0,
+      ),
       o.freeBytes,
     );
   } catch (err) {
@@ -164,6 +200,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   });
   let switched = false;
   let precopyMs = 0;
+  let populateMs = 0;
   // The parent's jail sees only its own files: the new overlay is made in the storage directory,
   // owned by the parent's uid, hard-linked into the parent's directory (link(2) fails on a name
   // its QEMU planted, never follows it) and taken over by QEMU as an `existing` image there
@@ -173,29 +210,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   const staged = join(parent.dir, basename(newTop));
   let stateBytes = 0;
   let save: SaveStream | undefined;
-  try {
-    await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
-    await mkdir(disks, { recursive: true, mode: 0o700 });
-    await createOverlayOn(frozen, newTop, await virtualSize(frozen));
-    if (proc.jailUid !== undefined) await chown(newTop, proc.jailUid, proc.jailUid);
-    await rm(staged, { force: true });
-    await link(newTop, staged);
-    // -- 1. live precopy
-    await setCapabilities(proc, { events: true, "x-ignore-shared": false, "pause-before-switchover": true });
-    await qmp(proc, "migrate-set-parameters", {
-      "max-bandwidth": PRECOPY_MAX_BANDWIDTH,
-      "downtime-limit": PRECOPY_DOWNTIME_LIMIT_MS,
-    });
-    if (!live) await qmp(proc, "stop");
-    // A live precopy sends the pages the guest dirties meanwhile again: room for a second pass.
-    save = await startSave(proc, {
-      path: statePath,
-      maxBytes: migrationByteCap(s.memMib, live ? 2 : 1),
-      timeoutMs: 2 * PRECOPY_TIMEOUT_MS,
-    });
-    await save.waitFor(["pre-switchover"], PRECOPY_TIMEOUT_MS);
-    precopyMs = performance.now() - t0;
-    // -- 2. guest stopped: move the parent onto a new overlay; the old one is the fork's disk
+  /** Moves the stopped parent onto its new overlay; the old one becomes the fork point's disk. */
+  const switchDisk = async () => {
     await qmp(proc, "blockdev-snapshot-sync", {
       "node-name": parent.topNode,
       "snapshot-file": staged,
@@ -204,19 +220,96 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       mode: "existing",
     });
     switched = true;
-    // -- 3. finish the migration, 4. run again
-    await qmp(proc, "migrate-continue", { state: "pre-switchover" });
-    stateBytes = await save.finish();
-    // The migration thread reports "completed" a moment before it moves the run state from
-    // finish-migrate to postmigrate, and `cont` refuses finish-migrate ("not finalized yet").
-    for (let i = 0; ; i++) {
-      const st = await qmp<{ status: string }>(proc, "query-status");
-      if (st.status !== "finish-migrate") break;
-      if (i > FINALIZE_POLLS)
-        throw new SnapshotError("fork_failed", "the parent's migration never finalized");
-      await Bun.sleep(1);
+  };
+  try {
+    await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
+    await mkdir(disks, { recursive: true, mode: 0o700 });
+    await createOverlayOn(frozen, newTop, await virtualSize(frozen));
+    if (proc.jailUid !== undefined) await chown(newTop, proc.jailUid, proc.jailUid);
+    await rm(staged, { force: true });
+    await link(newTop, staged);
+    if (method === "snapshot") {
+      // -- 1. read in the unmapped pages while the guest runs (only a speed-up: QEMU maps the
+      // rest itself, inside the stall)
+      const tp = performance.now();
+      await populateMapping(proc.pid, parent.memPath).catch((err) => log(`fork ${forkId}: populate: ${err}`));
+      populateMs = performance.now() - tp;
+      const refused = await setCapabilities(proc, {
+        events: true,
+        "x-ignore-shared": false,
+        "pause-before-switchover": false,
+        "background-snapshot": true,
+      }).then(
+        () => undefined,
+        (err: unknown) => err,
+      );
+      if (refused) {
+        if (!proc.isAlive()) throw refused;
+        log(
+          `fork ${forkId}: QEMU refused a background snapshot (${String(refused)}); stopping the parent for the copy`,
+        );
+        method = "stop-copy";
+      }
     }
-    await qmp(proc, "cont");
+    if (method === "snapshot") {
+      await qmp(proc, "migrate-set-parameters", { "max-bandwidth": PRECOPY_MAX_BANDWIDTH });
+      // -- 2. stop, move the parent onto its new overlay, snapshot: QEMU resumes the guest once
+      // the RAM is write-protected
+      await qmp(proc, "stop");
+      await switchDisk();
+      save = await startSave(proc, {
+        path: statePath,
+        maxBytes: migrationByteCap(s.memMib),
+        timeoutMs: 2 * PRECOPY_TIMEOUT_MS,
+      });
+      const tStream = performance.now();
+      stateBytes = await save.finish();
+      precopyMs = performance.now() - tStream;
+      // QEMU 7.2 starts the guest when the RAM is protected; one that keeps a stopped guest
+      // stopped (later versions restore the run state from before the snapshot) is started here.
+      const st = await qmp<{ status: string }>(proc, "query-status");
+      if (st.status !== "running") await qmp(proc, "cont");
+    } else {
+      // -- 1. live precopy (or, stop-copy, the whole copy with the guest stopped)
+      const live = method === "precopy";
+      await setCapabilities(proc, {
+        events: true,
+        "x-ignore-shared": false,
+        "pause-before-switchover": true,
+        "background-snapshot": false,
+      });
+      await qmp(proc, "migrate-set-parameters", {
+        "max-bandwidth": PRECOPY_MAX_BANDWIDTH,
+        "downtime-limit": PRECOPY_DOWNTIME_LIMIT_MS,
+      });
+      if (!live) await qmp(proc, "stop");
+      // A live precopy sends the pages the guest dirties meanwhile again: room for a second pass.
+      save = await startSave(proc, {
+        path: statePath,
+        maxBytes: migrationByteCap(s.memMib, live ? 2 : 1),
+        timeoutMs: 2 * PRECOPY_TIMEOUT_MS,
+      });
+      await save.waitFor(["pre-switchover"], PRECOPY_TIMEOUT_MS);
+      precopyMs = performance.now() - t0;
+      // -- 2. guest stopped: move the parent onto a new overlay; the old one is the fork's disk
+      await switchDisk();
+      // -- 3. finish the migration, 4. run again
+      await qmp(proc, "migrate-continue", { state: "pre-switchover" });
+      stateBytes = await save.finish();
+      // The migration thread reports "completed" a moment before it moves the run state from
+      // finish-migrate to postmigrate, and `cont` refuses finish-migrate ("not finalized yet").
+      for (let i = 0; ; i++) {
+        const st = await qmp<{ status: string }>(proc, "query-status");
+        if (st.status !== "finish-migrate") break;
+        if (i > FINALIZE_POLLS)
+          throw new SnapshotError("fork_failed", "the parent's migration never finalized");
+        await Bun.sleep(1);
+      }
+      await qmp(proc, "cont");
+    }
+    // Later migrations of this QEMU (suspend) set what they need; a snapshot's capability would
+    // refuse theirs, so it is cleared here.
+    if (method === "snapshot") await setCapabilities(proc, { "background-snapshot": false });
   } catch (err) {
     offStop();
     offResume();
@@ -225,7 +318,11 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     await rm(statePath, { force: true });
     if (proc.isAlive()) {
       await proc.qmp.execute("migrate_cancel").catch(() => {});
+      // A cancelled background snapshot may still be ending (its thread resumes the guest as it
+      // unwinds); wait for it so the capability can be cleared and `cont` is not refused.
+      await waitMigrationIdle(proc);
       await proc.qmp.execute("cont").catch(() => {});
+      await setCapabilities(proc, { "background-snapshot": false }).catch(() => {});
       if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
       else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
       parent.enter("running");
@@ -244,7 +341,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   parent.enter("running");
   await chmod(frozen, 0o444).catch(() => {});
   log(
-    `fork ${forkId}: parent stalled ${parentStallMs.toFixed(1)} ms, precopy ${precopyMs.toFixed(0)} ms, state ${stateBytes} B`,
+    `fork ${forkId} (${method}): parent stalled ${parentStallMs.toFixed(1)} ms, populate ${populateMs.toFixed(0)} ms, copy ${precopyMs.toFixed(0)} ms, state ${stateBytes} B`,
   );
   // The fork point's files are held by the fork itself until every child holds its own.
   const forkHolder = `fork:${forkId}`;
@@ -310,6 +407,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       timings: {
         parentStallMs,
         precopyMs,
+        populateMs,
+        method,
         stateBytes,
         forkPointMs,
         childrenReadyMs: tDone - t0,
@@ -412,4 +511,17 @@ async function collapseParentChain(parent: SandboxVm): Promise<void> {
   if (err) throw new SnapshotError("fork_failed", `block-stream failed: ${err}`);
   const chain = await openChainStore(parent.shape.dataDir);
   await chain.setDeps(parent.disk, [], 1);
+}
+
+/** Cancelled migration's end: query-migrate polls, 5 ms apart (a cancel ends in a few ms). */
+const CANCEL_POLLS = 400;
+
+/** Waits (bounded, ~2 s) until no migration is running on `proc`; errors are left to the caller. */
+async function waitMigrationIdle(proc: Parameters<typeof qmp>[0]): Promise<void> {
+  for (let i = 0; i < CANCEL_POLLS; i++) {
+    const info = await proc.qmp.execute<{ status?: string }>("query-migrate").catch(() => undefined);
+    const st = info?.status;
+    if (!st || st === "completed" || st === "failed" || st === "cancelled" || st === "none") return;
+    await Bun.sleep(5);
+  }
 }

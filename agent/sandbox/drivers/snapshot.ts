@@ -43,6 +43,7 @@ import { probeAccelerator } from "../../qemu/accel.ts";
 import type { Accel, VmExit, VmProcess } from "../../qemu/launch.ts";
 import type { Result, SnapshotError } from "../../snapshot/errors.ts";
 import { forkVm } from "../../snapshot/fork.ts";
+import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../../snapshot/fork-method.ts";
 import {
   readVmRecord,
   restoreVm,
@@ -104,6 +105,11 @@ export interface SnapshotDriverOptions {
    * to the guest's first answer (vm.ts).
    */
   timeouts?: { bootMs?: number; readyMs?: number; restoreMs?: number };
+  /**
+   * How forks copy the parent's memory (operator setting; agent/snapshot/fork-method.ts). `create`
+   * settles it once: a background snapshot falls back to stop-and-copy where the host cannot.
+   */
+  forkMethod?: ForkMethod;
   log?: (msg: string) => void;
 }
 
@@ -146,6 +152,8 @@ export class SnapshotDriver implements SandboxDriver {
   /** Image cache entries (directories) that builds in progress hold, with how many hold each. */
   private readonly pinned = new Map<string, number>();
   private readonly imageCacheBytes: number;
+  /** What forks use, settled by `create` (readyForkMethod). */
+  forkMethod: ForkMethod = "stop-copy";
   /** QEMUs launched ahead of their spawn (`prelaunch`), by VM id. */
   private readonly prelaunched = new Map<string, { templateId: string; pre: Prelaunched }>();
   /** Suspended VMs this process knows; after a restart they are read from their VM file. */
@@ -178,6 +186,7 @@ export class SnapshotDriver implements SandboxDriver {
       opts.accel ? Promise.resolve(opts.accel) : probeAccelerator({ log: opts.log }).then((a) => a.accel),
     ]);
     const driver = new SnapshotDriver(opts, artifacts, accel);
+    driver.forkMethod = await readyForkMethod(opts.forkMethod ?? DEFAULT_FORK_METHOD, driver.log);
     // RAM files live on tmpfs, outside the data dir: claim ours and drop those whose data dir was
     // removed (agent/snapshot/shm.ts), so an `rm -rf` of a data dir does not strand its RAM files.
     await claimShmRoot(driver.shmRoot, driver.stateDir);
@@ -416,6 +425,7 @@ export class SnapshotDriver implements SandboxDriver {
     const r = await forkVm(l.sbx, {
       count: childIds.length,
       ids: childIds,
+      method: this.forkMethod,
       log: this.log,
       ...this.restoreDeadline(),
     });
