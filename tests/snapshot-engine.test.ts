@@ -10,12 +10,13 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../agent/guest/artifacts.ts";
 import { type ImportedImage, importImage } from "../agent/image/import.ts";
+import type { QmpClient } from "../agent/qemu/qmp/client.ts";
 import { COUNTER } from "../agent/sandbox/testing.ts";
 import { unwrap } from "../agent/snapshot/errors.ts";
 import { forkVm } from "../agent/snapshot/fork.ts";
 import { type ForkMethod, readyForkMethod } from "../agent/snapshot/fork-method.ts";
 import { floorRestoreMs, spawnFromTemplate } from "../agent/snapshot/spawn.ts";
-import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../agent/snapshot/suspend.ts";
+import { pauseVm, resumeVm, SUSPEND_MAX_BANDWIDTH, suspendVm, unpauseVm } from "../agent/snapshot/suspend.ts";
 import {
   buildTemplate,
   deleteTemplate,
@@ -484,6 +485,30 @@ describe("suspend and failures", () => {
       // Not allowed twice.
       const again = await resumeVm(vm);
       expect(again.ok ? "" : again.error.code).toBe("invalid_state");
+    },
+    VM_TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "suspend lifts QEMU's migration bandwidth cap: at `migrate` QEMU reports SUSPEND_MAX_BANDWIDTH",
+    async () => {
+      const vm = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template, log })).vm;
+      live.push(vm);
+      const q = vm.process?.qmp as QmpClient;
+      type Params = { "max-bandwidth"?: number };
+      const execute = q.execute.bind(q);
+      // A fresh QEMU has its own default cap (128 MiB/s in 7.2), which throttled the state file.
+      const fresh = await execute<Params>("query-migrate-parameters");
+      expect(fresh["max-bandwidth"]).toBeLessThan(SUSPEND_MAX_BANDWIDTH);
+      // What QEMU itself reports the moment the suspend starts its migration: asked on the same
+      // QMP connection just before `migrate` goes out (the QEMU is gone once the suspend returns).
+      let atMigrate: Params | undefined;
+      q.execute = (async (command: string, args?: Record<string, unknown>, o?: { timeoutMs?: number }) => {
+        if (command === "migrate") atMigrate = await execute<Params>("query-migrate-parameters");
+        return execute(command, args, o);
+      }) as QmpClient["execute"];
+      unwrap(await suspendVm(vm));
+      expect(atMigrate?.["max-bandwidth"]).toBe(SUSPEND_MAX_BANDWIDTH);
     },
     VM_TEST_TIMEOUT_MS,
   );

@@ -54,18 +54,19 @@ import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod } from "./fork-method.ts";
-import { eventTimeMs, qmp, setCapabilities } from "./migrate.ts";
+import {
+  eventTimeMs,
+  LOCAL_MIGRATION_MAX_BANDWIDTH,
+  qmp,
+  setCapabilities,
+  setMigrationParameters,
+} from "./migrate.ts";
 import { populateMapping } from "./populate.ts";
 import { migrationByteCap, type SaveStream, saveToFile, startSave } from "./stream.ts";
 import { type RestoreTimings, restoreInto, SandboxVm, storageDir } from "./vm.ts";
 
 export const MAX_FORK_CHILDREN = 64;
 
-/**
- * Precopy bandwidth cap: effectively none (32 GiB/s). The stream goes to tmpfs through a socket;
- * QEMU's default (32 MiB/s... 128 MiB/s) would make the precopy take seconds.
- */
-const PRECOPY_MAX_BANDWIDTH = 32 * 1024 ** 3;
 /**
  * Largest stall QEMU plans for when it decides to switch over (remaining dirty bytes / measured
  * bandwidth). 50 ms: a guest under TCG dirties few MB/s, so the first pass already fits.
@@ -252,7 +253,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       }
     }
     if (method === "snapshot") {
-      await qmp(proc, "migrate-set-parameters", { "max-bandwidth": PRECOPY_MAX_BANDWIDTH });
+      // The stream goes to tmpfs through the agent's socket: no bandwidth cap (migrate.ts).
+      await setMigrationParameters(proc, { maxBandwidth: LOCAL_MIGRATION_MAX_BANDWIDTH });
       // -- 2. stop, move the parent onto its new overlay, snapshot: QEMU resumes the guest once
       // the RAM is write-protected
       await qmp(proc, "stop");
@@ -278,9 +280,9 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
         "pause-before-switchover": true,
         "background-snapshot": false,
       });
-      await qmp(proc, "migrate-set-parameters", {
-        "max-bandwidth": PRECOPY_MAX_BANDWIDTH,
-        "downtime-limit": PRECOPY_DOWNTIME_LIMIT_MS,
+      await setMigrationParameters(proc, {
+        maxBandwidth: LOCAL_MIGRATION_MAX_BANDWIDTH,
+        downtimeLimitMs: PRECOPY_DOWNTIME_LIMIT_MS,
       });
       if (!live) await qmp(proc, "stop");
       // A live precopy sends the pages the guest dirties meanwhile again: room for a second pass.

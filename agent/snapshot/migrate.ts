@@ -65,6 +65,32 @@ export async function setCapabilities(vm: Vm, caps: Record<string, boolean>): Pr
   });
 }
 
+/**
+ * Migration bandwidth cap where the stream's sink is local (the agent's socket, copied to a file
+ * or tmpfs): effectively none, 32 GiB/s. QEMU's default (128 MiB/s in 7.2) paces a network link
+ * shared with other traffic; here it only stretches the save: a suspend or a stop-and-copy fork
+ * keeps the guest stopped meanwhile, and a live precopy would take seconds.
+ */
+export const LOCAL_MIGRATION_MAX_BANDWIDTH = 32 * 1024 ** 3;
+
+/**
+ * Migration parameters the snapshot paths set before `migrate`. They stay set in that QEMU for
+ * its later migrations, so each path sets all it relies on rather than inheriting them.
+ */
+export interface MigrationParameters {
+  /** Bytes per second; LOCAL_MIGRATION_MAX_BANDWIDTH for every save the agent makes. */
+  maxBandwidth: number;
+  /** Largest switchover stall QEMU plans for (ms); QEMU's own (300 ms) when absent. */
+  downtimeLimitMs?: number;
+}
+
+export async function setMigrationParameters(vm: Vm, p: MigrationParameters): Promise<void> {
+  await qmp(vm, "migrate-set-parameters", {
+    "max-bandwidth": p.maxBandwidth,
+    ...(p.downtimeLimitMs === undefined ? {} : { "downtime-limit": p.downtimeLimitMs }),
+  });
+}
+
 export interface MigrateInfo {
   status: string;
   "error-desc"?: string;
