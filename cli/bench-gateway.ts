@@ -14,11 +14,14 @@
  *   keys of one tenant so that no key meets the spec's 100 requests per second and the figure is
  *   the service's, not the rate limit's. The service is pinned to one core (`taskset`, when the
  *   host has it) for this part; the load generator runs here, on the others.
+ * - `read_floor`: the same reads, connections and pin against a bare Hono app answering the
+ *   same route from memory (bench-floor.ts, its own process), in the same run: what the host and
+ *   the load generator allow at all, so `read` can be read against it.
  * - `health`: `GET /v1/health` (no key) the same way, for the same time.
  *
  * Not a test: the host's other load shows in every figure, so compare runs made side by side.
  */
-import { spawnSync } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import { join } from "node:path";
 import { readCredentials } from "../agent/api/enroll.ts";
 import type { ExecAction } from "../contracts/agent/api.ts";
@@ -26,7 +29,7 @@ import { openDb } from "../db/client.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
-import { call, seededDataDir, spawnUp, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
+import { call, listeningUrl, seededDataDir, spawnUp, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
 
 const TEMPLATE_ID = "gwbench";
 /** Execs before the measured ones: the JIT, the guest's page cache and the db's pages warm up. */
@@ -60,6 +63,8 @@ export interface GatewayBenchResult {
     beyond_own_time_p50_ms: number;
   };
   read: LoadFigures & { keys: number; pinned_cpu: string | null };
+  /** The same reads against a bare Hono app answering from memory (bench-floor.ts), same pin. */
+  read_floor: LoadFigures;
   health: LoadFigures;
   total_ms: number;
 }
@@ -211,6 +216,7 @@ export async function runGatewayBench(o: {
     );
     const healthUrl = new URL("/v1/health", base).href;
     const health = await load(o.connections, o.seconds * 1000, () => fetch(healthUrl));
+    const readFloor = await floorReads(id, auth, o.connections, o.seconds * 1000);
     await call(base, key, "DELETE", `/v1/sessions/${id}`);
     const httpP50 = pct(http, 50);
     const agentP50 = pct(direct, 50);
@@ -226,10 +232,38 @@ export async function runGatewayBench(o: {
         beyond_own_time_p50_ms: pct(beyond, 50),
       },
       read: { ...read, keys: keys.length, pinned_cpu: pinned },
+      read_floor: readFloor,
       health,
       total_ms: Math.round(performance.now() - t0),
     };
   } finally {
     await stopAndRemove(up, dataDir);
+  }
+}
+
+/**
+ * The reads of `read` against bench-floor.ts, in a child process on the same CPU as the service
+ * (when `taskset` works here), so that both figures come from one host state.
+ */
+async function floorReads(
+  id: string,
+  auth: { authorization: string }[],
+  connections: number,
+  ms: number,
+): Promise<LoadFigures> {
+  const child = spawn(process.execPath, [join(import.meta.dirname, "bench-floor.ts")], {
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let tail = "";
+  child.stderr.on("data", (b: Buffer) => {
+    tail = (tail + b.toString()).slice(-4000);
+  });
+  try {
+    const base = await listeningUrl(child, () => tail);
+    spawnSync("taskset", ["-a", "-p", "-c", "0", String(child.pid)]);
+    const url = new URL(`/v1/sessions/${id}`, base).href;
+    return await load(connections, ms, (i) => fetch(url, { headers: auth[i % auth.length]! }));
+  } finally {
+    child.kill("SIGKILL");
   }
 }

@@ -24,8 +24,32 @@ export type Db = PgDatabase<PgQueryResultHKT, Schema>;
 export interface DbHandle {
   db: Db;
   kind: "pglite" | "postgres";
+  /**
+   * LISTENs on `channel` until `stop()`: `on.up()` once the LISTEN is in effect (every
+   * notification committed from then on reaches `on.notify`), `on.down()` as soon as that may no
+   * longer hold (the connection is lost or stopped); after a loss it LISTENs again, and says
+   * `up()` again when it is back.
+   */
+  listen(channel: string, on: ChannelEvents): { stop(): Promise<void> };
   close(): Promise<void>;
 }
+
+export interface ChannelEvents {
+  notify(payload: string): void;
+  up(): void;
+  down(cause: unknown): void;
+}
+
+/**
+ * How often a PostgreSQL LISTEN connection is asked a trivial query, and how long the answer may
+ * take: a connection the network dropped without a close (no FIN, no RST) shows only when a query
+ * stalls, and until then its listener would say it is up while notifications are lost. 1 s + 1 s
+ * bounds that; one `select 1` a second per gateway costs the database nothing that shows.
+ */
+export const LISTEN_PING_MS = 1000;
+export const LISTEN_PING_TIMEOUT_MS = 1000;
+/** Wait before LISTENing again after a loss: the database is not hammered while it is away. */
+export const LISTEN_RETRY_MS = 500;
 
 export type OpenDbOptions = { dataDir: string } | { url: string };
 
@@ -44,10 +68,24 @@ export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
       await client.end({ timeout: 1 });
       throw new SandboxdError("internal", "cannot migrate the PostgreSQL database", { cause });
     }
+    const listeners = new Set<{ stop(): Promise<void> }>();
     return {
       db: db as unknown as Db,
       kind: "postgres",
-      close: () => client.end({ timeout: 5 }),
+      listen: (channel, on) => {
+        const l = listenPostgres(opts.url, channel, on);
+        listeners.add(l);
+        return {
+          stop: () => {
+            listeners.delete(l);
+            return l.stop();
+          },
+        };
+      },
+      close: async () => {
+        for (const l of listeners) await l.stop();
+        await client.end({ timeout: 5 });
+      },
     };
   }
   const dir = join(opts.dataDir, "pglite");
@@ -65,6 +103,115 @@ export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
   return {
     db: db as unknown as Db,
     kind: "pglite",
+    // In-process: the LISTEN cannot be lost while the database is open; a notification is
+    // delivered (a microtask) before the query that committed it resolves.
+    listen: (channel, on) => {
+      let stopped = false;
+      const unlisten = client
+        .listen(channel, (payload) => on.notify(payload))
+        .then(
+          (u) => {
+            if (!stopped) on.up();
+            return u;
+          },
+          (err: unknown) => {
+            on.down(err);
+            return undefined;
+          },
+        );
+      return {
+        stop: async () => {
+          if (stopped) return;
+          stopped = true;
+          on.down(new Error("stopped"));
+          await (await unlisten)?.().catch(() => {});
+        },
+      };
+    },
     close: () => client.close().finally(() => lock.release()),
+  };
+}
+
+/**
+ * A LISTEN on a connection of its own (a pooled one could be handed to another query, and
+ * postgres.js's own `listen` gives up for good when a reconnect fails): up once the LISTEN
+ * answered, down on the connection's close or a ping that fails or stalls, then again after
+ * `LISTEN_RETRY_MS` until `stop()`.
+ */
+function listenPostgres(url: string, channel: string, on: ChannelEvents): { stop(): Promise<void> } {
+  let current: postgres.Sql | undefined;
+  let stopped = false;
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const lost = (c: postgres.Sql, cause: unknown) => {
+    if (current !== c) return; // an older connection, already given up
+    current = undefined;
+    clearTimeout(timer);
+    on.down(cause);
+    void c.end({ timeout: 0 }).catch(() => {});
+    if (!stopped) timer = setTimeout(connect, LISTEN_RETRY_MS);
+  };
+  const ping = (c: postgres.Sql) => {
+    timer = setTimeout(async () => {
+      let stall: ReturnType<typeof setTimeout> | undefined;
+      try {
+        await Promise.race([
+          c`select 1`,
+          new Promise((_, fail) => {
+            stall = setTimeout(
+              () => fail(new Error("LISTEN connection did not answer a ping")),
+              LISTEN_PING_TIMEOUT_MS,
+            );
+          }),
+        ]);
+        if (current === c) ping(c);
+      } catch (err) {
+        lost(c, err);
+      } finally {
+        clearTimeout(stall);
+      }
+    }, LISTEN_PING_MS);
+  };
+  const connect = async () => {
+    if (stopped) return;
+    // `onnotify` is read by postgres.js (src/index.js) but missing from its option types.
+    const options = {
+      max: 1,
+      // The connection is held for the gateway's life: no idle end, no recycling (each would be
+      // a window of lost notifications).
+      idle_timeout: 0,
+      max_lifetime: null,
+      // A database that does not answer at all: give up after this long and try again.
+      connect_timeout: 5,
+      fetch_types: false,
+      onnotice: () => {},
+      onnotify: (ch: string, payload: string) => {
+        if (ch === channel && current === c) on.notify(payload);
+      },
+      onclose: () => lost(c, new Error("LISTEN connection closed")),
+    };
+    const c: postgres.Sql = postgres(url, options as postgres.Options<Record<string, never>>);
+    current = c;
+    try {
+      await c.unsafe(`LISTEN "${channel.replaceAll('"', '""')}"`);
+      if (current !== c) return;
+      on.up();
+      ping(c);
+    } catch (err) {
+      lost(c, err);
+    }
+  };
+  void connect();
+  return {
+    stop: async () => {
+      if (stopped) return;
+      stopped = true;
+      clearTimeout(timer);
+      const c = current;
+      current = undefined;
+      if (c) {
+        on.down(new Error("stopped"));
+        await c.end({ timeout: 1 }).catch(() => {});
+      }
+    },
   };
 }

@@ -16,6 +16,7 @@ import { VerifiedKeys } from "./auth/key-cache.ts";
 import { keyRateLimit } from "./auth/rate-limit.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { ActivityWriter } from "./core/activity.ts";
+import type { RowCache } from "./core/row-cache.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
@@ -48,6 +49,11 @@ export interface CreateAppDeps {
   localRateLimit?: boolean;
   /** Verified keys of this process (auth/key-cache.ts); one is made when not given. */
   keys?: VerifiedKeys;
+  /**
+   * Sandbox rows from memory for the reads that only show one (core/row-cache.ts), kept true by
+   * the database's notifications (the server LISTENs for it); none when not given.
+   */
+  rows?: RowCache;
 }
 
 /**
@@ -63,6 +69,7 @@ export function appDeps(input: CreateAppDeps): Deps {
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),
     ...(input.activity ? { activity: input.activity } : {}),
+    ...(input.rows ? { rows: input.rows } : {}),
   };
 }
 

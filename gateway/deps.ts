@@ -6,6 +6,7 @@ import type { Placement } from "./agents/placement.ts";
 import type { Principal } from "./auth/keys.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { ActivityWriter } from "./core/activity.ts";
+import type { RowCache } from "./core/row-cache.ts";
 import type { RelayRegistry } from "./relay/registry.ts";
 import type { Upgrade } from "./runtime/types.ts";
 
@@ -27,6 +28,12 @@ export interface Deps {
    * own UPDATE, as under `createApp` alone in tests.
    */
   activity?: ActivityWriter;
+  /**
+   * Rows the reads that only show a sandbox may serve from memory (core/row-cache.ts); without it
+   * every read goes to the database, as under `createApp` alone in tests. This process's writes
+   * drop their rows from it.
+   */
+  rows?: RowCache;
 }
 
 /**

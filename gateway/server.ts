@@ -23,6 +23,7 @@ import { ActivityWriter } from "./core/activity.ts";
 import { applyAgentEvents } from "./core/agent-events.ts";
 import { startReaper } from "./core/reaper.ts";
 import { type Reconciler, startReconciler } from "./core/reconcile.ts";
+import { ROWS_CHANNEL, RowCache } from "./core/row-cache.ts";
 import type { Clock } from "./deps.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { answerAfterBody } from "./runtime/early-answer.ts";
@@ -93,6 +94,8 @@ export interface RunningGateway {
    * it from its cache, so its next request here is refused (auth/key-cache.ts).
    */
   keyRevoked(keyId: string): void;
+  /** The rows the info reads serve from memory (core/row-cache.ts): its state, for tests. */
+  rows: RowCache;
   /** Stops the server (open connections are closed), then closes the database. Idempotent. */
   stop(): Promise<void>;
 }
@@ -136,6 +139,10 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let reconciler: Reconciler | undefined;
   const keys = new VerifiedKeys({ db: handle.db, pepper: config.keyPepper });
   const activity = new ActivityWriter(handle.db, opts.log ?? ((line: string) => console.error(line)));
+  // Serves nothing until the LISTEN is in effect; reads go to the database meanwhile.
+  const rows = new RowCache();
+  activity.rows = rows;
+  const listener = handle.listen(ROWS_CHANNEL, rows.events);
   try {
     const clock = opts.clock ?? Date.now;
     const log = opts.log ?? ((line: string) => console.error(line));
@@ -166,6 +173,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       config,
       relays,
       activity,
+      rows,
       ...(opts.clock ? { clock: opts.clock } : {}),
     });
     const app = createApp({
@@ -216,6 +224,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     if (opts.reaper !== false) reaper = startReaper(deps, opts.log);
   } catch (err) {
     reconciler?.stop();
+    await listener.stop();
     await handle.close();
     throw err;
   }
@@ -232,6 +241,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       return fn(handle.db);
     },
     keyRevoked: (keyId) => keys.forget(keyId),
+    rows,
     stop: () => {
       stopping ??= (async () => {
         reconciler?.stop();
@@ -241,6 +251,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
         } finally {
           // Served calls' ends reach the database before it closes (core/activity.ts).
           await activity.stop();
+          await listener.stop();
           await handle.close();
         }
       })();

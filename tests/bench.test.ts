@@ -390,7 +390,7 @@ describe("sandboxd bench --gateway", () => {
         expect(v).toBeGreaterThan(0);
       }
       expect(out.exec.overhead_p50_ms).toBeCloseTo(out.exec.http_p50_ms - out.exec.agent_p50_ms, 2);
-      for (const load of [out.read, out.health]) {
+      for (const load of [out.read, out.read_floor, out.health]) {
         expect(load.requests).toBeGreaterThan(0);
         expect(load.errors).toBe(0);
         expect(load.req_per_s).toBeGreaterThan(0);

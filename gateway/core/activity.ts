@@ -19,6 +19,7 @@ import { eq, sql } from "drizzle-orm";
 import { describeError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
+import type { RowCache } from "./row-cache.ts";
 
 /**
  * How long an end may wait to be written: the most a crash loses, and how stale another
@@ -45,6 +46,8 @@ export class ActivityWriter {
   private stopped = false;
   /** UPDATEs written (tests and measurements). */
   writes = 0;
+  /** The process's row cache: a written row is dropped from it (row-cache.ts). */
+  rows: RowCache | undefined;
 
   constructor(
     private readonly db: Db,
@@ -116,7 +119,8 @@ export class ActivityWriter {
             lastExecAt: sql`greatest(${sandboxes.lastExecAt}, ${p.lastAt.toISOString()}::timestamptz)`,
             execCount: sql`${sandboxes.execCount} + ${p.execs}::int`,
           })
-          .where(eq(sandboxes.id, id));
+          .where(eq(sandboxes.id, id))
+          .finally(() => this.rows?.invalidate(id));
       } catch (err) {
         // The database is away: keep the ends for the next flush (a count kept high only keeps
         // the reapers off the sandbox meanwhile).

@@ -11,6 +11,7 @@ import { apiKeys } from "../../db/schema/api-keys.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
+import { forgetRows } from "./row-cache.ts";
 import {
   agentOf,
   applyTransition,
@@ -49,6 +50,7 @@ export async function suspendIdleSandboxes(
       ),
     )
     .returning();
+  forgetRows(deps, ...claimed.map((r) => r.id));
   const done: string[] = [];
   // One after the other: each quota check sees the holds the earlier ones released.
   for (const row of claimed) {
@@ -79,6 +81,7 @@ async function suspendClaimed(
     await releaseIdleHold(tx, row.id);
     return { n: n - 1, cap };
   });
+  if (full) forgetRows(deps, row.id);
   if (full) {
     if (!refused.has(row.id)) {
       // Ids of sandboxes deleted meanwhile stay in the set: forgetting them all now and then
@@ -104,6 +107,7 @@ async function suspendClaimed(
     return true;
   } catch (err) {
     await releaseIdleHold(deps.db, row.id).catch(() => {});
+    forgetRows(deps, row.id);
     log(`reaper: ${row.id}: idle suspend failed, it stays running: ${describeError(err)}`);
     return false;
   }

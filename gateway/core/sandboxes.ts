@@ -33,6 +33,7 @@ import {
   type RecordState,
   recordChange,
 } from "./record-states.ts";
+import { forgetRows, type RowCache } from "./row-cache.ts";
 import { requireReady, resolveTemplate } from "./templates.ts";
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
@@ -54,14 +55,23 @@ export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi 
   return deps.placement.agentFor(row.agentId);
 }
 
-/** A record owned by the caller, in the caller's family; anything else is 404 (spec 5.7). */
-export async function getOwned(deps: Deps, p: Principal, id: string): Promise<SandboxRow> {
-  const [read] = await deps.db
-    .select()
-    .from(sandboxes)
-    .where(and(eq(sandboxes.id, id), eq(sandboxes.tenantId, p.tenantId), eq(sandboxes.family, p.family)));
+/**
+ * A record owned by the caller, in the caller's family; anything else is 404 (spec 5.7).
+ * `cached`: the row may come from this process's row cache (row-cache.ts), for the reads that only
+ * show it; a call that acts on the row next reads the database, since a row another gateway
+ * changed a moment ago would turn its compare-and-set into a 409 it need not be.
+ */
+export async function getOwned(
+  deps: Deps,
+  p: Principal,
+  id: string,
+  opts: { cached?: boolean } = {},
+): Promise<SandboxRow> {
+  const read = opts.cached && deps.rows ? await cachedRow(deps.rows, deps.db, id) : await rowOf(deps.db, id);
+  // The owner check, on a cached row as on one just read: the cache is keyed by id alone.
+  const owned = read && read.tenantId === p.tenantId && read.family === p.family ? read : undefined;
   // This process's ends not yet written count as written (core/activity.ts).
-  const row = read && deps.activity ? deps.activity.overlay(read) : read;
+  const row = owned && deps.activity ? deps.activity.overlay(owned) : owned;
   const what = p.family === "a" ? `session ${id}` : `sandbox ${id}`;
   if (!row) throw notFound(what);
   if (row.state === "destroyed") {
@@ -75,6 +85,20 @@ export async function getOwned(deps: Deps, p: Principal, id: string): Promise<Sa
     }
     throw notFound(what);
   }
+  return row;
+}
+
+async function rowOf(db: Db, id: string): Promise<SandboxRow | undefined> {
+  const [row] = await db.select().from(sandboxes).where(eq(sandboxes.id, id));
+  return row;
+}
+
+async function cachedRow(rows: RowCache, db: Db, id: string): Promise<SandboxRow | undefined> {
+  const hit = rows.get(id);
+  if (hit !== undefined) return hit;
+  const mark = rows.begin();
+  const row = await rowOf(db, id);
+  if (row) rows.put(row, mark);
   return row;
 }
 
@@ -213,24 +237,26 @@ async function markStarted(
 ): Promise<void> {
   const at = new Date(deps.clock());
   const started = recordChange("started");
-  const done = await deps.db.transaction(async (tx) => {
-    const rows = await tx
-      .update(sandboxes)
-      .set({
-        state: started.state,
-        agentId,
-        vmId: vm.vmId,
-        endpoints: publicEndpoints(id, vm.endpoints),
-        vcpus: vm.resources.vcpus,
-        memMib: vm.resources.memMib,
-        diskBytes: vm.resources.diskBytes,
-      })
-      .where(and(eq(sandboxes.id, id), started.from))
-      .returning({ id: sandboxes.id });
-    if (rows.length === 0) return false;
-    await switchInterval(tx, { id, tenantId }, running(vm.resources), at);
-    return true;
-  });
+  const done = await deps.db
+    .transaction(async (tx) => {
+      const rows = await tx
+        .update(sandboxes)
+        .set({
+          state: started.state,
+          agentId,
+          vmId: vm.vmId,
+          endpoints: publicEndpoints(id, vm.endpoints),
+          vcpus: vm.resources.vcpus,
+          memMib: vm.resources.memMib,
+          diskBytes: vm.resources.diskBytes,
+        })
+        .where(and(eq(sandboxes.id, id), started.from))
+        .returning({ id: sandboxes.id });
+      if (rows.length === 0) return false;
+      await switchInterval(tx, { id, tenantId }, running(vm.resources), at);
+      return true;
+    })
+    .finally(() => forgetRows(deps, id));
   if (done) return;
   await agentOf(deps, { agentId })
     .destroy(vm.vmId, { force: true })
@@ -248,7 +274,8 @@ async function markFailed(deps: Deps, ids: string[]): Promise<void> {
   await deps.db
     .update(sandboxes)
     .set({ state: failed.state, endReason: "failed", destroyedAt: new Date(deps.clock()) })
-    .where(and(inArray(sandboxes.id, ids), failed.from));
+    .where(and(inArray(sandboxes.id, ids), failed.from))
+    .finally(() => forgetRows(deps, ...ids));
 }
 
 /** An idle lifetime as recorded on a row: after `timeoutS` without a call, `action`. */
@@ -365,25 +392,27 @@ async function endOneShot(
   const r = resources ?? { vcpus: 0, memMib: 0, diskBytes: 0 };
   // Its call is over: destroyed, as a delete leaves a record (a one-shot row is only `starting`).
   const ended = recordChange("destroy");
-  await deps.db.transaction(async (tx) => {
-    await tx
-      .update(sandboxes)
-      .set({
-        state: ended.state,
-        endReason: "deleted",
-        destroyedAt: at,
-        agentId,
-        vcpus: r.vcpus,
-        memMib: r.memMib,
-        diskBytes: r.diskBytes,
-        execCount: 1,
-        lastExecAt: at,
-      })
-      .where(and(eq(sandboxes.id, id), ended.from));
-    await tx
-      .insert(usageIntervals)
-      .values({ sandboxId: id, tenantId, ...running(r), startedAt, endedAt: at });
-  });
+  await deps.db
+    .transaction(async (tx) => {
+      await tx
+        .update(sandboxes)
+        .set({
+          state: ended.state,
+          endReason: "deleted",
+          destroyedAt: at,
+          agentId,
+          vcpus: r.vcpus,
+          memMib: r.memMib,
+          diskBytes: r.diskBytes,
+          execCount: 1,
+          lastExecAt: at,
+        })
+        .where(and(eq(sandboxes.id, id), ended.from));
+      await tx
+        .insert(usageIntervals)
+        .values({ sandboxId: id, tenantId, ...running(r), startedAt, endedAt: at });
+    })
+    .finally(() => forgetRows(deps, id));
 }
 
 /** Runs an exec in a sandbox or session; with `stream`, its output streams (AgentApi.execStream). */
@@ -424,7 +453,8 @@ async function claimForExec(deps: Deps, p: Principal, id: string): Promise<Sandb
         inArray(sandboxes.state, RECORD_TRANSITIONS.exec.from),
       ),
     )
-    .returning();
+    .returning()
+    .finally(() => forgetRows(deps, id));
   if (claimed) return claimed;
   const row = await getOwned(deps, p, id);
   requireAllowed(id, row.state, "exec");
@@ -489,7 +519,8 @@ async function beginActivity(
     .update(sandboxes)
     .set({ execsInFlight: sql`${sandboxes.execsInFlight} + 1`, lastExecAt: new Date(deps.clock()) })
     .where(and(eq(sandboxes.id, row.id), eq(sandboxes.state, row.state)))
-    .returning({ id: sandboxes.id });
+    .returning({ id: sandboxes.id })
+    .finally(() => forgetRows(deps, row.id));
   if (marked.length > 0) return;
   const now = await getOwned(deps, p, row.id); // 410 when reaped, 404 when deleted
   requireAllowed(row.id, now.state, action);
@@ -512,7 +543,8 @@ async function endActivity(deps: Deps, id: string, execDone: boolean): Promise<v
       lastExecAt: new Date(deps.clock()),
       ...(execDone ? { execCount: sql`${sandboxes.execCount} + 1` } : {}),
     })
-    .where(eq(sandboxes.id, id));
+    .where(eq(sandboxes.id, id))
+    .finally(() => forgetRows(deps, id));
 }
 
 export async function forkVm(
@@ -592,6 +624,21 @@ export async function applyTransition(
   interval: Parameters<typeof switchInterval>[2],
 ): Promise<void> {
   const at = new Date(deps.clock());
+  try {
+    await applyTransitionTx(deps, row, action, set, interval, at);
+  } finally {
+    forgetRows(deps, row.id);
+  }
+}
+
+async function applyTransitionTx(
+  deps: Deps,
+  row: SandboxRow,
+  action: RecordChange,
+  set: Partial<typeof sandboxes.$inferInsert>,
+  interval: Parameters<typeof switchInterval>[2],
+  at: Date,
+): Promise<void> {
   await deps.db.transaction(async (tx) => {
     const updated = await tx
       .update(sandboxes)
@@ -689,7 +736,8 @@ async function holdForQuota(
           or(isNull(sandboxes.hold), lte(sandboxes.holdUntil, now)),
         ),
       )
-      .returning({ id: sandboxes.id });
+      .returning({ id: sandboxes.id })
+      .finally(() => forgetRows(deps, row.id));
     if (held.length === 0) {
       throw new SandboxdError(
         "conflict",
@@ -704,7 +752,8 @@ async function releaseHold(deps: Deps, id: string, hold: QuotaHold): Promise<voi
   await deps.db
     .update(sandboxes)
     .set({ hold: null, holdUntil: null })
-    .where(and(eq(sandboxes.id, id), eq(sandboxes.hold, hold)));
+    .where(and(eq(sandboxes.id, id), eq(sandboxes.hold, hold)))
+    .finally(() => forgetRows(deps, id));
 }
 
 export async function suspendVm(deps: Deps, p: Principal, id: string): Promise<{ memBytes: number }> {
@@ -824,6 +873,7 @@ export async function reapIdleSessions(
     for (const row of rows) await switchInterval(tx, row, null, at);
     return rows;
   });
+  forgetRows(deps, ...claimed.map((r) => r.id));
   for (const row of claimed) {
     deps.relays?.closeSandbox(row.id, 1001, `${row.kind} reaped`);
     if (row.vmId === null) continue;
@@ -868,7 +918,8 @@ export async function touchRelayed(deps: Deps): Promise<void> {
   await deps.db
     .update(sandboxes)
     .set({ lastExecAt: new Date(deps.clock()) })
-    .where(and(inArray(sandboxes.id, ids), eq(sandboxes.state, "running")));
+    .where(and(inArray(sandboxes.id, ids), eq(sandboxes.state, "running")))
+    .finally(() => forgetRows(deps, ...ids));
 }
 
 /**
@@ -893,6 +944,7 @@ export async function endStaleExecs(deps: Deps): Promise<string[]> {
       and(eq(sandboxes.kind, "exec"), failed.from, sql`${sandboxes.createdAt} < ${cutoff.toISOString()}`),
     )
     .returning({ id: sandboxes.id });
+  forgetRows(deps, ...rows.map((r) => r.id));
   return rows.map((r) => r.id);
 }
 

@@ -167,7 +167,7 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
   app.get("/v1/sessions/:id", async (c) => {
     const p = c.get("principal");
     requireFamily(p, "a");
-    const row = await getOwned(deps, p, c.req.param("id"));
+    const row = await getOwned(deps, p, c.req.param("id"), { cached: true });
     const a = ages(row, deps.clock());
     return c.json({
       session_id: row.id,

@@ -92,7 +92,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
   app.get("/v1/sandboxes/:id", async (c) => {
     const p = c.get("principal");
     requireFamily(p, "b");
-    const row = await getOwned(deps, p, c.req.param("id"));
+    const row = await getOwned(deps, p, c.req.param("id"), { cached: true });
     const a = ages(row, deps.clock());
     return c.json({
       id: row.id,

@@ -14,6 +14,7 @@ import { assertFetchResponse } from "../../tests/support/openapi-check.ts";
 import { createApp } from "../app.ts";
 import { createKey } from "../auth/keys.ts";
 import { resolveConfig } from "../config.ts";
+import type { RowCache } from "../core/row-cache.ts";
 import { upsertPublicTemplate } from "../core/templates.ts";
 import { MemoryAgent } from "./memory-agent.ts";
 
@@ -36,7 +37,13 @@ export interface Harness {
 }
 
 export async function makeHarness(
-  opts: { url?: string; limits?: Partial<Limits>; validate?: boolean } = {},
+  opts: {
+    url?: string;
+    limits?: Partial<Limits>;
+    validate?: boolean;
+    /** A row cache for the app (core/row-cache.ts); the test drives its LISTEN state. */
+    rows?: RowCache;
+  } = {},
 ): Promise<Harness> {
   const dir = mkdtempSync(join(tmpdir(), "sandboxd-gw-"));
   const handle = await openDb(opts.url !== undefined ? { url: opts.url } : { dataDir: dir });
@@ -56,7 +63,14 @@ export async function makeHarness(
     { id: "python", name: "Python 3", description: "CPython 3.12" },
   );
   agent.addReadyTemplate("python");
-  const app = createApp({ db: handle.db, agent, config, clock, log: () => {} });
+  const app = createApp({
+    db: handle.db,
+    agent,
+    config,
+    clock,
+    log: () => {},
+    ...(opts.rows ? { rows: opts.rows } : {}),
+  });
   return {
     app,
     handle,
