@@ -12,7 +12,7 @@ import { ensureGuestArtifacts, type GuestArtifacts } from "../agent/guest/artifa
 import { type ImportedImage, importImage } from "../agent/image/import.ts";
 import type { QmpClient } from "../agent/qemu/qmp/client.ts";
 import { COUNTER } from "../agent/sandbox/testing.ts";
-import { unwrap } from "../agent/snapshot/errors.ts";
+import { type SnapshotError, unwrap } from "../agent/snapshot/errors.ts";
 import { forkVm } from "../agent/snapshot/fork.ts";
 import { type ForkMethod, readyForkMethod } from "../agent/snapshot/fork-method.ts";
 import { floorRestoreMs, spawnFromTemplate } from "../agent/snapshot/spawn.ts";
@@ -442,6 +442,29 @@ describe("fork", () => {
       expect(await check(parent)).toMatch(/^ok /);
       await sh(parent, "kill -USR2 $(cat /tmp/memstress.pid)");
       expect(await check(parent)).toMatch(/^bad .* bad=1 /);
+
+      // A snapshot that fails on QEMU's side midway (cancelled once QEMU has resumed the guest):
+      // the fork fails, and the parent is not left looking alive while its guest can never run
+      // (QEMU 7.2 leaves a vCPU blocked in a write fault): it answers, or it is ended.
+      const proc = parent.process;
+      if (!proc) throw new Error("the parent has no QEMU");
+      const offResume = proc.qmp.on("RESUME", () => {
+        offResume();
+        void proc.qmp.execute("migrate_cancel").catch(() => {});
+      });
+      const cancelled = await forkVm(parent, { count: 1, method: "snapshot", log });
+      offResume();
+      expect(cancelled.ok).toBe(false);
+      const err = (cancelled as { error: SnapshotError }).error;
+      log(`cancelled snapshot: ${err.code}: ${err.message}`);
+      if (parent.state === "dead") {
+        expect(err.code).toBe("vm_died");
+        expect(err.message).toContain("blocked in a memory write fault");
+        expect(proc.isAlive()).toBe(false);
+      } else {
+        expect(parent.state).toBe("running");
+        expect((await sh(parent, "echo alive")).trim()).toBe("alive");
+      }
     },
     VM_TEST_TIMEOUT_MS * 2,
   );

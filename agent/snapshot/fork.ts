@@ -61,7 +61,7 @@ import {
   setCapabilities,
   setMigrationParameters,
 } from "./migrate.ts";
-import { populateMapping } from "./populate.ts";
+import { blockedInUserfault, populateMapping } from "./populate.ts";
 import { migrationByteCap, type SaveStream, saveToFile, startSave } from "./stream.ts";
 import { type RestoreTimings, restoreInto, SandboxVm, storageDir } from "./vm.ts";
 
@@ -263,6 +263,8 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
         path: statePath,
         maxBytes: migrationByteCap(s.memMib),
         timeoutMs: 2 * PRECOPY_TIMEOUT_MS,
+        // A sink that fails (tmpfs full) must not fail QEMU's side midway: see stream.ts.
+        drainOnError: true,
       });
       const tStream = performance.now();
       stateBytes = await save.finish();
@@ -325,6 +327,21 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       await waitMigrationIdle(proc);
       await proc.qmp.execute("cont").catch(() => {});
       await setCapabilities(proc, { "background-snapshot": false }).catch(() => {});
+      // A background snapshot that failed on QEMU's side (cancelled, a QEMU error) can leave a
+      // vCPU blocked for good in a write fault (QEMU 7.2): the parent would look running and
+      // never answer. It is ended instead, and the error says why; its record follows its exit.
+      if (method === "snapshot" && switched && (await blockedInUserfault(proc.pid))) {
+        log(`fork ${forkId}: the parent's vCPU stays blocked in a userfaultfd fault; ending the parent`);
+        await adoptNewTop(parent, newTop, newNode).catch(() => {});
+        await parent.destroy();
+        return fail(
+          new SnapshotError(
+            "vm_died",
+            `forking VM ${parent.id} failed (${e.message}) and left its guest blocked in a memory write fault; the VM was ended`,
+            { cause: e },
+          ),
+        );
+      }
       if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
       else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
       parent.enter("running");

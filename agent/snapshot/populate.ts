@@ -14,7 +14,7 @@
  * nothing to do.
  */
 import { statSync } from "node:fs";
-import { open, readFile } from "node:fs/promises";
+import { open, readdir, readFile } from "node:fs/promises";
 
 const PAGE = 4096;
 /** One /proc/<pid>/mem read: 4 MiB, a bounded buffer whatever the guest's size. */
@@ -96,4 +96,32 @@ export async function populateMapping(pid: number, file: string): Promise<Popula
   } finally {
     await Promise.all([pagemap.close(), mem.close()]);
   }
+}
+
+/** Samples of a blocked-in-userfault check, and the time between them (see blockedInUserfault). */
+const BLOCKED_SAMPLES = 5;
+const BLOCKED_SAMPLE_MS = 100;
+
+/**
+ * True when a thread of `pid` stays blocked in a userfaultfd fault (its wchan is
+ * `handle_userfault`) across ~0.5 s of samples: after a failed background snapshot nobody will
+ * resolve that fault (QEMU 7.2 leaves it), and the guest will never run again. A fault that is
+ * being served passes within milliseconds.
+ */
+export async function blockedInUserfault(pid: number): Promise<boolean> {
+  const blocked = async () => {
+    const tasks = await readdir(`/proc/${pid}/task`).catch(() => [] as string[]);
+    for (const t of tasks) {
+      const wchan = await readFile(`/proc/${pid}/task/${t}/wchan`, "utf8").catch(() => "");
+      if (wchan.trim() === "handle_userfault") return t;
+    }
+    return undefined;
+  };
+  const first = await blocked();
+  if (!first) return false;
+  for (let i = 1; i < BLOCKED_SAMPLES; i++) {
+    await Bun.sleep(BLOCKED_SAMPLE_MS);
+    if ((await blocked()) !== first) return false;
+  }
+  return true;
 }

@@ -153,6 +153,23 @@ describe("saveToFile", () => {
     expect(existsSync(join(dir, SAVE_SOCKET))).toBe(false);
   });
 
+  test("drainOnError: past the cap the rest of QEMU's stream is read and dropped, then the save fails", async () => {
+    const dir = vmDir();
+    const q = new FakeQemu(dir);
+    qemuSends(q, randomBytes(3 << 20));
+    const path = join(dir, "state");
+    const e = await rejection(
+      saveToFile(q.vm(), { path, maxBytes: 1 << 20, timeoutMs: 10_000, drainOnError: true }),
+    );
+    expect(e.message).toContain("cap");
+    // QEMU's side ran to its end: it sent everything and saw `completed` (a cut socket would
+    // have failed its migration midway).
+    expect(q.status).toBe("completed");
+    expect(q.commands).not.toContain("migrate_cancel");
+    expect(existsSync(path)).toBe(false);
+    expect(existsSync(join(dir, SAVE_SOCKET))).toBe(false);
+  });
+
   test("QEMU never connects: the deadline fails it and nothing stays behind", async () => {
     const dir = vmDir();
     const q = new FakeQemu(dir);

@@ -85,6 +85,14 @@ export interface SaveOptions {
   timeoutMs: number;
   /** fsync the file before it counts as written (state that must survive a host crash). */
   fsync?: boolean;
+  /**
+   * When the file cannot take the stream (a write fails, the cap is passed), keep reading QEMU's
+   * stream to its end and drop it, and fail only then, instead of cutting the socket. For a
+   * background snapshot: QEMU 7.2 leaves a guest vCPU blocked in a userfaultfd write fault when
+   * such a migration fails midway (seen from the host: the thread waits in handle_userfault and
+   * the guest never answers again); a migration that completes releases every page.
+   */
+  drainOnError?: boolean;
 }
 
 /** A save in flight: the caller drives QEMU through the statuses it wants, then `finish`es. */
@@ -221,15 +229,24 @@ async function copyInto(
   fail: (e: SnapshotError) => void,
 ): Promise<number> {
   let bytes = 0;
+  /** drainOnError: the sink's failure, raised once QEMU's stream has ended. */
+  let sinkError: unknown;
   try {
     // Async iteration reads the next chunk only after the write of this one: back-pressure.
     for await (const chunk of c as AsyncIterable<Buffer>) {
       bytes += chunk.length;
-      if (bytes > o.maxBytes)
-        throw streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`);
-      let off = 0;
-      while (off < chunk.length) off += (await out.write(chunk, off, chunk.length - off)).bytesWritten;
+      if (sinkError !== undefined) continue; // drained, not written (bounded by the deadline)
+      try {
+        if (bytes > o.maxBytes)
+          throw streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`);
+        let off = 0;
+        while (off < chunk.length) off += (await out.write(chunk, off, chunk.length - off)).bytesWritten;
+      } catch (err) {
+        if (!o.drainOnError) throw err;
+        sinkError = err;
+      }
     }
+    if (sinkError !== undefined) throw sinkError;
     if (o.fsync) await out.sync();
     return bytes;
   } catch (err) {
