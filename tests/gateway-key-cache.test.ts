@@ -25,6 +25,7 @@ import { KEY_CACHE_NOTIFIED_TTL_MS, KEY_CACHE_TTL_MS, VerifiedKeys } from "../ga
 import { createKey, ensureTenant, hashKey, revokeKey } from "../gateway/auth/keys.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
+import { until } from "./support/until.ts";
 
 /**
  * How long another process's revocation may take to show: a notification is delivered within
@@ -77,15 +78,6 @@ async function gateway(url: string | undefined): Promise<RunningGateway> {
   });
   gateways.push(gw);
   return gw;
-}
-
-async function until(cond: () => boolean | Promise<boolean>, ms: number): Promise<number> {
-  const t0 = performance.now();
-  while (!(await cond())) {
-    if (performance.now() - t0 > ms) throw new Error(`not within ${ms} ms`);
-    await Bun.sleep(10);
-  }
-  return performance.now() - t0;
 }
 
 const list = (gw: RunningGateway, key: string) =>
