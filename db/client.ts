@@ -25,12 +25,12 @@ export interface DbHandle {
   db: Db;
   kind: "pglite" | "postgres";
   /**
-   * LISTENs on `channel` until `stop()`: `on.up()` once the LISTEN is in effect (every
-   * notification committed from then on reaches `on.notify`), `on.down()` as soon as that may no
-   * longer hold (the connection is lost or stopped); after a loss it LISTENs again, and says
-   * `up()` again when it is back.
+   * LISTENs on each channel of `channels` until `stop()`, all on one connection: each channel's
+   * `up()` once every LISTEN is in effect (every notification committed from then on reaches its
+   * channel's `notify`), `down()` as soon as that may no longer hold (the connection is lost or
+   * stopped); after a loss it LISTENs again, and says `up()` again when it is back.
    */
-  listen(channel: string, on: ChannelEvents): { stop(): Promise<void> };
+  listen(channels: Record<string, ChannelEvents>): { stop(): Promise<void> };
   close(): Promise<void>;
 }
 
@@ -72,8 +72,8 @@ export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
     return {
       db: db as unknown as Db,
       kind: "postgres",
-      listen: (channel, on) => {
-        const l = listenPostgres(opts.url, channel, on);
+      listen: (channels) => {
+        const l = listenPostgres(opts.url, channels);
         listeners.add(l);
         return {
           stop: () => {
@@ -105,26 +105,29 @@ export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
     kind: "pglite",
     // In-process: the LISTEN cannot be lost while the database is open; a notification is
     // delivered (a microtask) before the query that committed it resolves.
-    listen: (channel, on) => {
+    listen: (channels) => {
       let stopped = false;
-      const unlisten = client
-        .listen(channel, (payload) => on.notify(payload))
-        .then(
-          (u) => {
-            if (!stopped) on.up();
-            return u;
-          },
-          (err: unknown) => {
-            on.down(err);
-            return undefined;
-          },
-        );
+      const all = Object.values(channels);
+      const unlistens = Promise.all(
+        Object.entries(channels).map(([channel, on]) =>
+          client.listen(channel, (payload) => on.notify(payload)),
+        ),
+      ).then(
+        (us) => {
+          if (!stopped) for (const on of all) on.up();
+          return us;
+        },
+        (err: unknown) => {
+          for (const on of all) on.down(err);
+          return [];
+        },
+      );
       return {
         stop: async () => {
           if (stopped) return;
           stopped = true;
-          on.down(new Error("stopped"));
-          await (await unlisten)?.().catch(() => {});
+          for (const on of all) on.down(new Error("stopped"));
+          for (const u of await unlistens) await u().catch(() => {});
         },
       };
     },
@@ -133,12 +136,16 @@ export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
 }
 
 /**
- * A LISTEN on a connection of its own (a pooled one could be handed to another query, and
- * postgres.js's own `listen` gives up for good when a reconnect fails): up once the LISTEN
+ * The LISTENs on a connection of their own (a pooled one could be handed to another query, and
+ * postgres.js's own `listen` gives up for good when a reconnect fails): up once every LISTEN
  * answered, down on the connection's close or a ping that fails or stalls, then again after
  * `LISTEN_RETRY_MS` until `stop()`.
  */
-function listenPostgres(url: string, channel: string, on: ChannelEvents): { stop(): Promise<void> } {
+function listenPostgres(url: string, channels: Record<string, ChannelEvents>): { stop(): Promise<void> } {
+  const all = Object.values(channels);
+  const down = (cause: unknown) => {
+    for (const on of all) on.down(cause);
+  };
   let current: postgres.Sql | undefined;
   let stopped = false;
   let timer: ReturnType<typeof setTimeout> | undefined;
@@ -146,7 +153,7 @@ function listenPostgres(url: string, channel: string, on: ChannelEvents): { stop
     if (current !== c) return; // an older connection, already given up
     current = undefined;
     clearTimeout(timer);
-    on.down(cause);
+    down(cause);
     void c.end({ timeout: 0 }).catch(() => {});
     if (!stopped) timer = setTimeout(connect, LISTEN_RETRY_MS);
   };
@@ -185,16 +192,17 @@ function listenPostgres(url: string, channel: string, on: ChannelEvents): { stop
       fetch_types: false,
       onnotice: () => {},
       onnotify: (ch: string, payload: string) => {
-        if (ch === channel && current === c) on.notify(payload);
+        if (current === c && Object.hasOwn(channels, ch)) channels[ch]!.notify(payload);
       },
       onclose: () => lost(c, new Error("LISTEN connection closed")),
     };
     const c: postgres.Sql = postgres(url, options as postgres.Options<Record<string, never>>);
     current = c;
     try {
-      await c.unsafe(`LISTEN "${channel.replaceAll('"', '""')}"`);
+      for (const channel of Object.keys(channels))
+        await c.unsafe(`LISTEN "${channel.replaceAll('"', '""')}"`);
       if (current !== c) return;
-      on.up();
+      for (const on of all) on.up();
       ping(c);
     } catch (err) {
       lost(c, err);
@@ -209,7 +217,7 @@ function listenPostgres(url: string, channel: string, on: ChannelEvents): { stop
       const c = current;
       current = undefined;
       if (c) {
-        on.down(new Error("stopped"));
+        down(new Error("stopped"));
         await c.end({ timeout: 1 }).catch(() => {});
       }
     },

@@ -16,7 +16,7 @@ import { handleAgentEvents } from "./agents/events-http.ts";
 import { AGENT_STALE_AFTER_MS, handleHeartbeat, liveAgentIds } from "./agents/registry.ts";
 import { AgentRouter } from "./agents/router.ts";
 import { appDeps, createApp } from "./app.ts";
-import { VerifiedKeys } from "./auth/key-cache.ts";
+import { KEYS_CHANNEL, VerifiedKeys } from "./auth/key-cache.ts";
 import { loadSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import { ActivityWriter } from "./core/activity.ts";
@@ -62,6 +62,12 @@ export type StartGatewayOptions = {
    * clock themselves.
    */
   reaper?: boolean;
+  /**
+   * How long a verified key is trusted while notifications of key changes are not known to arrive
+   * (default `KEY_CACHE_TTL_MS`, auth/key-cache.ts). Tests set it long, so that only a
+   * notification can end an entry within their bound.
+   */
+  keyCacheTtlMs?: number;
 } & (
   | {
       /** Secrets (`<dataDir>/secrets`), uploads and, without `databaseUrl`, the PGlite db. */
@@ -96,6 +102,8 @@ export interface RunningGateway {
   keyRevoked(keyId: string): void;
   /** The rows the info reads serve from memory (core/row-cache.ts): its state, for tests. */
   rows: RowCache;
+  /** The verified keys of the key middleware (auth/key-cache.ts): its state, for tests. */
+  keys: VerifiedKeys;
   /** Stops the server (open connections are closed), then closes the database. Idempotent. */
   stop(): Promise<void>;
 }
@@ -137,12 +145,17 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let router: AgentRouter | undefined;
   let reaper: { stop(): Promise<void> } | undefined;
   let reconciler: Reconciler | undefined;
-  const keys = new VerifiedKeys({ db: handle.db, pepper: config.keyPepper });
+  const keys = new VerifiedKeys({
+    db: handle.db,
+    pepper: config.keyPepper,
+    ...(opts.keyCacheTtlMs !== undefined ? { ttlMs: opts.keyCacheTtlMs } : {}),
+  });
   const activity = new ActivityWriter(handle.db, opts.log ?? ((line: string) => console.error(line)));
-  // Serves nothing until the LISTEN is in effect; reads go to the database meanwhile.
+  // Serves nothing until the LISTEN is in effect; reads go to the database meanwhile. The keys
+  // keep their short TTL until then. One connection LISTENs for both.
   const rows = new RowCache();
   activity.rows = rows;
-  const listener = handle.listen(ROWS_CHANNEL, rows.events);
+  const listener = handle.listen({ [ROWS_CHANNEL]: rows.events, [KEYS_CHANNEL]: keys.events });
   try {
     const clock = opts.clock ?? Date.now;
     const log = opts.log ?? ((line: string) => console.error(line));
@@ -242,6 +255,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     },
     keyRevoked: (keyId) => keys.forget(keyId),
     rows,
+    keys,
     stop: () => {
       stopping ??= (async () => {
         reconciler?.stop();

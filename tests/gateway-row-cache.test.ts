@@ -24,6 +24,7 @@ import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { makeHarness } from "../gateway/testing/harness.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
+import { until } from "./support/until.ts";
 
 /**
  * How long another connection's change may take to show: a notification is delivered within
@@ -208,15 +209,6 @@ async function gateway(opts: { url?: string; agent: MemoryAgent; dir?: string })
   });
   gateways.push(gw);
   return gw;
-}
-
-async function until(cond: () => boolean | Promise<boolean>, ms: number): Promise<number> {
-  const t0 = performance.now();
-  while (!(await cond())) {
-    if (performance.now() - t0 > ms) throw new Error(`not within ${ms} ms`);
-    await Bun.sleep(10);
-  }
-  return performance.now() - t0;
 }
 
 async function seeded(gw: RunningGateway, agent: MemoryAgent): Promise<{ key: string; id: string }> {

@@ -15,7 +15,6 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
-import { KEY_CACHE_TTL_MS } from "../gateway/auth/key-cache.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
 import { runCli } from "./support/e2e-service.ts";
@@ -23,8 +22,13 @@ import { runCli } from "./support/e2e-service.ts";
 const KEY_RE = /^svc_pro_([a-z0-9]{12})_[A-Za-z0-9]{40}$/;
 /** bin/sandboxd checks the host and node modules first; PGlite migrates on every open. */
 const CLI_TIMEOUT_MS = 60_000;
-/** Past the key cache's bound: one request's own time on a loaded host. */
-const REVOKE_SLACK_MS = 500;
+/**
+ * How long another process's revocation may take to reach the running gateway: its notification
+ * comes within milliseconds of the commit; the rest is a loaded 2-core host's scheduling.
+ */
+const NOTIFY_BOUND_MS = 1500;
+/** The gateway's short key TTL here: far past the bound, so that only the notification helps. */
+const KEY_CACHE_LONG_TTL_MS = 600_000;
 
 interface CliResult {
   code: number | null;
@@ -67,6 +71,9 @@ function suite(name: string, databaseUrl: () => string | undefined) {
         dataDir,
         ...(url !== undefined ? { databaseUrl: url } : {}),
         agent: new MemoryAgent(),
+        // Past the bound below: over PostgreSQL only the revocation's notification can make the
+        // running gateway refuse the key in time, as docs/api.md promises.
+        keyCacheTtlMs: KEY_CACHE_LONG_TTL_MS,
         log: () => {},
       });
       return gw;
@@ -142,11 +149,11 @@ function suite(name: string, databaseUrl: () => string | undefined) {
 
         // PGlite: a gateway started after the revoke reads the revoked row at once. PostgreSQL:
         // the gateway kept running and the CLI revoked through the database, so the gateway's
-        // key cache may trust the key until its entry ends (KEY_CACHE_TTL_MS), never longer.
+        // key cache trusts the key until the revocation's notification drops it.
         const revokedAt = performance.now();
         if (gw === null) await start();
         let refused = await list(`Bearer ${key}`);
-        while (refused.status === 200 && performance.now() - revokedAt < KEY_CACHE_TTL_MS + REVOKE_SLACK_MS) {
+        while (refused.status === 200 && performance.now() - revokedAt < NOTIFY_BOUND_MS) {
           await Bun.sleep(50);
           refused = await list(`Bearer ${key}`);
         }

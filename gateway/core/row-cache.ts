@@ -15,9 +15,11 @@
  *
  * A read that raced a change: a row read from the database is kept only if no invalidation of its
  * id came after the read began (`begin` / `put`), else a read that started before a change and
- * answered after its notification would put the old row back for good.
+ * answered after its notification would put the old row back for good (core/invalidations.ts,
+ * which the key cache shares).
  */
 import type { sandboxes } from "../../db/schema/sandboxes.ts";
+import { Invalidations } from "./invalidations.ts";
 
 type Row = typeof sandboxes.$inferSelect;
 
@@ -30,22 +32,14 @@ export const ROWS_CHANNEL = "sandboxes_changed";
  * least recently read row goes (its next read costs one query).
  */
 export const ROW_CACHE_MAX = 10_000;
-/**
- * Invalidations remembered per id for reads in flight (see `put`); an older one is remembered
- * only as "some id changed before this", which makes reads begun before it not cache (they still
- * answer). Reads in flight last milliseconds, so a few thousand ids is far more than enough.
- */
-const RECENT_MAX = 4096;
-
 export class RowCache {
   private readonly rows = new Map<string, Readonly<Row>>();
-  /** Invalidations so far; `begin` hands out the current count. */
-  private seq = 0;
-  /** The last invalidation of each recently changed id. */
-  private readonly recent = new Map<string, number>();
-  /** A read begun before this may not cache: what changed then is no longer in `recent`. */
-  private floor = 0;
-  private listening = false;
+  /** The LISTEN's state and the ids notified as changed (shared with the key cache's kind). */
+  private readonly changes = new Invalidations({
+    invalidate: (id) => this.rows.delete(id),
+    // Emptied at each change of the LISTEN's state: notifications were, or may have been, missed.
+    reset: () => this.rows.clear(),
+  });
   /** Reads answered from memory / from the database (tests and measurements). */
   hits = 0;
   misses = 0;
@@ -54,7 +48,7 @@ export class RowCache {
 
   /** Whether reads are served from memory now (the LISTEN is in effect). */
   get serving(): boolean {
-    return this.listening;
+    return this.changes.serving;
   }
 
   get size(): number {
@@ -63,7 +57,7 @@ export class RowCache {
 
   /** The row of `id` if held and serving; the caller still checks its tenant. */
   get(id: string): Readonly<Row> | undefined {
-    if (!this.listening) return undefined;
+    if (!this.changes.serving) return undefined;
     const row = this.rows.get(id);
     if (row === undefined) return undefined;
     // Least recently read goes first: a read moves its row to the end of the Map's order.
@@ -76,14 +70,12 @@ export class RowCache {
   /** Before a database read whose row may be `put`: the mark `put` checks. */
   begin(): number {
     this.misses++;
-    return this.seq;
+    return this.changes.begin();
   }
 
   /** Keeps `row`, read from the database after `begin` gave `mark`, unless it changed since. */
   put(row: Row, mark: number): void {
-    if (!this.listening || mark < this.floor) return;
-    const changed = this.recent.get(row.id);
-    if (changed !== undefined && changed > mark) return;
+    if (!this.changes.unchanged(row.id, mark)) return;
     this.rows.delete(row.id);
     if (this.rows.size >= this.max) {
       // Maps iterate in insertion order: the first is the least recently read.
@@ -95,33 +87,12 @@ export class RowCache {
 
   /** The row of `id` changed (a notification, or this process's own write). */
   invalidate(id: string): void {
-    const seq = ++this.seq;
-    this.rows.delete(id);
-    this.recent.delete(id);
-    this.recent.set(id, seq);
-    if (this.recent.size > RECENT_MAX) {
-      const [oldId, oldSeq] = this.recent.entries().next().value!;
-      this.recent.delete(oldId);
-      this.floor = oldSeq;
-    }
+    this.changes.invalidate(id);
   }
 
   /** The channel's events (db/client.ts `listen`). */
-  readonly events = {
-    notify: (payload: string) => this.invalidate(payload),
-    up: () => this.reset(true),
-    down: () => this.reset(false),
-  };
-
-  /**
-   * Empties the cache and refuses every read in flight: notifications were (down) or may have
-   * been (up: those before the LISTEN took effect) missed.
-   */
-  private reset(listening: boolean): void {
-    this.listening = listening;
-    this.rows.clear();
-    this.recent.clear();
-    this.floor = ++this.seq;
+  get events(): Invalidations["events"] {
+    return this.changes.events;
   }
 }
 

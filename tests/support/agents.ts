@@ -23,6 +23,8 @@ export async function startRoutingGateway(opts: {
   agentSecret: string;
   staleAfterMs: number;
   onCleanup: (c: () => Promise<void>) => void;
+  /** The key cache's short TTL (`StartGatewayOptions.keyCacheTtlMs`). */
+  keyCacheTtlMs?: number;
 }): Promise<RunningGateway> {
   const dir = await mkdtemp(join(tmpdir(), "sbx-route-gw-"));
   const gw = await startGateway({
@@ -30,6 +32,7 @@ export async function startRoutingGateway(opts: {
     port: 0,
     agentSecret: opts.agentSecret,
     staleAfterMs: opts.staleAfterMs,
+    ...(opts.keyCacheTtlMs !== undefined ? { keyCacheTtlMs: opts.keyCacheTtlMs } : {}),
     config: { region: "eu", version: "test" },
     log: () => {},
   });
