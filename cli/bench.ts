@@ -11,7 +11,7 @@
  * creates at once, through a real `up` (bench-density.ts), printed as JSON.
  * `--http`: the same figures through a real `up` beside the engine's from the same run
  * (bench-http.ts); `--creates`, `--suspends`, `--tunnels`, `--tunnel-mib`, `--port`,
- * `--fork-children` size it.
+ * `--fork-children` size it; for the engine bench, `--fork-children N` sets its fork (default 8).
  */
 import { parseArgs } from "node:util";
 import { SandboxdError } from "../contracts/errors.ts";
@@ -97,7 +97,8 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     }
   }
   if (values.http) return await benchHttp(values, log);
-  const { runBench, isInterrupted } = await import("../agent/bench/bench.ts");
+  const { runBench, isInterrupted, FORK_CHILDREN } = await import("../agent/bench/bench.ts");
+  const { MAX_FORK_CHILDREN } = await import("../agent/snapshot/fork.ts");
   const abort = new AbortController();
   let exitTimer: ReturnType<typeof setTimeout> | undefined;
   const onSignal = (sig: NodeJS.Signals) => {
@@ -118,6 +119,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       // 20 spawns: p95 is then the second largest, not just the maximum.
       spawns: intOption(values.spawns, "spawns", 20, 1, 1000),
       execs: intOption(values.execs, "execs", 200, 1, 100_000),
+      forkChildren: intOption(values["fork-children"], "fork-children", FORK_CHILDREN, 1, MAX_FORK_CHILDREN),
       signal: abort.signal,
       log,
     });

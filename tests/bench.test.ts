@@ -95,6 +95,7 @@ const SCALAR_KEYS = [
   "fork_children_stall_ms",
   "fork_children",
   "fork_children_ms",
+  "fork_children_floor_ms",
   "suspend_ms",
   "resume_ms",
   "idle_vms",

@@ -118,6 +118,11 @@ export interface BenchResult {
   fork_children: number;
   /** forkVm call until all children answered an exec. */
   fork_children_ms: number;
+  /**
+   * The floor for that: as many bare QEMU restores of the template started at once, until every
+   * guest answered (floorRestoreMs each): what the host allows that many VMs to come up in.
+   */
+  fork_children_floor_ms: number;
   /** Suspend to disk of a running sandbox (stop + full RAM save, QEMU ended). */
   suspend_ms: number;
   /** resumeVm call until the guest answered and its identity was set. */
@@ -418,7 +423,12 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
     const stall = forked.timings.parentStallMs;
     if (!(stall > 0)) throw new Error("the fork's STOP/RESUME events were not seen: no stall figure");
     await Promise.all(forked.children.map((c) => scope.release(c)));
-    log(`fork: stall ${stall.toFixed(1)} ms, ${forkChildren} children in ${forkChildrenMs.toFixed(0)} ms`);
+    const tFloor = performance.now();
+    await Promise.all(Array.from({ length: forkChildren }, floor));
+    const forkChildrenFloorMs = performance.now() - tFloor;
+    log(
+      `fork: stall ${stall.toFixed(1)} ms, ${forkChildren} children in ${forkChildrenMs.toFixed(0)} ms (floor: ${forkChildren} bare restores at once ${forkChildrenFloorMs.toFixed(0)} ms)`,
+    );
 
     // -- suspend to disk and resume (the parent, which runs on after its fork)
     scope.check();
@@ -487,6 +497,7 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
       fork_children_stall_ms: round1(stall),
       fork_children: forkChildren,
       fork_children_ms: round1(forkChildrenMs),
+      fork_children_floor_ms: round1(forkChildrenFloorMs),
       suspend_ms: round1(suspendMs),
       resume_ms: round1(resumeMs),
       idle_vms: IDLE_VMS,

@@ -39,6 +39,7 @@ export function formatTable(r: BenchResult): string {
       `${r.fork_children_ms} ms`,
       goal(t.fork_children_ms, "<", " ms"),
     ],
+    [`  floor: ${r.fork_children} bare restores at once`, `${r.fork_children_floor_ms} ms`, ""],
     ["suspend to disk", `${r.suspend_ms} ms`, ""],
     ["resume", `${r.resume_ms} ms`, ""],
     [
