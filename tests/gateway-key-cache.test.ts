@@ -20,11 +20,11 @@ import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { apiKeys } from "../db/schema/api-keys.ts";
-import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
 import { KEY_CACHE_NOTIFIED_TTL_MS, KEY_CACHE_TTL_MS, VerifiedKeys } from "../gateway/auth/key-cache.ts";
 import { createKey, ensureTenant, hashKey, revokeKey } from "../gateway/auth/keys.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
+import { databaseCases } from "./support/postgres-suite.ts";
 import { until } from "./support/until.ts";
 
 /**
@@ -38,27 +38,14 @@ const LONG_TTL_MS = 600_000;
 const LISTEN_UP_MS = 10_000;
 
 const PEPPER = "key-cache-pepper-0123456789";
-const HAVE_PG = findPgBin() !== null;
-let pg: TestPostgres | null = null;
 const dirs: string[] = [];
 const gateways: RunningGateway[] = [];
 afterAll(async () => {
   for (const g of gateways) await g.stop().catch(() => {});
   for (const d of dirs) rmSync(d, { recursive: true, force: true });
-  pg?.stop();
 }, 30_000); // closing a pool waits up to 5 s for its connections
-
-async function pgUrl(): Promise<string> {
-  pg ??= await startPostgres();
-  return pg!.url;
-}
-
-const DATABASES: { name: string; url: (() => Promise<string>) | undefined }[] = [
-  { name: "PGlite", url: undefined },
-  ...(HAVE_PG ? [{ name: "PostgreSQL", url: pgUrl }] : []),
-];
-if (!HAVE_PG)
-  test.skip("PostgreSQL: SKIPPED, no postgres binaries under /usr/lib/postgresql/*/bin", () => {});
+// After the gateways' hook: the server stops once their pools are closed.
+const { cases: DATABASES, havePostgres: HAVE_PG, postgresUrl: pgUrl } = databaseCases();
 
 async function gateway(url: string | undefined): Promise<RunningGateway> {
   const dir = mkdtempSync(join(tmpdir(), "sandboxd-keycache-"));

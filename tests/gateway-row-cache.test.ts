@@ -17,13 +17,13 @@ import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { type Db, openDb } from "../db/client.ts";
 import { sandboxes } from "../db/schema/sandboxes.ts";
-import { findPgBin, startPostgres, type TestPostgres } from "../db/testing/postgres.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { RowCache } from "../gateway/core/row-cache.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
 import { makeHarness } from "../gateway/testing/harness.ts";
 import { MemoryAgent } from "../gateway/testing/memory-agent.ts";
+import { databaseCases } from "./support/postgres-suite.ts";
 import { until } from "./support/until.ts";
 
 /**
@@ -34,20 +34,7 @@ const NOTIFY_BOUND_MS = 1500;
 /** The LISTEN connection's reconnect after PostgreSQL comes back (retry 500 ms, then a connect). */
 const RELISTEN_MS = 15_000;
 
-const HAVE_PG = findPgBin() !== null;
-let pg: TestPostgres | null = null;
-afterAll(() => pg?.stop());
-async function pgUrl(): Promise<string> {
-  pg ??= await startPostgres();
-  return pg!.url;
-}
-
-const DATABASES: { name: string; url: (() => Promise<string>) | undefined }[] = [
-  { name: "PGlite", url: undefined },
-  ...(HAVE_PG ? [{ name: "PostgreSQL", url: pgUrl }] : []),
-];
-if (!HAVE_PG)
-  test.skip("PostgreSQL: SKIPPED, no postgres binaries under /usr/lib/postgresql/*/bin", () => {});
+const { cases: DATABASES, havePostgres: HAVE_PG, postgresUrl: pgUrl, postgres } = databaseCases();
 
 for (const dbCase of DATABASES) {
   describe(`${dbCase.name}: the app's own writes and reads`, () => {
@@ -294,14 +281,15 @@ describe.skipIf(!HAVE_PG)("PostgreSQL: two gateways, and the database going away
     const gw = await gateway({ url, agent });
     const { key, id } = await seeded(gw, agent);
     await cached(gw, key, id);
-    pg!.halt();
+    const pg = await postgres();
+    pg.halt();
     try {
       // The LISTEN connection's loss stops the cache (its close, or a stalled ping).
       await until(() => !gw.rows.serving, 5_000);
       const down = await info(gw, key, id);
       expect(down.status).toBe(503);
     } finally {
-      pg!.start();
+      pg.start();
     }
     await until(() => gw.rows.serving, RELISTEN_MS);
     expect(gw.rows.size).toBe(0); // emptied on the way back: notifications were lost meanwhile

@@ -23,6 +23,46 @@ export function onPostgres(suite: (name: string, url: () => Promise<string>) => 
   });
 }
 
+/** A database a suite runs on: PGlite (`url` undefined) or a real PostgreSQL started on first use. */
+export interface DatabaseCase {
+  name: string;
+  url: (() => Promise<string>) | undefined;
+}
+
+/**
+ * The databases a file's suites run on: PGlite, and PostgreSQL where its binaries are (started
+ * on the first `url()`, stopped after the file's tests; one skipped test says why when absent).
+ * `postgresUrl` / `postgres` are that same server (its url, or itself to halt and start), for
+ * suites that need PostgreSQL only.
+ */
+export function databaseCases(): {
+  cases: DatabaseCase[];
+  havePostgres: boolean;
+  postgresUrl: () => Promise<string>;
+  postgres: () => Promise<TestPostgres>;
+} {
+  const havePostgres = findPgBin() !== null;
+  let pg: TestPostgres | null = null;
+  afterAll(() => pg?.stop());
+  const postgres = async (): Promise<TestPostgres> => {
+    pg ??= await startPostgres();
+    if (!pg) throw new Error("no postgres binaries under /usr/lib/postgresql/*/bin");
+    return pg;
+  };
+  const postgresUrl = async () => (await postgres()).url;
+  if (!havePostgres)
+    test.skip("PostgreSQL: SKIPPED, no postgres binaries under /usr/lib/postgresql/*/bin", () => {});
+  return {
+    cases: [
+      { name: "PGlite", url: undefined },
+      ...(havePostgres ? [{ name: "PostgreSQL", url: postgresUrl }] : []),
+    ],
+    havePostgres,
+    postgresUrl,
+    postgres,
+  };
+}
+
 /**
  * A gateway-harness suite on PGlite, then on PostgreSQL with `others`: a second connection pool
  * to the same database, as a second gateway process would hold (PGlite has one opener, so none
