@@ -211,19 +211,25 @@ describe("templates", () => {
           readyCmd: [
             "sh",
             "-c",
-            "(while true; do date +%s > /tmp/svc; sleep 0.2; done) >/dev/null 2>&1 & sleep 0.5; test -s /tmp/svc",
+            // Written whole (mv): a `cat` between a truncate and its write read "" (0), once.
+            "(while true; do date +%s > /tmp/svc.new && mv /tmp/svc.new /tmp/svc; sleep 0.2; done) >/dev/null 2>&1 & sleep 0.5; test -s /tmp/svc",
           ],
           log,
         }),
       );
-      const s = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template: r, log }));
-      live.push(s.vm);
-      const a = await sh(s.vm, "cat /tmp/svc");
-      await Bun.sleep(1500);
-      const b = await sh(s.vm, "cat /tmp/svc");
-      expect(Number(b)).toBeGreaterThan(Number(a));
-      await s.vm.destroy();
-      unwrap(await deleteTemplate(DATA_DIR, "svc"));
+      try {
+        const s = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template: r, log }));
+        live.push(s.vm);
+        const a = await sh(s.vm, "cat /tmp/svc");
+        await Bun.sleep(1500);
+        const b = await sh(s.vm, "cat /tmp/svc");
+        expect(Number(b)).toBeGreaterThan(Number(a));
+        await s.vm.destroy();
+      } finally {
+        // Also when the check fails: the template's files would fail every later test's leftovers check.
+        for (const vm of live.splice(0)) await vm.destroy();
+        unwrap(await deleteTemplate(DATA_DIR, "svc"));
+      }
       expect(existsSync(r.memPath)).toBe(false);
     },
     VM_TEST_TIMEOUT_MS,
