@@ -73,8 +73,10 @@ commands:
   bun ARGS...
         run the Bun this launcher installed (the repository's tools, e.g.
         bin/sandboxd bun tests/fixtures/images.ts busybox /tmp/img.tar)
-  test [FILE-FILTER...]
-        type check, lint and run the test suite (the README's test command)
+  test [--quick] [--jobs N] [FILE-FILTER...]
+        type check, lint and run the test suite, several files at once (the README's test
+        command); --quick: only the unit and in-process suites (no VM, no up); a filter runs
+        only the matching files (no type check or lint)
   --version`;
 
 const VERSION: string = JSON.parse(readFileSync(`${REPO_ROOT}/package.json`, "utf8")).version;
@@ -193,7 +195,7 @@ async function main(argv: string[]): Promise<number> {
       return code;
     }
     case "test": {
-      const { runTests } = await import("./test-runner.ts");
+      const { runTests } = await import("./testing/run.ts");
       return runTests(rest);
     }
     case "--version":

@@ -1,7 +1,7 @@
 /**
  * Generates openapi.yaml (OpenAPI 3.1) from the route table and zod schemas in contracts/api,
  * with zod v4's `z.toJSONSchema`. `bun gateway/openapi.ts` rewrites the file;
- * tests/gateway-openapi.test.ts fails when the committed file differs from the generated one.
+ * tests/style/openapi-drift.test.ts fails when the committed file differs from the generated one.
  */
 import { writeFileSync } from "node:fs";
 import { stringify } from "yaml";

@@ -2,7 +2,7 @@
  * A fork asks tmpfs for room before it touches its parent: with too little free (measured by an
  * injected statfs), it fails with `insufficient_storage` and writes nothing; with enough, it goes
  * on to the parent (here a stand-in whose `begin` stops it, so no VM is needed). Real VMs on a
- * tiny tmpfs: tests/shm-full.test.ts.
+ * tiny tmpfs: tests/vm/shm-full.test.ts.
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { existsSync, mkdtempSync, rmSync } from "node:fs";

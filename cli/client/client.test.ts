@@ -3,7 +3,7 @@
  * errors (exit 2, one short line naming the help), the exec word split, the cp sides, tables and
  * the progress line (drawn on a terminal only). Commands run in-process through `runClient`, the
  * same function `bin/sandboxd sbx|template` calls, and once through `bin/sandboxd` itself.
- * Calls that reach a server are in tests/cli-client.test.ts.
+ * Calls that reach a server are in tests/e2e/cli-client.test.ts.
  */
 import { describe, expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";

@@ -171,7 +171,7 @@ export const MAX_TEMPLATE_WIDTH = 10_000;
 // the template builder) read these same constants, so a value the gateway accepts is one the
 // agent accepts: the gateway refuses a value outside them with 400 before doing any work (an
 // image upload's body is never read), instead of the agent failing the work afterwards.
-// tests/shared-limits.test.ts walks SHARED_BOUNDS and probes both sides with max and max + 1.
+// tests/integration/shared-limits.test.ts walks SHARED_BOUNDS and probes both sides with max and max + 1.
 
 /**
  * Our choice: guest RAM of a template, MiB. 64 MiB leaves the guest kernel, its initramfs and the

@@ -3,7 +3,7 @@
  * keys.ts: every refusal is 401 in the one envelope and never reaches the handler; a valid key
  * puts its principal on the context. A WebSocket upgrade may carry the key as its second
  * subprotocol after the `sandboxd` marker (what a browser can send); end to end through the
- * service: tests/console.test.ts.
+ * service: tests/e2e/console.test.ts.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtempSync, rmSync } from "node:fs";

@@ -1,7 +1,7 @@
 /**
  * Connect tokens on their own: a token names its tenant only for the exact sandbox, port and
  * protocol it was minted for, before its expiry, under the secret that signed it. The route that
- * mints and the one that accepts them are tested through the app (tests/gateway-api.test.ts).
+ * mints and the one that accepts them are tested through the app (tests/integration/gateway-api.test.ts).
  */
 import { expect, test } from "bun:test";
 import { createHmac } from "node:crypto";

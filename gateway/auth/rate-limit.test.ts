@@ -2,7 +2,7 @@
  * The shared per-key limit over a real PGlite db (the SQL function of migration 0005 decides),
  * with a controlled clock: the sliding window, leases and their longer count, two limiters (two
  * gateway processes' worth) sharing one key's limit, the local fast path's round trips, and the
- * middleware's 429 with Retry-After. tests/rate-limit-replicas.test.ts runs two real gateways on
+ * middleware's 429 with Retry-After. tests/e2e/rate-limit-replicas.test.ts runs two real gateways on
  * PostgreSQL.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";

@@ -250,7 +250,7 @@ export class MemoryAgent implements AgentApi {
     this.calls.push(`release ${template}`);
   }
 
-  // Background processes need a guest: the stand-in has none (tests/e2e-processes.test.ts
+  // Background processes need a guest: the stand-in has none (tests/e2e/processes.test.ts
   // drives them through real VMs).
   private noProcesses(): never {
     throw new SandboxdError("unsupported", "the in-memory agent runs no background processes");
@@ -277,7 +277,7 @@ export class MemoryAgent implements AgentApi {
   async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
     throw new SandboxdError("unsupported", "the in-memory agent has no terminals");
   }
-  /** The file API needs a guest: only the real agent serves it (tests/e2e-files-api.test.ts). */
+  /** The file API needs a guest: only the real agent serves it (tests/e2e/files-api.test.ts). */
   async files(vmId: VmId): Promise<FileAnswer> {
     this.vm(vmId);
     throw new SandboxdError("unsupported", "the in-memory agent has no file API");

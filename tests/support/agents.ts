@@ -1,6 +1,6 @@
 /**
  * Helpers of the suites that run a routing gateway with real agent HTTP servers
- * (tests/agents-routing.test.ts, tests/agent-credentials.test.ts) and of those that drive the
+ * (tests/vm/agents-routing.test.ts, tests/integration/agent-credentials.test.ts) and of those that drive the
  * agent API's client. Test code only.
  */
 import { mkdtemp, rm } from "node:fs/promises";

@@ -1,6 +1,6 @@
 /**
  * A Debian bookworm image with Chromium and python3, for driving a browser INSIDE a sandbox
- * (tests/e2e-cdp-vm.test.ts). Built like the catalog's python image (debootstrap from the
+ * (tests/e2e/cdp-vm.test.ts). Built like the catalog's python image (debootstrap from the
  * host's Debian mirror into an OCI layout, agent/catalog/python.ts) and cached in the shared test
  * data dir, so a CI run builds it once. Test code only: the public catalog ships python alone.
  */

@@ -1,5 +1,5 @@
 /**
- * End-to-end helpers for the HTTP suites (tests/e2e-*.test.ts): a private data dir seeded from
+ * End-to-end helpers for the HTTP suites (tests/e2e/, tests/vm/, tests/perf/): a private data dir seeded from
  * the shared test cache, API keys issued by the real CLI (`bin/sandboxd key create`), the real
  * service (`bin/sandboxd up`) as a subprocess, a small typed fetch, and leak checks by process
  * table. Test code only.
@@ -15,8 +15,12 @@ import { join, resolve } from "node:path";
 import type { z } from "zod";
 import { ensurePythonImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import { operatorSocketPath, runOperatorOp } from "../../cli/operator.ts";
+import { keyCreate, OPERATOR_OPS } from "../../cli/operator-ops.ts";
 import * as A from "../../contracts/api/family-a.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
+import { openDb } from "../../db/client.ts";
+import { loadSecrets } from "../../gateway/auth/secrets.ts";
 import { assertResponse } from "./openapi-check.ts";
 
 export const REPO = resolve(import.meta.dir, "../..");
@@ -34,7 +38,7 @@ function childEnv(): NodeJS.ProcessEnv {
   delete env.DATABASE_URL; // PGlite in the data dir, never a developer's database
   delete env.SANDBOXD_DATA_DIR;
   // The suites count QEMUs as their sandboxes' (none left after a delete, none while suspended):
-  // no pre-launched ones beside them. tests/agent-prelaunch.test.ts covers the pool.
+  // no pre-launched ones beside them. tests/vm/agent-prelaunch.test.ts covers the pool.
   env.SANDBOXD_PRELAUNCH = "0";
   return env;
 }
@@ -102,25 +106,49 @@ export function runCommand(
   });
 }
 
-/** `bin/sandboxd key create`; the key is the last line of stdout. Before or while `up` runs. */
+/**
+ * One API key for the data dir's gateway, made in this process: through the running service's
+ * operator socket while `up` runs (milliseconds), else on the data dir's PGlite. What the CLI does
+ * (`bin/sandboxd key create`, tested by tests/e2e/key-cli*.test.ts) without paying a process start
+ * and a PGlite migration for each key.
+ */
 export async function createKey(dataDir: string, tenant: string, tier: Tier): Promise<string> {
-  const r = await runCli(["key", "create", "--data-dir", dataDir, "--tenant", tenant, "--tier", tier]);
-  const key = r.stdout.trim().split("\n").at(-1) ?? "";
-  if (r.code !== 0 || !key.startsWith(`svc_${tier}_`)) {
-    throw new Error(`key create ${tenant}/${tier} failed (exit ${r.code}): ${r.stderr.trim()}`);
-  }
-  return key;
+  return (await createKeys(dataDir, { key: [tenant, tier] })).key;
 }
 
-/** Keys named by the caller, e.g. `{ live: ["a", "live"], other: ["b", "pro"] }`, in order. */
+/**
+ * Keys named by the caller, e.g. `{ live: ["a", "live"], other: ["b", "pro"] }`, in order; the
+ * database is opened once for all of them when no service runs.
+ */
 export async function createKeys<K extends string>(
   dataDir: string,
   wanted: Record<K, readonly [tenant: string, tier: Tier]>,
 ): Promise<Record<K, string>> {
   const out = {} as Record<K, string>;
-  for (const name of Object.keys(wanted) as K[]) {
+  const names = Object.keys(wanted) as K[];
+  const check = (name: K, key: string) => {
     const [tenant, tier] = wanted[name];
-    out[name] = await createKey(dataDir, tenant, tier);
+    if (!key.startsWith(`svc_${tier}_`)) throw new Error(`key create ${tenant}/${tier} gave ${key}`);
+    out[name] = key;
+  };
+  if (existsSync(operatorSocketPath(dataDir))) {
+    for (const name of names) {
+      const [tenant, tier] = wanted[name];
+      check(name, (await runOperatorOp(dataDir, OPERATOR_OPS, "key.create", { tenant, tier })).key);
+    }
+    return out;
+  }
+  // As the CLI would on this data dir: its PGlite (never a developer's DATABASE_URL, childEnv)
+  // and its secrets, made here when `up` has not made them yet.
+  const handle = await openDb({ dataDir });
+  try {
+    const secrets = loadSecrets(dataDir, childEnv());
+    for (const name of names) {
+      const [tenant, tier] = wanted[name];
+      check(name, (await keyCreate.run({ db: handle.db, secrets }, { tenant, tier })).key);
+    }
+  } finally {
+    await handle.close();
   }
   return out;
 }

@@ -1,6 +1,6 @@
 /*
  * sandboxd guest protocol, version 1. The single source for the numbers is
- * contracts/guest-protocol.ts; tests/guest-protocol-drift.test.ts fails when this
+ * contracts/guest-protocol.ts; tests/style/guest-protocol-drift.test.ts fails when this
  * header and that file disagree. Prose: docs/guest-protocol.md.
  *
  * Frame (little-endian), 12-byte header then payload:

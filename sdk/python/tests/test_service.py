@@ -1,7 +1,7 @@
 """The SDK against a real sandboxd (real VMs): ``SANDBOXD_URL`` and ``SANDBOXD_API_KEY`` (a Pro
 key), ``SANDBOXD_TEST_LIVE_KEY`` (a live key of the same tenant, for sessions and one-shot exec)
 and ``SANDBOXD_TEST_OTHER_KEY`` (a Pro key of another tenant). ``SANDBOXD_TEST_TEMPLATE`` names a
-template with python3 (default ``python``). tests/sdk-python.test.ts runs these with the service
+template with python3 (default ``python``). tests/e2e/sdk-python.test.ts runs these with the service
 it starts; without the variables the module is skipped.
 
 One sandbox serves most tests (VMs are the expensive part); the context-manager and fork tests

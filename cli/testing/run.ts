@@ -1,0 +1,263 @@
+/**
+ * `sandboxd test [--quick] [--jobs N] [FILTER...]`, the project's one test command (README):
+ * the type check and the lint, then every test file in its own `bun test` process, several at
+ * once. What runs and how results are read is cli/testing/plan.ts.
+ *
+ * Each file's output is printed whole when it ends (never interleaved), then the 15 slowest files,
+ * then the closing line CI reads: `N passed, N failed, N skipped`. The type check and the lint
+ * count as one test each. A skip that tests/allowed-skips.ts does not list fails the run, and so
+ * does a file that crashed before bun's summary.
+ */
+import { type ChildProcess, spawn } from "node:child_process";
+import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
+import { join, relative } from "node:path";
+import { ALLOWED_SKIPS } from "../../tests/allowed-skips.ts";
+import { REPO_ROOT } from "../config.ts";
+import {
+  isExclusive,
+  misplaced,
+  parseBunOutput,
+  schedule,
+  select,
+  slowest,
+  summaryLine,
+  type TestFile,
+  tierOf,
+  unallowedSkips,
+} from "./plan.ts";
+
+/**
+ * The most one file may run. The longest file takes about 5 minutes on a loaded 2-core TCG host;
+ * a file past this is hung (a VM that never answers, a wait with no bound) and is killed so the
+ * run still ends and says which.
+ */
+const FILE_LIMIT_MS = 20 * 60_000;
+/** Bun's own per-test bound: VM tests boot real QEMU under TCG, a single test may take a minute. */
+const TEST_TIMEOUT_MS = 180_000;
+/** Directories never searched for tests: tools, data, dependencies, build output. */
+const SKIP_DIRS = new Set(["node_modules", "build", "dist", "__pycache__"]);
+const SLOWEST_SHOWN = 15;
+
+const USAGE = `usage: sandboxd test [--quick] [--jobs N] [FILTER...]
+  --quick    type check, lint and the quick tier (unit and in-process suites: no VM, no up)
+  --jobs N   files run at once (default 2 with --quick, 3 otherwise)
+  FILTER     only the test files whose path contains one of these (no type check or lint)`;
+
+interface Options {
+  quick: boolean;
+  jobs: number | undefined;
+  filters: string[];
+}
+
+function parseOptions(args: string[]): Options | string {
+  const opts: Options = { quick: false, jobs: undefined, filters: [] };
+  for (let i = 0; i < args.length; i++) {
+    const a = args[i]!;
+    if (a === "--quick") opts.quick = true;
+    else if (a === "--jobs") {
+      const n = Number(args[++i]);
+      // Beyond 16 files at once the 2-core machines only thrash.
+      if (!Number.isInteger(n) || n < 1 || n > 16) return "--jobs takes a whole number from 1 to 16";
+      opts.jobs = n;
+    } else if (a === "--help" || a === "-h") return "";
+    else if (a.startsWith("-")) return `unknown option ${a}`;
+    else opts.filters.push(a);
+  }
+  return opts;
+}
+
+function findTestFiles(dir = REPO_ROOT, out: string[] = []): string[] {
+  for (const e of readdirSync(dir, { withFileTypes: true })) {
+    if (e.name.startsWith(".") || SKIP_DIRS.has(e.name)) continue;
+    const p = join(dir, e.name);
+    if (e.isDirectory()) findTestFiles(p, out);
+    else if (e.isFile() && e.name.endsWith(".test.ts")) out.push(relative(REPO_ROOT, p));
+  }
+  return out;
+}
+
+function testFiles(): TestFile[] {
+  return findTestFiles().map((path) => ({
+    path,
+    tier: tierOf(path),
+    exclusive: isExclusive(readFileSync(join(REPO_ROOT, path), "utf8")),
+  }));
+}
+
+/** Where each run records its per-file times; the committed tests/timings.json seeds a clean clone. */
+function timingsPaths(): { read: string; write: string } {
+  const data = process.env.SANDBOXD_TEST_DATA ?? join(REPO_ROOT, ".data", "test");
+  const write = join(data, "test-timings.json");
+  return { read: existsSync(write) ? write : join(REPO_ROOT, "tests", "timings.json"), write };
+}
+
+function readTimings(path: string): Record<string, number> {
+  try {
+    return JSON.parse(readFileSync(path, "utf8")) as Record<string, number>;
+  } catch {
+    return {};
+  }
+}
+
+interface Done {
+  label: string;
+  code: number | null;
+  out: string;
+  ms: number;
+  killed: boolean;
+}
+
+const live = new Set<ChildProcess>();
+
+/** Runs one command in its own process group; its whole output is kept (printed when it ends). */
+function runJob(label: string, cmd: string, args: string[], limitMs: number): Promise<Done> {
+  const t0 = performance.now();
+  return new Promise((resolve) => {
+    // Own group: what the file started and left (an `up`, a QEMU) goes with it at the end.
+    const child = spawn(cmd, args, { cwd: REPO_ROOT, stdio: ["ignore", "pipe", "pipe"], detached: true });
+    live.add(child);
+    let out = "";
+    let killed = false;
+    const keep = (b: Buffer) => {
+      out += b.toString();
+      // A runaway printer is cut to its tail: the summary is at the end.
+      if (out.length > 4_000_000) out = `[... cut ...]\n${out.slice(-1_000_000)}`;
+    };
+    child.stdout!.on("data", keep);
+    child.stderr!.on("data", keep);
+    const timer = setTimeout(() => {
+      killed = true;
+      killGroup(child);
+    }, limitMs);
+    child.on("close", (code) => {
+      clearTimeout(timer);
+      live.delete(child);
+      killGroup(child);
+      resolve({ label, code, out, ms: performance.now() - t0, killed });
+    });
+  });
+}
+
+function killGroup(child: ChildProcess): void {
+  try {
+    if (child.pid) process.kill(-child.pid, "SIGKILL");
+  } catch {
+    // the group is already gone
+  }
+}
+
+export async function runTests(args: string[]): Promise<number> {
+  const parsed = parseOptions(args);
+  if (typeof parsed === "string") {
+    process.stderr.write(parsed ? `sandboxd test: ${parsed}\n${USAGE}\n` : `${USAGE}\n`);
+    return parsed ? 2 : 0;
+  }
+  const all = testFiles();
+  const wrong = misplaced(all.map((f) => f.path));
+  const files = select(all, parsed);
+  if (files.length === 0) {
+    process.stderr.write(`sandboxd test: no test file matches ${parsed.filters.join(" ")}\n`);
+    return 2;
+  }
+  const jobs = parsed.jobs ?? Number(process.env.SANDBOXD_TEST_JOBS ?? (parsed.quick ? 2 : 3));
+  const timings = timingsPaths();
+  const recorded = readTimings(timings.read);
+  const bun = process.execPath;
+  const withChecks = parsed.filters.length === 0;
+  const t0 = performance.now();
+  process.stdout.write(
+    `sandboxd test: ${files.length} files (${parsed.quick ? "quick tier" : "full"}), ${jobs} at a time` +
+      `${withChecks ? ", with the type check and the lint" : ""}\n`,
+  );
+
+  const total = { passed: 0, failed: 0, skipped: 0 };
+  const problems: string[] = [];
+  const fileTimes: { path: string; ms: number }[] = [];
+  for (const p of wrong) {
+    total.failed++;
+    problems.push(`${p}: a test file outside tests/{integration,style,vm,e2e,perf}/ (put it in one)`);
+  }
+
+  const report = (d: Done, body: string) => {
+    process.stdout.write(`\n=== ${d.label} (${(d.ms / 1000).toFixed(1)} s): ${body}\n${d.out.trimEnd()}\n`);
+  };
+  const onCheck = (d: Done) => {
+    const ok = d.code === 0;
+    ok ? total.passed++ : total.failed++;
+    if (!ok) problems.push(`${d.label} failed`);
+    report(d, ok ? "ok" : `FAILED (exit ${d.code})`);
+  };
+  const onFile = (f: TestFile, d: Done) => {
+    const r = parseBunOutput(d.out);
+    total.passed += r.passed;
+    total.failed += r.failed;
+    total.skipped += r.skipped;
+    fileTimes.push({ path: f.path, ms: d.ms });
+    const notes: string[] = [];
+    if (d.killed) notes.push(`killed after ${FILE_LIMIT_MS / 60_000} min`);
+    else if (!r.summarized || (d.code !== 0 && r.failed === 0))
+      notes.push(`bun exited ${d.code} without a result`);
+    if (notes.length > 0) total.failed++;
+    for (const name of unallowedSkips(f.path, r.skippedNames, ALLOWED_SKIPS)) {
+      total.failed++;
+      notes.push(`skipped and not on tests/allowed-skips.ts: ${name}`);
+    }
+    for (const n of notes) problems.push(`${f.path}: ${n}`);
+    if (r.failed > 0) problems.push(`${f.path}: ${r.failed} failed`);
+    report(d, `${r.passed} pass, ${r.failed} fail, ${r.skipped} skip${notes.map((n) => `; ${n}`).join("")}`);
+  };
+
+  type Job = () => Promise<void>;
+  const queue: { job: Job; exclusive: boolean }[] = [];
+  if (withChecks) {
+    // The type check is the longest single step of the quick tier: it starts first.
+    queue.push({
+      job: () => runJob("typecheck", bun, ["x", "tsc", "--noEmit", "-p", "."], FILE_LIMIT_MS).then(onCheck),
+      exclusive: false,
+    });
+    queue.push({
+      job: () => runJob("lint", bun, ["x", "biome", "check", "."], FILE_LIMIT_MS).then(onCheck),
+      exclusive: false,
+    });
+  }
+  for (const f of schedule(files, recorded)) {
+    queue.push({
+      job: () =>
+        runJob(
+          f.path,
+          bun,
+          ["test", "--timeout", String(TEST_TIMEOUT_MS), `./${f.path}`],
+          FILE_LIMIT_MS,
+        ).then((d) => onFile(f, d)),
+      exclusive: f.exclusive,
+    });
+  }
+  // Exclusive files run alone, before the pool opens (schedule() puts them first).
+  while (queue[0]?.exclusive) await queue.shift()!.job();
+  const workers = Array.from({ length: Math.min(jobs, queue.length) }, async () => {
+    for (let next = queue.shift(); next; next = queue.shift()) await next.job();
+  });
+  const stop = () => {
+    for (const c of live) killGroup(c);
+    process.exit(130);
+  };
+  process.once("SIGINT", stop);
+  process.once("SIGTERM", stop);
+  await Promise.all(workers);
+
+  const merged = { ...recorded };
+  for (const t of fileTimes) merged[t.path] = Math.round(t.ms);
+  try {
+    mkdirSync(join(timings.write, ".."), { recursive: true });
+    writeFileSync(timings.write, `${JSON.stringify(merged, Object.keys(merged).sort(), 1)}\n`);
+  } catch {
+    // a read-only data dir: the times are printed below all the same
+  }
+  const wallS = ((performance.now() - t0) / 1000).toFixed(1);
+  process.stdout.write(
+    `\nslowest ${SLOWEST_SHOWN} files:\n${slowest(fileTimes, SLOWEST_SHOWN).join("\n")}\n`,
+  );
+  if (problems.length > 0) process.stdout.write(`\nproblems:\n${problems.map((p) => `  ${p}`).join("\n")}\n`);
+  process.stdout.write(`\nwall time ${wallS} s, ${jobs} files at a time\n${summaryLine(total)}\n`);
+  return total.failed === 0 ? 0 : 1;
+}

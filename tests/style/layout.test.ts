@@ -1,0 +1,98 @@
+/**
+ * The house rules the layout depends on, checked on every run so they cannot drift back:
+ * the gateway and the agent meet only in contracts/, contracts/ and db/ import nothing above
+ * them, no import circles, no source file over 1,000 lines outside tests, and comments carry
+ * their facts instead of pointing at notes outside the repository.
+ */
+import { describe, expect, test } from "bun:test";
+import { spawnSync } from "node:child_process";
+import { readFileSync } from "node:fs";
+import { dirname, join, normalize, resolve } from "node:path";
+
+const REPO = resolve(import.meta.dir, "../..");
+const tracked = spawnSync("git", ["ls-files", "-z"], { cwd: REPO, encoding: "utf8" })
+  .stdout.split("\0")
+  .filter(Boolean);
+const tsFiles = tracked.filter((f) => f.endsWith(".ts"));
+const IMPORT =
+  /(?:^|\n)\s*(?:import|export)[^"'`;]*?from\s*["'](\.[^"']+)["']|import\(\s*["'](\.[^"']+)["']\s*\)/g;
+
+function importsOf(file: string): string[] {
+  const text = readFileSync(join(REPO, file), "utf8");
+  const out: string[] = [];
+  for (const m of text.matchAll(IMPORT)) {
+    const spec = m[1] ?? m[2];
+    if (spec) out.push(normalize(join(dirname(file), spec)));
+  }
+  return out;
+}
+
+const graph = new Map(tsFiles.map((f) => [f, importsOf(f)]));
+const inRoom = (room: string) => (f: string) => f.startsWith(`${room}/`);
+
+describe("layout", () => {
+  test("the gateway and the agent never import each other (tests/ and cli/ may use both)", () => {
+    const crossing: string[] = [];
+    for (const [file, deps] of graph) {
+      if (inRoom("agent")(file))
+        for (const d of deps) if (inRoom("gateway")(d)) crossing.push(`${file} -> ${d}`);
+      if (inRoom("gateway")(file))
+        for (const d of deps) if (inRoom("agent")(d)) crossing.push(`${file} -> ${d}`);
+    }
+    expect(crossing).toEqual([]);
+  });
+
+  test("contracts/ imports only contracts/; db/ only contracts/ and db/", () => {
+    const wrong: string[] = [];
+    for (const [file, deps] of graph) {
+      if (inRoom("contracts")(file))
+        for (const d of deps) if (!inRoom("contracts")(d)) wrong.push(`${file} -> ${d}`);
+      if (inRoom("db")(file) && !file.startsWith("db/testing/"))
+        for (const d of deps) if (!inRoom("contracts")(d) && !inRoom("db")(d)) wrong.push(`${file} -> ${d}`);
+    }
+    expect(wrong).toEqual([]);
+  });
+
+  test("no import circles, type-only imports included", () => {
+    const state = new Map<string, 1 | 2>();
+    const cycles: string[] = [];
+    const stack: string[] = [];
+    const visit = (f: string) => {
+      state.set(f, 1);
+      stack.push(f);
+      for (const d of graph.get(f) ?? []) {
+        if (!graph.has(d)) continue;
+        if (state.get(d) === 1) cycles.push([...stack.slice(stack.indexOf(d)), d].join(" -> "));
+        else if (!state.has(d)) visit(d);
+      }
+      stack.pop();
+      state.set(f, 2);
+    };
+    for (const f of graph.keys()) if (!state.has(f)) visit(f);
+    expect(cycles).toEqual([]);
+  });
+
+  test("no source file over 1,000 lines outside tests", () => {
+    const source = tracked.filter(
+      (f) => /\.(ts|c|h)$/.test(f) && !f.endsWith(".test.ts") && !f.startsWith("tests/"),
+    );
+    const long = source
+      .map((f) => ({ f, lines: readFileSync(join(REPO, f), "utf8").split("\n").length }))
+      .filter((x) => x.lines > 1000)
+      .map((x) => `${x.f}: ${x.lines}`);
+    expect(long).toEqual([]);
+  });
+
+  test("comments carry their facts: no pointers to design notes outside the repo or to issues", () => {
+    const text = tracked.filter((f) => /\.(ts|c|h|md|yaml)$/.test(f) || f.endsWith("Makefile"));
+    const pointer = /style\.md|host-facts|shared\/design|\b[Ii]ssue \d+|later issues?\b/;
+    const found = text.flatMap((f) =>
+      readFileSync(join(REPO, f), "utf8")
+        .split("\n")
+        .flatMap((line, i) =>
+          pointer.test(line) && f !== "tests/style/layout.test.ts" ? [`${f}:${i + 1}: ${line.trim()}`] : [],
+        ),
+    );
+    expect(found).toEqual([]);
+  });
+});
