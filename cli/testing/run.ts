@@ -207,22 +207,26 @@ export async function runTests(args: string[]): Promise<number> {
     report(d, `${r.passed} pass, ${r.failed} fail, ${r.skipped} skip${notes.map((n) => `; ${n}`).join("")}`);
   };
 
-  type Job = () => Promise<void>;
-  const queue: { job: Job; exclusive: boolean }[] = [];
+  interface Job {
+    run: () => Promise<void>;
+    exclusive: boolean;
+    /** Needs the shared test cache (guest artifacts, python image) built first. */
+    needsCache: boolean;
+  }
+  const queue: Job[] = [];
   if (withChecks) {
     // The type check is the longest single step of the quick tier: it starts first.
-    queue.push({
-      job: () => runJob("typecheck", bun, ["x", "tsc", "--noEmit", "-p", "."], FILE_LIMIT_MS).then(onCheck),
+    const check = (label: string, args: string[]): Job => ({
+      run: () => runJob(label, bun, args, FILE_LIMIT_MS).then(onCheck),
       exclusive: false,
+      needsCache: false,
     });
-    queue.push({
-      job: () => runJob("lint", bun, ["x", "biome", "check", "."], FILE_LIMIT_MS).then(onCheck),
-      exclusive: false,
-    });
+    queue.push(check("typecheck", ["x", "tsc", "--noEmit", "-p", "."]));
+    queue.push(check("lint", ["x", "biome", "check", "."]));
   }
   for (const f of schedule(files, recorded)) {
     queue.push({
-      job: () =>
+      run: () =>
         runJob(
           f.path,
           bun,
@@ -230,20 +234,48 @@ export async function runTests(args: string[]): Promise<number> {
           FILE_LIMIT_MS,
         ).then((d) => onFile(f, d)),
       exclusive: f.exclusive,
+      needsCache: f.tier === "full",
     });
   }
-  // Exclusive files run alone, before the pool opens (schedule() puts them first).
-  while (queue[0]?.exclusive) await queue.shift()!.job();
-  const workers = Array.from({ length: Math.min(jobs, queue.length) }, async () => {
-    for (let next = queue.shift(); next; next = queue.shift()) await next.job();
-  });
   const stop = () => {
     for (const c of live) killGroup(c);
     process.exit(130);
   };
   process.once("SIGINT", stop);
   process.once("SIGTERM", stop);
-  await Promise.all(workers);
+
+  // The shared cache is built once, beside the quick files, before any VM file takes it.
+  let cacheReady = !queue.some((j) => j.needsCache);
+  const cache = cacheReady
+    ? Promise.resolve()
+    : runJob("shared test cache", bun, ["tests/support/warm-cache.ts"], FILE_LIMIT_MS).then((d) => {
+        if (d.code !== 0) {
+          total.failed++;
+          problems.push("building the shared test cache failed (tests/support/warm-cache.ts)");
+        }
+        report(d, d.code === 0 ? "ok" : `FAILED (exit ${d.code})`);
+        cacheReady = true;
+      });
+  /** The next job a worker may start now; waits for the cache when only such jobs are left. */
+  const take = async (): Promise<Job | undefined> => {
+    for (;;) {
+      const i = queue.findIndex((j) => cacheReady || !j.needsCache);
+      if (i >= 0) return queue.splice(i, 1)[0];
+      if (queue.length === 0) return undefined;
+      await cache;
+    }
+  };
+  // Exclusive files run alone, before the pool opens (schedule() puts them first).
+  const exclusive = queue.filter((j) => j.exclusive);
+  if (exclusive.length > 0) await cache;
+  for (const j of exclusive) {
+    queue.splice(queue.indexOf(j), 1);
+    await j.run();
+  }
+  const workers = Array.from({ length: Math.min(jobs, queue.length) }, async () => {
+    for (let next = await take(); next; next = await take()) await next.run();
+  });
+  await Promise.all([...workers, cache]);
 
   const merged = { ...recorded };
   for (const t of fileTimes) merged[t.path] = Math.round(t.ms);

@@ -9,9 +9,9 @@
  */
 import { spawn, spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
-import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { mkdir, mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
+import { basename, join, resolve } from "node:path";
 import type { z } from "zod";
 import { ensurePythonImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
@@ -51,13 +51,22 @@ function childEnv(): NodeJS.ProcessEnv {
 export async function prepareDataDir(prefix = "sbx-e2e-", opts: { python?: boolean } = {}): Promise<string> {
   await ensureGuestArtifacts({ dataDir: SHARED_DATA_DIR });
   // Without the python layout (`up --no-catalog` suites) there is no debootstrap to wait for.
-  if (opts.python !== false) await ensurePythonImage({ dataDir: SHARED_DATA_DIR });
+  const python = opts.python !== false ? await ensurePythonImage({ dataDir: SHARED_DATA_DIR }) : undefined;
   const dir = await mkdtemp(join(tmpdir(), prefix));
+  const copy = (src: string, dst: string) => {
+    // -a keeps the qcow2's holes (sparse) and times; a copy, never a link: an agent owns its files.
+    const r = spawnSync("cp", ["-a", src, dst], { encoding: "utf8" });
+    if (r.status !== 0) throw new Error(`cp -a ${src} failed: ${r.stderr}`);
+  };
   for (const sub of ["guest", "catalog"]) {
     const src = join(SHARED_DATA_DIR, sub);
-    if (!existsSync(src)) continue;
-    const r = spawnSync("cp", ["-a", src, join(dir, sub)], { encoding: "utf8" });
-    if (r.status !== 0) throw new Error(`cp -a ${src} failed: ${r.stderr}`);
+    if (existsSync(src)) copy(src, join(dir, sub));
+  }
+  // The python image already imported: `up`'s catalog build finds it by digest and goes straight
+  // to the template's boot and snapshot (an import of the ~180 MB rootfs saved in each suite).
+  if (python) {
+    await mkdir(join(dir, "images"), { recursive: true });
+    copy(python.dir, join(dir, "images", basename(python.dir)));
   }
   return dir;
 }
