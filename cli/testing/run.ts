@@ -14,6 +14,7 @@ import { join, relative } from "node:path";
 import { ALLOWED_SKIPS } from "../../tests/allowed-skips.ts";
 import { REPO_ROOT } from "../config.ts";
 import {
+  type AllowedSkip,
   isExclusive,
   misplaced,
   parseBunOutput,
@@ -66,29 +67,28 @@ function parseOptions(args: string[]): Options | string {
   return opts;
 }
 
-function findTestFiles(dir = REPO_ROOT, out: string[] = []): string[] {
+function findTestFiles(root: string, dir = root, out: string[] = []): string[] {
   for (const e of readdirSync(dir, { withFileTypes: true })) {
     if (e.name.startsWith(".") || SKIP_DIRS.has(e.name)) continue;
     const p = join(dir, e.name);
-    if (e.isDirectory()) findTestFiles(p, out);
-    else if (e.isFile() && e.name.endsWith(".test.ts")) out.push(relative(REPO_ROOT, p));
+    if (e.isDirectory()) findTestFiles(root, p, out);
+    else if (e.isFile() && e.name.endsWith(".test.ts")) out.push(relative(root, p));
   }
   return out;
 }
 
-function testFiles(): TestFile[] {
-  return findTestFiles().map((path) => ({
+function testFiles(root: string): TestFile[] {
+  return findTestFiles(root).map((path) => ({
     path,
     tier: tierOf(path),
-    exclusive: isExclusive(readFileSync(join(REPO_ROOT, path), "utf8")),
+    exclusive: isExclusive(readFileSync(join(root, path), "utf8")),
   }));
 }
 
 /** Where each run records its per-file times; the committed tests/timings.json seeds a clean clone. */
-function timingsPaths(): { read: string; write: string } {
-  const data = process.env.SANDBOXD_TEST_DATA ?? join(REPO_ROOT, ".data", "test");
-  const write = join(data, "test-timings.json");
-  return { read: existsSync(write) ? write : join(REPO_ROOT, "tests", "timings.json"), write };
+function timingsPaths(root: string, dataDir: string): { read: string; write: string } {
+  const write = join(dataDir, "test-timings.json");
+  return { read: existsSync(write) ? write : join(root, "tests", "timings.json"), write };
 }
 
 function readTimings(path: string): Record<string, number> {
@@ -110,11 +110,11 @@ interface Done {
 const live = new Set<ChildProcess>();
 
 /** Runs one command in its own process group; its whole output is kept (printed when it ends). */
-function runJob(label: string, cmd: string, args: string[], limitMs: number): Promise<Done> {
+function runJob(label: string, cmd: string, args: string[], limitMs: number, cwd: string): Promise<Done> {
   const t0 = performance.now();
   return new Promise((resolve) => {
     // Own group: what the file started and left (an `up`, a QEMU) goes with it at the end.
-    const child = spawn(cmd, args, { cwd: REPO_ROOT, stdio: ["ignore", "pipe", "pipe"], detached: true });
+    const child = spawn(cmd, args, { cwd, stdio: ["ignore", "pipe", "pipe"], detached: true });
     live.add(child);
     let out = "";
     let killed = false;
@@ -146,26 +146,48 @@ function killGroup(child: ChildProcess): void {
   }
 }
 
-export async function runTests(args: string[]): Promise<number> {
+/** What a run works on; the defaults are this repository's. Tests of the runner pass their own. */
+export interface RunnerDeps {
+  root: string;
+  /** The shared test data dir (SANDBOXD_TEST_DATA): the per-file times are recorded there. */
+  dataDir: string;
+  allowedSkips: AllowedSkip[];
+  /** The script that builds the shared test cache before the first full-tier file. */
+  warmCache: string;
+  /** Where the output goes (the CLI's stdout). */
+  write: (s: string) => void;
+}
+
+export function defaultRunnerDeps(): RunnerDeps {
+  return {
+    root: REPO_ROOT,
+    dataDir: process.env.SANDBOXD_TEST_DATA ?? join(REPO_ROOT, ".data", "test"),
+    allowedSkips: ALLOWED_SKIPS,
+    warmCache: "tests/support/warm-cache.ts",
+    write: (s) => process.stdout.write(s),
+  };
+}
+
+export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerDeps()): Promise<number> {
   const parsed = parseOptions(args);
   if (typeof parsed === "string") {
     process.stderr.write(parsed ? `sandboxd test: ${parsed}\n${USAGE}\n` : `${USAGE}\n`);
     return parsed ? 2 : 0;
   }
-  const all = testFiles();
-  const wrong = misplaced(all.map((f) => f.path));
+  const all = testFiles(deps.root);
   const files = select(all, parsed);
+  const wrong = misplaced(files.map((f) => f.path));
   if (files.length === 0) {
     process.stderr.write(`sandboxd test: no test file matches ${parsed.filters.join(" ")}\n`);
     return 2;
   }
   const jobs = parsed.jobs ?? Number(process.env.SANDBOXD_TEST_JOBS ?? (parsed.quick ? 2 : 3));
-  const timings = timingsPaths();
+  const timings = timingsPaths(deps.root, deps.dataDir);
   const recorded = readTimings(timings.read);
   const bun = process.execPath;
   const withChecks = parsed.filters.length === 0;
   const t0 = performance.now();
-  process.stdout.write(
+  deps.write(
     `sandboxd test: ${files.length} files (${parsed.quick ? "quick tier" : "full"}), ${jobs} at a time` +
       `${withChecks ? ", with the type check and the lint" : ""}\n`,
   );
@@ -179,7 +201,7 @@ export async function runTests(args: string[]): Promise<number> {
   }
 
   const report = (d: Done, body: string) => {
-    process.stdout.write(`\n=== ${d.label} (${(d.ms / 1000).toFixed(1)} s): ${body}\n${d.out.trimEnd()}\n`);
+    deps.write(`\n=== ${d.label} (${(d.ms / 1000).toFixed(1)} s): ${body}\n${d.out.trimEnd()}\n`);
   };
   const onCheck = (d: Done) => {
     const ok = d.code === 0;
@@ -198,7 +220,7 @@ export async function runTests(args: string[]): Promise<number> {
     else if (!r.summarized || (d.code !== 0 && r.failed === 0))
       notes.push(`bun exited ${d.code} without a result`);
     if (notes.length > 0) total.failed++;
-    for (const name of unallowedSkips(f.path, r.skippedNames, ALLOWED_SKIPS)) {
+    for (const name of unallowedSkips(f.path, r.skippedNames, deps.allowedSkips)) {
       total.failed++;
       notes.push(`skipped and not on tests/allowed-skips.ts: ${name}`);
     }
@@ -217,7 +239,7 @@ export async function runTests(args: string[]): Promise<number> {
   if (withChecks) {
     // The type check is the longest single step of the quick tier: it starts first.
     const check = (label: string, args: string[]): Job => ({
-      run: () => runJob(label, bun, args, FILE_LIMIT_MS).then(onCheck),
+      run: () => runJob(label, bun, args, FILE_LIMIT_MS, deps.root).then(onCheck),
       exclusive: false,
       needsCache: false,
     });
@@ -232,6 +254,7 @@ export async function runTests(args: string[]): Promise<number> {
           bun,
           ["test", "--timeout", String(TEST_TIMEOUT_MS), `./${f.path}`],
           FILE_LIMIT_MS,
+          deps.root,
         ).then((d) => onFile(f, d)),
       exclusive: f.exclusive,
       needsCache: f.tier === "full",
@@ -248,7 +271,7 @@ export async function runTests(args: string[]): Promise<number> {
   let cacheReady = !queue.some((j) => j.needsCache);
   const cache = cacheReady
     ? Promise.resolve()
-    : runJob("shared test cache", bun, ["tests/support/warm-cache.ts"], FILE_LIMIT_MS).then((d) => {
+    : runJob("shared test cache", bun, [deps.warmCache], FILE_LIMIT_MS, deps.root).then((d) => {
         if (d.code !== 0) {
           total.failed++;
           problems.push("building the shared test cache failed (tests/support/warm-cache.ts)");
@@ -276,6 +299,8 @@ export async function runTests(args: string[]): Promise<number> {
     for (let next = await take(); next; next = await take()) await next.run();
   });
   await Promise.all([...workers, cache]);
+  process.off("SIGINT", stop);
+  process.off("SIGTERM", stop);
 
   const merged = { ...recorded };
   for (const t of fileTimes) merged[t.path] = Math.round(t.ms);
@@ -286,10 +311,8 @@ export async function runTests(args: string[]): Promise<number> {
     // a read-only data dir: the times are printed below all the same
   }
   const wallS = ((performance.now() - t0) / 1000).toFixed(1);
-  process.stdout.write(
-    `\nslowest ${SLOWEST_SHOWN} files:\n${slowest(fileTimes, SLOWEST_SHOWN).join("\n")}\n`,
-  );
-  if (problems.length > 0) process.stdout.write(`\nproblems:\n${problems.map((p) => `  ${p}`).join("\n")}\n`);
-  process.stdout.write(`\nwall time ${wallS} s, ${jobs} files at a time\n${summaryLine(total)}\n`);
+  deps.write(`\nslowest ${SLOWEST_SHOWN} files:\n${slowest(fileTimes, SLOWEST_SHOWN).join("\n")}\n`);
+  if (problems.length > 0) deps.write(`\nproblems:\n${problems.map((p) => `  ${p}`).join("\n")}\n`);
+  deps.write(`\nwall time ${wallS} s, ${jobs} files at a time\n${summaryLine(total)}\n`);
   return total.failed === 0 ? 0 : 1;
 }
