@@ -1,9 +1,8 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
-import { ensureGuestArtifacts } from "../guest/artifacts.ts";
-import { probeAccelerator, probeKvmBoot } from "./accel.ts";
+import { join } from "node:path";
+import { probeAccelerator } from "./accel.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "accel-test-"));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -59,24 +58,4 @@ describe("probeAccelerator", () => {
     expect(["kvm", "tcg"]).toContain(r.accel);
     expect(r.reason.length).toBeGreaterThan(0);
   });
-});
-
-/** Artifacts may need building on a first run (kernel download ~3 s); the probe itself is 3 s max. */
-const PROBE_TEST_TIMEOUT_MS = 120_000;
-
-// On the kvm_pvm CI hosts, /dev/kvm opens but guests cannot run: the boot probe must say so.
-// (With -cpu host QEMU aborts at once: "failed to set MSR 0x10a".)
-describe.skipIf(!existsSync("/sys/module/kvm_pvm"))("probeKvmBoot on a kvm_pvm host", () => {
-  test(
-    "reports failure instead of hanging",
-    async () => {
-      const artifacts = await ensureGuestArtifacts({
-        dataDir:
-          process.env.SANDBOXD_TEST_DATA ?? join(resolve(import.meta.dir, "..", ".."), ".data", "test"),
-      });
-      const r = await probeKvmBoot(artifacts, 3000);
-      expect(r.ok).toBe(false);
-    },
-    PROBE_TEST_TIMEOUT_MS,
-  );
 });
