@@ -5,100 +5,60 @@
  * (`bin/sandboxd up` as a subprocess, its own data dir, keys from `bin/sandboxd key create`) and
  * real VMs under TCG; client-side latencies of sandbox create and fork are printed as JSON.
  *
- * Tests run in order and share one service; each deletes what it created (afterEach deletes
+ * Tests run in order and share one service; each deletes what it created (the fixture deletes
  * leftovers of a failed test), and the last one stops the service and checks for leaks.
  */
-import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
+import { beforeAll, describe, expect, test } from "bun:test";
 import { readdir } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { join } from "node:path";
 import type { z } from "zod";
 import * as B from "../../contracts/api/family-b.ts";
 import {
-  type ApiResponse,
-  createKeys,
   expectError,
   expectOk,
   latencySummary,
   pidsMentioning,
-  prepareDataDir,
   qemusUnder,
-  type RunningService,
-  removeDataDir,
-  startUp,
   waitFor,
-  waitForTemplate,
 } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** A test boots at most a few VMs (~0.15 s each, forks ~1 s under TCG); generous for a slow host. */
 const TEST_TIMEOUT_MS = 180_000;
-/** Four keys (~5 s each: the CLI migrates PGlite), `up`, and the python template (bound 300 s). */
-const SETUP_TIMEOUT_MS = 480_000;
 const PYTHON = "python";
 
-let svc: RunningService | undefined;
-let dataDir = "";
-let keys: Record<"demo" | "pro" | "ent" | "other", string>;
-/** Sandboxes still alive (id -> key), deleted after each test even when it failed midway. */
-const liveSandboxes = new Map<string, string>();
-
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
-const api = () => service().api;
-
-beforeAll(async () => {
-  dataDir = await prepareDataDir();
-  keys = await createKeys(dataDir, {
+const fx = useService({
+  keys: {
     demo: ["acme", "demo"],
     pro: ["acme", "pro"],
     ent: ["acme", "enterprise"],
     other: ["globex", "pro"],
-  });
+  },
   // The egress test's allowed stand-in lives on host loopback: the operator opens that one address.
-  svc = await startUp(dataDir, [], { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.2/32" });
-  await waitForTemplate(svc, PYTHON, 300_000);
-}, SETUP_TIMEOUT_MS);
-
-async function deleteLeftovers(s: RunningService): Promise<void> {
-  for (const [id, key] of liveSandboxes) {
-    await s.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
-    liveSandboxes.delete(id);
-  }
-}
-
-afterEach(async () => {
-  if (svc) await deleteLeftovers(svc);
+  env: { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.2/32" },
 });
-
-/** Deletes what is left through the API, stops `up`, kills any QEMU it left (by pid). */
-async function teardown(): Promise<{ exit: number | null; qemus: number[] }> {
-  const s = svc;
-  svc = undefined;
-  let exit: number | null = null;
-  if (s) {
-    await deleteLeftovers(s);
-    exit = await s.stop();
-  }
-  let qemus: number[] = [];
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    qemus = (await qemusUnder(dataDir)).map((p) => p.pid);
-    for (const pid of qemus) process.kill(pid, "SIGKILL"); // ours: started by our `up`
-  }
-  return { exit, qemus };
-}
-
-afterAll(async () => {
-  await teardown();
-  if (dataDir) await removeDataDir(dataDir);
+let keys: Record<"demo" | "pro" | "ent" | "other", string>;
+beforeAll(() => {
+  keys = fx.keys;
 });
+/** Sandboxes still alive (id -> key), deleted after each test even when it failed midway. */
+const liveSandboxes = new Map<string, string>();
+const service = () => fx.svc;
+const api = () => service().api;
+
+/** Deletes the sandbox after the current test (pass or fail) unless the test deleted it. */
+function track(id: string, key: string): void {
+  liveSandboxes.set(id, key);
+  fx.cleanup(async () => {
+    if (liveSandboxes.delete(id)) await fx.api.delete(`/v1/sandboxes/${id}`, { key });
+  });
+}
 
 async function createSandbox(key = keys.pro, body: Record<string, unknown> = { template: PYTHON }) {
   const res = await api().post("/v1/sandboxes", { key, json: body });
   const created = expectOk(res, 201, B.CreateSandboxResponse);
-  liveSandboxes.set(created.id, key);
+  track(created.id, key);
   return { ...created, ms: res.ms };
 }
 
@@ -107,6 +67,46 @@ async function exec(id: string, body: Record<string, unknown>, key = keys.pro) {
   expect(r.id).toBe(id);
   expect(r.fork_time_ms).toBe(0); // spec 2.6: 0 for an existing sandbox
   return r;
+}
+
+/**
+ * A streamed exec (`Accept: text/event-stream`) of `command`: `started` resolves on its first
+ * stdout event (the command runs), `done` with its status, whole stdout and exit event.
+ */
+function streamedExec(id: string, command: string, key = keys.pro) {
+  let onStart!: () => void;
+  const started = new Promise<void>((resolve) => {
+    onStart = resolve;
+  });
+  const done = (async () => {
+    const res = await fetch(new URL(`/v1/sandboxes/${id}/exec`, service().url), {
+      method: "POST",
+      headers: {
+        authorization: `Bearer ${key}`,
+        "content-type": "application/json",
+        accept: "text/event-stream",
+      },
+      body: JSON.stringify({ command }),
+      signal: AbortSignal.timeout(120_000),
+    });
+    let text = "";
+    const dec = new TextDecoder();
+    for await (const chunk of res.body!) {
+      text += dec.decode(chunk, { stream: true });
+      if (text.includes("event: stdout")) onStart();
+    }
+    onStart();
+    let stdout = "";
+    let exit: z.infer<typeof B.ExecResponseB> | undefined;
+    for (const block of text.split("\n\n")) {
+      const event = /^event: (.*)$/m.exec(block)?.[1];
+      const data = /^data: (.*)$/m.exec(block)?.[1];
+      if (event === "stdout" && data) stdout += (JSON.parse(data) as { data: string }).data;
+      if (event === "exit" && data) exit = B.ExecResponseB.parse(JSON.parse(data));
+    }
+    return { status: res.status, stdout, exit };
+  })();
+  return { started, done };
 }
 
 async function deleteSandbox(id: string, key = keys.pro) {
@@ -118,14 +118,18 @@ async function deleteSandbox(id: string, key = keys.pro) {
 async function fork(id: string, body: Record<string, unknown>, key = keys.pro) {
   const res = await api().post(`/v1/sandboxes/${id}/fork`, { key, json: body });
   const f = expectOk(res, 200, B.ForkResponse);
-  for (const c of f.children) liveSandboxes.set(c.id, key);
+  for (const c of f.children) track(c.id, key);
   return { ...f, ms: res.ms };
 }
 
-/** Starts a counter loop (one increment per 0.1 s) in the background, in /root/counter. */
+/**
+ * Starts a counter loop (one increment per 0.1 s) in the background, in /root/counter, and prints
+ * its first value once there is one. Each value is written whole to a temp file and renamed into
+ * place: a `cat` never sees the file between a truncate and a write (empty).
+ */
 const START_COUNTER =
-  "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/counter; sleep 0.1; done' >/dev/null 2>&1 & " +
-  "sleep 0.5; cat /root/counter";
+  "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/counter.tmp; mv /root/counter.tmp /root/counter; sleep 0.1; done' >/dev/null 2>&1 & " +
+  "until [ -s /root/counter ]; do sleep 0.05; done; cat /root/counter";
 /** Reads the counter twice, one second apart: `a b`. */
 const READ_COUNTER_TWICE = "a=$(cat /root/counter); sleep 1; b=$(cat /root/counter); echo $a $b";
 
@@ -137,15 +141,15 @@ function counterPair(stdout: string): [number, number] {
 
 async function vmDirs(): Promise<string[]> {
   try {
-    return await readdir(join(dataDir, "agent", "vms"));
+    return await readdir(join(fx.dataDir, "agent", "vms"));
   } catch {
     return [];
   }
 }
 
 async function expectNoVms(): Promise<void> {
-  const clean = await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-  expect({ clean, qemus: await qemusUnder(dataDir) }).toEqual({ clean: true, qemus: [] });
+  const clean = await waitFor(async () => (await qemusUnder(fx.dataDir)).length === 0, 10_000);
+  expect({ clean, qemus: await qemusUnder(fx.dataDir) }).toEqual({ clean: true, qemus: [] });
   expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
 }
 
@@ -214,7 +218,7 @@ describe("Family B: sandboxes", () => {
       // POST /v1/sessions is an alias of POST /v1/sandboxes for a Family B key (spec 4.2)
       const aliasRes = await api().post("/v1/sessions", { key: keys.pro, json: { template: PYTHON } });
       const alias = expectOk(aliasRes, 201, B.CreateSandboxResponse);
-      liveSandboxes.set(alias.id, keys.pro);
+      track(alias.id, keys.pro);
       expect(alias).toMatchObject({ template: PYTHON, state: "running", endpoints: {} });
       await deleteSandbox(alias.id);
 
@@ -256,25 +260,24 @@ describe("Family B: sandboxes", () => {
         400,
       );
 
-      // execs are serialized: while one is in flight, another exec or a fork is 409 busy
-      const slow = api().post(`/v1/sandboxes/${sb.id}/exec`, {
-        key: keys.pro,
-        json: { command: "sleep 4; echo done" },
-      });
-      await Bun.sleep(1000);
+      // execs are serialized: while one is in flight, another exec or a fork is 409 busy. The
+      // slow one streams, so that the others go once it printed `started` (it runs then).
+      const slow = streamedExec(sb.id, "echo started; sleep 4; echo done");
+      await Promise.race([slow.started, slow.done]);
       const busyExec = await api().post(`/v1/sandboxes/${sb.id}/exec`, {
         key: keys.pro,
         json: { command: "true" },
       });
       const busyFork = await api().post(`/v1/sandboxes/${sb.id}/fork`, { key: keys.pro, json: { count: 1 } });
-      const done = (await slow) as ApiResponse<z.infer<typeof B.ExecResponseB>>;
+      const done = await slow.done;
       expectError(busyExec, 409, "busy");
       expectError(busyFork, 409, "busy");
       // the message names the sandbox by the client's id, never the agent's internal VM id
       expect((busyExec.body as { message: string }).message).toContain(sb.id);
       expect((busyExec.body as { message: string }).message).not.toMatch(/\bvm-[0-9a-f]+/);
       expect(done.status).toBe(200);
-      expect(done.body.stdout).toBe("done\n");
+      expect(done.stdout).toBe("started\ndone\n");
+      expect(done.exit?.exit_code).toBe(0);
       // the refused calls were not counted, and a fork refused as busy made no child
       const after = expectOk(
         await api().get(`/v1/sandboxes/${sb.id}`, { key: keys.pro }),
@@ -381,7 +384,7 @@ describe("Family B: sandboxes", () => {
       const list = expectOk(await api().get("/v1/sandboxes", { key: keys.pro }), 200, B.SandboxList);
       expect(list.sandboxes).toContainEqual({ id, template: PYTHON, state: "suspended" });
       // no QEMU runs for a suspended sandbox: its memory is on disk
-      expect(await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000)).toBe(true);
+      expect(await waitFor(async () => (await qemusUnder(fx.dataDir)).length === 0, 10_000)).toBe(true);
 
       const res = expectOk(
         await api().post(`/v1/sandboxes/${id}/resume`, { key: keys.pro }),
@@ -489,7 +492,7 @@ describe("Family B: sandboxes", () => {
       const more: string[] = [];
       for (let i = 0; i < 4; i++) more.push((await createSandbox(keys.demo)).id);
       const sixth = await api().post("/v1/sandboxes", { key: keys.demo, json: { template: PYTHON } });
-      if (sixth.status === 201) liveSandboxes.set((sixth.body as { id: string }).id, keys.demo);
+      if (sixth.status === 201) track((sixth.body as { id: string }).id, keys.demo);
       expectError(sixth, 429, "quota_exceeded");
       await deleteSandbox(more.pop()!, keys.demo);
       more.push((await createSandbox(keys.demo)).id); // room again
@@ -614,6 +617,8 @@ except e.HTTPError as x: print('status', x.code)"`;
       for (let i = 0; i < n; i++) {
         const sb = await createSandbox();
         create.push(sb.ms);
+        // Each sample a sandbox that runs commands.
+        expect((await exec(sb.id, { command: "echo $((6*7))" })).stdout).toBe("42\n");
         await deleteSandbox(sb.id);
       }
       const parent = (await createSandbox()).id;
@@ -622,9 +627,13 @@ except e.HTTPError as x: print('status', x.code)"`;
       for (let i = 0; i < n; i++) {
         const f = await fork(parent, { count: 1 });
         forkMs.push(f.ms);
+        // Each sample a real fork: one child, with the parent's file.
+        expect(f.children).toHaveLength(1);
+        expect((await exec(f.children[0]!.id, { command: "cat /root/x" })).stdout).toBe("x");
         await deleteSandbox(f.children[0]!.id);
       }
       await deleteSandbox(parent);
+      expect([create.length, forkMs.length]).toEqual([n, n]);
       console.log(
         JSON.stringify({
           e2e_latency_ms: { sandbox_create: latencySummary(create), sandbox_fork_1: latencySummary(forkMs) },
@@ -644,12 +653,10 @@ test(
       const list = expectOk(await s.api.get("/v1/sandboxes", { key }), 200, B.SandboxList);
       expect(list.sandboxes).toEqual([]);
     }
-    const { exit, qemus } = await teardown();
+    const { exit, qemus } = await fx.stop();
     expect(exit).toBe(0);
     expect(qemus).toEqual([]);
-    expect(await pidsMentioning(dataDir)).toEqual([]);
-    await removeDataDir(dataDir);
-    dataDir = "";
+    expect(await pidsMentioning(fx.dataDir)).toEqual([]);
   },
   TEST_TIMEOUT_MS,
 );
