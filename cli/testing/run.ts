@@ -302,11 +302,13 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
   process.off("SIGINT", stop);
   process.off("SIGTERM", stop);
 
-  const merged = { ...recorded };
+  // Files that are gone drop out; the rest keep their last time until they run again.
+  const merged: Record<string, number> = {};
+  for (const f of all) if (recorded[f.path] !== undefined) merged[f.path] = recorded[f.path]!;
   for (const t of fileTimes) merged[t.path] = Math.round(t.ms);
   try {
     mkdirSync(join(timings.write, ".."), { recursive: true });
-    writeFileSync(timings.write, `${JSON.stringify(merged, Object.keys(merged).sort(), 1)}\n`);
+    writeFileSync(timings.write, `${JSON.stringify(merged, Object.keys(merged).sort(), 2)}\n`);
   } catch {
     // a read-only data dir: the times are printed below all the same
   }
