@@ -14,13 +14,13 @@ import { usageTable } from "../../cli/usage.ts";
 import { type VmEvent, VmEventBatch } from "../../contracts/agent/events.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
-import { startPostgres, type TestPostgres } from "../../db/testing/postgres.ts";
 import { FixedPlacement } from "../../gateway/agents/placement.ts";
 import { applyAgentEvents } from "../../gateway/core/agent-events.ts";
 import { BRINGUP_BOUND_MS, endStuckStarting, reconcileAgent } from "../../gateway/core/reconcile.ts";
 import { tenantIdOf, usageReport } from "../../gateway/core/usage.ts";
 import { type Harness, makeHarness } from "../../gateway/testing/harness.ts";
 import { runCli } from "../support/e2e-service.ts";
+import { databaseCases } from "../support/postgres-suite.ts";
 
 const GiB = 1024 ** 3;
 /** Two bin/sandboxd runs (PostgreSQL suite) and a few dozen writes on a host shared with other suites. */
@@ -319,19 +319,17 @@ function suite(name: string, open: () => Promise<Harness>, databaseUrl?: () => s
 
 suite("PGlite", () => makeHarness());
 
-let pg: TestPostgres | null = null;
-beforeAll(async () => {
-  pg = await startPostgres();
-});
-afterAll(() => pg?.stop());
-describe("PostgreSQL", () => {
-  if (process.env.SANDBOXD_SKIP_PG === "1") return;
+// Started by the suite's first test hook (not for the PGlite suite alone), stopped after the
+// file; without the binaries the suite's tests show as skipped, with one test saying why.
+const { havePostgres, postgres } = databaseCases();
+let pgUrl = "";
+describe.skipIf(!havePostgres)("PostgreSQL", () => {
   suite(
     "on a real server",
     async () => {
-      if (!pg) throw new Error("postgres binaries are missing (db/testing/postgres.ts)");
-      return makeHarness({ url: pg.url });
+      pgUrl = (await postgres()).url;
+      return makeHarness({ url: pgUrl });
     },
-    () => pg!.url,
+    () => pgUrl,
   );
 });
