@@ -1,10 +1,12 @@
 /**
  * Starts a throwaway PostgreSQL for tests: initdb into a temp dir, a free port, trust auth on
- * localhost, stopped and removed by `stop()`. As root it runs the server as the `postgres` user
+ * localhost, stopped and removed by `stop()`. The port is probed free and then bound by the
+ * server, and another process (test files run several at once) may take it in between: a start
+ * that fails for an address in use is tried again on a fresh port, a few times. As root it runs the server as the `postgres` user
  * (or `nobody`; PostgreSQL refuses to run as root). Returns null when the binaries are absent.
  */
 import { spawnSync } from "node:child_process";
-import { chmodSync, chownSync, existsSync, mkdtempSync, rmSync } from "node:fs";
+import { chmodSync, chownSync, existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -26,6 +28,11 @@ async function freePort(): Promise<number> {
     });
   });
 }
+
+/** Starts tried on fresh ports before a port taken between probe and bind fails the suite. */
+const START_TRIES = 5;
+/** What the server logs when its port was taken (`could not bind IPv4 address ...: Address already in use`). */
+const ADDR_IN_USE = /could not bind|could not create any TCP\/IP sockets|Address already in use/;
 
 export interface TestPostgres {
   url: string;
@@ -66,27 +73,58 @@ export async function startPostgres(): Promise<TestPostgres | null> {
     const r = spawnSync(cmd[0]!, cmd.slice(1), { encoding: "utf8", timeout: 60_000 });
     if (r.status !== 0) throw new Error(`${args.join(" ")} failed: ${r.stderr || r.stdout}`);
   };
-  const port = await freePort();
-  const start = () =>
+  const logFile = join(dir, "log");
+  const logLength = () => (existsSync(logFile) ? readFileSync(logFile, "utf8").length : 0);
+  /** Whether the server's log since `from` says its port was taken. */
+  const portTaken = (from: number) =>
+    existsSync(logFile) && ADDR_IN_USE.test(readFileSync(logFile, "utf8").slice(from));
+  const startOn = (p: number) =>
     run([
       join(bin, "pg_ctl"),
       "-D",
       data,
       "-l",
-      join(dir, "log"),
+      logFile,
       "-w",
       "-o",
-      `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off`,
+      `-p ${p} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off`,
       "start",
     ]);
   const halt = () => run([join(bin, "pg_ctl"), "-D", data, "-m", "immediate", "-w", "stop"]);
+  let port = 0;
   try {
     run([join(bin, "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]);
-    start();
+    for (let attempt = 1; ; attempt++) {
+      port = await freePort();
+      const from = logLength();
+      try {
+        startOn(port);
+        break;
+      } catch (err) {
+        if (attempt >= START_TRIES || !portTaken(from)) throw err;
+      }
+    }
   } catch (err) {
     rmSync(dir, { recursive: true, force: true });
     throw err;
   }
+  /**
+   * A halted server's restart, on the port its url names. The port cannot change, so a restart
+   * that finds it taken (briefly, by another process's probe) is tried again for up to 5 s.
+   */
+  const start = () => {
+    const deadline = performance.now() + 5_000;
+    for (;;) {
+      const from = logLength();
+      try {
+        startOn(port);
+        return;
+      } catch (err) {
+        if (performance.now() > deadline || !portTaken(from)) throw err;
+        Bun.sleepSync(200);
+      }
+    }
+  };
   return {
     url: `postgres://postgres@127.0.0.1:${port}/postgres`,
     halt,

@@ -1,6 +1,7 @@
 /**
  * A real OCI registry for pull tests: Debian's `docker-registry` binary (distribution 2.8),
- * started by the test on a free loopback port with a temporary config and filesystem storage
+ * started by the test on a loopback port of its own choosing (port 0: no port is probed free and
+ * then taken by another process before the registry binds it) with a temporary config and filesystem storage
  * (never its systemd service), and images pushed to it with skopeo over plain HTTP. Test code only.
  * With `auth`, the registry asks for basic auth (its htpasswd backend, a bcrypt entry) on every
  * request: a "private" registry whose images only holders of the credentials can read.
@@ -8,7 +9,6 @@
 import { spawn } from "node:child_process";
 import { existsSync } from "node:fs";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { busyboxImageSpec, makeOciArchive } from "../fixtures/images.ts";
@@ -27,17 +27,8 @@ export interface LocalRegistry {
   stop(): Promise<void>;
 }
 
-async function freePort(): Promise<number> {
-  return new Promise((done, fail) => {
-    const srv = createServer();
-    srv.once("error", fail);
-    srv.listen(0, "127.0.0.1", () => {
-      const addr = srv.address();
-      const port = typeof addr === "object" && addr ? addr.port : 0;
-      srv.close(() => done(port));
-    });
-  });
-}
+/** The registry's log line naming the address it bound (distribution 2.8: `listening on 127.0.0.1:PORT`). */
+const LISTENING = /listening on 127\.0\.0\.1:(\d+)/;
 
 export interface RegistryUser {
   username: string;
@@ -46,8 +37,6 @@ export interface RegistryUser {
 
 export async function startRegistry(opts: { auth?: RegistryUser } = {}): Promise<LocalRegistry> {
   const dir = await mkdtemp(join(tmpdir(), "sbx-registry-"));
-  const port = await freePort();
-  const host = `127.0.0.1:${port}`;
   const config = join(dir, "config.yml");
   const auth: string[] = [];
   if (opts.auth) {
@@ -69,7 +58,7 @@ export async function startRegistry(opts: { auth?: RegistryUser } = {}): Promise
       "  delete:",
       "    enabled: true",
       "http:",
-      `  addr: ${host}`,
+      "  addr: 127.0.0.1:0",
       ...auth,
       "",
     ].join("\n"),
@@ -86,17 +75,24 @@ export async function startRegistry(opts: { auth?: RegistryUser } = {}): Promise
     exited = true;
   });
   const deadline = performance.now() + START_TIMEOUT_MS;
+  let host = "";
   for (;;) {
-    try {
-      const r = await fetch(`http://${host}/v2/`, { signal: AbortSignal.timeout(1000) });
-      if (r.status === 200 || (opts.auth && r.status === 401)) break;
-    } catch {
-      // not listening yet
+    if (!host) {
+      const port = LISTENING.exec(out)?.[1];
+      if (port) host = `127.0.0.1:${port}`;
+    }
+    if (host) {
+      try {
+        const r = await fetch(`http://${host}/v2/`, { signal: AbortSignal.timeout(1000) });
+        if (r.status === 200 || (opts.auth && r.status === 401)) break;
+      } catch {
+        // not answering yet
+      }
     }
     if (exited || performance.now() > deadline) {
       child.kill("SIGKILL");
       await rm(dir, { recursive: true, force: true });
-      throw new Error(`docker-registry did not start on ${host}:\n${out.slice(-2000)}`);
+      throw new Error(`docker-registry did not start (${host || "no address yet"}):\n${out.slice(-2000)}`);
     }
     await Bun.sleep(50);
   }
