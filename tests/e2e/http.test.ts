@@ -8,7 +8,7 @@
  * Tests in this file run in order and share one service; each deletes what it created, and the
  * last one stops the service and checks that no QEMU process is left for its data dir.
  */
-import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -16,100 +16,106 @@ import * as A from "../../contracts/api/family-a.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import {
-  type ApiResponse,
-  createKeys,
   expectError,
   expectOk,
   latencySummary,
   pidsMentioning,
-  prepareDataDir,
   qemusUnder,
-  type RunningService,
-  removeDataDir,
-  startUp,
   waitFor,
-  waitForTemplate,
 } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** Every test boots a handful of VMs at most (~0.1-1 s each under TCG); generous for a slow CI host. */
 const TEST_TIMEOUT_MS = 180_000;
-/** Four keys (~5 s each: the CLI migrates PGlite), `up`, and the python template (bound 300 s). */
-const SETUP_TIMEOUT_MS = 480_000;
 const PYTHON = "python";
 const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 
-let svc: RunningService | undefined;
-let dataDir = "";
 let imgDir = "";
-let keys: Record<"live" | "scale" | "other" | "burst", string>;
-/** Sessions still alive (id -> key), deleted by the teardown even when a test failed midway. */
+/** Sessions still alive (id -> key), deleted after each test even when it failed midway. */
 const liveSessions = new Map<string, string>();
 /** Uploaded templates still registered (id -> scale key). */
 const liveTemplates = new Map<string, string>();
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
-const api = () => service().api;
+/** Deletes the templates left by a failed test while `up` still runs (registered before useService's hooks: bun runs a file's afterAll hooks in order). */
+afterAll(async () => {
+  for (const [id, key] of liveTemplates) {
+    await fx.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
+    liveTemplates.delete(id);
+  }
+});
 
-beforeAll(async () => {
-  dataDir = await prepareDataDir();
-  keys = await createKeys(dataDir, {
+const fx = useService({
+  keys: {
     live: ["acme", "live"],
     scale: ["acme", "scale"],
     other: ["globex", "live"],
     burst: ["acme", "live"],
-  });
-  svc = await startUp(dataDir);
-  await waitForTemplate(svc, PYTHON, 300_000);
-}, SETUP_TIMEOUT_MS);
-
-/** Deletes what is left through the API, stops `up`, kills any QEMU it left (by pid), removes the dir. */
-async function teardown(): Promise<{ exit: number | null; qemus: number[] }> {
-  const s = svc;
-  svc = undefined;
-  let exit: number | null = null;
-  if (s) {
-    for (const [id, key] of liveSessions) {
-      await s.api.delete(`/v1/sessions/${id}`, { key, query: { force: "true" } }).catch(() => undefined);
-      liveSessions.delete(id);
-    }
-    for (const [id, key] of liveTemplates) {
-      await s.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
-      liveTemplates.delete(id);
-    }
-    exit = await s.stop();
-  }
-  let qemus: number[] = [];
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    qemus = (await qemusUnder(dataDir)).map((p) => p.pid);
-    for (const pid of qemus) process.kill(pid, "SIGKILL"); // ours: started by our `up`
-  }
-  return { exit, qemus };
-}
-
-/** A failed test must not leak its sessions into the next one's leak check. */
-afterEach(async () => {
-  const s = svc;
-  if (!s) return;
-  for (const [id, key] of liveSessions) {
-    await s.api.delete(`/v1/sessions/${id}`, { key, query: { force: "true" } }).catch(() => undefined);
-    liveSessions.delete(id);
-  }
+  },
 });
+let keys: Record<"live" | "scale" | "other" | "burst", string>;
+beforeAll(() => {
+  keys = fx.keys;
+});
+const service = () => fx.svc;
+const api = () => service().api;
 
 afterAll(async () => {
-  await teardown();
-  if (dataDir) await removeDataDir(dataDir);
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
+
+/** A failed test must not leak its sessions into the next one's leak check: deleted after the test unless it did. */
+function track(id: string, key: string): void {
+  liveSessions.set(id, key);
+  fx.cleanup(async () => {
+    if (liveSessions.delete(id)) await fx.api.delete(`/v1/sessions/${id}`, { key, query: { force: "true" } });
+  });
+}
+
+/**
+ * A streamed session exec (`Accept: text/event-stream`) of `commands`: `started` resolves on its
+ * first stdout event (the command runs), `done` with the status, whole stdout and last event.
+ */
+function streamedSessionExec(id: string, commands: string[][], key = keys.live) {
+  let onStart!: () => void;
+  const started = new Promise<void>((resolve) => {
+    onStart = resolve;
+  });
+  const done = (async () => {
+    const res = await fetch(new URL(`/v1/sessions/${id}/exec`, service().url), {
+      method: "POST",
+      headers: {
+        authorization: `Bearer ${key}`,
+        "content-type": "application/json",
+        accept: "text/event-stream",
+      },
+      body: JSON.stringify({ commands }),
+      signal: AbortSignal.timeout(120_000),
+    });
+    let text = "";
+    const dec = new TextDecoder();
+    for await (const chunk of res.body!) {
+      text += dec.decode(chunk, { stream: true });
+      if (text.includes("event: stdout")) onStart();
+    }
+    onStart();
+    let stdout = "";
+    let last: { event: string; data: Record<string, unknown> } | undefined;
+    for (const block of text.split("\n\n")) {
+      const event = /^event: (.*)$/m.exec(block)?.[1];
+      const data = /^data: (.*)$/m.exec(block)?.[1];
+      if (!event || !data) continue;
+      last = { event, data: JSON.parse(data) as Record<string, unknown> };
+      if (event === "stdout") stdout += String(last.data.data);
+    }
+    return { status: res.status, stdout, last };
+  })();
+  return { started, done };
+}
 
 async function createSession(key = keys.live, templateId = PYTHON) {
   const res = await api().post("/v1/sessions", { key, json: { template_id: templateId } });
   const body = expectOk(res, 201, A.CreateSessionResponse);
-  liveSessions.set(body.session_id, key);
+  track(body.session_id, key);
   return { ...body, ms: res.ms };
 }
 
@@ -133,7 +139,7 @@ const sh = (script: string) => ["sh", "-c", script];
 
 async function vmDirs(): Promise<string[]> {
   try {
-    return await readdir(join(dataDir, "agent", "vms"));
+    return await readdir(join(fx.dataDir, "agent", "vms"));
   } catch {
     return [];
   }
@@ -141,8 +147,8 @@ async function vmDirs(): Promise<string[]> {
 
 /** No QEMU for our data dir and no VM directory: what "nothing left behind" means on the host. */
 async function expectNoVms(): Promise<void> {
-  const clean = await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-  expect({ clean, qemus: await qemusUnder(dataDir) }).toEqual({ clean: true, qemus: [] });
+  const clean = await waitFor(async () => (await qemusUnder(fx.dataDir)).length === 0, 10_000);
+  expect({ clean, qemus: await qemusUnder(fx.dataDir) }).toEqual({ clean: true, qemus: [] });
   expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
 }
 
@@ -180,7 +186,7 @@ describe("health, authentication, metrics", () => {
         expectError(res, 401, "unauthorized");
       }
     }
-    expect(await qemusUnder(dataDir)).toEqual([]); // nothing was spawned for a refused call
+    expect(await qemusUnder(fx.dataDir)).toEqual([]); // nothing was spawned for a refused call
   });
 
   test("GET /v1/metrics: Prometheus text with a key", async () => {
@@ -200,7 +206,7 @@ describe("Family A: one-shot and batch exec", () => {
   test(
     "POST /v1/exec runs python code: stdout, stderr, exit code, timings; nothing is left behind",
     async () => {
-      const before = await qemusUnder(dataDir);
+      const before = await qemusUnder(fx.dataDir);
       expect(before).toEqual([]); // no session exists yet in this file
       const code = [
         "import os, sys",
@@ -456,7 +462,7 @@ describe("Family A: sessions", () => {
       await sessionExec(parent, { files: [{ path: "/root/p.txt", content: "from-parent" }] });
       const res = await api().post(`/v1/sessions/${parent}/fork`, { key: keys.live });
       const f = expectOk(res, 201, A.ForkSessionResponse);
-      liveSessions.set(f.session_id, keys.live);
+      track(f.session_id, keys.live);
       const child = f.session_id;
       expect(child).toMatch(/^sess_/);
       expect(child).not.toBe(parent);
@@ -499,33 +505,31 @@ describe("Family A: sessions", () => {
   test(
     "DELETE lets an in-flight exec finish by default; ?force=true aborts it at once",
     async () => {
-      // default: the exec in flight completes, then the session goes
+      // default: the exec in flight completes, then the session goes. Each exec streams, so that
+      // the delete goes once it printed `started` (it runs then).
       const s1 = (await createSession()).session_id;
-      const running = api().post(`/v1/sessions/${s1}/exec`, {
-        key: keys.live,
-        json: { commands: [sh("sleep 2; echo finished")] },
-      });
-      await Bun.sleep(700);
+      const running = streamedSessionExec(s1, [sh("echo started; sleep 2; echo finished")]);
+      await Promise.race([running.started, running.done]);
       await deleteSession(s1);
-      const finished = (await running) as ApiResponse<A.ExecResultA>;
+      const finished = await running.done;
       expect(finished.status).toBe(200);
-      expect(finished.body.stdout).toBe("finished\n");
+      expect(finished.stdout).toBe("started\nfinished\n");
+      expect(finished.last?.event).toBe("exit");
+      expect(finished.last?.data.exit_code).toBe(0);
       expect([404, 410]).toContain((await api().get(`/v1/sessions/${s1}`, { key: keys.live })).status);
 
       const id = (await createSession()).session_id;
-      const inflight = api().post(`/v1/sessions/${id}/exec`, {
-        key: keys.live,
-        json: { commands: [["sleep", "60"]] },
-      });
-      await Bun.sleep(1000);
+      const inflight = streamedSessionExec(id, [sh("echo started; sleep 60")]);
+      await Promise.race([inflight.started, inflight.done]);
       const t0 = performance.now();
       await deleteSession(id, keys.live, true);
       expect(performance.now() - t0).toBeLessThan(15_000);
       const settled = await Promise.race([
-        inflight.then((r: ApiResponse) => r.status),
+        inflight.done.then((r) => r.stdout),
         Bun.sleep(20_000).then(() => "still running"),
       ]);
-      expect(settled).not.toBe("still running");
+      // Aborted in its sleep: the stream ended long before the command's 60 s, after its first line.
+      expect(settled).toBe("started\n");
       await expectNoVms();
     },
     TEST_TIMEOUT_MS,
@@ -568,8 +572,7 @@ describe("Family A: uploaded templates", () => {
         expectError(earlyExec, 409);
       } else {
         // the build beat us to it (fast host): the spawns were legitimately accepted
-        if (early.status === 201)
-          liveSessions.set((early.body as { session_id: string }).session_id, keys.live);
+        if (early.status === 201) track((early.body as { session_id: string }).session_id, keys.live);
         console.warn(`template ${id} was ${status0.status} before the 409 check could run`);
       }
       expectError(await upload(keys.scale, id), 409); // the registry never overwrites an id
@@ -705,6 +708,8 @@ describe("limits and latency", () => {
       for (let i = 0; i < n; i++) {
         const s = await createSession();
         create.push(s.ms);
+        // Each sample a session that runs commands.
+        expect((await sessionExec(s.session_id, { code: "print(6*7)" })).stdout).toBe("42\n");
         await deleteSession(s.session_id);
       }
       const parent = (await createSession()).session_id;
@@ -714,12 +719,15 @@ describe("limits and latency", () => {
       for (let i = 0; i < n; i++) {
         const res = await api().post(`/v1/sessions/${parent}/fork`, { key: keys.live });
         const f = expectOk(res, 201, A.ForkSessionResponse);
-        liveSessions.set(f.session_id, keys.live);
+        track(f.session_id, keys.live);
         fork.push(res.ms);
         forkServer.push(f.fork_time_ms);
+        // Each sample a real fork: the child has the parent's file.
+        expect((await sessionExec(f.session_id, { commands: [["cat", "/root/x"]] })).stdout).toBe("x");
         await deleteSession(f.session_id);
       }
       await deleteSession(parent);
+      for (const samples of [exec, execFork, create, fork, forkServer]) expect(samples).toHaveLength(n);
       console.log(
         JSON.stringify({
           e2e_latency_ms: {
@@ -743,12 +751,14 @@ test(
     const s = service();
     const list = expectOk(await s.api.get("/v1/sessions", { key: keys.live }), 200, A.SessionList);
     expect(list.sessions).toEqual([]);
-    const { exit, qemus } = await teardown();
+    for (const [id, key] of liveTemplates) {
+      await s.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
+      liveTemplates.delete(id);
+    }
+    const { exit, qemus } = await fx.stop();
     expect(exit).toBe(0);
     expect(qemus).toEqual([]);
-    expect(await pidsMentioning(dataDir)).toEqual([]);
-    await removeDataDir(dataDir);
-    dataDir = "";
+    expect(await pidsMentioning(fx.dataDir)).toEqual([]);
   },
   TEST_TIMEOUT_MS,
 );
