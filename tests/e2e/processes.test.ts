@@ -20,24 +20,15 @@ import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
 import * as P from "../../contracts/api/processes.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import {
-  createKeys,
-  expectError,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  removeDataDir,
-  startUp,
-  uploadTemplate,
-  waitFor,
-} from "../support/e2e-service.ts";
+import { expectError, expectOk, uploadTemplate, waitFor } from "../support/e2e-service.ts";
+import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
+import { useService } from "../support/service.ts";
 
 /** A test boots a VM or two (~0.2-1 s each under TCG) and runs a few dozen guest commands. */
 const TEST_TIMEOUT_MS = 240_000;
-/** Four keys (~5 s each), `up`, one template build (import, boot, snapshot: ~10-60 s under TCG). */
-const SETUP_TIMEOUT_MS = 420_000;
+/** One template build (import, boot, snapshot: ~10-60 s under TCG) once `up` runs. */
+const SETUP_TIMEOUT_MS = 240_000;
 /** A template build: the image import, one boot and the snapshot; generous for a loaded host. */
 const BUILD_TIMEOUT_MS = 180_000;
 const TEMPLATE = "procs";
@@ -45,55 +36,53 @@ const PORT = 8080;
 /** The cap of background processes per sandbox (agent/sandbox/processes.ts MAX_PROCESSES). */
 const MAX_PROCESSES = 32;
 
-let svc: RunningService | undefined;
-let dataDir = "";
+/** The keys' tenant: the idle pause is read from its usage (tests/support/idle-pause.ts). */
+const TENANT = "acme";
+
 let imgDir = "";
-let keys: Record<"live" | "scale" | "pro" | "other", string>;
 const liveSandboxes = new Set<string>();
 const liveSessions = new Set<string>();
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
+/** Deletes what the tests left through the API; then the template. */
+async function deleteLeftovers(): Promise<void> {
+  for (const id of liveSessions)
+    await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
+  liveSessions.clear();
+  for (const id of liveSandboxes)
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
+  liveSandboxes.clear();
+  await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
 }
+
+// Registered before useService's hooks, so it runs first (bun runs a file's afterAll hooks in the
+// order they were registered): what a failed test left goes while `up` still runs.
+afterAll(async () => {
+  if (keys) await deleteLeftovers().catch(() => {});
+  if (imgDir) await rm(imgDir, { recursive: true, force: true });
+});
+
+const fx = useService({
+  prefix: "sbx-e2e-procs-",
+  python: false,
+  keys: {
+    live: [TENANT, "live"],
+    scale: [TENANT, "scale"],
+    pro: [TENANT, "pro"],
+    other: ["evil", "pro"],
+  },
+});
+let keys: Record<"live" | "scale" | "pro" | "other", string>;
+const service = () => fx.svc;
 const api = () => service().api;
 
 beforeAll(async () => {
-  dataDir = await prepareDataDir("sbx-e2e-procs-", { python: false });
-  keys = await createKeys(dataDir, {
-    live: ["acme", "live"],
-    scale: ["acme", "scale"],
-    pro: ["acme", "pro"],
-    other: ["evil", "pro"],
-  });
-  svc = await startUp(dataDir, ["--no-catalog"]);
+  keys = fx.keys;
   imgDir = await mkdtemp(join(tmpdir(), "sbx-procs-img-"));
   const spec = await busyboxImageSpec(imgDir, { config: { ExposedPorts: { [`${PORT}/tcp`]: {} } } });
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), spec);
   const image = new Uint8Array(await readFile(archive.path));
   await uploadTemplate(service(), keys.scale, TEMPLATE, image, BUILD_TIMEOUT_MS);
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    for (const id of liveSessions)
-      await s.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
-    for (const id of liveSandboxes)
-      await s.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
-    await s.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
-    await s.stop();
-  }
-  if (dataDir) {
-    const clean = await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    const left = await qemusUnder(dataDir);
-    for (const p of left) process.kill(p.pid, "SIGKILL"); // ours: started by our `up`
-    await removeDataDir(dataDir);
-    expect({ clean, left: left.map((p) => p.pid) }).toEqual({ clean: true, left: [] });
-  }
-  if (imgDir) await rm(imgDir, { recursive: true, force: true });
-});
 
 async function createSandbox(): Promise<string> {
   const sb = expectOk(
@@ -229,9 +218,10 @@ describe("Family B", () => {
         200,
         B.ConnectUrlResponse,
       ).url;
-      // Past the agent's 2 s idle pause: the VM is paused with its server, and the connection
-      // wakes it.
-      await Bun.sleep(3_000);
+      // Past the agent's 2 s idle pause (seen in the sandbox's metering: the API shows a paused
+      // VM as running): the VM is paused with its server, and the connection wakes it.
+      const mark = await pausedSeconds(fx.dataDir, TENANT, id);
+      expect(await waitForIdlePause(fx.dataDir, TENANT, id, mark, 30_000)).toBe(true);
       let got = { status: 0, text: "" };
       const served = await waitFor(async () => {
         got = await wsExchange(url, "GET /index.html HTTP/1.0\r\n\r\n");
@@ -357,8 +347,11 @@ describe("Family B", () => {
         201,
         P.ProcessInfo,
       );
-      await Bun.sleep(4_000); // past the agent's 2 s idle pause
+      // The agent's 2 s idle pause, seen in the sandbox's metering.
+      let mark = await pausedSeconds(fx.dataDir, TENANT, id);
+      expect(await waitForIdlePause(fx.dataDir, TENANT, id, mark, 30_000)).toBe(true);
       const a = await lines(idle.pid);
+      // Two seconds paused (a span to see nothing happen in, not an ordering).
       await Bun.sleep(2_000);
       const b = await lines(idle.pid);
       expect(a).toBeGreaterThan(1); // it ran before the pause
@@ -371,10 +364,14 @@ describe("Family B", () => {
         P.ProcessInfo,
       );
       expect(awake.keep_awake).toBe(true);
+      // Twice the idle pause and more (a span to see nothing happen in: no pause to wait for).
+      mark = await pausedSeconds(fx.dataDir, TENANT, id);
       await Bun.sleep(4_000);
       const c = await lines(awake.pid);
       await Bun.sleep(2_000);
       expect(await lines(awake.pid)).toBeGreaterThan(c);
+      // Never paused meanwhile: its metering shows no paused second more.
+      expect(await pausedSeconds(fx.dataDir, TENANT, id)).toBeLessThanOrEqual(mark);
       expectOk(await api().delete(`${base}/${awake.pid}`, { key: keys.pro }), 200, P.ProcessInfo);
     },
     TEST_TIMEOUT_MS,
@@ -502,3 +499,13 @@ describe("Family A session", () => {
     TEST_TIMEOUT_MS,
   );
 });
+
+test(
+  "teardown: after deleting through the API and SIGTERM, no QEMU process is left for the data dir",
+  async () => {
+    await deleteLeftovers();
+    const { qemus } = await fx.stop();
+    expect(qemus).toEqual([]);
+  },
+  TEST_TIMEOUT_MS,
+);
