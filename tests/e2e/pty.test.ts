@@ -18,23 +18,13 @@ import WebSocket from "ws";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import {
-  createKeys,
-  expectOk,
-  latencySummary,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  removeDataDir,
-  startUp,
-  uploadTemplate,
-  waitFor,
-} from "../support/e2e-service.ts";
+import { expectOk, latencySummary, uploadTemplate, waitFor } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** A test boots a VM or two (~0.2-1 s each under TCG) and types a few lines. */
 const TEST_TIMEOUT_MS = 180_000;
-/** Three keys (~5 s each), `up`, one template build (import, boot, snapshot: ~10-60 s under TCG). */
-const SETUP_TIMEOUT_MS = 420_000;
+/** One template build (import, boot, snapshot: ~10-60 s under TCG) once `up` runs. */
+const SETUP_TIMEOUT_MS = 240_000;
 /** A template build: the image import, one boot and the snapshot; generous for a loaded host. */
 const BUILD_TIMEOUT_MS = 180_000;
 /** A harness wait for terminal output: a shell answering on a loaded, emulated guest. */
@@ -46,28 +36,40 @@ const REAPER_INTERVAL_S = 1;
 const IDLE_S = 3;
 const ESC = String.fromCharCode(0x1b);
 
-let svc: RunningService | undefined;
-let dataDir = "";
 let imgDir = "";
-let keys: Record<"live" | "scale" | "pro" | "other", string>;
 const liveSandboxes = new Set<string>();
 const liveSessions = new Set<string>();
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
-const api = () => service().api;
+// Registered before useService's hooks, so it runs first (bun runs a file's afterAll hooks in the
+// order they were registered): what the tests made goes while `up` still runs.
+afterAll(async () => {
+  if (keys) {
+    for (const id of liveSessions)
+      await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
+    for (const id of liveSandboxes)
+      await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
+    await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
+  }
+  if (imgDir) await rm(imgDir, { recursive: true, force: true });
+});
 
-beforeAll(async () => {
-  dataDir = await prepareDataDir("sbx-e2e-pty-", { python: false });
-  keys = await createKeys(dataDir, {
+const fx = useService({
+  prefix: "sbx-e2e-pty-",
+  python: false,
+  keys: {
     live: ["acme", "live"],
     scale: ["acme", "scale"],
     pro: ["acme", "pro"],
     other: ["evil", "pro"],
-  });
-  svc = await startUp(dataDir, ["--no-catalog"], { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) });
+  },
+  env: { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) },
+});
+let keys: Record<"live" | "scale" | "pro" | "other", string>;
+const service = () => fx.svc;
+const api = () => service().api;
+
+beforeAll(async () => {
+  keys = fx.keys;
   imgDir = await mkdtemp(join(tmpdir(), "sbx-pty-img-"));
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), await busyboxImageSpec(imgDir));
   await uploadTemplate(
@@ -78,25 +80,6 @@ beforeAll(async () => {
     BUILD_TIMEOUT_MS,
   );
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    for (const id of liveSessions)
-      await s.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
-    for (const id of liveSandboxes)
-      await s.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
-    await s.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
-    await s.stop();
-  }
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    for (const p of await qemusUnder(dataDir)) process.kill(p.pid, "SIGKILL"); // ours: started by our `up`
-    await removeDataDir(dataDir);
-  }
-  if (imgDir) await rm(imgDir, { recursive: true, force: true });
-});
 
 async function createSandbox(extra: Record<string, unknown> = {}): Promise<string> {
   const res = await api().post("/v1/sandboxes", { key: keys.pro, json: { template: TEMPLATE, ...extra } });
@@ -206,6 +189,7 @@ describe("terminal (GET .../pty)", () => {
 
       // Keystroke round trip: one character typed until its echo is back, then erased (^U).
       const samples: number[] = [];
+      const typedFrom = term.out.length;
       for (let i = 0; i < 30; i++) {
         from = term.out.length;
         const t0 = performance.now();
@@ -213,6 +197,9 @@ describe("terminal (GET .../pty)", () => {
         await term.wait(/x/, from);
         samples.push(performance.now() - t0);
       }
+      // Each sample an echo of what was typed: 30 of them, every x shown.
+      expect(samples).toHaveLength(30);
+      expect(term.out.slice(typedFrom).split("x").length - 1).toBeGreaterThanOrEqual(30);
       from = term.out.length;
       term.type("\x15echo done\r");
       await term.wait(/\r\ndone\r\n/, from);
