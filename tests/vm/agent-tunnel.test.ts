@@ -35,6 +35,11 @@ const SECRET = "test-secret-0123456789abcdef-0123456789";
 const CREDS = { id: "test-agent", key: SECRET };
 /** Short idle pause so the test sees it happen (and not happen) within a second or two. */
 const IDLE_PAUSE_MS = 400;
+/**
+ * A bound for what takes well under a second (the idle pause, a tunnel's end): it only catches a
+ * hang, on a 2-core TCG host shared with other test files.
+ */
+const HANG_MS = 30_000;
 const BIG_MIB = 8;
 
 afterAll(removeBusyboxArchive);
@@ -114,7 +119,7 @@ test(
       expect((await errorOf(c.openTunnel(id, 0, "tcp"))).code).toBe("bad_request");
 
       // Raw HTTP; open latency over a few tunnels (the VM is woken from its idle pause first).
-      await waitFor(() => manager.info(id).state === "paused", 5_000);
+      expect(await waitFor(() => manager.info(id).state === "paused", HANG_MS)).toBe(true);
       const opens: number[] = [];
       for (let i = 0; i < 5; i++) {
         const t0 = performance.now();
@@ -135,7 +140,16 @@ test(
       expect(createHash("sha256").update(big).digest("hex")).toBe(bigSum);
 
       // Throughput client -> guest: 8 MiB into nc, checked inside the VM.
-      await c.exec(id, shell("(sleep 600 | nc -l -p 9000 > /tmp/up.bin 2>/dev/null &) ; sleep 0.3"));
+      // Once nc listens (port 9000 = 0x2328 in LISTEN, state 0A), or exit 1 after 10 s.
+      const listening = await c.exec(
+        id,
+        shell(
+          "(sleep 600 | nc -l -p 9000 > /tmp/up.bin 2>/dev/null &) ; i=0; " +
+            "until cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | awk '$4 == \"0A\"' | grep -q ':2328 '; " +
+            "do i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.05; done",
+        ),
+      );
+      expect(listening.exitCode).toBe(0);
       const up = Buffer.alloc(BIG_MIB << 20);
       for (let i = 0; i < up.length; i += 4) up.writeUInt32LE((i * 2654435761) >>> 0, i);
       t0 = performance.now();
@@ -150,7 +164,8 @@ test(
       const upSum = await c.exec(id, shell("sha256sum /tmp/up.bin | cut -d' ' -f1"));
       expect(upSum.stdout.trim()).toBe(createHash("sha256").update(up).digest("hex"));
 
-      // An open tunnel (httpd waiting for its request) keeps the VM from being idle-paused.
+      // An open tunnel (httpd waiting for its request) keeps the VM from being idle-paused. (That
+      // the pause happens without one was seen above.) Nothing to wait on: four idle graces.
       const held = await c.openTunnel(id, 8080, "tcp");
       await Bun.sleep(IDLE_PAUSE_MS * 4);
       expect(manager.info(id).state).toBe("running");
@@ -159,7 +174,7 @@ test(
       // Fork: the child is a copy of the VM with that connection in its kernel, but its guest
       // agent dropped the tunnel when its host said HELLO; the parent's tunnel still works.
       const [child] = await c.fork(id, 1);
-      expect(await waitFor(async () => (await established(c, child!.vmId, 8080)) === 0, 10_000)).toBe(true);
+      expect(await waitFor(async () => (await established(c, child!.vmId, 8080)) === 0, HANG_MS)).toBe(true);
       const w = held.writable.getWriter();
       await w.write(Buffer.from("GET /health HTTP/1.0\r\n\r\n"));
       w.releaseLock();
@@ -176,7 +191,8 @@ test(
       const outcome = await ended;
       figures.destroy_to_tunnel_end_ms = performance.now() - t0;
       expect(outcome).toStartWith("error:");
-      expect(figures.destroy_to_tunnel_end_ms).toBeLessThan(5_000);
+      // Only catches a hang (a tunnel left open after its VM went); the time is in the figures.
+      expect(figures.destroy_to_tunnel_end_ms).toBeLessThan(HANG_MS);
       await c.destroy(child!.vmId, { force: true });
     } finally {
       for (const s of manager.list()) await manager.destroy(s.id, { force: true });
