@@ -10,21 +10,11 @@
  *
  * Tests run in order and share one service; the last stops it and checks no QEMU is left.
  */
-import { afterAll, afterEach, beforeAll, expect, test } from "bun:test";
+import { beforeAll, expect, test } from "bun:test";
 import * as B from "../../contracts/api/family-b.ts";
 import * as P from "../../contracts/api/processes.ts";
-import {
-  createKeys,
-  expectError,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  startUp,
-  stopAndClean,
-  waitFor,
-  waitForTemplate,
-} from "../support/e2e-service.ts";
+import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 const PYTHON = "python";
 /** The lifetime under test: short, so a test waits seconds. */
@@ -39,43 +29,28 @@ const INTERVAL_S = 1;
 const SUSPENDED_WITHIN_MS = 5_000;
 /** A harness wait for a delete that is due at timeout + interval on a loaded host. */
 const RECLAIM_WAIT_MS = 30_000;
-/** Two keys (~5 s each: the CLI migrates PGlite), `up`, and the python template (bound 300 s). */
-const SETUP_TIMEOUT_MS = 420_000;
 /** Each test boots one VM, suspends and resumes it. */
 const TEST_TIMEOUT_MS = 120_000;
-/** Stopping `up`, waiting for its QEMUs to go (10 s) and removing the data dir. */
-const TEARDOWN_TIMEOUT_MS = 60_000;
 
-let svc: RunningService | undefined;
-let dataDir = "";
+const fx = useService({
+  keys: { key: ["acme", "pro"] },
+  env: { SANDBOXD_REAPER_INTERVAL: String(INTERVAL_S) },
+});
 let key = "";
+beforeAll(() => {
+  ({ key } = fx.keys);
+});
+/** Sandboxes not deleted yet: deleted after the test that made them (pass or fail). */
 const live = new Set<string>();
-
-const api = () => {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc.api;
-};
-
-beforeAll(async () => {
-  dataDir = await prepareDataDir();
-  ({ key } = await createKeys(dataDir, { key: ["acme", "pro"] }));
-  svc = await startUp(dataDir, [], { SANDBOXD_REAPER_INTERVAL: String(INTERVAL_S) });
-  await waitForTemplate(svc, PYTHON, 300_000);
-}, SETUP_TIMEOUT_MS);
-
-afterEach(async () => {
-  for (const id of live) {
-    await svc?.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
-    live.delete(id);
-  }
-}, TEARDOWN_TIMEOUT_MS);
-
-afterAll(() => stopAndClean(svc, dataDir), TEARDOWN_TIMEOUT_MS);
+const api = () => fx.api;
 
 async function create(body: Record<string, unknown>): Promise<string> {
   const res = await api().post("/v1/sandboxes", { key, json: { template: PYTHON, ...body } });
   const id = expectOk(res, 201, B.CreateSandboxResponse).id;
   live.add(id);
+  fx.cleanup(async () => {
+    if (live.delete(id)) await fx.api.delete(`/v1/sandboxes/${id}`, { key });
+  });
   return id;
 }
 
@@ -98,12 +73,13 @@ test(
     let last = await info(id);
     expect(last).toMatchObject({ state: "running", idle_timeout_seconds: IDLE_S, idle_action: "suspend" });
     expect(last.suspended_by).toBeUndefined();
-    await waitFor(async () => {
+    const suspended = await waitFor(async () => {
       last = await info(id);
       return last.state === "suspended";
     }, RECLAIM_WAIT_MS);
     const after = performance.now() - idleFrom;
     console.log(JSON.stringify({ suspended_after_idle_ms: Math.round(after), idle_timeout_s: IDLE_S }));
+    expect(suspended).toBe(true);
     expect(last).toMatchObject({ state: "suspended", suspended_by: "idle" });
     expect(after).toBeGreaterThanOrEqual(IDLE_S * 1000 - 250);
     expect(after).toBeLessThanOrEqual(SUSPENDED_WITHIN_MS);
@@ -156,7 +132,7 @@ test(
     const proc = expectOk(started, 201, P.ProcessInfo);
     // Silent: the follow sends nothing after its `: open`, yet it is a call in flight.
     const ctl = new AbortController();
-    const res = await fetch(new URL(`/v1/sandboxes/${id}/processes/${proc.pid}/logs`, svc!.url), {
+    const res = await fetch(new URL(`/v1/sandboxes/${id}/processes/${proc.pid}/logs`, fx.svc.url), {
       headers: { authorization: `Bearer ${key}`, accept: "text/event-stream" },
       signal: ctl.signal,
     });
@@ -192,17 +168,17 @@ test(
 test(
   "idle_action delete: the service deletes it, later calls get 404, its QEMU goes",
   async () => {
-    const before = (await qemusUnder(dataDir)).length;
+    const before = (await qemusUnder(fx.dataDir)).length;
     const id = await create({ idle_timeout_seconds: IDLE_S, idle_action: "delete" });
     const gone = await waitFor(
       async () => (await api().get(`/v1/sandboxes/${id}`, { key })).status === 404,
       RECLAIM_WAIT_MS,
     );
-    if (!gone) throw new Error(`sandbox ${id} not deleted:\n${svc?.logTail()}`);
+    if (!gone) throw new Error(`sandbox ${id} not deleted:\n${fx.svc.logTail()}`);
     live.delete(id);
     expectError(await api().get(`/v1/sandboxes/${id}`, { key }), 404, "not_found");
     expectError(await api().post(`/v1/sandboxes/${id}/exec`, { key, json: { command: "true" } }), 404);
-    expect(await waitFor(async () => (await qemusUnder(dataDir)).length <= before, 10_000)).toBe(true);
+    expect(await waitFor(async () => (await qemusUnder(fx.dataDir)).length <= before, 10_000)).toBe(true);
   },
   TEST_TIMEOUT_MS,
 );
@@ -210,8 +186,7 @@ test(
 test("stopping the service leaves no QEMU", async () => {
   for (const id of live) await api().delete(`/v1/sandboxes/${id}`, { key });
   live.clear();
-  const code = await svc!.stop();
-  svc = undefined;
-  expect(code).toBe(0);
-  expect(await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000)).toBe(true);
+  const { exit, qemus } = await fx.stop();
+  expect(exit).toBe(0);
+  expect(qemus).toEqual([]);
 });
