@@ -8,21 +8,11 @@
  *
  * Tests run in order and share one service; the last stops it and checks no QEMU is left.
  */
-import { afterAll, afterEach, beforeAll, expect, test } from "bun:test";
+import { beforeAll, expect, test } from "bun:test";
 import * as A from "../../contracts/api/family-a.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
-import {
-  createKeys,
-  expectError,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  startUp,
-  stopAndClean,
-  waitFor,
-  waitForTemplate,
-} from "../support/e2e-service.ts";
+import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** The TTL under test: short, so a test waits seconds; set by environment like an operator would. */
 const TTL_S = 4;
@@ -33,46 +23,28 @@ const INTERVAL_S = 1;
  * host may run a pass late), not a claim about speed.
  */
 const RECLAIM_WAIT_MS = 30_000;
-/** One key (~5 s: the CLI migrates PGlite), `up`, and the python template (bound 300 s). */
-const SETUP_TIMEOUT_MS = 420_000;
 /** Each test boots one or two VMs and waits for a reclaim. */
 const TEST_TIMEOUT_MS = 120_000;
-/** Stopping `up`, waiting for its QEMUs to go (10 s) and removing the data dir. */
-const TEARDOWN_TIMEOUT_MS = 60_000;
 
-let svc: RunningService | undefined;
-let dataDir = "";
+const fx = useService({
+  keys: { key: ["acme", "live"] },
+  env: { SANDBOXD_SESSION_IDLE_TTL: String(TTL_S), SANDBOXD_REAPER_INTERVAL: String(INTERVAL_S) },
+});
 let key = "";
+beforeAll(() => {
+  ({ key } = fx.keys);
+});
+/** Sessions not reclaimed yet: deleted after the test that made them (pass or fail). */
 const liveSessions = new Set<string>();
-
-const api = () => {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc.api;
-};
-
-beforeAll(async () => {
-  dataDir = await prepareDataDir();
-  ({ key } = await createKeys(dataDir, { key: ["acme", "live"] }));
-  svc = await startUp(dataDir, [], {
-    SANDBOXD_SESSION_IDLE_TTL: String(TTL_S),
-    SANDBOXD_REAPER_INTERVAL: String(INTERVAL_S),
-  });
-  await waitForTemplate(svc, "python", 300_000);
-}, SETUP_TIMEOUT_MS);
-
-afterEach(async () => {
-  for (const id of liveSessions) {
-    await svc?.api.delete(`/v1/sessions/${id}`, { key, query: { force: "true" } }).catch(() => undefined);
-    liveSessions.delete(id);
-  }
-}, TEARDOWN_TIMEOUT_MS);
-
-afterAll(() => stopAndClean(svc, dataDir), TEARDOWN_TIMEOUT_MS);
+const api = () => fx.api;
 
 async function createSession(): Promise<string> {
   const res = await api().post("/v1/sessions", { key, json: { template_id: "python" } });
   const id = expectOk(res, 201, A.CreateSessionResponse).session_id;
   liveSessions.add(id);
+  fx.cleanup(async () => {
+    if (liveSessions.delete(id)) await fx.api.delete(`/v1/sessions/${id}`, { key, query: { force: "true" } });
+  });
   return id;
 }
 
@@ -90,7 +62,7 @@ async function waitReclaimed(id: string, since: number): Promise<number> {
     last = (await api().get(`/v1/sessions/${id}`, { key })).status;
     return last === 410;
   }, RECLAIM_WAIT_MS);
-  if (!gone) throw new Error(`session ${id} not reclaimed (last GET ${last}):\n${svc?.logTail()}`);
+  if (!gone) throw new Error(`session ${id} not reclaimed (last GET ${last}):\n${fx.svc.logTail()}`);
   return (performance.now() - since) / 1000;
 }
 
@@ -129,7 +101,7 @@ test(
     const list = expectOk(await api().get("/v1/sessions", { key }), 200, A.SessionList);
     expect(list.sessions.map((s) => s.session_id)).not.toContain(id);
     // Its VM went with it.
-    expect(await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000)).toBe(true);
+    expect(await waitFor(async () => (await qemusUnder(fx.dataDir)).length === 0, 10_000)).toBe(true);
   },
   TEST_TIMEOUT_MS,
 );
@@ -158,8 +130,7 @@ test(
 );
 
 test("stopping the service leaves no QEMU", async () => {
-  const code = await svc!.stop();
-  svc = undefined;
-  expect(code).toBe(0);
-  expect(await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000)).toBe(true);
+  const { exit, qemus } = await fx.stop();
+  expect(exit).toBe(0);
+  expect(qemus).toEqual([]);
 });
