@@ -12,6 +12,7 @@ import {
   removeBusyboxArchive,
   TEST_CACHE_DIR,
   tempStateDir,
+  waitFor,
 } from "../../agent/sandbox/testing.ts";
 import type { ExecAction } from "../../contracts/agent/api.ts";
 import { AgentHttpClient } from "../../gateway/agents/client.ts";
@@ -26,6 +27,11 @@ import { errorOf } from "../support/agents.ts";
 
 /** Each cold boot is ~2-3 s under TCG, plus the image import on a cold cache (~5 s). */
 const VM_TEST_TIMEOUT_MS = 180_000;
+/**
+ * A bound for what takes a second or less (a state change, an error after a kill): it only
+ * catches a hang, on a 2-core TCG host shared with other test files.
+ */
+const HANG_MS = 30_000;
 const SECRET = "test-secret-0123456789abcdef-0123456789";
 /** The agent's enrolled identity: its id and key. */
 const CREDS = { id: "test-agent", key: SECRET };
@@ -77,14 +83,12 @@ async function setup(): Promise<{ agent: Agent; stateDir: string; agents: Agent[
   await copyFile(await busyboxArchive(), upload);
   await agent.client.buildTemplate("busybox", { kind: "upload", path: upload, memMib: 256, vcpuCount: 1 });
   expect(await Bun.file(upload).exists()).toBe(false);
-  for (let i = 0; i < 600; i++) {
-    const s = await agent.client.templateStatus("busybox");
-    if (s.status !== "building") {
-      expect(s).toMatchObject({ status: "ready", phase: "Live" });
-      break;
-    }
-    await Bun.sleep(100);
-  }
+  const built = await waitFor(
+    async () => (await agent.client.templateStatus("busybox")).status !== "building",
+    VM_TEST_TIMEOUT_MS / 2,
+  );
+  expect(built).toBe(true);
+  expect(await agent.client.templateStatus("busybox")).toMatchObject({ status: "ready", phase: "Live" });
   return { agent, stateDir, agents };
 }
 
@@ -121,16 +125,21 @@ describe("agent HTTP API with real VMs", () => {
       const times: number[] = [];
       for (let i = 0; i < 5; i++) {
         const t0 = performance.now();
-        await c.exec(vm.vmId, { files: [], run: { kind: "argv", commands: [["true"]] }, timeoutMs: 30_000 });
+        const rt = await c.exec(vm.vmId, {
+          files: [],
+          run: { kind: "argv", commands: [["true"]] },
+          timeoutMs: 30_000,
+        });
         times.push(performance.now() - t0);
+        expect(rt).toMatchObject({ stdout: "", stderr: "", exitCode: 0 });
       }
       times.sort((a, b) => a - b);
       console.log(
         `[agent-api] create ${vm.createTimeMs.toFixed(0)} ms; exec round trip median ${times[2]!.toFixed(1)} ms`,
       );
 
-      const slow = c.exec(vm.vmId, shell("sleep 1; echo slow-done"));
-      await Bun.sleep(100);
+      const slow = c.exec(vm.vmId, shell("sleep 3; echo slow-done"));
+      expect(await waitFor(() => agent.manager.info(vm.vmId).state === "busy", HANG_MS)).toBe(true);
       const busy = await errorOf(c.exec(vm.vmId, shell("true")));
       expect(busy.code).toBe("busy");
       expect((await errorOf(c.fork(vm.vmId, 1))).code).toBe("busy");
@@ -166,8 +175,7 @@ describe("agent HTTP API with real VMs", () => {
       expect((await c.exec(last.vmId, shell("echo still"))).stdout).toBe("still\n");
       expect(agent.manager.templates.deletingIds()).toEqual(["busybox"]);
       await c.destroy(last.vmId, { force: false });
-      for (let i = 0; i < 100 && agent.manager.templates.deletingIds().length > 0; i++) await Bun.sleep(50);
-      expect(agent.manager.templates.deletingIds()).toEqual([]);
+      expect(await waitFor(() => agent.manager.templates.deletingIds().length === 0, HANG_MS)).toBe(true);
       expect((await errorOf(c.templateStatus("busybox"))).code).toBe("not_found");
     },
     VM_TEST_TIMEOUT_MS,
@@ -240,11 +248,12 @@ describe("agent HTTP API with real VMs", () => {
       const vm = await c.createSandbox("busybox", { kind: "sandbox" });
       const pid = agent.manager.info(vm.vmId).qemuPid!;
       const pending = errorOf(c.exec(vm.vmId, shell("sleep 60")));
-      await Bun.sleep(300);
+      expect(await waitFor(() => agent.manager.info(vm.vmId).state === "busy", HANG_MS)).toBe(true);
       const t0 = performance.now();
       process.kill(pid, "SIGKILL");
       const err = await pending;
-      expect(performance.now() - t0).toBeLessThan(3000);
+      // Only catches a hang: without the QEMU's death noticed, the exec would run its 60 s.
+      expect(performance.now() - t0).toBeLessThan(HANG_MS);
       expect(err.code).toBe("gone");
       expect(err.message).toContain("QEMU exited (signal SIGKILL)");
       expect((await errorOf(c.exec(vm.vmId, shell("true")))).code).toBe("gone");
@@ -295,13 +304,15 @@ describe("agent HTTP API with real VMs", () => {
       const err = await errorOf(c.health());
       expect(err.code).toBe("agent_unavailable");
       expect(err.message).toContain("did not answer");
-      expect(performance.now() - t0).toBeLessThan(2000);
+      // Only catches a hang: the silent server never answers; the 300 ms deadline ends the call.
+      expect(performance.now() - t0).toBeLessThan(HANG_MS);
     } finally {
       for (const s of sockets) s.destroy();
       silent.close();
     }
-    // Nobody listening at all: refused at once.
-    const dead = new AgentHttpClient({ baseUrl: `http://127.0.0.1:${port}`, agentId: CREDS.id, key: SECRET });
+    // Nobody listening at all: refused at once. Port 1 (tcpmux), not the closed port above: that
+    // one another test file's server may take meanwhile; nothing here serves on port 1.
+    const dead = new AgentHttpClient({ baseUrl: "http://127.0.0.1:1", agentId: CREDS.id, key: SECRET });
     const err = await errorOf(dead.health());
     expect(err.code).toBe("agent_unavailable");
     expect(err.message).toContain("unreachable");
