@@ -181,7 +181,8 @@ describe("egress proxy over real loopback sockets", () => {
       const r = await talk(req);
       expect(r.text).toStartWith("HTTP/1.1 403 Forbidden");
       expect(r.text).toContain("X-Sandboxd-Egress: denied");
-      expect(r.ms).toBeLessThan(1_000);
+      // Only catches a hang (a refusal that waited on the denied host); never contacted: below.
+      expect(r.ms).toBeLessThan(10_000);
     }
     expect(deniedHits).toBe(before);
     const refused = attempts.filter((a) => !a.allowed).map((a) => `${a.host}:${a.port}`);
@@ -214,7 +215,7 @@ describe("egress proxy over real loopback sockets", () => {
     // The guest's own loopback with no route back into a guest (this proxy has none): 502.
     const r = await talk("CONNECT localhost:1 HTTP/1.1\r\n\r\n");
     expect(r.text).toStartWith("HTTP/1.1 502 Bad Gateway");
-    expect(r.ms).toBeLessThan(2_000);
+    expect(r.ms).toBeLessThan(10_000); // only catches a hang, on a loaded host
   });
 });
 

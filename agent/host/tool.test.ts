@@ -1,5 +1,5 @@
 import { describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
+import { existsSync, readFileSync, rmSync } from "node:fs";
 import { runTool, ToolError } from "./tool.ts";
 
 async function failure(p: Promise<unknown>): Promise<ToolError> {
@@ -34,14 +34,31 @@ describe("runTool", () => {
 
   test("the deadline kills the whole process group", async () => {
     const marker = `/tmp/sandboxd-tool-test-${process.pid}`;
+    const pidFile = `${marker}.pid`;
     const started = performance.now();
-    // The grandchild would create the marker after 1 s if the group kill missed it.
-    const e = await failure(
-      runTool(["sh", "-c", `(sleep 1; touch ${marker}) & sleep 30`], { timeoutMs: 200 }),
-    );
+    // The grandchild writes its pid (whole: a rename), and would create the marker after 1 s
+    // if the group kill missed it.
+    const grandchild = `sh -c 'echo $$ > ${pidFile}.tmp && mv ${pidFile}.tmp ${pidFile}; sleep 1; touch ${marker}'`;
+    const e = await failure(runTool(["sh", "-c", `${grandchild} & sleep 30`], { timeoutMs: 200 }));
     expect(e.kind).toBe("timeout");
-    expect(performance.now() - started).toBeLessThan(2000);
-    await Bun.sleep(1300);
+    // Only catches a hang: without the deadline the tool runs its 30 s.
+    expect(performance.now() - started).toBeLessThan(15_000);
+    // The grandchild is gone too (or was killed before it wrote its pid), and made nothing.
+    if (existsSync(pidFile)) {
+      const pid = Number(readFileSync(pidFile, "utf8"));
+      rmSync(pidFile);
+      // Gone, or a zombie nobody reaped yet (it runs nothing).
+      const gone = () => {
+        try {
+          const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+          return stat.slice(stat.lastIndexOf(")") + 2).startsWith("Z");
+        } catch {
+          return true;
+        }
+      };
+      for (const end = performance.now() + 10_000; !gone() && performance.now() < end; ) await Bun.sleep(20);
+      expect(gone()).toBe(true);
+    }
     expect(existsSync(marker)).toBe(false);
   });
 

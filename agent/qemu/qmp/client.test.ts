@@ -100,11 +100,12 @@ describe("QmpClient against a fake server", () => {
     setTimeout(() => ac.abort(new Error("qemu exited")), 30);
     const t0 = Date.now();
     const err = await QmpClient.connect(join(dir, "absent.sock"), {
-      timeoutMs: 5000,
+      timeoutMs: 60_000,
       signal: ac.signal,
     }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(QmpDisconnectedError);
-    expect(Date.now() - t0).toBeLessThan(1000);
+    // Only catches waiting out the 60 s timeout instead of the abort (on a loaded host).
+    expect(Date.now() - t0).toBeLessThan(15_000);
   });
 
   test("a greeting that is not QMP is a protocol error", async () => {
