@@ -21,54 +21,57 @@ import * as B from "../../contracts/api/family-b.ts";
 import { CONSOLE_CSP } from "../../gateway/routes/console.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { CHROMIUM_FLAGS, CHROMIUM_PATH } from "../support/chromium.ts";
-import {
-  createKeys,
-  expectOk,
-  prepareDataDir,
-  REPO,
-  type RunningService,
-  startUp,
-  stopAndClean,
-  uploadTemplate,
-} from "../support/e2e-service.ts";
+import { expectOk, REPO, uploadTemplate } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
-/** Three keys (~5 s each), `up`, one template build (import, boot, snapshot: ~10-60 s under TCG). */
-const SETUP_TIMEOUT_MS = 420_000;
+/** One template build (import, boot, snapshot: ~10-60 s under TCG) once `up` runs. */
+const SETUP_TIMEOUT_MS = 240_000;
 /** A template build: the image import, one boot and the snapshot; generous for a loaded host. */
 const BUILD_TIMEOUT_MS = 180_000;
 /** The browser test: a Chromium start, a page, a terminal, a fork (one VM) and a delete. */
 const TEST_TIMEOUT_MS = 300_000;
 /** A harness wait for the page to show what the API answered (a loaded host, an emulated guest). */
 const UI_WAIT_MS = 60_000;
-/** Deleting what is left, stopping `up` (30 s grace) and waiting for its QEMUs (10 s). */
-const TEARDOWN_TIMEOUT_MS = 90_000;
+/** Deleting what is left (then the fixture stops `up` and reaps its QEMUs). */
+const TEARDOWN_TIMEOUT_MS = 60_000;
 const TEMPLATE = "console";
 /** Baked while the page is open, from the same image. */
 const SECOND_TEMPLATE = "console-2";
 const XSS_LABEL = `<img src=x onerror="window.__xss=1">`;
 const ARTIFACTS = join(REPO, ".data", "test-artifacts", "console");
 
-let svc: RunningService | undefined;
-let dataDir = "";
 let imgDir = "";
 let image = new Uint8Array();
-let keys: Record<"pro" | "scale" | "live", string>;
 const ids: string[] = [];
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
-const api = () => service().api;
+// Registered before useService's hooks, so it runs first (bun runs a file's afterAll hooks in the
+// order they were registered): the sandboxes go while `up` still runs.
+afterAll(async () => {
+  if (keys) {
+    const list = await fx.api
+      .get<{ sandboxes: { id: string }[] }>("/v1/sandboxes", { key: keys.pro })
+      .catch(() => undefined);
+    for (const { id } of list?.body?.sandboxes ?? [])
+      await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
+  }
+  if (imgDir) await rm(imgDir, { recursive: true, force: true });
+}, TEARDOWN_TIMEOUT_MS);
 
-beforeAll(async () => {
-  dataDir = await prepareDataDir("sbx-e2e-console-", { python: false });
-  keys = await createKeys(dataDir, {
+const fx = useService({
+  prefix: "sbx-e2e-console-",
+  python: false,
+  keys: {
     pro: ["acme", "pro"],
     scale: ["acme", "scale"],
     live: ["acme", "live"],
-  });
-  svc = await startUp(dataDir, ["--no-catalog"]);
+  },
+});
+let keys: Record<"pro" | "scale" | "live", string>;
+const service = () => fx.svc;
+const api = () => service().api;
+
+beforeAll(async () => {
+  keys = fx.keys;
   imgDir = await mkdtemp(join(tmpdir(), "sbx-console-img-"));
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), await busyboxImageSpec(imgDir));
   image = new Uint8Array(await readFile(archive.path));
@@ -79,18 +82,6 @@ beforeAll(async () => {
   }
   await mkdir(ARTIFACTS, { recursive: true });
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    const list = await s.api.get<{ sandboxes: { id: string }[] }>("/v1/sandboxes", { key: keys.pro });
-    for (const { id } of list.body?.sandboxes ?? [])
-      await s.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
-  }
-  await stopAndClean(s, dataDir);
-  if (imgDir) await rm(imgDir, { recursive: true, force: true });
-}, TEARDOWN_TIMEOUT_MS);
 
 async function shot(page: Page, name: string): Promise<void> {
   const path = join(ARTIFACTS, name);
