@@ -103,6 +103,47 @@ afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
 
+/**
+ * A streamed session exec (`Accept: text/event-stream`) of `sh -c script` with the live key:
+ * `started` resolves on its first stdout event (the command runs), `done` with its status, whole
+ * stdout and exit event.
+ */
+function streamedSessionExec(id: string, script: string) {
+  let onStart!: () => void;
+  const started = new Promise<void>((resolve) => {
+    onStart = resolve;
+  });
+  const done = (async () => {
+    const res = await fetch(new URL(`/v1/sessions/${id}/exec`, service().url), {
+      method: "POST",
+      headers: {
+        authorization: `Bearer ${keys.live}`,
+        "content-type": "application/json",
+        accept: "text/event-stream",
+      },
+      body: JSON.stringify({ commands: [["sh", "-c", script]] }),
+      signal: AbortSignal.timeout(120_000),
+    });
+    let text = "";
+    const dec = new TextDecoder();
+    for await (const chunk of res.body!) {
+      text += dec.decode(chunk, { stream: true });
+      if (text.includes("event: stdout")) onStart();
+    }
+    onStart();
+    let stdout = "";
+    let exit: unknown;
+    for (const block of text.split("\n\n")) {
+      const event = /^event: (.*)$/m.exec(block)?.[1];
+      const data = /^data: (.*)$/m.exec(block)?.[1];
+      if (event === "stdout" && data) stdout += (JSON.parse(data) as { data: string }).data;
+      if (event === "exit" && data) exit = JSON.parse(data);
+    }
+    return { status: res.status, stdout, exit };
+  })();
+  return { started, done };
+}
+
 /** The HTTP status of a WebSocket handshake that is refused, or 101 with what the server sent. */
 function wsExchange(url: string, send: string): Promise<{ status: number; text: string }> {
   return new Promise((resolve, reject) => {
@@ -235,12 +276,10 @@ describe("Family A template delete (spec 3.1)", () => {
         A.CreateSessionResponse,
       ).session_id;
       liveSessions.add(session);
-      // An exec in flight while the template is deleted.
-      const inFlight = api().post(`/v1/sessions/${session}/exec`, {
-        key: keys.live,
-        json: { commands: [["sh", "-c", "sleep 3; echo finished"]] },
-      });
-      await Bun.sleep(1_000);
+      // An exec in flight while the template is deleted: it streams, so that the delete goes once
+      // it printed `started` (it runs then).
+      const inFlight = streamedSessionExec(session, "echo started; sleep 3; echo finished");
+      await Promise.race([inFlight.started, inFlight.done]);
       const del = await api().delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
       expect(del.status).toBe(204);
       // Removed for the API at once: no status, no new session or exec on it.
@@ -256,7 +295,10 @@ describe("Family A template delete (spec 3.1)", () => {
         "not_found",
       );
       // The exec that was running finishes; the session (and the Family B sandbox) go on working.
-      expect(expectOk(await inFlight, 200, A.ExecResultA).stdout).toBe("finished\n");
+      const finished = await inFlight.done;
+      expect(finished.status).toBe(200);
+      expect(A.ExecResultA.parse(finished.exit).exit_code).toBe(0);
+      expect(finished.stdout).toBe("started\nfinished\n");
       const after = await api().post(`/v1/sessions/${session}/exec`, {
         key: keys.live,
         json: { commands: [["echo", "still here"]] },
