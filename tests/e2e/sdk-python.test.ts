@@ -20,58 +20,32 @@ import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import * as B from "../../contracts/api/family-b.ts";
-import {
-  createKeys,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  REPO,
-  type RunningService,
-  removeDataDir,
-  startUp,
-  waitFor,
-  waitForTemplate,
-} from "../support/e2e-service.ts";
+import { expectOk, REPO } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** The issue asks for Debian's python3, not whatever `python3` a PATH finds first. */
 const PYTHON = "/usr/bin/python3";
 const SDK = join(REPO, "sdk/python");
-/** Three keys, `up`, the python template's build (~1-3 min under TCG on a loaded host). */
-const SETUP_TIMEOUT_MS = 480_000;
-/** Harness wait for the catalog template to become ready. */
-const TEMPLATE_WAIT_MS = 300_000;
 /** A script's VMs (a create, forks, a session: ~1 s each under TCG) and a few MiB of files. */
 const SCRIPT_TIMEOUT_MS = 300_000;
 
-let svc: RunningService | undefined;
-let dataDir = "";
 let scratch = "";
-let keys: Record<"pro" | "live" | "other", string>;
 
-const service = () => {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-};
+const fx = useService({
+  prefix: "sbx-e2e-sdkpy-",
+  keys: { pro: ["acme", "pro"], live: ["acme", "live"], other: ["evil", "pro"] },
+});
+let keys: Record<"pro" | "live" | "other", string>;
+const service = () => fx.svc;
 
 beforeAll(async () => {
-  dataDir = await prepareDataDir("sbx-e2e-sdkpy-");
+  keys = fx.keys;
   scratch = await mkdtemp(join(tmpdir(), "sbx-sdkpy-"));
-  keys = await createKeys(dataDir, { pro: ["acme", "pro"], live: ["acme", "live"], other: ["evil", "pro"] });
-  svc = await startUp(dataDir);
-  await waitForTemplate(svc, "python", TEMPLATE_WAIT_MS);
-}, SETUP_TIMEOUT_MS);
+});
 
 afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  await s?.stop();
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    for (const p of await qemusUnder(dataDir)) process.kill(p.pid, "SIGKILL"); // ours: started by our `up`
-    await removeDataDir(dataDir);
-  }
   if (scratch) await rm(scratch, { recursive: true, force: true });
-}, 120_000);
+});
 
 interface Run {
   code: number | null;
