@@ -121,6 +121,25 @@ async function until(cond: () => boolean, what: string, ms = 10_000): Promise<vo
   }
 }
 
+/**
+ * Until `read()` has not changed for 500 ms (the flow it counts has stopped: back-pressure took
+ * hold), polled every 50 ms; throws past 20 s (a flow that never stops).
+ */
+async function settled(read: () => number, what: string): Promise<void> {
+  const t0 = Date.now();
+  let last = read();
+  let since = Date.now();
+  while (Date.now() - since < 500) {
+    if (Date.now() - t0 > 20_000) throw new Error(`${what} still moving after 20 s`);
+    await Bun.sleep(50);
+    const now = read();
+    if (now !== last) {
+      last = now;
+      since = Date.now();
+    }
+  }
+}
+
 beforeAll(async () => {
   dir = mkdtempSync(join(tmpdir(), "sandboxd-connect-"));
   gw = await startGateway({
@@ -217,7 +236,7 @@ describe("connect (tcp)", () => {
     const ws = await mustOpen(await connectUrl(id, ECHO_PORT));
     const data = randomBytes(48 * MB);
     for (let off = 0; off < data.length; off += 64 * 1024) ws.send(data.subarray(off, off + 64 * 1024));
-    await Bun.sleep(1500);
+    await settled(() => ws.bufferedAmount, "the client's queue");
     // What the gateway did not take is still in the client's queue: the kernel buffers on the way
     // hold some MB, the gateway itself at most ~1 MiB above its high-water mark.
     figures.client_queue_while_guest_stalled_mb = Math.round(ws.bufferedAmount / MB);
@@ -245,7 +264,7 @@ describe("connect (tcp)", () => {
     const readBefore = agent.tunnelBytesRead;
     const ws2 = await mustOpen(await connectUrl(id2, SOURCE_PORT));
     ws2.pause();
-    await Bun.sleep(1500);
+    await settled(() => agent.tunnelBytesRead, "the reads from the guest");
     // The gateway stopped reading the tunnel: what it read sits in its send queue (~1 MiB) and in
     // the kernel buffers to the client; without back-pressure it would have read all 48 MB.
     const readWhileStalled = agent.tunnelBytesRead - readBefore;
