@@ -114,8 +114,12 @@ async function sh(id: string, command: string): Promise<string> {
 }
 
 const counter = async (id: string) => Number((await sh(id, "cat /tmp/c")).trim());
-/** Whether the counter of VM `id` passes `n` within HANG_MS (it ticks ten times a second). */
-const counterPasses = (id: string, n: number) => waitFor(async () => (await counter(id)) > n, HANG_MS);
+/**
+ * Whether the counter of VM `id` passes `n` within HANG_MS (it ticks ten times a second); before
+ * its first tick there is no file, read as 0.
+ */
+const counterPasses = (id: string, n: number) =>
+  waitFor(async () => Number((await sh(id, "cat /tmp/c 2>/dev/null || echo 0")).trim()) > n, HANG_MS);
 
 /** Whether a VM's QEMU was started to restore a snapshot (`-incoming defer`), not to boot. */
 function restoredQemu(pid: number): boolean {
