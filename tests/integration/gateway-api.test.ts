@@ -261,8 +261,10 @@ describe("one-shot execs share the tenant's cap and are metered", () => {
         release = r;
       });
       const inFlight = capped.req("POST", "/v1/exec", { key: k, json: { code: "1", template_id: "python" } });
-      for (let i = 0; i < 100 && !capped.agent.calls.some((c) => c.startsWith("execOnce")); i++)
+      // Bounded at 10 s: the call reaches the agent at once, on a loaded host a moment later.
+      for (let i = 0; i < 2000 && !capped.agent.calls.some((c) => c.startsWith("execOnce")); i++)
         await Bun.sleep(5);
+      expect(capped.agent.calls.some((c) => c.startsWith("execOnce"))).toBe(true);
       // One place taken by the exec: a session fits, then nothing more does.
       expect(
         (await capped.req("POST", "/v1/sessions", { key: k, json: { template_id: "python" } })).status,
@@ -337,8 +339,10 @@ test("a one-shot exec whose call was lost stops holding its place once no exec c
     const k = await capped.key("t", "live");
     capped.agent.execOnceGate = new Promise<void>(() => {}); // the call never ends
     void capped.req("POST", "/v1/exec", { key: k, json: { code: "1", template_id: "python" } });
-    for (let i = 0; i < 100 && !capped.agent.calls.some((c) => c.startsWith("execOnce")); i++)
+    // Bounded at 10 s: the call reaches the agent at once, on a loaded host a moment later.
+    for (let i = 0; i < 2000 && !capped.agent.calls.some((c) => c.startsWith("execOnce")); i++)
       await Bun.sleep(5);
+    expect(capped.agent.calls.some((c) => c.startsWith("execOnce"))).toBe(true);
     capped.agent.execOnceGate = undefined;
     expect(
       (await capped.req("POST", "/v1/sessions", { key: k, json: { template_id: "python" } })).status,
@@ -671,11 +675,21 @@ describe("family B sandboxes", () => {
 
     // busy: the agent refuses a second exec while one is in flight
     let release!: () => void;
-    h.agent.execGate = new Promise<void>((r) => {
+    const gate = new Promise<void>((r) => {
       release = r;
     });
+    // The agent awaits its gate once the exec is in flight (marked busy): a thenable says when.
+    let reached = false;
+    h.agent.execGate = {
+      // biome-ignore lint/suspicious/noThenProperty: awaited by the stand-in agent, on purpose
+      then: (ok: () => void, fail: (e: unknown) => void) => {
+        reached = true;
+        gate.then(ok, fail);
+      },
+    } as unknown as Promise<void>;
     const inflight = h.req("POST", `/v1/sandboxes/${sb.id}/exec`, { key: pro, json: { command: "sleep" } });
-    await Bun.sleep(20);
+    for (let i = 0; i < 2000 && !reached; i++) await Bun.sleep(5); // 10 s at most
+    expect(reached).toBe(true);
     const busy = await h.req("POST", `/v1/sandboxes/${sb.id}/exec`, { key: pro, json: { command: "x" } });
     expect(busy.status).toBe(409);
     expect((await json(busy)).code).toBe("busy");
