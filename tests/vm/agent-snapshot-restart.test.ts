@@ -23,11 +23,14 @@ import {
   removeBusyboxArchive,
   TEST_CACHE_DIR,
   tempStateDir,
+  waitFor,
 } from "../../agent/sandbox/testing.ts";
 import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 
 /** Two restores and a template build under TCG, plus a second agent process: 180 s is ample. */
 const VM_TEST_TIMEOUT_MS = 180_000;
+/** A bound for a counter's next tick (ten a second): it only catches a hang, on a loaded host. */
+const HANG_MS = 30_000;
 const REPO = resolve(import.meta.dir, "../..");
 
 /** The old agent. Writes what it made to argv[5] as JSON, then exits leaving everything running. */
@@ -51,16 +54,22 @@ const sh = async (id, command) => {
   if (r.exitCode !== 0) throw new Error(command + ": " + r.stderr);
   return r.stdout;
 };
+/** Polls cond every 25 ms for up to 30 s (a bound for a loaded host); the parent checks the outcome. */
+const until = async (cond) => {
+  for (const end = Date.now() + 30_000; Date.now() < end && !(await cond()); ) await Bun.sleep(25);
+};
+const count = async (id) => Number((await sh(id, "cat /tmp/c 2>/dev/null || echo 0")).trim());
 const a = (await m.create("busybox", { kind: "sandbox" })).vmId;
 await sh(a, "echo alive-a > /root/a.txt; " + COUNTER);
 const b = (await m.create("busybox", { kind: "sandbox" })).vmId;
 await sh(b, "echo alive-b > /root/b.txt; " + COUNTER);
-await Bun.sleep(800);
-const counterB = Number((await sh(b, "cat /tmp/c")).trim());
+await until(async () => (await count(b)) > 0);
+const counterB = await count(b);
 const suspended = await m.suspend(b);
 const counterA = Number((await sh(a, "cat /tmp/c")).trim());
-// Past the idle grace (2 s): A's vCPUs are stopped when the agent exits; adoption must wake it.
-await Bun.sleep(2600);
+// Until the idle pause (2 s grace): A's vCPUs are stopped when the agent exits; adoption must
+// wake it. The parent asserts that the pause came.
+await until(() => m.info(a).state === "paused");
 const stateA = m.info(a).state;
 writeFileSync(out, JSON.stringify({ a, b, qemuPidA: m.info(a).qemuPid, stateA, counterA, counterB, memBytes: suspended.memBytes }));
 process.exit(0); // an agent exit: nothing destroyed, nothing detached
@@ -147,8 +156,8 @@ test(
       const firstExecMs = performance.now() - tExec;
       const a1 = Number((await sh(made.a, "cat /tmp/c")).trim());
       expect(a1).toBeGreaterThan(made.counterA); // the loop kept running across the restart
-      await Bun.sleep(400);
-      expect(Number((await sh(made.a, "cat /tmp/c")).trim())).toBeGreaterThan(a1);
+      const counter = async (id: string) => Number((await sh(id, "cat /tmp/c")).trim());
+      expect(await waitFor(async () => (await counter(made.a)) > a1, HANG_MS)).toBe(true);
       expect((await sh(made.a, "hostname")).trim()).toBe(made.a);
 
       const tResume = performance.now();
@@ -158,8 +167,7 @@ test(
       expect(await sh(made.b, "cat /root/b.txt")).toBe("alive-b\n");
       const b1 = Number((await sh(made.b, "cat /tmp/c")).trim());
       expect(b1).toBeGreaterThanOrEqual(made.counterB);
-      await Bun.sleep(400);
-      expect(Number((await sh(made.b, "cat /tmp/c")).trim())).toBeGreaterThan(b1);
+      expect(await waitFor(async () => (await counter(made.b)) > b1, HANG_MS)).toBe(true);
 
       // The adopted VM still forks (its QEMU's node names came from the record).
       const [kid] = await m.fork(made.a, 1);
