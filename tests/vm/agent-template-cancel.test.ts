@@ -132,7 +132,7 @@ test(
       expect(entries(join(cacheDir, "images"))).toEqual([]);
       expect(logs.filter((l) => l.includes("image: imported"))).toEqual([]);
       // The upload the agent owned goes with the build.
-      await until("the upload to be removed", () => entries(uploads).length === 0, 5_000);
+      await until("the upload to be removed", () => entries(uploads).length === 0, 30_000);
     };
     try {
       // 1. Deleted while the importer itself reads the archive (before any tool starts).
