@@ -35,10 +35,11 @@ import {
 
 const SECRET = "fast-paths-test-agent-secret-0123456789abcdef";
 /**
- * What a bound may be exceeded by on a loaded 2-core host before the test calls it broken: a
- * request's own latency and timer lateness, not part of the promise.
+ * What a bound may be exceeded by on a loaded 2-core host (other test files' VMs beside this one)
+ * before the test calls it broken: a request's own latency and timer lateness, not part of the
+ * promise. Each test is set up so that nothing but the promised mechanism can meet the bound.
  */
-const SLACK_MS = 1500;
+const SLACK_MS = 5_000;
 /** A template build (import, boot, snapshot) under TCG on a loaded host. */
 const BUILD_TIMEOUT_MS = 180_000;
 const VM_TEST_TIMEOUT_MS = 420_000;
@@ -48,7 +49,9 @@ afterEach(async () => {
   for (const c of cleanups.splice(0).reverse()) await c();
 });
 
-async function gateway(opts: { keyCacheTtlMs?: number } = {}): Promise<RunningGateway> {
+async function gateway(
+  opts: { keyCacheTtlMs?: number; staleAfterMs?: number } = {},
+): Promise<RunningGateway> {
   return startRoutingGateway({
     agentSecret: SECRET,
     staleAfterMs: 1500,
@@ -96,7 +99,8 @@ describe("verified keys from memory", () => {
 
 describe("health from the agents' recent answer", () => {
   test("an agent that dies shows as degraded within HEALTH_CACHE_MS", async () => {
-    const gw = await gateway();
+    // Its heartbeat stays fresh far past the bound: only the cached answer's end can show it.
+    const gw = await gateway({ staleAfterMs: 600_000 });
     const stateDir = await tempStateDir();
     const driver = await BootDriver.create({ cacheDir: TEST_CACHE_DIR, stateDir });
     const manager = await SandboxManager.open({ driver, stateDir, capacity: { slots: 1 } });
@@ -193,7 +197,9 @@ describe("exec ends written behind, through `up`", () => {
       // A crash loses only the ends of its last ACTIVITY_FLUSH_MS: older ones are in the database.
       svc = await startUp(dataDir, ["--no-catalog"]);
       await exec(3);
-      await Bun.sleep(ACTIVITY_FLUSH_MS * 5);
+      // Past the flush window (nothing observable from outside `up` says the flush is done; its
+      // PGlite has one opener): 30 windows, for a loaded host. A flush that never comes fails.
+      await Bun.sleep(ACTIVITY_FLUSH_MS * 30);
       process.kill(svc.pid, "SIGKILL");
       await svc.stop();
       expect(await rowOf(id)).toEqual({ execCount: 8, execsInFlight: 0 });
