@@ -24,9 +24,10 @@ const KEY_RE = /^svc_pro_([a-z0-9]{12})_[A-Za-z0-9]{40}$/;
 const CLI_TIMEOUT_MS = 60_000;
 /**
  * How long another process's revocation may take to reach the running gateway: its notification
- * comes within milliseconds of the commit; the rest is a loaded 2-core host's scheduling.
+ * comes within milliseconds of the commit; the bound is for a loaded 2-core host shared with other
+ * test files, and far below the key TTL, so only the notification can meet it.
  */
-const NOTIFY_BOUND_MS = 1500;
+const NOTIFY_BOUND_MS = 5_000;
 /** The gateway's short key TTL here: far past the bound, so that only the notification helps. */
 const KEY_CACHE_LONG_TTL_MS = 600_000;
 
