@@ -40,9 +40,14 @@ describe("runImageTool", () => {
   });
 
   test("env reaches the tool on top of the agent's own", async () => {
-    await runImageTool(["sh", "-c", 'test "$TMPDIR" = /x && test -n "$PATH"'], {
-      env: { TMPDIR: "/x" },
-      log: () => {},
-    });
+    // The tool fails (exit 1, a throw) unless it sees both; the same check against another value
+    // fails, so the check itself can.
+    const run = (want: string) =>
+      runImageTool(["sh", "-c", `test "$TMPDIR" = ${want} && test -n "$PATH"`], {
+        env: { TMPDIR: "/x" },
+        log: () => {},
+      });
+    await expect(run("/x")).resolves.toBeUndefined();
+    await expect(run("/y")).rejects.toThrow();
   });
 });

@@ -1,5 +1,5 @@
 import { afterEach, beforeEach, describe, expect, test } from "bun:test";
-import { mkdtempSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, rmSync } from "node:fs";
 import { createServer, type Server, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -79,10 +79,15 @@ describe("QmpClient against a fake server", () => {
   });
 
   test("connect retries until the socket appears", async () => {
-    const c = QmpClient.connect(path, { timeoutMs: 2000 });
+    // The socket is not there when connect starts; it comes 100 ms later. (The timeout only
+    // catches a connect that never retries, on a loaded host.)
+    expect(existsSync(path)).toBe(false);
+    const c = QmpClient.connect(path, { timeoutMs: 30_000 });
     await new Promise((r) => setTimeout(r, 100));
     await startServer();
-    (await c).close();
+    const client = await c;
+    expect(received).toEqual(["qmp_capabilities"]); // the handshake went through
+    client.close();
   });
 
   test("connect times out without a greeting, and when nothing listens", async () => {
