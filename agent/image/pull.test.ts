@@ -238,20 +238,6 @@ describe("pull size", () => {
   });
 });
 
-let marks = 0;
-/**
- * Until every request the registry answered so far is in its log: a marker request's line is (the
- * access log is written as each request ends). Returns the marker. Bounded at 10 s and asserted.
- */
-async function logSettled(reg: LocalRegistry): Promise<string> {
-  const mark = `log-settled-${++marks}`;
-  await fetch(`http://${reg.host}/v2/?${mark}`).then((r) => r.arrayBuffer());
-  for (const end = performance.now() + 10_000; !reg.log().includes(mark) && performance.now() < end; )
-    await Bun.sleep(10);
-  expect(reg.log()).toContain(mark);
-  return mark;
-}
-
 describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopback", () => {
   let reg: LocalRegistry;
   let work: string;
@@ -291,7 +277,7 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
       registry: NO_CONFIG,
     });
     expect(pinned.cached).toBe(true);
-    await logSettled(reg);
+    await reg.settled();
     expect(blobGets()).toBe(before);
     expect(manifestGets()).toBeGreaterThan(manifestsBefore);
     console.log(
@@ -331,7 +317,7 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
       if (saved === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
       else process.env.SANDBOXD_DISK_RESERVE_BYTES = saved;
     }
-    await logSettled(reg);
+    await reg.settled();
     expect(blobGets()).toBe(before);
     expect(existsSync(join(cacheDir, "images", "pulled"))).toBe(false);
     expect(await readdir(join(cacheDir, "tmp"))).toEqual([]);
@@ -453,7 +439,7 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("a private registry: caches never cro
       registry: { insecureRegistries: [], authFile: hostAuth },
     });
     expect(unshared.details?.reason).toBe("registry_denied");
-    await logSettled(reg);
+    await reg.settled();
     expect(blobGets()).toBe(blobs); // nothing was fetched for the refused callers...
     // ...and the owner's layout is still the only one: nothing was copied for them either.
     expect(await readdir(join(cacheDir, "images", "pulled"))).toEqual([
@@ -478,7 +464,7 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("a private registry: caches never cro
       registry: { insecureRegistries: [], sharedRegistries: [reg.host], authFile: hostAuth },
     });
     expect(shared.cached).toBe(true);
-    await logSettled(reg);
+    await reg.settled();
     expect(blobGets()).toBe(blobs);
     console.log(
       JSON.stringify({
@@ -522,7 +508,7 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("a private registry: caches never cro
     expect(e.details?.reason).toBe("registry_forbidden");
     expect(e.message).not.toContain("refused 127"); // the fence's own words go to the log only
     // Not one request reached the registry: its log since holds the marker's lines only.
-    const mark = await logSettled(reg);
+    const mark = await reg.settled();
     const requests = reg
       .log()
       .slice(before)

@@ -65,8 +65,9 @@ async function scratchDir(): Promise<string> {
   return dir;
 }
 
+/** Until `cond` holds: polled every 5 ms, bounded at 10 s (a loaded host) and asserted. */
 async function until(cond: () => boolean): Promise<void> {
-  for (let i = 0; i < 200 && !cond(); i++) await Bun.sleep(5);
+  for (let i = 0; i < 2000 && !cond(); i++) await Bun.sleep(5);
   expect(cond()).toBe(true);
 }
 
@@ -182,8 +183,8 @@ describe("build slots shared between tenants", () => {
     await until(() => held.size === MAX_CONCURRENT_BUILDS);
     // Then B queues two: the next free slot is B's, not A's third.
     for (const id of ["ten_b.b0", "ten_b.b1"]) reg.build(id, { kind: "archive", path: "/nonexistent" });
-    await Bun.sleep(20);
-    expect(reg.slotsByOwner()).toEqual({ running: { ten_a: 2 }, waiting: { ten_a: 2, ten_b: 2 } });
+    const want = { running: { ten_a: 2 }, waiting: { ten_a: 2, ten_b: 2 } };
+    await until(() => Bun.deepEquals(reg.slotsByOwner(), want));
     held.get("ten_a.a0")!.finish();
     await until(() => held.has("ten_b.b0"));
     expect(held.has("ten_a.a2")).toBe(false);
@@ -324,7 +325,7 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("bakes of two tenants from a private 
     });
     expect(again.status).toBe("ready");
     expect(pulls.at(-1)).toMatchObject({ id: "tenant-a.app2", cached: true, digest });
-    await Bun.sleep(200);
+    await reg.settled();
     expect((reg.log().match(/"GET \/v2\/a\/private\/blobs\//g) ?? []).length).toBe(blobs);
   }, 120_000);
 

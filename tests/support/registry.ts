@@ -24,6 +24,12 @@ export interface LocalRegistry {
   push(source: string, nameTag: string): Promise<void>;
   /** Access log lines so far (method and path of each request). */
   log(): string;
+  /**
+   * Resolves once every request the registry answered before the call is in `log()`: a marker
+   * request's line is (the access log is written as each request ends). Resolves the marker;
+   * throws when it is not logged within 10 s.
+   */
+  settled(): Promise<string>;
   stop(): Promise<void>;
 }
 
@@ -34,6 +40,8 @@ export interface RegistryUser {
   username: string;
   password: string;
 }
+
+let marks = 0;
 
 export async function startRegistry(opts: { auth?: RegistryUser } = {}): Promise<LocalRegistry> {
   const dir = await mkdtemp(join(tmpdir(), "sbx-registry-"));
@@ -116,6 +124,14 @@ export async function startRegistry(opts: { auth?: RegistryUser } = {}): Promise
       if (code !== 0) throw new Error(`skopeo push to ${host}/${nameTag} failed: ${err}`);
     },
     log: () => out,
+    async settled() {
+      const mark = `log-settled-${++marks}`;
+      await fetch(`http://${host}/v2/?${mark}`).then((r) => r.arrayBuffer());
+      for (const end = performance.now() + 10_000; !out.includes(mark); await Bun.sleep(10)) {
+        if (performance.now() > end) throw new Error(`the registry did not log ${mark} within 10 s`);
+      }
+      return mark;
+    },
     async stop() {
       if (!exited) {
         const gone = new Promise<void>((r) => child.once("exit", () => r()));
