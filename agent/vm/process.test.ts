@@ -63,7 +63,9 @@ async function startFake(dir: string, program = fakeQemu, script = "read -r _"):
   if (pid === undefined) throw new Error("no pid");
   // Until exec completes, /proc shows the spawning runtime's argv.
   const exec = async () => (await readFile(`/proc/${pid}/cmdline`, "utf8").catch(() => "")).includes(dir);
-  for (let i = 0; i < 400 && !(await exec()); i++) await Bun.sleep(5);
+  // Bounded at 10 s (a loaded host), and a start that never shows fails here, not later.
+  for (let i = 0; i < 2000 && !(await exec()); i++) await Bun.sleep(5);
+  if (!(await exec())) throw new Error(`the fake QEMU (pid ${pid}) did not start within 10 s`);
   return pid;
 }
 
