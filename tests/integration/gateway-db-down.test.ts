@@ -79,7 +79,8 @@ test.skipIf(!HAVE_PG)(
 
     pg!.start();
     let back = await call("/v1/sandboxes");
-    for (let i = 0; i < 50 && back.status !== 200; i++) {
+    // Bounded at 30 s (a restarted server and a loaded host), asserted below.
+    for (let i = 0; i < 300 && back.status !== 200; i++) {
       await Bun.sleep(100);
       back = await call("/v1/sandboxes");
     }

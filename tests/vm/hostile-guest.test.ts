@@ -112,9 +112,16 @@ class FakeGuest {
     this.conn!.write(bytes);
   }
 
-  /** Resolves once everything written so far left our buffer. */
+  /**
+   * Resolves once everything written so far left our buffer (or the connection ended); throws
+   * past 30 s: a host that stopped reading where the test expects it to read.
+   */
   async flushed(): Promise<void> {
-    while (this.conn && !this.conn.destroyed && this.conn.writableLength > 0) await Bun.sleep(5);
+    const end = performance.now() + 30_000;
+    while (this.conn && !this.conn.destroyed && this.conn.writableLength > 0) {
+      if (performance.now() > end) throw new Error(`${this.conn.writableLength} bytes unread after 30 s`);
+      await Bun.sleep(5);
+    }
   }
 
   count(type: number): number {
