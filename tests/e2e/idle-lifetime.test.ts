@@ -109,8 +109,20 @@ test(
     const id = await create({ idle_timeout_seconds: IDLE_S, idle_action: "suspend" });
     const t0 = performance.now();
     const running = exec(id, "sleep 7; echo slept");
+    let answered = false;
+    void running.then(
+      () => {
+        answered = true;
+      },
+      () => {
+        answered = true;
+      },
+    );
+    // Past the timeout and two reaper passes (a span to see nothing happen in).
     await Bun.sleep((IDLE_S + 2 * INTERVAL_S) * 1000);
     const mid = await info(id);
+    // Seen while the exec was still in flight (else the check below could not fail).
+    expect(answered).toBe(false);
     expect(mid.state).toBe("running");
     expect(mid.idle_secs).toBe(0);
     expect(await running).toBe("slept\n");

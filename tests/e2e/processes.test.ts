@@ -20,6 +20,7 @@ import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
 import * as P from "../../contracts/api/processes.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectError, expectOk, uploadTemplate, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
@@ -54,10 +55,12 @@ async function deleteLeftovers(): Promise<void> {
   await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
 }
 
-// Registered before useService's hooks, so it runs first (bun runs a file's afterAll hooks in the
-// order they were registered): what a failed test left goes while `up` still runs.
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): what a failed test left goes while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (keys && running()) await deleteLeftovers();
+});
 afterAll(async () => {
-  if (keys) await deleteLeftovers().catch(() => {});
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
 
@@ -73,6 +76,15 @@ const fx = useService({
 });
 let keys: Record<"live" | "scale" | "pro" | "other", string>;
 const service = () => fx.svc;
+
+/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
+function running(): boolean {
+  try {
+    return Boolean(fx.svc);
+  } catch {
+    return false;
+  }
+}
 const api = () => service().api;
 
 beforeAll(async () => {
@@ -315,11 +327,11 @@ describe("Family B", () => {
       expect(list.every((p) => p.running)).toBe(true);
       // A start answers once the command is sent; the guest spawns it a moment later.
       let inGuest = "";
-      await waitFor(async () => {
+      const spawned = await waitFor(async () => {
         inGuest = (await exec(id, "pidof sleep | wc -w")).stdout.trim();
         return inGuest === String(MAX_PROCESSES);
       }, 30_000);
-      expect(inGuest).toBe(String(MAX_PROCESSES));
+      expect({ spawned, inGuest }).toEqual({ spawned: true, inGuest: String(MAX_PROCESSES) });
 
       expectOk(await api().post(`/v1/sandboxes/${id}/suspend`, { key: keys.pro }), 200, B.StateResponse);
       expectOk(await api().post(`/v1/sandboxes/${id}/resume`, { key: keys.pro }), 200, B.StateResponse);

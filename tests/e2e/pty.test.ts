@@ -18,6 +18,7 @@ import WebSocket from "ws";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectOk, latencySummary, uploadTemplate, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 
@@ -40,16 +41,17 @@ let imgDir = "";
 const liveSandboxes = new Set<string>();
 const liveSessions = new Set<string>();
 
-// Registered before useService's hooks, so it runs first (bun runs a file's afterAll hooks in the
-// order they were registered): what the tests made goes while `up` still runs.
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): what the tests made goes while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (!keys) return;
+  for (const id of liveSessions)
+    await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
+  for (const id of liveSandboxes)
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
+  await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
+});
 afterAll(async () => {
-  if (keys) {
-    for (const id of liveSessions)
-      await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
-    for (const id of liveSandboxes)
-      await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
-    await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
-  }
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
 
@@ -220,7 +222,8 @@ describe("terminal (GET .../pty)", () => {
       const term = await mustOpen(`/v1/sandboxes/${id}/pty?lines=true`, keys.pro);
       const from = term.out.length;
       term.type("echo $((6*7))", true);
-      await term.wait(/\r\n42\r\n/, from);
+      // Run without an Enter typed: its answer on a line of its own.
+      expect((await term.wait(/\r\n42\r\n/, from))[0]).toBe("\r\n42\r\n");
       term.ws.close(1000);
       await term.closed;
     },
