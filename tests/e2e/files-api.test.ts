@@ -28,24 +28,17 @@ import * as B from "../../contracts/api/family-b.ts";
 import { FileDeleted, FileList, FileWritten } from "../../contracts/api/files.ts";
 import { MAX_FILE_TRANSFER_BYTES } from "../../contracts/api/limits.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import {
-  createKeys,
-  expectError,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  reapDataDir,
-  startUp,
-  waitFor,
-} from "../support/e2e-service.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
+import { expectError, expectOk, waitFor } from "../support/e2e-service.ts";
+import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
+import { useService } from "../support/service.ts";
 
 /** 100 MB each way through the guest channel on a loaded (possibly TCG) host, plus sha256sum. */
 const BIG_TIMEOUT_MS = 600_000;
 const TEST_TIMEOUT_MS = 240_000;
-/** Four keys (~5 s each: the CLI migrates PGlite), `up`, the guest artifacts on a cold cache. */
-const SETUP_TIMEOUT_MS = 300_000;
+/** The template upload and build once `up` runs. */
+const SETUP_TIMEOUT_MS = 240_000;
 /** A template build (import + boot + freeze) on a loaded host. */
 const BUILD_WAIT_MS = 180_000;
 const TEMPLATE = "e2e-files-api";
@@ -68,30 +61,57 @@ const ZERO_BYTES = 400 * 1000 * 1000;
 /** The reaper's interval for the idle-suspend case (SANDBOXD_REAPER_INTERVAL). */
 const REAPER_INTERVAL_S = 1;
 
-let svc: RunningService | undefined;
-let dataDir = "";
+/** The keys' tenant: the idle pause is read from its usage (tests/support/idle-pause.ts). */
+const TENANT = "acme";
+
 let imgDir = "";
-let keys: Record<"live" | "scale" | "pro" | "other", string>;
 let sandboxId = "";
 let sessionId = "";
 
-const service = () => {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-};
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): what the tests made goes while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (!keys || !running()) return; // the last test deleted everything and stopped `up`
+  if (sandboxId) await fx.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro }).catch(() => {});
+  if (sessionId)
+    await fx.api
+      .delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } })
+      .catch(() => {});
+  await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
+}, 120_000);
+afterAll(async () => {
+  if (imgDir) await rm(imgDir, { recursive: true, force: true });
+});
+
+const fx = useService({
+  prefix: "sbx-e2e-filesapi-",
+  python: false,
+  keys: {
+    live: [TENANT, "live"],
+    scale: [TENANT, "scale"],
+    pro: [TENANT, "pro"],
+    other: ["evil", "pro"],
+  },
+  env: { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) },
+});
+let keys: Record<"live" | "scale" | "pro" | "other", string>;
+const service = () => fx.svc;
+
+/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
+function running(): boolean {
+  try {
+    return Boolean(fx.svc);
+  } catch {
+    return false;
+  }
+}
 const api = () => service().api;
 const sha256 = (b: Uint8Array | string) => createHash("sha256").update(b).digest("hex");
 const filesOf = (id: string) => `/v1/sandboxes/${id}/files`;
 
 beforeAll(async () => {
-  dataDir = await prepareDataDir("sbx-e2e-filesapi-", { python: false });
-  keys = await createKeys(dataDir, {
-    live: ["acme", "live"],
-    scale: ["acme", "scale"],
-    pro: ["acme", "pro"],
-    other: ["evil", "pro"],
-  });
-  svc = await startUp(dataDir, ["--no-catalog"], { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) });
+  keys = fx.keys;
+  const svc = fx.svc;
   imgDir = await mkdtemp(join(tmpdir(), "sbx-e2e-filesapi-img-"));
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), await busyboxImageSpec(imgDir));
   const image = new Uint8Array(await Bun.file(archive.path).arrayBuffer());
@@ -103,7 +123,7 @@ beforeAll(async () => {
   });
   expect(up.status).toBeLessThan(300);
   const ready = await waitFor(async () => {
-    const t = await svc!.api.get<A.TemplateA>(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
+    const t = await svc.api.get<A.TemplateA>(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
     return t.body?.status === "ready";
   }, BUILD_WAIT_MS);
   if (!ready) throw new Error(`template not ready\n${svc.logTail()}`);
@@ -113,22 +133,6 @@ beforeAll(async () => {
     B.CreateSandboxResponse,
   ).id;
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    if (sandboxId) await s.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro }).catch(() => {});
-    if (sessionId)
-      await s.api
-        .delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } })
-        .catch(() => {});
-    await s.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
-    await s.stop();
-  }
-  if (dataDir) await reapDataDir(dataDir);
-  if (imgDir) await rm(imgDir, { recursive: true, force: true });
-}, 120_000);
 
 function rssBytes(pid: number): { rss: number; hwm: number } {
   const text = readFileSync(`/proc/${pid}/status`, "utf8");
@@ -429,6 +433,49 @@ test(
   TEST_TIMEOUT_MS,
 );
 
+/**
+ * A streamed session exec (`Accept: text/event-stream`) of `sh -c script`: `started` resolves on
+ * its first stdout event (the command runs), `done` with its status, whole stdout, exit event and
+ * when that event arrived.
+ */
+function streamedSessionExec(id: string, key: string, script: string) {
+  let onStart!: () => void;
+  const started = new Promise<void>((resolve) => {
+    onStart = resolve;
+  });
+  const done = (async () => {
+    const res = await fetch(new URL(`/v1/sessions/${id}/exec`, service().url), {
+      method: "POST",
+      headers: {
+        authorization: `Bearer ${key}`,
+        "content-type": "application/json",
+        accept: "text/event-stream",
+      },
+      body: JSON.stringify({ commands: [["sh", "-c", script]] }),
+      signal: AbortSignal.timeout(120_000),
+    });
+    let text = "";
+    let exitAt = Number.POSITIVE_INFINITY;
+    const dec = new TextDecoder();
+    for await (const chunk of res.body!) {
+      text += dec.decode(chunk, { stream: true });
+      if (text.includes("event: stdout")) onStart();
+      if (text.includes("event: exit") && exitAt === Number.POSITIVE_INFINITY) exitAt = performance.now();
+    }
+    onStart();
+    let stdout = "";
+    let exit: unknown;
+    for (const block of text.split("\n\n")) {
+      const event = /^event: (.*)$/m.exec(block)?.[1];
+      const data = /^data: (.*)$/m.exec(block)?.[1];
+      if (event === "stdout" && data) stdout += (JSON.parse(data) as { data: string }).data;
+      if (event === "exit" && data) exit = JSON.parse(data);
+    }
+    return { status: res.status, stdout, exit, exitAt };
+  })();
+  return { started, done };
+}
+
 test(
   "Family A: the same routes on a session, beside a running exec and after the idle pause",
   async () => {
@@ -439,13 +486,10 @@ test(
     ).session_id;
     const f = `/v1/sessions/${sessionId}/files`;
     const key = keys.live;
-    // An exec that runs for 4 s: file calls meanwhile are served, not `busy`.
-    const exec = api().post(`/v1/sessions/${sessionId}/exec`, {
-      key,
-      json: { commands: [["sh", "-c", "sleep 4; cat /work/in.txt"]] },
-      timeoutMs: 120_000,
-    });
-    await Bun.sleep(500);
+    // An exec that runs for 4 s: file calls meanwhile are served, not `busy`. It streams, so that
+    // the file calls go once it printed `started` (it runs then).
+    const exec = streamedSessionExec(sessionId, key, "echo started; sleep 4; cat /work/in.txt");
+    await Promise.race([exec.started, exec.done]);
     const bytes = randomBytes(3 * 1024 * 1024 + 17); // several guest frames each way
     const t0 = performance.now();
     expect(
@@ -464,14 +508,21 @@ test(
       headers: { authorization: `Bearer ${key}` },
     });
     expect(sha256(new Uint8Array(await back.arrayBuffer()))).toBe(sha256(bytes));
-    const during = performance.now() - t0;
-    const r = expectOk(await exec, 200, A.ExecResultA);
-    expect(r.stdout).toBe("from the file API");
-    console.log(JSON.stringify({ file_calls_beside_exec_ms: Math.round(during) }));
-    expect(during).toBeLessThan(3500); // served while the 4 s exec still ran
+    const doneAt = performance.now();
+    const r = await exec.done;
+    expect(r.status).toBe(200);
+    expect(r.exit).toBeDefined();
+    expect(A.ExecResultA.parse(r.exit).exit_code).toBe(0);
+    // The cat after the sleep saw the file written meanwhile.
+    expect(r.stdout).toBe("started\nfrom the file API");
+    console.log(JSON.stringify({ file_calls_beside_exec_ms: Math.round(doneAt - t0) }));
+    // Served while the 4 s exec still ran: all done before its end came (an ordering, not a time).
+    expect(doneAt).toBeLessThan(r.exitAt);
 
-    // Idle past the agent's idle pause (2 s): the VM's vCPUs are stopped; a file call wakes it.
-    await Bun.sleep(3000);
+    // Idle past the agent's idle pause (2 s), seen in the session's metering (the API shows a
+    // paused VM as running): the VM's vCPUs are stopped; a file call wakes it.
+    const mark = await pausedSeconds(fx.dataDir, TENANT, sessionId);
+    expect(await waitForIdlePause(fx.dataDir, TENANT, sessionId, mark, 30_000)).toBe(true);
     const listed = expectOk(
       await api().get(f, { key, query: { path: "/work", list: "true" } }),
       200,
@@ -533,9 +584,9 @@ test(
     // Sessions outlive a restart of `up` (their VMs are kept): this one is ended first.
     await s.api.delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } });
     sessionId = "";
-    svc = undefined;
-    expect(await s.stop()).toBe(0);
-    expect(await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000)).toBe(true);
+    const { exit, qemus } = await fx.stop();
+    expect(exit).toBe(0);
+    expect(qemus).toEqual([]);
   },
   TEST_TIMEOUT_MS,
 );

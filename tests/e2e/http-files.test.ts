@@ -26,71 +26,69 @@ import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { MAX_MEM_MIB } from "../../contracts/api/limits.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import {
-  createKeys,
-  expectError,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  reapDataDir,
-  startUp,
-  waitFor,
-} from "../support/e2e-service.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
+import { expectError, expectOk } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** A handful of VMs per test (~1-3 s each under TCG) and a few MiB through the guest channel. */
 const TEST_TIMEOUT_MS = 240_000;
-/** Three keys (~5 s each: the CLI migrates PGlite), `up`, the guest artifacts on a cold cache. */
-const SETUP_TIMEOUT_MS = 300_000;
+/** The busybox image archive, made once `up` runs. */
+const SETUP_TIMEOUT_MS = 120_000;
 /** A template build (import + boot + freeze) on a loaded TCG host. */
 const BUILD_WAIT_MS = 180_000;
 const TEMPLATE = "e2e-files";
 
-let svc: RunningService | undefined;
-let dataDir = "";
 let imgDir = "";
 let image: Uint8Array;
-let keys: Record<"live" | "scale" | "pro", string>;
 const liveSessions = new Set<string>();
 const liveSandboxes = new Set<string>();
 const liveTemplates = new Set<string>();
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): what the tests made goes while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (!keys || !running()) return; // the last test deleted everything and stopped `up`
+  for (const id of liveSessions)
+    await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
+  for (const id of liveSandboxes)
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro, query: { force: "true" } }).catch(() => {});
+  for (const id of liveTemplates)
+    await fx.api.delete(`/v1/templates/${id}`, { key: keys.scale }).catch(() => {});
+}, 60_000);
+afterAll(async () => {
+  if (imgDir) await rm(imgDir, { recursive: true, force: true });
+});
+
+// Guest artifacts only (no python catalog): `up --no-catalog` builds nothing at start.
+const fx = useService({
+  prefix: "sbx-e2e-files-",
+  python: false,
+  keys: {
+    live: ["acme", "live"],
+    scale: ["acme", "scale"],
+    pro: ["acme", "pro"],
+  },
+});
+let keys: Record<"live" | "scale" | "pro", string>;
+const service = () => fx.svc;
+
+/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
+function running(): boolean {
+  try {
+    return Boolean(fx.svc);
+  } catch {
+    return false;
+  }
 }
 const api = () => service().api;
 const sha256 = (b: Uint8Array | string) => createHash("sha256").update(b).digest("hex");
 
 beforeAll(async () => {
-  // Guest artifacts only (no python catalog): `up --no-catalog` builds nothing at start.
-  dataDir = await prepareDataDir("sbx-e2e-files-", { python: false });
-  keys = await createKeys(dataDir, {
-    live: ["acme", "live"],
-    scale: ["acme", "scale"],
-    pro: ["acme", "pro"],
-  });
-  svc = await startUp(dataDir, ["--no-catalog"]);
+  keys = fx.keys;
   imgDir = await mkdtemp(join(tmpdir(), "sbx-e2e-files-img-"));
   const archive = await makeDockerArchive(join(imgDir, "busybox.tar"), await busyboxImageSpec(imgDir));
   image = new Uint8Array(await Bun.file(archive.path).arrayBuffer());
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    for (const id of liveSessions)
-      await s.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
-    for (const id of liveSandboxes)
-      await s.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro, query: { force: "true" } }).catch(() => {});
-    for (const id of liveTemplates)
-      await s.api.delete(`/v1/templates/${id}`, { key: keys.scale }).catch(() => {});
-    await s.stop();
-  }
-  if (dataDir) await reapDataDir(dataDir);
-  if (imgDir) await rm(imgDir, { recursive: true, force: true });
-}, 60_000);
 
 function upload(id: string, query: Record<string, string> = {}) {
   return api().post("/v1/templates", {
@@ -200,8 +198,8 @@ describe("upload bounds and wait_secs", () => {
       }
       expect(sending.head.toLowerCase()).toContain("connection: close");
       // No upload was started: nothing staged, no template row.
-      const staged = existsSync(join(dataDir, "uploads"))
-        ? await readdir(join(dataDir, "uploads"), { recursive: true })
+      const staged = existsSync(join(fx.dataDir, "uploads"))
+        ? await readdir(join(fx.dataDir, "uploads"), { recursive: true })
         : [];
       expect(staged.filter((f) => String(f).includes("too-big"))).toEqual([]);
       expectError(await api().get("/v1/templates/too-big", { key: keys.scale }), 404, "not_found");
@@ -408,9 +406,9 @@ test(
     const s = service();
     for (const id of liveTemplates) await s.api.delete(`/v1/templates/${id}`, { key: keys.scale });
     liveTemplates.clear();
-    svc = undefined;
-    expect(await s.stop()).toBe(0);
-    expect(await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000)).toBe(true);
+    const { exit, qemus } = await fx.stop();
+    expect(exit).toBe(0);
+    expect(qemus).toEqual([]);
   },
   TEST_TIMEOUT_MS,
 );
