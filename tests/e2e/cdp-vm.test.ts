@@ -17,23 +17,12 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { CDP_PORT, ensureChromiumLayout, PAGE_PORT } from "../support/chromium-image.ts";
-import {
-  createKeys,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  removeDataDir,
-  SHARED_DATA_DIR,
-  startUp,
-  waitFor,
-} from "../support/e2e-service.ts";
+import { expectOk, SHARED_DATA_DIR } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
-/**
- * The image build (debootstrap of chromium and its libraries: ~90 s on a fresh machine, cached
- * after), two keys and `up`.
- */
+/** The image build (debootstrap of chromium and its libraries: ~90 s on a fresh machine, cached after). */
 const SETUP_TIMEOUT_MS = 420_000;
 /** Upload (~850 MB on loopback, ~12 s), import (unpack + mkfs.ext4), one boot, the snapshot: ~40 s. */
 const TEMPLATE_TIMEOUT_MS = 240_000;
@@ -49,21 +38,29 @@ const VCPUS = 2;
 const TEMPLATE = "chromium-vm";
 const TITLE = "served inside the sandbox";
 
-let svc: RunningService | undefined;
-let dataDir = "";
 let work = "";
 let archive = "";
-let keys: Record<"scale" | "pro", string>;
 const figures: Record<string, number> = {};
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): the template goes while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (keys) await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
+});
+afterAll(async () => {
+  if (work) await rm(work, { recursive: true, force: true });
+  console.log(JSON.stringify({ cdp_vm_figures: figures }));
+});
+
+// No catalog: the python template build would compete with Chromium for the host's two cores.
+const fx = useService({ python: false, keys: { scale: ["acme", "scale"], pro: ["acme", "pro"] } });
+let keys: Record<"scale" | "pro", string>;
+const service = () => fx.svc;
 const api = () => service().api;
 const ms = (t0: number) => Math.round(performance.now() - t0);
 
 beforeAll(async () => {
+  keys = fx.keys;
   const t0 = performance.now();
   const layout = await ensureChromiumLayout(join(SHARED_DATA_DIR, "debootstrap"));
   figures.image_ms = ms(t0);
@@ -74,27 +71,7 @@ beforeAll(async () => {
     encoding: "utf8",
   });
   if (tar.status !== 0) throw new Error(`tar failed: ${tar.stderr}`);
-  dataDir = await prepareDataDir();
-  keys = await createKeys(dataDir, { scale: ["acme", "scale"], pro: ["acme", "pro"] });
-  // No catalog: the python template build would compete with Chromium for the host's two cores.
-  svc = await startUp(dataDir, ["--no-catalog"]);
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    await s.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => undefined);
-    await s.stop();
-  }
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    for (const p of await qemusUnder(dataDir)) process.kill(p.pid, "SIGKILL"); // ours: started by our `up`
-    await removeDataDir(dataDir);
-  }
-  if (work) await rm(work, { recursive: true, force: true });
-  console.log(JSON.stringify({ cdp_vm_figures: figures }));
-});
 
 /**
  * Run in the sandbox: write the page, start its server and Chromium detached (setsid, output to

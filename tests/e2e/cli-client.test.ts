@@ -17,19 +17,13 @@ import { existsSync } from "node:fs";
 import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import {
-  createKeys,
-  prepareDataDir,
-  REPO,
-  type RunningService,
-  reapDataDir,
-  startUp,
-  waitFor,
-} from "../support/e2e-service.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
+import { REPO, waitFor } from "../support/e2e-service.ts";
 import { type LocalRegistry, startBusyboxRegistry } from "../support/registry.ts";
+import { useService } from "../support/service.ts";
 
-/** A key (~5 s), the registry and push, `up`, and the bake the later tests use (bound 300 s). */
-const SETUP_TIMEOUT_MS = 420_000;
+/** The registry and push, and the bake the later tests use (bound 300 s), once `up` runs. */
+const SETUP_TIMEOUT_MS = 360_000;
 /** A test runs a few CLI commands (each ~0.5 s of Bun start) and boots a VM at most. */
 const TEST_TIMEOUT_MS = 180_000;
 /** One CLI command: a harness bound; the bake waits for pull, import, boot and snapshot. */
@@ -39,16 +33,32 @@ const PANE_WAIT_MS = 30_000;
 const SANDBOXD = join(REPO, "bin/sandboxd");
 const TEMPLATE = "clibb";
 
-let svc: RunningService | undefined;
 let reg: LocalRegistry | undefined;
 const registry = (): LocalRegistry => {
   if (!reg) throw new Error("the registry did not start (see beforeAll)");
   return reg;
 };
-let dataDir = "";
 let work = "";
 let key = "";
 const live = new Set<string>();
+
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): the sandboxes go while `up` still runs, then the registry.
+beforeServiceTeardown(async () => {
+  if (key) for (const id of live) await fx.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
+});
+afterAll(async () => {
+  await reg?.stop();
+  if (work) await rm(work, { recursive: true, force: true });
+});
+
+// The test registry is on loopback: the operator (not a tenant) lets the bake's pull reach it.
+const fx = useService({
+  prefix: "sbx-e2e-cli-",
+  python: false,
+  keys: { key: ["acme", "pro"] },
+  env: { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" },
+});
 
 interface Ran {
   code: number | null;
@@ -58,10 +68,7 @@ interface Ran {
   runningAtMatch?: boolean;
 }
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
+const service = () => fx.svc;
 
 function cliEnv(): NodeJS.ProcessEnv {
   const env: NodeJS.ProcessEnv = { ...process.env, SANDBOXD_URL: service().url, SANDBOXD_API_KEY: key };
@@ -140,31 +147,13 @@ function tmuxServer() {
 beforeAll(async () => {
   work = await mkdtemp(join(tmpdir(), "sbx-cli-"));
   ({ reg } = await startBusyboxRegistry(work, "cli/bb:1"));
-  dataDir = await prepareDataDir("sbx-e2e-cli-", { python: false });
-  ({ key } = await createKeys(dataDir, { key: ["acme", "pro"] }));
-  // The test registry is on loopback: the operator (not a tenant) lets the bake's pull reach it.
-  svc = await startUp(dataDir, ["--no-catalog"], { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" });
+  ({ key } = fx.keys);
   // Baked through the CLI: piped, so no progress line; the last line says it is Live.
   const baked = await cli(["template", "bake", TEMPLATE, `${reg.host}/cli/bb:1`]);
-  if (baked.code !== 0) throw new Error(`bake exited ${baked.code}: ${baked.stderr}\n${svc.logTail()}`);
+  if (baked.code !== 0) throw new Error(`bake exited ${baked.code}: ${baked.stderr}\n${service().logTail()}`);
   expect(baked.stdout.toString()).toBe(`${TEMPLATE} Live\n`);
   expect(baked.stderr).toBe("");
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    for (const id of live) {
-      await s.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
-    }
-    await s.stop();
-  }
-  // Its QEMUs (ours: started by our `up`) are waited for, killed if left, and the dir removed.
-  if (dataDir) await reapDataDir(dataDir);
-  await reg?.stop();
-  if (work) await rm(work, { recursive: true, force: true });
-});
 
 describe("sandboxd sbx / template against the real service", () => {
   let id = "";
@@ -352,6 +341,8 @@ describe("sandboxd sbx / template against the real service", () => {
       } finally {
         kill();
       }
+      // The round trip shown was a real one: the file came back byte-exact.
+      expect((await readFile(join(work, "progress.back"))).equals(await readFile(local))).toBe(true);
     },
     TEST_TIMEOUT_MS,
   );

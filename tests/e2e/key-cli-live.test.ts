@@ -6,33 +6,18 @@
  * and the CLI when the socket does not answer, stop with an error naming the holder and the fix
  * (db/lock.ts). After `up` stops, the CLI opens the database itself again.
  */
-import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { describe, expect, test } from "bun:test";
 import { statSync } from "node:fs";
 import { rename } from "node:fs/promises";
 import { join } from "node:path";
-import {
-  prepareDataDir,
-  type RunningService,
-  removeDataDir,
-  runCli,
-  startUp,
-} from "../support/e2e-service.ts";
+import { runCli } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** `up` with --no-catalog boots no VM; its start is the gateway, the agent and one enrollment. */
 const TEST_TIMEOUT_MS = 240_000;
 
-let dataDir = "";
-let svc: RunningService | undefined;
-
-beforeAll(async () => {
-  dataDir = await prepareDataDir("sbx-e2e-keys-");
-  svc = await startUp(dataDir, ["--no-catalog"]);
-}, TEST_TIMEOUT_MS);
-
-afterAll(async () => {
-  await svc?.stop();
-  if (dataDir) await removeDataDir(dataDir);
-});
+// `up --no-catalog`; no keys: the tests make theirs with the CLI.
+const fx = useService({ prefix: "sbx-e2e-keys-", python: false });
 
 const env = (): NodeJS.ProcessEnv => {
   const e: NodeJS.ProcessEnv = { ...process.env };
@@ -40,17 +25,17 @@ const env = (): NodeJS.ProcessEnv => {
   delete e.SANDBOXD_DATA_DIR;
   return e;
 };
-const cli = (...args: string[]) => runCli([...args, "--data-dir", dataDir], env());
-const list = (key: string) => svc!.api.get("/v1/sandboxes", { key });
+const cli = (...args: string[]) => runCli([...args, "--data-dir", fx.dataDir], env());
+const list = (key: string) => fx.svc.api.get("/v1/sandboxes", { key });
 
 describe("while `sandboxd up` runs on PGlite", () => {
   test(
     "key create works on the next request, revoke refuses the next; agent tokens likewise",
     async () => {
-      const sock = join(dataDir, "operator", "sandboxd.sock");
+      const sock = join(fx.dataDir, "operator", "sandboxd.sock");
       // Operator-only: the socket is the service user's alone, in a directory only it can enter.
       expect(statSync(sock).mode & 0o777).toBe(0o600);
-      expect(statSync(join(dataDir, "operator")).mode & 0o777).toBe(0o700);
+      expect(statSync(join(fx.dataDir, "operator")).mode & 0o777).toBe(0o700);
       expect(statSync(sock).uid).toBe(process.getuid!());
 
       const created = await cli("key", "create", "--tenant", "acme", "--tier", "pro", "--name", "live");
@@ -61,7 +46,7 @@ describe("while `sandboxd up` runs on PGlite", () => {
       const first = await list(key);
       expect(first.status).toBe(200);
       expect(first.body).toEqual({ sandboxes: [] });
-      expect(svc!.logTail(200)).toContain("operator: key.create done");
+      expect(fx.svc.logTail(200)).toContain("operator: key.create done");
 
       const listed = await cli("key", "list", "--tenant", "acme");
       expect(listed.code).toBe(0);
@@ -78,13 +63,13 @@ describe("while `sandboxd up` runs on PGlite", () => {
       const ghost = await cli("agent-token", "revoke", "ghost");
       expect(ghost.code).not.toBe(0);
       expect(ghost.stderr).toContain("no enrolled agent ghost");
-      expect(svc!.logTail(200)).toContain("operator: agent-token.revoke failed");
+      expect(fx.svc.logTail(200)).toContain("operator: agent-token.revoke failed");
 
       // `usage` reads the same database through the socket too (no second PGlite opener).
       const usage = await cli("usage", "--tenant", "acme", "--json");
       expect(usage.code).toBe(0);
       expect(JSON.parse(usage.stdout.trim()).lines).toBeArray();
-      expect(svc!.logTail(200)).toContain("operator: usage.read done");
+      expect(fx.svc.logTail(200)).toContain("operator: usage.read done");
       const nobody = await cli("usage", "--tenant", "nobody");
       expect(nobody.code).not.toBe(0);
       expect(nobody.stderr).toContain("no tenant nobody");
@@ -104,25 +89,25 @@ describe("while `sandboxd up` runs on PGlite", () => {
   test(
     "a second opener of the PGlite directory gets an error naming the holder and the fix",
     async () => {
-      const second = await runCli(["up", "--port", "0", "--no-catalog", "--data-dir", dataDir], env());
+      const second = await runCli(["up", "--port", "0", "--no-catalog", "--data-dir", fx.dataDir], env());
       expect(second.code).not.toBe(0);
       expect(second.stdout).not.toContain("listening");
-      expect(second.stderr).toContain(`${join(dataDir, "pglite")} is in use by process ${svc!.pid}`);
+      expect(second.stderr).toContain(`${join(fx.dataDir, "pglite")} is in use by process ${fx.svc.pid}`);
       expect(second.stderr).toContain("Stop that process first");
 
       // The CLI with no socket answering (here: moved away) does not open the directory either.
-      const sock = join(dataDir, "operator", "sandboxd.sock");
+      const sock = join(fx.dataDir, "operator", "sandboxd.sock");
       await rename(sock, `${sock}.away`);
       try {
         const blocked = await cli("key", "list");
         expect(blocked.code).not.toBe(0);
-        expect(blocked.stderr).toContain(`is in use by process ${svc!.pid}`);
+        expect(blocked.stderr).toContain(`is in use by process ${fx.svc.pid}`);
         expect(blocked.stderr).toContain("does not answer");
       } finally {
         await rename(`${sock}.away`, sock);
       }
       // The service is unharmed: it still answers, and so does its socket.
-      expect((await svc!.api.get("/v1/health")).status).toBe(200);
+      expect((await fx.svc.api.get("/v1/health")).status).toBe(200);
       expect((await cli("key", "list")).code).toBe(0);
     },
     TEST_TIMEOUT_MS,
@@ -131,7 +116,7 @@ describe("while `sandboxd up` runs on PGlite", () => {
   test(
     "once `up` has stopped, the CLI opens the database itself",
     async () => {
-      expect(await svc!.stop()).toBe(0);
+      expect((await fx.stop()).exit).toBe(0);
       const created = await cli("key", "create", "--tenant", "acme", "--tier", "live");
       expect(created.code).toBe(0);
       const listed = await cli("key", "list", "--tenant", "acme");

@@ -7,26 +7,15 @@
  * (after `up` stopped: PGlite is one process's). The same flow with an injected clock, checked
  * to the second: tests/integration/usage-timeline.test.ts.
  */
-import { afterAll, beforeAll, expect, test } from "bun:test";
+import { beforeAll, expect, test } from "bun:test";
 import { readdir, readFile, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import * as B from "../../contracts/api/family-b.ts";
-import {
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  removeDataDir,
-  runCli,
-  startUp,
-  waitFor,
-  waitForTemplate,
-} from "../support/e2e-service.ts";
+import { expectOk, runCli, waitFor } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
 /** Create, exec, 16 s idle, suspend/resume, a kill: about 40 s of the test's own waiting. */
 const TEST_TIMEOUT_MS = 240_000;
-/** A key (the CLI migrates PGlite), `up`, and the python template (bound 300 s). */
-const SETUP_TIMEOUT_MS = 480_000;
 /**
  * The agent's idle pause for this service: short, so that the 16 s idle is nearly all paused
  * and a running second billed too many shows.
@@ -39,32 +28,17 @@ const IDLE_PAUSE_MS = 1_000;
  */
 const SLACK_S = 2.5;
 
-let svc: RunningService | undefined;
-let dataDir = "";
-let key = "";
 const TENANT = "meter-co";
 
-beforeAll(async () => {
-  dataDir = await prepareDataDir();
-  const r = await runCli(["key", "create", "--data-dir", dataDir, "--tenant", TENANT, "--tier", "pro"]);
-  key = r.stdout.trim().split("\n").at(-1) ?? "";
-  if (r.code !== 0) throw new Error(`key create failed: ${r.stderr}`);
-  svc = await startUp(dataDir, [], { SANDBOXD_IDLE_PAUSE_MS: String(IDLE_PAUSE_MS) });
-  await waitForTemplate(svc, "python", 300_000);
-}, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  await svc?.stop();
-  if (dataDir) {
-    for (const q of await qemusUnder(dataDir)) process.kill(q.pid, "SIGKILL"); // ours, if any is left
-    await removeDataDir(dataDir);
-  }
+const fx = useService({
+  keys: { key: [TENANT, "pro"] },
+  env: { SANDBOXD_IDLE_PAUSE_MS: String(IDLE_PAUSE_MS) },
 });
-
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
+let key = "";
+beforeAll(() => {
+  ({ key } = fx.keys);
+});
+const service = () => fx.svc;
 
 const WINDOW_FROM = new Date(Date.now() - 3_600_000);
 async function totals() {
@@ -78,7 +52,7 @@ async function totals() {
 
 /** The QEMU pid the agent recorded for its one sandbox VM. */
 async function qemuPid(): Promise<number> {
-  const dir = join(dataDir, "agent", "records", "sandboxes");
+  const dir = join(fx.dataDir, "agent", "records", "sandboxes");
   const files = (await readdir(dir)).filter((f) => f.endsWith(".json"));
   expect(files.length).toBe(1);
   const rec = JSON.parse(await readFile(join(dir, files[0]!), "utf8")) as { qemuPid?: number };
@@ -169,11 +143,10 @@ test(
   "sandboxd usage prints the timeline: running, paused, suspended seconds and how the sandbox ended",
   async () => {
     expect(t.gone).toBeDefined();
-    await service().stop();
-    svc = undefined;
+    expect((await fx.stop()).exit).toBe(0);
     const from = WINDOW_FROM.toISOString();
     const to = new Date(Date.now() + 60_000).toISOString();
-    const base = ["usage", "--data-dir", dataDir, "--tenant", TENANT, "--from", from, "--to", to];
+    const base = ["usage", "--data-dir", fx.dataDir, "--tenant", TENANT, "--from", from, "--to", to];
     const json = await runCli([...base, "--by", "sandbox", "--json"]);
     expect(json.code).toBe(0);
     const report = JSON.parse(json.stdout) as { lines: Record<string, unknown>[] };
