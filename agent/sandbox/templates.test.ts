@@ -158,6 +158,9 @@ describe("TemplateRegistry phases", () => {
     await reg.delete("q2", false);
     held.get("q0")!.finish();
     held.get("q1")!.finish();
+    // Both slots are free once both have settled: a q2 still queued would have started then.
+    await reg.settled("q0");
+    await reg.settled("q1");
     await Bun.sleep(50);
     expect(held.has("q2")).toBe(false);
   });
