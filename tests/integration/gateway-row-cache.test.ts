@@ -292,8 +292,9 @@ describe.skipIf(!HAVE_PG)("PostgreSQL: two gateways, and the database going away
     const pg = await postgres();
     pg.halt();
     try {
-      // The LISTEN connection's loss stops the cache (its close, or a stalled ping).
-      await until(() => !gw.rows.serving, 5_000);
+      // The LISTEN connection's loss stops the cache (its close, or a stalled ping: 1 s apart,
+      // 1 s to answer); 15 s for a loaded host.
+      await until(() => !gw.rows.serving, 15_000);
       const down = await info(gw, key, id);
       expect(down.status).toBe(503);
     } finally {
