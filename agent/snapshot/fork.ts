@@ -344,6 +344,12 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
       }
       if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
       else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
+      // QEMU can die while the cancel unwinds (a wedged one is killed by a QMP timeout, or it
+      // exits on its own): its record already says dead, and the fork fails with what it was.
+      if (parent.state === "dead" || !proc.isAlive()) {
+        await parent.destroy();
+        return fail(e);
+      }
       parent.enter("running");
     } else await parent.destroy();
     return fail(e);

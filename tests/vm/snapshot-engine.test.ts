@@ -493,8 +493,10 @@ describe("fork", () => {
       const err = (cancelled as { error: SnapshotError }).error;
       log(`cancelled snapshot: ${err.code}: ${err.message}`);
       if (parent.state === "dead") {
-        expect(err.code).toBe("vm_died");
-        expect(err.message).toContain("blocked in a memory write fault");
+        // Ended, and the error says why: the blocked vCPU found (vm_died), or, on a loaded host,
+        // QEMU wedged behind it first and killed at its QMP deadline (vm_unresponsive).
+        expect(["vm_died", "vm_unresponsive"]).toContain(err.code);
+        expect(err.message).toMatch(/blocked in a memory write fault|the VM was killed/);
         expect(proc.isAlive()).toBe(false);
       } else {
         expect(parent.state).toBe("running");
