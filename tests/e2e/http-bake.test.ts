@@ -11,30 +11,21 @@
  * operator allows it: `up` runs with SANDBOXD_EGRESS_ALLOW_INTERNAL=127.0.0.1/32. Figures (pull,
  * phases, spawn) are printed as JSON.
  */
-import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { WebSocket } from "ws";
 import * as B from "../../contracts/api/family-b.ts";
-import {
-  createKeys,
-  expectError,
-  expectOk,
-  prepareDataDir,
-  qemusUnder,
-  type RunningService,
-  removeDataDir,
-  startUp,
-  waitFor,
-  waitForTemplate,
-} from "../support/e2e-service.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
+import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
 import { type LocalRegistry, startBusyboxRegistry, startRegistry } from "../support/registry.ts";
+import { useService } from "../support/service.ts";
 
 /** A test boots a few VMs (~0.2 s restores, ~3 s template boots under TCG); generous for a slow host. */
 const TEST_TIMEOUT_MS = 240_000;
-/** Three keys (~5 s each), the registry and push, `up`, and the python catalog build (bound 300 s). */
-const SETUP_TIMEOUT_MS = 480_000;
+/** The registries and their pushes, once `up` runs. */
+const SETUP_TIMEOUT_MS = 240_000;
 /** A bake: pull, import (mkfs), one boot, the ready command, the snapshot: ~10-30 s under TCG. */
 const BAKE_TIMEOUT_MS = 180_000;
 const PYTHON = "python";
@@ -49,14 +40,11 @@ const READY_CMD =
   "i=0; until wget -qO- http://127.0.0.1:8080/health; do i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.1; done";
 const HEALTH = "wget -qO- http://127.0.0.1:8080/health";
 
-let svc: RunningService | undefined;
 let reg: LocalRegistry | undefined;
 /** The private registry: only `PRIVATE_USER` reads it. */
 let privateReg: LocalRegistry | undefined;
 const PRIVATE_USER = { username: "acme-robot", password: "acme-only-token-1b2c" };
-let dataDir = "";
 let work = "";
-let keys: Record<"demo" | "pro" | "other", string>;
 const liveSandboxes = new Map<string, string>();
 const liveTemplates = new Map<string, string>();
 const figures: Record<string, unknown> = {};
@@ -83,10 +71,29 @@ function wsExchange(url: string, send: string): Promise<{ status: number; text: 
   });
 }
 
-function service(): RunningService {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-}
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): what the tests left goes while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (keys) await deleteLeftovers();
+});
+afterAll(async () => {
+  await reg?.stop();
+  await privateReg?.stop();
+  if (work) await rm(work, { recursive: true, force: true });
+  console.log(JSON.stringify({ bake_figures: figures }));
+});
+
+const fx = useService({
+  keys: {
+    demo: ["acme", "demo"],
+    pro: ["acme", "pro"],
+    other: ["globex", "pro"],
+  },
+  // The test registries are on loopback: the operator (not a tenant) lets pulls reach it.
+  env: { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" },
+});
+let keys: Record<"demo" | "pro" | "other", string>;
+const service = () => fx.svc;
 const api = () => service().api;
 const registry = (): LocalRegistry => {
   if (!reg) throw new Error("the registry did not start (see beforeAll)");
@@ -100,54 +107,27 @@ beforeAll(async () => {
   const archive = busybox.archive;
   privateReg = await startRegistry({ auth: PRIVATE_USER });
   await privateReg.push(`oci-archive:${archive}`, "acme/secret:1");
-  dataDir = await prepareDataDir();
-  keys = await createKeys(dataDir, {
-    demo: ["acme", "demo"],
-    pro: ["acme", "pro"],
-    other: ["globex", "pro"],
-  });
-  // The test registries are on loopback: the operator (not a tenant) lets pulls reach it.
-  svc = await startUp(dataDir, [], { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" });
-  await waitForTemplate(svc, PYTHON, 300_000);
+  keys = fx.keys;
 }, SETUP_TIMEOUT_MS);
 
-async function deleteLeftovers(s: RunningService): Promise<void> {
+async function deleteLeftovers(): Promise<void> {
   for (const [id, key] of liveSandboxes) {
-    await s.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
     liveSandboxes.delete(id);
   }
   for (const [id, key] of liveTemplates) {
-    await s.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
+    await fx.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
     liveTemplates.delete(id);
   }
 }
 
-afterEach(async () => {
-  if (svc) {
-    for (const [id, key] of liveSandboxes) {
-      await svc.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
-      liveSandboxes.delete(id);
-    }
-  }
-});
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    await deleteLeftovers(s);
-    await s.stop();
-  }
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    for (const p of await qemusUnder(dataDir)) process.kill(p.pid, "SIGKILL"); // ours: started by our `up`
-    await removeDataDir(dataDir);
-  }
-  await reg?.stop();
-  await privateReg?.stop();
-  if (work) await rm(work, { recursive: true, force: true });
-  console.log(JSON.stringify({ bake_figures: figures }));
-});
+/** Deletes the sandbox after the current test (pass or fail) unless the test deleted it. */
+function track(id: string, key: string): void {
+  liveSandboxes.set(id, key);
+  fx.cleanup(async () => {
+    if (liveSandboxes.delete(id)) await fx.api.delete(`/v1/sandboxes/${id}`, { key });
+  });
+}
 
 function imageRef(tag = "1"): string {
   return `${registry().host}/web/bb:${tag}`;
@@ -178,7 +158,7 @@ async function settle(id: string, key = keys.pro) {
 async function createSandbox(template: string, key = keys.pro) {
   const res = await api().post("/v1/sandboxes", { key, json: { template } });
   const created = expectOk(res, 201, B.CreateSandboxResponse);
-  liveSandboxes.set(created.id, key);
+  track(created.id, key);
   return { ...created, ms: res.ms };
 }
 
@@ -199,7 +179,7 @@ async function deleteTemplate(id: string, key = keys.pro) {
 }
 
 async function vmDirs(): Promise<string[]> {
-  return readdir(join(dataDir, "agent", "vms")).catch(() => [] as string[]);
+  return readdir(join(fx.dataDir, "agent", "vms")).catch(() => [] as string[]);
 }
 
 async function hostnameOf(id: string): Promise<string> {
@@ -299,7 +279,7 @@ describe("Family B bake from a registry", () => {
         200,
         B.ForkResponse,
       );
-      for (const c of forked.children) liveSandboxes.set(c.id, keys.pro);
+      for (const c of forked.children) track(c.id, keys.pro);
       expect(forked.children).toHaveLength(2);
       for (const c of forked.children) {
         expect(Object.keys(c.endpoints)).toEqual([String(PORT)]);
@@ -408,7 +388,7 @@ describe("Family B bake from a registry", () => {
       }
       // Capacity relaxes at once: only the sandbox's VM is left.
       expect(await waitFor(async () => (await vmDirs()).length === 1, 10_000)).toBe(true);
-      expect((await qemusUnder(dataDir)).length).toBe(1);
+      expect((await qemusUnder(fx.dataDir)).length).toBe(1);
       await deleteSandbox(sb.id);
       expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
     },
@@ -494,7 +474,7 @@ describe("Family B bake from a registry", () => {
         expect(b.t.error).toMatch(
           /^registry_denied: looking up \S+ failed: the registry refused the credentials or access to the image \(error id err-[0-9a-f]{12}\)$/,
         );
-        for (const leak of [dataDir, "/var/", "/tmp/", "level=", "msg=", "skopeo"])
+        for (const leak of [fx.dataDir, "/var/", "/tmp/", "level=", "msg=", "skopeo"])
           expect(b.t.error).not.toContain(leak);
         // No template: a sandbox from it is refused.
         const res = await api().post("/v1/sandboxes", { key: keys.other, json: { template: name } });
@@ -523,7 +503,7 @@ describe("Family B bake from a registry", () => {
       await deleteTemplate("web");
       expectError(await api().get("/v1/templates/web", { key: keys.pro }), 404, "not_found");
       expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
-      expect(await qemusUnder(dataDir)).toEqual([]);
+      expect(await qemusUnder(fx.dataDir)).toEqual([]);
     },
     TEST_TIMEOUT_MS,
   );
