@@ -17,21 +17,12 @@ import { join } from "node:path";
 import { buildSdk } from "../../sdk/typescript/build.ts";
 import { Sandboxd, SandboxdError } from "../../sdk/typescript/src/index.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import {
-  createKeys,
-  prepareDataDir,
-  qemusUnder,
-  REPO,
-  type RunningService,
-  removeDataDir,
-  runCommand,
-  startUp,
-  waitFor,
-  waitForTemplate,
-} from "../support/e2e-service.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
+import { REPO, runCommand, waitFor } from "../support/e2e-service.ts";
+import { useService } from "../support/service.ts";
 
-/** Three keys (~5 s each), `up`, and the python template's build (bound 300 s), plus the SDK build. */
-const SETUP_TIMEOUT_MS = 480_000;
+/** The SDK build and the user's project, once `up` runs. */
+const SETUP_TIMEOUT_MS = 240_000;
 /** One program: a few sandboxes created, forked and deleted under TCG on a shared host. */
 const RUN_TIMEOUT_MS = 240_000;
 const PYTHON = "python";
@@ -54,15 +45,35 @@ const NODE_MAJOR = Number(
 const runsUnder = (r: Runtime) => r !== "node" || NODE_MAJOR >= 20;
 if (!runsUnder("node")) console.warn("sdk-typescript: no Node >= 20 on PATH, skipping the Node runs");
 
-let svc: RunningService | undefined;
-let dataDir = "";
 let projectDir = "";
-let keys: Record<"pro" | "live" | "scale" | "other", string>;
 
-const service = () => {
-  if (!svc) throw new Error("the service did not start (see beforeAll)");
-  return svc;
-};
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): whatever a failed test left goes through the API while `up` runs.
+beforeServiceTeardown(async () => {
+  if (!keys) return;
+  const c = new Sandboxd({ baseUrl: fx.svc.url, apiKey: keys.pro });
+  for (const sbx of await c.sandboxes.list()) {
+    await c.sandboxes
+      .ref(sbx.id)
+      .delete()
+      .catch(() => {});
+  }
+}, 60_000);
+afterAll(async () => {
+  if (projectDir) await rm(projectDir, { recursive: true, force: true });
+});
+
+const fx = useService({
+  prefix: "sbx-e2e-sdkts-",
+  keys: {
+    pro: ["acme", "pro"],
+    live: ["acme", "live"],
+    scale: ["acme", "scale"],
+    other: ["evil", "pro"],
+  },
+});
+let keys: Record<"pro" | "live" | "scale" | "other", string>;
+const service = () => fx.svc;
 const client = (key = keys.pro) => new Sandboxd({ baseUrl: service().url, apiKey: key });
 
 /** The ```js block after `<!-- sdk-quickstart -->` in the SDK's README. */
@@ -92,38 +103,8 @@ beforeAll(async () => {
   await writeFile(join(projectDir, "agent-loop.mjs"), await exampleAsJs("agent-loop.ts"));
   await writeFile(join(projectDir, "terminal.mjs"), await exampleAsJs("terminal.ts"));
 
-  dataDir = await prepareDataDir("sbx-e2e-sdkts-");
-  keys = await createKeys(dataDir, {
-    pro: ["acme", "pro"],
-    live: ["acme", "live"],
-    scale: ["acme", "scale"],
-    other: ["evil", "pro"],
-  });
-  svc = await startUp(dataDir);
-  await waitForTemplate(svc, PYTHON, 300_000);
+  keys = fx.keys;
 }, SETUP_TIMEOUT_MS);
-
-afterAll(async () => {
-  const s = svc;
-  svc = undefined;
-  if (s) {
-    // Whatever a failed test left, through the API, then the service.
-    const c = new Sandboxd({ baseUrl: s.url, apiKey: keys.pro });
-    for (const sbx of await c.sandboxes.list().catch(() => [])) {
-      await c.sandboxes
-        .ref(sbx.id)
-        .delete()
-        .catch(() => {});
-    }
-    await s.stop();
-  }
-  if (dataDir) {
-    await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-    for (const q of await qemusUnder(dataDir)) process.kill(q.pid, "SIGKILL");
-    await removeDataDir(dataDir);
-  }
-  if (projectDir) await rm(projectDir, { recursive: true, force: true });
-}, 60_000);
 
 type RunResult = Awaited<ReturnType<typeof runCommand>>;
 
@@ -247,13 +228,14 @@ describe("the rest of the surface, in this process (Bun)", () => {
           break;
         }
         let after: Awaited<ReturnType<typeof sbx.exec>> | undefined;
-        await waitFor(async () => {
+        const freed = await waitFor(async () => {
           after = await sbx.exec("echo free").catch((e: unknown) => {
             if (e instanceof SandboxdError && e.code === "busy") return undefined;
             throw e;
           });
           return after !== undefined;
         }, 30_000);
+        expect(freed).toBe(true);
         expect(after?.stdout).toBe("free\n");
 
         // Files: bytes in and out, listing, removal; a missing file is not_found.
