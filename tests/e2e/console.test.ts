@@ -20,6 +20,7 @@ import WebSocket from "ws";
 import * as B from "../../contracts/api/family-b.ts";
 import { CONSOLE_CSP } from "../../gateway/routes/console.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { CHROMIUM_FLAGS, CHROMIUM_PATH } from "../support/chromium.ts";
 import { expectOk, REPO, uploadTemplate } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
@@ -44,18 +45,17 @@ let imgDir = "";
 let image = new Uint8Array();
 const ids: string[] = [];
 
-// Registered before useService's hooks, so it runs first (bun runs a file's afterAll hooks in the
-// order they were registered): the sandboxes go while `up` still runs.
-afterAll(async () => {
-  if (keys) {
-    const list = await fx.api
-      .get<{ sandboxes: { id: string }[] }>("/v1/sandboxes", { key: keys.pro })
-      .catch(() => undefined);
-    for (const { id } of list?.body?.sandboxes ?? [])
-      await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
-  }
-  if (imgDir) await rm(imgDir, { recursive: true, force: true });
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): the sandboxes go while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (!keys) return;
+  const list = await fx.api.get<{ sandboxes: { id: string }[] }>("/v1/sandboxes", { key: keys.pro });
+  for (const { id } of list.body?.sandboxes ?? [])
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
 }, TEARDOWN_TIMEOUT_MS);
+afterAll(async () => {
+  if (imgDir) await rm(imgDir, { recursive: true, force: true });
+});
 
 const fx = useService({
   prefix: "sbx-e2e-console-",

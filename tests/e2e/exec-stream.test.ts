@@ -12,11 +12,12 @@
  * missing cwd or an unknown user is a 400 before anything runs. Prints the first-stdout-byte
  * latency of streamed execs (p50 over 20).
  */
-import { afterAll, beforeAll, expect, test } from "bun:test";
+import { beforeAll, expect, test } from "bun:test";
 import { readFileSync, writeFileSync } from "node:fs";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectError, expectOk, latencySummary, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
@@ -29,14 +30,12 @@ const TENANT = "acme";
 let sandboxId = "";
 let sessionId = "";
 
-// Registered before useService's hooks, so it runs first (bun runs a file's afterAll hooks in
-// the order they were registered): the sandbox and the session go while `up` still runs.
-afterAll(async () => {
-  if (sandboxId) await fx.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro }).catch(() => undefined);
+// Before useService, so that it runs before the fixture stops `up`
+// (tests/support/before-teardown.ts): the sandbox and the session go while `up` still runs.
+beforeServiceTeardown(async () => {
+  if (sandboxId) await fx.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro });
   if (sessionId)
-    await fx.api
-      .delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } })
-      .catch(() => undefined);
+    await fx.api.delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } });
 }, 120_000);
 
 const fx = useService({

@@ -15,6 +15,7 @@ import { join } from "node:path";
 import * as A from "../../contracts/api/family-a.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import {
   expectError,
   expectOk,
@@ -37,7 +38,8 @@ const liveSessions = new Map<string, string>();
 const liveTemplates = new Map<string, string>();
 
 /** Deletes the templates left by a failed test while `up` still runs (registered before useService's hooks: bun runs a file's afterAll hooks in order). */
-afterAll(async () => {
+beforeServiceTeardown(async () => {
+  if (!running()) return;
   for (const [id, key] of liveTemplates) {
     await fx.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
     liveTemplates.delete(id);
@@ -57,6 +59,15 @@ beforeAll(() => {
   keys = fx.keys;
 });
 const service = () => fx.svc;
+
+/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
+function running(): boolean {
+  try {
+    return Boolean(fx.svc);
+  } catch {
+    return false;
+  }
+}
 const api = () => service().api;
 
 afterAll(async () => {
