@@ -5,10 +5,12 @@
  * by sandbox (`sandboxd usage --by sandbox`, here through the running service's operator socket)
  * counts an open interval up to now, so a sandbox whose paused seconds grow is paused now.
  *
- * Use: `const mark = await pausedSeconds(...)` right after the sandbox's last call (it runs then,
- * its idle timer armed), then `waitForIdlePause(..., mark, ms)`. A pause that began before the
- * mark and ended after it only shrinks the figure (it is closed at the agent's wake time), so
- * only a pause that began after the mark makes it grow.
+ * Use: `const mark = await pausedSeconds(...)` right after the sandbox's last call, then
+ * `waitForIdlePause(..., mark, ms)`. The figure grows past the mark only when the sandbox was
+ * paused at some moment after the mark: a paused interval open at the mark is counted up to the
+ * mark, and later up to now or to the wake (the agent's time, never before the call that woke it);
+ * one that was closed before the mark no longer changes. Nothing else calls the sandbox meanwhile,
+ * so it is still paused when the test's next call wakes it.
  */
 import { runOperatorOp } from "../../cli/operator.ts";
 import { OPERATOR_OPS } from "../../cli/operator-ops.ts";
