@@ -14,7 +14,6 @@
  */
 import { runOperatorOp } from "../../cli/operator.ts";
 import { OPERATOR_OPS } from "../../cli/operator-ops.ts";
-import { waitFor } from "./e2e-service.ts";
 
 /** The paused seconds metered for sandbox (or session) `id` of `tenant` so far; 0 before any. */
 export async function pausedSeconds(dataDir: string, tenant: string, id: string): Promise<number> {
@@ -32,12 +31,18 @@ export async function pausedSeconds(dataDir: string, tenant: string, id: string)
  * Polls until sandbox `id` is idle-paused: its paused seconds grew past `mark` (read after its
  * last call). Resolves whether that happened within `timeoutMs`; the caller asserts it.
  */
-export function waitForIdlePause(
+export async function waitForIdlePause(
   dataDir: string,
   tenant: string,
   id: string,
   mark: number,
   timeoutMs: number,
 ): Promise<boolean> {
-  return waitFor(async () => (await pausedSeconds(dataDir, tenant, id)) > mark, timeoutMs);
+  // Every 250 ms: each look is a usage query on the service's database.
+  const deadline = performance.now() + timeoutMs;
+  while (performance.now() < deadline) {
+    if ((await pausedSeconds(dataDir, tenant, id)) > mark) return true;
+    await Bun.sleep(250);
+  }
+  return (await pausedSeconds(dataDir, tenant, id)) > mark;
 }
