@@ -318,6 +318,11 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     offStop();
     offResume();
     const e = asSnapshotError(err, "fork_failed", `forking VM ${parent.id} failed`);
+    /** The new overlay joins the parent's chain if QEMU took it (removed with the parent), else goes. */
+    const keepOrDropNewTop = async () => {
+      if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
+      else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
+    };
     await save?.abort();
     await rm(statePath, { force: true });
     if (proc.isAlive()) {
@@ -342,8 +347,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
           ),
         );
       }
-      if (switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
-      else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
+      await keepOrDropNewTop();
       // QEMU can die while the cancel unwinds (a wedged one is killed by a QMP timeout, or it
       // exits on its own): its record already says dead, and the fork fails with what it was.
       if (parent.state === "dead" || !proc.isAlive()) {
@@ -351,7 +355,11 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
         return fail(e);
       }
       parent.enter("running");
-    } else await parent.destroy();
+      return fail(e);
+    }
+    // QEMU is gone (killed at a QMP deadline, or died): its new overlay goes with it too.
+    await keepOrDropNewTop();
+    await parent.destroy();
     return fail(e);
   }
   // The guest runs again; wait briefly for RESUME's timestamp (it precedes cont's answer).

@@ -608,6 +608,28 @@ describe("suspend and failures", () => {
     },
     VM_TEST_TIMEOUT_MS,
   );
+
+  test(
+    "kill -9 of the parent's QEMU in the middle of a fork: the fork fails, the parent is dead, no overlay or file is left",
+    async () => {
+      const vm = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template, log })).vm;
+      live.push(vm);
+      const proc = vm.process;
+      if (!proc) throw new Error("the VM has no QEMU");
+      // At the fork's stop, before its disk switch and its copy: what a crash mid-fork leaves.
+      const offStop = proc.qmp.on("STOP", () => {
+        offStop();
+        process.kill(proc.pid, "SIGKILL");
+      });
+      const forked = await forkVm(vm, { count: 1, method: "stop-copy", log });
+      offStop();
+      expect(forked.ok).toBe(false);
+      expect(await waitFor(() => vm.state === "dead", HANG_MS)).toBe(true);
+      expect(proc.isAlive()).toBe(false);
+      // afterEach checks that no QEMU, disk, state or RAM file of it is left.
+    },
+    VM_TEST_TIMEOUT_MS,
+  );
 });
 
 describe("restart", () => {
