@@ -1,6 +1,6 @@
 /**
  * The file API end to end over real HTTP with real VMs (`bin/sandboxd up --no-catalog`, a busybox
- * image uploaded as a template, keys from `bin/sandboxd key create`):
+ * image uploaded as a template, keys made in-process through its operator socket):
  *
  * - A 100 MB random binary file PUT into a Family B sandbox and GET back is byte-exact (sha256 on
  *   the client both ways and in the guest with `sha256sum`), while the service's peak RSS (gateway
@@ -16,6 +16,7 @@
  *
  * Tests run in order and share one service; the last one stops it and checks no QEMU is left.
  */
+
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { createHash, randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
@@ -33,6 +34,7 @@ import { expectError, expectOk, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
 import { useService } from "../support/service.ts";
+import { streamedExec as startStreamedExec } from "../support/streamed-exec.ts";
 
 /** 100 MB each way through the guest channel on a loaded (possibly TCG) host, plus sha256sum. */
 const BIG_TIMEOUT_MS = 600_000;
@@ -433,47 +435,11 @@ test(
   TEST_TIMEOUT_MS,
 );
 
-/**
- * A streamed session exec (`Accept: text/event-stream`) of `sh -c script`: `started` resolves on
- * its first stdout event (the command runs), `done` with its status, whole stdout, exit event and
- * when that event arrived.
- */
+/** A streamed session exec of `sh -c script` (tests/support/streamed-exec.ts). */
 function streamedSessionExec(id: string, key: string, script: string) {
-  let onStart!: () => void;
-  const started = new Promise<void>((resolve) => {
-    onStart = resolve;
+  return startStreamedExec(service().url, `/v1/sessions/${id}/exec`, key, {
+    commands: [["sh", "-c", script]],
   });
-  const done = (async () => {
-    const res = await fetch(new URL(`/v1/sessions/${id}/exec`, service().url), {
-      method: "POST",
-      headers: {
-        authorization: `Bearer ${key}`,
-        "content-type": "application/json",
-        accept: "text/event-stream",
-      },
-      body: JSON.stringify({ commands: [["sh", "-c", script]] }),
-      signal: AbortSignal.timeout(120_000),
-    });
-    let text = "";
-    let exitAt = Number.POSITIVE_INFINITY;
-    const dec = new TextDecoder();
-    for await (const chunk of res.body!) {
-      text += dec.decode(chunk, { stream: true });
-      if (text.includes("event: stdout")) onStart();
-      if (text.includes("event: exit") && exitAt === Number.POSITIVE_INFINITY) exitAt = performance.now();
-    }
-    onStart();
-    let stdout = "";
-    let exit: unknown;
-    for (const block of text.split("\n\n")) {
-      const event = /^event: (.*)$/m.exec(block)?.[1];
-      const data = /^data: (.*)$/m.exec(block)?.[1];
-      if (event === "stdout" && data) stdout += (JSON.parse(data) as { data: string }).data;
-      if (event === "exit" && data) exit = JSON.parse(data);
-    }
-    return { status: res.status, stdout, exit, exitAt };
-  })();
-  return { started, done };
 }
 
 test(

@@ -10,6 +10,7 @@
  * Tests run in order and share one service; the last restarts it and the teardown checks that no
  * QEMU is left for its data dir.
  */
+
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
@@ -35,6 +36,7 @@ import {
   uploadTemplate,
   waitFor,
 } from "../support/e2e-service.ts";
+import { streamedExec as startStreamedExec } from "../support/streamed-exec.ts";
 
 /** A test boots a few VMs (~0.2-1 s each under TCG) and at most one template build. */
 const TEST_TIMEOUT_MS = 240_000;
@@ -103,45 +105,11 @@ afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
 
-/**
- * A streamed session exec (`Accept: text/event-stream`) of `sh -c script` with the live key:
- * `started` resolves on its first stdout event (the command runs), `done` with its status, whole
- * stdout and exit event.
- */
+/** A streamed session exec of `sh -c script` with the live key (tests/support/streamed-exec.ts). */
 function streamedSessionExec(id: string, script: string) {
-  let onStart!: () => void;
-  const started = new Promise<void>((resolve) => {
-    onStart = resolve;
+  return startStreamedExec(service().url, `/v1/sessions/${id}/exec`, keys.live, {
+    commands: [["sh", "-c", script]],
   });
-  const done = (async () => {
-    const res = await fetch(new URL(`/v1/sessions/${id}/exec`, service().url), {
-      method: "POST",
-      headers: {
-        authorization: `Bearer ${keys.live}`,
-        "content-type": "application/json",
-        accept: "text/event-stream",
-      },
-      body: JSON.stringify({ commands: [["sh", "-c", script]] }),
-      signal: AbortSignal.timeout(120_000),
-    });
-    let text = "";
-    const dec = new TextDecoder();
-    for await (const chunk of res.body!) {
-      text += dec.decode(chunk, { stream: true });
-      if (text.includes("event: stdout")) onStart();
-    }
-    onStart();
-    let stdout = "";
-    let exit: unknown;
-    for (const block of text.split("\n\n")) {
-      const event = /^event: (.*)$/m.exec(block)?.[1];
-      const data = /^data: (.*)$/m.exec(block)?.[1];
-      if (event === "stdout" && data) stdout += (JSON.parse(data) as { data: string }).data;
-      if (event === "exit" && data) exit = JSON.parse(data);
-    }
-    return { status: res.status, stdout, exit };
-  })();
-  return { started, done };
 }
 
 /** The HTTP status of a WebSocket handshake that is refused, or 101 with what the server sent. */

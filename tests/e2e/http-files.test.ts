@@ -1,7 +1,7 @@
 /**
  * End to end over real HTTP with real VMs: files in exec (both families), `wait_secs`, and the
  * upload bounds the gateway shares with the agent. The real service (`bin/sandboxd up
- * --no-catalog` as a subprocess), keys from `bin/sandboxd key create`, a busybox image uploaded
+ * --no-catalog` as a subprocess), keys made in-process through its operator socket, a busybox image uploaded
  * as a Family A template, VMs under TCG.
  *
  * - A 5 MiB text file and binary (base64) files arrive byte-exact: sha256 computed in the guest.

@@ -2,17 +2,17 @@
  * End to end over real HTTP, Family B (spec 4.2): the catalog, sandboxes (create, info, list, exec
  * with command / commands / files / seed, busy, fork with live processes, tier caps, suspend and
  * resume, delete), tenant isolation, the demo tier's limits and usage. The real service
- * (`bin/sandboxd up` as a subprocess, its own data dir, keys from `bin/sandboxd key create`) and
+ * (`bin/sandboxd up` as a subprocess, its own data dir, keys made in-process through its operator socket) and
  * real VMs under TCG; client-side latencies of sandbox create and fork are printed as JSON.
  *
  * Tests run in order and share one service; each deletes what it created (the fixture deletes
  * leftovers of a failed test), and the last one stops the service and checks for leaks.
  */
+
 import { beforeAll, describe, expect, test } from "bun:test";
 import { readdir } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { join } from "node:path";
-import type { z } from "zod";
 import * as B from "../../contracts/api/family-b.ts";
 import {
   expectError,
@@ -23,6 +23,7 @@ import {
   waitFor,
 } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
+import { streamedExec as startStreamedExec } from "../support/streamed-exec.ts";
 
 /** A test boots at most a few VMs (~0.15 s each, forks ~1 s under TCG); generous for a slow host. */
 const TEST_TIMEOUT_MS = 180_000;
@@ -69,44 +70,15 @@ async function exec(id: string, body: Record<string, unknown>, key = keys.pro) {
   return r;
 }
 
-/**
- * A streamed exec (`Accept: text/event-stream`) of `command`: `started` resolves on its first
- * stdout event (the command runs), `done` with its status, whole stdout and exit event.
- */
+/** A streamed exec of `command` (tests/support/streamed-exec.ts), its exit event parsed by the contract. */
 function streamedExec(id: string, command: string, key = keys.pro) {
-  let onStart!: () => void;
-  const started = new Promise<void>((resolve) => {
-    onStart = resolve;
-  });
-  const done = (async () => {
-    const res = await fetch(new URL(`/v1/sandboxes/${id}/exec`, service().url), {
-      method: "POST",
-      headers: {
-        authorization: `Bearer ${key}`,
-        "content-type": "application/json",
-        accept: "text/event-stream",
-      },
-      body: JSON.stringify({ command }),
-      signal: AbortSignal.timeout(120_000),
-    });
-    let text = "";
-    const dec = new TextDecoder();
-    for await (const chunk of res.body!) {
-      text += dec.decode(chunk, { stream: true });
-      if (text.includes("event: stdout")) onStart();
-    }
-    onStart();
-    let stdout = "";
-    let exit: z.infer<typeof B.ExecResponseB> | undefined;
-    for (const block of text.split("\n\n")) {
-      const event = /^event: (.*)$/m.exec(block)?.[1];
-      const data = /^data: (.*)$/m.exec(block)?.[1];
-      if (event === "stdout" && data) stdout += (JSON.parse(data) as { data: string }).data;
-      if (event === "exit" && data) exit = B.ExecResponseB.parse(JSON.parse(data));
-    }
-    return { status: res.status, stdout, exit };
-  })();
-  return { started, done };
+  const s = startStreamedExec(service().url, `/v1/sandboxes/${id}/exec`, key, { command });
+  const done = s.done.then((r) => ({
+    status: r.status,
+    stdout: r.stdout,
+    exit: r.exit === undefined ? undefined : B.ExecResponseB.parse(r.exit),
+  }));
+  return { started: s.started, done };
 }
 
 async function deleteSandbox(id: string, key = keys.pro) {

@@ -1,6 +1,6 @@
 /**
  * End to end over real HTTP, Family A (spec 4.1) plus what both families share: the real service
- * (`bin/sandboxd up` as a subprocess, its own data dir, keys from `bin/sandboxd key create`) and
+ * (`bin/sandboxd up` as a subprocess, its own data dir, keys made in-process through its operator socket) and
  * real VMs under TCG. Health, authentication, metrics, one-shot and batch exec, sessions (exec
  * forms, persistence rules, fork, delete), uploaded templates (register, 409 while building,
  * failed builds, delete), the per-key rate limit, and client-side latencies (printed as JSON).
@@ -8,6 +8,7 @@
  * Tests in this file run in order and share one service; each deletes what it created, and the
  * last one stops the service and checks that no QEMU process is left for its data dir.
  */
+
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
@@ -25,6 +26,7 @@ import {
   waitFor,
 } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
+import { streamedExec as startStreamedExec } from "../support/streamed-exec.ts";
 
 /** Every test boots a handful of VMs at most (~0.1-1 s each under TCG); generous for a slow CI host. */
 const TEST_TIMEOUT_MS = 180_000;
@@ -82,45 +84,9 @@ function track(id: string, key: string): void {
   });
 }
 
-/**
- * A streamed session exec (`Accept: text/event-stream`) of `commands`: `started` resolves on its
- * first stdout event (the command runs), `done` with the status, whole stdout and last event.
- */
+/** A streamed session exec of `commands` (tests/support/streamed-exec.ts). */
 function streamedSessionExec(id: string, commands: string[][], key = keys.live) {
-  let onStart!: () => void;
-  const started = new Promise<void>((resolve) => {
-    onStart = resolve;
-  });
-  const done = (async () => {
-    const res = await fetch(new URL(`/v1/sessions/${id}/exec`, service().url), {
-      method: "POST",
-      headers: {
-        authorization: `Bearer ${key}`,
-        "content-type": "application/json",
-        accept: "text/event-stream",
-      },
-      body: JSON.stringify({ commands }),
-      signal: AbortSignal.timeout(120_000),
-    });
-    let text = "";
-    const dec = new TextDecoder();
-    for await (const chunk of res.body!) {
-      text += dec.decode(chunk, { stream: true });
-      if (text.includes("event: stdout")) onStart();
-    }
-    onStart();
-    let stdout = "";
-    let last: { event: string; data: Record<string, unknown> } | undefined;
-    for (const block of text.split("\n\n")) {
-      const event = /^event: (.*)$/m.exec(block)?.[1];
-      const data = /^data: (.*)$/m.exec(block)?.[1];
-      if (!event || !data) continue;
-      last = { event, data: JSON.parse(data) as Record<string, unknown> };
-      if (event === "stdout") stdout += String(last.data.data);
-    }
-    return { status: res.status, stdout, last };
-  })();
-  return { started, done };
+  return startStreamedExec(service().url, `/v1/sessions/${id}/exec`, key, { commands });
 }
 
 async function createSession(key = keys.live, templateId = PYTHON) {

@@ -8,9 +8,15 @@ import { existsSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { busyboxImageSpec, makeDockerArchive, makeOciArchive } from "../fixtures/images.ts";
+import { prepareDataDir, removeDataDir } from "../support/e2e-service.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
-const DATA_DIR = process.env.SANDBOXD_TEST_DATA ?? join(REPO, ".data", "test");
+/**
+ * Its own data dir (the guest artifacts copied from the shared test cache): the checks below
+ * count every VM dir, temp file and QEMU of the dir, which other files running beside this one
+ * would add to in the shared one.
+ */
+let DATA_DIR = "";
 /** Each test boots one to three VMs under TCG (~2 s each here); 120 s covers a loaded CI machine. */
 const VM_TEST_TIMEOUT_MS = 120_000;
 const scratch = mkdtempSync(join(tmpdir(), "run-cli-"));
@@ -62,6 +68,7 @@ function expectNothingLeft(): void {
 }
 
 beforeAll(async () => {
+  DATA_DIR = await prepareDataDir("sbx-e2e-run-", { python: false });
   await makeDockerArchive(image, await busyboxImageSpec(join(scratch, "a"), { features: true }));
   await makeOciArchive(
     imageUser,
@@ -72,8 +79,9 @@ beforeAll(async () => {
   );
 });
 
-afterAll(() => {
+afterAll(async () => {
   rmSync(scratch, { recursive: true, force: true });
+  if (DATA_DIR) await removeDataDir(DATA_DIR);
 });
 
 describe("sandboxd run", () => {

@@ -17,10 +17,16 @@ import type { GatewayBenchResult } from "../../cli/bench-gateway.ts";
 import { defaultForkChildren, type HttpBenchResult } from "../../cli/bench-http.ts";
 import type { SoakResult } from "../../cli/soak.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { prepareDataDir, removeDataDir } from "../support/e2e-service.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
 /** Guest artifacts and imported images are cached here (shared with the other suites). */
-const DATA_DIR = process.env.SANDBOXD_TEST_DATA ?? join(REPO, ".data", "test");
+/**
+ * Its own data dir (the guest artifacts copied from the shared test cache): the leftover checks
+ * below compare the dir's VM dirs and temp files before and after, which other files running
+ * beside this one would add to in the shared one.
+ */
+let DATA_DIR = "";
 /**
  * One benchmark run boots a VM, builds a template, and restores ~25 VMs under TCG on a 2-core
  * host: ~10 s here; the artifacts may have to be built first on a fresh machine. 300 s covers it.
@@ -61,6 +67,7 @@ function entries(dir: string): string[] {
 }
 
 beforeAll(async () => {
+  DATA_DIR = await prepareDataDir("sbx-e2e-bench-", { python: false });
   await makeDockerArchive(image, await busyboxImageSpec(join(scratch, "img")));
   await makeDockerArchive(
     imageWithPort,
@@ -70,8 +77,9 @@ beforeAll(async () => {
   );
 });
 
-afterAll(() => {
+afterAll(async () => {
   rmSync(scratch, { recursive: true, force: true });
+  if (DATA_DIR) await removeDataDir(DATA_DIR);
 });
 
 const STATS_KEYS = [

@@ -1,6 +1,6 @@
 /**
  * End-to-end helpers for the HTTP suites (tests/e2e/, tests/vm/, tests/perf/): a private data dir seeded from
- * the shared test cache, API keys issued by the real CLI (`bin/sandboxd key create`), the real
+ * the shared test cache, API keys made in-process as the CLI makes them, the real
  * service (`bin/sandboxd up`) as a subprocess, a small typed fetch, and leak checks by process
  * table. Test code only.
  *
@@ -118,7 +118,7 @@ export function runCommand(
 /**
  * One API key for the data dir's gateway, made in this process: through the running service's
  * operator socket while `up` runs (milliseconds), else on the data dir's PGlite. What the CLI does
- * (`bin/sandboxd key create`, tested by tests/e2e/key-cli*.test.ts) without paying a process start
+ * (`bin/sandboxd key create`, tested by tests/integration/key-cli.test.ts and tests/e2e/key-cli-live.test.ts) without paying a process start
  * and a PGlite migration for each key.
  */
 export async function createKey(dataDir: string, tenant: string, tier: Tier): Promise<string> {
