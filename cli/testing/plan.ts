@@ -10,7 +10,7 @@
  *
  * A file that changes what the whole host sees (fills /dev/shm, flips a sysctl the other files'
  * VMs read) says so with a `test-runner: exclusive (why)` line in its first 40 lines: it runs
- * with no other file beside it.
+ * with no other full-tier file beside it (quick files, which start no VM, may run meanwhile).
  */
 
 export type Tier = "quick" | "full";
@@ -104,7 +104,7 @@ export function unallowedSkips(file: string, names: string[], allowed: AllowedSk
 /**
  * The order a pool of workers takes the files in: longest first by the last recorded time (so
  * the longest file does not start last and stretch the run), files with no record by a guess
- * for their tier. Exclusive files go first, one at a time, before the pool opens.
+ * for their tier. Exclusive files go first: the other full-tier files start once they have run.
  */
 export function schedule(files: TestFile[], recordedMs: Record<string, number>): TestFile[] {
   const guess = (f: TestFile) => recordedMs[f.path] ?? (f.tier === "full" ? 60_000 : 2_000);

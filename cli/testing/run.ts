@@ -279,24 +279,52 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
         report(d, d.code === 0 ? "ok" : `FAILED (exit ${d.code})`);
         cacheReady = true;
       });
-  /** The next job a worker may start now; waits for the cache when only such jobs are left. */
+  // Quick files run beside anything, from the start. A full-tier file waits for the cache; an
+  // exclusive one runs with no other full-tier file beside it (quick files still fill the other
+  // workers), and the other full-tier files start once every exclusive one has run.
+  let runningFull = 0;
+  let runningExclusive = 0;
+  let pendingExclusive = queue.filter((j) => j.exclusive).length;
+  const waiters: (() => void)[] = [];
+  const wake = () => {
+    for (const w of waiters.splice(0)) w();
+  };
+  void cache.then(wake);
+  const eligible = (j: Job) => {
+    if (!j.needsCache) return true;
+    if (!cacheReady) return false;
+    if (j.exclusive) return runningFull === 0;
+    return pendingExclusive === 0 && runningExclusive === 0;
+  };
+  /** The next job a worker may start now; waits while only jobs that may not start yet are left. */
   const take = async (): Promise<Job | undefined> => {
     for (;;) {
-      const i = queue.findIndex((j) => cacheReady || !j.needsCache);
-      if (i >= 0) return queue.splice(i, 1)[0];
+      const i = queue.findIndex(eligible);
+      if (i >= 0) {
+        const j = queue.splice(i, 1)[0]!;
+        // Counted as it is taken, before any other worker looks: two exclusive files never pair.
+        if (j.needsCache) runningFull++;
+        if (j.exclusive) runningExclusive++;
+        return j;
+      }
       if (queue.length === 0) return undefined;
-      await cache;
+      await new Promise<void>((resolve) => waiters.push(resolve));
     }
   };
-  // Exclusive files run alone, before the pool opens (schedule() puts them first).
-  const exclusive = queue.filter((j) => j.exclusive);
-  if (exclusive.length > 0) await cache;
-  for (const j of exclusive) {
-    queue.splice(queue.indexOf(j), 1);
-    await j.run();
-  }
+  const runOne = async (j: Job) => {
+    try {
+      await j.run();
+    } finally {
+      if (j.needsCache) runningFull--;
+      if (j.exclusive) {
+        runningExclusive--;
+        pendingExclusive--;
+      }
+      wake();
+    }
+  };
   const workers = Array.from({ length: Math.min(jobs, queue.length) }, async () => {
-    for (let next = await take(); next; next = await take()) await next.run();
+    for (let next = await take(); next; next = await take()) await runOne(next);
   });
   await Promise.all([...workers, cache]);
   process.off("SIGINT", stop);

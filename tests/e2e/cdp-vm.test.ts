@@ -17,7 +17,6 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { CDP_PORT, ensureChromiumLayout, PAGE_PORT } from "../support/chromium-image.ts";
 import { expectOk, SHARED_DATA_DIR } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
@@ -42,11 +41,6 @@ let work = "";
 let archive = "";
 const figures: Record<string, number> = {};
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): the template goes while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (keys) await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
-});
 afterAll(async () => {
   if (work) await rm(work, { recursive: true, force: true });
   console.log(JSON.stringify({ cdp_vm_figures: figures }));
@@ -54,6 +48,12 @@ afterAll(async () => {
 
 // No catalog: the python template build would compete with Chromium for the host's two cores.
 const fx = useService({ python: false, keys: { scale: ["acme", "scale"], pro: ["acme", "pro"] } });
+
+// Before the fixture stops `up`: the template goes while `up` still runs.
+fx.beforeStop(async () => {
+  if (keys) await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
+});
+
 let keys: Record<"scale" | "pro", string>;
 const service = () => fx.svc;
 const api = () => service().api;

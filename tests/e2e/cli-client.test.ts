@@ -17,7 +17,6 @@ import { existsSync } from "node:fs";
 import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { REPO, waitFor } from "../support/e2e-service.ts";
 import { type LocalRegistry, startBusyboxRegistry } from "../support/registry.ts";
 import { useService } from "../support/service.ts";
@@ -42,11 +41,6 @@ let work = "";
 let key = "";
 const live = new Set<string>();
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): the sandboxes go while `up` still runs, then the registry.
-beforeServiceTeardown(async () => {
-  if (key) for (const id of live) await fx.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
-});
 afterAll(async () => {
   await reg?.stop();
   if (work) await rm(work, { recursive: true, force: true });
@@ -58,6 +52,11 @@ const fx = useService({
   python: false,
   keys: { key: ["acme", "pro"] },
   env: { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" },
+});
+
+// Before the fixture stops `up`: the sandboxes go while `up` still runs, then the registry.
+fx.beforeStop(async () => {
+  if (key) for (const id of live) await fx.api.delete(`/v1/sandboxes/${id}`, { key }).catch(() => undefined);
 });
 
 interface Ran {

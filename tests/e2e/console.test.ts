@@ -20,7 +20,6 @@ import WebSocket from "ws";
 import * as B from "../../contracts/api/family-b.ts";
 import { CONSOLE_CSP } from "../../gateway/routes/console.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { CHROMIUM_FLAGS, CHROMIUM_PATH } from "../support/chromium.ts";
 import { expectOk, REPO, uploadTemplate } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
@@ -33,8 +32,6 @@ const BUILD_TIMEOUT_MS = 180_000;
 const TEST_TIMEOUT_MS = 300_000;
 /** A harness wait for the page to show what the API answered (a loaded host, an emulated guest). */
 const UI_WAIT_MS = 60_000;
-/** Deleting what is left (then the fixture stops `up` and reaps its QEMUs). */
-const TEARDOWN_TIMEOUT_MS = 60_000;
 const TEMPLATE = "console";
 /** Baked while the page is open, from the same image. */
 const SECOND_TEMPLATE = "console-2";
@@ -45,14 +42,6 @@ let imgDir = "";
 let image = new Uint8Array();
 const ids: string[] = [];
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): the sandboxes go while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (!keys) return;
-  const list = await fx.api.get<{ sandboxes: { id: string }[] }>("/v1/sandboxes", { key: keys.pro });
-  for (const { id } of list.body?.sandboxes ?? [])
-    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
-}, TEARDOWN_TIMEOUT_MS);
 afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
@@ -66,6 +55,15 @@ const fx = useService({
     live: ["acme", "live"],
   },
 });
+
+// Before the fixture stops `up`: the sandboxes go while `up` still runs.
+fx.beforeStop(async () => {
+  if (!keys) return;
+  const list = await fx.api.get<{ sandboxes: { id: string }[] }>("/v1/sandboxes", { key: keys.pro });
+  for (const { id } of list.body?.sandboxes ?? [])
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
+});
+
 let keys: Record<"pro" | "scale" | "live", string>;
 const service = () => fx.svc;
 const api = () => service().api;

@@ -17,7 +17,6 @@ import { readFileSync, writeFileSync } from "node:fs";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectError, expectOk, latencySummary, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
@@ -30,17 +29,17 @@ const TENANT = "acme";
 let sandboxId = "";
 let sessionId = "";
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): the sandbox and the session go while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (sandboxId) await fx.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro });
-  if (sessionId)
-    await fx.api.delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } });
-}, 120_000);
-
 const fx = useService({
   keys: { pro: [TENANT, "pro"], live: [TENANT, "live"], other: ["evil", "pro"] },
 });
+
+// Before the fixture stops `up`: the sandbox and the session go while `up` still runs.
+fx.beforeStop(async () => {
+  if (sandboxId) await fx.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro });
+  if (sessionId)
+    await fx.api.delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } });
+});
+
 const service = () => fx.svc;
 let keys: { pro: string; live: string; other: string };
 

@@ -29,7 +29,6 @@ import * as B from "../../contracts/api/family-b.ts";
 import { FileDeleted, FileList, FileWritten } from "../../contracts/api/files.ts";
 import { MAX_FILE_TRANSFER_BYTES } from "../../contracts/api/limits.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectError, expectOk, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
@@ -70,17 +69,6 @@ let imgDir = "";
 let sandboxId = "";
 let sessionId = "";
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): what the tests made goes while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (!keys || !running()) return; // the last test deleted everything and stopped `up`
-  if (sandboxId) await fx.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro }).catch(() => {});
-  if (sessionId)
-    await fx.api
-      .delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } })
-      .catch(() => {});
-  await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
-}, 120_000);
 afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
@@ -96,17 +84,21 @@ const fx = useService({
   },
   env: { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) },
 });
+
+// Before the fixture stops `up`: what the tests made goes while `up` still runs.
+fx.beforeStop(async () => {
+  if (!keys || !fx.running) return; // the last test deleted everything and stopped `up`
+  if (sandboxId) await fx.api.delete(`/v1/sandboxes/${sandboxId}`, { key: keys.pro }).catch(() => {});
+  if (sessionId)
+    await fx.api
+      .delete(`/v1/sessions/${sessionId}`, { key: keys.live, query: { force: "true" } })
+      .catch(() => {});
+  await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
+});
+
 let keys: Record<"live" | "scale" | "pro" | "other", string>;
 const service = () => fx.svc;
 
-/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
-function running(): boolean {
-  try {
-    return Boolean(fx.svc);
-  } catch {
-    return false;
-  }
-}
 const api = () => service().api;
 const sha256 = (b: Uint8Array | string) => createHash("sha256").update(b).digest("hex");
 const filesOf = (id: string) => `/v1/sandboxes/${id}/files`;

@@ -17,7 +17,6 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { WebSocket } from "ws";
 import * as B from "../../contracts/api/family-b.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
 import { type LocalRegistry, startBusyboxRegistry, startRegistry } from "../support/registry.ts";
 import { useService } from "../support/service.ts";
@@ -71,11 +70,6 @@ function wsExchange(url: string, send: string): Promise<{ status: number; text: 
   });
 }
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): what the tests left goes while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (keys) await deleteLeftovers();
-});
 afterAll(async () => {
   await reg?.stop();
   await privateReg?.stop();
@@ -92,6 +86,12 @@ const fx = useService({
   // The test registries are on loopback: the operator (not a tenant) lets pulls reach it.
   env: { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" },
 });
+
+// Before the fixture stops `up`: what the tests left goes while `up` still runs.
+fx.beforeStop(async () => {
+  if (keys) await deleteLeftovers();
+});
+
 let keys: Record<"demo" | "pro" | "other", string>;
 const service = () => fx.svc;
 const api = () => service().api;

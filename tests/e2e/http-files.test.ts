@@ -26,7 +26,6 @@ import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { MAX_MEM_MIB } from "../../contracts/api/limits.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectError, expectOk } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 
@@ -44,17 +43,6 @@ const liveSessions = new Set<string>();
 const liveSandboxes = new Set<string>();
 const liveTemplates = new Set<string>();
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): what the tests made goes while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (!keys || !running()) return; // the last test deleted everything and stopped `up`
-  for (const id of liveSessions)
-    await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
-  for (const id of liveSandboxes)
-    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro, query: { force: "true" } }).catch(() => {});
-  for (const id of liveTemplates)
-    await fx.api.delete(`/v1/templates/${id}`, { key: keys.scale }).catch(() => {});
-}, 60_000);
 afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
@@ -69,17 +57,21 @@ const fx = useService({
     pro: ["acme", "pro"],
   },
 });
+
+// Before the fixture stops `up`: what the tests made goes while `up` still runs.
+fx.beforeStop(async () => {
+  if (!keys || !fx.running) return; // the last test deleted everything and stopped `up`
+  for (const id of liveSessions)
+    await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
+  for (const id of liveSandboxes)
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro, query: { force: "true" } }).catch(() => {});
+  for (const id of liveTemplates)
+    await fx.api.delete(`/v1/templates/${id}`, { key: keys.scale }).catch(() => {});
+});
+
 let keys: Record<"live" | "scale" | "pro", string>;
 const service = () => fx.svc;
 
-/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
-function running(): boolean {
-  try {
-    return Boolean(fx.svc);
-  } catch {
-    return false;
-  }
-}
 const api = () => service().api;
 const sha256 = (b: Uint8Array | string) => createHash("sha256").update(b).digest("hex");
 

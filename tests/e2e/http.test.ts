@@ -16,7 +16,6 @@ import { join } from "node:path";
 import * as A from "../../contracts/api/family-a.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import {
   expectError,
   expectOk,
@@ -39,15 +38,6 @@ const liveSessions = new Map<string, string>();
 /** Uploaded templates still registered (id -> scale key). */
 const liveTemplates = new Map<string, string>();
 
-/** Deletes the templates left by a failed test while `up` still runs (registered before useService's hooks: bun runs a file's afterAll hooks in order). */
-beforeServiceTeardown(async () => {
-  if (!running()) return;
-  for (const [id, key] of liveTemplates) {
-    await fx.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
-    liveTemplates.delete(id);
-  }
-});
-
 const fx = useService({
   keys: {
     live: ["acme", "live"],
@@ -56,20 +46,22 @@ const fx = useService({
     burst: ["acme", "live"],
   },
 });
+
+// Before the fixture stops `up`: what a failed test left goes while `up` still runs.
+fx.beforeStop(async () => {
+  if (!fx.running) return;
+  for (const [id, key] of liveTemplates) {
+    await fx.api.delete(`/v1/templates/${id}`, { key }).catch(() => undefined);
+    liveTemplates.delete(id);
+  }
+});
+
 let keys: Record<"live" | "scale" | "other" | "burst", string>;
 beforeAll(() => {
   keys = fx.keys;
 });
 const service = () => fx.svc;
 
-/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
-function running(): boolean {
-  try {
-    return Boolean(fx.svc);
-  } catch {
-    return false;
-  }
-}
 const api = () => service().api;
 
 afterAll(async () => {

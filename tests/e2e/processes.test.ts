@@ -20,7 +20,6 @@ import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
 import * as P from "../../contracts/api/processes.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectError, expectOk, uploadTemplate, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
@@ -55,11 +54,6 @@ async function deleteLeftovers(): Promise<void> {
   await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale }).catch(() => {});
 }
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): what a failed test left goes while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (keys && running()) await deleteLeftovers();
-});
 afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
@@ -74,17 +68,15 @@ const fx = useService({
     other: ["evil", "pro"],
   },
 });
+
+// Before the fixture stops `up`: what a failed test left goes while `up` still runs.
+fx.beforeStop(async () => {
+  if (keys && fx.running) await deleteLeftovers();
+});
+
 let keys: Record<"live" | "scale" | "pro" | "other", string>;
 const service = () => fx.svc;
 
-/** Whether `up` still runs: the last test stops it (fixture.stop()), and then there is nothing to delete. */
-function running(): boolean {
-  try {
-    return Boolean(fx.svc);
-  } catch {
-    return false;
-  }
-}
 const api = () => service().api;
 
 beforeAll(async () => {

@@ -18,7 +18,6 @@ import WebSocket from "ws";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { expectOk, latencySummary, uploadTemplate, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 
@@ -41,16 +40,6 @@ let imgDir = "";
 const liveSandboxes = new Set<string>();
 const liveSessions = new Set<string>();
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): what the tests made goes while `up` still runs.
-beforeServiceTeardown(async () => {
-  if (!keys) return;
-  for (const id of liveSessions)
-    await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
-  for (const id of liveSandboxes)
-    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
-  await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
-});
 afterAll(async () => {
   if (imgDir) await rm(imgDir, { recursive: true, force: true });
 });
@@ -66,6 +55,17 @@ const fx = useService({
   },
   env: { SANDBOXD_REAPER_INTERVAL: String(REAPER_INTERVAL_S) },
 });
+
+// Before the fixture stops `up`: what the tests made goes while `up` still runs.
+fx.beforeStop(async () => {
+  if (!keys) return;
+  for (const id of liveSessions)
+    await fx.api.delete(`/v1/sessions/${id}`, { key: keys.live, query: { force: "true" } }).catch(() => {});
+  for (const id of liveSandboxes)
+    await fx.api.delete(`/v1/sandboxes/${id}`, { key: keys.pro }).catch(() => {});
+  await fx.api.delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale });
+});
+
 let keys: Record<"live" | "scale" | "pro" | "other", string>;
 const service = () => fx.svc;
 const api = () => service().api;

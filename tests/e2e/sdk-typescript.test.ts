@@ -17,7 +17,6 @@ import { join } from "node:path";
 import { buildSdk } from "../../sdk/typescript/build.ts";
 import { Sandboxd, SandboxdError } from "../../sdk/typescript/src/index.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { beforeServiceTeardown } from "../support/before-teardown.ts";
 import { REPO, runCommand, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 
@@ -47,18 +46,6 @@ if (!runsUnder("node")) console.warn("sdk-typescript: no Node >= 20 on PATH, ski
 
 let projectDir = "";
 
-// Before useService, so that it runs before the fixture stops `up`
-// (tests/support/before-teardown.ts): whatever a failed test left goes through the API while `up` runs.
-beforeServiceTeardown(async () => {
-  if (!keys) return;
-  const c = new Sandboxd({ baseUrl: fx.svc.url, apiKey: keys.pro });
-  for (const sbx of await c.sandboxes.list()) {
-    await c.sandboxes
-      .ref(sbx.id)
-      .delete()
-      .catch(() => {});
-  }
-}, 60_000);
 afterAll(async () => {
   if (projectDir) await rm(projectDir, { recursive: true, force: true });
 });
@@ -72,6 +59,19 @@ const fx = useService({
     other: ["evil", "pro"],
   },
 });
+
+// Before the fixture stops `up`: whatever a failed test left goes through the API while `up` runs.
+fx.beforeStop(async () => {
+  if (!keys) return;
+  const c = new Sandboxd({ baseUrl: fx.svc.url, apiKey: keys.pro });
+  for (const sbx of await c.sandboxes.list()) {
+    await c.sandboxes
+      .ref(sbx.id)
+      .delete()
+      .catch(() => {});
+  }
+});
+
 let keys: Record<"pro" | "live" | "scale" | "other", string>;
 const service = () => fx.svc;
 const client = (key = keys.pro) => new Sandboxd({ baseUrl: service().url, apiKey: key });

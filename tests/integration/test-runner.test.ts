@@ -26,7 +26,25 @@ test("fails", () => expect(1).toBe(2));`,
 import { existsSync } from "node:fs";
 test("the cache was built first", () => expect(existsSync(process.env.MARKER!)).toBe(true));`,
   "tests/loose.test.ts": `import { test } from "bun:test"; test("x", () => {});`,
+  // Each appends its start and end to ORDER_LOG: an exclusive file has no full-tier file beside it.
+  "tests/vm/excl-one.test.ts": `// test-runner: exclusive (a fixture)
+${logged("excl-one")}`,
+  "tests/vm/excl-two.test.ts": `// test-runner: exclusive (a fixture)
+${logged("excl-two")}`,
+  "tests/vm/excl-other-a.test.ts": logged("other-a"),
+  "tests/vm/excl-other-b.test.ts": logged("other-b"),
 };
+
+/** A test file that logs its start and end, with a pause between so that overlaps would show. */
+function logged(name: string): string {
+  return `import { test } from "bun:test";
+import { appendFileSync } from "node:fs";
+test("${name}", async () => {
+  appendFileSync(process.env.ORDER_LOG!, "start ${name}\\n");
+  await Bun.sleep(200); // a fixture's span, not a check: what runs beside it shows in the log
+  appendFileSync(process.env.ORDER_LOG!, "end ${name}\\n");
+});`;
+}
 
 async function run(args: string[]): Promise<{ code: number; out: string; dataDir: string }> {
   let out = "";
@@ -51,22 +69,24 @@ beforeAll(() => {
     writeFileSync(join(root, path), text);
   }
   process.env.MARKER = join(root, "cache-built");
+  process.env.ORDER_LOG = join(root, "order.log");
   writeFileSync(join(root, "warm.ts"), `require("node:fs").writeFileSync(process.env.MARKER, "1");`);
 });
 
 afterAll(() => {
   delete process.env.MARKER;
+  delete process.env.ORDER_LOG;
   rmSync(root, { recursive: true, force: true });
 });
 
 describe("sandboxd test on a tree of its own", () => {
   test("every file in its own process: counts, skips off the list, crashes and loose files fail; the closing line", async () => {
     // A filter that matches every file: no type check or lint (the tree has no tsconfig).
-    const r = await run(["test.ts"]);
+    const r = await run(["test.ts", "--jobs", "3"]);
     expect(r.code).toBe(1);
-    // pass 2 + skips 1 + vm 1 (+ the loose file's 1) passed; broken 1 + crash 1 + unlisted skip 1
-    // + loose 1 failed; 2 skipped.
-    expect(r.out.trimEnd().split("\n").at(-1)).toBe("5 passed, 4 failed, 2 skipped");
+    // pass 2 + skips 1 + needs-cache 1 + the 4 order-logging files + the loose file's 1 passed;
+    // broken 1 + crash 1 + unlisted skip 1 + loose 1 failed; 2 skipped.
+    expect(r.out.trimEnd().split("\n").at(-1)).toBe("9 passed, 4 failed, 2 skipped");
     expect(r.out).toContain(
       "tests/integration/skips.test.ts: skipped and not on tests/allowed-skips.ts: not on the list",
     );
@@ -86,6 +106,21 @@ describe("sandboxd test on a tree of its own", () => {
     expect(r.out.trimEnd().split("\n").at(-1)).toBe("3 passed, 1 failed, 2 skipped");
     expect(r.out).not.toContain("needs-cache");
     expect(existsSync(join(root, "cache-built"))).toBe(false);
+  }, 60_000);
+
+  test("an exclusive file runs with no other full-tier file beside it; the others start after every exclusive one", async () => {
+    rmSync(join(root, "order.log"), { force: true });
+    const r = await run(["--jobs", "4", "excl-"]);
+    expect(r.out.trimEnd().split("\n").at(-1)).toBe("4 passed, 0 failed, 0 skipped");
+    const lines = readFileSync(join(root, "order.log"), "utf8").trim().split("\n");
+    // Each exclusive file's start is followed at once by its own end.
+    for (const name of ["excl-one", "excl-two"]) {
+      const at = lines.indexOf(`start ${name}`);
+      expect(lines[at + 1]).toBe(`end ${name}`);
+    }
+    const lastExclusiveEnd = Math.max(lines.indexOf("end excl-one"), lines.indexOf("end excl-two"));
+    expect(lines.indexOf("start other-a")).toBeGreaterThan(lastExclusiveEnd);
+    expect(lines.indexOf("start other-b")).toBeGreaterThan(lastExclusiveEnd);
   }, 60_000);
 
   test("a clean tree passes with exit 0", async () => {

@@ -8,7 +8,8 @@
  *   template ready when the suite asked for it;
  * - afterEach: the cleanups the tests registered (a sandbox to delete, ...), also after a failed
  *   test, so one failure does not spill into the next test's leak check;
- * - afterAll: `up` stopped, any QEMU it left killed by pid, the data dir removed.
+ * - afterAll: the file's `beforeStop` cleanups while `up` still runs, then `up` stopped, any QEMU
+ *   it left killed by pid, the data dir removed.
  *
  * `stop()` is the same teardown on demand, for a suite's last test that checks nothing is left.
  */
@@ -54,8 +55,16 @@ export interface ServiceFixture<K extends string> {
   readonly api: Api;
   readonly keys: Record<K, string>;
   readonly dataDir: string;
+  /** Whether `up` runs (false before beforeAll, after `stop()` and when it failed to start). */
+  readonly running: boolean;
   /** Runs `fn` after the current test, pass or fail (deleting what the test made). */
   cleanup(fn: () => Promise<unknown>): void;
+  /**
+   * Runs `fn` after the file's tests while `up` still runs, before the fixture stops it (deleting
+   * through the API what a failed test left). Skipped when `up` is no longer running; a failure
+   * is logged, never thrown, so the stop and the data dir's removal always follow.
+   */
+  beforeStop(fn: () => Promise<unknown>): void;
   /** Stops `up` and reaps its QEMUs; what was still running is reported. Idempotent. */
   stop(): Promise<{ exit: number | null; qemus: number[] }>;
   /** Starts `up` again on the same data dir (after `stop()`), with these extra args and env. */
@@ -69,6 +78,7 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
   let dataDir = "";
   let keys: Record<K, string> | undefined;
   const cleanups: (() => Promise<unknown>)[] = [];
+  const beforeStops: (() => Promise<unknown>)[] = [];
   let stopped: { exit: number | null; qemus: number[] } | undefined;
 
   const running = () => {
@@ -104,6 +114,12 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
   });
 
   afterAll(async () => {
+    for (const fn of beforeStops) {
+      if (!svc) break;
+      await fn().catch((err) =>
+        console.warn(`cleanup before the service's stop: ${err instanceof Error ? err.message : err}`),
+      );
+    }
     await stop();
     if (dataDir) await removeDataDir(dataDir);
   }, SERVICE_TEARDOWN_TIMEOUT_MS);
@@ -122,8 +138,14 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
     get dataDir() {
       return dataDir;
     },
+    get running() {
+      return svc !== undefined;
+    },
     cleanup: (fn) => {
       cleanups.push(fn);
+    },
+    beforeStop: (fn) => {
+      beforeStops.push(fn);
     },
     stop,
     async restart(args = [], env = {}) {
