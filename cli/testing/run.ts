@@ -105,12 +105,56 @@ interface Done {
   out: string;
   ms: number;
   killed: boolean;
+  /** Processes of the file's group still running after it ended (a leak): `pid command`. */
+  leftover: string[];
+}
+
+/**
+ * A file's processes may take a moment to go after bun exits (a service on its SIGTERM, a QEMU
+ * reaped by pid): what is still in its group after this long was left running by the file.
+ */
+const LEFTOVER_GRACE_MS = 10_000;
+
+/** `pid command` of the processes whose process group is `pgid` (from /proc). */
+function groupMembers(pgid: number): string[] {
+  const out: string[] = [];
+  for (const name of readdirSync("/proc")) {
+    if (!/^\d+$/.test(name)) continue;
+    try {
+      const stat = readFileSync(`/proc/${name}/stat`, "utf8");
+      // Fields after the command (which may hold spaces and parentheses): state ppid pgrp ...
+      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+      if (fields[0] === "Z" || Number(fields[2]) !== pgid) continue;
+      const cmd = readFileSync(`/proc/${name}/cmdline`, "utf8").replaceAll("\0", " ").trim();
+      out.push(`${name} ${cmd.slice(0, 160)}`);
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return out;
+}
+
+async function leftoversOf(pgid: number, graceMs: number): Promise<string[]> {
+  const deadline = performance.now() + graceMs;
+  let left = groupMembers(pgid);
+  while (left.length > 0 && performance.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 100));
+    left = groupMembers(pgid);
+  }
+  return left;
 }
 
 const live = new Set<ChildProcess>();
 
 /** Runs one command in its own process group; its whole output is kept (printed when it ends). */
-function runJob(label: string, cmd: string, args: string[], limitMs: number, cwd: string): Promise<Done> {
+function runJob(
+  label: string,
+  cmd: string,
+  args: string[],
+  limitMs: number,
+  cwd: string,
+  graceMs = LEFTOVER_GRACE_MS,
+): Promise<Done> {
   const t0 = performance.now();
   return new Promise((resolve) => {
     // Own group: what the file started and left (an `up`, a QEMU) goes with it at the end.
@@ -129,11 +173,13 @@ function runJob(label: string, cmd: string, args: string[], limitMs: number, cwd
       killed = true;
       killGroup(child);
     }, limitMs);
-    child.on("close", (code) => {
+    child.on("close", async (code) => {
       clearTimeout(timer);
+      const ms = performance.now() - t0;
+      const leftover = killed || !child.pid ? [] : await leftoversOf(child.pid, graceMs);
       live.delete(child);
       killGroup(child);
-      resolve({ label, code, out, ms: performance.now() - t0, killed });
+      resolve({ label, code, out, ms, killed, leftover });
     });
   });
 }
@@ -156,6 +202,8 @@ export interface RunnerDeps {
   warmCache: string;
   /** Where the output goes (the CLI's stdout). */
   write: (s: string) => void;
+  /** How long a file's processes may outlive it before they count as left running. */
+  leftoverGraceMs: number;
 }
 
 export function defaultRunnerDeps(): RunnerDeps {
@@ -165,6 +213,7 @@ export function defaultRunnerDeps(): RunnerDeps {
     allowedSkips: ALLOWED_SKIPS,
     warmCache: "tests/support/warm-cache.ts",
     write: (s) => process.stdout.write(s),
+    leftoverGraceMs: LEFTOVER_GRACE_MS,
   };
 }
 
@@ -219,6 +268,9 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
     if (d.killed) notes.push(`killed after ${FILE_LIMIT_MS / 60_000} min`);
     else if (!r.summarized || (d.code !== 0 && r.failed === 0))
       notes.push(`bun exited ${d.code} without a result`);
+    if (d.leftover.length > 0) {
+      notes.push(`left ${d.leftover.length} process(es) running: ${d.leftover.join("; ")}`);
+    }
     if (notes.length > 0) total.failed++;
     for (const name of unallowedSkips(f.path, r.skippedNames, deps.allowedSkips)) {
       total.failed++;
@@ -255,6 +307,7 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
           ["test", "--timeout", String(TEST_TIMEOUT_MS), `./${f.path}`],
           FILE_LIMIT_MS,
           deps.root,
+          deps.leftoverGraceMs,
         ).then((d) => onFile(f, d)),
       exclusive: f.exclusive,
       needsCache: f.tier === "full",

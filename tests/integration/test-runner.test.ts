@@ -25,6 +25,12 @@ test("fails", () => expect(1).toBe(2));`,
   "tests/vm/needs-cache.test.ts": `import { test, expect } from "bun:test";
 import { existsSync } from "node:fs";
 test("the cache was built first", () => expect(existsSync(process.env.MARKER!)).toBe(true));`,
+  // Passes, but leaves a process of its group running after it ends: a leak the runner reports.
+  "tests/integration/leaky.test.ts": `import { test } from "bun:test";
+import { spawn } from "node:child_process";
+test("starts a sleeper it never stops", () => {
+  spawn("sleep", ["30"], { stdio: "ignore" }).unref();
+});`,
   "tests/loose.test.ts": `import { test } from "bun:test"; test("x", () => {});`,
   // Each appends its start and end to ORDER_LOG: an exclusive file has no full-tier file beside it.
   "tests/vm/excl-one.test.ts": `// test-runner: exclusive (a fixture)
@@ -57,6 +63,7 @@ async function run(args: string[]): Promise<{ code: number; out: string; dataDir
     write: (s) => {
       out += s;
     },
+    leftoverGraceMs: 1_000,
   };
   const code = await runTests(args, deps);
   return { code, out, dataDir };
@@ -85,14 +92,16 @@ describe("sandboxd test on a tree of its own", () => {
     const r = await run(["test.ts", "--jobs", "3"]);
     expect(r.code).toBe(1);
     // pass 2 + skips 1 + needs-cache 1 + the 4 order-logging files + the loose file's 1 passed;
-    // broken 1 + crash 1 + unlisted skip 1 + loose 1 failed; 2 skipped.
-    expect(r.out.trimEnd().split("\n").at(-1)).toBe("9 passed, 4 failed, 2 skipped");
+    // + leaky's 1; broken 1 + crash 1 + unlisted skip 1 + loose 1 + leaky's sleeper 1 failed;
+    // 2 skipped.
+    expect(r.out.trimEnd().split("\n").at(-1)).toBe("10 passed, 5 failed, 2 skipped");
     expect(r.out).toContain(
       "tests/integration/skips.test.ts: skipped and not on tests/allowed-skips.ts: not on the list",
     );
     expect(r.out).not.toContain("skipped and not on tests/allowed-skips.ts: allowed > because");
     expect(r.out).toContain("tests/integration/crash.test.ts: bun exited 3 without a result");
     expect(r.out).toContain("tests/loose.test.ts: a test file outside tests/");
+    expect(r.out).toMatch(/tests\/integration\/leaky\.test\.ts: left 1 process\(es\) running: \d+ sleep 30/);
     expect(r.out).toMatch(/slowest 15 files:\n\s+[\d.]+ s {2}\S+\.test\.ts/);
     expect(existsSync(join(root, "cache-built"))).toBe(true);
     // The times are recorded for the next run's order.
