@@ -105,3 +105,31 @@ test("a fork's children are counted from their admission: a create racing the fo
     await m.detach();
   }
 });
+
+test("a create whose spawn fails and whose cleanup destroy fails too says so in the log (the VM may be left)", async () => {
+  const dir = await mkdtemp(join(tmpdir(), "sbx-mgr-"));
+  dirs.push(dir);
+  const { driver, state } = fakeDriver();
+  (driver as unknown as { spawn: SandboxDriver["spawn"] }).spawn = async () => {
+    throw new SandboxdError("vm_launch_failed", "QEMU exited at start");
+  };
+  const lines: string[] = [];
+  const m = await SandboxManager.open({
+    driver,
+    stateDir: dir,
+    idlePauseMs: 60_000,
+    log: (l) => lines.push(l),
+  });
+  try {
+    m.buildTemplate("t", { kind: "archive", path: "/nonexistent" });
+    await m.templates.settled("t");
+    const err = await m.create("t", { kind: "sandbox" }).catch((e) => e);
+    expect(err).toMatchObject({ code: "vm_launch_failed" });
+    expect(state.destroys).toBe(1);
+    const said = lines.filter((l) => l.includes("after its failed create failed"));
+    expect(said).toHaveLength(1);
+    expect(said[0]).toContain("ENOSPC");
+  } finally {
+    await m.detach();
+  }
+});

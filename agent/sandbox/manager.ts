@@ -17,6 +17,7 @@
  * - Records are written on every state change; `SandboxManager.open` re-adopts VMs that still run
  *   after an agent restart, marks the others `lost`, and reaps every VM no record claims.
  */
+
 import { Duplex } from "node:stream";
 import type {
   AgentCapacity,
@@ -27,6 +28,7 @@ import type {
   ResumeResult,
   SuspendResult,
 } from "../../contracts/agent/api.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressFence, operatorFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
@@ -259,7 +261,11 @@ export class SandboxManager {
       this.sandboxes.delete(id);
       this.reclaimTemplates();
       sb.meter.enter("destroyed", Date.now());
-      await this.driver.destroy(id, undefined).catch(() => {});
+      await bestEffort(
+        this.log,
+        `destroying sandbox ${id} after its failed create`,
+        this.driver.destroy(id, undefined),
+      );
       await this.records.remove(id);
       throw err;
     }
@@ -371,7 +377,11 @@ export class SandboxManager {
       for (const c of children) {
         this.sandboxes.delete(c.id);
         c.meter.enter("destroyed", Date.now());
-        await this.driver.destroy(c.id, c.vm).catch(() => {});
+        await bestEffort(
+          this.log,
+          `destroying fork child ${c.id} after the fork failed`,
+          this.driver.destroy(c.id, c.vm),
+        );
         await this.records.remove(c.id);
       }
       throw err;
