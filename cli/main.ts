@@ -7,6 +7,7 @@ import { parseArgs } from "node:util";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { buildVersion } from "./build-stamp.ts";
 import { defaultDataDir, REPO_ROOT } from "./config.ts";
+import { intOption } from "./int-option.ts";
 
 const USAGE = `usage: sandboxd <command> [options]
 
@@ -85,18 +86,6 @@ const buildStamp = () => buildVersion(REPO_ROOT, VERSION);
 
 function log(msg: string): void {
   if (process.env.SANDBOXD_QUIET !== "1") process.stderr.write(`sandboxd: ${msg}\n`);
-}
-
-function intOption(value: string | undefined, name: string, def: number, min: number, max: number): number {
-  if (value === undefined) return def;
-  const n = Number(value);
-  if (!Number.isInteger(n) || n < min || n > max) {
-    throw new SandboxdError(
-      "bad_request",
-      `--${name} must be an integer from ${min} to ${max}, got ${value}`,
-    );
-  }
-  return n;
 }
 
 async function cmdRun(args: string[]): Promise<number> {
