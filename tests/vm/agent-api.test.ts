@@ -4,7 +4,6 @@ import { createServer, type Socket } from "node:net";
 import { join } from "node:path";
 import { SignJWT } from "jose";
 import { createAgentApp } from "../../agent/api/app.ts";
-import { BootDriver } from "../../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import {
   busyboxArchive,
@@ -17,6 +16,7 @@ import {
 import type { ExecAction } from "../../contracts/agent/api.ts";
 import { AgentHttpClient } from "../../gateway/agents/client.ts";
 import { errorOf } from "../support/agents.ts";
+import { BootDriver } from "../support/boot-driver.ts";
 
 /**
  * The agent's HTTP API with REAL VMs under TCG, served by Bun.serve on 127.0.0.1:0 and driven by

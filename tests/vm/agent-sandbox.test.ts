@@ -2,7 +2,6 @@ import { afterAll, afterEach, describe, expect, test } from "bun:test";
 import { mkdir, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { UsageInterval } from "../../agent/sandbox/accounting.ts";
-import { BootDriver } from "../../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import type { ManagerOptions } from "../../agent/sandbox/manager-types.ts";
 import {
@@ -15,6 +14,7 @@ import {
   waitFor,
 } from "../../agent/sandbox/testing.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { BootDriver } from "../support/boot-driver.ts";
 
 /**
  * The sandbox manager over the cold-boot driver with REAL VMs under TCG: exec rules, idle pause,

@@ -3,7 +3,6 @@ import { copyFile, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import type { HeartbeatSender } from "../../agent/api/heartbeat.ts";
-import { BootDriver } from "../../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import {
   busyboxArchive,
@@ -20,6 +19,7 @@ import { createKey } from "../../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import type { RunningGateway } from "../../gateway/server.ts";
 import { startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
+import { BootDriver } from "../support/boot-driver.ts";
 
 /**
  * Routing to several host agents (gateway/agents/router.ts): a real gateway (startGateway, PGlite)

@@ -11,7 +11,6 @@ import { afterAll, afterEach, describe, expect, test } from "bun:test";
 import { readFile, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
-import { BootDriver } from "../../agent/sandbox/drivers/boot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { leftovers, TEST_CACHE_DIR, tempStateDir } from "../../agent/sandbox/testing.ts";
 import * as A from "../../contracts/api/family-a.ts";
@@ -23,6 +22,7 @@ import { HEALTH_CACHE_MS } from "../../gateway/routes/system.ts";
 import type { RunningGateway } from "../../gateway/server.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
+import { BootDriver } from "../support/boot-driver.ts";
 import {
   createKeys,
   expectOk,

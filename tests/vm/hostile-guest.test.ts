@@ -13,7 +13,6 @@ import {
   MAX_REQUESTS_IN_FLIGHT,
 } from "../../agent/guest/client.ts";
 import { decodeTlv, encodeCredit, encodeFrame, FrameDecoder, TlvWriter } from "../../agent/guest/codec.ts";
-import { BootDriver } from "../../agent/sandbox/drivers/boot.ts";
 import type { DriverVm } from "../../agent/sandbox/drivers/driver.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import {
@@ -36,6 +35,7 @@ import {
   Tag,
   TUNNEL_WINDOW,
 } from "../../contracts/guest-protocol.ts";
+import { BootDriver } from "../support/boot-driver.ts";
 
 /**
  * A hostile guest against the host's side of the guest channel. The guest controls every byte

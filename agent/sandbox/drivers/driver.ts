@@ -1,9 +1,9 @@
 /**
  * What the sandbox manager needs from the VM layer, and nothing more. The manager owns states,
  * serialization, idle pause, records and accounting; a driver owns QEMU processes, disks and
- * snapshots. Two implementations: `BootDriver` (boot.ts: cold boot from an imported image,
- * no fork/suspend) and `SnapshotDriver` (snapshot.ts, on agent/snapshot/: template
- * snapshots, fast spawn, live fork, suspend/resume).
+ * snapshots. The agent's implementation is `SnapshotDriver` (snapshot.ts, on agent/snapshot/:
+ * template snapshots, fast spawn, live fork, suspend/resume); the tests also run the manager on
+ * `BootDriver` (tests/support/boot-driver.ts: cold boot from an imported image, no fork/suspend).
  *
  * Contract for implementations:
  * - Every method throws `SandboxdError`s; `unsupported` when the driver cannot do it at all,

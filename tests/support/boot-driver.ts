@@ -6,16 +6,12 @@
  */
 import { rm, stat } from "node:fs/promises";
 import { join } from "node:path";
-import { describeError, SandboxdError } from "../../../contracts/errors.ts";
-import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
-import type { GuestClient, GuestTunnel, PtyOptions } from "../../guest/client.ts";
-import { type ImportedImage, importImage } from "../../image/import.ts";
-import { probeAccelerator } from "../../qemu/accel.ts";
-import type { Accel } from "../../qemu/launch.ts";
-import type { QmpClient } from "../../qemu/qmp/client.ts";
-import { bootVm, connectGuest } from "../../vm/boot.ts";
-import { adoptQemu, claimVm, pidGone } from "../../vm/process.ts";
-import { reapVmDirs, vmsRoot } from "../../vm/workdir.ts";
+import { ensureGuestArtifacts, type GuestArtifacts } from "../../agent/guest/artifacts.ts";
+import type { GuestClient, GuestTunnel, PtyOptions } from "../../agent/guest/client.ts";
+import { type ImportedImage, importImage } from "../../agent/image/import.ts";
+import { probeAccelerator } from "../../agent/qemu/accel.ts";
+import type { Accel } from "../../agent/qemu/launch.ts";
+import type { QmpClient } from "../../agent/qemu/qmp/client.ts";
 import type {
   AdoptRef,
   DriverVm,
@@ -24,7 +20,11 @@ import type {
   TemplateInput,
   VmExitInfo,
   VmSize,
-} from "./driver.ts";
+} from "../../agent/sandbox/drivers/driver.ts";
+import { bootVm, connectGuest } from "../../agent/vm/boot.ts";
+import { adoptQemu, claimVm, pidGone } from "../../agent/vm/process.ts";
+import { reapVmDirs, vmsRoot } from "../../agent/vm/workdir.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
 
 export interface BootDriverOptions {
   /** Where guest artifacts and imported images are cached (shared between agents and tests). */
