@@ -230,7 +230,7 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
     process.stderr.write(`sandboxd test: no test file matches ${parsed.filters.join(" ")}\n`);
     return 2;
   }
-  const jobs = parsed.jobs ?? Number(process.env.SANDBOXD_TEST_JOBS ?? (parsed.quick ? 2 : 3));
+  const jobs = parsed.jobs ?? (parsed.quick ? 2 : 3);
   const timings = timingsPaths(deps.root, deps.dataDir);
   const recorded = readTimings(timings.read);
   const bun = process.execPath;
@@ -284,7 +284,7 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
   interface Job {
     run: () => Promise<void>;
     exclusive: boolean;
-    /** Needs the shared test cache (guest artifacts, python image) built first. */
+    /** A full-tier file: waits for the shared test cache, and never runs beside an exclusive one. */
     needsCache: boolean;
   }
   const queue: Job[] = [];

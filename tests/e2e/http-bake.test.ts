@@ -11,15 +11,16 @@
  * operator allows it: `up` runs with SANDBOXD_EGRESS_ALLOW_INTERNAL=127.0.0.1/32. Figures (pull,
  * phases, spawn) are printed as JSON.
  */
+
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdtemp, readdir, rm } from "node:fs/promises";
+import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { WebSocket } from "ws";
 import * as B from "../../contracts/api/family-b.ts";
 import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
 import { type LocalRegistry, startBusyboxRegistry, startRegistry } from "../support/registry.ts";
 import { useService } from "../support/service.ts";
+import { wsExchange } from "../support/ws-exchange.ts";
 
 /** A test boots a few VMs (~0.2 s restores, ~3 s template boots under TCG); generous for a slow host. */
 const TEST_TIMEOUT_MS = 240_000;
@@ -47,28 +48,6 @@ let work = "";
 const liveSandboxes = new Map<string, string>();
 const liveTemplates = new Map<string, string>();
 const figures: Record<string, unknown> = {};
-
-/**
- * Opens a WebSocket to `url`, sends `send` (if any) as one binary message and collects what comes
- * back until the relay closes; a refused handshake gives its HTTP status instead.
- */
-function wsExchange(url: string, send: string): Promise<{ status: number; text: string }> {
-  return new Promise((resolve, reject) => {
-    const ws = new WebSocket(url, { perMessageDeflate: false });
-    const parts: Buffer[] = [];
-    ws.once("open", () => {
-      if (send) ws.send(Buffer.from(send));
-      else ws.close();
-    });
-    ws.on("message", (d: Buffer) => parts.push(Buffer.from(d)));
-    ws.once("close", () => resolve({ status: 101, text: Buffer.concat(parts).toString() }));
-    ws.once("unexpected-response", (_req, res) => {
-      res.resume();
-      resolve({ status: res.statusCode ?? 0, text: "" });
-    });
-    ws.once("error", reject);
-  });
-}
 
 afterAll(async () => {
   await reg?.stop();
@@ -176,10 +155,6 @@ async function deleteTemplate(id: string, key = keys.pro) {
   const body = expectOk(await api().delete(`/v1/templates/${id}`, { key }), 200, B.DeleteTemplateResponseB);
   expect(body).toEqual({ deleted: true, id });
   liveTemplates.delete(id);
-}
-
-async function vmDirs(): Promise<string[]> {
-  return readdir(join(fx.dataDir, "agent", "vms")).catch(() => [] as string[]);
 }
 
 async function hostnameOf(id: string): Promise<string> {
@@ -354,7 +329,7 @@ describe("Family B bake from a registry", () => {
       // A cold create (snapshot restore) for comparison.
       const cold = await createSandbox("web");
       await deleteSandbox(cold.id);
-      expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 0, 10_000)).toBe(true);
 
       for (let i = 0; i < 2; i++) {
         const r = expectOk(
@@ -364,8 +339,8 @@ describe("Family B bake from a registry", () => {
         );
         expect(r).toEqual({ id: "web", width: 2 }); // idempotent
       }
-      expect(await waitFor(async () => (await vmDirs()).length === 2, 60_000)).toBe(true);
-      const pooled = new Set(await vmDirs());
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 2, 60_000)).toBe(true);
+      const pooled = new Set(await fx.vmDirs());
       const sb = await createSandbox("web");
       // The sandbox is one of the pooled VMs (a VM's hostname is its agent id), server running.
       expect(pooled.has(await hostnameOf(sb.id))).toBe(true);
@@ -373,7 +348,7 @@ describe("Family B bake from a registry", () => {
       expect({ code: health.exit_code, out: health.stdout }).toEqual({ code: 0, out: "healthy\n" });
       expect(sb.fork_time_ms).toBeLessThan(cold.fork_time_ms);
       // The pool refills in the background: two warm VMs again beside the sandbox.
-      expect(await waitFor(async () => (await vmDirs()).length === 3, 60_000)).toBe(true);
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 3, 60_000)).toBe(true);
       figures.warm_pool = {
         cold: { create_ms: Math.round(cold.ms), fork_time_ms: Math.round(cold.fork_time_ms) },
         warm: { create_ms: Math.round(sb.ms), fork_time_ms: Math.round(sb.fork_time_ms) },
@@ -387,10 +362,10 @@ describe("Family B bake from a registry", () => {
         expect(r).toEqual({ id: "web", released: true }); // idempotent
       }
       // Capacity relaxes at once: only the sandbox's VM is left.
-      expect(await waitFor(async () => (await vmDirs()).length === 1, 10_000)).toBe(true);
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 1, 10_000)).toBe(true);
       expect((await qemusUnder(fx.dataDir)).length).toBe(1);
       await deleteSandbox(sb.id);
-      expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 0, 10_000)).toBe(true);
     },
     TEST_TIMEOUT_MS,
   );
@@ -407,15 +382,15 @@ describe("Family B bake from a registry", () => {
       expect(blobGets()).toBe(blobsBefore);
       figures.cached_bake = roundAll(t.telemetry);
       // expected_width: one warm VM once Live, taken by the first create.
-      expect(await waitFor(async () => (await vmDirs()).length === 1, 60_000)).toBe(true);
-      const [warm] = await vmDirs();
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 1, 60_000)).toBe(true);
+      const [warm] = await fx.vmDirs();
       const sb = await createSandbox("web-copy");
       expect(sb.endpoints).toEqual({});
       expect(await hostnameOf(sb.id)).toBe(warm!);
       await deleteSandbox(sb.id);
       // Deleting the template drops its pool (refilled meanwhile) with it.
       await deleteTemplate("web-copy");
-      expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 0, 10_000)).toBe(true);
     },
     TEST_TIMEOUT_MS,
   );
@@ -502,7 +477,7 @@ describe("Family B bake from a registry", () => {
     async () => {
       await deleteTemplate("web");
       expectError(await api().get("/v1/templates/web", { key: keys.pro }), 404, "not_found");
-      expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
+      expect(await waitFor(async () => (await fx.vmDirs()).length === 0, 10_000)).toBe(true);
       expect(await qemusUnder(fx.dataDir)).toEqual([]);
     },
     TEST_TIMEOUT_MS,

@@ -15,7 +15,6 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import WebSocket from "ws";
 import { engineTemplateId } from "../../agent/sandbox/drivers/snapshot.ts";
 import { buildCommit } from "../../cli/build-stamp.ts";
 import * as A from "../../contracts/api/family-a.ts";
@@ -37,6 +36,7 @@ import {
   waitFor,
 } from "../support/e2e-service.ts";
 import { streamedExec as startStreamedExec } from "../support/streamed-exec.ts";
+import { wsExchange } from "../support/ws-exchange.ts";
 
 /** A test boots a few VMs (~0.2-1 s each under TCG) and at most one template build. */
 const TEST_TIMEOUT_MS = 240_000;
@@ -109,23 +109,6 @@ afterAll(async () => {
 function streamedSessionExec(id: string, script: string) {
   return startStreamedExec(service().url, `/v1/sessions/${id}/exec`, keys.live, {
     commands: [["sh", "-c", script]],
-  });
-}
-
-/** The HTTP status of a WebSocket handshake that is refused, or 101 with what the server sent. */
-function wsExchange(url: string, send: string): Promise<{ status: number; text: string }> {
-  return new Promise((resolve, reject) => {
-    const ws = new WebSocket(url, { perMessageDeflate: false });
-    const parts: Buffer[] = [];
-    ws.once("open", () => ws.send(Buffer.from(send)));
-    ws.on("message", (d: Buffer) => parts.push(Buffer.from(d)));
-    ws.once("close", () => resolve({ status: 101, text: Buffer.concat(parts).toString() }));
-    ws.once("unexpected-response", (_req, res) => {
-      const body: Buffer[] = [];
-      res.on("data", (b: Buffer) => body.push(b));
-      res.on("end", () => resolve({ status: res.statusCode ?? 0, text: Buffer.concat(body).toString() }));
-    });
-    ws.once("error", reject);
   });
 }
 

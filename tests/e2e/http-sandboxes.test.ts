@@ -10,9 +10,7 @@
  */
 
 import { beforeAll, describe, expect, test } from "bun:test";
-import { readdir } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
-import { join } from "node:path";
 import * as B from "../../contracts/api/family-b.ts";
 import {
   expectError,
@@ -109,20 +107,6 @@ function counterPair(stdout: string): [number, number] {
   const first = stdout.split("\n")[0] ?? "";
   expect(first).toMatch(/^\d+ \d+$/);
   return first.split(" ").map(Number) as [number, number];
-}
-
-async function vmDirs(): Promise<string[]> {
-  try {
-    return await readdir(join(fx.dataDir, "agent", "vms"));
-  } catch {
-    return [];
-  }
-}
-
-async function expectNoVms(): Promise<void> {
-  const clean = await waitFor(async () => (await qemusUnder(fx.dataDir)).length === 0, 10_000);
-  expect({ clean, qemus: await qemusUnder(fx.dataDir) }).toEqual({ clean: true, qemus: [] });
-  expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
 }
 
 describe("Family B: catalog", () => {
@@ -261,7 +245,7 @@ describe("Family B: sandboxes", () => {
       expect(list2.sandboxes.map((s) => s.id)).toEqual([sb.id]);
 
       await deleteSandbox(sb.id);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -330,7 +314,7 @@ describe("Family B: sandboxes", () => {
       for (const id of [c1, c2, parent]) await deleteSandbox(id);
       await deleteSandbox(one.children[0]!.id, keys.ent);
       await deleteSandbox(ent, keys.ent);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -375,7 +359,7 @@ describe("Family B: sandboxes", () => {
       expect(info2.state).toBe("running");
 
       await deleteSandbox(id);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -400,7 +384,7 @@ describe("Family B: sandboxes", () => {
       }
       const list = expectOk(await api().get("/v1/sandboxes", { key: keys.pro }), 200, B.SandboxList);
       expect(list.sandboxes.map((s) => s.id)).not.toContain(id);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -427,7 +411,7 @@ describe("Family B: sandboxes", () => {
       const info = expectOk(await api().get(`/v1/sandboxes/${id}`, { key: keys.pro }), 200, B.SandboxInfo);
       expect(info).toMatchObject({ state: "running", exec_count: 0 });
       await deleteSandbox(id);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -482,7 +466,7 @@ describe("Family B: sandboxes", () => {
         "port_not_exposed",
       );
       await deleteSandbox(pro);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -613,7 +597,7 @@ except e.HTTPError as x: print('status', x.code)"`;
           e2e_latency_ms: { sandbox_create: latencySummary(create), sandbox_fork_1: latencySummary(forkMs) },
         }),
       );
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );

@@ -10,20 +10,13 @@
  */
 
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdtemp, readdir, rm } from "node:fs/promises";
+import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import * as A from "../../contracts/api/family-a.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import {
-  expectError,
-  expectOk,
-  latencySummary,
-  pidsMentioning,
-  qemusUnder,
-  waitFor,
-} from "../support/e2e-service.ts";
+import { expectError, expectOk, latencySummary, pidsMentioning, qemusUnder } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 import { streamedExec as startStreamedExec } from "../support/streamed-exec.ts";
 
@@ -106,21 +99,6 @@ async function sessionExec(id: string, body: Record<string, unknown>, key = keys
 
 const sh = (script: string) => ["sh", "-c", script];
 
-async function vmDirs(): Promise<string[]> {
-  try {
-    return await readdir(join(fx.dataDir, "agent", "vms"));
-  } catch {
-    return [];
-  }
-}
-
-/** No QEMU for our data dir and no VM directory: what "nothing left behind" means on the host. */
-async function expectNoVms(): Promise<void> {
-  const clean = await waitFor(async () => (await qemusUnder(fx.dataDir)).length === 0, 10_000);
-  expect({ clean, qemus: await qemusUnder(fx.dataDir) }).toEqual({ clean: true, qemus: [] });
-  expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
-}
-
 describe("health, authentication, metrics", () => {
   test("GET /v1/health needs no key and carries both forms in one object", async () => {
     const res = await api().get("/v1/health");
@@ -196,7 +174,7 @@ describe("Family A: one-shot and batch exec", () => {
       // a one-shot VM is not a session, and no VM or QEMU stays for it
       const list = expectOk(await api().get("/v1/sessions", { key: keys.live }), 200, A.SessionList);
       expect(list.sessions).toEqual([]);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -219,7 +197,7 @@ describe("Family A: one-shot and batch exec", () => {
       expect(r.stdout).toBe("spin\n"); // output before the kill is kept
       expect(r.exec_time_ms).toBeGreaterThanOrEqual(1900);
       expect(wall).toBeLessThan(12_000);
-      await expectNoVms();
+      await fx.expectNoVms();
       // bounds: 1..600 s (decisions.md); outside is 400, not a clamp
       for (const t of [0, 601, 1.5]) {
         const bad = await api().post("/v1/exec", {
@@ -289,7 +267,7 @@ describe("Family A: one-shot and batch exec", () => {
         hostnames: n,
         randoms: n,
       });
-      await expectNoVms();
+      await fx.expectNoVms();
       // more than the batch cap (64, decisions.md) is 400 before any VM starts
       const tooMany = Array.from({ length: 65 }, () => ({ code: "print(1)", template_id: PYTHON }));
       expectError(await api().post("/v1/exec/batch", { key: keys.live, json: { executions: tooMany } }), 400);
@@ -419,7 +397,7 @@ describe("Family A: sessions", () => {
       expect(otherList.sessions.map((e) => e.session_id)).not.toContain(id);
 
       await deleteSession(id);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -466,7 +444,7 @@ describe("Family A: sessions", () => {
       r = await sessionExec(parent, { code: "print('still here')" });
       expect(r.stdout).toBe("still here\n");
       await deleteSession(parent);
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -499,7 +477,7 @@ describe("Family A: sessions", () => {
       ]);
       // Aborted in its sleep: the stream ended long before the command's 60 s, after its first line.
       expect(settled).toBe("started\n");
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -581,7 +559,7 @@ describe("Family A: uploaded templates", () => {
       expectError(await api().get(`/v1/templates/${id}`, { key: keys.scale }), 404);
       const after = expectOk(await api().get("/v1/templates", { key: keys.live }), 200, A.TemplateListA);
       expect(after.templates[id]).toBeUndefined();
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );
@@ -708,7 +686,7 @@ describe("limits and latency", () => {
           },
         }),
       );
-      await expectNoVms();
+      await fx.expectNoVms();
     },
     TEST_TIMEOUT_MS,
   );

@@ -10,11 +10,11 @@
  * ends the processes (they are listed as ended after the resume), and an idle sandbox is paused
  * with its process unless the process asked for `keep_awake`.
  */
+
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import WebSocket from "ws";
 import * as A from "../../contracts/api/family-a.ts";
 import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
@@ -24,6 +24,7 @@ import { expectError, expectOk, uploadTemplate, waitFor } from "../support/e2e-s
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
 import { useService } from "../support/service.ts";
+import { wsExchange } from "../support/ws-exchange.ts";
 
 /** A test boots a VM or two (~0.2-1 s each under TCG) and runs a few dozen guest commands. */
 const TEST_TIMEOUT_MS = 240_000;
@@ -104,23 +105,6 @@ async function exec(id: string, command: string): Promise<{ stdout: string; exit
     200,
     B.ExecResponseB,
   );
-}
-
-/** The answer of a WebSocket relay to `send` (the status of a refused handshake, else 101). */
-function wsExchange(url: string, send: string): Promise<{ status: number; text: string }> {
-  return new Promise((resolve, reject) => {
-    const ws = new WebSocket(url, { perMessageDeflate: false });
-    const parts: Buffer[] = [];
-    ws.once("open", () => ws.send(Buffer.from(send)));
-    ws.on("message", (d: Buffer) => parts.push(Buffer.from(d)));
-    ws.once("close", () => resolve({ status: 101, text: Buffer.concat(parts).toString() }));
-    ws.once("unexpected-response", (_req, res) => {
-      const body: Buffer[] = [];
-      res.on("data", (b: Buffer) => body.push(b));
-      res.on("end", () => resolve({ status: res.statusCode ?? 0, text: Buffer.concat(body).toString() }));
-    });
-    ws.once("error", reject);
-  });
 }
 
 interface Ev {

@@ -362,10 +362,7 @@ export async function startServing(
  */
 export async function stopAndClean(svc: RunningService | undefined, dataDir: string): Promise<void> {
   await svc?.stop();
-  if (!dataDir) return;
-  await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-  for (const p of await qemusUnder(dataDir)) process.kill(p.pid, "SIGKILL");
-  await removeDataDir(dataDir);
+  if (dataDir) await reapDataDir(dataDir);
 }
 
 /** Polls `GET /v1/health` (no key) until `templates[id].ready` or the deadline. */
@@ -446,13 +443,19 @@ export async function waitFor(cond: () => boolean | Promise<boolean>, timeoutMs:
 }
 
 /**
- * After the service stopped: waits for its QEMUs to exit, kills (by pid) any left for `dir` (ours:
- * started by our `up`), and removes the dir. Returns the pids it had to kill.
+ * After the service stopped: waits up to 10 s for its QEMUs to exit and kills (by pid) any left
+ * for `dir` (ours: started by our `up`). Returns the pids it had to kill.
  */
-export async function reapDataDir(dir: string): Promise<number[]> {
+export async function reapQemus(dir: string): Promise<number[]> {
   await waitFor(async () => (await qemusUnder(dir)).length === 0, 10_000);
   const left = (await qemusUnder(dir)).map((q) => q.pid);
   for (const pid of left) process.kill(pid, "SIGKILL");
+  return left;
+}
+
+/** `reapQemus`, then removes the dir. Returns the pids it had to kill. */
+export async function reapDataDir(dir: string): Promise<number[]> {
+  const left = await reapQemus(dir);
   await removeDataDir(dir);
   return left;
 }

@@ -13,14 +13,18 @@
  *
  * `stop()` is the same teardown on demand, for a suite's last test that checks nothing is left.
  */
-import { afterAll, afterEach, beforeAll } from "bun:test";
+import { afterAll, afterEach, beforeAll, expect } from "bun:test";
+import { readdir } from "node:fs/promises";
+import { join } from "node:path";
 import type { Tier } from "../../contracts/api/tiers.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import {
   type Api,
   createKeys,
   prepareDataDir,
   qemusUnder,
   type RunningService,
+  reapQemus,
   removeDataDir,
   startUp,
   waitFor,
@@ -65,6 +69,10 @@ export interface ServiceFixture<K extends string> {
    * is logged, never thrown, so the stop and the data dir's removal always follow.
    */
   beforeStop(fn: () => Promise<unknown>): void;
+  /** The VM directories of `up`'s agent (one per live VM, pre-launched and warm ones included). */
+  vmDirs(): Promise<string[]>;
+  /** Asserts that no QEMU runs for the data dir and no VM directory is left (waits up to 10 s). */
+  expectNoVms(): Promise<void>;
   /** Stops `up` and reaps its QEMUs; what was still running is reported. Idempotent. */
   stop(): Promise<{ exit: number | null; qemus: number[] }>;
   /** Starts `up` again on the same data dir (after `stop()`), with these extra args and env. */
@@ -81,7 +89,7 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
   const beforeStops: (() => Promise<unknown>)[] = [];
   let stopped: { exit: number | null; qemus: number[] } | undefined;
 
-  const running = () => {
+  const current = () => {
     if (!svc) throw new Error("the service is not running (see beforeAll, or stop() was called)");
     return svc;
   };
@@ -91,15 +99,11 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
     const s = svc;
     svc = undefined;
     const exit = s ? await s.stop() : null;
-    let qemus: number[] = [];
-    if (dataDir) {
-      await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
-      qemus = (await qemusUnder(dataDir)).map((p) => p.pid);
-      for (const pid of qemus) process.kill(pid, "SIGKILL"); // ours: our `up` started them
-    }
-    stopped = { exit, qemus };
+    stopped = { exit, qemus: dataDir ? await reapQemus(dataDir) : [] };
     return stopped;
   };
+
+  const vmDirs = () => readdir(join(dataDir, "agent", "vms")).catch(() => [] as string[]);
 
   beforeAll(async () => {
     dataDir = await prepareDataDir(opts.prefix ?? "sbx-e2e-", { python });
@@ -116,9 +120,7 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
   afterAll(async () => {
     for (const fn of beforeStops) {
       if (!svc) break;
-      await fn().catch((err) =>
-        console.warn(`cleanup before the service's stop: ${err instanceof Error ? err.message : err}`),
-      );
+      await bestEffort((m) => console.warn(m), "cleanup before the service's stop", fn);
     }
     await stop();
     if (dataDir) await removeDataDir(dataDir);
@@ -126,10 +128,10 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
 
   return {
     get svc() {
-      return running();
+      return current();
     },
     get api() {
-      return running().api;
+      return current().api;
     },
     get keys() {
       if (!keys) throw new Error("no keys: the service did not start (see beforeAll)");
@@ -146,6 +148,12 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
     },
     beforeStop: (fn) => {
       beforeStops.push(fn);
+    },
+    vmDirs,
+    async expectNoVms() {
+      const clean = await waitFor(async () => (await qemusUnder(dataDir)).length === 0, 10_000);
+      expect({ clean, qemus: await qemusUnder(dataDir) }).toEqual({ clean: true, qemus: [] });
+      expect(await waitFor(async () => (await vmDirs()).length === 0, 10_000)).toBe(true);
     },
     stop,
     async restart(args = [], env = {}) {
