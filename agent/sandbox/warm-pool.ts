@@ -28,6 +28,10 @@ interface Pool {
   vms: DriverVm[];
   /** Spawns in flight (counted against capacity like pooled VMs). */
   spawning: number;
+  /** Settles when the spawn in flight ends (its VM pooled, or failed). */
+  spawned?: Promise<void>;
+  /** Creates waiting for a spawn in flight: each waits for one VM of its own. */
+  waiting: number;
   size: VmSize;
   filling?: Promise<void>;
 }
@@ -53,7 +57,7 @@ export class WarmPool {
     const want = Math.max(0, Math.min(width, MAX_WARM_PER_TEMPLATE));
     let p = this.pools.get(templateId);
     if (!p) {
-      p = { want, vms: [], spawning: 0, size: this.d.sizeOf(templateId) };
+      p = { want, vms: [], spawning: 0, waiting: 0, size: this.d.sizeOf(templateId) };
       this.pools.set(templateId, p);
     }
     p.want = want;
@@ -72,6 +76,18 @@ export class WarmPool {
   /** A pooled VM of the template, resumed and ready to be a sandbox; undefined when none. */
   async take(templateId: string): Promise<DriverVm | undefined> {
     const p = this.pools.get(templateId);
+    // None pooled yet but one being warmed (a bake just Live, a refill): that restore started
+    // before this create and ends first, so the create waits for it instead of racing it with a
+    // restore of its own. Once, and only for a VM no other waiting create has claimed: a burst
+    // never queues behind the pool's one-at-a-time refill.
+    if (p && p.vms.length === 0 && p.spawned && p.waiting < p.spawning) {
+      p.waiting++;
+      try {
+        await p.spawned;
+      } finally {
+        p.waiting--;
+      }
+    }
     while (p && p.vms.length > 0) {
       const vm = p.vms.shift()!;
       this.fill(templateId, p);
@@ -142,6 +158,10 @@ export class WarmPool {
           }
           // One at a time: a refill never competes with the creates it is meant to speed up.
           p.spawning++;
+          let spawned!: () => void;
+          p.spawned = new Promise<void>((resolve) => {
+            spawned = resolve;
+          });
           let vm: DriverVm | undefined;
           try {
             vm = await this.d.driver.spawn(templateId, newVmId(), p.size);
@@ -152,6 +172,8 @@ export class WarmPool {
             return;
           } finally {
             p.spawning--;
+            // Pooled (below, before any waiter runs) or failed: a waiting create looks again.
+            queueMicrotask(spawned);
           }
           if (this.closed || this.pools.get(templateId) !== p || p.vms.length >= p.want) {
             await this.drop(vm); // released (or shrunk) while it was being made
