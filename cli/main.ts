@@ -13,7 +13,7 @@ const USAGE = `usage: sandboxd <command> [options]
 
 commands:
   up [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--no-catalog]
-        run the service: the HTTP gateway (both API families) and one host agent in this
+        run the service: the HTTP gateway (both API APIs) and one host agent in this
         process; state in PGlite under the data dir, or PostgreSQL when DATABASE_URL is set;
         builds the catalog's python template on first start
   gateway [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--region R] [--no-catalog]

@@ -65,7 +65,7 @@ type SettingSpec = NumberSetting | ChoiceSetting;
 const DAY_S = 24 * 3600;
 /** The most of anything countable a setting may ask for: far above one host or tenant's scale. */
 const MAX_COUNT = 1_000_000;
-/** The Family B tiers, whose sandbox quotas and fork caps are settings (Family A has neither). */
+/** The sandboxes API tiers, whose sandbox quotas and fork caps are settings (sessions API has neither). */
 const B_TIERS = ["demo", "pro", "enterprise"] as const;
 
 export const SETTINGS: readonly SettingSpec[] = [
@@ -77,7 +77,7 @@ export const SETTINGS: readonly SettingSpec[] = [
     min: 1,
     max: 7 * DAY_S,
     unit: "seconds",
-    doc: "a Family A session with no exec for this long is reclaimed; later calls get 410 gone",
+    doc: "a session with no exec for this long is reclaimed; later calls get 410 gone",
   },
   {
     env: "SANDBOXD_REAPER_INTERVAL",
@@ -98,7 +98,7 @@ export const SETTINGS: readonly SettingSpec[] = [
     // The same week as a sandbox's own idle_timeout_seconds may ask for.
     max: MAX_IDLE_TIMEOUT_S,
     unit: "seconds",
-    doc: "the idle lifetime of Family B sandboxes created without idle_timeout_seconds; 0: none (they run until deleted)",
+    doc: "the idle lifetime of sandboxes created without idle_timeout_seconds; 0: none (they run until deleted)",
   },
   {
     env: "SANDBOXD_IDLE_ACTION",
@@ -117,7 +117,7 @@ export const SETTINGS: readonly SettingSpec[] = [
     min: 1,
     max: MAX_COUNT,
     unit: "count",
-    doc: "live Family A sessions per tenant; a create beyond it is 429",
+    doc: "live sessions per tenant; a create beyond it is 429",
   },
   ...B_TIERS.map(
     (tier): SettingSpec => ({
@@ -128,7 +128,7 @@ export const SETTINGS: readonly SettingSpec[] = [
       min: 0,
       max: MAX_COUNT,
       unit: "count",
-      doc: `running Family B sandboxes per ${tier} tenant; beyond it 429 quota_exceeded`,
+      doc: `running sandboxes per ${tier} tenant; beyond it 429 quota_exceeded`,
     }),
   ),
   ...B_TIERS.map(

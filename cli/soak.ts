@@ -1,6 +1,6 @@
 /**
  * `sandboxd bench --soak N --image ARCHIVE [--data-dir DIR] [--json]`: N create -> exec -> delete
- * cycles of a Family A session through the HTTP API of a real `sandboxd up` (a child process, so
+ * cycles of a sessions API session through the HTTP API of a real `sandboxd up` (a child process, so
  * what is measured is the service alone), on a fresh data dir seeded with the guest artifacts of
  * DIR. It prints the service's RSS, open fds, its RAM files on /dev/shm and its data dir's size at
  * the start (after one warm-up cycle: caches, the template's pages, the database's first pages),
@@ -350,7 +350,7 @@ export function listeningUrl(up: ChildProcess, stderrTail: () => string): Promis
   });
 }
 
-/** Uploads the image at `image` as Family A template `id` with a scale `key`; waits until ready. */
+/** Uploads the image at `image` as sessions API template `id` with a scale `key`; waits until ready. */
 export async function uploadTemplateAndWait(
   base: string,
   key: string,

@@ -2,7 +2,7 @@
  * The public HTTP API: `createApp(deps)` builds a Hono app from its dependencies (db, agent,
  * config, clock); nothing global. In order: error mapping (errors.ts); the routes that need no
  * key (health, connect by token, the web console's static files); the key middleware (auth/bearer.ts: Bearer key to tenant, tier,
- * family) and the per-key rate limit (auth/rate-limit.ts) on every other `/v1/*` path; then one
+ * API) and the per-key rate limit (auth/rate-limit.ts) on every other `/v1/*` path; then one
  * sub-app per area of routes/. Hono runs the handlers of a request in the order they were added,
  * so a route mounted before the middleware answers without it. Body limits and validation happen
  * at the edge of each handler (http.ts), so that the template upload can stream.
@@ -22,11 +22,11 @@ import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
 import { consoleRoutes } from "./routes/console.ts";
-import { familyARoutes } from "./routes/family-a.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { processRoutes } from "./routes/processes.ts";
 import { ptyRoutes } from "./routes/pty.ts";
 import { sandboxRoutes } from "./routes/sandboxes.ts";
+import { sessionsRoutes } from "./routes/sessions.ts";
 import { healthRoutes, systemRoutes } from "./routes/system.ts";
 import { templateRoutes } from "./routes/templates.ts";
 
@@ -93,7 +93,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });
   app.use("/v1/*", bearerKey(keys), rateLimit.middleware);
 
-  app.route("/", familyARoutes(deps, log));
+  app.route("/", sessionsRoutes(deps, log));
   app.route("/", sandboxRoutes(deps));
   app.route("/", processRoutes(deps));
   app.route("/", connectRoutes(deps));

@@ -40,10 +40,10 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   forbidden: 403,
   demo_tier_limit: 403,
   not_found: 404,
-  gone: 410, // Family A: the session's VM has been reclaimed (spec 7)
+  gone: 410, // sessions API: the session's VM has been reclaimed (spec 7)
   busy: 409,
   template_in_use: 409,
-  template_not_ready: 409, // Family A: spawning from a template still building (spec 3.1)
+  template_not_ready: 409, // sessions API: spawning from a template still building (spec 3.1)
   conflict: 409, // duplicate template id; a state that does not allow the action
   port_not_exposed: 409,
   invalid_file: 400, // the guest refused a file of `files`; the message says which and why

@@ -64,7 +64,7 @@ function operation(r: RouteContract, components: Json): Json {
       .replace(/[^A-Za-z0-9]/g, "")}`,
   };
   if (r.description !== undefined) op.description = r.description;
-  if (r.family !== "none") op.security = [{ bearer: [] }];
+  if (r.api !== "none") op.security = [{ bearer: [] }];
   else op.security = [];
   const params: Json[] = [];
   if (r.path.includes("{id}"))
@@ -73,10 +73,12 @@ function operation(r: RouteContract, components: Json): Json {
     params.push({ name: "pid", in: "path", required: true, schema: { type: "integer", minimum: 1 } });
   if (r.query) {
     const qs = queryParams(r.query, components);
-    // A shared path whose query is Family A's (POST /v1/templates): a Family B call sends none.
-    if (r.familyB !== undefined)
+    // A shared path whose query is sessions API's (POST /v1/templates): a sandboxes API call sends none.
+    if (r.sandboxesForm !== undefined)
       for (const q of qs) {
-        q.description = q.required ? "Family A: required. Family B: not used." : "Family A only.";
+        q.description = q.required
+          ? "Sessions API: required. Sandboxes API: not used."
+          : "Sessions API only.";
         q.required = false;
       }
     params.push(...qs);
@@ -100,22 +102,22 @@ function operation(r: RouteContract, components: Json): Json {
     };
   }
   responses[String(r.status)] = ok;
-  const b = r.familyB;
+  const b = r.sandboxesForm;
   if (b !== undefined) {
     const bSchema = b.response ? schemaOf(b.response, "output", components) : undefined;
     if (b.status === r.status && bSchema !== undefined && r.response) {
-      ok.description = "Success (Family A or Family B form, by the key's family)";
+      ok.description = "Success (sessions API or sandboxes API form, by the key's tier)";
       ok.content = json({ oneOf: [schemaOf(r.response, "output", components), bSchema] });
     } else if (b.status !== r.status) {
-      ok.description = "Success (Family A)";
+      ok.description = "Success (sessions API)";
       responses[String(b.status)] = {
-        description: "Success (Family B)",
+        description: "Success (sandboxes API)",
         ...(bSchema !== undefined ? { content: json(bSchema) } : {}),
       };
     }
   }
   const errs = new Set([...r.errors, 500]);
-  if (r.family !== "none") {
+  if (r.api !== "none") {
     errs.add(401);
     errs.add(429);
     // db_unavailable (with Retry-After): the key is looked up in the database.
@@ -153,7 +155,7 @@ export function generateOpenApi(): string {
       version: "v1",
       description:
         "Generated from contracts/api by gateway/openapi.ts; do not edit by hand. " +
-        "Shared paths serve Family A (live/scale keys) or Family B (demo/pro/enterprise keys) by the key's family. " +
+        "Shared paths serve the sessions API (live/scale keys) or the sandboxes API (demo/pro/enterprise keys) by the key's tier. " +
         `Error codes and statuses: ${codes}.`,
     },
     servers: [{ url: "{base_url}", variables: { base_url: { default: "https://localhost:8080" } } }],

@@ -75,7 +75,7 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           ...(s.vcpuCount !== undefined ? { vcpus: s.vcpuCount } : {}),
         };
         try {
-          // `wait_secs` bounds the build's bring-up (contracts/api/family-a.ts RegisterTemplateQuery).
+          // `wait_secs` bounds the build's bring-up (contracts/api/sessions-api.ts RegisterTemplateQuery).
           const input: TemplateInput = {
             kind: "archive",
             path: s.path,

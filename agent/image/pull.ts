@@ -1,5 +1,5 @@
 /**
- * Pulling an image by OCI reference (Family B bake, spec 4.2 `image`) into the agent's image
+ * Pulling an image by OCI reference (sandboxes API bake, spec 4.2 `image`) into the agent's image
  * cache, then handing the OCI layout to the importer (import.ts) like any uploaded image:
  *
  *   parse the reference (contracts/image-ref.ts: no option injection, no schemes)

@@ -34,13 +34,13 @@ const envOf = (env: string[]) =>
   Object.fromEntries(env.map((kv) => [kv.slice(0, kv.indexOf("=")), kv.slice(kv.indexOf("=") + 1)]));
 
 describe("planExec: what runs", () => {
-  test("Family B `command` is one /bin/sh -c line, nothing on stdin", () => {
+  test("the sandboxes API `command` is one /bin/sh -c line, nothing on stdin", () => {
     const p = planExec(req({ run: { kind: "shell", command: "echo hi && ls" } }), image());
     expect(p.commands).toEqual([{ argv: ["/bin/sh", "-c", "echo hi && ls"] }]);
     expect(p.entropy).toBeUndefined();
   });
 
-  test("Family A `code` goes on stdin to the image's Entrypoint + Cmd", () => {
+  test("the sessions API `code` goes on stdin to the image's Entrypoint + Cmd", () => {
     const p = planExec(req({ run: { kind: "code", code: "print(1)" } }), image());
     expect(p.commands).toEqual([{ argv: ["python3", "-u"], stdin: "print(1)" }]);
   });

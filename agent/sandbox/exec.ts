@@ -7,9 +7,9 @@
  * runs the commands in order; `exitCodeOf` reads the guest's answer the way a shell would.
  *
  * The rules (spec 4.1, 2.6, 8):
- * - Family A `code` goes on stdin to the image's own Entrypoint+Cmd (e.g. `python3`, `sh`), as
+ * - sessions API `code` goes on stdin to the image's own Entrypoint+Cmd (e.g. `python3`, `sh`), as
  *   Docker would start the image; an image with neither is refused (`image_no_command`).
- * - Family B `command` is one line for `/bin/sh -c`; `commands` are argv arrays run in order
+ * - sandboxes API `command` is one line for `/bin/sh -c`; `commands` are argv arrays run in order
  *   without a shell, each seeing what the earlier ones left; the result is the last one's, and a
  *   command that runs out of time ends the action.
  * - Every file and command runs in the image's WorkingDir (else `/`) as the image's User, unless

@@ -16,7 +16,7 @@ export interface ManagerOptions {
   driver: SandboxDriver;
   /** Records and VM directories live here. */
   stateDir: string;
-  /** Size of a VM whose template does not say (Family A `mem_mib`, `vcpu_count`). */
+  /** Size of a VM whose template does not say (sessions API `mem_mib`, `vcpu_count`). */
   defaultSize?: VmSize;
   /** What this host may hand out; defaults below. */
   capacity?: Partial<HostCapacity>;

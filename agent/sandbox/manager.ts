@@ -305,7 +305,7 @@ export class SandboxManager {
     }
   }
 
-  /** One throwaway VM per call (Family A /v1/exec): create, exec, destroy. */
+  /** One throwaway VM per call (sessions API /v1/exec): create, exec, destroy. */
   async execOnce(templateId: string, req: ExecRequest): Promise<OneShotResult> {
     const created = await this.create(templateId, { kind: "session" });
     const sb = this.sandboxes.get(created.vmId);

@@ -4,14 +4,14 @@
  * at once); a failure is a status with a readable error, never a crash (spec 3.1): a stable code,
  * a short reason and an error id naming the full text in the agent's log (tenant-error.ts).
  *
- * Readiness telemetry (spec 2.4, contracts/api/family-b.ts TemplateTelemetry): the registry times
+ * Readiness telemetry (spec 2.4, contracts/api/sandboxes-api.ts TemplateTelemetry): the registry times
  * the Pending wait and the whole build; a driver may add what it measured (phase timings,
  * snapshot sizes) by returning `PreparedWithTelemetry`. It is written into the template's record,
  * so a template restored after an agent restart reports what its build measured.
  */
 
 import type { TemplateBuildStatus } from "../../contracts/agent/api.ts";
-import type { BakePhase, TemplateTelemetry } from "../../contracts/api/family-b.ts";
+import type { BakePhase, TemplateTelemetry } from "../../contracts/api/sandboxes-api.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
 import type { RecordStore, TemplateRecord } from "./records.ts";

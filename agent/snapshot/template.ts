@@ -89,7 +89,7 @@ export interface BuildTemplateOptions {
   readyCmd?: string[];
   /** Default 60 s (spec 4.3 leaves it to the caller; a service that is not healthy in a minute is broken). */
   readyTimeoutMs?: number;
-  /** Added to (and overriding) the image's Env for the ready command only (Family B `ready.env`). */
+  /** Added to (and overriding) the image's Env for the ready command only (sandboxes API `ready.env`). */
   readyEnv?: Record<string, string>;
   /** Called when the frozen files start being registered for restores (bake phase Distributing). */
   onDistributing?: () => void;
@@ -226,7 +226,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     try {
       guest = await connectGuest(vm, bringupMs);
     } catch (err) {
-      // A guest that did not answer in time is the bring-up bound (Family A `wait_secs`) running
+      // A guest that did not answer in time is the bring-up bound (sessions API `wait_secs`) running
       // out, a code the tenant's error names; anything else is a failed start.
       const late = err instanceof SandboxdError && err.code === "bringup_timeout";
       throw asSnapshotError(

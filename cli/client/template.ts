@@ -21,7 +21,7 @@ const ls: Handler = async (p, spec, ctx) => {
     ctx.stdout.write(`${json(all)}\n`);
     return 0;
   }
-  // A Pro key sees the catalog (visibility, description); a Family A key ids and readiness.
+  // A Pro key sees the catalog (visibility, description); a sessions API key ids and readiness.
   const rows = all.map((t) =>
     "ready" in t
       ? [t.id, t.ready ? "ready" : "building", ""]

@@ -15,8 +15,8 @@
  * `agent_unavailable` for an agent that does not answer.
  */
 import type { z } from "zod";
-import type { TunnelProtocol } from "../api/family-b.ts";
 import type { FileList, FileWritten } from "../api/files.ts";
+import type { TunnelProtocol } from "../api/sandboxes-api.ts";
 import type { ProcessInfo, ProcessLogs, ProcessStart, ProcessStdin } from "./processes.ts";
 import type * as S from "./schemas.ts";
 
@@ -44,12 +44,12 @@ export type ResumeResult = z.infer<typeof S.ResumeResultSchema>;
 
 export type TemplateSource =
   /**
-   * Family A: an uploaded image at `path`, a file of the side that holds it (the gateway streams
+   * The sessions API: an uploaded image at `path`, a file of the side that holds it (the gateway streams
    * it as the body of `PUT /templates/{ref}/upload`; the agent stages it again). The receiver owns
    * the file from then on (moves or deletes it).
    */
   | ({ kind: "upload"; path: string } & z.infer<typeof S.UploadQuery>)
-  /** Family B (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
+  /** The sandboxes API (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
   | ({ kind: "oci" } & z.infer<typeof S.OciBuildBody>);
 export type TemplateBuildStatus = z.infer<typeof S.TemplateStatusSchema>;
 
@@ -97,7 +97,7 @@ export interface PtyTunnel extends Tunnel {
 export interface AgentApi {
   /** Spawn a VM from a ready template. */
   createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm>;
-  /** Run one action in a throwaway VM that is destroyed afterwards (Family A /v1/exec). */
+  /** Run one action in a throwaway VM that is destroyed afterwards (sessions API /v1/exec). */
   execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult>;
   /** Run an action in a live VM. Serialized per VM: a concurrent call throws `busy`. */
   exec(vmId: VmId, action: ExecAction): Promise<ExecResult>;

@@ -7,7 +7,6 @@
  */
 import { z } from "zod";
 import { FileWrite as PublicFileWrite } from "../api/common.ts";
-import { BakePhase, ReadySpec, RegistryAuth } from "../api/family-b.ts";
 import {
   EXEC_TIMEOUT_CEILING_S,
   MAX_EXEC_COMMANDS,
@@ -25,6 +24,7 @@ import {
   MIN_VCPUS,
   MIN_WAIT_SECS,
 } from "../api/limits.ts";
+import { BakePhase, ReadySpec, RegistryAuth } from "../api/sandboxes-api.ts";
 import { AgentErrorCode, SandboxdError } from "../errors.ts";
 
 /**
@@ -46,9 +46,9 @@ export const FileWrite = PublicFileWrite;
 
 /** What to run after the files are written. */
 export const RunAction = z.discriminatedUnion("kind", [
-  /** Source code, run by the template's interpreter/entrypoint (Family A `code`). */
+  /** Source code, run by the template's interpreter/entrypoint (sessions API `code`). */
   z.object({ kind: z.literal("code"), code: z.string() }),
-  /** One command line run by /bin/sh -c (Family B `command`). */
+  /** One command line run by /bin/sh -c (sandboxes API `command`). */
   z.object({ kind: z.literal("shell"), command: z.string().min(1) }),
   /** Argv arrays run in order, no shell; the result is the last one's (`commands`). */
   z.object({
@@ -68,7 +68,7 @@ export const ExecBody = z.object({
    * defaults it to 30 s (spec 8); the gateway always sends it (api.ts `ExecAction`).
    */
   timeoutMs: z.int().min(1).max(MAX_EXEC_TIMEOUT_MS).optional(),
-  /** Family B `seed`, handed to the guest; the agent reports `seedAck`. */
+  /** The sandboxes API `seed`, handed to the guest; the agent reports `seedAck`. */
   seed: z.string().max(MAX_SEED_HEX_CHARS).optional(),
   /** Added to (and overriding) the image's Env. */
   env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string()).optional(),
@@ -100,7 +100,7 @@ export const ExecOnceBody = z.object({ template: TemplateRefParam, action: ExecB
 /** Spec 8: at most 64 children per fork call (Enterprise). */
 export const ForkBody = z.object({ count: z.int().min(1).max(MAX_FORK_COUNT) });
 
-/** Family B (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
+/** The sandboxes API (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
 export const OciBuildBody = z.object({
   image: z.string().min(1).max(MAX_IMAGE_REF_CHARS),
   /** The tenant the bake is for (the agent's log names it beside each pull). */
@@ -112,7 +112,7 @@ export const OciBuildBody = z.object({
   expectedWidth: z.int().min(1).max(MAX_TEMPLATE_WIDTH).optional(),
 });
 
-/** Query of `PUT /templates/:ref/upload` (Family A register options, spec 4.1). */
+/** Query of `PUT /templates/:ref/upload` (sessions API register options, spec 4.1). */
 export const UploadQuery = z.object({
   memMib: z.coerce.number().int().min(MIN_MEM_MIB).max(MAX_MEM_MIB).optional(),
   vcpuCount: z.coerce.number().int().min(MIN_VCPUS).max(MAX_VCPUS).optional(),
@@ -191,7 +191,7 @@ export const VmSummarySchema = z.object({
   /** Why it is failed or lost. */
   reason: z.string().optional(),
   createdAtMs: z.number(),
-  /** A Family A one-shot exec's VM: it lives for its call and has no row of its own. */
+  /** A sessions API one-shot exec's VM: it lives for its call and has no row of its own. */
   oneShot: z.boolean().optional(),
 });
 export const VmListSchema = z.object({ vms: z.array(VmSummarySchema) });
@@ -205,7 +205,7 @@ export const ResumeResultSchema = z.object({ memBytes: z.number(), resources: Re
 
 export const TemplateStatusSchema = z.object({
   status: z.enum(["building", "ready", "failed"]),
-  /** Family B bake phase; `Live` when ready, `Failed` when failed. */
+  /** The sandboxes API bake phase; `Live` when ready, `Failed` when failed. */
   phase: BakePhase,
   /** Readable error when failed (never a crash; spec 3.1). */
   error: z.string().optional(),

@@ -1,7 +1,7 @@
 /**
  * Shared pieces of the public API (spec sections 2, 5, 7): ids, API key format, the error
- * envelope, labels and file writes (tiers and families: tiers.ts). Every request and response schema of both
- * endpoint families is built from these; openapi.yaml is generated from them (gateway/openapi.ts).
+ * envelope, labels and file writes (tiers and APIs: tiers.ts). Every request and response schema of both
+ * endpoint APIs is built from these; openapi.yaml is generated from them (gateway/openapi.ts).
  */
 import { z } from "zod";
 import { PublicErrorCode } from "../errors.ts";
@@ -162,7 +162,7 @@ export function base64Bytes(s: string): number {
 }
 
 /**
- * The per-exec options both exec forms take (Family A session exec, Family B sandbox exec): the
+ * The per-exec options both exec forms take (sessions API session exec, sandboxes API sandbox exec): the
  * fields are spread into each request object, and `checkExecOptions` is refined on it.
  */
 export const ExecOptionFields = {

@@ -1,6 +1,6 @@
-/** `GET /v1/health` (spec 2.10): one object that satisfies both the Family A and B forms. */
+/** `GET /v1/health` (spec 2.10): one object that satisfies both the sessions and sandboxes API forms. */
 import { z } from "zod";
-import { TemplateReadyMap } from "./family-a.ts";
+import { TemplateReadyMap } from "./sessions-api.ts";
 
 /**
  * What the service says wherever it reports TCG (health, `doctor`, the agent's start-up line):
@@ -16,8 +16,8 @@ export const HealthResponse = z
       .describe(
         "`degraded` when the host agent or the database does not answer (then `templates` is empty).",
       ),
-    version: z.string().describe("API build stamp (Family B form)."),
-    templates: TemplateReadyMap.describe("Public templates and readiness (Family A form)."),
+    version: z.string().describe("API build stamp (sandboxes API form)."),
+    templates: TemplateReadyMap.describe("Public templates and readiness (sessions API form)."),
     accel: z
       .enum(["kvm", "tcg"])
       .optional()

@@ -1,8 +1,8 @@
-/** The public API contract: every request and response schema of both families. */
+/** The public API contract: every request and response schema of both APIs. */
 export * from "./common.ts";
-export * from "./family-a.ts";
-export * from "./family-b.ts";
 export * from "./health.ts";
 export * from "./limits.ts";
 export * from "./routes.ts";
+export * from "./sandboxes-api.ts";
+export * from "./sessions-api.ts";
 export * from "./tiers.ts";

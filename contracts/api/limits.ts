@@ -27,7 +27,7 @@ export const MAX_EXEC_TIMEOUT_S = 600;
 export const MAX_JSON_BODY_BYTES = 10 * 1024 * 1024;
 
 /**
- * Our choice: largest uploaded template image (Family A `POST /v1/templates`). The spec allows
+ * Our choice: largest uploaded template image (sessions API `POST /v1/templates`). The spec allows
  * multi-GB images; 20 GiB covers large ML images while stopping a runaway upload from filling
  * the disk. The body is streamed to a file, never held in memory.
  */
@@ -53,7 +53,7 @@ export const MAX_BATCH_EXECUTIONS = 64;
 /**
  * Spec section 4.2: fork `count` per call is capped by tier (Pro 32, Enterprise 64; call again
  * for more). Demo is our choice (the spec names no demo cap): 4, enough to try fork.
- * Family A session fork makes exactly one child per call (its body is not specified).
+ * A session fork (sessions API) makes exactly one child per call (its body is not specified).
  */
 export const FORK_CAP_BY_TIER: Readonly<Record<Tier, number>> = {
   live: 1,
@@ -67,13 +67,13 @@ export const FORK_CAP_BY_TIER: Readonly<Record<Tier, number>> = {
 export const CONNECT_TTL_MAX_S = 3600;
 
 /**
- * Our choice: live Family A sessions per tenant (spec section 8 "live-session cap", 429 on
+ * Our choice: live sessions API sessions per tenant (spec section 8 "live-session cap", 429 on
  * create). 100 lets an agent framework keep one session per worker for a sizeable pool.
  */
 export const SESSION_CAP_PER_TENANT = 100;
 
 /**
- * Our choice: concurrently running Family B sandboxes per tenant, by tier (spec section 7
+ * Our choice: concurrently running sandboxes API sandboxes per tenant, by tier (spec section 7
  * `quota_exceeded`). Suspended sandboxes do not count: they hold no CPU or memory.
  */
 export const SANDBOX_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
@@ -85,7 +85,7 @@ export const SANDBOX_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
 };
 
 /**
- * Our choice (decisions.md, "Disk budgets"): suspended Family B sandboxes per tenant, by tier,
+ * Our choice (decisions.md, "Disk budgets"): suspended sandboxes API sandboxes per tenant, by tier,
  * counted apart from the running quota: a suspended sandbox holds no CPU but keeps its RAM image
  * on the host's disk (up to its memory size) and may pin a RAM file on tmpfs, so a tenant that
  * suspends without end would fill the disk. A suspend beyond it is 429 `quota_exceeded`; resume
@@ -115,7 +115,7 @@ export const TEMPLATE_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
 };
 
 /**
- * Our choice: a Family A session idle (no exec) longer than this is reclaimed (spec 3.3);
+ * Our choice: a sessions API session idle (no exec) longer than this is reclaimed (spec 3.3);
  * later calls get 410. 15 minutes outlasts a human's think-time between agent steps while
  * bounding the memory an abandoned session holds.
  */
@@ -136,7 +136,7 @@ export const REAPER_INTERVAL_S = 30;
 export const MAX_IDLE_TIMEOUT_S = 7 * 24 * 3600;
 
 /**
- * What the service does with a sandbox idle past its `idle_timeout_seconds`: `suspend` it (Family
+ * What the service does with a sandbox idle past its `idle_timeout_seconds`: `suspend` it (KeyApi
  * B only: its memory goes to disk, the next call resumes it) or `delete` it.
  */
 export const IDLE_ACTIONS = ["suspend", "delete"] as const;
@@ -185,7 +185,7 @@ export const MAX_MEM_MIB = 65_536;
 export const MIN_VCPUS = 1;
 export const MAX_VCPUS = 64;
 /**
- * Our choice: `wait_secs` of a Family A template registration, how long its build waits for the
+ * Our choice: `wait_secs` of a sessions API template registration, how long its build waits for the
  * VM to come up (QEMU start to the guest agent's answer). At least 1 s (a cold boot under TCG
  * takes a few); at most an hour, past which a guest that has not answered is broken.
  */
@@ -203,7 +203,7 @@ export const EXEC_TIMEOUT_CEILING_S = 3600;
  * refuses more; `resolveConfig` refuses a `forkCapByTier` above it.
  */
 export const MAX_FORK_COUNT = 64;
-/** Our choice: Family B `seed`, hex characters (64 bytes of entropy at most). */
+/** Our choice: the sandboxes API `seed`, hex characters (64 bytes of entropy at most). */
 export const MAX_SEED_HEX_CHARS = 128;
 /** Our choice: length of an OCI image reference to bake (registry, path, tag and digest). */
 export const MAX_IMAGE_REF_CHARS = 1024;
@@ -277,7 +277,7 @@ export interface Limits {
   sessionIdleTtlS: number;
   reaperIntervalS: number;
   /**
-   * The operator's default idle timeout of Family B sandboxes created without one, seconds; 0 is
+   * The operator's default idle timeout of sandboxes API sandboxes created without one, seconds; 0 is
    * none (a sandbox runs until deleted, as without the setting). `SANDBOXD_IDLE_TIMEOUT`.
    */
   idleTimeoutS: number;

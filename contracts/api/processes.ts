@@ -1,5 +1,5 @@
 /**
- * Public bodies of the background-process routes of both families (`/v1/sandboxes/{id}/processes`
+ * Public bodies of the background-process routes of both APIs (`/v1/sandboxes/{id}/processes`
  * and `/v1/sessions/{id}/processes`, docs/api.md "Background processes"). A process runs beside
  * the foreground exec (never `busy`); its `pid` is the service's number for it in its sandbox
  * (1, 2, ...), not the guest's pid.

@@ -1,16 +1,16 @@
 /**
- * Each route's contract apart from its handler: method, path, which family
+ * Each route's contract apart from its handler: method, path, which API
  * serves it, its body/query schemas, its success response and its error statuses. openapi.yaml is
  * generated from this table (gateway/openapi.ts); the handlers in gateway/routes/ use the same
  * schemas to parse requests.
  */
 import type { z } from "zod";
 import { PtyQuery } from "./common.ts";
-import * as A from "./family-a.ts";
-import * as B from "./family-b.ts";
 import * as F from "./files.ts";
 import { HealthResponse } from "./health.ts";
 import * as P from "./processes.ts";
+import * as B from "./sandboxes-api.ts";
+import * as A from "./sessions-api.ts";
 
 /** The streamed form of both exec routes (gateway/routes/exec-sse.ts, docs/api.md "Streamed exec"). */
 /** Both terminal routes (gateway/routes/pty.ts, docs/api.md "Terminal"). */
@@ -36,15 +36,15 @@ const EXEC_EVENTS =
   "come with the first output (or the end), so a refusal before any output is the JSON error below. " +
   "Closing the connection cancels the command (its process group is killed).";
 
-/** The file API of both families (gateway/routes/files.ts, docs/api.md "Files"). */
-function fileRoutes(base: string, family: "a" | "b"): RouteContract[] {
+/** The file API of both APIs (gateway/routes/files.ts, docs/api.md "Files"). */
+function fileRoutes(base: string, api: "sessions" | "sandboxes"): RouteContract[] {
   const path = `${base}/{id}/files`;
-  const what = family === "a" ? "session" : "sandbox";
+  const what = api === "sessions" ? "session" : "sandbox";
   return [
     {
       method: "put",
       path,
-      family,
+      api,
       summary: `Upload a file into the ${what} (raw body, streamed; parent directories created)`,
       query: F.FilesQuery,
       rawBody: "application/octet-stream",
@@ -57,7 +57,7 @@ function fileRoutes(base: string, family: "a" | "b"): RouteContract[] {
     {
       method: "get",
       path,
-      family,
+      api,
       summary: `Download a file from the ${what} (raw bytes, streamed), or with \`list=true\` list a directory`,
       query: F.FilesQuery,
       response: F.FileList,
@@ -69,7 +69,7 @@ function fileRoutes(base: string, family: "a" | "b"): RouteContract[] {
     {
       method: "delete",
       path,
-      family,
+      api,
       summary: `Delete a file, symlink or empty directory in the ${what}`,
       query: F.FilesQuery,
       response: F.FileDeleted,
@@ -84,8 +84,8 @@ export interface RouteContract {
   method: "get" | "post" | "put" | "delete";
   /** OpenAPI-style path (`{id}`). */
   path: string;
-  /** Which key family the handler serves; "both" = the same handler; "none" = no auth. */
-  family: "a" | "b" | "both" | "none";
+  /** Which key API the handler serves; "both" = the same handler; "none" = no auth. */
+  api: "sessions" | "sandboxes" | "both" | "none";
   summary: string;
   /** Longer prose for the operation, where the summary cannot say how it is used. */
   description?: string;
@@ -100,10 +100,10 @@ export interface RouteContract {
   eventStream?: string;
   status: number;
   /**
-   * The Family B form of a path both families share ("both"), when it differs from the Family A
+   * The sandboxes API form of a path both APIs share ("both"), when it differs from the sessions API
    * one above: its own body, and its own status when that differs too (e.g. DELETE 200 vs 204).
    */
-  familyB?: { status: number; response?: z.ZodType };
+  sandboxesForm?: { status: number; response?: z.ZodType };
   /**
    * Error statuses the route can return besides 401/429 (which every authed route can) and 500
    * (which every route can: an unexpected failure, envelope code `internal`).
@@ -112,17 +112,17 @@ export interface RouteContract {
 }
 
 /**
- * The background-process routes of one family (docs/api.md "Background processes"); the same
+ * The background-process routes of one API (docs/api.md "Background processes"); the same
  * handlers serve both (gateway/routes/processes.ts). 409: a sandbox that is not running (a
  * user-suspended one), 32 processes running already, or stdin to one that has ended or is closed.
  */
-function processRoutes(base: string, family: "a" | "b"): RouteContract[] {
+function processRoutes(base: string, api: "sessions" | "sandboxes"): RouteContract[] {
   const one = `${base}/{id}/processes/{pid}`;
   return [
     {
       method: "post",
       path: `${base}/{id}/processes`,
-      family,
+      api,
       summary: "Start a background process (runs beside exec)",
       body: P.StartProcessRequest,
       response: P.ProcessInfo,
@@ -132,7 +132,7 @@ function processRoutes(base: string, family: "a" | "b"): RouteContract[] {
     {
       method: "get",
       path: `${base}/{id}/processes`,
-      family,
+      api,
       summary: "List background processes",
       response: P.ProcessList,
       status: 200,
@@ -141,7 +141,7 @@ function processRoutes(base: string, family: "a" | "b"): RouteContract[] {
     {
       method: "get",
       path: `${one}/logs`,
-      family,
+      api,
       summary: "A background process's output so far (or followed)",
       response: P.ProcessLogsResponse,
       eventStream: P.PROCESS_LOG_EVENTS,
@@ -151,7 +151,7 @@ function processRoutes(base: string, family: "a" | "b"): RouteContract[] {
     {
       method: "post",
       path: `${one}/stdin`,
-      family,
+      api,
       summary: "Write to a background process's standard input (JSON or raw bytes)",
       body: P.ProcessStdinRequest,
       rawBody: "application/octet-stream",
@@ -163,7 +163,7 @@ function processRoutes(base: string, family: "a" | "b"): RouteContract[] {
     {
       method: "delete",
       path: one,
-      family,
+      api,
       summary: "Kill a background process's process group",
       response: P.ProcessInfo,
       status: 200,
@@ -176,7 +176,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/health",
-    family: "none",
+    api: "none",
     summary: "Health (both forms in one object)",
     response: HealthResponse,
     status: 200,
@@ -185,7 +185,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/openapi.yaml",
-    family: "none",
+    api: "none",
     summary: "This API description (public documentation: no key)",
     rawResponse: "application/yaml",
     status: 200,
@@ -194,17 +194,17 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/metrics",
-    family: "both",
+    api: "both",
     summary: "Prometheus metrics for the caller's tenant",
     rawResponse: "text/plain; version=0.0.4",
     status: 200,
     errors: [],
   },
-  // Family A
+  // The sessions API
   {
     method: "post",
     path: "/v1/exec",
-    family: "a",
+    api: "sessions",
     summary:
       "One-shot exec in a throwaway VM; while it runs it counts toward the live-session cap, and it is metered",
     body: A.ExecRequestA,
@@ -215,7 +215,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/exec/batch",
-    family: "a",
+    api: "sessions",
     summary:
       "Batch exec, one VM per execution; each counts toward the live-session cap (all are reserved at once)",
     body: A.BatchExecRequest,
@@ -226,18 +226,18 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sessions",
-    family: "both",
-    summary: "Family A: create a session. Family B: alias of POST /v1/sandboxes",
+    api: "both",
+    summary: "Sessions API: create a session. Sandboxes API: alias of POST /v1/sandboxes",
     body: A.CreateSessionRequest,
     response: A.CreateSessionResponse,
     status: 201,
-    familyB: { status: 201, response: B.CreateSandboxResponse },
+    sandboxesForm: { status: 201, response: B.CreateSandboxResponse },
     errors: [400, 403, 404, 409, 503, 504],
   },
   {
     method: "get",
     path: "/v1/sessions",
-    family: "a",
+    api: "sessions",
     summary: "List live sessions",
     response: A.SessionList,
     status: 200,
@@ -246,7 +246,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/sessions/{id}",
-    family: "a",
+    api: "sessions",
     summary: "Session status",
     response: A.SessionStatus,
     status: 200,
@@ -255,7 +255,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sessions/{id}/exec",
-    family: "a",
+    api: "sessions",
     summary: "Exec in a session",
     body: A.SessionExecRequest,
     response: A.ExecResultA,
@@ -266,7 +266,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/sessions/{id}/pty",
-    family: "a",
+    api: "sessions",
     summary: "Interactive terminal over a WebSocket",
     description: PTY_WS,
     query: PtyQuery,
@@ -276,7 +276,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sessions/{id}/fork",
-    family: "a",
+    api: "sessions",
     summary: "Fork a session into one child",
     response: A.ForkSessionResponse,
     status: 201,
@@ -285,7 +285,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "delete",
     path: "/v1/sessions/{id}",
-    family: "a",
+    api: "sessions",
     summary: "Delete a session",
     query: A.DeleteSessionQuery,
     status: 204,
@@ -294,52 +294,52 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/templates",
-    family: "both",
+    api: "both",
     summary:
-      "Family A (scale key): register from an uploaded image (octet-stream, query id...). Family B (Pro): bake from an OCI image (JSON)",
+      "Sessions API (scale key): register from an uploaded image (octet-stream, query id...). Sandboxes API (Pro): bake from an OCI image (JSON)",
     rawBody: "application/octet-stream",
     query: A.RegisterTemplateQuery,
     body: B.BakeTemplateRequest,
     response: A.RegisterTemplateResponse,
     status: 202,
-    familyB: { status: 202, response: B.TemplateB },
+    sandboxesForm: { status: 202, response: B.TemplateB },
     // 507: the upload does not fit on the disk with its reserve (checked before and while writing).
     errors: [400, 403, 409, 413, 507],
   },
   {
     method: "get",
     path: "/v1/templates",
-    family: "both",
-    summary: "Family A: map id -> {ready}. Family B: alias of /v1/images (array)",
+    api: "both",
+    summary: "Sessions API: map id -> {ready}. Sandboxes API: alias of /v1/images (array)",
     response: A.TemplateListA,
     status: 200,
-    familyB: { status: 200, response: B.CatalogList },
+    sandboxesForm: { status: 200, response: B.CatalogList },
     errors: [],
   },
   {
     method: "get",
     path: "/v1/templates/{id}",
-    family: "both",
-    summary: "Family A: build status. Family B: bake phase and readiness",
+    api: "both",
+    summary: "Sessions API: build status. Sandboxes API: bake phase and readiness",
     response: A.TemplateA,
     status: 200,
-    familyB: { status: 200, response: B.TemplateB },
+    sandboxesForm: { status: 200, response: B.TemplateB },
     errors: [404],
   },
   {
     method: "delete",
     path: "/v1/templates/{id}",
-    family: "both",
+    api: "both",
     summary: "Delete an own template (A: 204, scale key; B: 200 {deleted,id})",
     status: 204,
-    familyB: { status: 200, response: B.DeleteTemplateResponseB },
+    sandboxesForm: { status: 200, response: B.DeleteTemplateResponseB },
     errors: [403, 404, 409],
   },
-  // Family B
+  // The sandboxes API
   {
     method: "get",
     path: "/v1/images",
-    family: "b",
+    api: "sandboxes",
     summary: "Template catalog",
     response: B.CatalogList,
     status: 200,
@@ -348,7 +348,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/templates/{id}/expect",
-    family: "b",
+    api: "sandboxes",
     summary: "Declare the next session width (Pro)",
     body: B.ExpectRequest,
     response: B.ExpectResponse,
@@ -358,7 +358,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/templates/{id}/release",
-    family: "b",
+    api: "sandboxes",
     summary: "End the session; capacity relaxes now (Pro)",
     response: B.ReleaseResponse,
     status: 200,
@@ -367,7 +367,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sandboxes",
-    family: "b",
+    api: "sandboxes",
     summary: "Create a sandbox",
     body: B.CreateSandboxRequest,
     response: B.CreateSandboxResponse,
@@ -377,7 +377,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/sandboxes",
-    family: "b",
+    api: "sandboxes",
     summary: "List the tenant's sandboxes",
     response: B.SandboxList,
     status: 200,
@@ -386,7 +386,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/sandboxes/{id}",
-    family: "b",
+    api: "sandboxes",
     summary: "Sandbox info",
     response: B.SandboxInfo,
     status: 200,
@@ -395,7 +395,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sandboxes/{id}/exec",
-    family: "b",
+    api: "sandboxes",
     summary: "Exec in a sandbox",
     body: B.ExecRequestB,
     response: B.ExecResponseB,
@@ -406,7 +406,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sandboxes/{id}/fork",
-    family: "b",
+    api: "sandboxes",
     summary: "Fork into copy-on-write children",
     body: B.ForkRequest,
     response: B.ForkResponse,
@@ -416,7 +416,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sandboxes/{id}/connect-url",
-    family: "b",
+    api: "sandboxes",
     summary: "Mint a scoped connect URL (Pro)",
     body: B.ConnectUrlRequest,
     response: B.ConnectUrlResponse,
@@ -426,7 +426,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/sandboxes/{id}/connect",
-    family: "b",
+    api: "sandboxes",
     summary: "WebSocket tunnel to a guest port (Bearer key or `t` token)",
     query: B.ConnectQuery,
     status: 101,
@@ -437,7 +437,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/sandboxes/{id}/pty",
-    family: "b",
+    api: "sandboxes",
     summary: "Interactive terminal over a WebSocket",
     description: PTY_WS,
     query: PtyQuery,
@@ -447,7 +447,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sandboxes/{id}/suspend",
-    family: "b",
+    api: "sandboxes",
     summary: "Snapshot to disk; metering stops",
     response: B.StateResponse,
     status: 200,
@@ -457,7 +457,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "post",
     path: "/v1/sandboxes/{id}/resume",
-    family: "b",
+    api: "sandboxes",
     summary: "Restore from disk",
     response: B.StateResponse,
     status: 200,
@@ -466,7 +466,7 @@ export const ROUTES: RouteContract[] = [
   {
     method: "delete",
     path: "/v1/sandboxes/{id}",
-    family: "b",
+    api: "sandboxes",
     summary: "Destroy a sandbox",
     response: B.DeleteSandboxResponse,
     status: 200,
@@ -475,15 +475,15 @@ export const ROUTES: RouteContract[] = [
   {
     method: "get",
     path: "/v1/usage",
-    family: "b",
+    api: "sandboxes",
     summary: "Tenant usage over a window",
     query: B.UsageQuery,
     response: B.UsageResponse,
     status: 200,
     errors: [400, 403],
   },
-  ...processRoutes("/v1/sessions", "a"),
-  ...processRoutes("/v1/sandboxes", "b"),
-  ...fileRoutes("/v1/sandboxes", "b"),
-  ...fileRoutes("/v1/sessions", "a"),
+  ...processRoutes("/v1/sessions", "sessions"),
+  ...processRoutes("/v1/sandboxes", "sandboxes"),
+  ...fileRoutes("/v1/sandboxes", "sandboxes"),
+  ...fileRoutes("/v1/sessions", "sessions"),
 ];

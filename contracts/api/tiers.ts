@@ -1,5 +1,5 @@
 /**
- * Tiers and families (spec section 5): every API key has a tier, and the tier decides the family
+ * Tiers and APIs (spec section 5): every API key has a tier, and the tier decides the API
  * of endpoints the key may call. Below the rest of the public contract: limits.ts keys its
  * per-tier tables by `Tier`, common.ts reads the tier out of an API key.
  */
@@ -8,20 +8,20 @@ import { z } from "zod";
 export const Tier = z.enum(["live", "scale", "demo", "pro", "enterprise"]);
 export type Tier = z.infer<typeof Tier>;
 
-/** Family A = stateless exec, sessions, uploaded templates; Family B = sandboxes, catalog, Pro. */
-export type Family = "a" | "b";
-export const FAMILY_OF_TIER: Readonly<Record<Tier, Family>> = {
-  live: "a",
-  scale: "a",
-  demo: "b",
-  pro: "b",
-  enterprise: "b",
+/** The sessions API = stateless exec, sessions, uploaded templates; The sandboxes API = sandboxes, catalog, Pro. */
+export type KeyApi = "sessions" | "sandboxes";
+export const API_OF_TIER: Readonly<Record<Tier, KeyApi>> = {
+  live: "sessions",
+  scale: "sessions",
+  demo: "sandboxes",
+  pro: "sandboxes",
+  enterprise: "sandboxes",
 };
 
 /**
  * Tier ranks for "at least this tier" checks: live = demo < scale = pro < enterprise.
- * The spec does not map Family A tiers to Family B ones (section 5.8); the ranks only compare
- * tiers within a family, and the equalities record that each family has a standard and an
+ * The spec does not map sessions API tiers to sandboxes API ones (section 5.8); the ranks only compare
+ * tiers within a API, and the equalities record that each API has a standard and an
  * admin/paid level.
  */
 export const TIER_RANK: Readonly<Record<Tier, number>> = {
@@ -33,5 +33,5 @@ export const TIER_RANK: Readonly<Record<Tier, number>> = {
 };
 
 export function tierAtLeast(tier: Tier, min: Tier): boolean {
-  return FAMILY_OF_TIER[tier] === FAMILY_OF_TIER[min] && TIER_RANK[tier] >= TIER_RANK[min];
+  return API_OF_TIER[tier] === API_OF_TIER[min] && TIER_RANK[tier] >= TIER_RANK[min];
 }

@@ -5,7 +5,7 @@ import { templates } from "./templates.ts";
 import { tenants } from "./tenants.ts";
 
 /**
- * Every live VM a tenant holds: Family A sessions (`sess_`) and one-shot execs (`exec_`), Family B
+ * Every live VM a tenant holds: the sessions API sessions (`sess_`) and one-shot execs (`exec_`), sandboxes API
  * sandboxes (`sbx_`).
  * Rows are kept after destruction (state `destroyed`, `end_reason`) so that a reclaimed session
  * answers 410 rather than 404 and usage keeps its history. Allowed state changes are listed in
@@ -18,8 +18,8 @@ export const sandboxes = pgTable(
     tenantId: text("tenant_id")
       .notNull()
       .references(() => tenants.id),
-    family: text("family", { enum: ["a", "b"] }).notNull(),
-    /** `exec`: a Family A one-shot exec (`/v1/exec`, each item of a batch), live for its call. */
+    api: text("api", { enum: ["sessions", "sandboxes"] }).notNull(),
+    /** `exec`: a sessions API one-shot exec (`/v1/exec`, each item of a batch), live for its call. */
     kind: text("kind", { enum: ["session", "sandbox", "exec"] }).notNull(),
     templatePk: text("template_pk")
       .notNull()
@@ -60,8 +60,8 @@ export const sandboxes = pgTable(
      */
     execsInFlight: integer("execs_in_flight").notNull().default(0),
     /**
-     * The idle lifetime in force, seconds: Family B, the one asked for at create or the
-     * operator's default then (null: none); Family A, the session's own TTL (null: the operator's
+     * The idle lifetime in force, seconds: the sandboxes API, the one asked for at create or the
+     * operator's default then (null: none); The sessions API, the session's own TTL (null: the operator's
      * TTL). The reaper applies `idle_action` past it (gateway/core/idle.ts).
      */
     idleTimeoutS: integer("idle_timeout_s"),
@@ -77,7 +77,7 @@ export const sandboxes = pgTable(
     destroyedAt: timestamp("destroyed_at", { withTimezone: true, mode: "date" }),
   },
   (t) => [
-    index("sandboxes_tenant_state_idx").on(t.tenantId, t.family, t.state),
+    index("sandboxes_tenant_state_idx").on(t.tenantId, t.api, t.state),
     index("sandboxes_template_state_idx").on(t.templatePk, t.state),
     index("sandboxes_state_idle_idx").on(t.kind, t.state, t.lastExecAt),
   ],

@@ -15,12 +15,12 @@ export const templates = pgTable(
     pk: text("pk").primaryKey(), // tpl_<random>
     id: text("id").notNull(),
     tenantId: text("tenant_id").references(() => tenants.id),
-    family: text("family", { enum: ["a", "b"] }).notNull(),
+    api: text("api", { enum: ["sessions", "sandboxes"] }).notNull(),
     agentRef: text("agent_ref").notNull().unique(),
     name: text("name").notNull(),
     description: text("description").notNull().default(""),
     tier: text("tier"),
-    /** Family B OCI reference; null for uploaded images. */
+    /** The sandboxes API OCI reference; null for uploaded images. */
     image: text("image"),
     /** Build request as given (sizing, ready spec, width), to check idempotent retries. */
     spec: jsonb("spec").$type<Record<string, unknown>>().notNull().default(sql`'{}'::jsonb`),

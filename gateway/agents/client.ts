@@ -56,8 +56,8 @@ import {
   VmListSchema,
 } from "../../contracts/agent/schemas.ts";
 import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
-import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
 import { FileList, FileWritten } from "../../contracts/api/files.ts";
+import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { connectTunnel } from "./tunnel-client.ts";
 

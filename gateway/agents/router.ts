@@ -43,7 +43,7 @@ import type {
   VmSummary,
 } from "../../contracts/agent/api.ts";
 import type { ProcessInfo, ProcessLogs } from "../../contracts/agent/processes.ts";
-import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";

@@ -109,12 +109,22 @@ describe("refused with 401 before the handler", () => {
 });
 
 describe("a valid key", () => {
-  test("sets the principal: tenant, key id, tier and family", async () => {
+  test("sets the principal: tenant, key id, tier and api", async () => {
     const res = await get(`Bearer ${pro.key}`);
     expect(res.status).toBe(200);
-    expect(await res.json()).toEqual({ tenantId: pro.tenantId, keyId: pro.keyId, tier: "pro", family: "b" });
+    expect(await res.json()).toEqual({
+      tenantId: pro.tenantId,
+      keyId: pro.keyId,
+      tier: "pro",
+      api: "sandboxes",
+    });
     const a = await get(`Bearer ${live.key}`);
-    expect(await a.json()).toEqual({ tenantId: live.tenantId, keyId: live.keyId, tier: "live", family: "a" });
+    expect(await a.json()).toEqual({
+      tenantId: live.tenantId,
+      keyId: live.keyId,
+      tier: "live",
+      api: "sessions",
+    });
   });
 
   test("the scheme in any case, with blanks around the key", async () => {

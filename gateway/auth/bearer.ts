@@ -1,6 +1,6 @@
 /**
  * The API-key middleware (spec 5): `Authorization: Bearer <key>` resolved to the key's principal
- * (tenant, key id, tier, family), which handlers read with `c.get("principal")`. A missing or
+ * (tenant, key id, tier, API), which handlers read with `c.get("principal")`. A missing or
  * malformed header and a key that does not verify (unknown, wrong secret, revoked, another tier)
  * are both 401 `unauthorized`, thrown so that the one error mapping (gateway/errors.ts) answers;
  * the message tells the two apart but never says why a key was refused.

@@ -6,7 +6,7 @@
 import { expect, test } from "bun:test";
 import { createHmac } from "node:crypto";
 import { decodeJwt, decodeProtectedHeader, SignJWT } from "jose";
-import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 import {
   CONNECT_AUDIENCE,
   signConnectToken,

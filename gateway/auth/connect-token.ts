@@ -12,7 +12,7 @@
  */
 import { createHmac } from "node:crypto";
 import { jwtVerify, SignJWT } from "jose";
-import type { TunnelProtocol } from "../../contracts/api/family-b.ts";
+import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 
 /** `aud` of every connect token: not accepted anywhere else (agent tokens use their own). */
 export const CONNECT_AUDIENCE = "sandboxd-connect";

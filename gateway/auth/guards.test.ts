@@ -1,28 +1,28 @@
 /**
- * The tier and family checks in a small Hono app, one route per check, a stand-in principal per
- * tier: a key outside the family is 403 `forbidden`, a demo key asking for a Pro feature is 403
+ * The tier and API checks in a small Hono app, one route per check, a stand-in principal per
+ * tier: a key outside the API is 403 `forbidden`, a demo key asking for a Pro feature is 403
  * `demo_tier_limit`, both in the one envelope.
  */
 import { expect, test } from "bun:test";
 import { Hono } from "hono";
-import { FAMILY_OF_TIER, type Tier } from "../../contracts/api/tiers.ts";
+import { API_OF_TIER, type Tier } from "../../contracts/api/tiers.ts";
 import type { HonoEnv } from "../deps.ts";
 import { errorResponse } from "../errors.ts";
-import { requireFamily, requirePro, requireScale } from "./guards.ts";
+import { requireApi, requirePro, requireScale } from "./guards.ts";
 
 const app = new Hono<HonoEnv>();
 app.onError((err, c) => errorResponse(err, c, () => {}));
 app.use("*", async (c, next) => {
   const tier = c.req.header("x-tier") as Tier;
-  c.set("principal", { tenantId: "t", keyId: "k", tier, family: FAMILY_OF_TIER[tier] });
+  c.set("principal", { tenantId: "t", keyId: "k", tier, api: API_OF_TIER[tier] });
   await next();
 });
 app.get("/a", (c) => {
-  requireFamily(c.get("principal"), "a");
+  requireApi(c.get("principal"), "sessions");
   return c.text("ok");
 });
 app.get("/b", (c) => {
-  requireFamily(c.get("principal"), "b");
+  requireApi(c.get("principal"), "sandboxes");
   return c.text("ok");
 });
 app.get("/scale", (c) => {
@@ -42,7 +42,7 @@ async function call(path: string, tier: Tier): Promise<{ status: number; body: u
 const OK = { status: 200, body: "ok" };
 const forbidden = (message: string) => ({ status: 403, body: { code: "forbidden", message } });
 
-test("family: A is live and scale, B is demo, pro and enterprise", async () => {
+test("api: A is live and scale, B is demo, pro and enterprise", async () => {
   for (const tier of ["live", "scale"] as const) {
     expect(await call("/a", tier)).toEqual(OK);
     expect(await call("/b", tier)).toEqual(
@@ -57,7 +57,7 @@ test("family: A is live and scale, B is demo, pro and enterprise", async () => {
   }
 });
 
-test("scale: only a scale key; a live key is forbidden, a Family B key is the wrong family", async () => {
+test("scale: only a scale key; a live key is forbidden, a sandboxes API key is the wrong api", async () => {
   expect(await call("/scale", "scale")).toEqual(OK);
   expect(await call("/scale", "live")).toEqual(
     forbidden("registering or deleting templates needs a scale key"),
@@ -67,7 +67,7 @@ test("scale: only a scale key; a live key is forbidden, a Family B key is the wr
   );
 });
 
-test("pro: pro and enterprise; demo is demo_tier_limit; a Family A key is the wrong family", async () => {
+test("pro: pro and enterprise; demo is demo_tier_limit; a sessions API key is the wrong api", async () => {
   expect(await call("/pro", "pro")).toEqual(OK);
   expect(await call("/pro", "enterprise")).toEqual(OK);
   expect(await call("/pro", "demo")).toEqual({

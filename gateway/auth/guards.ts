@@ -1,30 +1,30 @@
-/** Tier and family checks (spec 5.3, 5.4, 5.6). */
-import { type Family, type Tier, tierAtLeast } from "../../contracts/api/tiers.ts";
+/** Tier and API checks (spec 5.3, 5.4, 5.6). */
+import { type KeyApi, type Tier, tierAtLeast } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Principal } from "./keys.ts";
 
-const FAMILY_KEYS: Record<Family, string> = { a: "a live or scale key", b: "a demo, pro or enterprise key" };
+const KEYS_OF_API: Record<KeyApi, string> = {
+  sessions: "a live or scale key",
+  sandboxes: "a demo, pro or enterprise key",
+};
 
-export function requireFamily(p: Principal, family: Family): void {
-  if (p.family !== family) {
-    throw new SandboxdError(
-      "forbidden",
-      `this endpoint needs ${FAMILY_KEYS[family]}; this is a ${p.tier} key`,
-    );
+export function requireApi(p: Principal, api: KeyApi): void {
+  if (p.api !== api) {
+    throw new SandboxdError("forbidden", `this endpoint needs ${KEYS_OF_API[api]}; this is a ${p.tier} key`);
   }
 }
 
-/** Family A template admin needs `scale`: 403 `forbidden`. */
+/** Template admin in the sessions API needs `scale`: 403 `forbidden`. */
 export function requireScale(p: Principal): void {
-  requireFamily(p, "a");
+  requireApi(p, "sessions");
   if (!tierAtLeast(p.tier, "scale")) {
     throw new SandboxdError("forbidden", "registering or deleting templates needs a scale key");
   }
 }
 
-/** Family B Pro features: 403 `demo_tier_limit` for demo keys (spec 5.4, 7). */
+/** Pro features of the sandboxes API: 403 `demo_tier_limit` for demo keys (spec 5.4, 7). */
 export function requirePro(p: Principal, feature: string): void {
-  requireFamily(p, "b");
+  requireApi(p, "sandboxes");
   if (!tierAtLeast(p.tier, "pro")) {
     throw new SandboxdError("demo_tier_limit", `${feature} needs a pro or enterprise key`);
   }

@@ -6,7 +6,7 @@
 import { createHmac, timingSafeEqual } from "node:crypto";
 import { and, asc, eq, isNull } from "drizzle-orm";
 import { KEY_ID_CHARS, KEY_SECRET_CHARS, parseApiKey } from "../../contracts/api/common.ts";
-import { FAMILY_OF_TIER, type Family, type Tier } from "../../contracts/api/tiers.ts";
+import { API_OF_TIER, type KeyApi, type Tier } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { apiKeys } from "../../db/schema/api-keys.ts";
@@ -112,7 +112,7 @@ export interface Principal {
   tenantId: string;
   keyId: string;
   tier: Tier;
-  family: Family;
+  api: KeyApi;
 }
 
 /** Resolves a presented key to its principal, or null (unknown, malformed, revoked, wrong). */
@@ -139,5 +139,5 @@ export async function verifyKeyHashed(db: Db, presented: string, hash: string): 
   const storedHash = row ? Buffer.from(row.hash, "hex") : Buffer.alloc(presentedHash.length);
   const match = storedHash.length === presentedHash.length && timingSafeEqual(storedHash, presentedHash);
   if (!row || !match || row.revokedAt !== null || row.tier !== parsed.tier) return null;
-  return { tenantId: row.tenantId, keyId: parsed.keyId, tier: row.tier, family: FAMILY_OF_TIER[row.tier] };
+  return { tenantId: row.tenantId, keyId: parsed.keyId, tier: row.tier, api: API_OF_TIER[row.tier] };
 }

@@ -129,7 +129,12 @@ describe("keyRateLimit middleware", () => {
     const app = new Hono<HonoEnv>();
     app.onError((err, c) => errorResponse(err, c, () => {}));
     app.use("*", async (c, next) => {
-      c.set("principal", { tenantId: "t", keyId: c.req.header("x-key") ?? "k", tier: "live", family: "a" });
+      c.set("principal", {
+        tenantId: "t",
+        keyId: c.req.header("x-key") ?? "k",
+        tier: "live",
+        api: "sessions",
+      });
       await next();
     });
     app.use("*", limit.middleware);

@@ -4,7 +4,7 @@
  * tenant's sandboxes, templates with their bake progress, usage by day, and opens terminals.
  * Every value from the API is rendered as text (dom.js), never as markup.
  *
- * A Family B key (demo, pro, enterprise) sees everything; fork needs pro or better. A Family A key
+ * A sandboxes API key (demo, pro, enterprise) sees everything; fork needs pro or better. A sessions API key
  * (live, scale) has no sandboxes or usage in this API: the console lists its templates and says so.
  */
 import { ApiError, apiFor, mapLimited } from "./api.js";
@@ -54,7 +54,7 @@ async function start(k) {
   $("main").hidden = false;
   $("forget").hidden = false;
   $("refresh").hidden = false;
-  // A previous key's view (a Family A key hides what it cannot see) does not carry over.
+  // A previous key's view (a sessions API key hides what it cannot see) does not carry over.
   $("notice").hidden = true;
   for (const id of ["sandboxes-section", "usage-section"]) $(id).hidden = false;
   // The key's tier is its second part (svc_<tier>_...): shown so the user knows which key is in use.
@@ -79,12 +79,12 @@ async function refresh() {
   status(`Updated ${new Date().toLocaleTimeString()}`);
 }
 
-function familyANotice() {
+function sessionsApiNotice() {
   const n = $("notice");
   n.hidden = false;
   n.textContent =
-    "This is a Family A key (live or scale): sandboxes, usage, terminals into sandboxes, fork and " +
-    "delete belong to Family B keys (demo, pro, enterprise). Its templates are listed below.";
+    "This is a sessions API key (live or scale): sandboxes, usage, terminals into sandboxes, fork and " +
+    "delete belong to sandboxes API keys (demo, pro, enterprise). Its templates are listed below.";
 }
 
 // ---- sandboxes -----------------------------------------------------------------------------
@@ -95,7 +95,7 @@ async function loadSandboxes() {
     list = await api.get("/v1/sandboxes");
   } catch (err) {
     if (err instanceof ApiError && err.status === 403) {
-      familyANotice();
+      sessionsApiNotice();
       $("sandboxes-section").hidden = true;
       return;
     }
@@ -215,8 +215,8 @@ async function loadTemplates() {
   const list = await api.get("/v1/templates");
   const body = $("templates").querySelector("tbody");
   if (!Array.isArray(list.templates)) {
-    // The Family A form: `{ id: { ready } }`.
-    familyANotice();
+    // The sessions API form: `{ id: { ready } }`.
+    sessionsApiNotice();
     const entries = Object.entries(list.templates);
     replace(
       body,

@@ -1,9 +1,9 @@
 /**
- * Idle lifetimes of Family B sandboxes (`idle_timeout_seconds` + `idle_action: "suspend"`): the
+ * Idle lifetimes of sandboxes API sandboxes (`idle_timeout_seconds` + `idle_action: "suspend"`): the
  * reaper suspends a sandbox idle past its lifetime through the same hold and quota as a user's
  * suspend, and the sandbox's next exec, fork or connect resumes it first (`wakeIfIdle`). The
  * `delete` action is the session reaper's claim (sandboxes.ts reapIdleSessions), which also takes
- * Family B rows whose lifetime deletes them. Both claims use one idleness test (`idleClaimable`).
+ * The sandboxes API rows whose lifetime deletes them. Both claims use one idleness test (`idleClaimable`).
  */
 import { and, eq, isNotNull, isNull } from "drizzle-orm";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
@@ -26,7 +26,7 @@ import {
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
 /**
- * Claims the Family B sandboxes idle past a lifetime that suspends them (one conditional UPDATE:
+ * Claims the sandboxes API sandboxes idle past a lifetime that suspends them (one conditional UPDATE:
  * the suspend hold, marked `suspended_by = idle`, so exactly one reaper of all gateways takes
  * each), then suspends each. Returns the ids suspended. A suspend the tenant's suspended quota
  * has no room for leaves the sandbox running (its state is never lost to a quota) and is tried
@@ -73,7 +73,7 @@ async function suspendClaimed(
   const full = await underTenantLock(deps.db, row.tenantId, async (tx) => {
     const cap = await suspendedCap(deps, tx, row.tenantId);
     // The count includes this record's own hold.
-    const n = await countInStates(tx, { tenantId: row.tenantId, family: "b" }, ["suspended"], {
+    const n = await countInStates(tx, { tenantId: row.tenantId, api: "sandboxes" }, ["suspended"], {
       hold: "suspend",
       now: at,
     });
@@ -172,7 +172,7 @@ export async function wakeIfIdle(deps: Deps, p: Principal, id: string): Promise<
   }
 }
 
-/** The idle lifetime fields of a Family B info answer. */
+/** The idle lifetime fields of a sandboxes API info answer. */
 export function idleInfo(row: SandboxRow): {
   idle_timeout_seconds?: number;
   idle_action?: "suspend" | "delete";

@@ -10,7 +10,7 @@
  * |-----------|---------------------------------------------------------------------------|
  * | starting  | reserved against the tenant's quota; the agent is creating the VM         |
  * | running   | the VM runs on the agent named by the record                              |
- * | suspended | the VM is on disk only (Family B suspend)                                 |
+ * | suspended | the VM is on disk only (sandboxes API suspend)                                 |
  * | destroyed | gone (deleted, reaped or failed: `end_reason`); the row is kept for 410s  |
  *
  *   (none) --create--> starting --started--> running --suspend--> suspended --resume--> running

@@ -1,5 +1,5 @@
 /**
- * Sessions (Family A) and sandboxes (Family B) without HTTP: the gateway records where each VM
+ * Sessions (sessions API) and sandboxes (sandboxes API) without HTTP: the gateway records where each VM
  * runs, its state and its metering; the agent runs it. Every state change goes through
  * record-states.ts and updates the db only with a compare-and-set on the old state, so two racing
  * requests cannot both apply.
@@ -14,7 +14,7 @@ import type {
   OneShotResult,
   VmResources,
 } from "../../contracts/agent/api.ts";
-import type { Family, Tier } from "../../contracts/api/tiers.ts";
+import type { KeyApi, Tier } from "../../contracts/api/tiers.ts";
 import { parseAllowList } from "../../contracts/egress.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
@@ -56,7 +56,7 @@ export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi 
 }
 
 /**
- * A record owned by the caller, in the caller's family; anything else is 404 (spec 5.7).
+ * A record owned by the caller, in the caller's API; anything else is 404 (spec 5.7).
  * `cached`: the row may come from this process's row cache (row-cache.ts), for the reads that only
  * show it; a call that acts on the row next reads the database, since a row another gateway
  * changed a moment ago would turn its compare-and-set into a 409 it need not be.
@@ -69,17 +69,17 @@ export async function getOwned(
 ): Promise<SandboxRow> {
   const read = opts.cached && deps.rows ? await cachedRow(deps.rows, deps.db, id) : await rowOf(deps.db, id);
   // The owner check, on a cached row as on one just read: the cache is keyed by id alone.
-  const owned = read && read.tenantId === p.tenantId && read.family === p.family ? read : undefined;
+  const owned = read && read.tenantId === p.tenantId && read.api === p.api ? read : undefined;
   // This process's ends not yet written count as written (core/activity.ts).
   const row = owned && deps.activity ? deps.activity.overlay(owned) : owned;
-  const what = p.family === "a" ? `session ${id}` : `sandbox ${id}`;
+  const what = p.api === "sessions" ? `session ${id}` : `sandbox ${id}`;
   if (!row) throw notFound(what);
   if (row.state === "destroyed") {
-    // Family A: a reclaimed session answers 410 (spec 3.3, 7); deleted ones are simply gone.
-    if (row.family === "a" && row.endReason === "reaped") {
+    // The sessions API: a reclaimed session answers 410 (spec 3.3, 7); deleted ones are simply gone.
+    if (row.api === "sessions" && row.endReason === "reaped") {
       throw new SandboxdError("gone", `${what} was reclaimed after being idle`);
     }
-    // Family B: one its idle lifetime deleted is gone like a deleted one (404), said why.
+    // The sandboxes API: one its idle lifetime deleted is gone like a deleted one (404), said why.
     if (row.endReason === "reaped") {
       throw new SandboxdError("not_found", `${what} was deleted after being idle`);
     }
@@ -109,7 +109,7 @@ export async function listOwned(deps: Deps, p: Principal): Promise<SandboxRow[]>
     .where(
       and(
         eq(sandboxes.tenantId, p.tenantId),
-        eq(sandboxes.family, p.family),
+        eq(sandboxes.api, p.api),
         inArray(sandboxes.state, ["running", "suspended"]),
       ),
     )
@@ -168,18 +168,20 @@ async function reserve(
   partial = false,
 ): Promise<string[]> {
   const cap =
-    p.family === "a" ? deps.config.limits.sessionCapPerTenant : deps.config.limits.sandboxQuotaByTier[p.tier];
-  // Family B quota counts running sandboxes only: suspended ones hold no CPU or memory.
-  const counted: RecordState[] = p.family === "a" ? LIVE : ["starting", "running"];
+    p.api === "sessions"
+      ? deps.config.limits.sessionCapPerTenant
+      : deps.config.limits.sandboxQuotaByTier[p.tier];
+  // The sandboxes API quota counts running sandboxes only: suspended ones hold no CPU or memory.
+  const counted: RecordState[] = p.api === "sessions" ? LIVE : ["starting", "running"];
   const now = new Date(deps.clock());
   return underTenantLock(deps.db, p.tenantId, async (tx) => {
     // Resumes on their way count as running already (`holdForQuota`).
-    const n = await countInStates(tx, p, counted, p.family === "a" ? undefined : { hold: "resume", now });
+    const n = await countInStates(tx, p, counted, p.api === "sessions" ? undefined : { hold: "resume", now });
     const taken = partial ? items.slice(0, Math.max(0, cap - n)) : items;
     if (n + taken.length > cap) {
       // One-shot execs hold a VM for their call: they count with the sessions.
       const what =
-        p.family === "a"
+        p.api === "sessions"
           ? kind === "exec"
             ? "live sessions and execs"
             : "live sessions"
@@ -196,7 +198,7 @@ async function reserve(
       taken.map((it, i) => ({
         id: ids[i]!,
         tenantId: p.tenantId,
-        family: p.family,
+        api: p.api,
         kind,
         templatePk: (it.template ?? template).pk,
         templateId: (it.template ?? template).id,
@@ -327,7 +329,7 @@ export async function createVm(
 export type OneShotOutcome = { ok: true; result: OneShotResult } | { ok: false; error: unknown };
 
 /**
- * Family A one-shot execs (`/v1/exec`, `/v1/exec/batch`): each holds a VM for its call, so each
+ * A one-shot of the sessions API execs (`/v1/exec`, `/v1/exec/batch`): each holds a VM for its call, so each
  * takes a place in the tenant's concurrency cap (a row of kind `exec`, reserved before any VM
  * starts) and is metered like a session that ran for the call (one running interval with the
  * VM's size). The row ends `destroyed` when the call ends, whatever its outcome. `partial` (a
@@ -449,7 +451,7 @@ async function claimForExec(deps: Deps, p: Principal, id: string): Promise<Sandb
       and(
         eq(sandboxes.id, id),
         eq(sandboxes.tenantId, p.tenantId),
-        eq(sandboxes.family, p.family),
+        eq(sandboxes.api, p.api),
         inArray(sandboxes.state, RECORD_TRANSITIONS.exec.from),
       ),
     )
@@ -661,12 +663,12 @@ async function stateOf(tx: Tx, id: string): Promise<RecordState | undefined> {
 }
 
 /**
- * The tenant's records of its family in `states` (in `db`, or a transaction of it), plus, with
+ * The tenant's records of its API in `states` (in `db`, or a transaction of it), plus, with
  * `held`, the live records held for that change (`holdForQuota`): they are on their way there.
  */
 export async function countInStates(
   db: Pick<Deps["db"], "select">,
-  p: Pick<Principal, "tenantId" | "family">,
+  p: Pick<Principal, "tenantId" | "api">,
   states: RecordState[],
   held?: { hold: QuotaHold; now: Date },
 ): Promise<number> {
@@ -677,7 +679,7 @@ export async function countInStates(
     .where(
       and(
         eq(sandboxes.tenantId, p.tenantId),
-        eq(sandboxes.family, p.family),
+        eq(sandboxes.api, p.api),
         held === undefined
           ? inStates
           : or(
@@ -838,7 +840,7 @@ export async function destroyVm(
 }
 
 /**
- * Reclaims Family A sessions idle past the TTL (spec 3.3); later calls on them get 410.
+ * Reclaims sessions API sessions idle past the TTL (spec 3.3); later calls on them get 410.
  * Returns the ids reclaimed. Safe with several gateways on one database: each session is claimed
  * by one conditional UPDATE (running, no exec in flight, idle past the TTL) that also ends its
  * metering, so exactly one reaper wins it and only the winner calls the agent. An exec counted in
@@ -858,8 +860,8 @@ export async function reapIdleSessions(
         and(
           idleClaimable(deps, at),
           or(
-            and(eq(sandboxes.kind, "session"), eq(sandboxes.family, "a")),
-            // Family B sandboxes whose idle lifetime deletes them (gateway/core/idle.ts suspends
+            and(eq(sandboxes.kind, "session"), eq(sandboxes.api, "sessions")),
+            // Sandboxes of the sandboxes API whose idle lifetime deletes them (gateway/core/idle.ts suspends
             // the others with the same test).
             and(
               eq(sandboxes.kind, "sandbox"),
@@ -957,7 +959,7 @@ export function ages(row: SandboxRow, nowMs: number): { ageSecs: number; idleSec
   return { ageSecs: Math.max(0, (nowMs - created) / 1000), idleSecs };
 }
 
-export type { Family, Tier };
+export type { KeyApi, Tier };
 
 /**
  * The agent names VMs by its own ids; a client knows only the sandbox or session id. Agent errors

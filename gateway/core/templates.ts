@@ -6,8 +6,8 @@
 import { randomBytes } from "node:crypto";
 import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
 import type { TemplateSource } from "../../contracts/agent/api.ts";
-import type { BakeTemplateRequest } from "../../contracts/api/family-b.ts";
-import type { Family } from "../../contracts/api/tiers.ts";
+import type { BakeTemplateRequest } from "../../contracts/api/sandboxes-api.ts";
+import type { KeyApi } from "../../contracts/api/tiers.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
@@ -89,7 +89,7 @@ function agentRef(tenantId: string, id: string): string {
 }
 
 /**
- * The agent's name for one Family A registration: the tenant, a per-registration tag, the id.
+ * The agent's name for one sessions API registration: the tenant, a per-registration tag, the id.
  * A deleted template lives on its agent until the VMs still running on it end (spec 3.1), and
  * its id is free again at once, so a registration under the same id must not meet it there.
  */
@@ -158,7 +158,7 @@ async function insertWithinQuota(
 }
 
 /**
- * Family A: reserve the id (status building) before the upload is read, so a duplicate is
+ * The sessions API: reserve the id (status building) before the upload is read, so a duplicate is
  * refused without consuming a multi-GB body, and a place in the tenant's template quota
  * (`templateCap`). Returns the row; `startUploadBuild` follows.
  */
@@ -173,7 +173,7 @@ export async function reserveUploadTemplate(
     pk: newTemplatePk(),
     id: opts.id,
     tenantId,
-    family: "a",
+    api: "sessions",
     agentRef: uploadAgentRef(tenantId, opts.id),
     name: opts.id,
     status: "building",
@@ -217,7 +217,7 @@ export async function dropReservation(deps: Deps, row: TemplateRow): Promise<voi
 }
 
 /**
- * Family B bake (Pro). Idempotent on (tenant, name): a retry with the same request returns the
+ * The sandboxes API bake (Pro). Idempotent on (tenant, name): a retry with the same request returns the
  * existing template; a different request under the same name is a 409.
  */
 export async function bakeTemplate(
@@ -245,7 +245,7 @@ export async function bakeTemplate(
   if (existing) {
     if (
       existing.tenantId === tenantId &&
-      existing.family === "b" &&
+      existing.api === "sandboxes" &&
       stableJson(existing.spec) === stableJson(spec)
     ) {
       return refreshTemplate(deps, existing);
@@ -257,7 +257,7 @@ export async function bakeTemplate(
     pk: newTemplatePk(),
     id: req.name,
     tenantId,
-    family: "b",
+    api: "sandboxes",
     agentRef: agentRef(tenantId, req.name),
     name: req.name,
     description: `baked from ${req.image}`,
@@ -323,11 +323,11 @@ export async function ownTemplate(
   deps: Deps,
   tenantId: string,
   id: string,
-  family: Family,
+  api: KeyApi,
 ): Promise<TemplateRow> {
   const row = await resolveTemplate(deps, tenantId, id);
   if (row.tenantId === null) throw new SandboxdError("forbidden", `template ${id} is in the shared catalog`);
-  if (row.family !== family) throw notFound(`template ${id}`);
+  if (row.api !== api) throw notFound(`template ${id}`);
   return row;
 }
 
@@ -338,10 +338,10 @@ export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void
     .where(
       and(eq(sandboxes.templatePk, row.pk), inArray(sandboxes.state, ["starting", "running", "suspended"])),
     );
-  // Family B: 409 template_in_use while sandboxes run on it (spec 4.2). Family A: in-flight VMs
+  // The sandboxes API: 409 template_in_use while sandboxes run on it (spec 4.2). The sessions API: in-flight VMs
   // finish first, then resources are reclaimed (spec 3.1): the agent keeps the template, marked
   // deleting, until its last VM ends; here the row goes at once (new sessions: 404).
-  if (row.family === "b" && (inUse?.n ?? 0) > 0) {
+  if (row.api === "sandboxes" && (inUse?.n ?? 0) > 0) {
     throw new SandboxdError("template_in_use", `template ${row.id} has ${inUse?.n} live sandboxes`);
   }
   await deps.agent.deleteTemplate(row.agentRef);
@@ -372,7 +372,7 @@ export async function upsertPublicTemplate(
       pk: newTemplatePk(),
       id: t.id,
       tenantId: null,
-      family: "b",
+      api: "sandboxes",
       agentRef: t.id,
       name: t.name,
       description: t.description,

@@ -5,7 +5,7 @@
  * (gateway/relay/). Two sub-apps, because the token form must answer before the key middleware.
  */
 import { type Context, Hono } from "hono";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { signConnectToken, verifyConnectTokenClaims } from "../auth/connect-token.ts";
 import { requirePro } from "../auth/guards.ts";
@@ -131,7 +131,7 @@ async function connect(
     const { tenantId } = claims;
     // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
     // the token's tenant, and a revoked token is an invalid credential (401), not a 404.
-    const tokenPrincipal: Principal = { tenantId, keyId: claims.keyId, tier: "pro", family: "b" };
+    const tokenPrincipal: Principal = { tenantId, keyId: claims.keyId, tier: "pro", api: "sandboxes" };
     who = tokenPrincipal;
     const owned = async () => {
       await wakeIfIdle(deps, tokenPrincipal, id);

@@ -1,11 +1,11 @@
 /**
- * Exec requests of both families as the typed action the agent runs (`ExecAction`): which
+ * Exec requests of both APIs as the typed action the agent runs (`ExecAction`): which
  * program, which files, what deadline. Pure: no db, no agent, so a handler's parse step ends here.
  */
 
 import type { ExecAction, RunAction } from "../../contracts/agent/api.ts";
-import type * as A from "../../contracts/api/family-a.ts";
-import type * as B from "../../contracts/api/family-b.ts";
+import type * as B from "../../contracts/api/sandboxes-api.ts";
+import type * as A from "../../contracts/api/sessions-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Deps } from "../deps.ts";
 
@@ -17,7 +17,7 @@ export function timeoutMs(deps: Deps, seconds: number | undefined): number {
   return s * 1000;
 }
 
-/** Family A one-shot (`/v1/exec`, each item of `/v1/exec/batch`): code only, no files. */
+/** A one-shot of the sessions API (`/v1/exec`, each item of `/v1/exec/batch`): code only, no files. */
 export function oneShotAction(deps: Deps, req: A.ExecRequestA): ExecAction {
   return {
     files: [],
@@ -27,9 +27,9 @@ export function oneShotAction(deps: Deps, req: A.ExecRequestA): ExecAction {
 }
 
 /**
- * What the exec requests of both families share: files, argv `commands`, `timeout_seconds`, and
+ * What the exec requests of both APIs share: files, argv `commands`, `timeout_seconds`, and
  * the per-exec options `env`, `cwd`, `user`, `stdin`/`stdin_b64`. The
- * family's own single form (`code` or `command`) wins over `commands`; with neither, nothing runs
+ * API's own single form (`code` or `command`) wins over `commands`; with neither, nothing runs
  * after the files are written.
  */
 function execAction(
@@ -51,12 +51,12 @@ function execAction(
   return action;
 }
 
-/** Family A `POST /v1/sessions/{id}/exec`: code or argv commands, with files. */
+/** The sessions API `POST /v1/sessions/{id}/exec`: code or argv commands, with files. */
 export function sessionExecAction(deps: Deps, req: A.SessionExecRequest): ExecAction {
   return execAction(deps, req, req.code !== undefined ? { kind: "code", code: req.code } : undefined);
 }
 
-/** Family B `POST /v1/sandboxes/{id}/exec`: a shell command or argv commands, files, a seed. */
+/** The sandboxes API `POST /v1/sandboxes/{id}/exec`: a shell command or argv commands, files, a seed. */
 export function sandboxExecAction(deps: Deps, req: B.ExecRequestB): ExecAction {
   const single: RunAction | undefined =
     req.command !== undefined ? { kind: "shell", command: req.command } : undefined;

@@ -1,5 +1,5 @@
 /**
- * The file API of Family B sandboxes and Family A sessions (docs/api.md "Files"):
+ * The file API of sandboxes API sandboxes and sessions API sessions (docs/api.md "Files"):
  * `PUT|GET|DELETE /v1/{sandboxes|sessions}/{id}/files?path=` and `GET ...&list=true`. Each call
  * is counted in flight on the record like an exec (`beginUse`), so no reaper takes the sandbox
  * mid-transfer and its idleness restarts at the end; a sandbox the service suspended for idleness
@@ -9,9 +9,9 @@
 import { type Context, Hono } from "hono";
 import { FilesQuery } from "../../contracts/api/files.ts";
 import { MAX_FILE_TRANSFER_BYTES } from "../../contracts/api/limits.ts";
-import type { Family } from "../../contracts/api/tiers.ts";
+import type { KeyApi } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { requireFamily } from "../auth/guards.ts";
+import { requireApi } from "../auth/guards.ts";
 import { wakeIfIdle } from "../core/idle.ts";
 import { beginUse, inTermsOf } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
@@ -72,11 +72,11 @@ function onFinish(stream: ReadableStream<Uint8Array>, end: () => Promise<void>):
   );
 }
 
-function handlers(deps: Deps, family: Family) {
+function handlers(deps: Deps, api: KeyApi) {
   /** The record, checked and counted in flight; `end` once the call is over. */
   const begin = async (c: Context<HonoEnv>) => {
     const p = c.get("principal");
-    requireFamily(p, family);
+    requireApi(p, api);
     const q = query(c, FilesQuery);
     const id = c.req.param("id")!;
     await wakeIfIdle(deps, p, id);
@@ -145,11 +145,11 @@ function handlers(deps: Deps, family: Family) {
 
 export function fileRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
-  for (const [family, base] of [
-    ["b", "/v1/sandboxes/:id/files"],
-    ["a", "/v1/sessions/:id/files"],
+  for (const [api, base] of [
+    ["sandboxes", "/v1/sandboxes/:id/files"],
+    ["sessions", "/v1/sessions/:id/files"],
   ] as const) {
-    const h = handlers(deps, family);
+    const h = handlers(deps, api);
     app.put(base, h.put);
     app.get(base, h.get);
     app.delete(base, h.del);

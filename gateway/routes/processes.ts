@@ -1,6 +1,6 @@
 /**
- * Background processes (docs/api.md "Background processes"), the same routes for Family B
- * sandboxes (`/v1/sandboxes/{id}/processes`) and Family A sessions (`/v1/sessions/{id}/processes`):
+ * Background processes (docs/api.md "Background processes"), the same routes for sandboxes API
+ * sandboxes (`/v1/sandboxes/{id}/processes`) and sessions API sessions (`/v1/sessions/{id}/processes`):
  * start, list, logs (JSON, or followed as Server-Sent Events in the streamed exec's format), stdin
  * (JSON `{data}` / `{data_b64}`, or the raw body), kill. The rules are core/processes.ts.
  */
@@ -9,7 +9,7 @@ import type { ProcessInfo as AgentProcessInfo, ProcessStart } from "../../contra
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
 import { type ProcessInfo, ProcessStdinRequest, StartProcessRequest } from "../../contracts/api/processes.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { requireFamily } from "../auth/guards.ts";
+import { requireApi } from "../auth/guards.ts";
 import { processCall } from "../core/processes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { jsonBody, readBodyLimited } from "../http.ts";
@@ -35,18 +35,18 @@ export function processRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   const max = () => deps.config.limits.maxJsonBodyBytes;
 
-  for (const [base, family] of [
-    ["/v1/sandboxes", "b"],
-    ["/v1/sessions", "a"],
+  for (const [base, api] of [
+    ["/v1/sandboxes", "sandboxes"],
+    ["/v1/sessions", "sessions"],
   ] as const) {
     const call = <T>(c: Context<HonoEnv>, fn: Parameters<typeof processCall<T>>[3]) => {
       const p = c.get("principal");
-      requireFamily(p, family);
+      requireApi(p, api);
       return processCall(deps, p, c.req.param("id") ?? "", fn);
     };
 
     app.post(`${base}/:id/processes`, async (c) => {
-      requireFamily(c.get("principal"), family);
+      requireApi(c.get("principal"), api);
       const req = await jsonBody(c, StartProcessRequest, max());
       const start: ProcessStart = {
         run:
@@ -86,7 +86,7 @@ export function processRoutes(deps: Deps): Hono<HonoEnv> {
     });
 
     app.post(`${base}/:id/processes/:pid/stdin`, async (c) => {
-      requireFamily(c.get("principal"), family);
+      requireApi(c.get("principal"), api);
       const pid = pidOf(c);
       let bytes: Buffer;
       let eof = false;

@@ -1,5 +1,5 @@
 /**
- * Terminals: `GET /v1/sandboxes/{id}/pty` (Family B) and `GET /v1/sessions/{id}/pty` (Family A)
+ * Terminals: `GET /v1/sandboxes/{id}/pty` (sandboxes API) and `GET /v1/sessions/{id}/pty` (sessions API)
  * upgrade to a WebSocket carrying an interactive shell in the sandbox (relay/pty.ts). The checks
  * are the connect route's (connect.ts): the Bearer key and rate limit (key middleware), tenant
  * scoping (a foreign id is 404), a wake-up of a sandbox suspended for idleness, a running state,
@@ -9,7 +9,7 @@
  */
 import { type Context, Hono } from "hono";
 import { PtyQuery } from "../../contracts/api/common.ts";
-import { requireFamily } from "../auth/guards.ts";
+import { requireApi } from "../auth/guards.ts";
 import { wakeIfIdle } from "../core/idle.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
@@ -23,14 +23,14 @@ const DEFAULT_ROWS = 24;
 
 export function ptyRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
-  app.get("/v1/sandboxes/:id/pty", (c) => openPty(deps, c, "b"));
-  app.get("/v1/sessions/:id/pty", (c) => openPty(deps, c, "a"));
+  app.get("/v1/sandboxes/:id/pty", (c) => openPty(deps, c, "sandboxes"));
+  app.get("/v1/sessions/:id/pty", (c) => openPty(deps, c, "sessions"));
   return app;
 }
 
-async function openPty(deps: Deps, c: Context<HonoEnv>, family: "a" | "b"): Promise<Response> {
+async function openPty(deps: Deps, c: Context<HonoEnv>, api: "sessions" | "sandboxes"): Promise<Response> {
   const p = c.get("principal");
-  requireFamily(p, family);
+  requireApi(p, api);
   const id = c.req.param("id") ?? "";
   const q = query(c, PtyQuery);
   await wakeIfIdle(deps, p, id);

@@ -1,11 +1,11 @@
 /**
- * Family B sandboxes (spec 4.2): create, list, info, exec, fork, suspend, resume, delete, one
+ * Sandboxes of the sandboxes API (spec 4.2): create, list, info, exec, fork, suspend, resume, delete, one
  * sub-app behind the key middleware. Connecting from outside is in connect.ts.
  */
 import { type Context, Hono } from "hono";
 import type { ExecResult } from "../../contracts/agent/api.ts";
-import * as B from "../../contracts/api/family-b.ts";
-import { requireFamily } from "../auth/guards.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import { requireApi } from "../auth/guards.ts";
 import { idleInfo, wakeIfIdle } from "../core/idle.ts";
 import {
   ages,
@@ -45,10 +45,10 @@ function idleLifetime(deps: Deps, req: B.CreateSandboxRequest): IdleLifetime {
   return { timeoutS: null, action: null };
 }
 
-/** `POST /v1/sandboxes`, and `POST /v1/sessions` for a Family B key (alias, spec 4.2). */
+/** `POST /v1/sandboxes`, and `POST /v1/sessions` for a sandboxes API key (alias, spec 4.2). */
 async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   const p = c.get("principal");
-  requireFamily(p, "b");
+  requireApi(p, "sandboxes");
   const req = await jsonBody(c, B.CreateSandboxRequest, deps.config.limits.maxJsonBodyBytes);
   const labels = { ...req.labels };
   if (req.label !== undefined) labels.label = req.label;
@@ -74,15 +74,15 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.post("/v1/sandboxes", (c) => createSandbox(deps, c));
 
-  // The path is shared (contracts/api/routes.ts, family "both"): a Family A key passes on to
-  // the session create in family-a.ts, whichever sub-app is mounted first.
+  // The path is shared (contracts/api/routes.ts, API "both"): a sessions API key passes on to
+  // the session create in sessions-api.ts, whichever sub-app is mounted first.
   app.post("/v1/sessions", (c, next) =>
-    c.get("principal").family === "b" ? createSandbox(deps, c) : next(),
+    c.get("principal").api === "sandboxes" ? createSandbox(deps, c) : next(),
   );
 
   app.get("/v1/sandboxes", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const rows = await listOwned(deps, p);
     return c.json({
       sandboxes: rows.map((r) => ({ id: r.id, template: r.templateId, state: publicState(r.state) })),
@@ -91,7 +91,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.get("/v1/sandboxes/:id", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const row = await getOwned(deps, p, c.req.param("id"), { cached: true });
     const a = ages(row, deps.clock());
     return c.json({
@@ -109,7 +109,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.post("/v1/sandboxes/:id/exec", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const id = c.req.param("id");
     const req = await jsonBody(c, B.ExecRequestB, max());
     await wakeIfIdle(deps, p, id);
@@ -137,7 +137,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.post("/v1/sandboxes/:id/fork", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const req = await jsonBody(c, B.ForkRequest, max());
     await wakeIfIdle(deps, p, c.req.param("id"));
     const { parent, children } = await forkVm(deps, p, c.req.param("id"), req.count ?? 1, req.labels ?? []);
@@ -149,7 +149,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.post("/v1/sandboxes/:id/suspend", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const id = c.req.param("id");
     const r = await suspendVm(deps, p, id);
     return c.json({ id, state: "suspended" as const, mem_bytes: r.memBytes });
@@ -157,7 +157,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.post("/v1/sandboxes/:id/resume", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const id = c.req.param("id");
     const r = await resumeVm(deps, p, id);
     return c.json({ id, state: "running" as const, mem_bytes: r.memBytes });
@@ -165,7 +165,7 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.delete("/v1/sandboxes/:id", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const row = await getOwned(deps, p, c.req.param("id"));
     await destroyVm(deps, row, { force: true, reason: "deleted" });
     return c.json({ deleted: true as const, id: row.id });

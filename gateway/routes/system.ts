@@ -3,12 +3,12 @@ import { readFile } from "node:fs/promises";
 import { and, eq, sql } from "drizzle-orm";
 import { Hono } from "hono";
 import type { AgentHealth } from "../../contracts/agent/api.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import { TCG_BOUNDARY } from "../../contracts/api/health.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { isDbUnavailable } from "../../db/unavailable.ts";
-import { requireFamily } from "../auth/guards.ts";
+import { requireApi } from "../auth/guards.ts";
 import { visibleTemplates } from "../core/templates.ts";
 import { usageTotals } from "../core/usage.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
@@ -116,7 +116,7 @@ export function systemRoutes(
 
   app.get("/v1/usage", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     const q = query(c, B.UsageQuery);
     const nowMs = deps.clock();
     const now = new Date(nowMs);

@@ -1,16 +1,16 @@
 /**
- * Template paths shared by both families (spec 4.1, 4.2): the key's family picks the form.
- * Family A registers from an uploaded image streamed to a file; Family B bakes from an OCI ref.
+ * Template paths shared by both APIs (spec 4.1, 4.2): the key's API picks the form.
+ * The sessions API registers from an uploaded image streamed to a file; The sandboxes API bakes from an OCI ref.
  */
 import { createWriteStream } from "node:fs";
 import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { type Context, Hono } from "hono";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { asNoSpace, freeBytes, requireFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { requireFamily, requirePro, requireScale } from "../auth/guards.ts";
+import { requireApi, requirePro, requireScale } from "../auth/guards.ts";
 import {
   bakeTemplate,
   deleteTemplate,
@@ -138,14 +138,14 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   app.get("/v1/images", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "b");
+    requireApi(p, "sandboxes");
     return c.json({ templates: (await visibleTemplates(deps, p.tenantId)).map(catalogEntry) });
   });
 
   app.get("/v1/templates", async (c) => {
     const p = c.get("principal");
     const rows = await visibleTemplates(deps, p.tenantId);
-    if (p.family === "b") return c.json({ templates: rows.map(catalogEntry) }); // alias of /v1/images
+    if (p.api === "sandboxes") return c.json({ templates: rows.map(catalogEntry) }); // alias of /v1/images
     return c.json({
       templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
     });
@@ -153,7 +153,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.post("/v1/templates", async (c) => {
     const p = c.get("principal");
-    if (p.family === "b") {
+    if (p.api === "sandboxes") {
       requirePro(p, "baking templates");
       const req = await jsonBody(c, B.BakeTemplateRequest, deps.config.limits.maxJsonBodyBytes);
       const row = await bakeTemplate(deps, p.tenantId, req, deps.config.limits.templateQuotaByTier[p.tier]);
@@ -205,7 +205,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
   app.get("/v1/templates/:id", async (c) => {
     const p = c.get("principal");
     const row = await resolveTemplate(deps, p.tenantId, c.req.param("id"));
-    if (p.family === "a") return c.json(templateA(row));
+    if (p.api === "sessions") return c.json(templateA(row));
     const st = await deps.agent.templateStatus(row.agentRef);
     return c.json(templateB(row, st.telemetry));
   });
@@ -213,13 +213,13 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
   app.delete("/v1/templates/:id", async (c) => {
     const p = c.get("principal");
     const id = c.req.param("id");
-    if (p.family === "a") {
+    if (p.api === "sessions") {
       requireScale(p);
-      await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "a"));
+      await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "sessions"));
       return c.body(null, 204);
     }
-    // Family B: any tier may remove what it created; shared catalog rows are 403 (spec 4.2).
-    await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "b"));
+    // The sandboxes API: any tier may remove what it created; shared catalog rows are 403 (spec 4.2).
+    await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "sandboxes"));
     return c.json({ deleted: true as const, id });
   });
 
@@ -227,7 +227,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     const p = c.get("principal");
     requirePro(p, "expect");
     const req = await jsonBody(c, B.ExpectRequest, deps.config.limits.maxJsonBodyBytes);
-    const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "b");
+    const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "sandboxes");
     await deps.agent.expectWidth(row.agentRef, req.width);
     return c.json({ id: row.id, width: req.width });
   });
@@ -235,7 +235,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
   app.post("/v1/templates/:id/release", async (c) => {
     const p = c.get("principal");
     requirePro(p, "release");
-    const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "b");
+    const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "sandboxes");
     await deps.agent.releaseTemplate(row.agentRef);
     return c.json({ id: row.id, released: true as const });
   });

@@ -5,7 +5,7 @@
  * and the agent's tunnels into the guest. The page it opens is served inside the sandbox too.
  *
  * The image (Debian bookworm + chromium + python3, tests/support/chromium-image.ts) is built once
- * by debootstrap into the shared test data dir and uploaded as a Family A template sized for a
+ * by debootstrap into the shared test data dir and uploaded as a sessions API template sized for a
  * browser (`mem_mib`); a Pro key of the same tenant creates the sandbox and connects. Chromium is
  * started by an exec in the sandbox (it outlives the exec), then the test connects, reads the
  * page's title, deletes the sandbox and sees the relay close. Figures are printed as JSON.
@@ -15,8 +15,8 @@ import { spawnSync } from "node:child_process";
 import { mkdtemp, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { CDP_PORT, ensureChromiumLayout, PAGE_PORT } from "../support/chromium-image.ts";
 import { expectOk, SHARED_DATA_DIR } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
@@ -111,7 +111,7 @@ describe("CDP into a VM", () => {
   test(
     "connectOverCDP drives Chromium inside a sandbox: a page served in the guest, its title; delete closes the relay",
     async () => {
-      // A Family A template sized for a browser (the Family B bake has no size option).
+      // A sessions API template sized for a browser (the sandboxes API bake has no size option).
       let t0 = performance.now();
       const body = new Uint8Array(await readFile(archive));
       const reg = await api().post("/v1/templates", {
@@ -205,7 +205,7 @@ describe("CDP into a VM", () => {
           .delete(`/v1/sandboxes/${id}`, { key: keys.pro })
           .catch(() => undefined);
       }
-      // The template can go once its sandbox is gone (Family A delete: 204).
+      // The template can go once its sandbox is gone (sessions API delete: 204).
       expect((await api().delete(`/v1/templates/${TEMPLATE}`, { key: keys.scale })).status).toBe(204);
     },
     TEST_TIMEOUT_MS,

@@ -6,7 +6,7 @@
  * bake phases; a label holding markup renders as text (no element, no script); a terminal typed
  * into with `echo $((6*7))` shows `42` in the xterm screen; the Fork and Delete buttons fork one
  * sandbox and delete the other (checked through the API after); a bake started while the page is
- * open shows its phase and is followed to Live; a Family A key is told what it can see. The pty WebSocket's key-as-subprotocol (what the page uses) is checked directly too:
+ * open shows its phase and is followed to Live; a sessions API key is told what it can see. The pty WebSocket's key-as-subprotocol (what the page uses) is checked directly too:
  * the server answers with the marker, never the key, and refuses a wrong key or a key offered
  * first with 401 before the upgrade. Screenshots go to `.data/test-artifacts/console/` (kept by
  * the run, paths printed).
@@ -17,7 +17,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { Browser, Page } from "playwright-core";
 import WebSocket from "ws";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import { CONSOLE_CSP } from "../../gateway/routes/console.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { CHROMIUM_FLAGS, CHROMIUM_PATH } from "../support/chromium.ts";
@@ -298,14 +298,14 @@ describe("web console", () => {
   );
 
   test(
-    "a Family A key is told what it sees: its templates, no sandboxes or usage",
+    "a sessions API key is told what it sees: its templates, no sandboxes or usage",
     async () => {
       const browser = await launchChromium();
       try {
         const { page, problems } = await openConsole(browser);
         await signIn(page, keys.live);
         await page.locator("#notice").waitFor({ state: "visible", timeout: UI_WAIT_MS });
-        expect(await page.locator("#notice").textContent()).toContain("Family A key");
+        expect(await page.locator("#notice").textContent()).toContain("the sessions API key");
         await page.locator(`tr[data-template="${TEMPLATE}"]`).waitFor({ timeout: UI_WAIT_MS });
         expect(await page.locator(`tr[data-template="${TEMPLATE}"] .state`).textContent()).toBe("ready");
         expect(await page.locator("#sandboxes-section").isHidden()).toBe(true);

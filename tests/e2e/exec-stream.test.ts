@@ -1,6 +1,6 @@
 /**
  * Streamed exec and the per-exec options, end to end over real HTTP (`bin/sandboxd up`, real VMs
- * under TCG): `Accept: text/event-stream` on a Family B sandbox exec and a Family A session exec
+ * under TCG): `Accept: text/event-stream` on a sandboxes API sandbox exec and a sessions API session exec
  * streams each line as it is printed, text as `data` and bytes that are not UTF-8 as `data_b64`
  * (byte-exact, a character split across writes reassembled), a 20 MB output whole (no cap), a
  * client that disconnects cancels the command (its process is gone afterwards, and a second exec
@@ -14,9 +14,9 @@
  */
 import { beforeAll, expect, test } from "bun:test";
 import { readFileSync, writeFileSync } from "node:fs";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { expectError, expectOk, latencySummary, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
 import { assertResponse } from "../support/openapi-check.ts";
@@ -167,7 +167,7 @@ const sbxExec = `/v1/sandboxes/{id}/exec`;
 const sbxPath = () => sbxExec.replace("{id}", sandboxId);
 const sessPath = () => `/v1/sessions/${sessionId}/exec`;
 
-test("a line printed every 200 ms streams line by line while the command runs (Family B)", async () => {
+test("a line printed every 200 ms streams line by line while the command runs (sandboxes API)", async () => {
   const s = await streamExec(sbxPath(), keys.pro, {
     command: "for i in 1 2 3 4 5 6 7 8; do date +%s%N; sleep 0.2; done",
   });
@@ -430,7 +430,7 @@ test("another tenant's sandbox is 404 for a streamed exec", async () => {
 
 const OPTIONS_SCRIPT = 'echo "$FOO"; pwd; id -u; id -un; echo "$HOME"; cat';
 
-test("env, cwd, user and stdin reach the command (Family B, plain and streamed)", async () => {
+test("env, cwd, user and stdin reach the command (sandboxes API, plain and streamed)", async () => {
   const body = {
     command: OPTIONS_SCRIPT,
     env: { FOO: "bar baz" },

@@ -2,7 +2,7 @@
  * The file API end to end over real HTTP with real VMs (`bin/sandboxd up --no-catalog`, a busybox
  * image uploaded as a template, keys made in-process through its operator socket):
  *
- * - A 100 MB random binary file PUT into a Family B sandbox and GET back is byte-exact (sha256 on
+ * - A 100 MB random binary file PUT into a sandboxes API sandbox and GET back is byte-exact (sha256 on
  *   the client both ways and in the guest with `sha256sum`), while the service's peak RSS (gateway
  *   and agent are one process under `up`) grows by less than RSS_GROWTH_BOUND. The upload body
  *   stalls halfway until the guest holds most of what was sent (streamed end to end), and a GET of
@@ -11,7 +11,7 @@
  *   GET 400, a relative path 400, `..` resolved by the guest, a foreign tenant's id 404, `user`
  *   (a file the user may not write is 400, one written as the user is the user's); an upload
  *   declaring more than MAX_FILE_TRANSFER_BYTES is 413 with no body byte sent.
- * - Family A sessions serve the same routes, beside a running exec (not `busy`), and after the
+ * - sessions API sessions serve the same routes, beside a running exec (not `busy`), and after the
  *   VM's idle pause (woken); a sandbox the service suspended for idleness is resumed by a file call.
  *
  * Tests run in order and share one service; the last one stops it and checks no QEMU is left.
@@ -24,10 +24,10 @@ import { mkdtemp, rm } from "node:fs/promises";
 import { connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import { FileDeleted, FileList, FileWritten } from "../../contracts/api/files.ts";
 import { MAX_FILE_TRANSFER_BYTES } from "../../contracts/api/limits.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { expectError, expectOk, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
@@ -160,7 +160,7 @@ function bodyOf(data: Uint8Array, holdAt: number, hold: () => Promise<void>): Re
 }
 
 test(
-  "Family B: 100 MB of random bytes round-trip byte-exact through PUT and GET with bounded RSS",
+  "sandboxes API: 100 MB of random bytes round-trip byte-exact through PUT and GET with bounded RSS",
   async () => {
     const data = new Uint8Array(randomBytes(BIG_BYTES));
     const want = sha256(data);
@@ -259,7 +259,7 @@ test(
 );
 
 test(
-  "Family B: a file without end streams: GET of /dev/zero read to 400 MB and cancelled, RSS bounded",
+  "sandboxes API: a file without end streams: GET of /dev/zero read to 400 MB and cancelled, RSS bounded",
   async () => {
     const pid = service().pid;
     await Bun.write(`/proc/${pid}/clear_refs`, "5");
@@ -297,7 +297,7 @@ test(
 );
 
 test(
-  "Family B: list, delete, missing 404, directory 400, relative path 400, `..` in the guest, foreign 404, user",
+  "sandboxes API: list, delete, missing 404, directory 400, relative path 400, `..` in the guest, foreign 404, user",
   async () => {
     const key = keys.pro;
     const f = filesOf(sandboxId);
@@ -435,7 +435,7 @@ function streamedSessionExec(id: string, key: string, script: string) {
 }
 
 test(
-  "Family A: the same routes on a session, beside a running exec and after the idle pause",
+  "Sessions API: the same routes on a session, beside a running exec and after the idle pause",
   async () => {
     sessionId = expectOk(
       await api().post("/v1/sessions", { key: keys.live, json: { template_id: TEMPLATE } }),
@@ -494,7 +494,7 @@ test(
 );
 
 test(
-  "Family B: a sandbox the service suspended for idleness is resumed by a file call",
+  "sandboxes API: a sandbox the service suspended for idleness is resumed by a file call",
   async () => {
     const id = expectOk(
       await api().post("/v1/sandboxes", {

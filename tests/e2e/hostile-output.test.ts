@@ -1,7 +1,7 @@
 /**
  * A guest that floods its output, end to end over real HTTP (`bin/sandboxd up`, real VMs under
  * TCG): an exec printing far more than the exec output cap answers a bounded response with
- * `truncated: true` (Family B sandbox exec and Family A one-shot exec; an answer under the cap
+ * `truncated: true` (sandboxes API sandbox exec and sessions API one-shot exec; an answer under the cap
  * carries no flag) while the service's memory stays bounded, and a guest writing to its serial
  * console grows the data dir by no more than the console's bound and keeps answering execs, also
  * under the next agent process after a restart (the running VM is adopted, its console drained).
@@ -14,9 +14,9 @@ import { spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { CONSOLE_DISK_BYTES } from "../../agent/qemu/console.ts";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_OUTPUT_BYTES, MAX_EXEC_RESPONSE_BYTES } from "../../contracts/api/limits.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import {
   createKeys,
   expectOk,
@@ -48,7 +48,7 @@ const CONSOLE_FLOOD_S = 40;
 let svc: RunningService | undefined;
 let dataDir = "";
 let key = "";
-/** A Family A key (one-shot `/v1/exec`). */
+/** A sessions API key (one-shot `/v1/exec`). */
 let keyA = "";
 let sandboxId = "";
 
@@ -160,7 +160,7 @@ test("an exec printing 300 MB answers a bounded response with truncated: true; t
   expect(peakGrowth0).toBeLessThanOrEqual(EXEC_RSS_BOUND_BYTES);
 }, 900_000);
 
-test("Family A: a one-shot exec printing past the cap answers truncated: true, one under it has no flag", async () => {
+test("Sessions API: a one-shot exec printing past the cap answers truncated: true, one under it has no flag", async () => {
   const big = ["import sys", "for _ in range(20):", "    sys.stdout.write('b' * 1000000)"].join("\n");
   const res = await service().api.post("/v1/exec", {
     key: keyA,

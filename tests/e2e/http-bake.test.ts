@@ -1,5 +1,5 @@
 /**
- * End to end over real HTTP, Family B bake (spec 2.4, 3.2, 4.2, 4.3): a real OCI registry
+ * End to end over real HTTP, sandboxes API bake (spec 2.4, 3.2, 4.2, 4.3): a real OCI registry
  * (Debian's docker-registry on a free loopback port, tests/support/registry.ts) holding a busybox
  * image pushed by skopeo, the real service (`bin/sandboxd up`, its own data dir, keys from the
  * CLI), real pulls and real VMs under TCG. A bake with a ready command that starts busybox httpd
@@ -16,7 +16,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
 import { type LocalRegistry, startBusyboxRegistry, startRegistry } from "../support/registry.ts";
 import { useService } from "../support/service.ts";
@@ -171,7 +171,7 @@ function blobGets(): number {
   ).length;
 }
 
-describe("Family B bake from a registry", () => {
+describe("the sandboxes API bake from a registry", () => {
   test("demo keys cannot bake (403 demo_tier_limit); a malformed reference is 400", async () => {
     const body = { name: "nope", image: imageRef() };
     expectError(await api().post("/v1/templates", { key: keys.demo, json: body }), 403, "demo_tier_limit");

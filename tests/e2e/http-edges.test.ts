@@ -1,10 +1,10 @@
 /**
  * End to end over real HTTP with real VMs (`bin/sandboxd up --no-catalog`, a busybox image
- * uploaded as a Family A template that exposes port 8080): the build stamp in `GET /v1/health`
+ * uploaded as a sessions API template that exposes port 8080): the build stamp in `GET /v1/health`
  * and the served `openapi.yaml`; a batch whose failed items are envelopes beside the results of
  * the others; a connect to an exposed port where nothing listens (502 `port_unreachable`) and
  * connect URLs that follow the serving scheme and host, or `SANDBOXD_PUBLIC_URL` after a restart;
- * and a Family A template deleted while VMs still run on it (spec 3.1: they finish, nothing new
+ * and a sessions API template deleted while VMs still run on it (spec 3.1: they finish, nothing new
  * spawns, the id is free again, the agent reclaims the template once its last VM has ended).
  *
  * Tests run in order and share one service; the last restarts it and the teardown checks that no
@@ -17,9 +17,9 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { engineTemplateId } from "../../agent/sandbox/drivers/snapshot.ts";
 import { buildCommit } from "../../cli/build-stamp.ts";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { OPENAPI_PATH } from "../../gateway/openapi.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import {
@@ -52,9 +52,9 @@ let dataDir = "";
 let imgDir = "";
 let image = new Uint8Array();
 let keys: Record<"live" | "scale" | "pro", string>;
-/** Family B sandboxes still alive (deleted by the teardown if a test failed midway). */
+/** Sandboxes of the sandboxes API still alive (deleted by the teardown if a test failed midway). */
 const liveSandboxes = new Set<string>();
-/** Family A sessions still alive. */
+/** The sessions API sessions still alive. */
 const liveSessions = new Set<string>();
 
 function service(): RunningService {
@@ -112,7 +112,7 @@ function streamedSessionExec(id: string, script: string) {
   });
 }
 
-/** A Family B sandbox (Pro key) of the uploaded template, deleted by the teardown if a test fails. */
+/** A sandboxes API sandbox (Pro key) of the uploaded template, deleted by the teardown if a test fails. */
 async function createSandbox() {
   const sb = expectOk(
     await api().post("/v1/sandboxes", { key: keys.pro, json: { template: TEMPLATE } }),
@@ -212,7 +212,7 @@ async function agentTemplateRefs(id: string): Promise<string[]> {
     .map((f) => f.slice(0, -".json".length));
 }
 
-describe("Family A template delete (spec 3.1)", () => {
+describe("the sessions API template delete (spec 3.1)", () => {
   test(
     "in-flight VMs finish, nothing new spawns, the id is free again; the agent reclaims it after the last VM",
     async () => {
@@ -245,7 +245,7 @@ describe("Family A template delete (spec 3.1)", () => {
         404,
         "not_found",
       );
-      // The exec that was running finishes; the session (and the Family B sandbox) go on working.
+      // The exec that was running finishes; the session (and the sandboxes API sandbox) go on working.
       const finished = await inFlight.done;
       expect(finished.status).toBe(200);
       expect(A.ExecResultA.parse(finished.exit).exit_code).toBe(0);

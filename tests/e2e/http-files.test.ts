@@ -1,8 +1,8 @@
 /**
- * End to end over real HTTP with real VMs: files in exec (both families), `wait_secs`, and the
+ * End to end over real HTTP with real VMs: files in exec (both APIs), `wait_secs`, and the
  * upload bounds the gateway shares with the agent. The real service (`bin/sandboxd up
  * --no-catalog` as a subprocess), keys made in-process through its operator socket, a busybox image uploaded
- * as a Family A template, VMs under TCG.
+ * as a sessions API template, VMs under TCG.
  *
  * - A 5 MiB text file and binary (base64) files arrive byte-exact: sha256 computed in the guest.
  * - A file the guest refuses (a path through a regular file, the sandbox's disk full mid-stream)
@@ -22,9 +22,9 @@ import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import { MAX_MEM_MIB } from "../../contracts/api/limits.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { expectError, expectOk } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
@@ -230,7 +230,7 @@ describe("upload bounds and wait_secs", () => {
 
 describe("files in exec", () => {
   test(
-    "Family A: a 5 MiB file and binary base64 files arrive byte-exact (sha256 in the guest)",
+    "Sessions API: a 5 MiB file and binary base64 files arrive byte-exact (sha256 in the guest)",
     async () => {
       const created = expectOk(
         await api().post("/v1/sessions", { key: keys.live, json: { template_id: TEMPLATE } }),
@@ -291,7 +291,7 @@ describe("files in exec", () => {
   );
 
   test(
-    "Family A: a refused file is 400 invalid_file with the reason; nothing half-written, nothing after it runs",
+    "Sessions API: a refused file is 400 invalid_file with the reason; nothing half-written, nothing after it runs",
     async () => {
       const id = [...liveSessions][0]!;
       // A path through a regular file: refused before any content is written.
@@ -358,7 +358,7 @@ describe("files in exec", () => {
   );
 
   test(
-    "Family B: a binary base64 file is byte-exact, a refused one is 400 invalid_file",
+    "sandboxes API: a binary base64 file is byte-exact, a refused one is 400 invalid_file",
     async () => {
       const sb = expectOk(
         await api().post("/v1/sandboxes", { key: keys.pro, json: { template: TEMPLATE } }),

@@ -9,8 +9,8 @@
  * Tests run in order and share one service; the last stops it and checks no QEMU is left.
  */
 import { beforeAll, expect, test } from "bun:test";
-import * as A from "../../contracts/api/family-a.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 

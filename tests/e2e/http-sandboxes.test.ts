@@ -1,5 +1,5 @@
 /**
- * End to end over real HTTP, Family B (spec 4.2): the catalog, sandboxes (create, info, list, exec
+ * End to end over real HTTP, sandboxes API (spec 4.2): the catalog, sandboxes (create, info, list, exec
  * with command / commands / files / seed, busy, fork with live processes, tier caps, suspend and
  * resume, delete), tenant isolation, the demo tier's limits and usage. The real service
  * (`bin/sandboxd up` as a subprocess, its own data dir, keys made in-process through its operator socket) and
@@ -11,7 +11,7 @@
 
 import { beforeAll, describe, expect, test } from "bun:test";
 import { createServer, type Server } from "node:net";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import {
   expectError,
   expectOk,
@@ -109,7 +109,7 @@ function counterPair(stdout: string): [number, number] {
   return first.split(" ").map(Number) as [number, number];
 }
 
-describe("Family B: catalog", () => {
+describe("the sandboxes API: catalog", () => {
   test("GET /v1/images and its alias GET /v1/templates: array form, python is public", async () => {
     const images = await api().get("/v1/images", { key: keys.pro });
     const list = expectOk(images, 200, B.CatalogList);
@@ -141,7 +141,7 @@ describe("Family B: catalog", () => {
   });
 });
 
-describe("Family B: sandboxes", () => {
+describe("the sandboxes API: sandboxes", () => {
   test(
     "create 201, info, list; exec with command, files and seed; commands form; busy 409",
     async () => {
@@ -171,7 +171,7 @@ describe("Family B: sandboxes", () => {
       expect(info.idle_secs).toBeGreaterThanOrEqual(0);
       const list = expectOk(await api().get("/v1/sandboxes", { key: keys.pro }), 200, B.SandboxList);
       expect(list.sandboxes).toContainEqual({ id: sb.id, template: PYTHON, state: "running" });
-      // POST /v1/sessions is an alias of POST /v1/sandboxes for a Family B key (spec 4.2)
+      // POST /v1/sessions is an alias of POST /v1/sandboxes for a sandboxes API key (spec 4.2)
       const aliasRes = await api().post("/v1/sessions", { key: keys.pro, json: { template: PYTHON } });
       const alias = expectOk(aliasRes, 201, B.CreateSandboxResponse);
       track(alias.id, keys.pro);

@@ -1,5 +1,5 @@
 /**
- * End to end over real HTTP, Family A (spec 4.1) plus what both families share: the real service
+ * End to end over real HTTP, sessions API (spec 4.1) plus what both APIs share: the real service
  * (`bin/sandboxd up` as a subprocess, its own data dir, keys made in-process through its operator socket) and
  * real VMs under TCG. Health, authentication, metrics, one-shot and batch exec, sessions (exec
  * forms, persistence rules, fork, delete), uploaded templates (register, 409 while building,
@@ -13,8 +13,8 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import * as A from "../../contracts/api/family-a.ts";
 import { HealthResponse } from "../../contracts/api/health.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { expectError, expectOk, latencySummary, pidsMentioning, qemusUnder } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
@@ -104,9 +104,9 @@ describe("health, authentication, metrics", () => {
     const res = await api().get("/v1/health");
     const h = expectOk(res, 200, HealthResponse);
     expect(h.status).toBe("ok");
-    expect(typeof h.version).toBe("string"); // Family B form
+    expect(typeof h.version).toBe("string"); // sandboxes API form
     expect(h.version.length).toBeGreaterThan(0);
-    expect(h.templates[PYTHON]).toEqual({ ready: true }); // Family A form
+    expect(h.templates[PYTHON]).toEqual({ ready: true }); // sessions API form
   });
 
   test("401 unauthorized without a key or with a bad one", async () => {
@@ -149,7 +149,7 @@ describe("health, authentication, metrics", () => {
   });
 });
 
-describe("Family A: one-shot and batch exec", () => {
+describe("Sessions API: one-shot and batch exec", () => {
   test(
     "POST /v1/exec runs python code: stdout, stderr, exit code, timings; nothing is left behind",
     async () => {
@@ -277,7 +277,7 @@ describe("Family A: one-shot and batch exec", () => {
   );
 });
 
-describe("Family A: sessions", () => {
+describe("Sessions API: sessions", () => {
   test(
     "create 201; exec with files + commands, code; shell state does not persist, files and processes do",
     async () => {
@@ -483,7 +483,7 @@ describe("Family A: sessions", () => {
   );
 });
 
-describe("Family A: uploaded templates", () => {
+describe("Sessions API: uploaded templates", () => {
   test(
     "register (scale key) 202 building, 409 while building and on a duplicate id, ready, list, spawn, delete 204",
     async () => {

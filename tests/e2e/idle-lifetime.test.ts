@@ -1,7 +1,7 @@
 /**
  * Idle lifetimes in a running service, end to end: `bin/sandboxd up` with a 1 s reaper interval
  * (SANDBOXD_REAPER_INTERVAL), real VMs of the python template, the real HTTP API; no test calls
- * the reaper. A Family B sandbox made with `idle_timeout_seconds: 3, idle_action: "suspend"` and
+ * the reaper. A sandboxes API sandbox made with `idle_timeout_seconds: 3, idle_action: "suspend"` and
  * left idle is `suspended` (`suspended_by: "idle"`) within 5 s, and its next exec resumes it with
  * the guest's state intact (a file written before). One with `idle_action: "delete"` is deleted
  * (404) and its QEMU goes. One whose exec runs longer than its timeout is not suspended mid-exec.
@@ -11,8 +11,8 @@
  * Tests run in order and share one service; the last stops it and checks no QEMU is left.
  */
 import { beforeAll, expect, test } from "bun:test";
-import * as B from "../../contracts/api/family-b.ts";
 import * as P from "../../contracts/api/processes.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import { expectError, expectOk, qemusUnder, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 

@@ -1,6 +1,6 @@
 /**
  * Background processes end to end over real HTTP (`bin/sandboxd up`, real VMs under TCG, a
- * busybox image uploaded as a Family A template that exposes port 8080): a `busybox httpd` started
+ * busybox image uploaded as a sessions API template that exposes port 8080): a `busybox httpd` started
  * by `POST .../processes` answers through a connect URL (after the VM was idle-paused with it)
  * while a foreground exec still runs beside it; `DELETE` kills its process group (the guest has no
  * httpd left and the port refuses); logs as JSON and followed as Server-Sent Events show a
@@ -15,10 +15,10 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtemp, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import { MAX_EXEC_STDIN_BYTES } from "../../contracts/api/limits.ts";
 import * as P from "../../contracts/api/processes.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { expectError, expectOk, uploadTemplate, waitFor } from "../support/e2e-service.ts";
 import { pausedSeconds, waitForIdlePause } from "../support/idle-pause.ts";
@@ -172,7 +172,7 @@ const stdoutOf = (events: Ev[]) =>
     )
     .join("");
 
-describe("Family B", () => {
+describe("the sandboxes API", () => {
   let id = "";
 
   test(
@@ -366,7 +366,7 @@ describe("Family B", () => {
   );
 });
 
-describe("Family A session", () => {
+describe("the sessions API session", () => {
   test(
     "stdin reaches cat (JSON, then raw with eof); logs as JSON and followed as events; exit codes listed",
     async () => {
@@ -481,7 +481,7 @@ describe("Family A session", () => {
       // A followed process that has ended: its kept output, then `exit` at once.
       const again = await follow(`${base}/${sh.pid}/logs`, keys.live, () => {});
       expect(again.events.map((e) => e.event)).toEqual(["stdout", "stderr", "exit"]);
-      // A Family B key is refused on a session's routes, as on its exec.
+      // A sandboxes API key is refused on a session's routes, as on its exec.
       expectError(await api().get(base, { key: keys.pro }), 403, "forbidden");
     },
     TEST_TIMEOUT_MS,

@@ -6,7 +6,7 @@
  * suspended for idleness, and one suspended for idleness wakes for a terminal; closing the
  * WebSocket kills the shell and a
  * background job it started in its own process group (a later exec finds neither); the shell's
- * `exit` closes the WebSocket with 1000; a Family A session has the same terminal; a foreign
+ * `exit` closes the WebSocket with 1000; a sessions API session has the same terminal; a foreign
  * tenant's id is 404 and a missing key 401, both before the upgrade. Prints the keystroke round
  * trip (one character typed, until its echo comes back; p50 over 30).
  */
@@ -15,8 +15,8 @@ import { mkdtemp, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import WebSocket from "ws";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { expectOk, latencySummary, uploadTemplate, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
@@ -279,7 +279,7 @@ describe("terminal (GET .../pty)", () => {
   );
 
   test(
-    "a Family A session has a terminal too",
+    "a sessions API session has a terminal too",
     async () => {
       const res = await api().post("/v1/sessions", { key: keys.live, json: { template_id: TEMPLATE } });
       const id = expectOk(res, 201, A.CreateSessionResponse).session_id;

@@ -19,7 +19,7 @@ import { readFileSync } from "node:fs";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import { expectOk, REPO } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 

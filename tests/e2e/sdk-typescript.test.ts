@@ -7,7 +7,7 @@
  * `@sandboxd/sdk`, the service and key given by SANDBOXD_URL / SANDBOXD_API_KEY. After each run
  * the tenant has no sandbox left (the programs delete what they made). Then, in this process, the
  * rest of the surface: processes, suspend/resume, files list/remove, errors as SandboxdError with
- * the service's code and status, Family A one-shot exec and sessions, templates.
+ * the service's code and status, sessions API one-shot exec and sessions, templates.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";
@@ -310,7 +310,7 @@ describe("the rest of the surface, in this process (Bun)", () => {
   );
 
   test(
-    "Family A: one-shot exec and sessions; templates and usage; a key of the wrong family is refused",
+    "Sessions API: one-shot exec and sessions; templates and usage; a key of the wrong api is refused",
     async () => {
       const a = client(keys.live);
       const one = await a.exec({ code: "print(6*7)", templateId: PYTHON });

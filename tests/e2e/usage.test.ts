@@ -10,7 +10,7 @@
 import { beforeAll, expect, test } from "bun:test";
 import { readdir, readFile, writeFile } from "node:fs/promises";
 import { join } from "node:path";
-import * as B from "../../contracts/api/family-b.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
 import { expectOk, runCli, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 

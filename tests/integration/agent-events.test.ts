@@ -53,11 +53,11 @@ describe("VM events to a real gateway", () => {
         const tenantId = await ensureTenant(db, "events-co");
         await db
           .insert(templates)
-          .values({ pk: "tpl_ev", id: "ev", family: "b", agentRef: "ev", name: "ev", status: "ready" });
+          .values({ pk: "tpl_ev", id: "ev", api: "sandboxes", agentRef: "ev", name: "ev", status: "ready" });
         await db.insert(sandboxes).values({
           id: "sbx_events000000000001",
           tenantId,
-          family: "b",
+          api: "sandboxes",
           kind: "sandbox",
           templatePk: "tpl_ev",
           templateId: "ev",

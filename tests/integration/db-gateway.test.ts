@@ -38,7 +38,7 @@ function suite(name: string, open: () => Promise<DbHandle>) {
         tenantId: k.tenantId,
         keyId: k.keyId,
         tier: "pro",
-        family: "b",
+        api: "sandboxes",
       });
       expect(await verifyKey(h.db, "another-pepper-0123456789", k.key)).toBeNull();
       const k2 = await createKey(h.db, PEPPER, { tenant: "t1", tier: "live" });
@@ -58,12 +58,12 @@ function suite(name: string, open: () => Promise<DbHandle>) {
       await h.db.insert(agents).values({ id: "a1", region: "r", url: "u" }).onConflictDoNothing();
       await h.db
         .insert(templates)
-        .values({ pk: "tpl_u", id: "u", family: "b", agentRef: "u", name: "u", status: "ready" })
+        .values({ pk: "tpl_u", id: "u", api: "sandboxes", agentRef: "u", name: "u", status: "ready" })
         .onConflictDoNothing();
       const sb = (id: string, t: string) => ({
         id,
         tenantId: t,
-        family: "b" as const,
+        api: "sandboxes" as const,
         kind: "sandbox" as const,
         templatePk: "tpl_u",
         templateId: "u",
@@ -143,9 +143,14 @@ function suite(name: string, open: () => Promise<DbHandle>) {
       ).rejects.toThrow();
       await expect(
         (async () =>
-          h.db
-            .insert(templates)
-            .values({ pk: "tpl_dup", id: "u", family: "b", agentRef: "u2", name: "u", status: "ready" }))(),
+          h.db.insert(templates).values({
+            pk: "tpl_dup",
+            id: "u",
+            api: "sandboxes",
+            agentRef: "u2",
+            name: "u",
+            status: "ready",
+          }))(),
       ).rejects.toThrow();
     });
   });

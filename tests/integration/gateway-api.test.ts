@@ -76,7 +76,7 @@ describe("health and auth", () => {
 });
 
 describe("tiers", () => {
-  test("403 when the key's family or tier lacks the action", async () => {
+  test("403 when the key's api or tier lacks the action", async () => {
     expect((await h.req("GET", "/v1/sandboxes", { key: live })).status).toBe(403);
     expect(
       (await h.req("POST", "/v1/exec", { key: pro, json: { code: "1", template_id: "python" } })).status,
@@ -168,7 +168,7 @@ describe("validation and limits", () => {
   });
 });
 
-describe("family A sessions", () => {
+describe("sessions API: sessions", () => {
   test("create, exec, fork, status, list, delete; foreign tenant 404; reclaimed 410", async () => {
     const one = await json(
       await h.req("POST", "/v1/exec", { key: live, json: { code: "print(1)", template_id: "python" } }),
@@ -364,7 +364,7 @@ test("a one-shot exec whose call was lost stops holding its place once no exec c
 });
 
 describe("templates", () => {
-  test("list: map form for family A, array form for family B (same as /v1/images)", async () => {
+  test("list: map form for sessions API, array form for sandboxes API (same as /v1/images)", async () => {
     const a = await json(await h.req("GET", "/v1/templates", { key: live }));
     expect(a.templates.python).toEqual({ ready: true });
     const b = await json(await h.req("GET", "/v1/templates", { key: pro }));
@@ -377,7 +377,7 @@ describe("templates", () => {
     expect(await json(await h.req("GET", "/v1/images", { key: pro }))).toEqual(b);
   });
 
-  test("family A upload streams to a file, builds, 409 on duplicate and while building", async () => {
+  test("the sessions API upload streams to a file, builds, 409 on duplicate and while building", async () => {
     const chunks = 64;
     const chunk = new Uint8Array(64 * 1024).fill(7);
     chunk.set(new TextEncoder().encode("IMAGEHEAD"), 0);
@@ -560,7 +560,7 @@ describe("templates", () => {
     expect((await h.req("DELETE", "/v1/templates/priv", { key: pro })).status).toBe(200);
   });
 
-  test("family B bake is idempotent; delete shared is 403; in use is 409", async () => {
+  test("the sandboxes API bake is idempotent; delete shared is 403; in use is 409", async () => {
     const body = { name: "llm", image: "ghcr.io/x/llm:1", ready: { cmd: "start", ports: [8080] } };
     const first = await h.req("POST", "/v1/templates", { key: pro, json: body });
     expect(first.status).toBe(202);
@@ -621,7 +621,7 @@ describe("templates", () => {
   });
 });
 
-describe("family B sandboxes", () => {
+describe("sandboxes API: sandboxes", () => {
   test("create, info, exec with seed, fork caps, suspend/resume, delete, tenancy", async () => {
     const res = await h.req("POST", "/v1/sandboxes", {
       key: pro,

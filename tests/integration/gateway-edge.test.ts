@@ -388,7 +388,7 @@ async function run(name: string, cmd: string, args: string[], env: Record<string
     expect(halfHeaders).toBeLessThan(IDLE_S + 16);
 
     // Python's urllib posts the whole body before reading: it must read the status, not a broken
-    // pipe. 413 on a declared Content-Length over the limit; 403 from a Family A route (an early
+    // pipe. 413 on a declared Content-Length over the limit; 403 from a sessions API route (an early
     // error, before the body is read).
     for (const [path, status, code] of [
       ["/v1/sandboxes", 413, "payload_too_large"],

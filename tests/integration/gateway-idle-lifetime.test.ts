@@ -1,6 +1,6 @@
 /**
  * Idle lifetimes on the database (gateway/core/idle.ts, sandboxes.ts reapIdleSessions): the
- * reaper's claim of a Family B sandbox idle past its `idle_timeout_seconds` (several gateways
+ * reaper's claim of a sandboxes API sandbox idle past its `idle_timeout_seconds` (several gateways
  * racing suspend it once), what keeps one from being claimed (a call in flight, no lifetime, not
  * idle long enough), the `delete` action, the suspended-quota fallback, the transparent resume
  * on the next exec (concurrent calls resume once) beside the user's suspend, which keeps refusing,
@@ -155,7 +155,7 @@ function suite(name: string, open: () => Promise<{ harness: Harness; others: Db[
         tenantId: (await rowOf(id)).tenantId,
         keyId: "",
         tier: "pro" as const,
-        family: "b" as const,
+        api: "sandboxes" as const,
       };
       await Promise.all([1, 2, 3].map(() => wakeIfIdle(gateway(), p, id)));
       expect(await intervals(id)).toEqual(["running", "suspended", "running+open"]);

@@ -89,7 +89,7 @@ for (const dbCase of DATABASES) {
         const other = await info(id, b);
         expect(other.status).toBe(404);
         expect(((await other.json()) as { code: string }).code).toBe("not_found");
-        // A Family A key of A's tenant does not get it as a session either.
+        // A sessions API key of A's tenant does not get it as a session either.
         const famA = await h.key("tenant-a", "live");
         expect((await h.req("GET", `/v1/sessions/${id}`, { key: famA })).status).toBe(404);
       } finally {

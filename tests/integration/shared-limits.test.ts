@@ -17,8 +17,6 @@ import { createAgentApp } from "../../agent/api/app.ts";
 import type { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { AGENT_API_PREFIX } from "../../contracts/agent/api.ts";
 import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
-import * as A from "../../contracts/api/family-a.ts";
-import * as B from "../../contracts/api/family-b.ts";
 import {
   AGENT_BODY_MARGIN_BYTES,
   AGENT_MAX_JSON_BODY_BYTES,
@@ -26,6 +24,8 @@ import {
   JSON_BODY_CEILING_BYTES,
   SHARED_BOUNDS,
 } from "../../contracts/api/limits.ts";
+import * as B from "../../contracts/api/sandboxes-api.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { resolveConfig } from "../../gateway/config.ts";
 

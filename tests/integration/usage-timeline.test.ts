@@ -1,6 +1,6 @@
 /**
  * Agent -> gateway truth at the gateway's write level, with an injected clock so every total can
- * be checked to the second: a Family B sandbox made and suspended/resumed through the real HTTP
+ * be checked to the second: a sandboxes API sandbox made and suspended/resumed through the real HTTP
  * routes (app.request, the stand-in agent behind them), and the agent's events (the wire schema,
  * contracts/agent/events.ts) written by the real handler code (gateway/core/agent-events.ts):
  * run, idle-pause, wake with a grown disk, suspend, resume, die. The report SQL (usage_rollup,

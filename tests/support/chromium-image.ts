@@ -22,7 +22,7 @@ export const CHROMIUM_IMAGE: DebootstrapImageSpec = {
   config: {
     Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8", "HOME=/root"],
     WorkingDir: "/root",
-    // Family A templates report the image's ExposedPorts as the sandbox's endpoints (what
+    // The sessions API templates report the image's ExposedPorts as the sandbox's endpoints (what
     // connect checks), as a bake's ready.ports would.
     ExposedPorts: { [`${CDP_PORT}/tcp`]: {}, [`${PAGE_PORT}/tcp`]: {} },
     Cmd: ["/bin/sh"],

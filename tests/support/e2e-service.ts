@@ -17,7 +17,7 @@ import { ensurePythonImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { operatorSocketPath, runOperatorOp } from "../../cli/operator.ts";
 import { keyCreate, OPERATOR_OPS } from "../../cli/operator-ops.ts";
-import * as A from "../../contracts/api/family-a.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
 import { openDb } from "../../db/client.ts";
 import { loadSecrets } from "../../gateway/auth/secrets.ts";
@@ -380,7 +380,7 @@ export async function waitForTemplate(svc: RunningService, id: string, timeoutMs
 }
 
 /**
- * Registers an uploaded Family A template (`POST /v1/templates?id=`, the image archive as the
+ * Registers an uploaded sessions API template (`POST /v1/templates?id=`, the image archive as the
  * body) with a scale `key`, then polls `GET /v1/templates/{id}` until it leaves `building`.
  * Throws unless it ends `ready`; returns the registration's answer.
  */

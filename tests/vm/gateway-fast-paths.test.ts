@@ -13,7 +13,7 @@ import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { leftovers, TEST_CACHE_DIR, tempStateDir } from "../../agent/sandbox/testing.ts";
-import * as A from "../../contracts/api/family-a.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { openDb } from "../../db/client.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { createKey, revokeKey } from "../../gateway/auth/keys.ts";

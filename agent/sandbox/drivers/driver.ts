@@ -63,13 +63,13 @@ export type TemplateInput =
       readyCmd?: string[];
       readyTimeoutMs?: number;
       /**
-       * Family A `wait_secs`: how long the build waits for its VM to come up (QEMU start to the
+       * The sessions API `wait_secs`: how long the build waits for its VM to come up (QEMU start to the
        * guest agent's HELLO); the driver's default when absent. Past it the build fails.
        */
       bringupTimeoutMs?: number;
     }
   /**
-   * An OCI reference to pull (Family B bake, agent/image/pull.ts), then as an archive. `exposedPorts`
+   * An OCI reference to pull (sandboxes API bake, agent/image/pull.ts), then as an archive. `exposedPorts`
    * (`ready.ports`) replace the image's ExposedPorts when given.
    */
   | {

@@ -802,7 +802,7 @@ async function connectAdopted(proc: VmProcess): Promise<GuestClient> {
   });
 }
 
-/** Readiness telemetry of a frozen template (contracts/api/family-b.ts TemplateTelemetry). */
+/** Readiness telemetry of a frozen template (contracts/api/sandboxes-api.ts TemplateTelemetry). */
 function snapshotTelemetry(
   meta: TemplateMeta,
   importMs: number,

@@ -1,4 +1,4 @@
-"""What a Family B sandbox and a Family A session share: streamed exec, files, background
+"""What a sandboxes API sandbox and a sessions API session share: streamed exec, files, background
 processes and the terminal, on ``/v1/sandboxes/{id}`` or ``/v1/sessions/{id}``."""
 
 from __future__ import annotations

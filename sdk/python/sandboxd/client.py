@@ -23,21 +23,21 @@ POLL_INTERVAL_S = 1.0
 
 
 class Templates:
-    """``client.templates``: list, inspect, register (Family A upload, Family B bake) and delete."""
+    """``client.templates``: list, inspect, register (sessions API upload, sandboxes API bake) and delete."""
 
     def __init__(self, http: Http) -> None:
         self._http = http
 
     def list(self) -> List[Dict[str, Any]]:
-        """One dict per template: the catalog entries for a Family B key, ``{"id", "ready"}``
-        for a Family A key (whose answer is a map by id)."""
+        """One dict per template: the catalog entries for a sandboxes API key, ``{"id", "ready"}``
+        for a sessions API key (whose answer is a map by id)."""
         d = self._http.json("GET", "/v1/templates")["templates"]
         if isinstance(d, Mapping):
             return [{"id": k, **v} for k, v in d.items()]
         return list(d)
 
     def get(self, id: str) -> Dict[str, Any]:
-        """Family A: ``status`` building/ready/failed. Family B: ``phase`` and telemetry."""
+        """Sessions API: ``status`` building/ready/failed. Sandboxes API: ``phase`` and telemetry."""
         return self._http.json("GET", f"/v1/templates/{quote_id(id)}")
 
     def delete(self, id: str) -> None:
@@ -52,7 +52,7 @@ class Templates:
         vcpu_count: Optional[int] = None,
         wait_secs: Optional[int] = None,
     ) -> Dict[str, Any]:
-        """Family A (scale key): registers ``id`` from an image archive (``docker save`` or OCI
+        """The sessions API (scale key): registers ``id`` from an image archive (``docker save`` or OCI
         tarball) given as bytes or a binary file object (streamed). The build runs on; see
         ``wait_ready``."""
         q = {"id": id, "mem_mib": mem_mib, "vcpu_count": vcpu_count, "wait_secs": wait_secs}
@@ -67,7 +67,7 @@ class Templates:
         registry_auth: Optional[Mapping[str, str]] = None,
         expected_width: Optional[int] = None,
     ) -> Dict[str, Any]:
-        """Family B (Pro): bakes ``name`` from the OCI reference ``image``; the same request
+        """The sandboxes API (Pro): bakes ``name`` from the OCI reference ``image``; the same request
         again returns the same template. ``ready`` is the service's ready spec (``cmd``,
         ``ports``...)."""
         body = fields(
@@ -81,7 +81,7 @@ class Templates:
         return self._http.json("POST", "/v1/templates", json_body=body, idempotent=True)
 
     def wait_ready(self, id: str, timeout: float = 600.0) -> Dict[str, Any]:
-        """Polls until the template is ready (Family A ``ready``, Family B ``Live``); raises
+        """Polls until the template is ready (sessions API ``ready``, sandboxes API ``Live``); raises
         SandboxdError ``template_failed`` when its build failed, ``timeout`` past ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while True:
@@ -99,8 +99,8 @@ class Sandboxd:
     """A client of one sandboxd service with one API key.
 
     ``base_url`` and ``api_key`` default to ``SANDBOXD_URL`` and ``SANDBOXD_API_KEY``. The key's
-    tier decides what it may call: Family B keys (demo, pro, enterprise) use ``sandboxes``;
-    Family A keys (live, scale) use ``exec``, ``exec_batch`` and ``sessions``. ``retry`` sets how
+    tier decides what it may call: the sandboxes API keys (demo, pro, enterprise) use ``sandboxes``;
+    sessions API keys (live, scale) use ``exec``, ``exec_batch`` and ``sessions``. ``retry`` sets how
     429/503 answers are retried (``RetryPolicy(max_retries=0)`` turns it off); ``timeout`` bounds
     each socket wait in seconds (None: no bound).
     """
@@ -148,7 +148,7 @@ class Sandboxd:
         timeout: Optional[int] = None,
         retry: Optional[bool] = None,
     ) -> ExecResult:
-        """Family A one-shot: runs ``code`` in a fresh VM of ``template_id`` (its interpreter)."""
+        """A one-shot of the sessions API: runs ``code`` in a fresh VM of ``template_id`` (its interpreter)."""
         body = fields(code=code, template_id=template_id, timeout_seconds=timeout)
         return ExecResult.from_json(self._http.json("POST", "/v1/exec", json_body=body, retry=retry))
 
@@ -158,7 +158,7 @@ class Sandboxd:
         *,
         retry: Optional[bool] = None,
     ) -> List[Union[ExecResult, SandboxdError]]:
-        """Family A: one VM per item (``{"code", "template_id", "timeout_seconds"?}``), in
+        """The sessions API: one VM per item (``{"code", "template_id", "timeout_seconds"?}``), in
         parallel; one result per item in order, an item that failed as its SandboxdError."""
         d = self._http.json(
             "POST", "/v1/exec/batch", json_body={"executions": [dict(e) for e in executions]}, retry=retry
@@ -173,7 +173,7 @@ class Sandboxd:
         return out
 
     def usage(self, start: Optional[str] = None, end: Optional[str] = None) -> Dict[str, Any]:
-        """Family B: the tenant's usage totals between two RFC 3339 times (default: this month)."""
+        """The sandboxes API: the tenant's usage totals between two RFC 3339 times (default: this month)."""
         return self._http.json("GET", "/v1/usage", query={"from": start, "to": end})
 
     def close(self) -> None:

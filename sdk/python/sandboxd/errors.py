@@ -42,7 +42,7 @@ class AuthenticationError(SandboxdError):
 
 
 class PermissionDeniedError(SandboxdError):
-    """403: the key's tier or family may not do this."""
+    """403: the key's tier or API may not do this."""
 
 
 class NotFoundError(SandboxdError):

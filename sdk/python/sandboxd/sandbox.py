@@ -1,4 +1,4 @@
-"""Family B sandboxes (Pro, demo and enterprise keys): ``client.sandboxes``."""
+"""Sandboxes of the sandboxes API (Pro, demo and enterprise keys): ``client.sandboxes``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Family A sessions (live and scale keys): ``client.sessions``."""
+"""The sessions API sessions (live and scale keys): ``client.sessions``."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class Session(Box):
 
 
 class Sessions:
-    """``client.sessions`` (Family A keys; a Family B key's create is an alias of sandboxes')."""
+    """``client.sessions`` (sessions API keys; a sandboxes API key's create is an alias of sandboxes')."""
 
     def __init__(self, http: Http) -> None:
         self._http = http

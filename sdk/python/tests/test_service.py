@@ -255,7 +255,7 @@ class ServiceTest(unittest.TestCase):
 
 
 @unittest.skipUnless(URL, "SANDBOXD_URL is not set: no service to test against")
-class FamilyATest(unittest.TestCase):
+class SessionsApiTest(unittest.TestCase):
     """One-shot exec and sessions with a live key."""
 
     def setUp(self) -> None:

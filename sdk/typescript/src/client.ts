@@ -131,7 +131,7 @@ export class Sandboxd {
     return this.t.o.baseUrl;
   }
 
-  /** Family A one-shot: runs `code` in a fresh VM of `templateId`, which is thrown away after. */
+  /** A one-shot of the sessions API: runs `code` in a fresh VM of `templateId`, which is thrown away after. */
   async exec(o: { code: string; templateId: string; timeoutSeconds?: number }): Promise<ExecResult> {
     const w = await this.t.json<Parameters<typeof execResult>[0]>("POST", "/v1/exec", {
       json: { code: o.code, template_id: o.templateId, timeout_seconds: o.timeoutSeconds },
@@ -141,7 +141,7 @@ export class Sandboxd {
   }
 
   /**
-   * Family A batch: one fresh VM per item, run in parallel. Each result is an `ExecResult`, or a
+   * The sessions API batch: one fresh VM per item, run in parallel. Each result is an `ExecResult`, or a
    * `SandboxdError` for an item that failed (the others are kept).
    */
   async execBatch(
@@ -170,7 +170,7 @@ export class Sandboxd {
     });
   }
 
-  /** Family B: the tenant's metered usage over a window (default: this month so far). */
+  /** The sandboxes API: the tenant's metered usage over a window (default: this month so far). */
   usage(o: { from?: Date | string; to?: Date | string } = {}): Promise<UsageResponse> {
     const iso = (d: Date | string | undefined) => (d instanceof Date ? d.toISOString() : d);
     return this.t.json("GET", "/v1/usage", { query: { from: iso(o.from), to: iso(o.to) } });
@@ -220,7 +220,7 @@ export class Sandboxes {
 export class Sessions {
   constructor(private readonly t: Transport) {}
 
-  /** Family A: a session of `templateId`, kept until deleted or idle past its TTL. */
+  /** The sessions API: a session of `templateId`, kept until deleted or idle past its TTL. */
   async create(o: { templateId: string; idleTimeoutSeconds?: number }): Promise<Session> {
     const r = await this.t.json<{ session_id: string; template_id: string }>("POST", "/v1/sessions", {
       json: { template_id: o.templateId, idle_timeout_seconds: o.idleTimeoutSeconds },
@@ -243,7 +243,7 @@ export class Sessions {
   }
 }
 
-/** Templates of both families: the key decides which form the service answers. */
+/** Templates of both APIs: the key decides which form the service answers. */
 export class Templates {
   constructor(private readonly t: Transport) {}
 
@@ -257,13 +257,13 @@ export class Templates {
     return Object.entries(r.templates).map(([id, v]) => ({ id, ready: v.ready }));
   }
 
-  /** Family A: `{id, status, error?}`; Family B: `{id, phase, error?, telemetry, ...}`. */
+  /** The sessions API: `{id, status, error?}`; The sandboxes API: `{id, phase, error?, telemetry, ...}`. */
   get(id: string): Promise<Template> {
     return this.t.json("GET", `/v1/templates/${encodeURIComponent(id)}`);
   }
 
   /**
-   * Family B (Pro): bakes `image` from its registry into a template named `name`; answers at once
+   * The sandboxes API (Pro): bakes `image` from its registry into a template named `name`; answers at once
    * (phase `Pending`). The service treats the same request again as the same bake, so this call
    * is retried on 429/503 like an idempotent one.
    */
@@ -281,7 +281,7 @@ export class Templates {
     });
   }
 
-  /** Family A (scale key): registers an uploaded image archive as template `id`; builds in the background. */
+  /** The sessions API (scale key): registers an uploaded image archive as template `id`; builds in the background. */
   upload(o: UploadOptions): Promise<{ id: string; status: "building" }> {
     return this.t.json("POST", "/v1/templates", {
       query: { id: o.id, mem_mib: o.memMib, vcpu_count: o.vcpuCount, wait_secs: o.waitSecs },
@@ -319,12 +319,12 @@ export class Templates {
     await this.t.json("DELETE", `/v1/templates/${encodeURIComponent(id)}`);
   }
 
-  /** Family B (Pro): keep `width` restored VMs of the template ready for creates. */
+  /** The sandboxes API (Pro): keep `width` restored VMs of the template ready for creates. */
   async expect(id: string, width: number): Promise<void> {
     await this.t.json("POST", `/v1/templates/${encodeURIComponent(id)}/expect`, { json: { width } });
   }
 
-  /** Family B (Pro): drop the template's pool of ready VMs. */
+  /** The sandboxes API (Pro): drop the template's pool of ready VMs. */
   async release(id: string): Promise<void> {
     await this.t.json("POST", `/v1/templates/${encodeURIComponent(id)}/release`);
   }

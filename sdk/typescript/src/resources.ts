@@ -1,5 +1,5 @@
 /**
- * What sandboxes (Family B) and sessions (Family A) share: the same routes under
+ * What sandboxes (sandboxes API) and sessions (sessions API) share: the same routes under
  * `/v1/sandboxes/{id}` and `/v1/sessions/{id}` for streamed exec, files, background processes and
  * the terminal.
  */

@@ -1,5 +1,5 @@
 /**
- * A Family B sandbox and a Family A session as objects: their id and the calls on them. Both are
+ * A sandboxes API sandbox and a sessions API session as objects: their id and the calls on them. Both are
  * cheap handles (no call is made to build one); `info()` asks the service.
  */
 import type { Transport } from "./http.ts";

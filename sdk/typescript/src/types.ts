@@ -5,11 +5,11 @@
  * verbs (exec, processes) are camelCase.
  */
 import type { z } from "zod";
-import type * as A from "../../../contracts/api/family-a.ts";
-import type * as B from "../../../contracts/api/family-b.ts";
 import type * as F from "../../../contracts/api/files.ts";
 import type { HealthResponse } from "../../../contracts/api/health.ts";
 import type * as P from "../../../contracts/api/processes.ts";
+import type * as B from "../../../contracts/api/sandboxes-api.ts";
+import type * as A from "../../../contracts/api/sessions-api.ts";
 
 type Out<S extends z.ZodType> = z.output<S>;
 
@@ -21,9 +21,9 @@ export type CreateSandboxResponse = Out<typeof B.CreateSandboxResponse>;
 export type ForkResponse = Out<typeof B.ForkResponse>;
 export type StateResponse = Out<typeof B.StateResponse>;
 export type CatalogEntry = B.CatalogEntry;
-/** A Family B template: its bake phase, error and telemetry. */
+/** A sandboxes API template: its bake phase, error and telemetry. */
 export type TemplateB = B.TemplateB;
-/** A Family A template: its build status. */
+/** A sessions API template: its build status. */
 export type TemplateA = A.TemplateA;
 export type BakePhase = B.BakePhase;
 export type ReadySpec = B.ReadySpec;
@@ -43,7 +43,7 @@ type WireProcessInfo = P.ProcessInfo;
 
 // ---- the SDK's own shapes ----------------------------------------------------------------------
 
-/** A finished exec (both families): the last command's output and exit code, times in ms. */
+/** A finished exec (both APIs): the last command's output and exit code, times in ms. */
 export interface ExecResult {
   /** The sandbox or session id (a one-shot exec: the execution's id). */
   id: string;
@@ -142,10 +142,10 @@ export interface StartProcessOptions {
   keepAwake?: boolean;
 }
 
-/** Templates as a list, whatever the key's family: Family B adds the catalog fields. */
+/** Templates as a list, whatever the key's API: the sandboxes API adds the catalog fields. */
 export interface TemplateSummary {
   id: string;
-  /** Family A: whether it is ready to run. */
+  /** The sessions API: whether it is ready to run. */
   ready?: boolean;
   name?: string;
   description?: string;

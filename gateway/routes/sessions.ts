@@ -1,14 +1,14 @@
 /**
- * Family A: one-shot exec, batch, sessions (spec 4.1), one sub-app behind the key middleware.
+ * The sessions API: one-shot exec, batch, sessions (spec 4.1), one sub-app behind the key middleware.
  * Each handler parses the request, makes the typed action, calls the core and shapes the answer.
  */
 import { randomUUID } from "node:crypto";
 import { Hono } from "hono";
 import type { z } from "zod";
 import type { ExecResult } from "../../contracts/agent/api.ts";
-import * as A from "../../contracts/api/family-a.ts";
+import * as A from "../../contracts/api/sessions-api.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import { requireFamily } from "../auth/guards.ts";
+import { requireApi } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import {
   ages,
@@ -96,20 +96,20 @@ function itemError(err: unknown, index: number, log: (line: string) => void): A.
   };
 }
 
-export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<HonoEnv> {
+export function sessionsRoutes(deps: Deps, log: (line: string) => void): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   const max = () => deps.config.limits.maxJsonBodyBytes;
 
   app.post("/v1/exec", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "a");
+    requireApi(p, "sessions");
     const req = await jsonBody(c, A.ExecRequestA, max());
     return c.json(await oneShot(deps, p, req));
   });
 
   app.post("/v1/exec/batch", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "a");
+    requireApi(p, "sessions");
     const req = await jsonBody(c, A.BatchExecRequest, max());
     const cap = deps.config.limits.maxBatchExecutions;
     if (req.executions.length > cap) {
@@ -123,11 +123,11 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
     return c.json({ results: await batch(deps, p, req.executions, log) });
   });
 
-  // The path is shared (contracts/api/routes.ts, family "both"): a Family B key passes on to
+  // The path is shared (contracts/api/routes.ts, API "both"): a sandboxes API key passes on to
   // the alias of POST /v1/sandboxes in sandboxes.ts, whichever sub-app is mounted first.
   app.post("/v1/sessions", async (c, next) => {
     const p = c.get("principal");
-    if (p.family !== "a") return next();
+    if (p.api !== "sessions") return next();
     const req = await jsonBody(c, A.CreateSessionRequest, max());
     // The session's own TTL, when given, overrides the operator's; its only action is delete.
     const idle =
@@ -152,7 +152,7 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
 
   app.get("/v1/sessions", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "a");
+    requireApi(p, "sessions");
     const now = deps.clock();
     const rows = await listOwned(deps, p);
     return c.json({
@@ -166,7 +166,7 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
 
   app.get("/v1/sessions/:id", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "a");
+    requireApi(p, "sessions");
     const row = await getOwned(deps, p, c.req.param("id"), { cached: true });
     const a = ages(row, deps.clock());
     return c.json({
@@ -180,7 +180,7 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
 
   app.post("/v1/sessions/:id/exec", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "a");
+    requireApi(p, "sessions");
     const id = c.req.param("id");
     const req = await jsonBody(c, A.SessionExecRequest, max());
     const action = sessionExecAction(deps, req);
@@ -196,7 +196,7 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
 
   app.post("/v1/sessions/:id/fork", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "a");
+    requireApi(p, "sessions");
     // The request body is not specified (spec 4.1); any body is ignored, one child per call.
     const { children } = await forkVm(deps, p, c.req.param("id"), 1, []);
     const child = children[0]!;
@@ -205,7 +205,7 @@ export function familyARoutes(deps: Deps, log: (line: string) => void): Hono<Hon
 
   app.delete("/v1/sessions/:id", async (c) => {
     const p = c.get("principal");
-    requireFamily(p, "a");
+    requireApi(p, "sessions");
     const q = query(c, A.DeleteSessionQuery);
     const row = await getOwned(deps, p, c.req.param("id"));
     await destroyVm(deps, row, { force: q.force ?? false, reason: "deleted" });

@@ -1,5 +1,5 @@
 /**
- * Family A bodies (spec sections 2.1 to 2.3 and 4.1): stateless exec, batch, sessions and
+ * The sessions API bodies (spec sections 2.1 to 2.3 and 4.1): stateless exec, batch, sessions and
  * templates registered from an uploaded image.
  */
 import { z } from "zod";
@@ -169,7 +169,7 @@ const IntQuery = (min: number, max: number) =>
     .transform(Number)
     .pipe(z.int().min(min).max(max));
 
-/** Query of `POST /v1/templates` (Family A). Bounds of the sizing options are our choices. */
+/** Query of `POST /v1/templates` (sessions API). Bounds of the sizing options are our choices. */
 export const RegisterTemplateQuery = z
   .object({
     id: TemplateId,
