@@ -21,8 +21,9 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { type Subprocess, spawn, spawnSync } from "bun";
 import { HEADER_LEN, MAX_PAYLOAD } from "../../contracts/guest-protocol.ts";
-import { type GuestClient, GuestError, GuestListener } from "./client.ts";
+import { type GuestClient, GuestError } from "./client.ts";
 import { listDir, readFileStream, removePath } from "./fs-ops.ts";
+import { GuestListener } from "./listener.ts";
 
 /** Every C file of the agent (one per concern; agent.h and protocol.h are included by them). */
 const SRC_DIR = join(import.meta.dir, "agent");

@@ -32,13 +32,8 @@ import { checkDestination, type EgressFence, operatorFence } from "../../egress/
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
 import { GuestClient, type GuestTunnel, type PtyOptions } from "../../guest/client.ts";
 import { evictImageCaches, imageCacheBudgetFromEnv } from "../../image/evict.ts";
-import { type ImageConfig, importImage } from "../../image/import.ts";
-import {
-  type DestinationCheck,
-  pullImage,
-  type RegistryConfig,
-  registryConfigFromEnv,
-} from "../../image/pull.ts";
+import type { ImageConfig } from "../../image/import.ts";
+import { type DestinationCheck, type RegistryConfig, registryConfigFromEnv } from "../../image/pull.ts";
 import { probeAccelerator } from "../../qemu/accel.ts";
 import type { Accel, VmExit, VmProcess } from "../../qemu/launch.ts";
 import type { Result, SnapshotError } from "../../snapshot/errors.ts";
@@ -57,7 +52,6 @@ import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
 import { type Prelaunched, prelaunchFromTemplate, spawnFromTemplate } from "../../snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../../snapshot/suspend.ts";
 import {
-  buildTemplate,
   defaultShmRoot,
   deleteTemplate,
   listTemplates,
@@ -80,6 +74,7 @@ import type {
   VmExitInfo,
   VmSize,
 } from "./driver.ts";
+import { buildFromInput } from "./snapshot-build.ts";
 
 export interface SnapshotDriverOptions {
   /** Guest artifacts and imported images are cached here (shared between agents and tests). */
@@ -250,84 +245,27 @@ export class SnapshotDriver implements SandboxDriver {
     held: string[],
     onPhase?: (phase: BuildPhase) => void,
   ): Promise<PreparedTemplate> {
-    onPhase?.("Converting");
     const id = engineTemplateId(templateId);
-    // A failed (or orphaned) build of the same id left its meta.json: clear it for the rebuild.
-    const old = (await listTemplates(this.stateDir)).find((t) => t.id === id);
-    if (old && old.state !== "building") await deleteTemplate(this.stateDir, id);
-    let source = input.kind === "archive" ? input.path : "";
-    let pullMs: number | undefined;
-    if (input.kind === "oci") {
-      // Pulled once per repository and manifest digest into the cache, and used only after the
-      // registry served this bake's credentials the manifest (agent/image/pull.ts); then imported
-      // like any OCI layout (the import is cached by config digest too).
-      const pulled = await pullImage({
-        reference: input.image,
+    const { meta, image, importMs, pullMs } = await buildFromInput(
+      {
+        stateDir: this.stateDir,
         cacheDir: this.opts.cacheDir,
         registry: this.registry,
-        ...(input.registryAuth ? { auth: input.registryAuth } : {}),
-        signal,
-        log: this.log,
-      });
-      source = pulled.layout;
-      this.hold(held, pulled.layout);
-      pullMs = pulled.pullMs;
-    }
-    if (signal.aborted)
-      throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
-    // The RAM root goes with its last RAM file (agent/storage/chain.ts): make and claim it again.
-    await claimShmRoot(this.shmRoot, this.stateDir);
-    const tImport = performance.now();
-    // A pulled layout is the agent's own (the registry authorized this bake for it); an upload is
-    // the tenant's and is scanned before the cache may answer for it.
-    const image = await importImage({
-      source,
-      dataDir: this.opts.cacheDir,
-      log: this.log,
-      trustedSource: input.kind === "oci",
-      signal,
-    });
-    this.hold(held, image.dir);
-    const importMs = performance.now() - tImport;
-    if (signal.aborted)
-      throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
-    const size = { ...this.defaultSize, ...input.size };
-    this.building.add(id);
-    let meta: TemplateMeta;
-    try {
-      const r = await buildTemplate({
-        dataDir: this.stateDir,
-        image,
+        shmRoot: this.shmRoot,
+        defaultSize: this.defaultSize,
         artifacts: this.artifacts,
         accel: this.accel,
-        id,
-        memMib: size.memMib,
-        vcpus: size.vcpus,
-        shmRoot: this.shmRoot,
-        ...(input.readyCmd ? { readyCmd: input.readyCmd } : {}),
-        ...(input.readyTimeoutMs || this.opts.timeouts?.readyMs
-          ? { readyTimeoutMs: input.readyTimeoutMs || this.opts.timeouts?.readyMs }
-          : {}),
-        // A build's own wait_secs bounds its bring-up; otherwise the operator's boot timeout.
-        ...(input.kind === "archive" && input.bringupTimeoutMs !== undefined
-          ? { bringupTimeoutMs: input.bringupTimeoutMs }
-          : this.opts.timeouts?.bootMs
-            ? { bringupTimeoutMs: this.opts.timeouts.bootMs }
-            : {}),
-        ...(input.kind === "oci" && input.readyEnv ? { readyEnv: input.readyEnv } : {}),
-        onDistributing: () => onPhase?.("Distributing"),
+        timeouts: this.opts.timeouts,
         log: this.log,
-        signal,
-      });
-      if (!r.ok) throw r.error;
-      meta = r.value;
-    } finally {
-      this.building.delete(id);
-    }
-    if (signal.aborted) {
-      await deleteTemplate(this.stateDir, id);
-      throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
-    }
+        building: this.building,
+      },
+      templateId,
+      id,
+      input,
+      signal,
+      (dir) => this.hold(held, dir),
+      onPhase,
+    );
     this.templates.set(templateId, { meta, image: image.config });
     this.log(
       `template ${templateId} (${id}) frozen: boot ${meta.timings?.bootMs.toFixed(0)} ms, snapshot ${meta.timings?.snapshotMs.toFixed(0)} ms`,

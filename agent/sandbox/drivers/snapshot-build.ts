@@ -1,0 +1,125 @@
+/**
+ * One template build of the snapshot driver: the image pulled (OCI) or taken as uploaded, imported
+ * into the image cache, booted and frozen by the snapshot engine (agent/snapshot/template.ts).
+ */
+import { SandboxdError } from "../../../contracts/errors.ts";
+import type { GuestArtifacts } from "../../guest/artifacts.ts";
+import { type ImportedImage, importImage } from "../../image/import.ts";
+import { pullImage, type RegistryConfig } from "../../image/pull.ts";
+import type { Accel } from "../../qemu/launch.ts";
+import { claimShmRoot } from "../../snapshot/shm.ts";
+import { buildTemplate, deleteTemplate, listTemplates, type TemplateMeta } from "../../snapshot/template.ts";
+import type { BuildPhase, TemplateInput, VmSize } from "./driver.ts";
+
+/** What a build needs of its driver. */
+export interface BuildContext {
+  stateDir: string;
+  cacheDir: string;
+  registry: RegistryConfig;
+  shmRoot: string;
+  defaultSize: VmSize;
+  artifacts: GuestArtifacts;
+  accel: Accel;
+  timeouts: { bootMs?: number; readyMs?: number; restoreMs?: number } | undefined;
+  log: (msg: string) => void;
+  /** Engine template ids being built by this process (their files are not registered yet). */
+  building: Set<string>;
+}
+
+export interface BuiltTemplate {
+  meta: TemplateMeta;
+  image: ImportedImage;
+  importMs: number;
+  pullMs: number | undefined;
+}
+
+/**
+ * Builds template `templateId` (engine id `id`) from `input`; `hold` pins each image cache entry
+ * it uses against eviction until the caller lets go.
+ */
+export async function buildFromInput(
+  ctx: BuildContext,
+  templateId: string,
+  id: string,
+  input: TemplateInput,
+  signal: AbortSignal,
+  hold: (dir: string) => void,
+  onPhase?: (phase: BuildPhase) => void,
+): Promise<BuiltTemplate> {
+  onPhase?.("Converting");
+  // A failed (or orphaned) build of the same id left its meta.json: clear it for the rebuild.
+  const old = (await listTemplates(ctx.stateDir)).find((t) => t.id === id);
+  if (old && old.state !== "building") await deleteTemplate(ctx.stateDir, id);
+  let source = input.kind === "archive" ? input.path : "";
+  let pullMs: number | undefined;
+  if (input.kind === "oci") {
+    // Pulled once per repository and manifest digest into the cache, and used only after the
+    // registry served this bake's credentials the manifest (agent/image/pull.ts); then imported
+    // like any OCI layout (the import is cached by config digest too).
+    const pulled = await pullImage({
+      reference: input.image,
+      cacheDir: ctx.cacheDir,
+      registry: ctx.registry,
+      ...(input.registryAuth ? { auth: input.registryAuth } : {}),
+      signal,
+      log: ctx.log,
+    });
+    source = pulled.layout;
+    hold(pulled.layout);
+    pullMs = pulled.pullMs;
+  }
+  if (signal.aborted) throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
+  // The RAM root goes with its last RAM file (agent/storage/chain.ts): make and claim it again.
+  await claimShmRoot(ctx.shmRoot, ctx.stateDir);
+  const tImport = performance.now();
+  // A pulled layout is the agent's own (the registry authorized this bake for it); an upload is
+  // the tenant's and is scanned before the cache may answer for it.
+  const image = await importImage({
+    source,
+    dataDir: ctx.cacheDir,
+    log: ctx.log,
+    trustedSource: input.kind === "oci",
+    signal,
+  });
+  hold(image.dir);
+  const importMs = performance.now() - tImport;
+  if (signal.aborted) throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
+  const size = { ...ctx.defaultSize, ...input.size };
+  ctx.building.add(id);
+  let meta: TemplateMeta;
+  try {
+    const r = await buildTemplate({
+      dataDir: ctx.stateDir,
+      image,
+      artifacts: ctx.artifacts,
+      accel: ctx.accel,
+      id,
+      memMib: size.memMib,
+      vcpus: size.vcpus,
+      shmRoot: ctx.shmRoot,
+      ...(input.readyCmd ? { readyCmd: input.readyCmd } : {}),
+      ...(input.readyTimeoutMs || ctx.timeouts?.readyMs
+        ? { readyTimeoutMs: input.readyTimeoutMs || ctx.timeouts?.readyMs }
+        : {}),
+      // A build's own wait_secs bounds its bring-up; otherwise the operator's boot timeout.
+      ...(input.kind === "archive" && input.bringupTimeoutMs !== undefined
+        ? { bringupTimeoutMs: input.bringupTimeoutMs }
+        : ctx.timeouts?.bootMs
+          ? { bringupTimeoutMs: ctx.timeouts.bootMs }
+          : {}),
+      ...(input.kind === "oci" && input.readyEnv ? { readyEnv: input.readyEnv } : {}),
+      onDistributing: () => onPhase?.("Distributing"),
+      log: ctx.log,
+      signal,
+    });
+    if (!r.ok) throw r.error;
+    meta = r.value;
+  } finally {
+    ctx.building.delete(id);
+  }
+  if (signal.aborted) {
+    await deleteTemplate(ctx.stateDir, id);
+    throw new SandboxdError("gone", `template ${templateId} was deleted during its build`);
+  }
+  return { meta, image, importMs, pullMs };
+}

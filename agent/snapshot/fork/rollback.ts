@@ -1,0 +1,72 @@
+/**
+ * Undoing a fork whose copy of the parent failed: the parent runs on (on its new overlay if
+ * QEMU took it), or, when its QEMU is gone or wedged, it is ended.
+ */
+
+import { rm } from "node:fs/promises";
+import { fail, type Result, SnapshotError } from "../errors.ts";
+import { type qmp, setCapabilities } from "../migrate.ts";
+import { blockedInUserfault } from "../populate.ts";
+import { adoptNewTop } from "./chain.ts";
+import type { ForkRun } from "./copy.ts";
+
+/** Rolls back `run` after its copy failed with `e`; the result is always that failure. */
+export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Result<never>> {
+  const { parent, proc, forkId, newTop, newNode, staged, log } = run;
+  /** The new overlay joins the parent's chain if QEMU took it (removed with the parent), else goes. */
+  const keepOrDropNewTop = async () => {
+    if (run.switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
+    else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
+  };
+  await run.save?.abort();
+  await rm(run.statePath, { force: true });
+  if (proc.isAlive()) {
+    await proc.qmp.execute("migrate_cancel").catch(() => {});
+    // A cancelled background snapshot may still be ending (its thread resumes the guest as it
+    // unwinds); wait for it so the capability can be cleared and `cont` is not refused.
+    await waitMigrationIdle(proc);
+    await proc.qmp.execute("cont").catch(() => {});
+    await setCapabilities(proc, { "background-snapshot": false }).catch(() => {});
+    // A background snapshot that failed on QEMU's side (cancelled, a QEMU error) can leave a
+    // vCPU blocked for good in a write fault (QEMU 7.2): the parent would look running and
+    // never answer. It is ended instead, and the error says why; its record follows its exit.
+    if (run.method === "snapshot" && run.switched && (await blockedInUserfault(proc.pid))) {
+      log(`fork ${forkId}: the parent's vCPU stays blocked in a userfaultfd fault; ending the parent`);
+      await adoptNewTop(parent, newTop, newNode).catch(() => {});
+      await parent.destroy();
+      return fail(
+        new SnapshotError(
+          "vm_died",
+          `forking VM ${parent.id} failed (${e.message}) and left its guest blocked in a memory write fault; the VM was ended`,
+          { cause: e },
+        ),
+      );
+    }
+    await keepOrDropNewTop();
+    // QEMU can die while the cancel unwinds (a wedged one is killed by a QMP timeout, or it
+    // exits on its own): its record already says dead, and the fork fails with what it was.
+    if (parent.state === "dead" || !proc.isAlive()) {
+      await parent.destroy();
+      return fail(e);
+    }
+    parent.enter("running");
+    return fail(e);
+  }
+  // QEMU is gone (killed at a QMP deadline, or died): its new overlay goes with it too.
+  await keepOrDropNewTop();
+  await parent.destroy();
+  return fail(e);
+}
+
+/** Cancelled migration's end: query-migrate polls, 5 ms apart (a cancel ends in a few ms). */
+const CANCEL_POLLS = 400;
+
+/** Waits (bounded, ~2 s) until no migration is running on `proc`; errors are left to the caller. */
+async function waitMigrationIdle(proc: Parameters<typeof qmp>[0]): Promise<void> {
+  for (let i = 0; i < CANCEL_POLLS; i++) {
+    const info = await proc.qmp.execute<{ status?: string }>("query-migrate").catch(() => undefined);
+    const st = info?.status;
+    if (!st || st === "completed" || st === "failed" || st === "cancelled" || st === "none") return;
+    await Bun.sleep(5);
+  }
+}
