@@ -29,6 +29,7 @@ import { openDb } from "../db/client.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
+import { operatorSecrets } from "./settings.ts";
 import { call, listeningUrl, seededDataDir, spawnUp, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
 
 const TEMPLATE_ID = "gwbench";
@@ -139,7 +140,7 @@ export async function runGatewayBench(o: {
   // The keys, made on the data dir's database before `up` holds it.
   const keys: string[] = [];
   {
-    const pepper = loadSecrets(dataDir).keyPepper;
+    const pepper = loadSecrets(dataDir, operatorSecrets()).keyPepper;
     const h = await openDb({ dataDir });
     try {
       for (let i = 0; i < o.keys; i++)

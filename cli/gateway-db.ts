@@ -1,5 +1,6 @@
 /** The gateway's database for the operator commands when no service runs them (cli/operator.ts). */
 import { type Db, openDb } from "../db/client.ts";
+import { databaseUrl } from "./settings.ts";
 
 /**
  * Runs `fn` on the gateway's database: PostgreSQL when `DATABASE_URL` is set, else the PGlite
@@ -7,7 +8,7 @@ import { type Db, openDb } from "../db/client.ts";
  * and runs the commands itself). Closed afterwards, also on failure.
  */
 export async function withGatewayDb<T>(dataDir: string, fn: (db: Db) => Promise<T>): Promise<T> {
-  const url = process.env.DATABASE_URL;
+  const url = databaseUrl();
   const handle = await openDb(url ? { url } : { dataDir });
   try {
     return await fn(handle.db);

@@ -12,7 +12,7 @@ const CHILD_TIMEOUT_MS = 20_000;
 describe("heap stats on SIGUSR2", () => {
   test("off by default: no handler is installed", () => {
     const before = process.listenerCount("SIGUSR2");
-    const remove = installHeapStatsSignal({});
+    const remove = installHeapStatsSignal(false);
     expect(process.listenerCount("SIGUSR2")).toBe(before);
     remove();
   });
@@ -22,7 +22,7 @@ describe("heap stats on SIGUSR2", () => {
     async () => {
       // A child process: the handler runs a full GC and prints, as `up` does when the soak asks.
       const script = `import { installHeapStatsSignal } from ${JSON.stringify(MODULE)};
-        installHeapStatsSignal(); process.stdout.write("ready\\n"); setInterval(() => {}, 1000);`;
+        installHeapStatsSignal(process.env.${HEAP_STATS_ENV} === "1"); process.stdout.write("ready\\n"); setInterval(() => {}, 1000);`;
       const child = spawn(BUN, ["-e", script], {
         env: { ...process.env, [HEAP_STATS_ENV]: "1" },
         stdio: ["ignore", "pipe", "pipe"],

@@ -43,9 +43,9 @@ export function collectHeapStats(): HeapStatsLine {
   };
 }
 
-/** Installs the SIGUSR2 handler when the environment asks for it; returns its removal. */
-export function installHeapStatsSignal(env: NodeJS.ProcessEnv = process.env): () => void {
-  if (env[HEAP_STATS_ENV] !== "1") return () => {};
+/** Installs the SIGUSR2 handler when `SANDBOXD_HEAP_STATS` is on; returns its removal. */
+export function installHeapStatsSignal(on: boolean): () => void {
+  if (!on) return () => {};
   const onSignal = () => {
     process.stderr.write(`${HEAP_STATS_PREFIX}${JSON.stringify(collectHeapStats())}\n`);
   };

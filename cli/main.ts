@@ -8,6 +8,7 @@ import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { buildVersion } from "./build-stamp.ts";
 import { defaultDataDir, REPO_ROOT } from "./config.ts";
 import { intOption } from "./int-option.ts";
+import { quiet } from "./settings.ts";
 
 const USAGE = `usage: sandboxd <command> [options]
 
@@ -85,7 +86,7 @@ const VERSION: string = JSON.parse(readFileSync(`${REPO_ROOT}/package.json`, "ut
 const buildStamp = () => buildVersion(REPO_ROOT, VERSION);
 
 function log(msg: string): void {
-  if (process.env.SANDBOXD_QUIET !== "1") process.stderr.write(`sandboxd: ${msg}\n`);
+  if (!quiet()) process.stderr.write(`sandboxd: ${msg}\n`);
 }
 
 async function cmdRun(args: string[]): Promise<number> {

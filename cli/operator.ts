@@ -18,6 +18,7 @@ import { describeError, type ErrorCode, SandboxdError } from "../contracts/error
 import type { Db } from "../db/client.ts";
 import { type GatewaySecrets, loadSecrets } from "../gateway/auth/secrets.ts";
 import { withGatewayDb } from "./gateway-db.ts";
+import { operatorSecrets } from "./settings.ts";
 
 /** What an operator command runs with: the gateway's database and its secrets. */
 export interface OperatorContext {
@@ -101,7 +102,7 @@ export async function runOperatorOp<O extends OperatorOps, K extends keyof O & s
   const parsed = op.args.parse(args);
   const remote = await callSocket(operatorSocketPath(dataDir), name, parsed);
   if (remote) return remote.result as ResultOf<O[K]>;
-  const secrets = loadSecrets(dataDir);
+  const secrets = loadSecrets(dataDir, operatorSecrets());
   const result = await withGatewayDb(dataDir, (db) => op.run({ db, secrets }, parsed)).catch((err) => {
     if (err instanceof SandboxdError && err.code === "conflict" && typeof err.details?.pid === "number") {
       throw new SandboxdError(

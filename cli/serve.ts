@@ -14,23 +14,23 @@ import { loadOrEnroll } from "../agent/api/enroll.ts";
 import { EventReporter } from "../agent/api/events.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
-import type { EgressDefault } from "../agent/egress/policy.ts";
-import { SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
+import { registryConfigFromEnv } from "../agent/image/pull.ts";
+import { fencedRegistry, SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
-import { MAX_PRELAUNCH_PER_TEMPLATE } from "../agent/sandbox/prelaunch-pool.ts";
 import { startAgentServer } from "../agent/server.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
-import { defaultDataDir, publicUrlOption } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { serveOperatorCommands } from "./operator-ops.ts";
 import {
   type AgentSettings,
   agentSettings,
+  dataDirOf,
   gatewayLimits,
+  gatewayStart,
   settingFlags,
   settingsOf,
   settingsOrRefuse,
@@ -54,29 +54,6 @@ export function parsePort(value: string | undefined, def: number, name = "port")
   return n;
 }
 
-/** `SANDBOXD_EGRESS_DEFAULT` (`deny`, the default, or `allow`): egress of sandboxes created without `egress`. */
-export function egressDefaultFromEnv(): EgressDefault {
-  const v = process.env.SANDBOXD_EGRESS_DEFAULT ?? "deny";
-  if (v !== "deny" && v !== "allow") {
-    throw new SandboxdError("bad_request", `SANDBOXD_EGRESS_DEFAULT must be deny or allow, got ${v}`);
-  }
-  return v;
-}
-
-/**
- * `SANDBOXD_PRELAUNCH`: QEMUs kept launched in their jail per template, waiting for a create
- * (agent/sandbox/prelaunch-pool.ts); default 1, 0 turns it off.
- */
-export function prelaunchFromEnv(): number {
-  const v = process.env.SANDBOXD_PRELAUNCH ?? "1";
-  if (!/^\d+$/.test(v) || Number(v) > MAX_PRELAUNCH_PER_TEMPLATE)
-    throw new SandboxdError(
-      "bad_request",
-      `SANDBOXD_PRELAUNCH must be a whole number from 0 to ${MAX_PRELAUNCH_PER_TEMPLATE}, got ${v}`,
-    );
-  return Number(v);
-}
-
 /**
  * The agent's manager as `up` and `agent` open it: the snapshot driver over `dataDir`'s caches,
  * egress default, idle pause and pre-launched QEMUs from the environment; its state changes go
@@ -87,24 +64,29 @@ export async function openAgentManager(
   stateDir: string,
   log: (msg: string) => void,
   events: EventReporter,
-  slots?: number,
-  settings?: AgentSettings,
+  slots: number | undefined,
+  settings: AgentSettings,
 ): Promise<SandboxManager> {
   const driver = await SnapshotDriver.create({
     cacheDir: dataDir,
     stateDir,
     log,
-    ...(settings ? { timeouts: settings.timeouts, forkMethod: settings.forkMethod } : {}),
+    timeouts: settings.timeouts,
+    forkMethod: settings.forkMethod,
+    // A malformed registry list (or egress range) stops the agent here, not a bake later.
+    registry: { ...registryConfigFromEnv(settings.registry), checkDestination: fencedRegistry() },
+    imageCacheBytes: settings.imageCacheBytes,
   });
   return SandboxManager.open({
     driver,
     stateDir,
     log,
-    egressDefault: egressDefaultFromEnv(),
-    prelaunch: prelaunchFromEnv(),
+    egressDefault: settings.egressDefault,
+    prelaunch: settings.prelaunch,
     onEvent: (e) => events.push(e),
     ...(slots !== undefined ? { capacity: { slots } } : {}),
-    ...(settings ? { idlePauseMs: settings.idlePauseMs, buildSlots: settings.buildSlots } : {}),
+    idlePauseMs: settings.idlePauseMs,
+    buildSlots: settings.buildSlots,
   });
 }
 
@@ -190,23 +172,25 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
   });
   const settings = settingsOrRefuse(values);
   if (!settings) return 2;
-  const dataDir = values["data-dir"] ?? defaultDataDir();
+  const start = gatewayStart(settings);
+  const dataDir = values["data-dir"] ?? dataDirOf(settings);
   const removeFaultHandlers = installFaultHandlers(log);
   const gateway = await startGateway({
     port: parsePort(values.port, 8080),
     hostname: values.host ?? "127.0.0.1",
     dataDir,
-    databaseUrl: process.env.DATABASE_URL,
+    ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
+    secrets: start.secrets,
     config: {
       version,
       region: values.region ?? "local",
-      ...publicUrlOption(values["public-url"]),
+      ...(start.publicBaseUrl !== undefined ? { publicBaseUrl: start.publicBaseUrl } : {}),
       limits: gatewayLimits(settings),
       settings: settingsOf(settings, "gateway"),
     },
     log,
   });
-  const secrets = loadSecrets(dataDir);
+  const secrets = loadSecrets(dataDir, start.secrets);
   // `sandboxd key` / `agent-token` while this runs: through this socket, on this process's db.
   const operator = await serveOperatorCommands(dataDir, gateway, secrets, log);
   if (!values["no-catalog"]) await registerCatalog(gateway);
@@ -239,7 +223,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   if (!settings) return 2;
   if (!values.gateway)
     throw new SandboxdError("bad_request", "agent needs --gateway URL (where it registers)");
-  const dataDir = values["data-dir"] ?? defaultDataDir();
+  const dataDir = values["data-dir"] ?? dataDirOf(settings);
   const removeFaultHandlers = installFaultHandlers(log);
   const m = /^(.*):(\d+)$/.exec(values.listen ?? "127.0.0.1:7070");
   if (!m) throw new SandboxdError("bad_request", `--listen must be HOST:PORT, got ${values.listen}`);

@@ -13,6 +13,7 @@ import { REPO_ROOT } from "./config.ts";
 import {
   agentSettings,
   gatewayLimits,
+  gatewayStart,
   readSettings,
   SETTINGS,
   type Settings,
@@ -125,9 +126,50 @@ describe("readSettings", () => {
   });
 });
 
-test("README.md carries the settings table as the code defines it", () => {
+test("README.md's settings table, between its markers, is the one rendered from the declarations", () => {
   const readme = readFileSync(join(REPO_ROOT, "README.md"), "utf8");
-  expect(readme).toContain(settingsTable());
+  const section = /<!-- settings-table:[^\n]*-->\n([\s\S]*?)\n<!-- \/settings-table -->/.exec(readme);
+  expect(section?.[1]).toBe(settingsTable());
+});
+
+describe("the settings read deep in the agent and at start", () => {
+  test("byte budgets, the jail's uids and the accelerator are range-checked by name", () => {
+    expect(refused({}, { SANDBOXD_DISK_RESERVE_BYTES: "1k" })).toContain(
+      "SANDBOXD_DISK_RESERVE_BYTES (--disk-reserve-bytes) must be a whole number from 0",
+    );
+    expect(refused({}, { SANDBOXD_ACCEL: "hvf" })).toBe(
+      'SANDBOXD_ACCEL (--accel) must be one of auto, kvm, tcg, got "hvf" from the environment',
+    );
+    expect(refused({ prelaunch: "99" })).toContain("SANDBOXD_PRELAUNCH (--prelaunch)");
+    expect(refused({}, { SANDBOXD_EGRESS_DEFAULT: "open" })).toContain("deny, allow");
+    // Empty stays "unset" where it always was.
+    expect(ok({}, { SANDBOXD_IMAGE_CACHE_BYTES: "", SANDBOXD_ACCEL: "" })).toMatchObject({
+      SANDBOXD_IMAGE_CACHE_BYTES: 20 * 1024 ** 3,
+      SANDBOXD_ACCEL: "auto",
+    });
+  });
+
+  test("lists and URLs are checked entry by entry; secrets have no flag", () => {
+    expect(refused({}, { SANDBOXD_EGRESS_ALLOW_INTERNAL: "10.0.0.0/8,nope" })).toContain(
+      "SANDBOXD_EGRESS_ALLOW_INTERNAL (--egress-allow-internal) must be cidr,...",
+    );
+    expect(refused({ "insecure-registries": "http://x" })).toContain("must be host[:port],...");
+    expect(SETTINGS.find((s) => s.env === "SANDBOXD_KEY_PEPPER")?.flag).toBeUndefined();
+  });
+
+  test("the agent's registry and egress options, and the gateway's start options, carry the values", () => {
+    const s = ok(
+      { "egress-default": "allow" },
+      { SANDBOXD_SHARED_REGISTRIES: "reg.example", DATABASE_URL: "postgres://x/y", SANDBOXD_KEY_PEPPER: "p" },
+    );
+    const a = agentSettings(s);
+    expect([a.egressDefault, a.prelaunch, a.registry.SANDBOXD_SHARED_REGISTRIES]).toEqual([
+      "allow",
+      1,
+      "reg.example",
+    ]);
+    expect(gatewayStart(s)).toEqual({ databaseUrl: "postgres://x/y", secrets: { keyPepper: "p" } });
+  });
 });
 
 describe("the serving commands refuse an invalid setting with exit 2", () => {

@@ -25,6 +25,7 @@ import { qemuPidsNaming } from "../agent/vm/process.ts";
 import { vmsRoot } from "../agent/vm/workdir.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { HEAP_STATS_ENV, type HeapStatsLine, parseHeapStatsLine } from "./heap-stats.ts";
+import { childEnv } from "./settings.ts";
 
 const SANDBOXD = resolve(import.meta.dir, "..", "bin", "sandboxd");
 /** `up` prints `listening URL` once it serves; the first start may build the guest artifacts. */
@@ -162,16 +163,14 @@ export async function leftovers(dataDir: string): Promise<SoakResult["leftovers"
 }
 
 export function cli(args: string[]): string {
-  const r = spawnSync(SANDBOXD, args, { encoding: "utf8", env: childEnv() });
+  const r = spawnSync(SANDBOXD, args, { encoding: "utf8", env: soakChildEnv() });
   if (r.status !== 0) throw new SandboxdError("internal", `sandboxd ${args[0]} failed: ${r.stderr.trim()}`);
   return r.stdout;
 }
 
-export function childEnv(): NodeJS.ProcessEnv {
-  const env = { ...process.env };
-  delete env.DATABASE_URL; // PGlite in the soak's own data dir
-  delete env.SANDBOXD_DATA_DIR;
-  return env;
+export function soakChildEnv(): NodeJS.ProcessEnv {
+  // PGlite in the soak's own data dir.
+  return childEnv({}, ["DATABASE_URL", "SANDBOXD_DATA_DIR"]);
 }
 
 export async function call(
@@ -401,7 +400,7 @@ export function createKey(dataDir: string, tenant: string, tier: string): string
 }
 
 /**
- * Starts `sandboxd up` on `dataDir` (any port, no catalog) with `env` on top of childEnv();
+ * Starts `sandboxd up` on `dataDir` (any port, no catalog) with `env` on top of soakChildEnv();
  * `listening` is the URL it serves, `stderrTail` the last 4,000 characters it logged (for error
  * messages), and `onLine` sees each whole line of its log.
  */
@@ -415,7 +414,7 @@ export function spawnUp(
   stderrTail: () => string;
 } {
   const up = spawn(SANDBOXD, ["up", "--port", "0", "--data-dir", dataDir, "--no-catalog"], {
-    env: { ...childEnv(), ...env },
+    env: { ...soakChildEnv(), ...env },
     stdio: ["ignore", "pipe", "pipe"],
   });
   let tail = "";

@@ -18,12 +18,19 @@ import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { enrolledAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
-import { defaultDataDir, publicUrlOption } from "./config.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { installHeapStatsSignal } from "./heap-stats.ts";
 import { serveOperatorCommands } from "./operator-ops.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
-import { agentSettings, gatewayLimits, settingFlags, settingsOrRefuse } from "./settings.ts";
+import {
+  agentSettings,
+  dataDirOf,
+  gatewayLimits,
+  gatewayStart,
+  reportedSettings,
+  settingFlags,
+  settingsOrRefuse,
+} from "./settings.ts";
 
 export async function cmdUp(args: string[], version: string, log: (m: string) => void): Promise<number> {
   const { values } = parseArgs({
@@ -40,12 +47,13 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const settings = settingsOrRefuse(values);
   if (!settings) return 2;
   const port = parsePort(values.port, 8080);
-  const dataDir = values["data-dir"] ?? defaultDataDir();
+  const start = gatewayStart(settings);
+  const dataDir = values["data-dir"] ?? dataDirOf(settings);
   const stateDir = join(dataDir, "agent");
   await mkdir(stateDir, { recursive: true });
-  const secrets = loadSecrets(dataDir);
+  const secrets = loadSecrets(dataDir, start.secrets);
   const removeFaultHandlers = installFaultHandlers(log);
-  const removeHeapStats = installHeapStatsSignal();
+  const removeHeapStats = installHeapStatsSignal(settings.SANDBOXD_HEAP_STATS === "1");
 
   // State changes of the agent's VMs, queued until the gateway is up and the agent enrolled.
   const events = new EventReporter({ log });
@@ -55,15 +63,15 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     port,
     hostname: values.host ?? "127.0.0.1",
     dataDir,
-    databaseUrl: process.env.DATABASE_URL,
+    ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
     agentSecret: secrets.agentSecret,
     config: {
       version,
       region: "local",
-      ...publicUrlOption(values["public-url"]),
+      ...(start.publicBaseUrl !== undefined ? { publicBaseUrl: start.publicBaseUrl } : {}),
       limits: gatewayLimits(settings),
       // Gateway and agent run here: health shows both halves' settings.
-      settings,
+      settings: reportedSettings(settings, ["gateway", "agent"]),
     },
     log,
   });

@@ -17,7 +17,7 @@ import { AGENT_STALE_AFTER_MS, handleHeartbeat, liveAgentIds } from "./agents/re
 import { AgentRouter } from "./agents/router.ts";
 import { appDeps, createApp } from "./app.ts";
 import { KEYS_CHANNEL, VerifiedKeys } from "./auth/key-cache.ts";
-import { loadSecrets } from "./auth/secrets.ts";
+import { loadSecrets, type OperatorSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import { ActivityWriter } from "./core/activity.ts";
 import { applyAgentEvents } from "./core/agent-events.ts";
@@ -42,9 +42,14 @@ export type StartGatewayOptions = {
   agent?: AgentApi;
   /**
    * Routing mode: the gateway's agent secret, from which every enrolled agent's key is derived
-   * (default `SANDBOXD_AGENT_SECRET` / data dir). Agents never see it.
+   * (default `secrets.agentSecret`, else the data dir's). Agents never see it.
    */
   agentSecret?: string;
+  /**
+   * The secrets the operator set (cli/settings/ reads SANDBOXD_KEY_PEPPER, SANDBOXD_CONNECT_SECRET,
+   * SANDBOXD_AGENT_SECRET): they win over the data dir's files; `config`'s win over them.
+   */
+  secrets?: OperatorSecrets;
   /** Routing mode: heartbeat age after which an agent is not live (default gateway/agents/registry.ts). */
   staleAfterMs?: number;
   /** Overrides of the resolved config (secrets included, which then win over the data dir's). */
@@ -76,7 +81,7 @@ export type StartGatewayOptions = {
       databaseUrl?: string;
     }
   | {
-      /** Without a data dir the secrets and `uploadDir` must come from `config` or the env. */
+      /** Without a data dir the secrets and `uploadDir` must come from `config` or `secrets`. */
       dataDir?: undefined;
       databaseUrl: string;
     }
@@ -108,18 +113,21 @@ export interface RunningGateway {
   stop(): Promise<void>;
 }
 
-function secretsWithoutDataDir(over: Partial<GatewayConfigInput>): {
+function secretsWithoutDataDir(
+  over: Partial<GatewayConfigInput>,
+  set: OperatorSecrets,
+): {
   keyPepper: string;
   connectSecret: string;
   uploadDir: string;
 } {
-  const keyPepper = over.keyPepper ?? process.env.SANDBOXD_KEY_PEPPER;
-  const connectSecret = over.connectSecret ?? process.env.SANDBOXD_CONNECT_SECRET;
+  const keyPepper = over.keyPepper ?? set.keyPepper;
+  const connectSecret = over.connectSecret ?? set.connectSecret;
   const uploadDir = over.uploadDir;
   if (!keyPepper || !connectSecret || !uploadDir) {
     throw new Error(
-      "startGateway without dataDir needs keyPepper, connectSecret (config or SANDBOXD_KEY_PEPPER, " +
-        "SANDBOXD_CONNECT_SECRET) and config.uploadDir",
+      "startGateway without dataDir needs keyPepper, connectSecret (config or secrets, i.e. " +
+        "SANDBOXD_KEY_PEPPER, SANDBOXD_CONNECT_SECRET) and config.uploadDir",
     );
   }
   return { keyPepper, connectSecret, uploadDir };
@@ -129,8 +137,8 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   const over = opts.config ?? {};
   const base =
     opts.dataDir !== undefined
-      ? { ...loadSecrets(opts.dataDir), uploadDir: join(opts.dataDir, "uploads") }
-      : secretsWithoutDataDir(over);
+      ? { ...loadSecrets(opts.dataDir, opts.secrets), uploadDir: join(opts.dataDir, "uploads") }
+      : secretsWithoutDataDir(over, opts.secrets ?? {});
   const config = resolveConfig({
     ...over,
     keyPepper: over.keyPepper ?? base.keyPepper,
@@ -165,8 +173,8 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       const secret =
         opts.agentSecret ??
         (opts.dataDir !== undefined
-          ? loadSecrets(opts.dataDir).agentSecret
-          : process.env.SANDBOXD_AGENT_SECRET);
+          ? loadSecrets(opts.dataDir, opts.secrets).agentSecret
+          : opts.secrets?.agentSecret);
       if (!secret) throw new Error("a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)");
       // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
       secretKey(secret);

@@ -20,8 +20,8 @@ export const DEFAULT_IMAGE_CACHE_BYTES = 20 * 1024 ** 3;
 /** An entry served this recently is never evicted: a build may be about to use it. */
 export const EVICT_GRACE_MS = 10 * 60_000;
 
-/** `SANDBOXD_IMAGE_CACHE_BYTES`, else the default. */
-export function imageCacheBudgetFromEnv(env: Record<string, string | undefined> = process.env): number {
+/** `SANDBOXD_IMAGE_CACHE_BYTES` of the agent's settings (cli/settings/), else the default. */
+export function imageCacheBudgetFromEnv(env: Record<string, string | undefined>): number {
   return bytesSetting(env, "SANDBOXD_IMAGE_CACHE_BYTES", DEFAULT_IMAGE_CACHE_BYTES);
 }
 

@@ -101,9 +101,10 @@ export const PULL_TIMEOUT_MS = 30 * 60_000;
 
 const REGISTRY_ENTRY = /^(?:[a-z0-9]([a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?$/;
 
-function registryList(env: Record<string, string | undefined>, name: string): string[] {
+/** `host[:port],...` (empty entries skipped); a malformed entry is refused naming `name`. */
+export function parseRegistryList(text: string, name: string): string[] {
   const out: string[] = [];
-  for (const raw of (env[name] ?? "").split(",")) {
+  for (const raw of text.split(",")) {
     const entry = raw.trim().toLowerCase();
     if (entry === "") continue;
     if (!REGISTRY_ENTRY.test(entry))
@@ -113,11 +114,17 @@ function registryList(env: Record<string, string | undefined>, name: string): st
   return out;
 }
 
-/** Reads the registry settings from the agent's environment; a bad entry is refused at start. */
-export function registryConfigFromEnv(env: Record<string, string | undefined> = process.env): RegistryConfig {
+/**
+ * The registry settings from the agent's settings by variable name (cli/settings/ reads them); a
+ * bad entry is refused at start.
+ */
+export function registryConfigFromEnv(env: Record<string, string | undefined>): RegistryConfig {
   const out: RegistryConfig = {
-    insecureRegistries: registryList(env, "SANDBOXD_INSECURE_REGISTRIES"),
-    sharedRegistries: registryList(env, "SANDBOXD_SHARED_REGISTRIES"),
+    insecureRegistries: parseRegistryList(
+      env.SANDBOXD_INSECURE_REGISTRIES ?? "",
+      "SANDBOXD_INSECURE_REGISTRIES",
+    ),
+    sharedRegistries: parseRegistryList(env.SANDBOXD_SHARED_REGISTRIES ?? "", "SANDBOXD_SHARED_REGISTRIES"),
   };
   const auth = env.SANDBOXD_REGISTRY_AUTH?.trim();
   if (auth) out.authFile = resolve(auth);

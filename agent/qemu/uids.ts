@@ -23,9 +23,19 @@ export interface UidRange {
   count: number;
 }
 
+/**
+ * Far from any distribution's own users (which stay below 65536) and from the subuid ranges
+ * `useradd` hands out (100000 onward, 65536 each for the first few users): 900000 is unlikely to
+ * be anyone's; 65536 uids is more VMs than one host runs.
+ */
+export const DEFAULT_UID_RANGE: UidRange = { base: 900_000, count: 65_536 };
+
 export function uidRange(env: NodeJS.ProcessEnv = process.env): UidRange {
   const num = (v: string | undefined, d: number) => (v !== undefined && /^\d+$/.test(v) ? Number(v) : d);
-  return { base: num(env.SANDBOXD_JAIL_UID_BASE, 900_000), count: num(env.SANDBOXD_JAIL_UID_COUNT, 65_536) };
+  return {
+    base: num(env.SANDBOXD_JAIL_UID_BASE, DEFAULT_UID_RANGE.base),
+    count: num(env.SANDBOXD_JAIL_UID_COUNT, DEFAULT_UID_RANGE.count),
+  };
 }
 
 /** The uids of running processes inside `range` (from /proc/<pid>/status). */

@@ -2,6 +2,7 @@
  * What a client command is given: its streams and environment (passed in, never read from
  * globals in the handlers, so a test can run a command in-process with buffers).
  */
+import { processEnv } from "../settings.ts";
 import type { CommandSpec, Parsed } from "./args.ts";
 
 export interface Ctx {
@@ -16,5 +17,5 @@ export type Handler = (p: Parsed, spec: CommandSpec, ctx: Ctx) => Promise<number
 
 /** The process's own streams and environment. */
 export function processCtx(): Ctx {
-  return { stdout: process.stdout, stderr: process.stderr, stdin: process.stdin, env: process.env };
+  return { stdout: process.stdout, stderr: process.stderr, stdin: process.stdin, env: processEnv() };
 }

@@ -40,12 +40,8 @@ test("generated once into the data dir, private, distinct, stable across loads",
 test("the environment wins over the files; an empty variable counts as unset", () => {
   const d = dataDir();
   const onDisk = loadSecrets(d, {});
-  const env = {
-    SANDBOXD_KEY_PEPPER: "pepper-from-env",
-    SANDBOXD_CONNECT_SECRET: "",
-    SANDBOXD_AGENT_SECRET: "a",
-  };
-  expect(loadSecrets(d, env)).toEqual({
+  const set = { keyPepper: "pepper-from-env", connectSecret: "", agentSecret: "a" };
+  expect(loadSecrets(d, set)).toEqual({
     keyPepper: "pepper-from-env",
     connectSecret: onDisk.connectSecret,
     agentSecret: "a",

@@ -37,11 +37,17 @@ function fromFile(dir: string, name: string): string {
   }
 }
 
-export function loadSecrets(dataDir: string, env: NodeJS.ProcessEnv = process.env): GatewaySecrets {
+/**
+ * The secrets the operator set (SANDBOXD_KEY_PEPPER, SANDBOXD_CONNECT_SECRET,
+ * SANDBOXD_AGENT_SECRET, read by cli/settings/); an empty one counts as unset.
+ */
+export type OperatorSecrets = Partial<GatewaySecrets>;
+
+export function loadSecrets(dataDir: string, set: OperatorSecrets = {}): GatewaySecrets {
   const dir = join(dataDir, "secrets");
   return {
-    keyPepper: env.SANDBOXD_KEY_PEPPER || fromFile(dir, "key-pepper"),
-    connectSecret: env.SANDBOXD_CONNECT_SECRET || fromFile(dir, "connect-secret"),
-    agentSecret: env.SANDBOXD_AGENT_SECRET || fromFile(dir, "agent-secret"),
+    keyPepper: set.keyPepper || fromFile(dir, "key-pepper"),
+    connectSecret: set.connectSecret || fromFile(dir, "connect-secret"),
+    agentSecret: set.agentSecret || fromFile(dir, "agent-secret"),
   };
 }

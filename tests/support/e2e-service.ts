@@ -17,6 +17,7 @@ import { ensurePythonImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { operatorSocketPath, runOperatorOp } from "../../cli/operator.ts";
 import { keyCreate, OPERATOR_OPS } from "../../cli/operator-ops.ts";
+import { secretsFrom } from "../../cli/settings.ts";
 import * as A from "../../contracts/api/sessions-api.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
 import { openDb } from "../../db/client.ts";
@@ -151,7 +152,7 @@ export async function createKeys<K extends string>(
   // and its secrets, made here when `up` has not made them yet.
   const handle = await openDb({ dataDir });
   try {
-    const secrets = loadSecrets(dataDir, childEnv());
+    const secrets = loadSecrets(dataDir, secretsFrom(childEnv()));
     for (const name of names) {
       const [tenant, tier] = wanted[name];
       check(name, (await keyCreate.run({ db: handle.db, secrets }, { tenant, tier })).key);

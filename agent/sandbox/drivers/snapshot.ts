@@ -89,9 +89,9 @@ export interface SnapshotDriverOptions {
   shmRoot?: string;
   /** Size of a template whose input says none (the manager passes its own default). */
   defaultSize?: VmSize;
-  /** Registry credentials and insecure registries for OCI pulls; default: from the environment. */
+  /** Registry credentials and insecure registries for OCI pulls (the agent's settings); default: none. */
   registry?: RegistryConfig;
-  /** Budget of the image caches in `cacheDir` (image/evict.ts); default `SANDBOXD_IMAGE_CACHE_BYTES`. */
+  /** Budget of the image caches in `cacheDir` (image/evict.ts); default `DEFAULT_IMAGE_CACHE_BYTES` (the agent passes SANDBOXD_IMAGE_CACHE_BYTES). */
   imageCacheBytes?: number;
   /**
    * Bring-up deadlines (operator settings; each defaults to the engine's constant):
@@ -167,10 +167,9 @@ export class SnapshotDriver implements SandboxDriver {
     this.stateDir = resolve(opts.stateDir);
     this.shmRoot = opts.shmRoot ?? defaultShmRoot(this.stateDir);
     this.defaultSize = opts.defaultSize ?? DEFAULT_SIZE;
-    // A malformed SANDBOXD_INSECURE_REGISTRIES (or SANDBOXD_EGRESS_ALLOW_INTERNAL) stops the agent
-    // at start, not a bake later.
-    this.registry = opts.registry ?? { ...registryConfigFromEnv(), checkDestination: fencedRegistry() };
-    this.imageCacheBytes = opts.imageCacheBytes ?? imageCacheBudgetFromEnv();
+    // The agent passes its settings (cli/settings/); without them, the defaults behind the fence.
+    this.registry = opts.registry ?? { ...registryConfigFromEnv({}), checkDestination: fencedRegistry() };
+    this.imageCacheBytes = opts.imageCacheBytes ?? imageCacheBudgetFromEnv({});
     // Read again at each write (contracts/disk-space.ts); a malformed value stops the agent here.
     diskReserveFromEnv();
   }

@@ -1,0 +1,123 @@
+/**
+ * The typed views of the settings that the code receives as options: the gateway's limits and
+ * start options, the agent's options, and what every process needs at start.
+ */
+import { resolve } from "node:path";
+import type { EgressDefault } from "../../agent/egress/policy.ts";
+import { DEFAULT_FORK_METHOD, type ForkMethod, isForkMethod } from "../../agent/snapshot/fork-method.ts";
+import {
+  DEFAULT_LIMITS,
+  FORK_CAP_BY_TIER,
+  IDLE_ACTIONS,
+  type Limits,
+  SANDBOX_QUOTA_BY_TIER,
+} from "../../contracts/api/limits.ts";
+import type { OperatorSecrets } from "../../gateway/auth/secrets.ts";
+import { defaultDataDir } from "./environment.ts";
+import type { Settings } from "./parse.ts";
+import { B_TIERS, type Scope, SETTINGS } from "./table.ts";
+
+/** The settings of one scope, for health to show what is in force in that process. */
+export function settingsOf(settings: Settings, scope: Scope): Record<string, number | string> {
+  return Object.fromEntries(
+    SETTINGS.filter((s) => s.scope === scope && s.reported !== false).map((s) => [s.env, settings[s.env]!]),
+  );
+}
+
+/** The gateway's limits the settings override (gateway/config.ts merges them over the defaults). */
+export function gatewayLimits(s: Settings): Partial<Limits> {
+  const n = (env: string) => Number(s[env]);
+  const byTier = (prefix: string) =>
+    Object.fromEntries(B_TIERS.map((t) => [t, n(`${prefix}_${t.toUpperCase()}`)]));
+  const action = IDLE_ACTIONS.find((a) => a === s.SANDBOXD_IDLE_ACTION) ?? DEFAULT_LIMITS.idleAction;
+  return {
+    sessionIdleTtlS: n("SANDBOXD_SESSION_IDLE_TTL"),
+    reaperIntervalS: n("SANDBOXD_REAPER_INTERVAL"),
+    idleTimeoutS: n("SANDBOXD_IDLE_TIMEOUT"),
+    idleAction: action,
+    sessionCapPerTenant: n("SANDBOXD_SESSION_CAP"),
+    sandboxQuotaByTier: { ...SANDBOX_QUOTA_BY_TIER, ...byTier("SANDBOXD_QUOTA") },
+    forkCapByTier: { ...FORK_CAP_BY_TIER, ...byTier("SANDBOXD_FORK_CAP") },
+  };
+}
+
+/** The agent's options the settings set (agent/sandbox/manager.ts, drivers/snapshot.ts). */
+export interface AgentSettings {
+  idlePauseMs: number;
+  buildSlots: number;
+  forkMethod: ForkMethod;
+  timeouts: { bootMs: number; readyMs: number; restoreMs: number };
+  egressDefault: EgressDefault;
+  prelaunch: number;
+  /** The registry settings by variable name, for agent/image/pull.ts's `registryConfigFromEnv`. */
+  registry: Record<string, string>;
+  imageCacheBytes: number;
+}
+
+export function agentSettings(s: Settings): AgentSettings {
+  const n = (env: string) => Number(s[env]);
+  return {
+    idlePauseMs: n("SANDBOXD_IDLE_PAUSE_MS"),
+    buildSlots: n("SANDBOXD_BUILD_SLOTS"),
+    forkMethod: isForkMethod(s.SANDBOXD_FORK_METHOD) ? s.SANDBOXD_FORK_METHOD : DEFAULT_FORK_METHOD,
+    timeouts: {
+      bootMs: n("SANDBOXD_BOOT_TIMEOUT") * 1000,
+      readyMs: n("SANDBOXD_READY_TIMEOUT") * 1000,
+      restoreMs: n("SANDBOXD_RESTORE_TIMEOUT") * 1000,
+    },
+    egressDefault: s.SANDBOXD_EGRESS_DEFAULT === "allow" ? "allow" : "deny",
+    prelaunch: n("SANDBOXD_PRELAUNCH"),
+    registry: Object.fromEntries(
+      [
+        "SANDBOXD_INSECURE_REGISTRIES",
+        "SANDBOXD_SHARED_REGISTRIES",
+        "SANDBOXD_REGISTRY_AUTH",
+        "SANDBOXD_PULL_MAX_BYTES",
+      ].map((k) => [k, String(s[k])]),
+    ),
+    imageCacheBytes: n("SANDBOXD_IMAGE_CACHE_BYTES"),
+  };
+}
+
+/** The operator's secrets from variables by name; an empty one counts as unset. */
+export function secretsFrom(env: Readonly<Record<string, string | number | undefined>>): OperatorSecrets {
+  const out: OperatorSecrets = {};
+  const text = (k: string) => (env[k] === undefined || env[k] === "" ? undefined : String(env[k]));
+  const pepper = text("SANDBOXD_KEY_PEPPER");
+  const connect = text("SANDBOXD_CONNECT_SECRET");
+  const agent = text("SANDBOXD_AGENT_SECRET");
+  if (pepper) out.keyPepper = pepper;
+  if (connect) out.connectSecret = connect;
+  if (agent) out.agentSecret = agent;
+  return out;
+}
+
+/** The gateway's start options the settings give (gateway/server.ts `startGateway`). */
+export interface GatewayStart {
+  databaseUrl?: string;
+  /** Secrets set by the operator; the rest come from `<data>/secrets/`. */
+  secrets: OperatorSecrets;
+  publicBaseUrl?: string;
+}
+
+export function gatewayStart(s: Settings): GatewayStart {
+  const text = (env: string): string | undefined => (s[env] === "" ? undefined : String(s[env]));
+  const databaseUrl = text("DATABASE_URL");
+  const publicUrl = text("SANDBOXD_PUBLIC_URL");
+  return {
+    ...(databaseUrl ? { databaseUrl } : {}),
+    secrets: secretsFrom(s),
+    // Checked by the settings' parser: an http(s):// or ws(s):// URL.
+    ...(publicUrl ? { publicBaseUrl: new URL(publicUrl).origin } : {}),
+  };
+}
+
+/** SANDBOXD_DATA_DIR (`--data-dir`, a config file), else the default place (environment.ts). */
+export function dataDirOf(s: Settings): string {
+  return s.SANDBOXD_DATA_DIR === "" ? defaultDataDir() : resolve(String(s.SANDBOXD_DATA_DIR));
+}
+
+/** The settings every serving process shows in health: the gateway's, the agent's, or both. */
+export function reportedSettings(s: Settings, scopes: readonly Scope[]): Record<string, number | string> {
+  return Object.assign({}, ...scopes.map((scope) => settingsOf(s, scope)));
+}
