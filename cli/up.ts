@@ -14,6 +14,7 @@ import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { startAgentServer } from "../agent/server.ts";
 import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
+import { settled } from "../contracts/best-effort.ts";
 import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { enrolledAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
@@ -111,7 +112,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     log,
   });
   events.start({ gatewayUrl, credentials });
-  await heartbeats.first.catch(() => {}); // logged; the next beat retries
+  await settled(heartbeats.first); // the sender logs a failed beat; the next beat retries
   log(
     `gateway ${gateway.url} (${gateway.runtime}), agent ${agentServer.url}, data ${dataDir}, ${manager.driverName}`,
   );

@@ -13,6 +13,7 @@ import { migrate as migratePglite } from "drizzle-orm/pglite/migrator";
 import { drizzle as drizzlePostgres } from "drizzle-orm/postgres-js";
 import { migrate as migratePostgres } from "drizzle-orm/postgres-js/migrator";
 import postgres from "postgres";
+import { settled } from "../contracts/best-effort.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { lockDir } from "./lock.ts";
 import * as schema from "./schema/index.ts";
@@ -127,7 +128,8 @@ export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
           if (stopped) return;
           stopped = true;
           for (const on of all) on.down(new Error("stopped"));
-          for (const u of await unlistens) await u().catch(() => {});
+          // Unlistening on a connection that is closing anyway: the stop's goal holds either way.
+          for (const u of await unlistens) await settled(u());
         },
       };
     },
@@ -154,7 +156,7 @@ function listenPostgres(url: string, channels: Record<string, ChannelEvents>): {
     current = undefined;
     clearTimeout(timer);
     down(cause);
-    void c.end({ timeout: 0 }).catch(() => {});
+    void settled(c.end({ timeout: 0 })); // the connection already failed: `cause` is reported
     if (!stopped) timer = setTimeout(connect, LISTEN_RETRY_MS);
   };
   const ping = (c: postgres.Sql) => {
@@ -218,7 +220,7 @@ function listenPostgres(url: string, channels: Record<string, ChannelEvents>): {
       current = undefined;
       if (c) {
         down(new Error("stopped"));
-        await c.end({ timeout: 1 }).catch(() => {});
+        await settled(c.end({ timeout: 1 })); // stopping: the listeners were told above
       }
     },
   };

@@ -13,6 +13,7 @@
 import type { Dirent } from "node:fs";
 import { lstat, readdir, rename, rm, stat, utimes } from "node:fs/promises";
 import { join } from "node:path";
+import { ifExists } from "../../contracts/best-effort.ts";
 import { bytesSetting } from "../../contracts/disk-space.ts";
 
 /** Default budget of the two image caches together (`SANDBOXD_IMAGE_CACHE_BYTES`). */
@@ -60,7 +61,7 @@ export function chooseEvictions(
 /** Marks a cache entry as served now (its mtime). A vanished entry is not an error. */
 export async function touchEntry(dir: string): Promise<void> {
   const now = new Date();
-  await utimes(dir, now, now).catch(() => {});
+  await ifExists(utimes(dir, now, now));
 }
 
 /** Allocated bytes under `dir` (links are not followed). */
@@ -76,7 +77,7 @@ export async function treeBytes(dir: string): Promise<number> {
     const p = join(dir, d.name);
     if (d.isDirectory()) total += await treeBytes(p);
     else {
-      const st = await lstat(p).catch(() => undefined);
+      const st = await ifExists(lstat(p));
       if (st) total += st.blocks * 512;
     }
   }
@@ -88,11 +89,11 @@ export async function listCacheEntries(cacheDir: string): Promise<CacheEntry[]> 
   const images = join(cacheDir, "images");
   const out: CacheEntry[] = [];
   const add = async (dir: string) => {
-    const st = await stat(dir).catch(() => undefined);
+    const st = await ifExists(stat(dir));
     if (!st?.isDirectory()) return;
     out.push({ dir, bytes: await treeBytes(dir), lastUsedMs: st.mtimeMs });
   };
-  for (const name of await readdir(images).catch(() => [] as string[])) {
+  for (const name of (await ifExists(readdir(images))) ?? []) {
     if (/^[a-f0-9]{64}$/.test(name)) await add(join(images, name));
   }
   const pulled = join(images, "pulled");

@@ -16,6 +16,8 @@
  * next agent's reap kills them as unclaimed VM directories. They count against the host's
  * capacity (`used`), pooled and launching alike, so a slot is never promised twice.
  */
+
+import { settled } from "../../contracts/best-effort.ts";
 import { describeError } from "../../contracts/errors.ts";
 import { newVmId } from "../vm/ids.ts";
 import { addHeld, type HeldResources } from "./capacity.ts";
@@ -94,7 +96,7 @@ export class PrelaunchPool {
     const inFlight = p.launch;
     if (inFlight) {
       // The loop drops what that launch made (its pool is gone) and stops: wait for both.
-      await inFlight.catch(() => {});
+      await settled(inFlight);
       await p.filling;
     }
     await Promise.all(p.ids.splice(0).map((id) => this.drop(id)));

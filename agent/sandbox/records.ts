@@ -11,6 +11,7 @@ import { randomBytes } from "node:crypto";
 import { mkdir, open, readdir, readFile, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { z } from "zod";
+import { settled } from "../../contracts/best-effort.ts";
 import { StoredImageConfig } from "../image/config.ts";
 import { AgentSandboxState } from "./states.ts";
 
@@ -167,8 +168,8 @@ export class RecordStore<T extends { id: string }> {
 
   private chain(id: string, op: () => Promise<void>): Promise<void> {
     const prev = this.chains.get(id) ?? Promise.resolve();
-    const next = prev.catch(() => {}).then(op);
-    const tail = next.catch(() => {});
+    const next = settled(prev).then(op);
+    const tail = settled(next);
     this.chains.set(id, tail);
     void tail.then(() => {
       if (this.chains.get(id) === tail) this.chains.delete(id);

@@ -4,6 +4,7 @@
  * between QEMU and a file is stream.ts.
  */
 
+import { describeError } from "../../contracts/errors.ts";
 import type { VmProcess } from "../qemu/launch.ts";
 import { QmpCommandError, QmpDisconnectedError, QmpTimeoutError } from "../qemu/qmp/errors.ts";
 import type { QmpEvent } from "../qemu/qmp/framing.ts";
@@ -124,10 +125,15 @@ export async function waitMigration(vm: Vm, until: string[], timeoutMs: number):
           },
         );
       if (performance.now() > deadline) {
-        await vm.qmp.execute("migrate_cancel", undefined, { timeoutMs: 1000 }).catch(() => {});
+        // A cancel that fails too is said in the error, next to the timeout it follows.
+        const cancelFailed = await vm.qmp.execute("migrate_cancel", undefined, { timeoutMs: 1000 }).then(
+          () => undefined,
+          (err: unknown) => describeError(err),
+        );
         throw new SnapshotError(
           "migration_failed",
           `migration did not reach ${until.join("/")} within ${timeoutMs} ms (status ${info.status})`,
+          cancelFailed === undefined ? undefined : { details: { cancelFailed } },
         );
       }
       await new Promise<void>((resolve) => {

@@ -12,6 +12,7 @@
 import { existsSync } from "node:fs";
 import { mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
+import { ifExists } from "../../contracts/best-effort.ts";
 
 export const SHM_BASE = "/dev/shm/sandboxd";
 const OWNER_SUFFIX = ".owner";
@@ -26,7 +27,7 @@ export async function claimShmRoot(shmRoot: string, dataDir: string): Promise<vo
   await mkdir(shmRoot, { recursive: true, mode: 0o700 });
   const owner = resolve(dataDir);
   const path = ownerFileOf(shmRoot);
-  const current = await readFile(path, "utf8").catch(() => undefined);
+  const current = await ifExists(readFile(path, "utf8"));
   if (current !== owner) await writeFile(path, owner, { mode: 0o600 });
 }
 
@@ -41,7 +42,7 @@ export async function sweepOrphanShmRoots(base: string = SHM_BASE): Promise<stri
   for (const name of names) {
     if (!name.endsWith(OWNER_SUFFIX)) continue;
     const claim = join(base, name);
-    const owner = await readFile(claim, "utf8").catch(() => undefined);
+    const owner = await ifExists(readFile(claim, "utf8"));
     if (owner === undefined || owner === "" || existsSync(owner)) continue;
     const root = claim.slice(0, -OWNER_SUFFIX.length);
     await rm(root, { recursive: true, force: true });

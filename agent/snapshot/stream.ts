@@ -20,6 +20,7 @@ import { constants } from "node:fs";
 import { chmod, type FileHandle, lchown, open, rm } from "node:fs/promises";
 import { createConnection, createServer, type Server, type Socket } from "node:net";
 import { join } from "node:path";
+import { awaitedLater, settled } from "../../contracts/best-effort.ts";
 import type { VmProcess } from "../qemu/launch.ts";
 import { SnapshotError } from "./errors.ts";
 import { type MigrateInfo, qmp, waitMigration } from "./migrate.ts";
@@ -134,7 +135,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
   const failed = new Promise<never>((_, reject) => {
     onFailure = reject;
   });
-  failed.catch(() => {});
+  awaitedLater(failed);
   const server = createServer();
   const fail = (e: SnapshotError) => {
     if (failure) return;
@@ -154,7 +155,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
     clearTimeout(timer);
     conn?.destroy();
     server.close();
-    await file?.close().catch(() => {});
+    await settled(file?.close()); // a handle we abandon: the stream's failure is the error
     await rm(sockPath, { force: true });
     if (removeFile) await rm(o.path, { force: true });
   };
@@ -176,7 +177,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
         resolve(copyInto(c, out, o, fail));
       });
     });
-    received.catch(() => {});
+    awaitedLater(received);
     await listen(server, sockPath);
     // A jailed QEMU owns its directory and could swap the socket for a symlink: the mode is set
     // through a handle opened without following one, the owner by lchown, which never does.
@@ -198,7 +199,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
     if (failure) throw failure;
     const left = Math.max(0, deadline - performance.now());
     const status = waitMigration(vm, until, Math.min(timeoutMs ?? left, left));
-    status.catch(() => {});
+    awaitedLater(status);
     return Promise.race([status, failed]);
   };
   const got = received;
@@ -288,7 +289,7 @@ export async function loadFromFile(vm: StreamVm, path: string, timeoutMs: number
     return await waitMigration(vm, ["completed"], Math.max(0, deadline - performance.now()));
   } finally {
     conn?.destroy();
-    await file.close().catch(() => {});
+    await settled(file.close()); // as above: QEMU's status is the verdict
     await rm(sockPath, { force: true });
   }
 }

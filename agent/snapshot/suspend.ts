@@ -8,6 +8,7 @@
  */
 import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { needFreeSpace } from "../../contracts/disk-space.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { asSnapshotError, fail, ok, type Result } from "./errors.ts";
@@ -80,7 +81,7 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
     await rm(statePath, { force: true });
     if (proc.isAlive()) {
       // The save failed but the VM is whole: let it run on.
-      await proc.qmp.execute("cont").catch(() => {});
+      await bestEffort(vm.log, `resuming VM ${vm.id} after its save failed`, proc.qmp.execute("cont"));
       vm.enter("running");
     } else await vm.destroy();
     return fail(e);

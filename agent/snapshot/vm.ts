@@ -9,6 +9,7 @@
  */
 import { randomBytes, randomUUID } from "node:crypto";
 import { join } from "node:path";
+import { awaitedLater } from "../../contracts/best-effort.ts";
 import { describeError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import {
@@ -299,7 +300,7 @@ export async function finishRestore(
     // close/open events, so the guest agent reads our HELLO at once (no 50 ms reconnect poll).
     const deadline = performance.now() + (a.readyTimeoutMs ?? RESTORE_READY_TIMEOUT_MS);
     const guestP = connectRestoredGuest(p, deadline);
-    guestP.catch(() => {});
+    awaitedLater(guestP);
     await qmp(p, "cont");
     const tCont = performance.now();
     guest = await guestP;

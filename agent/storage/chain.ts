@@ -16,6 +16,7 @@
  */
 import { mkdir, readFile, rename, rm, rmdir, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
+import { settled } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
 export type StoredFileKind = "overlay" | "state" | "ram";
@@ -176,12 +177,15 @@ export class ChainStore {
       for (const p of freed) {
         await rm(p, { force: true });
         // The directory of a family's files (a template's dir) goes with its last file.
-        await rmdir(dirname(p)).catch(() => {});
+        await rmdir(dirname(p)).catch((err: NodeJS.ErrnoException) => {
+          // Other files of the family are still there, or the directory went already.
+          if (err.code !== "ENOTEMPTY" && err.code !== "ENOENT") throw err;
+        });
       }
       return freed;
     };
     const next = this.queue.then(run, run);
-    this.queue = next.catch(() => {});
+    this.queue = settled(next); // each caller gets its own step's error from `next`
     return next;
   }
 

@@ -7,6 +7,7 @@ import { createWriteStream, statSync } from "node:fs";
 import { unlink } from "node:fs/promises";
 import { basename } from "node:path";
 import { Readable, Writable } from "node:stream";
+import { settled } from "../../contracts/best-effort.ts";
 import type { Sandboxd } from "../../sdk/typescript/src/index.ts";
 import type { CommandSpec } from "./args.ts";
 import type { Ctx } from "./context.ts";
@@ -70,7 +71,8 @@ export async function copy(client: Sandboxd, plan: CopyPlan, opts: CopyOpts): Pr
     });
   } catch (err) {
     // A download cut short leaves no half file behind under the name asked for.
-    if (out !== undefined) await unlink(out).catch(() => undefined);
+    // The download's own error is the one to report; a failed unlink must not replace it.
+    if (out !== undefined) await settled(unlink(out));
     throw err;
   }
   progress.done(bytes(n));

@@ -12,6 +12,7 @@
 import { Duplex } from "node:stream";
 import WebSocket from "ws";
 import type { Tunnel } from "../../contracts/agent/api.ts";
+import { settled } from "../../contracts/best-effort.ts";
 import { CDP_MESSAGE_BYTES } from "../runtime/ws-limits.ts";
 import { CLOSE, errorText, HIGH_WATER_BYTES, LowWater, maxHeldBytes, RelayBase } from "./common.ts";
 
@@ -77,7 +78,7 @@ export async function discoverBrowserPath(tunnel: Tunnel, port: number): Promise
         throw new Error("GET /json/version: the connection ended before the answer");
       }
     }
-    void reader.cancel().catch(() => {});
+    void settled(reader.cancel()); // the relay is ending; the cancel only repeats its cause
     const body = new TextDecoder().decode(
       buf.subarray(bodyStart, length >= 0 ? bodyStart + length : undefined),
     );

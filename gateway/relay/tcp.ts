@@ -8,6 +8,7 @@
  * error closes the WebSocket with 1011 and the error as the reason.
  */
 import type { Tunnel } from "../../contracts/agent/api.ts";
+import { settled } from "../../contracts/best-effort.ts";
 import { TCP_MESSAGE_BYTES } from "../runtime/ws-limits.ts";
 import {
   CLOSE,
@@ -89,20 +90,18 @@ export class TcpRelay extends RelayBase {
 
   protected teardown(graceful: boolean): void {
     this.written.release();
-    this.reader?.cancel().catch(() => {});
+    // Cancelling the reader and aborting the writer of a relay that is ending repeat its cause.
+    void settled(this.reader?.cancel());
     if (!graceful) {
-      this.writer.abort().catch(() => {});
+      void settled(this.writer.abort());
       this.tunnel.close();
       return;
     }
     // What the client sent before closing still goes to the guest (like a FIN after the data).
     const timer = setTimeout(() => this.tunnel.close(), FLUSH_TIMEOUT_MS);
-    this.writer
-      .close()
-      .catch(() => {})
-      .finally(() => {
-        clearTimeout(timer);
-        this.tunnel.close();
-      });
+    void settled(this.writer.close()).finally(() => {
+      clearTimeout(timer);
+      this.tunnel.close();
+    });
   }
 }

@@ -9,6 +9,7 @@
  * `Connection: close` and the client that kept sending may still see the reset (curl, which waits
  * for `100 Continue` on large bodies, never does: with `Expect: 100-continue` nothing is drained).
  */
+import { settled } from "../../contracts/best-effort.ts";
 
 /** Body bytes discarded at most before an early answer: a 10 MiB JSON body plus margin. */
 export const EARLY_DRAIN_MAX_BYTES = 64 * 1024 * 1024;
@@ -35,7 +36,7 @@ async function drain(body: ReadableStream<Uint8Array>, maxBytes: number, maxMs: 
     return false; // the client went away: nothing left to answer
   } finally {
     clearTimeout(timer);
-    reader.cancel().catch(() => {});
+    void settled(reader.cancel()); // the request is answered; the body's own error is moot
   }
 }
 
