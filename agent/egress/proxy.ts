@@ -17,7 +17,7 @@
  */
 import type { Duplex } from "node:stream";
 import { normalizeHost } from "../../contracts/egress.ts";
-import { describeError } from "../../contracts/errors.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressFence, operatorFence } from "./fence.ts";
 import type { EgressPolicy } from "./policy.ts";
 
@@ -151,7 +151,7 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
     // It is served inside the guest, never on the host, and is not egress.
     let local: Duplex;
     try {
-      if (!ctx.connectLocal) throw new Error("no route back into the guest");
+      if (!ctx.connectLocal) throw new SandboxdError("port_unreachable", "no route back into the guest");
       local = await ctx.connectLocal(head.port);
     } catch {
       reply(stream, "502 Bad Gateway", "X-Sandboxd-Egress: local port unreachable\r\n");
@@ -179,7 +179,7 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
   }
   let upstream: Duplex;
   try {
-    if (!dest.ok) throw new Error(dest.reason);
+    if (!dest.ok) throw new SandboxdError("forbidden", dest.reason);
     upstream = await fence.connect(dest);
   } catch (err) {
     attempt.reason = describeError(err);

@@ -12,6 +12,7 @@ import { mkdir, open, readdir, readFile, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { z } from "zod";
 import { settled } from "../../contracts/best-effort.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { StoredImageConfig } from "../image/config.ts";
 import { AgentSandboxState } from "./states.ts";
 
@@ -97,7 +98,8 @@ export class RecordStore<T extends { id: string }> {
   ) {}
 
   private path(id: string): string {
-    if (!SAFE_NAME.test(id) || id.includes("..")) throw new Error(`unsafe record id ${JSON.stringify(id)}`);
+    if (!SAFE_NAME.test(id) || id.includes(".."))
+      throw new SandboxdError("bad_request", `unsafe record id ${JSON.stringify(id)}`);
     return join(this.dir, `${id}.json`);
   }
 

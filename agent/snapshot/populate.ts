@@ -15,6 +15,7 @@
  */
 import { statSync } from "node:fs";
 import { open, readdir, readFile } from "node:fs/promises";
+import { SandboxdError } from "../../contracts/errors.ts";
 
 const PAGE = 4096;
 /** One /proc/<pid>/mem read: 4 MiB, a bounded buffer whatever the guest's size. */
@@ -57,7 +58,7 @@ export async function findMapping(
  */
 export async function populateMapping(pid: number, file: string): Promise<PopulateResult> {
   const range = await findMapping(pid, file);
-  if (!range) throw new Error(`no mapping of ${file} in process ${pid}`);
+  if (!range) throw new SandboxdError("internal", `no mapping of ${file} in process ${pid}`);
   // Reads go through the thread pool (fs/promises), so the agent serves other calls meanwhile.
   const pagemap = await open(`/proc/${pid}/pagemap`, "r");
   const mem = await open(`/proc/${pid}/mem`, "r").catch(async (err) => {

@@ -18,6 +18,7 @@
  */
 import { spawn } from "node:child_process";
 import { stat } from "node:fs/promises";
+import { SandboxdError } from "../../contracts/errors.ts";
 
 /**
  * Bound on one dig: it reads the file once (~0.1 s per 64 MiB measured on a loaded 2-core host),
@@ -51,7 +52,10 @@ export async function digZeroHoles(
       child.once("close", (code, signal) => {
         clearTimeout(timer);
         if (code === 0) ok();
-        else fail(new Error(`fallocate --dig-holes exited ${code ?? signal}: ${err.trim()}`));
+        else
+          fail(
+            new SandboxdError("internal", `fallocate --dig-holes exited ${code ?? signal}: ${err.trim()}`),
+          );
       });
     });
     return { before, after: await allocatedBytes(path) };

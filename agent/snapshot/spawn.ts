@@ -12,6 +12,7 @@ import { spawn } from "node:child_process";
 import { mkdir, mkdtemp, readFile, rm } from "node:fs/promises";
 import { createConnection, type Socket } from "node:net";
 import { join, resolve } from "node:path";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { FrameType, Op, Tag } from "../../contracts/guest-protocol.ts";
 import { encodeFrame, TlvWriter } from "../guest/codec.ts";
 import { isHostnameLabel, jailedLaunchArgv, readHostPid, type VmProcess } from "../qemu/launch.ts";
@@ -223,7 +224,7 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
       for (;;) {
         const m = JSON.parse(await q.next()) as { return?: unknown; error?: unknown; event?: string };
         if (m.event) continue;
-        if (m.error) throw new Error(`${execute}: ${JSON.stringify(m.error)}`);
+        if (m.error) throw new SandboxdError("internal", `${execute}: ${JSON.stringify(m.error)}`);
         return m.return;
       }
     };
@@ -236,7 +237,7 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
     for (;;) {
       const r = (await cmd("query-migrate")) as { status?: string };
       if (r.status === "completed") break;
-      if (r.status === "failed") throw new Error("floor restore: migration failed");
+      if (r.status === "failed") throw new SandboxdError("internal", "floor restore: migration failed");
       await Bun.sleep(1);
     }
     agent = await connectRetry(join(dir, "agent.sock"));

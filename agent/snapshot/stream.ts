@@ -21,6 +21,7 @@ import { chmod, type FileHandle, lchown, open, rm } from "node:fs/promises";
 import { createConnection, createServer, type Server, type Socket } from "node:net";
 import { join } from "node:path";
 import { awaitedLater, settled } from "../../contracts/best-effort.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import type { VmProcess } from "../qemu/launch.ts";
 import { SnapshotError } from "./errors.ts";
 import { type MigrateInfo, qmp, waitMigration } from "./migrate.ts";
@@ -320,7 +321,7 @@ function drained(conn: Socket): Promise<void> {
       else resolve();
     };
     const onDrain = () => done();
-    const onClose = () => done(new Error("QEMU closed the migration socket"));
+    const onClose = () => done(new SandboxdError("internal", "QEMU closed the migration socket"));
     conn.once("drain", onDrain);
     conn.once("close", onClose);
   });

@@ -11,7 +11,7 @@ import { join } from "node:path";
 import { bestEffort } from "../../contracts/best-effort.ts";
 import { needFreeSpace } from "../../contracts/disk-space.ts";
 import { openChainStore } from "../storage/chain.ts";
-import { asSnapshotError, fail, ok, type Result } from "./errors.ts";
+import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { LOCAL_MIGRATION_MAX_BANDWIDTH, qmp, setCapabilities, setMigrationParameters } from "./migrate.ts";
 import { digZeroHoles } from "./sparse.ts";
 import { migrationByteCap, saveToFile } from "./stream.ts";
@@ -36,7 +36,7 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
   const bad = vm.begin(["running", "paused"], "suspending");
   if (bad) return fail(bad);
   const proc = vm.process;
-  if (!proc) return fail(asSnapshotError(new Error("no QEMU"), "suspend_failed", `VM ${vm.id}`));
+  if (!proc) return fail(new SnapshotError("suspend_failed", `VM ${vm.id}: no QEMU`));
   const dir = join(vm.shape.dataDir, "storage", "suspended");
   const statePath = join(dir, `${vm.id}.state`);
   const t0 = performance.now();
@@ -98,7 +98,7 @@ export async function resumeVm(
   const statePath = vm.suspendState;
   if (!statePath) {
     vm.enter("suspended");
-    return fail(asSnapshotError(new Error("no state file"), "spawn_failed", `VM ${vm.id} cannot resume`));
+    return fail(new SnapshotError("spawn_failed", `VM ${vm.id} cannot resume: no state file`));
   }
   try {
     const timings = await restoreInto({
@@ -129,7 +129,7 @@ export async function pauseVm(vm: SandboxVm): Promise<Result<void>> {
   const bad = vm.begin(["running"], "paused");
   if (bad) return fail(bad);
   try {
-    if (!vm.process) throw new Error("no QEMU");
+    if (!vm.process) throw new SnapshotError("vm_died", `VM ${vm.id} has no QEMU`);
     await qmp(vm.process, "stop");
     return ok(undefined);
   } catch (err) {
@@ -145,7 +145,7 @@ export async function unpauseVm(vm: SandboxVm): Promise<Result<void>> {
   const bad = vm.begin(["paused"], "running");
   if (bad) return fail(bad);
   try {
-    if (!vm.process || !vm.guest) throw new Error("no QEMU");
+    if (!vm.process || !vm.guest) throw new SnapshotError("vm_died", `VM ${vm.id} has no QEMU`);
     await qmp(vm.process, "cont");
     await vm.guest.setClock(new Date());
     return ok(undefined);

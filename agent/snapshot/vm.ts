@@ -10,7 +10,7 @@
 import { randomBytes, randomUUID } from "node:crypto";
 import { join } from "node:path";
 import { awaitedLater } from "../../contracts/best-effort.ts";
-import { describeError } from "../../contracts/errors.ts";
+import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import {
   type ExecOptions,
@@ -112,7 +112,8 @@ export class SandboxVm {
   /** Sets a state the operation in progress leads to (checked against the table). */
   enter(to: EngineVmState): void {
     if (this.state === to) return;
-    if (!canVmTransition(this.state, to)) throw new Error(`internal: ${this.state} -> ${to}`);
+    if (!canVmTransition(this.state, to))
+      throw new SandboxdError("internal", `no transition ${this.state} -> ${to}`);
     this.state = to;
   }
 
