@@ -1,7 +1,7 @@
 /**
  * The house rules the layout depends on, checked on every run so they cannot drift back:
  * the gateway and the agent meet only in contracts/, contracts/ and db/ import nothing above
- * them, no import circles, no source file over 1,000 lines outside tests, and comments carry
+ * them, the product never imports the benchmark harness (bench/), no import circles, no source file over 1,000 lines outside tests, and comments carry
  * their facts instead of pointing at notes outside the repository.
  */
 import { describe, expect, test } from "bun:test";
@@ -49,6 +49,15 @@ describe("layout", () => {
         for (const d of deps) if (!inRoom("contracts")(d)) wrong.push(`${file} -> ${d}`);
       if (inRoom("db")(file) && !file.startsWith("db/testing/"))
         for (const d of deps) if (!inRoom("contracts")(d) && !inRoom("db")(d)) wrong.push(`${file} -> ${d}`);
+    }
+    expect(wrong).toEqual([]);
+  });
+
+  test("agent/ and gateway/ never import bench/ (the harness drives them; cli/ only dispatches to it)", () => {
+    const wrong: string[] = [];
+    for (const [file, deps] of graph) {
+      if (inRoom("agent")(file) || inRoom("gateway")(file))
+        for (const d of deps) if (inRoom("bench")(d)) wrong.push(`${file} -> ${d}`);
     }
     expect(wrong).toEqual([]);
   });

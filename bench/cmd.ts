@@ -1,22 +1,22 @@
 /**
  * `sandboxd bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N]
- * [--data-dir DIR]`: the snapshot engine's figures on this host (agent/bench/bench.ts;
+ * [--data-dir DIR]`: the snapshot engine's figures on this host (engine.ts;
  * docs/benchmarks.md explains them). SIGINT/SIGTERM free every VM and file of the run first.
  * `--soak N`: N session create -> exec -> delete cycles through a real `up` instead (soak.ts),
  * printed as JSON: what the service holds at the start and the end, and what it left behind.
  * `--gateway [--connections N] [--seconds S] [--keys K]`: the HTTP service's own share of an exec
  * and of an authenticated read, beside the agent's own round trip and a bare app's read
- * (bench-gateway.ts).
+ * (gateway.ts).
  * `--density [--max N] [--reserve-mib MIB]` / `--burst N`: idle sandboxes one host holds, and N
- * creates at once, through a real `up` (bench-density.ts), printed as JSON.
+ * creates at once, through a real `up` (density.ts), printed as JSON.
  * `--http`: the same figures through a real `up` beside the engine's from the same run
- * (bench-http.ts); `--creates`, `--suspends`, `--tunnels`, `--tunnel-mib`, `--port`,
+ * (http.ts); `--creates`, `--suspends`, `--tunnels`, `--tunnel-mib`, `--port`,
  * `--fork-children` size it; for the engine bench, `--fork-children N` sets its fork (default 8).
  */
 import { parseArgs } from "node:util";
+import { defaultDataDir } from "../cli/config.ts";
+import { intOption } from "../cli/int-option.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { defaultDataDir } from "./config.ts";
-import { intOption } from "./int-option.ts";
 
 /** Once aborted, how long the run gets to free its VMs before we exit anyway (QEMUs die with us). */
 const ABORT_GRACE_MS = 15_000;
@@ -52,7 +52,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
   });
   if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
   if (values.gateway) {
-    const { runGatewayBench } = await import("./bench-gateway.ts");
+    const { runGatewayBench } = await import("./gateway.ts");
     const result = await runGatewayBench({
       image: values.image,
       cacheDir: values["data-dir"] ?? defaultDataDir(),
@@ -71,7 +71,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     return 0;
   }
   if (values.density || values.burst !== undefined) {
-    const { cmdBenchDensity } = await import("./bench-density-cmd.ts");
+    const { cmdBenchDensity } = await import("./density-cmd.ts");
     return cmdBenchDensity(values, values.image, log);
   }
   if (values.soak !== undefined) {
@@ -97,7 +97,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     }
   }
   if (values.http) return await benchHttp(values, log);
-  const { runBench, isInterrupted, FORK_CHILDREN } = await import("../agent/bench/bench.ts");
+  const { runBench, isInterrupted, FORK_CHILDREN } = await import("./engine.ts");
   const { MAX_FORK_CHILDREN } = await import("../agent/snapshot/fork.ts");
   const abort = new AbortController();
   let exitTimer: ReturnType<typeof setTimeout> | undefined;
@@ -125,7 +125,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     });
     if (values.json) process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
     else {
-      const { formatTable } = await import("../agent/bench/report.ts");
+      const { formatTable } = await import("./report.ts");
       process.stdout.write(`${formatTable(result)}\n`);
     }
     return 0;
@@ -139,12 +139,12 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
   }
 }
 
-/** `bench --http` (bench-http.ts), printed as JSON; SIGINT/SIGTERM stop it and free what it made. */
+/** `bench --http` (http.ts), printed as JSON; SIGINT/SIGTERM stop it and free what it made. */
 async function benchHttp(
   values: Record<string, string | boolean | undefined>,
   log: (m: string) => void,
 ): Promise<number> {
-  const { runHttpBench, defaultForkChildren } = await import("./bench-http.ts");
+  const { runHttpBench, defaultForkChildren } = await import("./http.ts");
   const str = (k: string) => values[k] as string | undefined;
   const abort = new AbortController();
   const onSignal = () => abort.abort();

@@ -1,7 +1,7 @@
 /**
  * `sandboxd bench --http --image ARCHIVE`: the figures of `bench` measured through the HTTP API of
- * a real `sandboxd up` (a child process on a fresh data dir, soak.ts's helpers), next to the
- * engine's own figures measured in the same run, before and after it (agent/bench/bench.ts), so
+ * a real `sandboxd up` (a child process on a fresh data dir, service.ts), next to the
+ * engine's own figures measured in the same run, before and after it (engine.ts), so
  * the service's share of each one is visible: `share_ms` = HTTP p50 - the engine's p50 (the mean
  * of its two runs; `engine_drift_ms` says how far they differ). The client is the TypeScript
  * SDK (`sdk/typescript`), as a user would call the service; the tunnel is a WebSocket to a
@@ -13,20 +13,19 @@
 import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { cpus, loadavg } from "node:os";
-import { type BenchResult, FORK_CHILDREN, runBench } from "../agent/bench/bench.ts";
-import { round1, round2, type Summary, summarize } from "../agent/bench/stats.ts";
 import { hostCapacity } from "../agent/sandbox/capacity.ts";
 import { type Sandbox, Sandboxd } from "../sdk/typescript/src/index.ts";
+import { type BenchResult, FORK_CHILDREN, runBench } from "./engine.ts";
+import { type Leftovers, leftovers } from "./footprint.ts";
 import {
   createKey,
-  leftovers,
   removeDataDir,
-  type SoakResult,
   seededDataDir,
   spawnUp,
   stopUp,
   uploadTemplateAndWait,
-} from "./soak.ts";
+} from "./service.ts";
+import { round1, round2, type Summary, summarize } from "./stats.ts";
 
 const TEMPLATE_ID = "bench-http";
 /** Untimed `true` runs before the exec sample, as the engine bench does (TCG re-translation). */
@@ -123,7 +122,7 @@ export interface HttpBenchResult {
   /** The engine's own runs, whole (bench's JSON), before and after the service's. */
   engine: { before: BenchResult; after: BenchResult };
   /** What the service left behind once stopped: all empty when it frees everything. */
-  leftovers: SoakResult["leftovers"];
+  leftovers: Leftovers;
   total_ms: number;
 }
 
@@ -219,10 +218,10 @@ interface ServiceSamples {
   resume: number[];
   tunnelOpen: number[];
   tunnel: { bytes: number; ms: number };
-  leftovers: SoakResult["leftovers"];
+  leftovers: Leftovers;
 }
 
-/** The engine's figures (bench.ts) at the shape and counts of the service's. */
+/** The engine's figures (engine.ts) at the shape and counts of the service's. */
 function engineRun(o: HttpBenchOptions): Promise<BenchResult> {
   return runBench({
     dataDir: o.cacheDir,

@@ -15,7 +15,7 @@
  *   the service's, not the rate limit's. The service is pinned to one core (`taskset`, when the
  *   host has it) for this part; the load generator runs here, on the others.
  * - `read_floor`: the same reads, connections and pin against a bare Hono app answering the
- *   same route from memory (bench-floor.ts, its own process), in the same run: what the host and
+ *   same route from memory (floor.ts, its own process), in the same run: what the host and
  *   the load generator allow at all, so `read` can be read against it.
  * - `health`: `GET /v1/health` (no key) the same way, for the same time.
  *
@@ -29,7 +29,14 @@ import { openDb } from "../db/client.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
-import { call, listeningUrl, seededDataDir, spawnUp, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
+import {
+  call,
+  listeningUrl,
+  seededDataDir,
+  spawnUp,
+  stopAndRemove,
+  uploadTemplateAndWait,
+} from "./service.ts";
 
 const TEMPLATE_ID = "gwbench";
 /** Execs before the measured ones: the JIT, the guest's page cache and the db's pages warm up. */
@@ -63,7 +70,7 @@ export interface GatewayBenchResult {
     beyond_own_time_p50_ms: number;
   };
   read: LoadFigures & { keys: number; pinned_cpu: string | null };
-  /** The same reads against a bare Hono app answering from memory (bench-floor.ts), same pin. */
+  /** The same reads against a bare Hono app answering from memory (floor.ts), same pin. */
   read_floor: LoadFigures;
   health: LoadFigures;
   total_ms: number;
@@ -242,7 +249,7 @@ export async function runGatewayBench(o: {
 }
 
 /**
- * The reads of `read` against bench-floor.ts, in a child process on the same CPU as the service
+ * The reads of `read` against floor.ts, in a child process on the same CPU as the service
  * (when `taskset` works here), so that both figures come from one host state.
  */
 async function floorReads(
@@ -251,7 +258,7 @@ async function floorReads(
   connections: number,
   ms: number,
 ): Promise<LoadFigures> {
-  const child = spawn(process.execPath, [join(import.meta.dirname, "bench-floor.ts")], {
+  const child = spawn(process.execPath, [join(import.meta.dirname, "floor.ts")], {
     stdio: ["ignore", "pipe", "pipe"],
   });
   let tail = "";
