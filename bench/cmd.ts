@@ -21,8 +21,9 @@ import { SandboxdError } from "../contracts/errors.ts";
 /** Once aborted, how long the run gets to free its VMs before we exit anyway (QEMUs die with us). */
 const ABORT_GRACE_MS = 15_000;
 
-export async function cmdBench(args: string[], log: (m: string) => void): Promise<number> {
-  const { values } = parseArgs({
+/** The options of every bench run, parsed once; each run reads the ones it takes. */
+function parseBenchValues(args: string[]) {
+  return parseArgs({
     args,
     options: {
       image: { type: "string" },
@@ -49,55 +50,79 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       port: { type: "string" },
       "fork-children": { type: "string" },
     },
+  }).values;
+}
+
+type BenchValues = ReturnType<typeof parseBenchValues>;
+
+export async function cmdBench(args: string[], log: (m: string) => void): Promise<number> {
+  const values = parseBenchValues(args);
+  const image = values.image;
+  if (!image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
+  if (values.gateway) return await benchGateway(values, image, log);
+  if (values.density || values.burst !== undefined) {
+    const { cmdBenchDensity } = await import("./density-cmd.ts");
+    return cmdBenchDensity(values, image, log);
+  }
+  if (values.soak !== undefined) return await benchSoak(values, values.soak, image, log);
+  if (values.http) return await benchHttp(values, log);
+  return await benchEngine(values, image, log);
+}
+
+/** `bench --gateway` (gateway.ts), printed as JSON. */
+async function benchGateway(values: BenchValues, image: string, log: (m: string) => void): Promise<number> {
+  const { runGatewayBench } = await import("./gateway.ts");
+  const result = await runGatewayBench({
+    image,
+    cacheDir: values["data-dir"] ?? defaultDataDir(),
+    // 64 connections: enough requests in flight to keep one core's event loop busy.
+    connections: intOption(values.connections, "connections", 64, 1, 10_000),
+    // 5 s per load phase: ~100k samples at the target rate, so p99 is stable.
+    seconds: intOption(values.seconds, "seconds", 5, 1, 3600),
+    // 200 execs each way: p50 of a ~5 ms call is then steady to a tenth of a ms.
+    execs: intOption(values.execs, "execs", 200, 1, 100_000),
+    // 800 keys: at 40,000 req/s (past the 20,000 goal, near a bare Hono app's rate on one core
+    // here) each key sends 50 a second, half the spec's 100, so the limit never caps the figure.
+    keys: intOption(values.keys, "keys", 800, 1, 100_000),
+    log,
   });
-  if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
-  if (values.gateway) {
-    const { runGatewayBench } = await import("./gateway.ts");
-    const result = await runGatewayBench({
-      image: values.image,
+  process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
+  return 0;
+}
+
+/** `bench --soak N` (soak.ts), printed as JSON; SIGINT/SIGTERM stop it early. */
+async function benchSoak(
+  values: BenchValues,
+  cycles: string,
+  image: string,
+  log: (m: string) => void,
+): Promise<number> {
+  const { runSoak } = await import("./soak.ts");
+  const abort = new AbortController();
+  const onSignal = () => abort.abort();
+  process.on("SIGINT", onSignal);
+  process.on("SIGTERM", onSignal);
+  try {
+    const result = await runSoak({
+      cycles: intOption(cycles, "soak", 1, 1, 1_000_000),
+      image,
       cacheDir: values["data-dir"] ?? defaultDataDir(),
-      // 64 connections: enough requests in flight to keep one core's event loop busy.
-      connections: intOption(values.connections, "connections", 64, 1, 10_000),
-      // 5 s per load phase: ~100k samples at the target rate, so p99 is stable.
-      seconds: intOption(values.seconds, "seconds", 5, 1, 3600),
-      // 200 execs each way: p50 of a ~5 ms call is then steady to a tenth of a ms.
-      execs: intOption(values.execs, "execs", 200, 1, 100_000),
-      // 800 keys: at 40,000 req/s (past the 20,000 goal, near a bare Hono app's rate on one core
-      // here) each key sends 50 a second, half the spec's 100, so the limit never caps the figure.
-      keys: intOption(values.keys, "keys", 800, 1, 100_000),
+      signal: abort.signal,
       log,
     });
     process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
-    return 0;
+    // Stopped early: what ran is printed, and the exit says it was cut short.
+    return abort.signal.aborted ? 130 : 0;
+  } finally {
+    process.off("SIGINT", onSignal);
+    process.off("SIGTERM", onSignal);
   }
-  if (values.density || values.burst !== undefined) {
-    const { cmdBenchDensity } = await import("./density-cmd.ts");
-    return cmdBenchDensity(values, values.image, log);
-  }
-  if (values.soak !== undefined) {
-    const { runSoak } = await import("./soak.ts");
-    const abort = new AbortController();
-    const onSignal = () => abort.abort();
-    process.on("SIGINT", onSignal);
-    process.on("SIGTERM", onSignal);
-    try {
-      const result = await runSoak({
-        cycles: intOption(values.soak, "soak", 1, 1, 1_000_000),
-        image: values.image,
-        cacheDir: values["data-dir"] ?? defaultDataDir(),
-        signal: abort.signal,
-        log,
-      });
-      process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
-      // Stopped early: what ran is printed, and the exit says it was cut short.
-      return abort.signal.aborted ? 130 : 0;
-    } finally {
-      process.off("SIGINT", onSignal);
-      process.off("SIGTERM", onSignal);
-    }
-  }
-  if (values.http) return await benchHttp(values, log);
-  const { runBench, isInterrupted, FORK_CHILDREN } = await import("./engine.ts");
+}
+
+/** The engine's own figures (engine.ts): a table, or JSON with --json; SIGINT/SIGTERM free what it made. */
+async function benchEngine(values: BenchValues, image: string, log: (m: string) => void): Promise<number> {
+  const { runBench, FORK_CHILDREN } = await import("./engine.ts");
+  const { isInterrupted } = await import("./engine-scope.ts");
   const { MAX_FORK_CHILDREN } = await import("../agent/snapshot/fork.ts");
   const abort = new AbortController();
   let exitTimer: ReturnType<typeof setTimeout> | undefined;
@@ -112,7 +137,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
   try {
     const result = await runBench({
       dataDir: values["data-dir"] ?? defaultDataDir(),
-      image: values.image,
+      image,
       // 256 MiB, 1 vCPU: the shape every snapshot figure in docs/benchmarks.md was measured at.
       memMib: intOption(values.mem, "mem", 256, 64, 65536),
       vcpus: intOption(values.vcpus, "vcpus", 1, 1, 64),

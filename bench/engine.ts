@@ -9,24 +9,23 @@
  * the end, on error and on abort, after every QEMU whose command line names them is killed. Only
  * the caches of the real data dir are used: guest artifacts and the imported image (as `run`).
  */
-import { mkdtemp, rm, stat } from "node:fs/promises";
+import { mkdtemp, stat } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import type { ImageConfig } from "../agent/image/import.ts";
 import { importImage } from "../agent/image/import.ts";
 import { probeAccelerator } from "../agent/qemu/accel.ts";
-import type { Accel } from "../agent/qemu/launch.ts";
 import { unwrap } from "../agent/snapshot/errors.ts";
 import { forkVm } from "../agent/snapshot/fork.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../agent/snapshot/fork-method.ts";
 import { floorRestoreMs, prelaunchFromTemplate, spawnFromTemplate } from "../agent/snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm } from "../agent/snapshot/suspend.ts";
-import { buildTemplate, deleteTemplate, type TemplateMeta } from "../agent/snapshot/template.ts";
+import { buildTemplate, type TemplateMeta } from "../agent/snapshot/template.ts";
 import type { SandboxVm } from "../agent/snapshot/vm.ts";
-import { forgetChainStore } from "../agent/storage/chain.ts";
 import { bootVm } from "../agent/vm/boot.ts";
-import { killQemusNaming } from "../agent/vm/process.ts";
+import { type BenchResult, type MemoryBreakdown, TARGETS, target } from "./engine-result.ts";
+import { Interrupted, runTrue, Scope, sleep } from "./engine-scope.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
 import { round1, round2, type Summary, summarize } from "./stats.ts";
 
@@ -50,121 +49,12 @@ export interface BenchOptions {
   log?: (m: string) => void;
 }
 
-/** A goal: `spawn_vs_floor` must be at most `limit`, every other figure below it. */
-export interface Target {
-  limit: number;
-  value: number;
-  pass: boolean;
-}
-
-export interface MemoryBreakdown {
-  /** Mean over the idle VMs, MiB: PSS of the whole QEMU process (= host_rss_per_idle_vm_mb). */
-  pss: number;
-  /** Plain RSS (shared pages counted fully in every process): an upper bound, for reference. */
-  rss: number;
-  /** Pages only this QEMU has and wrote: QEMU's heap and code cache + the guest's dirtied pages. */
-  private_dirty: number;
-  /** Guest pages this VM wrote since the restore (copy-on-write copies of template RAM). */
-  guest_ram_dirty: number;
-  /** Template RAM pages the guest read, shared with the other VMs, PSS (1/N of each page). */
-  guest_ram_shared: number;
-  /** Everything outside the guest RAM mapping, PSS: QEMU itself (TCG's code cache included). */
-  qemu_own: number;
-}
-
-export interface BenchResult {
-  accel: Accel;
-  accel_reason: string;
-  guest_mem_mib: number;
-  vcpus: number;
-  /** QEMU start of a cold boot until the first exec (`true`) answered. */
-  boot_ms: number;
-  /** Freezing the booted template VM: stop + device-state save (RAM stays in its shared file). */
-  template_snapshot_ms: number;
-  /**
-   * A cold spawn (the agent's pre-launch pool empty): spawnFromTemplate call to its return, overlay
-   * made, jail built, QEMU started and restored, HELLO answered, identity set.
-   */
-  spawn_ms: Summary;
-  /** The restore part of spawn_ms (QEMU start to identity set), as the engine times it. */
-  spawn_restore_ms: Summary;
-  /**
-   * A spawn that takes a QEMU pre-launched in its jail (the agent's pool hit, the usual case):
-   * spawnFromTemplate with `prelaunched` to its return: state loaded, `cont`, HELLO, identity.
-   */
-  spawn_prelaunched_ms: Summary;
-  /** The pre-launch itself (overlay, jail, QEMU start, QMP), done ahead of the spawn, off its path. */
-  prelaunch_ms: Summary;
-  /** A bare QEMU restore of the same template, QEMU start to the guest's PING answer (floorRestoreMs). */
-  floor_restore_ms: Summary;
-  /** spawn_ms.p50 / floor_restore_ms.p50. */
-  spawn_vs_floor: number;
-  /** `true` round trips on a warm sandbox (exec request to its exit status). */
-  exec_rtt_ms: Summary;
-  /** The method the forks used (after readyForkMethod: a snapshot may fall back to stop-copy). */
-  fork_method: ForkMethod;
-  /**
-   * Time the parent's vCPUs stood still during a fork, QEMU's STOP to RESUME event timestamps:
-   * the p50 of FORK_STALL_SAMPLES one-child forks by `fork_method`.
-   */
-  fork_parent_stall_ms: number;
-  fork_parent_stall_summary_ms: Summary;
-  /** The same one-child forks by stop-and-copy, interleaved with those: the reference. */
-  fork_stop_copy_stall_ms: Summary;
-  /** Snapshot: reading in the unmapped RAM pages before the stop (guest running), per fork. */
-  fork_populate_ms: Summary;
-  /** The stall of the timed fork of `fork_children` children. */
-  fork_children_stall_ms: number;
-  fork_children: number;
-  /** forkVm call until all children answered an exec. */
-  fork_children_ms: number;
-  /**
-   * The floor for that: as many bare QEMU restores of the template started at once, until every
-   * guest answered (floorRestoreMs each): what the host allows that many VMs to come up in.
-   */
-  fork_children_floor_ms: number;
-  /** Suspend to disk of a running sandbox (stop + full RAM save, QEMU ended). */
-  suspend_ms: number;
-  /** resumeVm call until the guest answered and its identity was set. */
-  resume_ms: number;
-  idle_vms: number;
-  /** Mean PSS of the idle, paused sandboxes' QEMU processes, MiB. */
-  host_rss_per_idle_vm_mb: number;
-  host_memory_per_idle_vm_mb: MemoryBreakdown;
-  /** The template's RAM file on tmpfs (paid once per template, not per VM), MiB. */
-  template_ram_file_mb: number;
-  total_ms: number;
-  targets: {
-    spawn_vs_floor: Target;
-    exec_rtt_p50_ms: Target;
-    fork_parent_stall_ms: Target;
-    fork_children_ms: Target;
-    host_rss_per_idle_vm_mb: Target;
-  };
-}
-
-/** The engine's goals. Here only: timed tests never assert speed. */
-export const TARGETS = {
-  /** Spawn p50 at most 1.3x a bare QEMU restore: our code adds at most 30 %. */
-  spawnVsFloorMax: 1.3,
-  /** A warm exec round trip below 15 ms. */
-  execRttP50BelowMs: 15,
-  /** A fork stops the parent for less than 50 ms (forkd pauses its parent 56 ms). */
-  forkStallBelowMs: 50,
-  /** 8 children all answering within 1 s of the fork call. */
-  forkChildrenBelowMs: 1000,
-  /** An idle sandbox costs the host less than 40 MiB. */
-  rssBelowMb: 40,
-} as const;
-
 export const FORK_CHILDREN = 8;
 /** One-child forks timed for the stall by each method: a p50 of 3 is steady enough here. */
 const FORK_STALL_SAMPLES = 3;
 export const IDLE_VMS = 8;
 /** Untimed `true` runs before the RTT sample: the first ones after a restore pay TCG's re-translation. */
 const EXEC_WARMUP = 5;
-/** Guest-side limit of one `true`: it answers in milliseconds; 20 s means the guest is gone. */
-const EXEC_TIMEOUT_MS = 20_000;
 /** Cold boot budget: ~3 s under TCG here; 60 s covers a loaded CI host. */
 const BOOT_TIMEOUT_MS = 60_000;
 /** Idle sandboxes run this long before they are paused, then rest this long before the reading. */
@@ -173,100 +63,33 @@ const IDLE_PAUSED_MS = 500;
 
 const MIB_KB = 1024;
 
-class Interrupted extends Error {
-  constructor() {
-    super("benchmark interrupted");
-    this.name = "Interrupted";
-  }
-}
-
-interface Destroyable {
-  destroy(): Promise<void>;
-}
-
-/** What the run made, so that an error or an abort frees all of it. */
-class Scope {
-  readonly vms = new Set<Destroyable>();
-  template: TemplateMeta | undefined;
-  constructor(
-    readonly dataDir: string,
-    readonly shmRoot: string,
-    readonly signal: AbortSignal | undefined,
-  ) {}
-
-  get aborted(): boolean {
-    return this.signal?.aborted ?? false;
-  }
-
-  check(): void {
-    if (this.aborted) throw new Interrupted();
-  }
-
-  track<T extends Destroyable>(vm: T): T {
-    this.vms.add(vm);
-    if (this.aborted) {
-      this.release(vm).catch(() => {}); // cleanup() retries what is left
-      throw new Interrupted();
-    }
-    return vm;
-  }
-
-  async release(vm: Destroyable): Promise<void> {
-    this.vms.delete(vm);
-    await vm.destroy();
-  }
-
-  /** Re-runnable: frees whatever exists now (a step still in flight may add more; run again after it). */
-  async cleanup(): Promise<void> {
-    await Promise.allSettled([...this.vms].map((vm) => this.release(vm)));
-    if (this.template) {
-      const id = this.template.id;
-      this.template = undefined;
-      await deleteTemplate(this.dataDir, id).catch(() => {});
-    }
-    // A QEMU started by a step that was still in flight is not tracked yet: its command line
-    // names our scratch dirs (unique to this run), which is how we find it.
-    await killQemusNaming([this.dataDir, this.shmRoot]);
-    forgetChainStore(this.dataDir);
-    await rm(this.dataDir, { recursive: true, force: true });
-    await rm(this.shmRoot, { recursive: true, force: true });
-  }
-}
-
-function sleep(ms: number, scope: Scope): Promise<void> {
-  scope.check();
-  return new Promise((resolve) => {
-    const t = setTimeout(done, ms);
-    function done() {
-      clearTimeout(t);
-      scope.signal?.removeEventListener("abort", done);
-      resolve();
-    }
-    scope.signal?.addEventListener("abort", done, { once: true });
-  });
-}
-
-type Execer = { exec: SandboxVm["exec"] };
-
-/** Runs `true` as the image's config says; anything but exit 0 is an error. Returns wall ms. */
-async function runTrue(vm: Execer, config: ImageConfig): Promise<number> {
-  const t0 = performance.now();
-  const r = await vm.exec({ argv: ["true"], env: config.env, cwd: "/", timeoutMs: EXEC_TIMEOUT_MS });
-  const ms = performance.now() - t0;
-  if (r.exitCode !== 0)
-    throw new Error(
-      `\`true\` in the guest ${r.timedOut ? "timed out" : `exited ${r.exitCode ?? `by signal ${r.signal}`}`}: ` +
-        r.stderr.toString("utf8").slice(-500),
-    );
-  return ms;
-}
-
 function mib(kb: number): number {
   return round1(kb / MIB_KB);
 }
 
 function mean(xs: number[]): number {
   return xs.reduce((a, b) => a + b, 0) / Math.max(1, xs.length);
+}
+
+/** What every step of one run works with: its options, its scope, the engine's inputs. */
+interface Run {
+  o: BenchOptions;
+  log: (m: string) => void;
+  scope: Scope;
+  /** The run's scratch data dir (the engine's data dir for everything the run makes). */
+  dataDir: string;
+  shmRoot: string;
+  config: ImageConfig;
+}
+
+/** Boots, spawns and restores from the run's template, each tracked by the run's scope. */
+interface Spawner {
+  /** A cold spawn (no pre-launched QEMU): its wall time and the engine's restore time. */
+  spawn(): Promise<{ vm: SandboxVm; wallMs: number; readyMs: number }>;
+  /** A pre-launch, then a spawn that takes it: the spawn's wall time and the launch's. */
+  spawnPrelaunched(): Promise<{ vm: SandboxVm; wallMs: number; launchMs: number }>;
+  /** A bare QEMU restore of the template: the floor. */
+  floor(): Promise<number>;
 }
 
 export async function runBench(o: BenchOptions): Promise<BenchResult> {
@@ -283,236 +106,7 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
   };
   o.signal?.addEventListener("abort", onAbort, { once: true });
   try {
-    scope.check();
-    const artifacts = await ensureGuestArtifacts({ dataDir: o.dataDir, log });
-    const [accel, image] = await Promise.all([
-      probeAccelerator({ artifacts, log }),
-      importImage({ source: o.image, dataDir: o.dataDir, log, trustedSource: true }),
-    ]);
-    const config = image.config;
-    log(`accelerator ${accel.accel} (${accel.reason}); ${o.memMib} MiB, ${o.vcpus} vCPU`);
-
-    // -- cold boot
-    scope.check();
-    const booted = scope.track(
-      await bootVm({
-        dataDir,
-        image,
-        artifacts,
-        accel: accel.accel,
-        memMib: o.memMib,
-        vcpus: o.vcpus,
-        bringupTimeoutMs: BOOT_TIMEOUT_MS,
-      }),
-    );
-    const bootMs = booted.bootMs + (await runTrue(booted.guest, config));
-    await scope.release(booted);
-    log(`boot: ${bootMs.toFixed(0)} ms to the first exec`);
-
-    // -- template
-    scope.check();
-    const template = unwrap(
-      await buildTemplate({
-        dataDir,
-        image,
-        artifacts,
-        accel: accel.accel,
-        id: "bench",
-        memMib: o.memMib,
-        vcpus: o.vcpus,
-        shmRoot,
-        bringupTimeoutMs: BOOT_TIMEOUT_MS,
-      }),
-    );
-    scope.template = template;
-    const templateSnapshotMs = template.timings?.snapshotMs ?? Number.NaN;
-    log(`template: snapshot ${templateSnapshotMs.toFixed(1)} ms, state ${template.stateBytes} B`);
-
-    const spawn = async (): Promise<{ vm: SandboxVm; wallMs: number; readyMs: number }> => {
-      scope.check();
-      const t0 = performance.now();
-      const s = unwrap(await spawnFromTemplate({ dataDir, template }));
-      const wallMs = performance.now() - t0;
-      scope.track(s.vm);
-      return { vm: s.vm, wallMs, readyMs: s.timings.readyMs };
-    };
-    const spawnPrelaunched = async (): Promise<{ vm: SandboxVm; wallMs: number; launchMs: number }> => {
-      scope.check();
-      const t0 = performance.now();
-      const pre = unwrap(await prelaunchFromTemplate({ dataDir, template }));
-      const launchMs = performance.now() - t0;
-      scope.track(pre.vm);
-      const t1 = performance.now();
-      const s = unwrap(await spawnFromTemplate({ dataDir, template, prelaunched: pre }));
-      return { vm: s.vm, wallMs: performance.now() - t1, launchMs };
-    };
-    const floor = async (): Promise<number> => {
-      scope.check();
-      return (await floorRestoreMs({ dataDir, template })).totalMs;
-    };
-
-    // -- spawn vs. the floor, interleaved (alternating which goes first) so both see the same host
-    {
-      // One untimed round: the first of each pays for cold code paths on our side and QEMU's.
-      const w = await spawn();
-      await scope.release(w.vm);
-      const p = await spawnPrelaunched();
-      await scope.release(p.vm);
-      await floor();
-    }
-    const spawnWall: number[] = [];
-    const spawnReady: number[] = [];
-    const preWall: number[] = [];
-    const preLaunch: number[] = [];
-    const floors: number[] = [];
-    for (let i = 0; i < o.spawns; i++) {
-      if (i % 2 === 1) floors.push(await floor());
-      const s = await spawn();
-      spawnWall.push(s.wallMs);
-      spawnReady.push(s.readyMs);
-      await scope.release(s.vm);
-      const p = await spawnPrelaunched();
-      preWall.push(p.wallMs);
-      preLaunch.push(p.launchMs);
-      await scope.release(p.vm);
-      if (i % 2 === 0) floors.push(await floor());
-    }
-    const spawnMs = summarize(spawnWall);
-    const preMs = summarize(preWall);
-    const floorMs = summarize(floors);
-    log(`spawn p50: cold ${spawnMs.p50} ms, pre-launched ${preMs.p50} ms; floor p50 ${floorMs.p50} ms`);
-
-    // -- exec round trips on a warm sandbox
-    const parent = (await spawn()).vm;
-    for (let i = 0; i < EXEC_WARMUP; i++) await runTrue(parent, config);
-    const rtts: number[] = [];
-    for (let i = 0; i < o.execs; i++) {
-      scope.check();
-      rtts.push(await runTrue(parent, config));
-    }
-    const execMs = summarize(rtts);
-    log(`exec rtt p50 ${execMs.p50} ms`);
-
-    // -- the parent's stall: one-child forks by the method, interleaved with stop-and-copy ones
-    const method = await readyForkMethod(o.forkMethod ?? DEFAULT_FORK_METHOD, log);
-    const stalls: number[] = [];
-    const stopCopyStalls: number[] = [];
-    const populates: number[] = [];
-    for (let i = 0; i < FORK_STALL_SAMPLES; i++) {
-      for (const [k, m] of [method, "stop-copy" as const].entries()) {
-        scope.check();
-        const one = unwrap(await forkVm(parent, { count: 1, method: m }));
-        for (const c of one.children) scope.track(c);
-        (k === 0 ? stalls : stopCopyStalls).push(one.timings.parentStallMs);
-        if (k === 0 && one.timings.method === "snapshot") populates.push(one.timings.populateMs);
-        await Promise.all(one.children.map((c) => scope.release(c)));
-      }
-    }
-    log(
-      `fork stall p50: ${method} ${summarize(stalls).p50} ms, stop-copy ${summarize(stopCopyStalls).p50} ms`,
-    );
-
-    // -- fork of the running sandbox into 8 children, each answering an exec
-    scope.check();
-    const tFork = performance.now();
-    const forkChildren = o.forkChildren ?? FORK_CHILDREN;
-    const forked = unwrap(await forkVm(parent, { count: forkChildren, method }));
-    for (const c of forked.children) scope.track(c);
-    await Promise.all(forked.children.map((c) => runTrue(c, config)));
-    const forkChildrenMs = performance.now() - tFork;
-    const stall = forked.timings.parentStallMs;
-    if (!(stall > 0)) throw new Error("the fork's STOP/RESUME events were not seen: no stall figure");
-    await Promise.all(forked.children.map((c) => scope.release(c)));
-    const tFloor = performance.now();
-    await Promise.all(Array.from({ length: forkChildren }, floor));
-    const forkChildrenFloorMs = performance.now() - tFloor;
-    log(
-      `fork: stall ${stall.toFixed(1)} ms, ${forkChildren} children in ${forkChildrenMs.toFixed(0)} ms (floor: ${forkChildren} bare restores at once ${forkChildrenFloorMs.toFixed(0)} ms)`,
-    );
-
-    // -- suspend to disk and resume (the parent, which runs on after its fork)
-    scope.check();
-    await runTrue(parent, config);
-    let t0 = performance.now();
-    unwrap(await suspendVm(parent));
-    const suspendMs = performance.now() - t0;
-    scope.check();
-    t0 = performance.now();
-    unwrap(await resumeVm(parent));
-    const resumeMs = performance.now() - t0;
-    await runTrue(parent, config);
-    await scope.release(parent);
-    log(`suspend ${suspendMs.toFixed(0)} ms, resume ${resumeMs.toFixed(0)} ms`);
-
-    // -- host memory of idle sandboxes
-    const idle: SandboxVm[] = [];
-    for (let i = 0; i < IDLE_VMS; i++) {
-      const { vm } = await spawn();
-      idle.push(vm);
-      await runTrue(vm, config);
-    }
-    await sleep(IDLE_RUN_MS, scope);
-    for (const vm of idle) unwrap(await pauseVm(vm));
-    await sleep(IDLE_PAUSED_MS, scope);
-    const mems = await Promise.all(
-      idle.map((vm) => {
-        const pid = vm.process?.pid;
-        if (pid === undefined) throw new Error(`idle VM ${vm.id} has no QEMU`);
-        return qemuMemory(pid, template.memPath);
-      }),
-    );
-    const avg = (f: (m: { total: MemFields; guestRam: MemFields }) => number) => mib(mean(mems.map(f)));
-    const memory: MemoryBreakdown = {
-      pss: avg((m) => m.total.pss),
-      rss: avg((m) => m.total.rss),
-      private_dirty: avg((m) => m.total.privateDirty),
-      guest_ram_dirty: avg((m) => m.guestRam.privateDirty),
-      guest_ram_shared: avg((m) => m.guestRam.pss - m.guestRam.privateDirty),
-      qemu_own: avg((m) => m.total.pss - m.guestRam.pss),
-    };
-    const ramFileMb = round1(((await stat(template.memPath)).blocks * 512) / 1024 ** 2);
-    await Promise.all(idle.map((vm) => scope.release(vm)));
-    log(`idle VMs: ${memory.pss} MiB PSS each (guest dirtied ${memory.guest_ram_dirty} MiB)`);
-
-    const spawnVsFloor = round2(spawnMs.p50 / floorMs.p50);
-    const result: BenchResult = {
-      accel: accel.accel,
-      accel_reason: accel.reason,
-      guest_mem_mib: o.memMib,
-      vcpus: o.vcpus,
-      boot_ms: round1(bootMs),
-      template_snapshot_ms: round1(templateSnapshotMs),
-      spawn_ms: spawnMs,
-      spawn_restore_ms: summarize(spawnReady),
-      spawn_prelaunched_ms: preMs,
-      prelaunch_ms: summarize(preLaunch),
-      floor_restore_ms: floorMs,
-      spawn_vs_floor: spawnVsFloor,
-      exec_rtt_ms: execMs,
-      fork_method: method,
-      fork_parent_stall_ms: summarize(stalls).p50,
-      fork_parent_stall_summary_ms: summarize(stalls),
-      fork_stop_copy_stall_ms: summarize(stopCopyStalls),
-      fork_populate_ms: summarize(populates),
-      fork_children_stall_ms: round1(stall),
-      fork_children: forkChildren,
-      fork_children_ms: round1(forkChildrenMs),
-      fork_children_floor_ms: round1(forkChildrenFloorMs),
-      suspend_ms: round1(suspendMs),
-      resume_ms: round1(resumeMs),
-      idle_vms: IDLE_VMS,
-      host_rss_per_idle_vm_mb: memory.pss,
-      host_memory_per_idle_vm_mb: memory,
-      template_ram_file_mb: ramFileMb,
-      total_ms: 0,
-      targets: {
-        spawn_vs_floor: target(spawnVsFloor, TARGETS.spawnVsFloorMax, "max"),
-        exec_rtt_p50_ms: target(execMs.p50, TARGETS.execRttP50BelowMs, "below"),
-        fork_parent_stall_ms: target(summarize(stalls).p50, TARGETS.forkStallBelowMs, "below"),
-        fork_children_ms: target(round1(forkChildrenMs), TARGETS.forkChildrenBelowMs, "below"),
-        host_rss_per_idle_vm_mb: target(memory.pss, TARGETS.rssBelowMb, "below"),
-      },
-    };
+    const result = await measureAll(o, log, scope);
     await scope.cleanup();
     result.total_ms = round1(performance.now() - tStart);
     return result;
@@ -525,10 +119,297 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
   }
 }
 
-function target(value: number, limit: number, kind: "max" | "below"): Target {
-  return { limit, value, pass: kind === "max" ? value <= limit : value < limit };
+/** Every figure, step by step, on the caches of `o.dataDir` and the scratch dirs of `scope`. */
+async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scope): Promise<BenchResult> {
+  scope.check();
+  const artifacts = await ensureGuestArtifacts({ dataDir: o.dataDir, log });
+  const [accel, image] = await Promise.all([
+    probeAccelerator({ artifacts, log }),
+    importImage({ source: o.image, dataDir: o.dataDir, log, trustedSource: true }),
+  ]);
+  log(`accelerator ${accel.accel} (${accel.reason}); ${o.memMib} MiB, ${o.vcpus} vCPU`);
+  const run: Run = {
+    o,
+    log,
+    scope,
+    dataDir: scope.dataDir,
+    shmRoot: scope.shmRoot,
+    config: image.config,
+  };
+  const vmSpec = {
+    dataDir: run.dataDir,
+    image,
+    artifacts,
+    accel: accel.accel,
+    memMib: o.memMib,
+    vcpus: o.vcpus,
+  };
+
+  // -- cold boot
+  scope.check();
+  const booted = scope.track(await bootVm({ ...vmSpec, bringupTimeoutMs: BOOT_TIMEOUT_MS }));
+  const bootMs = booted.bootMs + (await runTrue(booted.guest, run.config));
+  await scope.release(booted);
+  log(`boot: ${bootMs.toFixed(0)} ms to the first exec`);
+
+  // -- template
+  scope.check();
+  const template = unwrap(
+    await buildTemplate({ ...vmSpec, id: "bench", shmRoot: run.shmRoot, bringupTimeoutMs: BOOT_TIMEOUT_MS }),
+  );
+  scope.template = template;
+  const templateSnapshotMs = template.timings?.snapshotMs ?? Number.NaN;
+  log(`template: snapshot ${templateSnapshotMs.toFixed(1)} ms, state ${template.stateBytes} B`);
+
+  const sp = spawner(run, template);
+  const spawns = await measureSpawns(run, sp);
+  const parent = (await sp.spawn()).vm;
+  const execMs = await measureExec(run, parent);
+  const stalls = await measureForkStalls(run, parent);
+  const fork = await measureForkChildren(run, sp, parent, stalls.method);
+  const suspend = await measureSuspendResume(run, parent);
+  await scope.release(parent);
+  const idle = await measureIdleMemory(run, sp, template);
+
+  const spawnVsFloor = round2(spawns.spawnMs.p50 / spawns.floorMs.p50);
+  const stallSummary = summarize(stalls.stalls);
+  return {
+    accel: accel.accel,
+    accel_reason: accel.reason,
+    guest_mem_mib: o.memMib,
+    vcpus: o.vcpus,
+    boot_ms: round1(bootMs),
+    template_snapshot_ms: round1(templateSnapshotMs),
+    spawn_ms: spawns.spawnMs,
+    spawn_restore_ms: spawns.spawnRestoreMs,
+    spawn_prelaunched_ms: spawns.preMs,
+    prelaunch_ms: spawns.prelaunchMs,
+    floor_restore_ms: spawns.floorMs,
+    spawn_vs_floor: spawnVsFloor,
+    exec_rtt_ms: execMs,
+    fork_method: stalls.method,
+    fork_parent_stall_ms: stallSummary.p50,
+    fork_parent_stall_summary_ms: stallSummary,
+    fork_stop_copy_stall_ms: summarize(stalls.stopCopyStalls),
+    fork_populate_ms: summarize(stalls.populates),
+    fork_children_stall_ms: round1(fork.stallMs),
+    fork_children: fork.children,
+    fork_children_ms: round1(fork.ms),
+    fork_children_floor_ms: round1(fork.floorMs),
+    suspend_ms: round1(suspend.suspendMs),
+    resume_ms: round1(suspend.resumeMs),
+    idle_vms: IDLE_VMS,
+    host_rss_per_idle_vm_mb: idle.memory.pss,
+    host_memory_per_idle_vm_mb: idle.memory,
+    template_ram_file_mb: idle.ramFileMb,
+    total_ms: 0,
+    targets: {
+      spawn_vs_floor: target(spawnVsFloor, TARGETS.spawnVsFloorMax, "max"),
+      exec_rtt_p50_ms: target(execMs.p50, TARGETS.execRttP50BelowMs, "below"),
+      fork_parent_stall_ms: target(stallSummary.p50, TARGETS.forkStallBelowMs, "below"),
+      fork_children_ms: target(round1(fork.ms), TARGETS.forkChildrenBelowMs, "below"),
+      host_rss_per_idle_vm_mb: target(idle.memory.pss, TARGETS.rssBelowMb, "below"),
+    },
+  };
 }
 
-export function isInterrupted(err: unknown): boolean {
-  return err instanceof Interrupted;
+function spawner(run: Run, template: TemplateMeta): Spawner {
+  const { scope, dataDir } = run;
+  return {
+    async spawn() {
+      scope.check();
+      const t0 = performance.now();
+      const s = unwrap(await spawnFromTemplate({ dataDir, template }));
+      const wallMs = performance.now() - t0;
+      scope.track(s.vm);
+      return { vm: s.vm, wallMs, readyMs: s.timings.readyMs };
+    },
+    async spawnPrelaunched() {
+      scope.check();
+      const t0 = performance.now();
+      const pre = unwrap(await prelaunchFromTemplate({ dataDir, template }));
+      const launchMs = performance.now() - t0;
+      scope.track(pre.vm);
+      const t1 = performance.now();
+      const s = unwrap(await spawnFromTemplate({ dataDir, template, prelaunched: pre }));
+      return { vm: s.vm, wallMs: performance.now() - t1, launchMs };
+    },
+    async floor() {
+      scope.check();
+      return (await floorRestoreMs({ dataDir, template })).totalMs;
+    },
+  };
+}
+
+/** Spawn vs. the floor, interleaved (alternating which goes first) so both see the same host. */
+async function measureSpawns(
+  run: Run,
+  sp: Spawner,
+): Promise<{
+  spawnMs: Summary;
+  spawnRestoreMs: Summary;
+  preMs: Summary;
+  prelaunchMs: Summary;
+  floorMs: Summary;
+}> {
+  const { scope } = run;
+  {
+    // One untimed round: the first of each pays for cold code paths on our side and QEMU's.
+    const w = await sp.spawn();
+    await scope.release(w.vm);
+    const p = await sp.spawnPrelaunched();
+    await scope.release(p.vm);
+    await sp.floor();
+  }
+  const spawnWall: number[] = [];
+  const spawnReady: number[] = [];
+  const preWall: number[] = [];
+  const preLaunch: number[] = [];
+  const floors: number[] = [];
+  for (let i = 0; i < run.o.spawns; i++) {
+    if (i % 2 === 1) floors.push(await sp.floor());
+    const s = await sp.spawn();
+    spawnWall.push(s.wallMs);
+    spawnReady.push(s.readyMs);
+    await scope.release(s.vm);
+    const p = await sp.spawnPrelaunched();
+    preWall.push(p.wallMs);
+    preLaunch.push(p.launchMs);
+    await scope.release(p.vm);
+    if (i % 2 === 0) floors.push(await sp.floor());
+  }
+  const spawnMs = summarize(spawnWall);
+  const preMs = summarize(preWall);
+  const floorMs = summarize(floors);
+  run.log(`spawn p50: cold ${spawnMs.p50} ms, pre-launched ${preMs.p50} ms; floor p50 ${floorMs.p50} ms`);
+  return {
+    spawnMs,
+    spawnRestoreMs: summarize(spawnReady),
+    preMs,
+    prelaunchMs: summarize(preLaunch),
+    floorMs,
+  };
+}
+
+/** Exec round trips on a warm sandbox. */
+async function measureExec(run: Run, parent: SandboxVm): Promise<Summary> {
+  for (let i = 0; i < EXEC_WARMUP; i++) await runTrue(parent, run.config);
+  const rtts: number[] = [];
+  for (let i = 0; i < run.o.execs; i++) {
+    run.scope.check();
+    rtts.push(await runTrue(parent, run.config));
+  }
+  const execMs = summarize(rtts);
+  run.log(`exec rtt p50 ${execMs.p50} ms`);
+  return execMs;
+}
+
+/** The parent's stall: one-child forks by the method, interleaved with stop-and-copy ones. */
+async function measureForkStalls(
+  run: Run,
+  parent: SandboxVm,
+): Promise<{ method: ForkMethod; stalls: number[]; stopCopyStalls: number[]; populates: number[] }> {
+  const { scope } = run;
+  const method = await readyForkMethod(run.o.forkMethod ?? DEFAULT_FORK_METHOD, run.log);
+  const stalls: number[] = [];
+  const stopCopyStalls: number[] = [];
+  const populates: number[] = [];
+  for (let i = 0; i < FORK_STALL_SAMPLES; i++) {
+    for (const [k, m] of [method, "stop-copy" as const].entries()) {
+      scope.check();
+      const one = unwrap(await forkVm(parent, { count: 1, method: m }));
+      for (const c of one.children) scope.track(c);
+      (k === 0 ? stalls : stopCopyStalls).push(one.timings.parentStallMs);
+      if (k === 0 && one.timings.method === "snapshot") populates.push(one.timings.populateMs);
+      await Promise.all(one.children.map((c) => scope.release(c)));
+    }
+  }
+  run.log(
+    `fork stall p50: ${method} ${summarize(stalls).p50} ms, stop-copy ${summarize(stopCopyStalls).p50} ms`,
+  );
+  return { method, stalls, stopCopyStalls, populates };
+}
+
+/** A fork of the running sandbox into `forkChildren` children, each answering an exec, and its floor. */
+async function measureForkChildren(
+  run: Run,
+  sp: Spawner,
+  parent: SandboxVm,
+  method: ForkMethod,
+): Promise<{ children: number; ms: number; stallMs: number; floorMs: number }> {
+  const { scope } = run;
+  scope.check();
+  const tFork = performance.now();
+  const children = run.o.forkChildren ?? FORK_CHILDREN;
+  const forked = unwrap(await forkVm(parent, { count: children, method }));
+  for (const c of forked.children) scope.track(c);
+  await Promise.all(forked.children.map((c) => runTrue(c, run.config)));
+  const ms = performance.now() - tFork;
+  const stallMs = forked.timings.parentStallMs;
+  if (!(stallMs > 0)) throw new Error("the fork's STOP/RESUME events were not seen: no stall figure");
+  await Promise.all(forked.children.map((c) => scope.release(c)));
+  const tFloor = performance.now();
+  await Promise.all(Array.from({ length: children }, sp.floor));
+  const floorMs = performance.now() - tFloor;
+  run.log(
+    `fork: stall ${stallMs.toFixed(1)} ms, ${children} children in ${ms.toFixed(0)} ms (floor: ${children} bare restores at once ${floorMs.toFixed(0)} ms)`,
+  );
+  return { children, ms, stallMs, floorMs };
+}
+
+/** Suspend to disk and resume (the parent, which runs on after its fork). */
+async function measureSuspendResume(
+  run: Run,
+  parent: SandboxVm,
+): Promise<{ suspendMs: number; resumeMs: number }> {
+  run.scope.check();
+  await runTrue(parent, run.config);
+  let t0 = performance.now();
+  unwrap(await suspendVm(parent));
+  const suspendMs = performance.now() - t0;
+  run.scope.check();
+  t0 = performance.now();
+  unwrap(await resumeVm(parent));
+  const resumeMs = performance.now() - t0;
+  await runTrue(parent, run.config);
+  run.log(`suspend ${suspendMs.toFixed(0)} ms, resume ${resumeMs.toFixed(0)} ms`);
+  return { suspendMs, resumeMs };
+}
+
+/** Host memory of IDLE_VMS idle, paused sandboxes, and the template's RAM file they share. */
+async function measureIdleMemory(
+  run: Run,
+  sp: Spawner,
+  template: TemplateMeta,
+): Promise<{ memory: MemoryBreakdown; ramFileMb: number }> {
+  const { scope } = run;
+  const idle: SandboxVm[] = [];
+  for (let i = 0; i < IDLE_VMS; i++) {
+    const { vm } = await sp.spawn();
+    idle.push(vm);
+    await runTrue(vm, run.config);
+  }
+  await sleep(IDLE_RUN_MS, scope);
+  for (const vm of idle) unwrap(await pauseVm(vm));
+  await sleep(IDLE_PAUSED_MS, scope);
+  const mems = await Promise.all(
+    idle.map((vm) => {
+      const pid = vm.process?.pid;
+      if (pid === undefined) throw new Error(`idle VM ${vm.id} has no QEMU`);
+      return qemuMemory(pid, template.memPath);
+    }),
+  );
+  const avg = (f: (m: { total: MemFields; guestRam: MemFields }) => number) => mib(mean(mems.map(f)));
+  const memory: MemoryBreakdown = {
+    pss: avg((m) => m.total.pss),
+    rss: avg((m) => m.total.rss),
+    private_dirty: avg((m) => m.total.privateDirty),
+    guest_ram_dirty: avg((m) => m.guestRam.privateDirty),
+    guest_ram_shared: avg((m) => m.guestRam.pss - m.guestRam.privateDirty),
+    qemu_own: avg((m) => m.total.pss - m.guestRam.pss),
+  };
+  const ramFileMb = round1(((await stat(template.memPath)).blocks * 512) / 1024 ** 2);
+  await Promise.all(idle.map((vm) => scope.release(vm)));
+  run.log(`idle VMs: ${memory.pss} MiB PSS each (guest dirtied ${memory.guest_ram_dirty} MiB)`);
+  return { memory, ramFileMb };
 }

@@ -10,34 +10,13 @@
  *
  * It ends by stopping the service and counting what it left (QEMUs, VM dirs, cgroups, uid locks).
  */
-import { randomBytes } from "node:crypto";
-import { readFileSync } from "node:fs";
 import { cpus, loadavg } from "node:os";
 import { hostCapacity } from "../agent/sandbox/capacity.ts";
-import { type Sandbox, Sandboxd } from "../sdk/typescript/src/index.ts";
-import { type BenchResult, FORK_CHILDREN, runBench } from "./engine.ts";
-import { type Leftovers, leftovers } from "./footprint.ts";
-import {
-  createKey,
-  removeDataDir,
-  seededDataDir,
-  spawnUp,
-  stopUp,
-  uploadTemplateAndWait,
-} from "./service.ts";
+import { FORK_CHILDREN, runBench } from "./engine.ts";
+import type { BenchResult } from "./engine-result.ts";
+import type { Leftovers } from "./footprint.ts";
+import { check, type HttpBenchOptions, measureService } from "./http-service.ts";
 import { round1, round2, type Summary, summarize } from "./stats.ts";
-
-const TEMPLATE_ID = "bench-http";
-/** Untimed `true` runs before the exec sample, as the engine bench does (TCG re-translation). */
-const EXEC_WARMUP = 5;
-/** One request's deadline: a create or fork under TCG on a loaded host takes seconds, not minutes. */
-const CALL_TIMEOUT_MS = 120_000;
-/** A tunnel exchange (one GET through the WebSocket) that has not ended by then is broken. */
-const TUNNEL_TIMEOUT_MS = 60_000;
-/** httpd needs a moment to bind after the exec that starts it returns. */
-const HTTPD_START_WAIT_MS = 300;
-/** Connect URLs live this long: the run needs seconds; 300 s leaves room on a loaded host. */
-const CONNECT_TTL_S = 300;
 
 /**
  * The forks' default child count: bench's, within what the service admits here. Its
@@ -46,30 +25,6 @@ const CONNECT_TTL_S = 300;
  */
 export function defaultForkChildren(): number {
   return Math.max(1, Math.min(FORK_CHILDREN, hostCapacity(undefined).vcpus - 3));
-}
-
-export interface HttpBenchOptions {
-  image: string;
-  /** Data dir whose caches (guest artifacts, imported images) are used, as `bench`. */
-  cacheDir: string;
-  memMib: number;
-  vcpus: number;
-  /** Timed creates through the service (and as many spawns of the engine bench). */
-  creates: number;
-  /** Timed `true` execs through the service (and as many on the engine). */
-  execs: number;
-  /** Timed suspend + resume pairs through the service. */
-  suspends: number;
-  /** Timed tunnel opens (connect-url, WebSocket, one small GET). */
-  tunnels: number;
-  /** Size of the file fetched through the tunnel for its throughput, MiB. */
-  tunnelMib: number;
-  /** Children of the timed forks, the engine's and the service's (bench forks FORK_CHILDREN). */
-  forkChildren: number;
-  /** The guest port the image exposes. */
-  port: number;
-  signal?: AbortSignal;
-  log: (m: string) => void;
 }
 
 /** One operation: through the service and on the engine, p50 apart. */
@@ -126,16 +81,6 @@ export interface HttpBenchResult {
   total_ms: number;
 }
 
-function check(signal: AbortSignal | undefined): void {
-  if (signal?.aborted) throw new Error("benchmark interrupted");
-}
-
-async function timed<T>(f: () => Promise<T>): Promise<{ ms: number; value: T }> {
-  const t0 = performance.now();
-  const value = await f();
-  return { ms: performance.now() - t0, value };
-}
-
 function compare(http: number[], engine: [Summary, Summary] | null, figure: string | null): Compared {
   const h = summarize(http);
   if (!engine)
@@ -160,66 +105,6 @@ function compare(http: number[], engine: [Summary, Summary] | null, figure: stri
 
 /** An engine figure measured once, as a summary of one sample. */
 const once = (ms: number): Summary => summarize([ms]);
-
-async function execTrue(sb: Sandbox): Promise<number> {
-  const r = await sb.exec(["true"]);
-  if (r.exitCode !== 0) throw new Error(`\`true\` through the service exited ${r.exitCode}: ${r.stderr}`);
-  return r.totalTimeMs;
-}
-
-/**
- * One HTTP/1.0 GET of `path` through the connect URL `url`: ms to the WebSocket's open, ms to
- * the first byte of the answer, ms to its end, and the bytes received (headers included).
- */
-function tunnelGet(
-  url: string,
-  path: string,
-): Promise<{ openMs: number; firstByteMs: number; endMs: number; bytes: number }> {
-  return new Promise((resolve, reject) => {
-    const t0 = performance.now();
-    const ws = new WebSocket(url);
-    ws.binaryType = "arraybuffer";
-    let openMs = 0;
-    let firstByteMs = 0;
-    let bytes = 0;
-    const timer = setTimeout(() => {
-      ws.close();
-      reject(new Error(`tunnel GET ${path}: no end within ${TUNNEL_TIMEOUT_MS} ms`));
-    }, TUNNEL_TIMEOUT_MS);
-    ws.onopen = () => {
-      openMs = performance.now() - t0;
-      ws.send(new TextEncoder().encode(`GET ${path} HTTP/1.0\r\n\r\n`));
-    };
-    ws.onmessage = (e) => {
-      if (bytes === 0) firstByteMs = performance.now() - t0;
-      bytes += typeof e.data === "string" ? e.data.length : (e.data as ArrayBuffer).byteLength;
-    };
-    ws.onerror = () => {
-      clearTimeout(timer);
-      reject(new Error(`tunnel GET ${path}: WebSocket error`));
-    };
-    ws.onclose = () => {
-      clearTimeout(timer);
-      if (bytes === 0) reject(new Error(`tunnel GET ${path}: closed with no answer`));
-      else resolve({ openMs, firstByteMs, endMs: performance.now() - t0, bytes });
-    };
-  });
-}
-
-/** The service's raw samples, ms (bench's figures, through the HTTP API). */
-interface ServiceSamples {
-  create: number[];
-  delete: number[];
-  exec: number[];
-  execReported: number[];
-  fork: number;
-  forkCall: number;
-  suspend: number[];
-  resume: number[];
-  tunnelOpen: number[];
-  tunnel: { bytes: number; ms: number };
-  leftovers: Leftovers;
-}
 
 /** The engine's figures (engine.ts) at the shape and counts of the service's. */
 function engineRun(o: HttpBenchOptions): Promise<BenchResult> {
@@ -307,136 +192,4 @@ export async function runHttpBench(o: HttpBenchOptions): Promise<HttpBenchResult
     leftovers: svc.leftovers,
     total_ms: round1(performance.now() - t0),
   };
-}
-
-/** Bench's operations through a real `sandboxd up` on a fresh data dir, stopped at the end. */
-async function measureService(o: HttpBenchOptions): Promise<ServiceSamples> {
-  const { log, signal } = o;
-  log("bench --http: the same through `sandboxd up`");
-  const dataDir = await seededDataDir("sbx-bench-http-", o.cacheDir, log);
-  const live = new Set<Sandbox>();
-  let up: ReturnType<typeof spawnUp>["up"] | undefined;
-  try {
-    const scale = createKey(dataDir, "bench", "scale");
-    const pro = createKey(dataDir, "bench", "pro");
-    const started = spawnUp(dataDir, {});
-    up = started.up;
-    const base = await started.listening;
-    log(`bench --http: up ${base}, data ${dataDir}`);
-    await uploadTemplateAndWait(
-      base,
-      scale,
-      TEMPLATE_ID,
-      readFileSync(o.image),
-      `&mem_mib=${o.memMib}&vcpu_count=${o.vcpus}`,
-    );
-    // No retries: a 429 or 503 is a failure of the run, not a slower figure.
-    const client = new Sandboxd({ baseUrl: base, apiKey: pro, retry: false, timeoutMs: CALL_TIMEOUT_MS });
-    const create = async (): Promise<{ ms: number; sb: Sandbox }> => {
-      check(signal);
-      const { ms, value } = await timed(() => client.sandboxes.create({ template: TEMPLATE_ID }));
-      live.add(value);
-      return { ms, sb: value };
-    };
-    const destroy = async (sb: Sandbox): Promise<number> => {
-      const { ms } = await timed(() => sb.delete());
-      live.delete(sb);
-      return ms;
-    };
-
-    // -- create (and delete), one untimed round first: cold code paths on both sides.
-    {
-      const w = await create();
-      await execTrue(w.sb);
-      await destroy(w.sb);
-    }
-    const createMs: number[] = [];
-    const deleteMs: number[] = [];
-    for (let i = 0; i < o.creates; i++) {
-      const c = await create();
-      createMs.push(c.ms);
-      await execTrue(c.sb);
-      deleteMs.push(await destroy(c.sb));
-    }
-    log(`http create p50 ${summarize(createMs).p50} ms`);
-
-    // -- exec round trips on one warm sandbox
-    const { sb } = await create();
-    for (let i = 0; i < EXEC_WARMUP; i++) await execTrue(sb);
-    const execMs: number[] = [];
-    const reported: number[] = [];
-    for (let i = 0; i < o.execs; i++) {
-      check(signal);
-      const r = await timed(() => execTrue(sb));
-      execMs.push(r.ms);
-      reported.push(r.value);
-    }
-    log(`http exec p50 ${summarize(execMs).p50} ms`);
-
-    // -- fork, each child answering an exec
-    check(signal);
-    const tFork = performance.now();
-    const call = await timed(() => sb.fork({ count: o.forkChildren }));
-    for (const c of call.value) live.add(c);
-    await Promise.all(call.value.map((c) => execTrue(c)));
-    const forkMs = performance.now() - tFork;
-    await Promise.all(call.value.map((c) => destroy(c)));
-    log(`http fork: ${o.forkChildren} children answering in ${round1(forkMs)} ms`);
-
-    // -- suspend and resume
-    const suspendMs: number[] = [];
-    const resumeMs: number[] = [];
-    for (let i = 0; i < o.suspends; i++) {
-      check(signal);
-      await execTrue(sb);
-      suspendMs.push((await timed(() => sb.suspend())).ms);
-      resumeMs.push((await timed(() => sb.resume())).ms);
-      await execTrue(sb);
-    }
-
-    // -- the connect-URL tunnel: opens, then one large GET for its throughput
-    const blob = `/b${randomBytes(4).toString("hex")}`;
-    const setup = await sb.exec([
-      "sh",
-      "-c",
-      `mkdir -p /srv && echo ok > /srv/small && dd if=/dev/urandom of=/srv${blob} bs=1048576 count=${o.tunnelMib} 2>/dev/null && setsid busybox httpd -p 127.0.0.1:${o.port} -h /srv`,
-    ]);
-    if (setup.exitCode !== 0) throw new Error(`starting httpd in the guest: ${setup.stderr}`);
-    await Bun.sleep(HTTPD_START_WAIT_MS);
-    const openMs: number[] = [];
-    for (let i = 0; i < o.tunnels; i++) {
-      check(signal);
-      const tOpen = performance.now();
-      const { url } = await sb.connectUrl({ port: o.port, ttlSeconds: CONNECT_TTL_S });
-      const g = await tunnelGet(url, "/small");
-      // connect-url minted, WebSocket open, first byte of the guest's answer.
-      openMs.push(performance.now() - tOpen - (g.endMs - g.firstByteMs));
-    }
-    const { url } = await sb.connectUrl({ port: o.port, ttlSeconds: CONNECT_TTL_S });
-    const big = await tunnelGet(url, blob);
-    const xferMs = big.endMs - big.openMs;
-    if (big.bytes < o.tunnelMib * 2 ** 20)
-      throw new Error(`tunnel GET: ${big.bytes} bytes, expected ${o.tunnelMib} MiB and headers`);
-    await destroy(sb);
-
-    // Leftovers are counted once the service has stopped (its pre-launched QEMUs are its own).
-    await stopUp(up);
-    return {
-      create: createMs,
-      delete: deleteMs,
-      exec: execMs,
-      execReported: reported,
-      fork: forkMs,
-      forkCall: call.ms,
-      suspend: suspendMs,
-      resume: resumeMs,
-      tunnelOpen: openMs,
-      tunnel: { bytes: big.bytes, ms: xferMs },
-      leftovers: await leftovers(dataDir),
-    };
-  } finally {
-    await Promise.allSettled([...live].map((s) => s.delete()));
-    if (up) await stopUp(up);
-    await removeDataDir(dataDir);
-  }
 }
