@@ -50,14 +50,19 @@ export interface SoakResult {
   total_ms: number;
 }
 
-export async function runSoak(o: {
+interface SoakOptions {
   cycles: number;
   image: string;
   /** The cache whose guest artifacts seed the soak's data dir. */
   cacheDir: string;
   signal?: AbortSignal;
   log: (m: string) => void;
-}): Promise<SoakResult> {
+}
+
+/** A sample of the service after a full GC, with its live object counts per type. */
+type Measure = () => Promise<{ s: SoakSample & SoakHeap; types: Record<string, number> }>;
+
+export async function runSoak(o: SoakOptions): Promise<SoakResult> {
   const t0 = performance.now();
   const dataDir = await seededDataDir("sbx-soak-", o.cacheDir, o.log);
   // The guest artifacts (kernel, initramfs) are built once in the cache and copied: each soak's
@@ -70,10 +75,60 @@ export async function runSoak(o: {
     const h = parseHeapStatsLine(line);
     if (h) heapWaiters.shift()?.(h);
   });
-  /** The service's heap after a full GC, and its RSS and files right after. */
-  const measure = async (
-    pid: number,
-  ): Promise<{ s: SoakSample & SoakHeap; types: Record<string, number> }> => {
+  try {
+    const base = await listening;
+    const pid = up.pid!;
+    o.log(`soak: up ${base} (pid ${pid}), data ${dataDir}`);
+    await uploadTemplateAndWait(base, scale, TEMPLATE_ID, o.image);
+    const cycle = () => soakCycle(base, live);
+    const measure = heapMeasure(pid, dataDir, heapWaiters);
+    await cycle(); // warm-up: not counted
+    const first = await measure();
+    const run = await runCycles(o, cycle, measure, first.s);
+    // Destroys finish in the background of the API's answer (the VM's directory, its cgroup).
+    await Bun.sleep(1000);
+    const last = await measure();
+    run.series.push(point(run.done, last.s));
+    // Leftovers are counted once the service has stopped: while it runs, the QEMUs it keeps
+    // pre-launched for the template (agent/sandbox/prelaunch-pool.ts) are its own, and it frees
+    // them at stop; a deleted sandbox's QEMU would outlive the stop and be counted.
+    up.kill("SIGTERM");
+    await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
+    return {
+      cycles: run.done,
+      failures: run.failures,
+      errors: run.errors,
+      start: first.s,
+      middle: run.middle,
+      end: last.s,
+      series: run.series,
+      growing_types: growingTypes(first.types, last.types),
+      leftovers: await leftovers(dataDir),
+      total_ms: Math.round(performance.now() - t0),
+    };
+  } finally {
+    await stopAndRemove(up, dataDir);
+  }
+}
+
+/** One create -> exec -> delete cycle of a Family A session; an exec that does not echo fails it. */
+async function soakCycle(base: string, key: string): Promise<void> {
+  const s = (await call(base, key, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {
+    session_id: string;
+  };
+  const r = (await call(base, key, "POST", `/v1/sessions/${s.session_id}/exec`, {
+    commands: [["echo", "soak"]],
+  })) as { stdout: string; exit_code: number };
+  await call(base, key, "DELETE", `/v1/sessions/${s.session_id}`);
+  if (r.exit_code !== 0 || r.stdout.trim() !== "soak") throw new Error(`exec answered ${JSON.stringify(r)}`);
+}
+
+/**
+ * The service's heap after a full GC (asked for by SIGUSR2, read from its log), and its RSS and
+ * files right after.
+ */
+function heapMeasure(pid: number, dataDir: string, heapWaiters: ((h: HeapStatsLine) => void)[]): Measure {
+  return async () => {
     const h = await new Promise<HeapStatsLine>((ok, fail) => {
       const timer = setTimeout(
         () => fail(new Error("the service printed no heap stats")),
@@ -96,82 +151,61 @@ export async function runSoak(o: {
       types: h.types,
     };
   };
-  try {
-    const base = await listening;
-    const pid = up.pid!;
-    o.log(`soak: up ${base} (pid ${pid}), data ${dataDir}`);
-    await uploadTemplateAndWait(base, scale, TEMPLATE_ID, o.image);
-    const cycle = async () => {
-      const s = (await call(base, live, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {
-        session_id: string;
-      };
-      const r = (await call(base, live, "POST", `/v1/sessions/${s.session_id}/exec`, {
-        commands: [["echo", "soak"]],
-      })) as { stdout: string; exit_code: number };
-      await call(base, live, "DELETE", `/v1/sessions/${s.session_id}`);
-      if (r.exit_code !== 0 || r.stdout.trim() !== "soak")
-        throw new Error(`exec answered ${JSON.stringify(r)}`);
-    };
-    await cycle(); // warm-up: not counted
-    const first = await measure(pid);
-    const start = first.s;
-    const point = (cycle: number, m: SoakSample & SoakHeap): SoakPoint => ({
-      cycle,
-      rss_kib: m.rss_kib,
-      rss_anon_kib: m.rss_anon_kib,
-      rss_jit_kib: m.rss_jit_kib,
-      heap_bytes: m.heap_bytes,
-      external_bytes: m.external_bytes,
-      heap_capacity_bytes: m.heap_capacity_bytes,
-      object_count: m.object_count,
-    });
-    const series: SoakPoint[] = [point(0, start)];
-    let middle = start;
-    let failures = 0;
-    const errors: string[] = [];
-    let done = 0;
-    for (; done < o.cycles && !o.signal?.aborted; done++) {
-      try {
-        await cycle();
-      } catch (err) {
-        failures++;
-        if (errors.length < 5) errors.push(err instanceof Error ? err.message : String(err));
-      }
-      const n = done + 1;
-      const half = n === Math.floor(o.cycles / 2);
-      if ((n % SOAK_SAMPLE_EVERY === 0 || half) && n < o.cycles) {
-        const m = (await measure(pid)).s;
-        series.push(point(n, m));
-        if (half) middle = m;
-        o.log(`soak: ${n}/${o.cycles} rss ${m.rss_kib} KiB heap ${m.heap_bytes} B`);
-      }
-    }
-    // Destroys finish in the background of the API's answer (the VM's directory, its cgroup).
-    await Bun.sleep(1000);
-    const last = await measure(pid);
-    const end = last.s;
-    series.push(point(done, end));
-    // Leftovers are counted once the service has stopped: while it runs, the QEMUs it keeps
-    // pre-launched for the template (agent/sandbox/prelaunch-pool.ts) are its own, and it frees
-    // them at stop; a deleted sandbox's QEMU would outlive the stop and be counted.
-    up.kill("SIGTERM");
-    await new Promise((r) => (up.exitCode !== null ? r(undefined) : up.once("exit", r)));
-    return {
-      cycles: done,
-      failures,
-      errors,
-      start,
-      middle,
-      end,
-      series,
-      growing_types: growingTypes(first.types, last.types),
-      leftovers: await leftovers(dataDir),
-      total_ms: Math.round(performance.now() - t0),
-    };
-  } finally {
-    await stopAndRemove(up, dataDir);
-  }
 }
+
+/**
+ * The counted cycles, until `o.cycles` or the abort: failures counted (the first 5 messages kept),
+ * a series point every SOAK_SAMPLE_EVERY cycles and the middle sample at half-way.
+ */
+async function runCycles(
+  o: SoakOptions,
+  cycle: () => Promise<void>,
+  measure: Measure,
+  start: SoakSample & SoakHeap,
+): Promise<{
+  done: number;
+  failures: number;
+  errors: string[];
+  middle: SoakSample & SoakHeap;
+  series: SoakPoint[];
+}> {
+  const series: SoakPoint[] = [point(0, start)];
+  let middle = start;
+  let failures = 0;
+  const errors: string[] = [];
+  let done = 0;
+  for (; done < o.cycles && !o.signal?.aborted; done++) {
+    try {
+      await cycle();
+    } catch (err) {
+      failures++;
+      if (errors.length < 5) errors.push(err instanceof Error ? err.message : String(err));
+    }
+    const n = done + 1;
+    const half = n === Math.floor(o.cycles / 2);
+    if ((n % SOAK_SAMPLE_EVERY === 0 || half) && n < o.cycles) {
+      const m = (await measure()).s;
+      series.push(point(n, m));
+      if (half) middle = m;
+      o.log(`soak: ${n}/${o.cycles} rss ${m.rss_kib} KiB heap ${m.heap_bytes} B`);
+    }
+  }
+  return { done, failures, errors, middle, series };
+}
+
+function point(cycle: number, m: SoakSample & SoakHeap): SoakPoint {
+  return {
+    cycle,
+    rss_kib: m.rss_kib,
+    rss_anon_kib: m.rss_anon_kib,
+    rss_jit_kib: m.rss_jit_kib,
+    heap_bytes: m.heap_bytes,
+    external_bytes: m.external_bytes,
+    heap_capacity_bytes: m.heap_capacity_bytes,
+    object_count: m.object_count,
+  };
+}
+
 /** The GROWING_TYPES types whose live count grew most from `a` to `b`, by growth. */
 export function growingTypes(a: Record<string, number>, b: Record<string, number>): Record<string, number> {
   return Object.fromEntries(
