@@ -25,7 +25,7 @@ import { type GuestClient, GuestError, GuestListener } from "./client.ts";
 import { listDir, readFileStream, removePath } from "./fs-ops.ts";
 
 /** Every C file of the agent (one per concern; agent.h and protocol.h are included by them). */
-const SRC_DIR = join(import.meta.dir, "agent");
+const SRC_DIR = join(import.meta.dir, "..", "..", "guest");
 const SRCS = readdirSync(SRC_DIR)
   .filter((f) => f.endsWith(".c"))
   .sort()
