@@ -1,8 +1,8 @@
 import { describe, expect, test } from "bun:test";
 import { spawn } from "node:child_process";
 import { resolve } from "node:path";
+import { growingTypes } from "../bench/soak.ts";
 import { HEAP_STATS_ENV, installHeapStatsSignal, parseHeapStatsLine } from "./heap-stats.ts";
-import { growingTypes } from "./soak.ts";
 
 const BUN = process.execPath;
 const MODULE = resolve(import.meta.dir, "heap-stats.ts");

@@ -4,7 +4,7 @@
  * garbage collection and printing one line to stderr, `heap-stats {json}`: RSS, the heap's size
  * and object count after the collection, the allocator's own size, and the object counts per
  * type. Off by default (nothing is installed and SIGUSR2 keeps its default); `bench --soak`
- * turns it on for the service it starts and reads the lines (cli/soak.ts).
+ * turns it on for the service it starts and reads the lines (bench/soak.ts).
  */
 import { heapStats } from "bun:jsc";
 

@@ -152,7 +152,7 @@ async function main(argv: string[]): Promise<number> {
       return cmdAgent(rest, buildStamp(), log);
     }
     case "bench": {
-      const { cmdBench } = await import("./bench.ts");
+      const { cmdBench } = await import("../bench/cmd.ts");
       return cmdBench(rest, log);
     }
     case "doctor": {

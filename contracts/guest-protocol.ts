@@ -1,6 +1,6 @@
 /**
  * sandboxd guest protocol, version 1: the numbers shared by the host agent (TypeScript) and
- * the guest agent (C, agent/guest/agent/protocol.h). A drift test compares the two.
+ * the guest agent (C, guest/protocol.h). A drift test compares the two.
  * Prose and semantics: docs/guest-protocol.md.
  */
 export const MAGIC = 0x5342;

@@ -26,7 +26,7 @@ import { listDir, readFileStream, removePath } from "./fs-ops.ts";
 import { GuestListener } from "./listener.ts";
 
 /** Every C file of the agent (one per concern; agent.h and protocol.h are included by them). */
-const SRC_DIR = join(import.meta.dir, "agent");
+const SRC_DIR = join(import.meta.dir, "..", "..", "guest");
 const SRCS = readdirSync(SRC_DIR)
   .filter((f) => f.endsWith(".c"))
   .sort()

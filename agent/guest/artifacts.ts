@@ -84,9 +84,9 @@ export const GUEST_MODULES: ReadonlyArray<{ name: string; required: boolean }> =
 ];
 
 const REPO_ROOT = resolve(import.meta.dir, "..", "..");
-const AGENT_SRC_DIR = join(REPO_ROOT, "agent", "guest");
+const AGENT_SRC_DIR = join(REPO_ROOT, "guest");
 /** The guest agent's C sources: one file per concern, one shared header, protocol.h. */
-const AGENT_C_DIR = join(AGENT_SRC_DIR, "agent");
+const AGENT_C_DIR = AGENT_SRC_DIR;
 export const DEFAULT_AGENT_BINARY = join(REPO_ROOT, "build", "guest", "sandboxd-agent");
 
 /** One build per cache directory at a time inside this process. */
@@ -352,14 +352,14 @@ async function walk(dir: string): Promise<string[]> {
 // Agent binary
 
 /**
- * Builds the static guest agent: through agent/guest/Makefile when there is one (its owner knows
- * the flags), else straight from every .c in agent/guest/agent/ with musl-gcc. Skipped when the
+ * Builds the static guest agent: through guest/Makefile when there is one (its owner knows
+ * the flags), else straight from every .c in guest/ with musl-gcc. Skipped when the
  * binary is newer than every source (.c and .h), so a cached initramfs stays valid.
  */
 async function buildAgent(log: (msg: string) => void): Promise<string> {
   const makefile = join(AGENT_SRC_DIR, "Makefile");
   if (existsSync(makefile)) {
-    log("building the guest agent: make -C agent/guest");
+    log("building the guest agent: make -C guest");
     await run("make", ["-C", AGENT_SRC_DIR], { cwd: REPO_ROOT });
   } else {
     const srcs = await agentSources();
@@ -369,7 +369,7 @@ async function buildAgent(log: (msg: string) => void): Promise<string> {
       );
     }
     if (await isStale(DEFAULT_AGENT_BINARY, srcs)) {
-      log("building the guest agent: musl-gcc -static agent/guest/agent/*.c");
+      log("building the guest agent: musl-gcc -static guest/*.c");
       await mkdir(dirname(DEFAULT_AGENT_BINARY), { recursive: true });
       const cFiles = srcs.filter((f) => f.endsWith(".c"));
       await run("musl-gcc", ["-static", "-Os", "-Wall", "-o", DEFAULT_AGENT_BINARY, ...cFiles], {

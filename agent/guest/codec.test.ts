@@ -253,7 +253,7 @@ describe("TLV", () => {
 
 describe("protocol.h agrees with contracts/guest-protocol.ts", () => {
   test("every number matches", async () => {
-    const h = await Bun.file(new URL("./agent/protocol.h", import.meta.url)).text();
+    const h = await Bun.file(new URL("../../guest/protocol.h", import.meta.url)).text();
     const defs = new Map<string, number>();
     for (const m of h.matchAll(/^#define\s+SBX_(\w+)\s+(0x[0-9a-fA-F]+|\d+)/gm))
       defs.set(m[1]!, Number(m[2]));

@@ -28,7 +28,7 @@ const GRANT_BATCH = TUNNEL_WINDOW / 4;
 /**
  * How long our CLOSE waits for the guest's before the id is released anyway. The guest answers
  * once it has written what we sent into its socket, for at most 5 s (TUNNEL_LINGER_MS in
- * agent/guest/agent/tunnel.c); 30 s adds room for frames queued behind on a loaded TCG host.
+ * guest/tunnel.c); 30 s adds room for frames queued behind on a loaded TCG host.
  */
 export const CLOSE_ANSWER_MS = 30_000;
 

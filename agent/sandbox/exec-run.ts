@@ -150,7 +150,7 @@ async function* oneChunk(b: string | Uint8Array): AsyncIterable<Uint8Array | str
 
 /**
  * The guest refuses an exec whose working directory is missing or not a directory before anything
- * runs (agent/guest/agent/exec.c): that is the request's fault, a 400 naming the path.
+ * runs (guest/exec.c): that is the request's fault, a 400 naming the path.
  */
 export function cwdError(err: unknown, cwd: string): SandboxdError | undefined {
   if (!(err instanceof GuestError) || err.code !== "guest_error" || !err.message.startsWith("exec: cwd"))

@@ -3,7 +3,7 @@
  * records that it runs; the agent owns *how*. Every call is a typed action; nothing here knows
  * about HTTP. The agent serves it over HTTP (agent/api/app.ts, docs/agent-api.md); the gateway
  * calls it through `AgentHttpClient` (gateway/agents/client.ts), and its tests through an
- * in-memory stand-in (gateway/testing/memory-agent.ts).
+ * in-memory stand-in (tests/support/memory-agent.ts).
  *
  * The wire data is defined once, as the zod schemas in schemas.ts; the types below are inferred
  * from them. Only what never crosses the wire as JSON is written by hand: the method set

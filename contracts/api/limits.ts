@@ -328,7 +328,7 @@ export const MAX_EXEC_USER_CHARS = 32;
 /**
  * Our choice: `stdin` (or the bytes of `stdin_b64`) of one exec. It is streamed to the guest in
  * 64 KiB frames, and the guest queues at most 16 MiB of stdin its command has not read yet
- * (agent/guest/agent/exec.c STDIN_QUEUE_LIMIT); 4 MiB stays well under that and, even as base64,
+ * (guest/exec.c STDIN_QUEUE_LIMIT); 4 MiB stays well under that and, even as base64,
  * inside the 10 MiB JSON body.
  */
 export const MAX_EXEC_STDIN_BYTES = 4 * 1024 * 1024;
@@ -344,7 +344,7 @@ export const MAX_EXEC_STDIN_BYTES = 4 * 1024 * 1024;
 export const MAX_FILE_TRANSFER_BYTES = 4 * 1024 * 1024 * 1024;
 /**
  * Our choice: most entries one `list=true` answers. The guest sends them in one 1 MiB frame
- * (agent/guest/agent/fsops.c LIST_DIR_MAX is the same number); past it the answer says
+ * (guest/fsops.c LIST_DIR_MAX is the same number); past it the answer says
  * `truncated: true` and the rest are not listed.
  */
 export const MAX_LIST_ENTRIES = 10_000;

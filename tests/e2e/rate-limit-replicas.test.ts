@@ -10,7 +10,6 @@
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { openDb } from "../../db/client.ts";
-import { findPgBin, startPostgres, type TestPostgres } from "../../db/testing/postgres.ts";
 import { SharedRateLimiter } from "../../gateway/auth/rate-limit.ts";
 import {
   latencySummary,
@@ -21,6 +20,7 @@ import {
   startServing,
   waitFor,
 } from "../support/e2e-service.ts";
+import { findPgBin, startPostgres, type TestPostgres } from "../support/postgres.ts";
 
 /** PostgreSQL's initdb, two gateways and an agent (which checks the host) on a loaded machine. */
 const SETUP_TIMEOUT_MS = 240_000;

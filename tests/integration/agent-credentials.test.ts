@@ -6,7 +6,6 @@ import { CREDENTIALS_FILE, enroll, loadOrEnroll } from "../../agent/api/enroll.t
 import type { HeartbeatSender } from "../../agent/api/heartbeat.ts";
 import type { SandboxDriver } from "../../agent/sandbox/drivers/driver.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
-import { tempStateDir } from "../../agent/sandbox/testing.ts";
 import { ENROLL_PATH } from "../../contracts/agent/enroll.ts";
 import { HEARTBEAT_PATH, type Heartbeat } from "../../contracts/agent/heartbeat.ts";
 import { type AgentCredentials, secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
@@ -17,6 +16,7 @@ import { createEnrollmentToken } from "../../gateway/agents/enrollment.ts";
 import { revokeAgent } from "../../gateway/agents/registry.ts";
 import type { RunningGateway } from "../../gateway/server.ts";
 import { errorOf, startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
+import { tempStateDir } from "../support/real-vm.ts";
 
 /**
  * Per-agent credentials (gateway/agents/enrollment.ts, agent/api/enroll.ts): a real gateway

@@ -1,7 +1,7 @@
 /**
  * Gateway logic through app.request(): auth, tiers, tenancy, validation, limits, error mapping.
- * Real PGlite db in a temp dir; the host agent is the in-memory STAND-IN (gateway/testing/
- * memory-agent.ts), which runs no VMs. Real-VM end-to-end tests come with the real agent.
+ * Real PGlite db in a temp dir; the host agent is the in-memory STAND-IN
+ * (tests/support/memory-agent.ts), which runs no VMs. Real-VM end-to-end tests come with the real agent.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { eq, inArray } from "drizzle-orm";
@@ -12,7 +12,7 @@ import { FixedPlacement } from "../../gateway/agents/placement.ts";
 import { endStaleExecs, reapIdleSessions } from "../../gateway/core/sandboxes.ts";
 import type { Deps } from "../../gateway/deps.ts";
 import { OPENAPI_PATH } from "../../gateway/openapi.ts";
-import { type Harness, makeHarness } from "../../gateway/testing/harness.ts";
+import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 
 let h: Harness;
 let live: string;

@@ -1,6 +1,6 @@
 /**
  * Connect-from-outside (spec 1.8, 2.8, 4.2) through a real gateway (`startGateway`, Bun.serve)
- * on real sockets. The agent is the in-memory stand-in (gateway/testing/memory-agent.ts), whose
+ * on real sockets. The agent is the in-memory stand-in (tests/support/memory-agent.ts), whose
  * `openTunnel` connects to a real TCP port on 127.0.0.1 chosen per guest port: everything from
  * the client's WebSocket to that port is the production path (upgrade, checks, relay,
  * back-pressure); the agent's own tunnel into a VM is built and tested separately.
@@ -21,8 +21,8 @@ import WebSocket from "ws";
 import { createKey, revokeKey } from "../../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../../gateway/server.ts";
-import { MemoryAgent } from "../../gateway/testing/memory-agent.ts";
 import { CHROMIUM_FLAGS } from "../support/chromium.ts";
+import { MemoryAgent } from "../support/memory-agent.ts";
 
 const HTTP_PORT = 8080; // guest port of the template's web server
 const ECHO_PORT = 7000; // guest port of an echo server

@@ -1,5 +1,5 @@
 /**
- * The gateway outlives its database: with a real PostgreSQL (db/testing/postgres.ts) halted under
+ * The gateway outlives its database: with a real PostgreSQL (tests/support/postgres.ts) halted under
  * a running gateway, keyed calls answer 503 `db_unavailable` with `Retry-After` (not 500
  * `internal`) and `GET /v1/health` answers 200 `degraded`; once PostgreSQL is started again the
  * same calls succeed, with no restart of the gateway. Skipped, with a message, where the
@@ -9,10 +9,10 @@ import { afterAll, beforeAll, expect, test } from "bun:test";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { findPgBin, startPostgres, type TestPostgres } from "../../db/testing/postgres.ts";
 import { createKey } from "../../gateway/auth/keys.ts";
 import { type RunningGateway, startGateway } from "../../gateway/server.ts";
-import { MemoryAgent } from "../../gateway/testing/memory-agent.ts";
+import { MemoryAgent } from "../support/memory-agent.ts";
+import { findPgBin, startPostgres, type TestPostgres } from "../support/postgres.ts";
 
 const HAVE_PG = findPgBin() !== null;
 if (!HAVE_PG) console.warn("gateway-db-down: no PostgreSQL binaries, skipping");

@@ -11,7 +11,7 @@
  *   timeout (under Deno too: it serves through its node:http, gateway/runtime/deno.ts); Python's
  *   urllib posting an oversized body reads the 413 (the body is drained first).
  *
- * The agent is the in-memory stand-in (gateway/testing/memory-agent.ts): its tunnels connect to
+ * The agent is the in-memory stand-in (tests/support/memory-agent.ts): its tunnels connect to
  * real loopback servers in the entry's process standing in for the guest's ports (an echo, a guest
  * that never reads, a guest that writes without end), so everything from the client's socket to
  * that boundary is the production path.
@@ -71,7 +71,7 @@ import { createServer } from "node:net";
 import { startGateway } from ${JSON.stringify(join(REPO, "gateway/server.ts"))};
 import { upsertPublicTemplate } from ${JSON.stringify(join(REPO, "gateway/core/templates.ts"))};
 import { createKey } from ${JSON.stringify(join(REPO, "gateway/auth/keys.ts"))};
-import { MemoryAgent } from ${JSON.stringify(join(REPO, "gateway/testing/memory-agent.ts"))};
+import { MemoryAgent } from ${JSON.stringify(join(REPO, "tests/support/memory-agent.ts"))};
 const agent = new MemoryAgent();
 const gw = await startGateway({
   port: 0,

@@ -19,7 +19,7 @@ import { suspendIdleSandboxes, wakeIfIdle } from "../../gateway/core/idle.ts";
 import { beginUse, reapIdleSessions, touchRelayed } from "../../gateway/core/sandboxes.ts";
 import type { Deps } from "../../gateway/deps.ts";
 import { RelayRegistry } from "../../gateway/relay/registry.ts";
-import type { Harness } from "../../gateway/testing/harness.ts";
+import type { Harness } from "../support/gateway-harness.ts";
 import { gatewayDeps, onBothDatabases } from "../support/postgres-suite.ts";
 
 let h: Harness;

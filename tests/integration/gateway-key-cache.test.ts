@@ -23,7 +23,7 @@ import { apiKeys } from "../../db/schema/api-keys.ts";
 import { KEY_CACHE_NOTIFIED_TTL_MS, KEY_CACHE_TTL_MS, VerifiedKeys } from "../../gateway/auth/key-cache.ts";
 import { createKey, ensureTenant, hashKey, revokeKey } from "../../gateway/auth/keys.ts";
 import { type RunningGateway, startGateway } from "../../gateway/server.ts";
-import { MemoryAgent } from "../../gateway/testing/memory-agent.ts";
+import { MemoryAgent } from "../support/memory-agent.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 import { until } from "../support/until.ts";
 

@@ -4,7 +4,7 @@
  * of metering), and an exec counted in flight, as another gateway's exec is, keeps its session
  * however long it runs, until the count is older than any exec could be. Real PGlite, and real
  * PostgreSQL where its binaries are installed, there with each gateway on its own connection
- * pool as separate processes would be; the agent is the in-memory stand-in (gateway/testing/memory-agent.ts), which only records the calls the
+ * pool as separate processes would be; the agent is the in-memory stand-in (tests/support/memory-agent.ts), which only records the calls the
  * claim lets through. The running service's reaper with real VMs: tests/e2e/http-reaper.test.ts.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
@@ -14,7 +14,7 @@ import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import { reapIdleSessions } from "../../gateway/core/sandboxes.ts";
 import type { Deps } from "../../gateway/deps.ts";
-import type { Harness } from "../../gateway/testing/harness.ts";
+import type { Harness } from "../support/gateway-harness.ts";
 import { gatewayDeps, onBothDatabases } from "../support/postgres-suite.ts";
 
 let h: Harness;

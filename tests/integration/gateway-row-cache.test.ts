@@ -21,8 +21,8 @@ import { createKey } from "../../gateway/auth/keys.ts";
 import { RowCache } from "../../gateway/core/row-cache.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../../gateway/server.ts";
-import { makeHarness } from "../../gateway/testing/harness.ts";
-import { MemoryAgent } from "../../gateway/testing/memory-agent.ts";
+import { makeHarness } from "../support/gateway-harness.ts";
+import { MemoryAgent } from "../support/memory-agent.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 import { until } from "../support/until.ts";
 

@@ -42,7 +42,7 @@ import { createServer } from "node:net";
 import { startGateway } from ${JSON.stringify(join(REPO, "gateway/server.ts"))};
 import { upsertPublicTemplate } from ${JSON.stringify(join(REPO, "gateway/core/templates.ts"))};
 import { createKey } from ${JSON.stringify(join(REPO, "gateway/auth/keys.ts"))};
-import { MemoryAgent } from ${JSON.stringify(join(REPO, "gateway/testing/memory-agent.ts"))};
+import { MemoryAgent } from ${JSON.stringify(join(REPO, "tests/support/memory-agent.ts"))};
 const t0 = performance.now();
 const agent = new MemoryAgent();
 const gw = await startGateway({

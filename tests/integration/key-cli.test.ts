@@ -14,10 +14,10 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { findPgBin, startPostgres, type TestPostgres } from "../../db/testing/postgres.ts";
 import { type RunningGateway, startGateway } from "../../gateway/server.ts";
-import { MemoryAgent } from "../../gateway/testing/memory-agent.ts";
 import { runCli } from "../support/e2e-service.ts";
+import { MemoryAgent } from "../support/memory-agent.ts";
+import { findPgBin, startPostgres, type TestPostgres } from "../support/postgres.ts";
 
 const KEY_RE = /^svc_pro_([a-z0-9]{12})_[A-Za-z0-9]{40}$/;
 /** bin/sandboxd checks the host and node modules first; PGlite migrates on every open. */

@@ -15,7 +15,7 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { eq, isNotNull } from "drizzle-orm";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
-import { type Harness, makeHarness } from "../../gateway/testing/harness.ts";
+import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 import { onPostgres } from "../support/postgres-suite.ts";
 
 /** What each stand-in agent call takes, ms: far longer than the gateway's own db round trips. */

@@ -18,8 +18,8 @@ import { FixedPlacement } from "../../gateway/agents/placement.ts";
 import { applyAgentEvents } from "../../gateway/core/agent-events.ts";
 import { BRINGUP_BOUND_MS, endStuckStarting, reconcileAgent } from "../../gateway/core/reconcile.ts";
 import { tenantIdOf, usageReport } from "../../gateway/core/usage.ts";
-import { type Harness, makeHarness } from "../../gateway/testing/harness.ts";
 import { runCli } from "../support/e2e-service.ts";
+import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 
 const GiB = 1024 ** 3;

@@ -11,7 +11,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 import { qemuPidsNaming } from "../../agent/vm/process.ts";
-import type { BurstResult, DensityResult, ServiceLeftovers } from "../../cli/bench-density.ts";
+import type { BurstResult, DensityResult, ServiceLeftovers } from "../../bench/density.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { runCli, SHARED_DATA_DIR } from "../support/e2e-service.ts";
 
@@ -23,7 +23,7 @@ const RUN_TIMEOUT_MS = 300_000;
 const scratch = mkdtempSync(join(tmpdir(), "bench-density-test-"));
 const image = join(scratch, "busybox.tar");
 
-/** The data dirs the benchmark makes (bench-density.ts `withService`). */
+/** The data dirs the benchmark makes (bench/density.ts `withService`). */
 function runDirs(): string[] {
   return readdirSync(tmpdir()).filter((n) => n.startsWith("sbx-density-"));
 }

@@ -10,12 +10,12 @@ import { spawn } from "node:child_process";
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
-import { parseRollup, parseSmapsFor } from "../../agent/bench/rss.ts";
-import { percentile, summarize } from "../../agent/bench/stats.ts";
 import { qemuPidsNaming } from "../../agent/vm/process.ts";
-import type { GatewayBenchResult } from "../../cli/bench-gateway.ts";
-import { defaultForkChildren, type HttpBenchResult } from "../../cli/bench-http.ts";
-import type { SoakResult } from "../../cli/soak.ts";
+import type { GatewayBenchResult } from "../../bench/gateway.ts";
+import { defaultForkChildren, type HttpBenchResult } from "../../bench/http.ts";
+import { parseRollup, parseSmapsFor } from "../../bench/rss.ts";
+import type { SoakResult } from "../../bench/soak.ts";
+import { percentile, summarize } from "../../bench/stats.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 import { prepareDataDir, removeDataDir } from "../support/e2e-service.ts";
 

@@ -4,7 +4,7 @@ import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import * as P from "../../contracts/guest-protocol.ts";
 
-const header = readFileSync(join(import.meta.dir, "../../agent/guest/agent/protocol.h"), "utf8");
+const header = readFileSync(join(import.meta.dir, "../../guest/protocol.h"), "utf8");
 const defines = new Map<string, number>();
 for (const m of header.matchAll(/^#define (SBX_\w+) (0x[0-9a-fA-F]+|\d+)/gm)) {
   defines.set(m[1]!, Number(m[2]));

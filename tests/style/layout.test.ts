@@ -1,8 +1,9 @@
 /**
  * The house rules the layout depends on, checked on every run so they cannot drift back:
  * the gateway and the agent meet only in contracts/, contracts/ and db/ import nothing above
- * them, no import circles, no source file over 1,000 lines outside tests, and comments carry
- * their facts instead of pointing at notes outside the repository.
+ * them, the product imports neither the tests nor the benchmark harness (bench/), no import
+ * circles, no source file over 1,000 lines outside tests, and comments carry their facts instead
+ * of pointing at notes outside the repository.
  */
 import { describe, expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";
@@ -47,8 +48,29 @@ describe("layout", () => {
     for (const [file, deps] of graph) {
       if (inRoom("contracts")(file))
         for (const d of deps) if (!inRoom("contracts")(d)) wrong.push(`${file} -> ${d}`);
-      if (inRoom("db")(file) && !file.startsWith("db/testing/"))
+      if (inRoom("db")(file))
         for (const d of deps) if (!inRoom("contracts")(d) && !inRoom("db")(d)) wrong.push(`${file} -> ${d}`);
+    }
+    expect(wrong).toEqual([]);
+  });
+
+  test("agent/ and gateway/ never import bench/ (the harness drives them; cli/ only dispatches to it)", () => {
+    const wrong: string[] = [];
+    for (const [file, deps] of graph) {
+      if (inRoom("agent")(file) || inRoom("gateway")(file))
+        for (const d of deps) if (inRoom("bench")(d)) wrong.push(`${file} -> ${d}`);
+    }
+    expect(wrong).toEqual([]);
+  });
+
+  test("the product never imports tests/ (test helpers live there, not beside the code they drive)", () => {
+    const product = ["agent", "gateway", "contracts", "db", "cli", "sdk", "guest"].map(inRoom);
+    const wrong: string[] = [];
+    for (const [file, deps] of graph) {
+      // cli/testing/ is the test command itself: it reads the suite's list of allowed skips.
+      if (file.endsWith(".test.ts") || file.startsWith("cli/testing/")) continue;
+      if (!product.some((room) => room(file))) continue;
+      for (const d of deps) if (inRoom("tests")(d)) wrong.push(`${file} -> ${d}`);
     }
     expect(wrong).toEqual([]);
   });

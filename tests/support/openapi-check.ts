@@ -10,7 +10,7 @@
  * 404 for unknown routes); anything else there is reported as undocumented.
  *
  * Hooked into the e2e typed fetch (tests/support/e2e-service.ts) and the gateway harness
- * (gateway/testing/harness.ts): every response those tests see goes through `assertResponse`.
+ * (tests/support/gateway-harness.ts): every response those tests see goes through `assertResponse`.
  */
 import { readFileSync } from "node:fs";
 import Ajv2020, { type ErrorObject, type ValidateFunction } from "ajv/dist/2020.js";

@@ -5,10 +5,10 @@
  */
 import { afterAll, test } from "bun:test";
 import { type Db, openDb } from "../../db/client.ts";
-import { findPgBin, startPostgres, type TestPostgres } from "../../db/testing/postgres.ts";
 import { FixedPlacement } from "../../gateway/agents/placement.ts";
 import type { Deps } from "../../gateway/deps.ts";
-import { type Harness, makeHarness } from "../../gateway/testing/harness.ts";
+import { type Harness, makeHarness } from "./gateway-harness.ts";
+import { findPgBin, startPostgres, type TestPostgres } from "./postgres.ts";
 
 export function onPostgres(suite: (name: string, url: () => Promise<string>) => void): void {
   if (findPgBin() === null) {

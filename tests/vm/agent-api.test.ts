@@ -5,6 +5,10 @@ import { join } from "node:path";
 import { SignJWT } from "jose";
 import { createAgentApp } from "../../agent/api/app.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import type { ExecAction } from "../../contracts/agent/api.ts";
+import { AgentHttpClient } from "../../gateway/agents/client.ts";
+import { errorOf } from "../support/agents.ts";
+import { BootDriver } from "../support/boot-driver.ts";
 import {
   busyboxArchive,
   leftovers,
@@ -12,11 +16,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
   waitFor,
-} from "../../agent/sandbox/testing.ts";
-import type { ExecAction } from "../../contracts/agent/api.ts";
-import { AgentHttpClient } from "../../gateway/agents/client.ts";
-import { errorOf } from "../support/agents.ts";
-import { BootDriver } from "../support/boot-driver.ts";
+} from "../support/real-vm.ts";
 
 /**
  * The agent's HTTP API with REAL VMs under TCG, served by Bun.serve on 127.0.0.1:0 and driven by

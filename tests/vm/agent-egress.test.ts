@@ -17,16 +17,16 @@ import { EgressFence } from "../../agent/egress/fence.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { ownerFileOf } from "../../agent/snapshot/shm.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+import type { SandboxdError } from "../../contracts/errors.ts";
 import {
   busyboxArchive,
   leftovers,
   removeBusyboxArchive,
   TEST_CACHE_DIR,
   tempStateDir,
-} from "../../agent/sandbox/testing.ts";
-import { ownerFileOf } from "../../agent/snapshot/shm.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
-import type { SandboxdError } from "../../contracts/errors.ts";
+} from "../support/real-vm.ts";
 
 /** A template build, two spawns and a fork under TCG on a 2-core host: 240 s with margin. */
 const VM_TEST_TIMEOUT_MS = 240_000;

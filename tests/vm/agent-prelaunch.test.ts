@@ -15,6 +15,7 @@ import { vmCgroupDirs } from "../../agent/qemu/cgroup.ts";
 import { UID_LOCK_DIR } from "../../agent/qemu/uids.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 import {
   busyboxArchive,
   qemuPidsUnder,
@@ -22,8 +23,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
   waitFor,
-} from "../../agent/sandbox/testing.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+} from "../support/real-vm.ts";
 
 /** A test restores a few VMs under TCG on a 2-core host; 180 s covers a loaded CI machine. */
 const VM_TEST_TIMEOUT_MS = 180_000;

@@ -4,6 +4,8 @@ import { join } from "node:path";
 import type { UsageInterval } from "../../agent/sandbox/accounting.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import type { ManagerOptions } from "../../agent/sandbox/manager-types.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { BootDriver } from "../support/boot-driver.ts";
 import {
   busyboxArchive,
   codeOf,
@@ -12,9 +14,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
   waitFor,
-} from "../../agent/sandbox/testing.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
-import { BootDriver } from "../support/boot-driver.ts";
+} from "../support/real-vm.ts";
 
 /**
  * The sandbox manager over the cold-boot driver with REAL VMs under TCG: exec rules, idle pause,

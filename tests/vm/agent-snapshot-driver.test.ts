@@ -13,6 +13,8 @@ import { join } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import {
   busyboxArchive,
   COUNTER,
@@ -22,9 +24,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
   waitFor,
-} from "../../agent/sandbox/testing.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
+} from "../support/real-vm.ts";
 
 /** A test restores up to 6 VMs under TCG on a 2-core host; 180 s covers a loaded CI machine. */
 const VM_TEST_TIMEOUT_MS = 180_000;

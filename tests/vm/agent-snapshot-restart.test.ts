@@ -17,6 +17,7 @@ import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 import {
   busyboxArchive,
   qemuPidsUnder,
@@ -24,8 +25,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
   waitFor,
-} from "../../agent/sandbox/testing.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+} from "../support/real-vm.ts";
 
 /** Two restores and a template build under TCG, plus a second agent process: 180 s is ample. */
 const VM_TEST_TIMEOUT_MS = 180_000;
@@ -39,7 +39,7 @@ import { writeFileSync } from "node:fs";
 import { ensureGuestArtifacts } from "${REPO}/agent/guest/artifacts.ts";
 import { SandboxManager } from "${REPO}/agent/sandbox/manager.ts";
 import { SnapshotDriver } from "${REPO}/agent/sandbox/drivers/snapshot.ts";
-import { COUNTER } from "${REPO}/agent/sandbox/testing.ts";
+import { COUNTER } from "${REPO}/tests/support/real-vm.ts";
 
 const [stateDir, cacheDir, archive, out] = process.argv.slice(2);
 const artifacts = await ensureGuestArtifacts({ dataDir: cacheDir });

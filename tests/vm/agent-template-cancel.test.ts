@@ -7,11 +7,11 @@ import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
-import { leftovers, TEST_CACHE_DIR, tempStateDir } from "../../agent/sandbox/testing.ts";
 import { startAgentServer } from "../../agent/server.ts";
 import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 import { AgentHttpClient } from "../../gateway/agents/client.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { leftovers, TEST_CACHE_DIR, tempStateDir } from "../support/real-vm.ts";
 
 /**
  * Deleting a template while its image is being imported ends the import at once: through the real

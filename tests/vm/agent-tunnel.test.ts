@@ -14,6 +14,11 @@ import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { startAgentServer } from "../../agent/server.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+import type { ExecAction, Tunnel } from "../../contracts/agent/api.ts";
+import { AgentHttpClient } from "../../gateway/agents/client.ts";
+import { errorOf } from "../support/agents.ts";
 import {
   busyboxArchive,
   leftovers,
@@ -21,12 +26,7 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
   waitFor,
-} from "../../agent/sandbox/testing.ts";
-import { startAgentServer } from "../../agent/server.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
-import type { ExecAction, Tunnel } from "../../contracts/agent/api.ts";
-import { AgentHttpClient } from "../../gateway/agents/client.ts";
-import { errorOf } from "../support/agents.ts";
+} from "../support/real-vm.ts";
 
 /** A template build, one spawn and one fork under TCG on a 2-core host: 240 s with margin. */
 const VM_TEST_TIMEOUT_MS = 240_000;

@@ -4,14 +4,6 @@ import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import type { HeartbeatSender } from "../../agent/api/heartbeat.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
-import {
-  busyboxArchive,
-  leftovers,
-  removeBusyboxArchive,
-  TEST_CACHE_DIR,
-  tempStateDir,
-  waitFor,
-} from "../../agent/sandbox/testing.ts";
 import { HEARTBEAT_PATH } from "../../contracts/agent/heartbeat.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
@@ -20,6 +12,14 @@ import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import type { RunningGateway } from "../../gateway/server.ts";
 import { startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
 import { BootDriver } from "../support/boot-driver.ts";
+import {
+  busyboxArchive,
+  leftovers,
+  removeBusyboxArchive,
+  TEST_CACHE_DIR,
+  tempStateDir,
+  waitFor,
+} from "../support/real-vm.ts";
 
 /**
  * Routing to several host agents (gateway/agents/router.ts): a real gateway (startGateway, PGlite)

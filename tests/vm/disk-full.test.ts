@@ -15,6 +15,10 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { createAgentApp } from "../../agent/api/app.ts";
 import type { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+import { freeBytes } from "../../contracts/disk-space.ts";
+import { AgentHttpClient } from "../../gateway/agents/client.ts";
+import { errorOf } from "../support/agents.ts";
 import {
   busyboxArchive,
   codeOf,
@@ -23,11 +27,7 @@ import {
   removeBusyboxArchive,
   setDiskReserve,
   shellIn,
-} from "../../agent/sandbox/testing.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
-import { freeBytes } from "../../contracts/disk-space.ts";
-import { AgentHttpClient } from "../../gateway/agents/client.ts";
-import { errorOf } from "../support/agents.ts";
+} from "../support/real-vm.ts";
 
 const MIB = 1024 * 1024;
 /** The small disk: room for a template, a sandbox and one suspended RAM image, no more. */

@@ -12,7 +12,6 @@ import { readFile, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
-import { leftovers, TEST_CACHE_DIR, tempStateDir } from "../../agent/sandbox/testing.ts";
 import * as A from "../../contracts/api/sessions-api.ts";
 import { openDb } from "../../db/client.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
@@ -32,6 +31,7 @@ import {
   stopAndClean,
   uploadTemplate,
 } from "../support/e2e-service.ts";
+import { leftovers, TEST_CACHE_DIR, tempStateDir } from "../support/real-vm.ts";
 
 const SECRET = "fast-paths-test-agent-secret-0123456789abcdef";
 /**

@@ -15,15 +15,6 @@ import {
 import { decodeTlv, encodeCredit, encodeFrame, FrameDecoder, TlvWriter } from "../../agent/guest/codec.ts";
 import type { DriverVm } from "../../agent/sandbox/drivers/driver.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
-import {
-  busyboxArchive,
-  codeOf,
-  leftovers,
-  removeBusyboxArchive,
-  TEST_CACHE_DIR,
-  tempStateDir,
-  waitFor,
-} from "../../agent/sandbox/testing.ts";
 import { pidAlive } from "../../agent/vm/process.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import {
@@ -36,6 +27,15 @@ import {
   TUNNEL_WINDOW,
 } from "../../contracts/guest-protocol.ts";
 import { BootDriver } from "../support/boot-driver.ts";
+import {
+  busyboxArchive,
+  codeOf,
+  leftovers,
+  removeBusyboxArchive,
+  TEST_CACHE_DIR,
+  tempStateDir,
+  waitFor,
+} from "../support/real-vm.ts";
 
 /**
  * A hostile guest against the host's side of the guest channel. The guest controls every byte

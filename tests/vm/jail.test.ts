@@ -15,15 +15,15 @@ import { vmCgroupDirs } from "../../agent/qemu/cgroup.ts";
 import { UID_LOCK_DIR, uidRange, uidsInUse } from "../../agent/qemu/uids.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+import { describeError } from "../../contracts/errors.ts";
 import {
   busyboxArchive,
   qemuPidsUnder,
   removeBusyboxArchive,
   TEST_CACHE_DIR,
   tempStateDir,
-} from "../../agent/sandbox/testing.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
-import { describeError } from "../../contracts/errors.ts";
+} from "../support/real-vm.ts";
 
 /** Template build, two spawns, a fork and a suspend/resume under TCG on a 2-core host. */
 const VM_TEST_TIMEOUT_MS = 240_000;

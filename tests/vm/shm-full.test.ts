@@ -14,6 +14,8 @@ import { mkdir, mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { forkShmBytes } from "../../agent/snapshot/fork.ts";
+import { freeBytes } from "../../contracts/disk-space.ts";
 import {
   codeOf,
   managerWithBusybox,
@@ -21,9 +23,7 @@ import {
   removeBusyboxArchive,
   setDiskReserve,
   shellIn,
-} from "../../agent/sandbox/testing.ts";
-import { forkShmBytes } from "../../agent/snapshot/fork.ts";
-import { freeBytes } from "../../contracts/disk-space.ts";
+} from "../support/real-vm.ts";
 
 const MIB = 1024 * 1024;
 const RESERVE = 8 * MIB;

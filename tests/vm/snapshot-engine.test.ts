@@ -14,7 +14,6 @@ import { join, resolve } from "node:path";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { type ImportedImage, importImage } from "../../agent/image/import.ts";
 import type { QmpClient } from "../../agent/qemu/qmp/client.ts";
-import { COUNTER, waitFor } from "../../agent/sandbox/testing.ts";
 import { type SnapshotError, unwrap } from "../../agent/snapshot/errors.ts";
 import { forkVm } from "../../agent/snapshot/fork.ts";
 import { type ForkMethod, readyForkMethod } from "../../agent/snapshot/fork-method.ts";
@@ -37,6 +36,7 @@ import { openChainStore } from "../../agent/storage/chain.ts";
 import { blankOverlayPath } from "../../agent/storage/qcow2.ts";
 import { qemuPidsNaming } from "../../agent/vm/process.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { COUNTER, waitFor } from "../support/real-vm.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
 /** Guest artifacts and imported images are cached here (shared with the other suites). */

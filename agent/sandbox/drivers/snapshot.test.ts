@@ -8,8 +8,8 @@ import { existsSync } from "node:fs";
 import { mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { codeOf } from "../../../tests/support/real-vm.ts";
 import { openChainStore } from "../../storage/chain.ts";
-import { codeOf } from "../testing.ts";
 import { engineTemplateId, SnapshotDriver } from "./snapshot.ts";
 
 const dirs: string[] = [];

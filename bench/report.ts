@@ -1,5 +1,5 @@
 /** The readable form of a benchmark result (`sandboxd bench` without --json). */
-import type { BenchResult, Target } from "./bench.ts";
+import type { BenchResult, Target } from "./engine-result.ts";
 import type { Summary } from "./stats.ts";
 
 function stats(s: Summary, unit: string): string {

@@ -15,7 +15,7 @@
  *   the service's, not the rate limit's. The service is pinned to one core (`taskset`, when the
  *   host has it) for this part; the load generator runs here, on the others.
  * - `read_floor`: the same reads, connections and pin against a bare Hono app answering the
- *   same route from memory (bench-floor.ts, its own process), in the same run: what the host and
+ *   same route from memory (floor.ts, its own process), in the same run: what the host and
  *   the load generator allow at all, so `read` can be read against it.
  * - `health`: `GET /v1/health` (no key) the same way, for the same time.
  *
@@ -24,13 +24,20 @@
 import { spawn, spawnSync } from "node:child_process";
 import { join } from "node:path";
 import { readCredentials } from "../agent/api/enroll.ts";
+import { operatorSecrets } from "../cli/settings.ts";
 import type { ExecAction } from "../contracts/agent/api.ts";
 import { openDb } from "../db/client.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
 import { createKey } from "../gateway/auth/keys.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
-import { operatorSecrets } from "./settings.ts";
-import { call, listeningUrl, seededDataDir, spawnUp, stopAndRemove, uploadTemplateAndWait } from "./soak.ts";
+import {
+  call,
+  listeningUrl,
+  seededDataDir,
+  spawnUp,
+  stopAndRemove,
+  uploadTemplateAndWait,
+} from "./service.ts";
 
 const TEMPLATE_ID = "gwbench";
 /** Execs before the measured ones: the JIT, the guest's page cache and the db's pages warm up. */
@@ -64,7 +71,7 @@ export interface GatewayBenchResult {
     beyond_own_time_p50_ms: number;
   };
   read: LoadFigures & { keys: number; pinned_cpu: string | null };
-  /** The same reads against a bare Hono app answering from memory (bench-floor.ts), same pin. */
+  /** The same reads against a bare Hono app answering from memory (floor.ts), same pin. */
   read_floor: LoadFigures;
   health: LoadFigures;
   total_ms: number;
@@ -126,7 +133,7 @@ export async function load(
   };
 }
 
-export async function runGatewayBench(o: {
+interface GatewayBenchOptions {
   image: string;
   cacheDir: string;
   connections: number;
@@ -134,21 +141,12 @@ export async function runGatewayBench(o: {
   execs: number;
   keys: number;
   log: (m: string) => void;
-}): Promise<GatewayBenchResult> {
+}
+
+export async function runGatewayBench(o: GatewayBenchOptions): Promise<GatewayBenchResult> {
   const t0 = performance.now();
   const dataDir = await seededDataDir("sbx-gwbench-", o.cacheDir, o.log);
-  // The keys, made on the data dir's database before `up` holds it.
-  const keys: string[] = [];
-  {
-    const pepper = loadSecrets(dataDir, operatorSecrets()).keyPepper;
-    const h = await openDb({ dataDir });
-    try {
-      for (let i = 0; i < o.keys; i++)
-        keys.push((await createKey(h.db, pepper, { tenant: "gwbench", tier: "scale" })).key);
-    } finally {
-      await h.close();
-    }
-  }
+  const keys = await makeKeys(dataDir, o.keys);
   const key = keys[0]!;
   let agentUrl: string | undefined;
   const { up, listening, stderrTail } = spawnUp(dataDir, {}, (line) => {
@@ -163,87 +161,115 @@ export async function runGatewayBench(o: {
       session_id: string;
     };
     const id = s.session_id;
-
-    // The floor: the agent's own API, with the agent's own key, on the session's one VM.
-    const creds = await readCredentials(join(dataDir, "agent"));
-    if (!creds) throw new Error("the agent has no credentials");
-    const agent = new AgentHttpClient({ baseUrl: agentUrl, agentId: creds.id, key: creds.key });
-    const vms = await agent.listVms();
-    if (vms.length !== 1) throw new Error(`expected one VM on the agent, found ${vms.length}`);
-    const vmId = vms[0]!.id;
-    const action: ExecAction = { files: [], run: { kind: "argv", commands: [["true"]] }, timeoutMs: 30_000 };
-    const viaHttp = async () => {
-      const t = performance.now();
-      const r = (await call(base, key, "POST", `/v1/sessions/${id}/exec`, { commands: [["true"]] })) as {
-        exit_code: number;
-        total_time_ms: number;
-      };
-      const wall = performance.now() - t;
-      if (r.exit_code !== 0) throw new Error(`exec answered ${JSON.stringify(r)}`);
-      return { wall, own: r.total_time_ms };
-    };
-    const viaAgent = async () => {
-      const t = performance.now();
-      const r = await agent.exec(vmId, action);
-      if (r.exitCode !== 0) throw new Error(`agent exec answered ${JSON.stringify(r)}`);
-      return performance.now() - t;
-    };
-    for (let i = 0; i < WARMUP_EXECS; i++) {
-      await viaHttp();
-      await viaAgent();
-    }
-    const http: number[] = [];
-    const own: number[] = [];
-    const beyond: number[] = [];
-    const direct: number[] = [];
-    for (let i = 0; i < o.execs; i++) {
-      // Interleaved, the order alternating, so that drift in the host's load hits both alike.
-      const first = i % 2 === 0;
-      if (!first) direct.push(await viaAgent());
-      const h = await viaHttp();
-      http.push(h.wall);
-      own.push(h.own);
-      beyond.push(h.wall - h.own);
-      if (first) direct.push(await viaAgent());
-    }
-
-    // Reads on one core: the service's JS runs on one thread; pinning keeps it off the core the
-    // load generator uses.
-    const pinned = spawnSync("taskset", ["-a", "-p", "-c", "0", String(up.pid)]).status === 0 ? "0" : null;
-    const auth = keys.map((k) => ({ authorization: `Bearer ${k}` }));
-    const readUrl = new URL(`/v1/sessions/${id}`, base).href;
-    const read = await load(o.connections, o.seconds * 1000, (i) =>
-      fetch(readUrl, { headers: auth[i % auth.length]! }),
-    );
-    const healthUrl = new URL("/v1/health", base).href;
-    const health = await load(o.connections, o.seconds * 1000, () => fetch(healthUrl));
-    const readFloor = await floorReads(id, auth, o.connections, o.seconds * 1000);
+    const exec = await measureExecs(o, { base, key, id }, await agentOf(dataDir, agentUrl));
+    const reads = await measureReads(o, { base, id, keys, pid: up.pid! });
     await call(base, key, "DELETE", `/v1/sessions/${id}`);
-    const httpP50 = pct(http, 50);
-    const agentP50 = pct(direct, 50);
-    return {
-      exec: {
-        count: http.length,
-        http_p50_ms: httpP50,
-        http_p99_ms: pct(http, 99),
-        agent_p50_ms: agentP50,
-        agent_p99_ms: pct(direct, 99),
-        own_time_p50_ms: pct(own, 50),
-        overhead_p50_ms: round(httpP50 - agentP50),
-        beyond_own_time_p50_ms: pct(beyond, 50),
-      },
-      read: { ...read, keys: keys.length, pinned_cpu: pinned },
-      read_floor: readFloor,
-      health,
-      total_ms: Math.round(performance.now() - t0),
-    };
+    return { exec, ...reads, total_ms: Math.round(performance.now() - t0) };
   } finally {
     await stopAndRemove(up, dataDir);
   }
 }
 
+/** `n` scale keys, made on the data dir's database before `up` holds it. */
+async function makeKeys(dataDir: string, n: number): Promise<string[]> {
+  const keys: string[] = [];
+  const pepper = loadSecrets(dataDir, operatorSecrets()).keyPepper;
+  const h = await openDb({ dataDir });
+  try {
+    for (let i = 0; i < n; i++)
+      keys.push((await createKey(h.db, pepper, { tenant: "gwbench", tier: "scale" })).key);
+  } finally {
+    await h.close();
+  }
+  return keys;
+}
+
+/** The agent's own API with the agent's own key, and the one VM it runs (the session's). */
+async function agentOf(dataDir: string, agentUrl: string): Promise<{ agent: AgentHttpClient; vmId: string }> {
+  const creds = await readCredentials(join(dataDir, "agent"));
+  if (!creds) throw new Error("the agent has no credentials");
+  const agent = new AgentHttpClient({ baseUrl: agentUrl, agentId: creds.id, key: creds.key });
+  const vms = await agent.listVms();
+  if (vms.length !== 1) throw new Error(`expected one VM on the agent, found ${vms.length}`);
+  return { agent, vmId: vms[0]!.id };
+}
+
+/** The session's exec through HTTP against the same exec on the agent's API (the floor), interleaved. */
+async function measureExecs(
+  o: GatewayBenchOptions,
+  svc: { base: string; key: string; id: string },
+  floor: { agent: AgentHttpClient; vmId: string },
+): Promise<GatewayBenchResult["exec"]> {
+  // `true` answers in milliseconds; 30 s means the guest is gone.
+  const action: ExecAction = { files: [], run: { kind: "argv", commands: [["true"]] }, timeoutMs: 30_000 };
+  const viaHttp = async () => {
+    const t = performance.now();
+    const r = (await call(svc.base, svc.key, "POST", `/v1/sessions/${svc.id}/exec`, {
+      commands: [["true"]],
+    })) as { exit_code: number; total_time_ms: number };
+    const wall = performance.now() - t;
+    if (r.exit_code !== 0) throw new Error(`exec answered ${JSON.stringify(r)}`);
+    return { wall, own: r.total_time_ms };
+  };
+  const viaAgent = async () => {
+    const t = performance.now();
+    const r = await floor.agent.exec(floor.vmId, action);
+    if (r.exitCode !== 0) throw new Error(`agent exec answered ${JSON.stringify(r)}`);
+    return performance.now() - t;
+  };
+  for (let i = 0; i < WARMUP_EXECS; i++) {
+    await viaHttp();
+    await viaAgent();
+  }
+  const http: number[] = [];
+  const own: number[] = [];
+  const beyond: number[] = [];
+  const direct: number[] = [];
+  for (let i = 0; i < o.execs; i++) {
+    // Interleaved, the order alternating, so that drift in the host's load hits both alike.
+    const first = i % 2 === 0;
+    if (!first) direct.push(await viaAgent());
+    const h = await viaHttp();
+    http.push(h.wall);
+    own.push(h.own);
+    beyond.push(h.wall - h.own);
+    if (first) direct.push(await viaAgent());
+  }
+  const httpP50 = pct(http, 50);
+  const agentP50 = pct(direct, 50);
+  return {
+    count: http.length,
+    http_p50_ms: httpP50,
+    http_p99_ms: pct(http, 99),
+    agent_p50_ms: agentP50,
+    agent_p99_ms: pct(direct, 99),
+    own_time_p50_ms: pct(own, 50),
+    overhead_p50_ms: round(httpP50 - agentP50),
+    beyond_own_time_p50_ms: pct(beyond, 50),
+  };
+}
+
+/** Authenticated reads of the session, health checks, and the same reads against the bare floor app. */
+async function measureReads(
+  o: GatewayBenchOptions,
+  svc: { base: string; id: string; keys: string[]; pid: number },
+): Promise<Pick<GatewayBenchResult, "read" | "read_floor" | "health">> {
+  // Reads on one core: the service's JS runs on one thread; pinning keeps it off the core the
+  // load generator uses.
+  const pinned = spawnSync("taskset", ["-a", "-p", "-c", "0", String(svc.pid)]).status === 0 ? "0" : null;
+  const auth = svc.keys.map((k) => ({ authorization: `Bearer ${k}` }));
+  const readUrl = new URL(`/v1/sessions/${svc.id}`, svc.base).href;
+  const read = await load(o.connections, o.seconds * 1000, (i) =>
+    fetch(readUrl, { headers: auth[i % auth.length]! }),
+  );
+  const healthUrl = new URL("/v1/health", svc.base).href;
+  const health = await load(o.connections, o.seconds * 1000, () => fetch(healthUrl));
+  const readFloor = await floorReads(svc.id, auth, o.connections, o.seconds * 1000);
+  return { read: { ...read, keys: svc.keys.length, pinned_cpu: pinned }, read_floor: readFloor, health };
+}
+
 /**
- * The reads of `read` against bench-floor.ts, in a child process on the same CPU as the service
+ * The reads of `read` against floor.ts, in a child process on the same CPU as the service
  * (when `taskset` works here), so that both figures come from one host state.
  */
 async function floorReads(
@@ -252,7 +278,7 @@ async function floorReads(
   connections: number,
   ms: number,
 ): Promise<LoadFigures> {
-  const child = spawn(process.execPath, [join(import.meta.dirname, "bench-floor.ts")], {
+  const child = spawn(process.execPath, [join(import.meta.dirname, "floor.ts")], {
     stdio: ["ignore", "pipe", "pipe"],
   });
   let tail = "";

@@ -1,17 +1,17 @@
 /**
- * Helpers for the tests that drive REAL VMs through the manager (tests/agent-*.test.ts): the
+ * Helpers for the tests that drive REAL VMs through the manager (tests/vm/agent-*.test.ts and their kin): the
  * busybox fixture image as a docker-archive, a private state dir per test, and the leak check
  * every such test ends with (no QEMU, socket or VM directory left behind). Test code only.
  */
 import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
+import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
+import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { qemuPidsNaming } from "../../agent/vm/process.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { busyboxImageSpec, makeDockerArchive } from "../../tests/fixtures/images.ts";
-import { ensureGuestArtifacts } from "../guest/artifacts.ts";
-import { qemuPidsNaming } from "../vm/process.ts";
-import { SnapshotDriver } from "./drivers/snapshot.ts";
-import { SandboxManager } from "./manager.ts";
+import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
 /** Guest artifacts and imported images are cached here across runs (kernel download, agent build). */

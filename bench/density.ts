@@ -1,21 +1,20 @@
 import { readFileSync } from "node:fs";
 import { readdir, stat } from "node:fs/promises";
 import { join } from "node:path";
-import { qemuMemory } from "../agent/bench/rss.ts";
-import { percentile, round1 } from "../agent/bench/stats.ts";
 import { type HostCapacity, hostCapacity } from "../agent/sandbox/capacity.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
+import { type Leftovers, leftovers } from "./footprint.ts";
+import { qemuMemory } from "./rss.ts";
 import {
   createKey,
-  leftovers,
-  type SoakResult,
   seededDataDir,
   spawnUp,
   stopAndRemove,
   stopUp,
   uploadTemplateAndWait,
-} from "./soak.ts";
+} from "./service.ts";
+import { percentile, round1 } from "./stats.ts";
 
 const TEMPLATE_ID = "bench";
 /**
@@ -49,7 +48,7 @@ interface Service {
 }
 
 export interface ServiceLeftovers {
-  leftovers: SoakResult["leftovers"];
+  leftovers: Leftovers;
 }
 
 interface Answer {

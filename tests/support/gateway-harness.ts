@@ -10,13 +10,13 @@ import { join } from "node:path";
 import type { Limits } from "../../contracts/api/limits.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
-import { assertFetchResponse } from "../../tests/support/openapi-check.ts";
-import { createApp } from "../app.ts";
-import { createKey } from "../auth/keys.ts";
-import { resolveConfig } from "../config.ts";
-import type { RowCache } from "../core/row-cache.ts";
-import { upsertPublicTemplate } from "../core/templates.ts";
+import { createApp } from "../../gateway/app.ts";
+import { createKey } from "../../gateway/auth/keys.ts";
+import { resolveConfig } from "../../gateway/config.ts";
+import type { RowCache } from "../../gateway/core/row-cache.ts";
+import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import { MemoryAgent } from "./memory-agent.ts";
+import { assertFetchResponse } from "./openapi-check.ts";
 
 export const PEPPER = "test-pepper-0123456789";
 

@@ -1,12 +1,13 @@
 /**
- * The `bench --density` / `bench --burst N` options of cli/bench.ts: parsed, bounded, run
- * (bench-density.ts), printed as JSON. SIGINT/SIGTERM stop the density's filling early; what was
+ * The `bench --density` / `bench --burst N` options of cmd.ts: parsed, bounded, run
+ * (density.ts), printed as JSON. SIGINT/SIGTERM stop the density's filling early; what was
  * made is still freed and the result printed, with exit 130.
  */
+
+import { defaultDataDir } from "../cli/config.ts";
+import { intOption } from "../cli/int-option.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { DEFAULT_DENSITY_MAX, DEFAULT_RESERVE_MIB, runBurst, runDensity } from "./bench-density.ts";
-import { defaultDataDir } from "./config.ts";
-import { intOption } from "./int-option.ts";
+import { DEFAULT_DENSITY_MAX, DEFAULT_RESERVE_MIB, runBurst, runDensity } from "./density.ts";
 
 /** At most this many creates in one burst: past the tenant's session cap every create is refused. */
 const MAX_BURST = 1000;

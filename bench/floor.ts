@@ -1,5 +1,5 @@
 /**
- * The read floor of `bench --gateway` (bench-gateway.ts), run as its own process: a bare Hono
+ * The read floor of `bench --gateway` (gateway.ts), run as its own process: a bare Hono
  * app on the gateway's own server adapter (gateway/runtime/) answering `GET /v1/sessions/{id}`
  * with a session's shape from memory, with no key check, rate limit or row. What an
  * authenticated read costs beyond this is the service's own work. Prints `listening URL` on

@@ -1,28 +1,29 @@
 /**
  * `sandboxd bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N]
- * [--data-dir DIR]`: the snapshot engine's figures on this host (agent/bench/bench.ts;
+ * [--data-dir DIR]`: the snapshot engine's figures on this host (engine.ts;
  * docs/benchmarks.md explains them). SIGINT/SIGTERM free every VM and file of the run first.
  * `--soak N`: N session create -> exec -> delete cycles through a real `up` instead (soak.ts),
  * printed as JSON: what the service holds at the start and the end, and what it left behind.
  * `--gateway [--connections N] [--seconds S] [--keys K]`: the HTTP service's own share of an exec
  * and of an authenticated read, beside the agent's own round trip and a bare app's read
- * (bench-gateway.ts).
+ * (gateway.ts).
  * `--density [--max N] [--reserve-mib MIB]` / `--burst N`: idle sandboxes one host holds, and N
- * creates at once, through a real `up` (bench-density.ts), printed as JSON.
+ * creates at once, through a real `up` (density.ts), printed as JSON.
  * `--http`: the same figures through a real `up` beside the engine's from the same run
- * (bench-http.ts); `--creates`, `--suspends`, `--tunnels`, `--tunnel-mib`, `--port`,
+ * (http.ts); `--creates`, `--suspends`, `--tunnels`, `--tunnel-mib`, `--port`,
  * `--fork-children` size it; for the engine bench, `--fork-children N` sets its fork (default 8).
  */
 import { parseArgs } from "node:util";
+import { defaultDataDir } from "../cli/config.ts";
+import { intOption } from "../cli/int-option.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { defaultDataDir } from "./config.ts";
-import { intOption } from "./int-option.ts";
 
 /** Once aborted, how long the run gets to free its VMs before we exit anyway (QEMUs die with us). */
 const ABORT_GRACE_MS = 15_000;
 
-export async function cmdBench(args: string[], log: (m: string) => void): Promise<number> {
-  const { values } = parseArgs({
+/** The options of every bench run, parsed once; each run reads the ones it takes. */
+function parseBenchValues(args: string[]) {
+  return parseArgs({
     args,
     options: {
       image: { type: "string" },
@@ -49,55 +50,79 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       port: { type: "string" },
       "fork-children": { type: "string" },
     },
+  }).values;
+}
+
+type BenchValues = ReturnType<typeof parseBenchValues>;
+
+export async function cmdBench(args: string[], log: (m: string) => void): Promise<number> {
+  const values = parseBenchValues(args);
+  const image = values.image;
+  if (!image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
+  if (values.gateway) return await benchGateway(values, image, log);
+  if (values.density || values.burst !== undefined) {
+    const { cmdBenchDensity } = await import("./density-cmd.ts");
+    return cmdBenchDensity(values, image, log);
+  }
+  if (values.soak !== undefined) return await benchSoak(values, values.soak, image, log);
+  if (values.http) return await benchHttp(values, log);
+  return await benchEngine(values, image, log);
+}
+
+/** `bench --gateway` (gateway.ts), printed as JSON. */
+async function benchGateway(values: BenchValues, image: string, log: (m: string) => void): Promise<number> {
+  const { runGatewayBench } = await import("./gateway.ts");
+  const result = await runGatewayBench({
+    image,
+    cacheDir: values["data-dir"] ?? defaultDataDir(),
+    // 64 connections: enough requests in flight to keep one core's event loop busy.
+    connections: intOption(values.connections, "connections", 64, 1, 10_000),
+    // 5 s per load phase: ~100k samples at the target rate, so p99 is stable.
+    seconds: intOption(values.seconds, "seconds", 5, 1, 3600),
+    // 200 execs each way: p50 of a ~5 ms call is then steady to a tenth of a ms.
+    execs: intOption(values.execs, "execs", 200, 1, 100_000),
+    // 800 keys: at 40,000 req/s (past the 20,000 goal, near a bare Hono app's rate on one core
+    // here) each key sends 50 a second, half the spec's 100, so the limit never caps the figure.
+    keys: intOption(values.keys, "keys", 800, 1, 100_000),
+    log,
   });
-  if (!values.image) throw new SandboxdError("bad_request", "bench needs --image ARCHIVE");
-  if (values.gateway) {
-    const { runGatewayBench } = await import("./bench-gateway.ts");
-    const result = await runGatewayBench({
-      image: values.image,
+  process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
+  return 0;
+}
+
+/** `bench --soak N` (soak.ts), printed as JSON; SIGINT/SIGTERM stop it early. */
+async function benchSoak(
+  values: BenchValues,
+  cycles: string,
+  image: string,
+  log: (m: string) => void,
+): Promise<number> {
+  const { runSoak } = await import("./soak.ts");
+  const abort = new AbortController();
+  const onSignal = () => abort.abort();
+  process.on("SIGINT", onSignal);
+  process.on("SIGTERM", onSignal);
+  try {
+    const result = await runSoak({
+      cycles: intOption(cycles, "soak", 1, 1, 1_000_000),
+      image,
       cacheDir: values["data-dir"] ?? defaultDataDir(),
-      // 64 connections: enough requests in flight to keep one core's event loop busy.
-      connections: intOption(values.connections, "connections", 64, 1, 10_000),
-      // 5 s per load phase: ~100k samples at the target rate, so p99 is stable.
-      seconds: intOption(values.seconds, "seconds", 5, 1, 3600),
-      // 200 execs each way: p50 of a ~5 ms call is then steady to a tenth of a ms.
-      execs: intOption(values.execs, "execs", 200, 1, 100_000),
-      // 800 keys: at 40,000 req/s (past the 20,000 goal, near a bare Hono app's rate on one core
-      // here) each key sends 50 a second, half the spec's 100, so the limit never caps the figure.
-      keys: intOption(values.keys, "keys", 800, 1, 100_000),
+      signal: abort.signal,
       log,
     });
     process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
-    return 0;
+    // Stopped early: what ran is printed, and the exit says it was cut short.
+    return abort.signal.aborted ? 130 : 0;
+  } finally {
+    process.off("SIGINT", onSignal);
+    process.off("SIGTERM", onSignal);
   }
-  if (values.density || values.burst !== undefined) {
-    const { cmdBenchDensity } = await import("./bench-density-cmd.ts");
-    return cmdBenchDensity(values, values.image, log);
-  }
-  if (values.soak !== undefined) {
-    const { runSoak } = await import("./soak.ts");
-    const abort = new AbortController();
-    const onSignal = () => abort.abort();
-    process.on("SIGINT", onSignal);
-    process.on("SIGTERM", onSignal);
-    try {
-      const result = await runSoak({
-        cycles: intOption(values.soak, "soak", 1, 1, 1_000_000),
-        image: values.image,
-        cacheDir: values["data-dir"] ?? defaultDataDir(),
-        signal: abort.signal,
-        log,
-      });
-      process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
-      // Stopped early: what ran is printed, and the exit says it was cut short.
-      return abort.signal.aborted ? 130 : 0;
-    } finally {
-      process.off("SIGINT", onSignal);
-      process.off("SIGTERM", onSignal);
-    }
-  }
-  if (values.http) return await benchHttp(values, log);
-  const { runBench, isInterrupted, FORK_CHILDREN } = await import("../agent/bench/bench.ts");
+}
+
+/** The engine's own figures (engine.ts): a table, or JSON with --json; SIGINT/SIGTERM free what it made. */
+async function benchEngine(values: BenchValues, image: string, log: (m: string) => void): Promise<number> {
+  const { runBench, FORK_CHILDREN } = await import("./engine.ts");
+  const { isInterrupted } = await import("./engine-scope.ts");
   const { MAX_FORK_CHILDREN } = await import("../agent/snapshot/fork.ts");
   const abort = new AbortController();
   let exitTimer: ReturnType<typeof setTimeout> | undefined;
@@ -112,7 +137,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
   try {
     const result = await runBench({
       dataDir: values["data-dir"] ?? defaultDataDir(),
-      image: values.image,
+      image,
       // 256 MiB, 1 vCPU: the shape every snapshot figure in docs/benchmarks.md was measured at.
       memMib: intOption(values.mem, "mem", 256, 64, 65536),
       vcpus: intOption(values.vcpus, "vcpus", 1, 1, 64),
@@ -125,7 +150,7 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     });
     if (values.json) process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
     else {
-      const { formatTable } = await import("../agent/bench/report.ts");
+      const { formatTable } = await import("./report.ts");
       process.stdout.write(`${formatTable(result)}\n`);
     }
     return 0;
@@ -139,12 +164,12 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
   }
 }
 
-/** `bench --http` (bench-http.ts), printed as JSON; SIGINT/SIGTERM stop it and free what it made. */
+/** `bench --http` (http.ts), printed as JSON; SIGINT/SIGTERM stop it and free what it made. */
 async function benchHttp(
   values: Record<string, string | boolean | undefined>,
   log: (m: string) => void,
 ): Promise<number> {
-  const { runHttpBench, defaultForkChildren } = await import("./bench-http.ts");
+  const { runHttpBench, defaultForkChildren } = await import("./http.ts");
   const str = (k: string) => values[k] as string | undefined;
   const abort = new AbortController();
   const onSignal = () => abort.abort();

@@ -1,0 +1,118 @@
+/**
+ * What `sandboxd bench` reports for the snapshot engine (docs/benchmarks.md says what each figure
+ * is) and the engine's goals, which live here only: timed tests never assert speed.
+ */
+import type { Accel } from "../agent/qemu/launch.ts";
+import type { ForkMethod } from "../agent/snapshot/fork-method.ts";
+import type { Summary } from "./stats.ts";
+
+/** A goal: `spawn_vs_floor` must be at most `limit`, every other figure below it. */
+export interface Target {
+  limit: number;
+  value: number;
+  pass: boolean;
+}
+
+export interface MemoryBreakdown {
+  /** Mean over the idle VMs, MiB: PSS of the whole QEMU process (= host_rss_per_idle_vm_mb). */
+  pss: number;
+  /** Plain RSS (shared pages counted fully in every process): an upper bound, for reference. */
+  rss: number;
+  /** Pages only this QEMU has and wrote: QEMU's heap and code cache + the guest's dirtied pages. */
+  private_dirty: number;
+  /** Guest pages this VM wrote since the restore (copy-on-write copies of template RAM). */
+  guest_ram_dirty: number;
+  /** Template RAM pages the guest read, shared with the other VMs, PSS (1/N of each page). */
+  guest_ram_shared: number;
+  /** Everything outside the guest RAM mapping, PSS: QEMU itself (TCG's code cache included). */
+  qemu_own: number;
+}
+
+export interface BenchResult {
+  accel: Accel;
+  accel_reason: string;
+  guest_mem_mib: number;
+  vcpus: number;
+  /** QEMU start of a cold boot until the first exec (`true`) answered. */
+  boot_ms: number;
+  /** Freezing the booted template VM: stop + device-state save (RAM stays in its shared file). */
+  template_snapshot_ms: number;
+  /**
+   * A cold spawn (the agent's pre-launch pool empty): spawnFromTemplate call to its return, overlay
+   * made, jail built, QEMU started and restored, HELLO answered, identity set.
+   */
+  spawn_ms: Summary;
+  /** The restore part of spawn_ms (QEMU start to identity set), as the engine times it. */
+  spawn_restore_ms: Summary;
+  /**
+   * A spawn that takes a QEMU pre-launched in its jail (the agent's pool hit, the usual case):
+   * spawnFromTemplate with `prelaunched` to its return: state loaded, `cont`, HELLO, identity.
+   */
+  spawn_prelaunched_ms: Summary;
+  /** The pre-launch itself (overlay, jail, QEMU start, QMP), done ahead of the spawn, off its path. */
+  prelaunch_ms: Summary;
+  /** A bare QEMU restore of the same template, QEMU start to the guest's PING answer (floorRestoreMs). */
+  floor_restore_ms: Summary;
+  /** spawn_ms.p50 / floor_restore_ms.p50. */
+  spawn_vs_floor: number;
+  /** `true` round trips on a warm sandbox (exec request to its exit status). */
+  exec_rtt_ms: Summary;
+  /** The method the forks used (after readyForkMethod: a snapshot may fall back to stop-copy). */
+  fork_method: ForkMethod;
+  /**
+   * Time the parent's vCPUs stood still during a fork, QEMU's STOP to RESUME event timestamps:
+   * the p50 of FORK_STALL_SAMPLES one-child forks by `fork_method`.
+   */
+  fork_parent_stall_ms: number;
+  fork_parent_stall_summary_ms: Summary;
+  /** The same one-child forks by stop-and-copy, interleaved with those: the reference. */
+  fork_stop_copy_stall_ms: Summary;
+  /** Snapshot: reading in the unmapped RAM pages before the stop (guest running), per fork. */
+  fork_populate_ms: Summary;
+  /** The stall of the timed fork of `fork_children` children. */
+  fork_children_stall_ms: number;
+  fork_children: number;
+  /** forkVm call until all children answered an exec. */
+  fork_children_ms: number;
+  /**
+   * The floor for that: as many bare QEMU restores of the template started at once, until every
+   * guest answered (floorRestoreMs each): what the host allows that many VMs to come up in.
+   */
+  fork_children_floor_ms: number;
+  /** Suspend to disk of a running sandbox (stop + full RAM save, QEMU ended). */
+  suspend_ms: number;
+  /** resumeVm call until the guest answered and its identity was set. */
+  resume_ms: number;
+  idle_vms: number;
+  /** Mean PSS of the idle, paused sandboxes' QEMU processes, MiB. */
+  host_rss_per_idle_vm_mb: number;
+  host_memory_per_idle_vm_mb: MemoryBreakdown;
+  /** The template's RAM file on tmpfs (paid once per template, not per VM), MiB. */
+  template_ram_file_mb: number;
+  total_ms: number;
+  targets: {
+    spawn_vs_floor: Target;
+    exec_rtt_p50_ms: Target;
+    fork_parent_stall_ms: Target;
+    fork_children_ms: Target;
+    host_rss_per_idle_vm_mb: Target;
+  };
+}
+
+/** The engine's goals. Here only: timed tests never assert speed. */
+export const TARGETS = {
+  /** Spawn p50 at most 1.3x a bare QEMU restore: our code adds at most 30 %. */
+  spawnVsFloorMax: 1.3,
+  /** A warm exec round trip below 15 ms. */
+  execRttP50BelowMs: 15,
+  /** A fork stops the parent for less than 50 ms (forkd pauses its parent 56 ms). */
+  forkStallBelowMs: 50,
+  /** 8 children all answering within 1 s of the fork call. */
+  forkChildrenBelowMs: 1000,
+  /** An idle sandbox costs the host less than 40 MiB. */
+  rssBelowMb: 40,
+} as const;
+
+export function target(value: number, limit: number, kind: "max" | "below"): Target {
+  return { limit, value, pass: kind === "max" ? value <= limit : value < limit };
+}
