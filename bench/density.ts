@@ -4,6 +4,7 @@ import { join } from "node:path";
 import { type HostCapacity, hostCapacity } from "../agent/sandbox/capacity.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
+import { ifExists } from "../contracts/best-effort.ts";
 import { type Leftovers, leftovers } from "./footprint.ts";
 import { qemuMemory } from "./rss.ts";
 import {
@@ -184,6 +185,7 @@ export async function measureQemus(dataDir: string): Promise<QemuMemorySummary> 
   for (const pid of await qemuPidsNaming([dataDir])) {
     const path = memPathOf(pid);
     if (!path) continue;
+    // A QEMU that exited between the listing and the read has no memory left to count.
     const m = await qemuMemory(pid, path).catch(() => undefined);
     if (m) mems.push(m);
   }
@@ -206,9 +208,8 @@ export async function measureQemus(dataDir: string): Promise<QemuMemorySummary> 
 async function templateRamKib(dataDir: string): Promise<number> {
   const root = defaultShmRoot(join(dataDir, "agent"));
   let kib = 0;
-  for (const name of await readdir(root).catch(() => [] as string[]))
-    if (name.startsWith("tpl-"))
-      kib += ((await stat(join(root, name)).catch(() => undefined))?.blocks ?? 0) / 2;
+  for (const name of (await ifExists(readdir(root))) ?? [])
+    if (name.startsWith("tpl-")) kib += ((await ifExists(stat(join(root, name))))?.blocks ?? 0) / 2;
   return kib;
 }
 

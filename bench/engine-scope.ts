@@ -8,6 +8,7 @@ import { deleteTemplate, type TemplateMeta } from "../agent/snapshot/template.ts
 import type { SandboxVm } from "../agent/snapshot/vm.ts";
 import { forgetChainStore } from "../agent/storage/chain.ts";
 import { killQemusNaming } from "../agent/vm/process.ts";
+import { bestEffort, settled } from "../contracts/best-effort.ts";
 
 /** Guest-side limit of one `true`: it answers in milliseconds; 20 s means the guest is gone. */
 const EXEC_TIMEOUT_MS = 20_000;
@@ -22,6 +23,9 @@ export class Interrupted extends Error {
 interface Destroyable {
   destroy(): Promise<void>;
 }
+
+/** Cleanup failures go to stderr: stdout carries the run's JSON. */
+const logToStderr = (m: string) => process.stderr.write(`${m}\n`);
 
 /** What the run made, so that an error or an abort frees all of it. */
 export class Scope {
@@ -44,7 +48,7 @@ export class Scope {
   track<T extends Destroyable>(vm: T): T {
     this.vms.add(vm);
     if (this.aborted) {
-      this.release(vm).catch(() => {}); // cleanup() retries what is left
+      void settled(this.release(vm)); // cleanup() retries what is left and reports it
       throw new Interrupted();
     }
     return vm;
@@ -61,7 +65,7 @@ export class Scope {
     if (this.template) {
       const id = this.template.id;
       this.template = undefined;
-      await deleteTemplate(this.dataDir, id).catch(() => {});
+      await bestEffort(logToStderr, `deleting bench template ${id}`, deleteTemplate(this.dataDir, id));
     }
     // A QEMU started by a step that was still in flight is not tracked yet: its command line
     // names our scratch dirs (unique to this run), which is how we find it.

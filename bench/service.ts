@@ -14,6 +14,7 @@ import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { ownerFileOf } from "../agent/snapshot/shm.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import { childEnv } from "../cli/settings.ts";
+import { awaitedLater, bestEffort } from "../contracts/best-effort.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 
 const SANDBOXD = resolve(import.meta.dir, "..", "bin", "sandboxd");
@@ -117,9 +118,12 @@ export async function stopUp(up: ChildProcess): Promise<void> {
 /** Removes a child `up`'s data dir and its template RAM files, which live on /dev/shm outside it. */
 export async function removeDataDir(dataDir: string): Promise<void> {
   const shm = defaultShmRoot(join(dataDir, "agent"));
-  await rm(shm, { recursive: true, force: true }).catch(() => {});
-  await rm(ownerFileOf(shm), { force: true }).catch(() => {});
-  await rm(dataDir, { recursive: true, force: true }).catch(() => {});
+  // `force` makes a missing path no error; any other failure is a leak, said on stderr (stdout
+  // carries the run's JSON) without hiding the run's own result.
+  const log = (m: string) => process.stderr.write(`${m}\n`);
+  await bestEffort(log, `removing ${shm}`, rm(shm, { recursive: true, force: true }));
+  await bestEffort(log, `removing ${ownerFileOf(shm)}`, rm(ownerFileOf(shm), { force: true }));
+  await bestEffort(log, `removing ${dataDir}`, rm(dataDir, { recursive: true, force: true }));
 }
 
 /** Stops the child `up` and removes its data dir and its RAM files. */
@@ -166,6 +170,6 @@ export function spawnUp(
   const stderrTail = () => tail;
   const listening = listeningUrl(up, stderrTail);
   // A caller that gave up waiting (an abort) must not see an unhandled rejection at the exit.
-  listening.catch(() => {});
+  awaitedLater(listening);
   return { up, listening, stderrTail };
 }

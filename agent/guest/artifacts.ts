@@ -15,6 +15,7 @@ import {
 } from "node:fs/promises";
 import { basename, dirname, join, relative, resolve } from "node:path";
 import { gzipSync } from "node:zlib";
+import { ifExists } from "../../contracts/best-effort.ts";
 import { runTool, ToolError } from "../host/tool.ts";
 
 /**
@@ -392,7 +393,7 @@ async function agentSources(): Promise<string[]> {
 }
 
 async function isStale(target: string, srcs: string[]): Promise<boolean> {
-  const t = await stat(target).catch(() => undefined);
+  const t = await ifExists(stat(target));
   if (!t) return true;
   for (const f of srcs) {
     if ((await stat(f)).mtimeMs > t.mtimeMs) return true;

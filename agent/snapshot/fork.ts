@@ -15,6 +15,7 @@
 import { randomBytes } from "node:crypto";
 import { chmod, mkdir, stat } from "node:fs/promises";
 import { basename, join } from "node:path";
+import { bestEffort, ifExists } from "../../contracts/best-effort.ts";
 import { type FreeBytes, needFreeSpace } from "../../contracts/disk-space.ts";
 import { isHostnameLabel, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
@@ -72,7 +73,7 @@ export function forkShmBytes(
 
 /** Bytes of `path` not backed by blocks (its holes); 0 when it cannot be read. */
 async function holeBytes(path: string): Promise<number> {
-  const st = await stat(path).catch(() => undefined);
+  const st = await ifExists(stat(path));
   return st ? Math.max(0, st.size - st.blocks * 512) : 0;
 }
 
@@ -138,7 +139,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   // Off the stall: the guest runs again, and only the new top's link is still needed.
   await removeStagedLinks(parent.dir, run.staged);
   parent.enter("running");
-  await chmod(frozen, 0o444).catch(() => {});
+  await bestEffort(log, `fork ${forkId}: making the frozen overlay read-only`, chmod(frozen, 0o444));
   log(
     `fork ${forkId} (${run.method}): parent stalled ${parentStallMs.toFixed(1)} ms, populate ${run.populateMs.toFixed(0)} ms, copy ${run.precopyMs.toFixed(0)} ms, state ${run.stateBytes} B`,
   );

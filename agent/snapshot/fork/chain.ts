@@ -5,6 +5,7 @@
 
 import { chown, link, lstat, mkdir, readdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { awaitedLater, ifExists } from "../../../contracts/best-effort.ts";
 import { openChainStore } from "../../storage/chain.ts";
 import { createOverlayOn, virtualSize } from "../../storage/qcow2.ts";
 import { SnapshotError } from "../errors.ts";
@@ -39,7 +40,7 @@ export async function removeStagedLinks(dir: string, keep?: string): Promise<voi
   for (const name of await readdir(dir)) {
     const p = join(dir, name);
     if (p === keep) continue;
-    const st = await lstat(p).catch(() => undefined);
+    const st = await ifExists(lstat(p));
     if (st?.isFile() && st.nlink > 1) await rm(p, { force: true });
   }
 }
@@ -67,7 +68,7 @@ export async function collapseParentChain(parent: SandboxVm): Promise<void> {
     timeoutMs: STREAM_TIMEOUT_MS,
     filter: (ev) => (ev.data as { device?: string } | undefined)?.device === jobId,
   });
-  done.catch(() => {});
+  awaitedLater(done);
   await qmp(proc, "block-stream", { "job-id": jobId, device: parent.topNode, base: parent.shape.baseDisk });
   const ev = await done;
   const err = (ev.data as { error?: string } | undefined)?.error;

@@ -4,6 +4,7 @@
  */
 
 import { rm } from "node:fs/promises";
+import { bestEffort } from "../../../contracts/best-effort.ts";
 import { fail, type Result, SnapshotError } from "../errors.ts";
 import { type qmp, setCapabilities } from "../migrate.ts";
 import { blockedInUserfault } from "../populate.ts";
@@ -15,24 +16,37 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
   const { parent, proc, forkId, newTop, newNode, staged, log } = run;
   /** The new overlay joins the parent's chain if QEMU took it (removed with the parent), else goes. */
   const keepOrDropNewTop = async () => {
-    if (run.switched) await adoptNewTop(parent, newTop, newNode).catch(() => {});
+    if (run.switched)
+      await bestEffort(
+        log,
+        `fork ${forkId}: keeping the parent's new overlay`,
+        adoptNewTop(parent, newTop, newNode),
+      );
     else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
   };
   await run.save?.abort();
   await rm(run.statePath, { force: true });
   if (proc.isAlive()) {
-    await proc.qmp.execute("migrate_cancel").catch(() => {});
+    await bestEffort(log, `fork ${forkId}: migrate_cancel`, proc.qmp.execute("migrate_cancel"));
     // A cancelled background snapshot may still be ending (its thread resumes the guest as it
     // unwinds); wait for it so the capability can be cleared and `cont` is not refused.
     await waitMigrationIdle(proc);
-    await proc.qmp.execute("cont").catch(() => {});
-    await setCapabilities(proc, { "background-snapshot": false }).catch(() => {});
+    await bestEffort(log, `fork ${forkId}: resuming the parent`, proc.qmp.execute("cont"));
+    await bestEffort(
+      log,
+      `fork ${forkId}: clearing background-snapshot`,
+      setCapabilities(proc, { "background-snapshot": false }),
+    );
     // A background snapshot that failed on QEMU's side (cancelled, a QEMU error) can leave a
     // vCPU blocked for good in a write fault (QEMU 7.2): the parent would look running and
     // never answer. It is ended instead, and the error says why; its record follows its exit.
     if (run.method === "snapshot" && run.switched && (await blockedInUserfault(proc.pid))) {
       log(`fork ${forkId}: the parent's vCPU stays blocked in a userfaultfd fault; ending the parent`);
-      await adoptNewTop(parent, newTop, newNode).catch(() => {});
+      await bestEffort(
+        log,
+        `fork ${forkId}: keeping the parent's new overlay`,
+        adoptNewTop(parent, newTop, newNode),
+      );
       await parent.destroy();
       return fail(
         new SnapshotError(
@@ -64,6 +78,7 @@ const CANCEL_POLLS = 400;
 /** Waits (bounded, ~2 s) until no migration is running on `proc`; errors are left to the caller. */
 async function waitMigrationIdle(proc: Parameters<typeof qmp>[0]): Promise<void> {
   for (let i = 0; i < CANCEL_POLLS; i++) {
+    // A failed poll ends the wait like an idle answer: the caller's next command reports QEMU's state.
     const info = await proc.qmp.execute<{ status?: string }>("query-migrate").catch(() => undefined);
     const st = info?.status;
     if (!st || st === "completed" || st === "failed" || st === "cancelled" || st === "none") return;
