@@ -75,6 +75,40 @@ describe("layout", () => {
     expect(wrong).toEqual([]);
   });
 
+  test("agent rooms import only rooms to their right; nothing imports agent/api/", () => {
+    // The order docs/ARCHITECTURE.md states: a room may skip rooms, never import one to its left.
+    // catalog/ (the python image build) stands beside the order and may use any room below api/.
+    const order: string[][] = [
+      ["api"],
+      ["sandbox"],
+      ["snapshot"],
+      ["vm"],
+      ["image", "qemu", "storage", "egress"],
+      ["guest"],
+      ["host"],
+    ];
+    const rank = new Map(order.flatMap((rooms, i) => rooms.map((r) => [r, i] as const)));
+    // Files directly under agent/ (run.ts, server.ts) are the entry points that wire the rooms.
+    const roomOf = (f: string) =>
+      f.startsWith("agent/") && f.split("/").length > 2 ? f.split("/")[1] : undefined;
+    const wrong: string[] = [];
+    for (const [file, deps] of graph) {
+      const from = roomOf(file);
+      if (from === undefined || file.endsWith(".test.ts")) continue;
+      for (const d of deps) {
+        const to = roomOf(d);
+        if (to === undefined || to === from) continue;
+        if (to === "api") wrong.push(`${file} -> ${d} (nothing imports api/)`);
+        else if (from === "catalog") continue;
+        else if (rank.get(from) === undefined || rank.get(to) === undefined)
+          wrong.push(`${file} -> ${d} (a room outside the order)`);
+        else if (rank.get(to)! < rank.get(from)!) wrong.push(`${file} -> ${d} (leftward)`);
+        else if (rank.get(to) === rank.get(from)) wrong.push(`${file} -> ${d} (same rank)`);
+      }
+    }
+    expect(wrong).toEqual([]);
+  });
+
   test("no import circles, type-only imports included", () => {
     const state = new Map<string, 1 | 2>();
     const cycles: string[] = [];
