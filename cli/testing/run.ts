@@ -26,6 +26,7 @@ import {
   tierOf,
   unallowedSkips,
 } from "./plan.ts";
+import { type Job, runPool } from "./pool.ts";
 
 /**
  * The most one file may run. The longest file takes about 5 minutes on a loaded 2-core TCG host;
@@ -217,53 +218,42 @@ export function defaultRunnerDeps(): RunnerDeps {
   };
 }
 
-export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerDeps()): Promise<number> {
-  const parsed = parseOptions(args);
-  if (typeof parsed === "string") {
-    process.stderr.write(parsed ? `sandboxd test: ${parsed}\n${USAGE}\n` : `${USAGE}\n`);
-    return parsed ? 2 : 0;
-  }
-  const all = testFiles(deps.root);
-  const files = select(all, parsed);
-  const wrong = misplaced(files.map((f) => f.path));
-  if (files.length === 0) {
-    process.stderr.write(`sandboxd test: no test file matches ${parsed.filters.join(" ")}\n`);
-    return 2;
-  }
-  const jobs = parsed.jobs ?? (parsed.quick ? 2 : 3);
-  const timings = timingsPaths(deps.root, deps.dataDir);
-  const recorded = readTimings(timings.read);
-  const bun = process.execPath;
-  const withChecks = parsed.filters.length === 0;
-  const t0 = performance.now();
-  deps.write(
-    `sandboxd test: ${files.length} files (${parsed.quick ? "quick tier" : "full"}), ${jobs} at a time` +
-      `${withChecks ? ", with the type check and the lint" : ""}\n`,
-  );
+/** What the run found, file by file: the counts, the problems and each file's time. */
+class Tally {
+  readonly total = { passed: 0, failed: 0, skipped: 0 };
+  readonly problems: string[] = [];
+  readonly fileTimes: { path: string; ms: number }[] = [];
 
-  const total = { passed: 0, failed: 0, skipped: 0 };
-  const problems: string[] = [];
-  const fileTimes: { path: string; ms: number }[] = [];
-  for (const p of wrong) {
-    total.failed++;
-    problems.push(`${p}: a test file outside tests/{integration,style,vm,e2e,perf}/ (put it in one)`);
+  constructor(private readonly deps: RunnerDeps) {}
+
+  fail(problem: string): void {
+    this.total.failed++;
+    this.problems.push(problem);
   }
 
-  const report = (d: Done, body: string) => {
-    deps.write(`\n=== ${d.label} (${(d.ms / 1000).toFixed(1)} s): ${body}\n${d.out.trimEnd()}\n`);
-  };
-  const onCheck = (d: Done) => {
-    const ok = d.code === 0;
-    ok ? total.passed++ : total.failed++;
-    if (!ok) problems.push(`${d.label} failed`);
-    report(d, ok ? "ok" : `FAILED (exit ${d.code})`);
-  };
-  const onFile = (f: TestFile, d: Done) => {
+  report(d: Done, body: string): void {
+    this.deps.write(`\n=== ${d.label} (${(d.ms / 1000).toFixed(1)} s): ${body}\n${d.out.trimEnd()}\n`);
+  }
+
+  /** The type check or the lint: a check of its own, passed on exit 0. */
+  onCheck(d: Done): void {
+    if (d.code === 0) this.total.passed++;
+    else this.fail(`${d.label} failed`);
+    this.report(d, d.code === 0 ? "ok" : `FAILED (exit ${d.code})`);
+  }
+
+  /** The shared cache's build: not a test, but a failed build fails the run. */
+  onCacheBuilt(d: Done): void {
+    if (d.code !== 0) this.fail("building the shared test cache failed (tests/support/warm-cache.ts)");
+    this.report(d, d.code === 0 ? "ok" : `FAILED (exit ${d.code})`);
+  }
+
+  onFile(f: TestFile, d: Done): void {
     const r = parseBunOutput(d.out);
-    total.passed += r.passed;
-    total.failed += r.failed;
-    total.skipped += r.skipped;
-    fileTimes.push({ path: f.path, ms: d.ms });
+    this.total.passed += r.passed;
+    this.total.failed += r.failed;
+    this.total.skipped += r.skipped;
+    this.fileTimes.push({ path: f.path, ms: d.ms });
     const notes: string[] = [];
     if (d.killed) notes.push(`killed after ${FILE_LIMIT_MS / 60_000} min`);
     else if (!r.summarized || (d.code !== 0 && r.failed === 0))
@@ -271,27 +261,33 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
     if (d.leftover.length > 0) {
       notes.push(`left ${d.leftover.length} process(es) running: ${d.leftover.join("; ")}`);
     }
-    if (notes.length > 0) total.failed++;
-    for (const name of unallowedSkips(f.path, r.skippedNames, deps.allowedSkips)) {
-      total.failed++;
+    if (notes.length > 0) this.total.failed++;
+    for (const name of unallowedSkips(f.path, r.skippedNames, this.deps.allowedSkips)) {
+      this.total.failed++;
       notes.push(`skipped and not on tests/allowed-skips.ts: ${name}`);
     }
-    for (const n of notes) problems.push(`${f.path}: ${n}`);
-    if (r.failed > 0) problems.push(`${f.path}: ${r.failed} failed`);
-    report(d, `${r.passed} pass, ${r.failed} fail, ${r.skipped} skip${notes.map((n) => `; ${n}`).join("")}`);
-  };
-
-  interface Job {
-    run: () => Promise<void>;
-    exclusive: boolean;
-    /** A full-tier file: waits for the shared test cache, and never runs beside an exclusive one. */
-    needsCache: boolean;
+    for (const n of notes) this.problems.push(`${f.path}: ${n}`);
+    if (r.failed > 0) this.problems.push(`${f.path}: ${r.failed} failed`);
+    this.report(
+      d,
+      `${r.passed} pass, ${r.failed} fail, ${r.skipped} skip${notes.map((n) => `; ${n}`).join("")}`,
+    );
   }
+}
+
+/** The checks (when the whole suite runs: the type check first, the longest quick step), then the files. */
+function buildQueue(
+  files: TestFile[],
+  recorded: Record<string, number>,
+  withChecks: boolean,
+  deps: RunnerDeps,
+  tally: Tally,
+): Job[] {
+  const bun = process.execPath;
   const queue: Job[] = [];
   if (withChecks) {
-    // The type check is the longest single step of the quick tier: it starts first.
     const check = (label: string, args: string[]): Job => ({
-      run: () => runJob(label, bun, args, FILE_LIMIT_MS, deps.root).then(onCheck),
+      run: () => runJob(label, bun, args, FILE_LIMIT_MS, deps.root).then((d) => tally.onCheck(d)),
       exclusive: false,
       needsCache: false,
     });
@@ -308,94 +304,80 @@ export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerD
           FILE_LIMIT_MS,
           deps.root,
           deps.leftoverGraceMs,
-        ).then((d) => onFile(f, d)),
+        ).then((d) => tally.onFile(f, d)),
       exclusive: f.exclusive,
       needsCache: f.tier === "full",
     });
   }
+  return queue;
+}
+
+/** Files that are gone drop out; the rest keep their last time until they run again. */
+function saveTimings(
+  path: string,
+  all: TestFile[],
+  recorded: Record<string, number>,
+  fileTimes: Tally["fileTimes"],
+): void {
+  const merged: Record<string, number> = {};
+  for (const f of all) if (recorded[f.path] !== undefined) merged[f.path] = recorded[f.path]!;
+  for (const t of fileTimes) merged[t.path] = Math.round(t.ms);
+  try {
+    mkdirSync(join(path, ".."), { recursive: true });
+    writeFileSync(path, `${JSON.stringify(merged, Object.keys(merged).sort(), 2)}\n`);
+  } catch {
+    // a read-only data dir: the times are printed all the same
+  }
+}
+
+export async function runTests(args: string[], deps: RunnerDeps = defaultRunnerDeps()): Promise<number> {
+  const parsed = parseOptions(args);
+  if (typeof parsed === "string") {
+    process.stderr.write(parsed ? `sandboxd test: ${parsed}\n${USAGE}\n` : `${USAGE}\n`);
+    return parsed ? 2 : 0;
+  }
+  const all = testFiles(deps.root);
+  const files = select(all, parsed);
+  if (files.length === 0) {
+    process.stderr.write(`sandboxd test: no test file matches ${parsed.filters.join(" ")}\n`);
+    return 2;
+  }
+  const jobs = parsed.jobs ?? (parsed.quick ? 2 : 3);
+  const timings = timingsPaths(deps.root, deps.dataDir);
+  const recorded = readTimings(timings.read);
+  const withChecks = parsed.filters.length === 0;
+  const t0 = performance.now();
+  deps.write(
+    `sandboxd test: ${files.length} files (${parsed.quick ? "quick tier" : "full"}), ${jobs} at a time` +
+      `${withChecks ? ", with the type check and the lint" : ""}\n`,
+  );
+  const tally = new Tally(deps);
+  for (const p of misplaced(files.map((f) => f.path)))
+    tally.fail(`${p}: a test file outside tests/{integration,style,vm,e2e,perf}/ (put it in one)`);
+
+  const queue = buildQueue(files, recorded, withChecks, deps, tally);
   const stop = () => {
     for (const c of live) killGroup(c);
     process.exit(130);
   };
   process.once("SIGINT", stop);
   process.once("SIGTERM", stop);
-
   // The shared cache is built once, beside the quick files, before any VM file takes it.
-  let cacheReady = !queue.some((j) => j.needsCache);
-  const cache = cacheReady
-    ? Promise.resolve()
-    : runJob("shared test cache", bun, [deps.warmCache], FILE_LIMIT_MS, deps.root).then((d) => {
-        if (d.code !== 0) {
-          total.failed++;
-          problems.push("building the shared test cache failed (tests/support/warm-cache.ts)");
-        }
-        report(d, d.code === 0 ? "ok" : `FAILED (exit ${d.code})`);
-        cacheReady = true;
-      });
-  // Quick files run beside anything, from the start. A full-tier file waits for the cache; an
-  // exclusive one runs with no other full-tier file beside it (quick files still fill the other
-  // workers), and the other full-tier files start once every exclusive one has run.
-  let runningFull = 0;
-  let runningExclusive = 0;
-  let pendingExclusive = queue.filter((j) => j.exclusive).length;
-  const waiters: (() => void)[] = [];
-  const wake = () => {
-    for (const w of waiters.splice(0)) w();
-  };
-  void cache.then(wake);
-  const eligible = (j: Job) => {
-    if (!j.needsCache) return true;
-    if (!cacheReady) return false;
-    if (j.exclusive) return runningFull === 0;
-    return pendingExclusive === 0 && runningExclusive === 0;
-  };
-  /** The next job a worker may start now; waits while only jobs that may not start yet are left. */
-  const take = async (): Promise<Job | undefined> => {
-    for (;;) {
-      const i = queue.findIndex(eligible);
-      if (i >= 0) {
-        const j = queue.splice(i, 1)[0]!;
-        // Counted as it is taken, before any other worker looks: two exclusive files never pair.
-        if (j.needsCache) runningFull++;
-        if (j.exclusive) runningExclusive++;
-        return j;
-      }
-      if (queue.length === 0) return undefined;
-      await new Promise<void>((resolve) => waiters.push(resolve));
-    }
-  };
-  const runOne = async (j: Job) => {
-    try {
-      await j.run();
-    } finally {
-      if (j.needsCache) runningFull--;
-      if (j.exclusive) {
-        runningExclusive--;
-        pendingExclusive--;
-      }
-      wake();
-    }
-  };
-  const workers = Array.from({ length: Math.min(jobs, queue.length) }, async () => {
-    for (let next = await take(); next; next = await take()) await runOne(next);
-  });
-  await Promise.all([...workers, cache]);
+  const cache = queue.some((j) => j.needsCache)
+    ? () =>
+        runJob("shared test cache", process.execPath, [deps.warmCache], FILE_LIMIT_MS, deps.root).then((d) =>
+          tally.onCacheBuilt(d),
+        )
+    : undefined;
+  await runPool(queue, jobs, cache);
   process.off("SIGINT", stop);
   process.off("SIGTERM", stop);
 
-  // Files that are gone drop out; the rest keep their last time until they run again.
-  const merged: Record<string, number> = {};
-  for (const f of all) if (recorded[f.path] !== undefined) merged[f.path] = recorded[f.path]!;
-  for (const t of fileTimes) merged[t.path] = Math.round(t.ms);
-  try {
-    mkdirSync(join(timings.write, ".."), { recursive: true });
-    writeFileSync(timings.write, `${JSON.stringify(merged, Object.keys(merged).sort(), 2)}\n`);
-  } catch {
-    // a read-only data dir: the times are printed below all the same
-  }
+  saveTimings(timings.write, all, recorded, tally.fileTimes);
   const wallS = ((performance.now() - t0) / 1000).toFixed(1);
-  deps.write(`\nslowest ${SLOWEST_SHOWN} files:\n${slowest(fileTimes, SLOWEST_SHOWN).join("\n")}\n`);
-  if (problems.length > 0) deps.write(`\nproblems:\n${problems.map((p) => `  ${p}`).join("\n")}\n`);
-  deps.write(`\nwall time ${wallS} s, ${jobs} files at a time\n${summaryLine(total)}\n`);
-  return total.failed === 0 ? 0 : 1;
+  deps.write(`\nslowest ${SLOWEST_SHOWN} files:\n${slowest(tally.fileTimes, SLOWEST_SHOWN).join("\n")}\n`);
+  if (tally.problems.length > 0)
+    deps.write(`\nproblems:\n${tally.problems.map((p) => `  ${p}`).join("\n")}\n`);
+  deps.write(`\nwall time ${wallS} s, ${jobs} files at a time\n${summaryLine(tally.total)}\n`);
+  return tally.total.failed === 0 ? 0 : 1;
 }
