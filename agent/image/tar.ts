@@ -262,13 +262,11 @@ function hasSparseKeys(pax: Map<string, string>): boolean {
  * Reading stops at the end marker (two zero blocks) or at end of input, like Go.
  */
 export async function* readTar(r: ByteReader, maxEntryName: number): AsyncGenerator<TarEntry> {
-  let pax: Map<string, string> | null = null;
-  let longName: string | null = null;
-  let longLink: string | null = null;
+  const ext: PendingExtensions = { pax: null, longName: null, longLink: null };
   for (;;) {
     const block = await r.readExact(BLOCK);
     if (block === null) {
-      if (pax || longName !== null || longLink !== null)
+      if (ext.pax || ext.longName !== null || ext.longLink !== null)
         throw new TarFormatError("archive ends inside an entry");
       return;
     }
@@ -299,83 +297,33 @@ export async function* readTar(r: ByteReader, maxEntryName: number): AsyncGenera
       const data = (await r.readExact(rawSize)) ?? Buffer.alloc(0);
       if (data.length !== rawSize) throw new TarFormatError("truncated archive");
       await r.skip(pad);
-      if (flag === "x") {
-        if (pax) throw new TarFormatError("two pax headers for one entry");
-        pax = parsePax(data);
-        if (hasSparseKeys(pax)) throw new TarFormatError("sparse files are not supported", true);
-      } else if (flag === "g") {
-        const g = parsePax(data);
-        if (hasSparseKeys(g) || PAX_LAYOUT_KEYS.some((k) => g.has(k))) {
-          throw new TarFormatError("global pax header sets path, linkpath or size");
-        }
-      } else {
-        const nul = data.indexOf(0);
-        const text = (nul === -1 ? data : data.subarray(0, nul)).toString("utf8");
-        if (flag === "L") {
-          if (longName !== null) throw new TarFormatError("two GNU long names for one entry");
-          longName = text;
-        } else {
-          if (longLink !== null) throw new TarFormatError("two GNU long links for one entry");
-          longLink = text;
-        }
-      }
+      applyExtension(flag, data, ext);
       continue;
     }
 
     let linkname = cString(block, 157, 100);
-    if (pax?.has("path")) {
-      if (longName !== null) throw new TarFormatError("both a GNU long name and a pax path");
-      name = pax.get("path") as string;
+    if (ext.pax?.has("path")) {
+      if (ext.longName !== null) throw new TarFormatError("both a GNU long name and a pax path");
+      name = ext.pax.get("path") as string;
     }
-    if (pax?.has("linkpath")) {
-      if (longLink !== null) throw new TarFormatError("both a GNU long link and a pax linkpath");
-      linkname = pax.get("linkpath") as string;
+    if (ext.pax?.has("linkpath")) {
+      if (ext.longLink !== null) throw new TarFormatError("both a GNU long link and a pax linkpath");
+      linkname = ext.pax.get("linkpath") as string;
     }
-    if (longName !== null) name = longName;
-    if (longLink !== null) linkname = longLink;
-    const paxSize = pax?.get("size");
+    if (ext.longName !== null) name = ext.longName;
+    if (ext.longLink !== null) linkname = ext.longLink;
+    const paxSize = ext.pax?.get("size");
     if (paxSize !== undefined && (!/^[0-9]+$/.test(paxSize) || Number(paxSize) !== rawSize)) {
       throw new TarFormatError("pax size disagrees with the header size");
     }
-    pax = null;
-    longName = null;
-    longLink = null;
+    ext.pax = null;
+    ext.longName = null;
+    ext.longLink = null;
     if (name.length > maxEntryName || linkname.length > maxEntryName) {
       throw new TarFormatError("entry name longer than PATH_MAX");
     }
 
-    let type: TarEntryType;
-    switch (flag) {
-      case "\0":
-        type = name.endsWith("/") ? "directory" : "file";
-        break;
-      case "0":
-      case "7":
-        type = "file";
-        break;
-      case "1":
-        type = "link";
-        break;
-      case "2":
-        type = "symlink";
-        break;
-      case "3":
-        type = "char";
-        break;
-      case "4":
-        type = "block";
-        break;
-      case "5":
-        type = "directory";
-        break;
-      case "6":
-        type = "fifo";
-        break;
-      case "S":
-        throw new TarFormatError("sparse files are not supported", true);
-      default:
-        throw new TarFormatError(`unsupported tar entry type ${JSON.stringify(flag)}`, true);
-    }
+    const type = entryType(flag, name);
     if (type !== "file" && rawSize !== 0) throw new TarFormatError(`${type} entry with a data size`);
 
     const header: TarHeader = {
@@ -391,5 +339,63 @@ export async function* readTar(r: ByteReader, maxEntryName: number): AsyncGenera
     const left = dataStart + rawSize - r.position;
     if (left < 0) throw new TarFormatError("entry body over-read");
     await r.skip(left + pad);
+  }
+}
+
+/** The entry type a header's type flag names; sparse files and unknown types are refused. */
+function entryType(flag: string, name: string): TarEntryType {
+  switch (flag) {
+    case "\0":
+      return name.endsWith("/") ? "directory" : "file";
+    case "0":
+    case "7":
+      return "file";
+    case "1":
+      return "link";
+    case "2":
+      return "symlink";
+    case "3":
+      return "char";
+    case "4":
+      return "block";
+    case "5":
+      return "directory";
+    case "6":
+      return "fifo";
+    case "S":
+      throw new TarFormatError("sparse files are not supported", true);
+    default:
+      throw new TarFormatError(`unsupported tar entry type ${JSON.stringify(flag)}`, true);
+  }
+}
+
+/** The extension headers read so far for the next entry (PAX, GNU long name, GNU long link). */
+interface PendingExtensions {
+  pax: Map<string, string> | null;
+  longName: string | null;
+  longLink: string | null;
+}
+
+/** Takes in one extension header's data ('x', 'g', 'L' or 'K'); a second one of a kind is refused. */
+function applyExtension(flag: string, data: Buffer, ext: PendingExtensions): void {
+  if (flag === "x") {
+    if (ext.pax) throw new TarFormatError("two pax headers for one entry");
+    ext.pax = parsePax(data);
+    if (hasSparseKeys(ext.pax)) throw new TarFormatError("sparse files are not supported", true);
+  } else if (flag === "g") {
+    const g = parsePax(data);
+    if (hasSparseKeys(g) || PAX_LAYOUT_KEYS.some((k) => g.has(k))) {
+      throw new TarFormatError("global pax header sets path, linkpath or size");
+    }
+  } else {
+    const nul = data.indexOf(0);
+    const text = (nul === -1 ? data : data.subarray(0, nul)).toString("utf8");
+    if (flag === "L") {
+      if (ext.longName !== null) throw new TarFormatError("two GNU long names for one entry");
+      ext.longName = text;
+    } else {
+      if (ext.longLink !== null) throw new TarFormatError("two GNU long links for one entry");
+      ext.longLink = text;
+    }
   }
 }

@@ -68,11 +68,95 @@ export function startConsoleDrain(
 ): ConsoleDrain {
   let closed = false;
   let socket: Socket | undefined;
-  let file: FileHandle | undefined;
-  let fileSize = 0;
+  const ring = logRing(logPath, log);
   let pending: Buffer[] = [];
   let pendingBytes = 0;
   let writing: Promise<void> | undefined;
+  const flush = async () => {
+    while (pending.length > 0) {
+      const chunk = pending.length === 1 ? pending[0]! : Buffer.concat(pending, pendingBytes);
+      pending = [];
+      pendingBytes = 0;
+      if (!closed) socket?.resume();
+      try {
+        await ring.append(chunk);
+      } catch (err) {
+        await ring.failed(err);
+      }
+    }
+  };
+  const kick = () => {
+    writing ??= flush().finally(() => {
+      writing = undefined;
+      if (pending.length > 0) kick();
+    });
+  };
+
+  const attach = (s: Socket) => {
+    socket = s;
+    s.on("data", (b: Buffer) => {
+      pending.push(b);
+      pendingBytes += b.length;
+      if (pendingBytes >= PENDING_HIGH_BYTES) s.pause();
+      kick();
+    });
+    s.on("error", () => {}); // "close" follows; the cause does not change what we do
+    s.on("close", () => {
+      if (socket === s) socket = undefined;
+      if (closed) return;
+      // QEMU drops a client whose write failed; it still listens while it runs. A socket that
+      // stopped listening (QEMU gone) refuses, which ends the drain.
+      setTimeout(() => void connect(RECONNECT_DELAY_MS).then((ok) => ok || void close()), RECONNECT_DELAY_MS);
+    });
+  };
+
+  const connect = async (budgetMs: number): Promise<boolean> => {
+    const deadline = performance.now() + budgetMs;
+    while (!closed) {
+      const s = await tryConnect(socketPath);
+      if (s !== "retry") {
+        if (closed) {
+          s.destroy();
+          return false;
+        }
+        attach(s);
+        return true;
+      }
+      if (performance.now() >= deadline) return false;
+      await Bun.sleep(CONNECT_RETRY_MS);
+    }
+    return false;
+  };
+
+  let closing: Promise<void> | undefined;
+  const close = () => {
+    closing ??= (async () => {
+      closed = true;
+      socket?.destroy();
+      socket = undefined;
+      while (writing) await writing;
+      await ring.close();
+    })();
+    return closing;
+  };
+
+  const ready = connect(CONNECT_BUDGET_MS).then((ok) => {
+    if (!ok && !closed) log(`console ${socketPath}: no console socket to drain`);
+    return ok;
+  });
+  return { ready, close };
+}
+
+/**
+ * `logPath` kept as a two-file ring of CONSOLE_FILE_BYTES each (`<log>.1` the older half). A disk
+ * error is reported once per kind; the file is reopened for the next chunk.
+ */
+function logRing(
+  logPath: string,
+  log: (msg: string) => void,
+): { append(chunk: Buffer): Promise<void>; failed(err: unknown): Promise<void>; close(): Promise<void> } {
+  let file: FileHandle | undefined;
+  let fileSize = 0;
   const reported = new Set<string>();
   const report = (what: string, err: unknown) => {
     const code = (err as NodeJS.ErrnoException).code ?? String(err);
@@ -108,95 +192,33 @@ export function startConsoleDrain(
     await fh.write(data);
     fileSize += data.length;
   };
-  const flush = async () => {
-    while (pending.length > 0) {
-      const chunk = pending.length === 1 ? pending[0]! : Buffer.concat(pending, pendingBytes);
-      pending = [];
-      pendingBytes = 0;
-      if (!closed) socket?.resume();
-      try {
-        await append(chunk);
-      } catch (err) {
-        report("write", err);
-        await file?.close().catch(() => {});
-        file = undefined;
-      }
-    }
-  };
-  const kick = () => {
-    writing ??= flush().finally(() => {
-      writing = undefined;
-      if (pending.length > 0) kick();
-    });
-  };
-
-  const attach = (s: Socket) => {
-    socket = s;
-    s.on("data", (b: Buffer) => {
-      pending.push(b);
-      pendingBytes += b.length;
-      if (pendingBytes >= PENDING_HIGH_BYTES) s.pause();
-      kick();
-    });
-    s.on("error", () => {}); // "close" follows; the cause does not change what we do
-    s.on("close", () => {
-      if (socket === s) socket = undefined;
-      if (closed) return;
-      // QEMU drops a client whose write failed; it still listens while it runs. A socket that
-      // stopped listening (QEMU gone) refuses, which ends the drain.
-      setTimeout(() => void connect(RECONNECT_DELAY_MS).then((ok) => ok || void close()), RECONNECT_DELAY_MS);
-    });
-  };
-
-  /** One connect attempt: the socket, "retry" (not there yet / refused), or an error. */
-  const tryConnect = () =>
-    new Promise<Socket | "retry">((resolve) => {
-      const s = createConnection({ path: socketPath });
-      s.once("connect", () => {
-        s.removeAllListeners("error");
-        resolve(s);
-      });
-      s.once("error", () => {
-        s.destroy();
-        resolve("retry");
-      });
-    });
-  const connect = async (budgetMs: number): Promise<boolean> => {
-    const deadline = performance.now() + budgetMs;
-    while (!closed) {
-      const s = await tryConnect();
-      if (s !== "retry") {
-        if (closed) {
-          s.destroy();
-          return false;
-        }
-        attach(s);
-        return true;
-      }
-      if (performance.now() >= deadline) return false;
-      await Bun.sleep(CONNECT_RETRY_MS);
-    }
-    return false;
-  };
-
-  let closing: Promise<void> | undefined;
-  const close = () => {
-    closing ??= (async () => {
-      closed = true;
-      socket?.destroy();
-      socket = undefined;
-      while (writing) await writing;
+  return {
+    append,
+    failed: async (err) => {
+      report("write", err);
       await file?.close().catch(() => {});
       file = undefined;
-    })();
-    return closing;
+    },
+    close: async () => {
+      await file?.close().catch(() => {});
+      file = undefined;
+    },
   };
+}
 
-  const ready = connect(CONNECT_BUDGET_MS).then((ok) => {
-    if (!ok && !closed) log(`console ${socketPath}: no console socket to drain`);
-    return ok;
+/** One connect attempt: the socket, "retry" (not there yet / refused), or an error. */
+function tryConnect(socketPath: string): Promise<Socket | "retry"> {
+  return new Promise<Socket | "retry">((resolve) => {
+    const s = createConnection({ path: socketPath });
+    s.once("connect", () => {
+      s.removeAllListeners("error");
+      resolve(s);
+    });
+    s.once("error", () => {
+      s.destroy();
+      resolve("retry");
+    });
   });
-  return { ready, close };
 }
 
 /**

@@ -1,29 +1,33 @@
 import { type ChildProcess, spawn } from "node:child_process";
-import { readFileSync } from "node:fs";
 import { readFile, rm } from "node:fs/promises";
 import { constants as osConstants } from "node:os";
-import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { GuestArtifacts } from "../guest/artifacts.ts";
-import { type ConsoleDrain, consoleArgs, consoleTail, startConsoleDrain } from "./console.ts";
+import { buildQemuArgs, type LaunchOptions, vmPaths } from "./args.ts";
+import { type ConsoleDrain, consoleTail, startConsoleDrain } from "./console.ts";
 import { jailArgv, sandboxOption } from "./jail.ts";
 import { prepareJail, releaseJail } from "./jail-setup.ts";
 import { QmpClient } from "./qmp/client.ts";
 
+export {
+  type Accel,
+  buildQemuArgs,
+  DEVICE_IDS,
+  isHostnameLabel,
+  kernelCmdline,
+  type LaunchOptions,
+  type MemBackend,
+  machineArgs,
+  vmPaths,
+} from "./args.ts";
+
 /**
- * Starts one QEMU `microvm` for one sandbox. Everything the VM owns on the host lives in its own
+ * Starts one QEMU `microvm` for one sandbox (its command line: args.ts). Everything the VM owns on the host lives in its own
  * directory (`dir`): the QMP, agent and console sockets, the console log (console.ts) and `qemu.pid`, so that
  * killing the process and removing the directory frees it all (agent/vm/workdir.ts reclaims the
  * directories of a crashed agent through `qemu.pid`).
  */
 
 export const QEMU_BINARY = "qemu-system-x86_64";
-
-/**
- * How QEMU runs the guest's CPU: hardware virtualization or the TCG emulator. A launch option;
- * which one works on this host is decided by the probe in accel.ts.
- */
-export type Accel = "kvm" | "tcg";
 
 /**
  * Budget from spawn to a negotiated QMP connection. QEMU reaches its greeting in ~25-35 ms on
@@ -38,86 +42,6 @@ const EXIT_AFTER_HANGUP_MS = 1_000;
 /** How much of QEMU's stderr and of the console we keep for error messages. */
 const STDERR_TAIL_BYTES = 8192;
 const CONSOLE_TAIL_BYTES = 4096;
-
-/**
- * Fixed ids. A snapshot's device state names devices by id and by their position on the virtio
- * MMIO bus (which is the order of `-device` options), so every QEMU that saves or restores state
- * (template, its children, a forked parent and its children) must be started by THIS function
- * with the same ids in the same order. Never reorder the device options below; append new
- * devices at the end, and only together with a snapshot format bump.
- */
-export const DEVICE_IDS = {
-  memBackend: "mem",
-  agentChardev: "agent0",
-  serialBus: "vser0",
-  agentPort: "agentport",
-  diskFileNode: "disk0-file",
-  diskNode: "disk0",
-  disk: "vda",
-  rngBackend: "rng0",
-  rng: "rng",
-} as const;
-
-export interface MemBackend {
-  /** A file on tmpfs/hugetlbfs holding guest RAM (the template snapshot's RAM image). */
-  path: string;
-  /**
-   * true: writes go to the file (the template being frozen). false: private copy-on-write
-   * mapping of the file (a child restoring from it; its writes never reach the file).
-   */
-  share: boolean;
-}
-
-export interface LaunchOptions {
-  /** The VM's own directory; must exist. */
-  dir: string;
-  artifacts: GuestArtifacts;
-  /** qcow2 overlay the guest sees as /dev/vda (agent/storage/qcow2.ts `createOverlayOn`). Omit for a diskless VM. */
-  disk?: string;
-  memMib: number;
-  vcpus: number;
-  accel: Accel;
-  hostname?: string;
-  memBackend?: MemBackend;
-  /** Start with `-incoming defer`: the caller restores state with `migrate-incoming`, then `cont`. */
-  incoming?: boolean;
-  /**
-   * Start paused (`-S`); the caller sends `cont`. With `incoming`, the guest also stays stopped
-   * after the restore completes (without it QEMU autostarts the restored guest).
-   */
-  paused?: boolean;
-  extraKernelArgs?: string[];
-  /**
-   * true (default): QEMU dies with the process that launched it (`setpriv --pdeathsig KILL`),
-   * right for the one-shot `sandboxd run` CLI and for transient VMs (template builds). false: the
-   * long-running agent's sandboxes, which must outlive an agent restart to be re-adopted; QEMU is
-   * then started in its own session (a Ctrl-C or SIGTERM to the agent's process group does not
-   * reach it), and the agent's reaper kills the VMs no record claims.
-   */
-  dieWithParent?: boolean;
-  log?: (msg: string) => void;
-}
-
-/** The files QEMU makes in a VM's directory: the names every owner of a VM agrees on. */
-export function vmPaths(dir: string): {
-  qmpSocket: string;
-  agentSocket: string;
-  consoleSocket: string;
-  consoleLog: string;
-  pidFile: string;
-  hostPidFile: string;
-} {
-  return {
-    qmpSocket: join(dir, "qmp.sock"),
-    agentSocket: join(dir, "agent.sock"),
-    consoleSocket: join(dir, "console.sock"),
-    consoleLog: join(dir, "console.log"),
-    // QEMU's own -pidfile (it also locks it: one QEMU per directory) holds its pid inside its pid
-    // namespace; the jail writes QEMU's host pid beside it.
-    pidFile: join(dir, "qemu.pid"),
-    hostPidFile: join(dir, "qemu.hostpid"),
-  };
-}
 
 /**
  * Removes what a QEMU leaves in its directory once it is gone (its sockets and pid file): stale
@@ -174,182 +98,6 @@ export class VmLaunchError extends SandboxdError {
     super("vm_launch_failed", tails ? `${message}\n${tails}` : message, { cause, details });
     this.name = "VmLaunchError";
   }
-}
-
-/**
- * The host's TSC rate in kHz. Under TCG the guest's rdtsc reads the host TSC, and the guest's own
- * PIT calibration of it fails about one boot in six here ("tsc: Unable to calibrate against PIT"),
- * after which the kernel marks the TSC unstable and hangs before userspace. Passing the rate as
- * `tsc_early_khz` skips that calibration. /proc/cpuinfo's "cpu MHz" is the TSC rate on the
- * constant-TSC CPUs and VMs we run on; the guest clock is set from the host after boot anyway.
- */
-let cachedTscKhz: number | undefined;
-export function hostTscKhz(): number {
-  if (cachedTscKhz !== undefined) return cachedTscKhz;
-  // 2 GHz when cpuinfo says nothing usable: any plausible rate beats a hung calibration.
-  let khz = 2_000_000;
-  try {
-    const m = /^cpu MHz\s*:\s*([\d.]+)/m.exec(readFileSync("/proc/cpuinfo", "utf8"));
-    const mhz = m ? Number(m[1]) : Number.NaN;
-    if (Number.isFinite(mhz) && mhz > 100) khz = Math.round(mhz * 1000);
-  } catch {
-    // keep the fallback
-  }
-  cachedTscKhz = khz;
-  return khz;
-}
-
-/** An RFC 1123 label: what the guest may pass to sethostname and what DNS tools accept. */
-export function isHostnameLabel(name: string): boolean {
-  return /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(name);
-}
-
-export function kernelCmdline(accel: Accel, hostname: string, extra: string[] = []): string {
-  if (!isHostnameLabel(hostname))
-    throw new SandboxdError("bad_request", `invalid hostname ${JSON.stringify(hostname)}`);
-  const args = [
-    "console=ttyS0",
-    // Under TCG the guest otherwise stalls calibrating the TSC against the emulated PIT
-    // (measured: the boot hangs there without these). Under KVM the kernel picks kvm-clock itself,
-    // which survives migration.
-    ...(accel === "tcg" ? ["tsc=reliable", "clocksource=tsc", `tsc_early_khz=${hostTscKhz()}`] : []),
-    // A guest panic reboots at once (panic=-1), the triple-fault reboot (reboot=t) needs no
-    // firmware, and -no-reboot turns that reboot into a QEMU exit the host sees.
-    "panic=-1",
-    "reboot=t",
-    "quiet",
-    "rdinit=/init",
-    `sandboxd.hostname=${hostname}`,
-    ...extra,
-  ];
-  return args.join(" ");
-}
-
-/**
- * `-M microvm` options. TCG needs the legacy PIT/PIC/RTC or the guest stalls at TSC calibration
- * (measured with QEMU 7.2 and Debian's 6.1 cloud kernel). Under KVM we follow QEMU's docs/system/i386/microvm.rst fast-boot setup: no PIT
- * and no PIC (the in-kernel LAPIC with the TSC-deadline timer and kvm-clock cover timekeeping;
- * Linux skips its PIT check when no PIC is found), saving their probe time. The RTC stays on so
- * the guest has a wall clock before the host's SET_CLOCK. `acpi=on` lets the kernel enumerate the
- * virtio-mmio devices without `virtio_mmio.device=` arguments (not compiled in this kernel).
- */
-export function machineOption(accel: Accel, memBackend: boolean): string {
-  const legacy = accel === "tcg" ? "pit=on,pic=on,rtc=on" : "pit=off,pic=off,rtc=on";
-  return `microvm,${legacy},acpi=on${memBackend ? `,memory-backend=${DEVICE_IDS.memBackend}` : ""}`;
-}
-
-/**
- * `-accel`/`-cpu`. KVM uses `-cpu host` (full host features, no emulation cost). TCG keeps QEMU's
- * default model (qemu64): Debian's userland targets the x86-64 baseline, and snapshots need every
- * QEMU in a family to present the same CPU, which a fixed model guarantees across hosts.
- *
- * TCG keeps QEMU's default translation-buffer size (`tb-size`, 1 GiB of address space, resident
- * only as far as code is translated). Measured with `bench` (256 MiB guest restored from a
- * template, one `true` run, then idle; 2-core host shared with other builds, two runs each):
- * idle PSS 39.4-40 MiB and exec p50 3.7-7.6 ms with the default; 32 and 16 MiB change nothing
- * (an idle VM's translated code is ~14 MiB); 12 MiB saves 3-4 MiB (35.6-37) and 8 MiB saves 7
- * (32.4-32.9), but at 8 MiB exec p50 became 84-120 ms because the guest's working set no longer
- * fits and TCG flushes and retranslates; a busy guest (Python, Chromium) translates far more than
- * busybox does. The buffer is not worth bounding for idle memory: the cost sits elsewhere in
- * QEMU (docs/benchmarks.md, "Idle memory"), and a VM's code cache is its CPU speed under TCG.
- */
-function accelArgs(accel: Accel): string[] {
-  return accel === "kvm" ? ["-accel", "kvm", "-cpu", "host"] : ["-accel", "tcg"];
-}
-
-/**
- * The machine every QEMU of ours runs (sandboxes and the accelerator probe alike): microvm with
- * `accel`'s options and `memMib` of RAM; no default devices, no config files from /etc, no
- * display, no monitor on stdio (every device is named by the caller; -display none is
- * -nographic without its stdio multiplexing); a guest reboot exits QEMU instead.
- */
-export function machineArgs(accel: Accel, memMib: number, memBackend = false): string[] {
-  return [
-    "-M",
-    machineOption(accel, memBackend),
-    ...accelArgs(accel),
-    "-m",
-    `${memMib}M`,
-    "-nodefaults",
-    "-no-user-config",
-    "-display",
-    "none",
-    "-no-reboot",
-  ];
-}
-
-export function buildQemuArgs(opts: LaunchOptions): string[] {
-  const { dir } = opts;
-  const paths = vmPaths(dir);
-  const hostname = opts.hostname ?? "sandbox";
-  const args: string[] = [
-    "-name",
-    `sandboxd-${basename(dir)}`,
-    ...machineArgs(opts.accel, opts.memMib, opts.memBackend !== undefined),
-    "-smp",
-    String(opts.vcpus),
-  ];
-  if (opts.memBackend) {
-    const mb = opts.memBackend;
-    if (mb.path.includes(","))
-      throw new SandboxdError("bad_request", `memory file path may not contain ',': ${mb.path}`);
-    args.push(
-      "-object",
-      `memory-backend-file,id=${DEVICE_IDS.memBackend},size=${opts.memMib}M,mem-path=${mb.path},share=${mb.share ? "on" : "off"}`,
-    );
-  }
-  args.push(
-    "-kernel",
-    opts.artifacts.vmlinux,
-    "-initrd",
-    opts.artifacts.initramfs,
-    "-append",
-    kernelCmdline(opts.accel, hostname, opts.extraKernelArgs),
-    // The serial console goes to a socket the agent drains into a bounded log (console.ts). A
-    // guest that runs at once (no -incoming, no -S) waits for that reader so its first boot
-    // messages are kept; a restored guest is stopped until `cont`, after the drain connected.
-    ...consoleArgs(paths.consoleSocket, !opts.incoming && !opts.paused),
-    // The agent channel: a virtio-serial port named "agent" (the guest finds it by that name under
-    // /sys/class/virtio-ports), backed by a unix socket QEMU listens on. wait=off: QEMU runs the
-    // guest without waiting for us to connect, and we may reconnect after a restore.
-    "-chardev",
-    `socket,id=${DEVICE_IDS.agentChardev},path=${paths.agentSocket},server=on,wait=off`,
-    "-device",
-    `virtio-serial-device,id=${DEVICE_IDS.serialBus}`,
-    "-device",
-    `virtserialport,chardev=${DEVICE_IDS.agentChardev},name=agent,id=${DEVICE_IDS.agentPort}`,
-  );
-  if (opts.disk) {
-    if (opts.disk.includes(","))
-      throw new SandboxdError("bad_request", `disk path may not contain ',': ${opts.disk}`);
-    args.push(
-      // Node names and the device id are fixed (see DEVICE_IDS): blockdev-snapshot-sync in a
-      // parent and the restore in its children refer to the same ids.
-      "-blockdev",
-      `driver=file,node-name=${DEVICE_IDS.diskFileNode},filename=${opts.disk}`,
-      "-blockdev",
-      `driver=qcow2,node-name=${DEVICE_IDS.diskNode},file=${DEVICE_IDS.diskFileNode}`,
-      "-device",
-      `virtio-blk-device,drive=${DEVICE_IDS.diskNode},id=${DEVICE_IDS.disk}`,
-    );
-  }
-  args.push(
-    // Entropy for the guest's CRNG from the host's; forks still need the agent's ENTROPY reseed,
-    // since a restored CRNG state is identical in every child.
-    "-object",
-    `rng-random,id=${DEVICE_IDS.rngBackend},filename=/dev/urandom`,
-    "-device",
-    `virtio-rng-device,rng=${DEVICE_IDS.rngBackend},id=${DEVICE_IDS.rng}`,
-    "-qmp",
-    `unix:${paths.qmpSocket},server=on,wait=off`,
-    "-pidfile",
-    paths.pidFile,
-  );
-  if (opts.incoming) args.push("-incoming", "defer");
-  // With -incoming, -S keeps the restored guest stopped until `cont` (else QEMU starts it the
-  // moment the restore completes): snapshot restores need that to re-stage state first.
-  if (opts.paused) args.push("-S");
-  return args;
 }
 
 /**
@@ -446,27 +194,7 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   // Connects while QMP does: a cold boot's QEMU waits for this reader before it goes on.
   const consoleDrain = startConsoleDrain(consoleSocket, consoleLog, log);
 
-  let stderr = "";
-  child.stderr?.on("data", (d: Buffer) => {
-    stderr = (stderr + d.toString()).slice(-STDERR_TAIL_BYTES);
-  });
-  const started = new AbortController();
-  let exitInfo: VmExit | undefined;
-  const exited = new Promise<VmExit>((resolve) => {
-    child.on("exit", (code, signal) => {
-      exitInfo = jailExit(code, signal);
-      started.abort(new Error(`qemu exited (${signal ?? `code ${code}`})`));
-      resolve(exitInfo);
-    });
-    child.on("error", (err) => {
-      // spawn itself failed (binary missing): there will be no exit event.
-      stderr += `\n${err.message}`;
-      exitInfo = { code: null, signal: null };
-      started.abort(err);
-      resolve(exitInfo);
-    });
-  });
-  const isAlive = () => exitInfo === undefined;
+  const { started, exited, exitInfo, isAlive, stderrTail } = watchChild(child);
 
   const stop = async () => {
     qemuPid ??= await readHostPid(dir);
@@ -489,9 +217,9 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
     return new VmLaunchError(
       message,
       {
-        stderrTail: stderr,
+        stderrTail: stderrTail(),
         consoleTail: await consoleTail(consoleLog, CONSOLE_TAIL_BYTES),
-        ...(exitInfo ? { exit: exitInfo } : {}),
+        ...(exitInfo() ? { exit: exitInfo() } : {}),
       },
       cause,
     );
@@ -508,8 +236,9 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
     // QEMU dying closes the QMP socket, which may reach us before its exit status does; give
     // the exit a moment (it follows within milliseconds) so the error says what happened.
     await Promise.race([exited, new Promise((r) => setTimeout(r, EXIT_AFTER_HANGUP_MS))]);
-    const why = exitInfo
-      ? `qemu exited during start (${exitInfo.signal ?? `code ${exitInfo.code}`})`
+    const exit = exitInfo();
+    const why = exit
+      ? `qemu exited during start (${exit.signal ?? `code ${exit.code}`})`
       : "qemu did not answer on QMP";
     throw await launchError(why, err);
   }
@@ -524,14 +253,47 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   // before a restored guest is let run.
   await consoleDrain.ready;
 
-  return vmProcess(
-    pid,
-    dir,
-    qmp,
+  return vmProcess(pid, dir, qmp, exited, { stop, isAlive, stderrTail, consoleDrain }, jail.uid);
+}
+
+/**
+ * Watches the spawned jail from its start: the tail of its stderr, and its exit, which also
+ * aborts `started` (a launch waiting on QMP gives up at once).
+ */
+function watchChild(child: ChildProcess): {
+  started: AbortController;
+  exited: Promise<VmExit>;
+  exitInfo: () => VmExit | undefined;
+  isAlive: () => boolean;
+  stderrTail: () => string;
+} {
+  let stderr = "";
+  child.stderr?.on("data", (d: Buffer) => {
+    stderr = (stderr + d.toString()).slice(-STDERR_TAIL_BYTES);
+  });
+  const started = new AbortController();
+  let exitInfo: VmExit | undefined;
+  const exited = new Promise<VmExit>((resolve) => {
+    child.on("exit", (code, signal) => {
+      exitInfo = jailExit(code, signal);
+      started.abort(new Error(`qemu exited (${signal ?? `code ${code}`})`));
+      resolve(exitInfo);
+    });
+    child.on("error", (err) => {
+      // spawn itself failed (binary missing): there will be no exit event.
+      stderr += `\n${err.message}`;
+      exitInfo = { code: null, signal: null };
+      started.abort(err);
+      resolve(exitInfo);
+    });
+  });
+  return {
+    started,
     exited,
-    { stop, isAlive, stderrTail: () => stderr, consoleDrain },
-    jail.uid,
-  );
+    exitInfo: () => exitInfo,
+    isAlive: () => exitInfo === undefined,
+    stderrTail: () => stderr,
+  };
 }
 
 /**

@@ -1,6 +1,7 @@
 /**
- * The shapes the sandbox manager (manager.ts) works with: its options, what `info` answers, and
- * the live record it keeps per VM. Apart from manager.ts so that file stays about behaviour.
+ * The shapes the sandbox manager (manager.ts) works with: its options, what `info` answers, the
+ * live record it keeps per VM and what of it goes on disk. Apart from manager.ts so that file stays
+ * about behaviour.
  */
 import type { EgressFence } from "../egress/fence.ts";
 import type { EgressDefault, EgressPolicy } from "../egress/policy.ts";
@@ -10,6 +11,7 @@ import { type MeterEvent, type UsageInterval, UsageMeter } from "./accounting.ts
 import type { HostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, VmExitInfo, VmSize } from "./drivers/driver.ts";
 import type { ProcessTable } from "./processes.ts";
+import { persistedState, type SandboxRecord } from "./records.ts";
 import type { AgentSandboxState } from "./states.ts";
 
 export interface ManagerOptions {
@@ -152,4 +154,24 @@ export function infoOf(sb: Sandbox): SandboxInfo {
   if (sb.vm) out.qemuPid = sb.vm.qemuPid;
   if (sb.oneShot) out.oneShot = true;
   return out;
+}
+
+/** What goes on disk for a live record (records.ts); in-flight states as a restart should assume them. */
+export function recordOf(sb: Sandbox): SandboxRecord {
+  const record: SandboxRecord = {
+    version: 1,
+    id: sb.id,
+    templateId: sb.templateId,
+    kind: sb.kind,
+    state: persistedState(sb.state),
+    size: sb.size,
+    createdAtMs: sb.createdAtMs,
+    lastUsedAtMs: sb.lastUsedAtMs,
+    execCount: sb.execCount,
+    endpoints: sb.endpoints,
+    egressAllow: [...sb.egress.entries],
+  };
+  if (sb.reason !== undefined) record.reason = sb.reason;
+  if (sb.vm) record.qemuPid = sb.vm.qemuPid;
+  return record;
 }

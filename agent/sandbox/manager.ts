@@ -23,7 +23,6 @@ import type {
   AgentCapacity,
   CreatedVm,
   CreateVmOpts,
-  ExecResult,
   OneShotResult,
   ResumeResult,
   SuspendResult,
@@ -32,24 +31,27 @@ import { bestEffort } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { type EgressFence, operatorFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
-import { GuestError, type GuestTunnel } from "../guest/client.ts";
+import type { GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
 import type { UsageReport } from "./accounting.ts";
 import { addHeld, Capacity, type HeldResources, hostCapacity } from "./capacity.ts";
 import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
-import { type ExecRequest, planExec } from "./exec.ts";
-import { type OutputSink, type RunOutcome, resolveExecUser, runOne, writeFiles } from "./exec-run.ts";
+import type { ExecRequest } from "./exec.ts";
+import { type ExecHost, runExec } from "./exec-action.ts";
+import type { OutputSink } from "./exec-run.ts";
 import { GuestAccess } from "./guest-access.ts";
+import { IdlePause } from "./idle.ts";
 import {
   infoOf,
   type ManagerOptions,
   makeSandbox,
   type NewSandbox,
+  recordOf,
   type Sandbox,
   type SandboxInfo,
 } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
-import { persistedState, type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
+import { type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";
@@ -61,11 +63,6 @@ import { WarmPool } from "./warm-pool.ts";
  * on timer interrupts, which is what the pause removes.
  */
 export const DEFAULT_IDLE_PAUSE_MS = 2_000;
-/**
- * After the guest connection drops mid-exec, how long to wait for the QEMU exit to be reported
- * before treating the drop as a guest failure: the exit follows the hang-up within milliseconds.
- */
-const DEATH_NOTICE_MS = 1_000;
 /**
  * How often every VM's disk overlay is measured again (besides after each exec): a `stat` per VM,
  * cheap; a minute keeps disk GB-hours within a minute's growth of the truth.
@@ -81,7 +78,6 @@ export class SandboxManager {
   /** QEMUs launched in their jail ahead of a create, per template (prelaunch-pool.ts). */
   readonly prelaunch: PrelaunchPool;
   private readonly driver: SandboxDriver;
-  private readonly idlePauseMs: number;
   private readonly defaultSize: VmSize;
   private readonly egressDefault: EgressPolicy;
   private readonly fence: EgressFence;
@@ -89,6 +85,8 @@ export class SandboxManager {
   private readonly log: (msg: string) => void;
   private detached = false;
   private readonly access: GuestAccess;
+  private readonly idle: IdlePause;
+  private readonly execHost: ExecHost;
   private diskTimer: ReturnType<typeof setInterval> | undefined;
 
   private constructor(private readonly opts: ManagerOptions) {
@@ -116,7 +114,14 @@ export class SandboxManager {
       sizeOf: (id) => ({ ...this.defaultSize, ...this.templates.sizeOf(id) }),
       log: this.log,
     });
-    this.idlePauseMs = opts.idlePauseMs ?? DEFAULT_IDLE_PAUSE_MS;
+    this.idle = new IdlePause({
+      driver: this.driver,
+      idlePauseMs: opts.idlePauseMs ?? DEFAULT_IDLE_PAUSE_MS,
+      log: this.log,
+      setState: (sb, to) => this.setState(sb, to),
+      detached: () => this.detached,
+    });
+    this.execHost = { wake: (sb) => this.idle.wake(sb), goneError: (sb) => this.goneError(sb) };
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
     this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
@@ -129,11 +134,11 @@ export class SandboxManager {
       get: (id) => this.mustGet(id),
       find: (id) => this.sandboxes.get(id),
       setState: (sb, to) => this.setState(sb, to),
-      wake: (sb) => this.wake(sb),
+      wake: (sb) => this.idle.wake(sb),
       goneError: (sb) => this.goneError(sb),
-      tunnelsChanged: (sb) => this.tunnelsChanged(sb),
-      armIdle: (sb) => this.armIdle(sb),
-      clearIdle: (sb) => this.clearIdle(sb),
+      tunnelsChanged: (sb) => this.idle.tunnelsChanged(sb),
+      armIdle: (sb) => this.idle.arm(sb),
+      clearIdle: (sb) => this.idle.clear(sb),
     });
   }
 
@@ -172,7 +177,7 @@ export class SandboxManager {
             m.watchVm(sb, vm);
             keep.add(r.id);
             m.log(`sandbox ${r.id}: re-adopted (QEMU pid ${vm.qemuPid})`);
-            m.armIdle(sb);
+            m.idle.arm(sb);
           } catch (err) {
             m.markLost(sb, `not re-adopted after an agent restart: ${describeError(err)}`);
           }
@@ -291,7 +296,7 @@ export class SandboxManager {
     this.setState(sb, "busy");
     const abort = new AbortController();
     const signal = stream ? AbortSignal.any([abort.signal, stream.signal]) : abort.signal;
-    const done = this.runExec(sb, req, signal, stream?.sink);
+    const done = runExec(this.execHost, sb, req, signal, stream?.sink);
     sb.inflight = { abort, done };
     try {
       return await done;
@@ -350,7 +355,7 @@ export class SandboxManager {
         children.push(child);
       }
       for (const child of children) await this.persist(child);
-      await this.wake(sb);
+      await this.idle.wake(sb);
       const op = this.driver.fork(
         sb.vm!,
         children.map((c) => c.id),
@@ -396,7 +401,7 @@ export class SandboxManager {
     this.setState(sb, "suspending");
     this.closeTunnels(sb, "is being suspended"); // its QEMU ends: no connection survives
     try {
-      await this.wake(sb);
+      await this.idle.wake(sb);
       // Background processes do not survive a suspend: the restored VM's guest channel is new.
       await sb.procs?.killAll();
       const op = this.driver.suspend(sb.vm!);
@@ -450,7 +455,7 @@ export class SandboxManager {
     }
     // `destroying` already: an earlier destroy failed (a full disk) and this one tries again.
     if (sb.state !== "destroying") this.setState(sb, "destroying");
-    this.clearIdle(sb);
+    this.idle.clear(sb);
     this.closeTunnels(sb, "is being destroyed");
     void sb.procs?.killAll();
     const attempt = (async () => {
@@ -577,96 +582,13 @@ export class SandboxManager {
     clearInterval(this.diskTimer);
     // Warm VMs have no record (a restart would reap them): they go now rather than linger.
     await Promise.all([this.warm.close(), this.prelaunch.close()]);
-    for (const sb of this.sandboxes.values()) this.clearIdle(sb);
+    for (const sb of this.sandboxes.values()) this.idle.clear(sb);
     await this.records.flush();
     this.driver.detach();
     this.sandboxes.clear();
   }
 
   // ---- internals -----------------------------------------------------------------------------
-
-  /**
-   * Carries out one exec: the plan (exec.ts) is made once the VM is awake, then its files are
-   * written and its commands run in order against one deadline. An image that cannot run the
-   * request (no Entrypoint/Cmd for `code`) is refused before anything is written.
-   */
-  private async runExec(sb: Sandbox, req: ExecRequest, signal: AbortSignal, sink?: OutputSink) {
-    const t0 = performance.now();
-    try {
-      await this.wake(sb);
-      const vm = sb.vm;
-      if (!vm) throw this.goneError(sb);
-      const user = req.user === undefined ? undefined : await resolveExecUser(vm.guest, req.user);
-      const plan = planExec(req, vm.image, user);
-      const deadline = t0 + plan.timeoutMs;
-      await writeFiles(vm.guest, plan);
-      const tExec = performance.now();
-      let out: RunOutcome = { stdout: "", stderr: "", exitCode: 0, seedAck: false };
-      let ack = false;
-      if (plan.entropy) {
-        await vm.guest.entropy(plan.entropy);
-        ack = true;
-      }
-      for (const [i, cmd] of plan.commands.entries()) {
-        out = await runOne(vm.guest, plan, cmd, deadline, signal, sink);
-        // The seed rides on the first command; its ack stands for the whole action.
-        if (i === 0) ack = out.seedAck;
-        if (out.timedOut) break;
-      }
-      if (signal.aborted) throw this.abortedError(sb);
-      const end = performance.now();
-      const result: ExecResult = {
-        stdout: out.stdout,
-        stderr: out.stderr,
-        exitCode: out.exitCode,
-        execTimeMs: end - tExec,
-        totalTimeMs: end - t0,
-      };
-      if (plan.seeded) result.seedAck = ack ? "verified" : "unverified";
-      if (out.truncated) result.truncated = true;
-      return result;
-    } catch (err) {
-      throw await this.execFailure(sb, err, signal);
-    }
-  }
-
-  /** Turns a failure during an exec into the error the caller should see. */
-  private async execFailure(sb: Sandbox, err: unknown, signal: AbortSignal): Promise<unknown> {
-    if (err instanceof SandboxdError && !(err instanceof GuestError)) return err;
-    if (signal.aborted) return this.abortedError(sb);
-    if (err instanceof GuestError && err.code === "guest_disconnected" && !sb.died) {
-      // The hang-up may reach us before QEMU's exit: wait a moment for the real reason. The
-      // waiter leaves `onDied` either way: each failed exec on a VM whose channel is gone but
-      // whose QEMU lives would otherwise leave one behind.
-      await new Promise<void>((resolve) => {
-        const onDied = () => {
-          clearTimeout(t);
-          resolve();
-        };
-        const t = setTimeout(() => {
-          const i = sb.onDied.indexOf(onDied);
-          if (i >= 0) sb.onDied.splice(i, 1);
-          resolve();
-        }, DEATH_NOTICE_MS);
-        sb.onDied.push(onDied);
-      });
-    }
-    if (sb.died) {
-      return new SandboxdError("gone", `sandbox ${sb.id} failed during the exec: ${sb.died.reason}`, {
-        cause: err,
-        details: { id: sb.id, reason: sb.died.reason },
-      });
-    }
-    return new SandboxdError("internal", `exec in sandbox ${sb.id} failed: ${describeError(err)}`, {
-      cause: err,
-    });
-  }
-
-  private abortedError(sb: Sandbox): SandboxdError {
-    return new SandboxdError("gone", `sandbox ${sb.id} was destroyed (force) while the exec ran`, {
-      details: { id: sb.id },
-    });
-  }
 
   private goneError(sb: Sandbox): SandboxdError {
     const why = sb.reason ? `: ${sb.reason}` : "";
@@ -682,7 +604,7 @@ export class SandboxManager {
     if (isTerminal(sb.state)) return;
     this.log(`sandbox ${sb.id}: ${info.reason}`);
     sb.reason = info.reason;
-    this.clearIdle(sb);
+    this.idle.clear(sb);
     this.closeTunnels(sb, `failed: ${info.reason}`);
     sb.vm?.guest.close(); // in-flight guest requests reject now, not at their timeout
     this.setState(sb, "failed");
@@ -707,6 +629,13 @@ export class SandboxManager {
     });
   }
 
+  /** Ends every tunnel of the sandbox now (destroy, failure, suspend): the VM is going away. */
+  private closeTunnels(sb: Sandbox, why: string): void {
+    const err = new SandboxdError("gone", `sandbox ${sb.id} ${why}`, { details: { id: sb.id } });
+    for (const t of [...sb.tunnels]) t.abort(err);
+    sb.tunnels.clear();
+  }
+
   private markLost(sb: Sandbox, reason: string): void {
     this.log(`sandbox ${sb.id}: lost: ${reason}`);
     sb.reason = reason;
@@ -722,69 +651,10 @@ export class SandboxManager {
     if (!check.ok) throw check.error;
     sb.state = to;
     sb.meter.enter(to, Date.now(), sb.reason);
-    if (to === "running") this.armIdle(sb);
-    else this.clearIdle(sb);
+    if (to === "running") this.idle.arm(sb);
+    else this.idle.clear(sb);
     if (to !== "destroyed") void this.persist(sb);
     if (isTerminal(to)) this.reclaimTemplates();
-  }
-
-  private armIdle(sb: Sandbox): void {
-    this.clearIdle(sb);
-    if (this.detached) return;
-    sb.idleTimer = setTimeout(() => {
-      sb.idleTimer = undefined;
-      // Re-armed by tunnelsChanged once the last tunnel or keep-awake process ends.
-      if (sb.state !== "running" || !sb.vm || this.keptAwake(sb)) return;
-      this.setState(sb, "paused");
-      this.vcpus(sb, true).catch((err) => {
-        this.log(`sandbox ${sb.id}: idle pause failed: ${describeError(err)}`);
-        if (sb.state === "paused") this.setState(sb, "running");
-      });
-    }, this.idlePauseMs);
-    // An idle timer never keeps the agent process alive.
-    sb.idleTimer.unref?.();
-  }
-
-  /** An open tunnel, or a running background process that asked (`keepAwake`), holds off the pause. */
-  private keptAwake(sb: Sandbox): boolean {
-    return sb.tunnels.size > 0 || sb.tunnelOpens > 0 || sb.procs?.keepsAwake() === true;
-  }
-
-  /** The last tunnel or keep-awake process ended: the idle pause applies again. */
-  private tunnelsChanged(sb: Sandbox): void {
-    if (!this.keptAwake(sb) && sb.state === "running" && !sb.idleTimer) this.armIdle(sb);
-  }
-
-  /** Ends every tunnel of the sandbox now (destroy, failure, suspend): the VM is going away. */
-  private closeTunnels(sb: Sandbox, why: string): void {
-    const err = new SandboxdError("gone", `sandbox ${sb.id} ${why}`, { details: { id: sb.id } });
-    for (const t of [...sb.tunnels]) t.abort(err);
-    sb.tunnels.clear();
-  }
-
-  private clearIdle(sb: Sandbox): void {
-    if (sb.idleTimer) clearTimeout(sb.idleTimer);
-    sb.idleTimer = undefined;
-  }
-
-  /** Restarts stopped vCPUs before an operation that needs the guest. */
-  private async wake(sb: Sandbox): Promise<void> {
-    await this.vcpus(sb, false);
-  }
-
-  /** Stops or restarts the vCPUs; one QMP stop/cont at a time, in call order. */
-  private vcpus(sb: Sandbox, stop: boolean): Promise<void> {
-    const next = sb.vcpus
-      .catch(() => {})
-      .then(async () => {
-        const vm = sb.vm;
-        if (!vm || sb.stopped === stop) return;
-        if (stop) await this.driver.pause(vm);
-        else await this.driver.unpause(vm);
-        sb.stopped = stop;
-      });
-    sb.vcpus = next;
-    return next;
   }
 
   /** VMs of sandboxes and of warm pools. */
@@ -841,21 +711,7 @@ export class SandboxManager {
   /** Writes the record; in-flight states are written as the state a restart should assume. */
   private persist(sb: Sandbox): Promise<void> {
     if (this.detached) return Promise.resolve();
-    const record: SandboxRecord = {
-      version: 1,
-      id: sb.id,
-      templateId: sb.templateId,
-      kind: sb.kind,
-      state: persistedState(sb.state),
-      size: sb.size,
-      createdAtMs: sb.createdAtMs,
-      lastUsedAtMs: sb.lastUsedAtMs,
-      execCount: sb.execCount,
-      endpoints: sb.endpoints,
-      egressAllow: [...sb.egress.entries],
-    };
-    if (sb.reason !== undefined) record.reason = sb.reason;
-    if (sb.vm) record.qemuPid = sb.vm.qemuPid;
+    const record = recordOf(sb);
     return this.records.write(record).catch((err) => {
       this.log(`sandbox ${sb.id}: cannot write its record: ${describeError(err)}`);
     });

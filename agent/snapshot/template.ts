@@ -20,7 +20,6 @@ import { chmod, mkdir, readdir, readFile, rename, rm, rmdir, stat, writeFile } f
 import { join, resolve } from "node:path";
 import { MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, MIN_VCPUS } from "../../contracts/api/limits.ts";
 import { needFreeSpace } from "../../contracts/disk-space.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import type { GuestClient } from "../guest/client.ts";
 import type { ImageConfig, ImportedImage } from "../image/import.ts";
@@ -28,13 +27,16 @@ import type { Accel } from "../qemu/launch.ts";
 import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayOn, virtualSize } from "../storage/qcow2.ts";
-import { connectGuest } from "../vm/boot.ts";
 import { claimVm } from "../vm/process.ts";
 import { createVmDir, vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
-import { qmp, setCapabilities } from "./migrate.ts";
 import { digZeroHoles } from "./sparse.ts";
-import { migrationByteCap, saveToFile } from "./stream.ts";
+import {
+  connectBuildGuest,
+  registerTemplateFiles,
+  runReadyCommand,
+  saveDeviceState,
+} from "./template-steps.ts";
 
 export type TemplateState = "building" | "ready" | "failed";
 
@@ -110,8 +112,6 @@ const DEFAULT_MEM_MIB = 256;
 export const DEFAULT_READY_TIMEOUT_MS = 60_000;
 /** Cold boot to the guest agent's HELLO (`SANDBOXD_BOOT_TIMEOUT`); ~3 s under TCG. */
 export const DEFAULT_BRINGUP_TIMEOUT_MS = 60_000;
-/** Saving the device state of a stopped VM with shared RAM: ~11 ms; 60 s means QEMU is stuck. */
-const SAVE_TIMEOUT_MS = 60_000;
 const ID_RE = /^[a-z0-9][a-z0-9-]{0,40}$/;
 
 /** `/dev/shm/sandboxd/<hash of the data dir>`: RAM files of one data dir, apart from others'. */
@@ -142,28 +142,32 @@ async function writeMeta(meta: TemplateMeta): Promise<void> {
  */
 const TEMPLATE_DISK_ESTIMATE_BYTES = 64 * 1024 * 1024;
 
-export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<TemplateMeta>> {
-  const log = o.log ?? (() => {});
-  const id = o.id ?? `tpl-${randomBytes(6).toString("hex")}`;
-  if (!ID_RE.test(id))
-    return fail(new SnapshotError("bad_request", `invalid template id ${JSON.stringify(id)}`));
-  const memMib = o.memMib ?? DEFAULT_MEM_MIB;
-  const vcpus = o.vcpus ?? 1;
+/** A template's RAM and vCPUs out of the range a VM may have: `bad_request`. */
+function checkSize(memMib: number, vcpus: number): SnapshotError | undefined {
   if (!Number.isInteger(memMib) || memMib < MIN_MEM_MIB || memMib > MAX_MEM_MIB)
-    return fail(
-      new SnapshotError(
-        "bad_request",
-        `memMib must be an integer in ${MIN_MEM_MIB}..${MAX_MEM_MIB}, got ${memMib}`,
-      ),
+    return new SnapshotError(
+      "bad_request",
+      `memMib must be an integer in ${MIN_MEM_MIB}..${MAX_MEM_MIB}, got ${memMib}`,
     );
   if (!Number.isInteger(vcpus) || vcpus < MIN_VCPUS || vcpus > MAX_VCPUS)
-    return fail(
-      new SnapshotError(
-        "bad_request",
-        `vcpus must be an integer in ${MIN_VCPUS}..${MAX_VCPUS}, got ${vcpus}`,
-      ),
+    return new SnapshotError(
+      "bad_request",
+      `vcpus must be an integer in ${MIN_VCPUS}..${MAX_VCPUS}, got ${vcpus}`,
     );
-  const dataDir = resolve(o.dataDir);
+  return undefined;
+}
+
+/**
+ * The template's directory and its meta.json in state `building`, once the RAM file and the
+ * disk have room; a taken id is `bad_request`.
+ */
+async function newTemplateDir(
+  o: BuildTemplateOptions,
+  dataDir: string,
+  id: string,
+  memMib: number,
+  vcpus: number,
+): Promise<Result<TemplateMeta>> {
   const shmRoot = o.shmRoot ?? defaultShmRoot(dataDir);
   const dir = templateDir(dataDir, id);
   try {
@@ -200,6 +204,22 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     createdAt: new Date().toISOString(),
   };
   await writeMeta(meta);
+  return ok(meta);
+}
+
+export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<TemplateMeta>> {
+  const log = o.log ?? (() => {});
+  const id = o.id ?? `tpl-${randomBytes(6).toString("hex")}`;
+  if (!ID_RE.test(id))
+    return fail(new SnapshotError("bad_request", `invalid template id ${JSON.stringify(id)}`));
+  const memMib = o.memMib ?? DEFAULT_MEM_MIB;
+  const vcpus = o.vcpus ?? 1;
+  const badSize = checkSize(memMib, vcpus);
+  if (badSize) return fail(badSize);
+  const dataDir = resolve(o.dataDir);
+  const made = await newTemplateDir(o, dataDir, id, memMib, vcpus);
+  if (!made.ok) return made;
+  const meta = made.value;
 
   const vmId = `${id}-build`;
   const vmDir = join(vmsRoot(dataDir), vmId);
@@ -223,66 +243,22 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     });
     await claimVm(vmDir, vm.pid, vm.jailUid);
     const bringupMs = o.bringupTimeoutMs ?? DEFAULT_BRINGUP_TIMEOUT_MS;
-    try {
-      guest = await connectGuest(vm, bringupMs);
-    } catch (err) {
-      // A guest that did not answer in time is the bring-up bound (sessions API `wait_secs`) running
-      // out, a code the tenant's error names; anything else is a failed start.
-      const late = err instanceof SandboxdError && err.code === "bringup_timeout";
-      throw asSnapshotError(
-        err,
-        late ? "bringup_timeout" : "template_build_failed",
-        `template VM did not come up within ${bringupMs} ms`,
-      );
-    }
+    guest = await connectBuildGuest(vm, bringupMs);
     const tBoot = performance.now();
     if (o.signal?.aborted) throw new SnapshotError("template_build_failed", "the build was cancelled");
     if (o.readyCmd) {
       const timeoutMs = o.readyTimeoutMs ?? DEFAULT_READY_TIMEOUT_MS;
-      const r = await guest.exec({
-        argv: o.readyCmd,
-        env: withEnv(o.image.config.env, o.readyEnv),
-        cwd: o.image.config.workingDir,
-        uid: o.image.config.user.uid,
-        gid: o.image.config.user.gid,
+      await runReadyCommand(guest, o.readyCmd, o.image.config, {
         timeoutMs,
-        ...(o.signal ? { signal: o.signal } : {}),
+        env: o.readyEnv,
+        signal: o.signal,
       });
-      if (o.signal?.aborted) throw new SnapshotError("template_build_failed", "the build was cancelled");
-      if (r.timedOut || r.exitCode !== 0) {
-        const why = r.timedOut
-          ? `timed out after ${timeoutMs} ms`
-          : r.exitCode !== null
-            ? `exited with code ${r.exitCode}`
-            : `was killed by signal ${r.signal}`;
-        throw new SnapshotError(
-          "template_ready_failed",
-          `ready command ${JSON.stringify(o.readyCmd)} ${why}`,
-          {
-            details: {
-              exitCode: r.exitCode,
-              signal: r.signal,
-              timedOut: r.timedOut,
-              stdout: r.stdout.toString("utf8").slice(-2000),
-              stderr: r.stderr.toString("utf8").slice(-2000),
-            },
-          },
-        );
-      }
     }
     const tReady = performance.now();
     // Everything the guest wrote reaches the overlay before the overlay is frozen.
     await guest.sync();
     const tSnap = performance.now();
-    await qmp(vm, "stop");
-    await setCapabilities(vm, { events: true, "x-ignore-shared": true });
-    // No fsync: the state is useless without the RAM file on tmpfs, which a host crash loses
-    // too; an agent crash leaves the written pages in the page cache.
-    meta.stateBytes = await saveToFile(vm, {
-      path: meta.statePath,
-      maxBytes: migrationByteCap(memMib),
-      timeoutMs: SAVE_TIMEOUT_MS,
-    });
+    meta.stateBytes = await saveDeviceState(vm, meta.statePath, memMib);
     const snapshotMs = performance.now() - tSnap;
     guest.close();
     guest = undefined;
@@ -298,11 +274,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     meta.diskFileBytes = diskStat.blocks * 512;
     const tDistribute = performance.now();
     o.onDistributing?.();
-    const chain = await openChainStore(dataDir);
-    const holder = `template:${id}`;
-    await chain.add(meta.memPath, { kind: "ram", holder });
-    await chain.add(meta.disk, { kind: "overlay", holder, depth: 1 });
-    await chain.add(meta.statePath, { kind: "state", holder, deps: [meta.memPath] });
+    await registerTemplateFiles(dataDir, id, meta);
     meta.state = "ready";
     meta.timings = {
       bootMs: tBoot - t0,
@@ -326,13 +298,6 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     log(`template ${id} failed: ${e.message}`);
     return fail(e);
   }
-}
-
-/** `KEY=value` list of the image with `extra` added; a key in both takes `extra`'s value. */
-function withEnv(env: string[], extra: Record<string, string> | undefined): string[] {
-  if (!extra || Object.keys(extra).length === 0) return env;
-  const keep = env.filter((kv) => !Object.hasOwn(extra, kv.slice(0, Math.max(0, kv.indexOf("=")))));
-  return [...keep, ...Object.entries(extra).map(([k, v]) => `${k}=${v}`)];
 }
 
 /** Reads a template's meta.json (after a restart too). Not ready -> `template_not_ready`. */
