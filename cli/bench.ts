@@ -17,6 +17,7 @@ import { parseArgs } from "node:util";
 import { SandboxdError } from "../contracts/errors.ts";
 import { defaultDataDir } from "./config.ts";
 import { intOption } from "./int-option.ts";
+import { machineSettingsOrRefuse } from "./settings.ts";
 
 /** Once aborted, how long the run gets to free its VMs before we exit anyway (QEMUs die with us). */
 const ABORT_GRACE_MS = 15_000;
@@ -97,6 +98,8 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
     }
   }
   if (values.http) return await benchHttp(values, log);
+  const machine = machineSettingsOrRefuse();
+  if (!machine) return 2;
   const { runBench, isInterrupted, FORK_CHILDREN } = await import("../agent/bench/bench.ts");
   const { MAX_FORK_CHILDREN } = await import("../agent/snapshot/fork.ts");
   const abort = new AbortController();
@@ -120,6 +123,8 @@ export async function cmdBench(args: string[], log: (m: string) => void): Promis
       spawns: intOption(values.spawns, "spawns", 20, 1, 1000),
       execs: intOption(values.execs, "execs", 200, 1, 100_000),
       forkChildren: intOption(values["fork-children"], "fork-children", FORK_CHILDREN, 1, MAX_FORK_CHILDREN),
+      accelSetting: machine.accel,
+      host: machine.host,
       signal: abort.signal,
       log,
     });

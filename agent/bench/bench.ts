@@ -26,6 +26,7 @@ import { buildTemplate, deleteTemplate, type TemplateMeta } from "../snapshot/te
 import type { SandboxVm } from "../snapshot/vm.ts";
 import { forgetChainStore } from "../storage/chain.ts";
 import { bootVm } from "../vm/boot.ts";
+import { DEFAULT_VM_HOST, type VmHostSettings } from "../vm/host-settings.ts";
 import { killQemusNaming } from "../vm/process.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
 import { round1, round2, type Summary, summarize } from "./stats.ts";
@@ -45,6 +46,10 @@ export interface BenchOptions {
   forkChildren?: number;
   /** How forks copy memory (default: the agent's default, a background snapshot). */
   forkMethod?: ForkMethod;
+  /** The operator's `SANDBOXD_ACCEL` (auto, kvm, tcg); default auto, the probe. */
+  accelSetting?: string;
+  /** The operator's jail and disk-reserve settings; default DEFAULT_VM_HOST. */
+  host?: VmHostSettings;
   /** Aborting kills every VM, removes every file, and makes runBench reject. */
   signal?: AbortSignal;
   log?: (m: string) => void;
@@ -272,6 +277,7 @@ function mean(xs: number[]): number {
 export async function runBench(o: BenchOptions): Promise<BenchResult> {
   const log = o.log ?? (() => {});
   const tStart = performance.now();
+  const host = o.host ?? DEFAULT_VM_HOST;
   const dataDir = await mkdtemp(join(tmpdir(), "sandboxd-bench-"));
   const shmRoot = await mkdtemp("/dev/shm/sandboxd-bench-");
   const scope = new Scope(dataDir, shmRoot, o.signal);
@@ -286,8 +292,18 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
     scope.check();
     const artifacts = await ensureGuestArtifacts({ dataDir: o.dataDir, log });
     const [accel, image] = await Promise.all([
-      probeAccelerator({ artifacts, log }),
-      importImage({ source: o.image, dataDir: o.dataDir, log, trustedSource: true }),
+      probeAccelerator({
+        artifacts,
+        log,
+        ...(o.accelSetting !== undefined ? { setting: o.accelSetting } : {}),
+      }),
+      importImage({
+        source: o.image,
+        dataDir: o.dataDir,
+        log,
+        trustedSource: true,
+        diskReserveBytes: host.diskReserveBytes,
+      }),
     ]);
     const config = image.config;
     log(`accelerator ${accel.accel} (${accel.reason}); ${o.memMib} MiB, ${o.vcpus} vCPU`);
@@ -303,6 +319,7 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
         memMib: o.memMib,
         vcpus: o.vcpus,
         bringupTimeoutMs: BOOT_TIMEOUT_MS,
+        jail: host.jail,
       }),
     );
     const bootMs = booted.bootMs + (await runTrue(booted.guest, config));
@@ -322,6 +339,7 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
         vcpus: o.vcpus,
         shmRoot,
         bringupTimeoutMs: BOOT_TIMEOUT_MS,
+        host,
       }),
     );
     scope.template = template;
@@ -331,7 +349,7 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
     const spawn = async (): Promise<{ vm: SandboxVm; wallMs: number; readyMs: number }> => {
       scope.check();
       const t0 = performance.now();
-      const s = unwrap(await spawnFromTemplate({ dataDir, template }));
+      const s = unwrap(await spawnFromTemplate({ dataDir, template, host }));
       const wallMs = performance.now() - t0;
       scope.track(s.vm);
       return { vm: s.vm, wallMs, readyMs: s.timings.readyMs };
@@ -339,16 +357,16 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
     const spawnPrelaunched = async (): Promise<{ vm: SandboxVm; wallMs: number; launchMs: number }> => {
       scope.check();
       const t0 = performance.now();
-      const pre = unwrap(await prelaunchFromTemplate({ dataDir, template }));
+      const pre = unwrap(await prelaunchFromTemplate({ dataDir, template, host }));
       const launchMs = performance.now() - t0;
       scope.track(pre.vm);
       const t1 = performance.now();
-      const s = unwrap(await spawnFromTemplate({ dataDir, template, prelaunched: pre }));
+      const s = unwrap(await spawnFromTemplate({ dataDir, template, host, prelaunched: pre }));
       return { vm: s.vm, wallMs: performance.now() - t1, launchMs };
     };
     const floor = async (): Promise<number> => {
       scope.check();
-      return (await floorRestoreMs({ dataDir, template })).totalMs;
+      return (await floorRestoreMs({ dataDir, template, host })).totalMs;
     };
 
     // -- spawn vs. the floor, interleaved (alternating which goes first) so both see the same host

@@ -7,7 +7,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { type ConsoleDrain, consoleArgs, consoleTail, startConsoleDrain } from "./console.ts";
 import { jailArgv, sandboxOption } from "./jail.ts";
-import { prepareJail, releaseJail } from "./jail-setup.ts";
+import { type JailSettings, prepareJail, releaseJail } from "./jail-setup.ts";
 import { QmpClient } from "./qmp/client.ts";
 
 /**
@@ -95,6 +95,8 @@ export interface LaunchOptions {
    * reach it), and the agent's reaper kills the VMs no record claims.
    */
   dieWithParent?: boolean;
+  /** The operator's jail settings (uid range, `unshare`); default DEFAULT_JAIL. */
+  jail?: JailSettings;
   log?: (msg: string) => void;
 }
 
@@ -393,6 +395,7 @@ export async function jailedLaunchArgv(
     vcpus: opts.vcpus,
     kvm: opts.accel === "kvm",
     hostPidFile: vmPaths(dir).hostPidFile,
+    ...(opts.jail ? { settings: opts.jail } : {}),
   });
   const argv = jailArgv(jail.spec, sandboxedQemuArgv(opts));
   const dieWithParent = opts.dieWithParent ?? true;
