@@ -2,6 +2,7 @@ import { ensureGuestArtifacts } from "./guest/artifacts.ts";
 import { importImage, resolveCommand } from "./image/import.ts";
 import { probeAccelerator } from "./qemu/accel.ts";
 import { bootVm } from "./vm/boot.ts";
+import { DEFAULT_VM_HOST, type VmHostSettings } from "./vm/host-settings.ts";
 import { reapOrphanVms } from "./vm/workdir.ts";
 
 export interface RunOnceOptions {
@@ -18,6 +19,10 @@ export interface RunOnceOptions {
   onStderr?: (chunk: Buffer) => void;
   /** Aborting kills the command's process group and tears the VM down. */
   signal?: AbortSignal;
+  /** The operator's `SANDBOXD_ACCEL` (auto, kvm, tcg); default auto, the probe. */
+  accelSetting?: string;
+  /** The operator's jail and disk-reserve settings; default DEFAULT_VM_HOST. */
+  host?: VmHostSettings;
 }
 
 export interface RunOnceResult {
@@ -37,12 +42,22 @@ const COLD_BOOT_TIMEOUT_MS = 60_000;
  */
 export async function runOnce(opts: RunOnceOptions): Promise<RunOnceResult> {
   const t0 = performance.now();
-  await reapOrphanVms(opts.dataDir);
+  const host = opts.host ?? DEFAULT_VM_HOST;
+  await reapOrphanVms(opts.dataDir, host.jail.uidRange);
   const [artifacts, accel, image] = await Promise.all([
     ensureGuestArtifacts({ dataDir: opts.dataDir, log: opts.log }),
-    probeAccelerator({ log: opts.log }),
+    probeAccelerator({
+      log: opts.log,
+      ...(opts.accelSetting !== undefined ? { setting: opts.accelSetting } : {}),
+    }),
     // The operator's own file on the command line.
-    importImage({ source: opts.image, dataDir: opts.dataDir, log: opts.log, trustedSource: true }),
+    importImage({
+      source: opts.image,
+      dataDir: opts.dataDir,
+      log: opts.log,
+      trustedSource: true,
+      diskReserveBytes: host.diskReserveBytes,
+    }),
   ]);
   const importMs = performance.now() - t0;
   const argv = resolveCommand(image.config, opts.cmd);
@@ -54,6 +69,7 @@ export async function runOnce(opts: RunOnceOptions): Promise<RunOnceResult> {
     memMib: opts.memMib,
     vcpus: opts.vcpus,
     bringupTimeoutMs: COLD_BOOT_TIMEOUT_MS,
+    jail: host.jail,
     log: opts.log,
   });
   const onAbort = () => void booted.destroy();

@@ -12,6 +12,8 @@ export interface AgentServerOptions {
   /** This agent's id and key from enrollment (api/enroll.ts). */
   credentials: AgentCredentials;
   uploadDir: string;
+  /** Free disk an upload leaves (`SANDBOXD_DISK_RESERVE_BYTES`); default DEFAULT_DISK_RESERVE_BYTES. */
+  diskReserveBytes?: number;
   /** 127.0.0.1 when gateway and agent share a host; a private address when they do not. */
   hostname: string;
   /** 0 picks a free port. */
@@ -40,6 +42,7 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
     manager: opts.manager,
     credentials: opts.credentials,
     uploadDir: opts.uploadDir,
+    ...(opts.diskReserveBytes !== undefined ? { diskReserveBytes: opts.diskReserveBytes } : {}),
     version: opts.version,
     log: opts.log,
   });

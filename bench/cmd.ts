@@ -16,6 +16,7 @@
 import { parseArgs } from "node:util";
 import { defaultDataDir } from "../cli/config.ts";
 import { intOption } from "../cli/int-option.ts";
+import { machineSettingsOrRefuse } from "../cli/settings.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 
 /** Once aborted, how long the run gets to free its VMs before we exit anyway (QEMUs die with us). */
@@ -121,6 +122,8 @@ async function benchSoak(
 
 /** The engine's own figures (engine.ts): a table, or JSON with --json; SIGINT/SIGTERM free what it made. */
 async function benchEngine(values: BenchValues, image: string, log: (m: string) => void): Promise<number> {
+  const machine = machineSettingsOrRefuse();
+  if (!machine) return 2;
   const { runBench, FORK_CHILDREN } = await import("./engine.ts");
   const { isInterrupted } = await import("./engine-scope.ts");
   const { MAX_FORK_CHILDREN } = await import("../agent/snapshot/fork.ts");
@@ -145,6 +148,8 @@ async function benchEngine(values: BenchValues, image: string, log: (m: string) 
       spawns: intOption(values.spawns, "spawns", 20, 1, 1000),
       execs: intOption(values.execs, "execs", 200, 1, 100_000),
       forkChildren: intOption(values["fork-children"], "fork-children", FORK_CHILDREN, 1, MAX_FORK_CHILDREN),
+      accelSetting: machine.accel,
+      host: machine.host,
       signal: abort.signal,
       log,
     });

@@ -28,6 +28,7 @@ import { type BenchResult, type MemoryBreakdown, TARGETS, target } from "./engin
 import { Interrupted, runTrue, Scope, sleep } from "./engine-scope.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
 import { round1, round2, type Summary, summarize } from "./stats.ts";
+import { DEFAULT_VM_HOST, type VmHostSettings } from "../agent/vm/host-settings.ts";
 
 export interface BenchOptions {
   /** Data dir whose caches (guest artifacts, imported images) are used. Nothing else is written there. */
@@ -44,6 +45,10 @@ export interface BenchOptions {
   forkChildren?: number;
   /** How forks copy memory (default: the agent's default, a background snapshot). */
   forkMethod?: ForkMethod;
+  /** The operator's `SANDBOXD_ACCEL` (auto, kvm, tcg); default auto, the probe. */
+  accelSetting?: string;
+  /** The operator's jail and disk-reserve settings; default DEFAULT_VM_HOST. */
+  host?: VmHostSettings;
   /** Aborting kills every VM, removes every file, and makes runBench reject. */
   signal?: AbortSignal;
   log?: (m: string) => void;
@@ -80,6 +85,8 @@ interface Run {
   dataDir: string;
   shmRoot: string;
   config: ImageConfig;
+  /** The operator's jail and disk-reserve settings every VM of the run gets. */
+  host: VmHostSettings;
 }
 
 /** Boots, spawns and restores from the run's template, each tracked by the run's scope. */
@@ -121,11 +128,22 @@ export async function runBench(o: BenchOptions): Promise<BenchResult> {
 
 /** Every figure, step by step, on the caches of `o.dataDir` and the scratch dirs of `scope`. */
 async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scope): Promise<BenchResult> {
+  const host = o.host ?? DEFAULT_VM_HOST;
   scope.check();
   const artifacts = await ensureGuestArtifacts({ dataDir: o.dataDir, log });
   const [accel, image] = await Promise.all([
-    probeAccelerator({ artifacts, log }),
-    importImage({ source: o.image, dataDir: o.dataDir, log, trustedSource: true }),
+    probeAccelerator({
+      artifacts,
+      log,
+      ...(o.accelSetting !== undefined ? { setting: o.accelSetting } : {}),
+    }),
+    importImage({
+      source: o.image,
+      dataDir: o.dataDir,
+      log,
+      trustedSource: true,
+      diskReserveBytes: host.diskReserveBytes,
+    }),
   ]);
   log(`accelerator ${accel.accel} (${accel.reason}); ${o.memMib} MiB, ${o.vcpus} vCPU`);
   const run: Run = {
@@ -135,6 +153,7 @@ async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scop
     dataDir: scope.dataDir,
     shmRoot: scope.shmRoot,
     config: image.config,
+    host,
   };
   const vmSpec = {
     dataDir: run.dataDir,
@@ -147,7 +166,7 @@ async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scop
 
   // -- cold boot
   scope.check();
-  const booted = scope.track(await bootVm({ ...vmSpec, bringupTimeoutMs: BOOT_TIMEOUT_MS }));
+  const booted = scope.track(await bootVm({ ...vmSpec, bringupTimeoutMs: BOOT_TIMEOUT_MS, jail: host.jail }));
   const bootMs = booted.bootMs + (await runTrue(booted.guest, run.config));
   await scope.release(booted);
   log(`boot: ${bootMs.toFixed(0)} ms to the first exec`);
@@ -155,7 +174,7 @@ async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scop
   // -- template
   scope.check();
   const template = unwrap(
-    await buildTemplate({ ...vmSpec, id: "bench", shmRoot: run.shmRoot, bringupTimeoutMs: BOOT_TIMEOUT_MS }),
+    await buildTemplate({ ...vmSpec, id: "bench", shmRoot: run.shmRoot, bringupTimeoutMs: BOOT_TIMEOUT_MS, host }),
   );
   scope.template = template;
   const templateSnapshotMs = template.timings?.snapshotMs ?? Number.NaN;
@@ -214,12 +233,12 @@ async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scop
 }
 
 function spawner(run: Run, template: TemplateMeta): Spawner {
-  const { scope, dataDir } = run;
+  const { scope, dataDir, host } = run;
   return {
     async spawn() {
       scope.check();
       const t0 = performance.now();
-      const s = unwrap(await spawnFromTemplate({ dataDir, template }));
+      const s = unwrap(await spawnFromTemplate({ dataDir, template, host }));
       const wallMs = performance.now() - t0;
       scope.track(s.vm);
       return { vm: s.vm, wallMs, readyMs: s.timings.readyMs };
@@ -227,16 +246,16 @@ function spawner(run: Run, template: TemplateMeta): Spawner {
     async spawnPrelaunched() {
       scope.check();
       const t0 = performance.now();
-      const pre = unwrap(await prelaunchFromTemplate({ dataDir, template }));
+      const pre = unwrap(await prelaunchFromTemplate({ dataDir, template, host }));
       const launchMs = performance.now() - t0;
       scope.track(pre.vm);
       const t1 = performance.now();
-      const s = unwrap(await spawnFromTemplate({ dataDir, template, prelaunched: pre }));
+      const s = unwrap(await spawnFromTemplate({ dataDir, template, host, prelaunched: pre }));
       return { vm: s.vm, wallMs: performance.now() - t1, launchMs };
     },
     async floor() {
       scope.check();
-      return (await floorRestoreMs({ dataDir, template })).totalMs;
+      return (await floorRestoreMs({ dataDir, template, host })).totalMs;
     },
   };
 }

@@ -6,6 +6,7 @@ import { probeAccelerator } from "../agent/qemu/accel.ts";
 import { jailChecks } from "../agent/qemu/jail-checks.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError } from "../contracts/errors.ts";
+import type { MachineSettings } from "./settings.ts";
 
 interface Check {
   name: string;
@@ -33,7 +34,10 @@ function freeGiB(path: string): number {
   return (s.bavail * s.bsize) / 2 ** 30;
 }
 
-export async function doctor(dataDir: string, opts: { build: boolean }): Promise<number> {
+export async function doctor(
+  dataDir: string,
+  opts: { build: boolean; machine: MachineSettings },
+): Promise<number> {
   const checks: Check[] = [];
   const fixPkgs = "run any `bin/sandboxd` command: it installs missing Debian packages";
 
@@ -68,7 +72,7 @@ export async function doctor(dataDir: string, opts: { build: boolean }): Promise
   }
 
   try {
-    const acc = await probeAccelerator({});
+    const acc = await probeAccelerator({ setting: opts.machine.accel });
     checks.push({ name: "accelerator", ok: true, detail: `${acc.accel} (${acc.reason})` });
     if (acc.accel === "tcg") checks.push({ name: "boundary", ok: true, warn: true, detail: TCG_BOUNDARY });
   } catch (err) {
@@ -80,7 +84,7 @@ export async function doctor(dataDir: string, opts: { build: boolean }): Promise
     });
   }
 
-  checks.push(...jailChecks());
+  checks.push(...jailChecks(opts.machine.host.jail));
 
   await mkdir(dataDir, { recursive: true });
   const disk = freeGiB(dataDir);

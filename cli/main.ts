@@ -8,7 +8,7 @@ import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { buildVersion } from "./build-stamp.ts";
 import { defaultDataDir, REPO_ROOT } from "./config.ts";
 import { intOption } from "./int-option.ts";
-import { quiet } from "./settings.ts";
+import { machineSettingsOrRefuse, quiet } from "./settings.ts";
 
 const USAGE = `usage: sandboxd <command> [options]
 
@@ -103,6 +103,8 @@ async function cmdRun(args: string[]): Promise<number> {
     allowPositionals: true,
   });
   if (!values.image) throw new SandboxdError("bad_request", "run needs --image ARCHIVE");
+  const machine = machineSettingsOrRefuse();
+  if (!machine) return 2;
   const { runOnce } = await import("../agent/run.ts");
   const stdin = values.interactive ? Buffer.from(await Bun.stdin.arrayBuffer()) : undefined;
   const abort = new AbortController();
@@ -123,6 +125,8 @@ async function cmdRun(args: string[]): Promise<number> {
     onStdout: (b) => process.stdout.write(b),
     onStderr: (b) => process.stderr.write(b),
     signal: abort.signal,
+    accelSetting: machine.accel,
+    host: machine.host,
   });
   log(
     `${res.accel}: import ${res.timings.importMs.toFixed(0)} ms, boot ${res.timings.bootMs.toFixed(0)} ms, ` +
@@ -161,7 +165,9 @@ async function main(argv: string[]): Promise<number> {
         options: { build: { type: "boolean" }, "data-dir": { type: "string" } },
       });
       const { doctor } = await import("./doctor.ts");
-      return doctor(values["data-dir"] ?? defaultDataDir(), { build: values.build ?? false });
+      const machine = machineSettingsOrRefuse();
+      if (!machine) return 2;
+      return doctor(values["data-dir"] ?? defaultDataDir(), { build: values.build ?? false, machine });
     }
     case "key": {
       const { cmdKey } = await import("./keys.ts");

@@ -14,6 +14,7 @@ import { loadOrEnroll } from "../agent/api/enroll.ts";
 import { EventReporter } from "../agent/api/events.ts";
 import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
+import { EgressFence } from "../agent/egress/fence.ts";
 import { registryConfigFromEnv } from "../agent/image/pull.ts";
 import { fencedRegistry, SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
@@ -67,6 +68,7 @@ export async function openAgentManager(
   slots: number | undefined,
   settings: AgentSettings,
 ): Promise<SandboxManager> {
+  const fence = EgressFence.fromSetting(settings.egressAllowInternal);
   const driver = await SnapshotDriver.create({
     cacheDir: dataDir,
     stateDir,
@@ -74,14 +76,17 @@ export async function openAgentManager(
     timeouts: settings.timeouts,
     forkMethod: settings.forkMethod,
     // A malformed registry list (or egress range) stops the agent here, not a bake later.
-    registry: { ...registryConfigFromEnv(settings.registry), checkDestination: fencedRegistry() },
+    registry: { ...registryConfigFromEnv(settings.registry), checkDestination: fencedRegistry(fence) },
     imageCacheBytes: settings.imageCacheBytes,
+    accelSetting: settings.accel,
+    host: settings.host,
   });
   return SandboxManager.open({
     driver,
     stateDir,
     log,
     egressDefault: settings.egressDefault,
+    fence,
     prelaunch: settings.prelaunch,
     onEvent: (e) => events.push(e),
     ...(slots !== undefined ? { capacity: { slots } } : {}),
@@ -113,11 +118,12 @@ export function startCatalogBuild(
   dataDir: string,
   manager: SandboxManager,
   log: (m: string) => void,
+  settings: CatalogSettings,
   before: () => Promise<void> = async () => {},
 ): { stop(): Promise<void> } {
   const abort = new AbortController();
   const done = before()
-    .then(() => buildCatalogOnAgent(dataDir, manager, log, abort.signal))
+    .then(() => buildCatalogOnAgent(dataDir, manager, log, settings, abort.signal))
     .catch((err) => {
       if (!abort.signal.aborted) log(`catalog: python template failed: ${describeError(err)}`);
     });
@@ -129,11 +135,15 @@ export function startCatalogBuild(
   };
 }
 
+/** The settings the catalog build obeys: the Debian mirror, the disk reserve. */
+export type CatalogSettings = Pick<AgentSettings, "debianMirror" | "host">;
+
 /** Builds the catalog's templates on this agent once (cached in its data dir). */
 export async function buildCatalogOnAgent(
   dataDir: string,
   manager: SandboxManager,
   log: (m: string) => void,
+  settings: CatalogSettings,
   signal?: AbortSignal,
 ): Promise<void> {
   for (const t of CATALOG) {
@@ -144,7 +154,13 @@ export async function buildCatalogOnAgent(
       status = undefined; // never built on this host
     }
     if (status === "ready" || status === "building") continue;
-    await ensurePythonImage({ dataDir, log, ...(signal ? { signal } : {}) });
+    await ensurePythonImage({
+      dataDir,
+      log,
+      ...(signal ? { signal } : {}),
+      ...(settings.debianMirror ? { mirror: settings.debianMirror } : {}),
+      diskReserveBytes: settings.host.diskReserveBytes,
+    });
     if (signal?.aborted) return;
     manager.buildTemplate(t.id, {
       kind: "archive",
@@ -241,11 +257,13 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   const id = credentials.id;
   const slots = values.slots === undefined ? undefined : parsePort(values.slots, 64, "slots");
   const events = new EventReporter({ log });
-  const manager = await openAgentManager(dataDir, stateDir, log, events, slots, agentSettings(settings));
+  const agent = agentSettings(settings);
+  const manager = await openAgentManager(dataDir, stateDir, log, events, slots, agent);
   const server = startAgentServer({
     manager,
     credentials,
     uploadDir: join(stateDir, "uploads"),
+    diskReserveBytes: agent.host.diskReserveBytes,
     hostname: listenHost,
     port: listenPort,
     version,
@@ -266,7 +284,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   log(`settings ${JSON.stringify(settingsOf(settings, "agent"))}`);
   if (manager.accel === "tcg") log(`WARNING: ${TCG_BOUNDARY}`);
   process.stdout.write(`listening ${server.url}\n`);
-  const catalog = values["no-catalog"] ? undefined : startCatalogBuild(dataDir, manager, log);
+  const catalog = values["no-catalog"] ? undefined : startCatalogBuild(dataDir, manager, log, agent);
   await untilSignal();
   await catalog?.stop();
   heartbeats.stop();

@@ -10,10 +10,11 @@
  * test checks the two agree.
  */
 
+import type { VmHostSettings } from "../agent/vm/host-settings.ts";
 import type { OperatorSecrets } from "../gateway/auth/secrets.ts";
 import { processEnv } from "./settings/environment.ts";
 import { readSettings, type Settings } from "./settings/parse.ts";
-import { secretsFrom } from "./settings/views.ts";
+import { hostSettings, secretsFrom } from "./settings/views.ts";
 
 export { childEnv, databaseUrl, defaultDataDir, processEnv, quiet } from "./settings/environment.ts";
 export {
@@ -32,6 +33,7 @@ export {
   type GatewayStart,
   gatewayLimits,
   gatewayStart,
+  hostSettings,
   reportedSettings,
   secretsFrom,
   settingsOf,
@@ -54,4 +56,20 @@ export function settingsOrRefuse(
   if (r.ok) return r.settings;
   process.stderr.write(`sandboxd: error: ${r.error}\n`);
   return null;
+}
+
+/** What a command that launches VMs itself obeys: SANDBOXD_ACCEL, the jail and the disk reserve. */
+export interface MachineSettings {
+  /** auto (probe), kvm or tcg. */
+  accel: string;
+  host: VmHostSettings;
+}
+
+/**
+ * The machine settings of `run`, `bench` and `doctor`, from the environment (and their
+ * defaults); null after writing the refusal of a malformed setting to stderr (exit 2).
+ */
+export function machineSettingsOrRefuse(): MachineSettings | null {
+  const s = settingsOrRefuse({});
+  return s ? { accel: String(s.SANDBOXD_ACCEL), host: hostSettings(s) } : null;
 }

@@ -78,17 +78,13 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   });
   // The agent's manager opens after the gateway: over PGlite the gateway's database lock
   // (db/lock.ts) is what stops a second `up` on this data dir, before it touches any VM.
-  const manager = await openAgentManager(
-    dataDir,
-    stateDir,
-    log,
-    events,
-    undefined,
-    agentSettings(settings),
-  ).catch(async (err) => {
-    await gateway.stop();
-    throw err;
-  });
+  const agent = agentSettings(settings);
+  const manager = await openAgentManager(dataDir, stateDir, log, events, undefined, agent).catch(
+    async (err) => {
+      await gateway.stop();
+      throw err;
+    },
+  );
   // `sandboxd key` / `agent-token` while this runs: through this socket, on this process's db.
   const operator = await serveOperatorCommands(dataDir, gateway, secrets, log);
   const gatewayUrl = gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:");
@@ -97,6 +93,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     manager,
     credentials,
     uploadDir: join(stateDir, "uploads"),
+    diskReserveBytes: agent.host.diskReserveBytes,
     // The agent listens on loopback only: in the embedded deployment only our gateway calls it.
     hostname: "127.0.0.1",
     port: 0,
@@ -122,7 +119,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
 
   const catalog = values["no-catalog"]
     ? undefined
-    : startCatalogBuild(dataDir, manager, log, () => registerCatalog(gateway));
+    : startCatalogBuild(dataDir, manager, log, agent, () => registerCatalog(gateway));
 
   await new Promise<void>((resolve) => {
     process.once("SIGINT", resolve);

@@ -1,15 +1,7 @@
 import { expect, test } from "bun:test";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import {
-  asNoSpace,
-  bytesSetting,
-  DEFAULT_DISK_RESERVE_BYTES,
-  diskReserveFromEnv,
-  freeBytes,
-  isNoSpace,
-  requireFreeSpace,
-} from "./disk-space.ts";
+import { asNoSpace, bytesSetting, freeBytes, isNoSpace, requireFreeSpace } from "./disk-space.ts";
 import { SandboxdError } from "./errors.ts";
 
 test("free bytes of a path not yet created are those of its nearest existing parent", async () => {
@@ -49,8 +41,8 @@ test("ENOSPC and EDQUOT, as errno or as a tool's text, are a full disk; other er
 });
 
 test("byte settings: default, a count, junk refused", () => {
-  expect(diskReserveFromEnv({})).toBe(DEFAULT_DISK_RESERVE_BYTES);
-  expect(diskReserveFromEnv({ SANDBOXD_DISK_RESERVE_BYTES: "1048576" })).toBe(1048576);
+  expect(bytesSetting({}, "X", 7)).toBe(7);
+  expect(bytesSetting({ X: "1048576" }, "X", 1)).toBe(1048576);
   expect(() => bytesSetting({ X: "12MB" }, "X", 1)).toThrow(/X must be a byte count/);
   expect(() => bytesSetting({ X: "-1" }, "X", 1)).toThrow();
 });

@@ -14,11 +14,6 @@ import { SandboxdError } from "./errors.ts";
 /** Default free space kept back on every data filesystem (`SANDBOXD_DISK_RESERVE_BYTES`). */
 export const DEFAULT_DISK_RESERVE_BYTES = 256 * 1024 * 1024;
 
-/** `SANDBOXD_DISK_RESERVE_BYTES` (a byte count), else the default. */
-export function diskReserveFromEnv(env: Record<string, string | undefined> = process.env): number {
-  return bytesSetting(env, "SANDBOXD_DISK_RESERVE_BYTES", DEFAULT_DISK_RESERVE_BYTES);
-}
-
 /** A non-negative integer byte count from the environment, else `fallback`; junk is an error. */
 export function bytesSetting(
   env: Record<string, string | undefined>,
@@ -81,14 +76,15 @@ export async function requireFreeSpace(
   }
 }
 
-/** `requireFreeSpace` with the reserve from `SANDBOXD_DISK_RESERVE_BYTES`: the agent's form. */
+/** `requireFreeSpace` in positional form: the agent's, its reserve from `SANDBOXD_DISK_RESERVE_BYTES`. */
 export function needFreeSpace(
   path: string,
   what: string,
   bytes: number,
+  reserveBytes: number,
   measure: FreeBytes = freeBytes,
 ): Promise<void> {
-  return requireFreeSpace(path, { what, bytes, reserveBytes: diskReserveFromEnv() }, measure);
+  return requireFreeSpace(path, { what, bytes, reserveBytes }, measure);
 }
 
 /** How a tool (skopeo, mkfs, qemu-img) says it: strerror(ENOSPC) and strerror(EDQUOT). */

@@ -1,6 +1,5 @@
 /** Gateway configuration. Every limit defaults to contracts/api/limits.ts and can be overridden. */
 import { DEFAULT_LIMITS, type Limits, limitsBeyondAgent } from "../contracts/api/limits.ts";
-import { diskReserveFromEnv } from "../contracts/disk-space.ts";
 
 export interface GatewayConfig {
   /** API build stamp reported by `GET /v1/health` (spec 9). */
@@ -59,7 +58,6 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
       sandboxQuotaByTier: { ...DEFAULT_LIMITS.sandboxQuotaByTier, ...input.limits?.sandboxQuotaByTier },
       suspendedQuotaByTier: { ...DEFAULT_LIMITS.suspendedQuotaByTier, ...input.limits?.suspendedQuotaByTier },
       templateQuotaByTier: { ...DEFAULT_LIMITS.templateQuotaByTier, ...input.limits?.templateQuotaByTier },
-      diskReserveBytes: input.limits?.diskReserveBytes ?? diskReserveFromEnv(),
     },
   };
   // A limit the agents would refuse past is refused here, at start, not on a request.

@@ -133,18 +133,102 @@ function secretsWithoutDataDir(
   return { keyPepper, connectSecret, uploadDir };
 }
 
-export async function startGateway(opts: StartGatewayOptions): Promise<RunningGateway> {
+/** The gateway's config: the caller's overrides over the secrets of its data dir (or given ones). */
+function gatewayConfig(opts: StartGatewayOptions): GatewayConfig {
   const over = opts.config ?? {};
   const base =
     opts.dataDir !== undefined
       ? { ...loadSecrets(opts.dataDir, opts.secrets), uploadDir: join(opts.dataDir, "uploads") }
       : secretsWithoutDataDir(over, opts.secrets ?? {});
-  const config = resolveConfig({
+  return resolveConfig({
     ...over,
     keyPepper: over.keyPepper ?? base.keyPepper,
     connectSecret: over.connectSecret ?? base.connectSecret,
     uploadDir: over.uploadDir ?? base.uploadDir,
   });
+}
+
+/**
+ * A routing gateway's (one given no in-process agent) agent secret and router; none for a
+ * gateway with its own agent.
+ */
+function agentRouting(
+  opts: StartGatewayOptions,
+  db: Db,
+  region: string,
+  clock: Clock,
+): { router: AgentRouter; agentSecret: string } | undefined {
+  if (opts.agent !== undefined) return undefined;
+  const secret =
+    opts.agentSecret ??
+    (opts.dataDir !== undefined
+      ? loadSecrets(opts.dataDir, opts.secrets).agentSecret
+      : opts.secrets?.agentSecret);
+  if (!secret) throw new Error("a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)");
+  // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
+  secretKey(secret);
+  const router = new AgentRouter({
+    db,
+    agentSecret: secret,
+    region,
+    clock,
+    ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
+  });
+  return { router, agentSecret: secret };
+}
+
+interface AgentRoutes {
+  db: Db;
+  agentSecret: string | undefined;
+  clock: Clock;
+  onHeartbeat: (agentId: string, previousAt: Date | null) => void;
+  onEvents: (agentId: string, batch: { events: VmEvent[]; dropped: number }) => Promise<void>;
+  log: (line: string) => void;
+}
+
+/** The server's handler: the agents' own routes (routing gateways only), else the public app. */
+function gatewayFetch(app: ReturnType<typeof createApp>, agents: AgentRoutes) {
+  const { db, agentSecret, clock, log } = agents;
+  return (request: Request, upgrade?: unknown): Response | Promise<Response> => {
+    // Agents enroll and report here (gateway/agents/); outside /v1: not part of the public API.
+    if (agentSecret !== undefined && request.method === "POST") {
+      const path = new URL(request.url).pathname;
+      if (path === HEARTBEAT_PATH)
+        return handleHeartbeat(db, agentSecret, request, clock, agents.onHeartbeat);
+      if (path === AGENT_EVENTS_PATH)
+        return handleAgentEvents(db, agentSecret, request, agents.onEvents, log);
+      if (path === ENROLL_PATH) return handleEnroll(db, agentSecret, request, clock);
+    }
+    // `upgrade` reaches the connect route as a binding (HonoEnv); relays: gateway/relay/.
+    if (upgrade) return app.fetch(request, { upgrade });
+    // An error answered before the body was read drains it first (runtime/early-answer.ts).
+    return Promise.resolve(app.fetch(request, {})).then((res) => answerAfterBody(request, res));
+  };
+}
+
+/** No new work first (reconciler, reaper, server), then the writes in flight, then the database. */
+async function stopInOrder(p: {
+  reconciler: Reconciler | undefined;
+  reaper: { stop(): Promise<void> } | undefined;
+  server: RunningServer;
+  activity: ActivityWriter;
+  listener: { stop(): Promise<void> };
+  handle: DbHandle;
+}): Promise<void> {
+  p.reconciler?.stop();
+  try {
+    await p.reaper?.stop();
+    await p.server.stop();
+  } finally {
+    // Served calls' ends reach the database before it closes (core/activity.ts).
+    await p.activity.stop();
+    await p.listener.stop();
+    await p.handle.close();
+  }
+}
+
+export async function startGateway(opts: StartGatewayOptions): Promise<RunningGateway> {
+  const config = gatewayConfig(opts);
   const hostname = opts.hostname ?? "127.0.0.1";
   const handle: DbHandle = await openDb(
     opts.databaseUrl !== undefined ? { url: opts.databaseUrl } : { dataDir: opts.dataDir! },
@@ -168,25 +252,8 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     const clock = opts.clock ?? Date.now;
     const log = opts.log ?? ((line: string) => console.error(line));
     const relays = new RelayRegistry();
-    let agentSecret: string | undefined;
-    if (opts.agent === undefined) {
-      const secret =
-        opts.agentSecret ??
-        (opts.dataDir !== undefined
-          ? loadSecrets(opts.dataDir, opts.secrets).agentSecret
-          : opts.secrets?.agentSecret);
-      if (!secret) throw new Error("a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)");
-      // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
-      secretKey(secret);
-      agentSecret = secret;
-      router = new AgentRouter({
-        db: handle.db,
-        agentSecret: secret,
-        region: config.region,
-        clock,
-        ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
-      });
-    }
+    const routing = agentRouting(opts, handle.db, config.region, clock);
+    router = routing?.router;
     const deps = appDeps({
       db: handle.db,
       agent: opts.agent ?? router!,
@@ -213,29 +280,18 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
         { liveAgents: () => liveAgentIds(handle.db, clock(), staleAfterMs), staleAfterMs, log },
       );
     }
-    const onEvents = async (agentId: string, batch: { events: VmEvent[]; dropped: number }) => {
-      await applyAgentEvents(truth, agentId, batch.events, log);
-      if (batch.dropped > 0) reconciler?.onDropped(agentId, batch.dropped);
-    };
     server = await serveFetch({
-      fetch: (request, upgrade) => {
-        // Agents enroll and report here (gateway/agents/); outside /v1: not part of the public API.
-        if (agentSecret !== undefined && request.method === "POST") {
-          const path = new URL(request.url).pathname;
-          if (path === HEARTBEAT_PATH) {
-            return handleHeartbeat(handle.db, agentSecret, request, clock, (id, previousAt) =>
-              reconciler?.onHeartbeat(id, previousAt),
-            );
-          }
-          if (path === AGENT_EVENTS_PATH)
-            return handleAgentEvents(handle.db, agentSecret, request, onEvents, log);
-          if (path === ENROLL_PATH) return handleEnroll(handle.db, agentSecret, request, clock);
-        }
-        // `upgrade` reaches the connect route as a binding (HonoEnv); relays: gateway/relay/.
-        if (upgrade) return app.fetch(request, { upgrade });
-        // An error answered before the body was read drains it first (runtime/early-answer.ts).
-        return Promise.resolve(app.fetch(request, {})).then((res) => answerAfterBody(request, res));
-      },
+      fetch: gatewayFetch(app, {
+        db: handle.db,
+        agentSecret: routing?.agentSecret,
+        clock,
+        onHeartbeat: (id, previousAt) => reconciler?.onHeartbeat(id, previousAt),
+        onEvents: async (agentId, batch) => {
+          await applyAgentEvents(truth, agentId, batch.events, log);
+          if (batch.dropped > 0) reconciler?.onDropped(agentId, batch.dropped);
+        },
+        log,
+      }),
       hostname,
       port: opts.port ?? 8080,
       ...(opts.httpIdleTimeoutS !== undefined ? { idleTimeoutS: opts.httpIdleTimeoutS } : {}),
@@ -265,18 +321,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     rows,
     keys,
     stop: () => {
-      stopping ??= (async () => {
-        reconciler?.stop();
-        try {
-          await reaper?.stop();
-          await server.stop();
-        } finally {
-          // Served calls' ends reach the database before it closes (core/activity.ts).
-          await activity.stop();
-          await listener.stop();
-          await handle.close();
-        }
-      })();
+      stopping ??= stopInOrder({ reconciler, reaper, server, activity, listener, handle });
       return stopping;
     },
   };

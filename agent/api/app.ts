@@ -28,7 +28,12 @@ import {
 } from "../../contracts/agent/schemas.ts";
 import { type AgentCredentials, secretKey, verifyAgentToken } from "../../contracts/agent/token.ts";
 import { AGENT_MAX_JSON_BODY_BYTES } from "../../contracts/api/limits.ts";
-import { asNoSpace, isNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
+import {
+  asNoSpace,
+  DEFAULT_DISK_RESERVE_BYTES,
+  isNoSpace,
+  needFreeSpace,
+} from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestTunnel } from "../guest/client.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
@@ -45,6 +50,8 @@ export interface AgentAppDeps {
   credentials: AgentCredentials;
   /** Uploaded template images are staged here until their build ends. */
   uploadDir: string;
+  /** Free disk an upload leaves (`SANDBOXD_DISK_RESERVE_BYTES`); default DEFAULT_DISK_RESERVE_BYTES. */
+  diskReserveBytes?: number;
   version?: string;
   log?: (msg: string) => void;
 }
@@ -150,7 +157,12 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     // The gateway sends the length of the file it staged: refused before a byte is written when
     // it does not fit with the reserve; a write that still fills the disk is 507 too.
     const declared = Number(c.req.header("content-length") ?? 0);
-    await needFreeSpace(deps.uploadDir, "the image upload", Number.isSafeInteger(declared) ? declared : 0);
+    await needFreeSpace(
+      deps.uploadDir,
+      "the image upload",
+      Number.isSafeInteger(declared) ? declared : 0,
+      deps.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES,
+    );
     await mkdir(deps.uploadDir, { recursive: true, mode: 0o700 });
     const path = join(deps.uploadDir, `${randomBytes(8).toString("hex")}.upload`);
     try {

@@ -51,9 +51,7 @@ test.skipIf(!existsSync("/usr/sbin/debootstrap") || process.getuid?.() !== 0)(
         return new Promise<Response>(() => {}); // never answers
       },
     });
-    const before = process.env.SANDBOXD_DEBIAN_MIRROR;
     const url = `http://127.0.0.1:${mirror.port}/debian`;
-    process.env.SANDBOXD_DEBIAN_MIRROR = url;
     try {
       const abort = new AbortController();
       const build = ensureDebootstrapLayout({
@@ -61,6 +59,7 @@ test.skipIf(!existsSync("/usr/sbin/debootstrap") || process.getuid?.() !== 0)(
         name: "python",
         spec: PYTHON_IMAGE,
         signal: abort.signal,
+        mirror: url,
       }).catch((e) => e);
       await reached;
       expect(pidsMentioning(`127.0.0.1:${mirror.port}`).length).toBeGreaterThan(0);
@@ -74,8 +73,6 @@ test.skipIf(!existsSync("/usr/sbin/debootstrap") || process.getuid?.() !== 0)(
       expect(pidsMentioning(`127.0.0.1:${mirror.port}`)).toEqual([]);
       expect(readdirSync(dir).filter((n) => n.startsWith(".build-"))).toEqual([]);
     } finally {
-      if (before === undefined) delete process.env.SANDBOXD_DEBIAN_MIRROR;
-      else process.env.SANDBOXD_DEBIAN_MIRROR = before;
       mirror.stop(true);
     }
   },

@@ -43,10 +43,11 @@ function cacheKey(spec: DebootstrapImageSpec): string {
 
 /**
  * The first Debian archive URI of the host's apt sources (deb822 `.sources` or one-line
- * `sources.list`): the mirror this machine is set up to reach. `SANDBOXD_DEBIAN_MIRROR` overrides.
+ * `sources.list`): the mirror this machine is set up to reach. The operator's
+ * `SANDBOXD_DEBIAN_MIRROR` (`setting`, when not empty) overrides.
  */
-export function debianMirror(env: NodeJS.ProcessEnv = process.env): string {
-  if (env.SANDBOXD_DEBIAN_MIRROR) return env.SANDBOXD_DEBIAN_MIRROR;
+export function debianMirror(setting?: string): string {
+  if (setting) return setting;
   const candidates: string[] = [];
   for (const path of ["/etc/apt/sources.list.d/debian.sources", "/etc/apt/sources.list"]) {
     if (!existsSync(path)) continue;
@@ -167,6 +168,8 @@ export async function ensureDebootstrapLayout(opts: {
   log?: (m: string) => void;
   /** Stops the build (its tools are killed) and leaves nothing behind; the caller's stop. */
   signal?: AbortSignal;
+  /** `SANDBOXD_DEBIAN_MIRROR`; unset or empty: the host's apt sources' mirror. */
+  mirror?: string;
 }): Promise<string> {
   const { spec, name } = opts;
   const log = opts.log ?? (() => {});
@@ -184,7 +187,7 @@ export async function ensureDebootstrapLayout(opts: {
         `--include=${spec.packages.join(",")}`,
         spec.suite,
         rootfs,
-        debianMirror(),
+        debianMirror(opts.mirror),
       ],
       log,
       opts.signal,
@@ -230,6 +233,10 @@ export async function ensurePythonImage(opts: {
   log?: (m: string) => void;
   /** The agent's stop: an aborted build kills its tools and imports nothing. */
   signal?: AbortSignal;
+  /** `SANDBOXD_DEBIAN_MIRROR`; unset or empty: the host's apt sources' mirror. */
+  mirror?: string;
+  /** Free disk the import leaves (`SANDBOXD_DISK_RESERVE_BYTES`); default DEFAULT_DISK_RESERVE_BYTES. */
+  diskReserveBytes?: number;
 }): Promise<ImportedImage> {
   const log = opts.log ?? (() => {});
   const layout = await ensureDebootstrapLayout({
@@ -238,6 +245,7 @@ export async function ensurePythonImage(opts: {
     spec: PYTHON_IMAGE,
     log,
     ...(opts.signal ? { signal: opts.signal } : {}),
+    ...(opts.mirror ? { mirror: opts.mirror } : {}),
   });
   opts.signal?.throwIfAborted();
   return importImage({
@@ -246,5 +254,6 @@ export async function ensurePythonImage(opts: {
     log,
     trustedSource: true,
     ...(opts.signal ? { signal: opts.signal } : {}),
+    ...(opts.diskReserveBytes !== undefined ? { diskReserveBytes: opts.diskReserveBytes } : {}),
   });
 }

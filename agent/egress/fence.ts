@@ -3,8 +3,8 @@
  * tenant wrote it) into an address it may connect to. The sandbox egress proxy (proxy.ts) and the
  * registry pull path use it; nothing else in the agent resolves a tenant-chosen destination.
  *
- *   const fence = operatorFence();                 // or `new EgressFence({...})` in tests
- *   const d = await checkDestination(host, port);  // = fence.check(host, port)
+ *   const fence = EgressFence.fromSetting(text);   // the operator's; `new EgressFence({...})` in tests
+ *   const d = await checkDestination(host, port, fence);  // = fence.check(host, port)
  *   if (!d.ok) refuse(d.reason);                   // d.code: internal | malformed | unresolvable
  *   else sock = await fence.connect(d);            // TCP to d.address, the checked address
  *
@@ -25,7 +25,8 @@
  *   240/4 with broadcast, ULA fc00::/7 (IPv6 metadata fd00:ec2::254 among it), site-local,
  *   local-use NAT64, and every address of the host's own interfaces (re-read at most once a
  *   second). Only the OPERATOR opens a range: `SANDBOXD_EGRESS_ALLOW_INTERNAL=cidr,cidr,...`
- *   (`operatorFence`), never a tenant's `egress.allow`, whose entries only name destinations.
+ *   (`EgressFence.fromSetting`, passed in from cli/settings/), never a tenant's `egress.allow`,
+ *   whose entries only name destinations.
  */
 import { lookup } from "node:dns/promises";
 import { isIP, Socket } from "node:net";
@@ -290,12 +291,8 @@ export class EgressFence {
     this.readHostAddresses = opts.hostAddresses ?? defaultHostAddresses;
   }
 
-  /** The operator's fence from the environment (`SANDBOXD_EGRESS_ALLOW_INTERNAL`). */
-  static fromEnv(
-    env: Record<string, string | undefined> = process.env,
-    opts: Omit<FenceOptions, "allowInternal"> = {},
-  ): EgressFence {
-    const text = env[ALLOW_INTERNAL_ENV] ?? "";
+  /** The operator's fence from the setting's text (`SANDBOXD_EGRESS_ALLOW_INTERNAL`). */
+  static fromSetting(text: string, opts: Omit<FenceOptions, "allowInternal"> = {}): EgressFence {
     parseAllowInternal(text); // refused here, naming the variable
     return new EgressFence({ ...opts, allowInternal: text.split(",") });
   }
@@ -435,15 +432,15 @@ function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
 let processFence: EgressFence | undefined;
 
 /**
- * The process's fence from the environment, built once: the proxy's default, and the one the
- * registry pull path uses. A malformed `SANDBOXD_EGRESS_ALLOW_INTERNAL` is refused at start.
+ * The fence with no internal range opened, built once per process: the default of the proxy, the
+ * manager and the registry pull path when the operator's fence (`fromSetting`) is not passed.
  */
-export function operatorFence(): EgressFence {
-  processFence ??= EgressFence.fromEnv();
+export function defaultFence(): EgressFence {
+  processFence ??= new EgressFence();
   return processFence;
 }
 
-/** `operatorFence().check(host, port)`: the check any caller outside the proxy uses. */
-export function checkDestination(host: string, port: number, fence = operatorFence()): Promise<Destination> {
+/** `fence.check(host, port)`: the check any caller outside the proxy uses. */
+export function checkDestination(host: string, port: number, fence = defaultFence()): Promise<Destination> {
   return fence.check(host, port);
 }

@@ -18,7 +18,7 @@
 import type { Duplex } from "node:stream";
 import { normalizeHost } from "../../contracts/egress.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import { type EgressFence, operatorFence } from "./fence.ts";
+import { defaultFence, type EgressFence } from "./fence.ts";
 import type { EgressPolicy } from "./policy.ts";
 
 /** A request head larger than this is not an HTTP client talking to a proxy: refuse it. */
@@ -168,7 +168,7 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
     reply(stream, "403 Forbidden", "X-Sandboxd-Egress: denied\r\n");
     return;
   }
-  const fence = ctx.fence ?? operatorFence();
+  const fence = ctx.fence ?? defaultFence();
   const dest = await fence.check(head.host, head.port);
   if (!dest.ok && dest.code !== "unresolvable") {
     attempt.reason = dest.reason;

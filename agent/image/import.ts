@@ -20,7 +20,7 @@
 import type { Stats } from "node:fs";
 import { mkdir, mkdtemp, rm, stat } from "node:fs/promises";
 import { join, resolve as resolvePath } from "node:path";
-import { asNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
+import { asNoSpace, DEFAULT_DISK_RESERVE_BYTES, needFreeSpace } from "../../contracts/disk-space.ts";
 import { quickResolveArchive, scanArchive } from "./archive.ts";
 import { DISK_FILE, type ImportedImage, loadCached, publish } from "./cache.ts";
 import { normalizeConfig } from "./config.ts";
@@ -56,6 +56,8 @@ export interface ImportOptions {
    * or a tool kill, the work dir is removed and the import rejects with `gone`.
    */
   signal?: AbortSignal;
+  /** Free disk the import leaves (`SANDBOXD_DISK_RESERVE_BYTES`); default DEFAULT_DISK_RESERVE_BYTES. */
+  diskReserveBytes?: number;
 }
 
 /**
@@ -104,7 +106,12 @@ export async function importImage(opts: ImportOptions): Promise<ImportedImage> {
 
     // The unpacked tree, the raw ext4 image and its qcow2 each hold about the layers' bytes; ask
     // before writing any of them (a short disk is a clear refusal, not a half-built image).
-    await needFreeSpace(work, "importing the image", 3 * budget.bytes);
+    await needFreeSpace(
+      work,
+      "importing the image",
+      3 * budget.bytes,
+      opts.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES,
+    );
     const rootfs = await unpackRootfs(work, source, scan, limits, log, signal);
     const { passwd, group } = await readImageUsers(rootfs, limits.maxMetadataBytes);
     const config = normalizeConfig(image.config, image.configDigest, passwd, group);

@@ -308,15 +308,13 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("pull from a real registry on loopbac
     expect(big.code).toBe("image_pull_failed");
     expect(big.details?.reason).toBe("image_too_large");
     expect(big.message).toMatch(/over the 1000-byte pull limit/);
-    const saved = process.env.SANDBOXD_DISK_RESERVE_BYTES;
-    process.env.SANDBOXD_DISK_RESERVE_BYTES = String(2 ** 50);
-    try {
-      const full = await refused({ reference: `${reg.host}/bb:1`, cacheDir, registry: NO_CONFIG });
-      expect(full.code).toBe("insufficient_storage");
-    } finally {
-      if (saved === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
-      else process.env.SANDBOXD_DISK_RESERVE_BYTES = saved;
-    }
+    const full = await refused({
+      reference: `${reg.host}/bb:1`,
+      cacheDir,
+      registry: NO_CONFIG,
+      diskReserveBytes: 2 ** 50,
+    });
+    expect(full.code).toBe("insufficient_storage");
     await reg.settled();
     expect(blobGets()).toBe(before);
     expect(existsSync(join(cacheDir, "images", "pulled"))).toBe(false);

@@ -46,7 +46,13 @@ import { existsSync } from "node:fs";
 import { mkdir, rename, rm, stat, writeFile } from "node:fs/promises";
 import { isIP } from "node:net";
 import { join, resolve } from "node:path";
-import { asNoSpace, bytesSetting, isNoSpace, needFreeSpace } from "../../contracts/disk-space.ts";
+import {
+  asNoSpace,
+  bytesSetting,
+  DEFAULT_DISK_RESERVE_BYTES,
+  isNoSpace,
+  needFreeSpace,
+} from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { type ImageReference, ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { runTool, ToolError } from "../host/tool.ts";
@@ -178,6 +184,8 @@ export interface PullOptions {
   signal?: AbortSignal;
   inspectTimeoutMs?: number;
   pullTimeoutMs?: number;
+  /** Free disk the pull leaves (`SANDBOXD_DISK_RESERVE_BYTES`); default DEFAULT_DISK_RESERVE_BYTES. */
+  diskReserveBytes?: number;
   log?: (m: string) => void;
 }
 
@@ -235,7 +243,12 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
         "image_too_large",
         `the image is ${bytes} bytes, over the ${cap}-byte pull limit`,
       );
-    await needFreeSpace(work, `pulling ${ref.canonical}`, bytes);
+    await needFreeSpace(
+      work,
+      `pulling ${ref.canonical}`,
+      bytes,
+      o.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES,
+    );
     await mkdir(root, { recursive: true });
     const dest = join(work, "layout");
     await runSkopeo(

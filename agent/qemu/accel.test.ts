@@ -9,15 +9,15 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 describe("probeAccelerator", () => {
   test("SANDBOXD_ACCEL overrides the probe", async () => {
-    expect(await probeAccelerator({ env: { SANDBOXD_ACCEL: "tcg" } })).toEqual({
+    expect(await probeAccelerator({ setting: "tcg" })).toEqual({
       accel: "tcg",
       reason: "SANDBOXD_ACCEL=tcg",
     });
-    expect((await probeAccelerator({ env: { SANDBOXD_ACCEL: "kvm" } })).accel).toBe("kvm");
+    expect((await probeAccelerator({ setting: "kvm" })).accel).toBe("kvm");
   });
 
   test("no usable /dev/kvm means TCG", async () => {
-    const r = await probeAccelerator({ env: {}, devKvm: join(dir, "no-kvm") });
+    const r = await probeAccelerator({ devKvm: join(dir, "no-kvm") });
     expect(r.accel).toBe("tcg");
     expect(r.reason).toContain("cannot be opened read-write");
   });
@@ -30,7 +30,7 @@ describe("probeAccelerator", () => {
       mods,
       "kvm_pvm 143360 0 - Live 0x0\nkvm 1138688 1 kvm_pvm, Live 0x0\next4 1 0 - Live 0x0\n",
     );
-    const r = await probeAccelerator({ env: {}, devKvm: kvm, procModules: mods });
+    const r = await probeAccelerator({ devKvm: kvm, procModules: mods });
     expect(r).toEqual({
       accel: "tcg",
       reason: "neither kvm_intel nor kvm_amd is loaded (kvm modules: kvm_pvm, kvm)",
@@ -43,7 +43,6 @@ describe("probeAccelerator", () => {
     const sys = join(dir, "sysmodule");
     mkdirSync(join(sys, "kvm_pvm"), { recursive: true });
     const r = await probeAccelerator({
-      env: {},
       devKvm: kvm,
       procModules: join(dir, "hidden"),
       sysModule: sys,

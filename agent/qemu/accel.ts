@@ -19,8 +19,12 @@ export interface ProbeOptions {
    * vCPU starts (cheaper, but it cannot see a kernel that hangs after the firmware).
    */
   artifacts?: GuestArtifacts;
+  /**
+   * The operator's `SANDBOXD_ACCEL` (from cli/settings/): `kvm` or `tcg` skip the probe; `auto`,
+   * empty or unset probe.
+   */
+  setting?: string;
   /** Overrides for tests; default to the real host. */
-  env?: Record<string, string | undefined>;
   devKvm?: string;
   procModules?: string;
   sysModule?: string;
@@ -47,11 +51,16 @@ let cached: Promise<AccelChoice> | undefined;
  *     output (`-cpu host` even aborts with "failed to set MSR 0x10a");
  *  3. a probe VM actually runs under `-accel kvm`: the guest kernel reaching /init when artifacts
  *     are given, else a KVM vCPU starting and running.
- * Otherwise TCG, with the reason. `SANDBOXD_ACCEL=tcg|kvm` overrides the probe.
+ * Otherwise TCG, with the reason. The setting `SANDBOXD_ACCEL=tcg|kvm` overrides the probe.
  */
 export function probeAccelerator(opts: ProbeOptions = {}): Promise<AccelChoice> {
-  const overridden = opts.env !== undefined || opts.devKvm !== undefined || opts.procModules !== undefined;
-  if (overridden) return probeUncached(opts);
+  // A forced accelerator is no probe; only the probe of the real host is worth keeping.
+  const uncached =
+    opts.setting === "kvm" ||
+    opts.setting === "tcg" ||
+    opts.devKvm !== undefined ||
+    opts.procModules !== undefined;
+  if (uncached) return probeUncached(opts);
   cached ??= probeUncached(opts).catch((err) => {
     cached = undefined; // A probe that threw (not "said TCG") may be retried.
     throw err;
@@ -66,15 +75,15 @@ export function resetAcceleratorCache(): void {
 
 async function probeUncached(opts: ProbeOptions): Promise<AccelChoice> {
   const log = opts.log ?? (() => {});
-  const env = opts.env ?? process.env;
   const choose = (c: AccelChoice) => {
     log(`accelerator: ${c.accel} (${c.reason})`);
     return c;
   };
-  const forced = env.SANDBOXD_ACCEL;
+  const forced = opts.setting;
   if (forced === "tcg" || forced === "kvm")
     return choose({ accel: forced, reason: `SANDBOXD_ACCEL=${forced}` });
-  if (forced !== undefined && forced !== "") log(`ignoring SANDBOXD_ACCEL=${forced} (want tcg or kvm)`);
+  if (forced !== undefined && forced !== "" && forced !== "auto")
+    log(`ignoring SANDBOXD_ACCEL=${forced} (want auto, tcg or kvm)`);
 
   const devKvm = opts.devKvm ?? "/dev/kvm";
   try {

@@ -9,6 +9,7 @@ import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { consoleArgs } from "./console.ts";
+import type { JailSettings } from "./jail-setup.ts";
 
 /**
  * How QEMU runs the guest's CPU: hardware virtualization or the TCG emulator. A launch option;
@@ -72,6 +73,8 @@ export interface LaunchOptions {
    * reach it), and the agent's reaper kills the VMs no record claims.
    */
   dieWithParent?: boolean;
+  /** The operator's jail settings (uid range, `unshare`); default DEFAULT_JAIL. */
+  jail?: JailSettings;
   log?: (msg: string) => void;
 }
 

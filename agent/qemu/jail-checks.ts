@@ -7,9 +7,9 @@ import { spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
 import { CGROUP_ROOT, cgroupVersion, missingControllers } from "./cgroup.ts";
 import { PIVOT_ROOT, SETPRIV, sandboxOption, UNSHARE_FLAGS } from "./jail.ts";
-import { unsharePath } from "./jail-setup.ts";
+import { DEFAULT_JAIL, type JailSettings } from "./jail-setup.ts";
 import { QEMU_BINARY_PATH } from "./launch.ts";
-import { rangeClashes, uidRange } from "./uids.ts";
+import { rangeClashes } from "./uids.ts";
 
 export interface JailCheck {
   name: string;
@@ -24,7 +24,7 @@ function run(argv: string[]): { ok: boolean; out: string } {
   return { ok: r.status === 0, out: `${r.stdout ?? ""}${r.stderr ?? ""}`.trim() };
 }
 
-export function jailChecks(): JailCheck[] {
+export function jailChecks(settings: JailSettings = DEFAULT_JAIL): JailCheck[] {
   const out: JailCheck[] = [];
   const root = process.getuid?.() === 0;
   out.push({
@@ -33,7 +33,7 @@ export function jailChecks(): JailCheck[] {
     detail: root ? "the agent runs as root (it builds each VM's jail)" : "not root: jails cannot be built",
     fix: "run the agent as root: it makes namespaces, mounts, cgroups and drops each QEMU to its own uid",
   });
-  const unshare = unsharePath();
+  const unshare = settings.unshare;
   for (const [path, what] of [
     [unshare, "unshare"],
     [SETPRIV, "setpriv"],
@@ -55,7 +55,7 @@ export function jailChecks(): JailCheck[] {
       fix: "allow namespaces for root (a container runtime may forbid unshare: run the agent on the host)",
     });
   }
-  const range = uidRange();
+  const range = settings.uidRange;
   const clashes = rangeClashes(range);
   out.push({
     name: "jail: uids",

@@ -18,7 +18,7 @@ import {
   missingJailTools,
   UNSHARE,
 } from "./jail.ts";
-import { allocateUid, releaseUid } from "./uids.ts";
+import { allocateUid, DEFAULT_UID_RANGE, releaseUid, type UidRange } from "./uids.ts";
 
 /** RLIMIT_NOFILE of a jailed QEMU: its sockets, images and eventfds fit many times over. */
 export const JAIL_MAX_OPEN_FILES = 1024;
@@ -35,6 +35,8 @@ export interface JailInput {
   vcpus: number;
   kvm: boolean;
   hostPidFile: string;
+  /** Default: DEFAULT_JAIL. */
+  settings?: JailSettings;
 }
 
 export interface PreparedJail {
@@ -42,10 +44,15 @@ export interface PreparedJail {
   uid: number;
 }
 
-/** `unshare` to use: `SANDBOXD_JAIL_UNSHARE` (an operator's override) or util-linux's. */
-export function unsharePath(env: NodeJS.ProcessEnv = process.env): string {
-  return env.SANDBOXD_JAIL_UNSHARE || UNSHARE;
+/** The operator's jail settings: the uid range (uids.ts) and the `unshare` binary to run. */
+export interface JailSettings {
+  /** `SANDBOXD_JAIL_UID_BASE` / `SANDBOXD_JAIL_UID_COUNT`. */
+  uidRange: UidRange;
+  /** `SANDBOXD_JAIL_UNSHARE`: an operator's override of util-linux's. */
+  unshare: string;
 }
+
+export const DEFAULT_JAIL: JailSettings = { uidRange: DEFAULT_UID_RANGE, unshare: UNSHARE };
 
 /**
  * The backing files of the qcow2 image `path`, nearest first, read from the images' headers
@@ -84,7 +91,8 @@ function inside(dir: string, p: string): boolean {
 /** Makes the jail of one VM ready; throws JailError naming the missing ingredient. */
 export async function prepareJail(i: JailInput): Promise<PreparedJail> {
   if (process.getuid?.() !== 0) throw new JailError("the agent is not root (it needs root to build jails)");
-  const unshare = unsharePath();
+  const jail = i.settings ?? DEFAULT_JAIL;
+  const unshare = jail.unshare;
   const missing = missingJailTools(unshare);
   if (missing.length) throw new JailError(`missing ${missing.join(", ")} (install util-linux)`);
   if (i.kvm) {
@@ -97,7 +105,7 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
   // Independent steps at once (the jail is built on every cold spawn's critical path); all are
   // waited for, so a failure undoes what the others made.
   const settled = await Promise.allSettled([
-    allocateUid(i.dir),
+    allocateUid(i.dir, jail.uidRange),
     i.disk ? backingChain(i.disk) : Promise.resolve({ files: [], virtualSize: 0 }),
     createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus, !i.kvm)),
     readdir(i.dir),

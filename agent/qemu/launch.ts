@@ -141,6 +141,7 @@ export async function jailedLaunchArgv(
     vcpus: opts.vcpus,
     kvm: opts.accel === "kvm",
     hostPidFile: vmPaths(dir).hostPidFile,
+    ...(opts.jail ? { settings: opts.jail } : {}),
   });
   const argv = jailArgv(jail.spec, sandboxedQemuArgv(opts));
   const dieWithParent = opts.dieWithParent ?? true;

@@ -1,8 +1,8 @@
 /**
  * Per-VM uids: each jailed QEMU runs as its own uid/gid (gid = uid) from a range no real user
  * holds, so two VMs never share an identity (one QEMU cannot signal, ptrace or open the files of
- * another). The range is `SANDBOXD_JAIL_UID_BASE` (default 900000) and `SANDBOXD_JAIL_UID_COUNT`
- * (default 65536).
+ * another). The range is the operator's `SANDBOXD_JAIL_UID_BASE` (default 900000) and
+ * `SANDBOXD_JAIL_UID_COUNT` (default 65536), passed in (jail-setup.ts `JailSettings`).
  *
  * A uid is taken by creating `/run/sandboxd/jail-uids/<uid>` exclusively (O_EXCL), naming the VM
  * directory: that holds across every agent process on the host (tests, `bench` and `run` beside
@@ -29,14 +29,6 @@ export interface UidRange {
  * be anyone's; 65536 uids is more VMs than one host runs.
  */
 export const DEFAULT_UID_RANGE: UidRange = { base: 900_000, count: 65_536 };
-
-export function uidRange(env: NodeJS.ProcessEnv = process.env): UidRange {
-  const num = (v: string | undefined, d: number) => (v !== undefined && /^\d+$/.test(v) ? Number(v) : d);
-  return {
-    base: num(env.SANDBOXD_JAIL_UID_BASE, DEFAULT_UID_RANGE.base),
-    count: num(env.SANDBOXD_JAIL_UID_COUNT, DEFAULT_UID_RANGE.count),
-  };
-}
 
 /** The uids of running processes inside `range` (from /proc/<pid>/status). */
 export function uidsInUse(range: UidRange): Set<number> {
@@ -81,7 +73,7 @@ export function rangeClashes(range: UidRange): string[] {
 }
 
 /** Takes a free uid for the VM directory `dir`; throws JailError when none is left. */
-export async function allocateUid(dir: string, range = uidRange()): Promise<number> {
+export async function allocateUid(dir: string, range: UidRange): Promise<number> {
   if (range.count <= 0) throw new JailError("the jail uid range is empty (SANDBOXD_JAIL_UID_COUNT=0)");
   if (range.base <= 0)
     throw new JailError("the jail uid range must not include root (SANDBOXD_JAIL_UID_BASE)");
@@ -136,7 +128,7 @@ export async function releaseUid(uid: number, dir: string): Promise<void> {
 }
 
 /** Removes the stale locks (a crashed agent's); returns the uids freed. */
-export async function sweepUidLocks(range = uidRange()): Promise<number[]> {
+export async function sweepUidLocks(range: UidRange): Promise<number[]> {
   let names: string[];
   try {
     names = await readdir(UID_LOCK_DIR);

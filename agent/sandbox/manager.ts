@@ -29,7 +29,7 @@ import type {
 } from "../../contracts/agent/api.ts";
 import { bestEffort } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import { type EgressFence, operatorFence } from "../egress/fence.ts";
+import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
 import { newVmId } from "../vm/ids.ts";
@@ -125,7 +125,7 @@ export class SandboxManager {
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
     this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
-    this.fence = opts.fence ?? operatorFence();
+    this.fence = opts.fence ?? defaultFence();
     this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.used());
     this.access = new GuestAccess({
       driver: this.driver,

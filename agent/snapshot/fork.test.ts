@@ -4,10 +4,11 @@
  * on to the parent (here a stand-in whose `begin` stops it, so no VM is needed). Real VMs on a
  * tiny tmpfs: tests/vm/shm-full.test.ts.
  */
-import { afterAll, beforeAll, expect, test } from "bun:test";
+import { afterAll, expect, test } from "bun:test";
 import { existsSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { DEFAULT_VM_HOST } from "../vm/host-settings.ts";
 import { SnapshotError } from "./errors.ts";
 import { forkShmBytes, forkVm } from "./fork.ts";
 import { migrationByteCap } from "./stream.ts";
@@ -18,15 +19,7 @@ const RESERVE = 32 * MIB;
 const MEM_MIB = 128;
 const scratch = mkdtempSync(join(tmpdir(), "fork-shm-"));
 const shmRoot = join(scratch, "shm");
-let savedReserve: string | undefined;
-
-beforeAll(() => {
-  savedReserve = process.env.SANDBOXD_DISK_RESERVE_BYTES;
-  process.env.SANDBOXD_DISK_RESERVE_BYTES = String(RESERVE);
-});
 afterAll(() => {
-  if (savedReserve === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
-  else process.env.SANDBOXD_DISK_RESERVE_BYTES = savedReserve;
   rmSync(scratch, { recursive: true, force: true });
 });
 
@@ -35,7 +28,12 @@ function standInParent() {
   const touched: string[] = [];
   const parent = {
     id: "vm-parent",
-    shape: { shmRoot, memMib: MEM_MIB, dataDir: join(scratch, "data") },
+    shape: {
+      shmRoot,
+      memMib: MEM_MIB,
+      dataDir: join(scratch, "data"),
+      host: { ...DEFAULT_VM_HOST, diskReserveBytes: RESERVE },
+    },
     begin: (_from: string[], to: string) => {
       touched.push(to);
       return new SnapshotError("invalid_state", "stand-in parent: stop here");

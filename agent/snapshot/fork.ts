@@ -20,6 +20,7 @@ import { type FreeBytes, needFreeSpace } from "../../contracts/disk-space.ts";
 import { isHostnameLabel, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
+import { DEFAULT_VM_HOST } from "../vm/host-settings.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { adoptNewTop, collapseParentChain, removeStagedLinks, stageNewOverlay } from "./fork/chain.ts";
 import { startChildren } from "./fork/children.ts";
@@ -206,6 +207,7 @@ async function shortOfShm(
         method,
         method === "snapshot" ? await holeBytes(parent.memPath) : 0,
       ),
+      (parent.shape.host ?? DEFAULT_VM_HOST).diskReserveBytes,
       freeBytes,
     );
     return undefined;

@@ -62,6 +62,12 @@ export type VmRecord = z.infer<typeof VmRecord>;
 /** What the VM's owner records with it. */
 export type VmNotes = Pick<VmRecord, "templateId" | "size" | "image" | "memBytes">;
 
+/** The shape as saved: the host settings are the adopting agent's own, not the saver's. */
+function savedShape(shape: VmShape): VmShape {
+  const { host: _host, ...saved } = shape;
+  return saved;
+}
+
 /** The record of `vm` as it is now (a pure function: nothing is written). */
 export function saveVm(vm: SandboxVm, notes: VmNotes): VmRecord {
   const record: VmRecord = {
@@ -70,7 +76,7 @@ export function saveVm(vm: SandboxVm, notes: VmNotes): VmRecord {
     templateId: notes.templateId,
     size: notes.size,
     image: notes.image,
-    shape: vm.shape,
+    shape: savedShape(vm.shape),
     disk: vm.disk,
     topNode: vm.topNode,
     memPath: vm.memPath,

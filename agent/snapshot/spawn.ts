@@ -18,6 +18,7 @@ import { encodeFrame, TlvWriter } from "../guest/codec.ts";
 import { isHostnameLabel, jailedLaunchArgv, readHostPid, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayFromBlank, createOverlayOn } from "../storage/qcow2.ts";
+import type { VmHostSettings } from "../vm/host-settings.ts";
 import { newVmId } from "../vm/ids.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
@@ -39,6 +40,8 @@ export interface SpawnOptions {
   readyTimeoutMs?: number;
   /** Launch option: false for VMs that must outlive this process (see VmShape). Default true. */
   dieWithParent?: boolean;
+  /** The operator's jail and disk-reserve settings; default DEFAULT_VM_HOST. */
+  host?: VmHostSettings;
   log?: (m: string) => void;
 }
 
@@ -89,6 +92,7 @@ export async function prelaunchFromTemplate(o: SpawnOptions): Promise<Result<Pre
     return fail(new SnapshotError("bad_request", `invalid sandbox id ${JSON.stringify(id)}`));
   const shape = shapeOf(o.dataDir, t);
   if (o.dieWithParent !== undefined) shape.dieWithParent = o.dieWithParent;
+  if (o.host) shape.host = o.host;
   const disks = storageDir(shape.dataDir);
   const disk = join(disks, `${id}-0.qcow2`);
   const vm = new SandboxVm(id, join(vmsRoot(shape.dataDir), id), shape, disk, t.memPath, o.log);
@@ -187,7 +191,11 @@ export interface FloorTimings {
  * query-migrate, cont) and one HELLO + PING on the agent socket. No retries, no identity, no
  * bookkeeping. The VM is killed and its files removed.
  */
-export async function floorRestoreMs(o: { dataDir: string; template: TemplateMeta }): Promise<FloorTimings> {
+export async function floorRestoreMs(o: {
+  dataDir: string;
+  template: TemplateMeta;
+  host?: VmHostSettings;
+}): Promise<FloorTimings> {
   const t = o.template;
   const root = join(resolve(o.dataDir), "tmp");
   await mkdir(root, { recursive: true, mode: 0o700 });
@@ -209,6 +217,7 @@ export async function floorRestoreMs(o: { dataDir: string; template: TemplateMet
     memBackend: { path: t.memPath, share: false },
     incoming: true,
     paused: true,
+    ...(o.host ? { jail: o.host.jail } : {}),
   });
   const [cmd, ...argv] = launch.argv as [string, ...string[]];
   const child = spawn(cmd, argv, { stdio: "ignore" });

@@ -11,6 +11,7 @@ import { join } from "node:path";
 import { bestEffort } from "../../contracts/best-effort.ts";
 import { needFreeSpace } from "../../contracts/disk-space.ts";
 import { openChainStore } from "../storage/chain.ts";
+import { DEFAULT_VM_HOST } from "../vm/host-settings.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { LOCAL_MIGRATION_MAX_BANDWIDTH, qmp, setCapabilities, setMigrationParameters } from "./migrate.ts";
 import { digZeroHoles } from "./sparse.ts";
@@ -47,6 +48,7 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
       vm.shape.dataDir,
       "the suspended sandbox's memory image",
       vm.shape.memMib * 1024 * 1024,
+      (vm.shape.host ?? DEFAULT_VM_HOST).diskReserveBytes,
     );
     await mkdir(dir, { recursive: true, mode: 0o700 });
     await qmp(proc, "stop");

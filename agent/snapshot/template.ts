@@ -27,6 +27,7 @@ import type { Accel } from "../qemu/launch.ts";
 import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayOn, virtualSize } from "../storage/qcow2.ts";
+import { DEFAULT_VM_HOST, type VmHostSettings } from "../vm/host-settings.ts";
 import { claimVm } from "../vm/process.ts";
 import { createVmDir, vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
@@ -99,6 +100,8 @@ export interface BuildTemplateOptions {
   bringupTimeoutMs?: number;
   /** tmpfs directory for RAM files (default `defaultShmRoot(dataDir)`). */
   shmRoot?: string;
+  /** The operator's jail and disk-reserve settings; default DEFAULT_VM_HOST. */
+  host?: VmHostSettings;
   log?: (m: string) => void;
   /**
    * Ends the build (the template was deleted): a ready command in flight is cancelled in the
@@ -173,8 +176,9 @@ async function newTemplateDir(
   try {
     // Asked before anything is created: the RAM file fills guest RAM on tmpfs; the disk holds the
     // device state and what the ready command writes on the overlay.
-    await needFreeSpace(shmRoot, "the template's memory file", memMib * 1024 * 1024);
-    await needFreeSpace(dataDir, "the template's disk", TEMPLATE_DISK_ESTIMATE_BYTES);
+    const reserve = (o.host ?? DEFAULT_VM_HOST).diskReserveBytes;
+    await needFreeSpace(shmRoot, "the template's memory file", memMib * 1024 * 1024, reserve);
+    await needFreeSpace(dataDir, "the template's disk", TEMPLATE_DISK_ESTIMATE_BYTES, reserve);
   } catch (err) {
     return fail(asSnapshotError(err, "template_build_failed", `building template ${id} failed`));
   }
@@ -239,6 +243,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
       accel: o.accel,
       hostname: "template",
       memBackend: { path: meta.memPath, share: true },
+      ...(o.host ? { jail: o.host.jail } : {}),
       log,
     });
     await claimVm(vmDir, vm.pid, vm.jailUid);

@@ -22,6 +22,7 @@ import {
 import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
+import type { VmHostSettings } from "../vm/host-settings.ts";
 import { claimVm } from "../vm/process.ts";
 import { createVmDir, removeVmDir } from "../vm/workdir.ts";
 import { asSnapshotError, SnapshotError } from "./errors.ts";
@@ -63,6 +64,11 @@ export interface VmShape {
    * agent's sandboxes, re-adopted after a restart). Default true.
    */
   dieWithParent?: boolean;
+  /**
+   * The operator's jail and disk-reserve settings (agent/vm/host-settings.ts), default
+   * DEFAULT_VM_HOST. Not saved with the VM: the agent that adopts it passes its own.
+   */
+  host?: VmHostSettings;
 }
 
 export class SandboxVm {
@@ -255,6 +261,7 @@ export async function launchRestoreTarget(
       incoming: true,
       paused: true,
       ...(s.dieWithParent === undefined ? {} : { dieWithParent: s.dieWithParent }),
+      ...(s.host ? { jail: s.host.jail } : {}),
     });
     // A fresh QEMU names the top of the disk chain with the fixed id, whatever node a fork had
     // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).

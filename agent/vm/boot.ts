@@ -5,6 +5,7 @@ import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { GuestClient } from "../guest/client.ts";
 import type { ImportedImage } from "../image/import.ts";
 import { consoleTail } from "../qemu/console.ts";
+import type { JailSettings } from "../qemu/jail-setup.ts";
 import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { createOverlayOn } from "../storage/qcow2.ts";
 import { newVmId } from "./ids.ts";
@@ -21,6 +22,8 @@ export interface BootOptions {
   /** Bring-up deadline: QEMU start to the guest agent's HELLO. */
   bringupTimeoutMs: number;
   id?: string;
+  /** The operator's jail settings; default DEFAULT_JAIL. */
+  jail?: JailSettings;
   log?: (msg: string) => void;
 }
 
@@ -64,6 +67,7 @@ export async function bootVm(opts: BootOptions): Promise<BootedVm> {
       vcpus: opts.vcpus,
       accel: opts.accel,
       hostname: id,
+      ...(opts.jail ? { jail: opts.jail } : {}),
     });
     await claimVm(dir, vm.pid, vm.jailUid);
     guest = await connectGuest(vm, opts.bringupTimeoutMs);

@@ -2,7 +2,7 @@ import { existsSync } from "node:fs";
 import { mkdir, readdir, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { sweepCgroups } from "../qemu/cgroup.ts";
-import { sweepUidLocks } from "../qemu/uids.ts";
+import { DEFAULT_UID_RANGE, sweepUidLocks, type UidRange } from "../qemu/uids.ts";
 import { claimVm, killRecordedQemu, ownedByAnotherLiveAgent, readOwner, type VmOwner } from "./process.ts";
 
 /**
@@ -47,6 +47,7 @@ export async function createVmDir(dataDir: string, id: string): Promise<string> 
 export async function reapVmDirs(
   dataDir: string,
   keep: (id: string, owner: VmOwner | undefined) => boolean,
+  uidRange: UidRange = DEFAULT_UID_RANGE,
 ): Promise<string[]> {
   const root = vmsRoot(dataDir);
   let ids: string[];
@@ -67,7 +68,7 @@ export async function reapVmDirs(
   // What jails of crashed agents left on the host (their cgroups and uid locks), once no process
   // is in them: killRecordedQemu above frees those of the directories it reaped.
   await sweepCgroups();
-  await sweepUidLocks();
+  await sweepUidLocks(uidRange);
   return reaped;
 }
 
@@ -75,6 +76,6 @@ export async function reapVmDirs(
  * For one-shot users (`sandboxd run`): reclaims the VM directories whose owner process is gone,
  * keeping this process's own.
  */
-export function reapOrphanVms(dataDir: string): Promise<string[]> {
-  return reapVmDirs(dataDir, (_id, owner) => owner?.ownerPid === process.pid);
+export function reapOrphanVms(dataDir: string, uidRange?: UidRange): Promise<string[]> {
+  return reapVmDirs(dataDir, (_id, owner) => owner?.ownerPid === process.pid, uidRange);
 }

@@ -4,7 +4,9 @@
  */
 import { resolve } from "node:path";
 import type { EgressDefault } from "../../agent/egress/policy.ts";
+import { DEFAULT_JAIL } from "../../agent/qemu/jail-setup.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod, isForkMethod } from "../../agent/snapshot/fork-method.ts";
+import type { VmHostSettings } from "../../agent/vm/host-settings.ts";
 import {
   DEFAULT_LIMITS,
   FORK_CAP_BY_TIER,
@@ -38,6 +40,8 @@ export function gatewayLimits(s: Settings): Partial<Limits> {
     sessionCapPerTenant: n("SANDBOXD_SESSION_CAP"),
     sandboxQuotaByTier: { ...SANDBOX_QUOTA_BY_TIER, ...byTier("SANDBOXD_QUOTA") },
     forkCapByTier: { ...FORK_CAP_BY_TIER, ...byTier("SANDBOXD_FORK_CAP") },
+    // The gateway stages uploads on its own disk with the same reserve as the agent.
+    diskReserveBytes: n("SANDBOXD_DISK_RESERVE_BYTES"),
   };
 }
 
@@ -52,6 +56,14 @@ export interface AgentSettings {
   /** The registry settings by variable name, for agent/image/pull.ts's `registryConfigFromEnv`. */
   registry: Record<string, string>;
   imageCacheBytes: number;
+  /** SANDBOXD_ACCEL: auto (probe), kvm or tcg. */
+  accel: string;
+  /** The jail's uid range and `unshare`, and the disk reserve (agent/vm/host-settings.ts). */
+  host: VmHostSettings;
+  /** SANDBOXD_EGRESS_ALLOW_INTERNAL, as text (agent/egress/fence.ts `EgressFence.fromSetting`). */
+  egressAllowInternal: string;
+  /** SANDBOXD_DEBIAN_MIRROR; empty: the host's apt sources' mirror. */
+  debianMirror: string;
 }
 
 export function agentSettings(s: Settings): AgentSettings {
@@ -76,6 +88,22 @@ export function agentSettings(s: Settings): AgentSettings {
       ].map((k) => [k, String(s[k])]),
     ),
     imageCacheBytes: n("SANDBOXD_IMAGE_CACHE_BYTES"),
+    accel: String(s.SANDBOXD_ACCEL),
+    host: hostSettings(s),
+    egressAllowInternal: String(s.SANDBOXD_EGRESS_ALLOW_INTERNAL),
+    debianMirror: String(s.SANDBOXD_DEBIAN_MIRROR),
+  };
+}
+
+/** What every VM launch and large write obeys: for the serving commands, `run` and `bench`. */
+export function hostSettings(s: Settings): VmHostSettings {
+  const unshare = String(s.SANDBOXD_JAIL_UNSHARE);
+  return {
+    jail: {
+      uidRange: { base: Number(s.SANDBOXD_JAIL_UID_BASE), count: Number(s.SANDBOXD_JAIL_UID_COUNT) },
+      unshare: unshare === "" ? DEFAULT_JAIL.unshare : unshare,
+    },
+    diskReserveBytes: Number(s.SANDBOXD_DISK_RESERVE_BYTES),
   };
 }
 

@@ -17,7 +17,10 @@ const BUILD_TIMEOUT_MS = 300_000;
 test(
   "python image: code on stdin runs under python3 in its WorkingDir",
   async () => {
-    const image = await ensurePythonImage({ dataDir: DATA_DIR });
+    const image = await ensurePythonImage({
+      dataDir: DATA_DIR,
+      ...(process.env.SANDBOXD_DEBIAN_MIRROR ? { mirror: process.env.SANDBOXD_DEBIAN_MIRROR } : {}),
+    });
     expect(image.config.cmd).toEqual(["python3"]);
     const layout = pythonLayoutDir(DATA_DIR);
     const code =

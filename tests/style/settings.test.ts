@@ -18,34 +18,12 @@ const ALLOWED_PLACES: readonly [RegExp, string][] = [
   [/\.test\.ts$/, "test code"],
   [/^cli\/testing\//, "the test runner"],
   [/^sdk\/typescript\/examples\//, "user programs reading their own API key"],
-  [/^agent\/sandbox\/testing\.ts$/, "test-only helpers (set the disk reserve for a test file)"],
+  [/^agent\/sandbox\/testing\.ts$/, "test-only helpers (the shared test data directory)"],
 ];
 
-/**
- * Files with reads that are not setting reads, or are read at the point of use, by count. Every
- * one of these settings is also declared in cli/settings/table.ts, so a malformed value is
- * refused when a serving command starts.
- */
+/** Files with reads that are not setting reads, by count. */
 const COUNTED: Record<string, { reads: number; why: string }> = {
   "agent/host/tool.ts": { reads: 1, why: "a tool's child process starts with our environment plus its own" },
-  "contracts/disk-space.ts": {
-    reads: 1,
-    why: "SANDBOXD_DISK_RESERVE_BYTES is read at each free-space check, called from the agent's API, snapshot and image code and set per test file in-process",
-  },
-  "agent/qemu/uids.ts": { reads: 1, why: "SANDBOXD_JAIL_UID_BASE/COUNT: read where each jail takes its uid" },
-  "agent/qemu/jail-setup.ts": { reads: 1, why: "SANDBOXD_JAIL_UNSHARE: read where each jail is built" },
-  "agent/qemu/accel.ts": {
-    reads: 1,
-    why: "SANDBOXD_ACCEL: the probe also serves `bench` and `doctor`, which take no settings",
-  },
-  "agent/egress/fence.ts": {
-    reads: 1,
-    why: "SANDBOXD_EGRESS_ALLOW_INTERNAL: the process's one fence, built on first use by the proxy and the registry pull",
-  },
-  "agent/catalog/python.ts": {
-    reads: 1,
-    why: "SANDBOXD_DEBIAN_MIRROR: read by the catalog build when it runs debootstrap",
-  },
 };
 
 const READ = /process\.env\b/g;

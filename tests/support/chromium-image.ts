@@ -35,5 +35,11 @@ export const CHROMIUM_IMAGE: DebootstrapImageSpec = {
  * its directory. Kept apart from a data dir's `catalog/`, which every e2e suite copies.
  */
 export function ensureChromiumLayout(dir: string, log?: (m: string) => void): Promise<string> {
-  return ensureDebootstrapLayout({ dir, name: "chromium", spec: CHROMIUM_IMAGE, ...(log ? { log } : {}) });
+  return ensureDebootstrapLayout({
+    dir,
+    name: "chromium",
+    spec: CHROMIUM_IMAGE,
+    ...(log ? { log } : {}),
+    ...(process.env.SANDBOXD_DEBIAN_MIRROR ? { mirror: process.env.SANDBOXD_DEBIAN_MIRROR } : {}),
+  });
 }

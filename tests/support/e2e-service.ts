@@ -52,7 +52,13 @@ function childEnv(): NodeJS.ProcessEnv {
 export async function prepareDataDir(prefix = "sbx-e2e-", opts: { python?: boolean } = {}): Promise<string> {
   await ensureGuestArtifacts({ dataDir: SHARED_DATA_DIR });
   // Without the python layout (`up --no-catalog` suites) there is no debootstrap to wait for.
-  const python = opts.python !== false ? await ensurePythonImage({ dataDir: SHARED_DATA_DIR }) : undefined;
+  const python =
+    opts.python !== false
+      ? await ensurePythonImage({
+          dataDir: SHARED_DATA_DIR,
+          ...(process.env.SANDBOXD_DEBIAN_MIRROR ? { mirror: process.env.SANDBOXD_DEBIAN_MIRROR } : {}),
+        })
+      : undefined;
   const dir = await mkdtemp(join(tmpdir(), prefix));
   const copy = (src: string, dst: string) => {
     // -a keeps the qcow2's holes (sparse) and times; a copy, never a link: an agent owns its files.

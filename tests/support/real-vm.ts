@@ -12,6 +12,7 @@ import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { qemuPidsNaming } from "../../agent/vm/process.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
+import { DEFAULT_VM_HOST } from "../../agent/vm/host-settings.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
 /** Guest artifacts and imported images are cached here across runs (kernel download, agent build). */
@@ -91,12 +92,17 @@ export async function managerWithBusybox(o: {
   cacheDir: string;
   memMib: number;
   shmRoot?: string;
+  /** The free-space reserve (`SANDBOXD_DISK_RESERVE_BYTES`) of a test that fills a small filesystem. */
+  diskReserveBytes?: number;
   log?: (line: string) => void;
 }): Promise<SandboxManager> {
   const driver = await SnapshotDriver.create({
     cacheDir: o.cacheDir,
     stateDir: o.stateDir,
     ...(o.shmRoot !== undefined ? { shmRoot: o.shmRoot } : {}),
+    ...(o.diskReserveBytes !== undefined
+      ? { host: { ...DEFAULT_VM_HOST, diskReserveBytes: o.diskReserveBytes } }
+      : {}),
     artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
     ...(o.log !== undefined ? { log: o.log } : {}),
   });
@@ -113,19 +119,6 @@ export async function shellIn(m: Pick<SandboxManager, "exec">, id: string, comma
   const r = await m.exec(id, { files: [], run: { kind: "shell", command } });
   if (r.exitCode !== 0) throw new Error(`${command}: exit ${r.exitCode}: ${r.stderr}`);
   return r.stdout;
-}
-
-/**
- * Sets the free-space reserve (`SANDBOXD_DISK_RESERVE_BYTES`) for a test file that fills a small
- * filesystem; returns what puts the previous value back.
- */
-export function setDiskReserve(bytes: number): () => void {
-  const saved = process.env.SANDBOXD_DISK_RESERVE_BYTES;
-  process.env.SANDBOXD_DISK_RESERVE_BYTES = String(bytes);
-  return () => {
-    if (saved === undefined) delete process.env.SANDBOXD_DISK_RESERVE_BYTES;
-    else process.env.SANDBOXD_DISK_RESERVE_BYTES = saved;
-  };
 }
 
 /**

@@ -11,7 +11,11 @@ import { SHARED_DATA_DIR } from "./e2e-service.ts";
 const t0 = performance.now();
 const log = (m: string) => process.stdout.write(`${m}\n`);
 await ensureGuestArtifacts({ dataDir: SHARED_DATA_DIR, log });
-const python = await ensurePythonImage({ dataDir: SHARED_DATA_DIR, log });
+const python = await ensurePythonImage({
+  dataDir: SHARED_DATA_DIR,
+  log,
+  ...(process.env.SANDBOXD_DEBIAN_MIRROR ? { mirror: process.env.SANDBOXD_DEBIAN_MIRROR } : {}),
+});
 log(
   `shared test cache ready in ${SHARED_DATA_DIR} (python image ${python.digest}), ${Math.round(performance.now() - t0)} ms`,
 );

@@ -25,7 +25,6 @@ import {
   managerWithBusybox,
   qemuPidsUnder,
   removeBusyboxArchive,
-  setDiskReserve,
   shellIn,
 } from "../support/real-vm.ts";
 
@@ -54,12 +53,10 @@ let m: SandboxManager;
 let server: ReturnType<typeof Bun.serve> | undefined;
 let client: AgentHttpClient;
 const CREDS = { id: "disk-agent", key: "test-secret-0123456789abcdef-0123456789" };
-let restoreReserve = () => {};
 const log: string[] = [];
 
 beforeAll(async () => {
   if (!enabled) return;
-  restoreReserve = setDiskReserve(RESERVE);
   root = await mkdtemp(join(tmpdir(), "sbx-disk-"));
   mnt = join(root, "d");
   await mkdir(mnt);
@@ -73,9 +70,15 @@ beforeAll(async () => {
     stateDir,
     cacheDir: join(mnt, "cache"),
     memMib: MEM_MIB,
+    diskReserveBytes: RESERVE,
     log: (l) => log.push(l),
   });
-  const app = createAgentApp({ manager: m, credentials: CREDS, uploadDir: join(stateDir, "uploads") });
+  const app = createAgentApp({
+    manager: m,
+    credentials: CREDS,
+    uploadDir: join(stateDir, "uploads"),
+    diskReserveBytes: RESERVE,
+  });
   server = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: app.fetch, idleTimeout: 0 });
   client = new AgentHttpClient({
     baseUrl: `http://127.0.0.1:${server.port}`,
@@ -94,7 +97,6 @@ afterAll(async () => {
       expect(await qemuPidsUnder(stateDir)).toEqual([]);
     }
   } finally {
-    restoreReserve();
     execFileSync("umount", ["-l", mnt]);
     await rm(root, { recursive: true, force: true });
     await rm(defaultShmRoot(stateDir), { recursive: true, force: true });

@@ -12,7 +12,7 @@ import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { vmCgroupDirs } from "../../agent/qemu/cgroup.ts";
-import { UID_LOCK_DIR, uidRange, uidsInUse } from "../../agent/qemu/uids.ts";
+import { DEFAULT_UID_RANGE, UID_LOCK_DIR, uidsInUse } from "../../agent/qemu/uids.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { defaultShmRoot } from "../../agent/snapshot/template.ts";
@@ -24,6 +24,9 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
 } from "../support/real-vm.ts";
+import { spawnFromTemplate } from "../../agent/snapshot/spawn.ts";
+import { listTemplates } from "../../agent/snapshot/template.ts";
+import { DEFAULT_VM_HOST } from "../../agent/vm/host-settings.ts";
 
 /** Template build, two spawns, a fork and a suspend/resume under TCG on a 2-core host. */
 const VM_TEST_TIMEOUT_MS = 240_000;
@@ -124,7 +127,7 @@ describe("jailed QEMU", () => {
       const b = (await m.create(TEMPLATE, { kind: "sandbox" })).vmId;
       const pa = await qemuPidOf(a);
       const pb = await qemuPidOf(b);
-      const range = uidRange();
+      const range = DEFAULT_UID_RANGE;
       const uids: number[] = [];
       for (const pid of [pa, pb]) {
         const st = status(pid);
@@ -186,25 +189,23 @@ describe("jailed QEMU", () => {
     "a jail that cannot be built fails the create with a clear error and starts no QEMU",
     async () => {
       const running = await qemuPidsUnder(join(stateDir, "vms"));
-      for (const [key, value, says] of [
-        ["SANDBOXD_JAIL_UID_COUNT", "0", "uid range is empty"],
-        ["SANDBOXD_JAIL_UNSHARE", "/nonexistent/unshare", "/nonexistent/unshare"],
+      // The manager's template, spawned under the operator's jail settings set wrong.
+      const template = (await listTemplates(stateDir)).find((t) => t.state === "ready");
+      if (!template) throw new Error("no ready template");
+      const jail = DEFAULT_VM_HOST.jail;
+      for (const [bad, says] of [
+        [{ ...jail, uidRange: { ...jail.uidRange, count: 0 } }, "uid range is empty"],
+        [{ ...jail, unshare: "/nonexistent/unshare" }, "/nonexistent/unshare"],
       ] as const) {
-        const before = process.env[key];
-        process.env[key] = value;
-        try {
-          const err = await m.create(TEMPLATE, { kind: "sandbox" }).then(
-            () => undefined,
-            (e: unknown) => e,
-          );
-          expect(err).toBeDefined();
-          const text = describeError(err);
-          expect(text).toContain("jail");
-          expect(text).toContain(says);
-        } finally {
-          if (before === undefined) delete process.env[key];
-          else process.env[key] = before;
-        }
+        const r = await spawnFromTemplate({
+          dataDir: stateDir,
+          template,
+          host: { ...DEFAULT_VM_HOST, jail: bad },
+        });
+        expect(r.ok).toBe(false);
+        const text = r.ok ? "" : describeError(r.error);
+        expect(text).toContain("jail");
+        expect(text).toContain(says);
         expect(await qemuPidsUnder(join(stateDir, "vms"))).toEqual(running);
         expect(m.list().filter((s) => s.state === "running")).toEqual([]);
       }

@@ -21,7 +21,6 @@ import {
   managerWithBusybox,
   qemuPidsUnder,
   removeBusyboxArchive,
-  setDiskReserve,
   shellIn,
 } from "../support/real-vm.ts";
 
@@ -42,11 +41,9 @@ let shmMount: string;
 let shmRoot: string;
 let stateDir: string;
 let m: SandboxManager;
-let restoreReserve = () => {};
 
 beforeAll(async () => {
   if (!enabled) return;
-  restoreReserve = setDiskReserve(RESERVE);
   root = await mkdtemp(join(tmpdir(), "sbx-shm-"));
   shmMount = join(root, "shm");
   await mkdir(shmMount);
@@ -54,7 +51,13 @@ beforeAll(async () => {
   shmRoot = join(shmMount, "ram");
   stateDir = join(root, "state");
   await mkdir(stateDir);
-  m = await managerWithBusybox({ stateDir, cacheDir: join(root, "cache"), shmRoot, memMib: MEM_MIB });
+  m = await managerWithBusybox({
+    stateDir,
+    cacheDir: join(root, "cache"),
+    shmRoot,
+    memMib: MEM_MIB,
+    diskReserveBytes: RESERVE,
+  });
 }, VM_TEST_TIMEOUT_MS);
 
 afterAll(async () => {
@@ -66,7 +69,6 @@ afterAll(async () => {
       expect(await qemuPidsUnder(stateDir)).toEqual([]);
     }
   } finally {
-    restoreReserve();
     execFileSync("umount", ["-l", shmMount]);
     await rm(root, { recursive: true, force: true });
     await removeBusyboxArchive();

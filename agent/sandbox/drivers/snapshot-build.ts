@@ -9,6 +9,7 @@ import { pullImage, type RegistryConfig } from "../../image/pull.ts";
 import type { Accel } from "../../qemu/launch.ts";
 import { claimShmRoot } from "../../snapshot/shm.ts";
 import { buildTemplate, deleteTemplate, listTemplates, type TemplateMeta } from "../../snapshot/template.ts";
+import type { VmHostSettings } from "../../vm/host-settings.ts";
 import type { BuildPhase, TemplateInput, VmSize } from "./driver.ts";
 
 /** What a build needs of its driver. */
@@ -20,6 +21,8 @@ export interface BuildContext {
   defaultSize: VmSize;
   artifacts: GuestArtifacts;
   accel: Accel;
+  /** The operator's jail and disk-reserve settings. */
+  host: VmHostSettings;
   timeouts: { bootMs?: number; readyMs?: number; restoreMs?: number } | undefined;
   log: (msg: string) => void;
   /** Engine template ids being built by this process (their files are not registered yet). */
@@ -60,6 +63,7 @@ export async function buildFromInput(
       reference: input.image,
       cacheDir: ctx.cacheDir,
       registry: ctx.registry,
+      diskReserveBytes: ctx.host.diskReserveBytes,
       ...(input.registryAuth ? { auth: input.registryAuth } : {}),
       signal,
       log: ctx.log,
@@ -80,6 +84,7 @@ export async function buildFromInput(
     log: ctx.log,
     trustedSource: input.kind === "oci",
     signal,
+    diskReserveBytes: ctx.host.diskReserveBytes,
   });
   hold(image.dir);
   const importMs = performance.now() - tImport;
@@ -97,6 +102,7 @@ export async function buildFromInput(
       memMib: size.memMib,
       vcpus: size.vcpus,
       shmRoot: ctx.shmRoot,
+      host: ctx.host,
       ...(input.readyCmd ? { readyCmd: input.readyCmd } : {}),
       ...(input.readyTimeoutMs || ctx.timeouts?.readyMs
         ? { readyTimeoutMs: input.readyTimeoutMs || ctx.timeouts?.readyMs }

@@ -26,9 +26,8 @@ import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
 import { readdir, rm, stat } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
-import { diskReserveFromEnv } from "../../../contracts/disk-space.ts";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
-import { checkDestination, type EgressFence, operatorFence } from "../../egress/fence.ts";
+import { checkDestination, defaultFence, type EgressFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
 import { GuestClient, type GuestTunnel, type PtyOptions } from "../../guest/client.ts";
 import { evictImageCaches, imageCacheBudgetFromEnv } from "../../image/evict.ts";
@@ -61,6 +60,7 @@ import {
 } from "../../snapshot/template.ts";
 import { type SandboxVm, storageDir } from "../../snapshot/vm.ts";
 import { openChainStore } from "../../storage/chain.ts";
+import { DEFAULT_VM_HOST, type VmHostSettings } from "../../vm/host-settings.ts";
 import { adoptQemu, claimVm, killRecordedQemu } from "../../vm/process.ts";
 import { reapVmDirs, removeVmDir, vmsRoot } from "../../vm/workdir.ts";
 import type { PreparedWithTelemetry } from "../templates.ts";
@@ -85,6 +85,10 @@ export interface SnapshotDriverOptions {
   artifacts?: GuestArtifacts;
   /** Override the probe (tests); default: probe KVM, else TCG. */
   accel?: Accel;
+  /** The operator's `SANDBOXD_ACCEL` (auto, kvm, tcg), for the probe when `accel` is not given. */
+  accelSetting?: string;
+  /** The operator's jail and disk-reserve settings; default DEFAULT_VM_HOST. */
+  host?: VmHostSettings;
   /** tmpfs directory for RAM and fork state files; default `/dev/shm/sandboxd/<hash>`. */
   shmRoot?: string;
   /** Size of a template whose input says none (the manager passes its own default). */
@@ -147,6 +151,7 @@ export class SnapshotDriver implements SandboxDriver {
   /** Image cache entries (directories) that builds in progress hold, with how many hold each. */
   private readonly pinned = new Map<string, number>();
   private readonly imageCacheBytes: number;
+  private readonly host: VmHostSettings;
   /** What forks use, settled by `create` (readyForkMethod). */
   forkMethod: ForkMethod = "stop-copy";
   /** QEMUs launched ahead of their spawn (`prelaunch`), by VM id. */
@@ -170,14 +175,18 @@ export class SnapshotDriver implements SandboxDriver {
     // The agent passes its settings (cli/settings/); without them, the defaults behind the fence.
     this.registry = opts.registry ?? { ...registryConfigFromEnv({}), checkDestination: fencedRegistry() };
     this.imageCacheBytes = opts.imageCacheBytes ?? imageCacheBudgetFromEnv({});
-    // Read again at each write (contracts/disk-space.ts); a malformed value stops the agent here.
-    diskReserveFromEnv();
+    this.host = opts.host ?? DEFAULT_VM_HOST;
   }
 
   static async create(opts: SnapshotDriverOptions): Promise<SnapshotDriver> {
     const [artifacts, accel] = await Promise.all([
       opts.artifacts ?? ensureGuestArtifacts({ dataDir: opts.cacheDir, log: opts.log }),
-      opts.accel ? Promise.resolve(opts.accel) : probeAccelerator({ log: opts.log }).then((a) => a.accel),
+      opts.accel
+        ? Promise.resolve(opts.accel)
+        : probeAccelerator({
+            log: opts.log,
+            ...(opts.accelSetting !== undefined ? { setting: opts.accelSetting } : {}),
+          }).then((a) => a.accel),
     ]);
     const driver = new SnapshotDriver(opts, artifacts, accel);
     driver.forkMethod = await readyForkMethod(opts.forkMethod ?? DEFAULT_FORK_METHOD, driver.log);
@@ -254,6 +263,7 @@ export class SnapshotDriver implements SandboxDriver {
         defaultSize: this.defaultSize,
         artifacts: this.artifacts,
         accel: this.accel,
+        host: this.host,
         timeouts: this.opts.timeouts,
         log: this.log,
         building: this.building,
@@ -314,6 +324,7 @@ export class SnapshotDriver implements SandboxDriver {
       template: t.meta,
       id: vmId,
       dieWithParent: false,
+      host: this.host,
       log: this.log,
       ...(held ? { prelaunched: held.pre } : {}),
       ...this.restoreDeadline(),
@@ -333,6 +344,7 @@ export class SnapshotDriver implements SandboxDriver {
       template: t.meta,
       id: vmId,
       dieWithParent: false,
+      host: this.host,
       log: this.log,
     });
     if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not launch for template ${templateId}`);
@@ -549,6 +561,7 @@ export class SnapshotDriver implements SandboxDriver {
         this.suspended.has(id) ||
         this.prelaunched.has(id) ||
         [...this.building].some((t) => id === `${t}-build`),
+      this.host.jail.uidRange,
     );
     // Builds the dead agent was running (its records say failed): their files go.
     for (const t of await listTemplates(this.stateDir)) {
@@ -642,9 +655,12 @@ export class SnapshotDriver implements SandboxDriver {
     return r;
   }
 
-  /** This driver's VMs outlive the agent process (re-adopted after a restart), whatever was saved. */
+  /**
+   * This driver's VMs outlive the agent process (re-adopted after a restart), whatever was saved;
+   * they obey this agent's jail and disk-reserve settings.
+   */
   private restoreRecord(record: VmRecord): SandboxVm {
-    const shape = { ...record.shape, dieWithParent: false };
+    const shape = { ...record.shape, dieWithParent: false, host: this.host };
     return restoreVm({ ...record, shape }, join(vmsRoot(this.stateDir), record.vmId), this.log);
   }
 
@@ -689,7 +705,7 @@ export class SnapshotDriver implements SandboxDriver {
  * on loopback, a private range, link-local or metadata, or one of the host's own addresses is
  * refused unless the operator allows its range (`SANDBOXD_EGRESS_ALLOW_INTERNAL`).
  */
-export function fencedRegistry(fence: EgressFence = operatorFence()): DestinationCheck {
+export function fencedRegistry(fence: EgressFence = defaultFence()): DestinationCheck {
   return async (host, port) => {
     const d = await checkDestination(host, port, fence);
     if (!d.ok) throw new SandboxdError("forbidden", `registry ${host}:${port}: ${d.reason}`);
