@@ -24,11 +24,11 @@ import { pauseVm, resumeVm, suspendVm } from "../agent/snapshot/suspend.ts";
 import { buildTemplate, type TemplateMeta } from "../agent/snapshot/template.ts";
 import type { SandboxVm } from "../agent/snapshot/vm.ts";
 import { bootVm } from "../agent/vm/boot.ts";
+import { DEFAULT_VM_HOST, type VmHostSettings } from "../agent/vm/host-settings.ts";
 import { type BenchResult, type MemoryBreakdown, TARGETS, target } from "./engine-result.ts";
 import { Interrupted, runTrue, Scope, sleep } from "./engine-scope.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
 import { round1, round2, type Summary, summarize } from "./stats.ts";
-import { DEFAULT_VM_HOST, type VmHostSettings } from "../agent/vm/host-settings.ts";
 
 export interface BenchOptions {
   /** Data dir whose caches (guest artifacts, imported images) are used. Nothing else is written there. */
@@ -174,7 +174,13 @@ async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scop
   // -- template
   scope.check();
   const template = unwrap(
-    await buildTemplate({ ...vmSpec, id: "bench", shmRoot: run.shmRoot, bringupTimeoutMs: BOOT_TIMEOUT_MS, host }),
+    await buildTemplate({
+      ...vmSpec,
+      id: "bench",
+      shmRoot: run.shmRoot,
+      bringupTimeoutMs: BOOT_TIMEOUT_MS,
+      host,
+    }),
   );
   scope.template = template;
   const templateSnapshotMs = template.timings?.snapshotMs ?? Number.NaN;

@@ -1,5 +1,5 @@
 /**
- * The build stamp `GET /v1/health` reports as `version` (spec 9): the package version and the
+ * The build stamp `GET /v1/health` reports as `version` (docs/api.md "Rules every route shares"): the package version and the
  * commit the code is, `<version>+<commit>`. The commit comes from `git rev-parse` in a checkout;
  * a copy without `.git` (an image or tarball made from a checkout) reads `.build-stamp`, which
  * `bin/sandboxd` writes beside the code whenever it starts in a checkout; with neither it is

@@ -53,7 +53,7 @@ commands:
         a tenant's metered usage over [from, to) (default: this UTC month until now): seconds
         running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and
         snapshot_gb_months, in all, per sandbox (with how each ended) or per UTC day; a table,
-        or JSON with --json; database as for key (SQL views: docs/decisions.md)
+        or JSON with --json; database as for key (SQL views: docs/quotas-and-usage.md)
   agent-token create [--ttl 1h] [--agent ID] [--data-dir DIR]
   agent-token list [--data-dir DIR]
   agent-token revoke AGENT-ID [--data-dir DIR]

@@ -37,7 +37,7 @@ import {
   settingsOrRefuse,
 } from "./settings.ts";
 
-/** The catalog (spec 2.4): only `python` ships publicly. */
+/** The catalog (docs/templates.md "Rules of templates"): only `python` ships publicly. */
 export const CATALOG = [
   {
     id: "python",

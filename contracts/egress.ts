@@ -1,5 +1,5 @@
 /**
- * The syntax of egress allow-lists (spec 2.5 `egress.allow`), shared by the gateway, which refuses
+ * The syntax of egress allow-lists (docs/sandboxes.md "Rules of the sandboxes API" `egress.allow`), shared by the gateway, which refuses
  * a malformed list with 400 before anything is created, and the agent, whose egress proxy
  * (agent/egress/) enforces the parsed list on every connection the guest opens.
  *

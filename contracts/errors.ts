@@ -49,7 +49,7 @@
  * throw (`verifyAgentToken`, the state tables' `checkRecordAction`, `checkTransition` and `checkVmTransition`).
  */
 
-/** The codes of the public API (spec section 7); gateway/errors.ts gives each its status. */
+/** The codes of the public API (docs/api.md "Rules every route shares"); gateway/errors.ts gives each its status. */
 export const PublicErrorCode = [
   "bad_request",
   "unauthorized",

@@ -1,5 +1,5 @@
 /**
- * OCI image references (sandboxes API bake, spec 4.2 `image`), parsed strictly before anything hands
+ * OCI image references (sandboxes API bake, docs/sandboxes.md "Rules of the sandboxes API" `image`), parsed strictly before anything hands
  * them to a tool: the gateway refuses a bad one with 400, the agent checks again before it runs
  * skopeo (agent/image/pull.ts). The grammar is the Docker/distribution one,
  *

@@ -1,5 +1,5 @@
 /**
- * The public catalog's `python` image (spec 2.4: on the managed cloud only `python` ships): a
+ * The public catalog's `python` image (docs/templates.md "Rules of templates": on the managed cloud only `python` ships): a
  * Debian bookworm minbase root filesystem with python3, made by debootstrap from the host's own
  * Debian mirror, packed as an OCI image layout and imported through the same checked path as any
  * user image. Its config runs `python3` (so an exec's `code` goes to python3 on stdin, as

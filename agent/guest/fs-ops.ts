@@ -1,5 +1,5 @@
 /**
- * The guest's file ops beyond write/read-whole (docs/guest-protocol.md "Files"): a directory's
+ * The guest's file ops beyond write/read-whole (docs/guest-protocol.md "Ops"): a directory's
  * entries (LIST_DIR), a removal (REMOVE), and a file of any size read as a stream of frame-sized
  * pieces (READ_FILE with OFFSET). Every answer is one bounded frame, decoded defensively: the guest
  * is not trusted, so a malformed entry fails the op rather than being guessed at.

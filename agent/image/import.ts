@@ -1,7 +1,7 @@
 /**
  * Image import: a `docker save` tar (docker-archive), an `oci-archive` tar or an OCI layout
  * directory becomes a cached ext4 base disk plus the normalised run config, keyed by the image's
- * config digest (spec section 1: the image runs unmodified, its entrypoint, env, working dir and
+ * config digest (docs/templates.md "Rules of templates": the image runs unmodified, its entrypoint, env, working dir and
  * PATH as in a container runtime). This file is the pipeline; each stage has its own file:
  *
  *   source --scan (archive.ts | scan.ts, over tar.ts, oci.ts, paths.ts, limits.ts)

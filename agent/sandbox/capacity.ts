@@ -35,7 +35,7 @@ export function hostCapacity(
   return {
     // 64 VMs: a bound on QEMU processes and sockets per host, not on memory.
     slots: given?.slots ?? 64,
-    // vCPUs are overcommitted 4x: idle sandboxes are paused and use no CPU (spec 1.3).
+    // vCPUs are overcommitted 4x: idle sandboxes are paused and use no CPU (docs/idle-lifetimes.md "Idle pause of the VM after 2 s").
     vcpus: given?.vcpus ?? host.cpus * 4,
     // Guest RAM is not overcommitted: 75% of host memory, the rest for QEMU, page cache, agent.
     memMib: given?.memMib ?? Math.floor((host.memBytes / 2 ** 20) * 0.75),

@@ -6,7 +6,7 @@
  * and how the seed reaches the guest. The manager's `runExec` (manager.ts) writes the files and
  * runs the commands in order; `exitCodeOf` reads the guest's answer the way a shell would.
  *
- * The rules (spec 4.1, 2.6, 8):
+ * The rules (docs/sessions.md "Rules of the sessions API"; docs/sandboxes.md "Rules of the sandboxes API"; docs/limits.md "Public API limits"):
  * - sessions API `code` goes on stdin to the image's own Entrypoint+Cmd (e.g. `python3`, `sh`), as
  *   Docker would start the image; an image with neither is refused (`image_no_command`).
  * - sandboxes API `command` is one line for `/bin/sh -c`; `commands` are argv arrays run in order
@@ -25,7 +25,7 @@ import type { ExecAction, FileWriteAction } from "../../contracts/agent/api.ts";
 import { EGRESS_PORT, EXEC_OUTPUT_MAX } from "../../contracts/guest-protocol.ts";
 import { type ImageConfig, resolveCommand } from "../image/import.ts";
 
-/** Spec 8: the default per-exec timeout is 30 seconds. */
+/** docs/limits.md "Public API limits": the default per-exec timeout is 30 seconds. */
 export const DEFAULT_EXEC_TIMEOUT_MS = 30_000;
 /** The guest's exit status for a command killed by its timeout, as GNU `timeout` reports it. */
 export const TIMEOUT_EXIT_CODE = 124;
@@ -144,7 +144,7 @@ export function exitCodeOf(r: { exitCode: number | null; signal: number | null; 
 }
 
 /**
- * Every exec's way out (docs/decisions.md "Egress"): the guest agent's proxy port on loopback.
+ * Every exec's way out (docs/egress.md "Egress: choices"): the guest agent's proxy port on loopback.
  * Ours win over the image's (there is no other route); the request's own env can still override.
  * Local addresses stay direct: a program talking to a server inside its own VM must not be sent
  * to the host.
@@ -171,7 +171,7 @@ export function mergeEnv(base: string[], extra: Readonly<Record<string, string>>
   return out;
 }
 
-/** The seed's bytes: hex when it is hex (spec 2.6 "hex-like"), else its UTF-8. */
+/** The seed's bytes: hex when it is hex (docs/sandboxes.md "Rules of the sandboxes API" "hex-like"), else its UTF-8. */
 export function seedBytes(seed: string): Uint8Array {
   if (seed.length > 0 && seed.length % 2 === 0 && /^[0-9a-fA-F]+$/.test(seed))
     return Buffer.from(seed, "hex");

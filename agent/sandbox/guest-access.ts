@@ -87,13 +87,13 @@ export class GuestAccess {
   }
 
   /**
-   * A byte tunnel to 127.0.0.1:`port` inside the sandbox's VM (spec 1.8 connect-from-outside),
+   * A byte tunnel to 127.0.0.1:`port` inside the sandbox's VM (connect-from-outside: docs/connect.md "Rules of connect URLs"),
    * over the guest agent's channel. Only a VM that runs: an idle-paused one is woken first, one
    * busy with an exec is fine, any other state is `conflict` (`gone` once terminal). While a
    * tunnel is open the VM is never idle-paused: a paused guest would freeze a live connection
    * that the client cannot see as idle. Destroy, failure and suspend end its tunnels at once.
    * Nothing accepting connections on the port inside the guest is `port_unreachable`. Which
-   * ports a client may reach is the gateway's rule (exposed ports, spec 4.2), not ours.
+   * ports a client may reach is the gateway's rule (exposed ports, docs/sandboxes.md "Rules of the sandboxes API"), not ours.
    */
   async openTunnel(id: string, port: number): Promise<GuestTunnel> {
     return this.guestStream(

@@ -27,7 +27,7 @@ export interface ManagerOptions {
   idlePauseMs?: number;
   /** Template builds run at once on this host (templates.ts); default MAX_CONCURRENT_BUILDS. */
   buildSlots?: number;
-  /** Egress of a sandbox created without `egress` (spec 2.5 leaves it to the deployment). */
+  /** Egress of a sandbox created without `egress` (the API leaves it to the deployment: docs/egress.md "Egress: choices"). */
   egressDefault?: EgressDefault;
   /**
    * Which addresses egress may reach and how names resolve (agent/egress/fence.ts); default: the

@@ -1,5 +1,5 @@
 /**
- * Background processes of one sandbox (docs/decisions.md "Background processes"): guest commands
+ * Background processes of one sandbox (docs/processes-and-pty.md "Background processes: choices"): guest commands
  * that run beside the foreground exec, not tied to any request. Each is one guest EXEC with
  * streamed output and streamed stdin and no timeout (agent/guest/client.ts); its output goes to a
  * bounded log per stream that `logs` reads and `follow` tails, and it ends by itself, by `kill`

@@ -72,7 +72,7 @@ export const TemplateRecord = z.object({
   /** Readiness telemetry measured by the build (contracts TemplateTelemetry), kept across restarts. */
   telemetry: z.record(z.string(), z.unknown()).optional(),
   /**
-   * Deleted while VMs still ran on it (spec 3.1): it spawns nothing more and is removed when the
+   * Deleted while VMs still ran on it (docs/templates.md "Rules of templates"): it spawns nothing more and is removed when the
    * last of them ends, also by an agent that restarted in between.
    */
   deleting: z.boolean().optional(),

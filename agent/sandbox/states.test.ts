@@ -22,7 +22,7 @@ describe("sandbox state table", () => {
     }
   });
 
-  test("the lifecycle paths of spec 3.3 are allowed", () => {
+  test("the lifecycle paths of docs/sessions.md#rules-of-the-sessions-api are allowed", () => {
     const paths: AgentSandboxState[][] = [
       ["creating", "running", "busy", "running", "paused", "busy", "running", "destroying", "destroyed"],
       ["creating", "running", "forking", "running", "suspending", "suspended", "resuming", "running"],

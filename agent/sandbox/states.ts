@@ -12,8 +12,8 @@
  * | creating     | the VM is being spawned; no caller may use it yet                          |
  * | running      | vCPUs running, nothing in flight (the idle-pause timer is armed)           |
  * | paused       | idle: vCPUs stopped (QMP `stop`), resumed transparently by the next call   |
- * | busy         | one exec in flight (spec 3.3: execs are serialized per sandbox)            |
- * | forking      | a fork of this sandbox is in flight (also excludes exec: spec 3.3)          |
+ * | busy         | one exec in flight (docs/sessions.md "Rules of the sessions API": execs are serialized per sandbox)            |
+ * | forking      | a fork of this sandbox is in flight (also excludes exec: docs/sessions.md "Rules of the sessions API")          |
  * | suspending   | memory being snapshotted to disk                                           |
  * | suspended    | on disk only: no QEMU, no metering of CPU/RAM                              |
  * | resuming     | being restored from disk                                                   |
@@ -49,7 +49,7 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<AgentSandboxState, readonly Ag
   // the operation; paused -> running when it wakes for something else (e.g. adoption).
   paused: ["running", "busy", "forking", "suspending", "destroying", "failed"],
   // busy -> destroying: a normal destroy waits for the exec in this state; a force destroy
-  // aborts it (spec 4.1 "Delete session").
+  // aborts it (docs/sessions.md "Rules of the sessions API" "Delete session").
   busy: ["running", "destroying", "failed"],
   forking: ["running", "destroying", "failed"],
   // suspending -> running: the snapshot failed and the VM kept running.
@@ -63,7 +63,7 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<AgentSandboxState, readonly Ag
   lost: ["destroying"],
 };
 
-/** States in which an exec or a fork is in flight: a second one gets `busy` (spec 3.3, 7). */
+/** States in which an exec or a fork is in flight: a second one gets `busy` (docs/sessions.md "Rules of the sessions API"; docs/api.md "Rules every route shares"). */
 const IN_FLIGHT: ReadonlySet<AgentSandboxState> = new Set(["busy", "forking"]);
 /** States from which the sandbox is no longer usable; only destroy is accepted. */
 const TERMINAL: ReadonlySet<AgentSandboxState> = new Set(["destroying", "destroyed", "failed", "lost"]);
@@ -99,7 +99,7 @@ export function holdsVm(s: AgentSandboxState): boolean {
  * The error for a refused change, as a value (the caller throws it):
  * - `busy` (409) when an exec or fork is in flight: the spec's code for exactly that case;
  * - `gone` (410) when the sandbox is being destroyed, destroyed, failed or lost: the VM is not
- *   coming back, which the gateway reports as sessions API's 410 (spec 7);
+ *   coming back, which the gateway reports as sessions API's 410 (docs/api.md "Rules every route shares");
  * - `conflict` (409) for every other state that does not allow the action.
  */
 export function transitionError(id: string, from: AgentSandboxState, to: AgentSandboxState): SandboxdError {

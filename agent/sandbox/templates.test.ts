@@ -1,5 +1,5 @@
 /**
- * The template registry's bake phases (spec 3.2) as a build moves, with a driver that stands in
+ * The template registry's bake phases (docs/templates.md "Rules of templates") as a build moves, with a driver that stands in
  * for the VM layer so each step is held until the test lets it go: Pending while queued behind
  * `MAX_CONCURRENT_BUILDS` builds, Converting, Distributing, Live; a failure is Failed with the
  * driver's reason. Real records on disk.
@@ -71,7 +71,7 @@ async function until(cond: () => boolean): Promise<void> {
   expect(cond()).toBe(true);
 }
 
-describe("TemplateRegistry delete while VMs run (spec 3.1)", () => {
+describe("TemplateRegistry delete while VMs run (docs/templates.md#rules-of-templates)", () => {
   test("deferred: gone for status and spawns, its ref cannot be rebuilt, kept across a restart, then removed", async () => {
     // A driver that builds at once, with an image config a record can hold.
     const image = {

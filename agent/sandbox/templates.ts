@@ -1,10 +1,10 @@
 /**
- * Templates on this agent: building -> ready | failed (spec 3.1), kept as records so that a
+ * Templates on this agent: building -> ready | failed (docs/templates.md "Rules of templates"), kept as records so that a
  * restarted agent still spawns from them. The build runs in the background (the API answers 202
- * at once); a failure is a status with a readable error, never a crash (spec 3.1): a stable code,
+ * at once); a failure is a status with a readable error, never a crash (docs/templates.md "Rules of templates"): a stable code,
  * a short reason and an error id naming the full text in the agent's log (tenant-error.ts).
  *
- * Readiness telemetry (spec 2.4, contracts/api/sandboxes-api.ts TemplateTelemetry): the registry times
+ * Readiness telemetry (docs/templates.md "Rules of templates", contracts/api/sandboxes-api.ts TemplateTelemetry): the registry times
  * the Pending wait and the whole build; a driver may add what it measured (phase timings,
  * snapshot sizes) by returning `PreparedWithTelemetry`. It is written into the template's record,
  * so a template restored after an agent restart reports what its build measured.
@@ -18,7 +18,7 @@ import type { RecordStore, TemplateRecord } from "./records.ts";
 import { newErrorId, tenantErrorText } from "./tenant-error.ts";
 
 /**
- * Builds that run at once on one agent; later ones wait, reported as `Pending` (spec 3.2). Each
+ * Builds that run at once on one agent; later ones wait, reported as `Pending` (docs/templates.md "Rules of templates"). Each
  * build boots a VM and runs the image tools (skopeo, umoci, mkfs.ext4), which are CPU and disk
  * bound: two keep a small host busy without making every build slower than it would be alone,
  * and a burst of bakes cannot starve the sandboxes already running.
@@ -61,7 +61,7 @@ export type PreparedWithTelemetry = PreparedTemplate & { telemetry?: TemplateTel
 
 interface Entry {
   record: TemplateRecord;
-  /** Where a build in progress is: Pending (queued), Converting, Distributing (spec 3.2). */
+  /** Where a build in progress is: Pending (queued), Converting, Distributing (docs/templates.md "Rules of templates"). */
   phase: Extract<BakePhase, "Pending" | "Converting" | "Distributing">;
   telemetry: TemplateTelemetry;
   abort?: AbortController;
@@ -118,7 +118,7 @@ export class TemplateRegistry {
     }
   }
 
-  /** Starts a build and returns at once. An existing id is never overwritten (spec 4.1) unless
+  /** Starts a build and returns at once. An existing id is never overwritten (docs/sessions.md "Rules of the sessions API") unless
    * its build failed. */
   build(id: string, input: TemplateInput, size: Partial<VmSize> = {}): void {
     const existing = this.entries.get(id);
@@ -218,7 +218,7 @@ export class TemplateRegistry {
   }
 
   /**
-   * Removes a template, or, while VMs still run on it (`inUse`), marks it deleting (spec 3.1:
+   * Removes a template, or, while VMs still run on it (`inUse`), marks it deleting (docs/templates.md "Rules of templates":
    * in-flight VMs finish, then its resources are reclaimed): from then on it is unknown to
    * `status` and `ready` (nothing new spawns from it) and its id cannot be built again; the
    * manager calls this again with `inUse` false once the last of its VMs has ended.
@@ -338,7 +338,7 @@ export class TemplateRegistry {
     };
   }
 
-  /** A template as the API sees it: one being deleted is already gone (spec 3.1 "removed"). */
+  /** A template as the API sees it: one being deleted is already gone (docs/templates.md "Rules of templates" "removed"). */
   private visible(id: string): Entry {
     const e = this.mustGet(id);
     if (e.record.deleting) throw new SandboxdError("not_found", `template ${id} is being deleted`);

@@ -1,5 +1,5 @@
 /**
- * Warm pools (spec 4.2 `expect` / `release`, bake `expected_width`): for a template whose next
+ * Warm pools (docs/sandboxes.md "Rules of the sandboxes API" `expect` / `release`, bake `expected_width`): for a template whose next
  * burst the client announced, the agent keeps that many VMs already restored from the template
  * and paused, so a create only has to resume one (`cont` + clock, a few ms) instead of
  * restoring a snapshot. A create takes a pooled VM first and the pool refills in the background
@@ -64,7 +64,7 @@ export class WarmPool {
     this.fill(templateId, p);
   }
 
-  /** Drops the template's pool now (capacity relaxes at once, spec 4.2); idempotent. */
+  /** Drops the template's pool now (capacity relaxes at once, docs/sandboxes.md "Rules of the sandboxes API"); idempotent. */
   async release(templateId: string): Promise<void> {
     const p = this.pools.get(templateId);
     if (!p) return;

@@ -18,7 +18,7 @@
  * (QEMU 7.2 does not use /dev/userfaultfd). The agent sets it at start (it runs as root); where it
  * cannot, or where QEMU refuses the capability (a kernel without write-protect support), forks
  * fall back to stop-and-copy and say so in the log. The trade-off (any host process may then use
- * userfaultfd) is written down in docs/decisions.md.
+ * userfaultfd) is written down in docs/snapshots-and-forks.md "Fork by background snapshot".
  */
 import { readFile, writeFile } from "node:fs/promises";
 

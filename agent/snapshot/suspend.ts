@@ -60,7 +60,7 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
       "background-snapshot": false,
     });
     // No downtime-limit: the guest is stopped and dirties nothing, and QEMU lifts the cap for
-    // the final pass anyway; 1 ms, QEMU's 300 ms and 2000 s measured the same (decisions.md).
+    // the final pass anyway; 1 ms, QEMU's 300 ms and 2000 s measured the same (docs/snapshots-and-forks.md "Saves run with migration bandwidth uncapped").
     await setMigrationParameters(proc, { maxBandwidth: SUSPEND_MAX_BANDWIDTH });
     // No fsync (~30 ms of a 64 MB state): resuming also needs the VM's RAM file on tmpfs,
     // which a host crash loses anyway; an agent crash leaves the written pages in the page cache.

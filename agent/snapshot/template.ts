@@ -3,7 +3,7 @@
  * restoring it instead of booting.
  *
  *   boot (RAM = memory-backend-file share=on at <shmRoot>/tpl-<id>.mem, disk = a new overlay)
- *   -> ready command (spec 4.3: starts a service detached, blocks until healthy, exits 0)
+ *   -> ready command (docs/templates.md "Rules of templates": starts a service detached, blocks until healthy, exits 0)
  *   -> guest sync -> QMP stop -> x-ignore-shared -> migrate device state to `state` -> kill QEMU
  *
  * x-ignore-shared leaves the shared RAM block out of the stream: RAM is already in the file, so
@@ -90,7 +90,7 @@ export interface BuildTemplateOptions {
   vcpus?: number;
   /** argv run in the image's env/cwd/user before the freeze; non-zero or timeout fails the build. */
   readyCmd?: string[];
-  /** Default 60 s (spec 4.3 leaves it to the caller; a service that is not healthy in a minute is broken). */
+  /** Default 60 s (the API leaves it to the caller, docs/templates.md "Rules of templates"; a service that is not healthy in a minute is broken). */
   readyTimeoutMs?: number;
   /** Added to (and overriding) the image's Env for the ready command only (sandboxes API `ready.env`). */
   readyEnv?: Record<string, string>;

@@ -1,5 +1,5 @@
 /**
- * Shared pieces of the public API (spec sections 2, 5, 7): ids, API key format, the error
+ * Shared pieces of the public API (docs/api.md "Rules every route shares"; docs/keys-and-auth.md "Rules of authentication"): ids, API key format, the error
  * envelope, labels and file writes (tiers and APIs: tiers.ts). Every request and response schema of both
  * endpoint APIs is built from these; openapi.yaml is generated from them (gateway/openapi.ts).
  */
@@ -22,9 +22,9 @@ import {
 } from "./limits.ts";
 import type { Tier } from "./tiers.ts";
 
-// ---- API keys (spec section 5.2) -----------------------------------------------------------
+// ---- API keys (docs/keys-and-auth.md "Rules of authentication") -----------------------------------------------------------
 
-/** Our choice (decisions.md): 12 lowercase base36 characters; never contains `_`. */
+/** Our choice (docs/keys-and-auth.md "API keys"): 12 lowercase base36 characters; never contains `_`. */
 export const KEY_ID_CHARS = 12;
 /** Our choice: 40 base62 characters, about 238 bits of randomness; never contains `_`. */
 export const KEY_SECRET_CHARS = 40;
@@ -36,7 +36,7 @@ export const API_KEY_PATTERN =
  * A browser cannot set `Authorization` on a WebSocket, so a WebSocket upgrade may carry the key in
  * `Sec-WebSocket-Protocol` instead: the list must start with `WS_PROTOCOL` (the protocol the
  * server answers with, so the key is never echoed) followed by `WS_KEY_PROTOCOL_PREFIX + key`,
- * e.g. `new WebSocket(url, ["sandboxd", "sandboxd.key." + key])` (docs/decisions.md).
+ * e.g. `new WebSocket(url, ["sandboxd", "sandboxd.key." + key])` (docs/console.md "The web console: choices").
  */
 export const WS_PROTOCOL = "sandboxd";
 export const WS_KEY_PROTOCOL_PREFIX = "sandboxd.key.";
@@ -55,7 +55,7 @@ export function parseApiKey(key: string): ParsedApiKey | null {
 
 // ---- ids -----------------------------------------------------------------------------------
 
-/** Spec 2.3 and 8: template ids are 1 to 64 characters of `[a-zA-Z0-9_-]`. */
+/** docs/templates.md "Rules of templates"; docs/limits.md "Public API limits": template ids are 1 to 64 characters of `[a-zA-Z0-9_-]`. */
 export const TEMPLATE_ID_PATTERN = /^[a-zA-Z0-9_-]{1,64}$/;
 export const TemplateId = z.string().regex(TEMPLATE_ID_PATTERN, "template id: 1 to 64 of [a-zA-Z0-9_-]");
 
@@ -63,12 +63,12 @@ export const TemplateId = z.string().regex(TEMPLATE_ID_PATTERN, "template id: 1 
 export const OPAQUE_ID_CHARS = 20;
 export const SESSION_ID_PATTERN = /^sess_[a-z0-9]{20}$/;
 export const SANDBOX_ID_PATTERN = /^sbx_[a-z0-9]{20}$/;
-/** Spec 2.1: session ids are opaque with prefix `sess_`. */
+/** docs/sessions.md "Rules of the sessions API": session ids are opaque with prefix `sess_`. */
 export const SessionId = z.string().regex(/^sess_[A-Za-z0-9]+$/, "session id: sess_...");
-/** Spec 2.5: sandbox ids have prefix `sbx_`. */
+/** docs/sandboxes.md "Rules of the sandboxes API": sandbox ids have prefix `sbx_`. */
 export const SandboxId = z.string().regex(/^sbx_[A-Za-z0-9]+$/, "sandbox id: sbx_...");
 
-// ---- error envelope (spec sections 2.11 and 7) ---------------------------------------------
+// ---- error envelope (docs/api.md "Rules every route shares") ---------------------------------------------
 
 export const ErrorCode = z.enum(PublicErrorCode);
 export const ErrorEnvelope = z
@@ -226,7 +226,7 @@ export const TimeoutSeconds = z.int().min(1);
 /** RFC 3339 timestamp with an explicit offset or Z. */
 export const Rfc3339 = z.iso.datetime({ offset: true });
 
-// ---- terminals (GET .../pty, docs/api.md "Terminal") ------------------------------------------
+// ---- terminals (GET .../pty, docs/processes-and-pty.md "Terminal") ------------------------------------------
 
 /** A terminal dimension in cells: a u16 in the kernel's struct winsize; 0 is not a size. */
 export const PTY_DIM_MAX = 65535;

@@ -1,6 +1,6 @@
 /**
  * The file API of sandboxes and sessions (`/v1/sandboxes/{id}/files`, `/v1/sessions/{id}/files`,
- * docs/api.md "Files"): the query every route takes and the JSON answers. Upload and download
+ * docs/files.md "The file API"): the query every route takes and the JSON answers. Upload and download
  * bodies are raw bytes. The agent's contract reuses these (contracts/agent/files.ts).
  */
 import { z } from "zod";

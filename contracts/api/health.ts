@@ -1,4 +1,4 @@
-/** `GET /v1/health` (spec 2.10): one object that satisfies both the sessions and sandboxes API forms. */
+/** `GET /v1/health` (docs/api.md "Rules every route shares"): one object that satisfies both the sessions and sandboxes API forms. */
 import { z } from "zod";
 import { TemplateReadyMap } from "./sessions-api.ts";
 

@@ -1,6 +1,6 @@
 /**
  * Every numeric limit of the public API, in one place. Values the spec fixes cite their section;
- * values the spec leaves open are our choices, each argued in docs/decisions.md. All of them are
+ * values the spec leaves open are our choices, each argued in docs/limits.md. All of them are
  * defaults: `GatewayConfig.limits` (gateway/config.ts) overrides any of them per deployment
  * (the spec lets BYOC deployments tune the session cap, idle TTL and reaper interval, section 1).
  */
@@ -8,13 +8,13 @@ import { DEFAULT_DISK_RESERVE_BYTES } from "../disk-space.ts";
 import { EXEC_OUTPUT_MAX } from "../guest-protocol.ts";
 import type { Tier } from "./tiers.ts";
 
-/** Spec section 8: 100 requests per second per key, 429 beyond. */
+/** docs/limits.md "Public API limits": 100 requests per second per key, 429 beyond. */
 export const RATE_LIMIT_PER_SECOND = 100;
 
-/** Spec sections 2.6, 4.1 and 8: `timeout_seconds` defaults to 30. */
+/** docs/sandboxes.md "Rules of the sandboxes API"; docs/sessions.md "Rules of the sessions API"; docs/limits.md "Public API limits": `timeout_seconds` defaults to 30. */
 export const DEFAULT_EXEC_TIMEOUT_S = 30;
 /**
- * Our choice (decisions.md): an exec holds an HTTP request open for its whole run, and load
+ * Our choice (docs/limits.md "Public API limits"): an exec holds an HTTP request open for its whole run, and load
  * balancers commonly cut idle requests around 10 minutes; longer work belongs in a session.
  */
 export const MAX_EXEC_TIMEOUT_S = 600;
@@ -34,7 +34,7 @@ export const MAX_JSON_BODY_BYTES = 10 * 1024 * 1024;
 export const MAX_TEMPLATE_UPLOAD_BYTES = 20 * 1024 * 1024 * 1024;
 
 /**
- * Our choice (decisions.md): an exec's stdout and stderr together carry at most this many bytes
+ * Our choice (docs/limits.md "Public API limits"): an exec's stdout and stderr together carry at most this many bytes
  * (1,044,480: one guest RESPONSE frame less its other fields); the response then says
  * `truncated: true`. The guest discards the rest as it is written, so neither the guest, the
  * agent nor the gateway holds more. JSON escapes a control byte as `\u00XX` (6 bytes), so one
@@ -51,7 +51,7 @@ export const MAX_EXEC_RESPONSE_BYTES = 6 * MAX_EXEC_OUTPUT_BYTES + 512;
 export const MAX_BATCH_EXECUTIONS = 64;
 
 /**
- * Spec section 4.2: fork `count` per call is capped by tier (Pro 32, Enterprise 64; call again
+ * docs/sandboxes.md "Rules of the sandboxes API": fork `count` per call is capped by tier (Pro 32, Enterprise 64; call again
  * for more). Demo is our choice (the spec names no demo cap): 4, enough to try fork.
  * A session fork (sessions API) makes exactly one child per call (its body is not specified).
  */
@@ -63,17 +63,17 @@ export const FORK_CAP_BY_TIER: Readonly<Record<Tier, number>> = {
   enterprise: 64,
 };
 
-/** Spec section 4.2: connect-url `ttl_seconds` above 3600 is clamped down to 3600. */
+/** docs/sandboxes.md "Rules of the sandboxes API": connect-url `ttl_seconds` above 3600 is clamped down to 3600. */
 export const CONNECT_TTL_MAX_S = 3600;
 
 /**
- * Our choice: live sessions API sessions per tenant (spec section 8 "live-session cap", 429 on
+ * Our choice: live sessions API sessions per tenant (docs/limits.md "Public API limits" "live-session cap", 429 on
  * create). 100 lets an agent framework keep one session per worker for a sizeable pool.
  */
 export const SESSION_CAP_PER_TENANT = 100;
 
 /**
- * Our choice: concurrently running sandboxes API sandboxes per tenant, by tier (spec section 7
+ * Our choice: concurrently running sandboxes API sandboxes per tenant, by tier (docs/api.md "Rules every route shares"
  * `quota_exceeded`). Suspended sandboxes do not count: they hold no CPU or memory.
  */
 export const SANDBOX_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
@@ -85,7 +85,7 @@ export const SANDBOX_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
 };
 
 /**
- * Our choice (decisions.md, "Disk budgets"): suspended sandboxes API sandboxes per tenant, by tier,
+ * Our choice (docs/quotas-and-usage.md "Disk budgets"): suspended sandboxes API sandboxes per tenant, by tier,
  * counted apart from the running quota: a suspended sandbox holds no CPU but keeps its RAM image
  * on the host's disk (up to its memory size) and may pin a RAM file on tmpfs, so a tenant that
  * suspends without end would fill the disk. A suspend beyond it is 429 `quota_exceeded`; resume
@@ -101,7 +101,7 @@ export const SUSPENDED_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
 };
 
 /**
- * Our choice (decisions.md, "Disk budgets"): templates one tenant may own (building, ready or
+ * Our choice (docs/quotas-and-usage.md "Disk budgets"): templates one tenant may own (building, ready or
  * failed), by tier. Each holds a base disk and a RAM file on every agent of its region, so the
  * count bounds what one tenant makes every host keep. Registering or baking beyond it is 429
  * `quota_exceeded`; delete one first. Live and demo keys cannot register templates at all.
@@ -115,7 +115,7 @@ export const TEMPLATE_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
 };
 
 /**
- * Our choice: a sessions API session idle (no exec) longer than this is reclaimed (spec 3.3);
+ * Our choice: a sessions API session idle (no exec) longer than this is reclaimed (docs/sessions.md "Rules of the sessions API");
  * later calls get 410. 15 minutes outlasts a human's think-time between agent steps while
  * bounding the memory an abandoned session holds.
  */
@@ -144,7 +144,7 @@ export const IDLE_ACTIONS = ["suspend", "delete"] as const;
 /**
  * Our choice: connect relays (WebSockets of `GET /v1/sandboxes/{id}/connect`) one tenant may hold
  * open on one gateway process; the next is refused with 429 `quota_exceeded` before the upgrade.
- * Each relay holds at most one client message plus its back-pressure margin (decisions.md,
+ * Each relay holds at most one client message plus its back-pressure margin (docs/connect.md
  * "Connect relays"), so this bounds what one tenant can make a gateway hold. 100 is a browser per
  * agent worker plus a database pool each for a sizeable fleet of workers.
  */
@@ -199,7 +199,7 @@ export const MAX_EXEC_COMMANDS = 64;
  */
 export const EXEC_TIMEOUT_CEILING_S = 3600;
 /**
- * Spec section 4.2: the largest per-call fork `count` of any tier (Enterprise 64). The agent
+ * docs/sandboxes.md "Rules of the sandboxes API": the largest per-call fork `count` of any tier (Enterprise 64). The agent
  * refuses more; `resolveConfig` refuses a `forkCapByTier` above it.
  */
 export const MAX_FORK_COUNT = 64;

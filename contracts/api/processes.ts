@@ -1,6 +1,6 @@
 /**
  * Public bodies of the background-process routes of both APIs (`/v1/sandboxes/{id}/processes`
- * and `/v1/sessions/{id}/processes`, docs/api.md "Background processes"). A process runs beside
+ * and `/v1/sessions/{id}/processes`, docs/processes-and-pty.md "Background processes"). A process runs beside
  * the foreground exec (never `busy`); its `pid` is the service's number for it in its sandbox
  * (1, 2, ...), not the guest's pid.
  */

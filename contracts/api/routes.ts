@@ -12,8 +12,8 @@ import * as P from "./processes.ts";
 import * as B from "./sandboxes-api.ts";
 import * as A from "./sessions-api.ts";
 
-/** The streamed form of both exec routes (gateway/routes/exec-sse.ts, docs/api.md "Streamed exec"). */
-/** Both terminal routes (gateway/routes/pty.ts, docs/api.md "Terminal"). */
+/** The streamed form of both exec routes (gateway/routes/exec-sse.ts, docs/exec.md "Per-exec options and streamed exec"). */
+/** Both terminal routes (gateway/routes/pty.ts, docs/processes-and-pty.md "Terminal"). */
 const PTY_WS =
   "Binary messages carry terminal bytes both ways (a text message from the client is typed input " +
   'too, as its UTF-8 bytes); a text message `{"type":"resize","cols":N,"rows":M}` resizes the ' +
@@ -36,7 +36,7 @@ const EXEC_EVENTS =
   "come with the first output (or the end), so a refusal before any output is the JSON error below. " +
   "Closing the connection cancels the command (its process group is killed).";
 
-/** The file API of both APIs (gateway/routes/files.ts, docs/api.md "Files"). */
+/** The file API of both APIs (gateway/routes/files.ts, docs/files.md "The file API"). */
 function fileRoutes(base: string, api: "sessions" | "sandboxes"): RouteContract[] {
   const path = `${base}/{id}/files`;
   const what = api === "sessions" ? "session" : "sandbox";
@@ -112,7 +112,7 @@ export interface RouteContract {
 }
 
 /**
- * The background-process routes of one API (docs/api.md "Background processes"); the same
+ * The background-process routes of one API (docs/processes-and-pty.md "Background processes"); the same
  * handlers serve both (gateway/routes/processes.ts). 409: a sandbox that is not running (a
  * user-suspended one), 32 processes running already, or stdin to one that has ended or is closed.
  */

@@ -1,5 +1,5 @@
 /**
- * The sandboxes API bodies (spec sections 2.4 to 2.9 and 4.2): sandboxes, catalog, Pro bake, fork,
+ * The sandboxes API bodies (docs/sandboxes.md "Rules of the sandboxes API", docs/templates.md "Rules of templates"): sandboxes, catalog, Pro bake, fork,
  * connect URLs, usage.
  */
 import { z } from "zod";
@@ -108,7 +108,7 @@ const Ms = z.number().min(0);
 const Bytes = z.int().min(0);
 
 /**
- * Readiness telemetry of a sandboxes API template (spec 2.4 leaves its fields to us; docs/api.md).
+ * Readiness telemetry of a sandboxes API template (its fields are this service's choice: docs/templates.md "Template readiness telemetry").
  * Every member is optional: a member appears once the host agent has measured it (nothing while
  * Pending, the phase timings as they complete, all of them once Live; a template built by a driver
  * that does not measure a step lacks those members). The agent keeps them across its restarts.

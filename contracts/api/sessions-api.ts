@@ -1,5 +1,5 @@
 /**
- * The sessions API bodies (spec sections 2.1 to 2.3 and 4.1): stateless exec, batch, sessions and
+ * The sessions API bodies (docs/sessions.md "Rules of the sessions API", docs/templates.md "Rules of templates"): stateless exec, batch, sessions and
  * templates registered from an uploaded image.
  */
 import { z } from "zod";
@@ -30,7 +30,7 @@ export const ExecRequestA = z
   .object({
     code: z.string().describe("Source run in a fresh VM."),
     template_id: TemplateId,
-    timeout_seconds: TimeoutSeconds.optional().describe("Default 30 (spec section 8)."),
+    timeout_seconds: TimeoutSeconds.optional().describe("Default 30."),
   })
   .meta({ id: "ExecRequestA" });
 export type ExecRequestA = z.infer<typeof ExecRequestA>;

@@ -1,5 +1,5 @@
 /**
- * Tiers and APIs (spec section 5): every API key has a tier, and the tier decides the API
+ * Tiers and APIs (docs/keys-and-auth.md "Rules of authentication"): every API key has a tier, and the tier decides the API
  * of endpoints the key may call. Below the rest of the public contract: limits.ts keys its
  * per-tier tables by `Tier`, common.ts reads the tier out of an API key.
  */

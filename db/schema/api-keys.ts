@@ -2,7 +2,7 @@ import { index, pgTable, text, timestamp } from "drizzle-orm/pg-core";
 import { tenants } from "./tenants.ts";
 
 /**
- * API keys `svc_<tier>_<id>_<secret>` (spec 5.2). The secret is never stored: only
+ * API keys `svc_<tier>_<id>_<secret>` (docs/keys-and-auth.md "Rules of authentication"). The secret is never stored: only
  * HMAC-SHA256(pepper, full key) where the pepper is a server secret outside the db, so a leaked
  * table can neither be used nor brute-forced offline. `id` is the key's id segment (lookup);
  * `prefix` (`svc_<tier>_<id>`) is what listings show.

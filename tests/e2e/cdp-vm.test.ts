@@ -1,5 +1,5 @@
 /**
- * End to end over real HTTP, connect-from-outside with the `cdp` relay (spec 1.8, 4.2): a real
+ * End to end over real HTTP, connect-from-outside with the `cdp` relay (docs/connect.md "Rules of connect URLs"; docs/sandboxes.md "Rules of the sandboxes API"): a real
  * CDP client (Playwright's `chromium.connectOverCDP`) drives a Chromium running INSIDE a sandbox
  * (a QEMU microVM under TCG), through the real service (`bin/sandboxd up`), the gateway's relay
  * and the agent's tunnels into the guest. The page it opens is served inside the sandbox too.
@@ -75,8 +75,8 @@ beforeAll(async () => {
 
 /**
  * Run in the sandbox: write the page, start its server and Chromium detached (setsid, output to
- * files: they outlive this exec), then block until DevTools and the page answer (spec 4.3's
- * ready-command contract) and print how long Chromium took. Chromium's flags: headless, as root
+ * files: they outlive this exec), then block until DevTools and the page answer (the ready-command
+ * contract of docs/templates.md "Rules of templates") and print how long Chromium took. Chromium's flags: headless, as root
  * without its setuid sandbox, no GPU, nothing that reaches the network, a fresh profile;
  * DevTools listens on the guest's 127.0.0.1, where the agent's tunnel connects.
  */

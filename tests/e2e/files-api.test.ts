@@ -50,7 +50,7 @@ const BIG_BYTES = 100 * 1000 * 1000;
  * frame (1 MiB) at the agent plus socket and fetch buffers, and what grows beyond them is the
  * copies of passed-on pieces the GC has not returned yet. Measured on a loaded 2-core host:
  * 101-106 MiB for the 100 MB round trip (134-215 MiB before the guest frames stopped being
- * copied twice, docs/decisions.md "The file API"), 123-330 MiB for 400 MB of /dev/zero and 339 MiB for
+ * copied twice, docs/files.md "The file API: choices"), 123-330 MiB for 400 MB of /dev/zero and 339 MiB for
  * 1.5 GB of it (it levels off instead of following the volume; it varies with when the GC runs).
  * That the file itself is never held whole is shown apart from
  * this bound: the upload is seen in the guest while its body is stalled halfway, and a download of

@@ -1,5 +1,5 @@
 /**
- * End to end over real HTTP, sandboxes API bake (spec 2.4, 3.2, 4.2, 4.3): a real OCI registry
+ * End to end over real HTTP, sandboxes API bake (docs/templates.md "Rules of templates"; docs/sandboxes.md "Rules of the sandboxes API"): a real OCI registry
  * (Debian's docker-registry on a free loopback port, tests/support/registry.ts) holding a busybox
  * image pushed by skopeo, the real service (`bin/sandboxd up`, its own data dir, keys from the
  * CLI), real pulls and real VMs under TCG. A bake with a ready command that starts busybox httpd
@@ -32,7 +32,7 @@ const PYTHON = "python";
 const PORT = 8080;
 
 /**
- * The spec 4.3 contract: start the service detached (busybox httpd forks into the background),
+ * The docs/templates.md "Rules of templates" contract: start the service detached (busybox httpd forks into the background),
  * then block until GET /health answers, exit 0; give up (exit 1) after ~20 s.
  */
 const READY_CMD =
@@ -202,7 +202,7 @@ describe("the sandboxes API bake from a registry", () => {
         exposed_ports: [PORT],
       });
       expect(["Pending", "Converting", "Distributing"]).toContain(first.phase);
-      // The same request again is the same template (spec 4.2: idempotent, safe to retry).
+      // The same request again is the same template (docs/sandboxes.md "Rules of the sandboxes API": idempotent, safe to retry).
       const again = await bake(req);
       expect(again.id).toBe("web");
       // The same name with another definition is a conflict, not a second template.
@@ -261,7 +261,7 @@ describe("the sandboxes API bake from a registry", () => {
         const r = await exec(c.id, HEALTH);
         expect({ code: r.exit_code, out: r.stdout }).toEqual({ code: 0, out: "healthy\n" });
       }
-      // Connect from outside (spec 4.2): a connect URL's WebSocket carries raw HTTP to httpd in
+      // Connect from outside (docs/sandboxes.md "Rules of the sandboxes API"): a connect URL's WebSocket carries raw HTTP to httpd in
       // the sandbox, through the gateway, the agent and the guest agent (no guest network).
       const mint = async (id: string, ttl = 300) => {
         const r = expectOk(
@@ -296,7 +296,7 @@ describe("the sandboxes API bake from a registry", () => {
       expect((await wsExchange(revoked, "")).status).toBe(401);
       forked.children.splice(0, 2);
 
-      // A template with live sandboxes cannot go (spec 4.2), the shared catalog never.
+      // A template with live sandboxes cannot go (docs/sandboxes.md "Rules of the sandboxes API"), the shared catalog never.
       expectError(await api().delete("/v1/templates/web", { key: keys.pro }), 409, "template_in_use");
       expectError(await api().delete(`/v1/templates/${PYTHON}`, { key: keys.pro }), 403, "forbidden");
       figures.spawn = {

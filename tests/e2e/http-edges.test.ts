@@ -4,7 +4,7 @@
  * and the served `openapi.yaml`; a batch whose failed items are envelopes beside the results of
  * the others; a connect to an exposed port where nothing listens (502 `port_unreachable`) and
  * connect URLs that follow the serving scheme and host, or `SANDBOXD_PUBLIC_URL` after a restart;
- * and a sessions API template deleted while VMs still run on it (spec 3.1: they finish, nothing new
+ * and a sessions API template deleted while VMs still run on it (docs/templates.md "Rules of templates": they finish, nothing new
  * spawns, the id is free again, the agent reclaims the template once its last VM has ended).
  *
  * Tests run in order and share one service; the last restarts it and the teardown checks that no
@@ -212,7 +212,7 @@ async function agentTemplateRefs(id: string): Promise<string[]> {
     .map((f) => f.slice(0, -".json".length));
 }
 
-describe("the sessions API template delete (spec 3.1)", () => {
+describe("the sessions API template delete (docs/templates.md#rules-of-templates)", () => {
   test(
     "in-flight VMs finish, nothing new spawns, the id is free again; the agent reclaims it after the last VM",
     async () => {

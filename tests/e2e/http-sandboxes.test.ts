@@ -1,5 +1,5 @@
 /**
- * End to end over real HTTP, sandboxes API (spec 4.2): the catalog, sandboxes (create, info, list, exec
+ * End to end over real HTTP, sandboxes API (docs/sandboxes.md "Rules of the sandboxes API"): the catalog, sandboxes (create, info, list, exec
  * with command / commands / files / seed, busy, fork with live processes, tier caps, suspend and
  * resume, delete), tenant isolation, the demo tier's limits and usage. The real service
  * (`bin/sandboxd up` as a subprocess, its own data dir, keys made in-process through its operator socket) and
@@ -64,7 +64,7 @@ async function createSandbox(key = keys.pro, body: Record<string, unknown> = { t
 async function exec(id: string, body: Record<string, unknown>, key = keys.pro) {
   const r = expectOk(await api().post(`/v1/sandboxes/${id}/exec`, { key, json: body }), 200, B.ExecResponseB);
   expect(r.id).toBe(id);
-  expect(r.fork_time_ms).toBe(0); // spec 2.6: 0 for an existing sandbox
+  expect(r.fork_time_ms).toBe(0); // docs/sandboxes.md#rules-of-the-sandboxes-api: 0 for an existing sandbox
   return r;
 }
 
@@ -119,7 +119,7 @@ describe("the sandboxes API: catalog", () => {
     expect(py?.description.length).toBeGreaterThan(0);
     const alias = await api().get("/v1/templates", { key: keys.pro });
     expect(alias.status).toBe(200);
-    expect(alias.body).toEqual(images.body); // same handler, same body (spec 4.2)
+    expect(alias.body).toEqual(images.body); // same handler, same body (docs/sandboxes.md#rules-of-the-sandboxes-api)
     const demoList = expectOk(await api().get("/v1/images", { key: keys.demo }), 200, B.CatalogList);
     expect(demoList.templates.map((t) => t.id)).toContain(PYTHON);
 
@@ -135,7 +135,7 @@ describe("the sandboxes API: catalog", () => {
     expect(tm.snapshot_bytes?.memory).toBeGreaterThan(0);
     expect(tm.snapshot_bytes?.device_state).toBeGreaterThan(0);
     expect(tm.snapshot_bytes?.disk).toBeGreaterThan(0);
-    // shared catalog rows cannot be deleted: 403 forbidden (spec 4.2)
+    // shared catalog rows cannot be deleted: 403 forbidden (docs/sandboxes.md "Rules of the sandboxes API")
     expectError(await api().delete(`/v1/templates/${PYTHON}`, { key: keys.pro }), 403, "forbidden");
     expectError(await api().get("/v1/templates/no-such-template", { key: keys.pro }), 404, "not_found");
   });
@@ -171,7 +171,7 @@ describe("the sandboxes API: sandboxes", () => {
       expect(info.idle_secs).toBeGreaterThanOrEqual(0);
       const list = expectOk(await api().get("/v1/sandboxes", { key: keys.pro }), 200, B.SandboxList);
       expect(list.sandboxes).toContainEqual({ id: sb.id, template: PYTHON, state: "running" });
-      // POST /v1/sessions is an alias of POST /v1/sandboxes for a sandboxes API key (spec 4.2)
+      // POST /v1/sessions is an alias of POST /v1/sandboxes for a sandboxes API key (docs/sandboxes.md "Rules of the sandboxes API")
       const aliasRes = await api().post("/v1/sessions", { key: keys.pro, json: { template: PYTHON } });
       const alias = expectOk(aliasRes, 201, B.CreateSandboxResponse);
       track(alias.id, keys.pro);
@@ -202,7 +202,7 @@ describe("the sandboxes API: sandboxes", () => {
       expect(r.stdout).toBe("rel\n");
       expect(r.seed).toBeUndefined();
       expectError(await api().post(`/v1/sandboxes/${sb.id}/exec`, { key: keys.pro, json: {} }), 400);
-      // a body over the limit (10 MiB, decisions.md) is 413 and runs nothing
+      // a body over the limit (10 MiB, docs/limits.md) is 413 and runs nothing
       const big = await api().post(`/v1/sandboxes/${sb.id}/exec`, {
         key: keys.pro,
         json: { command: "true", files: [{ path: "/root/big", content: "x".repeat(11 * 1024 * 1024) }] },
@@ -292,7 +292,7 @@ describe("the sandboxes API: sandboxes", () => {
       const list = expectOk(await api().get("/v1/sandboxes", { key: keys.pro }), 200, B.SandboxList);
       expect(new Set(list.sandboxes.map((s) => s.id))).toEqual(new Set([parent, c1, c2]));
 
-      // per-call caps: pro 32, enterprise 64 (spec 4.2): over is 400 and spawns nothing
+      // per-call caps: pro 32, enterprise 64 (docs/sandboxes.md "Rules of the sandboxes API"): over is 400 and spawns nothing
       expectError(
         await api().post(`/v1/sandboxes/${parent}/fork`, { key: keys.pro, json: { count: 33 } }),
         400,
@@ -444,7 +444,7 @@ describe("the sandboxes API: sandboxes", () => {
       // the demo key can still use its sandbox
       const r = await exec(id, { command: "echo demo" }, keys.demo);
       expect(r.stdout).toBe("demo\n");
-      // concurrent-sandbox quota (demo 5, decisions.md): the 6th is 429 quota_exceeded
+      // concurrent-sandbox quota (demo 5, docs/limits.md): the 6th is 429 quota_exceeded
       const more: string[] = [];
       for (let i = 0; i < 4; i++) more.push((await createSandbox(keys.demo)).id);
       const sixth = await api().post("/v1/sandboxes", { key: keys.demo, json: { template: PYTHON } });
@@ -455,7 +455,7 @@ describe("the sandboxes API: sandboxes", () => {
       for (const m of more) await deleteSandbox(m, keys.demo);
       await deleteSandbox(id, keys.demo);
 
-      // a pro key passes the tier gate; python exposes no ports (spec 4.2: 409 port_not_exposed)
+      // a pro key passes the tier gate; python exposes no ports (docs/sandboxes.md "Rules of the sandboxes API": 409 port_not_exposed)
       const pro = (await createSandbox()).id;
       expectError(
         await api().post(`/v1/sandboxes/${pro}/connect-url`, {

@@ -1,5 +1,5 @@
 /**
- * End to end over real HTTP, sessions API (spec 4.1) plus what both APIs share: the real service
+ * End to end over real HTTP, sessions API (docs/sessions.md "Rules of the sessions API") plus what both APIs share: the real service
  * (`bin/sandboxd up` as a subprocess, its own data dir, keys made in-process through its operator socket) and
  * real VMs under TCG. Health, authentication, metrics, one-shot and batch exec, sessions (exec
  * forms, persistence rules, fork, delete), uploaded templates (register, 409 while building,
@@ -93,7 +93,7 @@ async function sessionExec(id: string, body: Record<string, unknown>, key = keys
   const res = await api().post(`/v1/sessions/${id}/exec`, { key, json: body });
   const r = expectOk(res, 200, A.ExecResultA);
   expect(r.id).toBe(id);
-  expect(r.fork_time_ms).toBe(0); // spec 2.2: no per-call spawn in a session
+  expect(r.fork_time_ms).toBe(0); // docs/sessions.md#rules-of-the-sessions-api: no per-call spawn in a session
   return r;
 }
 
@@ -198,7 +198,7 @@ describe("Sessions API: one-shot and batch exec", () => {
       expect(r.exec_time_ms).toBeGreaterThanOrEqual(1900);
       expect(wall).toBeLessThan(12_000);
       await fx.expectNoVms();
-      // bounds: 1..600 s (decisions.md); outside is 400, not a clamp
+      // bounds: 1..600 s (docs/limits.md); outside is 400, not a clamp
       for (const t of [0, 601, 1.5]) {
         const bad = await api().post("/v1/exec", {
           key: keys.live,
@@ -268,7 +268,7 @@ describe("Sessions API: one-shot and batch exec", () => {
         randoms: n,
       });
       await fx.expectNoVms();
-      // more than the batch cap (64, decisions.md) is 400 before any VM starts
+      // more than the batch cap (64, docs/limits.md) is 400 before any VM starts
       const tooMany = Array.from({ length: 65 }, () => ({ code: "print(1)", template_id: PYTHON }));
       expectError(await api().post("/v1/exec/batch", { key: keys.live, json: { executions: tooMany } }), 400);
       expectError(await api().post("/v1/exec/batch", { key: keys.live, json: { executions: [] } }), 400);
@@ -362,7 +362,7 @@ describe("Sessions API: sessions", () => {
       execs++;
       expect(r.stdout).toBe("beta");
 
-      // code and commands together: ambiguous, 400 (decisions.md); nothing at all: 400
+      // code and commands together: ambiguous, 400 (docs/api.md "How the gateway serves it"); nothing at all: 400
       expectError(
         await api().post(`/v1/sessions/${id}/exec`, {
           key: keys.live,

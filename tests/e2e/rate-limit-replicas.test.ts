@@ -1,5 +1,5 @@
 /**
- * One rate limit across gateway replicas (spec 8: 100 requests per second per key): two real
+ * One rate limit across gateway replicas (docs/limits.md "Public API limits": 100 requests per second per key): two real
  * `bin/sandboxd gateway` processes and one real `bin/sandboxd agent` on one real PostgreSQL
  * (started by the test; skipped, with a message, only when the postgres binaries are absent). A
  * burst of 300 requests of one key, alternating between the two gateways, gets the spec's 100

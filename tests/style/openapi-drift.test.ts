@@ -30,7 +30,7 @@ test("every route is described and every $ref resolves", () => {
  * - info-license: a private service; there is no license to name.
  * - operation-4xx-response: GET /v1/health takes no key, no body and no query, so it has no 4XX.
  * - operation-2xx-response: GET /v1/sandboxes/{id}/connect succeeds with 101 (WebSocket upgrade,
- *   spec 4.2), never with a 2XX.
+ *   docs/sandboxes.md "Rules of the sandboxes API"), never with a 2XX.
  */
 test("openapi.yaml passes the Redocly recommended lint", async () => {
   const config = await createConfig({

@@ -9,10 +9,10 @@ import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { DEFAULT_VM_HOST } from "../../agent/vm/host-settings.ts";
 import { qemuPidsNaming } from "../../agent/vm/process.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
-import { DEFAULT_VM_HOST } from "../../agent/vm/host-settings.ts";
 
 const REPO = resolve(import.meta.dir, "../..");
 /** Guest artifacts and imported images are cached here across runs (kernel download, agent build). */

@@ -4,7 +4,7 @@
  *
  * The gateway suites poll one API key with it (gateway-row-cache, gateway-key-cache): at 50 ms a
  * poll of one or two requests stays at 40 requests a second or less, well under the 100 a key may
- * make (spec 8), so a poll never meets a 429 of its own making.
+ * make (docs/limits.md "Public API limits"), so a poll never meets a 429 of its own making.
  */
 export async function until(
   cond: () => boolean | Promise<boolean>,

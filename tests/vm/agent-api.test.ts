@@ -163,7 +163,7 @@ describe("agent HTTP API with real VMs", () => {
       expect(once).toMatchObject({ stdout: "once\n", exitCode: 0 });
       expect(once.forkTimeMs).toBeGreaterThan(0);
 
-      // Spec 3.1: a delete while a VM runs on the template lets it finish; nothing new spawns,
+      // docs/templates.md "Rules of templates": a delete while a VM runs on the template lets it finish; nothing new spawns,
       // the ref cannot be built again, and the template goes with its last VM.
       const last = await c.createSandbox("busybox", { kind: "sandbox" });
       await c.deleteTemplate("busybox");

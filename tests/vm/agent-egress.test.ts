@@ -1,5 +1,5 @@
 /**
- * Egress with REAL VMs under TCG (spec 2.5 `egress.allow`, docs/decisions.md "Egress"): the guest
+ * Egress with REAL VMs under TCG (docs/sandboxes.md "Rules of the sandboxes API" `egress.allow`, docs/egress.md "Egress: choices"): the guest
  * has no network interface; busybox wget inside it goes through the guest agent's proxy port,
  * whose connections reach the host agent as guest-opened tunnels and are checked there by name,
  * then by the operator's fence. Servers on host loopback addresses stand in for an allowed

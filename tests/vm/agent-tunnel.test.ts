@@ -1,5 +1,5 @@
 /**
- * Tunnels to guest ports through the agent's HTTP API with REAL VMs under TCG (spec 1.8, 4.2
+ * Tunnels to guest ports through the agent's HTTP API with REAL VMs under TCG (docs/connect.md "Rules of connect URLs"; docs/sandboxes.md "Rules of the sandboxes API"
  * connect-from-outside, no guest network): the agent server of agent/server.ts over a manager on
  * the snapshot driver, the gateway's `AgentHttpClient.openTunnel` (WebSocket). A busybox httpd
  * started by an exec inside the VM is reached with raw HTTP; a refused port and an unknown VM

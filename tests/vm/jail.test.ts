@@ -15,7 +15,9 @@ import { vmCgroupDirs } from "../../agent/qemu/cgroup.ts";
 import { DEFAULT_UID_RANGE, UID_LOCK_DIR, uidsInUse } from "../../agent/qemu/uids.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
-import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+import { spawnFromTemplate } from "../../agent/snapshot/spawn.ts";
+import { defaultShmRoot, listTemplates } from "../../agent/snapshot/template.ts";
+import { DEFAULT_VM_HOST } from "../../agent/vm/host-settings.ts";
 import { describeError } from "../../contracts/errors.ts";
 import {
   busyboxArchive,
@@ -24,9 +26,6 @@ import {
   TEST_CACHE_DIR,
   tempStateDir,
 } from "../support/real-vm.ts";
-import { spawnFromTemplate } from "../../agent/snapshot/spawn.ts";
-import { listTemplates } from "../../agent/snapshot/template.ts";
-import { DEFAULT_VM_HOST } from "../../agent/vm/host-settings.ts";
 
 /** Template build, two spawns, a fork and a suspend/resume under TCG on a 2-core host. */
 const VM_TEST_TIMEOUT_MS = 240_000;

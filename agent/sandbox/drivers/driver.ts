@@ -53,7 +53,7 @@ export interface PreparedTemplate {
 export type TemplateInput =
   /**
    * An image archive or OCI layout on this host; the driver may move or delete it. `readyCmd`
-   * (spec 4.3) runs before a snapshot driver freezes the template: it starts services detached
+   * (docs/templates.md "Rules of templates") runs before a snapshot driver freezes the template: it starts services detached
    * and exits 0 once they are healthy (non-zero or a timeout fails the build).
    */
   | {
@@ -86,7 +86,7 @@ export type TemplateInput =
       exposedPorts?: number[];
     };
 
-/** Where a build is (spec 3.2): the registry reports it as the template's bake phase. */
+/** Where a build is (docs/templates.md "Rules of templates"): the registry reports it as the template's bake phase. */
 export type BuildPhase = "Converting" | "Distributing";
 
 export interface SandboxDriver {

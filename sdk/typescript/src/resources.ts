@@ -166,7 +166,7 @@ export function execExit(data: unknown): ExecEvent {
   return { type: "exit", exitCode: result.exitCode, result };
 }
 
-/** Files of a sandbox or session (docs/api.md "Files"). */
+/** Files of a sandbox or session (docs/files.md "The file API"). */
 export class Files {
   constructor(
     private readonly t: Transport,
@@ -226,7 +226,7 @@ export class Files {
   }
 }
 
-/** Background processes of a sandbox or session (docs/api.md "Background processes"). */
+/** Background processes of a sandbox or session (docs/processes-and-pty.md "Background processes"). */
 export class Processes {
   constructor(
     private readonly t: Transport,

@@ -1,5 +1,5 @@
 /**
- * Server-Sent Events as the service writes them (docs/api.md "Streamed exec"): `event:` and
+ * Server-Sent Events as the service writes them (docs/exec.md "Per-exec options and streamed exec"): `event:` and
  * `data:` lines, a blank line ending each event, comment lines (`: open`) ignored. A small reader
  * over `Response.body`, so no EventSource is needed (Node has none, and it cannot POST).
  */

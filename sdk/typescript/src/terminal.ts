@@ -1,5 +1,5 @@
 /**
- * An interactive terminal in a sandbox or session (`GET .../pty`, docs/api.md "Terminal"): a
+ * An interactive terminal in a sandbox or session (`GET .../pty`, docs/processes-and-pty.md "Terminal"): a
  * duplex of bytes. Input is sent as binary messages (a text message that happens to look like
  * `{"type":"resize",...}` would be taken as a resize; binary never is); `resize` sends the one
  * text message the service reads as a resize.

@@ -88,7 +88,7 @@ export type LogEvent = OutputEvent | { type: "exit"; exitCode: number | null; pr
 /** A file to place before an exec runs: text (UTF-8) or bytes. */
 export type FileContent = string | Uint8Array;
 
-/** Options of every exec form (docs/api.md "Per-exec options"). */
+/** Options of every exec form (docs/exec.md "Per-exec options and streamed exec"). */
 export interface ExecOptions {
   env?: Record<string, string>;
   /** Absolute working directory (default: the image's WorkingDir). */
@@ -105,7 +105,7 @@ export interface ExecOptions {
   signal?: AbortSignal;
 }
 
-/** A background process (docs/api.md "Background processes"). */
+/** A background process (docs/processes-and-pty.md "Background processes"). */
 export interface ProcessInfo {
   /** The service's number for it in its sandbox (1, 2, ...), not the guest's pid. */
   pid: number;
