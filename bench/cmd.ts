@@ -83,7 +83,7 @@ async function benchGateway(values: BenchValues, image: string, log: (m: string)
     // 200 execs each way: p50 of a ~5 ms call is then steady to a tenth of a ms.
     execs: intOption(values.execs, "execs", 200, 1, 100_000),
     // 800 keys: at 40,000 req/s (past the 20,000 goal, near a bare Hono app's rate on one core
-    // here) each key sends 50 a second, half the spec's 100, so the limit never caps the figure.
+    // here) each key sends 50 a second, half the API's limit of 100, so the limit never caps the figure.
     keys: intOption(values.keys, "keys", 800, 1, 100_000),
     log,
   });

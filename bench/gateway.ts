@@ -11,7 +11,7 @@
  *   wall time minus the `total_time_ms` the exec itself reports.
  * - `read`: `GET /v1/sessions/{id}` (an authenticated read: key, rate limit, one row) from C
  *   keep-alive connections for S seconds; req/s and latency p50/p99. The requests spread over K
- *   keys of one tenant so that no key meets the spec's 100 requests per second and the figure is
+ *   keys of one tenant so that no key meets the API's limit of 100 requests per second and the figure is
  *   the service's, not the rate limit's. The service is pinned to one core (`taskset`, when the
  *   host has it) for this part; the load generator runs here, on the others.
  * - `read_floor`: the same reads, connections and pin against a bare Hono app answering the

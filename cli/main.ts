@@ -118,7 +118,7 @@ async function cmdRun(args: string[]): Promise<number> {
     // 256 MiB: the size the snapshot figures in docs/benchmarks.md were measured at; plenty for a shell.
     memMib: intOption(values.mem, "mem", 256, 64, 65536),
     vcpus: intOption(values.vcpus, "vcpus", 1, 1, 64),
-    // 30 s: the spec's default exec timeout (section 8).
+    // 30 s: the API's default exec timeout (docs/limits.md "Public API limits").
     timeoutSec: intOption(values.timeout, "timeout", 30, 1, 86400),
     stdin,
     log,

@@ -2,8 +2,8 @@
  * Accounting hooks: for each VM, the intervals it spent running, paused (idle, vCPUs stopped) and
  * suspended (on disk only), with the resources it held during each. The manager reports a closed
  * interval to `onUsage` as it ends and answers `usage(id)` queries; turning intervals into the
- * spec's usage totals (cpu_core_hours, ram_gb_hours, disk_gb_hours, snapshot_gb_months; spec
- * 2.9) is the gateway's job.
+ * API's usage totals (cpu_core_hours, ram_gb_hours, disk_gb_hours, snapshot_gb_months;
+ * docs/quotas-and-usage.md "Usage metering") is the gateway's job.
  *
  * The meter also says what the gateway must hear (`onEvent`, sent by agent/api/events.ts): every
  * change of phase after the first (the gateway learns of a new VM from the create answer), the

@@ -97,7 +97,7 @@ export function holdsVm(s: AgentSandboxState): boolean {
 
 /**
  * The error for a refused change, as a value (the caller throws it):
- * - `busy` (409) when an exec or fork is in flight: the spec's code for exactly that case;
+ * - `busy` (409) when an exec or fork is in flight: the API's code for exactly that case;
  * - `gone` (410) when the sandbox is being destroyed, destroyed, failed or lost: the VM is not
  *   coming back, which the gateway reports as sessions API's 410 (docs/api.md "Rules every route shares");
  * - `conflict` (409) for every other state that does not allow the action.

@@ -208,7 +208,7 @@ export class TemplateRegistry {
     return this.mustGet(id).record.size ?? {};
   }
 
-  /** A template a VM can be spawned from, or the spec's error for why not. */
+  /** A template a VM can be spawned from, or the API's error for why not. */
   ready(id: string): ReadyTemplate {
     const r = this.visible(id).record;
     if (r.status === "building") throw new SandboxdError("template_not_ready", `template ${id} is building`);

@@ -18,7 +18,7 @@ import type { DriverVm, SandboxDriver, VmSize } from "./drivers/driver.ts";
 import type { TemplateRegistry } from "./templates.ts";
 
 /**
- * Per template. The spec's fork cap is 64 children per call (Enterprise); a pool as wide as one
+ * Per template. The API's fork cap is 64 children per call (Enterprise); a pool as wide as one
  * such call covers a rollout's first wave, and the host's capacity bounds it further.
  */
 export const MAX_WARM_PER_TEMPLATE = 64;

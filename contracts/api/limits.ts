@@ -1,8 +1,8 @@
 /**
- * Every numeric limit of the public API, in one place. Values the spec fixes cite their section;
- * values the spec leaves open are our choices, each argued in docs/limits.md. All of them are
+ * Every numeric limit of the public API, in one place. Values the API fixes point to the doc that
+ * states the rule; the others are our choices, each argued in docs/limits.md. All of them are
  * defaults: `GatewayConfig.limits` (gateway/config.ts) overrides any of them per deployment
- * (the spec lets BYOC deployments tune the session cap, idle TTL and reaper interval, section 1).
+ * (an operator tunes the session cap, idle TTL and reaper interval: the settings of cli/settings/).
  */
 import { DEFAULT_DISK_RESERVE_BYTES } from "../disk-space.ts";
 import { EXEC_OUTPUT_MAX } from "../guest-protocol.ts";
@@ -27,7 +27,7 @@ export const MAX_EXEC_TIMEOUT_S = 600;
 export const MAX_JSON_BODY_BYTES = 10 * 1024 * 1024;
 
 /**
- * Our choice: largest uploaded template image (sessions API `POST /v1/templates`). The spec allows
+ * Our choice: largest uploaded template image (sessions API `POST /v1/templates`). The API allows
  * multi-GB images; 20 GiB covers large ML images while stopping a runaway upload from filling
  * the disk. The body is streamed to a file, never held in memory.
  */
@@ -52,7 +52,7 @@ export const MAX_BATCH_EXECUTIONS = 64;
 
 /**
  * docs/sandboxes.md "Rules of the sandboxes API": fork `count` per call is capped by tier (Pro 32, Enterprise 64; call again
- * for more). Demo is our choice (the spec names no demo cap): 4, enough to try fork.
+ * for more). Demo is our choice (the API names no demo cap): 4, enough to try fork.
  * A session fork (sessions API) makes exactly one child per call (its body is not specified).
  */
 export const FORK_CAP_BY_TIER: Readonly<Record<Tier, number>> = {

@@ -44,7 +44,7 @@ export type CatalogEntry = z.infer<typeof CatalogEntry>;
 
 export const CatalogList = z.object({ templates: z.array(CatalogEntry) }).meta({ id: "CatalogList" });
 
-/** Bake phases in order (3.2); `Failed` is ours: the spec does not show failure handling. */
+/** Bake phases in order (docs/templates.md "Rules of templates"); `Failed` is ours: the API's rules show no failure. */
 export const BakePhase = z.enum(["Pending", "Converting", "Distributing", "Live", "Failed"]);
 export type BakePhase = z.infer<typeof BakePhase>;
 

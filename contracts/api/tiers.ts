@@ -20,8 +20,8 @@ export const API_OF_TIER: Readonly<Record<Tier, KeyApi>> = {
 
 /**
  * Tier ranks for "at least this tier" checks: live = demo < scale = pro < enterprise.
- * The spec does not map sessions API tiers to sandboxes API ones (section 5.8); the ranks only compare
- * tiers within a API, and the equalities record that each API has a standard and an
+ * The API does not map sessions API tiers to sandboxes API ones (docs/keys-and-auth.md "Rules of
+ * authentication"); the ranks only compare tiers within one API, and the equalities record that each API has a standard and an
  * admin/paid level.
  */
 export const TIER_RANK: Readonly<Record<Tier, number>> = {

@@ -2,7 +2,7 @@
  * One rate limit across gateway replicas (docs/limits.md "Public API limits": 100 requests per second per key): two real
  * `bin/sandboxd gateway` processes and one real `bin/sandboxd agent` on one real PostgreSQL
  * (started by the test; skipped, with a message, only when the postgres binaries are absent). A
- * burst of 300 requests of one key, alternating between the two gateways, gets the spec's 100
+ * burst of 300 requests of one key, alternating between the two gateways, gets the API's 100
  * through (at most 110, and at least 90: the limiter is shared, not refusing everything), the rest
  * 429 `rate_limited` with Retry-After. Then the gateway's added latency per request is measured
  * with the shared limiter's local fast path (leases) and without it (a round trip per request);
