@@ -109,6 +109,38 @@ describe("layout", () => {
     expect(wrong).toEqual([]);
   });
 
+  test("the README's layout block names every folder of the tree and only folders that exist", () => {
+    const readme = readFileSync(join(REPO, "README.md"), "utf8");
+    const block = readme.split("\n## Layout\n")[1]?.split("```")[1] ?? "";
+    // A line names folders before its description: top-level ones at the margin ("db/ migrations/"),
+    // rooms of the last top-level folder indented by two; deeper indents continue a description.
+    const named = new Set<string>();
+    let parent = "";
+    for (const line of block.split("\n")) {
+      const m = /^( {0,2})(\S.*?)(\s{2,}|$)/.exec(line);
+      if (!m) continue;
+      for (const w of m[2]!.split(" ").filter((x) => x.endsWith("/"))) {
+        const name = w.replace(/\/$/, "");
+        if (m[1] === "") {
+          parent = name;
+          named.add(name);
+        } else named.add(`${parent}/${name}`);
+      }
+    }
+    // Every top-level folder of tracked files, and every room of the agent and the gateway.
+    const folders = new Set(
+      tracked.flatMap((f) => {
+        const parts = f.split("/");
+        if (parts.length < 2 || parts[0]!.startsWith(".")) return [];
+        const rooms = ["agent", "gateway", "sdk"].includes(parts[0]!) && parts.length > 2;
+        return rooms ? [parts[0]!, `${parts[0]}/${parts[1]}`] : [parts[0]!];
+      }),
+    );
+    const missing = [...folders].filter((f) => !named.has(f) && !["agent", "gateway", "sdk"].includes(f));
+    const stale = [...named].filter((f) => !folders.has(f));
+    expect({ missing, stale }).toEqual({ missing: [], stale: [] });
+  });
+
   test("no import circles, type-only imports included", () => {
     const state = new Map<string, 1 | 2>();
     const cycles: string[] = [];
