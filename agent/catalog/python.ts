@@ -10,6 +10,7 @@ import { createHash } from "node:crypto";
 import { createReadStream, existsSync, readFileSync } from "node:fs";
 import { mkdir, mkdtemp, rename, rm, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { runTool, ToolError } from "../host/tool.ts";
 import { type ImportedImage, importImage } from "../image/import.ts";
@@ -220,7 +221,7 @@ async function unmountUnder(dir: string, log: (m: string) => void): Promise<void
     .map((line) => line.split(" ")[1] ?? "")
     .filter((p) => p.startsWith(`${dir}/`))
     .sort((x, y) => y.length - x.length);
-  for (const p of points) await run(["umount", "--lazy", p], log).catch(() => undefined);
+  for (const p of points) await bestEffort(log, `unmounting ${p}`, run(["umount", "--lazy", p], log));
 }
 
 /**

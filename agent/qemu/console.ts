@@ -21,6 +21,7 @@
 import { constants } from "node:fs";
 import { type FileHandle, open, rename, rm } from "node:fs/promises";
 import { createConnection, type Socket } from "node:net";
+import { settled } from "../../contracts/best-effort.ts";
 
 /** The chardev id behind `-serial`; not part of any snapshot's device state. */
 export const CONSOLE_CHARDEV = "console0";
@@ -173,7 +174,8 @@ function logRing(
     return fh;
   };
   const rotate = async (): Promise<FileHandle> => {
-    await file?.close().catch(() => {});
+    // The log is diagnostic: a close of the file being rotated away that fails costs its tail.
+    await settled(file?.close());
     file = undefined;
     await rename(logPath, `${logPath}.1`).catch((err: NodeJS.ErrnoException) => {
       if (err.code !== "ENOENT") throw err;
@@ -196,11 +198,11 @@ function logRing(
     append,
     failed: async (err) => {
       report("write", err);
-      await file?.close().catch(() => {});
+      await settled(file?.close()); // the write's error is reported just above
       file = undefined;
     },
     close: async () => {
-      await file?.close().catch(() => {});
+      await settled(file?.close()); // the VM is going: nothing more is written
       file = undefined;
     },
   };
@@ -246,7 +248,7 @@ async function fileTail(path: string, bytes: number): Promise<Buffer> {
   } catch {
     return Buffer.alloc(0);
   } finally {
-    await fh?.close().catch(() => {});
+    await settled(fh?.close()); // read-only: the bytes read are already in hand
   }
 }
 
@@ -272,7 +274,7 @@ async function openOwnLog(path: string, truncate: boolean): Promise<FileHandle> 
   } catch (err) {
     if ((err as NodeJS.ErrnoException).code !== "ELOOP") throw err;
   }
-  await fh?.close().catch(() => {});
+  await settled(fh?.close()); // the file is removed next
   await rm(path, { force: true });
   return open(
     path,

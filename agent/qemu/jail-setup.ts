@@ -7,6 +7,7 @@
 import { accessSync, constants } from "node:fs";
 import { chmod, chown, lchown, lstat, mkdir, open, readdir, rm, symlink, writeFile } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
+import { ifExists } from "../../contracts/best-effort.ts";
 import { createVmCgroup, removeVmCgroup, vmLimits } from "./cgroup.ts";
 import {
   JailError,
@@ -129,9 +130,10 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       .filter((name) => !["owner.json", "root", "jail.fstab"].includes(name))
       .map(async (name) => {
         const p = join(i.dir, name);
-        const st = await lstat(p).catch(() => undefined);
+        // A name that went between the listing and here (a socket its QEMU removed) is no error.
+        const st = await ifExists(lstat(p));
         if (st?.isFile() && st.nlink > 1 && p !== i.disk) await rm(p, { force: true });
-        else await lchown(p, uid, uid).catch(() => {});
+        else await ifExists(lchown(p, uid, uid));
       });
     const mem = async () => {
       if (i.mem?.share) {

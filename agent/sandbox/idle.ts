@@ -4,6 +4,8 @@
  * the next operation that needs the guest. Stop and cont go through the driver one at a time, in
  * call order.
  */
+
+import { settled } from "../../contracts/best-effort.ts";
 import { describeError } from "../../contracts/errors.ts";
 import type { SandboxDriver } from "./drivers/driver.ts";
 import type { Sandbox } from "./manager-types.ts";
@@ -61,15 +63,14 @@ export class IdlePause {
 
   /** Stops or restarts the vCPUs; one QMP stop/cont at a time, in call order. */
   vcpus(sb: Sandbox, stop: boolean): Promise<void> {
-    const next = sb.vcpus
-      .catch(() => {})
-      .then(async () => {
-        const vm = sb.vm;
-        if (!vm || sb.stopped === stop) return;
-        if (stop) await this.h.driver.pause(vm);
-        else await this.h.driver.unpause(vm);
-        sb.stopped = stop;
-      });
+    // Each caller gets its own step's error; the chain goes on after a failed one.
+    const next = settled(sb.vcpus).then(async () => {
+      const vm = sb.vm;
+      if (!vm || sb.stopped === stop) return;
+      if (stop) await this.h.driver.pause(vm);
+      else await this.h.driver.unpause(vm);
+      sb.stopped = stop;
+    });
     sb.vcpus = next;
     return next;
   }

@@ -19,6 +19,7 @@ import { createHash, randomBytes } from "node:crypto";
 import { chmod, mkdir, readdir, readFile, rename, rm, rmdir, stat, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
 import { MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, MIN_VCPUS } from "../../contracts/api/limits.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { needFreeSpace } from "../../contracts/disk-space.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import type { GuestClient } from "../guest/client.ts";
@@ -299,7 +300,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     await Promise.all([meta.disk, meta.statePath, meta.memPath].map((p) => rm(p, { force: true })));
     meta.state = "failed";
     meta.error = { code: e.code, message: e.message, ...(e.details ? { details: e.details } : {}) };
-    await writeMeta(meta).catch(() => {});
+    await bestEffort(log, `recording template ${id} as failed`, writeMeta(meta));
     log(`template ${id} failed: ${e.message}`);
     return fail(e);
   }
@@ -374,5 +375,8 @@ export async function deleteTemplate(dataDir: string, id: string): Promise<Resul
 
 /** Removes a template dir once its files are all gone (after its last child ended). */
 async function removeIfEmpty(dir: string): Promise<void> {
-  await rmdir(dir).catch(() => {}); // ENOTEMPTY: children still use files in it
+  await rmdir(dir).catch((err: NodeJS.ErrnoException) => {
+    // Children still use files in it (ENOTEMPTY), or it went already (ENOENT).
+    if (err.code !== "ENOTEMPTY" && err.code !== "ENOENT") throw err;
+  });
 }
