@@ -23,6 +23,7 @@ import { installFaultHandlers } from "./faults.ts";
 import { installHeapStatsSignal } from "./heap-stats.ts";
 import { serveOperatorCommands } from "./operator-ops.ts";
 import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
+import type { Settings } from "./settings/parse.ts";
 import {
   agentSettings,
   dataDirOf,
@@ -48,11 +49,10 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const settings = settingsOrRefuse(values);
   if (!settings) return 2;
   const port = parsePort(values.port, 8080);
-  const start = gatewayStart(settings);
   const dataDir = values["data-dir"] ?? dataDirOf(settings);
   const stateDir = join(dataDir, "agent");
   await mkdir(stateDir, { recursive: true });
-  const secrets = loadSecrets(dataDir, start.secrets);
+  const secrets = loadSecrets(dataDir, gatewayStart(settings).secrets);
   const removeFaultHandlers = installFaultHandlers(log);
   const removeHeapStats = installHeapStatsSignal(settings.SANDBOXD_HEAP_STATS === "1");
 
@@ -60,22 +60,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   const events = new EventReporter({ log });
   // The gateway routes to enrolled agents (gateway/agents/router.ts); its one agent enrolls and
   // registers by heartbeat like any other, as agent `local` in region `local`.
-  const gateway = await startGateway({
-    port,
-    hostname: values.host ?? "127.0.0.1",
-    dataDir,
-    ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
-    agentSecret: secrets.agentSecret,
-    config: {
-      version,
-      region: "local",
-      ...(start.publicBaseUrl !== undefined ? { publicBaseUrl: start.publicBaseUrl } : {}),
-      limits: gatewayLimits(settings),
-      // Gateway and agent run here: health shows both halves' settings.
-      settings: reportedSettings(settings, ["gateway", "agent"]),
-    },
-    log,
-  });
+  const gateway = await startUpGateway(settings, { port, host: values.host, dataDir, version, log }, secrets);
   // The agent's manager opens after the gateway: over PGlite the gateway's database lock
   // (db/lock.ts) is what stops a second `up` on this data dir, before it touches any VM.
   const agent = agentSettings(settings);
@@ -87,25 +72,13 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   );
   // `sandboxd key` / `agent-token` while this runs: through this socket, on this process's db.
   const operator = await serveOperatorCommands(dataDir, gateway, secrets, log);
-  const gatewayUrl = gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:");
-  const credentials = await ownAgentCredentials(gateway, secrets.agentSecret, gatewayUrl, stateDir);
-  const agentServer = startAgentServer({
+  const { gatewayUrl, agentServer, heartbeats, credentials } = await serveLocalAgent({
+    gateway,
     manager,
-    credentials,
-    uploadDir: join(stateDir, "uploads"),
+    agentSecret: secrets.agentSecret,
+    stateDir,
     diskReserveBytes: agent.host.diskReserveBytes,
-    // The agent listens on loopback only: in the embedded deployment only our gateway calls it.
-    hostname: "127.0.0.1",
-    port: 0,
     version,
-    log,
-  });
-  const heartbeats = startHeartbeats({
-    gatewayUrl,
-    credentials,
-    region: "local",
-    advertiseUrl: agentServer.url,
-    capacity: () => manager.capacityNow(),
     log,
   });
   events.start({ gatewayUrl, credentials });
@@ -121,10 +94,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     ? undefined
     : startCatalogBuild(dataDir, manager, log, agent, () => registerCatalog(gateway));
 
-  await new Promise<void>((resolve) => {
-    process.once("SIGINT", resolve);
-    process.once("SIGTERM", resolve);
-  });
+  await untilStopSignal();
   log("stopping: running sandboxes keep running and are re-adopted by the next `up`");
   await catalog?.stop();
   heartbeats.stop();
@@ -136,6 +106,74 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   removeFaultHandlers();
   removeHeapStats();
   return 0;
+}
+
+/** The gateway of `up`: its one agent is `local` in region `local`, and health shows both halves' settings. */
+function startUpGateway(
+  settings: Settings,
+  o: { port: number; host: string | undefined; dataDir: string; version: string; log: (m: string) => void },
+  secrets: ReturnType<typeof loadSecrets>,
+): Promise<RunningGateway> {
+  const start = gatewayStart(settings);
+  return startGateway({
+    port: o.port,
+    hostname: o.host ?? "127.0.0.1",
+    dataDir: o.dataDir,
+    ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
+    agentSecret: secrets.agentSecret,
+    config: {
+      version: o.version,
+      region: "local",
+      ...(start.publicBaseUrl !== undefined ? { publicBaseUrl: start.publicBaseUrl } : {}),
+      limits: gatewayLimits(settings),
+      settings: reportedSettings(settings, ["gateway", "agent"]),
+    },
+    log: o.log,
+  });
+}
+
+/**
+ * `up`'s agent on loopback (in the embedded deployment only our gateway calls it), enrolled with
+ * the gateway like any other, and its heartbeats.
+ */
+async function serveLocalAgent(o: {
+  gateway: RunningGateway;
+  manager: Awaited<ReturnType<typeof openAgentManager>>;
+  agentSecret: string;
+  stateDir: string;
+  diskReserveBytes: number;
+  version: string;
+  log: (m: string) => void;
+}) {
+  const gatewayUrl = o.gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:");
+  const credentials = await ownAgentCredentials(o.gateway, o.agentSecret, gatewayUrl, o.stateDir);
+  const agentServer = startAgentServer({
+    manager: o.manager,
+    credentials,
+    uploadDir: join(o.stateDir, "uploads"),
+    diskReserveBytes: o.diskReserveBytes,
+    hostname: "127.0.0.1",
+    port: 0,
+    version: o.version,
+    log: o.log,
+  });
+  const heartbeats = startHeartbeats({
+    gatewayUrl,
+    credentials,
+    region: "local",
+    advertiseUrl: agentServer.url,
+    capacity: () => o.manager.capacityNow(),
+    log: o.log,
+  });
+  return { gatewayUrl, credentials, agentServer, heartbeats };
+}
+
+/** Resolves at the first SIGINT or SIGTERM. */
+function untilStopSignal(): Promise<void> {
+  return new Promise<void>((resolve) => {
+    process.once("SIGINT", resolve);
+    process.once("SIGTERM", resolve);
+  });
 }
 
 /** The id of `up`'s own agent. */
