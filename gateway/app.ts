@@ -8,7 +8,8 @@
  * at the edge of each handler (http.ts), so that the template upload can stream.
  */
 import { Hono } from "hono";
-import type { AgentApi } from "../contracts/agent/api.ts";
+import type { AgentApi, AgentHostApi } from "../contracts/agent/api.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import type { Db } from "../db/client.ts";
 import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import { bearerKey } from "./auth/bearer.ts";
@@ -32,8 +33,12 @@ import { templateRoutes } from "./routes/templates.ts";
 
 export interface CreateAppDeps {
   db: Db;
-  agent: AgentApi;
-  /** Where VMs go; without it every VM goes to `agent`, named by `config.agent`. */
+  /**
+   * The calls that name no VM. Without `placement` it must be one whole agent (`AgentApi`), which
+   * then takes every VM, named by `config.agent`; with it, the router over many agents.
+   */
+  agent: AgentHostApi;
+  /** Where VMs go and which agent serves the calls on a VM (gateway/agents/placement.ts). */
   placement?: Placement;
   config: GatewayConfig;
   clock?: Clock;
@@ -64,13 +69,26 @@ export function appDeps(input: CreateAppDeps): Deps {
   return {
     db: input.db,
     agent: input.agent,
-    placement: input.placement ?? new FixedPlacement(input.db, input.agent, input.config.agent),
+    placement: input.placement ?? placementOf(input),
     config: input.config,
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),
     ...(input.activity ? { activity: input.activity } : {}),
     ...(input.rows ? { rows: input.rows } : {}),
   };
+}
+
+/** Whether `agent` also serves the calls on its VMs, as one whole agent does. */
+function isWholeAgent(agent: AgentHostApi): agent is AgentApi {
+  return typeof (agent as Partial<AgentApi>).exec === "function";
+}
+
+/** A misconfiguration, found when the app is built rather than at a sandbox's first call. */
+function placementOf(input: CreateAppDeps): Placement {
+  if (!isWholeAgent(input.agent)) {
+    throw new SandboxdError("internal", "createApp: an agent that serves no VM calls needs a placement");
+  }
+  return new FixedPlacement(input.db, input.agent, input.config.agent);
 }
 
 export function createApp(input: CreateAppDeps): Hono<HonoEnv> {

@@ -6,7 +6,7 @@
  */
 import { and, eq, gt, inArray, isNotNull, isNull, lte, or, type SQL, sql } from "drizzle-orm";
 import type {
-  AgentApi,
+  AgentVmApi,
   CreatedVm,
   ExecAction,
   ExecResult,
@@ -51,7 +51,7 @@ export function requireAllowed(id: string, state: RecordState, action: RecordAct
 }
 
 /** The agent a sandbox lives on: the one recorded on its row (gateway/agents/placement.ts). */
-export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentApi {
+export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentVmApi {
   return deps.placement.agentFor(row.agentId);
 }
 
@@ -417,7 +417,7 @@ async function endOneShot(
     .finally(() => forgetRows(deps, id));
 }
 
-/** Runs an exec in a sandbox or session; with `stream`, its output streams (AgentApi.execStream). */
+/** Runs an exec in a sandbox or session; with `stream`, its output streams (AgentVmApi.execStream). */
 export async function execIn(
   deps: Deps,
   p: Principal,
@@ -473,7 +473,7 @@ export async function beginUse(
   deps: Deps,
   p: Principal,
   id: string,
-): Promise<{ row: SandboxRow; agent: AgentApi; end: () => Promise<void> }> {
+): Promise<{ row: SandboxRow; agent: AgentVmApi; end: () => Promise<void> }> {
   const row = await getOwned(deps, p, id);
   const { end } = await beginUseOf(deps, p, row, "exec");
   return { row, agent: agentOf(deps, row), end };
@@ -798,7 +798,7 @@ async function changeUnderHold<T>(
   action: QuotaHold,
   quota: { cap: number; what: string },
   call: (
-    agent: AgentApi,
+    agent: AgentVmApi,
     vmId: string,
     row: SandboxRow,
   ) => Promise<{
