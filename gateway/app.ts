@@ -27,9 +27,9 @@ import { fileRoutes } from "./routes/files.ts";
 import { processRoutes } from "./routes/processes.ts";
 import { ptyRoutes } from "./routes/pty.ts";
 import { sandboxRoutes } from "./routes/sandboxes.ts";
-import { sessionsRoutes } from "./routes/sessions.ts";
+import { execRoutes, sessionRoutes } from "./routes/sessions.ts";
 import { healthRoutes, systemRoutes } from "./routes/system.ts";
-import { templateRoutes } from "./routes/templates.ts";
+import { imageRoutes, templateRoutes } from "./routes/templates.ts";
 
 export interface CreateAppDeps {
   db: Db;
@@ -104,20 +104,26 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),
   );
 
-  app.route("/", healthRoutes(deps)); // no key (spec 5.1)
-  app.route("/", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
+  app.route("/v1", healthRoutes(deps)); // no key (spec 5.1)
+  app.route("/v1/sandboxes", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
   app.route("/", consoleRoutes()); // the web console's static files; its API calls carry the key
 
   const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });
   app.use("/v1/*", bearerKey(keys), rateLimit.middleware);
 
-  app.route("/", sessionsRoutes(deps, log));
-  app.route("/", sandboxRoutes(deps));
-  app.route("/", processRoutes(deps));
-  app.route("/", connectRoutes(deps));
-  app.route("/", ptyRoutes(deps));
-  app.route("/", fileRoutes(deps));
-  app.route("/", templateRoutes(deps));
-  app.route("/", systemRoutes(deps, { rateLimited: rateLimit.refused }));
+  // Each route checks the key's API (auth/guards.ts requireApiMw) unless its path is shared by
+  // both APIs, where the key's API picks the handler: POST /v1/sessions and /v1/templates.
+  app.route("/v1/exec", execRoutes(deps, log));
+  app.route("/v1/sessions", sessionRoutes(deps));
+  app.route("/v1/sandboxes", sandboxRoutes(deps));
+  app.route("/v1/sandboxes", connectRoutes(deps));
+  for (const api of ["sandboxes", "sessions"] as const) {
+    app.route(`/v1/${api}`, processRoutes(deps, api));
+    app.route(`/v1/${api}`, ptyRoutes(deps, api));
+    app.route(`/v1/${api}`, fileRoutes(deps, api));
+  }
+  app.route("/v1/templates", templateRoutes(deps));
+  app.route("/v1/images", imageRoutes(deps));
+  app.route("/v1", systemRoutes(deps, { rateLimited: rateLimit.refused }));
   return app;
 }
