@@ -8,7 +8,8 @@
  * at the edge of each handler (http.ts), so that the template upload can stream.
  */
 import { Hono } from "hono";
-import type { AgentApi } from "../contracts/agent/api.ts";
+import type { AgentApi, AgentHostApi } from "../contracts/agent/api.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import type { Db } from "../db/client.ts";
 import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import { bearerKey } from "./auth/bearer.ts";
@@ -26,14 +27,18 @@ import { fileRoutes } from "./routes/files.ts";
 import { processRoutes } from "./routes/processes.ts";
 import { ptyRoutes } from "./routes/pty.ts";
 import { sandboxRoutes } from "./routes/sandboxes.ts";
-import { sessionsRoutes } from "./routes/sessions.ts";
+import { execRoutes, sessionRoutes } from "./routes/sessions.ts";
 import { healthRoutes, systemRoutes } from "./routes/system.ts";
-import { templateRoutes } from "./routes/templates.ts";
+import { imageRoutes, templateRoutes } from "./routes/templates.ts";
 
 export interface CreateAppDeps {
   db: Db;
-  agent: AgentApi;
-  /** Where VMs go; without it every VM goes to `agent`, named by `config.agent`. */
+  /**
+   * The calls that name no VM. Without `placement` it must be one whole agent (`AgentApi`), which
+   * then takes every VM, named by `config.agent`; with it, the router over many agents.
+   */
+  agent: AgentHostApi;
+  /** Where VMs go and which agent serves the calls on a VM (gateway/agents/placement.ts). */
   placement?: Placement;
   config: GatewayConfig;
   clock?: Clock;
@@ -64,13 +69,26 @@ export function appDeps(input: CreateAppDeps): Deps {
   return {
     db: input.db,
     agent: input.agent,
-    placement: input.placement ?? new FixedPlacement(input.db, input.agent, input.config.agent),
+    placement: input.placement ?? placementOf(input),
     config: input.config,
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),
     ...(input.activity ? { activity: input.activity } : {}),
     ...(input.rows ? { rows: input.rows } : {}),
   };
+}
+
+/** Whether `agent` also serves the calls on its VMs, as one whole agent does. */
+function isWholeAgent(agent: AgentHostApi): agent is AgentApi {
+  return typeof (agent as Partial<AgentApi>).exec === "function";
+}
+
+/** A misconfiguration, found when the app is built rather than at a sandbox's first call. */
+function placementOf(input: CreateAppDeps): Placement {
+  if (!isWholeAgent(input.agent)) {
+    throw new SandboxdError("internal", "createApp: an agent that serves no VM calls needs a placement");
+  }
+  return new FixedPlacement(input.db, input.agent, input.config.agent);
 }
 
 export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
@@ -86,20 +104,26 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),
   );
 
-  app.route("/", healthRoutes(deps)); // no key (spec 5.1)
-  app.route("/", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
+  app.route("/v1", healthRoutes(deps)); // no key (spec 5.1)
+  app.route("/v1/sandboxes", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
   app.route("/", consoleRoutes()); // the web console's static files; its API calls carry the key
 
   const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });
   app.use("/v1/*", bearerKey(keys), rateLimit.middleware);
 
-  app.route("/", sessionsRoutes(deps, log));
-  app.route("/", sandboxRoutes(deps));
-  app.route("/", processRoutes(deps));
-  app.route("/", connectRoutes(deps));
-  app.route("/", ptyRoutes(deps));
-  app.route("/", fileRoutes(deps));
-  app.route("/", templateRoutes(deps));
-  app.route("/", systemRoutes(deps, { rateLimited: rateLimit.refused }));
+  // Each route checks the key's API (auth/guards.ts requireApiMw) unless its path is shared by
+  // both APIs, where the key's API picks the handler: POST /v1/sessions and /v1/templates.
+  app.route("/v1/exec", execRoutes(deps, log));
+  app.route("/v1/sessions", sessionRoutes(deps));
+  app.route("/v1/sandboxes", sandboxRoutes(deps));
+  app.route("/v1/sandboxes", connectRoutes(deps));
+  for (const api of ["sandboxes", "sessions"] as const) {
+    app.route(`/v1/${api}`, processRoutes(deps, api));
+    app.route(`/v1/${api}`, ptyRoutes(deps, api));
+    app.route(`/v1/${api}`, fileRoutes(deps, api));
+  }
+  app.route("/v1/templates", templateRoutes(deps));
+  app.route("/v1/images", imageRoutes(deps));
+  app.route("/v1", systemRoutes(deps, { rateLimited: rateLimit.refused }));
   return app;
 }

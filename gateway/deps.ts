@@ -1,6 +1,6 @@
 /** What createApp and the core functions are given (no globals). */
 
-import type { AgentApi } from "../contracts/agent/api.ts";
+import type { AgentHostApi } from "../contracts/agent/api.ts";
 import type { Db } from "../db/client.ts";
 import type { Placement } from "./agents/placement.ts";
 import type { Principal } from "./auth/keys.ts";
@@ -16,7 +16,7 @@ export type Clock = () => number;
 export interface Deps {
   db: Db;
   /** Calls that name no VM: templates, exec-once, health. */
-  agent: AgentApi;
+  agent: AgentHostApi;
   /** Which agent a new VM goes to, and which one a VM lives on (gateway/agents/placement.ts). */
   placement: Placement;
   config: GatewayConfig;

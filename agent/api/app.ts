@@ -5,9 +5,6 @@
  * `{code, message}` in one place (errors.ts). Every route needs the gateway's short-lived JWT,
  * signed with this agent's own key and made out to this agent's id (contracts/agent/token.ts).
  */
-import { randomBytes } from "node:crypto";
-import { mkdir, rm } from "node:fs/promises";
-import { join } from "node:path";
 import { type Context, Hono } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import type { z } from "zod";
@@ -18,22 +15,13 @@ import {
   ExecBody,
   ExecOnceBody,
   ForkBody,
-  OciBuildBody,
   PtySizeQuery,
-  TemplateRefParam,
   TunnelQuery,
-  UploadQuery,
   VmIdParam,
-  WidthBody,
 } from "../../contracts/agent/schemas.ts";
 import { type AgentCredentials, secretKey, verifyAgentToken } from "../../contracts/agent/token.ts";
 import { AGENT_MAX_JSON_BODY_BYTES } from "../../contracts/api/limits.ts";
-import {
-  asNoSpace,
-  DEFAULT_DISK_RESERVE_BYTES,
-  isNoSpace,
-  needFreeSpace,
-} from "../../contracts/disk-space.ts";
+import { DEFAULT_DISK_RESERVE_BYTES } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestTunnel } from "../guest/client.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
@@ -42,6 +30,7 @@ import { mapAgentError } from "./errors.ts";
 import { streamExec } from "./exec-stream.ts";
 import { fileRoutes } from "./files.ts";
 import { processRoutes } from "./processes.ts";
+import { templateRoutes } from "./templates.ts";
 import type { TunnelSocketData } from "./tunnel-ws.ts";
 
 export interface AgentAppDeps {
@@ -150,52 +139,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     }),
   );
 
-  r.put("/templates/:ref/upload", async (c) => {
-    const template = parse(TemplateRefParam, c.req.param("ref"));
-    const q = parse(UploadQuery, c.req.query());
-    if (!c.req.raw.body) throw new SandboxdError("bad_request", "the image upload has no body");
-    // The gateway sends the length of the file it staged: refused before a byte is written when
-    // it does not fit with the reserve; a write that still fills the disk is 507 too.
-    const declared = Number(c.req.header("content-length") ?? 0);
-    await needFreeSpace(
-      deps.uploadDir,
-      "the image upload",
-      Number.isSafeInteger(declared) ? declared : 0,
-      deps.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES,
-    );
-    await mkdir(deps.uploadDir, { recursive: true, mode: 0o700 });
-    const path = join(deps.uploadDir, `${randomBytes(8).toString("hex")}.upload`);
-    try {
-      // Streamed to disk as it arrives: images may be several GB (spec 4.1).
-      await Bun.write(path, new Response(c.req.raw.body));
-    } catch (err) {
-      await rm(path, { force: true });
-      if (isNoSpace(err)) throw asNoSpace(err, "the image upload");
-      throw new SandboxdError("bad_request", "the image upload was interrupted", { cause: err });
-    }
-    return run({ kind: "buildTemplate", template, source: { kind: "upload", path, ...q } });
-  });
-  r.put("/templates/:ref", json, async (c) => {
-    const template = parse(TemplateRefParam, c.req.param("ref"));
-    const b = parse(OciBuildBody, await body(c.req.raw));
-    return run({ kind: "buildTemplate", template, source: { kind: "oci", ...b } });
-  });
-  r.get("/templates/:ref", (c) =>
-    run({ kind: "templateStatus", template: parse(TemplateRefParam, c.req.param("ref")) }),
-  );
-  r.delete("/templates/:ref", (c) =>
-    run({ kind: "deleteTemplate", template: parse(TemplateRefParam, c.req.param("ref")) }),
-  );
-  r.post("/templates/:ref/expect", json, async (c) =>
-    run({
-      kind: "expectWidth",
-      template: parse(TemplateRefParam, c.req.param("ref")),
-      width: parse(WidthBody, await body(c.req.raw)).width,
-    }),
-  );
-  r.post("/templates/:ref/release", (c) =>
-    run({ kind: "releaseTemplate", template: parse(TemplateRefParam, c.req.param("ref")) }),
-  );
+  templateRoutes(r, deps.uploadDir, deps.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES, { json, parse, body, run });
   app.route(AGENT_API_PREFIX, r);
   return app;
 }

@@ -6,8 +6,9 @@
  * in-memory stand-in (tests/support/memory-agent.ts).
  *
  * The wire data is defined once, as the zod schemas in schemas.ts; the types below are inferred
- * from them. Only what never crosses the wire as JSON is written by hand: the method set
- * (`AgentApi`), the byte `Tunnel`, and the upload source's local file path.
+ * from them. Only what never crosses the wire as JSON is written by hand: the method sets
+ * (`AgentHostApi`, `AgentVmApi`, and `AgentApi`, both of them), the byte `Tunnel`, and the upload
+ * source's local file path.
  *
  * Errors: an implementation throws `SandboxdError` (contracts/errors.ts) with one of the
  * `AgentErrorCode`s; the agent's status for each is `AGENT_STATUS_OF_CODE` (agent/api/errors.ts),
@@ -94,11 +95,32 @@ export interface PtyTunnel extends Tunnel {
   resize(cols: number, rows: number): void;
 }
 
-export interface AgentApi {
+/**
+ * The calls that name no VM: what a gateway asks of its agents as a whole. One agent serves them
+ * for itself; the gateway's router (gateway/agents/router.ts) serves them across every live agent
+ * of a region (a create goes to the one with room, a template is built on all of them).
+ */
+export interface AgentHostApi {
   /** Spawn a VM from a ready template. */
   createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm>;
   /** Run one action in a throwaway VM that is destroyed afterwards (sessions API /v1/exec). */
   execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult>;
+  /** Start a build in the background and return at once; poll `templateStatus`. */
+  buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void>;
+  templateStatus(template: TemplateRef): Promise<TemplateBuildStatus>;
+  /** In-flight VMs finish, then the template's resources are reclaimed. */
+  deleteTemplate(template: TemplateRef): Promise<void>;
+  /** Pro: pre-warm capacity for the next session of this width; `releaseTemplate` ends it. */
+  expectWidth(template: TemplateRef, width: number): Promise<void>;
+  releaseTemplate(template: TemplateRef): Promise<void>;
+  health(): Promise<AgentHealth>;
+}
+
+/**
+ * The calls on the VMs of one agent: only the agent that holds a VM can serve them, so the
+ * gateway reaches them through the agent recorded on the sandbox's row (`Placement.agentFor`).
+ */
+export interface AgentVmApi {
   /** Run an action in a live VM. Serialized per VM: a concurrent call throws `busy`. */
   exec(vmId: VmId, action: ExecAction): Promise<ExecResult>;
   /**
@@ -115,14 +137,6 @@ export interface AgentApi {
   resume(vmId: VmId): Promise<ResumeResult>;
   /** `force` aborts an in-flight exec; otherwise it is allowed to finish first. Idempotent. */
   destroy(vmId: VmId, opts: { force: boolean }): Promise<void>;
-  /** Start a build in the background and return at once; poll `templateStatus`. */
-  buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void>;
-  templateStatus(template: TemplateRef): Promise<TemplateBuildStatus>;
-  /** In-flight VMs finish, then the template's resources are reclaimed. */
-  deleteTemplate(template: TemplateRef): Promise<void>;
-  /** Pro: pre-warm capacity for the next session of this width; `releaseTemplate` ends it. */
-  expectWidth(template: TemplateRef, width: number): Promise<void>;
-  releaseTemplate(template: TemplateRef): Promise<void>;
   /** Open a byte tunnel to a guest port of a running VM (throws `port_not_exposed`). */
   openTunnel(vmId: VmId, port: number, protocol: TunnelProtocol): Promise<Tunnel>;
   /**
@@ -142,7 +156,9 @@ export interface AgentApi {
   openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel>;
   /** Upload, download, list or remove a file in a live VM, beside any exec (never `busy`). */
   files(vmId: VmId, call: FileCall): Promise<FileAnswer>;
-  health(): Promise<AgentHealth>;
-  /** Every VM the agent holds for sandboxes (not its warm pools), for reconciliation. */
+  /** Every VM this agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;
 }
+
+/** Everything one agent serves: its host calls and the calls on its own VMs. */
+export interface AgentApi extends AgentHostApi, AgentVmApi {}

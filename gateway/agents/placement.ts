@@ -4,7 +4,7 @@
  * heartbeat to this gateway; `FixedPlacement` (below) sends everything to one configured agent
  * (`startGateway({agent})`, and the tests' in-memory stand-in).
  */
-import type { AgentApi } from "../../contracts/agent/api.ts";
+import type { AgentApi, AgentHostApi, AgentVmApi } from "../../contracts/agent/api.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 
@@ -19,9 +19,12 @@ export interface Placement {
    * before starting anything; returns which agent took it. When every agent refused, the last
    * refusal is thrown (no room anywhere reads as `at_capacity`).
    */
-  place<T>(fn: (api: AgentApi) => Promise<T>): Promise<{ agentId: string; result: T }>;
-  /** The agent a VM lives on (the id on its record); one that is not live fails its calls at once. */
-  agentFor(agentId: string): AgentApi;
+  place<T>(fn: (api: AgentHostApi) => Promise<T>): Promise<{ agentId: string; result: T }>;
+  /**
+   * The calls on the VMs of the agent with this id (the id on a sandbox's record); one that is not
+   * live fails its calls at once.
+   */
+  agentFor(agentId: string): AgentVmApi;
 }
 
 /** The agent row must exist before sandboxes reference it; upserted once per process and db. */
@@ -40,11 +43,11 @@ export class FixedPlacement implements Placement {
     return this.row.id;
   }
 
-  async place<T>(fn: (api: AgentApi) => Promise<T>): Promise<{ agentId: string; result: T }> {
+  async place<T>(fn: (api: AgentHostApi) => Promise<T>): Promise<{ agentId: string; result: T }> {
     return { agentId: this.row.id, result: await fn(this.agent) };
   }
 
-  agentFor(_agentId: string): AgentApi {
+  agentFor(_agentId: string): AgentVmApi {
     return this.agent;
   }
 

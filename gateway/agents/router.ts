@@ -14,36 +14,25 @@
  *   it ready. A create tries the next candidate when one has no room, lacks the template or
  *   refuses the connection, so an agent that is still building is simply skipped.
  *
- * As an `AgentApi` the router serves the calls that name no VM (templates, exec-once, health);
+ * As an `AgentHostApi` the router serves the calls that name no VM (templates, exec-once, health);
  * as the gateway's `Placement` (placement.ts) it chooses the agent of a new VM (`firstChoice`,
- * `place`), and calls on a VM go to the agent on its record (`agentFor`). Every call to an agent
+ * `place`), and calls on a VM go to the agent on its record (`agentFor`, an `AgentVmApi`). Every call to an agent
  * is signed with that agent's own key (enrollment.ts); a revoked agent is neither live nor called.
  */
 import { copyFile, link, rm } from "node:fs/promises";
 import { eq } from "drizzle-orm";
 import type {
-  AgentApi,
   AgentHealth,
+  AgentHostApi,
+  AgentVmApi,
   CreatedVm,
   CreateVmOpts,
   ExecAction,
-  ExecResult,
-  ExecStreamOptions,
-  FileAnswer,
-  FileCall,
   OneShotResult,
-  PtyTunnel,
-  ResumeResult,
-  SuspendResult,
   TemplateBuildStatus,
   TemplateRef,
   TemplateSource,
-  Tunnel,
-  VmId,
-  VmSummary,
 } from "../../contracts/agent/api.ts";
-import type { ProcessInfo, ProcessLogs } from "../../contracts/agent/processes.ts";
-import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
@@ -70,7 +59,7 @@ function retryElsewhere(err: unknown): boolean {
   return err.code === "at_capacity" || err.code === "not_found" || err.code === "template_not_ready";
 }
 
-export class AgentRouter implements AgentApi, Placement {
+export class AgentRouter implements AgentHostApi, Placement {
   readonly region: string;
   private readonly db: Db;
   private readonly agentSecret: string;
@@ -159,7 +148,7 @@ export class AgentRouter implements AgentApi, Placement {
    * error is thrown when every candidate refused (no room anywhere reads as `at_capacity`).
    */
   async place<T>(
-    fn: (api: AgentApi) => Promise<T>,
+    fn: (api: AgentHostApi) => Promise<T>,
     region = this.region,
   ): Promise<{ agentId: string; result: T }> {
     const rows = await this.placementOrder(region);
@@ -177,7 +166,7 @@ export class AgentRouter implements AgentApi, Placement {
   }
 
   /** Placement: the agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
-  agentFor(agentId: string): AgentApi {
+  agentFor(agentId: string): AgentVmApi {
     const lookup = async (): Promise<AgentHttpClient> => {
       const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
       if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
@@ -190,19 +179,12 @@ export class AgentRouter implements AgentApi, Placement {
       return this.client(row);
     };
     return {
-      createSandbox: async (t, o) => (await lookup()).createSandbox(t, o),
-      execOnce: async (t, a) => (await lookup()).execOnce(t, a),
       exec: async (v, a) => (await lookup()).exec(v, a),
       execStream: async (v, a, o) => (await lookup()).execStream(v, a, o),
       fork: async (v, n) => (await lookup()).fork(v, n),
       suspend: async (v) => (await lookup()).suspend(v),
       resume: async (v) => (await lookup()).resume(v),
       destroy: async (v, o) => (await lookup()).destroy(v, o),
-      buildTemplate: async (t, s) => (await lookup()).buildTemplate(t, s),
-      templateStatus: async (t) => (await lookup()).templateStatus(t),
-      deleteTemplate: async (t) => (await lookup()).deleteTemplate(t),
-      expectWidth: async (t, w) => (await lookup()).expectWidth(t, w),
-      releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
       openTunnel: async (v, p, pr) => (await lookup()).openTunnel(v, p, pr),
       startProcess: async (v, r) => (await lookup()).startProcess(v, r),
       listProcesses: async (v) => (await lookup()).listProcesses(v),
@@ -212,12 +194,11 @@ export class AgentRouter implements AgentApi, Placement {
       killProcess: async (v, n) => (await lookup()).killProcess(v, n),
       openPty: async (v, s) => (await lookup()).openPty(v, s),
       files: async (v, f) => (await lookup()).files(v, f),
-      health: async () => (await lookup()).health(),
       listVms: async () => (await lookup()).listVms(),
     };
   }
 
-  // ---- AgentApi: calls that name no VM --------------------------------------------------------
+  // ---- AgentHostApi: calls that name no VM ----------------------------------------------------
 
   async createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
     return (await this.place((a) => a.createSandbox(template, opts))).result;
@@ -266,7 +247,7 @@ export class AgentRouter implements AgentApi, Placement {
     throw err?.reason ?? new SandboxdError("agent_unavailable", `no live agent in region ${this.region}`);
   }
 
-  private async everyLive(fn: (a: AgentApi) => Promise<void>): Promise<void> {
+  private async everyLive(fn: (a: AgentHostApi) => Promise<void>): Promise<void> {
     const settled = await Promise.allSettled((await this.live()).map((r) => fn(this.client(r))));
     for (const s of settled) {
       if (s.status === "rejected" && !(s.reason instanceof SandboxdError && s.reason.code === "not_found")) {
@@ -311,59 +292,5 @@ export class AgentRouter implements AgentApi, Placement {
         memMibFree: sum((h) => h.capacity.memMibFree),
       },
     };
-  }
-
-  // ---- calls on a VM: the caller must say which agent (agentFor) ------------------------------
-
-  private noAgent(): never {
-    throw new SandboxdError("internal", "a call on a VM must go through AgentRouter.agentFor(agentId)");
-  }
-  async exec(_vmId: VmId, _action: ExecAction): Promise<ExecResult> {
-    return this.noAgent();
-  }
-  async execStream(_vmId: VmId, _action: ExecAction, _opts: ExecStreamOptions): Promise<ExecResult> {
-    return this.noAgent();
-  }
-  async fork(_vmId: VmId, _count: number): Promise<CreatedVm[]> {
-    return this.noAgent();
-  }
-  async suspend(_vmId: VmId): Promise<SuspendResult> {
-    return this.noAgent();
-  }
-  async resume(_vmId: VmId): Promise<ResumeResult> {
-    return this.noAgent();
-  }
-  async destroy(_vmId: VmId, _opts: { force: boolean }): Promise<void> {
-    return this.noAgent();
-  }
-  async openTunnel(_vmId: VmId, _port: number, _protocol: TunnelProtocol): Promise<Tunnel> {
-    return this.noAgent();
-  }
-  async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
-    return this.noAgent();
-  }
-  async files(_vmId: VmId, _call: FileCall): Promise<FileAnswer> {
-    return this.noAgent();
-  }
-  async listVms(): Promise<VmSummary[]> {
-    return this.noAgent();
-  }
-  async startProcess(): Promise<ProcessInfo> {
-    return this.noAgent();
-  }
-  async listProcesses(): Promise<ProcessInfo[]> {
-    return this.noAgent();
-  }
-  async processLogs(): Promise<ProcessLogs> {
-    return this.noAgent();
-  }
-  async followProcess(): Promise<ProcessInfo> {
-    return this.noAgent();
-  }
-  async processStdin(): Promise<void> {
-    return this.noAgent();
-  }
-  async killProcess(): Promise<ProcessInfo> {
-    return this.noAgent();
   }
 }

@@ -1,6 +1,9 @@
 /** Tier and API checks (spec 5.3, 5.4, 5.6). */
+
+import type { MiddlewareHandler } from "hono";
 import { type KeyApi, type Tier, tierAtLeast } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import type { HonoEnv } from "../deps.ts";
 import type { Principal } from "./keys.ts";
 
 const KEYS_OF_API: Record<KeyApi, string> = {
@@ -12,6 +15,18 @@ export function requireApi(p: Principal, api: KeyApi): void {
   if (p.api !== api) {
     throw new SandboxdError("forbidden", `this endpoint needs ${KEYS_OF_API[api]}; this is a ${p.tier} key`);
   }
+}
+
+/**
+ * `requireApi` as a route's first middleware, after the key middleware has set the principal. It
+ * is given to each route of a sub-app rather than to `use("*")`, so that a path or method no route
+ * serves stays a 404 for every key.
+ */
+export function requireApiMw(api: KeyApi): MiddlewareHandler<HonoEnv> {
+  return async (c, next) => {
+    requireApi(c.get("principal"), api);
+    await next();
+  };
 }
 
 /** Template admin in the sessions API needs `scale`: 403 `forbidden`. */

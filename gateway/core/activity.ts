@@ -1,6 +1,6 @@
 /**
  * The end of a call on a sandbox (an exec, a file transfer, a fork), written behind: its begin is
- * a synchronous compare-and-set on the row (sandboxes.ts beginActivity: the reaper must see the
+ * a synchronous compare-and-set on the row (sandboxes/exec.ts beginActivity: the reaper must see the
  * call before it starts), but its end only lowers `execs_in_flight`, moves `last_exec_at` and
  * counts `exec_count`, so the ends of one sandbox are coalesced here and written in one UPDATE
  * every `ACTIVITY_FLUSH_MS` instead of one per call.
@@ -9,7 +9,7 @@
  * higher than the truth, which only keeps every reaper away from it (never the other way). A
  * crash loses at most the last `ACTIVITY_FLUSH_MS` of ends: their `exec_count` increments, and
  * their in-flight counts, which the reapers already treat as lost once they are older than any
- * exec may run (sandboxes.ts idleClaimable). A graceful stop writes everything (`stop`). Usage
+ * exec may run (sandboxes/reaping.ts idleClaimable). A graceful stop writes everything (`stop`). Usage
  * intervals and state changes never go through here: they stay synchronous.
  *
  * Reads by this process see their own ends at once (`overlay`), so an exec's count shows in the

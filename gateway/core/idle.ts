@@ -2,7 +2,7 @@
  * Idle lifetimes of sandboxes API sandboxes (`idle_timeout_seconds` + `idle_action: "suspend"`): the
  * reaper suspends a sandbox idle past its lifetime through the same hold and quota as a user's
  * suspend, and the sandbox's next exec, fork or connect resumes it first (`wakeIfIdle`). The
- * `delete` action is the session reaper's claim (sandboxes.ts reapIdleSessions), which also takes
+ * `delete` action is the session reaper's claim (sandboxes/reaping.ts reapIdleSessions), which also takes
  * The sandboxes API rows whose lifetime deletes them. Both claims use one idleness test (`idleClaimable`).
  */
 import { and, eq, isNotNull, isNull } from "drizzle-orm";

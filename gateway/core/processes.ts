@@ -8,7 +8,7 @@
  * is open. Processes never count as the foreground exec (that is the agent's `busy`): a process
  * call is never `busy`.
  */
-import type { AgentApi } from "../../contracts/agent/api.ts";
+import type { AgentVmApi } from "../../contracts/agent/api.ts";
 import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
 import { wakeIfIdle } from "./idle.ts";
@@ -18,7 +18,7 @@ export async function processCall<T>(
   deps: Deps,
   p: Principal,
   id: string,
-  fn: (agent: AgentApi, vmId: string) => Promise<T>,
+  fn: (agent: AgentVmApi, vmId: string) => Promise<T>,
 ): Promise<T> {
   await wakeIfIdle(deps, p, id);
   const use = await beginUse(deps, p, id);

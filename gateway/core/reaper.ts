@@ -1,6 +1,6 @@
 /**
  * The reaper: one timer per gateway process whose pass reclaims idle sessions API sessions and the
- * Sandboxes of the sandboxes API whose idle lifetime deletes them (sandboxes.ts reapIdleSessions), suspends
+ * Sandboxes of the sandboxes API whose idle lifetime deletes them (sandboxes/reaping.ts reapIdleSessions), suspends
  * those whose lifetime suspends them (idle.ts), and ends one-shot execs whose call was lost. Each
  * claim is one conditional UPDATE, so several gateways on one database act once per record.
  */

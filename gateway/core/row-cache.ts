@@ -2,7 +2,7 @@
  * Sandbox and session rows served from memory to the reads that only show a row (`GET
  * /v1/sandboxes/{id}`, `GET /v1/sessions/{id}`), so that an authenticated read costs no database
  * round trip. Keyed by id only: the tenant and API check stays on every read of a cached row
- * (sandboxes.ts getOwned), so tenant B is answered 404 for tenant A's row as before.
+ * (sandboxes/records.ts getOwned), so tenant B is answered 404 for tenant A's row as before.
  *
  * Invalidation: a trigger on the table (migration 0007) NOTIFYs `sandboxes_changed` with the id
  * of every row inserted, updated or deleted, by anyone; each gateway LISTENs (db/client.ts

@@ -27,13 +27,13 @@ import { TcpRelay } from "../relay/tcp.ts";
 import type { Upgrade } from "../runtime/types.ts";
 
 /**
- * Mounted before the key middleware: a connect request carrying a token `t` and no
+ * Mounted at `/v1/sandboxes` before the key middleware: a connect request carrying a token `t` and no
  * Authorization header is authorised by the token alone (spec 5.5). Any other request passes on,
  * to the key middleware and then `connectRoutes`.
  */
 export function connectTokenRoutes(deps: Deps, rateLimit: (keyId: string) => Promise<void>): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
-  app.get("/v1/sandboxes/:id/connect", async (c, next) => {
+  app.get("/:id/connect", async (c, next) => {
     if (c.req.header("authorization") === undefined && c.req.query("t") !== undefined) {
       return connect(deps, c, { rateLimit });
     }
@@ -42,12 +42,16 @@ export function connectTokenRoutes(deps: Deps, rateLimit: (keyId: string) => Pro
   return app;
 }
 
-/** Behind the key middleware: minting connect URLs, and connecting with a key. */
+/**
+ * Mounted at `/v1/sandboxes` behind the key middleware: minting connect URLs, and connecting with a
+ * key. Both are Pro features, so each handler checks the tier (`requirePro`, which checks the API
+ * first) where it needs it: connecting reads its query first.
+ */
 export function connectRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   const max = () => deps.config.limits.maxJsonBodyBytes;
 
-  app.post("/v1/sandboxes/:id/connect-url", async (c) => {
+  app.post("/:id/connect-url", async (c) => {
     const p = c.get("principal");
     requirePro(p, "connect URLs");
     const req = await jsonBody(c, B.ConnectUrlRequest, max());
@@ -76,7 +80,7 @@ export function connectRoutes(deps: Deps): Hono<HonoEnv> {
     return c.json({ url, expires_at: new Date(expSecs * 1000).toISOString() });
   });
 
-  app.get("/v1/sandboxes/:id/connect", (c) => connect(deps, c, c.get("principal")));
+  app.get("/:id/connect", (c) => connect(deps, c, c.get("principal")));
   return app;
 }
 

@@ -6,12 +6,12 @@
  * is resumed first (`wakeIfIdle`). Bodies stream end to end: the gateway holds no more of a file
  * than its transport buffers, the agent none beyond one guest frame.
  */
-import { type Context, Hono } from "hono";
+import { type Context, Hono, type MiddlewareHandler } from "hono";
 import { FilesQuery } from "../../contracts/api/files.ts";
 import { MAX_FILE_TRANSFER_BYTES } from "../../contracts/api/limits.ts";
 import type { KeyApi } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { requireApi } from "../auth/guards.ts";
+import { requireApiMw } from "../auth/guards.ts";
 import { wakeIfIdle } from "../core/idle.ts";
 import { beginUse, inTermsOf } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
@@ -72,11 +72,10 @@ function onFinish(stream: ReadableStream<Uint8Array>, end: () => Promise<void>):
   );
 }
 
-function handlers(deps: Deps, api: KeyApi) {
+function handlers(deps: Deps) {
   /** The record, checked and counted in flight; `end` once the call is over. */
   const begin = async (c: Context<HonoEnv>) => {
     const p = c.get("principal");
-    requireApi(p, api);
     const q = query(c, FilesQuery);
     const id = c.req.param("id")!;
     await wakeIfIdle(deps, p, id);
@@ -86,8 +85,6 @@ function handlers(deps: Deps, api: KeyApi) {
   };
 
   const put = async (c: Context<HonoEnv>) => {
-    const declared = c.req.header("content-length");
-    if (declared !== undefined && Number(declared) > MAX_FILE_TRANSFER_BYTES) throw tooLarge();
     const u = await begin(c);
     const body = limited(c.req.raw.body);
     try {
@@ -143,16 +140,20 @@ function handlers(deps: Deps, api: KeyApi) {
   return { put, get, del };
 }
 
-export function fileRoutes(deps: Deps): Hono<HonoEnv> {
+/** A declared upload size over the limit is refused first, before the key's API is checked. */
+const declaredSize: MiddlewareHandler<HonoEnv> = async (c, next) => {
+  const declared = c.req.header("content-length");
+  if (declared !== undefined && Number(declared) > MAX_FILE_TRANSFER_BYTES) throw tooLarge();
+  await next();
+};
+
+/** Mounted at `/v1/sandboxes` and at `/v1/sessions`, each with its own API. */
+export function fileRoutes(deps: Deps, api: KeyApi): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
-  for (const [api, base] of [
-    ["sandboxes", "/v1/sandboxes/:id/files"],
-    ["sessions", "/v1/sessions/:id/files"],
-  ] as const) {
-    const h = handlers(deps, api);
-    app.put(base, h.put);
-    app.get(base, h.get);
-    app.delete(base, h.del);
-  }
+  const only = requireApiMw(api);
+  const h = handlers(deps);
+  app.put("/:id/files", declaredSize, only, h.put);
+  app.get("/:id/files", only, h.get);
+  app.delete("/:id/files", only, h.del);
   return app;
 }

@@ -9,7 +9,8 @@
  */
 import { type Context, Hono } from "hono";
 import { PtyQuery } from "../../contracts/api/common.ts";
-import { requireApi } from "../auth/guards.ts";
+import type { KeyApi } from "../../contracts/api/tiers.ts";
+import { requireApiMw } from "../auth/guards.ts";
 import { wakeIfIdle } from "../core/idle.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
@@ -21,16 +22,15 @@ import { serveRelay, wsUpgrade } from "./connect.ts";
 const DEFAULT_COLS = 80;
 const DEFAULT_ROWS = 24;
 
-export function ptyRoutes(deps: Deps): Hono<HonoEnv> {
+/** Mounted at `/v1/sandboxes` and at `/v1/sessions`, each with its own API. */
+export function ptyRoutes(deps: Deps, api: KeyApi): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
-  app.get("/v1/sandboxes/:id/pty", (c) => openPty(deps, c, "sandboxes"));
-  app.get("/v1/sessions/:id/pty", (c) => openPty(deps, c, "sessions"));
+  app.get("/:id/pty", requireApiMw(api), (c) => openPty(deps, c));
   return app;
 }
 
-async function openPty(deps: Deps, c: Context<HonoEnv>, api: "sessions" | "sandboxes"): Promise<Response> {
+async function openPty(deps: Deps, c: Context<HonoEnv>): Promise<Response> {
   const p = c.get("principal");
-  requireApi(p, api);
   const id = c.req.param("id") ?? "";
   const q = query(c, PtyQuery);
   await wakeIfIdle(deps, p, id);

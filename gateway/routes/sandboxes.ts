@@ -1,11 +1,13 @@
 /**
  * Sandboxes of the sandboxes API (spec 4.2): create, list, info, exec, fork, suspend, resume, delete, one
- * sub-app behind the key middleware. Connecting from outside is in connect.ts.
+ * sub-app mounted at `/v1/sandboxes` behind the key middleware; every route needs a sandboxes API
+ * key. Connecting from outside is in connect.ts, files, processes and terminals in their own.
  */
 import { type Context, Hono } from "hono";
 import type { ExecResult } from "../../contracts/agent/api.ts";
 import * as B from "../../contracts/api/sandboxes-api.ts";
-import { requireApi } from "../auth/guards.ts";
+import { requireApiMw } from "../auth/guards.ts";
+import type { Principal } from "../auth/keys.ts";
 import { idleInfo, wakeIfIdle } from "../core/idle.ts";
 import {
   ages,
@@ -45,10 +47,12 @@ function idleLifetime(deps: Deps, req: B.CreateSandboxRequest): IdleLifetime {
   return { timeoutS: null, action: null };
 }
 
-/** `POST /v1/sandboxes`, and `POST /v1/sessions` for a sandboxes API key (alias, spec 4.2). */
-async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
+/**
+ * `POST /v1/sandboxes`, and `POST /v1/sessions` for a sandboxes API key (alias, spec 4.2): the
+ * caller has checked the key's API.
+ */
+export async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   const p = c.get("principal");
-  requireApi(p, "sandboxes");
   const req = await jsonBody(c, B.CreateSandboxRequest, deps.config.limits.maxJsonBodyBytes);
   const labels = { ...req.labels };
   if (req.label !== undefined) labels.label = req.label;
@@ -68,76 +72,70 @@ async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   );
 }
 
+async function sandboxInfo(deps: Deps, c: Context<HonoEnv>) {
+  const row = await getOwned(deps, c.get("principal"), c.req.param("id") ?? "", { cached: true });
+  const a = ages(row, deps.clock());
+  return c.json({
+    id: row.id,
+    template: row.templateId,
+    state: publicState(row.state),
+    age_secs: a.ageSecs,
+    idle_secs: a.idleSecs,
+    exec_count: row.execCount,
+    labels: row.labels,
+    endpoints: row.endpoints,
+    ...idleInfo(row),
+  });
+}
+
+/** `POST /v1/sandboxes/{id}/exec`: as JSON, or as server-sent events when the client asks. */
+async function execInSandbox(deps: Deps, c: Context<HonoEnv>, p: Principal) {
+  const id = c.req.param("id") ?? "";
+  const req = await jsonBody(c, B.ExecRequestB, deps.config.limits.maxJsonBodyBytes);
+  await wakeIfIdle(deps, p, id);
+  const action = sandboxExecAction(deps, req);
+  const toBody = (r: ExecResult) => {
+    const body: Record<string, unknown> = {
+      id,
+      stdout: r.stdout,
+      stderr: r.stderr,
+      exit_code: r.exitCode,
+      fork_time_ms: 0,
+      exec_time_ms: r.execTimeMs,
+      total_time_ms: r.totalTimeMs,
+    };
+    if (req.seed !== undefined) body.seed = req.seed;
+    if (r.seedAck !== undefined) body.seed_ack = r.seedAck;
+    if (r.truncated) body.truncated = true;
+    return body;
+  };
+  if (wantsEventStream(c.req.header("accept"))) {
+    return sseExec(c.req.raw.signal, (o) => execIn(deps, p, id, action, o), toBody);
+  }
+  return c.json(toBody(await execIn(deps, p, id, action)));
+}
+
+/** Mounted at `/v1/sandboxes`. */
 export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
+  const only = requireApiMw("sandboxes");
   const max = () => deps.config.limits.maxJsonBodyBytes;
 
-  app.post("/v1/sandboxes", (c) => createSandbox(deps, c));
+  app.post("/", only, (c) => createSandbox(deps, c));
 
-  // The path is shared (contracts/api/routes.ts, API "both"): a sessions API key passes on to
-  // the session create in sessions-api.ts, whichever sub-app is mounted first.
-  app.post("/v1/sessions", (c, next) =>
-    c.get("principal").api === "sandboxes" ? createSandbox(deps, c) : next(),
-  );
-
-  app.get("/v1/sandboxes", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sandboxes");
-    const rows = await listOwned(deps, p);
+  app.get("/", only, async (c) => {
+    const rows = await listOwned(deps, c.get("principal"));
     return c.json({
       sandboxes: rows.map((r) => ({ id: r.id, template: r.templateId, state: publicState(r.state) })),
     });
   });
 
-  app.get("/v1/sandboxes/:id", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sandboxes");
-    const row = await getOwned(deps, p, c.req.param("id"), { cached: true });
-    const a = ages(row, deps.clock());
-    return c.json({
-      id: row.id,
-      template: row.templateId,
-      state: publicState(row.state),
-      age_secs: a.ageSecs,
-      idle_secs: a.idleSecs,
-      exec_count: row.execCount,
-      labels: row.labels,
-      endpoints: row.endpoints,
-      ...idleInfo(row),
-    });
-  });
+  app.get("/:id", only, (c) => sandboxInfo(deps, c));
 
-  app.post("/v1/sandboxes/:id/exec", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sandboxes");
-    const id = c.req.param("id");
-    const req = await jsonBody(c, B.ExecRequestB, max());
-    await wakeIfIdle(deps, p, id);
-    const action = sandboxExecAction(deps, req);
-    const toBody = (r: ExecResult) => {
-      const body: Record<string, unknown> = {
-        id,
-        stdout: r.stdout,
-        stderr: r.stderr,
-        exit_code: r.exitCode,
-        fork_time_ms: 0,
-        exec_time_ms: r.execTimeMs,
-        total_time_ms: r.totalTimeMs,
-      };
-      if (req.seed !== undefined) body.seed = req.seed;
-      if (r.seedAck !== undefined) body.seed_ack = r.seedAck;
-      if (r.truncated) body.truncated = true;
-      return body;
-    };
-    if (wantsEventStream(c.req.header("accept"))) {
-      return sseExec(c.req.raw.signal, (o) => execIn(deps, p, id, action, o), toBody);
-    }
-    return c.json(toBody(await execIn(deps, p, id, action)));
-  });
+  app.post("/:id/exec", only, (c) => execInSandbox(deps, c, c.get("principal")));
 
-  app.post("/v1/sandboxes/:id/fork", async (c) => {
+  app.post("/:id/fork", only, async (c) => {
     const p = c.get("principal");
-    requireApi(p, "sandboxes");
     const req = await jsonBody(c, B.ForkRequest, max());
     await wakeIfIdle(deps, p, c.req.param("id"));
     const { parent, children } = await forkVm(deps, p, c.req.param("id"), req.count ?? 1, req.labels ?? []);
@@ -147,26 +145,20 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     });
   });
 
-  app.post("/v1/sandboxes/:id/suspend", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sandboxes");
+  app.post("/:id/suspend", only, async (c) => {
     const id = c.req.param("id");
-    const r = await suspendVm(deps, p, id);
+    const r = await suspendVm(deps, c.get("principal"), id);
     return c.json({ id, state: "suspended" as const, mem_bytes: r.memBytes });
   });
 
-  app.post("/v1/sandboxes/:id/resume", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sandboxes");
+  app.post("/:id/resume", only, async (c) => {
     const id = c.req.param("id");
-    const r = await resumeVm(deps, p, id);
+    const r = await resumeVm(deps, c.get("principal"), id);
     return c.json({ id, state: "running" as const, mem_bytes: r.memBytes });
   });
 
-  app.delete("/v1/sandboxes/:id", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sandboxes");
-    const row = await getOwned(deps, p, c.req.param("id"));
+  app.delete("/:id", only, async (c) => {
+    const row = await getOwned(deps, c.get("principal"), c.req.param("id"));
     await destroyVm(deps, row, { force: true, reason: "deleted" });
     return c.json({ deleted: true as const, id: row.id });
   });

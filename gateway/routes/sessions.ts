@@ -1,14 +1,16 @@
 /**
- * The sessions API: one-shot exec, batch, sessions (spec 4.1), one sub-app behind the key middleware.
- * Each handler parses the request, makes the typed action, calls the core and shapes the answer.
+ * The sessions API: one-shot exec and batch (`execRoutes`, mounted at `/v1/exec`) and sessions
+ * (`sessionRoutes`, at `/v1/sessions`) (spec 4.1), behind the key middleware; every route needs a
+ * sessions API key but `POST /v1/sessions`, which a sandboxes API key may call too. Each handler
+ * parses the request, makes the typed action, calls the core and shapes the answer.
  */
 import { randomUUID } from "node:crypto";
-import { Hono } from "hono";
+import { type Context, Hono } from "hono";
 import type { z } from "zod";
 import type { ExecResult } from "../../contracts/agent/api.ts";
 import * as A from "../../contracts/api/sessions-api.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
-import { requireApi } from "../auth/guards.ts";
+import { requireApiMw } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import {
   ages,
@@ -26,6 +28,7 @@ import { mapError } from "../errors.ts";
 import { jsonBody, query } from "../http.ts";
 import { oneShotAction, sessionExecAction, timeoutMs } from "./exec-actions.ts";
 import { sseExec, wantsEventStream } from "./exec-sse.ts";
+import { createSandbox } from "./sandboxes.ts";
 
 function resultA(id: string, r: ExecResult, forkTimeMs: number): z.infer<typeof A.ExecResultA> {
   return {
@@ -96,20 +99,18 @@ function itemError(err: unknown, index: number, log: (line: string) => void): A.
   };
 }
 
-export function sessionsRoutes(deps: Deps, log: (line: string) => void): Hono<HonoEnv> {
+/** Mounted at `/v1/exec`. */
+export function execRoutes(deps: Deps, log: (line: string) => void): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
+  const only = requireApiMw("sessions");
   const max = () => deps.config.limits.maxJsonBodyBytes;
 
-  app.post("/v1/exec", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sessions");
+  app.post("/", only, async (c) => {
     const req = await jsonBody(c, A.ExecRequestA, max());
-    return c.json(await oneShot(deps, p, req));
+    return c.json(await oneShot(deps, c.get("principal"), req));
   });
 
-  app.post("/v1/exec/batch", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sessions");
+  app.post("/batch", only, async (c) => {
     const req = await jsonBody(c, A.BatchExecRequest, max());
     const cap = deps.config.limits.maxBatchExecutions;
     if (req.executions.length > cap) {
@@ -120,41 +121,65 @@ export function sessionsRoutes(deps: Deps, log: (line: string) => void): Hono<Ho
     }
     // Validate every item's timeout before starting any VM.
     for (const e of req.executions) timeoutMs(deps, e.timeout_seconds);
-    return c.json({ results: await batch(deps, p, req.executions, log) });
+    return c.json({ results: await batch(deps, c.get("principal"), req.executions, log) });
   });
+  return app;
+}
 
-  // The path is shared (contracts/api/routes.ts, API "both"): a sandboxes API key passes on to
-  // the alias of POST /v1/sandboxes in sandboxes.ts, whichever sub-app is mounted first.
-  app.post("/v1/sessions", async (c, next) => {
-    const p = c.get("principal");
-    if (p.api !== "sessions") return next();
-    const req = await jsonBody(c, A.CreateSessionRequest, max());
-    // The session's own TTL, when given, overrides the operator's; its only action is delete.
-    const idle =
-      req.idle_timeout_seconds !== undefined
-        ? { idle: { timeoutS: req.idle_timeout_seconds, action: "delete" as const } }
-        : {};
-    const { row, vm } = await createVm(deps, p, "session", {
-      templateId: req.template_id,
-      labels: {},
-      ...idle,
-    });
-    return c.json(
-      {
-        session_id: row.id,
-        template_id: row.templateId,
-        fork_time_ms: vm.forkTimeMs,
-        create_time_ms: vm.createTimeMs,
-      },
-      201,
+/** `POST /v1/sessions` for a sessions API key. */
+async function createSession(deps: Deps, c: Context<HonoEnv>) {
+  const req = await jsonBody(c, A.CreateSessionRequest, deps.config.limits.maxJsonBodyBytes);
+  // The session's own TTL, when given, overrides the operator's; its only action is delete.
+  const idle =
+    req.idle_timeout_seconds !== undefined
+      ? { idle: { timeoutS: req.idle_timeout_seconds, action: "delete" as const } }
+      : {};
+  const { row, vm } = await createVm(deps, c.get("principal"), "session", {
+    templateId: req.template_id,
+    labels: {},
+    ...idle,
+  });
+  return c.json(
+    {
+      session_id: row.id,
+      template_id: row.templateId,
+      fork_time_ms: vm.forkTimeMs,
+      create_time_ms: vm.createTimeMs,
+    },
+    201,
+  );
+}
+
+/** `POST /v1/sessions/{id}/exec`: as JSON, or as server-sent events when the client asks. */
+async function execInSession(deps: Deps, c: Context<HonoEnv>) {
+  const p = c.get("principal");
+  const id = c.req.param("id") ?? "";
+  const req = await jsonBody(c, A.SessionExecRequest, deps.config.limits.maxJsonBodyBytes);
+  const action = sessionExecAction(deps, req);
+  if (wantsEventStream(c.req.header("accept"))) {
+    return sseExec(
+      c.req.raw.signal,
+      (o) => execIn(deps, p, id, action, o),
+      (r) => resultA(id, r, 0),
     );
-  });
+  }
+  return c.json(resultA(id, await execIn(deps, p, id, action), 0));
+}
 
-  app.get("/v1/sessions", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sessions");
+/** Mounted at `/v1/sessions`. */
+export function sessionRoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
+  const only = requireApiMw("sessions");
+
+  // The path is shared (contracts/api/routes.ts, API "both"): for a sandboxes API key it is the
+  // alias of POST /v1/sandboxes.
+  app.post("/", (c) =>
+    c.get("principal").api === "sandboxes" ? createSandbox(deps, c) : createSession(deps, c),
+  );
+
+  app.get("/", only, async (c) => {
     const now = deps.clock();
-    const rows = await listOwned(deps, p);
+    const rows = await listOwned(deps, c.get("principal"));
     return c.json({
       sessions: rows.map((r) => ({
         session_id: r.id,
@@ -164,10 +189,8 @@ export function sessionsRoutes(deps: Deps, log: (line: string) => void): Hono<Ho
     });
   });
 
-  app.get("/v1/sessions/:id", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sessions");
-    const row = await getOwned(deps, p, c.req.param("id"), { cached: true });
+  app.get("/:id", only, async (c) => {
+    const row = await getOwned(deps, c.get("principal"), c.req.param("id"), { cached: true });
     const a = ages(row, deps.clock());
     return c.json({
       session_id: row.id,
@@ -178,36 +201,18 @@ export function sessionsRoutes(deps: Deps, log: (line: string) => void): Hono<Ho
     });
   });
 
-  app.post("/v1/sessions/:id/exec", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sessions");
-    const id = c.req.param("id");
-    const req = await jsonBody(c, A.SessionExecRequest, max());
-    const action = sessionExecAction(deps, req);
-    if (wantsEventStream(c.req.header("accept"))) {
-      return sseExec(
-        c.req.raw.signal,
-        (o) => execIn(deps, p, id, action, o),
-        (r) => resultA(id, r, 0),
-      );
-    }
-    return c.json(resultA(id, await execIn(deps, p, id, action), 0));
-  });
+  app.post("/:id/exec", only, (c) => execInSession(deps, c));
 
-  app.post("/v1/sessions/:id/fork", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sessions");
+  app.post("/:id/fork", only, async (c) => {
     // The request body is not specified (spec 4.1); any body is ignored, one child per call.
-    const { children } = await forkVm(deps, p, c.req.param("id"), 1, []);
+    const { children } = await forkVm(deps, c.get("principal"), c.req.param("id"), 1, []);
     const child = children[0]!;
     return c.json({ session_id: child.id, fork_time_ms: child.vm.forkTimeMs }, 201);
   });
 
-  app.delete("/v1/sessions/:id", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sessions");
+  app.delete("/:id", only, async (c) => {
     const q = query(c, A.DeleteSessionQuery);
-    const row = await getOwned(deps, p, c.req.param("id"));
+    const row = await getOwned(deps, c.get("principal"), c.req.param("id"));
     await destroyVm(deps, row, { force: q.force ?? false, reason: "deleted" });
     return c.body(null, 204);
   });

@@ -8,7 +8,7 @@ import * as B from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { isDbUnavailable } from "../../db/unavailable.ts";
-import { requireApi } from "../auth/guards.ts";
+import { requireApiMw } from "../auth/guards.ts";
 import { visibleTemplates } from "../core/templates.ts";
 import { usageTotals } from "../core/usage.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
@@ -26,7 +26,7 @@ import { OPENAPI_PATH } from "../openapi-file.ts";
  */
 export const HEALTH_CACHE_MS = 1000;
 
-/** Mounted before the key middleware: health needs no key (spec 5.1). */
+/** Mounted at `/v1` before the key middleware: health needs no key (spec 5.1). */
 export function healthRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   // The agents' answer being asked or served, and until when (performance.now(): real time).
@@ -44,11 +44,11 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
     }
     return cached.health;
   };
-  app.get("/v1/health", async (c) => c.json(await healthBody(deps, await agentHealth())));
+  app.get("/health", async (c) => c.json(await healthBody(deps, await agentHealth())));
   // The API's description, as committed beside the code (gateway/openapi.ts generates it and a
   // test keeps the two equal): public documentation, so no key, like health. Read on first use.
   let openapi: Promise<string> | undefined;
-  app.get("/v1/openapi.yaml", async (c) => {
+  app.get("/openapi.yaml", async (c) => {
     openapi ??= readFile(OPENAPI_PATH, "utf8");
     const text = await openapi.catch((err: unknown) => {
       openapi = undefined; // a later request tries again
@@ -86,13 +86,14 @@ function escapeLabel(v: string): string {
   return v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n");
 }
 
+/** Mounted at `/v1`: metrics and usage. */
 export function systemRoutes(
   deps: Deps,
   counters: { rateLimited: (keyId: string) => number },
 ): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   // Prometheus text exposition. Scoped to the caller's tenant: a key never sees other tenants.
-  app.get("/v1/metrics", async (c) => {
+  app.get("/metrics", async (c) => {
     const p = c.get("principal");
     const rows = await deps.db
       .select({ kind: sandboxes.kind, state: sandboxes.state, n: sql<number>`count(*)::int` })
@@ -114,9 +115,8 @@ export function systemRoutes(
     return c.text(lines.join("\n"), 200, { "Content-Type": "text/plain; version=0.0.4; charset=utf-8" });
   });
 
-  app.get("/v1/usage", async (c) => {
+  app.get("/usage", requireApiMw("sandboxes"), async (c) => {
     const p = c.get("principal");
-    requireApi(p, "sandboxes");
     const q = query(c, B.UsageQuery);
     const nowMs = deps.clock();
     const now = new Date(nowMs);

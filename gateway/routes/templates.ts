@@ -1,5 +1,7 @@
 /**
- * Template paths shared by both APIs (spec 4.1, 4.2): the key's API picks the form.
+ * Template paths shared by both APIs (spec 4.1, 4.2), mounted at `/v1/templates`: the key's API
+ * picks the form, and the tier checks are the form's. The sandboxes API's catalog is also at
+ * `/v1/images` (`imageRoutes`).
  * The sessions API registers from an uploaded image streamed to a file; The sandboxes API bakes from an OCI ref.
  */
 import { createWriteStream } from "node:fs";
@@ -10,7 +12,8 @@ import * as B from "../../contracts/api/sandboxes-api.ts";
 import * as A from "../../contracts/api/sessions-api.ts";
 import { asNoSpace, freeBytes, requireFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { requireApi, requirePro, requireScale } from "../auth/guards.ts";
+import { requireApiMw, requirePro, requireScale } from "../auth/guards.ts";
+import type { Principal } from "../auth/keys.ts";
 import {
   bakeTemplate,
   deleteTemplate,
@@ -134,15 +137,73 @@ async function streamToFile(c: Context, path: string, max: number, reserveBytes:
   return total;
 }
 
+/** `POST /v1/templates` for a sandboxes API key: bake from an OCI reference (Pro). */
+async function bake(deps: Deps, c: Context<HonoEnv>, p: Principal) {
+  requirePro(p, "baking templates");
+  const req = await jsonBody(c, B.BakeTemplateRequest, deps.config.limits.maxJsonBodyBytes);
+  const row = await bakeTemplate(deps, p.tenantId, req, deps.config.limits.templateQuotaByTier[p.tier]);
+  // The template as GET /v1/templates/{id} shows it (a retry sees the build's progress).
+  const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
+  return c.json(templateB(row, st?.telemetry ?? {}), 202);
+}
+
+/** `POST /v1/templates` for a sessions API key: register an uploaded image (scale). */
+async function register(deps: Deps, c: Context<HonoEnv>, p: Principal) {
+  requireScale(p);
+  const ct = c.req.header("content-type")?.split(";")[0]?.trim().toLowerCase();
+  if (ct !== undefined && ct !== "application/octet-stream") {
+    throw new SandboxdError("bad_request", "the image body must be sent as application/octet-stream");
+  }
+  const q = query(c, A.RegisterTemplateQuery);
+  const max = deps.config.limits.maxTemplateUploadBytes;
+  const declared = c.req.header("content-length");
+  if (declared !== undefined && Number(declared) > max) {
+    throw new SandboxdError("payload_too_large", `template image is over ${max} bytes`);
+  }
+  const opts: { id: string; memMib?: number; vcpuCount?: number; waitSecs?: number } = { id: q.id };
+  if (q.mem_mib !== undefined) opts.memMib = q.mem_mib;
+  if (q.vcpu_count !== undefined) opts.vcpuCount = q.vcpu_count;
+  if (q.wait_secs !== undefined) opts.waitSecs = q.wait_secs;
+  const templateCap = deps.config.limits.templateQuotaByTier[p.tier];
+  // Early, before the body is read; reserveUploadTemplate checks again with its insert, atomically.
+  await requireTemplateRoom(deps, p.tenantId, templateCap);
+  const dir = join(deps.config.uploadDir, p.tenantId);
+  // Refused before a byte is read when the declared size (or, unknown, nothing) plus the
+  // reserve does not fit; the stream checks again as it writes (a chunked body declares none).
+  const reserveBytes = deps.config.limits.diskReserveBytes;
+  await requireFreeSpace(deps.config.uploadDir, {
+    what: "the image upload",
+    bytes: Number.isSafeInteger(Number(declared)) ? Number(declared) : 0,
+    reserveBytes,
+  });
+  const row = await reserveUploadTemplate(deps, p.tenantId, opts, templateCap);
+  const path = join(dir, `${q.id}-${base36(8)}.img`);
+  let bytes: number;
+  try {
+    await mkdir(dir, { recursive: true, mode: 0o700 });
+    bytes = await streamToFile(c, path, max, reserveBytes);
+  } catch (err) {
+    await dropReservation(deps, row);
+    throw err;
+  }
+  await startUploadBuild(deps, row, { path, bytes });
+  return c.json({ id: row.id, status: "building" as const }, 202);
+}
+
+/** Mounted at `/v1/images`: the sandboxes API's catalog. */
+export function imageRoutes(deps: Deps): Hono<HonoEnv> {
+  const app = new Hono<HonoEnv>();
+  app.get("/", requireApiMw("sandboxes"), async (c) => {
+    const rows = await visibleTemplates(deps, c.get("principal").tenantId);
+    return c.json({ templates: rows.map(catalogEntry) });
+  });
+  return app;
+}
+
+/** Mounted at `/v1/templates`. */
 export function templateRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
-  app.get("/v1/images", async (c) => {
-    const p = c.get("principal");
-    requireApi(p, "sandboxes");
-    return c.json({ templates: (await visibleTemplates(deps, p.tenantId)).map(catalogEntry) });
-  });
-
-  app.get("/v1/templates", async (c) => {
+  app.get("/", async (c) => {
     const p = c.get("principal");
     const rows = await visibleTemplates(deps, p.tenantId);
     if (p.api === "sandboxes") return c.json({ templates: rows.map(catalogEntry) }); // alias of /v1/images
@@ -151,58 +212,12 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     });
   });
 
-  app.post("/v1/templates", async (c) => {
+  app.post("/", (c) => {
     const p = c.get("principal");
-    if (p.api === "sandboxes") {
-      requirePro(p, "baking templates");
-      const req = await jsonBody(c, B.BakeTemplateRequest, deps.config.limits.maxJsonBodyBytes);
-      const row = await bakeTemplate(deps, p.tenantId, req, deps.config.limits.templateQuotaByTier[p.tier]);
-      // The template as GET /v1/templates/{id} shows it (a retry sees the build's progress).
-      const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
-      return c.json(templateB(row, st?.telemetry ?? {}), 202);
-    }
-    requireScale(p);
-    const ct = c.req.header("content-type")?.split(";")[0]?.trim().toLowerCase();
-    if (ct !== undefined && ct !== "application/octet-stream") {
-      throw new SandboxdError("bad_request", "the image body must be sent as application/octet-stream");
-    }
-    const q = query(c, A.RegisterTemplateQuery);
-    const max = deps.config.limits.maxTemplateUploadBytes;
-    const declared = c.req.header("content-length");
-    if (declared !== undefined && Number(declared) > max) {
-      throw new SandboxdError("payload_too_large", `template image is over ${max} bytes`);
-    }
-    const opts: { id: string; memMib?: number; vcpuCount?: number; waitSecs?: number } = { id: q.id };
-    if (q.mem_mib !== undefined) opts.memMib = q.mem_mib;
-    if (q.vcpu_count !== undefined) opts.vcpuCount = q.vcpu_count;
-    if (q.wait_secs !== undefined) opts.waitSecs = q.wait_secs;
-    const templateCap = deps.config.limits.templateQuotaByTier[p.tier];
-    // Early, before the body is read; reserveUploadTemplate checks again with its insert, atomically.
-    await requireTemplateRoom(deps, p.tenantId, templateCap);
-    const dir = join(deps.config.uploadDir, p.tenantId);
-    // Refused before a byte is read when the declared size (or, unknown, nothing) plus the
-    // reserve does not fit; the stream checks again as it writes (a chunked body declares none).
-    const reserveBytes = deps.config.limits.diskReserveBytes;
-    await requireFreeSpace(deps.config.uploadDir, {
-      what: "the image upload",
-      bytes: Number.isSafeInteger(Number(declared)) ? Number(declared) : 0,
-      reserveBytes,
-    });
-    const row = await reserveUploadTemplate(deps, p.tenantId, opts, templateCap);
-    const path = join(dir, `${q.id}-${base36(8)}.img`);
-    let bytes: number;
-    try {
-      await mkdir(dir, { recursive: true, mode: 0o700 });
-      bytes = await streamToFile(c, path, max, reserveBytes);
-    } catch (err) {
-      await dropReservation(deps, row);
-      throw err;
-    }
-    await startUploadBuild(deps, row, { path, bytes });
-    return c.json({ id: row.id, status: "building" as const }, 202);
+    return p.api === "sandboxes" ? bake(deps, c, p) : register(deps, c, p);
   });
 
-  app.get("/v1/templates/:id", async (c) => {
+  app.get("/:id", async (c) => {
     const p = c.get("principal");
     const row = await resolveTemplate(deps, p.tenantId, c.req.param("id"));
     if (p.api === "sessions") return c.json(templateA(row));
@@ -210,7 +225,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     return c.json(templateB(row, st.telemetry));
   });
 
-  app.delete("/v1/templates/:id", async (c) => {
+  app.delete("/:id", async (c) => {
     const p = c.get("principal");
     const id = c.req.param("id");
     if (p.api === "sessions") {
@@ -223,7 +238,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     return c.json({ deleted: true as const, id });
   });
 
-  app.post("/v1/templates/:id/expect", async (c) => {
+  app.post("/:id/expect", async (c) => {
     const p = c.get("principal");
     requirePro(p, "expect");
     const req = await jsonBody(c, B.ExpectRequest, deps.config.limits.maxJsonBodyBytes);
@@ -232,7 +247,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     return c.json({ id: row.id, width: req.width });
   });
 
-  app.post("/v1/templates/:id/release", async (c) => {
+  app.post("/:id/release", async (c) => {
     const p = c.get("principal");
     requirePro(p, "release");
     const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "sandboxes");

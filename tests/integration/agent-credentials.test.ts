@@ -299,8 +299,8 @@ describe("per-agent credentials", () => {
       expect(row!.keyId).toBeNull();
       expect(row!.lastHeartbeatAt).toBeNull();
       expect((await gw.router!.candidates()).map((r) => r.id)).toEqual(["eu-b"]);
-      expect((await errorOf(gw.router!.agentFor("eu-a").health())).code).toBe("agent_unavailable");
-      expect((await gw.router!.agentFor(b.credentials.id).health()).ok).toBe(true);
+      expect((await errorOf(gw.router!.agentFor("eu-a").listVms())).code).toBe("agent_unavailable");
+      expect(await gw.router!.agentFor(b.credentials.id).listVms()).toEqual([]);
     },
     TEST_TIMEOUT_MS,
   );

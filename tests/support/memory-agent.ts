@@ -16,6 +16,7 @@ import type {
   ExecResult,
   ExecStreamOptions,
   FileAnswer,
+  FileCall,
   OneShotResult,
   PtyTunnel,
   ResumeResult,
@@ -27,7 +28,7 @@ import type {
   VmId,
   VmSummary,
 } from "../../contracts/agent/api.ts";
-import type { ProcessInfo, ProcessLogs } from "../../contracts/agent/processes.ts";
+import type { ProcessInfo, ProcessLogs, ProcessStart } from "../../contracts/agent/processes.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
 interface MemVm {
@@ -36,6 +37,8 @@ interface MemVm {
   state: "running" | "suspended";
   busy: boolean;
   files: Map<string, string>;
+  /** Background processes by pid, with the output they wrote. */
+  processes: Map<number, { info: ProcessInfo; stdout: string }>;
 }
 
 const RESOURCES = { vcpus: 2, memMib: 512, diskBytes: 1024 ** 3 };
@@ -111,7 +114,7 @@ export class MemoryAgent implements AgentApi {
     if (this.slotsFree <= 0) throw new SandboxdError("at_capacity", "no capacity on this host");
     this.slotsFree--;
     const id = `vm-${++this.seq}`;
-    this.vms.set(id, { id, template, state: "running", busy: false, files: new Map() });
+    this.vms.set(id, { id, template, state: "running", busy: false, files: new Map(), processes: new Map() });
     const endpoints = Object.fromEntries(t.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
     return { vmId: id, forkTimeMs: 1.5, createTimeMs: 3, endpoints, resources: { ...RESOURCES } };
   }
@@ -250,37 +253,98 @@ export class MemoryAgent implements AgentApi {
     this.calls.push(`release ${template}`);
   }
 
-  // Background processes need a guest: the stand-in has none (tests/e2e/processes.test.ts
-  // drives them through real VMs).
-  private noProcesses(): never {
-    throw new SandboxdError("unsupported", "the in-memory agent runs no background processes");
+  // Background processes run nothing, as exec runs nothing: a process has ended at once, exit 0,
+  // with its command line as its output. The real ones: tests/e2e/processes.test.ts.
+  private process(vmId: VmId, pid: number): { info: ProcessInfo; stdout: string } {
+    const p = this.vm(vmId).processes.get(pid);
+    if (!p) throw new SandboxdError("not_found", `no background process ${pid}`);
+    return p;
   }
-  async startProcess(): Promise<ProcessInfo> {
-    return this.noProcesses();
+  async startProcess(vmId: VmId, req: ProcessStart): Promise<ProcessInfo> {
+    const vm = this.vm(vmId);
+    const command = req.run.kind === "shell" ? req.run.command : req.run.commands.flat().join(" ");
+    const pid = vm.processes.size + 1;
+    const info: ProcessInfo = {
+      pid,
+      command,
+      running: false,
+      exitCode: 0,
+      keepAwake: req.keepAwake ?? false,
+      startedAtMs: 0,
+    };
+    vm.processes.set(pid, { info, stdout: command });
+    return info;
   }
-  async listProcesses(): Promise<ProcessInfo[]> {
-    return this.noProcesses();
+  async listProcesses(vmId: VmId): Promise<ProcessInfo[]> {
+    return [...this.vm(vmId).processes.values()].map((p) => p.info);
   }
-  async processLogs(): Promise<ProcessLogs> {
-    return this.noProcesses();
+  async processLogs(vmId: VmId, pid: number): Promise<ProcessLogs> {
+    const p = this.process(vmId, pid);
+    const stdoutB64 = Buffer.from(p.stdout).toString("base64");
+    return { stdoutB64, stderrB64: "", truncated: false, process: p.info };
   }
-  async followProcess(): Promise<ProcessInfo> {
-    return this.noProcesses();
+  async followProcess(vmId: VmId, pid: number, opts: ExecStreamOptions): Promise<ProcessInfo> {
+    const p = this.process(vmId, pid);
+    opts.onOpen?.();
+    await opts.onOutput("stdout", new TextEncoder().encode(p.stdout));
+    return p.info;
   }
-  async processStdin(): Promise<void> {
-    return this.noProcesses();
+  async processStdin(vmId: VmId, pid: number): Promise<void> {
+    this.process(vmId, pid);
+    throw new SandboxdError("conflict", `background process ${pid} has ended`);
   }
-  async killProcess(): Promise<ProcessInfo> {
-    return this.noProcesses();
+  async killProcess(vmId: VmId, pid: number): Promise<ProcessInfo> {
+    return this.process(vmId, pid).info;
   }
-  /** Terminals need a guest with a shell: only the real agent has them. */
-  async openPty(_vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
-    throw new SandboxdError("unsupported", "the in-memory agent has no terminals");
-  }
-  /** The file API needs a guest: only the real agent serves it (tests/e2e/files-api.test.ts). */
-  async files(vmId: VmId): Promise<FileAnswer> {
+  /** A terminal that echoes what is typed, as a line discipline does; `ptyResizes` records sizes. */
+  readonly ptyResizes: { cols: number; rows: number }[] = [];
+  async openPty(vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
     this.vm(vmId);
-    throw new SandboxdError("unsupported", "the in-memory agent has no file API");
+    let end!: TransformStreamDefaultController<Uint8Array>;
+    const echo = new TransformStream<Uint8Array, Uint8Array>({
+      start: (c) => {
+        end = c;
+      },
+    });
+    return {
+      readable: echo.readable,
+      writable: echo.writable,
+      // Ends both sides even while the relay holds them locked, as a closed socket would.
+      close: () => end.terminate(),
+      resize: (cols, rows) => {
+        this.ptyResizes.push({ cols, rows });
+      },
+    };
+  }
+  /** Files are the VM's `files` map: exec's `files` and `cat` see the same ones. */
+  async files(vmId: VmId, call: FileCall): Promise<FileAnswer> {
+    const files = this.vm(vmId).files;
+    const missing = () => new SandboxdError("not_found", `no such file ${call.path}`);
+    if (call.op === "upload") {
+      const bytes = new Uint8Array(await new Response(call.body).arrayBuffer());
+      files.set(call.path, new TextDecoder().decode(bytes));
+      return { op: "upload", written: { path: call.path, size: bytes.length } };
+    }
+    if (call.op === "download") {
+      const content = files.get(call.path);
+      if (content === undefined) throw missing();
+      return { op: "download", body: new Response(content).body! };
+    }
+    if (call.op === "remove") {
+      if (!files.delete(call.path)) throw missing();
+      return { op: "remove" };
+    }
+    const dir = `${call.path.replace(/\/+$/, "")}/`;
+    const entries = [...files.entries()]
+      .filter(([path]) => path.startsWith(dir) && !path.slice(dir.length).includes("/"))
+      .map(([path, content]) => ({
+        name: path.slice(dir.length),
+        type: "file" as const,
+        size: Buffer.byteLength(content),
+        mode: 0o644,
+        mtime: 0,
+      }));
+    return { op: "list", list: { path: call.path, entries } };
   }
 
   async openTunnel(vmId: VmId, port: number): Promise<Tunnel> {
