@@ -53,6 +53,7 @@ import {
 } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
+import { type RestartHost, readoptAll } from "./restart.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";
@@ -177,45 +178,7 @@ export class SandboxManager {
     await m.templates.load();
     const { records, bad } = await m.records.list();
     for (const b of bad) m.log(`sandbox record ${b.file} unreadable: ${b.error}`);
-    const keep = new Set<string>();
-    for (const r of records) {
-      const sb = m.fromRecord(r);
-      switch (r.state) {
-        case "running": {
-          try {
-            const vm = await m.driver.adopt({
-              vmId: r.id,
-              templateId: r.templateId,
-              size: r.size,
-              qemuPid: r.qemuPid ?? -1,
-              paused: false,
-            });
-            sb.vm = vm;
-            m.watchVm(sb, vm);
-            keep.add(r.id);
-            m.log(`sandbox ${r.id}: re-adopted (QEMU pid ${vm.qemuPid})`);
-            m.idle.arm(sb);
-          } catch (err) {
-            m.markLost(sb, `not re-adopted after an agent restart: ${describeError(err)}`);
-          }
-          break;
-        }
-        case "creating":
-          m.markLost(sb, "the agent restarted while the VM was being created");
-          break;
-        case "suspended":
-          keep.add(r.id); // its snapshot lives in the VM directory
-          break;
-        case "destroying":
-          await m.driver.destroy(r.id, undefined);
-          await m.records.remove(r.id);
-          m.sandboxes.delete(r.id);
-          break;
-        default:
-          // failed / lost stay (with their reason) until destroyed; their VMs are reaped below.
-          break;
-      }
-    }
+    const keep = await readoptAll(m.restartHost(), records);
     const reaped = await m.driver.reap(keep);
     if (reaped.length > 0) m.log(`reaped VMs no record claims: ${reaped.join(", ")}`);
     m.reclaimTemplates(); // deleted before the restart, and no VM of theirs came back
@@ -501,6 +464,20 @@ export class SandboxManager {
   }
 
   // ---- internals -----------------------------------------------------------------------------
+
+  /** What re-adopting the records after a restart needs of the manager (restart.ts). */
+  private restartHost(): RestartHost {
+    return {
+      driver: this.driver,
+      records: this.records,
+      log: this.log,
+      fromRecord: (r) => this.fromRecord(r),
+      watchVm: (sb, vm) => this.watchVm(sb, vm),
+      markLost: (sb, reason) => this.markLost(sb, reason),
+      armIdle: (sb) => this.idle.arm(sb),
+      forget: (id) => this.sandboxes.delete(id),
+    };
+  }
 
   private goneError(sb: Sandbox): SandboxdError {
     const why = sb.reason ? `: ${sb.reason}` : "";
