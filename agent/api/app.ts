@@ -139,7 +139,12 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     }),
   );
 
-  templateRoutes(r, deps.uploadDir, deps.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES, { json, parse, body, run });
+  templateRoutes(r, deps.uploadDir, deps.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES, {
+    json,
+    parse,
+    body,
+    run,
+  });
   app.route(AGENT_API_PREFIX, r);
   return app;
 }

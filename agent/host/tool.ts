@@ -147,28 +147,50 @@ export function runTool(argv: readonly string[], o: ToolOptions = {}): Promise<T
       if (settled) return;
       settled = true;
       done();
-      const stdout = Buffer.concat(chunks);
-      const output = `${stdout.toString("utf8").slice(-TOOL_OUTPUT_TAIL)}\n${errTail}`
-        .trim()
-        .slice(-TOOL_OUTPUT_TAIL);
-      if (why === "timeout")
-        return reject(
-          new ToolError("timeout", tool, `${tool}: no answer within ${Math.round(timeoutMs / 1000)} s`, {
-            output,
-          }),
-        );
-      if (why === "aborted") return reject(new ToolError("aborted", tool, `${tool}: cancelled`, { output }));
-      if (why === "output_too_large")
-        return reject(
-          new ToolError("output_too_large", tool, `${tool}: more than ${maxStdout} bytes of output`, {
-            output,
-          }),
-        );
-      if (code === 0) return resolve({ stdout, stderr: errTail });
-      const err = new ToolError("exit", tool, "", { exitCode: code, signal, output });
-      const how = code === null ? `killed by ${signal}` : `exit ${code}`;
-      Object.defineProperty(err, "message", { value: `${tool} failed (${how}): ${err.reason}` });
-      reject(err);
+      const r = outcome(tool, {
+        why,
+        code,
+        signal,
+        stdout: Buffer.concat(chunks),
+        errTail,
+        timeoutMs,
+        maxStdout,
+      });
+      if (r instanceof ToolError) reject(r);
+      else resolve(r);
     });
   });
+}
+
+/** How a run that ended was stopped or exited, with what it printed. */
+interface Ended {
+  why: "timeout" | "aborted" | "output_too_large" | undefined;
+  code: number | null;
+  signal: NodeJS.Signals | null;
+  stdout: Buffer;
+  errTail: string;
+  timeoutMs: number;
+  maxStdout: number;
+}
+
+/** The result of a run that ended: its output on exit 0, else the ToolError that says why. */
+function outcome(tool: string, e: Ended): ToolResult | ToolError {
+  const { why, code, signal, stdout, errTail, timeoutMs, maxStdout } = e;
+  const output = `${stdout.toString("utf8").slice(-TOOL_OUTPUT_TAIL)}\n${errTail}`
+    .trim()
+    .slice(-TOOL_OUTPUT_TAIL);
+  if (why === "timeout")
+    return new ToolError("timeout", tool, `${tool}: no answer within ${Math.round(timeoutMs / 1000)} s`, {
+      output,
+    });
+  if (why === "aborted") return new ToolError("aborted", tool, `${tool}: cancelled`, { output });
+  if (why === "output_too_large")
+    return new ToolError("output_too_large", tool, `${tool}: more than ${maxStdout} bytes of output`, {
+      output,
+    });
+  if (code === 0) return { stdout, stderr: errTail };
+  const err = new ToolError("exit", tool, "", { exitCode: code, signal, output });
+  const how = code === null ? `killed by ${signal}` : `exit ${code}`;
+  Object.defineProperty(err, "message", { value: `${tool} failed (${how}): ${err.reason}` });
+  return err;
 }

@@ -1,9 +1,9 @@
 /**
  * The sandbox manager: every live VM on this host, its state (states.ts, one table), its
- * records on disk (records.ts), idle pause and metering; it carries out what exec.ts plans and
- * admits VMs by capacity.ts. It sits on a narrow `SandboxDriver` (drivers/driver.ts) and never
- * sees HTTP: agent/api/app.ts parses requests into typed actions (agent/api/actions.ts) that
- * call the methods below.
+ * records on disk (records.ts), idle pause and metering; it carries out what exec.ts plans, has
+ * fork, suspend and resume carried out by fork-suspend.ts, and admits VMs by capacity.ts. It sits
+ * on a narrow `SandboxDriver` (drivers/driver.ts) and never sees HTTP: agent/api/app.ts parses
+ * requests into typed actions (agent/api/actions.ts) that call the methods below.
  *
  * Rules carried out here:
  * - Execs are serialized per sandbox; a second exec, or a fork, while one is in flight fails at
@@ -39,6 +39,7 @@ import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from 
 import type { ExecRequest } from "./exec.ts";
 import { type ExecHost, runExec } from "./exec-action.ts";
 import type { OutputSink } from "./exec-run.ts";
+import { type ForkSuspendHost, forkSandbox, resumeSandbox, suspendSandbox } from "./fork-suspend.ts";
 import { GuestAccess } from "./guest-access.ts";
 import { IdlePause } from "./idle.ts";
 import {
@@ -52,6 +53,7 @@ import {
 } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
+import { type RestartHost, readoptAll } from "./restart.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";
@@ -87,6 +89,7 @@ export class SandboxManager {
   private readonly access: GuestAccess;
   private readonly idle: IdlePause;
   private readonly execHost: ExecHost;
+  private readonly forkSuspendHost: ForkSuspendHost;
   private diskTimer: ReturnType<typeof setInterval> | undefined;
 
   private constructor(private readonly opts: ManagerOptions) {
@@ -140,6 +143,21 @@ export class SandboxManager {
       armIdle: (sb) => this.idle.arm(sb),
       clearIdle: (sb) => this.idle.clear(sb),
     });
+    this.forkSuspendHost = {
+      driver: this.driver,
+      capacity: this.capacity,
+      records: this.records,
+      log: this.log,
+      setState: (sb, to) => this.setState(sb, to),
+      newSandbox: (o) => this.newSandbox(o),
+      forget: (id) => this.sandboxes.delete(id),
+      persist: (sb) => this.persist(sb),
+      watchVm: (sb, vm) => this.watchVm(sb, vm),
+      refreshDisk: (sb) => this.refreshDisk(sb),
+      goneError: (sb) => this.goneError(sb),
+      closeTunnels: (sb, why) => this.closeTunnels(sb, why),
+      wake: (sb) => this.idle.wake(sb),
+    };
   }
 
   /**
@@ -160,45 +178,7 @@ export class SandboxManager {
     await m.templates.load();
     const { records, bad } = await m.records.list();
     for (const b of bad) m.log(`sandbox record ${b.file} unreadable: ${b.error}`);
-    const keep = new Set<string>();
-    for (const r of records) {
-      const sb = m.fromRecord(r);
-      switch (r.state) {
-        case "running": {
-          try {
-            const vm = await m.driver.adopt({
-              vmId: r.id,
-              templateId: r.templateId,
-              size: r.size,
-              qemuPid: r.qemuPid ?? -1,
-              paused: false,
-            });
-            sb.vm = vm;
-            m.watchVm(sb, vm);
-            keep.add(r.id);
-            m.log(`sandbox ${r.id}: re-adopted (QEMU pid ${vm.qemuPid})`);
-            m.idle.arm(sb);
-          } catch (err) {
-            m.markLost(sb, `not re-adopted after an agent restart: ${describeError(err)}`);
-          }
-          break;
-        }
-        case "creating":
-          m.markLost(sb, "the agent restarted while the VM was being created");
-          break;
-        case "suspended":
-          keep.add(r.id); // its snapshot lives in the VM directory
-          break;
-        case "destroying":
-          await m.driver.destroy(r.id, undefined);
-          await m.records.remove(r.id);
-          m.sandboxes.delete(r.id);
-          break;
-        default:
-          // failed / lost stay (with their reason) until destroyed; their VMs are reaped below.
-          break;
-      }
-    }
+    const keep = await readoptAll(m.restartHost(), records);
     const reaped = await m.driver.reap(keep);
     if (reaped.length > 0) m.log(`reaped VMs no record claims: ${reaped.join(", ")}`);
     m.reclaimTemplates(); // deleted before the restart, and no VM of theirs came back
@@ -328,121 +308,16 @@ export class SandboxManager {
     }
   }
 
-  async fork(id: string, count: number): Promise<CreatedVm[]> {
-    const sb = this.mustGet(id);
-    this.setState(sb, "forking");
-    const t0 = performance.now();
-    const children: Sandbox[] = [];
-    try {
-      // The children are held (state `creating`) from the admission on, with no await between:
-      // a create or fork racing this one sees them counted and cannot be promised the same room.
-      this.capacity.admit(sb.size, count);
-      const now = Date.now();
-      for (let i = 0; i < count; i++) {
-        const childId = newVmId();
-        const endpoints = Object.fromEntries(Object.keys(sb.endpoints).map((p) => [p, `${childId}:${p}`]));
-        const child = this.newSandbox({
-          id: childId,
-          templateId: sb.templateId,
-          kind: sb.kind,
-          state: "creating",
-          size: sb.size,
-          endpoints,
-          // Children keep the parent's egress: a fork must not widen what its parent could reach.
-          egress: sb.egress,
-          now,
-        });
-        children.push(child);
-      }
-      for (const child of children) await this.persist(child);
-      await this.idle.wake(sb);
-      const op = this.driver.fork(
-        sb.vm!,
-        children.map((c) => c.id),
-      );
-      sb.op = op;
-      const vms = await op;
-      const forkMs = performance.now() - t0;
-      for (const [i, child] of children.entries()) {
-        child.vm = vms[i]!;
-        this.watchVm(child, child.vm);
-        this.setState(child, "running");
-      }
-      await Promise.all(children.map((c) => this.refreshDisk(c)));
-      const created = children.map((child) => ({
-        vmId: child.id,
-        forkTimeMs: forkMs,
-        createTimeMs: performance.now() - t0,
-        endpoints: child.endpoints,
-        resources: { ...child.size, diskBytes: child.meter.resources.diskBytes },
-      }));
-      await this.records.flush(); // the children's records are on disk before they are announced
-      return created;
-    } catch (err) {
-      for (const c of children) {
-        this.sandboxes.delete(c.id);
-        c.meter.enter("destroyed", Date.now());
-        await bestEffort(
-          this.log,
-          `destroying fork child ${c.id} after the fork failed`,
-          this.driver.destroy(c.id, c.vm),
-        );
-        await this.records.remove(c.id);
-      }
-      throw err;
-    } finally {
-      sb.op = undefined;
-      if (sb.state === "forking") this.setState(sb, "running");
-    }
+  fork(id: string, count: number): Promise<CreatedVm[]> {
+    return forkSandbox(this.forkSuspendHost, this.mustGet(id), count);
   }
 
-  async suspend(id: string): Promise<SuspendResult> {
-    const sb = this.mustGet(id);
-    this.setState(sb, "suspending");
-    this.closeTunnels(sb, "is being suspended"); // its QEMU ends: no connection survives
-    try {
-      await this.idle.wake(sb);
-      // Background processes do not survive a suspend: the restored VM's guest channel is new.
-      await sb.procs?.killAll();
-      const op = this.driver.suspend(sb.vm!);
-      sb.op = op;
-      const r = await op;
-      sb.vm = undefined;
-      sb.memBytes = r.memBytes;
-      sb.meter.memImageBytes = r.memBytes;
-      if (sb.state === "suspending") this.setState(sb, "suspended");
-      // A restart right after must find `suspended` (its snapshot kept), not a dead `running` VM.
-      await this.records.flush();
-      return r;
-    } catch (err) {
-      if (sb.state === "suspending") this.setState(sb, "running");
-      throw err;
-    } finally {
-      sb.op = undefined;
-    }
+  suspend(id: string): Promise<SuspendResult> {
+    return suspendSandbox(this.forkSuspendHost, this.mustGet(id));
   }
 
-  async resume(id: string): Promise<ResumeResult> {
-    const sb = this.mustGet(id);
-    this.capacity.admit(sb.size, 1);
-    this.setState(sb, "resuming");
-    try {
-      const op = this.driver.resume(sb.id, sb.templateId, sb.size);
-      sb.op = op;
-      const vm = await op;
-      sb.vm = vm;
-      sb.stopped = false;
-      this.watchVm(sb, vm);
-      if (sb.state !== "resuming") throw this.goneError(sb);
-      this.setState(sb, "running");
-      await this.records.flush();
-      return { memBytes: sb.memBytes, resources: { ...sb.size, diskBytes: sb.meter.resources.diskBytes } };
-    } catch (err) {
-      if (sb.state === "resuming") this.setState(sb, "suspended");
-      throw err;
-    } finally {
-      sb.op = undefined;
-    }
+  resume(id: string): Promise<ResumeResult> {
+    return resumeSandbox(this.forkSuspendHost, this.mustGet(id));
   }
 
   /** Idempotent: an unknown id is already destroyed. */
@@ -589,6 +464,20 @@ export class SandboxManager {
   }
 
   // ---- internals -----------------------------------------------------------------------------
+
+  /** What re-adopting the records after a restart needs of the manager (restart.ts). */
+  private restartHost(): RestartHost {
+    return {
+      driver: this.driver,
+      records: this.records,
+      log: this.log,
+      fromRecord: (r) => this.fromRecord(r),
+      watchVm: (sb, vm) => this.watchVm(sb, vm),
+      markLost: (sb, reason) => this.markLost(sb, reason),
+      armIdle: (sb) => this.idle.arm(sb),
+      forget: (id) => this.sandboxes.delete(id),
+    };
+  }
 
   private goneError(sb: Sandbox): SandboxdError {
     const why = sb.reason ? `: ${sb.reason}` : "";

@@ -20,50 +20,34 @@
  * top and QEMU node name, RAM file, overlay generation, the template's shape, the image config,
  * and while suspended the state file. So
  * `adopt` re-attaches to a running VM (QMP + guest HELLO), and `resume` works from the record
- * alone after a restart.
+ * alone after a restart (snapshot-restart.ts: the record, the re-attach, the reap's file sweep).
+ *
+ * The templates this driver restores from, and their builds, are in snapshot-templates.ts.
  */
-import { createHash } from "node:crypto";
-import { existsSync } from "node:fs";
-import { readdir, rm, stat } from "node:fs/promises";
-import { basename, dirname, join, resolve } from "node:path";
+import { rm, stat } from "node:fs/promises";
+import { dirname, join, resolve } from "node:path";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { checkDestination, defaultFence, type EgressFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
-import { GuestClient, type GuestTunnel, type PtyOptions } from "../../guest/client.ts";
-import { evictImageCaches, imageCacheBudgetFromEnv } from "../../image/evict.ts";
+import type { GuestClient, GuestTunnel, PtyOptions } from "../../guest/client.ts";
+import { imageCacheBudgetFromEnv } from "../../image/evict.ts";
 import type { ImageConfig } from "../../image/import.ts";
 import { type DestinationCheck, type RegistryConfig, registryConfigFromEnv } from "../../image/pull.ts";
 import { probeAccelerator } from "../../qemu/accel.ts";
 import type { Accel, VmExit, VmProcess } from "../../qemu/launch.ts";
-import type { Result, SnapshotError } from "../../snapshot/errors.ts";
+import type { SnapshotError } from "../../snapshot/errors.ts";
 import { forkVm } from "../../snapshot/fork.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../../snapshot/fork-method.ts";
-import {
-  readVmRecord,
-  restoreVm,
-  saveVm,
-  VM_RECORD_FILE,
-  type VmRecord,
-  writeVmRecord,
-} from "../../snapshot/persist.ts";
-import { reclaimSnapshotStorage } from "../../snapshot/recover.ts";
+import { VM_RECORD_FILE, type VmRecord, writeVmRecord } from "../../snapshot/persist.ts";
 import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
 import { type Prelaunched, prelaunchFromTemplate, spawnFromTemplate } from "../../snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../../snapshot/suspend.ts";
-import {
-  defaultShmRoot,
-  deleteTemplate,
-  listTemplates,
-  loadTemplate,
-  type TemplateMeta,
-  templatesRoot,
-} from "../../snapshot/template.ts";
-import { type SandboxVm, storageDir } from "../../snapshot/vm.ts";
+import { defaultShmRoot } from "../../snapshot/template.ts";
+import type { SandboxVm } from "../../snapshot/vm.ts";
 import { openChainStore } from "../../storage/chain.ts";
 import { DEFAULT_VM_HOST, type VmHostSettings } from "../../vm/host-settings.ts";
-import { adoptQemu, claimVm, killRecordedQemu } from "../../vm/process.ts";
+import { killRecordedQemu } from "../../vm/process.ts";
 import { reapVmDirs, removeVmDir, vmsRoot } from "../../vm/workdir.ts";
-import type { PreparedWithTelemetry } from "../templates.ts";
 import type {
   AdoptRef,
   BuildPhase,
@@ -74,7 +58,18 @@ import type {
   VmExitInfo,
   VmSize,
 } from "./driver.ts";
-import { buildFromInput } from "./snapshot-build.ts";
+import {
+  attachRunning,
+  loadRecord,
+  reapSnapshotFiles,
+  recordOf,
+  restoreRecord,
+  saveRecord,
+} from "./snapshot-restart.ts";
+import { SnapshotTemplates, type Template } from "./snapshot-templates.ts";
+
+// Importers name the template id mapping by the driver.
+export { engineTemplateId } from "./snapshot-templates.ts";
 
 export interface SnapshotDriverOptions {
   /** Guest artifacts and imported images are cached here (shared between agents and tests). */
@@ -114,14 +109,6 @@ export interface SnapshotDriverOptions {
 
 /** The manager's default (manager.ts): 1 vCPU, 256 MiB. */
 const DEFAULT_SIZE: VmSize = { vcpus: 1, memMib: 256 };
-/**
- * HELLO budget on adoption: a running guest answers in ~50 ms under TCG, but it first has to
- * notice the old connection's hang-up; one attempt is bounded, the whole by this.
- */
-const ADOPT_HELLO_TIMEOUT_MS = 15_000;
-const ADOPT_HELLO_ATTEMPT_MS = 2_000;
-/** The engine's template ids (template.ts ID_RE); other manager ids are mapped by hash. */
-const ENGINE_TEMPLATE_ID = /^[a-z0-9][a-z0-9-]{0,40}$/;
 
 interface Live {
   sbx: SandboxVm;
@@ -131,25 +118,14 @@ interface Live {
   exitFired: boolean;
 }
 
-/** Template ids the engine accepts: the manager's id when it fits, else a stable hash of it. */
-export function engineTemplateId(templateId: string): string {
-  if (ENGINE_TEMPLATE_ID.test(templateId)) return templateId;
-  const h = createHash("sha256").update(templateId).digest("hex").slice(0, 16);
-  return `t-${h}`;
-}
-
 export class SnapshotDriver implements SandboxDriver {
   readonly name: string;
   private readonly stateDir: string;
   private readonly shmRoot: string;
   private readonly defaultSize: VmSize;
   private readonly registry: RegistryConfig;
-  private readonly templates = new Map<string, { meta: TemplateMeta; image: ImageConfig }>();
-  /** Engine template ids being built by this process (their files are not registered yet). */
-  private readonly building = new Set<string>();
+  private readonly templates: SnapshotTemplates;
   private readonly live = new Map<string, Live>();
-  /** Image cache entries (directories) that builds in progress hold, with how many hold each. */
-  private readonly pinned = new Map<string, number>();
   private readonly imageCacheBytes: number;
   private readonly host: VmHostSettings;
   /** What forks use, settled by `create` (readyForkMethod). */
@@ -176,6 +152,19 @@ export class SnapshotDriver implements SandboxDriver {
     this.registry = opts.registry ?? { ...registryConfigFromEnv({}), checkDestination: fencedRegistry() };
     this.imageCacheBytes = opts.imageCacheBytes ?? imageCacheBudgetFromEnv({});
     this.host = opts.host ?? DEFAULT_VM_HOST;
+    this.templates = new SnapshotTemplates({
+      stateDir: this.stateDir,
+      cacheDir: opts.cacheDir,
+      registry: this.registry,
+      shmRoot: this.shmRoot,
+      defaultSize: this.defaultSize,
+      artifacts,
+      accel,
+      host: this.host,
+      timeouts: opts.timeouts,
+      log: this.log,
+      imageCacheBytes: this.imageCacheBytes,
+    });
   }
 
   static async create(opts: SnapshotDriverOptions): Promise<SnapshotDriver> {
@@ -200,110 +189,21 @@ export class SnapshotDriver implements SandboxDriver {
 
   // ---- templates -----------------------------------------------------------------------------
 
-  /** Returns `PreparedWithTelemetry`: the registry reports its `telemetry` (spec 2.4). */
-  async prepareTemplate(
+  prepareTemplate(
     templateId: string,
     input: TemplateInput,
     signal: AbortSignal,
     onPhase?: (phase: BuildPhase) => void,
   ): Promise<PreparedTemplate> {
-    const held: string[] = [];
-    // Before (room for this pull and import) and after (what this build added), the image caches
-    // go back under their budget; the entries this build holds are kept meanwhile.
-    await this.evictImages();
-    try {
-      return await this.prepareHolding(templateId, input, signal, held, onPhase);
-    } finally {
-      for (const d of held) {
-        const n = (this.pinned.get(d) ?? 1) - 1;
-        if (n > 0) this.pinned.set(d, n);
-        else this.pinned.delete(d);
-      }
-      await this.evictImages();
-    }
+    return this.templates.prepare(templateId, input, signal, onPhase);
   }
 
-  private hold(held: string[], dir: string): void {
-    held.push(dir);
-    this.pinned.set(dir, (this.pinned.get(dir) ?? 0) + 1);
+  restoreTemplate(templateId: string, prepared: PreparedTemplate): Promise<void> {
+    return this.templates.restore(templateId, prepared);
   }
 
-  /**
-   * The image caches least-recently-used down to `SANDBOXD_IMAGE_CACHE_BYTES`, keeping every
-   * base disk a template of this data dir stands on and every entry a build here holds. Never
-   * fails a build: a failed eviction is logged.
-   */
-  private async evictImages(): Promise<void> {
-    try {
-      const bases = new Set((await listTemplates(this.stateDir)).map((t) => dirname(t.baseDisk)));
-      await evictImageCaches(this.opts.cacheDir, {
-        budgetBytes: this.imageCacheBytes,
-        inUse: (dir) => bases.has(dir) || this.pinned.has(dir),
-        log: this.log,
-      });
-    } catch (err) {
-      this.log(`image cache eviction failed: ${describeError(err)}`);
-    }
-  }
-
-  private async prepareHolding(
-    templateId: string,
-    input: TemplateInput,
-    signal: AbortSignal,
-    held: string[],
-    onPhase?: (phase: BuildPhase) => void,
-  ): Promise<PreparedTemplate> {
-    const id = engineTemplateId(templateId);
-    const { meta, image, importMs, pullMs } = await buildFromInput(
-      {
-        stateDir: this.stateDir,
-        cacheDir: this.opts.cacheDir,
-        registry: this.registry,
-        shmRoot: this.shmRoot,
-        defaultSize: this.defaultSize,
-        artifacts: this.artifacts,
-        accel: this.accel,
-        host: this.host,
-        timeouts: this.opts.timeouts,
-        log: this.log,
-        building: this.building,
-      },
-      templateId,
-      id,
-      input,
-      signal,
-      (dir) => this.hold(held, dir),
-      onPhase,
-    );
-    this.templates.set(templateId, { meta, image: image.config });
-    this.log(
-      `template ${templateId} (${id}) frozen: boot ${meta.timings?.bootMs.toFixed(0)} ms, snapshot ${meta.timings?.snapshotMs.toFixed(0)} ms`,
-    );
-    const prepared: PreparedWithTelemetry = {
-      image: image.config,
-      // A bake's `ready.ports` (spec 2.4) are the template's ports; else the image's ExposedPorts.
-      exposedPorts:
-        input.kind === "oci" && input.exposedPorts ? [...input.exposedPorts] : image.config.exposedPorts,
-      telemetry: snapshotTelemetry(meta, importMs, pullMs),
-    };
-    return prepared;
-  }
-
-  async restoreTemplate(templateId: string, prepared: PreparedTemplate): Promise<void> {
-    const r = await loadTemplate(this.stateDir, engineTemplateId(templateId));
-    if (!r.ok) throw r.error;
-    const meta = r.value;
-    // tmpfs does not survive a host reboot: a template without its RAM file cannot be restored.
-    for (const f of [meta.memPath, meta.statePath, meta.disk])
-      if (!existsSync(f)) throw new SandboxdError("gone", `template ${templateId}: ${f} is missing`);
-    this.templates.set(templateId, { meta, image: prepared.image });
-  }
-
-  async dropTemplate(templateId: string): Promise<void> {
-    this.templates.delete(templateId);
-    // Files still used by VMs of this template stay until the last of them ends (chain store).
-    const r = await deleteTemplate(this.stateDir, engineTemplateId(templateId));
-    if (!r.ok && r.error.code !== "template_not_found") throw r.error;
+  dropTemplate(templateId: string): Promise<void> {
+    return this.templates.drop(templateId);
   }
 
   // ---- VMs -----------------------------------------------------------------------------------
@@ -311,9 +211,9 @@ export class SnapshotDriver implements SandboxDriver {
   async spawn(templateId: string, vmId: string, size: VmSize): Promise<DriverVm> {
     const held = this.prelaunched.get(vmId);
     this.prelaunched.delete(vmId);
-    let t: { meta: TemplateMeta; image: ImageConfig };
+    let t: Template;
     try {
-      t = this.sizedTemplate(templateId, size);
+      t = this.templates.sized(templateId, size);
     } catch (err) {
       await held?.pre.discard();
       throw err;
@@ -334,7 +234,7 @@ export class SnapshotDriver implements SandboxDriver {
   }
 
   async prelaunch(templateId: string, vmId: string, size: VmSize): Promise<void> {
-    const t = this.sizedTemplate(templateId, size);
+    const t = this.templates.sized(templateId, size);
     if (this.prelaunched.has(vmId) || this.live.has(vmId))
       throw new SandboxdError("conflict", `VM ${vmId} already exists`);
     // Outlives the agent process like every sandbox's QEMU (it becomes one); a stop of the agent
@@ -357,18 +257,6 @@ export class SnapshotDriver implements SandboxDriver {
     return ms ? { readyTimeoutMs: ms } : {};
   }
 
-  /** The template and the one size its VMs have; throws for another. */
-  private sizedTemplate(templateId: string, size: VmSize): { meta: TemplateMeta; image: ImageConfig } {
-    const t = this.templates.get(templateId);
-    if (!t) throw new SandboxdError("not_found", `template ${templateId} is not prepared on this agent`);
-    if (size.memMib !== t.meta.memMib || size.vcpus !== t.meta.vcpus)
-      throw new SandboxdError(
-        "bad_request",
-        `template ${templateId} was frozen with ${t.meta.memMib} MiB and ${t.meta.vcpus} vCPU; a restore cannot change the size (asked ${size.memMib} MiB, ${size.vcpus} vCPU)`,
-      );
-    return t;
-  }
-
   async fork(parent: DriverVm, childIds: string[]): Promise<DriverVm[]> {
     const l = this.mustLive(parent);
     const r = await forkVm(l.sbx, {
@@ -379,7 +267,7 @@ export class SnapshotDriver implements SandboxDriver {
       ...this.restoreDeadline(),
     });
     // The parent moved onto a new overlay (also when only the children failed): record it.
-    if (l.sbx.state !== "dead") await this.saveRecord(l.sbx, l.handle).catch(() => {});
+    if (l.sbx.state !== "dead") await saveRecord(l.sbx, l.handle).catch(() => {});
     if (!r.ok) throw r.error;
     this.log(
       `fork of ${parent.vmId} into ${childIds.length}: parent stalled ${r.value.timings.parentStallMs.toFixed(1)} ms, children ready after ${r.value.timings.childrenReadyMs.toFixed(0)} ms (${r.value.timings.mode})`,
@@ -404,7 +292,7 @@ export class SnapshotDriver implements SandboxDriver {
     const r = await suspendVm(l.sbx);
     if (!r.ok) throw r.error;
     this.live.delete(vm.vmId);
-    const record = this.recordOf(l.sbx, vm, r.value.memBytes);
+    const record = recordOf(l.sbx, vm, r.value.memBytes);
     this.suspended.set(vm.vmId, { sbx: l.sbx, record });
     await writeVmRecord(l.sbx.dir, record);
     const diskBytes = await allocatedBytes(l.sbx.disk);
@@ -415,7 +303,7 @@ export class SnapshotDriver implements SandboxDriver {
   async resume(vmId: string, templateId: string, size: VmSize): Promise<DriverVm> {
     let s = this.suspended.get(vmId);
     if (!s) {
-      const r = await this.loadRecord(vmId);
+      const r = await loadRecord(this.stateDir, vmId, this.log);
       const record = r.ok ? r.value : undefined;
       if (!record?.suspendState)
         throw new SandboxdError(
@@ -423,7 +311,7 @@ export class SnapshotDriver implements SandboxDriver {
           `VM ${vmId} has no suspended state on this agent`,
           r.ok ? undefined : { cause: r.error },
         );
-      const sbx = this.restoreRecord(record);
+      const sbx = restoreRecord(this.stateDir, record, this.host, this.log);
       sbx.state = "suspended";
       s = { sbx, record };
       this.suspended.set(vmId, s);
@@ -511,7 +399,7 @@ export class SnapshotDriver implements SandboxDriver {
     const disk =
       this.live.get(vmId)?.sbx.disk ??
       this.suspended.get(vmId)?.sbx.disk ??
-      (await this.loadRecord(vmId).then((r) => (r.ok ? r.value?.disk : undefined)));
+      (await loadRecord(this.stateDir, vmId, this.log).then((r) => (r.ok ? r.value?.disk : undefined)));
     return disk ? allocatedBytes(disk) : 0;
   }
 
@@ -519,32 +407,15 @@ export class SnapshotDriver implements SandboxDriver {
 
   async adopt(ref: AdoptRef): Promise<DriverVm> {
     const started = performance.now();
-    const r = await this.loadRecord(ref.vmId);
+    const r = await loadRecord(this.stateDir, ref.vmId, this.log);
     if (!r.ok) throw new SandboxdError("vm_lost", `VM ${ref.vmId}: ${r.error.message}`, { cause: r.error });
     const file = r.value;
     if (!file) throw new SandboxdError("vm_lost", `VM ${ref.vmId} has no ${VM_RECORD_FILE}`);
     if (file.suspendState) throw new SandboxdError("vm_lost", `VM ${ref.vmId} was being suspended`);
     const dir = join(vmsRoot(this.stateDir), ref.vmId);
     const pid = ref.qemuPid;
-    const proc = await adoptQemu(pid, dir);
-    const qmp = proc.qmp;
-    let guest: GuestClient | undefined;
-    try {
-      const status = await qmp.execute<{ running: boolean; status: string }>("query-status");
-      if (!status.running) {
-        // Idle-paused (or caught in a save the dead agent never finished): run it again.
-        await qmp.execute("migrate_cancel").catch(() => {});
-        await qmp.execute("cont");
-      }
-      guest = await connectAdopted(proc);
-      await guest.setClock(new Date());
-    } catch (err) {
-      guest?.close();
-      qmp.close();
-      throw new SandboxdError("vm_lost", "the adopted VM does not answer", { cause: err });
-    }
-    await claimVm(dir, pid);
-    const sbx = this.restoreRecord(file);
+    const { proc, guest } = await attachRunning(dir, pid);
+    const sbx = restoreRecord(this.stateDir, file, this.host, this.log);
     sbx.state = "running";
     sbx.attach(proc, guest);
     const handle = await this.track(sbx, ref.templateId, file.image, ref.size, performance.now() - started);
@@ -560,19 +431,15 @@ export class SnapshotDriver implements SandboxDriver {
         this.live.has(id) ||
         this.suspended.has(id) ||
         this.prelaunched.has(id) ||
-        [...this.building].some((t) => id === `${t}-build`),
+        [...this.templates.building].some((t) => id === `${t}-build`),
       this.host.jail.uidRange,
     );
-    // Builds the dead agent was running (its records say failed): their files go.
-    for (const t of await listTemplates(this.stateDir)) {
-      if (t.state !== "building" || this.building.has(t.id)) continue;
-      await rm(join(templatesRoot(this.stateDir), t.id), { recursive: true, force: true });
-      await rm(t.memPath, { force: true });
-    }
-    const freed = await reclaimSnapshotStorage(this.stateDir);
-    const swept = await this.sweepUnregistered();
-    if (freed.length + swept.length > 0)
-      this.log(`reclaimed snapshot files: ${[...freed, ...swept].map((p) => basename(p)).join(", ")}`);
+    await reapSnapshotFiles({
+      stateDir: this.stateDir,
+      shmRoot: this.shmRoot,
+      templates: this.templates,
+      log: this.log,
+    });
     return reaped;
   }
 
@@ -624,7 +491,7 @@ export class SnapshotDriver implements SandboxDriver {
     // before this point (between restore and here) found no taker and was closed at once.
     sbx.onGuestTunnel = (t) => this.guestTunnels(sbx.id, t);
     try {
-      await this.saveRecord(sbx, handle);
+      await saveRecord(sbx, handle);
     } catch (err) {
       l.destroying = true;
       this.live.delete(sbx.id);
@@ -632,65 +499,6 @@ export class SnapshotDriver implements SandboxDriver {
       throw new SandboxdError("spawn_failed", `VM ${sbx.id}: cannot write ${VM_RECORD_FILE}`, { cause: err });
     }
     return handle;
-  }
-
-  /** The VM's record (agent/snapshot/persist.ts) with this driver's notes. */
-  private recordOf(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">, memBytes?: number) {
-    return saveVm(sbx, {
-      templateId: h.templateId,
-      image: h.image,
-      size: h.size,
-      ...(memBytes === undefined ? {} : { memBytes }),
-    });
-  }
-
-  private saveRecord(sbx: SandboxVm, h: Pick<DriverVm, "templateId" | "image" | "size">): Promise<void> {
-    return writeVmRecord(sbx.dir, this.recordOf(sbx, h));
-  }
-
-  /** The record of `vmId`; an unreadable one is logged (and answered as the error). */
-  private async loadRecord(vmId: string): Promise<Result<VmRecord | undefined>> {
-    const r = await readVmRecord(join(vmsRoot(this.stateDir), vmId));
-    if (!r.ok) this.log(`VM ${vmId}: ${r.error.message}`);
-    return r;
-  }
-
-  /**
-   * This driver's VMs outlive the agent process (re-adopted after a restart), whatever was saved;
-   * they obey this agent's jail and disk-reserve settings.
-   */
-  private restoreRecord(record: VmRecord): SandboxVm {
-    const shape = { ...record.shape, dieWithParent: false, host: this.host };
-    return restoreVm({ ...record, shape }, join(vmsRoot(this.stateDir), record.vmId), this.log);
-  }
-
-  /**
-   * Files in the engine's directories that the chain store does not know: a crash between
-   * creating one and registering it (a fork's state or fork-point RAM, a half-written overlay or
-   * suspend state). Template RAM files of builds in progress here are not registered yet.
-   */
-  private async sweepUnregistered(): Promise<string[]> {
-    const chain = await openChainStore(this.stateDir);
-    const known = new Set(chain.list().map((f) => f.path));
-    for (const t of this.templates.values()) known.add(t.meta.memPath);
-    const building = new Set([...this.building].map((id) => join(this.shmRoot, `tpl-${id}.mem`)));
-    const swept: string[] = [];
-    const dirs = [this.shmRoot, storageDir(this.stateDir), join(this.stateDir, "storage", "suspended")];
-    for (const d of dirs) {
-      let names: string[] = [];
-      try {
-        names = await readdir(d);
-      } catch {
-        continue;
-      }
-      for (const n of names) {
-        const p = join(d, n);
-        if (known.has(p) || building.has(p)) continue;
-        await rm(p, { force: true });
-        swept.push(p);
-      }
-    }
-    return swept;
   }
 
   private mustLive(vm: DriverVm): Live {
@@ -733,49 +541,4 @@ async function allocatedBytes(path: string): Promise<number> {
   } catch {
     return 0;
   }
-}
-
-/** HELLO to a running guest whose agent may still be noticing the old host's hang-up. */
-async function connectAdopted(proc: VmProcess): Promise<GuestClient> {
-  const deadline = performance.now() + ADOPT_HELLO_TIMEOUT_MS;
-  let lastErr: unknown;
-  while (performance.now() < deadline) {
-    if (!proc.isAlive()) break;
-    try {
-      return await GuestClient.connect(proc.agentSocket, {
-        helloTimeoutMs: Math.min(ADOPT_HELLO_ATTEMPT_MS, Math.max(1, deadline - performance.now())),
-      });
-    } catch (err) {
-      lastErr = err;
-      await Bun.sleep(50);
-    }
-  }
-  throw new SandboxdError("vm_lost", `guest agent did not answer HELLO: ${describeError(lastErr)}`, {
-    cause: lastErr,
-  });
-}
-
-/** Readiness telemetry of a frozen template (contracts/api/sandboxes-api.ts TemplateTelemetry). */
-function snapshotTelemetry(
-  meta: TemplateMeta,
-  importMs: number,
-  pullMs: number | undefined,
-): PreparedWithTelemetry["telemetry"] {
-  const t = meta.timings;
-  const pull = pullMs !== undefined ? { pull_ms: pullMs } : {};
-  if (!t) return { ...pull, import_ms: importMs };
-  return {
-    ...pull,
-    import_ms: importMs,
-    boot_ms: t.bootMs,
-    ready_cmd_ms: t.readyCmdMs,
-    snapshot_ms: t.snapshotMs,
-    converting_ms: (pullMs ?? 0) + importMs + t.bootMs + t.readyCmdMs + t.snapshotMs,
-    ...(t.distributeMs !== undefined ? { distributing_ms: t.distributeMs } : {}),
-    snapshot_bytes: {
-      memory: meta.memFileBytes ?? 0,
-      device_state: meta.stateBytes ?? 0,
-      disk: meta.diskFileBytes ?? 0,
-    },
-  };
 }
