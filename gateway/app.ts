@@ -104,8 +104,8 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),
   );
 
-  app.route("/v1", healthRoutes(deps)); // no key (spec 5.1)
-  app.route("/v1/sandboxes", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (spec 5.5)
+  app.route("/v1", healthRoutes(deps)); // no key (docs/keys-and-auth.md#rules-of-authentication)
+  app.route("/v1/sandboxes", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (docs/keys-and-auth.md#rules-of-authentication)
   app.route("/", consoleRoutes()); // the web console's static files; its API calls carry the key
 
   const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });

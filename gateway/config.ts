@@ -2,14 +2,14 @@
 import { DEFAULT_LIMITS, type Limits, limitsBeyondAgent } from "../contracts/api/limits.ts";
 
 export interface GatewayConfig {
-  /** API build stamp reported by `GET /v1/health` (spec 9). */
+  /** API build stamp reported by `GET /v1/health` (docs/api.md "Rules every route shares"). */
   version: string;
   /** Server secret for API key hashes (HMAC-SHA256). Never stored in the db. */
   keyPepper: string;
   /** Server secret for connect-url tokens (HMAC-SHA256). */
   connectSecret: string;
   /**
-   * Public base URL (`--public-url`, `SANDBOXD_PUBLIC_URL`): connect URLs (spec 2.8) use its host
+   * Public base URL (`--public-url`, `SANDBOXD_PUBLIC_URL`): connect URLs (docs/connect.md "Rules of connect URLs") use its host
    * with `wss://` (`ws://` for an `http:` one). Unset, they follow the request: the scheme this
    * gateway serves (plain HTTP: `ws://`) and the host the client reached it by.
    */

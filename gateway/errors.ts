@@ -1,7 +1,7 @@
 /**
  * The one place where errors become HTTP. Every handler throws `SandboxdError`
  * (contracts/errors.ts, which draws the whole tree) and this table turns its code into a status
- * and the `{code, message}` envelope (spec 2.11, 7); the agent's own codes are translated to
+ * and the `{code, message}` envelope (docs/api.md "Rules every route shares"); the agent's own codes are translated to
  * public ones first (PUBLIC_OF_AGENT_CODE). Every other code and foreign errors become 500
  * `internal` and their message is logged, not sent. The public 5xx codes whose message is written
  * from what a host said (a QEMU's stderr in a failed restore, an agent's address in a tunnel that
@@ -40,10 +40,10 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   forbidden: 403,
   demo_tier_limit: 403,
   not_found: 404,
-  gone: 410, // sessions API: the session's VM has been reclaimed (spec 7)
+  gone: 410, // sessions API: the session's VM has been reclaimed (docs/api.md#rules-every-route-shares)
   busy: 409,
   template_in_use: 409,
-  template_not_ready: 409, // sessions API: spawning from a template still building (spec 3.1)
+  template_not_ready: 409, // sessions API: spawning from a template still building (docs/templates.md#rules-of-templates)
   conflict: 409, // duplicate template id; a state that does not allow the action
   port_not_exposed: 409,
   invalid_file: 400, // the guest refused a file of `files`; the message says which and why

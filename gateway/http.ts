@@ -25,7 +25,7 @@ export function validate<S extends z.ZodType>(schema: S, value: unknown, where: 
   throw new SandboxdError("bad_request", `invalid ${where}: ${describeIssues(r.error)}`);
 }
 
-/** Reads at most `max` bytes (413 beyond, spec 4.2), whatever Content-Length claims. */
+/** Reads at most `max` bytes (413 beyond, docs/sandboxes.md "Rules of the sandboxes API"), whatever Content-Length claims. */
 export async function readBodyLimited(c: Context, max: number): Promise<Uint8Array> {
   const tooLarge = () => new SandboxdError("payload_too_large", `request body is over ${max} bytes`);
   const declared = c.req.header("content-length");

@@ -1,4 +1,4 @@
-/** Random ids and key material. Base36/base62 only: `_` separates key segments (spec 5.2). */
+/** Random ids and key material. Base36/base62 only: `_` separates key segments (docs/keys-and-auth.md "Rules of authentication"). */
 import { randomBytes } from "node:crypto";
 import { OPAQUE_ID_CHARS } from "../contracts/api/common.ts";
 

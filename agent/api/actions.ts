@@ -93,7 +93,7 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           .catch(() => {}); // a leftover upload is swept with the upload dir; never a crash
       } else {
         m.buildTemplate(a.template, ociInput(s));
-        // Bake `expected_width` (spec 4.2): warm VMs once the build is Live.
+        // Bake `expected_width` (docs/sandboxes.md "Rules of the sandboxes API"): warm VMs once the build is Live.
         if (s.expectedWidth !== undefined) m.expectWidth(a.template, s.expectedWidth);
       }
       return { status: 202, body: m.templates.status(a.template) };
@@ -113,7 +113,7 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
 }
 
 /**
- * A bake's source as the driver takes it (spec 4.3): `ready.cmd` runs under `/bin/sh -c` with
+ * A bake's source as the driver takes it (docs/templates.md "Rules of templates"): `ready.cmd` runs under `/bin/sh -c` with
  * `ready.env` added to the image's Env, bounded by `ready.http_timeout_s` (the command blocks
  * until the service answers its health check, so that is how long the bake waits for health);
  * `ready.ports` become the template's exposed ports.

@@ -121,7 +121,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     const { port } = parse(TunnelQuery, c.req.query());
     return upgradeTunnel(c, (vmId) => deps.manager.openTunnel(vmId, port));
   });
-  // A shell on a pseudo-terminal (docs/agent-api.md "Terminals"): a tunnel to its master, plus
+  // A shell on a pseudo-terminal (docs/agent-api.md "Tunnels"): a tunnel to its master, plus
   // text messages `{"type":"resize","cols":N,"rows":M}` that set the window size.
   r.get("/vms/:id/pty", (c) => {
     const { cols, rows } = parse(PtySizeQuery, c.req.query());

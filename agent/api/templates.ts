@@ -1,5 +1,5 @@
 /**
- * The agent's template routes (docs/agent-api.md "Templates"): build from an uploaded image or an
+ * The agent's template routes (docs/agent-api.md "Routes"): build from an uploaded image or an
  * OCI reference, status, delete, and the Pro warm width (expect, release). Calls that name no VM,
  * like create and exec-once; the work is the manager's (`perform`, actions.ts).
  */
@@ -49,7 +49,7 @@ export function templateRoutes(
     await mkdir(uploadDir, { recursive: true, mode: 0o700 });
     const path = join(uploadDir, `${randomBytes(8).toString("hex")}.upload`);
     try {
-      // Streamed to disk as it arrives: images may be several GB (spec 4.1).
+      // Streamed to disk as it arrives: images may be several GB (docs/sessions.md "Rules of the sessions API").
       await Bun.write(path, new Response(c.req.raw.body));
     } catch (err) {
       await rm(path, { force: true });

@@ -23,7 +23,7 @@ import { CLOSE_ANSWER_MS, GuestTunnel } from "./tunnel.ts";
 
 /**
  * Tunnels the guest opened (OPEN) that the host still holds. The guest agent never has more than
- * 128 tunnels at once (MAX_TUNNELS in guest/agent.h, docs/guest-protocol.md "Limits")
+ * 128 tunnels at once (MAX_TUNNELS in guest/agent.h, docs/guest-protocol.md "What the host holds for a guest")
  * and the host drops its entry as soon as the guest's CLOSE arrives, in order, so an honest guest
  * never has more than 128 here; one more OPEN is a guest breaking its own rule. 128 also bounds
  * what its windows can hold on the host: 128 x TUNNEL_WINDOW = 32 MiB.

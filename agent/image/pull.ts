@@ -1,5 +1,5 @@
 /**
- * Pulling an image by OCI reference (sandboxes API bake, spec 4.2 `image`) into the agent's image
+ * Pulling an image by OCI reference (sandboxes API bake, docs/sandboxes.md "Rules of the sandboxes API" `image`) into the agent's image
  * cache, then handing the OCI layout to the importer (import.ts) like any uploaded image:
  *
  *   parse the reference (contracts/image-ref.ts: no option injection, no schemes)
@@ -18,7 +18,7 @@
  * name with the digest: the check is the registry's own per-repository permission, and a tenant
  * serving a copy of someone's manifest bytes from its own registry gets its own cache entry,
  * filled only with blobs its registry really has. The cost is one manifest GET per bake (a few KB,
- * no blob); decisions.md has the figures.
+ * no blob); docs/templates.md "Bakes from registries: choices" has the figures.
  *
  * Credentials: a bake may carry its own (`registryAuth`, username and password; a token is
  * given as the password, as GHCR, Docker Hub and GitLab take it). They are written to a 0600
@@ -75,7 +75,7 @@ export interface RegistryConfig {
 }
 
 /**
- * Our choice (decisions.md, "Disk budgets"): the largest image a bake may pull, counted as the
+ * Our choice (docs/quotas-and-usage.md "Disk budgets"): the largest image a bake may pull, counted as the
  * registry's manifest declares it (config plus compressed layers, the bytes skopeo writes). 8 GiB
  * matches the import's limit on unpacked bytes (limits.ts), which no smaller pull can exceed by
  * much. `SANDBOXD_PULL_MAX_BYTES` overrides it.

@@ -7,11 +7,11 @@
  *
  * Rules carried out here:
  * - Execs are serialized per sandbox; a second exec, or a fork, while one is in flight fails at
- *   once with `busy` (spec 3.3, 8): never queued.
+ *   once with `busy` (docs/sessions.md "Rules of the sessions API"; docs/limits.md "Public API limits"): never queued.
  * - Idle VMs have their vCPUs stopped after `idlePauseMs` and are restarted transparently by the
- *   next call (spec 1.3: "Between calls the VM uses no scheduled CPU").
+ *   next call (docs/idle-lifetimes.md "Idle pause of the VM after 2 s": "Between calls the VM uses no scheduled CPU").
  * - A normal destroy lets the in-flight exec finish; `force` aborts it (CANCEL) and kills the VM
- *   at once (spec 4.1 "Delete session").
+ *   at once (docs/sessions.md "Rules of the sessions API" "Delete session").
  * - A QEMU that dies marks its sandbox `failed` with the reason, and in-flight callers get a
  *   `gone` error saying so as soon as the guest connection drops.
  * - Records are written on every state change; `SandboxManager.open` re-adopts VMs that still run
@@ -75,7 +75,7 @@ export class SandboxManager {
   private readonly sandboxes = new Map<string, Sandbox>();
   private readonly records;
   readonly templates: TemplateRegistry;
-  /** Pre-spawned, paused VMs per template (spec 4.2 expect/release; warm-pool.ts). */
+  /** Pre-spawned, paused VMs per template (docs/sandboxes.md "Rules of the sandboxes API" expect/release; warm-pool.ts). */
   readonly warm: WarmPool;
   /** QEMUs launched in their jail ahead of a create, per template (prelaunch-pool.ts). */
   readonly prelaunch: PrelaunchPool;
@@ -399,7 +399,7 @@ export class SandboxManager {
   }
 
   /**
-   * Spec 3.1: in-flight VMs finish, then the template's resources are reclaimed. Its idle pools
+   * docs/templates.md "Rules of templates": in-flight VMs finish, then the template's resources are reclaimed. Its idle pools
    * (warm and pre-launched VMs, which run nothing) go now; with sandboxes still running on it
    * the template is marked deleting (nothing new spawns from it) and `reclaimTemplates` removes
    * it when the last of them ends.
@@ -425,12 +425,12 @@ export class SandboxManager {
     }
   }
 
-  /** Spec 4.2 expect: keep `width` warm VMs of the template (bounded by capacity); idempotent. */
+  /** docs/sandboxes.md "Rules of the sandboxes API" expect: keep `width` warm VMs of the template (bounded by capacity); idempotent. */
   expectWidth(id: string, width: number): void {
     this.warm.expect(id, width);
   }
 
-  /** Spec 4.2 release: drop the template's warm VMs now; idempotent. */
+  /** docs/sandboxes.md "Rules of the sandboxes API" release: drop the template's warm VMs now; idempotent. */
   async releaseTemplate(id: string): Promise<void> {
     this.templates.status(id); // not_found for a template this agent does not know
     await this.warm.release(id);

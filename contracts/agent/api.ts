@@ -50,7 +50,7 @@ export type TemplateSource =
    * the file from then on (moves or deletes it).
    */
   | ({ kind: "upload"; path: string } & z.infer<typeof S.UploadQuery>)
-  /** The sandboxes API (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
+  /** The sandboxes API (Pro): bake from an OCI reference, optionally into a ready state (docs/templates.md "Rules of templates"). */
   | ({ kind: "oci" } & z.infer<typeof S.OciBuildBody>);
 export type TemplateBuildStatus = z.infer<typeof S.TemplateStatusSchema>;
 

@@ -38,7 +38,7 @@ export const TemplateRefParam = z
 /** The agent's handle for a VM; the gateway's sess_/sbx_ ids map to it in its db. */
 export const VmIdParam = z.string().regex(/^vm-[0-9a-z-]{1,60}$/);
 
-/** Spec 8 has no exec timeout ceiling; the shared ceiling bounds a request the gateway holds open. */
+/** The API sets no exec timeout ceiling (docs/limits.md "Public API limits"); the shared ceiling bounds a request the gateway holds open. */
 export const MAX_EXEC_TIMEOUT_MS = EXEC_TIMEOUT_CEILING_S * 1000;
 
 /** The public shape itself: path bounds, `encoding` and the base64 check are the gateway's too. */
@@ -65,7 +65,7 @@ export const ExecBody = z.object({
   run: RunAction,
   /**
    * Hard limit for the whole action, ms; on expiry the process group is killed. The agent
-   * defaults it to 30 s (spec 8); the gateway always sends it (api.ts `ExecAction`).
+   * defaults it to 30 s (docs/limits.md "Public API limits"); the gateway always sends it (api.ts `ExecAction`).
    */
   timeoutMs: z.int().min(1).max(MAX_EXEC_TIMEOUT_MS).optional(),
   /** The sandboxes API `seed`, handed to the guest; the agent reports `seedAck`. */
@@ -97,10 +97,10 @@ export const CreateBody = z.object({
 
 export const ExecOnceBody = z.object({ template: TemplateRefParam, action: ExecBody });
 
-/** Spec 8: at most 64 children per fork call (Enterprise). */
+/** docs/limits.md "Public API limits": at most 64 children per fork call (Enterprise). */
 export const ForkBody = z.object({ count: z.int().min(1).max(MAX_FORK_COUNT) });
 
-/** The sandboxes API (Pro): bake from an OCI reference, optionally into a ready state (spec 4.3). */
+/** The sandboxes API (Pro): bake from an OCI reference, optionally into a ready state (docs/templates.md "Rules of templates"). */
 export const OciBuildBody = z.object({
   image: z.string().min(1).max(MAX_IMAGE_REF_CHARS),
   /** The tenant the bake is for (the agent's log names it beside each pull). */
@@ -112,7 +112,7 @@ export const OciBuildBody = z.object({
   expectedWidth: z.int().min(1).max(MAX_TEMPLATE_WIDTH).optional(),
 });
 
-/** Query of `PUT /templates/:ref/upload` (sessions API register options, spec 4.1). */
+/** Query of `PUT /templates/:ref/upload` (sessions API register options, docs/sessions.md "Rules of the sessions API"). */
 export const UploadQuery = z.object({
   memMib: z.coerce.number().int().min(MIN_MEM_MIB).max(MAX_MEM_MIB).optional(),
   vcpuCount: z.coerce.number().int().min(MIN_VCPUS).max(MAX_VCPUS).optional(),
@@ -207,7 +207,7 @@ export const TemplateStatusSchema = z.object({
   status: z.enum(["building", "ready", "failed"]),
   /** The sandboxes API bake phase; `Live` when ready, `Failed` when failed. */
   phase: BakePhase,
-  /** Readable error when failed (never a crash; spec 3.1). */
+  /** Readable error when failed (never a crash; docs/templates.md "Rules of templates"). */
   error: z.string().optional(),
   /** Unix ms when the template became ready. */
   readyAtMs: z.number().optional(),

@@ -65,7 +65,7 @@ export interface AgentTimeouts {
   execGrace: number;
   /** A normal destroy waits for the in-flight exec, which may run up to its own timeout. */
   destroy: number;
-  /** Streaming a template image (multi-GB, spec 4.1) to the agent. */
+  /** Streaming a template image (multi-GB, docs/sessions.md "Rules of the sessions API") to the agent. */
   upload: number;
 }
 

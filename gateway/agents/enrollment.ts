@@ -6,7 +6,7 @@
  * - An agent's key is HMAC-SHA256(agent secret, id, key id): the gateway must hold every agent's
  *   key to sign its calls to that agent, and deriving it from the gateway's agent secret (a file
  *   in `<data>/secrets/` or `SANDBOXD_AGENT_SECRET`, never the database) means the `agents` table
- *   holds only the random key id. A leaked database alone signs nothing (docs/decisions.md).
+ *   holds only the random key id. A leaked database alone signs nothing (docs/keys-and-auth.md "Agent credentials").
  * - Revoking an agent (registry.ts `revokeAgent`) clears its key id: its heartbeats and the
  *   gateway's calls to it stop at once, and it leaves placement. A new enrollment gives it a new key id, so the old key stays
  *   dead.

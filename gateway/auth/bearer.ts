@@ -1,5 +1,5 @@
 /**
- * The API-key middleware (spec 5): `Authorization: Bearer <key>` resolved to the key's principal
+ * The API-key middleware (docs/keys-and-auth.md "Rules of authentication"): `Authorization: Bearer <key>` resolved to the key's principal
  * (tenant, key id, tier, API), which handlers read with `c.get("principal")`. A missing or
  * malformed header and a key that does not verify (unknown, wrong secret, revoked, another tier)
  * are both 401 `unauthorized`, thrown so that the one error mapping (gateway/errors.ts) answers;

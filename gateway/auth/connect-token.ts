@@ -1,5 +1,5 @@
 /**
- * Connect-url tokens (spec 2.8, 4.2): a JWT (HS256, jose) scoped to one tenant, sandbox, guest
+ * Connect-url tokens (docs/connect.md "Rules of connect URLs"; docs/sandboxes.md "Rules of the sandboxes API"): a JWT (HS256, jose) scoped to one tenant, sandbox, guest
  * port and protocol, with an expiry (`ttl_seconds`, clamped to 3600 by the route). The token
  * names its tenant, so the connect endpoint needs no key; every claim must match the request, so
  * a token is useless for any other sandbox, port, protocol or tenant. Deleting the sandbox revokes

@@ -1,4 +1,4 @@
-/** Tier and API checks (spec 5.3, 5.4, 5.6). */
+/** Tier and API checks (docs/keys-and-auth.md "Rules of authentication"). */
 
 import type { MiddlewareHandler } from "hono";
 import { type KeyApi, type Tier, tierAtLeast } from "../../contracts/api/tiers.ts";
@@ -37,7 +37,7 @@ export function requireScale(p: Principal): void {
   }
 }
 
-/** Pro features of the sandboxes API: 403 `demo_tier_limit` for demo keys (spec 5.4, 7). */
+/** Pro features of the sandboxes API: 403 `demo_tier_limit` for demo keys (docs/keys-and-auth.md "Rules of authentication"; docs/api.md "Rules every route shares"). */
 export function requirePro(p: Principal, feature: string): void {
   requireApi(p, "sandboxes");
   if (!tierAtLeast(p.tier, "pro")) {

@@ -1,5 +1,5 @@
 /**
- * API keys (spec 5): issue, list, revoke, verify. A new key is returned once and never again:
+ * API keys (docs/keys-and-auth.md "Rules of authentication"): issue, list, revoke, verify. A new key is returned once and never again:
  * the db keeps only HMAC-SHA256(pepper, key), compared in constant time. Tenants are created on
  * demand when their first key is issued.
  */

@@ -1,8 +1,8 @@
 /**
- * Per-key request limit (spec 8: 100 requests per second per key, 429 beyond), one limit for all
+ * Per-key request limit (docs/limits.md "Public API limits": 100 requests per second per key, 429 beyond), one limit for all
  * gateway replicas: the grants live in the database (table `rate_windows`, decided by the SQL
  * function `sandboxd_rate_take`, migration 0005_rate_limit.sql), so two gateways on one
- * PostgreSQL let a key through at the spec's rate, not twice it. On PGlite (one gateway) the same
+ * PostgreSQL let a key through at the API's rate, not twice it. On PGlite (one gateway) the same
  * code runs in-process.
  *
  * The window slides: a request is allowed when fewer than `limit` requests of the key were
@@ -76,7 +76,7 @@ export class SharedRateLimiter {
   dbCalls = 0;
 
   constructor(private readonly opts: SharedLimiterOptions) {
-    // The spec's second.
+    // The API's second (docs/limits.md "Public API limits").
     this.windowMs = 1000;
     this.leaseMs = opts.leaseMs ?? LEASE_MS;
   }
@@ -190,7 +190,7 @@ export interface RateLimiter {
 export class LocalRateLimiter implements RateLimiter {
   /** Per key, its grants' times in order: a ring of `limit` slots, oldest at `next`. */
   private readonly keys = new Map<string, { times: Float64Array; next: number; last: number }>();
-  private readonly windowMs = 1000; // the spec's second
+  private readonly windowMs = 1000; // the API's second
 
   constructor(private readonly opts: { limit: number; clock: Clock }) {}
 

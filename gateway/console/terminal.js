@@ -1,8 +1,8 @@
 /**
  * A terminal into a sandbox: xterm.js (served from node_modules at /console/vendor/) on the pty
- * WebSocket (docs/api.md "Terminal"). A browser cannot set `Authorization` on a WebSocket, so
+ * WebSocket (docs/processes-and-pty.md "Terminal"). A browser cannot set `Authorization` on a WebSocket, so
  * the key goes as the second subprotocol after the `sandboxd` marker, which is what the server
- * answers with (docs/api.md "Web console"); never in the URL.
+ * answers with (docs/console.md "The web console"); never in the URL.
  */
 import { FitAddon } from "/console/vendor/addon-fit.mjs";
 import { Terminal } from "/console/vendor/xterm.mjs";

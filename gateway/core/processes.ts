@@ -1,5 +1,5 @@
 /**
- * Background processes of a sandbox or session (docs/api.md "Background processes"): each call
+ * Background processes of a sandbox or session (docs/processes-and-pty.md "Background processes"): each call
  * finds the caller's own record (another tenant's id is 404), resumes a sandbox its idle lifetime
  * suspended (`wakeIfIdle`), needs a record an exec could run in (a user-suspended sandbox is 409
  * as for exec), and goes to the sandbox's agent. Each call is counted in flight for as long as it

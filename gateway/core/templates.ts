@@ -90,7 +90,7 @@ function agentRef(tenantId: string, id: string): string {
 
 /**
  * The agent's name for one sessions API registration: the tenant, a per-registration tag, the id.
- * A deleted template lives on its agent until the VMs still running on it end (spec 3.1), and
+ * A deleted template lives on its agent until the VMs still running on it end (docs/templates.md "Rules of templates"), and
  * its id is free again at once, so a registration under the same id must not meet it there.
  */
 function uploadAgentRef(tenantId: string, id: string): string {
@@ -110,7 +110,7 @@ async function assertIdFree(deps: Deps, tenantId: string, id: string): Promise<v
 
 /**
  * Refuses a new template when the tenant already owns `cap` (any status but deleted): each one
- * holds a base disk and a RAM file on every agent of its region (decisions.md, "Disk budgets").
+ * holds a base disk and a RAM file on every agent of its region (docs/quotas-and-usage.md "Disk budgets").
  * Called alone it is an early refusal (before an upload's body is read); the binding check is
  * `insertWithinQuota`'s, made with the insert under the tenant's lock.
  */
@@ -201,7 +201,7 @@ export async function startUploadBuild(
   try {
     await deps.agent.buildTemplate(row.agentRef, source);
   } catch (err) {
-    // A build that cannot even start is a failed build (spec 3.1: reported, never a crash).
+    // A build that cannot even start is a failed build (docs/templates.md "Rules of templates": reported, never a crash).
     const message = buildStartError(err);
     await deps.db
       .update(templates)
@@ -317,7 +317,7 @@ function stableJson(v: unknown): string {
 
 /**
  * A template the caller owns, for delete/expect/release. Public rows are 403 `forbidden`
- * (spec 4.2); another tenant's or unknown is 404.
+ * (docs/sandboxes.md "Rules of the sandboxes API"); another tenant's or unknown is 404.
  */
 export async function ownTemplate(
   deps: Deps,
@@ -338,8 +338,8 @@ export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void
     .where(
       and(eq(sandboxes.templatePk, row.pk), inArray(sandboxes.state, ["starting", "running", "suspended"])),
     );
-  // The sandboxes API: 409 template_in_use while sandboxes run on it (spec 4.2). The sessions API: in-flight VMs
-  // finish first, then resources are reclaimed (spec 3.1): the agent keeps the template, marked
+  // The sandboxes API: 409 template_in_use while sandboxes run on it (docs/sandboxes.md "Rules of the sandboxes API"). The sessions API: in-flight VMs
+  // finish first, then resources are reclaimed (docs/templates.md "Rules of templates"): the agent keeps the template, marked
   // deleting, until its last VM ends; here the row goes at once (new sessions: 404).
   if (row.api === "sandboxes" && (inUse?.n ?? 0) > 0) {
     throw new SandboxdError("template_in_use", `template ${row.id} has ${inUse?.n} live sandboxes`);
@@ -352,7 +352,7 @@ export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void
     .where(eq(templates.pk, row.pk));
 }
 
-/** Operator: add or update a shared catalog template (spec 2.4: e.g. `python`). */
+/** Operator: add or update a shared catalog template (docs/templates.md "Rules of templates": e.g. `python`). */
 export async function upsertPublicTemplate(
   deps: Pick<Deps, "db" | "clock">,
   t: {

@@ -1,12 +1,12 @@
 /**
- * Usage over a window (spec 2.9), computed in SQL by `usage_rollup` (migrations/0003_usage_truth.sql,
+ * Usage over a window (docs/sandboxes.md "Rules of the sandboxes API"), computed in SQL by `usage_rollup` (migrations/0003_usage_truth.sql,
  * the one place the formulas live): each usage interval contributes its overlap with [from, to)
  * (an open interval runs until `now`), weighted by its size.
  *   cpu_core_hours      = sum(vcpus * hours)               over running intervals
  *   ram_gb_hours        = sum(mem_mib / 1024 * hours)      over running and paused intervals
  *   disk_gb_hours       = sum(disk_bytes / 2^30 * hours)   over running and paused intervals
  *   snapshot_gb_months  = sum(disk_bytes / 2^30 * hours / 730) over suspended intervals
- * GB means GiB (2^30 bytes); a month is 730 hours (8760 / 12). See docs/decisions.md.
+ * GB means GiB (2^30 bytes); a month is 730 hours (8760 / 12). See docs/quotas-and-usage.md "Usage metering".
  * The operator views (`usage_by_tenant`, `usage_by_tenant_day`, `usage_by_sandbox`) are the same
  * function over all time; `usageReport` is what `sandboxd usage` prints.
  */

@@ -1,5 +1,5 @@
 /**
- * `protocol=cdp` (spec 4.2): a DevTools relay a CDP client uses directly (Playwright's
+ * `protocol=cdp` (docs/sandboxes.md "Rules of the sandboxes API"): a DevTools relay a CDP client uses directly (Playwright's
  * `chromium.connectOverCDP(url)`, Puppeteer's `connect({browserWSEndpoint})`): one CDP JSON
  * message per WebSocket text message, both ways.
  *

@@ -1,6 +1,6 @@
 /**
  * What the tcp and cdp relays share: WebSocket close codes, back-pressure thresholds (reasons in
- * docs/decisions.md, "Connect relays") and the socket-side bookkeeping.
+ * docs/connect.md "Connect relays (`gateway/relay/`)") and the socket-side bookkeeping.
  */
 import { Buffer } from "node:buffer";
 import type { ServerSocket, SocketHandler } from "../runtime/types.ts";

@@ -1,5 +1,5 @@
 /**
- * A terminal (`GET .../pty`, docs/api.md "Terminal"): the tcp relay's byte stream (tcp.ts, with
+ * A terminal (`GET .../pty`, docs/processes-and-pty.md "Terminal"): the tcp relay's byte stream (tcp.ts, with
  * its back-pressure and message limit) to a shell's pseudo-terminal, plus resize requests.
  * Binary messages are typed input; a text message `{"type":"resize","cols":N,"rows":M}` resizes
  * the terminal; any other text message is typed input too (its UTF-8 bytes), because xterm.js's

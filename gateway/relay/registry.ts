@@ -1,6 +1,6 @@
 /**
  * The connect relays open in this gateway process, by sandbox, so that deleting (or reaping) a
- * sandbox closes them at once (spec 4.2: deletion revokes its connect tokens; a relay already
+ * sandbox closes them at once (docs/sandboxes.md "Rules of the sandboxes API": deletion revokes its connect tokens; a relay already
  * open on the sandbox ends with it). Per process: with several gateway replicas a relay on another
  * replica ends when the agent tears the VM's tunnels down.
  */

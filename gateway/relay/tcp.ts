@@ -1,5 +1,5 @@
 /**
- * `protocol=tcp` (spec 4.2): a raw byte tunnel. Binary WebSocket messages from the client are
+ * `protocol=tcp` (docs/sandboxes.md "Rules of the sandboxes API"): a raw byte tunnel. Binary WebSocket messages from the client are
  * written to the tunnel as they are (a text message as its UTF-8 bytes); bytes from the tunnel go
  * to the client as binary messages, one per chunk read. Back-pressure both ways (common.ts): the
  * tunnel is not read while the client's send queue is above the high-water mark, and the client

@@ -1,5 +1,5 @@
 /**
- * Connecting from outside (spec 4.2): `POST /v1/sandboxes/{id}/connect-url` mints a token scoped
+ * Connecting from outside (docs/sandboxes.md "Rules of the sandboxes API"): `POST /v1/sandboxes/{id}/connect-url` mints a token scoped
  * to one sandbox, port and protocol (auth/connect-token.ts); `GET /v1/sandboxes/{id}/connect`
  * takes a Bearer key or that token instead, then relays a WebSocket to the guest port
  * (gateway/relay/). Two sub-apps, because the token form must answer before the key middleware.
@@ -28,7 +28,7 @@ import type { Upgrade } from "../runtime/types.ts";
 
 /**
  * Mounted at `/v1/sandboxes` before the key middleware: a connect request carrying a token `t` and no
- * Authorization header is authorised by the token alone (spec 5.5). Any other request passes on,
+ * Authorization header is authorised by the token alone (docs/keys-and-auth.md "Rules of authentication"). Any other request passes on,
  * to the key middleware and then `connectRoutes`.
  */
 export function connectTokenRoutes(deps: Deps, rateLimit: (keyId: string) => Promise<void>): Hono<HonoEnv> {
@@ -62,7 +62,7 @@ export function connectRoutes(deps: Deps): Hono<HonoEnv> {
         `port ${req.port} is not exposed by template ${row.templateId}`,
       );
     }
-    const ttl = Math.min(req.ttl_seconds, deps.config.limits.connectTtlMaxS); // clamp, spec 4.2
+    const ttl = Math.min(req.ttl_seconds, deps.config.limits.connectTtlMaxS); // clamp, docs/sandboxes.md#rules-of-the-sandboxes-api
     const protocol = req.protocol ?? "tcp";
     const nowSecs = Math.floor(deps.clock() / 1000);
     const expSecs = nowSecs + ttl;
@@ -96,7 +96,7 @@ export function connectBase(publicBaseUrl: string | undefined, requestUrl: strin
 }
 
 /**
- * `GET /v1/sandboxes/{id}/connect` (spec 4.2) with the caller's principal (a Bearer key, checked
+ * `GET /v1/sandboxes/{id}/connect` (docs/sandboxes.md "Rules of the sandboxes API") with the caller's principal (a Bearer key, checked
  * by the key middleware) or, without one, the scoped token `t`, checked here. Every check (token,
  * tier, ownership, port, state, that it is a WebSocket upgrade) runs before the upgrade, as does
  * opening the tunnel, so that those failures are HTTP statuses; after the upgrade, failures close
@@ -133,7 +133,7 @@ async function connect(
     // Revoking the minting key revokes its tokens: refused like any invalid credential.
     if (!(await keyIsLive(deps.db, claims.keyId))) throw unauthorized;
     const { tenantId } = claims;
-    // Deleting a sandbox revokes its tokens (spec 4.2): getOwned accepts only a live record of
+    // Deleting a sandbox revokes its tokens (docs/sandboxes.md "Rules of the sandboxes API"): getOwned accepts only a live record of
     // the token's tenant, and a revoked token is an invalid credential (401), not a 404.
     const tokenPrincipal: Principal = { tenantId, keyId: claims.keyId, tier: "pro", api: "sandboxes" };
     who = tokenPrincipal;

@@ -1,5 +1,5 @@
 /**
- * The web console (docs/api.md "Web console"): static files under `/console`, no key (the page
+ * The web console (docs/console.md "The web console"): static files under `/console`, no key (the page
  * asks for one and sends it with every API call it makes). The console's own files are
  * gateway/console/ (plain ES modules and CSS, served as they are: no build step), xterm.js and its
  * fit addon come from node_modules at the fixed `/console/vendor/` paths. Only the files named
@@ -7,7 +7,7 @@
  * strict Content-Security-Policy: scripts only from this origin (no inline script, no eval),
  * connections only to this origin (the API and its WebSockets), no frames, no forms, no plugins.
  * Styles also allow inline `<style>` because xterm.js's DOM renderer writes the terminal's cell
- * sizes and theme into `<style>` elements it creates, with no nonce hook (docs/decisions.md).
+ * sizes and theme into `<style>` elements it creates, with no nonce hook (docs/console.md "The web console: choices").
  */
 import { readFile } from "node:fs/promises";
 import { createRequire } from "node:module";

@@ -1,5 +1,5 @@
 /**
- * The file API of sandboxes API sandboxes and sessions API sessions (docs/api.md "Files"):
+ * The file API of sandboxes API sandboxes and sessions API sessions (docs/files.md "The file API"):
  * `PUT|GET|DELETE /v1/{sandboxes|sessions}/{id}/files?path=` and `GET ...&list=true`. Each call
  * is counted in flight on the record like an exec (`beginUse`), so no reaper takes the sandbox
  * mid-transfer and its idleness restarts at the end; a sandbox the service suspended for idleness

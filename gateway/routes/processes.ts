@@ -1,5 +1,5 @@
 /**
- * Background processes (docs/api.md "Background processes"), the same routes for sandboxes API
+ * Background processes (docs/processes-and-pty.md "Background processes"), the same routes for sandboxes API
  * sandboxes (`/v1/sandboxes/{id}/processes`) and sessions API sessions (`/v1/sessions/{id}/processes`):
  * start, list, logs (JSON, or followed as Server-Sent Events in the streamed exec's format), stdin
  * (JSON `{data}` / `{data_b64}`, or the raw body), kill. The rules are core/processes.ts.

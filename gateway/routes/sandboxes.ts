@@ -1,5 +1,5 @@
 /**
- * Sandboxes of the sandboxes API (spec 4.2): create, list, info, exec, fork, suspend, resume, delete, one
+ * Sandboxes of the sandboxes API (docs/sandboxes.md "Rules of the sandboxes API"): create, list, info, exec, fork, suspend, resume, delete, one
  * sub-app mounted at `/v1/sandboxes` behind the key middleware; every route needs a sandboxes API
  * key. Connecting from outside is in connect.ts, files, processes and terminals in their own.
  */
@@ -48,7 +48,7 @@ function idleLifetime(deps: Deps, req: B.CreateSandboxRequest): IdleLifetime {
 }
 
 /**
- * `POST /v1/sandboxes`, and `POST /v1/sessions` for a sandboxes API key (alias, spec 4.2): the
+ * `POST /v1/sandboxes`, and `POST /v1/sessions` for a sandboxes API key (alias, docs/sandboxes.md "Rules of the sandboxes API"): the
  * caller has checked the key's API.
  */
 export async function createSandbox(deps: Deps, c: Context<HonoEnv>) {

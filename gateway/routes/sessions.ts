@@ -1,6 +1,6 @@
 /**
  * The sessions API: one-shot exec and batch (`execRoutes`, mounted at `/v1/exec`) and sessions
- * (`sessionRoutes`, at `/v1/sessions`) (spec 4.1), behind the key middleware; every route needs a
+ * (`sessionRoutes`, at `/v1/sessions`) (docs/sessions.md "Rules of the sessions API"), behind the key middleware; every route needs a
  * sessions API key but `POST /v1/sessions`, which a sandboxes API key may call too. Each handler
  * parses the request, makes the typed action, calls the core and shapes the answer.
  */
@@ -204,7 +204,7 @@ export function sessionRoutes(deps: Deps): Hono<HonoEnv> {
   app.post("/:id/exec", only, (c) => execInSession(deps, c));
 
   app.post("/:id/fork", only, async (c) => {
-    // The request body is not specified (spec 4.1); any body is ignored, one child per call.
+    // The request body is not specified (docs/sessions.md "Rules of the sessions API"); any body is ignored, one child per call.
     const { children } = await forkVm(deps, c.get("principal"), c.req.param("id"), 1, []);
     const child = children[0]!;
     return c.json({ session_id: child.id, fork_time_ms: child.vm.forkTimeMs }, 201);

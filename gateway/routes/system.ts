@@ -26,7 +26,7 @@ import { OPENAPI_PATH } from "../openapi-file.ts";
  */
 export const HEALTH_CACHE_MS = 1000;
 
-/** Mounted at `/v1` before the key middleware: health needs no key (spec 5.1). */
+/** Mounted at `/v1` before the key middleware: health needs no key (docs/keys-and-auth.md "Rules of authentication"). */
 export function healthRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   // The agents' answer being asked or served, and until when (performance.now(): real time).
@@ -59,7 +59,7 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
   return app;
 }
 
-/** One health answer (spec 2.10): status + version (B) + templates map (A); public templates only. */
+/** One health answer (docs/api.md "Rules every route shares"): status + version (B) + templates map (A); public templates only. */
 async function healthBody(deps: Deps, h: AgentHealth | undefined): Promise<Record<string, unknown>> {
   let status: "ok" | "degraded" = h?.ok ? "ok" : "degraded";
   const accel = h?.accel;

@@ -1,5 +1,5 @@
 /**
- * Template paths shared by both APIs (spec 4.1, 4.2), mounted at `/v1/templates`: the key's API
+ * Template paths shared by both APIs (docs/sessions.md "Rules of the sessions API"; docs/sandboxes.md "Rules of the sandboxes API"), mounted at `/v1/templates`: the key's API
  * picks the form, and the tier checks are the form's. The sandboxes API's catalog is also at
  * `/v1/images` (`imageRoutes`).
  * The sessions API registers from an uploaded image streamed to a file; The sandboxes API bakes from an OCI ref.
@@ -233,7 +233,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
       await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "sessions"));
       return c.body(null, 204);
     }
-    // The sandboxes API: any tier may remove what it created; shared catalog rows are 403 (spec 4.2).
+    // The sandboxes API: any tier may remove what it created; shared catalog rows are 403 (docs/sandboxes.md "Rules of the sandboxes API").
     await deleteTemplate(deps, await ownTemplate(deps, p.tenantId, id, "sandboxes"));
     return c.json({ deleted: true as const, id });
   });

@@ -34,7 +34,7 @@ export async function serveBun(opts: ServeOptions): Promise<RunningServer> {
     // its own deadlines instead.
     idleTimeout: opts.idleTimeoutS ?? HTTP_IDLE_TIMEOUT_S,
     // The app bounds every body itself while streaming it (JSON bodies, template uploads up to
-    // their 20 GiB limit, docs/decisions.md); Bun's own default cap (128 MiB) refused larger
+    // their 20 GiB limit, docs/limits.md); Bun's own default cap (128 MiB) refused larger
     // template uploads with a bare 413 before the app saw them.
     maxRequestBodySize: Number.MAX_SAFE_INTEGER,
     fetch: async (request, srv) => {

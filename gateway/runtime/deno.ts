@@ -6,7 +6,7 @@
  * from its client, so a relay could only cut a client that sends faster than the guest reads.
  * Deno's `node:http` server applies `headersTimeout`/`keepAliveTimeout`/`requestTimeout`, and
  * `ws` on its `node:net` socket pauses reading (TCP back-pressure to the client), so a gateway
- * under Deno keeps the same bounds as under Bun and Node (docs/decisions.md, "The HTTP edge").
+ * under Deno keeps the same bounds as under Bun and Node (docs/operations.md "The HTTP edge under faults").
  */
 import { serveNodeHttp } from "./node.ts";
 import type { RunningServer, ServeOptions } from "./types.ts";

@@ -54,7 +54,7 @@ export interface ServeOptions {
   /** 0 picks a free port; `RunningServer.port` tells which. */
   port: number;
   /**
-   * How long one request may take, ms: a request may legitimately wait for a long exec (spec 8:
+   * How long one request may take, ms: a request may legitimately wait for a long exec (docs/limits.md "Public API limits":
    * up to `maxExecTimeoutS`), so the runtime's own defaults (Bun 10 s idle, Node 300 s) are
    * raised to this.
    */

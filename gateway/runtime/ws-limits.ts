@@ -1,6 +1,6 @@
 /**
- * WebSocket settings shared by the runtime adapters and the connect relays (spec 4.2). The values
- * and their reasons are in docs/decisions.md ("Connect relays").
+ * WebSocket settings shared by the runtime adapters and the connect relays (docs/sandboxes.md "Rules of the sandboxes API"). The values
+ * and their reasons are in docs/connect.md "Connect relays".
  */
 
 /**

@@ -420,7 +420,7 @@ describe("templates", () => {
     expect(ready).toEqual({ id: "myimg", status: "ready", created_at_secs: 1_700_000_000 });
     expect((await h.req("GET", "/v1/templates/myimg", { key: otherLive })).status).toBe(404);
     expect((await h.req("DELETE", "/v1/templates/myimg", { key: live })).status).toBe(403);
-    // Spec 3.1: a session still on it keeps running; nothing new spawns; the id is free again.
+    // docs/templates.md "Rules of templates": a session still on it keeps running; nothing new spawns; the id is free again.
     const s = await json(await h.req("POST", "/v1/sessions", { key: live, json: { template_id: "myimg" } }));
     expect((await h.req("DELETE", "/v1/templates/myimg", { key: scale })).status).toBe(204);
     expect((await h.req("GET", "/v1/templates/myimg", { key: live })).status).toBe(404);

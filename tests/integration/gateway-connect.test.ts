@@ -1,5 +1,5 @@
 /**
- * Connect-from-outside (spec 1.8, 2.8, 4.2) through a real gateway (`startGateway`, Bun.serve)
+ * Connect-from-outside (docs/connect.md "Rules of connect URLs"; docs/sandboxes.md "Rules of the sandboxes API") through a real gateway (`startGateway`, Bun.serve)
  * on real sockets. The agent is the in-memory stand-in (tests/support/memory-agent.ts), whose
  * `openTunnel` connects to a real TCP port on 127.0.0.1 chosen per guest port: everything from
  * the client's WebSocket to that port is the production path (upgrade, checks, relay,

@@ -45,7 +45,7 @@ export class SnapshotTemplates {
     return [...this.templates.values()].map((t) => t.meta.memPath);
   }
 
-  /** Returns `PreparedWithTelemetry`: the registry reports its `telemetry` (spec 2.4). */
+  /** Returns `PreparedWithTelemetry`: the registry reports its `telemetry` (docs/templates.md "Rules of templates"). */
   async prepare(
     templateId: string,
     input: TemplateInput,
@@ -126,7 +126,7 @@ export class SnapshotTemplates {
     );
     const prepared: PreparedWithTelemetry = {
       image: image.config,
-      // A bake's `ready.ports` (spec 2.4) are the template's ports; else the image's ExposedPorts.
+      // A bake's `ready.ports` (docs/templates.md "Rules of templates") are the template's ports; else the image's ExposedPorts.
       exposedPorts:
         input.kind === "oci" && input.exposedPorts ? [...input.exposedPorts] : image.config.exposedPorts,
       telemetry: snapshotTelemetry(meta, importMs, pullMs),

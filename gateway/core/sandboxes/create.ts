@@ -96,7 +96,7 @@ export async function reserve(
 }
 
 /**
- * Connect hints in the client's terms (spec 2.5: not a dialable address): `<sandbox id>:<port>`,
+ * Connect hints in the client's terms (docs/sandboxes.md "Rules of the sandboxes API": not a dialable address): `<sandbox id>:<port>`,
  * the two things a connect URL needs. The agent's VM id stays internal.
  */
 export function publicEndpoints(id: string, vmEndpoints: Record<string, string>): Record<string, string> {

@@ -11,7 +11,7 @@ import { forgetRows } from "../row-cache.ts";
 import { agentOf, inTermsOf, switchInterval } from "./records.ts";
 
 /**
- * Reclaims sessions API sessions idle past the TTL (spec 3.3); later calls on them get 410.
+ * Reclaims sessions API sessions idle past the TTL (docs/sessions.md "Rules of the sessions API"); later calls on them get 410.
  * Returns the ids reclaimed. Safe with several gateways on one database: each session is claimed
  * by one conditional UPDATE (running, no exec in flight, idle past the TTL) that also ends its
  * metering, so exactly one reaper wins it and only the winner calls the agent. An exec counted in

@@ -36,7 +36,7 @@ export function agentOf(deps: Deps, row: Pick<SandboxRow, "agentId">): AgentVmAp
 }
 
 /**
- * A record owned by the caller, in the caller's API; anything else is 404 (spec 5.7).
+ * A record owned by the caller, in the caller's API; anything else is 404 (docs/keys-and-auth.md "Rules of authentication").
  * `cached`: the row may come from this process's row cache (row-cache.ts), for the reads that only
  * show it; a call that acts on the row next reads the database, since a row another gateway
  * changed a moment ago would turn its compare-and-set into a 409 it need not be.
@@ -55,7 +55,7 @@ export async function getOwned(
   const what = p.api === "sessions" ? `session ${id}` : `sandbox ${id}`;
   if (!row) throw notFound(what);
   if (row.state === "destroyed") {
-    // The sessions API: a reclaimed session answers 410 (spec 3.3, 7); deleted ones are simply gone.
+    // The sessions API: a reclaimed session answers 410 (docs/sessions.md "Rules of the sessions API"; docs/api.md "Rules every route shares"); deleted ones are simply gone.
     if (row.api === "sessions" && row.endReason === "reaped") {
       throw new SandboxdError("gone", `${what} was reclaimed after being idle`);
     }
