@@ -5,6 +5,7 @@ import { type HostCapacity, hostCapacity } from "../agent/sandbox/capacity.ts";
 import { defaultShmRoot } from "../agent/snapshot/template.ts";
 import { qemuPidsNaming } from "../agent/vm/process.ts";
 import { ifExists } from "../contracts/best-effort.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import { type Leftovers, leftovers } from "./footprint.ts";
 import { qemuMemory } from "./rss.ts";
 import {
@@ -376,7 +377,10 @@ export async function runBurst(o: {
     try {
       const single = await createSession(svc);
       if (!single.id)
-        throw new Error(`the single create failed: ${JSON.stringify(single.answer?.body ?? single.code)}`);
+        throw new SandboxdError(
+          "internal",
+          `the single create failed: ${JSON.stringify(single.answer?.body ?? single.code)}`,
+        );
       await deleteSessions(svc, [single.id]);
       const tb = performance.now();
       const all = await Promise.all(Array.from({ length: o.n }, () => createSession(svc)));

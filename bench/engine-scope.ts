@@ -9,6 +9,7 @@ import type { SandboxVm } from "../agent/snapshot/vm.ts";
 import { forgetChainStore } from "../agent/storage/chain.ts";
 import { killQemusNaming } from "../agent/vm/process.ts";
 import { bestEffort, settled } from "../contracts/best-effort.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 
 /** Guest-side limit of one `true`: it answers in milliseconds; 20 s means the guest is gone. */
 const EXEC_TIMEOUT_MS = 20_000;
@@ -97,7 +98,8 @@ export async function runTrue(vm: Execer, config: ImageConfig): Promise<number> 
   const r = await vm.exec({ argv: ["true"], env: config.env, cwd: "/", timeoutMs: EXEC_TIMEOUT_MS });
   const ms = performance.now() - t0;
   if (r.exitCode !== 0)
-    throw new Error(
+    throw new SandboxdError(
+      "internal",
       `\`true\` in the guest ${r.timedOut ? "timed out" : `exited ${r.exitCode ?? `by signal ${r.signal}`}`}: ` +
         r.stderr.toString("utf8").slice(-500),
     );

@@ -25,6 +25,7 @@ import { buildTemplate, type TemplateMeta } from "../agent/snapshot/template.ts"
 import type { SandboxVm } from "../agent/snapshot/vm.ts";
 import { bootVm } from "../agent/vm/boot.ts";
 import { DEFAULT_VM_HOST, type VmHostSettings } from "../agent/vm/host-settings.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import { type BenchResult, type MemoryBreakdown, TARGETS, target } from "./engine-result.ts";
 import { Interrupted, runTrue, Scope, sleep } from "./engine-scope.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
@@ -371,7 +372,8 @@ async function measureForkChildren(
   await Promise.all(forked.children.map((c) => runTrue(c, run.config)));
   const ms = performance.now() - tFork;
   const stallMs = forked.timings.parentStallMs;
-  if (!(stallMs > 0)) throw new Error("the fork's STOP/RESUME events were not seen: no stall figure");
+  if (!(stallMs > 0))
+    throw new SandboxdError("internal", "the fork's STOP/RESUME events were not seen: no stall figure");
   await Promise.all(forked.children.map((c) => scope.release(c)));
   const tFloor = performance.now();
   await Promise.all(Array.from({ length: children }, sp.floor));
@@ -420,7 +422,7 @@ async function measureIdleMemory(
   const mems = await Promise.all(
     idle.map((vm) => {
       const pid = vm.process?.pid;
-      if (pid === undefined) throw new Error(`idle VM ${vm.id} has no QEMU`);
+      if (pid === undefined) throw new SandboxdError("internal", `idle VM ${vm.id} has no QEMU`);
       return qemuMemory(pid, template.memPath);
     }),
   );

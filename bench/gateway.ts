@@ -26,6 +26,7 @@ import { join } from "node:path";
 import { readCredentials } from "../agent/api/enroll.ts";
 import { operatorSecrets } from "../cli/settings.ts";
 import type { ExecAction } from "../contracts/agent/api.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import { openDb } from "../db/client.ts";
 import { AgentHttpClient } from "../gateway/agents/client.ts";
 import { createKey } from "../gateway/auth/keys.ts";
@@ -106,7 +107,7 @@ export async function load(
       try {
         const res = await request(i);
         await res.arrayBuffer();
-        if (res.status !== 200) throw new Error(String(res.status));
+        if (res.status !== 200) throw new SandboxdError("internal", String(res.status));
         if (measuring) lat.push(performance.now() - t0);
       } catch {
         if (measuring) errors++;
@@ -154,7 +155,8 @@ export async function runGatewayBench(o: GatewayBenchOptions): Promise<GatewayBe
   });
   try {
     const base = await listening;
-    if (!agentUrl) throw new Error(`up did not say where its agent listens: ${stderrTail()}`);
+    if (!agentUrl)
+      throw new SandboxdError("internal", `up did not say where its agent listens: ${stderrTail()}`);
     o.log(`gateway bench: up ${base}, agent ${agentUrl}, data ${dataDir}`);
     await uploadTemplateAndWait(base, key, TEMPLATE_ID, o.image);
     const s = (await call(base, key, "POST", "/v1/sessions", { template_id: TEMPLATE_ID })) as {
@@ -187,10 +189,11 @@ async function makeKeys(dataDir: string, n: number): Promise<string[]> {
 /** The agent's own API with the agent's own key, and the one VM it runs (the session's). */
 async function agentOf(dataDir: string, agentUrl: string): Promise<{ agent: AgentHttpClient; vmId: string }> {
   const creds = await readCredentials(join(dataDir, "agent"));
-  if (!creds) throw new Error("the agent has no credentials");
+  if (!creds) throw new SandboxdError("internal", "the agent has no credentials");
   const agent = new AgentHttpClient({ baseUrl: agentUrl, agentId: creds.id, key: creds.key });
   const vms = await agent.listVms();
-  if (vms.length !== 1) throw new Error(`expected one VM on the agent, found ${vms.length}`);
+  if (vms.length !== 1)
+    throw new SandboxdError("internal", `expected one VM on the agent, found ${vms.length}`);
   return { agent, vmId: vms[0]!.id };
 }
 
@@ -208,13 +211,13 @@ async function measureExecs(
       commands: [["true"]],
     })) as { exit_code: number; total_time_ms: number };
     const wall = performance.now() - t;
-    if (r.exit_code !== 0) throw new Error(`exec answered ${JSON.stringify(r)}`);
+    if (r.exit_code !== 0) throw new SandboxdError("internal", `exec answered ${JSON.stringify(r)}`);
     return { wall, own: r.total_time_ms };
   };
   const viaAgent = async () => {
     const t = performance.now();
     const r = await floor.agent.exec(floor.vmId, action);
-    if (r.exitCode !== 0) throw new Error(`agent exec answered ${JSON.stringify(r)}`);
+    if (r.exitCode !== 0) throw new SandboxdError("internal", `agent exec answered ${JSON.stringify(r)}`);
     return performance.now() - t;
   };
   for (let i = 0; i < WARMUP_EXECS; i++) {

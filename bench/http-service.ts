@@ -6,6 +6,7 @@
  */
 import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
+import { SandboxdError } from "../contracts/errors.ts";
 import { type Sandbox, Sandboxd } from "../sdk/typescript/src/index.ts";
 import { type Leftovers, leftovers } from "./footprint.ts";
 import {
@@ -55,7 +56,7 @@ export interface HttpBenchOptions {
 }
 
 export function check(signal: AbortSignal | undefined): void {
-  if (signal?.aborted) throw new Error("benchmark interrupted");
+  if (signal?.aborted) throw new SandboxdError("internal", "benchmark interrupted");
 }
 
 async function timed<T>(f: () => Promise<T>): Promise<{ ms: number; value: T }> {
@@ -66,7 +67,8 @@ async function timed<T>(f: () => Promise<T>): Promise<{ ms: number; value: T }> 
 
 async function execTrue(sb: Sandbox): Promise<number> {
   const r = await sb.exec(["true"]);
-  if (r.exitCode !== 0) throw new Error(`\`true\` through the service exited ${r.exitCode}: ${r.stderr}`);
+  if (r.exitCode !== 0)
+    throw new SandboxdError("internal", `\`true\` through the service exited ${r.exitCode}: ${r.stderr}`);
   return r.totalTimeMs;
 }
 
@@ -265,7 +267,8 @@ async function measureTunnel(
     "-c",
     `mkdir -p /srv && echo ok > /srv/small && dd if=/dev/urandom of=/srv${blob} bs=1048576 count=${o.tunnelMib} 2>/dev/null && setsid busybox httpd -p 127.0.0.1:${o.port} -h /srv`,
   ]);
-  if (setup.exitCode !== 0) throw new Error(`starting httpd in the guest: ${setup.stderr}`);
+  if (setup.exitCode !== 0)
+    throw new SandboxdError("internal", `starting httpd in the guest: ${setup.stderr}`);
   await Bun.sleep(HTTPD_START_WAIT_MS);
   const openMs: number[] = [];
   for (let i = 0; i < o.tunnels; i++) {
@@ -279,6 +282,9 @@ async function measureTunnel(
   const { url } = await sb.connectUrl({ port: o.port, ttlSeconds: CONNECT_TTL_S });
   const big = await tunnelGet(url, blob);
   if (big.bytes < o.tunnelMib * 2 ** 20)
-    throw new Error(`tunnel GET: ${big.bytes} bytes, expected ${o.tunnelMib} MiB and headers`);
+    throw new SandboxdError(
+      "internal",
+      `tunnel GET: ${big.bytes} bytes, expected ${o.tunnelMib} MiB and headers`,
+    );
   return { tunnelOpen: openMs, tunnel: { bytes: big.bytes, ms: big.endMs - big.openMs } };
 }

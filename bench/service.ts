@@ -51,7 +51,8 @@ export async function call(
     body: raw ?? (body === undefined ? undefined : JSON.stringify(body)),
   });
   const text = await res.text();
-  if (res.status >= 300) throw new Error(`${method} ${path}: ${res.status} ${text.slice(0, 300)}`);
+  if (res.status >= 300)
+    throw new SandboxdError("internal", `${method} ${path}: ${res.status} ${text.slice(0, 300)}`);
   return text === "" ? undefined : JSON.parse(text);
 }
 
@@ -102,7 +103,7 @@ export async function uploadTemplateAndWait(
     const st = (await call(base, key, "GET", `/v1/templates/${id}`)) as { status: string };
     if (st.status === "ready") return;
     if (st.status === "failed" || Date.now() > deadline)
-      throw new Error(`template ${id}: ${JSON.stringify(st)}`);
+      throw new SandboxdError("internal", `template ${id}: ${JSON.stringify(st)}`);
     await Bun.sleep(250);
   }
 }

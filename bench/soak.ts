@@ -12,6 +12,7 @@
  * whether the service leaks.
  */
 import { HEAP_STATS_ENV, type HeapStatsLine, parseHeapStatsLine } from "../cli/heap-stats.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import { type Leftovers, leftovers, type SoakSample, sample } from "./footprint.ts";
 import { call, createKey, seededDataDir, spawnUp, stopAndRemove, uploadTemplateAndWait } from "./service.ts";
 
@@ -120,7 +121,8 @@ async function soakCycle(base: string, key: string): Promise<void> {
     commands: [["echo", "soak"]],
   })) as { stdout: string; exit_code: number };
   await call(base, key, "DELETE", `/v1/sessions/${s.session_id}`);
-  if (r.exit_code !== 0 || r.stdout.trim() !== "soak") throw new Error(`exec answered ${JSON.stringify(r)}`);
+  if (r.exit_code !== 0 || r.stdout.trim() !== "soak")
+    throw new SandboxdError("internal", `exec answered ${JSON.stringify(r)}`);
 }
 
 /**

@@ -24,7 +24,7 @@ export function bytesSetting(
   if (raw === undefined || raw.trim() === "") return fallback;
   const n = Number(raw);
   if (!Number.isSafeInteger(n) || n < 0)
-    throw new Error(`${name} must be a byte count, got ${JSON.stringify(raw)}`);
+    throw new SandboxdError("bad_request", `${name} must be a byte count, got ${JSON.stringify(raw)}`);
   return n;
 }
 

@@ -75,6 +75,7 @@ export function appDeps(input: CreateAppDeps): Deps {
     relays: input.relays ?? new RelayRegistry(),
     ...(input.activity ? { activity: input.activity } : {}),
     ...(input.rows ? { rows: input.rows } : {}),
+    ...(input.log ? { log: input.log } : {}),
   };
 }
 

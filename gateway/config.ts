@@ -1,5 +1,6 @@
 /** Gateway configuration. Every limit defaults to contracts/api/limits.ts and can be overridden. */
 import { DEFAULT_LIMITS, type Limits, limitsBeyondAgent } from "../contracts/api/limits.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 
 export interface GatewayConfig {
   /** API build stamp reported by `GET /v1/health` (docs/api.md "Rules every route shares"). */
@@ -40,7 +41,7 @@ export type GatewayConfigInput = Omit<Partial<GatewayConfig>, "limits"> &
 
 export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
   if (input.keyPepper.length < 16 || input.connectSecret.length < 16) {
-    throw new Error("keyPepper and connectSecret must be at least 16 characters");
+    throw new SandboxdError("bad_request", "keyPepper and connectSecret must be at least 16 characters");
   }
   const config: GatewayConfig = {
     version: input.version ?? "sandboxd-dev",
@@ -62,6 +63,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
   };
   // A limit the agents would refuse past is refused here, at start, not on a request.
   const beyond = limitsBeyondAgent(config.limits);
-  if (beyond.length > 0) throw new Error(`limits beyond what an agent accepts: ${beyond.join("; ")}`);
+  if (beyond.length > 0)
+    throw new SandboxdError("bad_request", `limits beyond what an agent accepts: ${beyond.join("; ")}`);
   return config;
 }

@@ -34,6 +34,13 @@ export interface Deps {
    * drop their rows from it.
    */
   rows?: RowCache;
+  /** Where a cleanup that failed on a path already failing is said (default: stderr). */
+  log?: (line: string) => void;
+}
+
+/** The gateway's log line writer: `deps.log`, else stderr. */
+export function logOf(deps: Pick<Deps, "log">): (line: string) => void {
+  return deps.log ?? ((line) => console.error(line));
 }
 
 /**

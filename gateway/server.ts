@@ -10,6 +10,7 @@ import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
 import { AGENT_EVENTS_PATH, type VmEvent } from "../contracts/agent/events.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { secretKey } from "../contracts/agent/token.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
 import { handleAgentEvents } from "./agents/events-http.ts";
@@ -125,7 +126,8 @@ function secretsWithoutDataDir(
   const connectSecret = over.connectSecret ?? set.connectSecret;
   const uploadDir = over.uploadDir;
   if (!keyPepper || !connectSecret || !uploadDir) {
-    throw new Error(
+    throw new SandboxdError(
+      "bad_request",
       "startGateway without dataDir needs keyPepper, connectSecret (config or secrets, i.e. " +
         "SANDBOXD_KEY_PEPPER, SANDBOXD_CONNECT_SECRET) and config.uploadDir",
     );
@@ -164,7 +166,11 @@ function agentRouting(
     (opts.dataDir !== undefined
       ? loadSecrets(opts.dataDir, opts.secrets).agentSecret
       : opts.secrets?.agentSecret);
-  if (!secret) throw new Error("a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)");
+  if (!secret)
+    throw new SandboxdError(
+      "bad_request",
+      "a routing gateway needs the agent secret (SANDBOXD_AGENT_SECRET)",
+    );
   // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
   secretKey(secret);
   const router = new AgentRouter({
@@ -314,7 +320,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     config,
     ...(router ? { router } : {}),
     withDb: async (fn) => {
-      if (stopping) throw new Error("the gateway is stopped");
+      if (stopping) throw new SandboxdError("internal", "the gateway is stopped");
       return fn(handle.db);
     },
     keyRevoked: (keyId) => keys.forget(keyId),

@@ -5,6 +5,7 @@
  */
 import { rm } from "node:fs/promises";
 import type { CreateVmOpts, TemplateSource } from "../../contracts/agent/api.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import type { TemplateInput } from "../sandbox/drivers/driver.ts";
 import type { ExecRequest } from "../sandbox/exec.ts";
 import type { SandboxManager } from "../sandbox/manager.ts";
@@ -87,10 +88,10 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           throw err;
         }
         // The agent owns the uploaded file (TemplateSource): gone once the build is over.
+        // A leftover upload is swept with the upload dir: a failed removal is logged, never a crash.
         void m.templates
           .settled(a.template)
-          .finally(() => rm(s.path, { force: true }))
-          .catch(() => {}); // a leftover upload is swept with the upload dir; never a crash
+          .finally(() => bestEffort(deps.log, `removing the upload ${s.path}`, rm(s.path, { force: true })));
       } else {
         m.buildTemplate(a.template, ociInput(s));
         // Bake `expected_width` (docs/sandboxes.md "Rules of the sandboxes API"): warm VMs once the build is Live.

@@ -20,6 +20,7 @@ import {
   type VmEventBatch,
 } from "../../contracts/agent/events.ts";
 import { type AgentCredentials, secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
+import { bestEffort, settled } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { MeterEvent } from "../sandbox/accounting.ts";
 
@@ -91,7 +92,8 @@ export class EventReporter {
     clearTimeout(this.retry);
     const last = (async () => {
       await this.sending;
-      if (this.target && this.queue.length > 0) await this.sendAll().catch(() => {});
+      if (this.target && this.queue.length > 0)
+        await bestEffort(this.log, "sending the last events", () => this.sendAll());
     })();
     let timer: ReturnType<typeof setTimeout> | undefined;
     await Promise.race([last, new Promise((done) => (timer = setTimeout(done, deadlineMs)))]);
@@ -139,7 +141,7 @@ export class EventReporter {
         signal: AbortSignal.timeout(SEND_TIMEOUT_MS),
       });
       if (!res.ok) throw new SandboxdError("internal", `events refused: ${res.status} ${await res.text()}`);
-      await res.body?.cancel().catch(() => {});
+      await settled(res.body?.cancel()); // the answer's status is all that is read
       // Only what was sent leaves; events pushed meanwhile, or dropped, are accounted by seq.
       const last = events.at(-1)!.seq;
       while (this.queue.length > 0 && this.queue[0]!.seq <= last) this.queue.shift();

@@ -14,6 +14,7 @@
 import type { ServerWebSocket, WebSocketHandler } from "bun";
 import type { Tunnel } from "../../contracts/agent/api.ts";
 import { parsePtyResize } from "../../contracts/api/common.ts";
+import { settled } from "../../contracts/best-effort.ts";
 import { describeError } from "../../contracts/errors.ts";
 
 export interface TunnelSocketData {
@@ -85,7 +86,7 @@ export const tunnelWebSocket: WebSocketHandler<TunnelSocketData> = {
     const w = ws.data.writer;
     if (!w) return;
     // A failed write means the tunnel ended; the pump closes the socket with the reason.
-    w.write(msg).catch(() => {});
+    void settled(w.write(msg));
     if ((w.desiredSize ?? 1) <= 0 && !ws.isPaused) {
       ws.pause();
       w.ready.then(

@@ -181,7 +181,7 @@ export function parseCidr(text: string): Cidr | undefined {
 
 function cidr(text: string): Cidr {
   const c = parseCidr(text);
-  if (!c) throw new Error(`bad built-in range ${text}`);
+  if (!c) throw new SandboxdError("internal", `bad built-in range ${text}`);
   return c;
 }
 

@@ -27,7 +27,7 @@ import type {
   ResumeResult,
   SuspendResult,
 } from "../../contracts/agent/api.ts";
-import { bestEffort } from "../../contracts/best-effort.ts";
+import { bestEffort, settled } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
@@ -336,9 +336,9 @@ export class SandboxManager {
     const attempt = (async () => {
       if (sb.inflight) {
         if (opts.force) sb.inflight.abort.abort();
-        else await sb.inflight.done.catch(() => {});
+        else await settled(sb.inflight.done); // the exec's caller gets its outcome
       }
-      await sb.op?.catch(() => {});
+      await settled(sb.op); // the operation's caller gets its outcome
       await this.driver.destroy(sb.id, sb.vm);
       sb.vm = undefined;
       this.setState(sb, "destroyed");
@@ -512,7 +512,7 @@ export class SandboxManager {
       if (err.code !== "protocol_error" || sb.vm !== vm || this.detached || isTerminal(sb.state)) return;
       this.onVmExit(sb, { reason: `guest_misbehaved: ${err.message}` });
       void (async () => {
-        await sb.op?.catch(() => {});
+        await settled(sb.op); // the operation's caller gets its outcome
         await this.driver.destroy(sb.id, vm);
       })().catch((e) => this.log(`sandbox ${sb.id}: killing the misbehaving VM failed: ${describeError(e)}`));
     });

@@ -8,6 +8,7 @@
  * produces them; the gateway's client reads them one by one (`ExecFrameDecoder`), so a slow
  * reader stops the agent reading the guest (back-pressure, agent/api/exec-stream.ts).
  */
+import { SandboxdError } from "../errors.ts";
 
 export const ExecFrameKind = {
   STDOUT: 1,
@@ -53,9 +54,10 @@ export class ExecFrameDecoder {
       const kind = this.buf[off] as number;
       const len = new DataView(this.buf.buffer, this.buf.byteOffset + off + 1, 4).getUint32(0);
       if (kind < ExecFrameKind.STDOUT || kind > ExecFrameKind.STARTED) {
-        throw new Error(`exec stream: unknown frame kind ${kind}`);
+        throw new SandboxdError("internal", `exec stream: unknown frame kind ${kind}`);
       }
-      if (len > MAX_EXEC_FRAME_BYTES) throw new Error(`exec stream: frame of ${len} bytes`);
+      if (len > MAX_EXEC_FRAME_BYTES)
+        throw new SandboxdError("internal", `exec stream: frame of ${len} bytes`);
       if (this.buf.length - off < EXEC_FRAME_HEADER_BYTES + len) break;
       const start = off + EXEC_FRAME_HEADER_BYTES;
       frames.push({ kind: kind as ExecFrameKind, payload: this.buf.slice(start, start + len) });

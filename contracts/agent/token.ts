@@ -48,7 +48,10 @@ export function agentAudience(agentId: string): string {
 export function secretKey(secret: string | Uint8Array): Uint8Array {
   const key = typeof secret === "string" ? new TextEncoder().encode(secret) : secret;
   if (key.length < MIN_SECRET_BYTES)
-    throw new Error(`an agent key or secret must be at least ${MIN_SECRET_BYTES} bytes`);
+    throw new SandboxdError(
+      "bad_request",
+      `an agent key or secret must be at least ${MIN_SECRET_BYTES} bytes`,
+    );
   return key;
 }
 

@@ -11,6 +11,7 @@ import { AGENT_API_PREFIX, type ExecStreamOptions } from "../../contracts/agent/
 import { ExecFrameDecoder, ExecFrameKind } from "../../contracts/agent/exec-stream.ts";
 import { errorFromAgentAnswer } from "../../contracts/agent/schemas.ts";
 import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
+import { settled } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
 export class AgentHttp {
@@ -133,7 +134,7 @@ export class AgentHttp {
         }
       }
     } finally {
-      reader.cancel().catch(() => undefined);
+      void settled(reader.cancel()); // the frames' own end or error is what the caller sees
     }
   }
 

@@ -301,6 +301,7 @@ export class AgentHttpClient implements AgentApi {
       deadline,
     );
     if (call.op === "download") return { op: "download", body: res.body };
+    // A body that is not JSON fails the parse below, whose error names the answer.
     const r = FileWritten.safeParse(await res.json().catch(() => undefined));
     if (!r.success) {
       throw new SandboxdError("internal", `agent answered ${method} ${path} with an unexpected body`, {

@@ -6,11 +6,13 @@
  * The sandboxes API rows whose lifetime deletes them. Both claims use one idleness test (`idleClaimable`).
  */
 import { and, eq, isNotNull, isNull } from "drizzle-orm";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { apiKeys } from "../../db/schema/api-keys.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
+import { logOf } from "../deps.ts";
 import { forgetRows } from "./row-cache.ts";
 import {
   agentOf,
@@ -106,7 +108,7 @@ async function suspendClaimed(
     );
     return true;
   } catch (err) {
-    await releaseIdleHold(deps.db, row.id).catch(() => {});
+    await bestEffort(logOf(deps), `releasing the idle hold of ${row.id}`, releaseIdleHold(deps.db, row.id));
     forgetRows(deps, row.id);
     log(`reaper: ${row.id}: idle suspend failed, it stays running: ${describeError(err)}`);
     return false;

@@ -13,6 +13,7 @@ import { Duplex } from "node:stream";
 import WebSocket from "ws";
 import type { Tunnel } from "../../contracts/agent/api.ts";
 import { settled } from "../../contracts/best-effort.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { CDP_MESSAGE_BYTES } from "../runtime/ws-limits.ts";
 import { CLOSE, errorText, HIGH_WATER_BYTES, LowWater, maxHeldBytes, RelayBase } from "./common.ts";
 
@@ -59,14 +60,19 @@ export async function discoverBrowserPath(tunnel: Tunnel, port: number): Promise
         next.set(value, buf.length);
         buf = next;
       }
-      if (buf.length > MAX_DISCOVERY_BYTES) throw new Error("GET /json/version: answer too large");
+      if (buf.length > MAX_DISCOVERY_BYTES)
+        throw new SandboxdError("port_unreachable", "GET /json/version: answer too large");
       if (bodyStart < 0) {
         const text = new TextDecoder("latin1").decode(buf);
         const end = text.indexOf("\r\n\r\n");
         if (end >= 0) {
           const head = text.slice(0, end);
           const status = /^HTTP\/1\.[01] (\d{3})/.exec(head)?.[1];
-          if (status !== "200") throw new Error(`GET /json/version: HTTP ${status ?? "?"} (not DevTools?)`);
+          if (status !== "200")
+            throw new SandboxdError(
+              "port_unreachable",
+              `GET /json/version: HTTP ${status ?? "?"} (not DevTools?)`,
+            );
           const cl = /\r\ncontent-length:\s*(\d+)/i.exec(head)?.[1];
           length = cl === undefined ? -1 : Number(cl);
           bodyStart = end + 4;
@@ -75,15 +81,19 @@ export async function discoverBrowserPath(tunnel: Tunnel, port: number): Promise
       if (bodyStart >= 0 && length >= 0 && buf.length - bodyStart >= length) break;
       if (done) {
         if (bodyStart >= 0 && length < 0) break; // body delimited by the end of the connection
-        throw new Error("GET /json/version: the connection ended before the answer");
+        throw new SandboxdError(
+          "port_unreachable",
+          "GET /json/version: the connection ended before the answer",
+        );
       }
     }
-    void settled(reader.cancel()); // the relay is ending; the cancel only repeats its cause
+    void settled(reader.cancel()); // discovery read all it needs; the tunnel closes below
     const body = new TextDecoder().decode(
       buf.subarray(bodyStart, length >= 0 ? bodyStart + length : undefined),
     );
     const url = (JSON.parse(body) as { webSocketDebuggerUrl?: unknown }).webSocketDebuggerUrl;
-    if (typeof url !== "string") throw new Error("GET /json/version: no webSocketDebuggerUrl");
+    if (typeof url !== "string")
+      throw new SandboxdError("port_unreachable", "GET /json/version: no webSocketDebuggerUrl");
     return new URL(url).pathname;
   };
   try {

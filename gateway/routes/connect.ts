@@ -6,6 +6,7 @@
  */
 import { type Context, Hono } from "hono";
 import * as B from "../../contracts/api/sandboxes-api.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { signConnectToken, verifyConnectTokenClaims } from "../auth/connect-token.ts";
 import { requirePro } from "../auth/guards.ts";
@@ -20,6 +21,7 @@ import {
   type SandboxRow,
 } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
+import { logOf } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
 import type { RelayBase } from "../relay/common.ts";
@@ -209,14 +211,14 @@ export async function serveRelay(
     relay = await open();
   } catch (err) {
     release();
-    await use.end().catch(() => {});
+    await bestEffort(logOf(deps), `ending the connect call on ${row.id}`, use.end());
     throw err;
   }
   const unregister = deps.relays ? deps.relays.add(row.id, relay) : () => {};
   relay.registered(() => {
     unregister();
     release();
-    use.end().catch(() => {});
+    void bestEffort(logOf(deps), `ending the connect call on ${row.id}`, use.end());
   });
   try {
     return upgrade(relay);

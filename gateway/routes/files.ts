@@ -10,11 +10,13 @@ import { type Context, Hono, type MiddlewareHandler } from "hono";
 import { FilesQuery } from "../../contracts/api/files.ts";
 import { MAX_FILE_TRANSFER_BYTES } from "../../contracts/api/limits.ts";
 import type { KeyApi } from "../../contracts/api/tiers.ts";
+import { bestEffort, settled } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw } from "../auth/guards.ts";
 import { wakeIfIdle } from "../core/idle.ts";
 import { beginUse, inTermsOf } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
+import { logOf } from "../deps.ts";
 import { query } from "../http.ts";
 
 const tooLarge = () =>
@@ -40,14 +42,22 @@ function limited(body: ReadableStream<Uint8Array> | null): {
     void counter.writable.close();
     return { stream: counter.readable, over: () => false };
   }
-  void body.pipeTo(counter.writable).catch(() => {});
+  // A failed pipe errors `counter.readable`, which the upload reads: the error reaches the call.
+  void settled(body.pipeTo(counter.writable));
   return { stream: counter.readable, over: () => total > MAX_FILE_TRANSFER_BYTES };
 }
 
-/** `stream` with `end` called once it finishes, fails or is cancelled by the reader. */
-function onFinish(stream: ReadableStream<Uint8Array>, end: () => Promise<void>): ReadableStream<Uint8Array> {
+/**
+ * `stream` with `end` called once it finishes, fails or is cancelled by the reader; an `end` that
+ * fails (the call's end written to the database) is logged: the download itself went through.
+ */
+function onFinish(
+  stream: ReadableStream<Uint8Array>,
+  end: () => Promise<void>,
+  log: (line: string) => void,
+): ReadableStream<Uint8Array> {
   const reader = stream.getReader();
-  const done = () => void end().catch(() => {});
+  const done = () => void bestEffort(log, "ending the download's call", end);
   return new ReadableStream<Uint8Array>(
     {
       async pull(ctl) {
@@ -120,7 +130,7 @@ function handlers(deps: Deps) {
       if (a.op !== "download")
         throw new SandboxdError("internal", "the agent answered a download with something else");
       handedOver = true;
-      return new Response(onFinish(a.body, u.end), {
+      return new Response(onFinish(a.body, u.end, logOf(deps)), {
         headers: { "content-type": "application/octet-stream" },
       });
     } finally {

@@ -34,6 +34,7 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
   const agentHealth = (): Promise<AgentHealth | undefined> => {
     const now = performance.now();
     if (cached === undefined || now >= cached.until) {
+      // An agent that does not answer makes the health `degraded`: that answer is the report.
       const health = deps.agent.health().catch(() => undefined);
       // Until answered the call is shared; then only a healthy answer is kept.
       const entry = { health, until: Number.POSITIVE_INFINITY };

@@ -142,7 +142,8 @@ async function bake(deps: Deps, c: Context<HonoEnv>, p: Principal) {
   requirePro(p, "baking templates");
   const req = await jsonBody(c, B.BakeTemplateRequest, deps.config.limits.maxJsonBodyBytes);
   const row = await bakeTemplate(deps, p.tenantId, req, deps.config.limits.templateQuotaByTier[p.tier]);
-  // The template as GET /v1/templates/{id} shows it (a retry sees the build's progress).
+  // The template as GET /v1/templates/{id} shows it (a retry sees the build's progress); a status
+  // the agent cannot give right now leaves the telemetry empty: the row is the answer.
   const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
   return c.json(templateB(row, st?.telemetry ?? {}), 202);
 }

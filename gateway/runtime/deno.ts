@@ -8,11 +8,13 @@
  * `ws` on its `node:net` socket pauses reading (TCP back-pressure to the client), so a gateway
  * under Deno keeps the same bounds as under Bun and Node (docs/operations.md "The HTTP edge under faults").
  */
+
+import { SandboxdError } from "../../contracts/errors.ts";
 import { serveNodeHttp } from "./node.ts";
 import type { RunningServer, ServeOptions } from "./types.ts";
 
 export function serveDeno(opts: ServeOptions): Promise<RunningServer> {
   if ((globalThis as { Deno?: unknown }).Deno === undefined)
-    throw new Error("serveDeno needs the Deno runtime");
+    throw new SandboxdError("internal", "serveDeno needs the Deno runtime");
   return serveNodeHttp(opts, "deno");
 }

@@ -5,6 +5,7 @@
  */
 import { readdir, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
+import { settled } from "../../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { GuestClient } from "../../guest/client.ts";
 import type { VmProcess } from "../../qemu/launch.ts";
@@ -92,7 +93,8 @@ export async function attachRunning(
     const status = await qmp.execute<{ running: boolean; status: string }>("query-status");
     if (!status.running) {
       // Idle-paused (or caught in a save the dead agent never finished): run it again.
-      await qmp.execute("migrate_cancel").catch(() => {});
+      // A cancel with nothing to cancel is no error; a QEMU that cannot run fails the `cont`.
+      await settled(qmp.execute("migrate_cancel"));
       await qmp.execute("cont");
     }
     guest = await connectAdopted(proc);

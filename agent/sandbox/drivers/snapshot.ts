@@ -26,6 +26,7 @@
  */
 import { rm, stat } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
+import { bestEffort } from "../../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { checkDestination, defaultFence, type EgressFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
@@ -267,7 +268,8 @@ export class SnapshotDriver implements SandboxDriver {
       ...this.restoreDeadline(),
     });
     // The parent moved onto a new overlay (also when only the children failed): record it.
-    if (l.sbx.state !== "dead") await saveRecord(l.sbx, l.handle).catch(() => {});
+    if (l.sbx.state !== "dead")
+      await bestEffort(this.log, `recording VM ${l.sbx.id} on its new overlay`, saveRecord(l.sbx, l.handle));
     if (!r.ok) throw r.error;
     this.log(
       `fork of ${parent.vmId} into ${childIds.length}: parent stalled ${r.value.timings.parentStallMs.toFixed(1)} ms, children ready after ${r.value.timings.childrenReadyMs.toFixed(0)} ms (${r.value.timings.mode})`,

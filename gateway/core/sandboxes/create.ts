@@ -5,12 +5,14 @@
  */
 import { and, eq, inArray } from "drizzle-orm";
 import type { CreatedVm, ExecAction, OneShotResult, VmResources } from "../../../contracts/agent/api.ts";
+import { bestEffort } from "../../../contracts/best-effort.ts";
 import { parseAllowList } from "../../../contracts/egress.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { sandboxes } from "../../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../../db/schema/usage-intervals.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
+import { logOf } from "../../deps.ts";
 import { newExecId, newSandboxId, newSessionId } from "../../ids.ts";
 import { type RecordState, recordChange } from "../record-states.ts";
 import { forgetRows } from "../row-cache.ts";
@@ -140,9 +142,12 @@ export async function markStarted(
     })
     .finally(() => forgetRows(deps, id));
   if (done) return;
-  await agentOf(deps, { agentId })
-    .destroy(vm.vmId, { force: true })
-    .catch(() => {}); // reconciliation removes a VM without a row if this fails too
+  // Reconciliation removes a VM without a row if this fails too; the log says it was left.
+  await bestEffort(
+    logOf(deps),
+    `destroying VM ${vm.vmId} that has no row`,
+    agentOf(deps, { agentId }).destroy(vm.vmId, { force: true }),
+  );
   throw new SandboxdError(
     "spawn_failed",
     `${id} was settled as failed while its VM was starting (the start outlasted the bring-up bound)`,
@@ -243,7 +248,7 @@ export async function execOneShots(
         await endOneShot(deps, id, p.tenantId, agentId, startedAt, result.resources);
         return result;
       } catch (err) {
-        await markFailed(deps, [id]).catch(() => {});
+        await bestEffort(logOf(deps), `marking ${id} failed`, markFailed(deps, [id]));
         throw err;
       }
     }),

@@ -1,8 +1,10 @@
 /** Suspend, resume and destroy of a live record: each under its state check, and a quota hold where the cap changes. */
 import type { AgentVmApi } from "../../../contracts/agent/api.ts";
+import { bestEffort } from "../../../contracts/best-effort.ts";
 import type { sandboxes } from "../../../db/schema/sandboxes.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
+import { logOf } from "../../deps.ts";
 import { holdForQuota, type QuotaHold, releaseHold } from "./quota.ts";
 import {
   agentOf,
@@ -72,7 +74,7 @@ async function changeUnderHold<T>(
     await applyTransition(deps, row, action, { ...done.set, hold: null, holdUntil: null }, done.interval);
     return done.result;
   } catch (err) {
-    await releaseHold(deps, id, action).catch(() => {});
+    await bestEffort(logOf(deps), `releasing the ${action} hold of ${id}`, releaseHold(deps, id, action));
     throw err;
   }
 }
