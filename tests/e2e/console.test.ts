@@ -310,7 +310,7 @@ describe("web console", () => {
         expect(await page.locator(`tr[data-template="${TEMPLATE}"] .state`).textContent()).toBe("ready");
         expect(await page.locator("#sandboxes-section").isHidden()).toBe(true);
         expect(await page.locator("#usage-section").isHidden()).toBe(true);
-        await shot(page, "family-a.png");
+        await shot(page, "sessions-api-key.png");
         // The API's 403s for sandboxes and usage show in the console log as failed loads: expected.
         expect(problems.filter((p) => !p.includes("403"))).toEqual([]);
       } finally {
