@@ -305,7 +305,7 @@ describe("web console", () => {
         const { page, problems } = await openConsole(browser);
         await signIn(page, keys.live);
         await page.locator("#notice").waitFor({ state: "visible", timeout: UI_WAIT_MS });
-        expect(await page.locator("#notice").textContent()).toContain("the sessions API key");
+        expect(await page.locator("#notice").textContent()).toContain("This is a sessions API key");
         await page.locator(`tr[data-template="${TEMPLATE}"]`).waitFor({ timeout: UI_WAIT_MS });
         expect(await page.locator(`tr[data-template="${TEMPLATE}"] .state`).textContent()).toBe("ready");
         expect(await page.locator("#sandboxes-section").isHidden()).toBe(true);
