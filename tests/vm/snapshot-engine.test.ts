@@ -222,25 +222,26 @@ describe("templates", () => {
   test(
     "a ready command that starts a service detached and exits 0 is kept running in spawns",
     async () => {
-      const r = unwrap(
-        await buildTemplate({
-          dataDir: DATA_DIR,
-          image,
-          artifacts,
-          accel: "tcg",
-          id: "svc",
-          memMib: 256,
-          shmRoot: SHM_ROOT,
-          readyCmd: [
-            "sh",
-            "-c",
-            // Written whole (mv): a `cat` between a truncate and its write read "" (0), once.
-            "(while true; do date +%s > /tmp/svc.new && mv /tmp/svc.new /tmp/svc; sleep 0.2; done) >/dev/null 2>&1 & sleep 0.5; test -s /tmp/svc",
-          ],
-          log,
-        }),
-      );
+      // A failed build leaves its record (state failed): the finally removes it too, so a failure
+      // here is this test's alone and not every later test's leftovers check.
+      const built = await buildTemplate({
+        dataDir: DATA_DIR,
+        image,
+        artifacts,
+        accel: "tcg",
+        id: "svc",
+        memMib: 256,
+        shmRoot: SHM_ROOT,
+        readyCmd: [
+          "sh",
+          "-c",
+          // Written whole (mv): a `cat` between a truncate and its write read "" (0), once.
+          "(while true; do date +%s > /tmp/svc.new && mv /tmp/svc.new /tmp/svc; sleep 0.2; done) >/dev/null 2>&1 & sleep 0.5; test -s /tmp/svc",
+        ],
+        log,
+      });
       try {
+        const r = unwrap(built);
         const s = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template: r, log }));
         live.push(s.vm);
         // The service runs on in the spawn: its clock file moves past what it said first.
@@ -251,9 +252,10 @@ describe("templates", () => {
       } finally {
         // Also when the check fails: the template's files would fail every later test's leftovers check.
         for (const vm of live.splice(0)) await vm.destroy();
-        unwrap(await deleteTemplate(DATA_DIR, "svc"));
+        const deleted = await deleteTemplate(DATA_DIR, "svc");
+        if (built.ok) unwrap(deleted);
       }
-      expect(existsSync(r.memPath)).toBe(false);
+      if (built.ok) expect(existsSync(built.value.memPath)).toBe(false);
     },
     VM_TEST_TIMEOUT_MS,
   );
