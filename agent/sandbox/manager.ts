@@ -1,8 +1,8 @@
 /**
  * The sandbox manager: every live VM on this host, its state (states.ts, one table), its
  * records on disk (records.ts), idle pause and metering; the sandbox table and the one path a
- * state changes by are table.ts's. It carries out what exec.ts plans, has
- * fork, suspend and resume carried out by fork-suspend.ts, and admits VMs by capacity.ts. It sits
+ * state changes by are table.ts's. It carries out what exec.ts plans, has creates carried out by
+ * create.ts and fork, suspend and resume by fork-suspend.ts, and admits VMs by capacity.ts. It sits
  * on a narrow `SandboxDriver` (drivers/driver.ts) and never sees HTTP: agent/api/app.ts parses
  * requests into typed actions (agent/api/actions.ts) that call the methods below.
  *
@@ -28,13 +28,13 @@ import type {
   ResumeResult,
   SuspendResult,
 } from "../../contracts/agent/api.ts";
-import { bestEffort, settled } from "../../contracts/best-effort.ts";
+import { settled } from "../../contracts/best-effort.ts";
 import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
-import { newVmId } from "../vm/ids.ts";
 import type { UsageReport } from "./accounting.ts";
 import { Capacity, hostCapacity } from "./capacity.ts";
+import { type CreateHost, createSandbox } from "./create.ts";
 import type { SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
 import type { ExecRequest } from "./exec.ts";
 import { type ExecHost, runExec } from "./exec-action.ts";
@@ -82,6 +82,7 @@ export class SandboxManager {
   private readonly idle: IdlePause;
   private readonly execHost: ExecHost;
   private readonly forkSuspendHost: ForkSuspendHost;
+  private readonly createHost: CreateHost;
   private diskTimer: ReturnType<typeof setInterval> | undefined;
 
   private constructor(opts: ManagerOptions) {
@@ -161,6 +162,18 @@ export class SandboxManager {
       closeTunnels: (sb, why) => this.table.closeTunnels(sb, why),
       wake: (sb) => this.idle.wake(sb),
     };
+    this.createHost = {
+      driver: this.driver,
+      templates: this.templates,
+      warm: this.warm,
+      prelaunch: this.prelaunch,
+      capacity: this.capacity,
+      table: this.table,
+      records: this.records,
+      log: this.log,
+      defaultSize: this.defaultSize,
+      egressDefault: this.egressDefault,
+    };
   }
 
   /**
@@ -198,80 +211,8 @@ export class SandboxManager {
 
   // ---- sandboxes -----------------------------------------------------------------------------
 
-  async create(templateId: string, opts: CreateVmOpts): Promise<CreatedVm> {
-    const t0 = performance.now();
-    const tpl = this.templates.ready(templateId);
-    const size: VmSize = { ...this.defaultSize, ...tpl.size };
-    // A malformed allow-list is refused before anything is reserved.
-    const egress =
-      opts.egressAllow !== undefined ? EgressPolicy.fromAllowList(opts.egressAllow) : this.egressDefault;
-    // A warm VM of this template first (already restored and paused: only `cont` and the clock);
-    // it was counted against capacity while pooled. Else make room, evicting another template's
-    // warm VMs when the host is full, and restore one.
-    const tTake = performance.now();
-    const pooled = await this.warm.take(templateId);
-    const takeMs = performance.now() - tTake;
-    // Else a QEMU already launched in its jail for this template, which held its capacity too.
-    const prelaunched = pooled ? undefined : this.prelaunch.take(templateId, size);
-    if (!pooled && !prelaunched) {
-      while (
-        !this.capacity.fits(size, 1) &&
-        ((await this.warm.evictOne(templateId)) || (await this.prelaunch.evictOne(templateId)))
-      ) {
-        // each round frees one pooled VM of another template
-      }
-      this.capacity.admit(size, 1);
-    }
-    const id = pooled?.vmId ?? prelaunched ?? newVmId();
-    const now = Date.now();
-    const endpoints = Object.fromEntries(tpl.prepared.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
-    const sb = this.table.newSandbox({
-      id,
-      templateId,
-      kind: opts.kind,
-      state: "creating",
-      size,
-      endpoints,
-      egress,
-      now,
-    });
-    // Refilled once this sandbox holds its capacity (a refill only launches into what is left).
-    this.prelaunch.fill(templateId);
-    // The record lands before the VM is handed to it (a pre-launched VM's directory exists, but
-    // it is taken from the pool only by this record), so a restart never reaps a VM being made.
-    await this.table.persist(sb);
-    sb.op = (async () => {
-      sb.vm = pooled ?? (await this.driver.spawn(templateId, id, size));
-    })();
-    try {
-      await sb.op;
-    } catch (err) {
-      // Nobody knows this id yet: nothing to keep but the error.
-      this.table.sandboxes.delete(id);
-      this.table.reclaimTemplates();
-      sb.meter.enter("destroyed", Date.now());
-      await bestEffort(
-        this.log,
-        `destroying sandbox ${id} after its failed create`,
-        this.driver.destroy(id, undefined),
-      );
-      await this.records.remove(id);
-      throw err;
-    }
-    const vm = sb.vm!;
-    this.table.watchVm(sb, vm);
-    if (sb.state !== "creating") throw this.table.goneError(sb); // destroyed or died meanwhile
-    this.table.setState(sb, "running");
-    // What a caller was told exists survives an agent exit right after: the record is on disk.
-    await this.records.flush();
-    await this.table.refreshDisk(sb); // the answer carries the measured disk: metering starts with it
-    return {
-      vmId: id,
-      forkTimeMs: pooled ? takeMs : vm.spawnMs,
-      createTimeMs: performance.now() - t0,
-      endpoints,
-      resources: { ...size, diskBytes: sb.meter.resources.diskBytes },
-    };
+  create(templateId: string, opts: CreateVmOpts): Promise<CreatedVm> {
+    return createSandbox(this.createHost, templateId, opts);
   }
 
   /** With `stream`, output goes to its sink uncapped; its signal (consumer gone) cancels. */
