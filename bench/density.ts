@@ -1,24 +1,17 @@
-import { readFileSync } from "node:fs";
-import { readdir, stat } from "node:fs/promises";
-import { join } from "node:path";
+/**
+ * The density and burst benchmarks, through a real `up` (density-service.ts): how many idle
+ * sandboxes the host holds and what each costs it in memory (density-memory.ts), and how long
+ * creates take when many arrive at once.
+ */
 import { type HostCapacity, hostCapacity } from "../agent/sandbox/capacity.ts";
-import { defaultShmRoot } from "../agent/snapshot/template.ts";
-import { qemuPidsNaming } from "../agent/vm/process.ts";
-import { ifExists } from "../contracts/best-effort.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { type Leftovers, leftovers } from "./footprint.ts";
-import { qemuMemory } from "./rss.ts";
-import {
-  createKey,
-  seededDataDir,
-  spawnUp,
-  stopAndRemove,
-  stopUp,
-  uploadTemplateAndWait,
-} from "./service.ts";
+import { hostMemory, measureQemus, mib, type QemuMemorySummary, templateRamKib } from "./density-memory.ts";
+import { createSession, deleteSessions, type ServiceLeftovers, withService } from "./density-service.ts";
 import { percentile, round1 } from "./stats.ts";
 
-const TEMPLATE_ID = "bench";
+export { hostMemory, measureQemus, type QemuMemorySummary } from "./density-memory.ts";
+export type { ServiceLeftovers } from "./density-service.ts";
+
 /**
  * How long the density's sandboxes sit idle before their memory is read: long enough for the
  * guests' post-restore work (clock set, reseed) to finish and the QEMUs to settle.
@@ -38,181 +31,8 @@ export const DEFAULT_DENSITY_MAX = 60;
 const NEXT_VM_MARGIN = 1.5;
 /** Before any VM is measured, the next one is assumed to cost this much (MiB): an idle VM's PSS. */
 const FIRST_VM_ESTIMATE_MIB = 64;
-/** Destroys finish in the background of the API's answer (the VM's directory, its cgroup). */
-const DESTROY_SETTLE_MS = 1_000;
-
-interface Service {
-  base: string;
-  pid: number;
-  dataDir: string;
-  key: string;
-  logTail(): string;
-}
-
-export interface ServiceLeftovers {
-  leftovers: Leftovers;
-}
-
-interface Answer {
-  status: number;
-  body: Record<string, unknown>;
-}
-
-/** One request that never throws on an HTTP error: the status and the parsed body. */
-async function request(svc: Service, method: string, path: string, body?: unknown): Promise<Answer> {
-  const res = await fetch(new URL(path, svc.base), {
-    method,
-    headers: {
-      authorization: `Bearer ${svc.key}`,
-      ...(body === undefined ? {} : { "content-type": "application/json" }),
-    },
-    body: body === undefined ? undefined : JSON.stringify(body),
-  });
-  const text = await res.text();
-  let parsed: Record<string, unknown> = {};
-  try {
-    parsed = text === "" ? {} : (JSON.parse(text) as Record<string, unknown>);
-  } catch {
-    parsed = { message: text.slice(0, 300) };
-  }
-  return { status: res.status, body: parsed };
-}
-
-/** The error code of a failed answer (`{code, message}` envelope), or the status. */
-function codeOf(a: Answer): string {
-  return typeof a.body.code === "string" ? a.body.code : `http_${a.status}`;
-}
-
-/**
- * Starts `up` on a fresh data dir with a live and a scale key of one tenant, uploads `image` as
- * the template, runs `body`, then deletes nothing itself: `body` frees what it made. Stops the
- * service, counts its leftovers, and removes the data dir and its RAM files.
- */
-async function withService<T>(
-  o: { image: string; cacheDir: string; log: (m: string) => void },
-  body: (svc: Service) => Promise<T>,
-): Promise<T & ServiceLeftovers> {
-  const dataDir = await seededDataDir("sbx-density-", o.cacheDir, o.log);
-  const live = createKey(dataDir, "bench", "live");
-  const scale = createKey(dataDir, "bench", "scale");
-  const { up, listening, stderrTail: logTail } = spawnUp(dataDir, {});
-  try {
-    const base = await listening;
-    o.log(`bench: up ${base} (pid ${up.pid}), data ${dataDir}`);
-    await uploadTemplateAndWait(base, scale, TEMPLATE_ID, o.image);
-    const result = await body({ base, pid: up.pid!, dataDir, key: live, logTail });
-    await Bun.sleep(DESTROY_SETTLE_MS);
-    // Counted once the service has stopped: its pre-launched QEMUs are its own until then.
-    await stopUp(up);
-    return { ...result, leftovers: await leftovers(dataDir) };
-  } finally {
-    await stopAndRemove(up, dataDir);
-  }
-}
-
-interface Created {
-  ms: number;
-  id?: string;
-  code?: string;
-  answer?: Answer;
-}
-
-async function createSession(svc: Service): Promise<Created> {
-  const t0 = performance.now();
-  try {
-    const a = await request(svc, "POST", "/v1/sessions", { template_id: TEMPLATE_ID });
-    const ms = performance.now() - t0;
-    if (a.status < 300 && typeof a.body.session_id === "string") return { ms, id: a.body.session_id };
-    return { ms, code: codeOf(a), answer: a };
-  } catch (err) {
-    return {
-      ms: performance.now() - t0,
-      code: `network: ${err instanceof Error ? err.message : String(err)}`,
-    };
-  }
-}
-
-/** Deletes the sessions; returns how many deletes failed. */
-async function deleteSessions(svc: Service, ids: readonly string[]): Promise<number> {
-  const answers = await Promise.all(
-    ids.map((id) => request(svc, "DELETE", `/v1/sessions/${id}`).catch(() => ({ status: 0, body: {} }))),
-  );
-  return answers.filter((a) => a.status >= 300 || a.status === 0).length;
-}
-
-/** `MemAvailable` and `MemTotal` of /proc/meminfo, MiB. */
-export function hostMemory(): { totalMib: number; availableMib: number } {
-  const text = readFileSync("/proc/meminfo", "utf8");
-  const kib = (f: string) => Number(new RegExp(`^${f}:\\s+(\\d+)`, "m").exec(text)?.[1] ?? 0);
-  return {
-    totalMib: Math.round(kib("MemTotal") / 1024),
-    availableMib: Math.round(kib("MemAvailable") / 1024),
-  };
-}
-
-const mib = (kib: number) => round1(kib / 1024);
 /** A percentile rounded to 0.1, 0 for no samples (JSON has no NaN). */
 const pct = (xs: readonly number[], p: number) => (xs.length === 0 ? 0 : round1(percentile(xs, p)));
-
-/** The RAM file a QEMU maps (its `mem-path=`), from its command line. */
-function memPathOf(pid: number): string | undefined {
-  try {
-    return /mem-path=([^,\0]+)/.exec(readFileSync(`/proc/${pid}/cmdline`, "utf8"))?.[1];
-  } catch {
-    return undefined;
-  }
-}
-
-export interface QemuMemorySummary {
-  /** QEMU processes of the service: its sandboxes' and the ones pre-launched for the template. */
-  qemu_processes: number;
-  /** Of those, the ones running a restored guest (their guest RAM has pages): the sandboxes. */
-  running_vms: number;
-  /** Mean PSS of a running VM's QEMU, MiB: what one more idle sandbox costs the host. */
-  pss_per_vm_mib: number;
-  /** The same, split: outside guest RAM (QEMU's heap, TCG's code cache) ... */
-  qemu_own_per_vm_mib: number;
-  /** ... and the guest RAM mapping (its copy-on-write copies plus its share of template pages). */
-  guest_ram_per_vm_mib: number;
-  /** Mean PSS of a pre-launched QEMU (no guest restored yet), MiB; 0 when there is none. */
-  pss_per_prelaunched_mib: number;
-  /** PSS of all the service's QEMUs together, MiB. */
-  pss_total_mib: number;
-}
-
-/** PSS of the QEMUs of `dataDir`, split by whether they run a guest. */
-export async function measureQemus(dataDir: string): Promise<QemuMemorySummary> {
-  const mems: Awaited<ReturnType<typeof qemuMemory>>[] = [];
-  for (const pid of await qemuPidsNaming([dataDir])) {
-    const path = memPathOf(pid);
-    if (!path) continue;
-    // A QEMU that exited between the listing and the read has no memory left to count.
-    const m = await qemuMemory(pid, path).catch(() => undefined);
-    if (m) mems.push(m);
-  }
-  const running = mems.filter((m) => m.guestRam.rss > 0);
-  const pooled = mems.filter((m) => m.guestRam.rss === 0);
-  const avg = (xs: typeof mems, f: (m: (typeof mems)[number]) => number) =>
-    xs.length === 0 ? 0 : mib(xs.reduce((s, m) => s + f(m), 0) / xs.length);
-  return {
-    qemu_processes: mems.length,
-    running_vms: running.length,
-    pss_per_vm_mib: avg(running, (m) => m.total.pss),
-    qemu_own_per_vm_mib: avg(running, (m) => m.total.pss - m.guestRam.pss),
-    guest_ram_per_vm_mib: avg(running, (m) => m.guestRam.pss),
-    pss_per_prelaunched_mib: avg(pooled, (m) => m.total.pss),
-    pss_total_mib: mib(mems.reduce((s, m) => s + m.total.pss, 0)),
-  };
-}
-
-/** KiB allocated by the template RAM files (`tpl-*.mem`) of the service's shm root. */
-async function templateRamKib(dataDir: string): Promise<number> {
-  const root = defaultShmRoot(join(dataDir, "agent"));
-  let kib = 0;
-  for (const name of (await ifExists(readdir(root))) ?? [])
-    if (name.startsWith("tpl-")) kib += ((await ifExists(stat(join(root, name))))?.blocks ?? 0) / 2;
-  return kib;
-}
 
 export type DensityStop = "max" | "agent_capacity" | "session_cap" | "host_memory" | "error" | "interrupted";
 

@@ -10,38 +10,26 @@
  */
 import type { Socket } from "node:net";
 import { FrameType, GUEST_STREAM_BIT, Tag } from "../../contracts/guest-protocol.ts";
+import { GUEST_TUNNEL_IDLE_MS, misbehaved, TunnelTable } from "./channel-tunnels.ts";
 import type { GuestClientOptions, HelloInfo } from "./client-types.ts";
 import { decodeTlv, FrameDecoder, GuestError, type TlvRecords, TlvWriter } from "./codec.ts";
 import { Outbox, SEND_STALL_MS } from "./outbox.ts";
-import { CLOSE_ANSWER_MS, GuestTunnel } from "./tunnel.ts";
+import { CLOSE_ANSWER_MS, type GuestTunnel } from "./tunnel.ts";
+
+export { GUEST_TUNNEL_IDLE_MS, MAX_GUEST_TUNNELS } from "./channel-tunnels.ts";
 
 // ---- bounds on what a guest can make the host hold -----------------------------------------
 // The guest controls every byte it sends. Each queue it can fill has a bound below (and in
-// outbox.ts for the bytes waiting for it to read); overflowing one ends the channel with a
-// `protocol_error` (`details.reason` names the bound) and the sandbox above fails with it: the
-// host never grows without limit for one guest.
+// channel-tunnels.ts for the tunnels it opens, in outbox.ts for the bytes waiting for it to
+// read); overflowing one ends the channel with a `protocol_error` (`details.reason` names the
+// bound) and the sandbox above fails with it: the host never grows without limit for one guest.
 
-/**
- * Tunnels the guest opened (OPEN) that the host still holds. The guest agent never has more than
- * 128 tunnels at once (MAX_TUNNELS in guest/agent.h, docs/guest-protocol.md "What the host holds for a guest")
- * and the host drops its entry as soon as the guest's CLOSE arrives, in order, so an honest guest
- * never has more than 128 here; one more OPEN is a guest breaking its own rule. 128 also bounds
- * what its windows can hold on the host: 128 x TUNNEL_WINDOW = 32 MiB.
- */
-export const MAX_GUEST_TUNNELS = 128;
 /**
  * Requests awaiting the guest's answer. The manager runs one exec at a time per sandbox (plus
  * its file writes), and a CONNECT waits at most 10 s in the guest, answered at once past the
  * guest's 128 tunnels; 1,024 unanswered requests is a guest sitting on them, not load.
  */
 export const MAX_REQUESTS_IN_FLIGHT = 1024;
-/**
- * A tunnel the guest opened that carries no byte either way for this long is closed by the host.
- * Egress connections idle legitimately (pooled keep-alive connections, a quiet database
- * session), so the bound is a proxy's usual idle read timeout (squid's `read_timeout`, 15 min),
- * not a short one; the tunnel count above is what bounds memory meanwhile.
- */
-export const GUEST_TUNNEL_IDLE_MS = 15 * 60_000;
 
 interface Pending {
   resolve: (records: TlvRecords) => void;
@@ -65,17 +53,14 @@ interface RequestOptions {
 export class GuestChannel {
   private readonly decoder = new FrameDecoder();
   protected readonly pending = new Map<number, Pending>();
-  /** Open tunnels by stream id (docs "Tunnels"); an id stays taken until the guest's CLOSE. */
-  protected readonly tunnels = new Map<number, GuestTunnel>();
+  /** Open tunnels by stream id, and those the guest opened (channel-tunnels.ts). */
+  private readonly tunnels: TunnelTable;
   private nextStream = 1;
-  private incoming: ((t: GuestTunnel) => void) | undefined;
   private helloWaiter: { promise: Promise<HelloInfo>; resolve: (h: HelloInfo) => void } | undefined;
   protected closedWith: GuestError | undefined;
   private lastSocketError: Error | undefined;
   private readonly closeListeners: Array<(err: GuestError) => void> = [];
   protected readonly opts: Required<Omit<GuestClientOptions, "onLog">> & Pick<GuestClientOptions, "onLog">;
-  /** Tunnels in `tunnels` that the guest opened (the MAX_GUEST_TUNNELS bound). */
-  private guestTunnels = 0;
   /** What waits for the guest to read it (bounded in bytes and time). */
   protected readonly outbox: Outbox;
   /** Outstanding `pauseReading` calls. */
@@ -95,6 +80,13 @@ export class GuestChannel {
       onLog: opts.onLog,
     };
     this.outbox = new Outbox(socket, this.opts.sendStallMs, (err) => this.fail(err));
+    this.tunnels = new TunnelTable({
+      send: (type, stream, payload) => this.send(type, stream, payload),
+      outbox: this.outbox,
+      fail: (err) => this.fail(err),
+      closeAnswerMs: this.opts.closeAnswerMs,
+      guestTunnelIdleMs: this.opts.guestTunnelIdleMs,
+    });
     socket.on("data", (chunk: Buffer) => this.onData(chunk));
     socket.on("error", (err) => {
       this.lastSocketError = err;
@@ -123,8 +115,8 @@ export class GuestChannel {
   /** What this channel holds now, for tests and diagnostics. */
   get load(): { tunnels: number; guestTunnels: number; inFlight: number; queuedBytes: number } {
     return {
-      tunnels: this.tunnels.size,
-      guestTunnels: this.guestTunnels,
+      tunnels: this.tunnels.byStream.size,
+      guestTunnels: this.tunnels.guestTunnels,
       inFlight: this.pending.size,
       queuedBytes: this.outbox.queuedBytes,
     };
@@ -161,11 +153,9 @@ export class GuestChannel {
    */
   hello(timeoutMs = this.opts.helloTimeoutMs): Promise<HelloInfo> {
     if (this.helloWaiter) return this.helloWaiter.promise;
-    for (const t of [...this.tunnels.values()]) {
-      t.disconnected(new GuestError("guest_disconnected", `tunnel ${t.stream} ended by a new HELLO`));
-    }
-    this.tunnels.clear();
-    this.guestTunnels = 0;
+    this.tunnels.endAll(
+      (t) => new GuestError("guest_disconnected", `tunnel ${t.stream} ended by a new HELLO`),
+    );
     let resolveFn!: (h: HelloInfo) => void;
     let rejectFn!: (e: GuestError) => void;
     const promise = new Promise<HelloInfo>((resolve, reject) => {
@@ -206,7 +196,7 @@ export class GuestChannel {
    * sees its connection end instead of waiting.
    */
   onIncomingTunnel(handler: ((t: GuestTunnel) => void) | undefined): void {
-    this.incoming = handler;
+    this.tunnels.onIncoming(handler);
   }
 
   /**
@@ -214,54 +204,7 @@ export class GuestChannel {
    * guest does not answer our CLOSE in time, tunnel.ts CLOSE_ANSWER_MS).
    */
   protected registerTunnel(stream: number, port: number): GuestTunnel {
-    const byGuest = (stream & GUEST_STREAM_BIT) !== 0;
-    const tunnel: GuestTunnel = new GuestTunnel(
-      stream,
-      port,
-      {
-        send: (type, payload) => this.send(type, stream, payload),
-        congested: () => this.outbox.congested(),
-        drained: () => this.outbox.drained(),
-        release: () => {
-          if (this.tunnels.get(stream) !== tunnel) return;
-          this.tunnels.delete(stream);
-          if (byGuest) this.guestTunnels--;
-        },
-      },
-      {
-        closeAnswerMs: this.opts.closeAnswerMs,
-        ...(byGuest ? { idleMs: this.opts.guestTunnelIdleMs } : {}),
-      },
-    );
-    this.tunnels.set(stream, tunnel);
-    if (byGuest) this.guestTunnels++;
-    return tunnel;
-  }
-
-  private acceptTunnel(stream: number, payload: Buffer): void {
-    if ((stream & GUEST_STREAM_BIT) === 0 || this.tunnels.has(stream)) {
-      this.fail(
-        new GuestError("protocol_error", `OPEN on stream ${stream}: not a free guest stream id`, {
-          details: { reason: "open" },
-        }),
-      );
-      return;
-    }
-    if (this.guestTunnels >= MAX_GUEST_TUNNELS) {
-      this.fail(
-        misbehaved(
-          "too_many_tunnels",
-          `too many open tunnels (the guest opened more than ${MAX_GUEST_TUNNELS})`,
-        ),
-      );
-      return;
-    }
-    const d = decodeTlv(payload);
-    const port = d.ok ? (d.records.u32(Tag.PORT) ?? 0) : 0;
-    const tunnel = this.registerTunnel(stream, port);
-    tunnel.opened();
-    if (this.incoming) this.incoming(tunnel);
-    else tunnel.close();
+    return this.tunnels.register(stream, port);
   }
 
   // -------------------------------------------------------------------------------------------
@@ -338,7 +281,7 @@ export class GuestChannel {
     for (;;) {
       const s = this.nextStream;
       this.nextStream = s >= GUEST_STREAM_BIT - 1 ? 1 : s + 1;
-      if (!this.pending.has(s) && !this.tunnels.has(s)) return s;
+      if (!this.pending.has(s) && !this.tunnels.byStream.has(s)) return s;
     }
   }
 
@@ -407,13 +350,13 @@ export class GuestChannel {
         return;
       }
       case FrameType.OPEN:
-        this.acceptTunnel(stream, payload);
+        this.tunnels.accept(stream, payload);
         return;
       case FrameType.DATA:
       case FrameType.CREDIT:
       case FrameType.CLOSE: {
         // Unknown stream: a tunnel we already finished (frames crossing our CLOSE): dropped.
-        const err = this.tunnels.get(stream)?.onFrame(type, payload);
+        const err = this.tunnels.byStream.get(stream)?.onFrame(type, payload);
         if (err) this.fail(err);
         return;
       }
@@ -435,13 +378,9 @@ export class GuestChannel {
           : new GuestError("guest_disconnected", `guest disconnected (stream ${stream})`, { cause: err }),
       );
     }
-    for (const t of [...this.tunnels.values()]) {
-      t.disconnected(
-        new GuestError("guest_disconnected", `guest disconnected (tunnel ${t.stream})`, { cause: err }),
-      );
-    }
-    this.tunnels.clear();
-    this.guestTunnels = 0;
+    this.tunnels.endAll(
+      (t) => new GuestError("guest_disconnected", `guest disconnected (tunnel ${t.stream})`, { cause: err }),
+    );
     for (const l of this.closeListeners.splice(0)) {
       try {
         l(err);
@@ -455,9 +394,4 @@ export class GuestChannel {
     const i = this.closeListeners.indexOf(l);
     if (i >= 0) this.closeListeners.splice(i, 1);
   }
-}
-
-/** The channel error for a guest that broke a bound: `reason` names it (details.reason). */
-function misbehaved(reason: string, message: string): GuestError {
-  return new GuestError("protocol_error", message, { details: { reason } });
 }

@@ -44,54 +44,36 @@
 import { createHash, randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
 import { mkdir, rename, rm, stat, writeFile } from "node:fs/promises";
-import { isIP } from "node:net";
 import { join, resolve } from "node:path";
-import {
-  asNoSpace,
-  bytesSetting,
-  DEFAULT_DISK_RESERVE_BYTES,
-  isNoSpace,
-  needFreeSpace,
-} from "../../contracts/disk-space.ts";
+import { DEFAULT_DISK_RESERVE_BYTES, needFreeSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { type ImageReference, ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
-import { runTool, ToolError } from "../host/tool.ts";
 import { touchEntry } from "./evict.ts";
+import {
+  DEFAULT_MAX_PULL_BYTES,
+  DEFAULT_REGISTRY,
+  isSharedRegistry,
+  type RegistryAuth,
+  type RegistryConfig,
+  registryAddress,
+  registryTlsVerify,
+} from "./registry.ts";
+import { pullError, runSkopeo } from "./skopeo.ts";
 
-/** Refuses (throws) a registry address the egress fence does not allow; resolves otherwise. */
-export type DestinationCheck = (host: string, port: number) => void | Promise<void>;
-
-export interface RegistryConfig {
-  /** A docker `config.json` style credentials file (skopeo `--authfile`), for shared registries only. */
-  authFile?: string;
-  /** `host` or `host:port` entries spoken to without TLS verification (beyond loopback). */
-  insecureRegistries: string[];
-  /** `host` or `host:port` entries the operator shares with every tenant: `authFile` applies there. */
-  sharedRegistries?: string[];
-  /** The egress fence for registry addresses; absent: no check (tests of the pull alone). */
-  checkDestination?: DestinationCheck;
-  /** Largest image a pull may copy, bytes as its manifest declares them; absent: the default. */
-  maxPullBytes?: number;
-}
-
-/**
- * Our choice (docs/quotas-and-usage.md "Disk budgets"): the largest image a bake may pull, counted as the
- * registry's manifest declares it (config plus compressed layers, the bytes skopeo writes). 8 GiB
- * matches the import's limit on unpacked bytes (limits.ts), which no smaller pull can exceed by
- * much. `SANDBOXD_PULL_MAX_BYTES` overrides it.
- */
-export const DEFAULT_MAX_PULL_BYTES = 8 * 1024 ** 3;
-
-/** A bake's own registry credentials; a token goes in `password`. Never logged, never stored. */
-export interface RegistryAuth {
-  username: string;
-  password: string;
-}
-
-/** The registry Docker means when a reference names none. */
-export const DEFAULT_REGISTRY = "docker.io";
-/** Where the default registry's API really is (what the fence checks). */
-const DEFAULT_REGISTRY_HOST = "registry-1.docker.io";
+export {
+  DEFAULT_MAX_PULL_BYTES,
+  DEFAULT_REGISTRY,
+  type DestinationCheck,
+  isLoopbackHost,
+  isSharedRegistry,
+  parseRegistryList,
+  type RegistryAuth,
+  type RegistryConfig,
+  registryAddress,
+  registryConfigFromEnv,
+  registryTlsVerify,
+} from "./registry.ts";
+export { classifySkopeoFailure, skopeoReason } from "./skopeo.ts";
 
 /**
  * Inspecting a manifest is a few KB: a registry that has not answered in a minute is down or
@@ -104,75 +86,6 @@ export const INSPECT_TIMEOUT_MS = 60_000;
  * build (and its slot in the build queue) forever.
  */
 export const PULL_TIMEOUT_MS = 30 * 60_000;
-
-const REGISTRY_ENTRY = /^(?:[a-z0-9]([a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?$/;
-
-/** `host[:port],...` (empty entries skipped); a malformed entry is refused naming `name`. */
-export function parseRegistryList(text: string, name: string): string[] {
-  const out: string[] = [];
-  for (const raw of text.split(",")) {
-    const entry = raw.trim().toLowerCase();
-    if (entry === "") continue;
-    if (!REGISTRY_ENTRY.test(entry))
-      throw new SandboxdError("bad_request", `${name}: ${JSON.stringify(raw)} is not host or host:port`);
-    out.push(entry);
-  }
-  return out;
-}
-
-/**
- * The registry settings from the agent's settings by variable name (cli/settings/ reads them); a
- * bad entry is refused at start.
- */
-export function registryConfigFromEnv(env: Record<string, string | undefined>): RegistryConfig {
-  const out: RegistryConfig = {
-    insecureRegistries: parseRegistryList(
-      env.SANDBOXD_INSECURE_REGISTRIES ?? "",
-      "SANDBOXD_INSECURE_REGISTRIES",
-    ),
-    sharedRegistries: parseRegistryList(env.SANDBOXD_SHARED_REGISTRIES ?? "", "SANDBOXD_SHARED_REGISTRIES"),
-  };
-  const auth = env.SANDBOXD_REGISTRY_AUTH?.trim();
-  if (auth) out.authFile = resolve(auth);
-  if (env.SANDBOXD_PULL_MAX_BYTES !== undefined)
-    out.maxPullBytes = bytesSetting(env, "SANDBOXD_PULL_MAX_BYTES", DEFAULT_MAX_PULL_BYTES);
-  return out;
-}
-
-/** True for a registry host on the loopback interface: 127.0.0.0/8, ::1, `localhost`. */
-export function isLoopbackHost(host: string): boolean {
-  const h = host.toLowerCase().replace(/^\[|\]$/g, "");
-  if (h === "localhost" || h.endsWith(".localhost")) return true;
-  if (isIP(h) === 4) return h.split(".")[0] === "127";
-  if (isIP(h) === 6) {
-    // Any spelling of ::1 (e.g. 0:0:0:0:0:0:0:1), and ::ffff:127.x.y.z.
-    const norm = new URL(`http://[${h}]/`).hostname;
-    return norm === "[::1]" || /^\[::ffff:7f[0-9a-f]{2}:[0-9a-f]{1,4}\]$/.test(norm);
-  }
-  return false;
-}
-
-/** Whether `list` names the reference's registry: by `host:port`, or by `host` for every port. */
-function listed(ref: ImageReference, list: readonly string[]): boolean {
-  const domain = (ref.domain ?? DEFAULT_REGISTRY).toLowerCase();
-  const host = ref.host ?? DEFAULT_REGISTRY;
-  return list.some((e) => e === domain || e === host);
-}
-
-/**
- * Whether to verify TLS for the reference's registry: not for loopback (as Docker), not for a
- * registry the operator listed as insecure (by `host:port`, or by `host` for every port).
- */
-export function registryTlsVerify(ref: ImageReference, cfg: RegistryConfig): boolean {
-  if (!ref.host) return true; // the default registry: always TLS
-  if (isLoopbackHost(ref.host)) return false;
-  return !listed(ref, cfg.insecureRegistries);
-}
-
-/** Whether the operator's host-wide credentials may be used for the reference's registry. */
-export function isSharedRegistry(ref: ImageReference, cfg: RegistryConfig): boolean {
-  return listed(ref, cfg.sharedRegistries ?? []);
-}
 
 export interface PullOptions {
   reference: string;
@@ -279,12 +192,6 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
   } finally {
     await rm(work, { recursive: true, force: true });
   }
-}
-
-/** The registry's host and port as the fence sees them: Docker's defaults where none is written. */
-export function registryAddress(ref: ImageReference): { host: string; port: number } {
-  if (!ref.host) return { host: DEFAULT_REGISTRY_HOST, port: 443 };
-  return { host: ref.host, port: ref.port ?? (isLoopbackHost(ref.host) ? 80 : 443) };
 }
 
 async function checkRegistryAddress(ref: ImageReference, cfg: RegistryConfig): Promise<void> {
@@ -424,13 +331,6 @@ async function declaredImageBytes(
   throw pullError(what, "bad_manifest", "the platform's manifest is another index");
 }
 
-function pullError(what: string, reason: string, text: string, cause?: unknown): SandboxdError {
-  return new SandboxdError("image_pull_failed", `${what} failed: ${text}`, {
-    ...(cause === undefined ? {} : { cause }),
-    details: { reason },
-  });
-}
-
 async function isLayout(dir: string): Promise<boolean> {
   try {
     await stat(join(dir, "index.json"));
@@ -439,87 +339,4 @@ async function isLayout(dir: string): Promise<boolean> {
   } catch {
     return false;
   }
-}
-
-/** Runs skopeo with a deadline and the caller's abort signal; a failure says a tenant-safe reason. */
-async function runSkopeo(
-  args: string[],
-  o: { signal?: AbortSignal; timeoutMs: number; what: string; tmp?: string },
-  log: (m: string) => void,
-): Promise<Buffer> {
-  try {
-    const { stdout } = await runTool(["skopeo", ...args], {
-      timeoutMs: o.timeoutMs,
-      signal: o.signal,
-      // skopeo stages blobs in TMPDIR (/var/tmp otherwise): keep them in the work dir we remove.
-      env: o.tmp ? { TMPDIR: o.tmp } : undefined,
-      log: (line) => log(`image: ${line}`),
-    });
-    return stdout;
-  } catch (err) {
-    if (!(err instanceof ToolError)) throw err;
-    switch (err.kind) {
-      case "aborted":
-        throw new SandboxdError("gone", `${o.what}: cancelled`, { cause: err });
-      case "timeout":
-        throw new SandboxdError(
-          "image_pull_failed",
-          `${o.what}: no answer within ${Math.round(o.timeoutMs / 1000)} s`,
-          { cause: err, details: { reason: "registry_timeout" } },
-        );
-      case "spawn":
-        throw pullError(o.what, "internal", "the agent cannot run its image tool", err);
-      case "output_too_large":
-        throw pullError(o.what, "image_too_large", "the registry's answer is too large", err);
-      default: {
-        const output = err.details.output ?? "";
-        if (isNoSpace(output)) throw asNoSpace(new Error(output), o.what);
-        const [reason, text] = classifySkopeoFailure(output);
-        throw pullError(o.what, reason, text, err);
-      }
-    }
-  }
-}
-
-/**
- * skopeo's failure as a stable reason and a short text for the tenant. The text never quotes
- * skopeo: its lines carry the registry's internal URLs, token realms and host paths.
- */
-export function classifySkopeoFailure(output: string): [reason: string, text: string] {
-  const msg = skopeoReason(output);
-  if (
-    /unauthorized|authentication required|denied|forbidden|\b40[13]\b|invalid username|credentials/i.test(msg)
-  )
-    return ["registry_denied", "the registry refused the credentials or access to the image"];
-  if (/manifest unknown|name unknown|not found|404/i.test(msg))
-    return [
-      "image_not_found",
-      "manifest unknown: the registry has no such image, or not for these credentials",
-    ];
-  if (/x509|certificate|tls:|https? response to https? client/i.test(msg))
-    return ["registry_tls", "the registry's TLS could not be verified"];
-  if (/too large|exceeds|no space/i.test(msg)) return ["image_too_large", "image too large"];
-  if (
-    /connection refused|no such host|dial tcp|i\/o timeout|network is unreachable|no route|connection reset|EOF/i.test(
-      msg,
-    )
-  )
-    return ["registry_unreachable", "the registry could not be reached"];
-  if (/unsupported|no image found|choosing image instance|manifest list/i.test(msg))
-    return ["image_unsupported", "the image has no linux/amd64 variant or an unsupported format"];
-  return ["image_pull_failed", "the registry transfer failed"];
-}
-
-/**
- * The readable part of a skopeo error, for the agent's log: its last line, without the
- * `time=... level=fatal msg=` logging prefix.
- */
-export function skopeoReason(output: string): string {
-  const last =
-    output
-      .split("\n")
-      .filter((l) => l.trim() !== "")
-      .pop() ?? "skopeo failed";
-  const msg = /msg="((?:[^"\\]|\\.)*)"/.exec(last)?.[1]?.replace(/\\"/g, '"') ?? last;
-  return msg.length > 600 ? `...${msg.slice(-600)}` : msg;
 }

@@ -1,7 +1,8 @@
 /**
  * The sandbox manager: every live VM on this host, its state (states.ts, one table), its
- * records on disk (records.ts), idle pause and metering; it carries out what exec.ts plans, has
- * fork, suspend and resume carried out by fork-suspend.ts, and admits VMs by capacity.ts. It sits
+ * records on disk (records.ts), idle pause and metering; the sandbox table and the one path a
+ * state changes by are table.ts's. It carries out what exec.ts plans, has creates carried out by
+ * create.ts and fork, suspend and resume by fork-suspend.ts, and admits VMs by capacity.ts. It sits
  * on a narrow `SandboxDriver` (drivers/driver.ts) and never sees HTTP: agent/api/app.ts parses
  * requests into typed actions (agent/api/actions.ts) that call the methods below.
  *
@@ -27,34 +28,25 @@ import type {
   ResumeResult,
   SuspendResult,
 } from "../../contracts/agent/api.ts";
-import { bestEffort, settled } from "../../contracts/best-effort.ts";
-import { describeError, SandboxdError } from "../../contracts/errors.ts";
+import { settled } from "../../contracts/best-effort.ts";
 import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
-import { newVmId } from "../vm/ids.ts";
 import type { UsageReport } from "./accounting.ts";
-import { addHeld, Capacity, type HeldResources, hostCapacity } from "./capacity.ts";
-import type { DriverVm, SandboxDriver, TemplateInput, VmExitInfo, VmSize } from "./drivers/driver.ts";
+import { Capacity, hostCapacity } from "./capacity.ts";
+import { type CreateHost, createSandbox } from "./create.ts";
+import type { SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
 import type { ExecRequest } from "./exec.ts";
 import { type ExecHost, runExec } from "./exec-action.ts";
 import type { OutputSink } from "./exec-run.ts";
 import { type ForkSuspendHost, forkSandbox, resumeSandbox, suspendSandbox } from "./fork-suspend.ts";
 import { GuestAccess } from "./guest-access.ts";
 import { IdlePause } from "./idle.ts";
-import {
-  infoOf,
-  type ManagerOptions,
-  makeSandbox,
-  type NewSandbox,
-  recordOf,
-  type Sandbox,
-  type SandboxInfo,
-} from "./manager-types.ts";
+import { infoOf, type ManagerOptions, type SandboxInfo } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
-import { type SandboxRecord, sandboxRecords, templateRecords } from "./records.ts";
+import { sandboxRecords, templateRecords } from "./records.ts";
 import { type RestartHost, readoptAll } from "./restart.ts";
-import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
+import { SandboxTable } from "./table.ts";
 import { TemplateRegistry } from "./templates.ts";
 import { WarmPool } from "./warm-pool.ts";
 
@@ -72,7 +64,8 @@ export const DEFAULT_IDLE_PAUSE_MS = 2_000;
 const DISK_REFRESH_MS = 60_000;
 
 export class SandboxManager {
-  private readonly sandboxes = new Map<string, Sandbox>();
+  /** Every sandbox of this agent, and the one path its state changes by (table.ts). */
+  private readonly table: SandboxTable;
   private readonly records;
   readonly templates: TemplateRegistry;
   /** Pre-spawned, paused VMs per template (docs/sandboxes.md "Rules of the sandboxes API" expect/release; warm-pool.ts). */
@@ -85,14 +78,14 @@ export class SandboxManager {
   private readonly fence: EgressFence;
   readonly capacity: Capacity;
   private readonly log: (msg: string) => void;
-  private detached = false;
   private readonly access: GuestAccess;
   private readonly idle: IdlePause;
   private readonly execHost: ExecHost;
   private readonly forkSuspendHost: ForkSuspendHost;
+  private readonly createHost: CreateHost;
   private diskTimer: ReturnType<typeof setInterval> | undefined;
 
-  private constructor(private readonly opts: ManagerOptions) {
+  private constructor(opts: ManagerOptions) {
     this.driver = opts.driver;
     this.log = opts.log ?? (() => {});
     this.records = sandboxRecords(opts.stateDir);
@@ -117,28 +110,39 @@ export class SandboxManager {
       sizeOf: (id) => ({ ...this.defaultSize, ...this.templates.sizeOf(id) }),
       log: this.log,
     });
+    this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
+    this.table = new SandboxTable({
+      driver: this.driver,
+      records: this.records,
+      templates: this.templates,
+      log: this.log,
+      egressDefault: this.egressDefault,
+      opts,
+      warm: this.warm,
+      prelaunch: this.prelaunch,
+      idle: { arm: (sb) => this.idle.arm(sb), clear: (sb) => this.idle.clear(sb) },
+    });
     this.idle = new IdlePause({
       driver: this.driver,
       idlePauseMs: opts.idlePauseMs ?? DEFAULT_IDLE_PAUSE_MS,
       log: this.log,
-      setState: (sb, to) => this.setState(sb, to),
-      detached: () => this.detached,
+      setState: (sb, to) => this.table.setState(sb, to),
+      detached: () => this.table.detached,
     });
-    this.execHost = { wake: (sb) => this.idle.wake(sb), goneError: (sb) => this.goneError(sb) };
+    this.execHost = { wake: (sb) => this.idle.wake(sb), goneError: (sb) => this.table.goneError(sb) };
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
-    this.egressDefault = EgressPolicy.byDefault(opts.egressDefault ?? "deny");
     this.fence = opts.fence ?? defaultFence();
-    this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.used());
+    this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.table.used());
     this.access = new GuestAccess({
       driver: this.driver,
       fence: this.fence,
       log: this.log,
-      get: (id) => this.mustGet(id),
-      find: (id) => this.sandboxes.get(id),
-      setState: (sb, to) => this.setState(sb, to),
+      get: (id) => this.table.mustGet(id),
+      find: (id) => this.table.sandboxes.get(id),
+      setState: (sb, to) => this.table.setState(sb, to),
       wake: (sb) => this.idle.wake(sb),
-      goneError: (sb) => this.goneError(sb),
+      goneError: (sb) => this.table.goneError(sb),
       tunnelsChanged: (sb) => this.idle.tunnelsChanged(sb),
       armIdle: (sb) => this.idle.arm(sb),
       clearIdle: (sb) => this.idle.clear(sb),
@@ -148,15 +152,27 @@ export class SandboxManager {
       capacity: this.capacity,
       records: this.records,
       log: this.log,
-      setState: (sb, to) => this.setState(sb, to),
-      newSandbox: (o) => this.newSandbox(o),
-      forget: (id) => this.sandboxes.delete(id),
-      persist: (sb) => this.persist(sb),
-      watchVm: (sb, vm) => this.watchVm(sb, vm),
-      refreshDisk: (sb) => this.refreshDisk(sb),
-      goneError: (sb) => this.goneError(sb),
-      closeTunnels: (sb, why) => this.closeTunnels(sb, why),
+      setState: (sb, to) => this.table.setState(sb, to),
+      newSandbox: (o) => this.table.newSandbox(o),
+      forget: (id) => this.table.sandboxes.delete(id),
+      persist: (sb) => this.table.persist(sb),
+      watchVm: (sb, vm) => this.table.watchVm(sb, vm),
+      refreshDisk: (sb) => this.table.refreshDisk(sb),
+      goneError: (sb) => this.table.goneError(sb),
+      closeTunnels: (sb, why) => this.table.closeTunnels(sb, why),
       wake: (sb) => this.idle.wake(sb),
+    };
+    this.createHost = {
+      driver: this.driver,
+      templates: this.templates,
+      warm: this.warm,
+      prelaunch: this.prelaunch,
+      capacity: this.capacity,
+      table: this.table,
+      records: this.records,
+      log: this.log,
+      defaultSize: this.defaultSize,
+      egressDefault: this.egressDefault,
     };
   }
 
@@ -181,12 +197,13 @@ export class SandboxManager {
     const keep = await readoptAll(m.restartHost(), records);
     const reaped = await m.driver.reap(keep);
     if (reaped.length > 0) m.log(`reaped VMs no record claims: ${reaped.join(", ")}`);
-    m.reclaimTemplates(); // deleted before the restart, and no VM of theirs came back
+    m.table.reclaimTemplates(); // deleted before the restart, and no VM of theirs came back
 
     // After the reap, which would take them for a dead agent's.
     for (const id of m.templates.ids()) m.prelaunch.fill(id);
     m.diskTimer = setInterval(() => {
-      for (const sb of m.sandboxes.values()) if (sb.vm || sb.state === "suspended") void m.refreshDisk(sb);
+      for (const sb of m.table.sandboxes.values())
+        if (sb.vm || sb.state === "suspended") void m.table.refreshDisk(sb);
     }, DISK_REFRESH_MS);
     m.diskTimer.unref?.(); // never keeps the agent process alive
     return m;
@@ -194,86 +211,14 @@ export class SandboxManager {
 
   // ---- sandboxes -----------------------------------------------------------------------------
 
-  async create(templateId: string, opts: CreateVmOpts): Promise<CreatedVm> {
-    const t0 = performance.now();
-    const tpl = this.templates.ready(templateId);
-    const size: VmSize = { ...this.defaultSize, ...tpl.size };
-    // A malformed allow-list is refused before anything is reserved.
-    const egress =
-      opts.egressAllow !== undefined ? EgressPolicy.fromAllowList(opts.egressAllow) : this.egressDefault;
-    // A warm VM of this template first (already restored and paused: only `cont` and the clock);
-    // it was counted against capacity while pooled. Else make room, evicting another template's
-    // warm VMs when the host is full, and restore one.
-    const tTake = performance.now();
-    const pooled = await this.warm.take(templateId);
-    const takeMs = performance.now() - tTake;
-    // Else a QEMU already launched in its jail for this template, which held its capacity too.
-    const prelaunched = pooled ? undefined : this.prelaunch.take(templateId, size);
-    if (!pooled && !prelaunched) {
-      while (
-        !this.capacity.fits(size, 1) &&
-        ((await this.warm.evictOne(templateId)) || (await this.prelaunch.evictOne(templateId)))
-      ) {
-        // each round frees one pooled VM of another template
-      }
-      this.capacity.admit(size, 1);
-    }
-    const id = pooled?.vmId ?? prelaunched ?? newVmId();
-    const now = Date.now();
-    const endpoints = Object.fromEntries(tpl.prepared.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
-    const sb = this.newSandbox({
-      id,
-      templateId,
-      kind: opts.kind,
-      state: "creating",
-      size,
-      endpoints,
-      egress,
-      now,
-    });
-    // Refilled once this sandbox holds its capacity (a refill only launches into what is left).
-    this.prelaunch.fill(templateId);
-    // The record lands before the VM is handed to it (a pre-launched VM's directory exists, but
-    // it is taken from the pool only by this record), so a restart never reaps a VM being made.
-    await this.persist(sb);
-    sb.op = (async () => {
-      sb.vm = pooled ?? (await this.driver.spawn(templateId, id, size));
-    })();
-    try {
-      await sb.op;
-    } catch (err) {
-      // Nobody knows this id yet: nothing to keep but the error.
-      this.sandboxes.delete(id);
-      this.reclaimTemplates();
-      sb.meter.enter("destroyed", Date.now());
-      await bestEffort(
-        this.log,
-        `destroying sandbox ${id} after its failed create`,
-        this.driver.destroy(id, undefined),
-      );
-      await this.records.remove(id);
-      throw err;
-    }
-    const vm = sb.vm!;
-    this.watchVm(sb, vm);
-    if (sb.state !== "creating") throw this.goneError(sb); // destroyed or died meanwhile
-    this.setState(sb, "running");
-    // What a caller was told exists survives an agent exit right after: the record is on disk.
-    await this.records.flush();
-    await this.refreshDisk(sb); // the answer carries the measured disk: metering starts with it
-    return {
-      vmId: id,
-      forkTimeMs: pooled ? takeMs : vm.spawnMs,
-      createTimeMs: performance.now() - t0,
-      endpoints,
-      resources: { ...size, diskBytes: sb.meter.resources.diskBytes },
-    };
+  create(templateId: string, opts: CreateVmOpts): Promise<CreatedVm> {
+    return createSandbox(this.createHost, templateId, opts);
   }
 
   /** With `stream`, output goes to its sink uncapped; its signal (consumer gone) cancels. */
   async exec(id: string, req: ExecRequest, stream?: { sink: OutputSink; signal: AbortSignal }) {
-    const sb = this.mustGet(id);
-    this.setState(sb, "busy");
+    const sb = this.table.mustGet(id);
+    this.table.setState(sb, "busy");
     const abort = new AbortController();
     const signal = stream ? AbortSignal.any([abort.signal, stream.signal]) : abort.signal;
     const done = runExec(this.execHost, sb, req, signal, stream?.sink);
@@ -284,16 +229,16 @@ export class SandboxManager {
       sb.inflight = undefined;
       sb.execCount++;
       sb.lastUsedAtMs = Date.now();
-      if (sb.state === "busy") this.setState(sb, "running");
-      else void this.persist(sb);
-      void this.refreshDisk(sb);
+      if (sb.state === "busy") this.table.setState(sb, "running");
+      else void this.table.persist(sb);
+      void this.table.refreshDisk(sb);
     }
   }
 
   /** One throwaway VM per call (sessions API /v1/exec): create, exec, destroy. */
   async execOnce(templateId: string, req: ExecRequest): Promise<OneShotResult> {
     const created = await this.create(templateId, { kind: "session" });
-    const sb = this.sandboxes.get(created.vmId);
+    const sb = this.table.sandboxes.get(created.vmId);
     if (sb) sb.oneShot = true;
     try {
       const r = await this.exec(created.vmId, req);
@@ -309,29 +254,29 @@ export class SandboxManager {
   }
 
   fork(id: string, count: number): Promise<CreatedVm[]> {
-    return forkSandbox(this.forkSuspendHost, this.mustGet(id), count);
+    return forkSandbox(this.forkSuspendHost, this.table.mustGet(id), count);
   }
 
   suspend(id: string): Promise<SuspendResult> {
-    return suspendSandbox(this.forkSuspendHost, this.mustGet(id));
+    return suspendSandbox(this.forkSuspendHost, this.table.mustGet(id));
   }
 
   resume(id: string): Promise<ResumeResult> {
-    return resumeSandbox(this.forkSuspendHost, this.mustGet(id));
+    return resumeSandbox(this.forkSuspendHost, this.table.mustGet(id));
   }
 
   /** Idempotent: an unknown id is already destroyed. */
   async destroy(id: string, opts: { force: boolean }): Promise<void> {
-    const sb = this.sandboxes.get(id);
+    const sb = this.table.sandboxes.get(id);
     if (!sb || sb.state === "destroyed") return;
     if (sb.destroying) {
       if (opts.force) sb.inflight?.abort.abort();
       return sb.destroying;
     }
     // `destroying` already: an earlier destroy failed (a full disk) and this one tries again.
-    if (sb.state !== "destroying") this.setState(sb, "destroying");
+    if (sb.state !== "destroying") this.table.setState(sb, "destroying");
     this.idle.clear(sb);
-    this.closeTunnels(sb, "is being destroyed");
+    this.table.closeTunnels(sb, "is being destroyed");
     void sb.procs?.killAll();
     const attempt = (async () => {
       if (sb.inflight) {
@@ -341,8 +286,8 @@ export class SandboxManager {
       await settled(sb.op); // the operation's caller gets its outcome
       await this.driver.destroy(sb.id, sb.vm);
       sb.vm = undefined;
-      this.setState(sb, "destroyed");
-      this.sandboxes.delete(sb.id);
+      this.table.setState(sb, "destroyed");
+      this.table.sandboxes.delete(sb.id);
       await this.records.remove(sb.id);
     })();
     sb.destroying = attempt;
@@ -355,15 +300,15 @@ export class SandboxManager {
   }
 
   info(id: string): SandboxInfo {
-    return infoOf(this.mustGet(id));
+    return infoOf(this.table.mustGet(id));
   }
 
   list(): SandboxInfo[] {
-    return [...this.sandboxes.keys()].map((id) => this.info(id));
+    return [...this.table.sandboxes.keys()].map((id) => this.info(id));
   }
 
   usage(id: string): UsageReport {
-    return this.mustGet(id).meter.report(Date.now());
+    return this.table.mustGet(id).meter.report(Date.now());
   }
 
   // ---- beside the exec (guest-access.ts) -----------------------------------------------------
@@ -406,23 +351,8 @@ export class SandboxManager {
    */
   async deleteTemplate(id: string): Promise<void> {
     await Promise.all([this.warm.release(id), this.prelaunch.drain(id)]);
-    const done = await this.templates.delete(id, this.templateInUse(id));
+    const done = await this.templates.delete(id, this.table.templateInUse(id));
     if (done === "deferred") this.log(`template ${id}: deleting once the VMs still running on it end`);
-  }
-
-  private templateInUse(id: string): boolean {
-    return [...this.sandboxes.values()].some((s) => s.templateId === id && !isTerminal(s.state));
-  }
-
-  /** Removes each template marked deleting whose VMs have all ended. */
-  private reclaimTemplates(): void {
-    for (const id of this.templates.deletingIds()) {
-      if (this.templateInUse(id)) continue;
-      void this.templates.delete(id, false).then(
-        () => this.log(`template ${id}: deleted, the last VM on it has ended`),
-        (err: unknown) => this.log(`template ${id}: deleting it failed: ${describeError(err)}`),
-      );
-    }
   }
 
   /** docs/sandboxes.md "Rules of the sandboxes API" expect: keep `width` warm VMs of the template (bounded by capacity); idempotent. */
@@ -453,14 +383,14 @@ export class SandboxManager {
    * driver closes its sockets, records stay. A new manager over the same state dir re-adopts.
    */
   async detach(): Promise<void> {
-    this.detached = true;
+    this.table.detached = true;
     clearInterval(this.diskTimer);
     // Warm VMs have no record (a restart would reap them): they go now rather than linger.
     await Promise.all([this.warm.close(), this.prelaunch.close()]);
-    for (const sb of this.sandboxes.values()) this.idle.clear(sb);
+    for (const sb of this.table.sandboxes.values()) this.idle.clear(sb);
     await this.records.flush();
     this.driver.detach();
-    this.sandboxes.clear();
+    this.table.sandboxes.clear();
   }
 
   // ---- internals -----------------------------------------------------------------------------
@@ -471,138 +401,11 @@ export class SandboxManager {
       driver: this.driver,
       records: this.records,
       log: this.log,
-      fromRecord: (r) => this.fromRecord(r),
-      watchVm: (sb, vm) => this.watchVm(sb, vm),
-      markLost: (sb, reason) => this.markLost(sb, reason),
+      fromRecord: (r) => this.table.fromRecord(r),
+      watchVm: (sb, vm) => this.table.watchVm(sb, vm),
+      markLost: (sb, reason) => this.table.markLost(sb, reason),
       armIdle: (sb) => this.idle.arm(sb),
-      forget: (id) => this.sandboxes.delete(id),
+      forget: (id) => this.table.sandboxes.delete(id),
     };
-  }
-
-  private goneError(sb: Sandbox): SandboxdError {
-    const why = sb.reason ? `: ${sb.reason}` : "";
-    return new SandboxdError("gone", `sandbox ${sb.id} is ${sb.state}${why}`, {
-      details: { id: sb.id, state: sb.state },
-    });
-  }
-
-  private onVmExit(sb: Sandbox, info: VmExitInfo): void {
-    if (this.detached) return;
-    sb.died = info;
-    for (const w of sb.onDied.splice(0)) w();
-    if (isTerminal(sb.state)) return;
-    this.log(`sandbox ${sb.id}: ${info.reason}`);
-    sb.reason = info.reason;
-    this.idle.clear(sb);
-    this.closeTunnels(sb, `failed: ${info.reason}`);
-    sb.vm?.guest.close(); // in-flight guest requests reject now, not at their timeout
-    this.setState(sb, "failed");
-  }
-
-  /**
-   * Watches a VM the sandbox now holds: its QEMU's exit, and its guest channel. A channel that
-   * ends with a `protocol_error` was ended by the guest's own bytes (agent/guest/client.ts: a
-   * malformed frame, DATA beyond credit, or one of the bounds on what a guest can make the host
-   * hold): the sandbox fails with `guest_misbehaved: <why>` and its QEMU is killed, as if it had
-   * died; a failed sandbox holds no capacity, so its VM must not run on.
-   */
-  private watchVm(sb: Sandbox, vm: DriverVm): void {
-    this.driver.onExit(vm, (info) => this.onVmExit(sb, info));
-    vm.guest.onClose((err) => {
-      if (err.code !== "protocol_error" || sb.vm !== vm || this.detached || isTerminal(sb.state)) return;
-      this.onVmExit(sb, { reason: `guest_misbehaved: ${err.message}` });
-      void (async () => {
-        await settled(sb.op); // the operation's caller gets its outcome
-        await this.driver.destroy(sb.id, vm);
-      })().catch((e) => this.log(`sandbox ${sb.id}: killing the misbehaving VM failed: ${describeError(e)}`));
-    });
-  }
-
-  /** Ends every tunnel of the sandbox now (destroy, failure, suspend): the VM is going away. */
-  private closeTunnels(sb: Sandbox, why: string): void {
-    const err = new SandboxdError("gone", `sandbox ${sb.id} ${why}`, { details: { id: sb.id } });
-    for (const t of [...sb.tunnels]) t.abort(err);
-    sb.tunnels.clear();
-  }
-
-  private markLost(sb: Sandbox, reason: string): void {
-    this.log(`sandbox ${sb.id}: lost: ${reason}`);
-    sb.reason = reason;
-    sb.state = "lost";
-    sb.meter.enter("lost", Date.now(), reason);
-    void this.persist(sb);
-    this.reclaimTemplates();
-  }
-
-  /** The one place state changes: checked against the table, metered, recorded, idle re-armed. */
-  private setState(sb: Sandbox, to: AgentSandboxState): void {
-    const check = checkTransition(sb.id, sb.state, to);
-    if (!check.ok) throw check.error;
-    sb.state = to;
-    sb.meter.enter(to, Date.now(), sb.reason);
-    if (to === "running") this.idle.arm(sb);
-    else this.idle.clear(sb);
-    if (to !== "destroyed") void this.persist(sb);
-    if (isTerminal(to)) this.reclaimTemplates();
-  }
-
-  /** VMs of sandboxes and of warm pools. */
-  private used(): HeldResources {
-    const w = this.warm.used();
-    const p = this.prelaunch.used();
-    let held = { count: w.count + p.count, vcpus: w.vcpus + p.vcpus, memMib: w.memMib + p.memMib };
-    for (const sb of this.sandboxes.values()) if (holdsVm(sb.state)) held = addHeld(held, sb.size);
-    return held;
-  }
-
-  private async refreshDisk(sb: Sandbox): Promise<void> {
-    try {
-      sb.meter.setDisk(await this.driver.diskBytes(sb.id), Date.now());
-    } catch {
-      // metering is best effort; the last value stays
-    }
-  }
-
-  private mustGet(id: string): Sandbox {
-    const sb = this.sandboxes.get(id);
-    if (!sb) throw new SandboxdError("not_found", `sandbox ${id} is unknown to this agent`);
-    return sb;
-  }
-
-  private newSandbox(o: NewSandbox): Sandbox {
-    const sb = makeSandbox(o, {
-      onUsage: (iv) => this.opts.onUsage?.(iv),
-      onEvent: (e) => this.opts.onEvent?.(e),
-    });
-    this.sandboxes.set(o.id, sb);
-    return sb;
-  }
-
-  private fromRecord(r: SandboxRecord): Sandbox {
-    const sb = this.newSandbox({
-      id: r.id,
-      templateId: r.templateId,
-      kind: r.kind,
-      state: r.state,
-      size: r.size,
-      endpoints: r.endpoints,
-      // Records from before egress existed: the deployment default of today.
-      egress: r.egressAllow !== undefined ? EgressPolicy.fromAllowList(r.egressAllow) : this.egressDefault,
-      now: Date.now(),
-    });
-    sb.createdAtMs = r.createdAtMs;
-    sb.lastUsedAtMs = r.lastUsedAtMs;
-    sb.execCount = r.execCount;
-    if (r.reason !== undefined) sb.reason = r.reason;
-    return sb;
-  }
-
-  /** Writes the record; in-flight states are written as the state a restart should assume. */
-  private persist(sb: Sandbox): Promise<void> {
-    if (this.detached) return Promise.resolve();
-    const record = recordOf(sb);
-    return this.records.write(record).catch((err) => {
-      this.log(`sandbox ${sb.id}: cannot write its record: ${describeError(err)}`);
-    });
   }
 }

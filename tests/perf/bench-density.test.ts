@@ -23,7 +23,7 @@ const RUN_TIMEOUT_MS = 300_000;
 const scratch = mkdtempSync(join(tmpdir(), "bench-density-test-"));
 const image = join(scratch, "busybox.tar");
 
-/** The data dirs the benchmark makes (bench/density.ts `withService`). */
+/** The data dirs the benchmark makes (bench/density-service.ts `withService`). */
 function runDirs(): string[] {
   return readdirSync(tmpdir()).filter((n) => n.startsWith("sbx-density-"));
 }

@@ -671,7 +671,9 @@ describe("a misbehaving guest through the real SandboxManager (real VMs)", () =>
     const echo = async (id: string) =>
       (await m.exec(id, { files: [], run: { kind: "shell", command: "echo ok" } })).stdout;
     expect(await echo(bad)).toBe("ok\n");
-    const badVm = (m as unknown as { sandboxes: Map<string, { vm?: DriverVm }> }).sandboxes.get(bad)!.vm!;
+    const badVm = (
+      m as unknown as { table: { sandboxes: Map<string, { vm?: DriverVm }> } }
+    ).table.sandboxes.get(bad)!.vm!;
     const qemuPid = badVm.qemuPid;
 
     const rss = await rssWatch();
