@@ -16,7 +16,7 @@
  *   │                                    ones; RETURNED in a Result<T>, see the rule below
  *   ├── ToolError                      agent/host/tool.ts   a host tool failed (`kind`); its
  *   │                                    caller wraps it in its own error, keeping it as `cause`
- *   ├── GuestArtifactsError            agent/guest/artifacts.ts   guest kernel/initrd setup, for
+ *   ├── GuestArtifactsError            agent/guest/artifacts-common.ts guest kernel/initrd setup, for
  *   │                                    the CLI and tests; never reaches the API
  *   ├── ImageReferenceError            contracts/image-ref.ts   the gateway answers bad_request
  *   └── EgressRefused, TarFormatError  private to one module; never leave it
