@@ -83,6 +83,12 @@ describe("docs", () => {
     expect(broken).toEqual([]);
   });
 
+  test("docs/README.md, the index, links every doc of docs/", () => {
+    const index = readFileSync(join(REPO, "docs/README.md"), "utf8");
+    const docs = tracked.filter((f) => /^docs\/[^/]+\.md$/.test(f) && f !== "docs/README.md");
+    expect(docs.filter((f) => !index.includes(`](${f.slice("docs/".length)})`))).toEqual([]);
+  });
+
   test("nothing cites sections of a document outside the repository", () => {
     // The rules the code relies on are stated in docs/ (docs/api.md and the doc of each feature);
     // a comment points there, never at "spec 4.2" of a text a reader here cannot open.
