@@ -141,6 +141,41 @@ describe("layout", () => {
     expect({ missing, stale }).toEqual({ missing: [], stale: [] });
   });
 
+  test("gateway rooms import what docs/ARCHITECTURE.md says they may", () => {
+    // Per room, the gateway rooms and top-level files it may import (a room always its own files).
+    const may: Record<string, string[]> = {
+      agents: [],
+      auth: ["deps.ts", "ids.ts", "core/invalidations.ts"],
+      core: ["auth/keys.ts", "deps.ts", "errors.ts", "ids.ts"],
+      relay: ["runtime"],
+      routes: [
+        "core",
+        "auth",
+        "relay",
+        "runtime",
+        "deps.ts",
+        "errors.ts",
+        "http.ts",
+        "ids.ts",
+        "openapi-file.ts",
+      ],
+      runtime: [],
+    };
+    const wrong: string[] = [];
+    for (const [file, deps] of graph) {
+      const parts = file.split("/");
+      if (parts[0] !== "gateway" || parts.length < 3 || file.endsWith(".test.ts")) continue;
+      const allowed = may[parts[1]!];
+      if (!allowed) continue;
+      for (const d of deps) {
+        if (!d.startsWith("gateway/") || d.startsWith(`gateway/${parts[1]}/`)) continue;
+        const rel = d.slice("gateway/".length);
+        if (!allowed.some((a) => rel === a || rel.startsWith(`${a}/`))) wrong.push(`${file} -> ${d}`);
+      }
+    }
+    expect(wrong).toEqual([]);
+  });
+
   test("no import circles, type-only imports included", () => {
     const state = new Map<string, 1 | 2>();
     const cycles: string[] = [];
