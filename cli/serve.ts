@@ -60,6 +60,21 @@ export function parsePort(value: string | undefined, def: number, name = "port")
  * egress default, idle pause and pre-launched QEMUs from the environment; its state changes go
  * to `events` (sent to the gateway once the reporter is started).
  */
+/**
+ * The operator's two fences: what sandboxes may reach (SANDBOXD_EGRESS_ALLOW_INTERNAL) and what
+ * registry pulls may reach (SANDBOXD_REGISTRY_ALLOW_INTERNAL) are separate grants, so allowing a
+ * private registry for bakes does not open it to every tenant's code, nor the reverse.
+ */
+export function agentFences(settings: Pick<AgentSettings, "egressAllowInternal" | "registryAllowInternal">): {
+  sandboxes: EgressFence;
+  registries: EgressFence;
+} {
+  return {
+    sandboxes: EgressFence.fromSetting(settings.egressAllowInternal),
+    registries: EgressFence.fromSetting(settings.registryAllowInternal),
+  };
+}
+
 export async function openAgentManager(
   dataDir: string,
   stateDir: string,
@@ -68,7 +83,7 @@ export async function openAgentManager(
   slots: number | undefined,
   settings: AgentSettings,
 ): Promise<SandboxManager> {
-  const fence = EgressFence.fromSetting(settings.egressAllowInternal);
+  const { sandboxes: fence, registries: registryFence } = agentFences(settings);
   const driver = await SnapshotDriver.create({
     cacheDir: dataDir,
     stateDir,
@@ -76,7 +91,10 @@ export async function openAgentManager(
     timeouts: settings.timeouts,
     forkMethod: settings.forkMethod,
     // A malformed registry list (or egress range) stops the agent here, not a bake later.
-    registry: { ...registryConfigFromEnv(settings.registry), checkDestination: fencedRegistry(fence) },
+    registry: {
+      ...registryConfigFromEnv(settings.registry),
+      checkDestination: fencedRegistry(registryFence),
+    },
     imageCacheBytes: settings.imageCacheBytes,
     accelSetting: settings.accel,
     host: settings.host,

@@ -24,9 +24,10 @@
  *   among it), RFC 1918, CGNAT 100.64/10, IETF/benchmark special ranges, multicast, reserved
  *   240/4 with broadcast, ULA fc00::/7 (IPv6 metadata fd00:ec2::254 among it), site-local,
  *   local-use NAT64, and every address of the host's own interfaces (re-read at most once a
- *   second). Only the OPERATOR opens a range: `SANDBOXD_EGRESS_ALLOW_INTERNAL=cidr,cidr,...`
- *   (`EgressFence.fromSetting`, passed in from cli/settings/), never a tenant's `egress.allow`,
- *   whose entries only name destinations.
+ *   second). Only the OPERATOR opens a range: `SANDBOXD_EGRESS_ALLOW_INTERNAL=cidr,cidr,...` for
+ *   sandboxes, `SANDBOXD_REGISTRY_ALLOW_INTERNAL` for registry pulls (`EgressFence.fromSetting`,
+ *   passed in from cli/settings/), never a tenant's `egress.allow`, whose entries only name
+ *   destinations.
  */
 import { lookup } from "node:dns/promises";
 import { Socket } from "node:net";

@@ -322,7 +322,21 @@ export const SETTINGS: readonly SettingSpec[] = [
     rangeText: "cidr,...",
     unit: "text",
     check: (v) => refusal(() => parseAllowInternal(v, "an entry")),
-    doc: "internal ranges (loopback, private, link-local, metadata, the host's own) sandboxes and registry pulls may reach; no other internal address is reachable",
+    doc: "internal ranges (loopback, private, link-local, metadata, the host's own) sandboxes may reach; no other internal address is reachable (registry pulls have their own: SANDBOXD_REGISTRY_ALLOW_INTERNAL)",
+  },
+  {
+    // Its own setting: allowing a private registry for bakes must not open it to every tenant's
+    // code, and a range opened to sandboxes must not become a place bakes pull from.
+    env: "SANDBOXD_REGISTRY_ALLOW_INTERNAL",
+    flag: "registry-allow-internal",
+    scope: "agent",
+    reported: false,
+    def: "",
+    defText: "none",
+    rangeText: "cidr,...",
+    unit: "text",
+    check: (v) => refusal(() => parseAllowInternal(v, "an entry")),
+    doc: "internal ranges registry pulls (bakes) may reach, apart from what sandboxes may reach; no other internal address is reachable by a pull",
   },
   {
     env: "SANDBOXD_SHARED_REGISTRIES",

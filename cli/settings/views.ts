@@ -62,6 +62,8 @@ export interface AgentSettings {
   host: VmHostSettings;
   /** SANDBOXD_EGRESS_ALLOW_INTERNAL, as text (agent/egress/fence.ts `EgressFence.fromSetting`). */
   egressAllowInternal: string;
+  /** SANDBOXD_REGISTRY_ALLOW_INTERNAL, as text: the internal ranges registry pulls alone may reach. */
+  registryAllowInternal: string;
   /** SANDBOXD_DEBIAN_MIRROR; empty: the host's apt sources' mirror. */
   debianMirror: string;
 }
@@ -91,6 +93,7 @@ export function agentSettings(s: Settings): AgentSettings {
     accel: String(s.SANDBOXD_ACCEL),
     host: hostSettings(s),
     egressAllowInternal: String(s.SANDBOXD_EGRESS_ALLOW_INTERNAL),
+    registryAllowInternal: String(s.SANDBOXD_REGISTRY_ALLOW_INTERNAL),
     debianMirror: String(s.SANDBOXD_DEBIAN_MIRROR),
   };
 }

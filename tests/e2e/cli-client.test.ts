@@ -51,7 +51,7 @@ const fx = useService({
   prefix: "sbx-e2e-cli-",
   python: false,
   keys: { key: ["acme", "pro"] },
-  env: { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" },
+  env: { SANDBOXD_REGISTRY_ALLOW_INTERNAL: "127.0.0.1/32" },
 });
 
 // Before the fixture stops `up`: the sandboxes go while `up` still runs, then the registry.

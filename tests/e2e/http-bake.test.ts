@@ -8,7 +8,7 @@
  * warm pool of expect/release. A second, private registry (basic auth): tenant A bakes with its
  * own `registry_auth`; tenant B, knowing the digest but not the credentials, is refused and gets
  * no template. The registries are on loopback, which the pull's egress fence refuses unless the
- * operator allows it: `up` runs with SANDBOXD_EGRESS_ALLOW_INTERNAL=127.0.0.1/32. Figures (pull,
+ * operator allows it: `up` runs with SANDBOXD_REGISTRY_ALLOW_INTERNAL=127.0.0.1/32. Figures (pull,
  * phases, spawn) are printed as JSON.
  */
 
@@ -63,7 +63,7 @@ const fx = useService({
     other: ["globex", "pro"],
   },
   // The test registries are on loopback: the operator (not a tenant) lets pulls reach it.
-  env: { SANDBOXD_EGRESS_ALLOW_INTERNAL: "127.0.0.1/32" },
+  env: { SANDBOXD_REGISTRY_ALLOW_INTERNAL: "127.0.0.1/32" },
 });
 
 // Before the fixture stops `up`: what the tests left goes while `up` still runs.

@@ -513,7 +513,7 @@ export class SnapshotDriver implements SandboxDriver {
 /**
  * Registry pulls go through the same egress fence as sandboxes (agent/egress/fence.ts): a registry
  * on loopback, a private range, link-local or metadata, or one of the host's own addresses is
- * refused unless the operator allows its range (`SANDBOXD_EGRESS_ALLOW_INTERNAL`).
+ * refused unless the operator allows its range for pulls (`SANDBOXD_REGISTRY_ALLOW_INTERNAL`).
  */
 export function fencedRegistry(fence: EgressFence = defaultFence()): DestinationCheck {
   return async (host, port) => {
