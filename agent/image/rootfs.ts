@@ -6,8 +6,9 @@
  */
 import { createHash } from "node:crypto";
 import { constants as fsc } from "node:fs";
-import { type FileHandle, mkdir, open, rm, symlink, writeFile } from "node:fs/promises";
+import { type FileHandle, lstat, mkdir, open, rm, symlink, writeFile } from "node:fs/promises";
 import { join } from "node:path";
+import { ifExists } from "../../contracts/best-effort.ts";
 import { parseConfig } from "./config.ts";
 import { ImageError, parseJson } from "./errors.ts";
 import type { ImportLimits } from "./limits.ts";
@@ -135,6 +136,10 @@ export async function readImageUsers(
 async function readSmallInRootfs(root: string, path: string, limit: number): Promise<string> {
   const host = await resolveInRootfs(root, path);
   if (!host) return "";
+  // Only a regular file is opened: opening a device node or a FIFO the image planted has effects
+  // of its own on the host (a writer waiting on the FIFO is released, a device driver's open runs).
+  const st0 = await ifExists(lstat(host));
+  if (!st0?.isFile()) return "";
   let fh: FileHandle;
   try {
     // O_NOFOLLOW: resolveInRootfs already followed every link inside the root; O_NONBLOCK: a
