@@ -43,9 +43,9 @@ export interface ImportOptions {
   limits?: Partial<ImportLimits>;
   disk?: Partial<DiskSizing>;
   /**
-   * The source was made by this host, not handed in by a tenant: a layout the agent pulled after
-   * the registry authorized the bake (pull.ts), the catalog build, the operator's own file on the
-   * command line. Only then may a cache hit be served on the config digest alone, before any layer
+   * The source was made by this host, not handed in by a tenant: the catalog build, the
+   * operator's own file on the command line. (A layout pulled from a registry the tenant names is
+   * the tenant's: the registry chooses its manifest, so it is scanned like an upload.) Only then may a cache hit be served on the config digest alone, before any layer
    * is read. A tenant's upload is scanned first (every layer hashed against the config's diff
    * ids), so a hit proves the uploader holds every layer of the cached image: knowing another
    * tenant's config blob is not enough to be served its disk.

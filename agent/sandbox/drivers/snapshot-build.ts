@@ -76,13 +76,15 @@ export async function buildFromInput(
   // The RAM root goes with its last RAM file (agent/storage/chain.ts): make and claim it again.
   await claimShmRoot(ctx.shmRoot, ctx.stateDir);
   const tImport = performance.now();
-  // A pulled layout is the agent's own (the registry authorized this bake for it); an upload is
-  // the tenant's and is scanned before the cache may answer for it.
+  // Both are the tenant's: an upload, and a pull from a registry the tenant names, whose manifest
+  // may pair another image's config (its digest is no secret) with layers of the tenant's own.
+  // skopeo checks each blob against that manifest only, so the import scans every layer against
+  // the config's diff ids before the cache may answer on the config digest.
   const image = await importImage({
     source,
     dataDir: ctx.cacheDir,
     log: ctx.log,
-    trustedSource: input.kind === "oci",
+    trustedSource: false,
     signal,
     diskReserveBytes: ctx.host.diskReserveBytes,
   });
