@@ -5,12 +5,14 @@
  * /proc says QEMU runs as the VM's own uid, with no groups, holding the jail's own /dev/kvm node
  * open; that node (the host's device number, the VM's uid, mode 0600) is the jail's only device
  * mount from the jail's root, the host's node is left as it was, and the node goes with the VM.
+ * `sandboxd doctor`'s probe (probeJailedKvm) says the same.
  */
 import { afterAll, describe, expect, test } from "bun:test";
 import { existsSync, lstatSync, mkdirSync, readdirSync, readFileSync, readlinkSync, statSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import { probeJailedKvm } from "../../agent/qemu/accel.ts";
 import { jailRoot } from "../../agent/qemu/jail.ts";
 import { launchVm, type VmProcess } from "../../agent/qemu/launch.ts";
 import { TEST_CACHE_DIR, tempStateDir } from "../support/real-vm.ts";
@@ -108,6 +110,20 @@ describe("KVM in the jail", () => {
       await v.kill();
       vm = undefined;
       expect(existsSync(node)).toBe(false);
+    },
+    KVM_TEST_TIMEOUT_MS,
+  );
+
+  test.skipIf(!existsSync(HOST_KVM))(
+    "doctor's probe: a jailed QEMU initializes KVM on this host, and leaves nothing behind",
+    async () => {
+      const artifacts = await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR });
+      const probeDirs = () => readdirSync("/tmp").filter((n) => n.startsWith("sbx-kvm-probe-"));
+      const before = probeDirs();
+      const r = await probeJailedKvm(artifacts);
+      expect(r).toMatchObject({ ok: true });
+      expect(r.detail).toContain("initializes KVM (query-kvm: present, enabled)");
+      expect(probeDirs().filter((n) => !before.includes(n))).toEqual([]);
     },
     KVM_TEST_TIMEOUT_MS,
   );
