@@ -1,8 +1,8 @@
 import { spawnSync } from "node:child_process";
-import { statfsSync } from "node:fs";
+import { existsSync, statfsSync } from "node:fs";
 import { mkdir } from "node:fs/promises";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
-import { probeAccelerator } from "../agent/qemu/accel.ts";
+import { type AccelChoice, probeAccelerator, probeJailedKvm } from "../agent/qemu/accel.ts";
 import { jailChecks } from "../agent/qemu/jail-checks.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError } from "../contracts/errors.ts";
@@ -71,8 +71,9 @@ export async function doctor(
     });
   }
 
+  let acc: AccelChoice | undefined;
   try {
-    const acc = await probeAccelerator({ setting: opts.machine.accel });
+    acc = await probeAccelerator({ setting: opts.machine.accel });
     checks.push({ name: "accelerator", ok: true, detail: `${acc.accel} (${acc.reason})` });
     if (acc.accel === "tcg") checks.push({ name: "boundary", ok: true, warn: true, detail: TCG_BOUNDARY });
   } catch (err) {
@@ -109,6 +110,18 @@ export async function doctor(
       ok: true,
       detail: `kernel ${a.kernelVersion}, initramfs ${a.key.slice(0, 12)}`,
     });
+    if (existsSync("/dev/kvm") && process.getuid?.() === 0) {
+      // A jailed QEMU opens the jail's own /dev/kvm as its uid: a failure matters only when VMs
+      // are to run under KVM; otherwise it is read as a warning.
+      const k = await probeJailedKvm(a, opts.machine.host.jail);
+      checks.push({
+        name: "jail: kvm",
+        ok: k.ok || acc?.accel !== "kvm",
+        ...(k.ok ? {} : { warn: true }),
+        detail: k.detail,
+        fix: "check that the agent (root) can mknod and open /dev/kvm: VMs under KVM need it",
+      });
+    }
   } catch (err) {
     checks.push({
       name: "guest",

@@ -29,4 +29,9 @@ export const ALLOWED_SKIPS: AllowedSkip[] = [
     reason:
       "runs only where the kvm_pvm module is loaded (as on the CI hosts): elsewhere there is no such probe to check",
   },
+  {
+    file: "tests/vm/jail-kvm.test.ts",
+    test: "KVM in the jail >",
+    reason: "runs only where the host has a /dev/kvm: elsewhere there is no KVM for the jail to grant",
+  },
 ];

@@ -1,10 +1,13 @@
 import { spawn } from "node:child_process";
 import { constants, existsSync } from "node:fs";
-import { access, open, readFile } from "node:fs/promises";
+import { access, mkdtemp, open, readFile, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { describeError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { sandboxOption } from "./jail.ts";
-import { type Accel, machineArgs, QEMU_BINARY } from "./launch.ts";
+import type { JailSettings } from "./jail-setup.ts";
+import { type Accel, launchVm, machineArgs, QEMU_BINARY } from "./launch.ts";
 
 export interface AccelChoice {
   accel: Accel;
@@ -222,4 +225,47 @@ function runProbe(
       }),
     );
   });
+}
+
+/**
+ * Whether a jailed QEMU initializes KVM on this host: one started the way every VM is (launch.ts:
+ * its own uid, no groups, the jail's own /dev/kvm node) but paused under `-accel kvm`, in a scratch
+ * VM directory, answers QMP `query-kvm` with KVM present and enabled. No guest runs: this checks
+ * the jail's grant of KVM, not whether a guest boots (probeKvmBoot).
+ */
+export async function probeJailedKvm(artifacts: GuestArtifacts, jail?: JailSettings): Promise<ProbeResult> {
+  // Under /tmp: the VM's unix sockets need a short path (under 108 bytes).
+  const dir = await mkdtemp(join(tmpdir(), "sbx-kvm-probe-"));
+  try {
+    const vm = await launchVm({
+      dir,
+      artifacts,
+      memMib: 32,
+      vcpus: 1,
+      accel: "kvm",
+      paused: true,
+      ...(jail ? { jail } : {}),
+    });
+    try {
+      const kvm = await vm.qmp.execute<{ enabled: boolean; present: boolean }>("query-kvm");
+      return kvm.enabled && kvm.present
+        ? {
+            ok: true,
+            detail: `a jailed QEMU (uid ${vm.jailUid}) initializes KVM (query-kvm: present, enabled)`,
+          }
+        : {
+            ok: false,
+            detail: `a jailed QEMU started, but query-kvm says present=${kvm.present}, enabled=${kvm.enabled}`,
+          };
+    } finally {
+      await vm.kill();
+    }
+  } catch (err) {
+    return {
+      ok: false,
+      detail: `a jailed QEMU cannot initialize KVM: ${describeError(err).split("\n").slice(0, 3).join(" | ")}`,
+    };
+  } finally {
+    await rm(dir, { recursive: true, force: true });
+  }
 }

@@ -5,17 +5,32 @@
  * Any missing ingredient is a JailError and nothing is started; what was made is undone.
  */
 import { accessSync, constants } from "node:fs";
-import { chmod, chown, lchown, lstat, mkdir, open, readdir, rm, symlink, writeFile } from "node:fs/promises";
+import {
+  chmod,
+  chown,
+  lchown,
+  lstat,
+  mkdir,
+  open,
+  readdir,
+  rm,
+  stat,
+  symlink,
+  writeFile,
+} from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { ifExists } from "../../contracts/best-effort.ts";
+import { runTool } from "../host/tool.ts";
 import { createVmCgroup, removeVmCgroup, vmLimits } from "./cgroup.ts";
 import {
+  JAIL_KVM_NODE,
   JailError,
   type JailSpec,
   jailFstab,
   jailFstabPath,
   jailRoot,
   jailSkeleton,
+  MKNOD,
   missingJailTools,
   UNSHARE,
 } from "./jail.ts";
@@ -196,10 +211,44 @@ async function makeSkeleton(spec: JailSpec): Promise<void> {
     ...sk.links.map(([name, target]) => symlink(target, r + name)),
     writeFile(fstab, `${jailFstab(spec).join("\n")}\n`, { flag: "wx", mode: 0o644 }),
   ]);
+  if (spec.kvm) await makeKvmNode(r, spec.uid);
 }
 
-/** Frees what a VM's jail held on the host (its QEMU must be gone): its cgroup and its uid. */
+/** The host's KVM device, whose device number a KVM jail's own node copies. */
+const HOST_KVM = "/dev/kvm";
+/** A mknod takes milliseconds: the bound only absorbs a badly overloaded host. */
+const MKNOD_TIMEOUT_MS = 10_000;
+
+/**
+ * A KVM jail's own /dev/kvm: a character node with the host node's device number (read from it,
+ * not assumed), owned by the VM's uid, mode 0600, in the jail's root on disk (jail.ts binds it
+ * onto itself, the one mount of the jail that allows devices). The jailed QEMU runs with no
+ * supplementary groups, so the host node's owner, group and mode (0600 root, 0660 root:kvm,
+ * 0666) never decide its access, and no other uid can open this node. It goes with the jail's
+ * root: the next makeSkeleton, releaseJail, the VM directory's removal.
+ */
+async function makeKvmNode(root: string, uid: number): Promise<void> {
+  const node = root + JAIL_KVM_NODE;
+  const st = await stat(HOST_KVM, { bigint: true });
+  if (!st.isCharacterDevice()) throw new JailError(`${HOST_KVM} is not a character device`);
+  // glibc's dev_t layout (major(3), minor(3)): 12 + 20 bits of major, 8 + 24 bits of minor.
+  const major = ((st.rdev >> 8n) & 0xfffn) | ((st.rdev >> 32n) & 0xfffff000n);
+  const minor = (st.rdev & 0xffn) | ((st.rdev >> 12n) & 0xffffff00n);
+  try {
+    await runTool([MKNOD, "-m", "0600", node, "c", `${major}`, `${minor}`], {
+      timeoutMs: MKNOD_TIMEOUT_MS,
+      captureStdout: false,
+    });
+  } catch (err) {
+    throw new JailError(`cannot make the jail's ${JAIL_KVM_NODE} (${major}:${minor})`, err);
+  }
+  await chown(node, uid, uid);
+}
+
+/** Frees what a VM's jail held on the host (its QEMU must be gone): its kvm node, cgroup and uid. */
 export async function releaseJail(dir: string, uid: number | undefined): Promise<void> {
+  // A KVM jail's device node (makeKvmNode) outlives no QEMU, even while the directory stays.
+  await rm(jailRoot(dir) + JAIL_KVM_NODE, { force: true });
   await removeVmCgroup(dir);
   if (uid !== undefined) await releaseUid(uid, dir);
 }

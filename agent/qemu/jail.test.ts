@@ -3,7 +3,16 @@ import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "nod
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { cgroupName, createVmCgroup, limitFiles, ownV1Path, vmLimits } from "./cgroup.ts";
-import { JailError, type JailSpec, jailArgv, jailFstab, jailScript, sandboxOption, shq } from "./jail.ts";
+import {
+  JailError,
+  type JailSpec,
+  jailArgv,
+  jailFstab,
+  jailScript,
+  jailSkeleton,
+  sandboxOption,
+  shq,
+} from "./jail.ts";
 import { allocateUid } from "./uids.ts";
 
 const scratch = mkdtempSync(join(tmpdir(), "jail-test-"));
@@ -64,7 +73,13 @@ describe("jail argv", () => {
       "/data/storage/disks/vm-1-0.qcow2 /data/vms/vm-1/root/data/storage/disks/vm-1-0.qcow2 none bind,nosuid,nodev,noexec 0 0",
     );
     expect(fstab.some((l) => l.includes("/dev/kvm"))).toBe(false);
-    expect(jailFstab({ ...spec, kvm: true }).some((l) => l.startsWith("/dev/kvm "))).toBe(true);
+    // Under KVM: the jail's own node bound onto itself, devices allowed there only; the host's
+    // /dev/kvm is never bound, nor a mount point in the skeleton.
+    const kvm = jailFstab({ ...spec, kvm: true }).filter((l) => l.includes("/dev/kvm"));
+    expect(kvm).toEqual([
+      "/data/vms/vm-1/root/dev/kvm /data/vms/vm-1/root/dev/kvm none bind,rw,dev,nosuid,noexec 0 0",
+    ]);
+    expect(jailSkeleton({ ...spec, kvm: true }).files).not.toContain("/dev/kvm");
   });
 
   test("quoting and path checks", () => {

@@ -15,7 +15,9 @@
  *      Debian is merged-usr, so /bin, /lib, /lib64, /sbin are symlinks into it), the kernel, the
  *      initramfs and every backing file of the disk read-only, the VM's own overlay and RAM file
  *      and its directory (sockets, console, pid file) writable; /dev holds null, zero, random,
- *      urandom (and kvm under KVM); a fresh /proc for the new pid namespace;
+ *      urandom (the host's, bound) and, under KVM, a kvm node of the jail's own (jail-setup.ts
+ *      makes it, owned by the VM's uid, mode 0600): the host's /dev/kvm is never bound, so its
+ *      mode and group do not matter; a fresh /proc for the new pid namespace;
  *   4. pivot_root into it and detaches the old root: nothing else of the host is reachable;
  *   5. sets rlimits (file size, open files) and execs `setpriv` to the VM's own uid/gid with no
  *      supplementary groups, no capabilities (effective, permitted, inheritable, ambient and
@@ -62,7 +64,7 @@ export interface JailSpec {
   readOnly: readonly string[];
   /** Files bound writable at their own path (the VM's overlay, its RAM file). */
   readWrite: readonly string[];
-  /** Under KVM /dev/kvm is bound too. */
+  /** Under KVM the jail's own /dev/kvm node (JAIL_KVM_NODE) is mounted too. */
   kvm: boolean;
   /** `cgroup.procs` files the jail joins before it starts QEMU. */
   cgroupProcs: readonly string[];
@@ -93,6 +95,12 @@ function checkPath(p: string): void {
 
 const DEVICES = ["null", "zero", "random", "urandom"] as const;
 
+/** Where a KVM jail's own /dev/kvm node lives, relative to the jail's root. */
+export const JAIL_KVM_NODE = "/dev/kvm";
+
+/** coreutils' mknod: the agent makes a KVM jail's device node with it (Node has no mknod). */
+export const MKNOD = "/usr/bin/mknod";
+
 /** An fstab field: space, tab, newline and backslash as fstab's octal escapes. */
 function fstabField(p: string): string {
   return p.replace(/[\\ \t\n]/g, (c) => `\\${c.charCodeAt(0).toString(8).padStart(3, "0")}`);
@@ -110,12 +118,8 @@ export function jailFstabPath(dir: string): string {
  */
 export function jailSkeleton(spec: JailSpec): { dirs: string[]; files: string[]; links: [string, string][] } {
   const dirOf = (p: string) => p.slice(0, p.lastIndexOf("/")) || "/";
-  const files = [
-    ...DEVICES.map((d) => `/dev/${d}`),
-    ...(spec.kvm ? ["/dev/kvm"] : []),
-    ...spec.readOnly,
-    ...spec.readWrite,
-  ];
+  // A KVM jail's /dev/kvm is no mount point but a node of its own, made by jail-setup.ts.
+  const files = [...DEVICES.map((d) => `/dev/${d}`), ...spec.readOnly, ...spec.readWrite];
   const dirs = [...new Set(["/usr", "/proc", "/tmp", "/.old", spec.dir, ...files.map(dirOf)])];
   const links: [string, string][] = ["bin", "lib", "lib64", "sbin"].map((l) => [`/${l}`, `usr/${l}`]);
   return { dirs, files, links };
@@ -132,8 +136,11 @@ export function jailFstab(spec: JailSpec): string[] {
     `${fstabField(src)} ${fstabField(r + dst)} ${type} ${opts} 0 0`;
   const out = [`${fstabField(r)} ${fstabField(r)} none bind,ro,nosuid,nodev 0 0`];
   out.push(line("/usr", "/usr", "none", "bind,ro,nodev"));
-  for (const d of [...DEVICES, ...(spec.kvm ? ["kvm"] : [])])
-    out.push(line(`/dev/${d}`, `/dev/${d}`, "none", "bind,nosuid,noexec"));
+  for (const d of DEVICES) out.push(line(`/dev/${d}`, `/dev/${d}`, "none", "bind,nosuid,noexec"));
+  // The jail's own kvm node, bound onto itself: the root's mount is nodev, and a bind mount of the
+  // node alone is the one place in the jail where a device opens (`dev` said outright, as the
+  // bind would otherwise keep the root's nodev).
+  if (spec.kvm) out.push(line(r + JAIL_KVM_NODE, JAIL_KVM_NODE, "none", "bind,rw,dev,nosuid,noexec"));
   out.push(line("proc", "/proc", "proc", "nosuid,nodev,noexec"));
   for (const p of spec.readOnly) out.push(line(p, p, "none", "bind,ro,nosuid,nodev,noexec"));
   for (const p of spec.readWrite) out.push(line(p, p, "none", "bind,nosuid,nodev,noexec"));

@@ -1,7 +1,7 @@
 /** `sandboxd doctor` checks the real host: QEMU, tools, accelerator, space, guest artifacts. */
 import { expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";
-import { mkdtempSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 
@@ -18,6 +18,9 @@ test("a prepared host passes every check and names its accelerator", () => {
   expect(r.stdout).toMatch(/^ok {2}\s*accelerator\s+(kvm|tcg) \(/m);
   expect(r.stdout).toMatch(/^ok {2}\s*qemu\s+qemu-system-x86_64 \d+\.\d+/m);
   expect(r.stdout).toMatch(/^ok {2}\s*guest\s+kernel 6\.1\./m);
+  // Where the host has /dev/kvm, a jailed QEMU must initialize KVM (even where guests run under TCG).
+  if (existsSync("/dev/kvm"))
+    expect(r.stdout).toMatch(/^ok {2}\s*jail: kvm\s+a jailed QEMU \(uid \d+\) initializes KVM/m);
   expect(r.stdout).not.toContain("FAIL");
   expect(r.status).toBe(0);
 }, 180_000);
