@@ -165,7 +165,7 @@ export class GuestChannel {
     const timer = setTimeout(() => {
       this.helloWaiter = undefined;
       this.closeListenersRemove(onClose);
-      rejectFn(new GuestError("guest_timeout", `no HELLO answer within ${timeoutMs} ms`));
+      rejectFn(new GuestError("guest_timeout", `no HELLO answer within ${Math.round(timeoutMs)} ms`));
     }, timeoutMs);
     const onClose = (err: GuestError) => {
       clearTimeout(timer);
