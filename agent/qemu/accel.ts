@@ -3,7 +3,7 @@ import { constants, existsSync } from "node:fs";
 import { access, open, readFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import { sandboxOption } from "./jail.ts";
+import { JAIL_ENV, sandboxOption } from "./jail.ts";
 import { type Accel, machineArgs, QEMU_BINARY } from "./launch.ts";
 
 export interface AccelChoice {
@@ -191,6 +191,7 @@ function runProbe(
     // The probe runs only our own kernel and initramfs, never tenant code, for a moment at agent
     // start, so it is not jailed; it still runs under QEMU's seccomp sandbox.
     const child = spawn(QEMU_BINARY, [...args, "-sandbox", sandboxOption()], {
+      env: { ...JAIL_ENV },
       stdio: ["ignore", "pipe", "pipe"],
     });
     let out = "";
