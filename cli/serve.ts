@@ -24,6 +24,7 @@ import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { upsertPublicTemplate } from "../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
+import { lockDownDataDir } from "./data-dir.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { serveOperatorCommands } from "./operator-ops.ts";
 import {
@@ -208,6 +209,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
   if (!settings) return 2;
   const start = gatewayStart(settings);
   const dataDir = values["data-dir"] ?? dataDirOf(settings);
+  await lockDownDataDir(dataDir, log);
   const removeFaultHandlers = installFaultHandlers(log);
   const gateway = await startGateway({
     port: parsePort(values.port, 8080),
@@ -258,6 +260,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   if (!values.gateway)
     throw new SandboxdError("bad_request", "agent needs --gateway URL (where it registers)");
   const dataDir = values["data-dir"] ?? dataDirOf(settings);
+  await lockDownDataDir(dataDir, log);
   const removeFaultHandlers = installFaultHandlers(log);
   const m = /^(.*):(\d+)$/.exec(values.listen ?? "127.0.0.1:7070");
   if (!m) throw new SandboxdError("bad_request", `--listen must be HOST:PORT, got ${values.listen}`);

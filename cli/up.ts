@@ -19,6 +19,7 @@ import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
 import { enrolledAgent } from "../gateway/agents/registry.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
 import { type RunningGateway, startGateway } from "../gateway/server.ts";
+import { lockDownDataDir } from "./data-dir.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { installHeapStatsSignal } from "./heap-stats.ts";
 import { serveOperatorCommands } from "./operator-ops.ts";
@@ -50,6 +51,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   if (!settings) return 2;
   const port = parsePort(values.port, 8080);
   const dataDir = values["data-dir"] ?? dataDirOf(settings);
+  await lockDownDataDir(dataDir, log);
   const stateDir = join(dataDir, "agent");
   await mkdir(stateDir, { recursive: true });
   const secrets = loadSecrets(dataDir, gatewayStart(settings).secrets);

@@ -5,7 +5,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { describeError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
-import { sandboxOption } from "./jail.ts";
+import { JAIL_ENV, sandboxOption } from "./jail.ts";
 import type { JailSettings } from "./jail-setup.ts";
 import { type Accel, launchVm, machineArgs, QEMU_BINARY } from "./launch.ts";
 
@@ -194,6 +194,7 @@ function runProbe(
     // The probe runs only our own kernel and initramfs, never tenant code, for a moment at agent
     // start, so it is not jailed; it still runs under QEMU's seccomp sandbox.
     const child = spawn(QEMU_BINARY, [...args, "-sandbox", sandboxOption()], {
+      env: { ...JAIL_ENV },
       stdio: ["ignore", "pipe", "pipe"],
     });
     let out = "";

@@ -6,10 +6,10 @@
 import { spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
 import { CGROUP_ROOT, cgroupVersion, missingControllers } from "./cgroup.ts";
-import { PIVOT_ROOT, SETPRIV, sandboxOption, UNSHARE_FLAGS } from "./jail.ts";
+import { JAIL_ENV, PIVOT_ROOT, SETPRIV, sandboxOption, UNSHARE_FLAGS } from "./jail.ts";
 import { DEFAULT_JAIL, type JailSettings } from "./jail-setup.ts";
 import { QEMU_BINARY_PATH } from "./launch.ts";
-import { rangeClashes } from "./uids.ts";
+import { rangeClashes, subidOverlaps } from "./uids.ts";
 
 export interface JailCheck {
   name: string;
@@ -20,7 +20,7 @@ export interface JailCheck {
 
 function run(argv: string[]): { ok: boolean; out: string } {
   const [cmd, ...args] = argv as [string, ...string[]];
-  const r = spawnSync(cmd, args, { encoding: "utf8", timeout: 10_000 });
+  const r = spawnSync(cmd, args, { encoding: "utf8", timeout: 10_000, env: { ...JAIL_ENV } });
   return { ok: r.status === 0, out: `${r.stdout ?? ""}${r.stderr ?? ""}`.trim() };
 }
 
@@ -56,7 +56,7 @@ export function jailChecks(settings: JailSettings = DEFAULT_JAIL): JailCheck[] {
     });
   }
   const range = settings.uidRange;
-  const clashes = rangeClashes(range);
+  const clashes = [...rangeClashes(range), ...subidOverlaps(range)];
   out.push({
     name: "jail: uids",
     ok: range.count > 0 && range.base > 0 && clashes.length === 0,
@@ -64,7 +64,7 @@ export function jailChecks(settings: JailSettings = DEFAULT_JAIL): JailCheck[] {
       range.count <= 0
         ? "the uid range is empty"
         : clashes.length
-          ? `the uid range ${range.base}+${range.count} holds real users: ${clashes.slice(0, 3).join("; ")}`
+          ? `the uid range ${range.base}+${range.count} holds real users or their subordinate ids: ${clashes.slice(0, 3).join("; ")}`
           : `one uid per VM from ${range.base}..${range.base + range.count - 1}, no real user in it`,
     fix: "set SANDBOXD_JAIL_UID_BASE / SANDBOXD_JAIL_UID_COUNT to a range no user or group holds",
   });

@@ -183,6 +183,7 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       ...owned,
       i.disk ? lchown(i.disk, uid, uid) : undefined,
       mem(),
+      ...spec.readOnly.map(readableByJail),
       makeSkeleton(spec),
     ]);
     return { spec, uid };
@@ -206,6 +207,10 @@ async function makeSkeleton(spec: JailSpec): Promise<void> {
   const sk = jailSkeleton(spec);
   await mkdir(r, { mode: 0o755 });
   for (const d of sk.dirs) await mkdir(r + d, { recursive: true, mode: 0o755 });
+  // QEMU, as its own uid, walks these directories (its root, /dev, the path to its VM directory)
+  // after the pivot. mkdir's mode passes through the umask, and the serving commands run under
+  // 077 (cli/data-dir.ts), which would leave them root's alone: set 0755 as such.
+  await Promise.all([...skeletonDirs(sk.dirs)].map((d) => chmod(r + d, 0o755)));
   await Promise.all([
     ...sk.files.map((f) => writeFile(r + f, "", { flag: "wx", mode: 0o644 })),
     ...sk.links.map(([name, target]) => symlink(target, r + name)),
@@ -243,6 +248,30 @@ async function makeKvmNode(root: string, uid: number): Promise<void> {
     throw new JailError(`cannot make the jail's ${JAIL_KVM_NODE} (${major}:${minor})`, err);
   }
   await chown(node, uid, uid);
+}
+
+/** Every directory of the skeleton with each of its ancestors, the root itself as "". */
+function skeletonDirs(dirs: readonly string[]): Set<string> {
+  const out = new Set<string>([""]);
+  for (const d of dirs) {
+    const parts = d.split("/").filter(Boolean);
+    for (let i = 1; i <= parts.length; i++) out.add(`/${parts.slice(0, i).join("/")}`);
+  }
+  return out;
+}
+
+/**
+ * A file bound read-only into the jail (kernel, initramfs, a backing file of the disk) must be
+ * readable by the VM's uid. Backing files are shared by every VM of a template, each with its own
+ * uid, so they cannot be chowned to one: they are made readable by other. Under the serving
+ * commands' umask 077 the agent creates them 0600; the data directory above them is 0700
+ * (cli/data-dir.ts), so on the host they stay out of any other user's reach, and inside a jail
+ * only the files bound into it exist.
+ */
+async function readableByJail(path: string): Promise<void> {
+  // A missing file is left to the jail's mount, whose failure QEMU's start reports.
+  const st = await ifExists(stat(path));
+  if (st && (st.mode & 0o004) === 0) await chmod(path, (st.mode & 0o7777) | 0o004);
 }
 
 /** Frees what a VM's jail held on the host (its QEMU must be gone): its kvm node, cgroup and uid. */

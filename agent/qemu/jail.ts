@@ -39,6 +39,15 @@ export const UMOUNT = "/usr/bin/umount";
 export const SH = "/bin/sh";
 
 /**
+ * The whole environment of a jail and of the QEMU it execs (setpriv and the shell pass it on):
+ * nothing of the agent's. The agent's own environment holds its secrets (the connect secret, the
+ * key pepper, the database URL), and a process's environment sits in its memory, where a guest
+ * that escaped into QEMU would read it. Every program the jail runs is named by its absolute path;
+ * PATH is only for what util-linux's `mount` looks up by name (its `mount.<type>` helpers).
+ */
+export const JAIL_ENV: Readonly<Record<string, string>> = { PATH: "/usr/sbin:/usr/bin:/sbin:/bin" };
+
+/**
  * QEMU's seccomp policy: deny obsolete syscalls, privilege changes, spawning processes (no
  * migration uses `exec:`: state streams through unix sockets the agent reads and writes) and
  * resource control (affinity, scheduler, rlimits).
@@ -165,6 +174,8 @@ export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string 
   L.push(`cd ${shq(r)}`, `${PIVOT_ROOT} . .old`, `${UMOUNT} -l /.old`, "cd /");
   // 5. rlimits (dash counts -f in 512-byte blocks), then drop every privilege and exec QEMU.
   L.push(`ulimit -f ${Math.ceil(spec.maxFileBytes / 512)}`, `ulimit -n ${spec.maxOpenFiles}`);
+  // `cd` exported PWD and OLDPWD (the VM directory's host path): QEMU gets JAIL_ENV alone.
+  L.push("unset PWD OLDPWD");
   L.push(
     [
       "exec",

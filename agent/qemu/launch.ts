@@ -4,7 +4,7 @@ import { constants as osConstants } from "node:os";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { buildQemuArgs, type LaunchOptions, vmPaths } from "./args.ts";
 import { type ConsoleDrain, consoleTail, startConsoleDrain } from "./console.ts";
-import { jailArgv, sandboxOption } from "./jail.ts";
+import { JAIL_ENV, jailArgv, sandboxOption } from "./jail.ts";
 import { prepareJail, releaseJail } from "./jail-setup.ts";
 import { QmpClient } from "./qmp/client.ts";
 
@@ -184,6 +184,7 @@ export async function launchVm(opts: LaunchOptions): Promise<VmProcess> {
   try {
     child = spawn(cmd, argv, {
       cwd: dir,
+      env: { ...JAIL_ENV },
       detached: !dieWithParent,
       stdio: ["ignore", "ignore", "pipe"],
     });

@@ -72,6 +72,50 @@ export function rangeClashes(range: UidRange): string[] {
   return out;
 }
 
+/**
+ * The files that hand users ranges of subordinate ids for their user namespaces (shadow-utils'
+ * format, `name:start:count` a line). A jail uid inside such a range is one a user can map to in
+ * a namespace of their own, and so own files as or signal: the ranges must not meet.
+ */
+export const SUBID_FILES = ["/etc/subuid", "/etc/subgid"] as const;
+
+/** The lines of `files` whose range overlaps `range`, each as `file: name start+count`. */
+export function subidOverlaps(range: UidRange, files: readonly string[] = SUBID_FILES): string[] {
+  const out: string[] = [];
+  for (const f of files) {
+    let text = "";
+    try {
+      text = readFileSync(f, "utf8");
+    } catch {
+      continue; // no such file: nobody has subordinate ids
+    }
+    for (const line of text.split("\n")) {
+      const [name, start, count] = line.trim().split(":");
+      const lo = Number(start);
+      const n = Number(count);
+      if (!name || name.startsWith("#") || !Number.isInteger(lo) || !Number.isInteger(n) || n <= 0) continue;
+      if (lo < range.base + range.count && range.base < lo + n) out.push(`${f}: ${name} ${lo}+${n}`);
+    }
+  }
+  return out;
+}
+
+/**
+ * Refuses, at the agent's start, a jail uid range that a real user or group holds (/etc/passwd,
+ * /etc/group) or that overlaps a user's subordinate ids (`subidFiles`): a JailError naming each
+ * overlap (the first few).
+ */
+export function refuseTakenUidRange(range: UidRange, subidFiles: readonly string[] = SUBID_FILES): void {
+  const taken = [...rangeClashes(range), ...subidOverlaps(range, subidFiles)];
+  if (taken.length === 0) return;
+  // Enough to find the lines; a file of thousands of users would drown the message.
+  const shown = taken.slice(0, 5).join("; ");
+  const more = taken.length > 5 ? ` and ${taken.length - 5} more` : "";
+  throw new JailError(
+    `the jail uid range ${range.base}+${range.count} overlaps ${shown}${more}: set SANDBOXD_JAIL_UID_BASE / SANDBOXD_JAIL_UID_COUNT to a range no user holds`,
+  );
+}
+
 /** Takes a free uid for the VM directory `dir`; throws JailError when none is left. */
 export async function allocateUid(dir: string, range: UidRange): Promise<number> {
   if (range.count <= 0) throw new JailError("the jail uid range is empty (SANDBOXD_JAIL_UID_COUNT=0)");

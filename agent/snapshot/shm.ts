@@ -10,9 +10,10 @@
  * need to know nothing about it.
  */
 import { existsSync } from "node:fs";
-import { mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
-import { join, resolve } from "node:path";
+import { lstat, mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
+import { dirname, join, resolve } from "node:path";
 import { ifExists } from "../../contracts/best-effort.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 
 export const SHM_BASE = "/dev/shm/sandboxd";
 const OWNER_SUFFIX = ".owner";
@@ -22,9 +23,38 @@ export function ownerFileOf(shmRoot: string): string {
   return `${shmRoot}${OWNER_SUFFIX}`;
 }
 
-/** Creates `shmRoot` (if needed) and records `dataDir` as its owner. */
+/**
+ * Refuses a RAM-file directory someone else could have made or could change: `/dev/shm` is
+ * writable by every user, so `/dev/shm/sandboxd` may have been made by anyone before the agent
+ * first ran. One that is not a directory of ours (a symlink, another uid's) or that group or other
+ * may write lets that user swap the RAM files QEMU maps, or plant claims the sweep acts on.
+ */
+export async function checkShmDir(path: string, uid: number = process.getuid?.() ?? 0): Promise<void> {
+  const st = await lstat(path);
+  const why = !st.isDirectory()
+    ? "is not a directory"
+    : st.uid !== uid
+      ? `is owned by uid ${st.uid}, not ${uid}`
+      : (st.mode & 0o022) !== 0
+        ? `is writable by group or other (mode ${(st.mode & 0o7777).toString(8)})`
+        : undefined;
+  if (why)
+    throw new SandboxdError(
+      "storage_error",
+      `refusing the RAM-file directory ${path}: it ${why}; remove it (the agent makes it anew, mode 700)`,
+    );
+}
+
+/**
+ * Creates `shmRoot` and its parent (if needed, mode 0700), checks both are the agent's alone
+ * (checkShmDir), and records `dataDir` as the root's owner.
+ */
 export async function claimShmRoot(shmRoot: string, dataDir: string): Promise<void> {
+  const base = dirname(shmRoot);
+  await mkdir(base, { recursive: true, mode: 0o700 });
+  await checkShmDir(base);
   await mkdir(shmRoot, { recursive: true, mode: 0o700 });
+  await checkShmDir(shmRoot);
   const owner = resolve(dataDir);
   const path = ownerFileOf(shmRoot);
   const current = await ifExists(readFile(path, "utf8"));

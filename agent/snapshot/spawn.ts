@@ -15,6 +15,7 @@ import { join, resolve } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { FrameType, Op, Tag } from "../../contracts/guest-protocol.ts";
 import { encodeFrame, TlvWriter } from "../guest/codec.ts";
+import { JAIL_ENV } from "../qemu/jail.ts";
 import { isHostnameLabel, jailedLaunchArgv, readHostPid, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { createOverlayFromBlank, createOverlayOn } from "../storage/qcow2.ts";
@@ -220,7 +221,7 @@ export async function floorRestoreMs(o: {
     ...(o.host ? { jail: o.host.jail } : {}),
   });
   const [cmd, ...argv] = launch.argv as [string, ...string[]];
-  const child = spawn(cmd, argv, { stdio: "ignore" });
+  const child = spawn(cmd, argv, { stdio: "ignore", env: { ...JAIL_ENV } });
   let qmpSock: Socket | undefined;
   let agent: Socket | undefined;
   let incoming: Socket | undefined;

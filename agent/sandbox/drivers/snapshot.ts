@@ -36,6 +36,7 @@ import type { ImageConfig } from "../../image/import.ts";
 import { type DestinationCheck, type RegistryConfig, registryConfigFromEnv } from "../../image/pull.ts";
 import { probeAccelerator } from "../../qemu/accel.ts";
 import type { Accel, VmExit, VmProcess } from "../../qemu/launch.ts";
+import { refuseTakenUidRange } from "../../qemu/uids.ts";
 import type { SnapshotError } from "../../snapshot/errors.ts";
 import { forkVm } from "../../snapshot/fork.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../../snapshot/fork-method.ts";
@@ -169,6 +170,8 @@ export class SnapshotDriver implements SandboxDriver {
   }
 
   static async create(opts: SnapshotDriverOptions): Promise<SnapshotDriver> {
+    // Before any VM: a uid range a user holds would hand that user the jails' identity.
+    refuseTakenUidRange((opts.host ?? DEFAULT_VM_HOST).jail.uidRange);
     const [artifacts, accel] = await Promise.all([
       opts.artifacts ?? ensureGuestArtifacts({ dataDir: opts.cacheDir, log: opts.log }),
       opts.accel
