@@ -14,15 +14,21 @@ import type { ForkRun } from "./copy.ts";
 /** Rolls back `run` after its copy failed with `e`; the result is always that failure. */
 export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Result<never>> {
   const { parent, proc, forkId, newTop, newNode, staged, log } = run;
-  /** The new overlay joins the parent's chain if QEMU took it (removed with the parent), else goes. */
+  /** The new overlay, never registered, goes with its staging link. */
+  const dropNewTop = () => Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
+  /**
+   * A parent that runs on keeps the new overlay in its chain if QEMU took it. A parent that is
+   * ended never adopts it: its QEMU's exit may already have released the parent's files, and an
+   * overlay registered after that would outlive the VM.
+   */
   const keepOrDropNewTop = async () => {
-    if (run.switched)
+    if (run.switched && parent.state !== "dead" && proc.isAlive())
       await bestEffort(
         log,
         `fork ${forkId}: keeping the parent's new overlay`,
         adoptNewTop(parent, newTop, newNode),
       );
-    else await Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
+    else await dropNewTop();
   };
   await run.save?.abort();
   await rm(run.statePath, { force: true });
@@ -42,12 +48,8 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
     // never answer. It is ended instead, and the error says why; its record follows its exit.
     if (run.method === "snapshot" && run.switched && (await blockedInUserfault(proc.pid))) {
       log(`fork ${forkId}: the parent's vCPU stays blocked in a userfaultfd fault; ending the parent`);
-      await bestEffort(
-        log,
-        `fork ${forkId}: keeping the parent's new overlay`,
-        adoptNewTop(parent, newTop, newNode),
-      );
       await parent.destroy();
+      await dropNewTop();
       return fail(
         new SnapshotError(
           "vm_died",
@@ -56,18 +58,19 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
         ),
       );
     }
-    await keepOrDropNewTop();
     // QEMU can die while the cancel unwinds (a wedged one is killed by a QMP timeout, or it
     // exits on its own): its record already says dead, and the fork fails with what it was.
     if (parent.state === "dead" || !proc.isAlive()) {
       await parent.destroy();
+      await dropNewTop();
       return fail(e);
     }
+    await keepOrDropNewTop();
     parent.enter("running");
     return fail(e);
   }
   // QEMU is gone (killed at a QMP deadline, or died): its new overlay goes with it too.
-  await keepOrDropNewTop();
+  await dropNewTop();
   await parent.destroy();
   return fail(e);
 }
