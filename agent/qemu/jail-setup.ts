@@ -31,6 +31,8 @@ export interface JailInput {
   vmlinux: string;
   initramfs: string;
   disk?: string;
+  /** What the agent's records say `disk` may be backed by (args.ts `LaunchOptions.backing`). */
+  backing?: ReadonlySet<string>;
   mem?: { path: string; share: boolean };
   memMib: number;
   vcpus: number;
@@ -146,6 +148,9 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     if (cgR.status === "rejected") throw cgR.reason;
     if (namesR.status === "rejected") throw namesR.reason;
     const chain = chainR.value;
+    const foreign = i.backing ? chain.files.filter((f) => !i.backing?.has(f)) : [];
+    if (foreign.length > 0)
+      throw new JailError(`${i.disk}'s image headers name ${foreign.join(", ")}, which its records do not`);
     const cg = cgR.value;
     // The directory stays root's; the jail's group may add names to it (QEMU makes its sockets
     // and pid file there) and, the sticky bit, remove or rename only what its uid made: the
