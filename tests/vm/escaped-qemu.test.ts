@@ -125,11 +125,12 @@ test(
 
     const m = await managerWithBusybox({ stateDir: sd, cacheDir: TEST_CACHE_DIR, memMib: MEM_MIB });
     const ids: string[] = [];
-    for (let i = 0; i < 3; i++) ids.push((await m.create("bb", { kind: "sandbox" })).vmId);
-    const [a, b, c] = ids as [string, string, string];
+    for (let i = 0; i < 4; i++) ids.push((await m.create("bb", { kind: "sandbox" })).vmId);
+    const [a, b, c, d] = ids as [string, string, string, string];
     const uids = Object.fromEntries(ids.map((id) => [id, uidOf(m.info(id).qemuPid as number)]));
     const recA = await agentRecord(sd, a);
     const recB = await agentRecord(sd, b);
+    const recD = await agentRecord(sd, d);
 
     // ---- the escaped QEMU's writes ----
     const attempts: Record<string, string> = {};
@@ -173,6 +174,39 @@ test(
       vmDir(c),
       `rm -f qmp.sock && ln -s ${sockPath} qmp.sock`,
     );
+    // D's QEMU, in its own mount namespace (where its disk is bound), renames its overlay's
+    // backing file in the qcow2 header to the canary: name at 4096, offset and length in the header.
+    const name = join(canary, "file");
+    const be = (n: number, bytes: number) =>
+      Array.from(
+        { length: bytes },
+        (_, i) => `\\${((n >> (8 * (bytes - 1 - i))) & 0xff).toString(8).padStart(3, "0")}`,
+      ).join("");
+    const dd = (at: number) => `/usr/bin/dd of=${recD.disk} bs=1 seek=${at} conv=notrunc status=none`;
+    const header = [
+      `printf %s '${name}' | ${dd(4096)}`,
+      `printf '${be(0, 4)}${be(4096, 4)}' | ${dd(8)}`,
+      `printf '${be(name.length, 4)}' | ${dd(16)}`,
+    ].join(" && ");
+    const qemuD = m.info(d).qemuPid as number;
+    const hdr = Bun.spawn(
+      [
+        "nsenter",
+        `--target=${qemuD}`,
+        "--mount",
+        "--",
+        "setpriv",
+        `--reuid=${uids[d]}`,
+        `--regid=${uids[d]}`,
+        "--clear-groups",
+        "--",
+        "/usr/bin/sh",
+        "-c",
+        header,
+      ],
+      { stdout: "pipe", stderr: "pipe" },
+    );
+    attempts["D header"] = (await hdr.exited) === 0 ? "ok" : (await new Response(hdr.stderr).text()).trim();
     console.log(`ESCAPED_QEMU_WRITES ${JSON.stringify(attempts)}`);
 
     // ---- the agent restarts ----
@@ -196,6 +230,13 @@ test(
         } else outcome.b = `${m2.info(b).state}: ${m2.info(b).reason ?? ""}`;
       } catch (err) {
         outcome.b = `failed: ${(err as Error).message}; state ${m2.info(b).state}: ${m2.info(b).reason ?? ""}`;
+      }
+      try {
+        await m2.suspend(d);
+        await m2.resume(d);
+        outcome.d = `${m2.info(d).state} ${(await shellIn(m2, d, "echo up")).trim()}`;
+      } catch (err) {
+        outcome.d = `failed: ${(err as Error).message}; state ${m2.info(d).state}`;
       }
       const infoC = m2.info(c);
       outcome.c =
@@ -221,6 +262,9 @@ test(
       expect(outcome.b).toBe("running up");
       expect(outcome.c).toMatch(/^(running up|lost: .+)$/);
       expect(existsSync(vmDir(a))).toBe(false);
+      // D's header named a file its records do not: its jail was not built around it.
+      expect(attempts["D header"]).toBe("ok");
+      expect(outcome.d).toContain(`image headers name ${name}, which its records do not`);
     } finally {
       for (const s of m2.list()) await m2.destroy(s.id, { force: true });
       canarySock.stop(true);
