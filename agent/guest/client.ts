@@ -8,8 +8,10 @@
  * Every public method maps to one op. Every failure is a `GuestError` with a stable `code` (see
  * codec.ts).
  */
+
 import { createConnection, type Socket } from "node:net";
 import { FrameType, MAX_PAYLOAD, Op, StreamFlag, Tag } from "../../contracts/guest-protocol.ts";
+import { socketAt } from "../host/socket-path.ts";
 import { GuestChannel } from "./channel.ts";
 import type {
   ExecOptions,
@@ -54,6 +56,9 @@ export class GuestClient extends GuestChannel {
 
   /** Connects to a guest port's unix socket (QEMU's chardev) and completes HELLO. */
   static async connect(path: string, opts: GuestClientOptions = {}): Promise<GuestClient> {
+    const found = socketAt(path);
+    if (found !== "socket" && found !== "missing")
+      throw new GuestError("guest_disconnected", `guest port ${path} is ${found}: not connected to`);
     const socket = await new Promise<Socket>((resolve, reject) => {
       const s = createConnection({ path });
       const onError = (err: Error) => {

@@ -52,6 +52,12 @@ export interface LaunchOptions {
   artifacts: GuestArtifacts;
   /** qcow2 overlay the guest sees as /dev/vda (agent/storage/qcow2.ts `createOverlayOn`). Omit for a diskless VM. */
   disk?: string;
+  /**
+   * The files the agent's own records say `disk` may be backed by. When given, a backing file
+   * named by an image header that is not among them fails the jail (jail-setup.ts): an overlay a
+   * jail has had could carry any name in its header, and each one is bound into the next jail.
+   */
+  backing?: ReadonlySet<string>;
   memMib: number;
   vcpus: number;
   accel: Accel;

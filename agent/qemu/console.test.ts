@@ -165,3 +165,20 @@ test("a symlink the jailed QEMU plants as console.log is replaced, never written
   symlinkSync(victim, `${log}.1`);
   expect(await consoleTail(log, 1 << 20)).not.toContain("precious");
 });
+
+test("a FIFO the jailed QEMU plants as console.log never blocks the drain: it is replaced by a file", async () => {
+  const { sock, log } = dirFor();
+  // A FIFO nobody reads: a blocking open for writing would wait for a reader for ever.
+  expect(Bun.spawnSync(["mkfifo", log]).exitCode).toBe(0);
+  const { lstatSync, readFileSync } = await import("node:fs");
+  const qemu = fakeQemu(sock);
+  const drain = startConsoleDrain(sock, log);
+  const s = await qemu.next();
+  s.write("guest bytes\n");
+  for (let i = 0; i < 100 && !(lstatSync(log).isFile() && statSync(log).size > 0); i++) await Bun.sleep(20);
+  s.end();
+  await drain.close();
+  qemu.server.close();
+  expect(lstatSync(log).isFile()).toBe(true);
+  expect(readFileSync(log, "utf8")).toContain("guest bytes");
+});

@@ -22,6 +22,7 @@ import { constants } from "node:fs";
 import { type FileHandle, open, rename, rm } from "node:fs/promises";
 import { createConnection, type Socket } from "node:net";
 import { settled } from "../../contracts/best-effort.ts";
+import { socketAt } from "../host/socket-path.ts";
 
 /** The chardev id behind `-serial`; not part of any snapshot's device state. */
 export const CONSOLE_CHARDEV = "console0";
@@ -208,8 +209,13 @@ function logRing(
   };
 }
 
-/** One connect attempt: the socket, "retry" (not there yet / refused), or an error. */
+/**
+ * One connect attempt: the socket, or "retry" (not there yet / refused). A name that is not a
+ * socket (a symlink an escaped QEMU put there) is never connected to: "retry" until the budget
+ * ends and the drain gives up.
+ */
 function tryConnect(socketPath: string): Promise<Socket | "retry"> {
+  if (socketAt(socketPath) !== "socket") return Promise.resolve("retry");
   return new Promise<Socket | "retry">((resolve) => {
     const s = createConnection({ path: socketPath });
     s.once("connect", () => {
@@ -265,6 +271,7 @@ async function openOwnLog(path: string, truncate: boolean): Promise<FileHandle> 
     constants.O_CREAT |
     constants.O_APPEND |
     constants.O_NOFOLLOW |
+    constants.O_NONBLOCK |
     (truncate ? constants.O_TRUNC : 0);
   let fh: FileHandle | undefined;
   try {
@@ -272,13 +279,19 @@ async function openOwnLog(path: string, truncate: boolean): Promise<FileHandle> 
     const st = await fh.stat();
     if (st.isFile() && st.nlink === 1) return fh;
   } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== "ELOOP") throw err;
+    // ELOOP: a symlink; ENXIO: a FIFO nobody reads (O_NONBLOCK: the open fails, never waits).
+    if (!["ELOOP", "ENXIO"].includes((err as NodeJS.ErrnoException).code ?? "")) throw err;
   }
   await settled(fh?.close()); // the file is removed next
   await rm(path, { force: true });
   return open(
     path,
-    constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_APPEND | constants.O_NOFOLLOW,
+    constants.O_WRONLY |
+      constants.O_CREAT |
+      constants.O_EXCL |
+      constants.O_APPEND |
+      constants.O_NOFOLLOW |
+      constants.O_NONBLOCK,
     0o600,
   );
 }

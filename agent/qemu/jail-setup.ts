@@ -5,19 +5,7 @@
  * Any missing ingredient is a JailError and nothing is started; what was made is undone.
  */
 import { accessSync, constants } from "node:fs";
-import {
-  chmod,
-  chown,
-  lchown,
-  lstat,
-  mkdir,
-  open,
-  readdir,
-  rm,
-  stat,
-  symlink,
-  writeFile,
-} from "node:fs/promises";
+import { chmod, chown, lstat, mkdir, open, readdir, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { ifExists } from "../../contracts/best-effort.ts";
 import { runTool } from "../host/tool.ts";
@@ -46,6 +34,8 @@ export interface JailInput {
   vmlinux: string;
   initramfs: string;
   disk?: string;
+  /** What the agent's records say `disk` may be backed by (args.ts `LaunchOptions.backing`). */
+  backing?: ReadonlySet<string>;
   mem?: { path: string; share: boolean };
   memMib: number;
   vcpus: number;
@@ -104,6 +94,32 @@ function inside(dir: string, p: string): boolean {
   return p.startsWith(`${dir.replace(/\/+$/, "")}/`);
 }
 
+/**
+ * The VM directory's mode (root's, group the jail's): the group may add names and traverse,
+ * others nothing; sticky, so the jail removes or renames only the names its uid made.
+ */
+export const VM_DIR_MODE = 0o1770;
+
+/**
+ * Gives the jail one file the agent named (a disk, a RAM file), through a descriptor opened
+ * without following a symlink and without blocking on a FIFO, and only when it is a regular file
+ * (a disk may have a second link: a fork's staging link): a path is never chowned or chmodded on
+ * a name's word alone.
+ */
+async function ownFile(path: string, o: { uid?: number; mode?: number; create?: boolean }): Promise<void> {
+  const flags =
+    constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK | (o.create ? constants.O_CREAT : 0);
+  const fh = await open(path, flags, 0o600);
+  try {
+    const st = await fh.stat();
+    if (!st.isFile()) throw new JailError(`${path} is not a regular file`);
+    if (o.uid !== undefined) await fh.chown(o.uid, o.uid);
+    if (o.mode !== undefined) await fh.chmod(o.mode);
+  } finally {
+    await fh.close();
+  }
+}
+
 /** Makes the jail of one VM ready; throws JailError naming the missing ingredient. */
 export async function prepareJail(i: JailInput): Promise<PreparedJail> {
   if (process.getuid?.() !== 0) throw new JailError("the agent is not root (it needs root to build jails)");
@@ -135,32 +151,33 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     if (cgR.status === "rejected") throw cgR.reason;
     if (namesR.status === "rejected") throw namesR.reason;
     const chain = chainR.value;
+    const foreign = i.backing ? chain.files.filter((f) => !i.backing?.has(f)) : [];
+    if (foreign.length > 0)
+      throw new JailError(`${i.disk}'s image headers name ${foreign.join(", ")}, which its records do not`);
     const cg = cgR.value;
-    // QEMU writes its directory (sockets, console, pid file), its overlay and a shared RAM file.
-    // What an earlier QEMU of this VM left (its console log, a state socket): this QEMU's now.
-    // owner.json stays root's: it is the agent's record.
-    // A file with more than one link is a fork's staging link to what is now a frozen backing
-    // file (agent/snapshot/fork.ts): it goes, never to be writable by this QEMU.
-    const owned = namesR.value
-      .filter((name) => !["owner.json", "root", "jail.fstab"].includes(name))
+    // The directory stays root's; the jail's group may add names to it (QEMU makes its sockets
+    // and pid file there) and, the sticky bit, remove or rename only what its uid made: the
+    // agent's files there (console log, jail root, fstab, an overlay) stay the agent's. Nothing
+    // else in it is chowned: what an earlier QEMU left is named by a listing its jail could
+    // shape. A file with more than one link is a fork's staging link to what is now a frozen
+    // backing file (agent/snapshot/fork.ts): it goes (rm removes the name, never follows it).
+    const stale = namesR.value
+      .filter((name) => !["root", "jail.fstab"].includes(name))
       .map(async (name) => {
         const p = join(i.dir, name);
         // A name that went between the listing and here (a socket its QEMU removed) is no error.
         const st = await ifExists(lstat(p));
         if (st?.isFile() && st.nlink > 1 && p !== i.disk) await rm(p, { force: true });
-        else await ifExists(lchown(p, uid, uid));
       });
     const mem = async () => {
-      if (i.mem?.share) {
-        // QEMU would create it, but only paths that exist can be bound into the jail.
-        await (await open(i.mem.path, "a", 0o600)).close();
-        await chown(i.mem.path, uid, uid);
-      }
+      if (!i.mem) return;
+      // QEMU would create a shared one, but only paths that exist can be bound into the jail.
       // QEMU 7.2 opens a memory-backend-file O_RDWR even with share=off (its private mapping never
       // writes the file back), so a child's template RAM file must be writable to its uid. The
       // file is reachable only from the jails that bind it (the template's children; its
       // directory on the host is root's, mode 0700).
-      if (i.mem && !i.mem.share) await chmod(i.mem.path, 0o666);
+      if (i.mem.share) await ownFile(i.mem.path, { create: true, uid });
+      else await ownFile(i.mem.path, { mode: 0o666 });
     };
     const readWrite = [i.disk, i.mem?.path].filter((p): p is string => p !== undefined && !inside(i.dir, p));
     const readOnly = [i.vmlinux, i.initramfs, ...chain.files].filter((p) => !inside(i.dir, p));
@@ -179,9 +196,9 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       unshare,
     };
     await Promise.all([
-      chown(i.dir, uid, uid).then(() => chmod(i.dir, 0o700)),
-      ...owned,
-      i.disk ? lchown(i.disk, uid, uid) : undefined,
+      chown(i.dir, 0, uid).then(() => chmod(i.dir, VM_DIR_MODE)),
+      ...stale,
+      i.disk ? ownFile(i.disk, { uid }) : undefined,
       mem(),
       ...spec.readOnly.map(readableByJail),
       makeSkeleton(spec),

@@ -136,6 +136,7 @@ export async function jailedLaunchArgv(
     vmlinux: opts.artifacts.vmlinux,
     initramfs: opts.artifacts.initramfs,
     ...(opts.disk ? { disk: opts.disk } : {}),
+    ...(opts.backing ? { backing: opts.backing } : {}),
     ...(opts.memBackend ? { mem: opts.memBackend } : {}),
     memMib: opts.memMib,
     vcpus: opts.vcpus,

@@ -1,9 +1,27 @@
 import { afterAll, describe, expect, test } from "bun:test";
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import {
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  rmSync,
+  symlinkSync,
+  writeFileSync,
+} from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { ImageConfig } from "../image/import.ts";
-import { readVmRecord, restoreVm, saveVm, VM_RECORD_FILE, type VmRecord, writeVmRecord } from "./persist.ts";
+import { openChainStore } from "../storage/chain.ts";
+import { vmRecordsDir } from "../vm/records-dir.ts";
+import {
+  checkVmRecord,
+  readVmRecord,
+  restoreVm,
+  saveVm,
+  VM_RECORD_FILE,
+  type VmRecord,
+  writeVmRecord,
+} from "./persist.ts";
 import { SandboxVm, type VmShape } from "./vm.ts";
 
 const root = mkdtempSync(join(tmpdir(), "persist-test-"));
@@ -33,10 +51,14 @@ const notes = { templateId: "tpl", size: { vcpus: 1, memMib: 256 }, image };
 
 let n = 0;
 function vmDir(): string {
-  const dir = join(root, `vm-${n++}`);
+  const dir = join(root, "vms", `vm-${n++}`);
   mkdirSync(dir, { recursive: true });
+  mkdirSync(vmRecordsDir(dir), { recursive: true });
   return dir;
 }
+
+/** Where the agent keeps the record of the VM in `dir`. */
+const rec = (dir: string) => join(vmRecordsDir(dir), VM_RECORD_FILE);
 
 async function invalidMessage(dir: string): Promise<string> {
   const r = await readVmRecord(dir);
@@ -53,7 +75,7 @@ describe("save / restore", () => {
     vm.generation = 2;
     const saved = saveVm(vm, notes);
     await writeVmRecord(dir, saved);
-    expect(readdirSync(dir)).toEqual([VM_RECORD_FILE]); // no temp file left behind
+    expect(readdirSync(vmRecordsDir(dir))).toEqual([VM_RECORD_FILE]); // no temp file left behind
     const r = await readVmRecord(dir);
     if (!r.ok) throw r.error;
     expect(r.value).toEqual(saved);
@@ -92,17 +114,17 @@ describe("what is read back is checked", () => {
     const dir = vmDir();
     const vm = new SandboxVm("vm-torn", dir, shape, "/s/d.qcow2", "/shm/m.mem");
     await writeVmRecord(dir, saveVm(vm, notes));
-    const full = readFileSync(join(dir, VM_RECORD_FILE), "utf8");
-    writeFileSync(join(dir, VM_RECORD_FILE), full.slice(0, full.length / 2));
+    const full = readFileSync(rec(dir), "utf8");
+    writeFileSync(rec(dir), full.slice(0, full.length / 2));
     expect(await invalidMessage(dir)).toContain("is not JSON");
   });
 
   test("an unknown version is refused by name", async () => {
     const dir = vmDir();
     const vm = new SandboxVm("vm-v2", dir, shape, "/s/d.qcow2", "/shm/m.mem");
-    writeFileSync(join(dir, VM_RECORD_FILE), JSON.stringify({ ...saveVm(vm, notes), version: 2 }));
+    writeFileSync(rec(dir), JSON.stringify({ ...saveVm(vm, notes), version: 2 }));
     expect(await invalidMessage(dir)).toContain("has version 2; this agent reads version 1");
-    writeFileSync(join(dir, VM_RECORD_FILE), "[1,2]");
+    writeFileSync(rec(dir), "[1,2]");
     expect(await invalidMessage(dir)).toContain("has version undefined");
   });
 
@@ -111,16 +133,58 @@ describe("what is read back is checked", () => {
     const vm = new SandboxVm("vm-bad", dir, shape, "/s/d.qcow2", "/shm/m.mem");
     const good = saveVm(vm, notes);
     writeFileSync(
-      join(dir, VM_RECORD_FILE),
+      rec(dir),
       JSON.stringify({ ...good, shape: { ...good.shape, accel: "hvf", memMib: "256" } }),
     );
     const msg = await invalidMessage(dir);
     expect(msg).toContain("is not a VM record");
     expect(msg).toContain("shape.accel");
     expect(msg).toContain("shape.memMib");
-    writeFileSync(join(dir, VM_RECORD_FILE), JSON.stringify({ ...good, image: { env: "PATH=/bin" } }));
+    writeFileSync(rec(dir), JSON.stringify({ ...good, image: { env: "PATH=/bin" } }));
     expect(await invalidMessage(dir)).toContain("image.env");
-    writeFileSync(join(dir, VM_RECORD_FILE), JSON.stringify({ ...good, generation: -1 }));
+    writeFileSync(rec(dir), JSON.stringify({ ...good, generation: -1 }));
     expect(await invalidMessage(dir)).toContain("generation");
+  });
+});
+
+describe("a record is not taken on its word", () => {
+  test("a record only in the VM directory (an older agent's, the jail could write it) is refused", async () => {
+    const dir = vmDir();
+    const vm = new SandboxVm("vm-old", dir, shape, "/s/d.qcow2", "/shm/m.mem");
+    writeFileSync(join(dir, VM_RECORD_FILE), JSON.stringify(saveVm(vm, notes)));
+    expect(await invalidMessage(dir)).toContain("older agent's record");
+  });
+
+  test("the id must be its directory's and every path a registered file under its root, with no symlink", async () => {
+    const id = "vm-00112233445566aa";
+    const dir = join(root, "vms", id);
+    mkdirSync(dir, { recursive: true });
+    const disks = join(root, "storage", "disks");
+    mkdirSync(disks, { recursive: true });
+    mkdirSync(shape.shmRoot, { recursive: true });
+    const disk = join(disks, `${id}.qcow2`);
+    const mem = join(shape.shmRoot, "tpl.mem");
+    writeFileSync(disk, "");
+    writeFileSync(mem, "");
+    const chain = await openChainStore(root);
+    await chain.add(mem, { kind: "ram", holder: `vm:${id}` });
+    await chain.add(disk, { kind: "overlay", holder: `vm:${id}` });
+    const at = { dir, stateDir: root, shmRoot: shape.shmRoot, chain };
+    const good = saveVm(new SandboxVm(id, dir, shape, disk, mem), notes);
+    const why = async (r: VmRecord) => {
+      const c = await checkVmRecord(r, at);
+      return c.ok ? "ok" : c.error.message;
+    };
+    expect(await why(good)).toBe("ok");
+    expect(await why({ ...good, vmId: "../../../etc" })).toContain('names VM "../../../etc"');
+    expect(await why({ ...good, vmId: "vm-0011223344556677" })).toContain("names VM");
+    expect(await why({ ...good, memPath: "/etc/passwd" })).toContain("/etc/passwd as its RAM file");
+    expect(await why({ ...good, disk: join(disks, "other.qcow2") })).toContain("as its disk");
+    const link = join(disks, "link.qcow2");
+    symlinkSync("/etc/passwd", link);
+    await chain.add(link, { kind: "overlay", holder: `vm:${id}` });
+    expect(await why({ ...good, disk: link })).toContain("as its disk");
+    expect(await why({ ...good, suspendState: join(disks, `${id}.qcow2`) })).toContain("as its state file");
+    expect(await why({ ...good, shape: { ...good.shape, dataDir: "/" } })).toContain("another data dir");
   });
 });

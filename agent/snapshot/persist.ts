@@ -1,5 +1,6 @@
 /**
- * An engine VM saved beside itself: `<vm dir>/snapshot-vm.json` holds what another agent process
+ * An engine VM saved among its records: `snapshot-vm.json` (agent/vm/records-dir.ts:
+ * `<stateDir>/records/vms/<id>/`, root's and out of the VM's jail's reach) holds what another agent process
  * needs to drive the VM again (its disk chain top and QEMU node name, RAM file, overlay
  * generation, the template's shape, and while suspended the state file), plus the notes its owner
  * keeps with it (template, size, image config). `saveVm` turns a live `SandboxVm` into that
@@ -8,14 +9,20 @@
  *
  * What is read back was written by an earlier process, possibly an older agent, possibly torn by
  * a crash or put there by hand: it is parsed with the zod schema below, and a file that does not
- * pass is a `vm_record_invalid` error naming the reason, never a half-trusted object.
+ * pass is a `vm_record_invalid` error naming the reason, never a half-trusted object. Before it
+ * drives anything, `checkVmRecord` holds its id and every path in it to where this agent puts
+ * them. A record an older agent left in the VM directory itself (version 1 kept it there, where
+ * the jail uid could rewrite it) is not migrated: its VM is lost, with that reason.
  */
-import { randomBytes } from "node:crypto";
-import { readFile, rename, writeFile } from "node:fs/promises";
-import { join } from "node:path";
+import { existsSync } from "node:fs";
+import { realpath } from "node:fs/promises";
+import { basename, join } from "node:path";
 import { z } from "zod";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
 import { StoredImageConfig } from "../image/config.ts";
+import type { ChainStore } from "../storage/chain.ts";
+import { VM_ID_PATTERN } from "../vm/ids.ts";
+import { readVmRecordFile, vmRecordsDir, writeVmRecordFile } from "../vm/records-dir.ts";
 import { fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { SandboxVm, type VmShape } from "./vm.ts";
 
@@ -99,26 +106,32 @@ export function restoreVm(record: VmRecord, dir: string, log?: (m: string) => vo
   return vm;
 }
 
-/** Writes the record into `dir` atomically (temp file + rename: the old record or the new one). */
-export async function writeVmRecord(dir: string, record: VmRecord): Promise<void> {
-  const path = join(dir, VM_RECORD_FILE);
-  const tmp = `${path}.${randomBytes(4).toString("hex")}.tmp`;
-  await writeFile(tmp, JSON.stringify(record), { mode: 0o600 });
-  await rename(tmp, path);
+/** Writes the record of the VM in `dir` atomically (the old record or the new one). */
+export function writeVmRecord(dir: string, record: VmRecord): Promise<void> {
+  return writeVmRecordFile(dir, VM_RECORD_FILE, JSON.stringify(record));
 }
 
 /**
- * The record in `dir`: `undefined` when there is none; `vm_record_invalid` when the file is not
- * JSON (torn), is of another version, or is not a VM record.
+ * The record of the VM in `dir`: `undefined` when there is none; `vm_record_invalid` when the
+ * file is not JSON (torn), is of another version, is not a VM record, or is only in the VM
+ * directory (an older agent's, which the jail could have written).
  */
 export async function readVmRecord(dir: string): Promise<Result<VmRecord | undefined>> {
-  const path = join(dir, VM_RECORD_FILE);
-  let text: string;
+  const path = join(vmRecordsDir(dir), VM_RECORD_FILE);
+  let text: string | undefined;
   try {
-    text = await readFile(path, "utf8");
+    text = await readVmRecordFile(dir, VM_RECORD_FILE);
   } catch (err) {
-    if ((err as NodeJS.ErrnoException).code === "ENOENT") return ok(undefined);
     return fail(invalid(`cannot read ${path}`, err));
+  }
+  if (text === undefined) {
+    if (existsSync(join(dir, VM_RECORD_FILE)))
+      return fail(
+        invalid(
+          `${join(dir, VM_RECORD_FILE)} is an older agent's record, kept where the VM's jail could rewrite it: not trusted`,
+        ),
+      );
+    return ok(undefined);
   }
   let raw: unknown;
   try {
@@ -142,4 +155,51 @@ export async function readVmRecord(dir: string): Promise<Result<VmRecord | undef
 function invalid(message: string, cause?: unknown): SnapshotError {
   const why = cause instanceof Error && !(cause instanceof z.ZodError) ? `: ${cause.message}` : "";
   return new SnapshotError("vm_record_invalid", `${message}${why}`, { cause });
+}
+
+/** Where this agent keeps a VM's files: what `checkVmRecord` holds a record to. */
+export interface VmRecordPlaces {
+  /** The VM's directory, `<stateDir>/vms/<id>`. */
+  dir: string;
+  stateDir: string;
+  shmRoot: string;
+  /** The agent's own chain store: every disk, RAM and state file of a VM is registered in it. */
+  chain: ChainStore;
+}
+
+/**
+ * Holds `record` to where this agent puts a VM's files, before anything is opened, chowned or
+ * deleted on its word: its id is its directory's name and a VM id; its data dir and tmpfs root
+ * are this agent's; its disk, RAM file and state file are registered in the chain store and lie,
+ * with no symlink on the way (their realpath is themselves), under the disks directory, the tmpfs
+ * root and the suspended-states directory. A record failing any of these is `vm_record_invalid`
+ * naming the first that failed (the VM is lost; nothing outside its directory is touched).
+ */
+export async function checkVmRecord(record: VmRecord, at: VmRecordPlaces): Promise<Result<VmRecord>> {
+  const id = basename(at.dir);
+  if (record.vmId !== id || !VM_ID_PATTERN.test(record.vmId))
+    return fail(invalid(`the record of ${id} names VM ${JSON.stringify(record.vmId)}`));
+  if (record.shape.dataDir !== at.stateDir || record.shape.shmRoot !== at.shmRoot)
+    return fail(invalid(`the record of ${id} names another data dir or tmpfs root`));
+  const places: [string, string | undefined, string][] = [
+    ["disk", record.disk, join(at.stateDir, "storage", "disks")],
+    ["RAM file", record.memPath, at.shmRoot],
+    ["state file", record.suspendState, join(at.stateDir, "storage", "suspended")],
+  ];
+  for (const [what, path, root] of places) {
+    if (path === undefined) continue;
+    // Symlinks above the root are the operator's (a state dir on a linked volume); none below it.
+    const [real, realRoot] = await Promise.all(
+      [realpath(path), realpath(root)].map((p) => p.catch(() => "")),
+    );
+    const resolved =
+      path.startsWith(`${root}/`) && real !== "" && real === realRoot + path.slice(root.length);
+    if (!resolved || at.chain.get(path) === undefined)
+      return fail(
+        invalid(
+          `the record of ${id} names ${path} as its ${what}: not a file of this agent's under ${root} (a symlink, elsewhere, missing or not in its chain store)`,
+        ),
+      );
+  }
+  return ok(record);
 }

@@ -30,7 +30,7 @@ import { openChainStore } from "../storage/chain.ts";
 import { createOverlayOn, virtualSize } from "../storage/qcow2.ts";
 import { DEFAULT_VM_HOST, type VmHostSettings } from "../vm/host-settings.ts";
 import { claimVm } from "../vm/process.ts";
-import { createVmDir, vmsRoot } from "../vm/workdir.ts";
+import { createVmDir, removeVmDir, vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { digZeroHoles } from "./sparse.ts";
 import {
@@ -270,7 +270,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     guest = undefined;
     await vm.kill();
     vm = undefined;
-    await rm(vmDir, { recursive: true, force: true });
+    await removeVmDir(vmDir);
     await chmod(meta.disk, 0o444);
     // The guest zeroed more pages than it kept data in; with the QEMU that wrote the file gone,
     // its zero pages go back to holes (sparse.ts): only pages with data cost host memory.
@@ -296,7 +296,7 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     const e = asSnapshotError(err, "template_build_failed", `building template ${id} failed`);
     guest?.close();
     await vm?.kill();
-    await rm(vmDir, { recursive: true, force: true });
+    await removeVmDir(vmDir);
     await Promise.all([meta.disk, meta.statePath, meta.memPath].map((p) => rm(p, { force: true })));
     meta.state = "failed";
     meta.error = { code: e.code, message: e.message, ...(e.details ? { details: e.details } : {}) };

@@ -19,6 +19,7 @@ import {
   GuestError,
   type GuestTunnel,
 } from "../guest/client.ts";
+import { backingChain } from "../qemu/jail-setup.ts";
 import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { openChainStore } from "../storage/chain.ts";
@@ -235,6 +236,27 @@ export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
 }
 
 /**
+ * What the disk of `vm` may be backed by, from the agent's records, not from the overlays'
+ * headers (a jail that had an overlay could have rewritten its header): the overlays the chain
+ * store lists as its dependencies, down the chain, and the image's base disk with the files its
+ * own header names (the image store's, never a jail's). Undefined for a disk the chain store does
+ * not hold (a fork's transient point VM, whose disk the fork made a moment ago): its jail takes
+ * the chain from the headers.
+ */
+async function recordedBacking(vm: SandboxVm): Promise<Set<string> | undefined> {
+  const chain = await openChainStore(vm.shape.dataDir);
+  if (chain.get(vm.disk) === undefined) return undefined;
+  const out = new Set<string>([vm.shape.baseDisk, ...(await backingChain(vm.shape.baseDisk)).files]);
+  const todo = [...(chain.get(vm.disk)?.deps ?? [])];
+  for (let f = todo.pop(); f !== undefined; f = todo.pop()) {
+    if (out.has(f)) continue;
+    out.add(f);
+    todo.push(...(chain.get(f)?.deps ?? []));
+  }
+  return out;
+}
+
+/**
  * The first half of a restore, which depends on nothing but the VM's shape, disk and RAM file: its
  * directory, QEMU started in its jail with `-incoming defer -S`, QMP connected, the console drain
  * ready, the owner record written and the migration capabilities set. A spawn from a
@@ -249,7 +271,9 @@ export async function launchRestoreTarget(
   await createVmDir(s.dataDir, vm.id);
   let proc: VmProcess | undefined;
   try {
+    const backing = await recordedBacking(vm);
     proc = await launchVm({
+      ...(backing ? { backing } : {}),
       dir: vm.dir,
       artifacts: s.artifacts,
       disk: vm.disk,

@@ -1,4 +1,3 @@
-import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
@@ -10,7 +9,7 @@ import { launchVm, type VmProcess } from "../qemu/launch.ts";
 import { createOverlayOn } from "../storage/qcow2.ts";
 import { newVmId } from "./ids.ts";
 import { claimVm } from "./process.ts";
-import { createVmDir } from "./workdir.ts";
+import { createVmDir, removeVmDir } from "./workdir.ts";
 
 export interface BootOptions {
   dataDir: string;
@@ -53,7 +52,7 @@ export async function bootVm(opts: BootOptions): Promise<BootedVm> {
   const destroy = async () => {
     guest?.close();
     if (vm) await vm.kill();
-    await rm(dir, { recursive: true, force: true });
+    await removeVmDir(dir);
   };
   try {
     const disk = join(dir, "disk.qcow2");

@@ -23,6 +23,7 @@ import {
   recordedQemuPid,
   waitGone,
 } from "./process.ts";
+import { vmRecordsDir } from "./records-dir.ts";
 
 /**
  * No QEMU here: a "QEMU" is bash run through a symlink named qemu-system-test (so its argv[0] is
@@ -181,12 +182,18 @@ describe("owner.json and the recorded pid", () => {
     expect(await readOwner(dir)).toMatchObject({ ownerPid: process.pid, qemuPid: 4343 });
     expect(await recordedQemuPid(dir)).toBe(4343);
     expect(ownedByAnotherLiveAgent(await readOwner(dir))).toBe(false);
+    // The record is the agent's, out of the VM directory (which the VM's jail writes): one there
+    // is not read.
+    expect(existsSync(join(dir, "owner.json"))).toBe(false);
+    writeFileSync(join(dir, "owner.json"), JSON.stringify({ ownerPid: 1, qemuPid: 1 }));
+    expect(await readOwner(dir)).toMatchObject({ ownerPid: process.pid, qemuPid: 4343 });
     // A record of a dead agent, and records that name no pid we could trust.
-    writeFileSync(join(dir, "owner.json"), JSON.stringify({ ownerPid: 999_999_999 }));
+    const owner = join(vmRecordsDir(dir), "owner.json");
+    writeFileSync(owner, JSON.stringify({ ownerPid: 999_999_999 }));
     expect(ownedByAnotherLiveAgent(await readOwner(dir))).toBe(false);
-    writeFileSync(join(dir, "owner.json"), JSON.stringify({ ownerPid: 0, qemuPid: -1 }));
+    writeFileSync(owner, JSON.stringify({ ownerPid: 0, qemuPid: -1 }));
     expect(await readOwner(dir)).toBeUndefined();
-    writeFileSync(join(dir, "owner.json"), '{"ownerPid":');
+    writeFileSync(owner, '{"ownerPid":');
     expect(await readOwner(dir)).toBeUndefined();
     writeFileSync(join(dir, "qemu.hostpid"), "12abc");
     expect(await recordedQemuPid(dir)).toBeUndefined();

@@ -16,15 +16,15 @@
  * client; nothing from the sandbox layer.
  */
 
-import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
-import { readdir, readFile, rename, writeFile } from "node:fs/promises";
-import { basename, join } from "node:path";
+import { readdir, readFile } from "node:fs/promises";
+import { basename } from "node:path";
 import { z } from "zod";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { releaseJail } from "../qemu/jail-setup.ts";
 import { type VmExit, type VmProcess, vmPaths, vmProcess } from "../qemu/launch.ts";
 import { QmpClient } from "../qemu/qmp/client.ts";
+import { readVmRecordFile, writeVmRecordFile } from "./records-dir.ts";
 
 /** How long a SIGKILLed QEMU may take to disappear: it exits within milliseconds. */
 const KILL_WAIT_MS = 5_000;
@@ -40,8 +40,11 @@ const POLL_MS = 10;
 // ---- owner.json --------------------------------------------------------------------------------
 
 /**
- * `<vm dir>/owner.json`: the agent process that owns the VM and, once it runs, its QEMU's pid,
- * so a later agent can tell a live owner's VMs from a dead one's and find the QEMU to kill.
+ * `owner.json` among the VM's records (records-dir.ts, out of its jail's reach): the agent process
+ * that owns the VM and, once it runs, its QEMU's pid, so a later agent can tell a live owner's VMs
+ * from a dead one's and find the QEMU to kill. An `owner.json` in the VM directory itself (where
+ * an older agent wrote it) is not read: the jail could have written it (a pid 1 owner keeps the
+ * directory from ever being reaped).
  */
 const VmOwner = z.object({
   ownerPid: z.int().positive(),
@@ -58,7 +61,9 @@ const OWNER_FILE = "owner.json";
 /** The owner record of `dir`; undefined when missing, torn or not one of ours. */
 export async function readOwner(dir: string): Promise<VmOwner | undefined> {
   try {
-    const r = VmOwner.safeParse(JSON.parse(await readFile(join(dir, OWNER_FILE), "utf8")));
+    const text = await readVmRecordFile(dir, OWNER_FILE);
+    if (text === undefined) return undefined;
+    const r = VmOwner.safeParse(JSON.parse(text));
     return r.success ? r.data : undefined;
   } catch {
     return undefined;
@@ -74,11 +79,7 @@ export async function claimVm(dir: string, qemuPid?: number, jailUid?: number): 
   if (qemuPid !== undefined) owner.qemuPid = qemuPid;
   const uid = jailUid ?? (qemuPid === undefined ? undefined : (await readOwner(dir))?.jailUid);
   if (uid !== undefined) owner.jailUid = uid;
-  // The directory belongs to the VM's jailed QEMU, which could plant a symlink at any name: a new
-  // file made exclusively ("wx" never follows one) and renamed over the record.
-  const tmp = join(dir, `.${OWNER_FILE}.${randomBytes(6).toString("hex")}`);
-  await writeFile(tmp, JSON.stringify(owner), { flag: "wx", mode: 0o644 });
-  await rename(tmp, join(dir, OWNER_FILE));
+  await writeVmRecordFile(dir, OWNER_FILE, JSON.stringify(owner));
 }
 
 /**

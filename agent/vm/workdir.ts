@@ -1,9 +1,10 @@
 import { existsSync } from "node:fs";
 import { mkdir, readdir, rm } from "node:fs/promises";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import { sweepCgroups } from "../qemu/cgroup.ts";
 import { DEFAULT_UID_RANGE, sweepUidLocks, type UidRange } from "../qemu/uids.ts";
 import { claimVm, killRecordedQemu, ownedByAnotherLiveAgent, readOwner, type VmOwner } from "./process.ts";
+import { removeVmRecords, vmRecordsDir } from "./records-dir.ts";
 
 /**
  * Every VM owns exactly one directory under `<dataDir>/vms/<id>`: its QMP and agent sockets,
@@ -18,10 +19,12 @@ export function vmsRoot(dataDir: string): string {
 
 /**
  * Removes a VM directory and everything in it (its jail's root is a deep tree of mount points),
+ * and its records (records-dir.ts),
  * trying again while entries are still there: two removals racing (a failed VM's own cleanup and
  * a destroy) each stop at the first entry the other took.
  */
 export async function removeVmDir(dir: string): Promise<void> {
+  await removeVmRecords(dir);
   for (let i = 0; i < 5; i++) {
     try {
       await rm(dir, { recursive: true, force: true });
@@ -34,6 +37,8 @@ export async function removeVmDir(dir: string): Promise<void> {
 
 export async function createVmDir(dataDir: string, id: string): Promise<string> {
   const dir = join(vmsRoot(dataDir), id);
+  // Root's until its jail is built (agent/qemu/jail-setup.ts gives the jail's group what QEMU
+  // must write there, never the directory itself).
   await mkdir(dir, { recursive: true, mode: 0o700 });
   await claimVm(dir);
   return dir;
@@ -64,6 +69,11 @@ export async function reapVmDirs(
     await killRecordedQemu(dir);
     await removeVmDir(dir);
     reaped.push(id);
+  }
+  // Records whose VM directory is gone (a removal that crashed between the two).
+  const recordsOf = dirname(vmRecordsDir(join(root, "x")));
+  for (const id of await readdir(recordsOf).catch(() => [] as string[])) {
+    if (!existsSync(join(root, id))) await removeVmRecords(join(root, id));
   }
   // What jails of crashed agents left on the host (their cgroups and uid locks), once no process
   // is in them: killRecordedQemu above frees those of the directories it reaped.

@@ -82,7 +82,7 @@ async function pooled(mgr: SandboxManager): Promise<{ id: string; uid: number }>
   const ids = vmIds().filter((id) => !live.has(id));
   expect(ids).toHaveLength(1);
   const id = ids[0]!;
-  const owner = JSON.parse(readFileSync(join(stateDir, "vms", id, "owner.json"), "utf8")) as {
+  const owner = JSON.parse(readFileSync(join(stateDir, "records", "vms", id, "owner.json"), "utf8")) as {
     jailUid?: number;
   };
   expect(owner.jailUid).toBeGreaterThan(0);
@@ -167,7 +167,7 @@ describe("pre-launched QEMUs with real VMs", () => {
       await crashed.restoreTemplate(TEMPLATE, m.templates.ready(TEMPLATE).prepared);
       await crashed.prelaunch(TEMPLATE, "vm-crashed0000000", { vcpus: 1, memMib: 256 });
       const owner = JSON.parse(
-        readFileSync(join(stateDir, "vms", "vm-crashed0000000", "owner.json"), "utf8"),
+        readFileSync(join(stateDir, "records", "vms", "vm-crashed0000000", "owner.json"), "utf8"),
       ) as {
         jailUid: number;
       };

@@ -1,4 +1,5 @@
 import { createConnection, type Socket } from "node:net";
+import { socketAt } from "../../host/socket-path.ts";
 import {
   QmpCommandError,
   QmpDisconnectedError,
@@ -133,6 +134,9 @@ export class QmpClient {
       const remaining = deadline - Date.now();
       if (remaining <= 0) throw new QmpTimeoutError("connect", opts.timeoutMs, "connection");
       let attempt: { socket: Socket; greeting: QmpGreeting; splitter: LineSplitter } | "retry";
+      const found = socketAt(path);
+      if (found !== "socket" && found !== "missing")
+        throw new QmpDisconnectedError(`QMP socket ${path} is ${found}: not connected to`);
       try {
         attempt = await QmpClient.tryConnect(path, remaining, opts.signal);
       } catch (err) {

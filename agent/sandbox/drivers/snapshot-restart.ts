@@ -10,7 +10,14 @@ import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { GuestClient } from "../../guest/client.ts";
 import type { VmProcess } from "../../qemu/launch.ts";
 import type { Result } from "../../snapshot/errors.ts";
-import { readVmRecord, restoreVm, saveVm, type VmRecord, writeVmRecord } from "../../snapshot/persist.ts";
+import {
+  checkVmRecord,
+  readVmRecord,
+  restoreVm,
+  saveVm,
+  type VmRecord,
+  writeVmRecord,
+} from "../../snapshot/persist.ts";
 import { reclaimSnapshotStorage } from "../../snapshot/recover.ts";
 import { listTemplates, templatesRoot } from "../../snapshot/template.ts";
 import { type SandboxVm, storageDir } from "../../snapshot/vm.ts";
@@ -51,13 +58,21 @@ export function saveRecord(
   return writeVmRecord(sbx.dir, recordOf(sbx, h));
 }
 
-/** The record of `vmId`; an unreadable one is logged (and answered as the error). */
+/**
+ * The record of `vmId`, read and held to this agent's places (`checkVmRecord`); an unreadable or
+ * failing one is logged (and answered as the error).
+ */
 export async function loadRecord(
-  stateDir: string,
+  at: { stateDir: string; shmRoot: string },
   vmId: string,
   log: (msg: string) => void,
 ): Promise<Result<VmRecord | undefined>> {
-  const r = await readVmRecord(join(vmsRoot(stateDir), vmId));
+  const dir = join(vmsRoot(at.stateDir), vmId);
+  const read = await readVmRecord(dir);
+  const r =
+    read.ok && read.value
+      ? await checkVmRecord(read.value, { ...at, dir, chain: await openChainStore(at.stateDir) })
+      : read;
   if (!r.ok) log(`VM ${vmId}: ${r.error.message}`);
   return r;
 }

@@ -308,7 +308,7 @@ export class SnapshotDriver implements SandboxDriver {
   async resume(vmId: string, templateId: string, size: VmSize): Promise<DriverVm> {
     let s = this.suspended.get(vmId);
     if (!s) {
-      const r = await loadRecord(this.stateDir, vmId, this.log);
+      const r = await loadRecord({ stateDir: this.stateDir, shmRoot: this.shmRoot }, vmId, this.log);
       const record = r.ok ? r.value : undefined;
       if (!record?.suspendState)
         throw new SandboxdError(
@@ -404,7 +404,9 @@ export class SnapshotDriver implements SandboxDriver {
     const disk =
       this.live.get(vmId)?.sbx.disk ??
       this.suspended.get(vmId)?.sbx.disk ??
-      (await loadRecord(this.stateDir, vmId, this.log).then((r) => (r.ok ? r.value?.disk : undefined)));
+      (await loadRecord({ stateDir: this.stateDir, shmRoot: this.shmRoot }, vmId, this.log).then((r) =>
+        r.ok ? r.value?.disk : undefined,
+      ));
     return disk ? allocatedBytes(disk) : 0;
   }
 
@@ -412,7 +414,7 @@ export class SnapshotDriver implements SandboxDriver {
 
   async adopt(ref: AdoptRef): Promise<DriverVm> {
     const started = performance.now();
-    const r = await loadRecord(this.stateDir, ref.vmId, this.log);
+    const r = await loadRecord({ stateDir: this.stateDir, shmRoot: this.shmRoot }, ref.vmId, this.log);
     if (!r.ok) throw new SandboxdError("vm_lost", `VM ${ref.vmId}: ${r.error.message}`, { cause: r.error });
     const file = r.value;
     if (!file) throw new SandboxdError("vm_lost", `VM ${ref.vmId} has no ${VM_RECORD_FILE}`);

@@ -12,7 +12,7 @@ import { join } from "node:path";
 import type { ChainStore } from "../../storage/chain.ts";
 import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../../storage/qcow2.ts";
 import { newVmId } from "../../vm/ids.ts";
-import { vmsRoot } from "../../vm/workdir.ts";
+import { removeVmDir, vmsRoot } from "../../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "../errors.ts";
 import { setCapabilities } from "../migrate.ts";
 import { migrationByteCap, saveToFile } from "../stream.ts";
@@ -154,6 +154,6 @@ async function makeForkPoint(
     throw err;
   } finally {
     await point.process?.kill();
-    await rm(point.dir, { recursive: true, force: true });
+    await removeVmDir(point.dir);
   }
 }
