@@ -113,7 +113,15 @@ test(
     // file, readable by their uids (agent/qemu/jail-setup.ts).
     const skeleton = (p: string) => /^vms\/[^/]+\/root(\/|$)/.test(p);
     const boundReadOnly = (p: string) => /^templates\/[^/]+\/disk\.qcow2$/.test(p);
-    const agents = entries.filter(({ p }) => !skeleton(p) && !boundReadOnly(p));
+    // The VM directory itself is root's with the jail's own group (1770, docs/isolation.md): its
+    // QEMU adds its sockets there; the group is that VM's uid alone, not the host's users.
+    const vmDir = (p: string) => /^vms\/[^/]+$/.test(p);
+    const ownVmGroup = entries.filter(({ p }) => vmDir(p));
+    for (const { st } of ownVmGroup) {
+      expect(st.uid).toBe(0);
+      expect(st.mode & 0o7777).toBe(0o1770);
+    }
+    const agents = entries.filter(({ p }) => !skeleton(p) && !boundReadOnly(p) && !vmDir(p));
     const open = agents
       .filter(({ st }) => (st.mode & 0o077) !== 0)
       .map(({ p, st }) => `${p} ${(st.mode & 0o7777).toString(8)}`);
