@@ -34,10 +34,8 @@ function freeGiB(path: string): number {
   return (s.bavail * s.bsize) / 2 ** 30;
 }
 
-export async function doctor(
-  dataDir: string,
-  opts: { build: boolean; machine: MachineSettings },
-): Promise<number> {
+/** QEMU at its minimum version and the host tools the agent runs, each found and answering. */
+function toolChecks(): Check[] {
   const checks: Check[] = [];
   const fixPkgs = "run any `bin/sandboxd` command: it installs missing Debian packages";
 
@@ -70,6 +68,15 @@ export async function doctor(
       fix: `apt-get install ${pkg}`,
     });
   }
+
+  return checks;
+}
+
+export async function doctor(
+  dataDir: string,
+  opts: { build: boolean; machine: MachineSettings },
+): Promise<number> {
+  const checks: Check[] = toolChecks();
 
   let acc: AccelChoice | undefined;
   try {
