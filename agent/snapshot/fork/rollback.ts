@@ -17,12 +17,12 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
   /** The new overlay, never registered, goes with its staging link. */
   const dropNewTop = () => Promise.all([rm(staged, { force: true }), rm(newTop, { force: true })]);
   /**
-   * A parent that runs on keeps the new overlay in its chain if QEMU took it. A parent that is
-   * ended never adopts it: its QEMU's exit may already have released the parent's files, and an
-   * overlay registered after that would outlive the VM.
+   * For a parent that runs on (the only caller): the new overlay joins its chain if QEMU took it.
+   * A parent that is ended never adopts it (dropNewTop): its QEMU's exit may already have
+   * released the parent's files, and an overlay registered after that would outlive the VM.
    */
   const keepOrDropNewTop = async () => {
-    if (run.switched && parent.state !== "dead" && proc.isAlive())
+    if (run.switched)
       await bestEffort(
         log,
         `fork ${forkId}: keeping the parent's new overlay`,
