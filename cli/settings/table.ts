@@ -97,6 +97,22 @@ function refusal(parse: () => unknown): string | undefined {
   }
 }
 
+/** An operator grant of internal ranges (`cidr,...`, none by default), parsed as the fence does. */
+function internalRanges(env: string, flag: string, doc: string): TextSetting {
+  return {
+    env,
+    flag,
+    scope: "agent",
+    reported: false,
+    def: "",
+    defText: "none",
+    rangeText: "cidr,...",
+    unit: "text",
+    check: (v) => refusal(() => parseAllowInternal(v, "an entry")),
+    doc,
+  };
+}
+
 function checkPublicUrl(v: string): string | undefined {
   let u: URL;
   try {
@@ -312,32 +328,18 @@ export const SETTINGS: readonly SettingSpec[] = [
     unit: "choice",
     doc: "the egress of sandboxes created without `egress`: nothing outside (deny) or the internet (allow)",
   },
-  {
-    env: "SANDBOXD_EGRESS_ALLOW_INTERNAL",
-    flag: "egress-allow-internal",
-    scope: "agent",
-    reported: false,
-    def: "",
-    defText: "none",
-    rangeText: "cidr,...",
-    unit: "text",
-    check: (v) => refusal(() => parseAllowInternal(v, "an entry")),
-    doc: "internal ranges (loopback, private, link-local, metadata, the host's own) sandboxes may reach; no other internal address is reachable (registry pulls have their own: SANDBOXD_REGISTRY_ALLOW_INTERNAL)",
-  },
-  {
-    // Its own setting: allowing a private registry for bakes must not open it to every tenant's
-    // code, and a range opened to sandboxes must not become a place bakes pull from.
-    env: "SANDBOXD_REGISTRY_ALLOW_INTERNAL",
-    flag: "registry-allow-internal",
-    scope: "agent",
-    reported: false,
-    def: "",
-    defText: "none",
-    rangeText: "cidr,...",
-    unit: "text",
-    check: (v) => refusal(() => parseAllowInternal(v, "an entry")),
-    doc: "internal ranges registry pulls (bakes) may reach, apart from what sandboxes may reach; no other internal address is reachable by a pull",
-  },
+  internalRanges(
+    "SANDBOXD_EGRESS_ALLOW_INTERNAL",
+    "egress-allow-internal",
+    "internal ranges (loopback, private, link-local, metadata, the host's own) sandboxes may reach; no other internal address is reachable (registry pulls have their own: SANDBOXD_REGISTRY_ALLOW_INTERNAL)",
+  ),
+  // Its own setting: allowing a private registry for bakes must not open it to every tenant's
+  // code, and a range opened to sandboxes must not become a place bakes pull from.
+  internalRanges(
+    "SANDBOXD_REGISTRY_ALLOW_INTERNAL",
+    "registry-allow-internal",
+    "internal ranges registry pulls (bakes) may reach, apart from what sandboxes may reach; no other internal address is reachable by a pull",
+  ),
   {
     env: "SANDBOXD_SHARED_REGISTRIES",
     flag: "shared-registries",
