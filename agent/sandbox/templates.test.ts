@@ -154,7 +154,8 @@ describe("TemplateRegistry phases", () => {
 
     // A deleted queued build never starts.
     for (const id of ["q0", "q1", "q2"]) reg.build(id, { kind: "oci", image: "r.example/x:1" });
-    await until(() => held.has("q1"));
+    // Both slots' builds reach the driver, in no set order (each start awaits its own I/O).
+    await until(() => held.has("q0") && held.has("q1"));
     await reg.delete("q2", false);
     held.get("q0")!.finish();
     held.get("q1")!.finish();
