@@ -7,7 +7,7 @@
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { spawn } from "node:child_process";
-import { chmodSync, lstatSync, readdirSync, readFileSync, statSync } from "node:fs";
+import { chmodSync, lstatSync, readdirSync, readFileSync, type Stats, statSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { join, relative } from "node:path";
 import { JAIL_ENV } from "../../agent/qemu/jail.ts";
@@ -69,12 +69,23 @@ function ppidOf(pid: number): number {
   return Number(m?.[1]);
 }
 
-/** Every path under `dir` (not following links), relative to it. */
-function walk(dir: string, out: string[] = [], root = dir): string[] {
+/**
+ * Every entry under `dir` (not following links), relative to it, with its lstat. The running
+ * agent keeps writing records (a temp file renamed over the old one), so a name may go between
+ * the listing and its lstat: such a name is skipped, not a failure.
+ */
+function walk(dir: string, out: { p: string; st: Stats }[] = [], root = dir): { p: string; st: Stats }[] {
   for (const name of readdirSync(dir)) {
     const p = join(dir, name);
-    out.push(relative(root, p));
-    if (lstatSync(p).isDirectory()) walk(p, out, root);
+    let st: Stats;
+    try {
+      st = lstatSync(p);
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === "ENOENT") continue;
+      throw err;
+    }
+    out.push({ p: relative(root, p), st });
+    if (st.isDirectory()) walk(p, out, root);
   }
   return out;
 }
@@ -107,7 +118,7 @@ test(
   () => {
     expect(statSync(stateDir).mode & 0o777).toBe(0o700);
     expect(logs).toEqual([`data dir ${stateDir} was mode 755: tightened to 700`]);
-    const entries = walk(stateDir).map((p) => ({ p, st: lstatSync(join(stateDir, p)) }));
+    const entries = walk(stateDir);
     // The jail's skeleton (empty mount points and merged-usr links, inside the VM's own 0700
     // directory) is 0755 for QEMU to walk; a template's disk is every child's read-only backing
     // file, readable by their uids (agent/qemu/jail-setup.ts).
