@@ -95,6 +95,7 @@ export async function openAgentManager(
     registry: {
       ...registryConfigFromEnv(settings.registry),
       checkDestination: fencedRegistry(registryFence),
+      fence: registryFence,
     },
     imageCacheBytes: settings.imageCacheBytes,
     accelSetting: settings.accel,

@@ -4,6 +4,10 @@
  *
  *   parse the reference (contracts/image-ref.ts: no option injection, no schemes)
  *   -> the registry's address through the egress fence (RegistryConfig.checkDestination)
+ *   -> a pull proxy (pull-proxy.ts) on a unix socket in the pull's work dir: skopeo runs in a
+ *      network namespace with no route out (skopeo.ts), and every connection it makes (the
+ *      registry, each redirect, the token realm) goes through the proxy, which checks it with the
+ *      same fence (RegistryConfig.fence) and connects to the checked address
  *   -> skopeo inspect --raw    with THIS bake's credentials, every time, also for a digest:
  *                              the registry authorizes the caller for the repository and
  *                              serves the manifest, whose hash we check against the digest
@@ -49,16 +53,18 @@ import { DEFAULT_DISK_RESERVE_BYTES, needFreeSpace } from "../../contracts/disk-
 import { SandboxdError } from "../../contracts/errors.ts";
 import { type ImageReference, ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { touchEntry } from "./evict.ts";
+import { type PullProxy, proxyRefusal, startPullProxy } from "./pull-proxy.ts";
 import {
   DEFAULT_MAX_PULL_BYTES,
   DEFAULT_REGISTRY,
+  isLoopbackHost,
   isSharedRegistry,
   type RegistryAuth,
   type RegistryConfig,
   registryAddress,
   registryTlsVerify,
 } from "./registry.ts";
-import { pullError, runSkopeo } from "./skopeo.ts";
+import { type PullRoute, pullError, runSkopeo as runSkopeoDirect } from "./skopeo.ts";
 
 export {
   DEFAULT_MAX_PULL_BYTES,
@@ -137,9 +143,21 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
   await mkdir(tmpRoot, { recursive: true, mode: 0o700 });
   const work = join(tmpRoot, `pull-${randomBytes(6).toString("hex")}`);
   await mkdir(work, { mode: 0o700 });
+  let proxy: PullProxy | undefined;
   try {
+    proxy = await startPullProxy({
+      socket: proxySocket(work),
+      ...(o.registry.fence ? { fence: o.registry.fence } : {}),
+      log,
+    });
+    const { host, port } = registryAddress(ref);
+    const route: PullRoute = {
+      socket: proxy.socket,
+      tunnels: ref.host && isLoopbackHost(host) ? [`${host.includes(":") ? `[${host}]` : host}:${port}`] : [],
+    };
+    const fenced = withRoute(proxy, route);
     const common = await commonArgs(ref, o, work);
-    const { digest, raw } = await authorizedDigest(ref, common, o, work, log);
+    const { digest, raw } = await authorizedDigest(ref, common, o, work, log, fenced);
     const root = join(resolve(o.cacheDir), "images", "pulled");
     const layout = join(root, pulledKey(ref.name, digest));
     if (await isLayout(layout)) {
@@ -148,7 +166,7 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
       return { layout, digest, cached: true, pullMs: performance.now() - t0 };
     }
     // Sized before a blob is fetched: over the cap is refused, short of disk is 507.
-    const bytes = await declaredImageBytes(ref, raw, common, o, work, log);
+    const bytes = await declaredImageBytes(ref, raw, common, o, work, log, fenced);
     const cap = o.registry.maxPullBytes ?? DEFAULT_MAX_PULL_BYTES;
     if (bytes > cap)
       throw pullError(
@@ -164,7 +182,7 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
     );
     await mkdir(root, { recursive: true });
     const dest = join(work, "layout");
-    await runSkopeo(
+    await fenced(
       [
         "copy",
         "--quiet",
@@ -190,8 +208,35 @@ export async function pullImage(o: PullOptions): Promise<PulledImage> {
     log(`image: pulled ${ref.canonical} (${digest}) in ${pullMs.toFixed(0)} ms`);
     return { layout, digest, cached: false, pullMs };
   } finally {
+    await proxy?.close();
     await rm(work, { recursive: true, force: true });
   }
+}
+
+/** The proxy's socket; a unix socket path is at most 107 bytes, so a deep cache dir is refused. */
+function proxySocket(work: string): string {
+  const socket = join(work, "proxy.sock");
+  if (Buffer.byteLength(socket) > 107)
+    throw new SandboxdError("internal", `the pull proxy's socket path ${socket} is over 107 bytes`);
+  return socket;
+}
+
+type RunSkopeo = typeof runSkopeoDirect;
+
+/**
+ * skopeo through `proxy` (in its namespace); a failure after the proxy refused a destination is
+ * `registry_forbidden` whatever skopeo made of the 403, with the fence's words in the cause.
+ */
+function withRoute(proxy: PullProxy, route: PullRoute): RunSkopeo {
+  return async (args, o, log) => {
+    try {
+      return await runSkopeoDirect(args, { ...o, route }, log);
+    } catch (err) {
+      if (proxy.refused.length > 0 && !(err instanceof SandboxdError && err.code === "gone"))
+        throw proxyRefusal(o.what, proxy.refused, err);
+      throw err;
+    }
+  };
 }
 
 async function checkRegistryAddress(ref: ImageReference, cfg: RegistryConfig): Promise<void> {
@@ -245,11 +290,12 @@ async function authorizedDigest(
   o: PullOptions,
   work: string,
   log: (m: string) => void,
+  run: RunSkopeo,
 ): Promise<{ digest: string; raw: Buffer }> {
   // `--raw`: only the manifest (or multi-platform index) is fetched, no config blob; its digest
   // is the hash of those exact bytes, what the registry serves it by.
   const what = `looking up ${ref.canonical}`;
-  const raw = await runSkopeo(
+  const raw = await run(
     [
       "inspect",
       "--raw",
@@ -310,11 +356,12 @@ async function declaredImageBytes(
   o: PullOptions,
   work: string,
   log: (m: string) => void,
+  run: RunSkopeo,
 ): Promise<number> {
   const first = manifestSize(raw);
   if ("bytes" in first) return first.bytes;
   const what = `looking up ${ref.canonical}`;
-  const inner = await runSkopeo(
+  const inner = await run(
     [
       "inspect",
       "--raw",

@@ -8,6 +8,7 @@ import { resolve } from "node:path";
 import { bytesSetting } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { ImageReference } from "../../contracts/image-ref.ts";
+import type { ProxyFence } from "./pull-proxy.ts";
 
 /** Refuses (throws) a registry address the egress fence does not allow; resolves otherwise. */
 export type DestinationCheck = (host: string, port: number) => void | Promise<void>;
@@ -21,6 +22,11 @@ export interface RegistryConfig {
   sharedRegistries?: string[];
   /** The egress fence for registry addresses; absent: no check (tests of the pull alone). */
   checkDestination?: DestinationCheck;
+  /**
+   * The same fence for EVERY connection skopeo makes (pull-proxy.ts: the registry, each redirect,
+   * the token realm), resolved once and pinned; absent: any address (tests of the pull alone).
+   */
+  fence?: ProxyFence;
   /** Largest image a pull may copy, bytes as its manifest declares them; absent: the default. */
   maxPullBytes?: number;
 }

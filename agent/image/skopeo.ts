@@ -2,7 +2,12 @@
  * skopeo run for a pull (pull.ts) with a deadline and the caller's abort signal, and its failures
  * as tenant-safe pull errors: a stable `details.reason` and a short text that never quotes skopeo,
  * whose words stay in the ToolError kept as `cause` for the agent's log.
+ *
+ * With a pull proxy (pull-proxy.ts), skopeo runs in a network namespace of its own
+ * (`unshare --net`): `lo` is its only interface, so it has no route to any address; the one way
+ * out is the proxy's unix socket, reached through pull-forwarder.ts (run by the agent's own Bun).
  */
+import { fileURLToPath } from "node:url";
 import { asNoSpace, isNoSpace } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { runTool, ToolError } from "../host/tool.ts";
@@ -15,18 +20,68 @@ export function pullError(what: string, reason: string, text: string, cause?: un
   });
 }
 
+/** The forwarder script, run by the agent's own Bun inside the namespace. */
+export const FORWARDER = fileURLToPath(new URL("./pull-forwarder.ts", import.meta.url));
+/**
+ * The port the forwarder listens on for HTTP(S)_PROXY, on the namespace's own 127.0.0.1: the
+ * namespace is new, so it is free; a loopback registry tunnelled on the same port moves it by one.
+ */
+export const NAMESPACE_PROXY_PORT = 3128;
+
+/** Where skopeo's connections go: the proxy's unix socket, and a loopback registry to tunnel. */
+export interface PullRoute {
+  socket: string;
+  /** `host:port` of a loopback registry (Go never proxies loopback), e.g. `127.0.0.1:5000`. */
+  tunnels: string[];
+}
+
+/**
+ * argv and environment that run `command` in a fresh network namespace whose only way out is
+ * `route.socket`: `lo` up, the forwarder relaying to the proxy, the proxy variables set.
+ */
+export function inPullNamespace(
+  command: string[],
+  route: PullRoute,
+): { argv: string[]; env: Record<string, string> } {
+  const port = route.tunnels.some((t) => t.endsWith(`:${NAMESPACE_PROXY_PORT}`))
+    ? NAMESPACE_PROXY_PORT + 1
+    : NAMESPACE_PROXY_PORT;
+  const url = `http://127.0.0.1:${port}`;
+  return {
+    argv: [
+      "unshare",
+      "--net",
+      "--",
+      "/bin/sh",
+      "-c",
+      // `lo` comes up first: a new namespace's loopback is down and nothing could listen on it.
+      'ip link set lo up && exec "$@"',
+      "sh",
+      process.execPath,
+      FORWARDER,
+      route.socket,
+      String(port),
+      ...route.tunnels,
+      "--",
+      ...command,
+    ],
+    env: { HTTP_PROXY: url, HTTPS_PROXY: url, http_proxy: url, https_proxy: url, NO_PROXY: "", no_proxy: "" },
+  };
+}
+
 /** Runs skopeo with a deadline and the caller's abort signal; a failure says a tenant-safe reason. */
 export async function runSkopeo(
   args: string[],
-  o: { signal?: AbortSignal; timeoutMs: number; what: string; tmp?: string },
+  o: { signal?: AbortSignal; timeoutMs: number; what: string; tmp?: string; route?: PullRoute },
   log: (m: string) => void,
 ): Promise<Buffer> {
+  const ns = o.route ? inPullNamespace(["skopeo", ...args], o.route) : undefined;
   try {
-    const { stdout } = await runTool(["skopeo", ...args], {
+    const { stdout } = await runTool(ns?.argv ?? ["skopeo", ...args], {
       timeoutMs: o.timeoutMs,
       signal: o.signal,
       // skopeo stages blobs in TMPDIR (/var/tmp otherwise): keep them in the work dir we remove.
-      env: o.tmp ? { TMPDIR: o.tmp } : undefined,
+      env: { ...(o.tmp ? { TMPDIR: o.tmp } : {}), ...ns?.env },
       log: (line) => log(`image: ${line}`),
     });
     return stdout;

@@ -338,7 +338,7 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("bakes of two tenants from a private 
       pullImage({
         reference: `${reg.host}/a/private:1`,
         cacheDir: join(work, "cache-fenced"),
-        registry: { insecureRegistries: [], checkDestination: fencedRegistry(fence) },
+        registry: { insecureRegistries: [], checkDestination: fencedRegistry(fence), fence },
         auth: A,
       });
     const before = reg.log().length;

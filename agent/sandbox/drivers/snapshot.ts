@@ -151,7 +151,11 @@ export class SnapshotDriver implements SandboxDriver {
     this.shmRoot = opts.shmRoot ?? defaultShmRoot(this.stateDir);
     this.defaultSize = opts.defaultSize ?? DEFAULT_SIZE;
     // The agent passes its settings (cli/settings/); without them, the defaults behind the fence.
-    this.registry = opts.registry ?? { ...registryConfigFromEnv({}), checkDestination: fencedRegistry() };
+    this.registry = opts.registry ?? {
+      ...registryConfigFromEnv({}),
+      checkDestination: fencedRegistry(),
+      fence: defaultFence(),
+    };
     this.imageCacheBytes = opts.imageCacheBytes ?? imageCacheBudgetFromEnv({});
     this.host = opts.host ?? DEFAULT_VM_HOST;
     this.templates = new SnapshotTemplates({
