@@ -62,21 +62,35 @@ export interface JailSettings {
 
 export const DEFAULT_JAIL: JailSettings = { uidRange: DEFAULT_UID_RANGE, unshare: UNSHARE };
 
+/** qcow2's incompatible feature bit for an external data file (header v3, bytes 72..79). */
+const QCOW2_INCOMPAT_DATA_FILE = 1n << 2n;
+
 /**
  * The backing files of the qcow2 image `path`, nearest first, read from the images' headers
  * (magic, then the backing name's offset and length); relative names resolve against the image's
  * directory, as QEMU resolves them.
+ *
+ * With `allowed` (what the agent's records say the chain is), a name outside it ends the walk
+ * unopened: it is the last entry of `files`, for the caller to refuse. A header names it, and a
+ * jail that held the image could have written that: opening it as root (a FIFO blocks, a device
+ * acts, a file's atime moves) would already be following it. A header that asks for an external
+ * data file (a second path QEMU would open) is refused the same way.
  */
-export async function backingChain(path: string): Promise<{ files: string[]; virtualSize: number }> {
+export async function backingChain(
+  path: string,
+  allowed?: ReadonlySet<string>,
+): Promise<{ files: string[]; virtualSize: number; foreign?: string }> {
   const files: string[] = [];
   let cur = path;
   let virtualSize = 0;
   for (let depth = 0; depth < 64; depth++) {
     const fh = await open(cur, "r");
     try {
-      const hdr = Buffer.alloc(32);
-      await fh.read(hdr, 0, 32, 0);
+      const hdr = Buffer.alloc(80);
+      await fh.read(hdr, 0, 80, 0);
       if (hdr.readUInt32BE(0) !== 0x514649fb) break; // not qcow2: a raw image has no backing file
+      if (hdr.readUInt32BE(4) >= 3 && (hdr.readBigUInt64BE(72) & QCOW2_INCOMPAT_DATA_FILE) !== 0n)
+        return { files, virtualSize, foreign: `${cur} (an external data file)` };
       if (depth === 0) virtualSize = Number(hdr.readBigUInt64BE(24));
       const off = Number(hdr.readBigUInt64BE(8));
       const len = hdr.readUInt32BE(16);
@@ -85,6 +99,7 @@ export async function backingChain(path: string): Promise<{ files: string[]; vir
       await fh.read(name, 0, len, off);
       cur = resolve(dirname(cur), name.toString("utf8"));
       files.push(cur);
+      if (allowed && !allowed.has(cur)) return { files, virtualSize, foreign: cur };
     } finally {
       await fh.close();
     }
@@ -140,7 +155,9 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
   // waited for, so a failure undoes what the others made.
   const settled = await Promise.allSettled([
     allocateUid(i.dir, jail.uidRange),
-    i.disk ? backingChain(i.disk) : Promise.resolve({ files: [], virtualSize: 0 }),
+    i.disk
+      ? backingChain(i.disk, i.backing)
+      : Promise.resolve({ files: [], virtualSize: 0, foreign: undefined }),
     createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus, !i.kvm)),
     readdir(i.dir),
   ] as const);
@@ -153,9 +170,8 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     if (cgR.status === "rejected") throw cgR.reason;
     if (namesR.status === "rejected") throw namesR.reason;
     const chain = chainR.value;
-    const foreign = i.backing ? chain.files.filter((f) => !i.backing?.has(f)) : [];
-    if (foreign.length > 0)
-      throw new JailError(`${i.disk}'s image headers name ${foreign.join(", ")}, which its records do not`);
+    if (chain.foreign !== undefined)
+      throw new JailError(`${i.disk}'s image headers name ${chain.foreign}, which its records do not`);
     const cg = cgR.value;
     // The directory stays root's; the jail's group may add names to it (QEMU makes its sockets
     // and pid file there) and, the sticky bit, remove or rename only what its uid made: the

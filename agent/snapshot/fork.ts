@@ -22,7 +22,13 @@ import { openChainStore } from "../storage/chain.ts";
 import { MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
 import { DEFAULT_VM_HOST } from "../vm/host-settings.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
-import { adoptNewTop, collapseParentChain, removeStagedLinks, stageNewOverlay } from "./fork/chain.ts";
+import {
+  adoptNewTop,
+  checkedChain,
+  collapseParentChain,
+  removeStagedLinks,
+  stageNewOverlay,
+} from "./fork/chain.ts";
 import { startChildren } from "./fork/children.ts";
 import { copyParentMemory, type ForkRun, watchStall } from "./fork/copy.ts";
 import { rollBackFork } from "./fork/rollback.ts";
@@ -119,8 +125,18 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   if (bad) return fail(bad);
   const proc = parent.process;
   if (!proc) return fail(new SnapshotError("invalid_state", `VM ${parent.id} has no QEMU`));
+  const chain = await openChainStore(parent.shape.dataDir);
+  // Before anything is made on it: the parent's own chain, as its headers say, is its records'.
+  // A header that disagrees refuses the fork; the parent runs on (its jail never had that file).
+  const disagrees = await checkedChain(chain, parent.disk, parent.shape.baseDisk).then(
+    () => undefined,
+    (err: unknown) => asSnapshotError(err, "fork_failed", `forking VM ${parent.id} failed`),
+  );
+  if (disagrees) {
+    parent.enter("running");
+    return fail(disagrees);
+  }
   const s = parent.shape;
-  const chain = await openChainStore(s.dataDir);
   const run = newForkRun(parent, proc, method, log);
   const { forkId, newTop } = run;
   const disks = storageDir(s.dataDir);

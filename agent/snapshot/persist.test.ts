@@ -9,7 +9,7 @@ import {
   writeFileSync,
 } from "node:fs";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import type { ImageConfig } from "../image/import.ts";
 import { openChainStore } from "../storage/chain.ts";
 import { vmRecordsDir } from "../vm/records-dir.ts";
@@ -169,8 +169,24 @@ describe("a record is not taken on its word", () => {
     const chain = await openChainStore(root);
     await chain.add(mem, { kind: "ram", holder: `vm:${id}` });
     await chain.add(disk, { kind: "overlay", holder: `vm:${id}` });
-    const at = { dir, stateDir: root, shmRoot: shape.shmRoot, chain };
-    const good = saveVm(new SandboxVm(id, dir, shape, disk, mem), notes);
+    // The image store and the artifacts, as the agent lays them out under its cache dir.
+    const cache = join(root, "cache");
+    const imagesRoot = join(cache, "images");
+    const guestRoot = join(cache, "guest");
+    const baseDisk = join(imagesRoot, "ab".repeat(32), "rootfs.qcow2");
+    const kernelDir = join(guestRoot, "key-1");
+    for (const d of [dirname(baseDisk), kernelDir]) mkdirSync(d, { recursive: true });
+    for (const f of [baseDisk, join(kernelDir, "vmlinux"), join(kernelDir, "initramfs.cpio.gz")])
+      writeFileSync(f, "");
+    const artifacts = {
+      vmlinux: join(kernelDir, "vmlinux"),
+      initramfs: join(kernelDir, "initramfs.cpio.gz"),
+      kernelVersion: "6.1",
+      key: "key-1",
+    };
+    const placed = { ...shape, baseDisk, artifacts };
+    const at = { dir, stateDir: root, shmRoot: shape.shmRoot, chain, imagesRoot, guestRoot };
+    const good = saveVm(new SandboxVm(id, dir, placed, disk, mem), notes);
     const why = async (r: VmRecord) => {
       const c = await checkVmRecord(r, at);
       return c.ok ? "ok" : c.error.message;
@@ -186,5 +202,27 @@ describe("a record is not taken on its word", () => {
     expect(await why({ ...good, disk: link })).toContain("as its disk");
     expect(await why({ ...good, suspendState: join(disks, `${id}.qcow2`) })).toContain("as its state file");
     expect(await why({ ...good, shape: { ...good.shape, dataDir: "/" } })).toContain("another data dir");
+    // The paths the jail is built from: base disk, kernel, initramfs.
+    const withShape = (sh: Partial<VmShape>) => why({ ...good, shape: { ...good.shape, ...sh } });
+    expect(await withShape({ baseDisk: "/etc/passwd" })).toContain("/etc/passwd as its base disk");
+    const otherImage = join(imagesRoot, "cd".repeat(32), "other.img");
+    mkdirSync(dirname(otherImage), { recursive: true });
+    writeFileSync(otherImage, "");
+    expect(await withShape({ baseDisk: otherImage })).toContain("as its base disk");
+    const linkedImage = join(imagesRoot, "ef".repeat(32));
+    symlinkSync("/etc", linkedImage);
+    expect(await withShape({ baseDisk: join(linkedImage, "rootfs.qcow2") })).toContain("as its base disk");
+    expect(await withShape({ artifacts: { ...artifacts, vmlinux: "/etc/passwd" } })).toContain(
+      "/etc/passwd as its kernel",
+    );
+    const wrongKey = { ...artifacts, key: "key-2" };
+    expect(await withShape({ artifacts: wrongKey })).toContain("as its kernel");
+    const climbing = { ...artifacts, initramfs: join(guestRoot, "..", "images", "x"), key: ".." };
+    expect(await withShape({ artifacts: climbing })).toContain("as its kernel");
+    const missing = join(guestRoot, "key-3");
+    const gone = { vmlinux: join(missing, "vmlinux"), initramfs: join(missing, "initramfs.cpio.gz") };
+    expect(await withShape({ artifacts: { ...artifacts, ...gone, key: "key-3" } })).toContain(
+      "as its kernel",
+    );
   });
 });

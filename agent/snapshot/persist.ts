@@ -16,9 +16,10 @@
  */
 import { existsSync } from "node:fs";
 import { realpath } from "node:fs/promises";
-import { basename, join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import { z } from "zod";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
+import { DISK_FILE } from "../image/cache.ts";
 import { StoredImageConfig } from "../image/config.ts";
 import type { ChainStore } from "../storage/chain.ts";
 import { VM_ID_PATTERN } from "../vm/ids.ts";
@@ -165,15 +166,26 @@ export interface VmRecordPlaces {
   shmRoot: string;
   /** The agent's own chain store: every disk, RAM and state file of a VM is registered in it. */
   chain: ChainStore;
+  /** The image store, `<cacheDir>/images`: a base disk is `<imagesRoot>/<hex digest>/rootfs.qcow2`. */
+  imagesRoot: string;
+  /** This agent's guest artifacts' directory, `<cacheDir>/guest`: `<guestRoot>/<key>/vmlinux`. */
+  guestRoot: string;
 }
 
+/** An image store entry's name: the hex of its config digest (image/cache.ts imageDir). */
+const IMAGE_DIR_RE = /^[0-9a-f]{64}$/;
+/** An artifacts key (guest/artifacts.ts): one path component of letters, digits, '.', '_', '-'. */
+const ARTIFACTS_KEY_RE = /^(?!\.\.?$)[A-Za-z0-9._-]+$/;
+
 /**
- * Holds `record` to where this agent puts a VM's files, before anything is opened, chowned or
- * deleted on its word: its id is its directory's name and a VM id; its data dir and tmpfs root
- * are this agent's; its disk, RAM file and state file are registered in the chain store and lie,
- * with no symlink on the way (their realpath is themselves), under the disks directory, the tmpfs
- * root and the suspended-states directory. A record failing any of these is `vm_record_invalid`
- * naming the first that failed (the VM is lost; nothing outside its directory is touched).
+ * Holds `record` to where this agent puts a VM's files, before anything is opened, chowned,
+ * bound into a jail or deleted on its word: its id is its directory's name and a VM id; its data
+ * dir and tmpfs root are this agent's; its disk, RAM file and state file are registered in the
+ * chain store, its base disk is an image store entry's disk and its kernel and initramfs are an
+ * artifacts key's; each lies, with no symlink on the way (its realpath is itself), under the
+ * disks directory, the tmpfs root, the suspended-states directory, the image store and the
+ * artifacts directory. A record failing any of these is `vm_record_invalid` naming the first
+ * that failed (the VM is lost; nothing outside its directory is touched).
  */
 export async function checkVmRecord(record: VmRecord, at: VmRecordPlaces): Promise<Result<VmRecord>> {
   const id = basename(at.dir);
@@ -181,12 +193,32 @@ export async function checkVmRecord(record: VmRecord, at: VmRecordPlaces): Promi
     return fail(invalid(`the record of ${id} names VM ${JSON.stringify(record.vmId)}`));
   if (record.shape.dataDir !== at.stateDir || record.shape.shmRoot !== at.shmRoot)
     return fail(invalid(`the record of ${id} names another data dir or tmpfs root`));
-  const places: [string, string | undefined, string][] = [
-    ["disk", record.disk, join(at.stateDir, "storage", "disks")],
-    ["RAM file", record.memPath, at.shmRoot],
-    ["state file", record.suspendState, join(at.stateDir, "storage", "suspended")],
+  const registered = (p: string) => at.chain.get(p) !== undefined;
+  const { key, vmlinux, initramfs } = record.shape.artifacts;
+  const artifact = (name: string) => (p: string) =>
+    ARTIFACTS_KEY_RE.test(key) && p === join(at.guestRoot, key, name);
+  const places: [string, string | undefined, string, (p: string) => boolean, string][] = [
+    ["disk", record.disk, join(at.stateDir, "storage", "disks"), registered, "in its chain store"],
+    ["RAM file", record.memPath, at.shmRoot, registered, "in its chain store"],
+    [
+      "state file",
+      record.suspendState,
+      join(at.stateDir, "storage", "suspended"),
+      registered,
+      "in its chain store",
+    ],
+    [
+      "base disk",
+      record.shape.baseDisk,
+      at.imagesRoot,
+      (p) =>
+        IMAGE_DIR_RE.test(basename(dirname(p))) && p === join(at.imagesRoot, basename(dirname(p)), DISK_FILE),
+      `an image's ${DISK_FILE}`,
+    ],
+    ["kernel", vmlinux, at.guestRoot, artifact("vmlinux"), `its artifacts key ${key}'s`],
+    ["initramfs", initramfs, at.guestRoot, artifact("initramfs.cpio.gz"), `its artifacts key ${key}'s`],
   ];
-  for (const [what, path, root] of places) {
+  for (const [what, path, root, isOurs, ours] of places) {
     if (path === undefined) continue;
     // Symlinks above the root are the operator's (a state dir on a linked volume); none below it.
     const [real, realRoot] = await Promise.all(
@@ -194,10 +226,10 @@ export async function checkVmRecord(record: VmRecord, at: VmRecordPlaces): Promi
     );
     const resolved =
       path.startsWith(`${root}/`) && real !== "" && real === realRoot + path.slice(root.length);
-    if (!resolved || at.chain.get(path) === undefined)
+    if (!resolved || !isOurs(path))
       return fail(
         invalid(
-          `the record of ${id} names ${path} as its ${what}: not a file of this agent's under ${root} (a symlink, elsewhere, missing or not in its chain store)`,
+          `the record of ${id} names ${path} as its ${what}: not a file of this agent's under ${root} (a symlink, elsewhere, missing or not ${ours})`,
         ),
       );
   }

@@ -22,7 +22,7 @@ import {
 import { backingChain } from "../qemu/jail-setup.ts";
 import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
-import { openChainStore } from "../storage/chain.ts";
+import { type ChainStore, openChainStore } from "../storage/chain.ts";
 import type { VmHostSettings } from "../vm/host-settings.ts";
 import { claimVm } from "../vm/process.ts";
 import { createVmDir, removeVmDir } from "../vm/workdir.ts";
@@ -205,6 +205,11 @@ export interface RestoreArgs {
   /** Keep the guest stopped after the restore (no guest connect, no identity): a fork point. */
   stayPaused?: boolean;
   /**
+   * For a disk the chain store does not hold (a fork point's, made a moment ago on the fork's
+   * base): its backing file, which the store holds. Its chain is taken from there.
+   */
+  base?: string;
+  /**
    * The same machine coming back (resume of a suspended VM): it keeps its boot id. Spawns and
    * fork children are new machines and get a fresh one.
    */
@@ -231,29 +236,47 @@ export interface RestoreTimings {
  */
 export async function restoreInto(a: RestoreArgs): Promise<RestoreTimings> {
   const t0 = performance.now();
-  const proc = await launchRestoreTarget(a.vm, a.mem, a.ignoreShared);
+  const proc = await launchRestoreTarget(a.vm, a.mem, a.ignoreShared, a.base);
   return finishRestore(a, proc, t0, performance.now());
+}
+
+/** Deepest chain walked in the store: far past MAX_CHAIN_DEPTH, a bound on a looping table. */
+const MAX_RECORDED_CHAIN = 64;
+
+/**
+ * The backing chain of `disk` as the agent's chain store has it, nearest first: the overlays
+ * each lists as its dependency, then the image's base disk `baseDisk` (an overlay that lists none
+ * - a template's disk, a flattened or collapsed one - lies on it directly). Undefined for a disk
+ * the store does not hold. Never read from the overlays' headers: a jail that had an overlay
+ * could have rewritten its header.
+ */
+export function recordedChain(chain: ChainStore, disk: string, baseDisk: string): string[] | undefined {
+  if (chain.get(disk) === undefined) return undefined;
+  const out: string[] = [];
+  for (let f = chain.get(disk)?.deps[0]; f !== undefined; f = chain.get(f)?.deps[0]) {
+    if (out.includes(f) || out.length >= MAX_RECORDED_CHAIN)
+      throw new SnapshotError("spawn_failed", `the chain store's chain of ${disk} loops at ${f}`);
+    out.push(f);
+  }
+  out.push(baseDisk);
+  return out;
 }
 
 /**
  * What the disk of `vm` may be backed by, from the agent's records, not from the overlays'
- * headers (a jail that had an overlay could have rewritten its header): the overlays the chain
- * store lists as its dependencies, down the chain, and the image's base disk with the files its
- * own header names (the image store's, never a jail's). Undefined for a disk the chain store does
- * not hold (a fork's transient point VM, whose disk the fork made a moment ago): its jail takes
- * the chain from the headers.
+ * headers: its recorded chain (recordedChain; for a disk the store does not hold, `base` and
+ * base's recorded chain) and the files the base disk's own header names (the image store's,
+ * never a jail's). A disk with neither is refused: its chain could come only from a header.
  */
-async function recordedBacking(vm: SandboxVm): Promise<Set<string> | undefined> {
+async function recordedBacking(vm: SandboxVm, base?: string): Promise<Set<string>> {
   const chain = await openChainStore(vm.shape.dataDir);
-  if (chain.get(vm.disk) === undefined) return undefined;
-  const out = new Set<string>([vm.shape.baseDisk, ...(await backingChain(vm.shape.baseDisk)).files]);
-  const todo = [...(chain.get(vm.disk)?.deps ?? [])];
-  for (let f = todo.pop(); f !== undefined; f = todo.pop()) {
-    if (out.has(f)) continue;
-    out.add(f);
-    todo.push(...(chain.get(f)?.deps ?? []));
-  }
-  return out;
+  const below =
+    recordedChain(chain, vm.disk, vm.shape.baseDisk) ??
+    (base === undefined ? undefined : recordedChain(chain, base, vm.shape.baseDisk));
+  if (below === undefined)
+    throw new SnapshotError("spawn_failed", `${vm.disk} has no chain in the agent's chain store`);
+  const top = chain.get(vm.disk) === undefined && base !== undefined ? [base] : [];
+  return new Set([...top, ...below, ...(await backingChain(vm.shape.baseDisk)).files]);
 }
 
 /**
@@ -266,14 +289,15 @@ export async function launchRestoreTarget(
   vm: SandboxVm,
   mem: MemBackend,
   ignoreShared: boolean,
+  base?: string,
 ): Promise<VmProcess> {
   const s = vm.shape;
   await createVmDir(s.dataDir, vm.id);
   let proc: VmProcess | undefined;
   try {
-    const backing = await recordedBacking(vm);
+    const backing = await recordedBacking(vm, base);
     proc = await launchVm({
-      ...(backing ? { backing } : {}),
+      backing,
       dir: vm.dir,
       artifacts: s.artifacts,
       disk: vm.disk,

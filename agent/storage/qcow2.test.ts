@@ -1,5 +1,5 @@
 import { afterAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdtempSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, readFileSync, rmSync, statSync, utimesSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { StorageError } from "./chain.ts";
@@ -85,7 +85,7 @@ describe("flattenOnto", () => {
     }
     const top = layers[2] as string;
     const out = join(dir, "fl-out.qcow2");
-    await flattenOnto(top, base, out);
+    await flattenOnto(top, [layers[1] as string, layers[0] as string, base], out, 8 * 1024 * 1024);
     expect(info(out)["backing-filename"]).toBe(base);
     expect(holds(out, 0x11, 0, 65536)).toBe(true); // the base's data, through the backing link
     expect(holds(out, 0x20, 65536, 65536)).toBe(true); // the lowest layer: what convert -B lost
@@ -97,5 +97,34 @@ describe("flattenOnto", () => {
     expect(holds(out, 0x22, 3 * 65536, 65536)).toBe(true);
     // The check itself can fail: a wrong pattern is seen.
     expect(holds(out, 0x21, 65536, 65536)).toBe(false);
+  });
+
+  test("follows the chain it is given, never a backing name a layer's header was rewritten to", async () => {
+    const base = join(dir, "hd-base.qcow2");
+    Bun.spawnSync(["qemu-img", "create", "-q", "-f", "qcow2", base, "8M"]);
+    const mid = join(dir, "hd-mid.qcow2");
+    const top = join(dir, "hd-top.qcow2");
+    await createOverlayOn(base, mid);
+    write(mid, 0x44, 65536, 65536);
+    await createOverlayOn(mid, top);
+    // The canary stands for a host file; an atime before its mtime moves on any read (relatime).
+    const canary = join(dir, "hd-canary");
+    writeFileSync(canary, "canary\n");
+    const old = new Date("2001-01-01T00:00:00Z");
+    utimesSync(canary, old, new Date());
+    // What a jail holding `top` can do: rename its backing file in the header.
+    const rebase = ["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", canary, top];
+    expect(Bun.spawnSync(rebase).exitCode).toBe(0);
+    expect(info(top)["backing-filename"]).toBe(canary);
+    const out = join(dir, "hd-out.qcow2");
+    await flattenOnto(top, [mid, base], out, 8 * 1024 * 1024);
+    expect(holds(out, 0x44, 65536, 65536)).toBe(true); // mid's data, as the records say
+    expect(statSync(canary).atimeMs).toBe(old.getTime());
+    expect(readFileSync(canary, "utf8")).toBe("canary\n");
+    // The check can fail: qemu-img left to the header reads the canary (and refuses it).
+    const own = join(dir, "hd-own.qcow2");
+    await createOverlayOn(top, own, 8 * 1024 * 1024);
+    Bun.spawnSync(["qemu-img", "rebase", "-U", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, own]);
+    expect(statSync(canary).atimeMs).not.toBe(old.getTime());
   });
 });

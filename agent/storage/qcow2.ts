@@ -57,7 +57,12 @@ export async function createOverlayOn(backing: string, path: string, sizeBytes?:
 
 /**
  * Copies the data of `top`'s whole chain above `base` into a new image `out` backed directly by
- * `base` (a chain of depth 1). `top` and its chain must be frozen (no writer).
+ * `base` (a chain of depth 1). `top` and its chain must be frozen (no writer). `below` is that
+ * chain, nearest first, ending with `base`, as the agent's records have it: qemu-img is handed
+ * every layer by name (`--image-opts`, one `backing.` level per layer) and never follows a
+ * backing name from a header, which a jail that had a layer could have rewritten; a layer
+ * whose header names another file is read as the records say. `top` itself is never opened
+ * to take its size: `sizeBytes` is the VM's.
  *
  * Not `qemu-img convert -B base`: convert assumes the output's new backing holds what the
  * source's own backing holds, so it copies only the clusters allocated in `top` itself and
@@ -66,9 +71,24 @@ export async function createOverlayOn(backing: string, path: string, sizeBytes?:
  * rebased onto `base` in safe mode: qemu-img compares the old chain with `base` and writes
  * into `out` every cluster where they differ, from all layers.
  */
-export async function flattenOnto(top: string, base: string, out: string): Promise<void> {
-  await createOverlayOn(top, out, await virtualSize(top));
-  await runQemuImg(["rebase", "-U", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, out]);
+export async function flattenOnto(
+  top: string,
+  below: readonly string[],
+  out: string,
+  sizeBytes: number,
+): Promise<void> {
+  const base = below.at(-1);
+  if (base === undefined) throw new StorageError(`flattening ${top}: no base disk`);
+  const layers = [out, top, ...below];
+  if (layers.some((p) => p.includes(",")))
+    throw new StorageError(`image paths may not contain ',': ${layers.join(" ")}`);
+  await createOverlayOn(top, out, sizeBytes);
+  // The base disk (the image store's, never a jail's) keeps its own backing, if any.
+  const opts = layers.map((p, i) => {
+    const at = "backing.".repeat(i);
+    return `${at}driver=qcow2,${at}file.driver=file,${at}file.filename=${p}`;
+  });
+  await runQemuImg(["rebase", "-U", "-q", "--image-opts", "-F", "qcow2", "-b", base, opts.join(",")]);
 }
 
 /** Name of the pristine overlay kept beside a template's disk (see createOverlayFromBlank). */

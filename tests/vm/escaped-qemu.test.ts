@@ -8,12 +8,14 @@
  * directory as its id and canary files as its disk and RAM file, `owner.json` naming pid 1), the
  * chain store's table, a symlink at the console log and one at the QMP socket pointing at a
  * canary socket. Then the agent restarts (a new manager on the same state dir), A is deleted,
- * B is suspended and resumed, and C (whose QMP socket is a symlink) is looked at. The canary
- * directory outside the VM's files must be untouched (same names, content, mode and owner), the
- * canary socket never connected to, and every VM works or is `lost` with a reason.
+ * B is suspended and resumed, D (whose overlay's header names a canary file as its backing file)
+ * is forked, then suspended and resumed, and C (whose QMP socket is a symlink) is looked at. The
+ * canary directory outside the VM's files must be untouched (same names, content, mode and owner,
+ * and the canary file never read: its atime stays), the canary socket never connected to, and
+ * every VM works, or is `lost` or refused with a reason.
  */
 import { afterAll, expect, test } from "bun:test";
-import { existsSync, lstatSync, readdirSync, readFileSync } from "node:fs";
+import { existsSync, lstatSync, readdirSync, readFileSync, statSync, utimesSync } from "node:fs";
 import { chmod, mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { dirname, join, relative } from "node:path";
@@ -122,6 +124,9 @@ test(
       },
     });
     const before = snapshotTree(canary);
+    // An atime before the mtime moves on any read of the file (relatime): it shows an open + read.
+    const untouched = new Date("2001-01-01T00:00:00Z");
+    utimesSync(join(canary, "file"), untouched, new Date());
 
     const m = await managerWithBusybox({ stateDir: sd, cacheDir: TEST_CACHE_DIR, memMib: MEM_MIB });
     const ids: string[] = [];
@@ -231,6 +236,13 @@ test(
       } catch (err) {
         outcome.b = `failed: ${(err as Error).message}; state ${m2.info(b).state}: ${m2.info(b).reason ?? ""}`;
       }
+      // A fork of D builds on its overlay: its header's backing name is held to the records.
+      try {
+        await m2.fork(d, 1);
+        outcome.dFork = "forked";
+      } catch (err) {
+        outcome.dFork = `refused: ${(err as Error).message}; state ${m2.info(d).state}`;
+      }
       try {
         await m2.suspend(d);
         await m2.resume(d);
@@ -245,7 +257,8 @@ test(
           : `${infoC.state}: ${infoC.reason ?? ""}`;
       console.log(`ESCAPED_QEMU_OUTCOME ${JSON.stringify(outcome)}`);
 
-      // Nothing outside the VMs' own files was touched or connected to.
+      // Nothing outside the VMs' own files was touched, read or connected to.
+      expect(statSync(join(canary, "file")).atimeMs).toBe(untouched.getTime());
       expect(snapshotTree(canary)).toEqual(before);
       expect(canaryConnects).toBe(0);
       // The records the agent reads back, and the chain table, were out of the jail uid's reach.
@@ -265,6 +278,9 @@ test(
       // D's header named a file its records do not: its jail was not built around it.
       expect(attempts["D header"]).toBe("ok");
       expect(outcome.d).toContain(`image headers name ${name}, which its records do not`);
+      // Its fork was refused with that reason, before anything was made on the overlay.
+      expect(outcome.dFork).toContain(`image headers name ${name}, which its records do not`);
+      expect(outcome.dFork).toContain("refusing to fork");
     } finally {
       for (const s of m2.list()) await m2.destroy(s.id, { force: true });
       canarySock.stop(true);

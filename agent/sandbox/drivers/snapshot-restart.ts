@@ -16,6 +16,7 @@ import {
   restoreVm,
   saveVm,
   type VmRecord,
+  type VmRecordPlaces,
   writeVmRecord,
 } from "../../snapshot/persist.ts";
 import { reclaimSnapshotStorage } from "../../snapshot/recover.ts";
@@ -63,7 +64,7 @@ export function saveRecord(
  * failing one is logged (and answered as the error).
  */
 export async function loadRecord(
-  at: { stateDir: string; shmRoot: string },
+  at: Omit<VmRecordPlaces, "dir" | "chain">,
   vmId: string,
   log: (msg: string) => void,
 ): Promise<Result<VmRecord | undefined>> {

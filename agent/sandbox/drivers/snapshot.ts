@@ -312,7 +312,7 @@ export class SnapshotDriver implements SandboxDriver {
   async resume(vmId: string, templateId: string, size: VmSize): Promise<DriverVm> {
     let s = this.suspended.get(vmId);
     if (!s) {
-      const r = await loadRecord({ stateDir: this.stateDir, shmRoot: this.shmRoot }, vmId, this.log);
+      const r = await loadRecord(this.recordPlaces(), vmId, this.log);
       const record = r.ok ? r.value : undefined;
       if (!record?.suspendState)
         throw new SandboxdError(
@@ -404,13 +404,21 @@ export class SnapshotDriver implements SandboxDriver {
       .catch((err) => this.log(`vm ${vm.vmId}: handling its QEMU's exit failed: ${describeError(err)}`));
   }
 
+  /** Where this agent keeps a VM's files, what a record read back is held to (checkVmRecord). */
+  private recordPlaces() {
+    return {
+      stateDir: this.stateDir,
+      shmRoot: this.shmRoot,
+      imagesRoot: join(resolve(this.opts.cacheDir), "images"),
+      guestRoot: dirname(dirname(this.artifacts.vmlinux)),
+    };
+  }
+
   async diskBytes(vmId: string): Promise<number> {
     const disk =
       this.live.get(vmId)?.sbx.disk ??
       this.suspended.get(vmId)?.sbx.disk ??
-      (await loadRecord({ stateDir: this.stateDir, shmRoot: this.shmRoot }, vmId, this.log).then((r) =>
-        r.ok ? r.value?.disk : undefined,
-      ));
+      (await loadRecord(this.recordPlaces(), vmId, this.log).then((r) => (r.ok ? r.value?.disk : undefined)));
     return disk ? allocatedBytes(disk) : 0;
   }
 
@@ -418,7 +426,7 @@ export class SnapshotDriver implements SandboxDriver {
 
   async adopt(ref: AdoptRef): Promise<DriverVm> {
     const started = performance.now();
-    const r = await loadRecord({ stateDir: this.stateDir, shmRoot: this.shmRoot }, ref.vmId, this.log);
+    const r = await loadRecord(this.recordPlaces(), ref.vmId, this.log);
     if (!r.ok) throw new SandboxdError("vm_lost", `VM ${ref.vmId}: ${r.error.message}`, { cause: r.error });
     const file = r.value;
     if (!file) throw new SandboxdError("vm_lost", `VM ${ref.vmId} has no ${VM_RECORD_FILE}`);

@@ -6,11 +6,13 @@
 import { chown, link, lstat, mkdir, readdir, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { awaitedLater, ifExists } from "../../../contracts/best-effort.ts";
+import { backingChain } from "../../qemu/jail-setup.ts";
+import type { ChainStore } from "../../storage/chain.ts";
 import { openChainStore } from "../../storage/chain.ts";
-import { createOverlayOn, virtualSize } from "../../storage/qcow2.ts";
+import { createOverlayOn } from "../../storage/qcow2.ts";
 import { SnapshotError } from "../errors.ts";
 import { qmp } from "../migrate.ts";
-import type { SandboxVm } from "../vm.ts";
+import { recordedChain, type SandboxVm } from "../vm.ts";
 import type { ForkRun } from "./copy.ts";
 
 /** Live chain collapse of the parent (block-stream), a few hundred MB at most. */
@@ -29,7 +31,8 @@ export async function stageNewOverlay(run: ForkRun, disks: string): Promise<void
   const { parent, proc, newTop, staged } = run;
   const frozen = parent.disk;
   await mkdir(disks, { recursive: true, mode: 0o700 });
-  await createOverlayOn(frozen, newTop, await virtualSize(frozen));
+  // The VM's size, not the frozen overlay's header (its jail's to rewrite): `-u` opens nothing.
+  await createOverlayOn(frozen, newTop, parent.shape.diskBytes);
   if (proc.jailUid !== undefined) await chown(newTop, proc.jailUid, proc.jailUid);
   await rm(staged, { force: true });
   await link(newTop, staged);
@@ -75,4 +78,27 @@ export async function collapseParentChain(parent: SandboxVm): Promise<void> {
   if (err) throw new SnapshotError("fork_failed", `block-stream failed: ${err}`);
   const chain = await openChainStore(parent.shape.dataDir);
   await chain.setDeps(parent.disk, [], 1);
+}
+
+/**
+ * Holds the headers of `disk`'s backing chain to the chain store's record of it (recordedChain)
+ * before a fork builds on it: the same files in the same order, down to the base disk. A header
+ * that names anything else (its jail's QEMU could have rewritten it) refuses the fork with that
+ * name; the name is never opened (backingChain stops at it). Returns the recorded chain.
+ */
+export async function checkedChain(chain: ChainStore, disk: string, baseDisk: string): Promise<string[]> {
+  const recorded = recordedChain(chain, disk, baseDisk);
+  if (recorded === undefined)
+    throw new SnapshotError("fork_failed", `${disk} is not in the agent's chain store`);
+  // The base disk's own backing files are the image store's, named by its header (never a jail's).
+  const baseOwn = (await backingChain(baseDisk)).files;
+  const headers = await backingChain(disk, new Set([...recorded, ...baseOwn]));
+  const named = headers.foreign ?? headers.files.find((f, i) => i < recorded.length && f !== recorded[i]);
+  const short = headers.foreign === undefined && headers.files.length < recorded.length;
+  if (named !== undefined || short)
+    throw new SnapshotError(
+      "fork_failed",
+      `${disk}'s image headers name ${named ?? "a shorter chain"}, which its records do not (${recorded.join(" <- ")}): refusing to fork it`,
+    );
+  return recorded;
 }

@@ -17,6 +17,7 @@ import { asSnapshotError, fail, ok, type Result, SnapshotError } from "../errors
 import { setCapabilities } from "../migrate.ts";
 import { migrationByteCap, saveToFile } from "../stream.ts";
 import { type RestoreTimings, restoreInto, SandboxVm } from "../vm.ts";
+import { checkedChain } from "./chain.ts";
 import { PRECOPY_TIMEOUT_MS } from "./copy.ts";
 
 export interface ChildrenPlan {
@@ -53,10 +54,12 @@ export async function startChildren(p: ChildrenPlan): Promise<Result<StartedChil
   let forkPointMs = 0;
   try {
     // The children's disk base: the frozen overlay, or a flat copy of it past the bound.
+    // The frozen overlay's header was its jail's to write until a moment ago: held to the records.
+    const below = await checkedChain(chain, frozen, s.baseDisk);
     let childBase = frozen;
     if (chain.depth(frozen) >= MAX_CHAIN_DEPTH) {
       childBase = join(disks, `${forkId}-flat.qcow2`);
-      await flattenOnto(frozen, s.baseDisk, childBase);
+      await flattenOnto(frozen, below, childBase, s.diskBytes);
       await chain.add(childBase, { kind: "overlay", holder: forkHolder, depth: 1 });
     }
 
@@ -138,6 +141,7 @@ async function makeForkPoint(
       statePath: fullState,
       ignoreShared: false,
       stayPaused: true,
+      base: childBase,
     });
     const p = point.process;
     if (!p) throw new SnapshotError("fork_failed", "fork point has no QEMU");
