@@ -3,12 +3,12 @@
 import type { AgentHostApi } from "../contracts/agent/api.ts";
 import type { Db } from "../db/client.ts";
 import type { Placement } from "./agents/placement.ts";
-import type { KeyConnections } from "./auth/key-connections.ts";
+import type { KeyConnection, KeyConnections } from "./auth/key-connections.ts";
 import type { Principal } from "./auth/keys.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { ActivityWriter } from "./core/activity.ts";
 import type { RowCache } from "./core/row-cache.ts";
-import type { OpenRelay, RelayRegistry } from "./relay/registry.ts";
+import type { RelayRegistry } from "./relay/registry.ts";
 import type { Upgrade } from "./runtime/types.ts";
 
 /** Milliseconds since the epoch; injectable so tests control time (rate limiter, idle, usage). */
@@ -48,7 +48,7 @@ export interface Deps {
  * Registers a long-lived connection under the key that opened it (auth/key-connections.ts);
  * returns its removal. Without a registry (`Deps.connections` absent) nothing is held.
  */
-export function holdForKey(deps: Pick<Deps, "connections">, keyId: string, conn: OpenRelay): () => void {
+export function holdForKey(deps: Pick<Deps, "connections">, keyId: string, conn: KeyConnection): () => void {
   return deps.connections ? deps.connections.add(keyId, conn) : () => {};
 }
 

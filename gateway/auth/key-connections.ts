@@ -21,7 +21,6 @@ import { and, inArray, isNull } from "drizzle-orm";
 import { describeError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { apiKeys } from "../../db/schema/api-keys.ts";
-import type { OpenRelay } from "../relay/registry.ts";
 import { KEY_CACHE_TTL_MS } from "./key-cache.ts";
 
 /**
@@ -40,11 +39,17 @@ export const KEY_REVOKED_CLOSE = 1008;
 /** The close reason (and the `error` event's message) a revoked key's connections end with. */
 export const KEY_REVOKED_REASON = "the API key was revoked";
 
+/** A connection held under its key: a relay (gateway/relay/), an event stream (routes/exec-sse.ts). */
+export interface KeyConnection {
+  /** Ends it: a WebSocket closes with `code` and `reason`; a stream ends with an `error` event. */
+  close(code: number, reason: string): void;
+}
+
 /** Keys read per query: a bounded IN list even with many keys connected at once. */
 const CHECK_BATCH = 500;
 
 export class KeyConnections {
-  private readonly open = new Map<string, Set<OpenRelay>>();
+  private readonly open = new Map<string, Set<KeyConnection>>();
   private timer: ReturnType<typeof setInterval> | undefined;
   /** The check in flight, if any; `again` asks for one more after it (a change came meanwhile). */
   private running: Promise<void> | undefined;
@@ -62,7 +67,7 @@ export class KeyConnections {
   ) {}
 
   /** Registers a connection of `keyId`; returns its removal (idempotent). */
-  add(keyId: string, conn: OpenRelay): () => void {
+  add(keyId: string, conn: KeyConnection): () => void {
     let set = this.open.get(keyId);
     if (!set) {
       set = new Set();

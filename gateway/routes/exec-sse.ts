@@ -19,8 +19,8 @@
 import type { ExecResult, ExecStreamOptions } from "../../contracts/agent/api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { streamedAnswer } from "../../contracts/streamed-answer.ts";
+import type { KeyConnection } from "../auth/key-connections.ts";
 import { mapError } from "../errors.ts";
-import type { OpenRelay } from "../relay/registry.ts";
 
 /**
  * Bytes of encoded events the gateway holds for one streamed exec before it stops reading the
@@ -41,7 +41,7 @@ export async function sseExec<R = ExecResult>(
   requestSignal: AbortSignal,
   run: (o: ExecStreamOptions) => Promise<R>,
   exitBody: (r: R) => unknown,
-  hold?: (conn: OpenRelay) => () => void,
+  hold?: (conn: KeyConnection) => () => void,
 ): Promise<Response> {
   const text = { stdout: new Utf8Events("stdout"), stderr: new Utf8Events("stderr") };
   // Held under the caller's key while it streams (`hold`, auth/key-connections.ts): revoking the
