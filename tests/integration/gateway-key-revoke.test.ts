@@ -5,11 +5,11 @@
  * (tests/support/memory-agent.ts) with `holdStreams`: a streamed exec and a followed log stay
  * open until their call is aborted, and its tunnels reach a real echo server on 127.0.0.1.
  *
- * Key A opens a terminal, a TCP relay through a connect URL it minted, a followed log and a
- * streamed exec; key B, of the same tenant, opens a terminal, a TCP relay and a followed log on
+ * Key A opens a terminal, a TCP relay through a connect URL it minted, a followed log, a
+ * streamed exec and a file download; key B, of the same tenant, opens a terminal, a TCP relay and a followed log on
  * the same sandbox. A is revoked: each of A's ends within the bound with the reason the client
  * sees (WebSocket close 1008 `the API key was revoked`; an `error` event `unauthorized` in a
- * stream), B's go on and still carry data, the followed process still runs. Revoked three ways:
+ * stream; the download's body cut short), B's go on and still carry data, the followed process still runs. Revoked three ways:
  * - through this gateway (what the operator socket's `key revoke` does: `revokeKey`, then
  *   `keyRevoked`): at once;
  * - through a second gateway on the same PostgreSQL database (its operator path): the first
@@ -155,6 +155,27 @@ async function sseOpen(gw: RunningGateway, method: string, path: string, key: st
   return { state, ended, cancel: () => reader.cancel() };
 }
 
+/** A file download whose body stays open (`holdStreams`): its bytes so far and its end. */
+async function downloadOpen(gw: RunningGateway, path: string, key: string) {
+  const res = await fetch(`${gw.url}${path}`, { headers: { authorization: `Bearer ${key}` } });
+  expect(res.status).toBe(200);
+  const state = { text: "", error: "" };
+  const reader = res.body!.getReader();
+  const ended = (async () => {
+    for (;;) {
+      const r = await reader.read();
+      if (r.done) return performance.now();
+      state.text += new TextDecoder().decode(r.value);
+    }
+  })().catch((err: unknown) => {
+    // Cut short: what a revoked key's download sees (no reason can follow a body's bytes).
+    state.error = String(err);
+    return performance.now();
+  });
+  await until(() => state.text === "file bytes", 5_000, 10);
+  return { state, ended };
+}
+
 /** Key A's and key B's connections on one sandbox of their tenant, all open and carrying data. */
 async function openAll(gw: RunningGateway, a: string, b: string) {
   const created = await api(gw, "POST", "/v1/sandboxes", a, { template: "echo" });
@@ -171,7 +192,14 @@ async function openAll(gw: RunningGateway, a: string, b: string) {
   expect(started.status).toBe(201);
   const pid = started.body.pid as number;
   const logs = `/v1/sandboxes/${id}/processes/${pid}/logs`;
+  const put = await fetch(`${gw.url}/v1/sandboxes/${id}/files?path=/data/big`, {
+    method: "PUT",
+    headers: auth(a),
+    body: "file bytes",
+  });
+  expect(put.status).toBe(200);
   const A = {
+    download: await downloadOpen(gw, `/v1/sandboxes/${id}/files?path=/data/big`, a),
     pty: await wsOpen(`${wsBase}/v1/sandboxes/${id}/pty`, auth(a)),
     tcp: await wsOpen(minted.body.url as string),
     follow: await sseOpen(gw, "GET", logs, a),
@@ -201,7 +229,8 @@ async function expectOnlyAEnded(
   figure: string,
 ) {
   const [pty, tcp] = await Promise.all([o.A.pty.closed, o.A.tcp.closed]);
-  const [follow, exec] = await Promise.all([o.A.follow.ended, o.A.exec.ended]);
+  const [follow, exec, download] = await Promise.all([o.A.follow.ended, o.A.exec.ended, o.A.download.ended]);
+  expect(o.A.download.state.error).not.toBe("");
   for (const c of [pty, tcp]) {
     expect(c.code).toBe(KEY_REVOKED_CLOSE);
     expect(c.reason).toBe(KEY_REVOKED_REASON);
@@ -211,7 +240,7 @@ async function expectOnlyAEnded(
     expect(s.text).toContain(`"code":"unauthorized"`);
     expect(s.text).toContain(KEY_REVOKED_REASON);
   }
-  const slowest = Math.max(pty.at, tcp.at, follow, exec) - t0;
+  const slowest = Math.max(pty.at, tcp.at, follow, exec, download) - t0;
   figures[figure] = Math.round(slowest);
   expect(slowest).toBeLessThan(bound);
 
@@ -243,7 +272,7 @@ for (const dbCase of DATABASES) {
         (await createKey(db, PEPPER, { tenant: "acme", tier: "pro" })).key,
       ]);
       const o = await openAll(gw, a, b);
-      expect(gw.connections.count()).toBe(7);
+      expect(gw.connections.count()).toBe(8);
       const keyId = a.split("_")[2]!;
       const t0 = performance.now();
       // The operator socket's `key revoke` in the serving gateway (cli/operator-ops.ts).

@@ -169,8 +169,8 @@ export class MemoryAgent implements AgentApi {
   }
 
   /**
-   * With `holdStreams`, a streamed exec and a followed log stay open after their output until
-   * their call is aborted (the client went away, the key was revoked), as a long command's and a
+   * With `holdStreams`, a streamed exec, a followed log and a download stay open after their
+   * output until their call is aborted (the client went away, the key was revoked), as a long command's and a
    * running process's do; `streamsHeld` counts those open now, `streamsAborted` those ended so.
    */
   holdStreams = false;
@@ -358,7 +358,26 @@ export class MemoryAgent implements AgentApi {
     if (call.op === "download") {
       const content = files.get(call.path);
       if (content === undefined) throw missing();
-      return { op: "download", body: new Response(content).body! };
+      if (!this.holdStreams) return { op: "download", body: new Response(content).body! };
+      // With `holdStreams` the file's bytes come, then the body stays open until it is cancelled,
+      // as a large file's transfer to a slow client does.
+      const bytes = new TextEncoder().encode(content);
+      let sent = false;
+      this.streamsHeld++;
+      const body = new ReadableStream<Uint8Array>({
+        pull: (ctl) => {
+          if (!sent) {
+            sent = true;
+            ctl.enqueue(bytes);
+          }
+          return new Promise<void>(() => {});
+        },
+        cancel: () => {
+          this.streamsHeld--;
+          this.streamsAborted++;
+        },
+      });
+      return { op: "download", body };
     }
     if (call.op === "remove") {
       if (!files.delete(call.path)) throw missing();
