@@ -14,6 +14,7 @@ import type { Db } from "../db/client.ts";
 import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import { bearerKey } from "./auth/bearer.ts";
 import { VerifiedKeys } from "./auth/key-cache.ts";
+import { KeyConnections } from "./auth/key-connections.ts";
 import { keyRateLimit } from "./auth/rate-limit.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { ActivityWriter } from "./core/activity.ts";
@@ -45,6 +46,8 @@ export interface CreateAppDeps {
   log?: (line: string) => void;
   /** Connect relays of this process; one is made when not given. */
   relays?: RelayRegistry;
+  /** Long-lived connections by key (auth/key-connections.ts); one is made when not given. */
+  connections?: KeyConnections;
   /** Ends of calls written behind (core/activity.ts); each end is its own UPDATE without. */
   activity?: ActivityWriter;
   /**
@@ -73,6 +76,8 @@ export function appDeps(input: CreateAppDeps): Deps {
     config: input.config,
     clock: input.clock ?? Date.now,
     relays: input.relays ?? new RelayRegistry(),
+    connections:
+      input.connections ?? new KeyConnections({ db: input.db, ...(input.log ? { log: input.log } : {}) }),
     ...(input.activity ? { activity: input.activity } : {}),
     ...(input.rows ? { rows: input.rows } : {}),
     ...(input.log ? { log: input.log } : {}),
@@ -111,6 +116,9 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
 
   const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });
   app.use("/v1/*", bearerKey(keys), rateLimit.middleware);
+  // Any key changed somewhere (a notification): the keys holding connections are read again.
+  const connections = deps.connections;
+  if (connections) keys.watch(() => void connections.check());
 
   // Each route checks the key's API (auth/guards.ts requireApiMw) unless its path is shared by
   // both APIs, where the key's API picks the handler: POST /v1/sessions and /v1/templates.

@@ -3,6 +3,7 @@
 import type { AgentHostApi } from "../contracts/agent/api.ts";
 import type { Db } from "../db/client.ts";
 import type { Placement } from "./agents/placement.ts";
+import type { KeyConnection, KeyConnections } from "./auth/key-connections.ts";
 import type { Principal } from "./auth/keys.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { ActivityWriter } from "./core/activity.ts";
@@ -24,6 +25,11 @@ export interface Deps {
   /** Connect relays open in this process (gateway/relay/), closed when their sandbox goes. */
   relays?: RelayRegistry;
   /**
+   * Long-lived connections of this process by the key that opened them (auth/key-connections.ts):
+   * revoking the key ends them.
+   */
+  connections?: KeyConnections;
+  /**
    * Where the ends of calls are written behind (core/activity.ts); without it each end is its
    * own UPDATE, as under `createApp` alone in tests.
    */
@@ -36,6 +42,14 @@ export interface Deps {
   rows?: RowCache;
   /** Where a cleanup that failed on a path already failing is said (default: stderr). */
   log?: (line: string) => void;
+}
+
+/**
+ * Registers a long-lived connection under the key that opened it (auth/key-connections.ts);
+ * returns its removal. Without a registry (`Deps.connections` absent) nothing is held.
+ */
+export function holdForKey(deps: Pick<Deps, "connections">, keyId: string, conn: KeyConnection): () => void {
+  return deps.connections ? deps.connections.add(keyId, conn) : () => {};
 }
 
 /** The gateway's log line writer: `deps.log`, else stderr. */

@@ -18,6 +18,7 @@ import { AGENT_STALE_AFTER_MS, handleHeartbeat, liveAgentIds } from "./agents/re
 import { AgentRouter } from "./agents/router.ts";
 import { appDeps, createApp } from "./app.ts";
 import { KEYS_CHANNEL, VerifiedKeys } from "./auth/key-cache.ts";
+import { KeyConnections } from "./auth/key-connections.ts";
 import { loadSecrets, type OperatorSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import { ActivityWriter } from "./core/activity.ts";
@@ -74,6 +75,12 @@ export type StartGatewayOptions = {
    * notification can end an entry within their bound.
    */
   keyCacheTtlMs?: number;
+  /**
+   * How often the keys holding connections are read again, ms (default `KEY_RECHECK_MS`,
+   * auth/key-connections.ts). Tests set it long, so that only a notification or this process's
+   * own revocation can end a connection within their bound.
+   */
+  keyRecheckMs?: number;
 } & (
   | {
       /** Secrets (`<dataDir>/secrets`), uploads and, without `databaseUrl`, the PGlite db. */
@@ -103,9 +110,12 @@ export interface RunningGateway {
   withDb<T>(fn: (db: Db) => Promise<T>): Promise<T>;
   /**
    * A key revoked by this process (the operator socket's `key revoke`): the key middleware drops
-   * it from its cache, so its next request here is refused (auth/key-cache.ts).
+   * it from its cache, so its next request here is refused (auth/key-cache.ts), and the key's
+   * open connections here end at once (auth/key-connections.ts).
    */
   keyRevoked(keyId: string): void;
+  /** The long-lived connections by key (auth/key-connections.ts): its state, for tests. */
+  connections: KeyConnections;
   /** The rows the info reads serve from memory (core/row-cache.ts): its state, for tests. */
   rows: RowCache;
   /** The verified keys of the key middleware (auth/key-cache.ts): its state, for tests. */
@@ -243,6 +253,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let router: AgentRouter | undefined;
   let reaper: { stop(): Promise<void> } | undefined;
   let reconciler: Reconciler | undefined;
+  let connections!: KeyConnections;
   const keys = new VerifiedKeys({
     db: handle.db,
     pepper: config.keyPepper,
@@ -258,6 +269,11 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     const clock = opts.clock ?? Date.now;
     const log = opts.log ?? ((line: string) => console.error(line));
     const relays = new RelayRegistry();
+    connections = new KeyConnections({
+      db: handle.db,
+      log,
+      ...(opts.keyRecheckMs !== undefined ? { recheckMs: opts.keyRecheckMs } : {}),
+    });
     const routing = agentRouting(opts, handle.db, config.region, clock);
     router = routing?.router;
     const deps = appDeps({
@@ -266,6 +282,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       ...(router ? { placement: router } : {}),
       config,
       relays,
+      connections,
       activity,
       rows,
       ...(opts.clock ? { clock: opts.clock } : {}),
@@ -323,10 +340,15 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       if (stopping) throw new SandboxdError("internal", "the gateway is stopped");
       return fn(handle.db);
     },
-    keyRevoked: (keyId) => keys.forget(keyId),
+    keyRevoked: (keyId) => {
+      keys.forget(keyId);
+      connections.revoke(keyId);
+    },
+    connections,
     rows,
     keys,
     stop: () => {
+      connections.stop();
       stopping ??= stopInOrder({ reconciler, reaper, server, activity, listener, handle });
       return stopping;
     },

@@ -87,4 +87,5 @@ export const PROCESS_LOG_EVENTS =
   '(`event: stdout` / `event: stderr`, data `{"data": "<UTF-8>"}` or `{"data_b64": "<base64>"}`), ' +
   "then one `event: exit` whose data is the process's info once it has ended. The stream opens " +
   "with a comment line (`: open`) so that a quiet process still answers at once. Closing the " +
-  "connection stops following; the process runs on.";
+  "connection stops following; the process runs on. Revoking the key that opened the stream ends " +
+  "it with an `event: error` of code `unauthorized`; the process runs on.";

@@ -13,7 +13,8 @@ export const PTY_WS =
   'too, as its UTF-8 bytes); a text message `{"type":"resize","cols":N,"rows":M}` resizes the ' +
   "terminal. The shell is the image's (/bin/bash if present, else /bin/sh) as a login shell of the " +
   "image's user, in its own session; closing the WebSocket hangs it up and kills what is left of " +
-  "its session. The WebSocket ends with 1000 when the shell exits. All checks (key, tenant, state, " +
+  "its session. The WebSocket ends with 1000 when the shell exits, and with 1008 (reason `the API key " +
+  "was revoked`) when the key that opened it is revoked. All checks (key, tenant, state, " +
   "relay slots) and the shell's start happen before the upgrade. A browser, which cannot set " +
   "`Authorization` on a WebSocket, may offer the key as subprotocols instead: `sandboxd` first, then " +
   "`sandboxd.key.<key>`; the server answers `sandboxd`.";
@@ -29,7 +30,8 @@ export const EXEC_EVENTS =
   "route's JSON response with `stdout` and `stderr` empty. A failure after the first event is one " +
   '`event: error` with data `{"code", "message"}`, then the end of the stream. The status and headers ' +
   "come with the first output (or the end), so a refusal before any output is the JSON error below. " +
-  "Closing the connection cancels the command (its process group is killed).";
+  "Closing the connection cancels the command (its process group is killed); so does revoking the key " +
+  "that opened the stream, which then ends with an `event: error` of code `unauthorized`.";
 
 export interface RouteContract {
   method: "get" | "post" | "put" | "delete";

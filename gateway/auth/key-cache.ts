@@ -62,10 +62,16 @@ export class VerifiedKeys {
   private readonly pending = new Map<string, Promise<Principal | null>>();
   /** The LISTEN's state and the hashes notified as changed. */
   private readonly changes = new Invalidations({
-    invalidate: (hash) => this.entries.delete(hash),
-    // Nothing to empty: `covers` puts every entry read before this back on the short TTL.
-    reset: () => {},
+    invalidate: (hash) => {
+      this.entries.delete(hash);
+      this.tell();
+    },
+    // Nothing to empty: `covers` puts every entry read before this back on the short TTL. The
+    // watchers hear of it: a change may have gone unnotified while the LISTEN was down.
+    reset: () => this.tell(),
   });
+  /** Called on every notified change of any key (`watch`). */
+  private readonly watchers = new Set<() => void>();
   /** Rows read (tests and measurements: a busy key should read about one a second at most). */
   dbReads = 0;
 
@@ -105,6 +111,21 @@ export class VerifiedKeys {
       this.pending.set(hash, p);
     }
     return p;
+  }
+
+  /**
+   * Calls `fn` on every notified change of any key, and when the LISTEN comes or goes (changes
+   * may have been missed): the open connections' check (auth/key-connections.ts). The payload is
+   * the key's hash, which a connection opened by a connect token does not know, so `fn` is told
+   * only that something changed. Returns the removal.
+   */
+  watch(fn: () => void): () => void {
+    this.watchers.add(fn);
+    return () => this.watchers.delete(fn);
+  }
+
+  private tell(): void {
+    for (const fn of this.watchers) fn();
   }
 
   /** Drops the key's entries at once: its next request reads the (revoked) row. */

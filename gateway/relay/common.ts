@@ -12,7 +12,10 @@ export const CLOSE = {
   normal: 1000,
   /** The sandbox was deleted or reaped; the gateway is stopping. */
   goingAway: 1001,
-  /** The client sent faster than the guest reads, past what the gateway will hold. */
+  /**
+   * The client sent faster than the guest reads, past what the gateway will hold; or the key that
+   * opened the relay was revoked (auth/key-connections.ts `KEY_REVOKED_CLOSE`).
+   */
   policy: 1008,
   /** A message over the relay's size limit (either way). */
   tooBig: 1009,

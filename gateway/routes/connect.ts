@@ -21,7 +21,7 @@ import {
   type SandboxRow,
 } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
-import { logOf } from "../deps.ts";
+import { holdForKey, logOf } from "../deps.ts";
 import { jsonBody, query } from "../http.ts";
 import { CdpRelay, connectDevTools } from "../relay/cdp.ts";
 import type { RelayBase } from "../relay/common.ts";
@@ -182,7 +182,7 @@ export function wsUpgrade(c: Context<HonoEnv>): Upgrade {
  * The end every relay route shares once its checks passed: takes one of the tenant's relay slots
  * (`limits.relaysPerTenant`, 429 beyond), counts the relay as a call in flight on the sandbox,
  * opens the guest side with `open` (its failures are still HTTP statuses), registers the relay
- * (deleting the sandbox ends it) and upgrades.
+ * (deleting the sandbox ends it; so does revoking `p`'s key, auth/key-connections.ts) and upgrades.
  */
 export async function serveRelay(
   deps: Deps,
@@ -215,8 +215,11 @@ export async function serveRelay(
     throw err;
   }
   const unregister = deps.relays ? deps.relays.add(row.id, relay) : () => {};
+  // Under the key that opened it (a token's minting key): revoking that key ends it.
+  const unhold = holdForKey(deps, p.keyId, relay);
   relay.registered(() => {
     unregister();
+    unhold();
     release();
     void bestEffort(logOf(deps), `ending the connect call on ${row.id}`, use.end());
   });

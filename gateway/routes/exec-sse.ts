@@ -12,10 +12,14 @@
  *
  * Back-pressure: the body holds at most `SSE_BUFFER_BYTES`; past that `onOutput` waits for the
  * client to read, so the agent's body is not read, the agent stops reading the guest, and the
- * command blocks on its pipe. A client that goes away cancels the command.
+ * command blocks on its pipe. A client that goes away cancels the command, and so does revoking
+ * the key that opened the stream (docs/keys-and-auth.md "Revoking a key"): the stream then ends
+ * with an `error` event, code `unauthorized`.
  */
 import type { ExecResult, ExecStreamOptions } from "../../contracts/agent/api.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { streamedAnswer } from "../../contracts/streamed-answer.ts";
+import type { KeyConnection } from "../auth/key-connections.ts";
 import { mapError } from "../errors.ts";
 
 /**
@@ -37,8 +41,18 @@ export async function sseExec<R = ExecResult>(
   requestSignal: AbortSignal,
   run: (o: ExecStreamOptions) => Promise<R>,
   exitBody: (r: R) => unknown,
+  hold?: (conn: KeyConnection) => () => void,
 ): Promise<Response> {
   const text = { stdout: new Utf8Events("stdout"), stderr: new Utf8Events("stderr") };
+  // Held under the caller's key while it streams (`hold`, auth/key-connections.ts): revoking the
+  // key aborts the work as a client that went away does, and ends the stream with an `error`.
+  const revoked = new AbortController();
+  const unhold =
+    hold?.({ close: (_code, reason) => revoked.abort(new SandboxdError("unauthorized", reason)) }) ??
+    (() => {});
+  const ended = new Promise<void>((resolve) =>
+    revoked.signal.addEventListener("abort", () => resolve(), { once: true }),
+  );
   const answer = await streamedAnswer<R>({
     bufferBytes: SSE_BUFFER_BYTES,
     requestSignal,
@@ -46,18 +60,22 @@ export async function sseExec<R = ExecResult>(
       const onOutput = async (stream: "stdout" | "stderr", chunk: Uint8Array) => {
         let room = true;
         for (const e of text[stream].push(chunk)) room = out.write(e) && room;
-        if (!room) await out.drained();
+        // A revocation does not wait for a client that stopped reading.
+        if (!room) await Promise.race([out.drained(), ended]);
       };
       const onOpen = () => void out.write(enc.encode(": open\n\n"));
-      return run({ onOutput, signal, onOpen });
+      return run({ onOutput, signal: AbortSignal.any([signal, revoked.signal]), onOpen });
     },
-    end: (s) => [
-      ...text.stdout.end(),
-      ...text.stderr.end(),
-      s.ok ? event("exit", exitBody(s.r)) : event("error", mapError(s.err).body),
-    ],
+    end: (s) => {
+      unhold();
+      const last = s.ok
+        ? event("exit", exitBody(s.r))
+        : event("error", mapError(revoked.signal.aborted ? revoked.signal.reason : s.err).body);
+      return [...text.stdout.end(), ...text.stderr.end(), last];
+    },
   });
-  if ("failed" in answer) throw answer.failed; // the app's one error mapping answers it
+  // The app's one error mapping answers a failure before any output.
+  if ("failed" in answer) throw revoked.signal.aborted ? revoked.signal.reason : answer.failed;
   return new Response(answer.body, {
     headers: {
       "content-type": "text/event-stream; charset=utf-8",

@@ -13,10 +13,11 @@ import type { KeyApi } from "../../contracts/api/tiers.ts";
 import { bestEffort, settled } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw } from "../auth/guards.ts";
+import type { KeyConnection } from "../auth/key-connections.ts";
 import { wakeIfIdle } from "../core/idle.ts";
 import { beginUse, inTermsOf } from "../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
-import { logOf } from "../deps.ts";
+import { holdForKey, logOf } from "../deps.ts";
 import { query } from "../http.ts";
 
 const tooLarge = () =>
@@ -50,16 +51,34 @@ function limited(body: ReadableStream<Uint8Array> | null): {
 /**
  * `stream` with `end` called once it finishes, fails or is cancelled by the reader; an `end` that
  * fails (the call's end written to the database) is logged: the download itself went through.
+ * Held under the caller's key while it lasts (`hold`, auth/key-connections.ts): revoking the key
+ * fails the body (the client sees the transfer cut short) and cancels the agent's read.
  */
 function onFinish(
   stream: ReadableStream<Uint8Array>,
   end: () => Promise<void>,
   log: (line: string) => void,
+  hold: (conn: KeyConnection) => () => void,
 ): ReadableStream<Uint8Array> {
   const reader = stream.getReader();
-  const done = () => void bestEffort(log, "ending the download's call", end);
+  let unhold = () => {};
+  const done = () => {
+    unhold();
+    void bestEffort(log, "ending the download's call", end);
+  };
   return new ReadableStream<Uint8Array>(
     {
+      start(ctl) {
+        unhold = hold({
+          close: (_code, reason) => {
+            const err = new SandboxdError("unauthorized", reason);
+            ctl.error(err);
+            // The agent's body repeats the cause of its own cancel.
+            void settled(reader.cancel(err));
+            done();
+          },
+        });
+      },
       async pull(ctl) {
         try {
           const r = await reader.read();
@@ -130,7 +149,8 @@ function handlers(deps: Deps) {
       if (a.op !== "download")
         throw new SandboxdError("internal", "the agent answered a download with something else");
       handedOver = true;
-      return new Response(onFinish(a.body, u.end, logOf(deps)), {
+      const hold = (conn: KeyConnection) => holdForKey(deps, c.get("principal").keyId, conn);
+      return new Response(onFinish(a.body, u.end, logOf(deps), hold), {
         headers: { "content-type": "application/octet-stream" },
       });
     } finally {

@@ -12,7 +12,7 @@ import type { KeyApi } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw } from "../auth/guards.ts";
 import { processCall } from "../core/processes.ts";
-import type { Deps, HonoEnv } from "../deps.ts";
+import { type Deps, type HonoEnv, holdForKey } from "../deps.ts";
 import { jsonBody, readBodyLimited } from "../http.ts";
 import { sseExec, wantsEventStream } from "./exec-sse.ts";
 
@@ -94,6 +94,7 @@ export function processRoutes(deps: Deps, api: KeyApi): Hono<HonoEnv> {
         c.req.raw.signal,
         (o) => call(c, (a, vm) => a.followProcess(vm, pid, o)),
         (i) => publicInfo(i),
+        (conn) => holdForKey(deps, c.get("principal").keyId, conn),
       );
     }
     const logs = await call(c, (a, vm) => a.processLogs(vm, pid));

@@ -23,7 +23,7 @@ import {
   resumeVm,
   suspendVm,
 } from "../core/sandboxes.ts";
-import type { Deps, HonoEnv } from "../deps.ts";
+import { type Deps, type HonoEnv, holdForKey } from "../deps.ts";
 import { jsonBody } from "../http.ts";
 import { sandboxExecAction } from "./exec-actions.ts";
 import { sseExec, wantsEventStream } from "./exec-sse.ts";
@@ -110,7 +110,12 @@ async function execInSandbox(deps: Deps, c: Context<HonoEnv>, p: Principal) {
     return body;
   };
   if (wantsEventStream(c.req.header("accept"))) {
-    return sseExec(c.req.raw.signal, (o) => execIn(deps, p, id, action, o), toBody);
+    return sseExec(
+      c.req.raw.signal,
+      (o) => execIn(deps, p, id, action, o),
+      toBody,
+      (conn) => holdForKey(deps, p.keyId, conn),
+    );
   }
   return c.json(toBody(await execIn(deps, p, id, action)));
 }

@@ -23,7 +23,7 @@ import {
   listOwned,
 } from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";
-import type { Deps, HonoEnv } from "../deps.ts";
+import { type Deps, type HonoEnv, holdForKey } from "../deps.ts";
 import { mapError } from "../errors.ts";
 import { jsonBody, query } from "../http.ts";
 import { oneShotAction, sessionExecAction, timeoutMs } from "./exec-actions.ts";
@@ -161,6 +161,7 @@ async function execInSession(deps: Deps, c: Context<HonoEnv>) {
       c.req.raw.signal,
       (o) => execIn(deps, p, id, action, o),
       (r) => resultA(id, r, 0),
+      (conn) => holdForKey(deps, p.keyId, conn),
     );
   }
   return c.json(resultA(id, await execIn(deps, p, id, action), 0));

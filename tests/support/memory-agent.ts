@@ -164,7 +164,33 @@ export class MemoryAgent implements AgentApi {
     opts.onOpen?.(); // as the agent does once the guest started the command
     if (r.stdout) await opts.onOutput("stdout", Buffer.from(r.stdout));
     if (r.stderr) await opts.onOutput("stderr", Buffer.from(r.stderr));
+    await this.heldOpen(opts.signal);
     return { ...r, stdout: "", stderr: "" };
+  }
+
+  /**
+   * With `holdStreams`, a streamed exec, a followed log and a download stay open after their
+   * output until their call is aborted (the client went away, the key was revoked), as a long command's and a
+   * running process's do; `streamsHeld` counts those open now, `streamsAborted` those ended so.
+   */
+  holdStreams = false;
+  streamsHeld = 0;
+  streamsAborted = 0;
+  private async heldOpen(signal: AbortSignal | undefined): Promise<void> {
+    if (!this.holdStreams || !signal) return;
+    this.streamsHeld++;
+    try {
+      await new Promise<never>((_, reject) => {
+        const abort = () => {
+          this.streamsAborted++;
+          reject(new SandboxdError("internal", "the streamed call was aborted"));
+        };
+        if (signal.aborted) abort();
+        else signal.addEventListener("abort", abort, { once: true });
+      });
+    } finally {
+      this.streamsHeld--;
+    }
   }
 
   async fork(vmId: VmId, count: number): Promise<CreatedVm[]> {
@@ -264,11 +290,12 @@ export class MemoryAgent implements AgentApi {
     const vm = this.vm(vmId);
     const command = req.run.kind === "shell" ? req.run.command : req.run.commands.flat().join(" ");
     const pid = vm.processes.size + 1;
+    // With `holdStreams` a process runs until killed, so that following it lasts.
     const info: ProcessInfo = {
       pid,
       command,
-      running: false,
-      exitCode: 0,
+      running: this.holdStreams,
+      exitCode: this.holdStreams ? null : 0,
       keepAwake: req.keepAwake ?? false,
       startedAtMs: 0,
     };
@@ -287,6 +314,7 @@ export class MemoryAgent implements AgentApi {
     const p = this.process(vmId, pid);
     opts.onOpen?.();
     await opts.onOutput("stdout", new TextEncoder().encode(p.stdout));
+    await this.heldOpen(opts.signal);
     return p.info;
   }
   async processStdin(vmId: VmId, pid: number): Promise<void> {
@@ -294,7 +322,9 @@ export class MemoryAgent implements AgentApi {
     throw new SandboxdError("conflict", `background process ${pid} has ended`);
   }
   async killProcess(vmId: VmId, pid: number): Promise<ProcessInfo> {
-    return this.process(vmId, pid).info;
+    const p = this.process(vmId, pid);
+    if (p.info.running) p.info = { ...p.info, running: false, exitCode: 137 };
+    return p.info;
   }
   /** A terminal that echoes what is typed, as a line discipline does; `ptyResizes` records sizes. */
   readonly ptyResizes: { cols: number; rows: number }[] = [];
@@ -328,7 +358,26 @@ export class MemoryAgent implements AgentApi {
     if (call.op === "download") {
       const content = files.get(call.path);
       if (content === undefined) throw missing();
-      return { op: "download", body: new Response(content).body! };
+      if (!this.holdStreams) return { op: "download", body: new Response(content).body! };
+      // With `holdStreams` the file's bytes come, then the body stays open until it is cancelled,
+      // as a large file's transfer to a slow client does.
+      const bytes = new TextEncoder().encode(content);
+      let sent = false;
+      this.streamsHeld++;
+      const body = new ReadableStream<Uint8Array>({
+        pull: (ctl) => {
+          if (!sent) {
+            sent = true;
+            ctl.enqueue(bytes);
+          }
+          return new Promise<void>(() => {});
+        },
+        cancel: () => {
+          this.streamsHeld--;
+          this.streamsAborted++;
+        },
+      });
+      return { op: "download", body };
     }
     if (call.op === "remove") {
       if (!files.delete(call.path)) throw missing();
