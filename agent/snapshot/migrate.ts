@@ -95,7 +95,14 @@ export async function setMigrationParameters(vm: Vm, p: MigrationParameters): Pr
 export interface MigrateInfo {
   status: string;
   "error-desc"?: string;
-  ram?: { transferred?: number; total?: number; "dirty-pages-rate"?: number };
+  /** `normal` and `duplicate` (zero) count the pages sent, so far. */
+  ram?: {
+    transferred?: number;
+    total?: number;
+    normal?: number;
+    duplicate?: number;
+    "dirty-pages-rate"?: number;
+  };
   "total-time"?: number;
   downtime?: number;
 }
