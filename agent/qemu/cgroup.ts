@@ -26,7 +26,7 @@
 import { createHash } from "node:crypto";
 import { existsSync, readFileSync } from "node:fs";
 import { mkdir, readdir, readFile, rmdir, stat, writeFile } from "node:fs/promises";
-import { basename, join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import { JailError } from "./jail.ts";
 
 export const CGROUP_ROOT = "/sys/fs/cgroup";
@@ -290,7 +290,9 @@ export async function sweepCgroups(root = CGROUP_ROOT, minAgeMs = 60_000): Promi
   const version = cgroupVersion(root);
   if (version === undefined) return [];
   const removed: string[] = [];
-  for (const parent of parents(version, root)) {
+  // v1 memory cgroups of VMs an earlier version made directly in the agent's own memory cgroup.
+  const legacy = version === 1 ? [dirname(parents(version, root)[0] ?? "")] : [];
+  for (const parent of [...parents(version, root), ...legacy]) {
     let names: string[];
     try {
       names = await readdir(parent);

@@ -16,7 +16,7 @@
  * Needs root (cgroups, jails); skipped otherwise.
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
-import { readFileSync } from "node:fs";
+import { readFileSync, writeFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -120,6 +120,8 @@ beforeAll(async () => {
   agentAdj = await protectAgentFromOom();
   if (hasSysResource()) expect(agentAdj).toEqual({ adj: AGENT_OOM_SCORE_ADJ });
   parent = await limitVmMemory(BUDGET_MIB * MIB);
+  // The parent outlives each test: its high-water mark starts from this test's VMs.
+  writeFileSync(join(parent, "memory.max_usage_in_bytes"), "0");
   m = await managerWithBusybox({
     stateDir,
     cacheDir: join(root, "cache"),
