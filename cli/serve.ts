@@ -16,6 +16,9 @@ import { startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import { EgressFence } from "../agent/egress/fence.ts";
 import { registryConfigFromEnv } from "../agent/image/pull.ts";
+import { limitVmMemory } from "../agent/qemu/cgroup.ts";
+import { protectAgentFromOom } from "../agent/qemu/oom.ts";
+import { hostCapacity } from "../agent/sandbox/capacity.ts";
 import { fencedRegistry, SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
@@ -101,6 +104,14 @@ export async function openAgentManager(
     accelSetting: settings.accel,
     host: settings.host,
   });
+  // The agent outlives any VM in an OOM; the VMs together stay within the budget admission uses.
+  const oom = await protectAgentFromOom();
+  if (oom.refused !== undefined) log(`${oom.refused}; it stays ${oom.adj}`);
+  const capacity = hostCapacity({
+    ...(slots !== undefined ? { slots } : {}),
+    ...(settings.vmMemoryBytes > 0 ? { memMib: Math.floor(settings.vmMemoryBytes / 2 ** 20) } : {}),
+  });
+  await limitVmMemory(capacity.memMib * 2 ** 20);
   return SandboxManager.open({
     driver,
     stateDir,
@@ -109,7 +120,7 @@ export async function openAgentManager(
     fence,
     prelaunch: settings.prelaunch,
     onEvent: (e) => events.push(e),
-    ...(slots !== undefined ? { capacity: { slots } } : {}),
+    capacity,
     idlePauseMs: settings.idlePauseMs,
     buildSlots: settings.buildSlots,
   });

@@ -8,6 +8,7 @@ import { readFileSync } from "node:fs";
 import { basename, join } from "node:path";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestArtifacts } from "../guest/artifacts.ts";
+import { TCG_TB_MIB } from "./cgroup.ts";
 import { consoleArgs } from "./console.ts";
 import type { JailSettings } from "./jail-setup.ts";
 
@@ -173,18 +174,15 @@ export function machineOption(accel: Accel, memBackend: boolean): string {
  * default model (qemu64): Debian's userland targets the x86-64 baseline, and snapshots need every
  * QEMU in a family to present the same CPU, which a fixed model guarantees across hosts.
  *
- * TCG keeps QEMU's default translation-buffer size (`tb-size`, 1 GiB of address space, resident
- * only as far as code is translated). Measured with `bench` (256 MiB guest restored from a
- * template, one `true` run, then idle; 2-core host shared with other builds, two runs each):
- * idle PSS 39.4-40 MiB and exec p50 3.7-7.6 ms with the default; 32 and 16 MiB change nothing
- * (an idle VM's translated code is ~14 MiB); 12 MiB saves 3-4 MiB (35.6-37) and 8 MiB saves 7
- * (32.4-32.9), but at 8 MiB exec p50 became 84-120 ms because the guest's working set no longer
- * fits and TCG flushes and retranslates; a busy guest (Python, Chromium) translates far more than
- * busybox does. The buffer is not worth bounding for idle memory: the cost sits elsewhere in
- * QEMU (docs/benchmarks.md, "Idle memory"), and a VM's code cache is its CPU speed under TCG.
+ * TCG's translation buffer is bounded (`tb-size`, TCG_TB_MIB in cgroup.ts, where its choice is
+ * measured): unset it is min(1 GiB, host RAM / 8), resident as far as code is translated, a
+ * cost every VM's admission and cgroup would have to carry. Measured with `bench` (256 MiB guest
+ * restored from a template, one `true` run, then idle): an idle VM's translated code is ~14 MiB
+ * (32 and 16 MiB change nothing against the default); at 8 MiB exec p50 became 84-120 ms against
+ * 3.7-7.6 ms because the guest's working set no longer fits and TCG flushes and retranslates.
  */
 function accelArgs(accel: Accel): string[] {
-  return accel === "kvm" ? ["-accel", "kvm", "-cpu", "host"] : ["-accel", "tcg"];
+  return accel === "kvm" ? ["-accel", "kvm", "-cpu", "host"] : ["-accel", `tcg,tb-size=${TCG_TB_MIB}`];
 }
 
 /**

@@ -8,9 +8,16 @@
  * - v1 (a hierarchy per controller, e.g. `/sys/fs/cgroup/memory`): `<hierarchy>/<the agent's own
  *   cgroup there>/sandboxd-<name>` with `memory.limit_in_bytes`, `pids.max` and
  *   `cpu.cfs_quota_us`/`cpu.cfs_period_us`. Nesting under the agent's own cgroup keeps the VMs
- *   inside whatever limits the agent's host gives the agent; no common `sandboxd` parent, because
- *   v1's CPU scheduler weighs a group as one task: all VMs under one parent would share the CPU
+ *   inside whatever limits the agent's host gives the agent. Only the memory hierarchy has a
+ *   common `sandboxd` parent (`<agent's memory cgroup>/sandboxd/sandboxd-<name>`): v1's CPU
+ *   scheduler weighs a group as one task, so all VMs under one CPU parent would share the CPU
  *   weight an unconfined QEMU has alone.
+ *
+ * The memory parent (`sandboxd` on both layouts) carries the host's VM memory budget
+ * (`limitVmMemory`), the figure admission hands out: should a VM's accounting be wrong, the VMs
+ * together still cannot take the agent's or the host's memory; the kernel's OOM killer then
+ * picks inside the parent. Pages a removed VM cgroup still holds (a template's RAM file on
+ * tmpfs, written by the template's QEMU) stay charged to the parent.
  *
  * A VM's cgroup is named after its directory and removed when its QEMU is gone; `sweepCgroups`
  * removes the empty ones a crashed agent left.
@@ -19,27 +26,34 @@
 import { createHash } from "node:crypto";
 import { existsSync, readFileSync } from "node:fs";
 import { mkdir, readdir, readFile, rmdir, stat, writeFile } from "node:fs/promises";
-import { basename, join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import { JailError } from "./jail.ts";
 
 export const CGROUP_ROOT = "/sys/fs/cgroup";
 const PARENT = "sandboxd";
 
 /**
- * QEMU's own memory beside guest RAM. Measured idle under TCG (256 MiB guest, QEMU 7.2): ~35 MiB
- * of QEMU's own (heap, libraries, device state, qcow2 caches). TCG's translation cache grows with
- * the guest code it has run (up to QEMU's default code buffer), and the page cache of the VM's
- * overlay writes is charged here too, so the headroom is generous: a cap that bites under a busy
- * guest would kill a well-behaved VM.
+ * QEMU's own memory beside guest RAM and the translation cache: heap, libraries, device state,
+ * qcow2 caches, TCG's TB descriptors and hash tables, migration buffers. Measured on this 2-core
+ * host by tests/vm/host-memory.test.ts (PSS of the QEMU less its guest RAM mapping, 128 MiB
+ * busybox guests restored from a template, TCG): idle 37-38 MiB, busy 42-46 MiB (the guest filled
+ * all the RAM it had free into its /dev/shm) under QEMU 10.0, each with its 14-22 MiB of
+ * translated code; under QEMU 7.2 the busy VM's cgroup held at most guest RAM + 18 MiB
+ * (`memory.max_usage_in_bytes`). 128 MiB is ~3x the busy figure: the cgroup limit is this exact
+ * figure, and a well-behaved VM killed by its own cgroup would be the wrong trade.
  */
-export const QEMU_OVERHEAD_BYTES = 384 * 1024 * 1024;
+export const QEMU_OVERHEAD_BYTES = 128 * 1024 * 1024;
 /**
- * Under TCG, QEMU's translated-code buffer: QEMU 7.2 sizes it at min(1 GiB, host RAM / 8) when
- * `tb-size` is not given (accel/tcg `size_code_gen_buffer`), and fills it as the guest runs new
- * code. A Chromium guest (1 GiB RAM) filled enough of it that guest RAM + 384 MiB got QEMU
- * OOM-killed by its own cgroup (anon RSS 1.06 GB at the kill); KVM has no such buffer.
+ * Under TCG, QEMU's translated-code buffer, given to QEMU as `-accel tcg,tb-size=` (args.ts):
+ * unset, QEMU sizes it at min(1 GiB, host RAM / 8) and fills it as the guest runs new code, a
+ * cost admission would have to reserve per VM. 256 MiB: an idle busybox guest translates ~14 MiB
+ * and a busy one (Python, a browser) far more, and a buffer below a guest's working set costs
+ * flushes and retranslation (8 MiB made exec p50 84-120 ms against 4-8 ms); 256 MiB is 18x the
+ * idle working set and a quarter of the 1 GiB that a browser guest was seen to nearly fill.
+ * KVM has no such buffer.
  */
-export const TCG_CODE_BUFFER_BYTES = 1024 * 1024 * 1024;
+export const TCG_TB_MIB = 256;
+export const TCG_CODE_BUFFER_BYTES = TCG_TB_MIB * 1024 * 1024;
 /**
  * Tasks: QEMU's main loop, RCU and signal threads, one thread per vCPU and its block I/O thread
  * pool (up to 64 workers), plus margin.
@@ -62,9 +76,23 @@ export interface CgroupLimits {
   cpus: number;
 }
 
+/**
+ * What one VM of `memMib` guest RAM can make the host hold besides files: guest RAM, QEMU's own
+ * overhead and, under TCG, the translation cache. Admission counts exactly this per VM
+ * (agent/sandbox/capacity.ts) and the VM's cgroup is limited to exactly this.
+ */
+export function vmMemoryBytes(memMib: number, tcg: boolean): number {
+  return memMib * 1024 * 1024 + vmOverheadBytes(tcg);
+}
+
+/** The part of `vmMemoryBytes` that does not depend on the guest's size. */
+export function vmOverheadBytes(tcg: boolean): number {
+  return QEMU_OVERHEAD_BYTES + (tcg ? TCG_CODE_BUFFER_BYTES : 0);
+}
+
 export function vmLimits(memMib: number, vcpus: number, tcg: boolean): CgroupLimits {
   return {
-    memoryBytes: memMib * 1024 * 1024 + QEMU_OVERHEAD_BYTES + (tcg ? TCG_CODE_BUFFER_BYTES : 0),
+    memoryBytes: vmMemoryBytes(memMib, tcg),
     pids: PIDS_BASE + vcpus,
     cpus: vcpus + MAIN_LOOP_CPUS,
   };
@@ -136,7 +164,38 @@ function parents(version: CgroupVersion, root: string): string[] {
   } catch {
     // not Linux: the jail check fails later anyway
   }
-  return ["memory", "pids", "cpu"].map((c) => join(root, c, ownV1Path(c, self)));
+  return ["memory", "pids", "cpu"].map((c) =>
+    join(root, c, ownV1Path(c, self), c === "memory" ? PARENT : ""),
+  );
+}
+
+/** The memory cgroup that holds every VM's; undefined when the host has no usable layout. */
+export function vmMemoryParent(root = CGROUP_ROOT): string | undefined {
+  const version = cgroupVersion(root);
+  if (version === undefined) return undefined;
+  return parents(version, root)[0];
+}
+
+/**
+ * Caps the memory of all VMs together at `bytes` (the admission budget): the `sandboxd` parent's
+ * `memory.max` (v2) or `memory.limit_in_bytes` (v1), made if missing. `undefined` lifts the cap
+ * (a test's teardown). A cap below what the VMs hold now is refused by the kernel (EBUSY): a
+ * JailError naming the figure.
+ */
+export async function limitVmMemory(bytes: number | undefined, root = CGROUP_ROOT): Promise<string> {
+  const version = cgroupVersion(root);
+  const parent = vmMemoryParent(root);
+  if (version === undefined || parent === undefined)
+    throw new JailError(`no cgroup v2 or v1 memory hierarchy under ${root}`);
+  const file = join(parent, version === 2 ? "memory.max" : "memory.limit_in_bytes");
+  const value = bytes === undefined ? (version === 2 ? "max" : "-1") : String(bytes);
+  try {
+    await mkdir(parent, { recursive: true });
+    await writeFile(file, value);
+  } catch (err) {
+    throw new JailError(`cannot cap the VMs' memory at ${value} in ${file}: ${(err as Error).message}`, err);
+  }
+  return parent;
 }
 
 function prefix(version: CgroupVersion): string {
@@ -178,6 +237,7 @@ export async function createVmCgroup(
       if (want.length)
         await writeFile(join(parent, "cgroup.subtree_control"), want.map((c) => `+${c}`).join(" "));
     }
+    // recursive: makes v1's memory `sandboxd` parent too when `limitVmMemory` has not run.
     for (const d of cg.dirs) await mkdir(d, { recursive: true });
     for (const f of limitFiles(cg.version, limits)) {
       const d =
@@ -230,7 +290,9 @@ export async function sweepCgroups(root = CGROUP_ROOT, minAgeMs = 60_000): Promi
   const version = cgroupVersion(root);
   if (version === undefined) return [];
   const removed: string[] = [];
-  for (const parent of parents(version, root)) {
+  // v1 memory cgroups of VMs an earlier version made directly in the agent's own memory cgroup.
+  const legacy = version === 1 ? [dirname(parents(version, root)[0] ?? "")] : [];
+  for (const parent of [...parents(version, root), ...legacy]) {
     let names: string[];
     try {
       names = await readdir(parent);

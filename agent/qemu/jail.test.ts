@@ -2,7 +2,18 @@ import { afterAll, describe, expect, test } from "bun:test";
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { cgroupName, createVmCgroup, limitFiles, ownV1Path, vmLimits } from "./cgroup.ts";
+import { machineArgs } from "./args.ts";
+import {
+  cgroupName,
+  createVmCgroup,
+  limitFiles,
+  limitVmMemory,
+  ownV1Path,
+  TCG_TB_MIB,
+  vmLimits,
+  vmMemoryBytes,
+  vmOverheadBytes,
+} from "./cgroup.ts";
 import {
   JailError,
   type JailSpec,
@@ -13,6 +24,7 @@ import {
   sandboxOption,
   shq,
 } from "./jail.ts";
+import { QEMU_OOM_SCORE_ADJ } from "./oom.ts";
 import { allocateUid } from "./uids.ts";
 
 const scratch = mkdtempSync(join(tmpdir(), "jail-test-"));
@@ -38,6 +50,8 @@ describe("jail argv", () => {
     for (const ns of ["--mount", "--pid", "--ipc", "--uts", "--net"]) expect(argv).toContain(ns);
     expect(argv.join(" ")).toContain("--fork --propagation private --kill-child=KILL -- /bin/sh -c");
     const script = argv.at(-1) ?? "";
+    // QEMU (the subshell that execs it) is the OOM killer's preferred victim, before the mounts.
+    expect(script).toContain(`echo ${QEMU_OOM_SCORE_ADJ} > /proc/self/oom_score_adj`);
     expect(script).toContain("echo 0 > '/sys/fs/cgroup/pids/sandboxd/vm-1-abc/cgroup.procs'");
     expect(script).toContain("/usr/bin/mount -a -T '/data/vms/vm-1/jail.fstab'");
     expect(script).toContain("/usr/sbin/pivot_root . .old");
@@ -94,8 +108,12 @@ describe("cgroups", () => {
   test("limits: guest RAM plus QEMU's overhead, QEMU's threads plus margin, vCPUs plus a core of CPU", () => {
     const l = vmLimits(256, 2, false);
     expect(l.memoryBytes).toBeGreaterThan(256 * 1024 * 1024);
-    // Under TCG the translated-code buffer (up to 1 GiB in QEMU 7.2) is QEMU's memory too.
-    expect(vmLimits(256, 2, true).memoryBytes - l.memoryBytes).toBe(1024 * 1024 * 1024);
+    // Under TCG the translated-code buffer (`tb-size`, as args.ts passes it) is QEMU's memory too.
+    expect(vmLimits(256, 2, true).memoryBytes - l.memoryBytes).toBe(TCG_TB_MIB * 1024 * 1024);
+    expect(machineArgs("tcg", 256)).toContain(`tcg,tb-size=${TCG_TB_MIB}`);
+    // The cgroup is exactly what admission counts for the VM.
+    expect(vmLimits(256, 2, true).memoryBytes).toBe(vmMemoryBytes(256, true));
+    expect(vmMemoryBytes(256, true)).toBe(256 * 1024 * 1024 + vmOverheadBytes(true));
     expect(l.pids).toBeGreaterThan(64);
     expect(limitFiles(1, l)).toContainEqual({ controller: "cpu", file: "cpu.cfs_quota_us", value: "300000" });
     expect(limitFiles(1, l)).toContainEqual({ controller: "pids", file: "pids.max", value: String(l.pids) });
@@ -129,6 +147,16 @@ describe("cgroups", () => {
     expect(readFileSync(join(d, "memory.max"), "utf8")).toBe(String(vmLimits(256, 1, true).memoryBytes));
     expect(readFileSync(join(d, "pids.max"), "utf8")).toBe(String(vmLimits(256, 1, true).pids));
     expect(readFileSync(join(d, "cpu.max"), "utf8")).toBe("200000 100000");
+  });
+
+  test("v2: the sandboxd parent carries the VMs' memory budget; lifted, it is max", async () => {
+    const root = mkdtempSync(join(scratch, "cgroup-v2-"));
+    writeFileSync(join(root, "cgroup.controllers"), "cpuset cpu io memory pids\n");
+    const parent = await limitVmMemory(3 * 1024 * 1024 * 1024, root);
+    expect(parent).toBe(join(root, "sandboxd"));
+    expect(readFileSync(join(parent, "memory.max"), "utf8")).toBe(String(3 * 1024 * 1024 * 1024));
+    await limitVmMemory(undefined, root);
+    expect(readFileSync(join(parent, "memory.max"), "utf8")).toBe("max");
   });
 
   test("a host with neither layout is a JailError naming what is missing", async () => {

@@ -8,7 +8,8 @@
  * SCRIPT (generated here, every path shell-quoted) runs as root in the new namespaces; the
  * namespace's pid 1 (the shell) waits for a subshell that:
  *   1. writes its own host pid (read through the host's /proc, before a new one is mounted) to
- *      the VM's `qemu.pid`: the shell execs QEMU, so that pid is QEMU's on the host;
+ *      the VM's `qemu.pid`: the shell execs QEMU, so that pid is QEMU's on the host; and makes
+ *      itself, so QEMU, the OOM killer's preferred victim (`QEMU_OOM_SCORE_ADJ`, oom.ts);
  *   2. joins the VM's cgroups (agent/qemu/cgroup.ts), so QEMU's memory, pids and CPU are capped;
  *   3. mounts a tmpfs as the new root (`<vm dir>/root`) and recreates under it the SAME absolute
  *      paths QEMU's argv names, each a bind mount: /usr read-only (QEMU, its libraries and ROMs;
@@ -30,6 +31,7 @@
  */
 import { existsSync } from "node:fs";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { QEMU_OOM_SCORE_ADJ } from "./oom.ts";
 
 export const UNSHARE = "/usr/bin/unshare";
 export const SETPRIV = "/usr/bin/setpriv";
@@ -166,6 +168,8 @@ export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string 
   // 1. QEMU's host pid: /proc is still the host's, so /proc/self/stat names this shell by its
   // host pid, and the shell becomes QEMU by exec.
   L.push("read -r hostpid rest < /proc/self/stat", `echo "$hostpid" > ${shq(spec.pidFile)}`);
+  // Raising oom_score_adj needs no privilege; the agent's own (-900) is what it inherited.
+  L.push(`echo ${QEMU_OOM_SCORE_ADJ} > /proc/self/oom_score_adj`);
   // 2. cgroups: writing 0 moves the writer itself.
   for (const procs of spec.cgroupProcs) L.push(`echo 0 > ${shq(procs)}`);
   // 3. every mount of the jail (jailFstab) at once, on the skeleton the agent made.

@@ -1,7 +1,14 @@
 /** Host admission without VMs: the limits, the fit of one or many VMs, the refusal, what is free. */
 import { describe, expect, test } from "bun:test";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { addHeld, Capacity, type HeldResources, type HostCapacity, hostCapacity } from "./capacity.ts";
+import {
+  addHeld,
+  Capacity,
+  type HeldResources,
+  type HostCapacity,
+  hostCapacity,
+  hostMemMib,
+} from "./capacity.ts";
 
 const GiB = 2 ** 30;
 const limits: HostCapacity = { slots: 4, vcpus: 8, memMib: 2048 };
@@ -98,8 +105,12 @@ describe("Capacity.fits / admit", () => {
     expect(err).toBeInstanceOf(SandboxdError);
     const e = err as SandboxdError;
     expect(e.code).toBe("at_capacity");
-    expect(e.message).toBe("no capacity on this host");
-    expect(e.details).toEqual({ used: held.now, capacity: limits, retryAfterSeconds: 5 });
+    expect(e.message).toBe("no capacity on this host: 5 VMs > 4 slots");
+    expect(e.details).toEqual({
+      used: { ...held.now, hostMemMib: 1024 },
+      capacity: limits,
+      retryAfterSeconds: 5,
+    });
   });
 
   test("admit lets through exactly what fits says", () => {
@@ -123,6 +134,33 @@ describe("Capacity.fits / admit", () => {
         expect(admitted).toBe(cap.fits(small, n));
       }
     }
+  });
+});
+
+describe("memory counts what a VM makes the host hold", () => {
+  // 2048 MiB budget; each VM holds 128 MiB beside its guest RAM; RAM files on tmpfs hold 512.
+  const files = { mib: 512 };
+  const mem = { overheadMib: 128, filesMib: () => files.mib };
+
+  test("guest RAM + overhead per VM + RAM files, each VM's own overhead", () => {
+    const held = { count: 2, vcpus: 2, memMib: 512 };
+    expect(hostMemMib(held, mem)).toBe(512 + 2 * 128 + 512);
+    const cap = new Capacity(limits, () => held, mem);
+    // 1280 held: one more 256 MiB VM (384) fits, two (768) pass 2048 by 0.
+    expect(cap.fits(small, 2)).toBe(true);
+    files.mib = 513;
+    expect(cap.fits(small, 2)).toBe(false);
+    expect(() => cap.admit(small, 2)).toThrow("VM memory 2049 MiB > 2048 MiB budget");
+    expect(cap.free(small)).toMatchObject({ memMibFree: 767, slotsFree: 1 });
+    files.mib = 512;
+  });
+
+  test("guest RAM alone fits where the whole VM does not", () => {
+    const held = { count: 0, vcpus: 0, memMib: 0 };
+    expect(new Capacity(limits, () => held).fits({ vcpus: 1, memMib: 1000 }, 2)).toBe(true);
+    expect(
+      new Capacity(limits, () => held, { ...mem, filesMib: () => 0 }).fits({ vcpus: 1, memMib: 1000 }, 2),
+    ).toBe(false);
   });
 });
 

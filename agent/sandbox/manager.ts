@@ -32,6 +32,7 @@ import { settled } from "../../contracts/best-effort.ts";
 import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
+import { vmOverheadBytes } from "../qemu/cgroup.ts";
 import type { UsageReport } from "./accounting.ts";
 import { Capacity, hostCapacity } from "./capacity.ts";
 import { type CreateHost, createSandbox } from "./create.ts";
@@ -62,6 +63,7 @@ export const DEFAULT_IDLE_PAUSE_MS = 2_000;
  * cheap; a minute keeps disk GB-hours within a minute's growth of the truth.
  */
 const DISK_REFRESH_MS = 60_000;
+const MIB = 1024 * 1024;
 
 export class SandboxManager {
   /** Every sandbox of this agent, and the one path its state changes by (table.ts). */
@@ -133,7 +135,11 @@ export class SandboxManager {
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
     this.fence = opts.fence ?? defaultFence();
-    this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.table.used());
+    this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.table.used(), {
+      // A driver that names no accelerator runs no QEMU of ours (a test's fake): guest RAM alone.
+      overheadMib: this.driver.accel === undefined ? 0 : vmOverheadBytes(this.driver.accel === "tcg") / MIB,
+      filesMib: () => Math.ceil((this.driver.ramFilesBytes?.() ?? 0) / MIB),
+    });
     this.access = new GuestAccess({
       driver: this.driver,
       fence: this.fence,

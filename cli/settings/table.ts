@@ -412,6 +412,17 @@ export const SETTINGS: readonly SettingSpec[] = [
     doc: "uploads, pulls, imports, suspends and template builds keep this much disk and tmpfs free, else answer 507 insufficient_storage",
   },
   {
+    env: "SANDBOXD_VM_MEMORY_BYTES",
+    emptyIsUnset: true,
+    flag: "vm-memory-bytes",
+    scope: "agent",
+    def: 0,
+    min: 0,
+    max: MAX_BYTES,
+    unit: "bytes",
+    doc: "host memory the VMs may hold together (guest RAM, QEMU's overhead and translation cache per VM, RAM files on tmpfs): admission refuses past it with 503 at_capacity, and the VMs' common cgroup is limited to it; 0 is 75% of host memory",
+  },
+  {
     env: "SANDBOXD_PRELAUNCH",
     flag: "prelaunch",
     scope: "agent",

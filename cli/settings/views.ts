@@ -56,6 +56,8 @@ export interface AgentSettings {
   /** The registry settings by variable name, for agent/image/pull.ts's `registryConfigFromEnv`. */
   registry: Record<string, string>;
   imageCacheBytes: number;
+  /** SANDBOXD_VM_MEMORY_BYTES; 0: the default budget (agent/sandbox/capacity.ts `hostCapacity`). */
+  vmMemoryBytes: number;
   /** SANDBOXD_ACCEL: auto (probe), kvm or tcg. */
   accel: string;
   /** The jail's uid range and `unshare`, and the disk reserve (agent/vm/host-settings.ts). */
@@ -90,6 +92,7 @@ export function agentSettings(s: Settings): AgentSettings {
       ].map((k) => [k, String(s[k])]),
     ),
     imageCacheBytes: n("SANDBOXD_IMAGE_CACHE_BYTES"),
+    vmMemoryBytes: n("SANDBOXD_VM_MEMORY_BYTES"),
     accel: String(s.SANDBOXD_ACCEL),
     host: hostSettings(s),
     egressAllowInternal: String(s.SANDBOXD_EGRESS_ALLOW_INTERNAL),

@@ -7,6 +7,7 @@ import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import type { HostCapacity } from "../../agent/sandbox/capacity.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { DEFAULT_VM_HOST } from "../../agent/vm/host-settings.ts";
@@ -95,6 +96,8 @@ export async function managerWithBusybox(o: {
   /** The free-space reserve (`SANDBOXD_DISK_RESERVE_BYTES`) of a test that fills a small filesystem. */
   diskReserveBytes?: number;
   log?: (line: string) => void;
+  /** The host's admission limits (`SANDBOXD_VM_MEMORY_BYTES` is `memMib`); the defaults otherwise. */
+  capacity?: Partial<HostCapacity>;
 }): Promise<SandboxManager> {
   const driver = await SnapshotDriver.create({
     cacheDir: o.cacheDir,
@@ -106,7 +109,11 @@ export async function managerWithBusybox(o: {
     artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
     ...(o.log !== undefined ? { log: o.log } : {}),
   });
-  const m = await SandboxManager.open({ driver, stateDir: o.stateDir });
+  const m = await SandboxManager.open({
+    driver,
+    stateDir: o.stateDir,
+    ...(o.capacity !== undefined ? { capacity: o.capacity } : {}),
+  });
   m.buildTemplate("bb", { kind: "archive", path: await busyboxArchive() }, { memMib: o.memMib });
   await m.templates.settled("bb");
   const st = m.templates.status("bb");

@@ -147,6 +147,12 @@ export interface SandboxDriver {
   onExit(vm: DriverVm, cb: (info: VmExitInfo) => void): void;
   /** Bytes of the VM's own writable disk (its overlay), for metering. */
   diskBytes(vmId: string): Promise<number>;
+  /**
+   * Bytes its RAM files on tmpfs (templates', forks') hold now: host memory that no VM's guest
+   * RAM counts, which admission adds (capacity.ts). Synchronous: admission is, and it is one
+   * listing of a tmpfs directory. None without the method.
+   */
+  ramFilesBytes?(): number;
 
   /**
    * Reconnects to a VM started before an agent restart: QEMU alive, QMP answers, guest answers

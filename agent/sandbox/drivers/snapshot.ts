@@ -24,6 +24,7 @@
  *
  * The templates this driver restores from, and their builds, are in snapshot-templates.ts.
  */
+import { lstatSync, readdirSync } from "node:fs";
 import { rm, stat } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { bestEffort } from "../../../contracts/best-effort.ts";
@@ -412,6 +413,25 @@ export class SnapshotDriver implements SandboxDriver {
       imagesRoot: join(resolve(this.opts.cacheDir), "images"),
       guestRoot: dirname(dirname(this.artifacts.vmlinux)),
     };
+  }
+
+  ramFilesBytes(): number {
+    let names: string[];
+    try {
+      names = readdirSync(this.shmRoot);
+    } catch {
+      return 0; // no RAM file made yet: the directory comes with the first template
+    }
+    let bytes = 0;
+    for (const name of names) {
+      try {
+        // Allocated blocks, not the size: a RAM file is sparse until its pages are written.
+        bytes += lstatSync(join(this.shmRoot, name)).blocks * 512;
+      } catch {
+        // removed between the listing and here: it holds nothing any more
+      }
+    }
+    return bytes;
   }
 
   async diskBytes(vmId: string): Promise<number> {
