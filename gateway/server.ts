@@ -158,6 +158,7 @@ function agentRouting(
   opts: StartGatewayOptions,
   db: Db,
   region: string,
+  waitMs: number,
   clock: Clock,
 ): { router: AgentRouter; agentSecret: string } | undefined {
   if (opts.agent !== undefined) return undefined;
@@ -179,6 +180,7 @@ function agentRouting(
     region,
     clock,
     ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
+    waitMs,
   });
   return { router, agentSecret: secret };
 }
@@ -258,7 +260,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     const clock = opts.clock ?? Date.now;
     const log = opts.log ?? ((line: string) => console.error(line));
     const relays = new RelayRegistry();
-    const routing = agentRouting(opts, handle.db, config.region, clock);
+    const routing = agentRouting(opts, handle.db, config.region, config.agentWaitMs, clock);
     router = routing?.router;
     const deps = appDeps({
       db: handle.db,

@@ -190,7 +190,7 @@ describe("routing to registered agents", () => {
       const ids = async () => (await router.candidates()).map((r) => r.id).join(",");
       expect(await waitFor(async () => (await ids()) === "eu-a", HANG_MS)).toBe(true);
 
-      // No live agent with room in the region: 503 at_capacity, promptly.
+      // No live agent with room in the region: 503 at_capacity once the wait for one (15 s) has passed.
       a.hb.stop();
       expect(await waitFor(async () => (await ids()) === "", HANG_MS)).toBe(true);
       const res = await api(gw, key, "POST", "/v1/sandboxes", { template: "busybox" });
