@@ -1,4 +1,5 @@
 /** Gateway configuration. Every limit defaults to contracts/api/limits.ts and can be overridden. */
+import { HEARTBEAT_INTERVAL_MS } from "../contracts/agent/heartbeat.ts";
 import { DEFAULT_LIMITS, type Limits, limitsBeyondAgent } from "../contracts/api/limits.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 
@@ -27,6 +28,11 @@ export interface GatewayConfig {
    * tenant is placed here (`sandboxd gateway --region`, default `local`: the region of `up`).
    */
   region: string;
+  /**
+   * How long a bake, an upload's build or a create accepted while no agent of the region is live
+   * waits for one before it fails (docs/templates.md "Waiting for an agent"). Default `AGENT_WAIT_MS`.
+   */
+  agentWaitMs: number;
   limits: Limits;
   /**
    * The operator settings in force in this process by their environment names (cli/settings.ts),
@@ -35,6 +41,16 @@ export interface GatewayConfig {
    */
   settings: Readonly<Record<string, number | string>>;
 }
+
+/**
+ * Three heartbeat intervals (15 s): an agent that is starting (`up`'s own, or a host's agent
+ * restarting) beats at once when it is up and at least once an interval after that, so three
+ * intervals cover its start with room for two lost beats; it is also the window after which a
+ * live agent is declared lost (gateway/agents/registry.ts AGENT_STALE_AFTER_MS), so a request
+ * waits for an agent as long as the gateway would wait before giving up on one. A create holds
+ * its HTTP request that long at most.
+ */
+export const AGENT_WAIT_MS = 3 * HEARTBEAT_INTERVAL_MS;
 
 export type GatewayConfigInput = Omit<Partial<GatewayConfig>, "limits"> &
   Pick<GatewayConfig, "keyPepper" | "connectSecret" | "uploadDir"> & { limits?: Partial<Limits> };
@@ -51,6 +67,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
     uploadDir: input.uploadDir,
     agent: input.agent ?? { id: "local", region: "local", url: "in-process" },
     region: input.region ?? "local",
+    agentWaitMs: input.agentWaitMs ?? AGENT_WAIT_MS,
     settings: input.settings ?? {},
     limits: {
       ...DEFAULT_LIMITS,

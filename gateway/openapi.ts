@@ -116,6 +116,13 @@ function operation(r: RouteContract, components: Json): Json {
       };
     }
   }
+  if (r.alsoAnswers !== undefined) {
+    const a = r.alsoAnswers;
+    responses[String(a.status)] = {
+      description: a.description,
+      content: json(schemaOf(a.response, "output", components)),
+    };
+  }
   const errs = new Set([...r.errors, 500]);
   if (r.api !== "none") {
     errs.add(401);
@@ -123,7 +130,7 @@ function operation(r: RouteContract, components: Json): Json {
     // db_unavailable (with Retry-After): the key is looked up in the database.
     errs.add(503);
   }
-  for (const s of [...errs].sort()) responses[String(s)] = { $ref: "#/components/responses/Error" };
+  for (const s of [...errs].sort()) responses[String(s)] ??= { $ref: "#/components/responses/Error" };
   op.responses = Object.fromEntries(
     Object.keys(responses)
       .sort()

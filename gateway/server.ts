@@ -168,6 +168,7 @@ function agentRouting(
   opts: StartGatewayOptions,
   db: Db,
   region: string,
+  waitMs: number,
   clock: Clock,
 ): { router: AgentRouter; agentSecret: string } | undefined {
   if (opts.agent !== undefined) return undefined;
@@ -189,6 +190,7 @@ function agentRouting(
     region,
     clock,
     ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
+    waitMs,
   });
   return { router, agentSecret: secret };
 }
@@ -274,7 +276,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       log,
       ...(opts.keyRecheckMs !== undefined ? { recheckMs: opts.keyRecheckMs } : {}),
     });
-    const routing = agentRouting(opts, handle.db, config.region, clock);
+    const routing = agentRouting(opts, handle.db, config.region, config.agentWaitMs, clock);
     router = routing?.router;
     const deps = appDeps({
       db: handle.db,

@@ -12,10 +12,11 @@ export const TCG_BOUNDARY =
 export const HealthResponse = z
   .object({
     status: z
-      .enum(["ok", "degraded"])
+      .enum(["ok", "degraded", "starting"])
       .describe(
-        "`degraded` when the host agent or the database does not answer (then `templates` is empty).",
+        "`starting` (with HTTP 503) until this gateway has seen an agent of its region live: `sandboxd up` answers `ok` only once its own agent has registered. After that, `degraded` (HTTP 200) when no agent or the database answers (then `templates` is empty).",
       ),
+    reason: z.string().optional().describe("Present when `status` is not `ok`: what is missing."),
     version: z.string().describe("API build stamp (sandboxes API form)."),
     templates: TemplateReadyMap.describe("Public templates and readiness (sessions API form)."),
     accel: z

@@ -57,6 +57,8 @@ export interface RouteContract {
    * one above: its own body, and its own status when that differs too (e.g. DELETE 200 vs 204).
    */
   sandboxesForm?: { status: number; response?: z.ZodType };
+  /** A second answer with a body of its own besides the success (health's 503 `starting`). */
+  alsoAnswers?: { status: number; description: string; response: z.ZodType };
   /**
    * Error statuses the route can return besides 401/429 (which every authed route can) and 500
    * (which every route can: an unexpected failure, envelope code `internal`).

@@ -26,6 +26,11 @@ export const ROUTES: RouteContract[] = [
     summary: "Health (both forms in one object)",
     response: HealthResponse,
     status: 200,
+    alsoAnswers: {
+      status: 503,
+      description: "Starting: no agent of the gateway's region has been live yet (`status: starting`)",
+      response: HealthResponse,
+    },
     errors: [],
   },
   {

@@ -20,6 +20,7 @@
  * is signed with that agent's own key (enrollment.ts); a revoked agent is neither live nor called.
  */
 import { copyFile, link, rm } from "node:fs/promises";
+import { setTimeout as sleep } from "node:timers/promises";
 import { eq } from "drizzle-orm";
 import type {
   AgentHealth,
@@ -48,9 +49,22 @@ export interface AgentRouterOptions {
   /** The region placements go to (tenants carry none yet: config.region). */
   region: string;
   staleAfterMs?: number;
+  /**
+   * How long a placement waits for an agent of the region to become live when none is
+   * (gateway/config.ts AGENT_WAIT_MS); 0: refuse at once.
+   */
+  waitMs?: number;
   clock?: () => number;
   timeouts?: Partial<AgentTimeouts>;
 }
+
+/**
+ * How often a placement that waits for an agent looks again. A heartbeat is a row in the
+ * database, which another gateway replica may have written, so the wait reads the table rather
+ * than listening to this process's heartbeats; four reads a second of a small indexed table per
+ * waiting call, and an agent is used within a quarter second of its first beat.
+ */
+const LIVE_POLL_MS = 250;
 
 /** Errors after which the same call may go to another agent: nothing was started there. */
 function retryElsewhere(err: unknown): boolean {
@@ -64,6 +78,7 @@ export class AgentRouter implements AgentHostApi, Placement {
   private readonly db: Db;
   private readonly agentSecret: string;
   private readonly staleAfterMs: number;
+  private readonly waitMs: number;
   private readonly clock: () => number;
   private readonly timeouts: Partial<AgentTimeouts> | undefined;
   private readonly clients = new Map<string, AgentHttpClient>();
@@ -75,6 +90,7 @@ export class AgentRouter implements AgentHostApi, Placement {
     this.agentSecret = opts.agentSecret;
     this.region = opts.region;
     this.staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
+    this.waitMs = opts.waitMs ?? 0;
     this.clock = opts.clock ?? Date.now;
     this.timeouts = opts.timeouts;
   }
@@ -127,13 +143,23 @@ export class AgentRouter implements AgentHostApi, Placement {
     return rows.sort((a, b) => load(a) - load(b) || free(b) - free(a) || (a.id < b.id ? -1 : 1));
   }
 
-  /** `candidates`, or 503 `at_capacity` when the region has no live agent. */
+  /**
+   * `candidates`; while the region has no live agent, waits up to `waitMs` for one (an agent that
+   * is starting, docs/templates.md "Waiting for an agent"), then 503 `at_capacity`.
+   */
   async placementOrder(region = this.region): Promise<AgentRow[]> {
-    const rows = await this.candidates(region);
+    const deadline = performance.now() + this.waitMs;
+    let rows = await this.candidates(region);
+    while (rows.length === 0 && performance.now() < deadline) {
+      await sleep(Math.min(LIVE_POLL_MS, deadline - performance.now()));
+      rows = await this.candidates(region);
+    }
     if (rows.length === 0) {
-      throw new SandboxdError("at_capacity", `no live agent in region ${region}; retry with backoff`, {
-        details: { region, retryAfterSeconds: 5 },
-      });
+      throw new SandboxdError(
+        "at_capacity",
+        `no live agent in region ${region}${this.waitMs > 0 ? ` (waited ${this.waitMs / 1000} s for one)` : ""}; retry with backoff`,
+        { details: { region, retryAfterSeconds: 5 } },
+      );
     }
     return rows;
   }
@@ -208,13 +234,19 @@ export class AgentRouter implements AgentHostApi, Placement {
     return (await this.place((a) => a.execOnce(template, action))).result;
   }
 
-  /** Every live agent of the region; fails only if none took it. */
+  /**
+   * Every live agent of the region; fails only if none took it. With none live it fails at once
+   * with 503 `agent_unavailable` and leaves an upload's file in place: nothing was taken, and the
+   * caller waits for an agent and tries again (gateway/core/templates.ts).
+   */
   async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
     const rows = await this.live();
+    if (rows.length === 0) {
+      throw new SandboxdError("agent_unavailable", `no live agent in region ${this.region} to build on`, {
+        details: { region: this.region, noLiveAgent: true, retryAfterSeconds: 5 },
+      });
+    }
     try {
-      if (rows.length === 0) {
-        throw new SandboxdError("agent_unavailable", `no live agent in region ${this.region} to build on`);
-      }
       const sources: TemplateSource[] = [];
       for (let i = 0; i < rows.length; i++) {
         if (source.kind === "upload" && i < rows.length - 1) {

@@ -4,6 +4,8 @@
  * the agent builds and holds it.
  */
 import { randomBytes } from "node:crypto";
+import { rm } from "node:fs/promises";
+import { setTimeout as sleep } from "node:timers/promises";
 import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
 import type { TemplateSource } from "../../contracts/agent/api.ts";
 import type { BakeTemplateRequest } from "../../contracts/api/sandboxes-api.ts";
@@ -12,7 +14,7 @@ import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { ImageReferenceError, parseImageReference } from "../../contracts/image-ref.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
-import type { Deps } from "../deps.ts";
+import { type Deps, logOf } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { base36, newTemplatePk } from "../ids.ts";
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
@@ -53,7 +55,15 @@ export async function refreshTemplate(deps: Deps, row: TemplateRow): Promise<Tem
   let st: Awaited<ReturnType<Deps["agent"]["templateStatus"]>>;
   try {
     st = await deps.agent.templateStatus(row.agentRef);
-  } catch {
+  } catch (err) {
+    if (neverStarted(deps, row, err)) {
+      await markBuildFailed(
+        deps,
+        row,
+        "agent_unavailable: the build was never started (the gateway that accepted it stopped before an agent was live); retry the request",
+      );
+      return (await rowByPk(deps, row.pk)) ?? row;
+    }
     // The agent is unreachable or has not started this build yet: the row stays "building"
     // (a listing or health check must not fail because one build cannot be asked about).
     return row;
@@ -73,6 +83,26 @@ export async function refreshTemplate(deps: Deps, row: TemplateRow): Promise<Tem
     .where(and(eq(templates.pk, row.pk), eq(templates.status, "building")))
     .returning();
   return updated ?? row;
+}
+
+/**
+ * A `Pending` build that the live agents do not know, accepted longer ago than twice the wait
+ * for an agent: whichever gateway accepted it has either started it or given up by now (the
+ * wait, plus as much again for its last try's call), so no one will start it: a gateway that
+ * stopped while it waited. Failed rather than left `Pending` for ever. Measured from
+ * `createdAt`, which for an upload is before its body was read: after a long upload the check can
+ * meet a wait still running, and wins only in the half second (BUILD_RETRY_MS) between an
+ * agent's first beat and the wait's next try.
+ */
+function neverStarted(deps: Deps, row: TemplateRow, err: unknown): boolean {
+  return (
+    err instanceof SandboxdError &&
+    err.code === "not_found" &&
+    row.phase === "Pending" &&
+    // An upload still streaming is reserved but not yet asked for (its size is set once it is).
+    (row.api === "sandboxes" || row.uploadBytes !== null) &&
+    deps.clock() - row.createdAt.getTime() > 2 * deps.config.agentWaitMs
+  );
 }
 
 /** A template the caller may spawn from: ready, or a clean 409. */
@@ -198,16 +228,7 @@ export async function startUploadBuild(
   if (spec.vcpuCount !== undefined) source.vcpuCount = spec.vcpuCount;
   if (spec.waitSecs !== undefined) source.waitSecs = spec.waitSecs;
   await deps.db.update(templates).set({ uploadBytes: upload.bytes }).where(eq(templates.pk, row.pk));
-  try {
-    await deps.agent.buildTemplate(row.agentRef, source);
-  } catch (err) {
-    // A build that cannot even start is a failed build (docs/templates.md "Rules of templates": reported, never a crash).
-    const message = buildStartError(err);
-    await deps.db
-      .update(templates)
-      .set({ status: "failed", phase: "Failed", error: message })
-      .where(eq(templates.pk, row.pk));
-  }
+  await startBuild(deps, row, source);
 }
 
 /** Forgets a reservation whose upload never completed. */
@@ -275,18 +296,88 @@ export async function bakeTemplate(
   if (req.ready !== undefined) source.ready = req.ready;
   if (req.width !== undefined) source.width = req.width;
   if (req.expected_width !== undefined) source.expectedWidth = req.expected_width;
+  const started = await startBuild(deps, row, source);
+  return started ? refreshTemplate(deps, row) : ((await rowByPk(deps, row.pk)) ?? row);
+}
+
+/**
+ * How often a build accepted while no agent was live tries again. Each try is one read of the
+ * agents table (the router's `live`), so two a second per waiting build is cheap, and the build
+ * starts within half a second of an agent's first heartbeat.
+ */
+const BUILD_RETRY_MS = 500;
+
+/** Nothing was started: no agent is live, or the one tried refused the connection (router.ts `retryElsewhere`). */
+function nothingStarted(err: unknown): boolean {
+  return err instanceof SandboxdError && err.code === "agent_unavailable" && err.details?.timedOut !== true;
+}
+
+async function rowByPk(deps: Deps, pk: string): Promise<TemplateRow | undefined> {
+  return (await deps.db.select().from(templates).where(eq(templates.pk, pk)))[0];
+}
+
+async function markBuildFailed(deps: Deps, row: TemplateRow, message: string): Promise<void> {
+  await deps.db
+    .update(templates)
+    .set({ status: "failed", phase: "Failed", error: message })
+    .where(and(eq(templates.pk, row.pk), eq(templates.status, "building")));
+}
+
+/**
+ * Asks the agents to build a committed row. True once one took it. A build that cannot even start
+ * is a failed build (docs/templates.md "Rules of templates": reported, never a crash), except when
+ * no agent is live: then the row stays `Pending` and the build waits for one in the background,
+ * up to `config.agentWaitMs` from now, and fails with that reason past it (docs/templates.md
+ * "Waiting for an agent"). An upload's file is the agent's once taken, else removed here.
+ */
+async function startBuild(deps: Deps, row: TemplateRow, source: TemplateSource): Promise<boolean> {
   try {
     await deps.agent.buildTemplate(row.agentRef, source);
+    return true;
   } catch (err) {
-    const message = buildStartError(err);
-    const [failed] = await deps.db
-      .update(templates)
-      .set({ status: "failed", phase: "Failed", error: message })
-      .where(eq(templates.pk, row.pk))
-      .returning();
-    return failed ?? row;
+    if (!nothingStarted(err) || deps.config.agentWaitMs <= 0) {
+      await dropUpload(source);
+      await markBuildFailed(deps, row, buildStartError(err));
+      return false;
+    }
   }
-  return refreshTemplate(deps, row);
+  const log = logOf(deps);
+  void buildWhenAgentLive(deps, row, source).catch((err: unknown) => {
+    // The wait runs after the request was answered: its failure has no caller but the log.
+    log(`template ${row.id} (${row.pk}): waiting for an agent failed: ${describeError(err)}`);
+  });
+  return false;
+}
+
+async function dropUpload(source: TemplateSource): Promise<void> {
+  if (source.kind === "upload") await rm(source.path, { force: true });
+}
+
+/** `startBuild`'s wait: tries again every BUILD_RETRY_MS until an agent takes the build or the bound passes. */
+async function buildWhenAgentLive(deps: Deps, row: TemplateRow, source: TemplateSource): Promise<void> {
+  const waitMs = deps.config.agentWaitMs;
+  const deadline = performance.now() + waitMs;
+  while (performance.now() < deadline) {
+    await sleep(Math.min(BUILD_RETRY_MS, Math.max(0, deadline - performance.now())));
+    // Deleted (or settled by another replica's refresh) while it waited: nothing left to build.
+    const now = await rowByPk(deps, row.pk);
+    if (!now || now.deletedAt !== null || now.status !== "building") return dropUpload(source);
+    try {
+      await deps.agent.buildTemplate(row.agentRef, source);
+      return;
+    } catch (err) {
+      if (!nothingStarted(err)) {
+        await dropUpload(source);
+        return markBuildFailed(deps, row, buildStartError(err));
+      }
+    }
+  }
+  await dropUpload(source);
+  await markBuildFailed(
+    deps,
+    row,
+    `agent_unavailable: no agent of region ${deps.config.region} was live to build on within ${waitMs / 1000} s of the request; retry the request`,
+  );
 }
 
 /**

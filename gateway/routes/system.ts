@@ -45,7 +45,16 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
     }
     return cached.health;
   };
-  app.get("/health", async (c) => c.json(await healthBody(deps, await agentHealth())));
+  // Whether an agent of the region has answered healthy since this process started: until then
+  // the gateway is `starting` (503), after that a lost agent is `degraded` (200), docs/api.md
+  // "Health and the build stamp". A balancer or `up`'s caller thus never sees 200 before anything can run.
+  let seenLive = false;
+  app.get("/health", async (c) => {
+    const h = await agentHealth();
+    if (h?.ok) seenLive = true;
+    const body = await healthBody(deps, h, seenLive);
+    return c.json(body, body.status === "starting" ? 503 : 200);
+  });
   // The API's description, as committed beside the code (gateway/openapi.ts generates it and a
   // test keeps the two equal): public documentation, so no key, like health. Read on first use.
   let openapi: Promise<string> | undefined;
@@ -61,8 +70,18 @@ export function healthRoutes(deps: Deps): Hono<HonoEnv> {
 }
 
 /** One health answer (docs/api.md "Rules every route shares"): status + version (B) + templates map (A); public templates only. */
-async function healthBody(deps: Deps, h: AgentHealth | undefined): Promise<Record<string, unknown>> {
-  let status: "ok" | "degraded" = h?.ok ? "ok" : "degraded";
+async function healthBody(
+  deps: Deps,
+  h: AgentHealth | undefined,
+  seenLive: boolean,
+): Promise<Record<string, unknown> & { status: "ok" | "degraded" | "starting" }> {
+  let status: "ok" | "degraded" | "starting" = h?.ok ? "ok" : seenLive ? "degraded" : "starting";
+  let reason: string | undefined;
+  if (!h?.ok) {
+    reason = seenLive
+      ? `no agent of region ${deps.config.region} answers`
+      : `no agent of region ${deps.config.region} has been live yet`;
+  }
   const accel = h?.accel;
   // Without the database health still answers (200, `degraded`, no templates): a balancer
   // keeps probing and sees the gateway come back; every other call is 503 `db_unavailable`.
@@ -71,10 +90,13 @@ async function healthBody(deps: Deps, h: AgentHealth | undefined): Promise<Recor
     rows = await visibleTemplates(deps, null);
   } catch (err) {
     if (!isDbUnavailable(err)) throw err;
-    status = "degraded";
+    if (status === "ok") status = "degraded";
+    reason =
+      reason === undefined ? "the database does not answer" : `${reason}; the database does not answer`;
   }
   return {
     status,
+    ...(reason !== undefined ? { reason } : {}),
     version: deps.config.version,
     templates: Object.fromEntries(rows.map((r) => [r.id, { ready: r.status === "ready" }])),
     ...(accel ? { accel } : {}),

@@ -222,8 +222,10 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     const p = c.get("principal");
     const row = await resolveTemplate(deps, p.tenantId, c.req.param("id"));
     if (p.api === "sessions") return c.json(templateA(row));
-    const st = await deps.agent.templateStatus(row.agentRef);
-    return c.json(templateB(row, st.telemetry));
+    // A build still waiting for an agent (docs/templates.md "Waiting for an agent"), or one whose
+    // agent cannot answer now: the row is the answer and the telemetry is empty, as after a bake.
+    const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
+    return c.json(templateB(row, st?.telemetry ?? {}));
   });
 
   app.delete("/:id", async (c) => {

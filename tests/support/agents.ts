@@ -25,6 +25,8 @@ export async function startRoutingGateway(opts: {
   onCleanup: (c: () => Promise<void>) => void;
   /** The key cache's short TTL (`StartGatewayOptions.keyCacheTtlMs`). */
   keyCacheTtlMs?: number;
+  /** How long a create waits for a live agent (`GatewayConfig.agentWaitMs`). */
+  agentWaitMs?: number;
 }): Promise<RunningGateway> {
   const dir = await mkdtemp(join(tmpdir(), "sbx-route-gw-"));
   const gw = await startGateway({
@@ -33,7 +35,11 @@ export async function startRoutingGateway(opts: {
     agentSecret: opts.agentSecret,
     staleAfterMs: opts.staleAfterMs,
     ...(opts.keyCacheTtlMs !== undefined ? { keyCacheTtlMs: opts.keyCacheTtlMs } : {}),
-    config: { region: "eu", version: "test" },
+    config: {
+      region: "eu",
+      version: "test",
+      ...(opts.agentWaitMs !== undefined ? { agentWaitMs: opts.agentWaitMs } : {}),
+    },
     log: () => {},
   });
   opts.onCleanup(async () => {

@@ -43,6 +43,8 @@ export async function makeHarness(
     validate?: boolean;
     /** A row cache for the app (core/row-cache.ts); the test drives its LISTEN state. */
     rows?: RowCache;
+    /** How long a build or create waits for an agent (gateway/config.ts AGENT_WAIT_MS). */
+    agentWaitMs?: number;
   } = {},
 ): Promise<Harness> {
   const dir = mkdtempSync(join(tmpdir(), "sandboxd-gw-"));
@@ -57,6 +59,7 @@ export async function makeHarness(
     publicBaseUrl: "https://api.example.test",
     version: "test-1",
     ...(opts.limits ? { limits: opts.limits } : {}),
+    ...(opts.agentWaitMs !== undefined ? { agentWaitMs: opts.agentWaitMs } : {}),
   });
   await upsertPublicTemplate(
     { db: handle.db, clock },

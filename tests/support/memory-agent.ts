@@ -56,6 +56,8 @@ export class MemoryAgent implements AgentApi {
     }
   >();
   readonly calls: string[] = [];
+  /** While set, the stand-in answers as a region with no live agent: builds refused, health not ok. */
+  absent = false;
   /** While set, one-shot execs wait for it (a test holds them in flight). */
   execOnceGate: Promise<void> | undefined;
   /** Slots left; createSandbox/fork throw at_capacity at 0. */
@@ -226,6 +228,12 @@ export class MemoryAgent implements AgentApi {
 
   async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
     this.calls.push(`build ${template} ${source.kind}`);
+    if (this.absent) {
+      // As the router answers while no agent of the region is live (gateway/agents/router.ts).
+      throw new SandboxdError("agent_unavailable", "no live agent in region local to build on", {
+        details: { noLiveAgent: true },
+      });
+    }
     const existing = this.templates.get(template);
     if (existing?.deleting) throw new SandboxdError("conflict", `template ${template} is being deleted`);
     if (existing && existing.status !== "failed") {
@@ -431,7 +439,7 @@ export class MemoryAgent implements AgentApi {
 
   async health(): Promise<AgentHealth> {
     return {
-      ok: true,
+      ok: !this.absent,
       version: "stand-in",
       capacity: { slotsFree: this.slotsFree, slotsTotal: 1000, vcpusFree: 64, memMibFree: 65536 },
     };

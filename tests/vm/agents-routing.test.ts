@@ -65,6 +65,8 @@ async function startGw(): Promise<{ gw: RunningGateway; key: string }> {
   const gw = await startRoutingGateway({
     agentSecret: SECRET,
     staleAfterMs: STALE_MS,
+    // A create with no live agent waits this long for one before at_capacity (15 s by default).
+    agentWaitMs: 1_000,
     onCleanup: (c) => cleanups.push(c),
   });
   const key = await gw.withDb(async (db) => {
@@ -190,7 +192,7 @@ describe("routing to registered agents", () => {
       const ids = async () => (await router.candidates()).map((r) => r.id).join(",");
       expect(await waitFor(async () => (await ids()) === "eu-a", HANG_MS)).toBe(true);
 
-      // No live agent with room in the region: 503 at_capacity, promptly.
+      // No live agent with room in the region: 503 at_capacity once the wait for one (1 s here) has passed.
       a.hb.stop();
       expect(await waitFor(async () => (await ids()) === "", HANG_MS)).toBe(true);
       const res = await api(gw, key, "POST", "/v1/sandboxes", { template: "busybox" });
