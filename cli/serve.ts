@@ -308,6 +308,8 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     region: values.region ?? "local",
     advertiseUrl: values.advertise ?? server.url,
     capacity: () => manager.capacityNow(),
+    templates: () => manager.readyTemplates(),
+    disk: { dir: stateDir, reserveBytes: agent.host.diskReserveBytes },
     log,
   });
   events.start({ gatewayUrl: values.gateway, credentials });

@@ -165,6 +165,8 @@ async function serveLocalAgent(o: {
     region: "local",
     advertiseUrl: agentServer.url,
     capacity: () => o.manager.capacityNow(),
+    templates: () => o.manager.readyTemplates(),
+    disk: { dir: o.stateDir, reserveBytes: o.diskReserveBytes },
     log: o.log,
   });
   return { gatewayUrl, credentials, agentServer, heartbeats };

@@ -4,6 +4,7 @@
  * this agent got at enrollment (enroll.ts). A failed beat is
  * logged and retried on the next tick (the gateway may be restarting).
  */
+import { statfsSync } from "node:fs";
 import type { AgentCapacity } from "../../contracts/agent/api.ts";
 import { HEARTBEAT_INTERVAL_MS, HEARTBEAT_PATH, type Heartbeat } from "../../contracts/agent/heartbeat.ts";
 import { type AgentCredentials, secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
@@ -22,6 +23,10 @@ export function startHeartbeats(opts: {
   /** The URL the gateway reaches this agent at. */
   advertiseUrl: string;
   capacity: () => AgentCapacity;
+  /** Refs of the templates ready here, reported so that placement prefers this agent for them. */
+  templates?: () => string[];
+  /** Free disk is reported for this dir (the state dir, where VMs' disks and RAM files go), less `diskReserveBytes`. */
+  disk?: { dir: string; reserveBytes: number };
   intervalMs?: number;
   log?: (m: string) => void;
 }): HeartbeatSender {
@@ -33,7 +38,8 @@ export function startHeartbeats(opts: {
       id,
       region: opts.region,
       url: opts.advertiseUrl,
-      capacity: opts.capacity(),
+      capacity: { ...opts.capacity(), ...(opts.disk ? { diskMibFree: diskMibFree(opts.disk) } : {}) },
+      ...(opts.templates ? { templates: opts.templates().slice(0, MAX_REPORTED_TEMPLATES) } : {}),
     };
     const res = await fetch(url, {
       method: "POST",
@@ -59,4 +65,13 @@ export function startHeartbeats(opts: {
       });
   }, opts.intervalMs ?? HEARTBEAT_INTERVAL_MS);
   return { first, stop: () => clearInterval(timer) };
+}
+
+/** The heartbeat contract's bound on reported templates; more are left out (none preferred for those). */
+const MAX_REPORTED_TEMPLATES = 4096;
+
+/** Free MiB under `dir` for unprivileged writers, less the reserve the agent keeps for uploads. */
+function diskMibFree(disk: { dir: string; reserveBytes: number }): number {
+  const s = statfsSync(disk.dir);
+  return Math.max(0, Math.floor((s.bavail * s.bsize - disk.reserveBytes) / 2 ** 20));
 }

@@ -372,6 +372,11 @@ export class SandboxManager {
     await this.warm.release(id);
   }
 
+  /** Templates ready to start VMs from here (reported in heartbeats for placement). */
+  readyTemplates(): string[] {
+    return this.templates.ids().filter((id) => this.templates.status(id).status === "ready");
+  }
+
   capacityNow(): AgentCapacity {
     return this.capacity.free(this.defaultSize);
   }

@@ -24,6 +24,14 @@ export const Heartbeat = z.object({
     slotsTotal: z.number().int().min(0),
     vcpusFree: z.number().int().min(0),
     memMibFree: z.number().int().min(0),
+    /** Free disk under the agent's state dir, MiB; absent from older agents (no disk check then). */
+    diskMibFree: z.number().int().min(0).optional(),
   }),
+  /**
+   * Refs of the templates ready on this agent, which placement prefers (gateway/agents/router.ts).
+   * At most 4096: a host holds far fewer (each is a disk image and a RAM file on its disk), and
+   * the bound keeps a beat small. Absent from older agents: then none is preferred.
+   */
+  templates: z.array(z.string().min(1).max(256)).max(4096).optional(),
 });
 export type Heartbeat = z.infer<typeof Heartbeat>;

@@ -1,4 +1,5 @@
-import { integer, pgTable, text, timestamp } from "drizzle-orm/pg-core";
+import { sql } from "drizzle-orm";
+import { integer, jsonb, pgTable, text, timestamp } from "drizzle-orm/pg-core";
 
 /**
  * Host agents the gateway can place VMs on: the gateway decides where a sandbox runs, the agent how.
@@ -15,6 +16,19 @@ export const agents = pgTable("agents", {
   slotsFree: integer("slots_free").notNull().default(0),
   vcpusFree: integer("vcpus_free").notNull().default(0),
   memMibFree: integer("mem_mib_free").notNull().default(0),
+  /** Free disk under the agent's state dir, MiB; null: not reported (no disk check). */
+  diskMibFree: integer("disk_mib_free"),
+  /** Agent refs of the templates ready on this agent, as last reported (placement prefers them). */
+  templates: jsonb("templates").$type<string[]>().notNull().default(sql`'[]'::jsonb`),
+  /**
+   * Placed since the last heartbeat, by any gateway: a placement adds its VM here in the same
+   * conditional UPDATE that checks the room left (reported free minus these), and each heartbeat,
+   * which reports what the agent then holds, sets them back to 0 (gateway/agents/router.ts).
+   */
+  placedSlots: integer("placed_slots").notNull().default(0),
+  placedVcpus: integer("placed_vcpus").notNull().default(0),
+  placedMemMib: integer("placed_mem_mib").notNull().default(0),
+  placedDiskMib: integer("placed_disk_mib").notNull().default(0),
   lastHeartbeatAt: timestamp("last_heartbeat_at", { withTimezone: true, mode: "date" }),
   createdAt: timestamp("created_at", { withTimezone: true, mode: "date" }).notNull().defaultNow(),
   keyId: text("key_id"),

@@ -8,18 +8,33 @@ import type { AgentApi, AgentHostApi, AgentVmApi } from "../../contracts/agent/a
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 
+/**
+ * What a new VM claims on the agent it goes to: one slot, and these (unset: 0; `diskMib` unset:
+ * `memMib`, as a suspend writes the guest's RAM to the agent's disk). `template` is the agent ref
+ * the VM starts from: agents that hold it are preferred.
+ */
+export interface PlacementNeed {
+  template?: string;
+  vcpus?: number;
+  memMib?: number;
+  diskMib?: number;
+}
+
 export interface Placement {
   /**
    * The agent a new VM goes to first, so that its record can name it before the VM exists; its
    * `agents` row exists once this resolves. None with room: 503 `at_capacity`.
    */
-  firstChoice(): Promise<string>;
+  firstChoice(need?: PlacementNeed): Promise<string>;
   /**
    * Runs `fn` (a create) on the first agent that takes it, moving on to the next when one refuses
    * before starting anything; returns which agent took it. When every agent refused, the last
    * refusal is thrown (no room anywhere reads as `at_capacity`).
    */
-  place<T>(fn: (api: AgentHostApi) => Promise<T>): Promise<{ agentId: string; result: T }>;
+  place<T>(
+    fn: (api: AgentHostApi) => Promise<T>,
+    need?: PlacementNeed,
+  ): Promise<{ agentId: string; result: T }>;
   /**
    * The calls on the VMs of the agent with this id (the id on a sandbox's record); one that is not
    * live fails its calls at once.
@@ -38,12 +53,15 @@ export class FixedPlacement implements Placement {
     private readonly row: { id: string; region: string; url: string },
   ) {}
 
-  async firstChoice(): Promise<string> {
+  async firstChoice(_need?: PlacementNeed): Promise<string> {
     await this.ensureRow();
     return this.row.id;
   }
 
-  async place<T>(fn: (api: AgentHostApi) => Promise<T>): Promise<{ agentId: string; result: T }> {
+  async place<T>(
+    fn: (api: AgentHostApi) => Promise<T>,
+    _need?: PlacementNeed,
+  ): Promise<{ agentId: string; result: T }> {
     return { agentId: this.row.id, result: await fn(this.agent) };
   }
 

@@ -33,6 +33,14 @@ export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date):
     slotsFree: hb.capacity.slotsFree,
     vcpusFree: hb.capacity.vcpusFree,
     memMibFree: hb.capacity.memMibFree,
+    diskMibFree: hb.capacity.diskMibFree ?? null,
+    templates: hb.templates ?? [],
+    // The beat reports what the agent holds now, the VMs placed before it included, so the
+    // gateways' count of placements since the last beat starts again from 0.
+    placedSlots: 0,
+    placedVcpus: 0,
+    placedMemMib: 0,
+    placedDiskMib: 0,
     lastHeartbeatAt: at,
   });
 }

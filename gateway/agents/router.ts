@@ -1,11 +1,14 @@
 /**
  * `AgentRouter`: the gateway's view of many host agents (registry.ts keeps the registry).
  *
- * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region,
- *   least-loaded first (smallest share of slots in use, then most slots free). Room is estimated
- *   as the heartbeat's `slotsFree` minus what this gateway placed there since that heartbeat; the
- *   agent has the last word (`at_capacity`, and the next one is tried). No live agent, or every
- *   one full: 503 `at_capacity`.
+ * - Placement (`placementOrder`, docs/agents-and-placement.md "Placement by free room and template locality"): live agents (heartbeat fresher than
+ *   `staleAfterMs`) of the region with room for the VM: the heartbeat's free slots, vCPUs, memory
+ *   and disk MINUS what any gateway placed there since that heartbeat (the `placed_*` columns of
+ *   its `agents` row). A placement claims its room with one conditional UPDATE that checks the
+ *   room left and adds the VM, so two gateways on one database never both take an agent's last
+ *   room. Agents that report holding the template come first; among them (then among the rest)
+ *   the first is the less loaded of two picked at random (power of two choices). The agent has
+ *   the last word (`at_capacity`, and the next one is tried). None with room: 503 `at_capacity`.
  * - A sandbox's later calls go to the agent recorded on its row (`agentFor`); a stale or
  *   unregistered agent fails at once with 503 `agent_unavailable`, an unreachable one as soon as
  *   the connection is refused (AgentHttpClient), never a hang.
@@ -21,8 +24,9 @@
  */
 import { copyFile, link, rm } from "node:fs/promises";
 import { setTimeout as sleep } from "node:timers/promises";
-import { eq } from "drizzle-orm";
+import { and, eq, gt, isNotNull, sql } from "drizzle-orm";
 import type {
+  AgentApi,
   AgentHealth,
   AgentHostApi,
   AgentVmApi,
@@ -39,7 +43,7 @@ import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
 import { deriveAgentKey } from "./enrollment.ts";
-import type { Placement } from "./placement.ts";
+import type { Placement, PlacementNeed } from "./placement.ts";
 import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./registry.ts";
 
 export interface AgentRouterOptions {
@@ -56,6 +60,42 @@ export interface AgentRouterOptions {
   waitMs?: number;
   clock?: () => number;
   timeouts?: Partial<AgentTimeouts>;
+  /** Draws of the power-of-two choice, uniform in [0, 1); tests pass a seeded one. */
+  random?: () => number;
+  /** How the router calls an agent; by default signed HTTP (AgentHttpClient). Tests pass in-memory agents. */
+  connect?: (row: AgentRow & { keyId: string }, key: string) => AgentApi;
+}
+
+/** What a VM claims on an agent, every field filled in. */
+type Need = Required<Omit<PlacementNeed, "template">> & { template: string | undefined };
+
+function fullNeed(n: PlacementNeed): Need {
+  const memMib = n.memMib ?? 0;
+  return { template: n.template, vcpus: n.vcpus ?? 0, memMib, diskMib: n.diskMib ?? memMib };
+}
+
+/** An agent's room now: its last heartbeat's free resources less what was placed since. */
+export function roomOf(row: AgentRow): { slots: number; vcpus: number; memMib: number; diskMib: number } {
+  return {
+    slots: row.slotsFree - row.placedSlots,
+    vcpus: row.vcpusFree - row.placedVcpus,
+    memMib: row.memMibFree - row.placedMemMib,
+    diskMib: row.diskMibFree === null ? Number.POSITIVE_INFINITY : row.diskMibFree - row.placedDiskMib,
+  };
+}
+
+function fits(row: AgentRow, need: Need): boolean {
+  const r = roomOf(row);
+  return r.slots >= 1 && r.vcpus >= need.vcpus && r.memMib >= need.memMib && r.diskMib >= need.diskMib;
+}
+
+/** Share of the agent's slots in use or placed (1: full; an agent reporting no slots counts as full). */
+function loadOf(row: AgentRow): number {
+  return row.slotsTotal > 0 ? 1 - Math.max(0, roomOf(row).slots) / row.slotsTotal : 1;
+}
+
+function byLoad(a: AgentRow, b: AgentRow): number {
+  return loadOf(a) - loadOf(b) || roomOf(b).slots - roomOf(a).slots || (a.id < b.id ? -1 : 1);
 }
 
 /**
@@ -81,9 +121,9 @@ export class AgentRouter implements AgentHostApi, Placement {
   private readonly waitMs: number;
   private readonly clock: () => number;
   private readonly timeouts: Partial<AgentTimeouts> | undefined;
-  private readonly clients = new Map<string, AgentHttpClient>();
-  /** Per agent: creates placed since its heartbeat at `hb` (ms). */
-  private readonly placed = new Map<string, { hb: number; n: number }>();
+  private readonly random: () => number;
+  private readonly connect: ((row: AgentRow & { keyId: string }, key: string) => AgentApi) | undefined;
+  private readonly clients = new Map<string, AgentApi>();
 
   constructor(opts: AgentRouterOptions) {
     this.db = opts.db;
@@ -93,21 +133,26 @@ export class AgentRouter implements AgentHostApi, Placement {
     this.waitMs = opts.waitMs ?? 0;
     this.clock = opts.clock ?? Date.now;
     this.timeouts = opts.timeouts;
+    this.random = opts.random ?? Math.random;
+    this.connect = opts.connect;
   }
 
   /** Rows come from `live`/`isLive`, which keep only enrolled agents (a key id). */
-  private client(row: AgentRow): AgentHttpClient {
+  private client(row: AgentRow): AgentApi {
     const keyId = row.keyId;
     if (keyId === null) throw new SandboxdError("agent_unavailable", `agent ${row.id} is not enrolled`);
     const k = `${row.id} ${row.url} ${keyId}`;
     let c = this.clients.get(k);
     if (!c) {
-      c = new AgentHttpClient({
-        baseUrl: row.url,
-        agentId: row.id,
-        key: deriveAgentKey(this.agentSecret, row.id, keyId),
-        ...(this.timeouts ? { timeouts: this.timeouts } : {}),
-      });
+      const key = deriveAgentKey(this.agentSecret, row.id, keyId);
+      c = this.connect
+        ? this.connect({ ...row, keyId }, key)
+        : new AgentHttpClient({
+            baseUrl: row.url,
+            agentId: row.id,
+            key,
+            ...(this.timeouts ? { timeouts: this.timeouts } : {}),
+          });
       this.clients.set(k, c);
     }
     return c;
@@ -117,75 +162,148 @@ export class AgentRouter implements AgentHostApi, Placement {
     return liveAgents(this.db, region, this.clock(), this.staleAfterMs);
   }
 
-  private freeSlots(row: AgentRow): number {
-    const hb = row.lastHeartbeatAt?.getTime() ?? 0;
-    const p = this.placed.get(row.id);
-    return row.slotsFree - (p && p.hb === hb ? p.n : 0);
-  }
-
-  private notePlaced(row: AgentRow): void {
-    const hb = row.lastHeartbeatAt?.getTime() ?? 0;
-    const p = this.placed.get(row.id);
-    this.placed.set(row.id, { hb, n: p && p.hb === hb ? p.n + 1 : 1 });
+  /**
+   * Live agents of `region` with room for `need` (`roomOf`), those reporting `need.template`
+   * first, each group least loaded first (smallest share of slots in use or placed, then most
+   * slots free). An agent with too little room is left out: its room counts every gateway's
+   * placements since its heartbeat, and a VM deleted since then only makes it look fuller than it
+   * is until the next beat (5 s).
+   */
+  async candidates(region = this.region, need: PlacementNeed = {}): Promise<AgentRow[]> {
+    const n = fullNeed(need);
+    const rows = (await this.live(region)).filter((r) => fits(r, n)).sort(byLoad);
+    const holds = (r: AgentRow) => n.template !== undefined && r.templates.includes(n.template);
+    return [...rows.filter(holds), ...rows.filter((r) => !holds(r))];
   }
 
   /**
-   * Live agents of `region`, most room first (smallest share of slots in use, then most slots
-   * free). Nobody is left out for looking full: the estimate is a heartbeat up to 5 s old minus
-   * what was placed since, and sandboxes deleted in between are not in it, so an agent that
-   * looks full may have room. The agent itself is authoritative: one that is really full answers
-   * `at_capacity` at once and `place` moves on to the next.
+   * `candidates` in the order a placement tries them: in each group (holding the template, then
+   * not), the first is the less loaded of two drawn at random (power of two choices), the rest
+   * follow least loaded first. Not simply the least loaded: every gateway would send its creates
+   * to the same agent, contending for its row and piling a burst on one host; two random draws
+   * keep the maximum load within a small margin of the mean (docs/agents-and-placement.md "Placement by free room and template locality").
+   * None: 503 `at_capacity`.
    */
-  async candidates(region = this.region): Promise<AgentRow[]> {
-    const rows = await this.live(region);
-    const free = (r: AgentRow) => Math.max(0, this.freeSlots(r));
-    const load = (r: AgentRow) => (r.slotsTotal > 0 ? 1 - free(r) / r.slotsTotal : 1);
-    return rows.sort((a, b) => load(a) - load(b) || free(b) - free(a) || (a.id < b.id ? -1 : 1));
-  }
-
-  /**
-   * `candidates`; while the region has no live agent, waits up to `waitMs` for one (an agent that
-   * is starting, docs/templates.md "Waiting for an agent"), then 503 `at_capacity`.
-   */
-  async placementOrder(region = this.region): Promise<AgentRow[]> {
+  async placementOrder(region = this.region, need: PlacementNeed = {}): Promise<AgentRow[]> {
+    // While the region has no live agent (one that is starting), wait up to `waitMs` for one
+    // (docs/templates.md "Waiting for an agent"); live agents without room answer at once.
     const deadline = performance.now() + this.waitMs;
-    let rows = await this.candidates(region);
-    while (rows.length === 0 && performance.now() < deadline) {
+    const look = async () => {
+      const rows = await this.candidates(region, need);
+      return { rows, live: rows.length > 0 ? rows.length : (await this.live(region)).length };
+    };
+    let { rows, live } = await look();
+    while (live === 0 && performance.now() < deadline) {
       await sleep(Math.min(LIVE_POLL_MS, deadline - performance.now()));
-      rows = await this.candidates(region);
+      ({ rows, live } = await look());
     }
     if (rows.length === 0) {
-      throw new SandboxdError(
-        "at_capacity",
-        `no live agent in region ${region}${this.waitMs > 0 ? ` (waited ${this.waitMs / 1000} s for one)` : ""}; retry with backoff`,
-        { details: { region, retryAfterSeconds: 5 } },
-      );
+      const waited = this.waitMs > 0 ? ` (waited ${this.waitMs / 1000} s for one)` : "";
+      const why =
+        live === 0 ? `no live agent in region ${region}${waited}` : `no agent in region ${region} has room`;
+      throw new SandboxdError("at_capacity", `${why}; retry with backoff`, {
+        details: { region, retryAfterSeconds: 5 },
+      });
     }
-    return rows;
+    const holds = (r: AgentRow) => need.template !== undefined && r.templates.includes(need.template);
+    return [...this.twoChoices(rows.filter(holds)), ...this.twoChoices(rows.filter((r) => !holds(r)))];
   }
 
-  /** Placement: the least-loaded live agent of the region, or 503 `at_capacity`. */
-  async firstChoice(): Promise<string> {
-    return (await this.placementOrder())[0]!.id;
+  /** `rows` (least loaded first) with the better of two random draws moved to the front. */
+  private twoChoices(rows: AgentRow[]): AgentRow[] {
+    if (rows.length < 2) return rows;
+    const i = Math.floor(this.random() * rows.length);
+    let j = Math.floor(this.random() * (rows.length - 1));
+    if (j >= i) j++;
+    const best = Math.min(i, j);
+    return [rows[best]!, ...rows.slice(0, best), ...rows.slice(best + 1)];
+  }
+
+  /** Placement: the agent a placement would try first, or 503 `at_capacity`; nothing is claimed. */
+  async firstChoice(need: PlacementNeed = {}): Promise<string> {
+    return (await this.placementOrder(this.region, need))[0]!.id;
   }
 
   /**
-   * Placement: runs `fn` on the first candidate that takes it; returns which agent did. The last
-   * error is thrown when every candidate refused (no room anywhere reads as `at_capacity`).
+   * Claims `need` on agent `id` if it still has room: one UPDATE whose WHERE checks the room left
+   * (heartbeat free less placed) and liveness, so of two gateways racing for an agent's last room
+   * one updates the row and the other, re-checking the row after the first's commit, matches
+   * nothing. Returns the heartbeat the claim counts against, or undefined when there was no room.
+   */
+  private async claim(id: string, n: Need): Promise<Date | undefined> {
+    const a = agents;
+    const [row] = await this.db
+      .update(a)
+      .set({
+        placedSlots: sql`${a.placedSlots} + 1`,
+        placedVcpus: sql`${a.placedVcpus} + ${n.vcpus}`,
+        placedMemMib: sql`${a.placedMemMib} + ${n.memMib}`,
+        placedDiskMib: sql`${a.placedDiskMib} + ${n.diskMib}`,
+      })
+      .where(
+        and(
+          eq(a.id, id),
+          isNotNull(a.keyId),
+          gt(a.lastHeartbeatAt, new Date(this.clock() - this.staleAfterMs)),
+          sql`${a.slotsFree} - ${a.placedSlots} >= 1`,
+          sql`${a.vcpusFree} - ${a.placedVcpus} >= ${n.vcpus}`,
+          sql`${a.memMibFree} - ${a.placedMemMib} >= ${n.memMib}`,
+          sql`(${a.diskMibFree} is null or ${a.diskMibFree} - ${a.placedDiskMib} >= ${n.diskMib})`,
+        ),
+      )
+      .returning({ hb: a.lastHeartbeatAt });
+    return row?.hb ?? undefined;
+  }
+
+  /** Gives back a claim whose VM was not started, unless a heartbeat has since reset the count. */
+  private async unclaim(id: string, hb: Date, n: Need): Promise<void> {
+    const a = agents;
+    await this.db
+      .update(a)
+      .set({
+        placedSlots: sql`greatest(0, ${a.placedSlots} - 1)`,
+        placedVcpus: sql`greatest(0, ${a.placedVcpus} - ${n.vcpus})`,
+        placedMemMib: sql`greatest(0, ${a.placedMemMib} - ${n.memMib})`,
+        placedDiskMib: sql`greatest(0, ${a.placedDiskMib} - ${n.diskMib})`,
+      })
+      .where(and(eq(a.id, id), eq(a.lastHeartbeatAt, hb)));
+  }
+
+  /**
+   * Placement: claims room on the first candidate that still has it and runs `fn` there; returns
+   * which agent took it. When `fn` fails with nothing started (no template there, connection
+   * refused) the claim is given back and the next candidate tried; an agent that answers
+   * `at_capacity` keeps the claim (it is full: its next heartbeat says so). The last error is
+   * thrown when every candidate refused, `at_capacity` when none had room left to claim.
    */
   async place<T>(
     fn: (api: AgentHostApi) => Promise<T>,
+    need: PlacementNeed = {},
     region = this.region,
   ): Promise<{ agentId: string; result: T }> {
-    const rows = await this.placementOrder(region);
-    let last: unknown;
+    const n = fullNeed(need);
+    const rows = await this.placementOrder(region, need);
+    let last: unknown = new SandboxdError(
+      "at_capacity",
+      `every agent in region ${region} was filled meanwhile; retry with backoff`,
+      { details: { region, retryAfterSeconds: 5 } },
+    );
     for (const row of rows) {
-      this.notePlaced(row);
+      const hb = await this.claim(row.id, n);
+      if (hb === undefined) continue;
       try {
         return { agentId: row.id, result: await fn(this.client(row)) };
       } catch (err) {
         last = err;
         if (!retryElsewhere(err)) throw err;
+        if (!(err instanceof SandboxdError && err.code === "at_capacity")) {
+          try {
+            await this.unclaim(row.id, hb, n);
+          } catch {
+            // Dropped: a claim not given back only makes this agent look fuller until its next
+            // heartbeat resets the count, within 5 s; the create's own error is what matters.
+          }
+        }
       }
     }
     throw last;
@@ -193,7 +311,7 @@ export class AgentRouter implements AgentHostApi, Placement {
 
   /** Placement: the agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
   agentFor(agentId: string): AgentVmApi {
-    const lookup = async (): Promise<AgentHttpClient> => {
+    const lookup = async (): Promise<AgentApi> => {
       const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
       if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
         throw new SandboxdError(
@@ -227,11 +345,11 @@ export class AgentRouter implements AgentHostApi, Placement {
   // ---- AgentHostApi: calls that name no VM ----------------------------------------------------
 
   async createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
-    return (await this.place((a) => a.createSandbox(template, opts))).result;
+    return (await this.place((a) => a.createSandbox(template, opts), { template })).result;
   }
 
   async execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
-    return (await this.place((a) => a.execOnce(template, action))).result;
+    return (await this.place((a) => a.execOnce(template, action), { template })).result;
   }
 
   /**

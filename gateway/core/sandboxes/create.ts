@@ -171,6 +171,9 @@ export interface IdleLifetime {
   action: "suspend" | "delete" | null;
 }
 
+/** What a new VM claims on its agent (the core names it through `Deps`, not the agents room). */
+type PlacementNeed = NonNullable<Parameters<Deps["placement"]["firstChoice"]>[0]>;
+
 export interface CreateInput {
   templateId: string;
   labels: Record<string, string>;
@@ -188,20 +191,28 @@ export async function createVm(
   requireReady(template);
   // A malformed egress.allow is a 400 here, before a row is reserved or an agent is asked.
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
+  // A template built without a size runs at the agent's default one: a slot of the agent's
+  // `slotsFree` (which counts VMs of that size) is then the whole claim.
+  const need: PlacementNeed = { template: template.agentRef };
+  if (template.vcpuCount !== null) need.vcpus = template.vcpuCount;
+  if (template.memMib !== null) need.memMib = template.memMib;
   const [id] = await reserve(
     deps,
     p,
     kind,
     template,
     [input.idle === undefined ? { labels: input.labels } : { labels: input.labels, idle: input.idle }],
-    await deps.placement.firstChoice(),
+    await deps.placement.firstChoice(need),
   );
   let vm: CreatedVm;
   let agentId: string;
   try {
     const opts: { kind: VmKind; egressAllow?: string[] } = { kind };
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
-    ({ agentId, result: vm } = await deps.placement.place((a) => a.createSandbox(template.agentRef, opts)));
+    ({ agentId, result: vm } = await deps.placement.place(
+      (a) => a.createSandbox(template.agentRef, opts),
+      need,
+    ));
   } catch (err) {
     await markFailed(deps, [id!]);
     throw err;
@@ -234,7 +245,7 @@ export async function execOneShots(
     "exec",
     calls[0]!.template,
     calls.map((c) => ({ labels: {}, template: c.template })),
-    await deps.placement.firstChoice(),
+    await deps.placement.firstChoice({ template: calls[0]!.template.agentRef }),
     opts.partial ?? false,
   );
   const startedAt = new Date(deps.clock());
@@ -242,8 +253,11 @@ export async function execOneShots(
     calls.slice(0, ids.length).map(async (c, i) => {
       const id = ids[i]!;
       try {
-        const { agentId, result } = await deps.placement.place((a) =>
-          a.execOnce(c.template.agentRef, c.action),
+        const { agentId, result } = await deps.placement.place(
+          (a) => a.execOnce(c.template.agentRef, c.action),
+          {
+            template: c.template.agentRef,
+          },
         );
         await endOneShot(deps, id, p.tenantId, agentId, startedAt, result.resources);
         return result;
