@@ -34,6 +34,9 @@ export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date):
     vcpusFree: hb.capacity.vcpusFree,
     memMibFree: hb.capacity.memMibFree,
     lastHeartbeatAt: at,
+    // Back from lost (gateway/core/host-loss.ts): its rows have ended; reconciliation destroys
+    // their VMs on it, and it takes new ones again.
+    lostAt: null,
   });
 }
 

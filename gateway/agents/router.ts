@@ -2,7 +2,7 @@
  * `AgentRouter`: the gateway's view of many host agents (registry.ts keeps the registry).
  *
  * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region,
- *   least-loaded first (smallest share of slots in use, then most slots free). Room is estimated
+ *   least-loaded first (smallest share of slots in use, then most slots free), cordoned ones left out. Room is estimated
  *   as the heartbeat's `slotsFree` minus what this gateway placed there since that heartbeat; the
  *   agent has the last word (`at_capacity`, and the next one is tried). No live agent, or every
  *   one full: 503 `at_capacity`.
@@ -22,6 +22,7 @@
 import { copyFile, link, rm } from "node:fs/promises";
 import { eq } from "drizzle-orm";
 import type {
+  AgentApi,
   AgentHealth,
   AgentHostApi,
   AgentVmApi,
@@ -50,6 +51,11 @@ export interface AgentRouterOptions {
   staleAfterMs?: number;
   clock?: () => number;
   timeouts?: Partial<AgentTimeouts>;
+  /**
+   * The API of an agent row (default: an `AgentHttpClient` signed with its key). Tests put
+   * in-memory agents behind the real router with it.
+   */
+  connect?: (row: AgentRow & { keyId: string }, key: string) => AgentApi;
 }
 
 /** Errors after which the same call may go to another agent: nothing was started there. */
@@ -66,7 +72,8 @@ export class AgentRouter implements AgentHostApi, Placement {
   private readonly staleAfterMs: number;
   private readonly clock: () => number;
   private readonly timeouts: Partial<AgentTimeouts> | undefined;
-  private readonly clients = new Map<string, AgentHttpClient>();
+  private readonly clients = new Map<string, AgentApi>();
+  private readonly connect: NonNullable<AgentRouterOptions["connect"]>;
   /** Per agent: creates placed since its heartbeat at `hb` (ms). */
   private readonly placed = new Map<string, { hb: number; n: number }>();
 
@@ -77,21 +84,25 @@ export class AgentRouter implements AgentHostApi, Placement {
     this.staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
     this.clock = opts.clock ?? Date.now;
     this.timeouts = opts.timeouts;
+    this.connect =
+      opts.connect ??
+      ((row, key) =>
+        new AgentHttpClient({
+          baseUrl: row.url,
+          agentId: row.id,
+          key,
+          ...(this.timeouts ? { timeouts: this.timeouts } : {}),
+        }));
   }
 
   /** Rows come from `live`/`isLive`, which keep only enrolled agents (a key id). */
-  private client(row: AgentRow): AgentHttpClient {
+  private client(row: AgentRow): AgentApi {
     const keyId = row.keyId;
     if (keyId === null) throw new SandboxdError("agent_unavailable", `agent ${row.id} is not enrolled`);
     const k = `${row.id} ${row.url} ${keyId}`;
     let c = this.clients.get(k);
     if (!c) {
-      c = new AgentHttpClient({
-        baseUrl: row.url,
-        agentId: row.id,
-        key: deriveAgentKey(this.agentSecret, row.id, keyId),
-        ...(this.timeouts ? { timeouts: this.timeouts } : {}),
-      });
+      c = this.connect({ ...row, keyId }, deriveAgentKey(this.agentSecret, row.id, keyId));
       this.clients.set(k, c);
     }
     return c;
@@ -121,7 +132,8 @@ export class AgentRouter implements AgentHostApi, Placement {
    * `at_capacity` at once and `place` moves on to the next.
    */
   async candidates(region = this.region): Promise<AgentRow[]> {
-    const rows = await this.live(region);
+    // A cordoned agent keeps its VMs and its templates, and takes no new VM (docs/fleet.md "Cordon and drain").
+    const rows = (await this.live(region)).filter((r) => r.cordonedAt === null);
     const free = (r: AgentRow) => Math.max(0, this.freeSlots(r));
     const load = (r: AgentRow) => (r.slotsTotal > 0 ? 1 - free(r) / r.slotsTotal : 1);
     return rows.sort((a, b) => load(a) - load(b) || free(b) - free(a) || (a.id < b.id ? -1 : 1));
@@ -167,7 +179,7 @@ export class AgentRouter implements AgentHostApi, Placement {
 
   /** Placement: the agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
   agentFor(agentId: string): AgentVmApi {
-    const lookup = async (): Promise<AgentHttpClient> => {
+    const lookup = async (): Promise<AgentApi> => {
       const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
       if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
         throw new SandboxdError(
