@@ -60,6 +60,12 @@ commands:
         per-agent credentials in the gateway database: create prints a one-time enrollment
         token (sbxe_..., default life 1h; --agent binds it to that id and re-keys it) as its last
         line; revoke makes the gateway refuse the agent's heartbeats and stop calling it
+  fleet list [--data-dir DIR]
+  fleet cordon|uncordon AGENT-ID [--data-dir DIR]
+  fleet drain AGENT-ID [--timeout 1h] [--data-dir DIR]
+        the agents as the gateway sees them (live, stale, lost, revoked; cordoned; live
+        sandboxes), one JSON line each; cordon keeps new sandboxes off an agent, drain cordons
+        it and waits until its sandboxes have ended (exit 1 if some remain at --timeout)
   up, gateway and agent also take the operator settings, each a flag or an environment
   variable (flag first, then environment, then --config FILE: JSON or KEY=VALUE lines with the
   environment names), e.g. --session-idle-ttl S / SANDBOXD_SESSION_IDLE_TTL; the list with
@@ -180,6 +186,10 @@ async function main(argv: string[]): Promise<number> {
     case "agent-token": {
       const { cmdAgentToken } = await import("./agent-tokens.ts");
       return cmdAgentToken(rest);
+    }
+    case "fleet": {
+      const { cmdFleet } = await import("./fleet.ts");
+      return cmdFleet(rest);
     }
     case "sbx":
     case "template": {

@@ -1,6 +1,6 @@
 /**
- * The operator commands a running service runs for the CLI (cli/operator.ts): API keys and agent
- * enrollment tokens. Each takes JSON arguments and answers plain JSON (dates as ISO strings), the
+ * The operator commands a running service runs for the CLI (cli/operator.ts): API keys, agent
+ * enrollment tokens, usage and the fleet's cordons. Each takes JSON arguments and answers plain JSON (dates as ISO strings), the
  * same whether it ran in the service or in the CLI on the database.
  */
 import { z } from "zod";
@@ -9,7 +9,8 @@ import { Tier } from "../contracts/api/tiers.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { agents } from "../db/schema/agents.ts";
 import { createEnrollmentToken } from "../gateway/agents/enrollment.ts";
-import { revokeAgent } from "../gateway/agents/registry.ts";
+import { fleetAgents, setCordon } from "../gateway/agents/fleet.ts";
+import { AGENT_STALE_AFTER_MS, revokeAgent } from "../gateway/agents/registry.ts";
 import { createKey, keyIdOf, listKeys, revokeKey } from "../gateway/auth/keys.ts";
 import type { GatewaySecrets } from "../gateway/auth/secrets.ts";
 import { tenantIdOf, usageReport } from "../gateway/core/usage.ts";
@@ -74,6 +75,21 @@ export const agentTokenRevoke = operatorOp(z.object({ id: z.string().min(1) }), 
   return { revoked: a.id };
 });
 
+/** `sandboxd fleet list`: every agent, its state, cordon and live sandboxes (gateway/agents/fleet.ts). */
+export const fleetList = operatorOp(z.object({}), async ({ db }) =>
+  fleetAgents(db, Date.now(), AGENT_STALE_AFTER_MS),
+);
+
+/** `sandboxd fleet cordon|uncordon|drain`: no new VM on the agent (`on`), or placeable again. */
+export const fleetCordon = operatorOp(
+  z.object({ id: z.string().min(1), on: z.boolean() }),
+  async ({ db }, a) => {
+    if (!(await setCordon(db, a.id, a.on, new Date())))
+      throw new SandboxdError("not_found", `no agent ${a.id}`);
+    return { id: a.id, cordoned: a.on };
+  },
+);
+
 /** `sandboxd usage`: a tenant's usage over [from, to) from the same SQL as `GET /v1/usage`. */
 export const usageRead = operatorOp(
   z.object({
@@ -104,6 +120,8 @@ export const OPERATOR_OPS = {
   "agent-token.list": agentTokenList,
   "agent-token.revoke": agentTokenRevoke,
   "usage.read": usageRead,
+  "fleet.list": fleetList,
+  "fleet.cordon": fleetCordon,
 };
 
 /**

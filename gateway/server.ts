@@ -23,6 +23,7 @@ import { loadSecrets, type OperatorSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import { ActivityWriter } from "./core/activity.ts";
 import { applyAgentEvents } from "./core/agent-events.ts";
+import { startHostLossSweeper } from "./core/host-loss.ts";
 import { startReaper } from "./core/reaper.ts";
 import { type Reconciler, startReconciler } from "./core/reconcile.ts";
 import { ROWS_CHANNEL, RowCache } from "./core/row-cache.ts";
@@ -54,6 +55,12 @@ export type StartGatewayOptions = {
   secrets?: OperatorSecrets;
   /** Routing mode: heartbeat age after which an agent is not live (default gateway/agents/registry.ts). */
   staleAfterMs?: number;
+  /**
+   * Routing mode: heartbeat age after which an agent is lost and its sandboxes end `host_lost`,
+   * and how often that is looked for (defaults gateway/core/host-loss.ts).
+   */
+  lostAfterMs?: number;
+  lostSweepMs?: number;
   /** Overrides of the resolved config (secrets included, which then win over the data dir's). */
   config?: Partial<GatewayConfigInput>;
   clock?: Clock;
@@ -227,6 +234,7 @@ function gatewayFetch(app: ReturnType<typeof createApp>, agents: AgentRoutes) {
 /** No new work first (reconciler, reaper, server), then the writes in flight, then the database. */
 async function stopInOrder(p: {
   reconciler: Reconciler | undefined;
+  hostLoss: { stop(): void } | undefined;
   reaper: { stop(): Promise<void> } | undefined;
   server: RunningServer;
   activity: ActivityWriter;
@@ -234,6 +242,7 @@ async function stopInOrder(p: {
   handle: DbHandle;
 }): Promise<void> {
   p.reconciler?.stop();
+  p.hostLoss?.stop();
   try {
     await p.reaper?.stop();
     await p.server.stop();
@@ -256,6 +265,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let reaper: { stop(): Promise<void> } | undefined;
   let reconciler: Reconciler | undefined;
   let connections!: KeyConnections;
+  let hostLoss: { stop(): void } | undefined;
   const keys = new VerifiedKeys({
     db: handle.db,
     pepper: config.keyPepper,
@@ -304,6 +314,15 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
         { ...truth, placement: router },
         { liveAgents: () => liveAgentIds(handle.db, clock(), staleAfterMs), staleAfterMs, log },
       );
+      // Agents that never come back (gateway/core/host-loss.ts): their rows end, quota and usage with them.
+      hostLoss = startHostLossSweeper(
+        { ...truth, rows },
+        {
+          log,
+          ...(opts.lostAfterMs !== undefined ? { lostAfterMs: opts.lostAfterMs } : {}),
+          ...(opts.lostSweepMs !== undefined ? { intervalMs: opts.lostSweepMs } : {}),
+        },
+      );
     }
     server = await serveFetch({
       fetch: gatewayFetch(app, {
@@ -326,6 +345,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     if (opts.reaper !== false) reaper = startReaper(deps, opts.log);
   } catch (err) {
     reconciler?.stop();
+    hostLoss?.stop();
     await listener.stop();
     await handle.close();
     throw err;
@@ -351,7 +371,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     keys,
     stop: () => {
       connections.stop();
-      stopping ??= stopInOrder({ reconciler, reaper, server, activity, listener, handle });
+      stopping ??= stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle });
       return stopping;
     },
   };

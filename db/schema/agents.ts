@@ -34,6 +34,13 @@ export const agents = pgTable("agents", {
   keyId: text("key_id"),
   enrolledAt: timestamp("enrolled_at", { withTimezone: true, mode: "date" }),
   revokedAt: timestamp("revoked_at", { withTimezone: true, mode: "date" }),
+  /**
+   * Set by the one gateway that found the agent silent past the lost bound (gateway/core/host-loss.ts):
+   * its sandboxes ended `host_lost`. Cleared by its next accepted heartbeat.
+   */
+  lostAt: timestamp("lost_at", { withTimezone: true, mode: "date" }),
+  /** Cordoned (`sandboxd fleet cordon|drain`): no new VM is placed on it; null: placeable. */
+  cordonedAt: timestamp("cordoned_at", { withTimezone: true, mode: "date" }),
 });
 
 /**

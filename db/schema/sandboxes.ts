@@ -33,7 +33,8 @@ export const sandboxes = pgTable(
     vmId: text("vm_id"),
     parentId: text("parent_id"),
     state: text("state", { enum: ["starting", "running", "suspended", "destroyed"] }).notNull(),
-    endReason: text("end_reason", { enum: ["deleted", "reaped", "failed"] }),
+    /** `host_lost`: its agent went silent past the lost bound (gateway/core/host-loss.ts). */
+    endReason: text("end_reason", { enum: ["deleted", "reaped", "failed", "host_lost"] }),
     /**
      * Why it ended, in words, when the gateway did not end it itself: the agent's reason for a VM
      * that died (`QEMU exited (signal SIGKILL)`), or what reconciliation found.

@@ -42,6 +42,9 @@ export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date):
     placedMemMib: 0,
     placedDiskMib: 0,
     lastHeartbeatAt: at,
+    // Back from lost (gateway/core/host-loss.ts): its rows have ended; reconciliation destroys
+    // their VMs on it, and it takes new ones again.
+    lostAt: null,
   });
 }
 

@@ -7,8 +7,8 @@
  *   its `agents` row). A placement claims its room with one conditional UPDATE that checks the
  *   room left and adds the VM, so two gateways on one database never both take an agent's last
  *   room. Agents that report holding the template come first; among them (then among the rest)
- *   the first is the less loaded of two picked at random (power of two choices). The agent has
- *   the last word (`at_capacity`, and the next one is tried). None with room: 503 `at_capacity`.
+ *   the first is the less loaded of two picked at random (power of two choices); cordoned agents
+ *   are left out. The agent has the last word (`at_capacity`, and the next one is tried). None with room: 503 `at_capacity`.
  * - A sandbox's later calls go to the agent recorded on its row (`agentFor`); a stale or
  *   unregistered agent fails at once with 503 `agent_unavailable`, an unreachable one as soon as
  *   the connection is refused (AgentHttpClient), never a hang.
@@ -171,7 +171,8 @@ export class AgentRouter implements AgentHostApi, Placement {
    */
   async candidates(region = this.region, need: PlacementNeed = {}): Promise<AgentRow[]> {
     const n = fullNeed(need);
-    const rows = (await this.live(region)).filter((r) => fits(r, n)).sort(byLoad);
+    // A cordoned agent keeps its VMs and its templates, and takes no new VM (docs/fleet.md "Cordon and drain").
+    const rows = (await this.live(region)).filter((r) => r.cordonedAt === null && fits(r, n)).sort(byLoad);
     const holds = (r: AgentRow) => n.template !== undefined && r.templates.includes(n.template);
     return [...rows.filter(holds), ...rows.filter((r) => !holds(r))];
   }

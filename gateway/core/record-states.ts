@@ -15,6 +15,8 @@
  *
  *   (none) --create--> starting --started--> running --suspend--> suspended --resume--> running
  *   starting --failed--> destroyed;  starting|running|suspended --destroy--> destroyed
+ *   starting|running|suspended --lost--> destroyed (its agent went silent past the lost bound:
+ *   end_reason `host_lost`, gateway/core/host-loss.ts)
  *   exec, fork and connect need running.
  *
  * Every write of a row's state takes its action's entry (`recordChange`): the new state and,
@@ -44,7 +46,8 @@ export type RecordAction =
   | "destroy"
   | "connect"
   | "started"
-  | "failed";
+  | "failed"
+  | "lost";
 
 /** Per action: the states it may start from, and the state it leads to when it changes one. */
 export const RECORD_TRANSITIONS = {
@@ -58,10 +61,15 @@ export const RECORD_TRANSITIONS = {
   started: { from: ["starting"], to: "running" },
   /** The VM was never made, or its call was lost (a one-shot exec whose gateway died). */
   failed: { from: ["starting"], to: "destroyed" },
+  /**
+   * Its agent is lost (silent past the lost bound): whatever the row said, nothing of it can be
+   * reached or proven to run any more. The agent, if it comes back, destroys the VM.
+   */
+  lost: { from: ["starting", "running", "suspended"], to: "destroyed" },
 } as const satisfies Record<RecordAction, { from: readonly RecordState[]; to?: RecordState }>;
 
 /** The actions that change the record's state. */
-export type RecordChange = "suspend" | "resume" | "destroy" | "started" | "failed";
+export type RecordChange = "suspend" | "resume" | "destroy" | "started" | "failed" | "lost";
 
 export function nextState(action: RecordChange): RecordState {
   return RECORD_TRANSITIONS[action].to;

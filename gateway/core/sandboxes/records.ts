@@ -63,6 +63,14 @@ export async function getOwned(
     if (row.endReason === "reaped") {
       throw new SandboxdError("not_found", `${what} was deleted after being idle`);
     }
+    // Its host agent went silent past the lost bound: answered here, the agent is never asked
+    // (docs/fleet.md "Losing a host").
+    if (row.endReason === "host_lost") {
+      throw new SandboxdError(
+        "not_found",
+        `${what} ended: its host was lost (${row.endDetail ?? "host_lost"})`,
+      );
+    }
     throw notFound(what);
   }
   return row;
