@@ -13,6 +13,7 @@ import { fleetAgents, setCordon } from "../gateway/agents/fleet.ts";
 import { AGENT_STALE_AFTER_MS, revokeAgent } from "../gateway/agents/registry.ts";
 import { createKey, keyIdOf, listKeys, revokeKey } from "../gateway/auth/keys.ts";
 import type { GatewaySecrets } from "../gateway/auth/secrets.ts";
+import { RECORD_TRANSITIONS } from "../gateway/core/record-states.ts";
 import { tenantIdOf, usageReport } from "../gateway/core/usage.ts";
 import type { RunningGateway } from "../gateway/server.ts";
 import { type OperatorSocket, operatorOp, startOperatorSocket } from "./operator.ts";
@@ -77,7 +78,7 @@ export const agentTokenRevoke = operatorOp(z.object({ id: z.string().min(1) }), 
 
 /** `sandboxd fleet list`: every agent, its state, cordon and live sandboxes (gateway/agents/fleet.ts). */
 export const fleetList = operatorOp(z.object({}), async ({ db }) =>
-  fleetAgents(db, Date.now(), AGENT_STALE_AFTER_MS),
+  fleetAgents(db, Date.now(), AGENT_STALE_AFTER_MS, RECORD_TRANSITIONS.lost.from),
 );
 
 /** `sandboxd fleet cordon|uncordon|drain`: no new VM on the agent (`on`), or placeable again. */

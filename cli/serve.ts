@@ -12,7 +12,7 @@ import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { loadOrEnroll } from "../agent/api/enroll.ts";
 import { EventReporter } from "../agent/api/events.ts";
-import { startHeartbeats } from "../agent/api/heartbeat.ts";
+import { roomChanged, startHeartbeats } from "../agent/api/heartbeat.ts";
 import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
 import { EgressFence } from "../agent/egress/fence.ts";
 import { registryConfigFromEnv } from "../agent/image/pull.ts";
@@ -312,6 +312,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     disk: { dir: stateDir, reserveBytes: agent.host.diskReserveBytes },
     log,
   });
+  events.onPush = (e) => roomChanged(e) && heartbeats.soon();
   events.start({ gatewayUrl: values.gateway, credentials });
   log(
     `agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}, ${manager.driverName}`,

@@ -10,7 +10,7 @@ import { join } from "node:path";
 import { parseArgs } from "node:util";
 import { enroll, readCredentials } from "../agent/api/enroll.ts";
 import { EventReporter } from "../agent/api/events.ts";
-import { startHeartbeats } from "../agent/api/heartbeat.ts";
+import { roomChanged, startHeartbeats } from "../agent/api/heartbeat.ts";
 import { startAgentServer } from "../agent/server.ts";
 import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
@@ -83,6 +83,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     version,
     log,
   });
+  events.onPush = (e) => roomChanged(e) && heartbeats.soon();
   events.start({ gatewayUrl, credentials });
   await settled(heartbeats.first); // the sender logs a failed beat; the next beat retries
   log(

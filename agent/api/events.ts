@@ -68,8 +68,12 @@ export class EventReporter {
     this.kick();
   }
 
+  /** Called with each event pushed (the heartbeat's kick when a VM's end frees room). */
+  onPush: ((e: MeterEvent) => void) | undefined;
+
   push(e: MeterEvent): void {
     if (this.stopped) return;
+    this.onPush?.(e);
     this.queue.push({ ...e, seq: this.seq++ });
     if (this.queue.length > this.maxQueued) {
       this.queue.shift();

@@ -8,7 +8,6 @@ import { eq, inArray, sql } from "drizzle-orm";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
-import { RECORD_TRANSITIONS } from "../core/record-states.ts";
 import { isLive } from "./registry.ts";
 
 export interface FleetAgent {
@@ -25,13 +24,22 @@ export interface FleetAgent {
 
 const iso = (d: Date | null) => (d === null ? null : d.toISOString());
 
-/** Every agent, by id, with its state and the live sandboxes recorded on it. */
-export async function fleetAgents(db: Db, nowMs: number, staleAfterMs: number): Promise<FleetAgent[]> {
+/**
+ * Every agent, by id, with its state and the live sandboxes recorded on it: rows in `liveStates`
+ * (the record states a lost host ends, core/record-states.ts; the caller names them, as the
+ * agents room does not import the core).
+ */
+export async function fleetAgents(
+  db: Db,
+  nowMs: number,
+  staleAfterMs: number,
+  liveStates: readonly string[],
+): Promise<FleetAgent[]> {
   const rows = await db.select().from(agents).orderBy(agents.id);
   const counts = await db
     .select({ agentId: sandboxes.agentId, n: sql<number>`count(*)::int` })
     .from(sandboxes)
-    .where(inArray(sandboxes.state, [...RECORD_TRANSITIONS.lost.from]))
+    .where(inArray(sandboxes.state, [...liveStates] as (typeof sandboxes.state._.data)[]))
     .groupBy(sandboxes.agentId);
   const byAgent = new Map(counts.map((c) => [c.agentId, c.n]));
   return rows.map((r) => ({
