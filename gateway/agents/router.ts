@@ -1,6 +1,9 @@
 /**
  * `AgentRouter`: the gateway's view of many host agents (registry.ts keeps the registry).
  *
+ * - Every placement names a region, the home region of the tenant it is for (placement.ts): the
+ *   router reaches any region's agents through the `agents` table, so one gateway serves every
+ *   tenant (docs/regions.md "Rules of regions").
  * - Placement (`candidates`): live agents (heartbeat fresher than `staleAfterMs`) of the region,
  *   least-loaded first (smallest share of slots in use, then most slots free). Room is estimated
  *   as the heartbeat's `slotsFree` minus what this gateway placed there since that heartbeat; the
@@ -14,7 +17,8 @@
  *   it ready. A create tries the next candidate when one has no room, lacks the template or
  *   refuses the connection, so an agent that is still building is simply skipped.
  *
- * As an `AgentHostApi` the router serves the calls that name no VM (templates, exec-once, health);
+ * As an `AgentHostApi` the router serves the calls that name no VM (templates, exec-once, health)
+ * in its default region, and `hostIn(region)` serves them in any region;
  * as the gateway's `Placement` (placement.ts) it chooses the agent of a new VM (`firstChoice`,
  * `place`), and calls on a VM go to the agent on its record (`agentFor`, an `AgentVmApi`). Every call to an agent
  * is signed with that agent's own key (enrollment.ts); a revoked agent is neither live nor called.
@@ -22,6 +26,7 @@
 import { copyFile, link, rm } from "node:fs/promises";
 import { eq } from "drizzle-orm";
 import type {
+  AgentApi,
   AgentHealth,
   AgentHostApi,
   AgentVmApi,
@@ -38,18 +43,24 @@ import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
 import { deriveAgentKey } from "./enrollment.ts";
-import type { Placement } from "./placement.ts";
+import { noLiveAgent, type Placement } from "./placement.ts";
 import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./registry.ts";
 
 export interface AgentRouterOptions {
   db: Db;
   /** The gateway's agent secret, from which each agent's key is derived (enrollment.ts). */
   agentSecret: string;
-  /** The region placements go to (tenants carry none yet: config.region). */
+  /** The default region (config.region): where the router's own `AgentHostApi` calls go. */
   region: string;
   staleAfterMs?: number;
   clock?: () => number;
   timeouts?: Partial<AgentTimeouts>;
+  /**
+   * How to reach an enrolled, live agent; default an `AgentHttpClient` to its URL signed with its
+   * key. Tests give in-memory agents here to run the router's placement over the real `agents`
+   * table without HTTP servers.
+   */
+  connect?: (row: AgentRow & { keyId: string }, key: string) => AgentApi;
 }
 
 /** Errors after which the same call may go to another agent: nothing was started there. */
@@ -66,7 +77,8 @@ export class AgentRouter implements AgentHostApi, Placement {
   private readonly staleAfterMs: number;
   private readonly clock: () => number;
   private readonly timeouts: Partial<AgentTimeouts> | undefined;
-  private readonly clients = new Map<string, AgentHttpClient>();
+  private readonly clients = new Map<string, AgentApi>();
+  private readonly connect: ((row: AgentRow & { keyId: string }, key: string) => AgentApi) | undefined;
   /** Per agent: creates placed since its heartbeat at `hb` (ms). */
   private readonly placed = new Map<string, { hb: number; n: number }>();
 
@@ -77,21 +89,25 @@ export class AgentRouter implements AgentHostApi, Placement {
     this.staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
     this.clock = opts.clock ?? Date.now;
     this.timeouts = opts.timeouts;
+    this.connect = opts.connect;
   }
 
   /** Rows come from `live`/`isLive`, which keep only enrolled agents (a key id). */
-  private client(row: AgentRow): AgentHttpClient {
+  private client(row: AgentRow): AgentApi {
     const keyId = row.keyId;
     if (keyId === null) throw new SandboxdError("agent_unavailable", `agent ${row.id} is not enrolled`);
     const k = `${row.id} ${row.url} ${keyId}`;
     let c = this.clients.get(k);
     if (!c) {
-      c = new AgentHttpClient({
-        baseUrl: row.url,
-        agentId: row.id,
-        key: deriveAgentKey(this.agentSecret, row.id, keyId),
-        ...(this.timeouts ? { timeouts: this.timeouts } : {}),
-      });
+      const key = deriveAgentKey(this.agentSecret, row.id, keyId);
+      c =
+        this.connect?.({ ...row, keyId }, key) ??
+        new AgentHttpClient({
+          baseUrl: row.url,
+          agentId: row.id,
+          key,
+          ...(this.timeouts ? { timeouts: this.timeouts } : {}),
+        });
       this.clients.set(k, c);
     }
     return c;
@@ -130,17 +146,13 @@ export class AgentRouter implements AgentHostApi, Placement {
   /** `candidates`, or 503 `at_capacity` when the region has no live agent. */
   async placementOrder(region = this.region): Promise<AgentRow[]> {
     const rows = await this.candidates(region);
-    if (rows.length === 0) {
-      throw new SandboxdError("at_capacity", `no live agent in region ${region}; retry with backoff`, {
-        details: { region, retryAfterSeconds: 5 },
-      });
-    }
+    if (rows.length === 0) throw noLiveAgent(region);
     return rows;
   }
 
   /** Placement: the least-loaded live agent of the region, or 503 `at_capacity`. */
-  async firstChoice(): Promise<string> {
-    return (await this.placementOrder())[0]!.id;
+  async firstChoice(region = this.region): Promise<string> {
+    return (await this.placementOrder(region))[0]!.id;
   }
 
   /**
@@ -167,7 +179,7 @@ export class AgentRouter implements AgentHostApi, Placement {
 
   /** Placement: the agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
   agentFor(agentId: string): AgentVmApi {
-    const lookup = async (): Promise<AgentHttpClient> => {
+    const lookup = async (): Promise<AgentApi> => {
       const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
       if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
         throw new SandboxdError(
@@ -200,21 +212,37 @@ export class AgentRouter implements AgentHostApi, Placement {
 
   // ---- AgentHostApi: calls that name no VM ----------------------------------------------------
 
-  async createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
-    return (await this.place((a) => a.createSandbox(template, opts))).result;
+  /** Placement: the calls that name no VM, on the live agents of `region`. */
+  hostIn(region: string): AgentHostApi {
+    return {
+      createSandbox: async (t, o) => (await this.place((a) => a.createSandbox(t, o), region)).result,
+      execOnce: async (t, a) => (await this.place((h) => h.execOnce(t, a), region)).result,
+      buildTemplate: (t, src) => this.buildIn(region, t, src),
+      templateStatus: (t) => this.statusIn(region, t),
+      deleteTemplate: (t) => this.everyLive(region, (a) => a.deleteTemplate(t)),
+      expectWidth: (t, w) => this.everyLive(region, (a) => a.expectWidth(t, w)),
+      releaseTemplate: (t) => this.everyLive(region, (a) => a.releaseTemplate(t)),
+      health: () => this.healthIn(region),
+    };
   }
 
-  async execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
-    return (await this.place((a) => a.execOnce(template, action))).result;
+  createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
+    return this.hostIn(this.region).createSandbox(template, opts);
+  }
+
+  execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
+    return this.hostIn(this.region).execOnce(template, action);
+  }
+
+  buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
+    return this.buildIn(this.region, template, source);
   }
 
   /** Every live agent of the region; fails only if none took it. */
-  async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
-    const rows = await this.live();
+  private async buildIn(region: string, template: TemplateRef, source: TemplateSource): Promise<void> {
+    const rows = await this.live(region);
     try {
-      if (rows.length === 0) {
-        throw new SandboxdError("agent_unavailable", `no live agent in region ${this.region} to build on`);
-      }
+      if (rows.length === 0) throw noLiveAgent(region);
       const sources: TemplateSource[] = [];
       for (let i = 0; i < rows.length; i++) {
         if (source.kind === "upload" && i < rows.length - 1) {
@@ -233,9 +261,13 @@ export class AgentRouter implements AgentHostApi, Placement {
     }
   }
 
-  async templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
+  templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
+    return this.statusIn(this.region, template);
+  }
+
+  private async statusIn(region: string, template: TemplateRef): Promise<TemplateBuildStatus> {
     const settled = await Promise.allSettled(
-      (await this.live()).map((r) => this.client(r).templateStatus(template)),
+      (await this.live(region)).map((r) => this.client(r).templateStatus(template)),
     );
     const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
     const ready = got.find((s) => s.status === "ready");
@@ -244,11 +276,11 @@ export class AgentRouter implements AgentHostApi, Placement {
     if (building) return building;
     if (got[0]) return got[0];
     const err = settled.find((s): s is PromiseRejectedResult => s.status === "rejected");
-    throw err?.reason ?? new SandboxdError("agent_unavailable", `no live agent in region ${this.region}`);
+    throw err?.reason ?? noLiveAgent(region);
   }
 
-  private async everyLive(fn: (a: AgentHostApi) => Promise<void>): Promise<void> {
-    const settled = await Promise.allSettled((await this.live()).map((r) => fn(this.client(r))));
+  private async everyLive(region: string, fn: (a: AgentHostApi) => Promise<void>): Promise<void> {
+    const settled = await Promise.allSettled((await this.live(region)).map((r) => fn(this.client(r))));
     for (const s of settled) {
       if (s.status === "rejected" && !(s.reason instanceof SandboxdError && s.reason.code === "not_found")) {
         throw s.reason;
@@ -258,20 +290,24 @@ export class AgentRouter implements AgentHostApi, Placement {
 
   /** On every live agent of the region (an agent that is down keeps its copy: see docs). */
   deleteTemplate(template: TemplateRef): Promise<void> {
-    return this.everyLive((a) => a.deleteTemplate(template));
+    return this.everyLive(this.region, (a) => a.deleteTemplate(template));
   }
 
   expectWidth(template: TemplateRef, width: number): Promise<void> {
-    return this.everyLive((a) => a.expectWidth(template, width));
+    return this.everyLive(this.region, (a) => a.expectWidth(template, width));
   }
 
   releaseTemplate(template: TemplateRef): Promise<void> {
-    return this.everyLive((a) => a.releaseTemplate(template));
+    return this.everyLive(this.region, (a) => a.releaseTemplate(template));
+  }
+
+  health(): Promise<AgentHealth> {
+    return this.healthIn(this.region);
   }
 
   /** The region as a whole: ok while one live agent answers; capacity summed over them. */
-  async health(): Promise<AgentHealth> {
-    const settled = await Promise.allSettled((await this.live()).map((r) => this.client(r).health()));
+  private async healthIn(region: string): Promise<AgentHealth> {
+    const settled = await Promise.allSettled((await this.live(region)).map((r) => this.client(r).health()));
     const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
     const sum = (f: (h: AgentHealth) => number) => got.reduce((n, h) => n + f(h), 0);
     // The region is as strong as its weakest host: one agent under TCG makes it `tcg`.

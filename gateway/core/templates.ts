@@ -3,6 +3,7 @@
  * build status from the agent, delete. The db records *that* a template exists and its state;
  * the agent builds and holds it.
  */
+
 import { randomBytes } from "node:crypto";
 import { and, eq, inArray, isNull, or, sql } from "drizzle-orm";
 import type { TemplateSource } from "../../contracts/agent/api.ts";
@@ -15,6 +16,7 @@ import { templates } from "../../db/schema/templates.ts";
 import type { Deps } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { base36, newTemplatePk } from "../ids.ts";
+import { hostOf } from "./regions.ts";
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
 export type TemplateRow = typeof templates.$inferSelect;
@@ -50,9 +52,10 @@ export async function visibleTemplates(deps: Deps, tenantId: string | null): Pro
 /** While building, ask the agent and record a finished build. */
 export async function refreshTemplate(deps: Deps, row: TemplateRow): Promise<TemplateRow> {
   if (row.status !== "building") return row;
+  const host = await hostOf(deps, row.tenantId);
   let st: Awaited<ReturnType<Deps["agent"]["templateStatus"]>>;
   try {
-    st = await deps.agent.templateStatus(row.agentRef);
+    st = await host.templateStatus(row.agentRef);
   } catch {
     // The agent is unreachable or has not started this build yet: the row stays "building"
     // (a listing or health check must not fail because one build cannot be asked about).
@@ -199,7 +202,7 @@ export async function startUploadBuild(
   if (spec.waitSecs !== undefined) source.waitSecs = spec.waitSecs;
   await deps.db.update(templates).set({ uploadBytes: upload.bytes }).where(eq(templates.pk, row.pk));
   try {
-    await deps.agent.buildTemplate(row.agentRef, source);
+    await (await hostOf(deps, row.tenantId)).buildTemplate(row.agentRef, source);
   } catch (err) {
     // A build that cannot even start is a failed build (docs/templates.md "Rules of templates": reported, never a crash).
     const message = buildStartError(err);
@@ -276,7 +279,7 @@ export async function bakeTemplate(
   if (req.width !== undefined) source.width = req.width;
   if (req.expected_width !== undefined) source.expectedWidth = req.expected_width;
   try {
-    await deps.agent.buildTemplate(row.agentRef, source);
+    await (await hostOf(deps, row.tenantId)).buildTemplate(row.agentRef, source);
   } catch (err) {
     const message = buildStartError(err);
     const [failed] = await deps.db
@@ -344,7 +347,7 @@ export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void
   if (row.api === "sandboxes" && (inUse?.n ?? 0) > 0) {
     throw new SandboxdError("template_in_use", `template ${row.id} has ${inUse?.n} live sandboxes`);
   }
-  await deps.agent.deleteTemplate(row.agentRef);
+  await (await hostOf(deps, row.tenantId)).deleteTemplate(row.agentRef);
   // The row stays (sandbox rows and usage history reference it); the id becomes free again.
   await deps.db
     .update(templates)

@@ -3,6 +3,7 @@
  * are reserved in `starting` under the tenant's cap first, atomically per tenant, then the VM is
  * placed and the record marked started (or failed).
  */
+
 import { and, eq, inArray } from "drizzle-orm";
 import type { CreatedVm, ExecAction, OneShotResult, VmResources } from "../../../contracts/agent/api.ts";
 import { bestEffort } from "../../../contracts/best-effort.ts";
@@ -15,6 +16,7 @@ import type { Deps } from "../../deps.ts";
 import { logOf } from "../../deps.ts";
 import { newExecId, newSandboxId, newSessionId } from "../../ids.ts";
 import { type RecordState, recordChange } from "../record-states.ts";
+import { homeRegion } from "../regions.ts";
 import { forgetRows } from "../row-cache.ts";
 import { requireReady, resolveTemplate } from "../templates.ts";
 import { underTenantLock } from "../tenant-lock.ts";
@@ -188,20 +190,24 @@ export async function createVm(
   requireReady(template);
   // A malformed egress.allow is a 400 here, before a row is reserved or an agent is asked.
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
+  const region = await homeRegion(deps, p.tenantId);
   const [id] = await reserve(
     deps,
     p,
     kind,
     template,
     [input.idle === undefined ? { labels: input.labels } : { labels: input.labels, idle: input.idle }],
-    await deps.placement.firstChoice(),
+    await deps.placement.firstChoice(region),
   );
   let vm: CreatedVm;
   let agentId: string;
   try {
     const opts: { kind: VmKind; egressAllow?: string[] } = { kind };
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
-    ({ agentId, result: vm } = await deps.placement.place((a) => a.createSandbox(template.agentRef, opts)));
+    ({ agentId, result: vm } = await deps.placement.place(
+      (a) => a.createSandbox(template.agentRef, opts),
+      region,
+    ));
   } catch (err) {
     await markFailed(deps, [id!]);
     throw err;
@@ -228,13 +234,14 @@ export async function execOneShots(
   opts: { partial?: boolean } = {},
 ): Promise<OneShotOutcome[]> {
   if (calls.length === 0) return [];
+  const region = await homeRegion(deps, p.tenantId);
   const ids = await reserve(
     deps,
     p,
     "exec",
     calls[0]!.template,
     calls.map((c) => ({ labels: {}, template: c.template })),
-    await deps.placement.firstChoice(),
+    await deps.placement.firstChoice(region),
     opts.partial ?? false,
   );
   const startedAt = new Date(deps.clock());
@@ -242,8 +249,9 @@ export async function execOneShots(
     calls.slice(0, ids.length).map(async (c, i) => {
       const id = ids[i]!;
       try {
-        const { agentId, result } = await deps.placement.place((a) =>
-          a.execOnce(c.template.agentRef, c.action),
+        const { agentId, result } = await deps.placement.place(
+          (a) => a.execOnce(c.template.agentRef, c.action),
+          region,
         );
         await endOneShot(deps, id, p.tenantId, agentId, startedAt, result.resources);
         return result;
