@@ -1,7 +1,8 @@
 /**
  * `sandboxd agent-token create|list|revoke`: per-agent credentials in the gateway's database
  * (gateway/agents/enrollment.ts). `create` prints a one-time enrollment token for
- * `sandboxd agent --enroll`; `revoke` clears an agent's key so nothing it signs is accepted and the
+ * `sandboxd agent --enroll`, naming the region the agent is in (`--region`, default the serving
+ * gateway's) and optionally pinning the URL it is reached at (`--url`); `revoke` clears an agent's key so nothing it signs is accepted and the
  * gateway stops calling it. They run in the running service through its operator socket when one
  * answers, else on the database directly (cli/operator.ts).
  */
@@ -32,6 +33,8 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
       "data-dir": { type: "string" },
       ttl: { type: "string" },
       agent: { type: "string" },
+      region: { type: "string" },
+      url: { type: "string" },
     },
     allowPositionals: true,
   });
@@ -44,9 +47,12 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
       const issued = await runOperatorOp(dataDir, OPERATOR_OPS, "agent-token.create", {
         ttlS,
         ...(values.agent !== undefined ? { agentId: values.agent } : {}),
+        ...(values.region !== undefined ? { region: values.region } : {}),
+        ...(values.url !== undefined ? { url: values.url } : {}),
       });
       process.stderr.write(
-        `created enrollment token ${issued.id}${values.agent ? ` for agent ${values.agent}` : ""}, ` +
+        `created enrollment token ${issued.id}${values.agent ? ` for agent ${values.agent}` : ""} in region ${issued.region}` +
+          `${values.url ? ` at ${values.url} only` : ""}, ` +
           `single use, expires ${issued.expiresAt}; it is shown once\n`,
       );
       // Last line: the token itself, so scripts can take it with `tail -n1`.

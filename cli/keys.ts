@@ -19,6 +19,7 @@ export async function cmdKey(args: string[]): Promise<number> {
       tenant: { type: "string" },
       tier: { type: "string" },
       name: { type: "string" },
+      region: { type: "string" },
     },
     allowPositionals: true,
   });
@@ -34,9 +35,10 @@ export async function cmdKey(args: string[]): Promise<number> {
         tenant: values.tenant,
         tier: parsed.data,
         ...(values.name !== undefined ? { name: values.name } : {}),
+        ...(values.region !== undefined ? { region: values.region } : {}),
       });
       process.stderr.write(
-        `created ${issued.tier} key ${issued.keyId} for tenant ${values.tenant}; it is shown once, store it now\n`,
+        `created ${issued.tier} key ${issued.keyId} for tenant ${values.tenant}${issued.region ? ` (home region ${issued.region})` : ""}; it is shown once, store it now\n`,
       );
       // Last line: the key itself, so scripts can take it with `tail -n1`.
       process.stdout.write(`${issued.key}\n`);

@@ -18,8 +18,9 @@ commands:
         process; state in PGlite under the data dir, or PostgreSQL when DATABASE_URL is set;
         builds the catalog's python template on first start
   gateway [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--region R] [--no-catalog]
-        run the HTTP gateway alone; it places sandboxes on the agents that heartbeat to it
-        (live, in region R, with room, least-loaded first); DATABASE_URL as for up
+        run the HTTP gateway alone; it places each tenant's sandboxes on the agents of the
+        tenant's home region (live, with room, least-loaded first); R is the home of tenants
+        created through it without --region; DATABASE_URL as for up
   agent --gateway URL [--enroll TOKEN] [--listen HOST:PORT] [--advertise URL] [--region R]
         [--id ID] [--slots N] [--data-dir DIR] [--no-catalog]
         run one host agent: serve the agent API on --listen (default 127.0.0.1:7070), heartbeat
@@ -42,24 +43,27 @@ commands:
         resume, delete, connect-URL tunnel), each with the service's share (JSON)
   doctor [--build] [--data-dir DIR]
         check the host; --build also builds missing guest artifacts
-  key create --tenant NAME --tier TIER [--name LABEL] [--data-dir DIR]
+  key create --tenant NAME --tier TIER [--name LABEL] [--region R] [--data-dir DIR]
   key list [--tenant NAME] [--data-dir DIR]
   key revoke KEY-ID [--data-dir DIR]
         API keys (svc_<tier>_<id>_<secret>) in the gateway database: PGlite in the data dir, or
         PostgreSQL when DATABASE_URL is set; create prints the new key as its last line. While
         up or gateway runs they go through its operator socket (<data>/operator/sandboxd.sock)
-        and take effect at once; revoke also revokes the connect URLs the key minted
+        and take effect at once; revoke also revokes the connect URLs the key minted; a new
+        tenant is at home in --region R (default: the running gateway's --region), fixed
   usage --tenant NAME [--from ISO] [--to ISO] [--by sandbox|day] [--json] [--data-dir DIR]
         a tenant's metered usage over [from, to) (default: this UTC month until now): seconds
         running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and
         snapshot_gb_months, in all, per sandbox (with how each ended) or per UTC day; a table,
         or JSON with --json; database as for key (SQL views: docs/quotas-and-usage.md)
-  agent-token create [--ttl 1h] [--agent ID] [--data-dir DIR]
+  agent-token create [--ttl 1h] [--agent ID] [--region R] [--url URL] [--data-dir DIR]
   agent-token list [--data-dir DIR]
   agent-token revoke AGENT-ID [--data-dir DIR]
         per-agent credentials in the gateway database: create prints a one-time enrollment
         token (sbxe_..., default life 1h; --agent binds it to that id and re-keys it) as its last
-        line; revoke makes the gateway refuse the agent's heartbeats and stop calling it
+        line; the agent it enrolls is in region R for good (default: the running gateway's
+        --region, else local) and, with --url, reached at URL only; revoke makes the gateway
+        refuse the agent's heartbeats and stop calling it
   fleet list [--data-dir DIR]
   fleet cordon|uncordon AGENT-ID [--data-dir DIR]
   fleet drain AGENT-ID [--timeout 1h] [--data-dir DIR]

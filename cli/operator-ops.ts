@@ -4,7 +4,7 @@
  * same whether it ran in the service or in the CLI on the database.
  */
 import { z } from "zod";
-import { AgentId } from "../contracts/agent/enroll.ts";
+import { AgentId, DEFAULT_REGION, RegionName } from "../contracts/agent/enroll.ts";
 import { Tier } from "../contracts/api/tiers.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { agents } from "../db/schema/agents.ts";
@@ -21,14 +21,27 @@ import { type OperatorSocket, operatorOp, startOperatorSocket } from "./operator
 const iso = (d: Date | null) => (d === null ? null : d.toISOString());
 
 export const keyCreate = operatorOp(
-  z.object({ tenant: z.string().min(1), tier: Tier, name: z.string().optional() }),
-  async ({ db, secrets }, a) => {
+  z.object({
+    tenant: z.string().min(1),
+    tier: Tier,
+    name: z.string().optional(),
+    region: RegionName.optional(),
+  }),
+  async ({ db, secrets, defaultRegion }, a) => {
+    const region = a.region ?? defaultRegion;
     const issued = await createKey(db, secrets.keyPepper, {
       tenant: a.tenant,
       tier: a.tier,
       ...(a.name !== undefined ? { name: a.name } : {}),
+      ...(region !== undefined ? { region } : {}),
     });
-    return { key: issued.key, keyId: issued.keyId, prefix: issued.prefix, tier: issued.tier };
+    return {
+      key: issued.key,
+      keyId: issued.keyId,
+      prefix: issued.prefix,
+      tier: issued.tier,
+      region: issued.region,
+    };
   },
 );
 
@@ -48,13 +61,21 @@ export const keyRevoke = operatorOp(z.object({ id: z.string().min(1) }), async (
 });
 
 export const agentTokenCreate = operatorOp(
-  z.object({ ttlS: z.number().int().positive(), agentId: AgentId.optional() }),
-  async ({ db, secrets }, a) => {
+  z.object({
+    ttlS: z.number().int().positive(),
+    agentId: AgentId.optional(),
+    region: RegionName.optional(),
+    url: z.string().url().optional(),
+  }),
+  async ({ db, secrets, defaultRegion }, a) => {
+    const region = a.region ?? defaultRegion ?? DEFAULT_REGION;
     const issued = await createEnrollmentToken(db, secrets.agentSecret, {
       ttlS: a.ttlS,
+      region,
       ...(a.agentId !== undefined ? { agentId: a.agentId } : {}),
+      ...(a.url !== undefined ? { url: a.url } : {}),
     });
-    return { token: issued.token, id: issued.id, expiresAt: issued.expiresAt.toISOString() };
+    return { token: issued.token, id: issued.id, expiresAt: issued.expiresAt.toISOString(), region };
   },
 );
 
@@ -141,6 +162,7 @@ export function serveOperatorCommands(
     ops: OPERATOR_OPS,
     withDb: gateway.withDb,
     keyRevoked: gateway.keyRevoked,
+    defaultRegion: gateway.config.region,
     secrets: { ...secrets, keyPepper: gateway.config.keyPepper, connectSecret: gateway.config.connectSecret },
     log,
   });

@@ -26,6 +26,12 @@ export interface OperatorContext {
   secrets: GatewaySecrets;
   /** The serving gateway's hook for a key just revoked (its key cache); absent with no service. */
   keyRevoked?: (keyId: string) => void;
+  /**
+   * The serving gateway's `--region`: the home of a tenant, and the region of an enrollment token,
+   * created without `--region`. Absent with no service: a new tenant then has no home until one is
+   * named (served in the serving gateway's region) and a token enrolls into `local`.
+   */
+  defaultRegion?: string;
 }
 
 /** One operator command: its arguments' schema and what it does. Results are plain JSON. */
@@ -135,6 +141,8 @@ export async function startOperatorSocket(opts: {
   withDb: <T>(fn: (db: Db) => Promise<T>) => Promise<T>;
   /** Told of each key the socket revokes (OperatorContext.keyRevoked). */
   keyRevoked?: (keyId: string) => void;
+  /** The serving gateway's `--region` (OperatorContext.defaultRegion). */
+  defaultRegion?: string;
   secrets: GatewaySecrets;
   log: (line: string) => void;
 }): Promise<OperatorSocket | undefined> {
@@ -173,7 +181,12 @@ export async function startOperatorSocket(opts: {
         const args = op.args.parse(await req.json());
         const result = await opts.withDb((db) =>
           op.run(
-            { db, secrets: opts.secrets, ...(opts.keyRevoked ? { keyRevoked: opts.keyRevoked } : {}) },
+            {
+              db,
+              secrets: opts.secrets,
+              ...(opts.keyRevoked ? { keyRevoked: opts.keyRevoked } : {}),
+              ...(opts.defaultRegion !== undefined ? { defaultRegion: opts.defaultRegion } : {}),
+            },
             args,
           ),
         );

@@ -1,4 +1,6 @@
 /** Gateway configuration. Every limit defaults to contracts/api/limits.ts and can be overridden. */
+
+import { DEFAULT_REGION } from "../contracts/agent/enroll.ts";
 import { HEARTBEAT_INTERVAL_MS } from "../contracts/agent/heartbeat.ts";
 import { DEFAULT_LIMITS, type Limits, limitsBeyondAgent } from "../contracts/api/limits.ts";
 import { SandboxdError } from "../contracts/errors.ts";
@@ -24,8 +26,10 @@ export interface GatewayConfig {
    */
   agent: { id: string; region: string; url: string };
   /**
-   * The region new sandboxes and template builds go to. Tenants carry no region yet, so every
-   * tenant is placed here (`sandboxd gateway --region`, default `local`: the region of `up`).
+   * This gateway's default region (`sandboxd gateway --region`, default `local`: the region of
+   * `up`): the home region of a tenant created through it without `--region`, and the home of a
+   * tenant made before regions existed. Every other tenant's sandboxes and template builds go to
+   * its own home region, whichever gateway serves the call (docs/regions.md "Rules of regions").
    */
   region: string;
   /**
@@ -65,8 +69,8 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
     connectSecret: input.connectSecret,
     ...(input.publicBaseUrl !== undefined ? { publicBaseUrl: input.publicBaseUrl } : {}),
     uploadDir: input.uploadDir,
-    agent: input.agent ?? { id: "local", region: "local", url: "in-process" },
-    region: input.region ?? "local",
+    agent: input.agent ?? { id: "local", region: input.region ?? DEFAULT_REGION, url: "in-process" },
+    region: input.region ?? DEFAULT_REGION,
     agentWaitMs: input.agentWaitMs ?? AGENT_WAIT_MS,
     settings: input.settings ?? {},
     limits: {

@@ -219,7 +219,7 @@ function gatewayFetch(app: ReturnType<typeof createApp>, agents: AgentRoutes) {
     if (agentSecret !== undefined && request.method === "POST") {
       const path = new URL(request.url).pathname;
       if (path === HEARTBEAT_PATH)
-        return handleHeartbeat(db, agentSecret, request, clock, agents.onHeartbeat);
+        return handleHeartbeat(db, agentSecret, request, clock, agents.onHeartbeat, log);
       if (path === AGENT_EVENTS_PATH)
         return handleAgentEvents(db, agentSecret, request, agents.onEvents, log);
       if (path === ENROLL_PATH) return handleEnroll(db, agentSecret, request, clock);

@@ -13,6 +13,18 @@ export const ENROLL_PATH = "/internal/agents/enroll";
 
 export const AgentId = z.string().regex(/^[A-Za-z0-9._-]{1,64}$/);
 
+/**
+ * A region's name (a tenant's home, an agent's place): up to 64 letters, digits, `.`, `_`, `-`,
+ * so that it reads safely in URLs, log lines and error messages.
+ */
+export const RegionName = z.string().regex(/^[A-Za-z0-9._-]{1,64}$/);
+
+/**
+ * The region of `up`, and of a `gateway` or an enrollment token given no `--region`
+ * (docs/regions.md "Rules of regions").
+ */
+export const DEFAULT_REGION = "local";
+
 /** `sbxe_<token id>_<secret>`: the id finds the stored hash, the secret is checked against it. */
 export const ENROLLMENT_TOKEN_RE = /^sbxe_([a-f0-9]{16})_([A-Za-z0-9_-]{43})$/;
 

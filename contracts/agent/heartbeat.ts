@@ -7,7 +7,7 @@
  * agent's sender is agent/api/heartbeat.ts.
  */
 import { z } from "zod";
-import { AgentId } from "./enroll.ts";
+import { AgentId, RegionName } from "./enroll.ts";
 
 /** Outside the public /v1 API. */
 export const HEARTBEAT_PATH = "/internal/agents/heartbeat";
@@ -16,8 +16,15 @@ export const HEARTBEAT_INTERVAL_MS = 5_000;
 
 export const Heartbeat = z.object({
   id: AgentId,
-  region: z.string().regex(/^[A-Za-z0-9._-]{1,64}$/),
-  /** The URL the gateway reaches this agent at. */
+  /**
+   * The region the agent was started in. The gateway keeps the one its enrollment token named and
+   * refuses a heartbeat that names another (gateway/agents/registry.ts).
+   */
+  region: RegionName,
+  /**
+   * The URL the gateway reaches this agent at; refused when its enrollment pinned another
+   * (`sandboxd agent-token create --url`).
+   */
   url: z.string().url(),
   capacity: z.object({
     slotsFree: z.number().int().min(0),

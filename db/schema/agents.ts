@@ -1,10 +1,11 @@
 import { sql } from "drizzle-orm";
-import { integer, jsonb, pgTable, text, timestamp } from "drizzle-orm/pg-core";
+import { boolean, integer, jsonb, pgTable, text, timestamp } from "drizzle-orm/pg-core";
 
 /**
  * Host agents the gateway can place VMs on: the gateway decides where a sandbox runs, the agent how.
- * An agent's row is made when it enrolls (gateway/agents/enrollment.ts); its heartbeats keep URL,
- * region and capacity current. `keyId` names the agent's current key: the key itself is derived
+ * An agent's row is made when it enrolls (gateway/agents/enrollment.ts), with the region (and, if
+ * pinned, the URL) its enrollment token named; its heartbeats keep capacity and an unpinned URL
+ * current, never the region. `keyId` names the agent's current key: the key itself is derived
  * from it and the gateway's agent secret, so the table holds nothing an agent could sign with.
  * No `keyId` (never enrolled, or revoked): nothing from or to this agent is accepted.
  */
@@ -41,12 +42,15 @@ export const agents = pgTable("agents", {
   lostAt: timestamp("lost_at", { withTimezone: true, mode: "date" }),
   /** Cordoned (`sandboxd fleet cordon|drain`): no new VM is placed on it; null: placeable. */
   cordonedAt: timestamp("cordoned_at", { withTimezone: true, mode: "date" }),
+  /** The URL is the one its enrollment token pinned: a heartbeat advertising another is refused. */
+  urlPinned: boolean("url_pinned").notNull().default(false),
 });
 
 /**
  * One-time enrollment tokens (`sandboxd agent-token create`): only an HMAC of the token's secret
  * is stored. `usedAt` is set by the one enrollment that redeems it; `agentId`, when set, is the
- * only id the token may enroll (and it then replaces that agent's key).
+ * only id the token may enroll (and it then replaces that agent's key). `region` is the region
+ * the agent it enrolls is in; `url`, when set, the only URL that agent may be reached at.
  */
 export const agentEnrollmentTokens = pgTable("agent_enrollment_tokens", {
   id: text("id").primaryKey(),
@@ -56,4 +60,6 @@ export const agentEnrollmentTokens = pgTable("agent_enrollment_tokens", {
   expiresAt: timestamp("expires_at", { withTimezone: true, mode: "date" }).notNull(),
   usedAt: timestamp("used_at", { withTimezone: true, mode: "date" }),
   usedBy: text("used_by"),
+  region: text("region").notNull().default("local"),
+  url: text("url"),
 });

@@ -10,10 +10,20 @@
  * - Revoking an agent (registry.ts `revokeAgent`) clears its key id: its heartbeats and the
  *   gateway's calls to it stop at once, and it leaves placement. A new enrollment gives it a new key id, so the old key stays
  *   dead.
+ * - The token names the region the agent is in, and may pin the URL it is reached at: both are
+ *   written at enrollment and no heartbeat changes them (registry.ts `handleHeartbeat`), so only
+ *   the operator who made the token decides which tenants' sandboxes a host may receive
+ *   (docs/regions.md "Rules of regions").
  */
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import { and, eq, isNull } from "drizzle-orm";
-import { ENROLLMENT_TOKEN_RE, EnrollRequest, type EnrollResponse } from "../../contracts/agent/enroll.ts";
+import {
+  DEFAULT_REGION,
+  ENROLLMENT_TOKEN_RE,
+  EnrollRequest,
+  type EnrollResponse,
+  RegionName,
+} from "../../contracts/agent/enroll.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agentEnrollmentTokens, agents } from "../../db/schema/agents.ts";
@@ -44,12 +54,17 @@ export interface IssuedEnrollmentToken {
 export async function createEnrollmentToken(
   db: Db,
   agentSecret: string,
-  opts: { ttlS?: number; agentId?: string; now?: Date } = {},
+  opts: { ttlS?: number; agentId?: string; now?: Date; region?: string; url?: string } = {},
 ): Promise<IssuedEnrollmentToken> {
   const now = opts.now ?? new Date();
   const ttlS = opts.ttlS ?? DEFAULT_ENROLLMENT_TTL_S;
   if (!Number.isFinite(ttlS) || ttlS <= 0)
     throw new SandboxdError("bad_request", `token ttl must be positive, got ${ttlS}`);
+  const region = opts.region ?? DEFAULT_REGION;
+  if (!RegionName.safeParse(region).success)
+    throw new SandboxdError("bad_request", `${region} is not a valid region name`);
+  if (opts.url !== undefined && !URL.canParse(opts.url))
+    throw new SandboxdError("bad_request", `${opts.url} is not a URL`);
   const id = randomBytes(8).toString("hex");
   const secret = randomBytes(32).toString("base64url");
   const expiresAt = new Date(now.getTime() + ttlS * 1000);
@@ -59,6 +74,8 @@ export async function createEnrollmentToken(
     agentId: opts.agentId ?? null,
     createdAt: now,
     expiresAt,
+    region,
+    url: opts.url ?? null,
   });
   return { token: `sbxe_${id}_${secret}`, id, expiresAt };
 }
@@ -104,11 +121,20 @@ export async function enrollAgent(
       .returning({ usedAt: agentEnrollmentTokens.usedAt });
     if (used.length !== 1) throw refuse("already used");
     const keyId = randomBytes(16).toString("hex");
-    // URL and region stay empty until the first heartbeat; without one the agent is not live.
-    const set = { keyId, enrolledAt: now, revokedAt: null, lastHeartbeatAt: null };
+    // The region is the token's, for good; an unpinned URL stays empty until the first
+    // heartbeat, and without one the agent is not live.
+    const set = {
+      keyId,
+      enrolledAt: now,
+      revokedAt: null,
+      lastHeartbeatAt: null,
+      region: row.region,
+      url: row.url ?? "",
+      urlPinned: row.url !== null,
+    };
     await tx
       .insert(agents)
-      .values({ id: req.id, region: "", url: "", ...set })
+      .values({ id: req.id, ...set })
       .onConflictDoUpdate({ target: agents.id, set });
     return { id: req.id, key: deriveAgentKey(agentSecret, req.id, keyId) };
   });

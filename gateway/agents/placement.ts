@@ -5,6 +5,7 @@
  * (`startGateway({agent})`, and the tests' in-memory stand-in).
  */
 import type { AgentApi, AgentHostApi, AgentVmApi } from "../../contracts/agent/api.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 
@@ -20,21 +21,30 @@ export interface PlacementNeed {
   diskMib?: number;
 }
 
+/**
+ * Every placement names a region: the home region of the tenant it is for (core/regions.ts), so a
+ * tenant's VMs and template builds land on agents of that region only, whichever gateway serves
+ * the call (docs/regions.md "Rules of regions").
+ */
 export interface Placement {
   /**
-   * The agent a new VM goes to first, so that its record can name it before the VM exists; its
-   * `agents` row exists once this resolves. None with room: 503 `at_capacity`.
+   * The agent of `region` a new VM goes to first, so that its record can name it before the VM
+   * exists; its `agents` row exists once this resolves. None live in the region, or none with
+   * room: 503 `at_capacity` (`noLiveAgent`).
    */
-  firstChoice(need?: PlacementNeed): Promise<string>;
+  firstChoice(region: string, need?: PlacementNeed): Promise<string>;
   /**
-   * Runs `fn` (a create) on the first agent that takes it, moving on to the next when one refuses
-   * before starting anything; returns which agent took it. When every agent refused, the last
-   * refusal is thrown (no room anywhere reads as `at_capacity`).
+   * Runs `fn` (a create) on the first agent of `region` that takes it, moving on to the next when
+   * one refuses before starting anything; returns which agent took it. When every agent refused,
+   * the last refusal is thrown (no room anywhere reads as `at_capacity`).
    */
   place<T>(
     fn: (api: AgentHostApi) => Promise<T>,
+    region: string,
     need?: PlacementNeed,
   ): Promise<{ agentId: string; result: T }>;
+  /** The calls that name no VM (template builds, status, deletes), on the agents of `region`. */
+  hostIn(region: string): AgentHostApi;
   /**
    * The calls on the VMs of the agent with this id (the id on a sandbox's record); one that is not
    * live fails its calls at once.
@@ -42,10 +52,41 @@ export interface Placement {
   agentFor(agentId: string): AgentVmApi;
 }
 
+/**
+ * 503 `at_capacity`: no live agent in `region`. The same answer as a region whose agents are all
+ * full, because a client does the same thing for both: retry with backoff while an operator starts
+ * (or enrolls) a host there; `details.region` says which region is empty.
+ */
+export function noLiveAgent(region: string): SandboxdError {
+  return new SandboxdError("at_capacity", `no live agent in region ${region}; retry with backoff`, {
+    details: { region, retryAfterSeconds: 5 },
+  });
+}
+
+/** Every call that names no VM refused with `noLiveAgent(region)`. */
+export function emptyRegion(region: string): AgentHostApi {
+  const refuse = async (): Promise<never> => {
+    throw noLiveAgent(region);
+  };
+  return {
+    createSandbox: refuse,
+    execOnce: refuse,
+    buildTemplate: refuse,
+    templateStatus: refuse,
+    deleteTemplate: refuse,
+    expectWidth: refuse,
+    releaseTemplate: refuse,
+    health: refuse,
+  };
+}
+
 /** The agent row must exist before sandboxes reference it; upserted once per process and db. */
 const agentRows = new WeakMap<Db, Promise<void>>();
 
-/** One configured agent, named by `config.agent` (id, region, url), takes every VM. */
+/**
+ * One configured agent, named by `config.agent` (id, region, url), takes every VM of its region;
+ * a tenant at home in another region finds no live agent there.
+ */
 export class FixedPlacement implements Placement {
   constructor(
     private readonly db: Db,
@@ -53,16 +94,23 @@ export class FixedPlacement implements Placement {
     private readonly row: { id: string; region: string; url: string },
   ) {}
 
-  async firstChoice(_need?: PlacementNeed): Promise<string> {
+  async firstChoice(region: string, _need?: PlacementNeed): Promise<string> {
+    if (region !== this.row.region) throw noLiveAgent(region);
     await this.ensureRow();
     return this.row.id;
   }
 
   async place<T>(
     fn: (api: AgentHostApi) => Promise<T>,
+    region: string,
     _need?: PlacementNeed,
   ): Promise<{ agentId: string; result: T }> {
+    if (region !== this.row.region) throw noLiveAgent(region);
     return { agentId: this.row.id, result: await fn(this.agent) };
+  }
+
+  hostIn(region: string): AgentHostApi {
+    return region === this.row.region ? this.agent : emptyRegion(region);
   }
 
   agentFor(_agentId: string): AgentVmApi {

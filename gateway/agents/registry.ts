@@ -1,8 +1,10 @@
 /**
  * The registry of host agents (the `agents` table), kept current by their heartbeats
- * (contracts/agent/heartbeat.ts). An agent's row is made when it enrolls (enrollment.ts); each
- * heartbeat, signed with that agent's own key and for that agent's id only, refreshes its URL,
- * region and capacity. Placement (router.ts) reads the live ones from here.
+ * (contracts/agent/heartbeat.ts). An agent's row is made when it enrolls (enrollment.ts), in the
+ * region its token named; each heartbeat, signed with that agent's own key and for that agent's id
+ * only, refreshes its capacity and, unless enrollment pinned it, its URL. A heartbeat naming
+ * another region, or another URL than a pinned one, is refused: a host's key alone never moves it
+ * into another region's placement. Placement (router.ts) reads the live ones from here.
  */
 import { and, eq, gt, isNotNull, type SQL } from "drizzle-orm";
 import { HEARTBEAT_INTERVAL_MS, Heartbeat } from "../../contracts/agent/heartbeat.ts";
@@ -27,7 +29,6 @@ export const AGENT_STALE_AFTER_MS = 3 * HEARTBEAT_INTERVAL_MS;
  */
 export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date): Promise<boolean> {
   return updateAgent(db, and(eq(agents.id, hb.id), eq(agents.keyId, keyId)), {
-    region: hb.region,
     url: hb.url,
     slotsTotal: hb.capacity.slotsTotal,
     slotsFree: hb.capacity.slotsFree,
@@ -133,6 +134,19 @@ export async function authenticateAgentReport(
   return { ok: true, agent: agent.row };
 }
 
+/**
+ * Why a heartbeat from enrolled agent `row` may not be recorded, or undefined: it names another
+ * region than its enrollment gave it, or another URL than its enrollment pinned. An agent
+ * enrolled before regions were data has region '' and none to contradict (its row keeps '').
+ */
+export function heartbeatConflict(row: AgentRow, hb: Heartbeat): string | undefined {
+  if (row.region !== "" && hb.region !== row.region)
+    return `agent ${row.id} is enrolled in region ${row.region}, not ${hb.region}; enroll it again with a token for ${hb.region} to move it`;
+  if (row.urlPinned && hb.url !== row.url)
+    return `agent ${row.id} is enrolled at ${row.url}, not ${hb.url}; enroll it again with a token for the new URL to move it`;
+  return undefined;
+}
+
 /** 403 unless a report about agent `about` comes from that agent. */
 export function sameAgent(from: AgentRow, about: string): Response | undefined {
   if (about === from.id) return undefined;
@@ -145,8 +159,11 @@ export function sameAgent(from: AgentRow, about: string): Response | undefined {
 /**
  * The gateway's side: the token names an agent (`kid`) and must be signed with that enrolled
  * agent's key (401 otherwise); the body must be about that same agent (403 otherwise). A refused
- * heartbeat changes nothing. `onBeat` hears of each accepted one with the heartbeat before it
- * (null: none), so that an agent back after a gap is reconciled (gateway/core/reconcile.ts).
+ * heartbeat changes nothing. One naming another region or pinned URL than the agent's enrollment
+ * is refused with 403 `forbidden` and a log line (`heartbeatConflict`): the agent stays where
+ * it was enrolled and drops out of placement once its last accepted heartbeat is stale. `onBeat`
+ * hears of each accepted one with the heartbeat before it (null: none), so that an agent back
+ * after a gap is reconciled (gateway/core/reconcile.ts).
  */
 export async function handleHeartbeat(
   db: Db,
@@ -154,6 +171,7 @@ export async function handleHeartbeat(
   request: Request,
   clock: () => number,
   onBeat?: (agentId: string, previousAt: Date | null) => void,
+  log: (line: string) => void = (line) => console.error(line),
 ): Promise<Response> {
   const auth = await authenticateAgentReport(db, agentSecret, request, "heartbeat");
   if (!auth.ok) return auth.answer;
@@ -162,6 +180,13 @@ export async function handleHeartbeat(
   if (!hb.ok) return hb.answer;
   const other = sameAgent(agent, hb.data.id);
   if (other) return other;
+  const conflict = heartbeatConflict(agent, hb.data);
+  if (conflict !== undefined) {
+    log(`heartbeat refused: ${conflict}`);
+    return jsonAnswer(403, { code: "forbidden", message: `heartbeat refused: ${conflict}` });
+  }
+  // The region stays the enrolled one; a legacy row without one takes its first heartbeat's.
+  if (agent.region === "") await updateAgent(db, eq(agents.id, agent.id), { region: hb.data.region });
   if (!(await recordHeartbeat(db, hb.data, agent.keyId, new Date(clock())))) {
     return jsonAnswer(401, { code: "unauthorized", message: `agent ${agent.id} was revoked` });
   }

@@ -1,6 +1,9 @@
 /**
  * `AgentRouter`: the gateway's view of many host agents (registry.ts keeps the registry).
  *
+ * - Every placement names a region, the home region of the tenant it is for (placement.ts): the
+ *   router reaches any region's agents through the `agents` table, so one gateway serves every
+ *   tenant (docs/regions.md "Rules of regions").
  * - Placement (`placementOrder`, docs/agents-and-placement.md "Placement by free room and template locality"): live agents (heartbeat fresher than
  *   `staleAfterMs`) of the region with room for the VM: the heartbeat's free slots, vCPUs, memory
  *   and disk MINUS what any gateway placed there since that heartbeat (the `placed_*` columns of
@@ -17,7 +20,8 @@
  *   it ready. A create tries the next candidate when one has no room, lacks the template or
  *   refuses the connection, so an agent that is still building is simply skipped.
  *
- * As an `AgentHostApi` the router serves the calls that name no VM (templates, exec-once, health);
+ * As an `AgentHostApi` the router serves the calls that name no VM (templates, exec-once, health)
+ * in its default region, and `hostIn(region)` serves them in any region;
  * as the gateway's `Placement` (placement.ts) it chooses the agent of a new VM (`firstChoice`,
  * `place`), and calls on a VM go to the agent on its record (`agentFor`, an `AgentVmApi`). Every call to an agent
  * is signed with that agent's own key (enrollment.ts); a revoked agent is neither live nor called.
@@ -43,14 +47,14 @@ import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
 import { deriveAgentKey } from "./enrollment.ts";
-import type { Placement, PlacementNeed } from "./placement.ts";
+import { noLiveAgent, type Placement, type PlacementNeed } from "./placement.ts";
 import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./registry.ts";
 
 export interface AgentRouterOptions {
   db: Db;
   /** The gateway's agent secret, from which each agent's key is derived (enrollment.ts). */
   agentSecret: string;
-  /** The region placements go to (tenants carry none yet: config.region). */
+  /** The default region (config.region): where the router's own `AgentHostApi` calls go. */
   region: string;
   staleAfterMs?: number;
   /**
@@ -62,7 +66,11 @@ export interface AgentRouterOptions {
   timeouts?: Partial<AgentTimeouts>;
   /** Draws of the power-of-two choice, uniform in [0, 1); tests pass a seeded one. */
   random?: () => number;
-  /** How the router calls an agent; by default signed HTTP (AgentHttpClient). Tests pass in-memory agents. */
+  /**
+   * How to reach an enrolled, live agent; default an `AgentHttpClient` to its URL signed with its
+   * key. Tests give in-memory agents here to run the router's placement over the real `agents`
+   * table without HTTP servers.
+   */
   connect?: (row: AgentRow & { keyId: string }, key: string) => AgentApi;
 }
 
@@ -220,9 +228,9 @@ export class AgentRouter implements AgentHostApi, Placement {
     return [rows[best]!, ...rows.slice(0, best), ...rows.slice(best + 1)];
   }
 
-  /** Placement: the agent a placement would try first, or 503 `at_capacity`; nothing is claimed. */
-  async firstChoice(need: PlacementNeed = {}): Promise<string> {
-    return (await this.placementOrder(this.region, need))[0]!.id;
+  /** Placement: the agent of `region` a placement would try first, or 503 `at_capacity`; nothing is claimed. */
+  async firstChoice(region = this.region, need: PlacementNeed = {}): Promise<string> {
+    return (await this.placementOrder(region, need))[0]!.id;
   }
 
   /**
@@ -279,8 +287,8 @@ export class AgentRouter implements AgentHostApi, Placement {
    */
   async place<T>(
     fn: (api: AgentHostApi) => Promise<T>,
-    need: PlacementNeed = {},
     region = this.region,
+    need: PlacementNeed = {},
   ): Promise<{ agentId: string; result: T }> {
     const n = fullNeed(need);
     const rows = await this.placementOrder(region, need);
@@ -345,12 +353,31 @@ export class AgentRouter implements AgentHostApi, Placement {
 
   // ---- AgentHostApi: calls that name no VM ----------------------------------------------------
 
-  async createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
-    return (await this.place((a) => a.createSandbox(template, opts), { template })).result;
+  /** Placement: the calls that name no VM, on the live agents of `region`. */
+  hostIn(region: string): AgentHostApi {
+    return {
+      createSandbox: async (t, o) =>
+        (await this.place((a) => a.createSandbox(t, o), region, { template: t })).result,
+      execOnce: async (t, a) => (await this.place((h) => h.execOnce(t, a), region, { template: t })).result,
+      buildTemplate: (t, src) => this.buildIn(region, t, src),
+      templateStatus: (t) => this.statusIn(region, t),
+      deleteTemplate: (t) => this.everyLive(region, (a) => a.deleteTemplate(t)),
+      expectWidth: (t, w) => this.everyLive(region, (a) => a.expectWidth(t, w)),
+      releaseTemplate: (t) => this.everyLive(region, (a) => a.releaseTemplate(t)),
+      health: () => this.healthIn(region),
+    };
   }
 
-  async execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
-    return (await this.place((a) => a.execOnce(template, action), { template })).result;
+  createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
+    return this.hostIn(this.region).createSandbox(template, opts);
+  }
+
+  execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
+    return this.hostIn(this.region).execOnce(template, action);
+  }
+
+  buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
+    return this.buildIn(this.region, template, source);
   }
 
   /**
@@ -358,11 +385,11 @@ export class AgentRouter implements AgentHostApi, Placement {
    * with 503 `agent_unavailable` and leaves an upload's file in place: nothing was taken, and the
    * caller waits for an agent and tries again (gateway/core/templates.ts).
    */
-  async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
-    const rows = await this.live();
+  private async buildIn(region: string, template: TemplateRef, source: TemplateSource): Promise<void> {
+    const rows = await this.live(region);
     if (rows.length === 0) {
-      throw new SandboxdError("agent_unavailable", `no live agent in region ${this.region} to build on`, {
-        details: { region: this.region, noLiveAgent: true, retryAfterSeconds: 5 },
+      throw new SandboxdError("agent_unavailable", `no live agent in region ${region} to build on`, {
+        details: { region, noLiveAgent: true, retryAfterSeconds: 5 },
       });
     }
     try {
@@ -384,9 +411,13 @@ export class AgentRouter implements AgentHostApi, Placement {
     }
   }
 
-  async templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
+  templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
+    return this.statusIn(this.region, template);
+  }
+
+  private async statusIn(region: string, template: TemplateRef): Promise<TemplateBuildStatus> {
     const settled = await Promise.allSettled(
-      (await this.live()).map((r) => this.client(r).templateStatus(template)),
+      (await this.live(region)).map((r) => this.client(r).templateStatus(template)),
     );
     const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
     const ready = got.find((s) => s.status === "ready");
@@ -395,11 +426,11 @@ export class AgentRouter implements AgentHostApi, Placement {
     if (building) return building;
     if (got[0]) return got[0];
     const err = settled.find((s): s is PromiseRejectedResult => s.status === "rejected");
-    throw err?.reason ?? new SandboxdError("agent_unavailable", `no live agent in region ${this.region}`);
+    throw err?.reason ?? noLiveAgent(region);
   }
 
-  private async everyLive(fn: (a: AgentHostApi) => Promise<void>): Promise<void> {
-    const settled = await Promise.allSettled((await this.live()).map((r) => fn(this.client(r))));
+  private async everyLive(region: string, fn: (a: AgentHostApi) => Promise<void>): Promise<void> {
+    const settled = await Promise.allSettled((await this.live(region)).map((r) => fn(this.client(r))));
     for (const s of settled) {
       if (s.status === "rejected" && !(s.reason instanceof SandboxdError && s.reason.code === "not_found")) {
         throw s.reason;
@@ -409,20 +440,24 @@ export class AgentRouter implements AgentHostApi, Placement {
 
   /** On every live agent of the region (an agent that is down keeps its copy: see docs). */
   deleteTemplate(template: TemplateRef): Promise<void> {
-    return this.everyLive((a) => a.deleteTemplate(template));
+    return this.everyLive(this.region, (a) => a.deleteTemplate(template));
   }
 
   expectWidth(template: TemplateRef, width: number): Promise<void> {
-    return this.everyLive((a) => a.expectWidth(template, width));
+    return this.everyLive(this.region, (a) => a.expectWidth(template, width));
   }
 
   releaseTemplate(template: TemplateRef): Promise<void> {
-    return this.everyLive((a) => a.releaseTemplate(template));
+    return this.everyLive(this.region, (a) => a.releaseTemplate(template));
+  }
+
+  health(): Promise<AgentHealth> {
+    return this.healthIn(this.region);
   }
 
   /** The region as a whole: ok while one live agent answers; capacity summed over them. */
-  async health(): Promise<AgentHealth> {
-    const settled = await Promise.allSettled((await this.live()).map((r) => this.client(r).health()));
+  private async healthIn(region: string): Promise<AgentHealth> {
+    const settled = await Promise.allSettled((await this.live(region)).map((r) => this.client(r).health()));
     const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
     const sum = (f: (h: AgentHealth) => number) => got.reduce((n, h) => n + f(h), 0);
     // The region is as strong as its weakest host: one agent under TCG makes it `tcg`.

@@ -17,12 +17,47 @@ export function hashKey(pepper: string, key: string): string {
   return createHmac("sha256", pepper).update(key).digest("hex");
 }
 
-/** Returns the tenant's id, creating the tenant if it does not exist yet. */
-export async function ensureTenant(db: Db, name: string): Promise<string> {
-  await db.insert(tenants).values({ id: newTenantId(), name }).onConflictDoNothing({ target: tenants.name });
-  const [row] = await db.select({ id: tenants.id }).from(tenants).where(eq(tenants.name, name));
+/**
+ * Returns the tenant's id, creating the tenant if it does not exist yet, at home in `region`
+ * (docs/regions.md "Rules of regions"). A home region is fixed at creation: naming another one for
+ * an existing tenant is a 409 `conflict`. A tenant without one (made before regions, or with none
+ * named) takes the first one named; until then the serving gateway's `--region` serves it.
+ */
+export async function ensureTenant(db: Db, name: string, region?: string): Promise<string> {
+  return (await ensureTenantIn(db, name, region)).id;
+}
+
+/** `ensureTenant`, with the tenant's home region (null: none yet). */
+async function ensureTenantIn(
+  db: Db,
+  name: string,
+  region?: string,
+): Promise<{ id: string; region: string | null }> {
+  await db
+    .insert(tenants)
+    .values({ id: newTenantId(), name, region: region ?? null })
+    .onConflictDoNothing({ target: tenants.name });
+  const [row] = await db
+    .select({ id: tenants.id, region: tenants.region })
+    .from(tenants)
+    .where(eq(tenants.name, name));
   if (!row) throw new SandboxdError("internal", `tenant ${name} vanished after insert`);
-  return row.id;
+  if (region === undefined || row.region === region) return row;
+  if (row.region === null) {
+    const set = await db
+      .update(tenants)
+      .set({ region })
+      .where(and(eq(tenants.id, row.id), isNull(tenants.region)))
+      .returning({ id: tenants.id });
+    // Another creation named a region first: that one is the home, checked again below.
+    if (set.length === 1) return { id: row.id, region };
+    return ensureTenantIn(db, name, region);
+  }
+  throw new SandboxdError(
+    "conflict",
+    `tenant ${name} is at home in region ${row.region}, not ${region}; a home region is fixed when the tenant is created`,
+    { details: { tenant: name, region: row.region } },
+  );
 }
 
 export interface IssuedKey {
@@ -32,14 +67,17 @@ export interface IssuedKey {
   prefix: string;
   tenantId: string;
   tier: Tier;
+  /** The tenant's home region; null: none yet (served in the serving gateway's `--region`). */
+  region: string | null;
 }
 
 export async function createKey(
   db: Db,
   pepper: string,
-  opts: { tenant: string; tier: Tier; name?: string },
+  opts: { tenant: string; tier: Tier; name?: string; region?: string },
 ): Promise<IssuedKey> {
-  const tenantId = await ensureTenant(db, opts.tenant);
+  const tenant = await ensureTenantIn(db, opts.tenant, opts.region);
+  const tenantId = tenant.id;
   const keyId = base36(KEY_ID_CHARS);
   const prefix = `svc_${opts.tier}_${keyId}`;
   const key = `${prefix}_${base62(KEY_SECRET_CHARS)}`;
@@ -51,7 +89,7 @@ export async function createKey(
     name: opts.name ?? "",
     hash: hashKey(pepper, key),
   });
-  return { key, keyId, prefix, tenantId, tier: opts.tier };
+  return { key, keyId, prefix, tenantId, tier: opts.tier, region: tenant.region };
 }
 
 export interface KeyListing {

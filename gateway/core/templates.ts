@@ -3,6 +3,7 @@
  * build status from the agent, delete. The db records *that* a template exists and its state;
  * the agent builds and holds it.
  */
+
 import { randomBytes } from "node:crypto";
 import { rm } from "node:fs/promises";
 import { setTimeout as sleep } from "node:timers/promises";
@@ -17,6 +18,7 @@ import { templates } from "../../db/schema/templates.ts";
 import { type Deps, logOf } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { base36, newTemplatePk } from "../ids.ts";
+import { homeRegion, hostOf } from "./regions.ts";
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
 export type TemplateRow = typeof templates.$inferSelect;
@@ -52,9 +54,10 @@ export async function visibleTemplates(deps: Deps, tenantId: string | null): Pro
 /** While building, ask the agent and record a finished build. */
 export async function refreshTemplate(deps: Deps, row: TemplateRow): Promise<TemplateRow> {
   if (row.status !== "building") return row;
+  const host = await hostOf(deps, row.tenantId);
   let st: Awaited<ReturnType<Deps["agent"]["templateStatus"]>>;
   try {
-    st = await deps.agent.templateStatus(row.agentRef);
+    st = await host.templateStatus(row.agentRef);
   } catch (err) {
     if (neverStarted(deps, row, err)) {
       await markBuildFailed(
@@ -332,7 +335,7 @@ async function markBuildFailed(deps: Deps, row: TemplateRow, message: string): P
  */
 async function startBuild(deps: Deps, row: TemplateRow, source: TemplateSource): Promise<boolean> {
   try {
-    await deps.agent.buildTemplate(row.agentRef, source);
+    await (await hostOf(deps, row.tenantId)).buildTemplate(row.agentRef, source);
     return true;
   } catch (err) {
     if (!nothingStarted(err) || deps.config.agentWaitMs <= 0) {
@@ -356,6 +359,9 @@ async function dropUpload(source: TemplateSource): Promise<void> {
 /** `startBuild`'s wait: tries again every BUILD_RETRY_MS until an agent takes the build or the bound passes. */
 async function buildWhenAgentLive(deps: Deps, row: TemplateRow, source: TemplateSource): Promise<void> {
   const waitMs = deps.config.agentWaitMs;
+  // The tenant's home region is fixed at its creation, so the host looked up once serves every try.
+  const region = await homeRegion(deps, row.tenantId);
+  const host = deps.placement.hostIn(region);
   const deadline = performance.now() + waitMs;
   while (performance.now() < deadline) {
     await sleep(Math.min(BUILD_RETRY_MS, Math.max(0, deadline - performance.now())));
@@ -363,7 +369,7 @@ async function buildWhenAgentLive(deps: Deps, row: TemplateRow, source: Template
     const now = await rowByPk(deps, row.pk);
     if (!now || now.deletedAt !== null || now.status !== "building") return dropUpload(source);
     try {
-      await deps.agent.buildTemplate(row.agentRef, source);
+      await host.buildTemplate(row.agentRef, source);
       return;
     } catch (err) {
       if (!nothingStarted(err)) {
@@ -376,7 +382,7 @@ async function buildWhenAgentLive(deps: Deps, row: TemplateRow, source: Template
   await markBuildFailed(
     deps,
     row,
-    `agent_unavailable: no agent of region ${deps.config.region} was live to build on within ${waitMs / 1000} s of the request; retry the request`,
+    `agent_unavailable: no agent of region ${region} was live to build on within ${waitMs / 1000} s of the request; retry the request`,
   );
 }
 
@@ -435,7 +441,7 @@ export async function deleteTemplate(deps: Deps, row: TemplateRow): Promise<void
   if (row.api === "sandboxes" && (inUse?.n ?? 0) > 0) {
     throw new SandboxdError("template_in_use", `template ${row.id} has ${inUse?.n} live sandboxes`);
   }
-  await deps.agent.deleteTemplate(row.agentRef);
+  await (await hostOf(deps, row.tenantId)).deleteTemplate(row.agentRef);
   // The row stays (sandbox rows and usage history reference it); the id becomes free again.
   await deps.db
     .update(templates)

@@ -4,6 +4,7 @@
  * `/v1/images` (`imageRoutes`).
  * The sessions API registers from an uploaded image streamed to a file; The sandboxes API bakes from an OCI ref.
  */
+
 import { createWriteStream } from "node:fs";
 import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
@@ -14,6 +15,7 @@ import { asNoSpace, freeBytes, requireFreeSpace } from "../../contracts/disk-spa
 import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw, requirePro, requireScale } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
+import { hostOf } from "../core/regions.ts";
 import {
   bakeTemplate,
   deleteTemplate,
@@ -144,7 +146,7 @@ async function bake(deps: Deps, c: Context<HonoEnv>, p: Principal) {
   const row = await bakeTemplate(deps, p.tenantId, req, deps.config.limits.templateQuotaByTier[p.tier]);
   // The template as GET /v1/templates/{id} shows it (a retry sees the build's progress); a status
   // the agent cannot give right now leaves the telemetry empty: the row is the answer.
-  const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
+  const st = await (await hostOf(deps, row.tenantId)).templateStatus(row.agentRef).catch(() => undefined);
   return c.json(templateB(row, st?.telemetry ?? {}), 202);
 }
 
@@ -224,7 +226,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     if (p.api === "sessions") return c.json(templateA(row));
     // A build still waiting for an agent (docs/templates.md "Waiting for an agent"), or one whose
     // agent cannot answer now: the row is the answer and the telemetry is empty, as after a bake.
-    const st = await deps.agent.templateStatus(row.agentRef).catch(() => undefined);
+    const st = await (await hostOf(deps, row.tenantId)).templateStatus(row.agentRef).catch(() => undefined);
     return c.json(templateB(row, st?.telemetry ?? {}));
   });
 
@@ -246,7 +248,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     requirePro(p, "expect");
     const req = await jsonBody(c, B.ExpectRequest, deps.config.limits.maxJsonBodyBytes);
     const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "sandboxes");
-    await deps.agent.expectWidth(row.agentRef, req.width);
+    await (await hostOf(deps, row.tenantId)).expectWidth(row.agentRef, req.width);
     return c.json({ id: row.id, width: req.width });
   });
 
@@ -254,7 +256,7 @@ export function templateRoutes(deps: Deps): Hono<HonoEnv> {
     const p = c.get("principal");
     requirePro(p, "release");
     const row = await ownTemplate(deps, p.tenantId, c.req.param("id"), "sandboxes");
-    await deps.agent.releaseTemplate(row.agentRef);
+    await (await hostOf(deps, row.tenantId)).releaseTemplate(row.agentRef);
     return c.json({ id: row.id, released: true as const });
   });
   return app;

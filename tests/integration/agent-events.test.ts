@@ -45,7 +45,7 @@ describe("VM events to a real gateway", () => {
       });
       const stateDir = await mkdtemp(join(tmpdir(), "sbx-events-"));
       cleanups.push(() => rm(stateDir, { recursive: true, force: true }));
-      const { token } = await gw.withDb((db) => createEnrollmentToken(db, AGENT_SECRET));
+      const { token } = await gw.withDb((db) => createEnrollmentToken(db, AGENT_SECRET, { region: "eu" }));
       const credentials = await enroll({ gatewayUrl: gw.url, token, id: "ev-a", stateDir });
       const t0 = Date.now() - 60_000;
       // A running sandbox on agent ev-a (as markStarted leaves it), with its open interval.

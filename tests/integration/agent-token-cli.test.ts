@@ -69,11 +69,21 @@ describe("agent-token CLI over PGlite in the data dir", () => {
   test(
     "create prints a one-time token last, it enrolls an agent, revoke ends that agent's key",
     async () => {
-      const created = await cli(["agent-token", "create", "--data-dir", dataDir, "--ttl", "10m"]);
+      const created = await cli([
+        "agent-token",
+        "create",
+        "--data-dir",
+        dataDir,
+        "--ttl",
+        "10m",
+        "--region",
+        "eu",
+      ]);
       expect(created.code).toBe(0);
       const token = created.stdout.trimEnd().split("\n").at(-1)!;
       expect(token).toMatch(TOKEN_RE);
       expect(created.stderr).toContain("single use");
+      expect(created.stderr).toContain("in region eu");
 
       const g = await start();
       expect((await enroll({ gatewayUrl: g.url, token, id: "eu-a", stateDir })).id).toBe("eu-a");

@@ -61,8 +61,8 @@ export async function errorOf(p: Promise<unknown>): Promise<SandboxdError> {
 }
 
 /**
- * An agent HTTP server over `manager` that enrolls at `gw` with a fresh one-time token (as
- * `sandboxd agent --enroll` does) and heartbeats every `intervalMs` with its own key. The caller
+ * An agent HTTP server over `manager` that enrolls at `gw` with a fresh one-time token for
+ * `region` (as `sandboxd agent --enroll` does) and heartbeats every `intervalMs` with its own key. The caller
  * stops `hb` and `server`.
  */
 export async function startEnrolledAgent(opts: {
@@ -75,7 +75,9 @@ export async function startEnrolledAgent(opts: {
   intervalMs: number;
 }): Promise<{ credentials: AgentCredentials; server: AgentServer; hb: HeartbeatSender }> {
   const { gw, manager, stateDir, id } = opts;
-  const { token } = await gw.withDb((db) => createEnrollmentToken(db, opts.agentSecret));
+  const { token } = await gw.withDb((db) =>
+    createEnrollmentToken(db, opts.agentSecret, { region: opts.region }),
+  );
   const credentials = await enroll({ gatewayUrl: gw.url, token, id, stateDir });
   const server = startAgentServer({
     manager,

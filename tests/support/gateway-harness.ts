@@ -7,9 +7,11 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import type { AgentHostApi } from "../../contracts/agent/api.ts";
 import type { Limits } from "../../contracts/api/limits.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
+import type { Placement } from "../../gateway/agents/placement.ts";
 import { createApp } from "../../gateway/app.ts";
 import { createKey } from "../../gateway/auth/keys.ts";
 import { resolveConfig } from "../../gateway/config.ts";
@@ -27,7 +29,8 @@ export interface Harness {
   config: ReturnType<typeof resolveConfig>;
   dir: string;
   now: { ms: number };
-  key(tenant: string, tier: Tier): Promise<string>;
+  /** A new key of `tenant` (made at home in `region` if new; no region: the gateway's). */
+  key(tenant: string, tier: Tier, region?: string): Promise<string>;
   req(
     method: string,
     path: string,
@@ -45,6 +48,13 @@ export async function makeHarness(
     rows?: RowCache;
     /** How long a build or create waits for an agent (gateway/config.ts AGENT_WAIT_MS). */
     agentWaitMs?: number;
+    /**
+     * A placement over many agents (e.g. an `AgentRouter` over in-memory agents) instead of the
+     * one `agent`, made with the harness's db and clock; it also serves the calls that name no VM.
+     */
+    placement?: (db: DbHandle["db"], clock: () => number) => Placement & AgentHostApi;
+    /** The gateway's default region (`config.region`). */
+    region?: string;
   } = {},
 ): Promise<Harness> {
   const dir = mkdtempSync(join(tmpdir(), "sandboxd-gw-"));
@@ -60,15 +70,17 @@ export async function makeHarness(
     version: "test-1",
     ...(opts.limits ? { limits: opts.limits } : {}),
     ...(opts.agentWaitMs !== undefined ? { agentWaitMs: opts.agentWaitMs } : {}),
+    ...(opts.region !== undefined ? { region: opts.region } : {}),
   });
   await upsertPublicTemplate(
     { db: handle.db, clock },
     { id: "python", name: "Python 3", description: "CPython 3.12" },
   );
   agent.addReadyTemplate("python");
+  const placement = opts.placement?.(handle.db, clock);
   const app = createApp({
     db: handle.db,
-    agent,
+    ...(placement ? { agent: placement, placement } : { agent }),
     config,
     clock,
     log: () => {},
@@ -81,7 +93,8 @@ export async function makeHarness(
     config,
     dir,
     now,
-    key: async (tenant, tier) => (await createKey(handle.db, PEPPER, { tenant, tier })).key,
+    key: async (tenant, tier, region) =>
+      (await createKey(handle.db, PEPPER, { tenant, tier, ...(region !== undefined ? { region } : {}) })).key,
     req: (method, path, o = {}) => {
       const headers: Record<string, string> = { ...o.headers };
       if (o.key !== undefined) headers.authorization = `Bearer ${o.key}`;

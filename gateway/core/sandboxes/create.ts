@@ -3,6 +3,7 @@
  * are reserved in `starting` under the tenant's cap first, atomically per tenant, then the VM is
  * placed and the record marked started (or failed).
  */
+
 import { and, eq, inArray } from "drizzle-orm";
 import type { CreatedVm, ExecAction, OneShotResult, VmResources } from "../../../contracts/agent/api.ts";
 import { bestEffort } from "../../../contracts/best-effort.ts";
@@ -15,6 +16,7 @@ import type { Deps } from "../../deps.ts";
 import { logOf } from "../../deps.ts";
 import { newExecId, newSandboxId, newSessionId } from "../../ids.ts";
 import { type RecordState, recordChange } from "../record-states.ts";
+import { homeRegion } from "../regions.ts";
 import { forgetRows } from "../row-cache.ts";
 import { requireReady, resolveTemplate } from "../templates.ts";
 import { underTenantLock } from "../tenant-lock.ts";
@@ -172,7 +174,7 @@ export interface IdleLifetime {
 }
 
 /** What a new VM claims on its agent (the core names it through `Deps`, not the agents room). */
-type PlacementNeed = NonNullable<Parameters<Deps["placement"]["firstChoice"]>[0]>;
+type PlacementNeed = NonNullable<Parameters<Deps["placement"]["firstChoice"]>[1]>;
 
 export interface CreateInput {
   templateId: string;
@@ -196,13 +198,14 @@ export async function createVm(
   const need: PlacementNeed = { template: template.agentRef };
   if (template.vcpuCount !== null) need.vcpus = template.vcpuCount;
   if (template.memMib !== null) need.memMib = template.memMib;
+  const region = await homeRegion(deps, p.tenantId);
   const [id] = await reserve(
     deps,
     p,
     kind,
     template,
     [input.idle === undefined ? { labels: input.labels } : { labels: input.labels, idle: input.idle }],
-    await deps.placement.firstChoice(need),
+    await deps.placement.firstChoice(region, need),
   );
   let vm: CreatedVm;
   let agentId: string;
@@ -211,6 +214,7 @@ export async function createVm(
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
     ({ agentId, result: vm } = await deps.placement.place(
       (a) => a.createSandbox(template.agentRef, opts),
+      region,
       need,
     ));
   } catch (err) {
@@ -239,13 +243,14 @@ export async function execOneShots(
   opts: { partial?: boolean } = {},
 ): Promise<OneShotOutcome[]> {
   if (calls.length === 0) return [];
+  const region = await homeRegion(deps, p.tenantId);
   const ids = await reserve(
     deps,
     p,
     "exec",
     calls[0]!.template,
     calls.map((c) => ({ labels: {}, template: c.template })),
-    await deps.placement.firstChoice({ template: calls[0]!.template.agentRef }),
+    await deps.placement.firstChoice(region, { template: calls[0]!.template.agentRef }),
     opts.partial ?? false,
   );
   const startedAt = new Date(deps.clock());
@@ -255,9 +260,8 @@ export async function execOneShots(
       try {
         const { agentId, result } = await deps.placement.place(
           (a) => a.execOnce(c.template.agentRef, c.action),
-          {
-            template: c.template.agentRef,
-          },
+          region,
+          { template: c.template.agentRef },
         );
         await endOneShot(deps, id, p.tenantId, agentId, startedAt, result.resources);
         return result;
