@@ -42,8 +42,7 @@ export interface MemBackend {
   path: string;
   /**
    * true: writes go to the file (the template being frozen). false: private copy-on-write
-   * mapping of a handle QEMU opens read-only (`readonly=on,rom=off`, QEMU >= 8.2): a child
-   * restoring from it; its writes never reach the file, and its QEMU never holds it writable.
+   * mapping of the file (a child restoring from it; its writes never reach the file).
    */
   share: boolean;
 }
@@ -223,7 +222,7 @@ export function buildQemuArgs(opts: LaunchOptions): string[] {
       throw new SandboxdError("bad_request", `memory file path may not contain ',': ${mb.path}`);
     args.push(
       "-object",
-      `memory-backend-file,id=${DEVICE_IDS.memBackend},size=${opts.memMib}M,mem-path=${mb.path},${mb.share ? "share=on" : "share=off,readonly=on,rom=off"}`,
+      `memory-backend-file,id=${DEVICE_IDS.memBackend},size=${opts.memMib}M,mem-path=${mb.path},share=${mb.share ? "on" : "off"}`,
     );
   }
   args.push(

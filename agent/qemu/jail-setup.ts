@@ -28,8 +28,6 @@ import { allocateUid, DEFAULT_UID_RANGE, releaseUid, type UidRange } from "./uid
 export const JAIL_MAX_OPEN_FILES = 1024;
 /** Beyond the largest file a VM may write (its disk or RAM): qcow2 metadata and the console. */
 const FILE_SIZE_MARGIN = 64 * 1024 * 1024;
-/** Read for the jails that bind it (their uids differ), written by none: root's, 0444. */
-const SHARED_RAM_FILE_MODE = 0o444;
 
 export interface JailInput {
   dir: string;
@@ -190,18 +188,15 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     const mem = async () => {
       if (!i.mem) return;
       // QEMU would create a shared one, but only paths that exist can be bound into the jail.
-      if (i.mem.share) return ownFile(i.mem.path, { create: true, uid });
-      // A RAM file others start from (a template's, a fork point's) is root's and read-only to
-      // every jail: the child's QEMU opens it read-only and maps it privately (args.ts
-      // `readonly=on,rom=off`), and the bind is read-only too, so a QEMU a guest escaped into
-      // cannot write what later children of any tenant start from.
-      await ownFile(i.mem.path, { uid: 0, mode: SHARED_RAM_FILE_MODE });
+      // QEMU 7.2 opens a memory-backend-file O_RDWR even with share=off (its private mapping never
+      // writes the file back), so a child's template RAM file must be writable to its uid. The
+      // file is reachable only from the jails that bind it (the template's children; its
+      // directory on the host is root's, mode 0700).
+      if (i.mem.share) await ownFile(i.mem.path, { create: true, uid });
+      else await ownFile(i.mem.path, { mode: 0o666 });
     };
-    const sharedMem = i.mem && !i.mem.share ? [i.mem.path] : [];
-    const readWrite = [i.disk, i.mem?.share ? i.mem.path : undefined].filter(
-      (p): p is string => p !== undefined && !inside(i.dir, p),
-    );
-    const readOnly = [i.vmlinux, i.initramfs, ...sharedMem, ...chain.files].filter((p) => !inside(i.dir, p));
+    const readWrite = [i.disk, i.mem?.path].filter((p): p is string => p !== undefined && !inside(i.dir, p));
+    const readOnly = [i.vmlinux, i.initramfs, ...chain.files].filter((p) => !inside(i.dir, p));
     const memBytes = i.memMib * 1024 * 1024;
     const spec: JailSpec = {
       dir: i.dir,

@@ -34,7 +34,7 @@ describe("buildQemuArgs", () => {
     });
     expect(optionValues(args, "-M")).toEqual(["microvm,pit=on,pic=on,rtc=on,acpi=on,memory-backend=mem"]);
     expect(optionValues(args, "-object")).toContain(
-      "memory-backend-file,id=mem,size=256M,mem-path=/dev/shm/t1,share=off,readonly=on,rom=off",
+      "memory-backend-file,id=mem,size=256M,mem-path=/dev/shm/t1,share=off",
     );
     expect(optionValues(args, "-append")[0]).toContain("tsc=reliable clocksource=tsc");
     expect(optionValues(args, "-append")[0]).toContain("sandboxd.hostname=box-1");
