@@ -183,3 +183,60 @@ describe("Capacity.free", () => {
     expect(cap.free(small)).toEqual({ slotsFree: 0, slotsTotal: 4, vcpusFree: 0, memMibFree: 0 });
   });
 });
+
+describe("Capacity with disk accounting", () => {
+  const MiB = 2 ** 20;
+  /** A Capacity whose disk room is whatever `room.now` is when asked. */
+  function diskLedger() {
+    const room = { now: { freeBytes: 1000 * MiB, reserveBytes: 100 * MiB, growBytes: 300 * MiB } };
+    const held: HeldResources = { count: 0, vcpus: 0, memMib: 0 };
+    const cap = new Capacity(limits, () => held, undefined, { room: () => room.now });
+    return { room, cap };
+  }
+
+  test("new VMs fit while the running VMs' room plus theirs is covered by free space less the reserve", () => {
+    const { cap } = diskLedger();
+    // 300 MiB held room + 600 MiB new = 900 MiB = 1000 free - 100 reserve: exactly fits.
+    expect(cap.fits(small, 1, 600 * MiB)).toBe(true);
+    expect(() => cap.admit(small, 1, 600 * MiB)).not.toThrow();
+    expect(cap.fits(small, 1, 600 * MiB + 1)).toBe(false);
+  });
+
+  test("a refusal is at_capacity and names the disk figures", () => {
+    const { cap } = diskLedger();
+    const err = (() => {
+      try {
+        cap.admit(small, 1, 700 * MiB);
+      } catch (e) {
+        return e;
+      }
+    })();
+    expect(err).toBeInstanceOf(SandboxdError);
+    expect((err as SandboxdError).code).toBe("at_capacity");
+    expect((err as SandboxdError).message).toContain("VM disk growth 1000 MiB > 900 MiB free");
+    expect((err as SandboxdError).message).not.toContain("VM memory");
+  });
+
+  test("a fork counts each child's room", () => {
+    const { cap } = diskLedger();
+    // 3 children of 200 MiB: 300 + 600 = 900 fits; a fourth passes the free space.
+    expect(cap.fits(small, 3, 200 * MiB)).toBe(true);
+    expect(() => cap.admit(small, 4, 200 * MiB)).toThrow("VM disk growth 1100 MiB > 900 MiB free");
+  });
+
+  test("the room is asked on every check: a running VM's growth and freed space count at once", () => {
+    const { room, cap } = diskLedger();
+    expect(cap.fits(small, 1, 500 * MiB)).toBe(true);
+    room.now = { ...room.now, growBytes: 500 * MiB };
+    expect(cap.fits(small, 1, 500 * MiB)).toBe(false);
+    room.now = { ...room.now, freeBytes: 2000 * MiB };
+    expect(cap.fits(small, 1, 500 * MiB)).toBe(true);
+  });
+
+  test("free space below the reserve refuses any VM with a disk; a caller that names none is not refused for disk", () => {
+    const { room, cap } = diskLedger();
+    room.now = { freeBytes: 50 * MiB, reserveBytes: 100 * MiB, growBytes: 0 };
+    expect(() => cap.admit(small, 1, 1)).toThrow("VM disk growth 1 MiB > 0 MiB free");
+    expect(cap.fits(small, 1)).toBe(true);
+  });
+});

@@ -11,6 +11,11 @@
  * exact limit of the VM's cgroup), plus the RAM files on tmpfs (templates', forks'), which no
  * VM's guest RAM counts. `memMib` is that budget; the VMs' common cgroup carries the same figure
  * (`limitVmMemory`), so a wrong per-VM figure still cannot reach past it.
+ *
+ * Disk counts what the VMs may still write (`DiskAccounting`): every running VM's qcow2 overlay
+ * can grow to its disk's virtual size, so the VMs fit only while the free space of the
+ * filesystem holding their disks, less the reserve, covers each running VM's room to grow (its
+ * virtual size less what its overlay holds) plus each new VM's room (its disk's virtual size).
  */
 import { cpus, totalmem } from "node:os";
 import type { AgentCapacity } from "../../contracts/agent/api.ts";
@@ -23,6 +28,27 @@ export interface MemoryAccounting {
   overheadMib: number;
   /** MiB the RAM files on tmpfs hold now; asked on every check. */
   filesMib: () => number;
+}
+
+/** Bytes free where the VMs' disks are and the room the running VMs' overlays still have. */
+export interface DiskRoom {
+  /** Bytes an unprivileged writer may still use on the filesystem holding the VMs' disks. */
+  freeBytes: number;
+  /** Free space kept back there for what must not fail when the disk is tight (SANDBOXD_DISK_RESERVE_BYTES). */
+  reserveBytes: number;
+  /** Sum over running VMs of their disk's virtual size less what their overlay holds. */
+  growBytes: number;
+}
+
+/**
+ * What disk admission counts (see the header). Not overcommitted: a guest that fills its disk
+ * writes for as long as the host lets it, and a qcow2 overlay that meets ENOSPC stops its VM
+ * with an I/O error (QEMU's `werror=enospc` default pauses it), so a promise the filesystem
+ * cannot keep breaks a running sandbox, not a create that could have been refused.
+ */
+export interface DiskAccounting {
+  /** Asked on every check (a statfs and a stat per running VM: microseconds for 64 VMs, no cache). */
+  room: () => DiskRoom;
 }
 
 /** Guest RAM alone: for a caller that counts nothing else (a unit test's fixed host). */
@@ -60,6 +86,11 @@ export function hostCapacity(
   };
 }
 
+/** Bytes as MiB for messages, rounded up (and the free figure down): a refusal never reads as fitting. */
+function mibOf(bytes: number): number {
+  return Math.ceil(bytes / 2 ** 20);
+}
+
 /** `held` plus `count` VMs of `size`. */
 export function addHeld(held: HeldResources, size: VmSize, count = 1): HeldResources {
   return {
@@ -80,18 +111,24 @@ export class Capacity {
     /** What is held now; asked on every check, never cached. */
     private readonly held: () => HeldResources,
     readonly memory: MemoryAccounting = GUEST_RAM_ONLY,
+    /** None: disk growth is not counted (a unit test's host, a driver with no disks). */
+    readonly disk?: DiskAccounting,
   ) {}
 
-  /** Whether `count` more VMs of `size` fit the host now. */
-  fits(size: VmSize, count: number): boolean {
-    return this.within(addHeld(this.held(), size, count));
+  /**
+   * Whether `count` more VMs of `size` fit the host now; `diskBytes` is the room each new VM's
+   * overlay may grow into (0: a caller that does not know it, such as a pool's refill).
+   */
+  fits(size: VmSize, count: number, diskBytes = 0): boolean {
+    const disk = this.diskOver(count, diskBytes);
+    return this.within(addHeld(this.held(), size, count)) && disk === undefined;
   }
 
   /**
-   * Throws `at_capacity` unless `count` more VMs of `size` fit the host now; its message names
-   * each limit they would pass, with the figures.
+   * Throws `at_capacity` unless `count` more VMs of `size` (each with `diskBytes` of room to grow
+   * on disk) fit the host now; its message names each limit they would pass, with the figures.
    */
-  admit(size: VmSize, count: number): void {
+  admit(size: VmSize, count: number, diskBytes = 0): void {
     const used = this.held();
     const files = this.memory.filesMib();
     const after = addHeld(used, size, count);
@@ -101,11 +138,17 @@ export class Capacity {
     if (after.vcpus > c.vcpus) over.push(`${after.vcpus} vCPUs > ${c.vcpus}`);
     const mem = hostMemMib(after, this.memory, files);
     if (mem > c.memMib) over.push(`VM memory ${mem} MiB > ${c.memMib} MiB budget`);
+    const disk = this.diskOver(count, diskBytes);
+    if (disk)
+      over.push(
+        `VM disk growth ${mibOf(disk.growBytes)} MiB > ${Math.floor(disk.usableBytes / 2 ** 20)} MiB free`,
+      );
     if (over.length === 0) return;
     throw new SandboxdError("at_capacity", `no capacity on this host: ${over.join(", ")}`, {
       details: {
         used: { ...used, hostMemMib: hostMemMib(used, this.memory, files) },
         capacity: c,
+        ...(disk ? { disk } : {}),
         retryAfterSeconds: RETRY_AFTER_SECONDS,
       },
     });
@@ -126,6 +169,18 @@ export class Capacity {
       ),
     );
     return { slotsFree, slotsTotal: c.slots, vcpusFree, memMibFree };
+  }
+
+  /**
+   * The disk figures when the running VMs' room to grow plus `count` new VMs' `diskBytes` each
+   * pass the free space less the reserve; undefined when they fit or disk is not counted.
+   */
+  private diskOver(count: number, diskBytes: number): { growBytes: number; usableBytes: number } | undefined {
+    if (!this.disk) return undefined;
+    const room = this.disk.room();
+    const growBytes = room.growBytes + count * diskBytes;
+    const usableBytes = Math.max(0, room.freeBytes - room.reserveBytes);
+    return growBytes > usableBytes ? { growBytes, usableBytes } : undefined;
   }
 
   private within(h: HeldResources): boolean {

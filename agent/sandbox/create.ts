@@ -48,13 +48,15 @@ export async function createSandbox(
   // Else a QEMU already launched in its jail for this template, which held its capacity too.
   const prelaunched = pooled ? undefined : h.prelaunch.take(templateId, size);
   if (!pooled && !prelaunched) {
+    // Its overlay may grow to the template disk's virtual size (capacity.ts DiskAccounting).
+    const diskBytes = h.driver.newDiskBytes?.(templateId) ?? 0;
     while (
-      !h.capacity.fits(size, 1) &&
+      !h.capacity.fits(size, 1, diskBytes) &&
       ((await h.warm.evictOne(templateId)) || (await h.prelaunch.evictOne(templateId)))
     ) {
       // each round frees one pooled VM of another template
     }
-    h.capacity.admit(size, 1);
+    h.capacity.admit(size, 1, diskBytes);
   }
   const id = pooled?.vmId ?? prelaunched ?? newVmId();
   const now = Date.now();

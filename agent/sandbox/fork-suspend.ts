@@ -39,7 +39,8 @@ export async function forkSandbox(h: ForkSuspendHost, sb: Sandbox, count: number
   try {
     // The children are held (state `creating`) from the admission on, with no await between:
     // a create or fork racing this one sees them counted and cannot be promised the same room.
-    h.capacity.admit(sb.size, count);
+    // Each child's overlay may grow to the disk's virtual size, the template's.
+    h.capacity.admit(sb.size, count, h.driver.newDiskBytes?.(sb.templateId) ?? 0);
     const now = Date.now();
     for (let i = 0; i < count; i++) {
       const childId = newVmId();
@@ -125,7 +126,7 @@ export async function suspendSandbox(h: ForkSuspendHost, sb: Sandbox): Promise<S
 }
 
 export async function resumeSandbox(h: ForkSuspendHost, sb: Sandbox): Promise<ResumeResult> {
-  h.capacity.admit(sb.size, 1);
+  h.capacity.admit(sb.size, 1, h.driver.newDiskBytes?.(sb.templateId, sb.id) ?? 0);
   h.setState(sb, "resuming");
   try {
     const op = h.driver.resume(sb.id, sb.templateId, sb.size);

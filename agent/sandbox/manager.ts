@@ -135,11 +135,17 @@ export class SandboxManager {
     // 1 vCPU / 256 MiB: enough for a shell or an interpreter, the python fixture's size.
     this.defaultSize = opts.defaultSize ?? { vcpus: 1, memMib: 256 };
     this.fence = opts.fence ?? defaultFence();
-    this.capacity = new Capacity(hostCapacity(opts.capacity), () => this.table.used(), {
-      // A driver that names no accelerator runs no QEMU of ours (a test's fake): guest RAM alone.
-      overheadMib: this.driver.accel === undefined ? 0 : vmOverheadBytes(this.driver.accel === "tcg") / MIB,
-      filesMib: () => Math.ceil((this.driver.ramFilesBytes?.() ?? 0) / MIB),
-    });
+    const diskRoom = this.driver.diskRoom?.bind(this.driver);
+    this.capacity = new Capacity(
+      hostCapacity(opts.capacity),
+      () => this.table.used(),
+      {
+        // A driver that names no accelerator runs no QEMU of ours (a test's fake): guest RAM alone.
+        overheadMib: this.driver.accel === undefined ? 0 : vmOverheadBytes(this.driver.accel === "tcg") / MIB,
+        filesMib: () => Math.ceil((this.driver.ramFilesBytes?.() ?? 0) / MIB),
+      },
+      diskRoom ? { room: diskRoom } : undefined,
+    );
     this.access = new GuestAccess({
       driver: this.driver,
       fence: this.fence,

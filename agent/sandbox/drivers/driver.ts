@@ -153,6 +153,17 @@ export interface SandboxDriver {
    * listing of a tmpfs directory. None without the method.
    */
   ramFilesBytes?(): number;
+  /**
+   * Free bytes on the filesystem holding the VMs' disks, the reserve kept there, and the running
+   * VMs' room to grow there, which admission counts (capacity.ts DiskAccounting). Synchronous like admission: a statfs
+   * and a stat per running VM. Disk growth is not counted without the method.
+   */
+  diskRoom?(): { freeBytes: number; reserveBytes: number; growBytes: number };
+  /**
+   * Bytes a new VM of the template may write to its overlay (its disk's virtual size), or, with
+   * `resumeVmId`, what that suspended VM's overlay may still grow by; for admission.
+   */
+  newDiskBytes?(templateId: string, resumeVmId?: string): number;
 
   /**
    * Reconnects to a VM started before an agent restart: QEMU alive, QMP answers, guest answers

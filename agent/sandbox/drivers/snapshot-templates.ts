@@ -151,6 +151,11 @@ export class SnapshotTemplates {
     if (!r.ok && r.error.code !== "template_not_found") throw r.error;
   }
 
+  /** Virtual size of the template's disk, what each of its VMs' overlays may grow to; 0 unknown. */
+  diskBytes(templateId: string): number {
+    return this.templates.get(templateId)?.meta.diskBytes ?? 0;
+  }
+
   /** The template and the one size its VMs have; throws for another. */
   sized(templateId: string, size: VmSize): Template {
     const t = this.templates.get(templateId);

@@ -24,7 +24,7 @@
  *
  * The templates this driver restores from, and their builds, are in snapshot-templates.ts.
  */
-import { lstatSync, readdirSync } from "node:fs";
+import { lstatSync, readdirSync, statfsSync } from "node:fs";
 import { rm, stat } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { bestEffort } from "../../../contracts/best-effort.ts";
@@ -415,6 +415,19 @@ export class SnapshotDriver implements SandboxDriver {
     };
   }
 
+  diskRoom(): { freeBytes: number; reserveBytes: number; growBytes: number } {
+    let growBytes = 0;
+    for (const l of this.live.values()) growBytes += roomToGrow(l.sbx.shape.diskBytes, l.sbx.disk);
+    const freeBytes = freeBytesSync(vmsRoot(this.stateDir));
+    return { freeBytes, reserveBytes: this.host.diskReserveBytes, growBytes };
+  }
+
+  newDiskBytes(templateId: string, resumeVmId?: string): number {
+    const s = resumeVmId === undefined ? undefined : this.suspended.get(resumeVmId);
+    // A suspended VM read back after a restart is not in the map: its full room, from above.
+    return s ? roomToGrow(s.sbx.shape.diskBytes, s.sbx.disk) : this.templates.diskBytes(templateId);
+  }
+
   ramFilesBytes(): number {
     let names: string[];
     try {
@@ -579,5 +592,31 @@ async function allocatedBytes(path: string): Promise<number> {
     return (await stat(path)).blocks * 512;
   } catch {
     return 0;
+  }
+}
+
+/** What an overlay of `virtualBytes` may still grow by: its virtual size less its allocated blocks. */
+function roomToGrow(virtualBytes: number, disk: string): number {
+  let allocated = 0;
+  try {
+    allocated = lstatSync(disk).blocks * 512;
+  } catch {
+    // not made yet (a restore in flight) or removed meanwhile: all of its room counts
+  }
+  return Math.max(0, virtualBytes - allocated);
+}
+
+/** `freeBytes` (contracts/disk-space.ts), synchronous for admission: the nearest existing ancestor. */
+function freeBytesSync(path: string): number {
+  let p = path;
+  for (;;) {
+    try {
+      const s = statfsSync(p);
+      return s.bavail * s.bsize;
+    } catch (err) {
+      const parent = dirname(p);
+      if ((err as NodeJS.ErrnoException).code !== "ENOENT" || parent === p) throw err;
+      p = parent;
+    }
   }
 }
