@@ -254,6 +254,31 @@ async function stopInOrder(p: {
   }
 }
 
+/**
+ * The rows against the agents' VMs: reconciliation for what their events missed
+ * (gateway/core/reconcile.ts), and the sweep that ends the rows of agents that never come back
+ * (gateway/core/host-loss.ts): quota and usage end with them.
+ */
+function watchAgents(
+  opts: StartGatewayOptions,
+  router: AgentRouter,
+  truth: { db: DbHandle["db"]; clock: () => number; relays: RelayRegistry; rows: RowCache },
+  log: (line: string) => void,
+): { reconciler: Reconciler; hostLoss: { stop(): void } } {
+  const staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
+  const { db, clock } = truth;
+  const reconciler = startReconciler(
+    { db, clock, relays: truth.relays, placement: router },
+    { liveAgents: () => liveAgentIds(db, clock(), staleAfterMs), staleAfterMs, log },
+  );
+  const hostLoss = startHostLossSweeper(truth, {
+    log,
+    ...(opts.lostAfterMs !== undefined ? { lostAfterMs: opts.lostAfterMs } : {}),
+    ...(opts.lostSweepMs !== undefined ? { intervalMs: opts.lostSweepMs } : {}),
+  });
+  return { reconciler, hostLoss };
+}
+
 export async function startGateway(opts: StartGatewayOptions): Promise<RunningGateway> {
   const config = gatewayConfig(opts);
   const hostname = opts.hostname ?? "127.0.0.1";
@@ -305,25 +330,10 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       localRateLimit: handle.kind === "pglite",
       ...(opts.log ? { log: opts.log } : {}),
     });
-    // The rows against the agents' VMs: their events as they happen, reconciliation for what
-    // events missed (gateway/core/agent-events.ts, reconcile.ts).
-    const staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
+    // The rows against the agents' VMs: their events as they happen (gateway/core/agent-events.ts)
+    // and what watchAgents keeps.
     const truth = { db: handle.db, clock, relays };
-    if (router) {
-      reconciler = startReconciler(
-        { ...truth, placement: router },
-        { liveAgents: () => liveAgentIds(handle.db, clock(), staleAfterMs), staleAfterMs, log },
-      );
-      // Agents that never come back (gateway/core/host-loss.ts): their rows end, quota and usage with them.
-      hostLoss = startHostLossSweeper(
-        { ...truth, rows },
-        {
-          log,
-          ...(opts.lostAfterMs !== undefined ? { lostAfterMs: opts.lostAfterMs } : {}),
-          ...(opts.lostSweepMs !== undefined ? { intervalMs: opts.lostSweepMs } : {}),
-        },
-      );
-    }
+    if (router) ({ reconciler, hostLoss } = watchAgents(opts, router, { ...truth, rows }, log));
     server = await serveFetch({
       fetch: gatewayFetch(app, {
         db: handle.db,
@@ -350,13 +360,33 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     await handle.close();
     throw err;
   }
+  return running({ hostname, server, config, router, handle, keys, connections, rows }, () =>
+    stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle }),
+  );
+}
+
+/** The handle `startGateway` answers: its URL, its parts tests look at, and the one stop. */
+function running(
+  p: {
+    hostname: string;
+    server: RunningServer;
+    config: GatewayConfig;
+    router: AgentRouter | undefined;
+    handle: DbHandle;
+    keys: VerifiedKeys;
+    connections: KeyConnections;
+    rows: RowCache;
+  },
+  stopParts: () => Promise<void>,
+): RunningGateway {
+  const { hostname, server, router, handle, keys, connections } = p;
   const host = hostname.includes(":") ? `[${hostname}]` : hostname;
   let stopping: Promise<void> | undefined;
   return {
     url: `http://${host}:${server.port}`,
     port: server.port,
     runtime: server.runtime,
-    config,
+    config: p.config,
     ...(router ? { router } : {}),
     withDb: async (fn) => {
       if (stopping) throw new SandboxdError("internal", "the gateway is stopped");
@@ -367,11 +397,11 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       connections.revoke(keyId);
     },
     connections,
-    rows,
+    rows: p.rows,
     keys,
     stop: () => {
       connections.stop();
-      stopping ??= stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle });
+      stopping ??= stopParts();
       return stopping;
     },
   };

@@ -214,30 +214,12 @@ async function serve(
     client.end(answer(400, "not an HTTP/1 request"));
     return;
   }
-  let dest: { host: string; port: number };
-  let path = "";
-  if (method === "CONNECT") {
-    const a = parseAuthority(target);
-    if (!a) {
-      client.end(answer(400, "CONNECT needs host:port"));
-      return;
-    }
-    dest = a;
-  } else {
-    let url: URL;
-    try {
-      url = new URL(target);
-    } catch {
-      client.end(answer(400, "a proxy request needs an absolute http:// URL"));
-      return;
-    }
-    if (url.protocol !== "http:" || url.username || url.password) {
-      client.end(answer(400, "a proxy request needs an absolute http:// URL"));
-      return;
-    }
-    dest = { host: normalizeHost(url.hostname), port: url.port ? Number(url.port) : 80 };
-    path = `${url.pathname}${url.search}`;
+  const parsed = destinationOf(method, target);
+  if ("error" in parsed) {
+    client.end(answer(400, parsed.error));
+    return;
   }
+  const { dest, path } = parsed;
   const what = `${dest.host.includes(":") ? `[${dest.host}]` : dest.host}:${dest.port}`;
   const d = await fence.check(dest.host, dest.port);
   if (!d.ok) {
@@ -273,8 +255,19 @@ async function serve(
     client.resume();
     return;
   }
-  // Plain HTTP: this one request, its body by Content-Length (a pull sends none), then the
-  // answer with `Connection: close`, so skopeo sends its next request on a new, checked connection.
+  await forwardOne(client, upstream, { method, path, headers, rest: req.rest, what });
+}
+
+/**
+ * Plain HTTP: this one request, its body by Content-Length (a pull sends none), then the answer
+ * with `Connection: close`, so skopeo sends its next request on a new, checked connection.
+ */
+async function forwardOne(
+  client: Socket,
+  upstream: Socket,
+  r: { method: string; path: string; headers: string[]; rest: Buffer; what: string },
+): Promise<void> {
+  const { method, path, headers, what } = r;
   const kept = headers.filter((h) => !HOP_HEADERS.test(h.slice(0, h.indexOf(":")).trim()));
   if (kept.some((h) => /^transfer-encoding\s*:/i.test(h))) {
     upstream.destroy();
@@ -291,7 +284,7 @@ async function serve(
     upstream.write(part);
     if (left <= 0) client.off("data", body); // anything after the body is not forwarded
   };
-  body(req.rest);
+  body(r.rest);
   if (left > 0) client.on("data", body);
   client.resume();
   let res: { head: string; rest: Buffer };
@@ -308,6 +301,29 @@ async function serve(
   if (res.rest.length > 0) client.write(res.rest);
   upstream.pipe(client);
   upstream.resume();
+}
+
+/** Where a proxy request goes: CONNECT's host:port, or an absolute http:// URL's host and path. */
+function destinationOf(
+  method: string,
+  target: string,
+): { dest: { host: string; port: number }; path: string } | { error: string } {
+  if (method === "CONNECT") {
+    const a = parseAuthority(target);
+    return a ? { dest: a, path: "" } : { error: "CONNECT needs host:port" };
+  }
+  let url: URL;
+  try {
+    url = new URL(target);
+  } catch {
+    return { error: "a proxy request needs an absolute http:// URL" };
+  }
+  if (url.protocol !== "http:" || url.username || url.password)
+    return { error: "a proxy request needs an absolute http:// URL" };
+  return {
+    dest: { host: normalizeHost(url.hostname), port: url.port ? Number(url.port) : 80 },
+    path: `${url.pathname}${url.search}`,
+  };
 }
 
 /** A pull whose proxy refused a destination: the tenant's reason, the fence's words kept as cause. */
