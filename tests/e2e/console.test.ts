@@ -90,7 +90,15 @@ async function shot(page: Page, name: string): Promise<void> {
 /** Debian's Chromium, headless (Playwright adds --no-sandbox and a fresh profile of its own). */
 async function launchChromium(): Promise<Browser> {
   const { chromium } = await import("playwright-core");
-  return chromium.launch({ executablePath: CHROMIUM_PATH, headless: true, args: CHROMIUM_FLAGS });
+  // Chromium's own temp dirs (org.chromium.Chromium.*) go under this file's temp dir, removed with it.
+  const tmp = join(imgDir, "chromium-tmp");
+  await mkdir(tmp, { recursive: true });
+  return chromium.launch({
+    executablePath: CHROMIUM_PATH,
+    headless: true,
+    args: CHROMIUM_FLAGS,
+    env: { ...process.env, TMPDIR: tmp },
+  });
 }
 
 /** A page at /console with its console errors and CSP reports collected. */

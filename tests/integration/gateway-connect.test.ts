@@ -396,8 +396,15 @@ describe.skipIf(CHROMIUM === undefined)("connect (cdp)", () => {
   let chrome: ChildProcess | undefined;
   let profile = "";
 
-  afterAll(() => {
-    chrome?.kill("SIGKILL");
+  afterAll(async () => {
+    // Its own process group: the kill reaches chromium's zygote and renderers too, and the
+    // profile (its TMPDIR as well) is removed only once they are gone, so none writes into it
+    // after the removal.
+    if (chrome?.pid !== undefined && chrome.exitCode === null) {
+      const gone = new Promise((resolve) => chrome?.once("exit", resolve));
+      process.kill(-chrome.pid, "SIGKILL");
+      await gone;
+    }
     if (profile) rmSync(profile, { recursive: true, force: true });
   });
 
@@ -415,7 +422,8 @@ describe.skipIf(CHROMIUM === undefined)("connect (cdp)", () => {
         `--user-data-dir=${profile}`,
         "about:blank",
       ],
-      { stdio: ["ignore", "ignore", "pipe"] },
+      // Chromium's own temp dirs (org.chromium.Chromium.*) go inside the profile, removed with it.
+      { stdio: ["ignore", "ignore", "pipe"], detached: true, env: { ...process.env, TMPDIR: profile } },
     );
     let log = "";
     const devtoolsPort = await new Promise<number>((resolve, reject) => {
