@@ -96,7 +96,12 @@ test(
     // The control: a child spawned with the agent's environment, as QEMU was before, holds them.
     const control = spawn("sleep", ["30"], { stdio: "ignore" });
     try {
-      expect(environOf(control.pid as number).filter((e) => e.includes(CANARY))).toHaveLength(SECRETS.length);
+      // Read once it is `sleep`: before its exec, /proc shows the forked runtime's environment.
+      const pid = control.pid as number;
+      const deadline = Date.now() + 5_000;
+      while (!readFileSync(`/proc/${pid}/cmdline`, "latin1").startsWith("sleep\0") && Date.now() < deadline)
+        await Bun.sleep(5);
+      expect(environOf(pid).filter((e) => e.includes(CANARY))).toHaveLength(SECRETS.length);
     } finally {
       control.kill("SIGKILL");
     }
