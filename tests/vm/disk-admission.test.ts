@@ -9,13 +9,13 @@
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { execFileSync } from "node:child_process";
-import { mkdir, mkdtemp, rm } from "node:fs/promises";
-import { tmpdir } from "node:os";
+import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 import { freeBytes } from "../../contracts/disk-space.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { canLoopMount, type LoopDisk, mountLoopDisk } from "../support/loop-disk.ts";
 import { managerWithBusybox, qemuPidsUnder, removeBusyboxArchive, shellIn } from "../support/real-vm.ts";
 
 const MIB = 1024 * 1024;
@@ -25,31 +25,16 @@ const RESERVE = 8 * MIB;
 const MEM_MIB = 128;
 const VM_TEST_TIMEOUT_MS = 300_000;
 
-function canLoopMount(): boolean {
-  if (process.getuid?.() !== 0) return false;
-  try {
-    execFileSync("losetup", ["-f"], { stdio: "ignore" });
-    return true;
-  } catch {
-    return false;
-  }
-}
-
 const enabled = canLoopMount();
-let root: string;
+let disk: LoopDisk | undefined;
 let mnt: string;
 let stateDir: string;
 let m: SandboxManager;
 
 beforeAll(async () => {
   if (!enabled) return;
-  root = await mkdtemp(join(tmpdir(), "sbx-diskadm-"));
-  mnt = join(root, "d");
-  await mkdir(mnt);
-  const img = join(root, "disk.img");
-  execFileSync("truncate", ["-s", `${DISK_MIB}M`, img]);
-  execFileSync("mkfs.ext4", ["-q", img]);
-  execFileSync("mount", ["-o", "loop", img, mnt]);
+  disk = await mountLoopDisk("sbx-diskadm-", DISK_MIB);
+  mnt = disk.mnt;
   stateDir = join(mnt, "state");
   await mkdir(stateDir);
   m = await managerWithBusybox({
@@ -69,8 +54,7 @@ afterAll(async () => {
       expect(await qemuPidsUnder(stateDir)).toEqual([]);
     }
   } finally {
-    execFileSync("umount", ["-l", mnt]);
-    await rm(root, { recursive: true, force: true });
+    await disk?.remove();
     await rm(defaultShmRoot(stateDir), { recursive: true, force: true });
     await removeBusyboxArchive();
   }

@@ -10,8 +10,7 @@
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { execFileSync } from "node:child_process";
 import { existsSync, readdirSync } from "node:fs";
-import { copyFile, mkdir, mkdtemp, rm } from "node:fs/promises";
-import { tmpdir } from "node:os";
+import { copyFile, mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { createAgentApp } from "../../agent/api/app.ts";
 import type { SandboxManager } from "../../agent/sandbox/manager.ts";
@@ -19,6 +18,7 @@ import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 import { freeBytes } from "../../contracts/disk-space.ts";
 import { AgentHttpClient } from "../../gateway/agents/client.ts";
 import { errorOf } from "../support/agents.ts";
+import { canLoopMount, type LoopDisk, mountLoopDisk } from "../support/loop-disk.ts";
 import {
   busyboxArchive,
   codeOf,
@@ -35,18 +35,8 @@ const RESERVE = 8 * MIB;
 const MEM_MIB = 128;
 const VM_TEST_TIMEOUT_MS = 300_000;
 
-function canLoopMount(): boolean {
-  if (process.getuid?.() !== 0) return false;
-  try {
-    execFileSync("losetup", ["-f"], { stdio: "ignore" });
-    return true;
-  } catch {
-    return false;
-  }
-}
-
 const enabled = canLoopMount();
-let root: string;
+let disk: LoopDisk | undefined;
 let mnt: string;
 let stateDir: string;
 let m: SandboxManager;
@@ -57,13 +47,8 @@ const log: string[] = [];
 
 beforeAll(async () => {
   if (!enabled) return;
-  root = await mkdtemp(join(tmpdir(), "sbx-disk-"));
-  mnt = join(root, "d");
-  await mkdir(mnt);
-  const img = join(root, "disk.img");
-  execFileSync("truncate", ["-s", `${DISK_MIB}M`, img]);
-  execFileSync("mkfs.ext4", ["-q", img]);
-  execFileSync("mount", ["-o", "loop", img, mnt]);
+  disk = await mountLoopDisk("sbx-disk-", DISK_MIB);
+  mnt = disk.mnt;
   stateDir = join(mnt, "state");
   await mkdir(stateDir);
   m = await managerWithBusybox({
@@ -97,8 +82,7 @@ afterAll(async () => {
       expect(await qemuPidsUnder(stateDir)).toEqual([]);
     }
   } finally {
-    execFileSync("umount", ["-l", mnt]);
-    await rm(root, { recursive: true, force: true });
+    await disk?.remove();
     await rm(defaultShmRoot(stateDir), { recursive: true, force: true });
     await removeBusyboxArchive();
   }
@@ -135,7 +119,7 @@ test.skipIf(!enabled)(
 
     // An upload through the agent's HTTP API (the gateway's client streams its staged file):
     // refused on its declared length before a byte is written.
-    const staged = join(root, "gateway-upload.tar");
+    const staged = join((disk as LoopDisk).root, "gateway-upload.tar");
     await copyFile(await busyboxArchive(), staged);
     const refused = await errorOf(
       client.buildTemplate("up", { kind: "upload", path: staged, memMib: MEM_MIB }),
