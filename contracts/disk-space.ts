@@ -7,6 +7,7 @@
  * removed the partial file. The reserve keeps room for what must not fail when the disk is tight:
  * the database (it shares the disk), VM records, console rings and running VMs' overlays.
  */
+import { statfsSync } from "node:fs";
 import { statfs } from "node:fs/promises";
 import { dirname } from "node:path";
 import { SandboxdError } from "./errors.ts";
@@ -35,6 +36,24 @@ export async function freeBytes(path: string): Promise<number> {
   for (;;) {
     try {
       const s = await statfs(p);
+      return s.bavail * s.bsize;
+    } catch (err) {
+      const parent = dirname(p);
+      if ((err as NodeJS.ErrnoException).code !== "ENOENT" || parent === p) throw err;
+      p = parent;
+    }
+  }
+}
+
+/**
+ * `freeBytes`, synchronous: for a check that must not yield between the reading and its decision
+ * (admission counts what is held and what is free in one step).
+ */
+export function freeBytesSync(path: string): number {
+  let p = path;
+  for (;;) {
+    try {
+      const s = statfsSync(p);
       return s.bavail * s.bsize;
     } catch (err) {
       const parent = dirname(p);

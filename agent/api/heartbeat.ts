@@ -4,10 +4,10 @@
  * this agent got at enrollment (enroll.ts). A failed beat is
  * logged and retried on the next tick (the gateway may be restarting).
  */
-import { statfsSync } from "node:fs";
 import type { AgentCapacity } from "../../contracts/agent/api.ts";
 import { HEARTBEAT_INTERVAL_MS, HEARTBEAT_PATH, type Heartbeat } from "../../contracts/agent/heartbeat.ts";
 import { type AgentCredentials, secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
+import { freeBytesSync } from "../../contracts/disk-space.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 
 export interface HeartbeatSender {
@@ -115,6 +115,5 @@ const MAX_REPORTED_TEMPLATES = 4096;
 
 /** Free MiB under `dir` for unprivileged writers, less the reserve the agent keeps for uploads. */
 function diskMibFree(disk: { dir: string; reserveBytes: number }): number {
-  const s = statfsSync(disk.dir);
-  return Math.max(0, Math.floor((s.bavail * s.bsize - disk.reserveBytes) / 2 ** 20));
+  return Math.max(0, Math.floor((freeBytesSync(disk.dir) - disk.reserveBytes) / 2 ** 20));
 }

@@ -24,10 +24,11 @@
  *
  * The templates this driver restores from, and their builds, are in snapshot-templates.ts.
  */
-import { lstatSync, readdirSync, statfsSync } from "node:fs";
+import { lstatSync, readdirSync } from "node:fs";
 import { rm, stat } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { bestEffort } from "../../../contracts/best-effort.ts";
+import { freeBytesSync } from "../../../contracts/disk-space.ts";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { checkDestination, defaultFence, type EgressFence } from "../../egress/fence.ts";
 import { ensureGuestArtifacts, type GuestArtifacts } from "../../guest/artifacts.ts";
@@ -604,19 +605,4 @@ function roomToGrow(virtualBytes: number, disk: string): number {
     // not made yet (a restore in flight) or removed meanwhile: all of its room counts
   }
   return Math.max(0, virtualBytes - allocated);
-}
-
-/** `freeBytes` (contracts/disk-space.ts), synchronous for admission: the nearest existing ancestor. */
-function freeBytesSync(path: string): number {
-  let p = path;
-  for (;;) {
-    try {
-      const s = statfsSync(p);
-      return s.bavail * s.bsize;
-    } catch (err) {
-      const parent = dirname(p);
-      if ((err as NodeJS.ErrnoException).code !== "ENOENT" || parent === p) throw err;
-      p = parent;
-    }
-  }
 }
