@@ -4,6 +4,7 @@ import { mkdir } from "node:fs/promises";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { type AccelChoice, probeAccelerator, probeJailedKvm } from "../agent/qemu/accel.ts";
 import { jailChecks } from "../agent/qemu/jail-checks.ts";
+import { ensureRamShim } from "../agent/qemu/ram-shim.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError } from "../contracts/errors.ts";
 import type { MachineSettings } from "./settings.ts";
@@ -93,6 +94,16 @@ export async function doctor(
   }
 
   checks.push(...jailChecks(opts.machine.host.jail));
+  try {
+    const shim = await ensureRamShim();
+    checks.push({
+      name: "ram shim",
+      ok: true,
+      detail: `${shim}: a template's RAM file opens read-only in its children's jails`,
+    });
+  } catch (err) {
+    checks.push({ name: "ram shim", ok: false, detail: describeError(err), fix: "apt-get install gcc" });
+  }
 
   await mkdir(dataDir, { recursive: true });
   const disk = freeGiB(dataDir);

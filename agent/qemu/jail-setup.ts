@@ -22,12 +22,15 @@ import {
   missingJailTools,
   UNSHARE,
 } from "./jail.ts";
+import { ensureRamShim } from "./ram-shim.ts";
 import { allocateUid, DEFAULT_UID_RANGE, releaseUid, type UidRange } from "./uids.ts";
 
 /** RLIMIT_NOFILE of a jailed QEMU: its sockets, images and eventfds fit many times over. */
 export const JAIL_MAX_OPEN_FILES = 1024;
 /** Beyond the largest file a VM may write (its disk or RAM): qcow2 metadata and the console. */
 const FILE_SIZE_MARGIN = 64 * 1024 * 1024;
+/** Read by the jails that bind it (their uids differ), written by none: root's, 0444. */
+const SHARED_RAM_FILE_MODE = 0o444;
 
 export interface JailInput {
   dir: string;
@@ -158,15 +161,17 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       : Promise.resolve({ files: [], virtualSize: 0, foreign: undefined }),
     createVmCgroup(i.dir, vmLimits(i.memMib, i.vcpus, !i.kvm)),
     readdir(i.dir),
+    i.mem && !i.mem.share ? ensureRamShim() : Promise.resolve(""),
   ] as const);
   const [uidR] = settled;
   const uid = uidR.status === "fulfilled" ? uidR.value : undefined;
   try {
-    const [, chainR, cgR, namesR] = settled;
+    const [, chainR, cgR, namesR, shimR] = settled;
     if (uid === undefined) throw (uidR as PromiseRejectedResult).reason;
     if (chainR.status === "rejected") throw chainR.reason;
     if (cgR.status === "rejected") throw cgR.reason;
     if (namesR.status === "rejected") throw namesR.reason;
+    if (shimR.status === "rejected") throw shimR.reason;
     const chain = chainR.value;
     if (chain.foreign !== undefined)
       throw new JailError(`${i.disk}'s image headers name ${chain.foreign}, which its records do not`);
@@ -188,15 +193,19 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
     const mem = async () => {
       if (!i.mem) return;
       // QEMU would create a shared one, but only paths that exist can be bound into the jail.
-      // QEMU 7.2 opens a memory-backend-file O_RDWR even with share=off (its private mapping never
-      // writes the file back), so a child's template RAM file must be writable to its uid. The
-      // file is reachable only from the jails that bind it (the template's children; its
-      // directory on the host is root's, mode 0700).
-      if (i.mem.share) await ownFile(i.mem.path, { create: true, uid });
-      else await ownFile(i.mem.path, { mode: 0o666 });
+      if (i.mem.share) return ownFile(i.mem.path, { create: true, uid });
+      // A RAM file others start from (a template's, a fork point's) is root's and read-only to
+      // every jail: the child's QEMU opens it read-only (the preloaded shim, ram-readonly.c: QEMU
+      // 7.2 would open it read-write) and maps it privately, and the bind is read-only too, so a
+      // QEMU a guest escaped into cannot write what later children of any tenant start from.
+      await ownFile(i.mem.path, { uid: 0, mode: SHARED_RAM_FILE_MODE });
     };
-    const readWrite = [i.disk, i.mem?.path].filter((p): p is string => p !== undefined && !inside(i.dir, p));
-    const readOnly = [i.vmlinux, i.initramfs, ...chain.files].filter((p) => !inside(i.dir, p));
+    const sharedMem = i.mem && !i.mem.share ? { path: i.mem.path, shim: shimR.value } : undefined;
+    const readWrite = [i.disk, i.mem?.share ? i.mem.path : undefined].filter(
+      (p): p is string => p !== undefined && !inside(i.dir, p),
+    );
+    const shared = sharedMem ? [sharedMem.path] : [];
+    const readOnly = [i.vmlinux, i.initramfs, ...shared, ...chain.files].filter((p) => !inside(i.dir, p));
     const memBytes = i.memMib * 1024 * 1024;
     const spec: JailSpec = {
       dir: i.dir,
@@ -205,6 +214,7 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       readOnly: [...new Set(readOnly)],
       readWrite: [...new Set(readWrite)],
       kvm: i.kvm,
+      ...(sharedMem ? { readOnlyRam: sharedMem } : {}),
       cgroupProcs: cg.procs,
       maxFileBytes: Math.max(chain.virtualSize, memBytes) + FILE_SIZE_MARGIN,
       maxOpenFiles: JAIL_MAX_OPEN_FILES,
@@ -216,7 +226,8 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       ...stale,
       i.disk ? ownFile(i.disk, { uid }) : undefined,
       mem(),
-      ...spec.readOnly.map(readableByJail),
+      // The shared RAM file's mode is mem()'s to set (a second chmod would race it).
+      ...spec.readOnly.filter((p) => p !== sharedMem?.path).map(readableByJail),
       makeSkeleton(spec),
     ]);
     return { spec, uid };
@@ -247,6 +258,11 @@ async function makeSkeleton(spec: JailSpec): Promise<void> {
   await Promise.all([
     ...sk.files.map((f) => writeFile(r + f, "", { flag: "wx", mode: 0o644 })),
     ...sk.links.map(([name, target]) => symlink(target, r + name)),
+    // Read by QEMU's uid (its loader reads /etc/ld.so.preload and skips it silently if it
+    // cannot), so 0644 as such: the umask would leave them root's alone.
+    ...sk.contents.map(([f, text]) =>
+      writeFile(r + f, text, { flag: "wx", mode: 0o644 }).then(() => chmod(r + f, 0o644)),
+    ),
     writeFile(fstab, `${jailFstab(spec).join("\n")}\n`, { flag: "wx", mode: 0o644 }),
   ]);
   if (spec.kvm) await makeKvmNode(r, spec.uid);

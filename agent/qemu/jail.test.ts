@@ -96,6 +96,34 @@ describe("jail argv", () => {
     expect(jailSkeleton({ ...spec, kvm: true }).files).not.toContain("/dev/kvm");
   });
 
+  test("a child of a shared RAM file: the file bound read-only, the shim executable, both named in the read-only root", () => {
+    const ram = "/dev/shm/sbx/tpl-a.mem";
+    const shim = "/opt/sandboxd/build/host/ram-readonly-0123.so";
+    const child: JailSpec = {
+      ...spec,
+      readOnly: [...spec.readOnly, ram],
+      readWrite: ["/data/storage/disks/vm-1-0.qcow2"],
+      readOnlyRam: { path: ram, shim },
+    };
+    const fstab = jailFstab(child);
+    expect(fstab).toContain(`${ram} /data/vms/vm-1/root${ram} none bind,ro,nosuid,nodev,noexec 0 0`);
+    // The loader maps the library executable: its bind alone allows exec, and it is read-only.
+    expect(fstab).toContain(`${shim} /data/vms/vm-1/root${shim} none bind,ro,nosuid,nodev 0 0`);
+    expect(fstab.filter((l) => l.includes(ram) && !l.includes(",ro,"))).toEqual([]);
+    const sk = jailSkeleton(child);
+    expect(sk.files).toContain(shim);
+    expect(sk.contents).toEqual([
+      ["/etc/ld.so.preload", `${shim}\n`],
+      ["/etc/sandboxd/readonly-ram", `${ram}\n`],
+    ]);
+    expect(sk.dirs).toEqual(expect.arrayContaining(["/etc", "/etc/sandboxd"]));
+    // Without a shared RAM file nothing is preloaded.
+    expect(jailSkeleton(spec).contents).toEqual([]);
+    expect(() => jailScript({ ...child, readOnlyRam: { path: ram, shim: "lib.so" } }, ["q"])).toThrow(
+      JailError,
+    );
+  });
+
   test("quoting and path checks", () => {
     expect(shq("it's")).toBe("'it'\\''s'");
     expect(() => jailScript({ ...spec, readOnly: ["relative/path"] }, ["q"])).toThrow(JailError);

@@ -32,6 +32,7 @@
 import { existsSync } from "node:fs";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { QEMU_OOM_SCORE_ADJ } from "./oom.ts";
+import { JAIL_LD_PRELOAD, JAIL_READONLY_RAM_LIST } from "./ram-shim.ts";
 
 export const UNSHARE = "/usr/bin/unshare";
 export const SETPRIV = "/usr/bin/setpriv";
@@ -77,6 +78,13 @@ export interface JailSpec {
   readWrite: readonly string[];
   /** Under KVM the jail's own /dev/kvm node (JAIL_KVM_NODE) is mounted too. */
   kvm: boolean;
+  /**
+   * A RAM file others start from, bound read-only (it is in `readOnly`), and the library that lets
+   * QEMU 7.2 open it read-only (ram-readonly.c), bound read-only but executable (the loader maps
+   * it): the jail's root gets an /etc/ld.so.preload naming the library and the list naming the
+   * file (ram-shim.ts).
+   */
+  readOnlyRam?: { path: string; shim: string };
   /** `cgroup.procs` files the jail joins before it starts QEMU. */
   cgroupProcs: readonly string[];
   /** RLIMIT_FSIZE in bytes: the largest file QEMU may write (its overlay, RAM file, console). */
@@ -127,13 +135,35 @@ export function jailFstabPath(dir: string): string {
  * the directories and empty files its mounts go on, relative to the root, and the merged-usr
  * symlinks (/bin, /lib, /lib64, /sbin into /usr).
  */
-export function jailSkeleton(spec: JailSpec): { dirs: string[]; files: string[]; links: [string, string][] } {
+export function jailSkeleton(spec: JailSpec): {
+  dirs: string[];
+  files: string[];
+  links: [string, string][];
+  contents: [string, string][];
+} {
   const dirOf = (p: string) => p.slice(0, p.lastIndexOf("/")) || "/";
   // A KVM jail's /dev/kvm is no mount point but a node of its own, made by jail-setup.ts.
-  const files = [...DEVICES.map((d) => `/dev/${d}`), ...spec.readOnly, ...spec.readWrite];
-  const dirs = [...new Set(["/usr", "/proc", "/tmp", "/.old", spec.dir, ...files.map(dirOf)])];
+  const shim = spec.readOnlyRam ? [spec.readOnlyRam.shim] : [];
+  const files = [...DEVICES.map((d) => `/dev/${d}`), ...spec.readOnly, ...shim, ...spec.readWrite];
+  // Files with content, on the root that is then bound read-only: QEMU reads, never writes them.
+  const contents: [string, string][] = spec.readOnlyRam
+    ? [
+        [JAIL_LD_PRELOAD, `${spec.readOnlyRam.shim}\n`],
+        [JAIL_READONLY_RAM_LIST, `${spec.readOnlyRam.path}\n`],
+      ]
+    : [];
+  const dirs = [
+    ...new Set([
+      "/usr",
+      "/proc",
+      "/tmp",
+      "/.old",
+      spec.dir,
+      ...[...files, ...contents.map(([f]) => f)].map(dirOf),
+    ]),
+  ];
   const links: [string, string][] = ["bin", "lib", "lib64", "sbin"].map((l) => [`/${l}`, `usr/${l}`]);
-  return { dirs, files, links };
+  return { dirs, files, links, contents };
 }
 
 /**
@@ -154,6 +184,9 @@ export function jailFstab(spec: JailSpec): string[] {
   if (spec.kvm) out.push(line(r + JAIL_KVM_NODE, JAIL_KVM_NODE, "none", "bind,rw,dev,nosuid,noexec"));
   out.push(line("proc", "/proc", "proc", "nosuid,nodev,noexec"));
   for (const p of spec.readOnly) out.push(line(p, p, "none", "bind,ro,nosuid,nodev,noexec"));
+  // The one library of the jail outside /usr: on a noexec mount the loader could not map it.
+  if (spec.readOnlyRam)
+    out.push(line(spec.readOnlyRam.shim, spec.readOnlyRam.shim, "none", "bind,ro,nosuid,nodev"));
   for (const p of spec.readWrite) out.push(line(p, p, "none", "bind,nosuid,nodev,noexec"));
   out.push(line(spec.dir, spec.dir, "none", "bind,nosuid,nodev,noexec"));
   return out;
@@ -164,6 +197,7 @@ export function jailScript(spec: JailSpec, qemuArgv: readonly string[]): string 
   const r = jailRoot(spec.dir);
   for (const p of [spec.dir, ...spec.readOnly, ...spec.readWrite, spec.pidFile, ...spec.cgroupProcs])
     checkPath(p);
+  if (spec.readOnlyRam) for (const p of [spec.readOnlyRam.path, spec.readOnlyRam.shim]) checkPath(p);
   const L: string[] = ["set -eu"];
   // 1. QEMU's host pid: /proc is still the host's, so /proc/self/stat names this shell by its
   // host pid, and the shell becomes QEMU by exec.

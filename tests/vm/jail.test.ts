@@ -148,7 +148,10 @@ describe("jailed QEMU", () => {
         const hostRoot = statSync("/");
         expect(`${root.dev}:${root.ino}`).not.toBe(`${hostRoot.dev}:${hostRoot.ino}`);
         const entries = readdirSync(`/proc/${pid}/root`);
-        expect(entries).not.toContain("etc");
+        // Its /etc is not the host's: a child of the template holds only what the agent wrote
+        // for its RAM-file shim (agent/qemu/ram-readonly.c), nothing of the host's.
+        expect(readdirSync(`/proc/${pid}/root/etc`).sort()).toEqual(["ld.so.preload", "sandboxd"]);
+        expect(readdirSync(`/proc/${pid}/root/etc/sandboxd`)).toEqual(["readonly-ram"]);
         expect(entries).not.toContain("home");
         expect(entries).toContain("usr");
         const lim = cgroupLimits(pid);
