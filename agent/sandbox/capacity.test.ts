@@ -239,4 +239,21 @@ describe("Capacity with disk accounting", () => {
     expect(() => cap.admit(small, 1, 1)).toThrow("VM disk growth 1 MiB > 0 MiB free");
     expect(cap.fits(small, 1)).toBe(true);
   });
+
+  test("racing admissions: the room promised to one not yet running is not promised again; its release frees it", () => {
+    const { cap } = diskLedger();
+    // 600 MiB of the 600 free beyond the running VMs' 300: one admission takes all of it.
+    const release = cap.admit(small, 1, 600 * MiB);
+    // The driver does not count the first VM until it runs: the promise does.
+    expect(cap.diskFits(1)).toBe(false);
+    expect(() => cap.admit(small, 1, 600 * MiB)).toThrow("VM disk growth 1500 MiB > 900 MiB free");
+    release();
+    release(); // a second release gives back nothing more
+    expect(cap.diskFits(600 * MiB)).toBe(true);
+    expect(cap.diskFits(600 * MiB + 1)).toBe(false);
+    const held = cap.reserveDisk(100 * MiB);
+    expect(cap.diskFits(500 * MiB + 1)).toBe(false);
+    held();
+    expect(cap.diskFits(600 * MiB)).toBe(true);
+  });
 });

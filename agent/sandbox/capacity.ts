@@ -106,6 +106,13 @@ export function hostMemMib(h: HeldResources, mem: MemoryAccounting, filesMib = m
 }
 
 export class Capacity {
+  /**
+   * Disk room promised to VMs admitted but not yet running (their overlays are not in the
+   * driver's `growBytes` until the spawn, fork or resume ends): without it, creates racing on a
+   * nearly full disk would each see the same free space and all pass.
+   */
+  private pendingDiskBytes = 0;
+
   constructor(
     readonly limits: HostCapacity,
     /** What is held now; asked on every check, never cached. */
@@ -124,11 +131,32 @@ export class Capacity {
     return this.within(addHeld(this.held(), size, count)) && disk === undefined;
   }
 
+  /** Whether `diskBytes` more of room to grow fits the disk now (pending promises included). */
+  diskFits(diskBytes: number): boolean {
+    return this.diskOver(1, diskBytes) === undefined;
+  }
+
+  /**
+   * Promises `bytes` of disk room until the returned release is called (once the VMs they are for
+   * run, counted by the driver, or failed). Releasing twice releases once.
+   */
+  reserveDisk(bytes: number): () => void {
+    this.pendingDiskBytes += bytes;
+    let held = true;
+    return () => {
+      if (!held) return;
+      held = false;
+      this.pendingDiskBytes -= bytes;
+    };
+  }
+
   /**
    * Throws `at_capacity` unless `count` more VMs of `size` (each with `diskBytes` of room to grow
    * on disk) fit the host now; its message names each limit they would pass, with the figures.
+   * Admitted, their disk room is reserved until the returned release is called (reserveDisk);
+   * their memory is the caller's to hold (a record made with no await in between).
    */
-  admit(size: VmSize, count: number, diskBytes = 0): void {
+  admit(size: VmSize, count: number, diskBytes = 0): () => void {
     const used = this.held();
     const files = this.memory.filesMib();
     const after = addHeld(used, size, count);
@@ -143,7 +171,7 @@ export class Capacity {
       over.push(
         `VM disk growth ${mibOf(disk.growBytes)} MiB > ${Math.floor(disk.usableBytes / 2 ** 20)} MiB free`,
       );
-    if (over.length === 0) return;
+    if (over.length === 0) return this.reserveDisk(count * diskBytes);
     throw new SandboxdError("at_capacity", `no capacity on this host: ${over.join(", ")}`, {
       details: {
         used: { ...used, hostMemMib: hostMemMib(used, this.memory, files) },
@@ -178,7 +206,7 @@ export class Capacity {
   private diskOver(count: number, diskBytes: number): { growBytes: number; usableBytes: number } | undefined {
     if (!this.disk) return undefined;
     const room = this.disk.room();
-    const growBytes = room.growBytes + count * diskBytes;
+    const growBytes = room.growBytes + this.pendingDiskBytes + count * diskBytes;
     const usableBytes = Math.max(0, room.freeBytes - room.reserveBytes);
     return growBytes > usableBytes ? { growBytes, usableBytes } : undefined;
   }

@@ -45,18 +45,22 @@ export async function createSandbox(
   const tTake = performance.now();
   const pooled = await h.warm.take(templateId);
   const takeMs = performance.now() - tTake;
-  // Else a QEMU already launched in its jail for this template, which held its capacity too.
-  const prelaunched = pooled ? undefined : h.prelaunch.take(templateId, size);
+  // Its overlay may grow to the template disk's virtual size (capacity.ts DiskAccounting). A
+  // warm VM's is counted already (it runs); a pre-launched one's only from its take on.
+  const diskBytes = pooled ? 0 : (h.driver.newDiskBytes?.(templateId) ?? 0);
+  // Else a QEMU already launched in its jail for this template, which held its capacity too,
+  // taken only while its disk room fits (else the cold path below says at_capacity with figures).
+  const prelaunched =
+    pooled || !h.capacity.diskFits(diskBytes) ? undefined : h.prelaunch.take(templateId, size);
+  let releaseDisk = prelaunched ? h.capacity.reserveDisk(diskBytes) : () => {};
   if (!pooled && !prelaunched) {
-    // Its overlay may grow to the template disk's virtual size (capacity.ts DiskAccounting).
-    const diskBytes = h.driver.newDiskBytes?.(templateId) ?? 0;
     while (
       !h.capacity.fits(size, 1, diskBytes) &&
       ((await h.warm.evictOne(templateId)) || (await h.prelaunch.evictOne(templateId)))
     ) {
       // each round frees one pooled VM of another template
     }
-    h.capacity.admit(size, 1, diskBytes);
+    releaseDisk = h.capacity.admit(size, 1, diskBytes);
   }
   const id = pooled?.vmId ?? prelaunched ?? newVmId();
   const now = Date.now();
@@ -75,13 +79,15 @@ export async function createSandbox(
   h.prelaunch.fill(templateId);
   // The record lands before the VM is handed to it (a pre-launched VM's directory exists, but
   // it is taken from the pool only by this record), so a restart never reaps a VM being made.
-  await h.table.persist(sb);
+  // Its failure is the create's (the catch below gives back what was held).
   sb.op = (async () => {
+    await h.table.persist(sb);
     sb.vm = pooled ?? (await h.driver.spawn(templateId, id, size));
   })();
   try {
     await sb.op;
   } catch (err) {
+    releaseDisk();
     // Nobody knows this id yet: nothing to keep but the error.
     h.table.sandboxes.delete(id);
     h.table.reclaimTemplates();
@@ -94,6 +100,7 @@ export async function createSandbox(
     await h.records.remove(id);
     throw err;
   }
+  releaseDisk(); // the driver counts the running VM's room to grow from here
   const vm = sb.vm!;
   h.table.watchVm(sb, vm);
   if (sb.state !== "creating") throw h.table.goneError(sb); // destroyed or died meanwhile

@@ -36,11 +36,13 @@ export async function forkSandbox(h: ForkSuspendHost, sb: Sandbox, count: number
   h.setState(sb, "forking");
   const t0 = performance.now();
   const children: Sandbox[] = [];
+  // The children's disk room, promised until they run (counted by the driver) or fail.
+  let releaseDisk = () => {};
   try {
     // The children are held (state `creating`) from the admission on, with no await between:
     // a create or fork racing this one sees them counted and cannot be promised the same room.
     // Each child's overlay may grow to the disk's virtual size, the template's.
-    h.capacity.admit(sb.size, count, h.driver.newDiskBytes?.(sb.templateId) ?? 0);
+    releaseDisk = h.capacity.admit(sb.size, count, h.driver.newDiskBytes?.(sb.templateId) ?? 0);
     const now = Date.now();
     for (let i = 0; i < count; i++) {
       const childId = newVmId();
@@ -65,7 +67,7 @@ export async function forkSandbox(h: ForkSuspendHost, sb: Sandbox, count: number
       children.map((c) => c.id),
     );
     sb.op = op;
-    const vms = await op;
+    const vms = await op.finally(releaseDisk);
     const forkMs = performance.now() - t0;
     for (const [i, child] of children.entries()) {
       child.vm = vms[i]!;
@@ -95,6 +97,7 @@ export async function forkSandbox(h: ForkSuspendHost, sb: Sandbox, count: number
     }
     throw err;
   } finally {
+    releaseDisk();
     sb.op = undefined;
     if (sb.state === "forking") h.setState(sb, "running");
   }
@@ -126,12 +129,13 @@ export async function suspendSandbox(h: ForkSuspendHost, sb: Sandbox): Promise<S
 }
 
 export async function resumeSandbox(h: ForkSuspendHost, sb: Sandbox): Promise<ResumeResult> {
-  h.capacity.admit(sb.size, 1, h.driver.newDiskBytes?.(sb.templateId, sb.id) ?? 0);
-  h.setState(sb, "resuming");
+  // Its disk room is promised until the resume ends (then the driver counts the running VM's).
+  const releaseDisk = h.capacity.admit(sb.size, 1, h.driver.newDiskBytes?.(sb.templateId, sb.id) ?? 0);
   try {
+    h.setState(sb, "resuming");
     const op = h.driver.resume(sb.id, sb.templateId, sb.size);
     sb.op = op;
-    const vm = await op;
+    const vm = await op.finally(releaseDisk);
     sb.vm = vm;
     sb.stopped = false;
     h.watchVm(sb, vm);
@@ -143,6 +147,7 @@ export async function resumeSandbox(h: ForkSuspendHost, sb: Sandbox): Promise<Re
     if (sb.state === "resuming") h.setState(sb, "suspended");
     throw err;
   } finally {
+    releaseDisk();
     sb.op = undefined;
   }
 }

@@ -100,7 +100,11 @@ export class SandboxManager {
     this.warm = new WarmPool({
       driver: opts.driver,
       templates: this.templates,
-      fits: (size) => this.capacity.fits(size, 1),
+      admit: (size, templateId) => {
+        // A warm VM runs (restored, paused): its overlay's room to grow is the template disk's.
+        const diskBytes = this.driver.newDiskBytes?.(templateId) ?? 0;
+        return this.capacity.fits(size, 1, diskBytes) ? this.capacity.reserveDisk(diskBytes) : undefined;
+      },
       sizeOf: (id) => ({ ...this.defaultSize, ...this.templates.sizeOf(id) }),
       log: this.log,
     });

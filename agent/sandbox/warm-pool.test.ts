@@ -34,7 +34,7 @@ function gatedPool() {
     settled: async () => {},
     ready: () => {},
   } as unknown as TemplateRegistry;
-  const pool = new WarmPool({ driver, templates, fits: () => true, sizeOf: () => SIZE, log: () => {} });
+  const pool = new WarmPool({ driver, templates, admit: () => () => {}, sizeOf: () => SIZE, log: () => {} });
   /** Waits until `n` restores have been asked for (the pool fills in the background). */
   const asked = async (n: number) => {
     for (let i = 0; i < 1000 && gates.length < n; i++) await Bun.sleep(1);

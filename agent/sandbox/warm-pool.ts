@@ -39,8 +39,12 @@ interface Pool {
 export interface WarmPoolDeps {
   driver: SandboxDriver;
   templates: TemplateRegistry;
-  /** Whether one more VM of `size` fits the host now (pooled VMs included). */
-  fits(size: VmSize): boolean;
+  /**
+   * One more VM of `size` of `templateId`, if it fits the host now (pooled VMs included, its disk
+   * room too): the release of its disk room, promised until its spawn ends (then the driver counts
+   * the running VM's); undefined when it does not fit.
+   */
+  admit(size: VmSize, templateId: string): (() => void) | undefined;
   sizeOf(templateId: string): VmSize;
   log: (msg: string) => void;
 }
@@ -152,7 +156,8 @@ export class WarmPool {
           } catch {
             return; // failed or deleted: nothing to warm
           }
-          if (!this.d.fits(p.size)) {
+          const releaseDisk = this.d.admit(p.size, templateId);
+          if (!releaseDisk) {
             this.d.log(`warm pool of ${templateId}: host full at ${p.vms.length} of ${p.want}`);
             return;
           }
@@ -171,6 +176,7 @@ export class WarmPool {
             if (vm) await this.drop(vm);
             return;
           } finally {
+            releaseDisk();
             p.spawning--;
             // Pooled (below, before any waiter runs) or failed: a waiting create looks again.
             queueMicrotask(spawned);

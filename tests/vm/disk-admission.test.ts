@@ -3,7 +3,8 @@
  * TCG through SandboxManager + SnapshotDriver. With free space (less the reserve) short of the
  * running VM's room to grow plus a new VM's full disk, a second create is refused `at_capacity`
  * naming the disk figures, which match the host's statfs; the first sandbox still runs commands;
- * once the space is back the same create succeeds.
+ * once the space is back the same create succeeds; two creates at once with room for one admit
+ * exactly one.
  *
  * Needs root (loop mounts); skipped otherwise.
  */
@@ -110,6 +111,22 @@ test.skipIf(!enabled)(
     await rm(filler);
     const second = (await m.create("bb", { kind: "sandbox" })).vmId;
     expect((await shellIn(m, second, "echo two")).trim()).toBe("two");
+
+    // Two creates at once with room for one: the first admitted holds its disk room until its VM
+    // runs, so the other, admitted meanwhile, cannot be promised the same space.
+    for (const id of [first, second]) await m.destroy(id, { force: true });
+    execFileSync("fallocate", ["-l", String((await freeBytes(mnt)) - (newDisk * 1.5 + RESERVE)), filler]);
+    const racing = await Promise.allSettled([0, 1].map(() => m.create("bb", { kind: "sandbox" })));
+    const won = racing.filter((r) => r.status === "fulfilled");
+    const lost = racing.filter((r): r is PromiseRejectedResult => r.status === "rejected");
+    console.log(
+      `DISK_ADMISSION_RACE ${JSON.stringify({ admitted: won.length, refused: lost.map((r) => String(r.reason)) })}`,
+    );
+    expect(won).toHaveLength(1);
+    expect(lost).toHaveLength(1);
+    expect((lost[0]?.reason as SandboxdError | undefined)?.code).toBe("at_capacity");
+    expect(String(lost[0]?.reason)).toMatch(/VM disk growth \d+ MiB > \d+ MiB free/);
+    await rm(filler);
   },
   VM_TEST_TIMEOUT_MS,
 );
