@@ -9,9 +9,9 @@
  * codec.ts).
  */
 
-import { createConnection, type Socket } from "node:net";
+import type { Socket } from "node:net";
 import { FrameType, MAX_PAYLOAD, Op, StreamFlag, Tag } from "../../contracts/guest-protocol.ts";
-import { socketAt } from "../host/socket-path.ts";
+import { connectSocketAt } from "../host/socket-path.ts";
 import { GuestChannel } from "./channel.ts";
 import type {
   ExecOptions,
@@ -56,21 +56,12 @@ export class GuestClient extends GuestChannel {
 
   /** Connects to a guest port's unix socket (QEMU's chardev) and completes HELLO. */
   static async connect(path: string, opts: GuestClientOptions = {}): Promise<GuestClient> {
-    const found = socketAt(path);
-    if (found !== "socket" && found !== "missing")
-      throw new GuestError("guest_disconnected", `guest port ${path} is ${found}: not connected to`);
-    const socket = await new Promise<Socket>((resolve, reject) => {
-      const s = createConnection({ path });
-      const onError = (err: Error) => {
-        s.destroy();
-        reject(new GuestError("guest_disconnected", `cannot connect to guest port ${path}`, { cause: err }));
-      };
-      s.once("error", onError);
-      s.once("connect", () => {
-        s.off("error", onError);
-        resolve(s);
-      });
-    });
+    const c = await connectSocketAt(path);
+    if ("found" in c)
+      throw new GuestError("guest_disconnected", `guest port ${path} is ${c.found}: not connected to`);
+    if ("error" in c)
+      throw new GuestError("guest_disconnected", `cannot connect to guest port ${path}`, { cause: c.error });
+    const socket = c.socket;
     return GuestClient.fromSocket(socket, opts);
   }
 

@@ -20,9 +20,9 @@
 
 import { constants } from "node:fs";
 import { type FileHandle, open, rename, rm } from "node:fs/promises";
-import { createConnection, type Socket } from "node:net";
+import type { Socket } from "node:net";
 import { settled } from "../../contracts/best-effort.ts";
-import { socketAt } from "../host/socket-path.ts";
+import { connectSocketAt } from "../host/socket-path.ts";
 
 /** The chardev id behind `-serial`; not part of any snapshot's device state. */
 export const CONSOLE_CHARDEV = "console0";
@@ -214,19 +214,9 @@ function logRing(
  * socket (a symlink an escaped QEMU put there) is never connected to: "retry" until the budget
  * ends and the drain gives up.
  */
-function tryConnect(socketPath: string): Promise<Socket | "retry"> {
-  if (socketAt(socketPath) !== "socket") return Promise.resolve("retry");
-  return new Promise<Socket | "retry">((resolve) => {
-    const s = createConnection({ path: socketPath });
-    s.once("connect", () => {
-      s.removeAllListeners("error");
-      resolve(s);
-    });
-    s.once("error", () => {
-      s.destroy();
-      resolve("retry");
-    });
-  });
+async function tryConnect(socketPath: string): Promise<Socket | "retry"> {
+  const c = await connectSocketAt(socketPath);
+  return "socket" in c ? c.socket : "retry";
 }
 
 /**

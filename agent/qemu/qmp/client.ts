@@ -1,5 +1,5 @@
-import { createConnection, type Socket } from "node:net";
-import { socketAt } from "../../host/socket-path.ts";
+import type { Socket } from "node:net";
+import { connectSocketAt } from "../../host/socket-path.ts";
 import {
   QmpCommandError,
   QmpDisconnectedError,
@@ -134,9 +134,6 @@ export class QmpClient {
       const remaining = deadline - Date.now();
       if (remaining <= 0) throw new QmpTimeoutError("connect", opts.timeoutMs, "connection");
       let attempt: { socket: Socket; greeting: QmpGreeting; splitter: LineSplitter } | "retry";
-      const found = socketAt(path);
-      if (found !== "socket" && found !== "missing")
-        throw new QmpDisconnectedError(`QMP socket ${path} is ${found}: not connected to`);
       try {
         attempt = await QmpClient.tryConnect(path, remaining, opts.signal);
       } catch (err) {
@@ -161,22 +158,38 @@ export class QmpClient {
   }
 
   /** One connect attempt: the greeting, or "retry" when the socket is not (yet) listening. */
-  private static tryConnect(
+  private static async tryConnect(
     path: string,
     timeoutMs: number,
     signal: AbortSignal | undefined,
   ): Promise<{ socket: Socket; greeting: QmpGreeting; splitter: LineSplitter } | "retry"> {
+    const c = await connectSocketAt(path);
+    if ("found" in c) {
+      if (c.found === "missing") return "retry";
+      throw new QmpDisconnectedError(`QMP socket ${path} is ${c.found}: not connected to`);
+    }
+    if ("error" in c) {
+      if (c.error.code === "ENOENT" || c.error.code === "ECONNREFUSED") return "retry";
+      throw new QmpDisconnectedError(`QMP connect to ${path} failed: ${c.error.message}`, { cause: c.error });
+    }
+    return QmpClient.greeting(c.socket, path, timeoutMs, signal);
+  }
+
+  /** QEMU's greeting on a connected QMP socket, within `timeoutMs`. */
+  private static greeting(
+    socket: Socket,
+    path: string,
+    timeoutMs: number,
+    signal: AbortSignal | undefined,
+  ): Promise<{ socket: Socket; greeting: QmpGreeting; splitter: LineSplitter }> {
     return new Promise((resolve, reject) => {
-      const socket = createConnection({ path });
       const splitter = new LineSplitter();
-      let connected = false;
       const done = (fn: () => void) => {
         clearTimeout(timer);
         signal?.removeEventListener("abort", onAbort);
         socket.removeAllListeners("data");
         socket.removeAllListeners("error");
         socket.removeAllListeners("close");
-        socket.removeAllListeners("connect");
         fn();
       };
       const onAbort = () =>
@@ -193,15 +206,10 @@ export class QmpClient {
           }),
         timeoutMs,
       );
-      socket.on("connect", () => {
-        connected = true;
-      });
       socket.on("error", (err: NodeJS.ErrnoException) => {
         done(() => {
           socket.destroy();
-          if (!connected && (err.code === "ENOENT" || err.code === "ECONNREFUSED")) resolve("retry");
-          else
-            reject(new QmpDisconnectedError(`QMP connect to ${path} failed: ${err.message}`, { cause: err }));
+          reject(new QmpDisconnectedError(`QMP connect to ${path} failed: ${err.message}`, { cause: err }));
         });
       });
       socket.on("close", () =>
