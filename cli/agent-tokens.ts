@@ -7,6 +7,7 @@
  * answers, else on the database directly (cli/operator.ts).
  */
 import { parseArgs } from "node:util";
+import { DIAL_URL_SCHEME } from "../contracts/agent/dial.ts";
 import { AgentId } from "../contracts/agent/enroll.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { DEFAULT_ENROLLMENT_TTL_S } from "../gateway/agents/enrollment.ts";
@@ -35,6 +36,8 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
       agent: { type: "string" },
       region: { type: "string" },
       url: { type: "string" },
+      // A BYOC agent: it dials out to the gateways (no inbound port), enrolled as dial://<id>.
+      dial: { type: "boolean" },
     },
     allowPositionals: true,
   });
@@ -42,6 +45,11 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
   switch (sub) {
     case "create": {
       const ttlS = values.ttl === undefined ? DEFAULT_ENROLLMENT_TTL_S : parseTtl(values.ttl);
+      if (values.dial && values.url !== undefined)
+        throw new SandboxdError(
+          "bad_request",
+          "--dial and --url exclude each other: a dial-out agent has no URL",
+        );
       if (values.agent !== undefined && !AgentId.safeParse(values.agent).success)
         throw new SandboxdError("bad_request", `--agent ${values.agent} is not a valid agent id`);
       const issued = await runOperatorOp(dataDir, OPERATOR_OPS, "agent-token.create", {
@@ -49,10 +57,11 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
         ...(values.agent !== undefined ? { agentId: values.agent } : {}),
         ...(values.region !== undefined ? { region: values.region } : {}),
         ...(values.url !== undefined ? { url: values.url } : {}),
+        ...(values.dial ? { url: DIAL_URL_SCHEME } : {}),
       });
       process.stderr.write(
         `created enrollment token ${issued.id}${values.agent ? ` for agent ${values.agent}` : ""} in region ${issued.region}` +
-          `${values.url ? ` at ${values.url} only` : ""}, ` +
+          `${values.url ? ` at ${values.url} only` : ""}${values.dial ? ", dialing out (no inbound port)" : ""}, ` +
           `single use, expires ${issued.expiresAt}; it is shown once\n`,
       );
       // Last line: the token itself, so scripts can take it with `tail -n1`.

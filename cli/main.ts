@@ -21,12 +21,14 @@ commands:
         run the HTTP gateway alone; it places each tenant's sandboxes on the agents of the
         tenant's home region (live, with room, least-loaded first); R is the home of tenants
         created through it without --region; DATABASE_URL as for up
-  agent --gateway URL [--enroll TOKEN] [--listen HOST:PORT] [--advertise URL] [--region R]
-        [--id ID] [--slots N] [--data-dir DIR] [--no-catalog]
+  agent --gateway URL [--enroll TOKEN] [--listen HOST:PORT] [--advertise URL | --dial URL,...]
+        [--region R] [--id ID] [--slots N] [--data-dir DIR] [--no-catalog]
         run one host agent: serve the agent API on --listen (default 127.0.0.1:7070), heartbeat
         to the gateway at URL as reachable at --advertise; builds the catalog's python template.
         The first start enrolls with a one-time token (--enroll, from agent-token create) and
-        keeps the agent's own key in <data>/agent/credentials.json; later starts need no token
+        keeps the agent's own key in <data>/agent/credentials.json; later starts need no token;
+        --dial (an agent enrolled with agent-token create --dial) opens an encrypted link to each
+        gateway URL and is reached only through it: no inbound port (docs/regions.md)
   run --image ARCHIVE [--mem MIB] [--vcpus N] [--timeout S] [-i] [--data-dir DIR] [-- CMD [ARG...]]
         import an OCI image archive (docker save tar, oci-archive tar or OCI layout dir), boot a
         microVM from it, run CMD (default: the image's Entrypoint+Cmd) as the image's config
@@ -56,7 +58,7 @@ commands:
         running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and
         snapshot_gb_months, in all, per sandbox (with how each ended) or per UTC day; a table,
         or JSON with --json; database as for key (SQL views: docs/quotas-and-usage.md)
-  agent-token create [--ttl 1h] [--agent ID] [--region R] [--url URL] [--data-dir DIR]
+  agent-token create [--ttl 1h] [--agent ID] [--region R] [--url URL | --dial] [--data-dir DIR]
   agent-token list [--data-dir DIR]
   agent-token revoke AGENT-ID [--data-dir DIR]
         per-agent credentials in the gateway database: create prints a one-time enrollment

@@ -10,6 +10,7 @@ import { mkdir } from "node:fs/promises";
 import { hostname } from "node:os";
 import { join } from "node:path";
 import { parseArgs } from "node:util";
+import { startDialer } from "../agent/api/dial.ts";
 import { loadOrEnroll } from "../agent/api/enroll.ts";
 import { EventReporter } from "../agent/api/events.ts";
 import { roomChanged, startHeartbeats } from "../agent/api/heartbeat.ts";
@@ -22,6 +23,7 @@ import { hostCapacity } from "../agent/sandbox/capacity.ts";
 import { fencedRegistry, SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
+import { dialUrl } from "../contracts/agent/dial.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
 import { loadSecrets } from "../gateway/auth/secrets.ts";
@@ -260,6 +262,8 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
       region: { type: "string" },
       gateway: { type: "string" },
       advertise: { type: "string" },
+      // BYOC: dial out to these gateways (comma-separated) instead of being reached at a URL.
+      dial: { type: "string" },
       id: { type: "string" },
       slots: { type: "string" },
       enroll: { type: "string" },
@@ -302,11 +306,30 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     version,
     log,
   });
+  const dialTo = values.dial
+    ?.split(",")
+    .map((u) => u.trim())
+    .filter(Boolean);
+  if (dialTo !== undefined && values.advertise !== undefined)
+    throw new SandboxdError(
+      "bad_request",
+      "--dial and --advertise exclude each other: a dial-out agent has no URL",
+    );
+  // Streams from the gateways are bridged to the agent's own listener, on loopback.
+  const dialer =
+    dialTo === undefined
+      ? undefined
+      : startDialer({
+          gatewayUrls: dialTo,
+          credentials,
+          target: { host: listenHost, port: Number(new URL(server.url).port) },
+          log,
+        });
   const heartbeats = startHeartbeats({
     gatewayUrl: values.gateway,
     credentials,
     region: values.region ?? "local",
-    advertiseUrl: values.advertise ?? server.url,
+    advertiseUrl: dialTo !== undefined ? dialUrl(id) : (values.advertise ?? server.url),
     capacity: () => manager.capacityNow(),
     templates: () => manager.readyTemplates(),
     disk: { dir: stateDir, reserveBytes: agent.host.diskReserveBytes },
@@ -315,7 +338,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   events.onPush = (e) => roomChanged(e) && heartbeats.soon();
   events.start({ gatewayUrl: values.gateway, credentials });
   log(
-    `agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}, ${manager.driverName}`,
+    `agent ${id} ${server.url}, region ${values.region ?? "local"}, reporting to ${values.gateway}${dialTo ? `, dialing out to ${dialTo.join(" ")}` : ""}, ${manager.driverName}`,
   );
   log(`settings ${JSON.stringify(settingsOf(settings, "agent"))}`);
   if (manager.accel === "tcg") log(`WARNING: ${TCG_BOUNDARY}`);
@@ -324,6 +347,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   await untilSignal();
   await catalog?.stop();
   heartbeats.stop();
+  dialer?.stop();
   await events.stop();
   await server.stop();
   await manager.detach();

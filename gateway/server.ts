@@ -6,12 +6,14 @@
  */
 import { join } from "node:path";
 import type { AgentApi } from "../contracts/agent/api.ts";
+import { DIAL_PATH } from "../contracts/agent/dial.ts";
 import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
 import { AGENT_EVENTS_PATH, type VmEvent } from "../contracts/agent/events.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { secretKey } from "../contracts/agent/token.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
+import { DialHub } from "./agents/dial-hub.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
 import { handleAgentEvents } from "./agents/events-http.ts";
 import { AGENT_STALE_AFTER_MS, handleHeartbeat, liveAgentIds } from "./agents/registry.ts";
@@ -31,6 +33,7 @@ import type { Clock } from "./deps.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { answerAfterBody } from "./runtime/early-answer.ts";
 import { type RunningServer, type RuntimeName, serveFetch } from "./runtime/index.ts";
+import type { Upgrade } from "./runtime/types.ts";
 
 export type StartGatewayOptions = {
   /** Default 8080; 0 picks a free port (see `RunningGateway.port`). */
@@ -177,7 +180,7 @@ function agentRouting(
   region: string,
   waitMs: number,
   clock: Clock,
-): { router: AgentRouter; agentSecret: string } | undefined {
+): { router: AgentRouter; agentSecret: string; dial: DialHub } | undefined {
   if (opts.agent !== undefined) return undefined;
   const secret =
     opts.agentSecret ??
@@ -191,20 +194,24 @@ function agentRouting(
     );
   // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
   secretKey(secret);
+  const dial = new DialHub(opts.log);
   const router = new AgentRouter({
     db,
     agentSecret: secret,
     region,
     clock,
+    dial,
     ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
     waitMs,
   });
-  return { router, agentSecret: secret };
+  return { router, agentSecret: secret, dial };
 }
 
 interface AgentRoutes {
   db: Db;
   agentSecret: string | undefined;
+  /** Agents' dial-out links (routing gateways only). */
+  dial: DialHub | undefined;
   clock: Clock;
   onHeartbeat: (agentId: string, previousAt: Date | null) => void;
   onEvents: (agentId: string, batch: { events: VmEvent[]; dropped: number }) => Promise<void>;
@@ -214,7 +221,11 @@ interface AgentRoutes {
 /** The server's handler: the agents' own routes (routing gateways only), else the public app. */
 function gatewayFetch(app: ReturnType<typeof createApp>, agents: AgentRoutes) {
   const { db, agentSecret, clock, log } = agents;
-  return (request: Request, upgrade?: unknown): Response | Promise<Response> => {
+  return (request: Request, upgrade?: Upgrade): Response | Promise<Response> => {
+    // An agent that dials out opens its link here (gateway/agents/dial-hub.ts).
+    if (agentSecret !== undefined && agents.dial && request.method === "GET")
+      if (new URL(request.url).pathname === DIAL_PATH)
+        return agents.dial.accept(db, agentSecret, request, upgrade);
     // Agents enroll and report here (gateway/agents/); outside /v1: not part of the public API.
     if (agentSecret !== undefined && request.method === "POST") {
       const path = new URL(request.url).pathname;
@@ -291,6 +302,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let reconciler: Reconciler | undefined;
   let connections!: KeyConnections;
   let hostLoss: { stop(): void } | undefined;
+  let routing: ReturnType<typeof agentRouting>;
   const keys = new VerifiedKeys({
     db: handle.db,
     pepper: config.keyPepper,
@@ -311,7 +323,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       log,
       ...(opts.keyRecheckMs !== undefined ? { recheckMs: opts.keyRecheckMs } : {}),
     });
-    const routing = agentRouting(opts, handle.db, config.region, config.agentWaitMs, clock);
+    routing = agentRouting(opts, handle.db, config.region, config.agentWaitMs, clock);
     router = routing?.router;
     const deps = appDeps({
       db: handle.db,
@@ -338,6 +350,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       fetch: gatewayFetch(app, {
         db: handle.db,
         agentSecret: routing?.agentSecret,
+        dial: routing?.dial,
         clock,
         onHeartbeat: (id, previousAt) => reconciler?.onHeartbeat(id, previousAt),
         onEvents: async (agentId, batch) => {
@@ -360,9 +373,10 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     await handle.close();
     throw err;
   }
-  return running({ hostname, server, config, router, handle, keys, connections, rows }, () =>
-    stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle }),
-  );
+  return running({ hostname, server, config, router, handle, keys, connections, rows }, () => {
+    routing?.dial.stop();
+    return stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle });
+  });
 }
 
 /** The handle `startGateway` answers: its URL, its parts tests look at, and the one stop. */

@@ -11,7 +11,8 @@
  * - agent -> gateway: every heartbeat (heartbeat.ts) carries a token for audience
  *   `sandboxd-gateway-heartbeat`, issued by `sandboxd-agent`, whose subject (and `kid` header) is
  *   the agent's id: the gateway looks that agent's key up by the `kid`, verifies with it, and
- *   accepts a heartbeat only for that same id.
+ *   accepts a heartbeat only for that same id. A dial-out connection (BYOC agents) opens with
+ *   the same kind of token for audience `sandboxd-gateway-dial`: neither passes for the other.
  */
 import { decodeProtectedHeader, errors as joseErrors, jwtVerify, SignJWT } from "jose";
 import { SandboxdError } from "../errors.ts";
@@ -28,6 +29,11 @@ const CLOCK_TOLERANCE_S = 5;
 export const MIN_SECRET_BYTES = 32;
 
 const HEARTBEAT_AUDIENCE = "sandboxd-gateway-heartbeat";
+/** The audience of the token that opens an agent's dial-out connection (contracts/agent/dial-*.ts). */
+const DIAL_AUDIENCE = "sandboxd-gateway-dial";
+/** What an agent-issued token is for: a report (heartbeat, events) or a dial-out connection. */
+export type AgentTokenPurpose = "report" | "dial";
+const AUDIENCES: Record<AgentTokenPurpose, string> = { report: HEARTBEAT_AUDIENCE, dial: DIAL_AUDIENCE };
 const AGENT_ISSUER = "sandboxd-agent";
 /** Lifetime of a heartbeat token: one beat (heartbeat.ts) with room for a slow hop. */
 const HEARTBEAT_TOKEN_LIFETIME_S = 30;
@@ -120,8 +126,12 @@ export async function verifyAgentToken(
   }
 }
 
-export function signHeartbeatToken(key: Uint8Array, agentId: string): Promise<string> {
-  return sign(key, agentId, AGENT_ISSUER, HEARTBEAT_AUDIENCE, HEARTBEAT_TOKEN_LIFETIME_S);
+export function signHeartbeatToken(
+  key: Uint8Array,
+  agentId: string,
+  purpose: AgentTokenPurpose = "report",
+): Promise<string> {
+  return sign(key, agentId, AGENT_ISSUER, AUDIENCES[purpose], HEARTBEAT_TOKEN_LIFETIME_S);
 }
 
 /**
@@ -147,6 +157,7 @@ export async function verifyHeartbeatToken(
   key: Uint8Array,
   agentId: string,
   header: string | null,
+  purpose: AgentTokenPurpose = "report",
 ): Promise<TokenCheck> {
   const token = bearerToken(header);
   if (token === undefined) {
@@ -155,7 +166,7 @@ export async function verifyHeartbeatToken(
   try {
     await jwtVerify(token, key, {
       algorithms: ["HS256"],
-      audience: HEARTBEAT_AUDIENCE,
+      audience: AUDIENCES[purpose],
       issuer: AGENT_ISSUER,
       subject: agentId,
       requiredClaims: ["exp", "iat"],

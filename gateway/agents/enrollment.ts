@@ -17,6 +17,7 @@
  */
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import { and, eq, isNull } from "drizzle-orm";
+import { DIAL_URL_SCHEME, dialUrl } from "../../contracts/agent/dial.ts";
 import {
   DEFAULT_REGION,
   ENROLLMENT_TOKEN_RE,
@@ -123,13 +124,15 @@ export async function enrollAgent(
     const keyId = randomBytes(16).toString("hex");
     // The region is the token's, for good; an unpinned URL stays empty until the first
     // heartbeat, and without one the agent is not live.
+    // A token for a dial-out agent (url `dial:`) pins it to `dial://<its id>`: it is reached only
+    // through its own link, and no heartbeat can point the gateways at an address of its choosing.
     const set = {
       keyId,
       enrolledAt: now,
       revokedAt: null,
       lastHeartbeatAt: null,
       region: row.region,
-      url: row.url ?? "",
+      url: row.url === DIAL_URL_SCHEME ? dialUrl(req.id) : (row.url ?? ""),
       urlPinned: row.url !== null,
     };
     await tx

@@ -8,7 +8,12 @@
  */
 import { and, eq, gt, isNotNull, type SQL } from "drizzle-orm";
 import { HEARTBEAT_INTERVAL_MS, Heartbeat } from "../../contracts/agent/heartbeat.ts";
-import { heartbeatTokenAgent, secretKey, verifyHeartbeatToken } from "../../contracts/agent/token.ts";
+import {
+  type AgentTokenPurpose,
+  heartbeatTokenAgent,
+  secretKey,
+  verifyHeartbeatToken,
+} from "../../contracts/agent/token.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { deriveAgentKey } from "./enrollment.ts";
@@ -116,7 +121,8 @@ export async function authenticateAgentReport(
   agentSecret: string,
   request: Request,
   what: string,
-): Promise<{ ok: true; agent: AgentRow & { keyId: string } } | { ok: false; answer: Response }> {
+  purpose: AgentTokenPurpose = "report",
+): Promise<{ ok: true; agent: AgentRow & { keyId: string }; key: string } | { ok: false; answer: Response }> {
   const header = request.headers.get("authorization");
   const claimed = heartbeatTokenAgent(header);
   const agent = claimed === undefined ? undefined : await enrolledAgent(db, agentSecret, claimed);
@@ -127,11 +133,11 @@ export async function authenticateAgentReport(
       answer: jsonAnswer(401, { code: "unauthorized", message: `${what} token rejected: ${why}` }),
     };
   }
-  const token = await verifyHeartbeatToken(secretKey(agent.key), agent.row.id, header);
+  const token = await verifyHeartbeatToken(secretKey(agent.key), agent.row.id, header, purpose);
   if (!token.ok) {
     return { ok: false, answer: jsonAnswer(401, { code: token.error.code, message: token.error.message }) };
   }
-  return { ok: true, agent: agent.row };
+  return { ok: true, agent: agent.row, key: agent.key };
 }
 
 /**

@@ -42,10 +42,12 @@ import type {
   TemplateRef,
   TemplateSource,
 } from "../../contracts/agent/api.ts";
+import { isDialUrl } from "../../contracts/agent/dial.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
+import type { DialHub } from "./dial-hub.ts";
 import { deriveAgentKey } from "./enrollment.ts";
 import { noLiveAgent, type Placement, type PlacementNeed } from "./placement.ts";
 import { AGENT_STALE_AFTER_MS, type AgentRow, isLive, liveAgents } from "./registry.ts";
@@ -72,6 +74,11 @@ export interface AgentRouterOptions {
    * table without HTTP servers.
    */
   connect?: (row: AgentRow & { keyId: string }, key: string) => AgentApi;
+  /**
+   * The links of agents that dial out (URL `dial://<id>`, dial-hub.ts): such an agent is reached
+   * through its link to this gateway, and is not live here without one. None: no agent may dial.
+   */
+  dial?: DialHub;
 }
 
 /** What a VM claims on an agent, every field filled in. */
@@ -132,6 +139,7 @@ export class AgentRouter implements AgentHostApi, Placement {
   private readonly random: () => number;
   private readonly connect: ((row: AgentRow & { keyId: string }, key: string) => AgentApi) | undefined;
   private readonly clients = new Map<string, AgentApi>();
+  private readonly dial: DialHub | undefined;
 
   constructor(opts: AgentRouterOptions) {
     this.db = opts.db;
@@ -143,20 +151,30 @@ export class AgentRouter implements AgentHostApi, Placement {
     this.timeouts = opts.timeouts;
     this.random = opts.random ?? Math.random;
     this.connect = opts.connect;
+    this.dial = opts.dial;
   }
 
   /** Rows come from `live`/`isLive`, which keep only enrolled agents (a key id). */
   private client(row: AgentRow): AgentApi {
     const keyId = row.keyId;
     if (keyId === null) throw new SandboxdError("agent_unavailable", `agent ${row.id} is not enrolled`);
-    const k = `${row.id} ${row.url} ${keyId}`;
+    const baseUrl = isDialUrl(row.url) ? this.dial?.baseUrl(row.id) : row.url;
+    if (baseUrl === undefined)
+      throw new SandboxdError(
+        "agent_unavailable",
+        `agent ${row.id} dials out and has no link to this gateway`,
+        {
+          details: { agentId: row.id, retryAfterSeconds: 5 },
+        },
+      );
+    const k = `${row.id} ${baseUrl} ${keyId}`;
     let c = this.clients.get(k);
     if (!c) {
       const key = deriveAgentKey(this.agentSecret, row.id, keyId);
       c = this.connect
         ? this.connect({ ...row, keyId }, key)
         : new AgentHttpClient({
-            baseUrl: row.url,
+            baseUrl,
             agentId: row.id,
             key,
             ...(this.timeouts ? { timeouts: this.timeouts } : {}),
@@ -166,8 +184,10 @@ export class AgentRouter implements AgentHostApi, Placement {
     return c;
   }
 
-  private live(region = this.region): Promise<AgentRow[]> {
-    return liveAgents(this.db, region, this.clock(), this.staleAfterMs);
+  /** Live agents of `region` this gateway can reach: a dial-out agent only through its link here. */
+  private async live(region = this.region): Promise<AgentRow[]> {
+    const rows = await liveAgents(this.db, region, this.clock(), this.staleAfterMs);
+    return rows.filter((r) => !isDialUrl(r.url) || this.dial?.linked(r.id) === true);
   }
 
   /**

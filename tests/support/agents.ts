@@ -6,10 +6,12 @@
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { type Dialer, startDialer } from "../../agent/api/dial.ts";
 import { enroll } from "../../agent/api/enroll.ts";
 import { type HeartbeatSender, startHeartbeats } from "../../agent/api/heartbeat.ts";
 import type { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { type AgentServer, startAgentServer } from "../../agent/server.ts";
+import { DIAL_URL_SCHEME, dialUrl } from "../../contracts/agent/dial.ts";
 import type { AgentCredentials } from "../../contracts/agent/token.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { createEnrollmentToken } from "../../gateway/agents/enrollment.ts";
@@ -73,10 +75,15 @@ export async function startEnrolledAgent(opts: {
   id: string;
   region: string;
   intervalMs: number;
-}): Promise<{ credentials: AgentCredentials; server: AgentServer; hb: HeartbeatSender }> {
+  /** A BYOC agent: enrolled to dial out (`agent-token create --dial`), linked to `gw` by its dialer. */
+  dial?: boolean;
+}): Promise<{ credentials: AgentCredentials; server: AgentServer; hb: HeartbeatSender; dialer?: Dialer }> {
   const { gw, manager, stateDir, id } = opts;
   const { token } = await gw.withDb((db) =>
-    createEnrollmentToken(db, opts.agentSecret, { region: opts.region }),
+    createEnrollmentToken(db, opts.agentSecret, {
+      region: opts.region,
+      ...(opts.dial ? { url: DIAL_URL_SCHEME } : {}),
+    }),
   );
   const credentials = await enroll({ gatewayUrl: gw.url, token, id, stateDir });
   const server = startAgentServer({
@@ -87,13 +94,21 @@ export async function startEnrolledAgent(opts: {
     port: 0,
     version: "test",
   });
+  const dialer = opts.dial
+    ? startDialer({
+        gatewayUrls: [gw.url],
+        credentials,
+        target: { host: "127.0.0.1", port: Number(new URL(server.url).port) },
+        log: () => {},
+      })
+    : undefined;
   const hb = startHeartbeats({
     gatewayUrl: gw.url,
     credentials,
     region: opts.region,
-    advertiseUrl: server.url,
+    advertiseUrl: opts.dial ? dialUrl(id) : server.url,
     capacity: () => manager.capacityNow(),
     intervalMs: opts.intervalMs,
   });
-  return { credentials, server, hb };
+  return { credentials, server, hb, ...(dialer ? { dialer } : {}) };
 }
