@@ -38,6 +38,8 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
       url: { type: "string" },
       // A BYOC agent: it dials out to the gateways (no inbound port), enrolled as dial://<id>.
       dial: { type: "boolean" },
+      // A tenant's own agent: it takes that tenant's sandboxes only (docs/regions.md).
+      tenant: { type: "string" },
     },
     allowPositionals: true,
   });
@@ -58,10 +60,11 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
         ...(values.region !== undefined ? { region: values.region } : {}),
         ...(values.url !== undefined ? { url: values.url } : {}),
         ...(values.dial ? { url: DIAL_URL_SCHEME } : {}),
+        ...(values.tenant !== undefined ? { tenant: values.tenant } : {}),
       });
       process.stderr.write(
         `created enrollment token ${issued.id}${values.agent ? ` for agent ${values.agent}` : ""} in region ${issued.region}` +
-          `${values.url ? ` at ${values.url} only` : ""}${values.dial ? ", dialing out (no inbound port)" : ""}, ` +
+          `${values.url ? ` at ${values.url} only` : ""}${values.dial ? ", dialing out (no inbound port)" : ""}${values.tenant ? `, for tenant ${values.tenant} alone` : ""}, ` +
           `single use, expires ${issued.expiresAt}; it is shown once\n`,
       );
       // Last line: the token itself, so scripts can take it with `tail -n1`.

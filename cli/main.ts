@@ -58,7 +58,7 @@ commands:
         running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and
         snapshot_gb_months, in all, per sandbox (with how each ended) or per UTC day; a table,
         or JSON with --json; database as for key (SQL views: docs/quotas-and-usage.md)
-  agent-token create [--ttl 1h] [--agent ID] [--region R] [--url URL | --dial] [--data-dir DIR]
+  agent-token create [--ttl 1h] [--agent ID] [--region R] [--url URL | --dial] [--tenant T] [--data-dir DIR]
   agent-token list [--data-dir DIR]
   agent-token revoke AGENT-ID [--data-dir DIR]
         per-agent credentials in the gateway database: create prints a one-time enrollment

@@ -66,14 +66,20 @@ export const agentTokenCreate = operatorOp(
     agentId: AgentId.optional(),
     region: RegionName.optional(),
     url: z.string().url().optional(),
+    tenant: z.string().min(1).optional(),
   }),
   async ({ db, secrets, defaultRegion }, a) => {
     const region = a.region ?? defaultRegion ?? DEFAULT_REGION;
+    // A tenant's own agent: the tenant must exist (its id is what placement compares).
+    const ownerTenant = a.tenant === undefined ? undefined : await tenantIdOf(db, a.tenant);
+    if (a.tenant !== undefined && ownerTenant === undefined)
+      throw new SandboxdError("not_found", `no tenant ${a.tenant}: create one of its keys first`);
     const issued = await createEnrollmentToken(db, secrets.agentSecret, {
       ttlS: a.ttlS,
       region,
       ...(a.agentId !== undefined ? { agentId: a.agentId } : {}),
       ...(a.url !== undefined ? { url: a.url } : {}),
+      ...(ownerTenant !== undefined ? { ownerTenant } : {}),
     });
     return { token: issued.token, id: issued.id, expiresAt: issued.expiresAt.toISOString(), region };
   },

@@ -44,6 +44,11 @@ export const agents = pgTable("agents", {
   cordonedAt: timestamp("cordoned_at", { withTimezone: true, mode: "date" }),
   /** The URL is the one its enrollment token pinned: a heartbeat advertising another is refused. */
   urlPinned: boolean("url_pinned").notNull().default(false),
+  /**
+   * The one tenant this agent takes sandboxes of (a customer's own, BYOC host), fixed by its
+   * enrollment token; null: an operator's agent, for every tenant without a pool of its own.
+   */
+  ownerTenant: text("owner_tenant"),
 });
 
 /**
@@ -62,4 +67,6 @@ export const agentEnrollmentTokens = pgTable("agent_enrollment_tokens", {
   usedBy: text("used_by"),
   region: text("region").notNull().default("local"),
   url: text("url"),
+  /** The tenant the agent it enrolls serves alone (`agent-token create --tenant`); null: any. */
+  ownerTenant: text("owner_tenant"),
 });

@@ -55,7 +55,14 @@ export interface IssuedEnrollmentToken {
 export async function createEnrollmentToken(
   db: Db,
   agentSecret: string,
-  opts: { ttlS?: number; agentId?: string; now?: Date; region?: string; url?: string } = {},
+  opts: {
+    ttlS?: number;
+    agentId?: string;
+    now?: Date;
+    region?: string;
+    url?: string;
+    ownerTenant?: string;
+  } = {},
 ): Promise<IssuedEnrollmentToken> {
   const now = opts.now ?? new Date();
   const ttlS = opts.ttlS ?? DEFAULT_ENROLLMENT_TTL_S;
@@ -77,6 +84,7 @@ export async function createEnrollmentToken(
     expiresAt,
     region,
     url: opts.url ?? null,
+    ownerTenant: opts.ownerTenant ?? null,
   });
   return { token: `sbxe_${id}_${secret}`, id, expiresAt };
 }
@@ -133,6 +141,8 @@ export async function enrollAgent(
       lastHeartbeatAt: null,
       region: row.region,
       url: row.url === DIAL_URL_SCHEME ? dialUrl(req.id) : (row.url ?? ""),
+      // A tenant's own agent (or, re-enrolled with a token for none, an operator's again).
+      ownerTenant: row.ownerTenant,
       urlPinned: row.url !== null,
     };
     await tx

@@ -16,6 +16,11 @@ import { agents } from "../../db/schema/agents.ts";
  */
 export interface PlacementNeed {
   template?: string;
+  /**
+   * The tenant the VM is for: its own agents (BYOC) when it has any live, else the operator's.
+   * None: an operator's agent only, never a tenant's own.
+   */
+  tenant?: string;
   vcpus?: number;
   memMib?: number;
   diskMib?: number;
@@ -43,8 +48,11 @@ export interface Placement {
     region: string,
     need?: PlacementNeed,
   ): Promise<{ agentId: string; result: T }>;
-  /** The calls that name no VM (template builds, status, deletes), on the agents of `region`. */
-  hostIn(region: string): AgentHostApi;
+  /**
+   * The calls that name no VM (template builds, status, deletes), on the agents of `region`; with
+   * `tenant`, on those that take its VMs (its own, else the operator's); without, on every one.
+   */
+  hostIn(region: string, tenant?: string): AgentHostApi;
   /**
    * The calls on the VMs of the agent with this id (the id on a sandbox's record); one that is not
    * live fails its calls at once.
@@ -109,7 +117,7 @@ export class FixedPlacement implements Placement {
     return { agentId: this.row.id, result: await fn(this.agent) };
   }
 
-  hostIn(region: string): AgentHostApi {
+  hostIn(region: string, _tenant?: string): AgentHostApi {
     return region === this.row.region ? this.agent : emptyRegion(region);
   }
 

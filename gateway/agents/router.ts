@@ -82,7 +82,7 @@ export interface AgentRouterOptions {
 }
 
 /** What a VM claims on an agent, every field filled in. */
-type Need = Required<Omit<PlacementNeed, "template">> & { template: string | undefined };
+type Need = Required<Omit<PlacementNeed, "template" | "tenant">> & { template: string | undefined };
 
 function fullNeed(n: PlacementNeed): Need {
   const memMib = n.memMib ?? 0;
@@ -184,10 +184,19 @@ export class AgentRouter implements AgentHostApi, Placement {
     return c;
   }
 
-  /** Live agents of `region` this gateway can reach: a dial-out agent only through its link here. */
-  private async live(region = this.region): Promise<AgentRow[]> {
-    const rows = await liveAgents(this.db, region, this.clock(), this.staleAfterMs);
-    return rows.filter((r) => !isDialUrl(r.url) || this.dial?.linked(r.id) === true);
+  /**
+   * Live agents of `region` this gateway can reach (a dial-out agent only through its link here),
+   * and of those, with `tenant`, the ones that may take its VMs and templates: its own agents when
+   * it has any live (a BYOC pool is the tenant's alone, and its VMs stay in it), else the
+   * operator's. Without `tenant` (public templates, health): every one.
+   */
+  private async live(region = this.region, tenant?: string): Promise<AgentRow[]> {
+    const rows = (await liveAgents(this.db, region, this.clock(), this.staleAfterMs)).filter(
+      (r) => !isDialUrl(r.url) || this.dial?.linked(r.id) === true,
+    );
+    if (tenant === undefined) return rows;
+    const own = rows.filter((r) => r.ownerTenant === tenant);
+    return own.length > 0 ? own : rows.filter((r) => r.ownerTenant === null);
   }
 
   /**
@@ -200,7 +209,12 @@ export class AgentRouter implements AgentHostApi, Placement {
   async candidates(region = this.region, need: PlacementNeed = {}): Promise<AgentRow[]> {
     const n = fullNeed(need);
     // A cordoned agent keeps its VMs and its templates, and takes no new VM (docs/fleet.md "Cordon and drain").
-    const rows = (await this.live(region)).filter((r) => r.cordonedAt === null && fits(r, n)).sort(byLoad);
+    // A VM named for no tenant goes to an operator's agent only: never into a tenant's own pool.
+    const pool =
+      need.tenant === undefined
+        ? (await this.live(region)).filter((r) => r.ownerTenant === null)
+        : await this.live(region, need.tenant);
+    const rows = pool.filter((r) => r.cordonedAt === null && fits(r, n)).sort(byLoad);
     const holds = (r: AgentRow) => n.template !== undefined && r.templates.includes(n.template);
     return [...rows.filter(holds), ...rows.filter((r) => !holds(r))];
   }
@@ -219,7 +233,7 @@ export class AgentRouter implements AgentHostApi, Placement {
     const deadline = performance.now() + this.waitMs;
     const look = async () => {
       const rows = await this.candidates(region, need);
-      return { rows, live: rows.length > 0 ? rows.length : (await this.live(region)).length };
+      return { rows, live: rows.length > 0 ? rows.length : (await this.live(region, need.tenant)).length };
     };
     let { rows, live } = await look();
     while (live === 0 && performance.now() < deadline) {
@@ -374,15 +388,18 @@ export class AgentRouter implements AgentHostApi, Placement {
   // ---- AgentHostApi: calls that name no VM ----------------------------------------------------
 
   /** Placement: the calls that name no VM, on the live agents of `region`. */
-  hostIn(region: string): AgentHostApi {
+  hostIn(region: string, tenant?: string): AgentHostApi {
+    const need = (t: TemplateRef): PlacementNeed =>
+      tenant === undefined ? { template: t } : { template: t, tenant };
     return {
-      createSandbox: async (t, o) =>
-        (await this.place((a) => a.createSandbox(t, o), region, { template: t })).result,
-      execOnce: async (t, a) => (await this.place((h) => h.execOnce(t, a), region, { template: t })).result,
-      buildTemplate: (t, src) => this.buildIn(region, t, src),
-      templateStatus: (t) => this.statusIn(region, t),
+      createSandbox: async (t, o) => (await this.place((a) => a.createSandbox(t, o), region, need(t))).result,
+      execOnce: async (t, a) => (await this.place((h) => h.execOnce(t, a), region, need(t))).result,
+      buildTemplate: (t, src) => this.buildIn(region, t, src, tenant),
+      templateStatus: (t) => this.statusIn(region, t, tenant),
+      // A delete or release reaches every agent of the region: one that holds it from before
+      // the tenant's own pool went live (or from another pool) must not keep it.
       deleteTemplate: (t) => this.everyLive(region, (a) => a.deleteTemplate(t)),
-      expectWidth: (t, w) => this.everyLive(region, (a) => a.expectWidth(t, w)),
+      expectWidth: (t, w) => this.everyLive(region, (a) => a.expectWidth(t, w), tenant),
       releaseTemplate: (t) => this.everyLive(region, (a) => a.releaseTemplate(t)),
       health: () => this.healthIn(region),
     };
@@ -405,8 +422,13 @@ export class AgentRouter implements AgentHostApi, Placement {
    * with 503 `agent_unavailable` and leaves an upload's file in place: nothing was taken, and the
    * caller waits for an agent and tries again (gateway/core/templates.ts).
    */
-  private async buildIn(region: string, template: TemplateRef, source: TemplateSource): Promise<void> {
-    const rows = await this.live(region);
+  private async buildIn(
+    region: string,
+    template: TemplateRef,
+    source: TemplateSource,
+    tenant?: string,
+  ): Promise<void> {
+    const rows = await this.live(region, tenant);
     if (rows.length === 0) {
       throw new SandboxdError("agent_unavailable", `no live agent in region ${region} to build on`, {
         details: { region, noLiveAgent: true, retryAfterSeconds: 5 },
@@ -435,9 +457,13 @@ export class AgentRouter implements AgentHostApi, Placement {
     return this.statusIn(this.region, template);
   }
 
-  private async statusIn(region: string, template: TemplateRef): Promise<TemplateBuildStatus> {
+  private async statusIn(
+    region: string,
+    template: TemplateRef,
+    tenant?: string,
+  ): Promise<TemplateBuildStatus> {
     const settled = await Promise.allSettled(
-      (await this.live(region)).map((r) => this.client(r).templateStatus(template)),
+      (await this.live(region, tenant)).map((r) => this.client(r).templateStatus(template)),
     );
     const got = settled.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
     const ready = got.find((s) => s.status === "ready");
@@ -449,8 +475,14 @@ export class AgentRouter implements AgentHostApi, Placement {
     throw err?.reason ?? noLiveAgent(region);
   }
 
-  private async everyLive(region: string, fn: (a: AgentHostApi) => Promise<void>): Promise<void> {
-    const settled = await Promise.allSettled((await this.live(region)).map((r) => fn(this.client(r))));
+  private async everyLive(
+    region: string,
+    fn: (a: AgentHostApi) => Promise<void>,
+    tenant?: string,
+  ): Promise<void> {
+    const settled = await Promise.allSettled(
+      (await this.live(region, tenant)).map((r) => fn(this.client(r))),
+    );
     for (const s of settled) {
       if (s.status === "rejected" && !(s.reason instanceof SandboxdError && s.reason.code === "not_found")) {
         throw s.reason;

@@ -24,10 +24,10 @@ export async function homeRegion(
   return row?.region ?? deps.config.region;
 }
 
-/** The calls that name no VM, on the agents of `tenantId`'s home region. */
+/** The calls that name no VM, on the agents of `tenantId`'s home region that serve it (none: every one). */
 export async function hostOf(
   deps: Pick<Deps, "db" | "config" | "placement">,
   tenantId: string | null,
 ): Promise<AgentHostApi> {
-  return deps.placement.hostIn(await homeRegion(deps, tenantId));
+  return deps.placement.hostIn(await homeRegion(deps, tenantId), tenantId ?? undefined);
 }

@@ -361,7 +361,9 @@ async function buildWhenAgentLive(deps: Deps, row: TemplateRow, source: Template
   const waitMs = deps.config.agentWaitMs;
   // The tenant's home region is fixed at its creation, so the host looked up once serves every try.
   const region = await homeRegion(deps, row.tenantId);
-  const host = deps.placement.hostIn(region);
+  // A tenant's template goes where its VMs go (its own agents, else the operator's); a public one
+  // to every agent of the region.
+  const host = deps.placement.hostIn(region, row.tenantId ?? undefined);
   const deadline = performance.now() + waitMs;
   while (performance.now() < deadline) {
     await sleep(Math.min(BUILD_RETRY_MS, Math.max(0, deadline - performance.now())));

@@ -15,6 +15,7 @@ import { createApp } from "../../gateway/app.ts";
 import { createKey } from "../../gateway/auth/keys.ts";
 import { resolveConfig } from "../../gateway/config.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
+import { tenantIdOf } from "../../gateway/core/usage.ts";
 import { MemoryAgent } from "../support/memory-agent.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 
@@ -52,7 +53,8 @@ interface Fleet {
   key: string;
   /** Registers agent `id` (or refreshes it) with a heartbeat reporting `capacity` and `templates`. */
   beat(id: string, capacity: Partial<Heartbeat["capacity"]>, templates?: string[]): Promise<void>;
-  create(g: 0 | 1): Promise<{ status: number; agentId?: string; code?: string }>;
+  /** A session through gateway `g`, with `key` (default: the fleet's, tenant acme). */
+  create(g: 0 | 1, key?: string): Promise<{ status: number; agentId?: string; code?: string }>;
   row(id: string): Promise<typeof agents.$inferSelect>;
 }
 
@@ -125,10 +127,10 @@ async function fleet(url: (() => Promise<string>) | undefined, seed = 1): Promis
       };
       expect(await recordHeartbeat(db, hb, "k1", new Date(now.ms))).toBe(true);
     },
-    create: async (g) => {
+    create: async (g, as = key) => {
       const res = await gw[g].request("/v1/sessions", {
         method: "POST",
-        headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+        headers: { authorization: `Bearer ${as}`, "content-type": "application/json" },
         body: JSON.stringify({ template_id: "python" }),
       });
       const body = (await res.json()) as { session_id?: string; code?: string };
@@ -239,6 +241,46 @@ for (const c of cases) {
       },
       // 200 creates through PGlite on a loaded host: a minute or more.
       3 * TEST_TIMEOUT_MS,
+    );
+
+    test(
+      "a tenant's own agents take its sessions alone, and only its: full, it is at_capacity, not spilled",
+      async () => {
+        const f = await fleet(c.url);
+        const other = (await createKey(f.db, PEPPER, { tenant: "initech", tier: "live" })).key;
+        const owner = async (tenant: string) => (await tenantIdOf(f.db, tenant))!;
+        await f.beat("ops-1", {});
+        await f.beat("acme-own", {});
+        await f.beat("initech-own", {});
+        // A third tenant's pool, and acme's own (enrolled with agent-token create --tenant).
+        await f.db
+          .update(agents)
+          .set({ ownerTenant: await owner("acme") })
+          .where(eq(agents.id, "acme-own"));
+        await f.db
+          .update(agents)
+          .set({ ownerTenant: "ten_someone_else" })
+          .where(eq(agents.id, "initech-own"));
+        const acme = [];
+        for (let i = 0; i < 6; i++) acme.push((await f.create((i % 2) as 0 | 1)).agentId);
+        expect(tally(acme)).toEqual({ "acme-own": 6 });
+        // initech has no agent of its own: the operator's, never another tenant's pool.
+        const others = [];
+        for (let i = 0; i < 6; i++) others.push((await f.create((i % 2) as 0 | 1, other)).agentId);
+        expect(tally(others)).toEqual({ "ops-1": 6 });
+        // acme's pool full: 503, with the operator's agent free.
+        f.now.ms += 1000;
+        await f.beat("acme-own", { slotsFree: 0 });
+        await f.beat("ops-1", {});
+        await f.beat("initech-own", {});
+        expect(await f.create(0)).toEqual({ status: 503, code: "at_capacity" });
+        // Its pool gone (silent past the staleness bound): the operator's agents take it again.
+        f.now.ms += 20_000;
+        await f.beat("ops-1", {});
+        await f.beat("initech-own", {});
+        expect((await f.create(1)).agentId).toBe("ops-1");
+      },
+      TEST_TIMEOUT_MS,
     );
   });
 }

@@ -195,7 +195,8 @@ export async function createVm(
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
   // A template built without a size runs at the agent's default one: a slot of the agent's
   // `slotsFree` (which counts VMs of that size) is then the whole claim.
-  const need: PlacementNeed = { template: template.agentRef };
+  // Its tenant's own agents (BYOC) when it has any live, else the operator's.
+  const need: PlacementNeed = { template: template.agentRef, tenant: p.tenantId };
   if (template.vcpuCount !== null) need.vcpus = template.vcpuCount;
   if (template.memMib !== null) need.memMib = template.memMib;
   const region = await homeRegion(deps, p.tenantId);
@@ -250,7 +251,7 @@ export async function execOneShots(
     "exec",
     calls[0]!.template,
     calls.map((c) => ({ labels: {}, template: c.template })),
-    await deps.placement.firstChoice(region, { template: calls[0]!.template.agentRef }),
+    await deps.placement.firstChoice(region, { template: calls[0]!.template.agentRef, tenant: p.tenantId }),
     opts.partial ?? false,
   );
   const startedAt = new Date(deps.clock());
@@ -261,7 +262,7 @@ export async function execOneShots(
         const { agentId, result } = await deps.placement.place(
           (a) => a.execOnce(c.template.agentRef, c.action),
           region,
-          { template: c.template.agentRef },
+          { template: c.template.agentRef, tenant: p.tenantId },
         );
         await endOneShot(deps, id, p.tenantId, agentId, startedAt, result.resources);
         return result;
