@@ -29,6 +29,7 @@ import { startHostLossSweeper } from "./core/host-loss.ts";
 import { startReaper } from "./core/reaper.ts";
 import { type Reconciler, startReconciler } from "./core/reconcile.ts";
 import { ROWS_CHANNEL, RowCache } from "./core/row-cache.ts";
+import { TemplateCatchUp } from "./core/template-catch-up.ts";
 import type { Clock } from "./deps.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { answerAfterBody } from "./runtime/early-answer.ts";
@@ -275,7 +276,8 @@ function watchAgents(
   router: AgentRouter,
   truth: { db: DbHandle["db"]; clock: () => number; relays: RelayRegistry; rows: RowCache },
   log: (line: string) => void,
-): { reconciler: Reconciler; hostLoss: { stop(): void } } {
+  config: GatewayConfig,
+): { reconciler: Reconciler; hostLoss: { stop(): void }; catchUp: TemplateCatchUp } {
   const staleAfterMs = opts.staleAfterMs ?? AGENT_STALE_AFTER_MS;
   const { db, clock } = truth;
   const reconciler = startReconciler(
@@ -287,7 +289,9 @@ function watchAgents(
     ...(opts.lostAfterMs !== undefined ? { lostAfterMs: opts.lostAfterMs } : {}),
     ...(opts.lostSweepMs !== undefined ? { intervalMs: opts.lostSweepMs } : {}),
   });
-  return { reconciler, hostLoss };
+  // Templates baked before an agent joined reach it from its heartbeats (core/template-catch-up.ts).
+  const catchUp = new TemplateCatchUp({ db, clock, placement: router, config }, log);
+  return { reconciler, hostLoss, catchUp };
 }
 
 export async function startGateway(opts: StartGatewayOptions): Promise<RunningGateway> {
@@ -302,6 +306,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let reconciler: Reconciler | undefined;
   let connections!: KeyConnections;
   let hostLoss: { stop(): void } | undefined;
+  let catchUp: TemplateCatchUp | undefined;
   let routing: ReturnType<typeof agentRouting>;
   const keys = new VerifiedKeys({
     db: handle.db,
@@ -345,14 +350,18 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     // The rows against the agents' VMs: their events as they happen (gateway/core/agent-events.ts)
     // and what watchAgents keeps.
     const truth = { db: handle.db, clock, relays };
-    if (router) ({ reconciler, hostLoss } = watchAgents(opts, router, { ...truth, rows }, log));
+    if (router)
+      ({ reconciler, hostLoss, catchUp } = watchAgents(opts, router, { ...truth, rows }, log, config));
     server = await serveFetch({
       fetch: gatewayFetch(app, {
         db: handle.db,
         agentSecret: routing?.agentSecret,
         dial: routing?.dial,
         clock,
-        onHeartbeat: (id, previousAt) => reconciler?.onHeartbeat(id, previousAt),
+        onHeartbeat: (id, previousAt) => {
+          reconciler?.onHeartbeat(id, previousAt);
+          catchUp?.onHeartbeat(id);
+        },
         onEvents: async (agentId, batch) => {
           await applyAgentEvents(truth, agentId, batch.events, log);
           if (batch.dropped > 0) reconciler?.onDropped(agentId, batch.dropped);

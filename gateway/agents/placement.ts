@@ -53,6 +53,8 @@ export interface Placement {
    * `tenant`, on those that take its VMs (its own, else the operator's); without, on every one.
    */
   hostIn(region: string, tenant?: string): AgentHostApi;
+  /** The calls that name no VM, on agent `agentId` alone (a build it missed); not live: 503. */
+  hostOn(agentId: string): AgentHostApi;
   /**
    * The calls on the VMs of the agent with this id (the id on a sandbox's record); one that is not
    * live fails its calls at once.
@@ -123,6 +125,10 @@ export class FixedPlacement implements Placement {
 
   agentFor(_agentId: string): AgentVmApi {
     return this.agent;
+  }
+
+  hostOn(agentId: string): AgentHostApi {
+    return agentId === this.row.id ? this.agent : emptyRegion(this.row.region);
   }
 
   private ensureRow(): Promise<void> {

@@ -352,19 +352,37 @@ export class AgentRouter implements AgentHostApi, Placement {
     throw last;
   }
 
+  /** Placement: the calls that name no VM on agent `agentId` alone (a catch-up build). */
+  hostOn(agentId: string): AgentHostApi {
+    const lookup = () => this.liveClient(agentId);
+    return {
+      createSandbox: async (t, o) => (await lookup()).createSandbox(t, o),
+      execOnce: async (t, a) => (await lookup()).execOnce(t, a),
+      buildTemplate: async (t, src) => (await lookup()).buildTemplate(t, src),
+      templateStatus: async (t) => (await lookup()).templateStatus(t),
+      deleteTemplate: async (t) => (await lookup()).deleteTemplate(t),
+      expectWidth: async (t, w) => (await lookup()).expectWidth(t, w),
+      releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
+      health: async () => (await lookup()).health(),
+    };
+  }
+
+  /** The client of agent `agentId` while it is live; stale or unknown: 503 `agent_unavailable`. */
+  private async liveClient(agentId: string): Promise<AgentApi> {
+    const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
+    if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
+      throw new SandboxdError(
+        "agent_unavailable",
+        `agent ${agentId} has not reported for over ${this.staleAfterMs / 1000} s; retry later`,
+        { details: { agentId, retryAfterSeconds: 5 } },
+      );
+    }
+    return this.client(row);
+  }
+
   /** Placement: the agent a sandbox lives on; stale or unknown: 503 `agent_unavailable` at once. */
   agentFor(agentId: string): AgentVmApi {
-    const lookup = async (): Promise<AgentApi> => {
-      const [row] = await this.db.select().from(agents).where(eq(agents.id, agentId));
-      if (!row || !isLive(row, this.clock(), this.staleAfterMs)) {
-        throw new SandboxdError(
-          "agent_unavailable",
-          `agent ${agentId} has not reported for over ${this.staleAfterMs / 1000} s; retry later`,
-          { details: { agentId, retryAfterSeconds: 5 } },
-        );
-      }
-      return this.client(row);
-    };
+    const lookup = () => this.liveClient(agentId);
     return {
       exec: async (v, a) => (await lookup()).exec(v, a),
       execStream: async (v, a, o) => (await lookup()).execStream(v, a, o),
