@@ -130,6 +130,9 @@ export class DialHub {
       message: (data) => {
         lastHeard = Date.now();
         if (typeof data === "string") return link.close("protocol: a text message");
+        // The runtime bounds messages only where it can per socket (runtime/types.ts): here too.
+        if (data.length > DIAL_MESSAGE_MAX)
+          return link.close(`protocol: a message over ${DIAL_MESSAGE_MAX} bytes`);
         try {
           mux.receive(cipher.open(data));
         } catch (err) {
