@@ -34,7 +34,7 @@ const CLI_TIMEOUT_MS = 120_000;
 /** `up` prints `listening URL` once the gateway serves (the catalog build runs after that). */
 const LISTEN_TIMEOUT_MS = 120_000;
 
-function childEnv(): NodeJS.ProcessEnv {
+export function childEnv(): NodeJS.ProcessEnv {
   const env: NodeJS.ProcessEnv = { ...process.env };
   delete env.DATABASE_URL; // PGlite in the data dir, never a developer's database
   delete env.SANDBOXD_DATA_DIR;
@@ -310,8 +310,11 @@ export async function startServing(
   args: string[],
   dataDir: string,
   env: NodeJS.ProcessEnv,
+  /** A command that runs it (`ip netns exec NS`): its program and arguments before bin/sandboxd. */
+  wrap: string[] = [],
 ): Promise<RunningService> {
-  const child = spawn(SANDBOXD, args, { env, stdio: ["ignore", "pipe", "pipe"] });
+  const [program, ...argv] = [...wrap, SANDBOXD, ...args] as [string, ...string[]];
+  const child = spawn(program, argv, { env, stdio: ["ignore", "pipe", "pipe"] });
   let log = "";
   child.stderr.on("data", (b: Buffer) => {
     log = (log + b.toString()).slice(-200_000);
