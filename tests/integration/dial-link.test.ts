@@ -61,7 +61,7 @@ test(
         createEnrollmentToken(db, SECRET, { region: "eu", ...(url ? { url } : {}) }),
       );
       await mkdir(join(stateDir, id));
-    return enroll({ gatewayUrl: gw.url, token, id, stateDir: join(stateDir, id) });
+      return enroll({ gatewayUrl: gw.url, token, id, stateDir: join(stateDir, id) });
     };
     const dialer = await credsOf("byoc", DIAL_URL_SCHEME);
     const direct = await credsOf("direct", "http://10.0.0.9:7070");
