@@ -1,6 +1,7 @@
 /**
  * Templates reach agents that join after their bake (gateway/core/template-catch-up.ts), through
- * the real gateway app and AgentRouter on the real `agents` and `templates` tables, with
+ * the real gateway app (tests/support/gateway-harness.ts, answers checked against openapi.yaml)
+ * and AgentRouter on the real `agents` and `templates` tables, with
  * in-memory agents whose registry rows are written by `recordHeartbeat`. A bake while one agent
  * is live builds there and goes Live; an agent that joins later is asked, from its heartbeat, to
  * build the same OCI reference with the same ready spec (once: the next beats within the bound ask
@@ -8,27 +9,21 @@
  * another region, is never asked; an uploaded template is not rebuilt.
  */
 import { afterEach, describe, expect, test } from "bun:test";
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
 import { eq } from "drizzle-orm";
+import { DEFAULT_REGION } from "../../contracts/agent/enroll.ts";
 import type { Heartbeat } from "../../contracts/agent/heartbeat.ts";
-import { openDb } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import { recordHeartbeat } from "../../gateway/agents/registry.ts";
 import { AgentRouter } from "../../gateway/agents/router.ts";
-import { createApp } from "../../gateway/app.ts";
-import { createKey } from "../../gateway/auth/keys.ts";
-import { resolveConfig } from "../../gateway/config.ts";
 import { CATCH_UP_EVERY_MS, TemplateCatchUp } from "../../gateway/core/template-catch-up.ts";
+import { makeHarness } from "../support/gateway-harness.ts";
 import { MemoryAgent } from "../support/memory-agent.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 
 const SECRET = "catch-up-test-agent-secret-0123456789abcdef";
-const PEPPER = "catch-up-test-pepper-0123456789";
 const TEST_TIMEOUT_MS = 60_000;
 const READY = { cmd: "true", ports: [8080] };
 
@@ -44,38 +39,33 @@ for (const c of cases) {
     test(
       "an agent that joins after a bake is asked to build it, once; another tenant's agent and another region's never",
       async () => {
-        const dir = mkdtempSync(join(tmpdir(), "sandboxd-catchup-"));
-        const u = c.url ? await c.url() : undefined;
-        const h = await openDb(u !== undefined ? { url: u } : { dataDir: dir });
-        cleanups.push(async () => {
-          await h.close();
-          rmSync(dir, { recursive: true, force: true });
+        const mem = new Map<string, MemoryAgent>();
+        let router!: AgentRouter;
+        const h = await makeHarness({
+          ...(c.url ? { url: await c.url() } : {}),
+          placement: (db, clock) => {
+            router = new AgentRouter({
+              db,
+              agentSecret: SECRET,
+              region: DEFAULT_REGION,
+              clock,
+              connect: (row) => mem.get(row.id)!,
+            });
+            return router;
+          },
         });
-        const db = h.db;
-        if (u !== undefined) {
+        cleanups.push(() => h.close());
+        const db = h.handle.db;
+        const now = h.now;
+        const clock = () => now.ms;
+        const config = h.config;
+        if (c.url) {
+          // A PostgreSQL database outlives a test: start from no agents and no templates.
           await db.delete(usageIntervals);
           await db.delete(sandboxes);
           await db.delete(templates);
           await db.delete(agents);
         }
-        const now = { ms: Date.parse("2025-03-01T12:00:00Z") };
-        const clock = () => now.ms;
-        const config = resolveConfig({
-          keyPepper: PEPPER,
-          connectSecret: "test-connect-secret-0123",
-          uploadDir: join(dir, "uploads"),
-          publicBaseUrl: "https://api.example.test",
-          version: "test-1",
-        });
-        const mem = new Map<string, MemoryAgent>();
-        const router = new AgentRouter({
-          db,
-          agentSecret: SECRET,
-          region: config.region,
-          clock,
-          connect: (row) => mem.get(row.id)!,
-        });
-        const app = createApp({ db, agent: router, placement: router, config, clock, log: () => {} });
         const lines: string[] = [];
         const catchUp = new TemplateCatchUp({ db, clock, placement: router, config }, (l) => lines.push(l));
         const beat = async (id: string, region = config.region) => {
@@ -98,13 +88,9 @@ for (const c of cases) {
           expect(await recordHeartbeat(db, hb, "k1", new Date(now.ms))).toBe(true);
         };
         const builds = (id: string) => mem.get(id)?.calls.filter((x) => x.startsWith("build ")) ?? [];
-        const pro = (await createKey(db, PEPPER, { tenant: "acme", tier: "pro" })).key;
-        const req = (method: string, path: string, body?: unknown) =>
-          app.request(path, {
-            method,
-            headers: { authorization: `Bearer ${pro}`, "content-type": "application/json" },
-            ...(body ? { body: JSON.stringify(body) } : {}),
-          });
+        const pro = await h.key("acme", "pro");
+        const req = (method: string, path: string, json?: unknown) =>
+          h.req(method, path, { key: pro, ...(json ? { json } : {}) });
 
         await beat("first");
         expect(
