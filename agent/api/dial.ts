@@ -12,15 +12,9 @@
  */
 import { connect } from "node:net";
 import WebSocket from "ws";
-import {
-  DIAL_IDLE_MS,
-  DIAL_MESSAGE_MAX,
-  DIAL_NONCE_HEADER,
-  DIAL_PATH,
-  DIAL_PING_MS,
-} from "../../contracts/agent/dial.ts";
-import { DialCipher, dialNonce } from "../../contracts/agent/dial-cipher.ts";
-import { DialFrame, DialMux, encodeDialFrame } from "../../contracts/agent/dial-mux.ts";
+import { DIAL_IDLE_MS, DIAL_MESSAGE_MAX, DIAL_NONCE_HEADER, DIAL_PATH } from "../../contracts/agent/dial.ts";
+import { dialNonce } from "../../contracts/agent/dial-cipher.ts";
+import { type DialEnd, type DialSession, startDialSession } from "../../contracts/agent/dial-session.ts";
 import { type AgentCredentials, secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
 import { describeError } from "../../contracts/errors.ts";
 
@@ -97,20 +91,13 @@ async function dialOnce(
     maxPayload: DIAL_MESSAGE_MAX,
   });
   ws.binaryType = "nodebuffer";
-  let cipher: DialCipher | undefined;
-  let lastHeard = Date.now();
-  const send = (frame: Buffer) => {
-    if (cipher && ws.readyState === WebSocket.OPEN) ws.send(cipher.seal(frame));
+  let session: DialSession | undefined;
+  const end = (why: DialEnd) => {
+    if (why.kind === "silent") ws.terminate();
+    else ws.close(1008, why.reason.slice(0, 120));
   };
-  const mux = new DialMux({
-    send,
-    fail: (why) => ws.close(1008, `protocol: ${why}`.slice(0, 120)),
-    accept: () => connect({ host: opts.target.host, port: opts.target.port, allowHalfOpen: true }),
-  });
-  const ping = setInterval(() => {
-    if (Date.now() - lastHeard > DIAL_IDLE_MS) ws.terminate();
-    else send(encodeDialFrame(DialFrame.Ping, 0));
-  }, DIAL_PING_MS);
+  // Until the gateway's greeting: silent as long as a link may be, and the link is dead.
+  const greeting = setTimeout(() => ws.terminate(), DIAL_IDLE_MS);
   try {
     await new Promise<void>((resolve, reject) => {
       ws.on("unexpected-response", (_req, res) => {
@@ -119,27 +106,30 @@ async function dialOnce(
       });
       ws.on("error", (err) => reject(err));
       ws.on("message", (data: Buffer) => {
-        lastHeard = Date.now();
-        if (!cipher) {
-          // The gateway's greeting: its nonce, in the clear; everything after is sealed.
-          cipher = new DialCipher(key, agentNonce, data, "agent");
-          log(`dial ${gateway}: linked`);
-          onOpen(() => ws.close(1001, "agent stopping"));
-          return;
-        }
-        try {
-          mux.receive(cipher.open(data));
-        } catch (err) {
-          ws.close(1008, `protocol: ${describeError(err)}`.slice(0, 120));
-        }
+        if (session) return session.receive(data);
+        // The gateway's greeting: its nonce, in the clear; everything after is sealed.
+        clearTimeout(greeting);
+        session = startDialSession({
+          key,
+          agentNonce,
+          gatewayNonce: data,
+          side: "agent",
+          write: (message) => {
+            if (ws.readyState === WebSocket.OPEN) ws.send(message);
+          },
+          end,
+          accept: () => connect({ host: opts.target.host, port: opts.target.port, allowHalfOpen: true }),
+        });
+        log(`dial ${gateway}: linked`);
+        onOpen(() => ws.close(1001, "agent stopping"));
       });
       ws.on("close", (code, reason) => {
-        if (cipher) log(`dial ${gateway}: link closed (${code} ${reason.toString()})`);
+        if (session) log(`dial ${gateway}: link closed (${code} ${reason.toString()})`);
         resolve();
       });
     });
   } finally {
-    clearInterval(ping);
-    mux.closeAll();
+    clearTimeout(greeting);
+    session?.close();
   }
 }

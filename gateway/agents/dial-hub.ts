@@ -15,17 +15,14 @@
  */
 import { createServer, type Server, type Socket } from "node:net";
 import {
-  DIAL_IDLE_MS,
   DIAL_MESSAGE_MAX,
   DIAL_NONCE_HEADER,
-  DIAL_PING_MS,
   DIAL_URL_SCHEME,
   isDialUrl,
 } from "../../contracts/agent/dial.ts";
-import { DIAL_NONCE_BYTES, DialCipher, dialNonce } from "../../contracts/agent/dial-cipher.ts";
-import { DialFrame, DialMux, encodeDialFrame } from "../../contracts/agent/dial-mux.ts";
+import { DIAL_NONCE_BYTES, dialNonce } from "../../contracts/agent/dial-cipher.ts";
+import { startDialSession } from "../../contracts/agent/dial-session.ts";
 import { secretKey } from "../../contracts/agent/token.ts";
-import { describeError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import type { ServerSocket, SocketHandler, Upgrade } from "../runtime/types.ts";
 import { jsonAnswer } from "./internal-http.ts";
@@ -84,26 +81,25 @@ export class DialHub {
 
   private handler(agentId: string, key: Uint8Array, agentNonce: Uint8Array): SocketHandler {
     const gatewayNonce = dialNonce();
-    const cipher = new DialCipher(key, agentNonce, gatewayNonce, "gateway");
     let ws: ServerSocket | undefined;
     let server: Server | undefined;
-    let lastHeard = Date.now();
     let ended = false;
-    const send = (frame: Buffer) => ws?.sendBinary(cipher.seal(frame));
-    const mux = new DialMux({ send, fail: (why) => link.close(`protocol: ${why}`) });
-    const ping = setInterval(() => {
-      if (Date.now() - lastHeard > DIAL_IDLE_MS) link.close(`silent for ${DIAL_IDLE_MS / 1000} s`);
-      else send(encodeDialFrame(DialFrame.Ping, 0));
-    }, DIAL_PING_MS);
+    const session = startDialSession({
+      key,
+      agentNonce,
+      gatewayNonce,
+      side: "gateway",
+      write: (message) => ws?.sendBinary(message),
+      end: (why) => link.close(why.reason),
+    });
     const link: Link = {
       port: 0,
-      streams: () => mux.size,
+      streams: () => session.streams(),
       close: (reason) => {
         if (ended) return;
         ended = true;
-        clearInterval(ping);
         if (this.links.get(agentId) === link) this.links.delete(agentId);
-        mux.closeAll();
+        session.close();
         server?.close();
         ws?.close(reason.startsWith("protocol") ? 1008 : 1001, reason.slice(0, 120));
         this.log(`agent ${agentId}: dial link closed (${reason})`);
@@ -116,7 +112,7 @@ export class DialHub {
         socket.sendBinary(gatewayNonce);
         // Streams end at this listener's connections: loopback only, and useless without the
         // agent's token, which every request through it carries.
-        server = createServer({ allowHalfOpen: true }, (c: Socket) => mux.open(c));
+        server = createServer({ allowHalfOpen: true }, (c: Socket) => session.open(c));
         server.listen(0, "127.0.0.1", () => {
           if (ended) return void server?.close();
           const addr = server?.address();
@@ -127,18 +123,7 @@ export class DialHub {
           this.log(`agent ${agentId}: dial link open`);
         });
       },
-      message: (data) => {
-        lastHeard = Date.now();
-        if (typeof data === "string") return link.close("protocol: a text message");
-        // The runtime bounds messages only where it can per socket (runtime/types.ts): here too.
-        if (data.length > DIAL_MESSAGE_MAX)
-          return link.close(`protocol: a message over ${DIAL_MESSAGE_MAX} bytes`);
-        try {
-          mux.receive(cipher.open(data));
-        } catch (err) {
-          link.close(`protocol: ${describeError(err)}`);
-        }
-      },
+      message: (data) => session.receive(data),
       drain: () => {},
       close: () => link.close("the agent closed it"),
     };
