@@ -32,11 +32,18 @@ export const CATCH_UP_BUILDS_PER_PASS = 4;
 
 type TemplateRow = typeof templates.$inferSelect;
 
-/** The source a ready OCI template is rebuilt from (no registry credentials: never stored). */
-export function ociSourceOf(row: TemplateRow): TemplateSource | undefined {
+type OciSource = Extract<TemplateSource, { kind: "oci" }>;
+
+/**
+ * What an OCI template is built from, as its row stores it: the reference, the tenant and the
+ * ready spec. A bake adds its credentials and fan-out hints (core/templates.ts); a rebuild on an
+ * agent that joined later has neither (credentials are never stored; the hints were for the first
+ * rollout). Undefined for an uploaded image.
+ */
+export function ociSourceOf(row: TemplateRow): OciSource | undefined {
   if (row.image === null) return undefined;
-  const spec = row.spec as { ready?: unknown; width?: number; expected_width?: number };
-  const source: TemplateSource = { kind: "oci", image: row.image };
+  const spec = row.spec as { ready?: unknown };
+  const source: OciSource = { kind: "oci", image: row.image };
   if (row.tenantId !== null) source.tenantId = row.tenantId;
   if (spec.ready !== undefined) source.ready = spec.ready as NonNullable<typeof source.ready>;
   return source;

@@ -19,6 +19,7 @@ import { type Deps, logOf } from "../deps.ts";
 import { notFound } from "../errors.ts";
 import { base36, newTemplatePk } from "../ids.ts";
 import { homeRegion, hostOf } from "./regions.ts";
+import { ociSourceOf } from "./template-catch-up.ts";
 import { type Tx, underTenantLock } from "./tenant-lock.ts";
 
 export type TemplateRow = typeof templates.$inferSelect;
@@ -293,10 +294,10 @@ export async function bakeTemplate(
     createdAt: new Date(deps.clock()),
   });
   if (!row) return bakeTemplate(deps, tenantId, req, templateCap); // lost a race with an identical retry
-  // The credentials go to the agent with this request only: `spec` (stored) never holds them.
-  const source: TemplateSource = { kind: "oci", image: req.image, tenantId };
+  // What the row stores (the same a later agent's rebuild is given), plus this request's
+  // credentials, which go to the agent with it only: `spec` (stored) never holds them.
+  const source = ociSourceOf(row)!;
   if (req.registry_auth !== undefined) source.registryAuth = req.registry_auth;
-  if (req.ready !== undefined) source.ready = req.ready;
   if (req.width !== undefined) source.width = req.width;
   if (req.expected_width !== undefined) source.expectedWidth = req.expected_width;
   const started = await startBuild(deps, row, source);
