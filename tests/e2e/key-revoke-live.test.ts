@@ -14,6 +14,7 @@ import WebSocket from "ws";
 import * as B from "../../contracts/api/sandboxes-api.ts";
 import { KEY_RECHECK_MS, KEY_REVOKED_CLOSE, KEY_REVOKED_REASON } from "../../gateway/auth/key-connections.ts";
 import { expectOk, runCli, waitFor } from "../support/e2e-service.ts";
+import { followBody } from "../support/follow-body.ts";
 import { useService } from "../support/service.ts";
 
 /** One VM from the warm python template and a few guest commands; the CLI's own start included. */
@@ -69,17 +70,7 @@ async function events(path: string, key: string, json?: unknown) {
     ...(json === undefined ? {} : { body: JSON.stringify(json) }),
   });
   expect(res.status).toBe(200);
-  const state = { text: "" };
-  const reader = res.body!.getReader();
-  const dec = new TextDecoder();
-  const ended = (async () => {
-    for (;;) {
-      const r = await reader.read();
-      if (r.done) return performance.now();
-      state.text += dec.decode(r.value, { stream: true });
-    }
-    // A stream cut instead of ended gives no time: the bound's check then fails.
-  })().catch(() => Number.NaN);
+  const { state, ended } = followBody(res);
   return { state, ended };
 }
 

@@ -30,6 +30,7 @@ import { KEY_RECHECK_MS, KEY_REVOKED_CLOSE, KEY_REVOKED_REASON } from "../../gat
 import { createKey, revokeKey } from "../../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import { type RunningGateway, startGateway } from "../../gateway/server.ts";
+import { followBody } from "../support/follow-body.ts";
 import { MemoryAgent } from "../support/memory-agent.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 import { until } from "../support/until.ts";
@@ -140,19 +141,9 @@ async function sseOpen(gw: RunningGateway, method: string, path: string, key: st
     ...(json !== undefined ? { body: JSON.stringify(json) } : {}),
   });
   expect(res.status).toBe(200);
-  const state = { text: "" };
-  const reader = res.body!.getReader();
-  const dec = new TextDecoder();
-  const ended = (async () => {
-    for (;;) {
-      const r = await reader.read();
-      if (r.done) return performance.now();
-      state.text += dec.decode(r.value, { stream: true });
-    }
-    // A stream cut instead of ended (the gateway stopping under a failed test) ends no figure.
-  })().catch(() => Number.NaN);
-  await until(() => state.text.includes(": open"), 5_000, 10);
-  return { state, ended, cancel: () => reader.cancel() };
+  const followed = followBody(res);
+  await until(() => followed.state.text.includes(": open"), 5_000, 10);
+  return followed;
 }
 
 /** A file download whose body stays open (`holdStreams`): its bytes so far and its end. */
