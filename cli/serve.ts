@@ -195,13 +195,19 @@ export async function buildCatalogOnAgent(
       diskReserveBytes: settings.host.diskReserveBytes,
     });
     if (signal?.aborted) return;
-    manager.buildTemplate(t.id, {
-      kind: "archive",
-      path: pythonLayoutDir(dataDir),
-      // Warm-up before the snapshot: python3 and its common modules are read from disk (and,
-      // under TCG, translated) once at build time instead of in every sandbox's first exec.
-      readyCmd: ["python3", "-c", "import json, os, re, subprocess, sys"],
-    });
+    try {
+      manager.buildTemplate(t.id, {
+        kind: "archive",
+        path: pythonLayoutDir(dataDir),
+        // Warm-up before the snapshot: python3 and its common modules are read from disk (and,
+        // under TCG, translated) once at build time instead of in every sandbox's first exec.
+        readyCmd: ["python3", "-c", "import json, os, re, subprocess, sys"],
+      });
+    } catch (err) {
+      // A copy from another agent of the fleet arrived while the image was made: it serves.
+      if (err instanceof SandboxdError && err.code === "conflict") continue;
+      throw err;
+    }
     log(`catalog: building template ${t.id}`);
   }
 }

@@ -159,6 +159,8 @@ export const SnapshotOwnErrorCode = [
   "vm_unresponsive",
   "migration_failed",
   "vm_record_invalid",
+  // a copied template frozen under another guest kernel, accelerator or QEMU (snapshot/template-copy.ts)
+  "template_incompatible",
 ] as const;
 export type SnapshotOwnErrorCode = (typeof SnapshotOwnErrorCode)[number];
 

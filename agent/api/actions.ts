@@ -22,6 +22,8 @@ export type AgentAction =
   | { kind: "info"; vmId: string }
   | { kind: "list" }
   | { kind: "buildTemplate"; template: string; source: TemplateSource }
+  /** A copy of another agent's ready template, its bundle staged at `path` (the agent owns it). */
+  | { kind: "copyTemplate"; template: string; path: string }
   | { kind: "templateStatus"; template: string }
   | { kind: "deleteTemplate"; template: string }
   | { kind: "expectWidth"; template: string; width: number }
@@ -99,6 +101,18 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
       }
       return { status: 202, body: m.templates.status(a.template) };
     }
+    case "copyTemplate":
+      try {
+        m.buildTemplate(a.template, { kind: "copy", path: a.path });
+      } catch (err) {
+        await rm(a.path, { force: true });
+        throw err;
+      }
+      // The staged bundle goes once the copy is over, whatever the driver did with it.
+      void m.templates
+        .settled(a.template)
+        .finally(() => bestEffort(deps.log, `removing the bundle ${a.path}`, rm(a.path, { force: true })));
+      return { status: 202, body: m.templates.status(a.template) };
     case "templateStatus":
       return { status: 200, body: m.templates.status(a.template) };
     case "deleteTemplate":

@@ -144,6 +144,8 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     parse,
     body,
     run,
+    exportTemplate: (t) => deps.manager.exportTemplate(t),
+    assertBuildable: (t) => deps.manager.templates.assertBuildable(t),
   });
   app.route(AGENT_API_PREFIX, r);
   return app;

@@ -29,6 +29,7 @@ import type {
   SuspendResult,
 } from "../../contracts/agent/api.ts";
 import { settled } from "../../contracts/best-effort.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
 import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
@@ -357,6 +358,17 @@ export class SandboxManager {
     const want: Partial<VmSize> = { ...input.size, ...size };
     this.templates.build(id, { ...input, size: { ...this.defaultSize, ...want } }, want);
     this.prelaunch.fill(id);
+  }
+
+  /**
+   * The bundle of ready template `id` for another agent to copy (docs/templates.md "Agents that
+   * join later"); `unsupported` on a driver that keeps no frozen files.
+   */
+  exportTemplate(id: string): Promise<AsyncIterable<Uint8Array>> {
+    const t = this.templates.ready(id);
+    if (!this.driver.exportTemplate)
+      throw new SandboxdError("unsupported", `the ${this.driver.name} driver has no template files to copy`);
+    return this.driver.exportTemplate(id, t.prepared);
   }
 
   /**

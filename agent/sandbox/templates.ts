@@ -57,7 +57,11 @@ export interface ReadyTemplate {
 }
 
 /** What `prepareTemplate` may return: the template plus what the driver measured building it. */
-export type PreparedWithTelemetry = PreparedTemplate & { telemetry?: TemplateTelemetry };
+export type PreparedWithTelemetry = PreparedTemplate & {
+  telemetry?: TemplateTelemetry;
+  /** The size the template was frozen with when the build could not be told it (a copy). */
+  frozenSize?: VmSize;
+};
 
 interface Entry {
   record: TemplateRecord;
@@ -121,13 +125,7 @@ export class TemplateRegistry {
   /** Starts a build and returns at once. An existing id is never overwritten (docs/sessions.md "Rules of the sessions API") unless
    * its build failed. */
   build(id: string, input: TemplateInput, size: Partial<VmSize> = {}): void {
-    const existing = this.entries.get(id);
-    if (existing?.record.deleting) {
-      throw new SandboxdError("conflict", `template ${id} is being deleted; VMs still run on it`);
-    }
-    if (existing && existing.record.status !== "failed") {
-      throw new SandboxdError("conflict", `template ${id} already exists (${existing.record.status})`);
-    }
+    this.assertBuildable(id);
     const record: TemplateRecord = { version: 1, id, status: "building", size };
     const entry: Entry = { record, phase: "Pending", telemetry: {}, abort: new AbortController() };
     const t0 = performance.now();
@@ -155,12 +153,8 @@ export class TemplateRegistry {
         const onPhase = (p: BuildPhase) => {
           if (!signal.aborted) entry.phase = p;
         };
-        const { telemetry, ...prepared }: PreparedWithTelemetry = await this.driver.prepareTemplate(
-          id,
-          input,
-          signal,
-          onPhase,
-        );
+        const { telemetry, frozenSize, ...prepared }: PreparedWithTelemetry =
+          await this.driver.prepareTemplate(id, input, signal, onPhase);
         if (signal.aborted) return;
         entry.telemetry = {
           ...entry.telemetry,
@@ -170,6 +164,7 @@ export class TemplateRegistry {
         };
         entry.record = {
           ...record,
+          ...(frozenSize ? { size: { ...frozenSize } } : {}),
           status: "ready",
           readyAtMs: Date.now(),
           prepared,
@@ -187,6 +182,21 @@ export class TemplateRegistry {
       }
       await this.store.write(entry.record);
     })().catch((err) => this.log(`template ${id}: cannot write its record: ${describeError(err)}`));
+  }
+
+  /**
+   * Throws `conflict` unless a build of `id` may start now: an id is never overwritten unless its
+   * build failed, nor while it is being deleted. Asked by `build`, and by a copy before its bundle
+   * is staged (agent/api/templates.ts), so a refused copy costs no transfer.
+   */
+  assertBuildable(id: string): void {
+    const existing = this.entries.get(id);
+    if (existing?.record.deleting) {
+      throw new SandboxdError("conflict", `template ${id} is being deleted; VMs still run on it`);
+    }
+    if (existing && existing.record.status !== "failed") {
+      throw new SandboxdError("conflict", `template ${id} already exists (${existing.record.status})`);
+    }
   }
 
   status(id: string): TemplateBuildStatus {

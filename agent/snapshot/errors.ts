@@ -21,6 +21,7 @@ import { SandboxdError, type SnapshotOwnErrorCode } from "../../contracts/errors
  * | `bad_request`          | invalid arguments (counts, ids, sizes)                              |
  * | `vm_record_invalid`    | a VM's saved record is torn, foreign or of another version          |
  * | `insufficient_storage` | the disk lacks room for a state file or template (nothing written)  |
+ * | `template_incompatible`| a copied template was frozen under another kernel, accel or QEMU     |
  */
 export type SnapshotErrorCode =
   | SnapshotOwnErrorCode

@@ -128,11 +128,13 @@ export function templatesRoot(dataDir: string): string {
   return join(dataDir, "templates");
 }
 
-function templateDir(dataDir: string, id: string): string {
+/** `<dataDir>/templates/<id>`: a template's files (its RAM file is on tmpfs, `memPath`). */
+export function templateDirOf(dataDir: string, id: string): string {
   return join(templatesRoot(dataDir), id);
 }
 
-async function writeMeta(meta: TemplateMeta): Promise<void> {
+/** Writes a template's meta.json whole (temp file + rename): a crash leaves the old or the new. */
+export async function writeMeta(meta: TemplateMeta): Promise<void> {
   const dir = join(meta.disk, "..");
   const tmp = join(dir, "meta.json.tmp");
   await writeFile(tmp, JSON.stringify(meta, null, 1));
@@ -173,7 +175,7 @@ async function newTemplateDir(
   vcpus: number,
 ): Promise<Result<TemplateMeta>> {
   const shmRoot = o.shmRoot ?? defaultShmRoot(dataDir);
-  const dir = templateDir(dataDir, id);
+  const dir = templateDirOf(dataDir, id);
   try {
     // Asked before anything is created: the RAM file fills guest RAM on tmpfs; the disk holds the
     // device state and what the ready command writes on the overlay.
@@ -297,13 +299,18 @@ export async function buildTemplate(o: BuildTemplateOptions): Promise<Result<Tem
     guest?.close();
     await vm?.kill();
     await removeVmDir(vmDir);
-    await Promise.all([meta.disk, meta.statePath, meta.memPath].map((p) => rm(p, { force: true })));
+    await removeTemplateFiles(meta);
     meta.state = "failed";
     meta.error = { code: e.code, message: e.message, ...(e.details ? { details: e.details } : {}) };
     await bestEffort(log, `recording template ${id} as failed`, writeMeta(meta));
     log(`template ${id} failed: ${e.message}`);
     return fail(e);
   }
+}
+
+/** Removes the files of a template that never became ready (a failed build or copy). */
+export async function removeTemplateFiles(meta: TemplateMeta): Promise<void> {
+  await Promise.all([meta.disk, meta.statePath, meta.memPath].map((p) => rm(p, { force: true })));
 }
 
 /** Reads a template's meta.json (after a restart too). Not ready -> `template_not_ready`. */
@@ -313,7 +320,7 @@ export async function loadTemplate(dataDir: string, id: string): Promise<Result<
   let meta: TemplateMeta;
   try {
     meta = JSON.parse(
-      await readFile(join(templateDir(resolve(dataDir), id), "meta.json"), "utf8"),
+      await readFile(join(templateDirOf(resolve(dataDir), id), "meta.json"), "utf8"),
     ) as TemplateMeta;
   } catch (err) {
     return fail(new SnapshotError("template_not_found", `no template ${id}`, { cause: err }));
@@ -353,7 +360,7 @@ export async function listTemplates(dataDir: string): Promise<TemplateMeta[]> {
  */
 export async function deleteTemplate(dataDir: string, id: string): Promise<Result<void>> {
   const abs = resolve(dataDir);
-  const dir = templateDir(abs, id);
+  const dir = templateDirOf(abs, id);
   if (!ID_RE.test(id))
     return fail(new SnapshotError("template_not_found", `no template ${JSON.stringify(id)}`));
   try {

@@ -117,3 +117,14 @@ export async function createOverlayFromBlank(
   }
   await copyFile(blank, path, constants.COPYFILE_EXCL);
 }
+
+/**
+ * Rewrites the backing name in `path`'s header to `backing` (qcow2) without opening either
+ * image's data (`-u`): for an overlay whose backing file moved, here a copied template's overlay
+ * arriving beside its own copied base. Neither the old name nor the new file is read.
+ */
+export async function rebaseUnsafe(path: string, backing: string): Promise<void> {
+  if (path.includes(",") || backing.includes(","))
+    throw new StorageError(`image paths may not contain ',': ${path} ${backing}`);
+  await runQemuImg(["rebase", "-q", "-u", "-f", "qcow2", "-F", "qcow2", "-b", backing, path]);
+}

@@ -161,4 +161,19 @@ export interface AgentVmApi {
 }
 
 /** Everything one agent serves: its host calls and the calls on its own VMs. */
-export interface AgentApi extends AgentHostApi, AgentVmApi {}
+/**
+ * A ready template copied between agents (docs/templates.md "Agents that join later"): the
+ * gateway streams one agent's bundle into another, so neither dials the other (a BYOC agent
+ * takes no inbound connection).
+ */
+export interface AgentCopyApi {
+  /** The bundle of a ready template on this agent (`GET /templates/{ref}/bundle`). */
+  exportTemplate(template: TemplateRef): Promise<ReadableStream<Uint8Array>>;
+  /**
+   * Reads `bundle` into template `template` on this agent (`PUT /templates/{ref}/copy`); returns
+   * once it is staged, the copy going on as a build does (poll `templateStatus`).
+   */
+  copyTemplate(template: TemplateRef, bundle: ReadableStream<Uint8Array>): Promise<void>;
+}
+
+export interface AgentApi extends AgentHostApi, AgentVmApi, AgentCopyApi {}

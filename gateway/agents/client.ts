@@ -218,6 +218,19 @@ export class AgentHttpClient implements AgentApi {
     await this.http.call("PUT", `/templates/${enc(template)}`, oci, this.t.quick, null);
   }
 
+  /** Streamed as the receiver reads it; the upload deadline bounds the whole transfer. */
+  async exportTemplate(template: TemplateRef): Promise<ReadableStream<Uint8Array>> {
+    const deadline = AbortSignal.timeout(this.t.upload);
+    const res = await this.http.open("GET", `/templates/${enc(template)}/bundle`, {}, deadline, deadline);
+    return res.body;
+  }
+
+  async copyTemplate(template: TemplateRef, bundle: ReadableStream<Uint8Array>): Promise<void> {
+    await this.http.call("PUT", `/templates/${enc(template)}/copy`, bundle, this.t.upload, null, {
+      "content-type": "application/octet-stream",
+    });
+  }
+
   templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
     return this.http.call(
       "GET",

@@ -4,7 +4,7 @@
  * heartbeat to this gateway; `FixedPlacement` (below) sends everything to one configured agent
  * (`startGateway({agent})`, and the tests' in-memory stand-in).
  */
-import type { AgentApi, AgentHostApi, AgentVmApi } from "../../contracts/agent/api.ts";
+import type { AgentApi, AgentCopyApi, AgentHostApi, AgentVmApi } from "../../contracts/agent/api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
@@ -54,7 +54,7 @@ export interface Placement {
    */
   hostIn(region: string, tenant?: string): AgentHostApi;
   /** The calls that name no VM, on agent `agentId` alone (a build it missed); not live: 503. */
-  hostOn(agentId: string): AgentHostApi;
+  hostOn(agentId: string): AgentHostApi & AgentCopyApi;
   /**
    * The calls on the VMs of the agent with this id (the id on a sandbox's record); one that is not
    * live fails its calls at once.
@@ -74,7 +74,7 @@ export function noLiveAgent(region: string): SandboxdError {
 }
 
 /** Every call that names no VM refused with `noLiveAgent(region)`. */
-export function emptyRegion(region: string): AgentHostApi {
+export function emptyRegion(region: string): AgentHostApi & AgentCopyApi {
   const refuse = async (): Promise<never> => {
     throw noLiveAgent(region);
   };
@@ -87,6 +87,8 @@ export function emptyRegion(region: string): AgentHostApi {
     expectWidth: refuse,
     releaseTemplate: refuse,
     health: refuse,
+    exportTemplate: refuse,
+    copyTemplate: refuse,
   };
 }
 
@@ -127,7 +129,7 @@ export class FixedPlacement implements Placement {
     return this.agent;
   }
 
-  hostOn(agentId: string): AgentHostApi {
+  hostOn(agentId: string): AgentHostApi & AgentCopyApi {
     return agentId === this.row.id ? this.agent : emptyRegion(this.row.region);
   }
 

@@ -31,6 +31,7 @@ import { setTimeout as sleep } from "node:timers/promises";
 import { and, eq, gt, isNotNull, sql } from "drizzle-orm";
 import type {
   AgentApi,
+  AgentCopyApi,
   AgentHealth,
   AgentHostApi,
   AgentVmApi,
@@ -353,7 +354,7 @@ export class AgentRouter implements AgentHostApi, Placement {
   }
 
   /** Placement: the calls that name no VM on agent `agentId` alone (a catch-up build). */
-  hostOn(agentId: string): AgentHostApi {
+  hostOn(agentId: string): AgentHostApi & AgentCopyApi {
     const lookup = () => this.liveClient(agentId);
     return {
       createSandbox: async (t, o) => (await lookup()).createSandbox(t, o),
@@ -364,6 +365,8 @@ export class AgentRouter implements AgentHostApi, Placement {
       expectWidth: async (t, w) => (await lookup()).expectWidth(t, w),
       releaseTemplate: async (t) => (await lookup()).releaseTemplate(t),
       health: async () => (await lookup()).health(),
+      exportTemplate: async (t) => (await lookup()).exportTemplate(t),
+      copyTemplate: async (t, b) => (await lookup()).copyTemplate(t, b),
     };
   }
 

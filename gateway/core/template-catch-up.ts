@@ -3,18 +3,19 @@
  * later"). A bake builds on the agents live at that moment; an agent enrolled or back later
  * reports, in each heartbeat, the templates ready on it. When one lacks a ready template that it
  * may run (its region's tenants', public or its owner's: an agent owned by a tenant runs none of
- * another's), the gateway that heard the beat asks it to build that template from the stored
- * source: the OCI reference and ready spec the bake was given. So every agent that may place the
- * template comes to hold it, and placement, which prefers agents that hold it, sends creates to
- * the others meanwhile (the template stays Live: it runs where it is ready).
+ * another's), the gateway that heard the beat gives it that template:
+ * - copied from an agent of the region that holds it and that the receiver may trust (the
+ *   operator's, or one of the receiver's own owner): the gateway streams the holder's bundle into
+ *   the receiver, so neither dials the other (a BYOC agent copies over its own link);
+ * - else rebuilt from the stored source, the OCI reference and ready spec the bake was given.
+ * So an uploaded image (not kept after its build) and a bake whose registry needed the tenant's
+ * `registry_auth` (never stored) reach new agents too, as long as one agent holds them.
  *
- * What cannot be rebuilt this way: an uploaded image (the sessions API's upload is not kept after
- * its build) and a bake whose registry needed the tenant's `registry_auth` (credentials are never
- * stored): the agent's build of it fails, and the pair is not tried again for
- * CATCH_UP_RETRY_MS. Each agent is looked at once per CATCH_UP_EVERY_MS at most, and at most
- * CATCH_UP_BUILDS_PER_PASS builds are asked of it at a time, so a fleet joining at once costs
- * each gateway a few queries per agent per half minute.
- */
+ * Placement, which prefers agents that hold the template, sends creates to the others meanwhile
+ * (the template stays Live: it runs where it is ready). Each agent is looked at once per
+ * CATCH_UP_EVERY_MS at most, at most CATCH_UP_BUILDS_PER_PASS templates are given to it per
+ * look, and a pair given once is not tried again for CATCH_UP_RETRY_MS, so a fleet joining at
+ * once costs each gateway a few queries per agent per half minute. */
 import { and, eq, isNotNull, isNull } from "drizzle-orm";
 import type { TemplateSource } from "../../contracts/agent/api.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
@@ -29,6 +30,15 @@ export const CATCH_UP_EVERY_MS = 30_000;
 export const CATCH_UP_RETRY_MS = 10 * 60_000;
 /** Builds asked of one agent per look: a new agent gets the catalog in a few minutes, not all at once. */
 export const CATCH_UP_BUILDS_PER_PASS = 4;
+/** Holders a copy is tried from before a rebuild: a second covers one that went away mid-copy. */
+export const CATCH_UP_COPY_SOURCES = 2;
+/**
+ * How long a look waits for a staged copy to be read in (the bundle has crossed by then; reading
+ * it in takes seconds: a 256 MiB RAM file and a base disk). Past it the copy goes on, counted
+ * as given; a failure shows at the next look, when the agent still lacks the template.
+ */
+const COPY_SETTLE_MS = 120_000;
+const COPY_POLL_MS = 500;
 
 type TemplateRow = typeof templates.$inferSelect;
 
@@ -52,6 +62,8 @@ export function ociSourceOf(row: TemplateRow): OciSource | undefined {
 export class TemplateCatchUp {
   private readonly lookedAt = new Map<string, number>();
   private readonly asked = new Map<string, number>();
+  /** When "nothing to copy or rebuild from" was last said of an agent and template. */
+  private readonly told = new Map<string, number>();
   private readonly running = new Set<string>();
 
   constructor(
@@ -70,7 +82,10 @@ export class TemplateCatchUp {
       .finally(() => this.running.delete(agentId));
   }
 
-  /** Asks agent `agentId` to build the ready templates it may run and does not report. */
+  /**
+   * Gives agent `agentId` the ready templates it may run and does not report: copied from an
+   * agent that holds one, else rebuilt from its stored source. Answers the refs started.
+   */
   async look(agentId: string): Promise<string[]> {
     const { db } = this.deps;
     const [agent] = await db.select().from(agents).where(eq(agents.id, agentId));
@@ -80,7 +95,7 @@ export class TemplateCatchUp {
       .select({ t: templates, region: tenants.region })
       .from(templates)
       .leftJoin(tenants, eq(templates.tenantId, tenants.id))
-      .where(and(eq(templates.status, "ready"), isNull(templates.deletedAt), isNotNull(templates.image)));
+      .where(and(eq(templates.status, "ready"), isNull(templates.deletedAt)));
     const now = this.deps.clock();
     const missing = rows.filter(({ t, region }) => {
       if (held.has(t.agentRef)) return false;
@@ -91,24 +106,107 @@ export class TemplateCatchUp {
         now - (this.asked.get(`${agentId} ${t.agentRef}`) ?? Number.NEGATIVE_INFINITY) >= CATCH_UP_RETRY_MS
       );
     });
-    const host = this.deps.placement.hostOn(agentId);
+    if (missing.length === 0) return [];
+    // Who may be copied from: agents of the same region (the gateway reaches those) that trust
+    // nothing less than the receiver does: the operator's, or the receiver's own owner's.
+    const peers = (
+      await db
+        .select()
+        .from(agents)
+        .where(and(eq(agents.region, agent.region), isNotNull(agents.keyId)))
+    ).filter((p) => p.id !== agentId && (p.ownerTenant === null || p.ownerTenant === agent.ownerTenant));
     const started: string[] = [];
-    for (const { t } of missing.slice(0, CATCH_UP_BUILDS_PER_PASS)) {
+    let tried = 0;
+    for (const { t } of missing) {
+      if (tried >= CATCH_UP_BUILDS_PER_PASS) break;
+      const sources = peers
+        .filter((p) => p.templates.includes(t.agentRef))
+        .sort((a, b) => (b.lastHeartbeatAt?.getTime() ?? 0) - (a.lastHeartbeatAt?.getTime() ?? 0));
       const source = ociSourceOf(t);
-      if (!source) continue;
-      this.asked.set(`${agentId} ${t.agentRef}`, now);
-      try {
-        await host.buildTemplate(t.agentRef, source);
-        started.push(t.agentRef);
-        this.log(
-          `template ${t.id} (${t.agentRef}): building on agent ${agentId}, which joined after its bake`,
-        );
-      } catch (err) {
-        // Already building there (a catch-up of another gateway): nothing to do.
-        if (err instanceof SandboxdError && err.code === "conflict") continue;
-        this.log(`template ${t.id}: agent ${agentId} did not take its catch-up build: ${describeError(err)}`);
+      if (sources.length === 0 && !source) {
+        // Nothing to copy from yet (its holder has not reported it, or is gone) and nothing to
+        // rebuild from: looked at again next time, said once per CATCH_UP_RETRY_MS.
+        const key = `${agentId} ${t.agentRef}`;
+        if (now - (this.told.get(key) ?? Number.NEGATIVE_INFINITY) >= CATCH_UP_RETRY_MS) {
+          this.told.set(key, now);
+          this.log(
+            `template ${t.id}: agent ${agentId} lacks it and no agent holds it to copy from (an upload has no source to rebuild from)`,
+          );
+        }
+        continue;
       }
+      tried++;
+      this.asked.set(`${agentId} ${t.agentRef}`, now);
+      const how = await this.give(
+        agentId,
+        t,
+        sources.map((p) => p.id),
+        source,
+      );
+      if (how) started.push(t.agentRef);
     }
     return started;
+  }
+
+  /** One template onto one agent: a copy from the first source that serves it, else a rebuild. */
+  private async give(
+    agentId: string,
+    t: TemplateRow,
+    sources: string[],
+    source: OciSource | undefined,
+  ): Promise<"copy" | "build" | undefined> {
+    const target = this.deps.placement.hostOn(agentId);
+    for (const from of sources.slice(0, CATCH_UP_COPY_SOURCES)) {
+      try {
+        const bundle = await this.deps.placement.hostOn(from).exportTemplate(t.agentRef);
+        await target.copyTemplate(t.agentRef, bundle);
+      } catch (err) {
+        // Already there or on its way (a catch-up of another gateway): nothing to do.
+        if (err instanceof SandboxdError && err.code === "conflict") return undefined;
+        this.log(
+          `template ${t.id}: copying it from agent ${from} to ${agentId} failed: ${describeError(err)}`,
+        );
+        continue;
+      }
+      const outcome = await this.settled(agentId, t.agentRef);
+      if (outcome.status === "ready") {
+        this.log(
+          `template ${t.id} (${t.agentRef}): copied from agent ${from} to ${agentId}, which joined after its bake`,
+        );
+        return "copy";
+      }
+      this.log(`template ${t.id}: its copy on agent ${agentId} ${outcome.status}: ${outcome.error ?? ""}`);
+      break; // a copy the receiver refuses (another QEMU, say) fails alike from every source
+    }
+    if (!source) {
+      this.log(
+        `template ${t.id}: no agent could copy it to ${agentId} (an upload has no source to rebuild from)`,
+      );
+      return undefined;
+    }
+    try {
+      await target.buildTemplate(t.agentRef, source);
+      this.log(`template ${t.id} (${t.agentRef}): building on agent ${agentId}, which joined after its bake`);
+      return "build";
+    } catch (err) {
+      if (err instanceof SandboxdError && err.code === "conflict") return undefined;
+      this.log(`template ${t.id}: agent ${agentId} did not take its catch-up build: ${describeError(err)}`);
+      return undefined;
+    }
+  }
+
+  /** The copy's end on `agentId`, polled for at most COPY_SETTLE_MS (then reported as building). */
+  private async settled(agentId: string, ref: string): Promise<{ status: string; error?: string }> {
+    const deadline = this.deps.clock() + COPY_SETTLE_MS;
+    for (;;) {
+      let st: { status: string; error?: string };
+      try {
+        st = await this.deps.placement.hostOn(agentId).templateStatus(ref);
+      } catch (err) {
+        return { status: "unknown", error: describeError(err) };
+      }
+      if (st.status !== "building" || this.deps.clock() >= deadline) return st;
+      await Bun.sleep(COPY_POLL_MS);
+    }
   }
 }

@@ -3,10 +3,12 @@
  * the real gateway app (tests/support/gateway-harness.ts, answers checked against openapi.yaml)
  * and AgentRouter on the real `agents` and `templates` tables, with
  * in-memory agents whose registry rows are written by `recordHeartbeat`. A bake while one agent
- * is live builds there and goes Live; an agent that joins later is asked, from its heartbeat, to
- * build the same OCI reference with the same ready spec (once: the next beats within the bound ask
- * nothing, and nothing once it reports the template); an agent owned by another tenant, or in
- * another region, is never asked; an uploaded template is not rebuilt.
+ * is live builds there and goes Live; an agent that joins later is given a copy from the agent
+ * that holds it, from its heartbeat (once: the next beats within the bound ask nothing, and
+ * nothing once it reports the template); with no agent to copy from it is asked to build the same
+ * OCI reference with the same ready spec; an agent owned by another tenant, or in another region,
+ * is never asked; another tenant's agent is never copied from, and an uploaded template with no
+ * holder to copy from is not rebuilt. The real bundle and its checks: tests/vm/template-copy.test.ts.
  */
 import { afterEach, describe, expect, test } from "bun:test";
 import { eq } from "drizzle-orm";
@@ -37,7 +39,7 @@ const { cases } = databaseCases();
 for (const c of cases) {
   describe(`template catch-up (${c.name})`, () => {
     test(
-      "an agent that joins after a bake is asked to build it, once; another tenant's agent and another region's never",
+      "an agent that joins after a bake gets a copy from one that holds it, else a rebuild, once; another tenant's agent and another region's never",
       async () => {
         const mem = new Map<string, MemoryAgent>();
         let router!: AgentRouter;
@@ -109,37 +111,67 @@ for (const c of cases) {
         await beat("foreign-owned");
         await db.update(agents).set({ ownerTenant: "ten_other" }).where(eq(agents.id, "foreign-owned"));
         await beat("elsewhere", "far");
+        const calls = (id: string, what: string) =>
+          mem.get(id)?.calls.filter((x) => x.startsWith(what)) ?? [];
         for (const id of ["first", "late", "foreign-owned", "elsewhere"]) catchUp.onHeartbeat(id);
-        for (let i = 0; i < 100 && builds("late").length === 0; i++) await Bun.sleep(10);
-        expect(builds("late")).toEqual([`build ${ref} oci`]);
-        // The stored source: the bake's reference and ready spec (no credentials: none stored).
-        const asked = (
-          mem.get("late") as unknown as { templates: Map<string, { source: unknown }> }
-        ).templates.get(ref);
-        expect(asked?.source).toMatchObject({ kind: "oci", image: "reg.test/web:1", ready: READY });
-        // What the bake itself sent, but for credentials (this bake gave none).
-        const first = (
-          mem.get("first") as unknown as { templates: Map<string, { source: unknown }> }
-        ).templates.get(ref);
-        expect(asked?.source).toEqual(first?.source);
+        for (let i = 0; i < 200 && calls("late", "copy ").length === 0; i++) await Bun.sleep(10);
+        // Copied from the agent that holds it (the gateway streams one's bundle into the other),
+        // not rebuilt; the look waits for the copy to settle.
+        expect(calls("late", "copy ")).toEqual([`copy ${ref}`]);
+        expect(calls("first", "export ")).toEqual([`export ${ref}`]);
+        mem.get("late")!.finishBuild(ref, true);
+        for (let i = 0; i < 300 && !lines.some((l) => l.includes("copied from agent first to late")); i++)
+          await Bun.sleep(10);
+        expect(lines.some((l) => l.includes("copied from agent first to late"))).toBe(true);
         await Bun.sleep(50);
+        expect(builds("late")).toEqual([]);
         expect(builds("first")).toHaveLength(1);
-        expect(builds("foreign-owned")).toEqual([]);
-        expect(builds("elsewhere")).toEqual([]);
+        for (const id of ["foreign-owned", "elsewhere"]) {
+          expect(builds(id)).toEqual([]);
+          expect(calls(id, "copy ")).toEqual([]);
+        }
 
         // Its next beats within the bound ask nothing again, nor after it reports the template.
         catchUp.onHeartbeat("late");
         now.ms += CATCH_UP_EVERY_MS + 1;
-        mem.get("late")!.finishBuild(ref, true);
         await beat("late");
         expect(await catchUp.look("late")).toEqual([]);
-        expect(builds("late")).toHaveLength(1);
-        expect(lines.some((l) => l.includes("joined after its bake"))).toBe(true);
+        expect(calls("late", "copy ")).toHaveLength(1);
 
-        // An uploaded template (no stored reference) is not rebuilt on a new agent.
+        // No agent may copy it (its holders gone quiet about it): rebuilt from the stored source,
+        // the bake's reference and ready spec (no credentials: none stored).
+        await db.update(agents).set({ templates: [] }).where(eq(agents.id, "first"));
+        await db.update(agents).set({ templates: [] }).where(eq(agents.id, "late"));
+        await beat("fresh");
+        expect(await catchUp.look("fresh")).toEqual([ref]);
+        expect(builds("fresh")).toEqual([`build ${ref} oci`]);
+        const asked = (
+          mem.get("fresh") as unknown as { templates: Map<string, { source: unknown }> }
+        ).templates.get(ref);
+        expect(asked?.source).toMatchObject({ kind: "oci", image: "reg.test/web:1", ready: READY });
+        const bake = (
+          mem.get("first") as unknown as { templates: Map<string, { source: unknown }> }
+        ).templates.get(ref);
+        expect(asked?.source).toEqual(bake?.source);
+        expect(lines.some((l) => l.includes("building on agent fresh, which joined after its bake"))).toBe(
+          true,
+        );
+
+        // An uploaded template (no stored reference) held only by another tenant's agent: a
+        // shared agent is never given a copy from it, and there is nothing to rebuild from.
         await db.update(templates).set({ image: null }).where(eq(templates.id, "web"));
+        await db
+          .update(agents)
+          .set({ templates: [ref] })
+          .where(eq(agents.id, "foreign-owned"));
         await beat("newest");
         expect(await catchUp.look("newest")).toEqual([]);
+        expect(calls("foreign-owned", "export ")).toEqual([]);
+        expect(calls("newest", "copy ")).toEqual([]);
+        expect(builds("newest")).toEqual([]);
+        expect(
+          lines.some((l) => l.includes("agent newest lacks it and no agent holds it to copy from")),
+        ).toBe(true);
       },
       TEST_TIMEOUT_MS,
     );

@@ -29,6 +29,8 @@ export async function startRoutingGateway(opts: {
   keyCacheTtlMs?: number;
   /** How long a create waits for a live agent (`GatewayConfig.agentWaitMs`). */
   agentWaitMs?: number;
+  /** The gateway's log lines (default: dropped). */
+  log?: (line: string) => void;
 }): Promise<RunningGateway> {
   const dir = await mkdtemp(join(tmpdir(), "sbx-route-gw-"));
   const gw = await startGateway({
@@ -42,7 +44,7 @@ export async function startRoutingGateway(opts: {
       version: "test",
       ...(opts.agentWaitMs !== undefined ? { agentWaitMs: opts.agentWaitMs } : {}),
     },
-    log: () => {},
+    log: opts.log ?? (() => {}),
   });
   opts.onCleanup(async () => {
     await gw.stop();
@@ -108,7 +110,26 @@ export async function startEnrolledAgent(opts: {
     region: opts.region,
     advertiseUrl: opts.dial ? dialUrl(id) : server.url,
     capacity: () => manager.capacityNow(),
+    templates: () => manager.readyTemplates(),
     intervalMs: opts.intervalMs,
   });
   return { credentials, server, hb, ...(dialer ? { dialer } : {}) };
+}
+
+/**
+ * One public-API call to a gateway at `url` with `key`: a Uint8Array body goes as
+ * `application/octet-stream`, anything else as JSON.
+ */
+export function callGateway(url: string, key: string, method: string, path: string, body?: unknown) {
+  const raw = body instanceof Uint8Array;
+  return fetch(`${url}${path}`, {
+    method,
+    headers: {
+      authorization: `Bearer ${key}`,
+      ...(body === undefined
+        ? {}
+        : { "content-type": raw ? "application/octet-stream" : "application/json" }),
+    },
+    ...(body === undefined ? {} : { body: raw ? body : JSON.stringify(body) }),
+  });
 }

@@ -260,6 +260,33 @@ export class MemoryAgent implements AgentApi {
     this.templates.set(template, entry);
   }
 
+  /**
+   * A ready template's "bundle": its status as JSON (the stand-in has no files). The real bundle
+   * and its checks are the agent's (agent/snapshot/template-copy.ts, tests/vm/template-copy.test.ts).
+   */
+  async exportTemplate(template: TemplateRef): Promise<ReadableStream<Uint8Array>> {
+    this.calls.push(`export ${template}`);
+    const t = this.template(template);
+    if (t.status !== "ready")
+      throw new SandboxdError("template_not_ready", `template ${template} is ${t.status}`);
+    return new Response(JSON.stringify({ exposedPorts: t.exposedPorts })).body as ReadableStream<Uint8Array>;
+  }
+
+  /** Takes a stand-in bundle (exportTemplate): building, as a copy is until the test settles it. */
+  async copyTemplate(template: TemplateRef, bundle: ReadableStream<Uint8Array>): Promise<void> {
+    this.calls.push(`copy ${template}`);
+    const { exposedPorts } = JSON.parse(await new Response(bundle).text()) as { exposedPorts: number[] };
+    const existing = this.templates.get(template);
+    if (existing && existing.status !== "failed")
+      throw new SandboxdError("conflict", `template ${template} already exists (${existing.status})`);
+    this.templates.set(template, {
+      status: "building",
+      phase: "Pending",
+      exposedPorts,
+      telemetry: { stand_in: true },
+    });
+  }
+
   async templateStatus(template: TemplateRef): Promise<TemplateBuildStatus> {
     const { status, phase, error, readyAtMs, exposedPorts, telemetry } = this.template(
       template,

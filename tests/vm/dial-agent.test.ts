@@ -19,7 +19,7 @@ import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { createKey } from "../../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
-import { startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
+import { callGateway, startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
 import { BootDriver } from "../support/boot-driver.ts";
 import {
   busyboxArchive,
@@ -42,20 +42,7 @@ afterEach(async () => {
 });
 afterAll(removeBusyboxArchive);
 
-async function api(url: string, key: string, method: string, path: string, body?: unknown) {
-  const raw = body instanceof Uint8Array;
-  const res = await fetch(`${url}${path}`, {
-    method,
-    headers: {
-      authorization: `Bearer ${key}`,
-      ...(body === undefined
-        ? {}
-        : { "content-type": raw ? "application/octet-stream" : "application/json" }),
-    },
-    ...(body === undefined ? {} : { body: raw ? body : JSON.stringify(body) }),
-  });
-  return res;
-}
+const api = callGateway;
 
 /** Sends `input` to the sandbox's terminal and reads until `want` shows (or the bound). */
 function terminal(url: string, key: string, id: string, input: string, want: string): Promise<string> {

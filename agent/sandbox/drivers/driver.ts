@@ -69,6 +69,12 @@ export type TemplateInput =
       bringupTimeoutMs?: number;
     }
   /**
+   * A ready template copied from another agent (agent/snapshot/template-copy.ts): the bundle
+   * staged at `path` on this host, which the driver deletes. Its size is the one it was frozen
+   * with (`PreparedWithTelemetry.frozenSize`).
+   */
+  | { kind: "copy"; path: string; size?: Partial<VmSize> }
+  /**
    * An OCI reference to pull (sandboxes API bake, agent/image/pull.ts), then as an archive. `exposedPorts`
    * (`ready.ports`) replace the image's ExposedPorts when given.
    */
@@ -105,6 +111,11 @@ export interface SandboxDriver {
   dropTemplate(templateId: string): Promise<void>;
   /** Re-registers a template prepared before an agent restart (from the template record). */
   restoreTemplate(templateId: string, prepared: PreparedTemplate): Promise<void>;
+  /**
+   * The bundle of a ready template for another agent to copy (`TemplateInput` kind "copy");
+   * absent on drivers that keep no frozen files (a boot driver's template is its image).
+   */
+  exportTemplate?(templateId: string, prepared: PreparedTemplate): Promise<AsyncIterable<Uint8Array>>;
 
   /**
    * A VM of the template. When this driver holds a QEMU pre-launched for `vmId` (`prelaunch`),

@@ -44,7 +44,7 @@ export async function buildFromInput(
   ctx: BuildContext,
   templateId: string,
   id: string,
-  input: TemplateInput,
+  input: Exclude<TemplateInput, { kind: "copy" }>,
   signal: AbortSignal,
   hold: (dir: string) => void,
   onPhase?: (phase: BuildPhase) => void,

@@ -5,11 +5,15 @@
  */
 import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
+import { open, rm } from "node:fs/promises";
 import { dirname } from "node:path";
 import { describeError, SandboxdError } from "../../../contracts/errors.ts";
 import { evictImageCaches } from "../../image/evict.ts";
 import type { ImageConfig } from "../../image/import.ts";
+import { claimShmRoot } from "../../snapshot/shm.ts";
+import { allocatedBytes } from "../../snapshot/sparse.ts";
 import { deleteTemplate, listTemplates, loadTemplate, type TemplateMeta } from "../../snapshot/template.ts";
+import { exportTemplate, importTemplate } from "../../snapshot/template-copy.ts";
 import type { PreparedWithTelemetry } from "../templates.ts";
 import type { BuildPhase, PreparedTemplate, TemplateInput, VmSize } from "./driver.ts";
 import { type BuildContext, buildFromInput } from "./snapshot-build.ts";
@@ -99,6 +103,7 @@ export class SnapshotTemplates {
     onPhase?: (phase: BuildPhase) => void,
   ): Promise<PreparedTemplate> {
     const id = engineTemplateId(templateId);
+    if (input.kind === "copy") return await this.copyIn(templateId, id, input.path, signal, onPhase);
     const { meta, image, importMs, pullMs } = await buildFromInput(
       {
         stateDir: this.ctx.stateDir,
@@ -132,6 +137,76 @@ export class SnapshotTemplates {
       telemetry: snapshotTelemetry(meta, importMs, pullMs),
     };
     return prepared;
+  }
+
+  /** A template copied from another agent: its bundle staged at `path` (removed here). */
+  private async copyIn(
+    templateId: string,
+    id: string,
+    path: string,
+    signal: AbortSignal,
+    onPhase?: (phase: BuildPhase) => void,
+  ): Promise<PreparedWithTelemetry> {
+    try {
+      onPhase?.("Converting");
+      // A failed build or copy of the same id left its meta.json: cleared for this one.
+      const old = (await listTemplates(this.ctx.stateDir)).find((t) => t.id === id);
+      if (old && old.state !== "building") await deleteTemplate(this.ctx.stateDir, id);
+      await claimShmRoot(this.ctx.shmRoot, this.ctx.stateDir);
+      this.building.add(id);
+      const file = await open(path, "r");
+      let r: Awaited<ReturnType<typeof importTemplate>>;
+      try {
+        r = await importTemplate({
+          dataDir: this.ctx.stateDir,
+          cacheDir: this.ctx.cacheDir,
+          shmRoot: this.ctx.shmRoot,
+          id,
+          bundle: file.readableWebStream() as ReadableStream<Uint8Array>,
+          artifacts: this.ctx.artifacts,
+          accel: this.ctx.accel,
+          host: this.ctx.host,
+          signal,
+          onDistributing: () => onPhase?.("Distributing"),
+          log: this.ctx.log,
+        });
+      } finally {
+        await file.close();
+        this.building.delete(id);
+      }
+      if (!r.ok) throw r.error;
+      const { meta, config, exposedPorts } = r.value;
+      if (signal.aborted) {
+        await deleteTemplate(this.ctx.stateDir, id);
+        throw new SandboxdError("gone", `template ${templateId} was deleted during its copy`);
+      }
+      this.templates.set(templateId, { meta, image: config });
+      return {
+        image: config,
+        exposedPorts,
+        frozenSize: { memMib: meta.memMib, vcpus: meta.vcpus },
+        telemetry: {
+          ...(meta.timings?.distributeMs !== undefined ? { distributing_ms: meta.timings.distributeMs } : {}),
+          snapshot_bytes: {
+            memory: await allocatedBytes(meta.memPath),
+            device_state: meta.stateBytes ?? 0,
+            disk: await allocatedBytes(meta.disk),
+          },
+        },
+      };
+    } finally {
+      await rm(path, { force: true });
+    }
+  }
+
+  /** The bundle another agent copies ready template `templateId` from (template-copy.ts). */
+  async export(templateId: string, prepared: PreparedTemplate): Promise<AsyncIterable<Uint8Array>> {
+    if (!this.templates.has(templateId))
+      throw new SandboxdError("not_found", `template ${templateId} is not prepared on this agent`);
+    return await exportTemplate(this.ctx.stateDir, engineTemplateId(templateId), {
+      config: prepared.image,
+      exposedPorts: prepared.exposedPorts,
+    });
   }
 
   async restore(templateId: string, prepared: PreparedTemplate): Promise<void> {

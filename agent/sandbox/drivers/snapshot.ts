@@ -216,6 +216,10 @@ export class SnapshotDriver implements SandboxDriver {
     return this.templates.drop(templateId);
   }
 
+  exportTemplate(templateId: string, prepared: PreparedTemplate): Promise<AsyncIterable<Uint8Array>> {
+    return this.templates.export(templateId, prepared);
+  }
+
   // ---- VMs -----------------------------------------------------------------------------------
 
   async spawn(templateId: string, vmId: string, size: VmSize): Promise<DriverVm> {
