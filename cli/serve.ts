@@ -237,6 +237,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
     dataDir,
     ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
     secrets: start.secrets,
+    ...(start.peerUrl !== undefined ? { peerUrl: start.peerUrl } : {}),
     config: {
       version,
       region: values.region ?? "local",

@@ -14,6 +14,7 @@ import { secretKey } from "../contracts/agent/token.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { DialHub } from "./agents/dial-hub.ts";
+import { RELAY_PATH } from "./agents/dial-relay.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
 import { handleAgentEvents } from "./agents/events-http.ts";
 import { AGENT_STALE_AFTER_MS, handleHeartbeat, liveAgentIds } from "./agents/registry.ts";
@@ -57,6 +58,12 @@ export type StartGatewayOptions = {
    * SANDBOXD_AGENT_SECRET): they win over the data dir's files; `config`'s win over them.
    */
   secrets?: OperatorSecrets;
+  /**
+   * Routing mode: this gateway's URL as the other gateways of its region reach it (`--peer-url`):
+   * the links of dial-out agents it holds are offered to them (docs/regions.md "Gateways behind
+   * one address"). None: its links serve this gateway only; it still relays through its peers'.
+   */
+  peerUrl?: string;
   /** Routing mode: heartbeat age after which an agent is not live (default gateway/agents/registry.ts). */
   staleAfterMs?: number;
   /**
@@ -195,7 +202,12 @@ function agentRouting(
     );
   // Every agent's key derives from it: no weaker than one HS256 key (throws when short).
   secretKey(secret);
-  const dial = new DialHub(opts.log);
+  const dial = new DialHub(opts.log, {
+    db,
+    agentSecret: secret,
+    clock,
+    ...(opts.peerUrl !== undefined ? { peerUrl: opts.peerUrl } : {}),
+  });
   const router = new AgentRouter({
     db,
     agentSecret: secret,
@@ -224,9 +236,12 @@ function gatewayFetch(app: ReturnType<typeof createApp>, agents: AgentRoutes) {
   const { db, agentSecret, clock, log } = agents;
   return (request: Request, upgrade?: Upgrade): Response | Promise<Response> => {
     // An agent that dials out opens its link here (gateway/agents/dial-hub.ts).
-    if (agentSecret !== undefined && agents.dial && request.method === "GET")
-      if (new URL(request.url).pathname === DIAL_PATH)
-        return agents.dial.accept(db, agentSecret, request, upgrade);
+    if (agentSecret !== undefined && agents.dial && request.method === "GET") {
+      const path = new URL(request.url).pathname;
+      if (path === DIAL_PATH) return agents.dial.accept(db, agentSecret, request, upgrade);
+      // A peer gateway relays its calls to an agent whose link is here (gateway/agents/dial-relay.ts).
+      if (path === RELAY_PATH && agents.dial.relay) return agents.dial.relay.accept(request, upgrade);
+    }
     // Agents enroll and report here (gateway/agents/); outside /v1: not part of the public API.
     if (agentSecret !== undefined && request.method === "POST") {
       const path = new URL(request.url).pathname;
@@ -375,6 +390,8 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       requestTimeoutMs: (config.limits.maxExecTimeoutS + 60) * 1000,
     });
     if (opts.reaper !== false) reaper = startReaper(deps, opts.log);
+    // Links of dial-out agents held by this gateway's peers, relayed to (agents/dial-relay.ts).
+    routing?.dial.relay?.start();
   } catch (err) {
     reconciler?.stop();
     hostLoss?.stop();

@@ -113,15 +113,22 @@ function internalRanges(env: string, flag: string, doc: string): TextSetting {
   };
 }
 
-function checkPublicUrl(v: string): string | undefined {
-  let u: URL;
-  try {
-    u = new URL(v);
-  } catch {
-    return "not a URL";
-  }
-  return ["http:", "https:", "ws:", "wss:"].includes(u.protocol) ? undefined : "not http(s):// or ws(s)://";
+/** A check that a setting is a URL of one of `schemes` (e.g. "http:"). */
+function urlOf(...schemes: string[]): (v: string) => string | undefined {
+  const names = schemes.map((p) => `${p.slice(0, -1)}://`).join(", ");
+  return (v) => {
+    let u: URL;
+    try {
+      u = new URL(v);
+    } catch {
+      return "not a URL";
+    }
+    return schemes.includes(u.protocol) ? undefined : `not ${names}`;
+  };
 }
+
+const checkPublicUrl = urlOf("http:", "https:", "ws:", "wss:");
+const checkPeerUrl = urlOf("http:", "https:");
 
 export const SETTINGS: readonly SettingSpec[] = [
   {
@@ -294,6 +301,18 @@ export const SETTINGS: readonly SettingSpec[] = [
     unit: "text",
     check: checkPublicUrl,
     doc: "the base of connect URLs (`wss://` for an `https://` one)",
+  },
+  {
+    env: "SANDBOXD_PEER_URL",
+    flag: "peer-url",
+    scope: "gateway",
+    reported: false,
+    def: "",
+    defText: "none: its dial-out agents' links serve this gateway only",
+    rangeText: "an http(s):// URL",
+    unit: "text",
+    check: checkPeerUrl,
+    doc: "this gateway's URL as the other gateways of its region reach it: they relay calls to the dial-out agents linked here (docs/regions.md \"Gateways behind one address\")",
   },
   ...(
     [

@@ -132,13 +132,17 @@ export interface GatewayStart {
   /** Secrets set by the operator; the rest come from `<data>/secrets/`. */
   secrets: OperatorSecrets;
   publicBaseUrl?: string;
+  /** `SANDBOXD_PEER_URL`: where the other gateways of the region reach this one. */
+  peerUrl?: string;
 }
 
 export function gatewayStart(s: Settings): GatewayStart {
   const text = (env: string): string | undefined => (s[env] === "" ? undefined : String(s[env]));
   const databaseUrl = text("DATABASE_URL");
   const publicUrl = text("SANDBOXD_PUBLIC_URL");
+  const peerUrl = text("SANDBOXD_PEER_URL");
   return {
+    ...(peerUrl ? { peerUrl: peerUrl.replace(/\/+$/, "") } : {}),
     ...(databaseUrl ? { databaseUrl } : {}),
     secrets: secretsFrom(s),
     // Checked by the settings' parser: an http(s):// or ws(s):// URL.

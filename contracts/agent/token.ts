@@ -91,25 +91,55 @@ export function signAgentToken(
   return sign(key, agentId, GATEWAY_ISSUER, agentAudience(agentId), lifetimeS);
 }
 
+/** The audience of a gateway -> gateway relay token for agent `agentId` (never an agent's). */
+export function relayAudience(agentId: string): string {
+  return `sandboxd-gateway-relay:${agentId}`;
+}
+
+/**
+ * A token one gateway shows another to relay calls to dial-out agent `agentId` through the
+ * other's link (docs/regions.md "Gateways behind one address"): signed with that agent's key,
+ * which only gateways (holding the agent secret) and the agent can derive, for an audience the
+ * agent's own checks never accept.
+ */
+export function signRelayToken(key: Uint8Array, agentId: string): Promise<string> {
+  return sign(key, agentId, GATEWAY_ISSUER, relayAudience(agentId), CLIENT_TOKEN_LIFETIME_S);
+}
+
+/** The linked gateway's check of a relay token (`signRelayToken`). */
+export function verifyRelayToken(key: Uint8Array, agentId: string, header: string | undefined | null) {
+  return verifyToken(key, relayAudience(agentId), header ?? undefined, "relay token");
+}
+
 /**
  * The agent's check of a bearer header: signed with its key, for its own id. The failure is a
  * value (`unauthorized`), with the reason in words.
  */
-export async function verifyAgentToken(
+export function verifyAgentToken(
   key: Uint8Array,
   agentId: string,
   header: string | undefined,
 ): Promise<TokenCheck> {
+  return verifyToken(key, agentAudience(agentId), header, "agent token");
+}
+
+/** A gateway-issued bearer token for `audience`, signed with `key`, short-lived. */
+async function verifyToken(
+  key: Uint8Array,
+  audience: string,
+  header: string | undefined,
+  what: string,
+): Promise<TokenCheck> {
   const fail = (why: string, cause?: unknown) => ({
     ok: false as const,
-    error: new SandboxdError("unauthorized", `agent token rejected: ${why}`, { cause }),
+    error: new SandboxdError("unauthorized", `${what} rejected: ${why}`, { cause }),
   });
   const token = bearerToken(header);
   if (token === undefined) return fail("missing bearer token");
   try {
     const { payload } = await jwtVerify(token, key, {
       algorithms: ["HS256"],
-      audience: agentAudience(agentId),
+      audience,
       issuer: GATEWAY_ISSUER,
       requiredClaims: ["exp", "iat"],
       clockTolerance: CLOCK_TOLERANCE_S,

@@ -11,7 +11,8 @@
  * is the same HTTP and WebSocket client as for a direct agent, with `http://127.0.0.1:<port>` as
  * the base (every request still carries the agent's short-lived token), so calls, event streams,
  * execs, terminals and tunnels need nothing of their own. A gateway without a link to a dial-out
- * agent does not place on it and answers its calls `agent_unavailable`.
+ * agent reaches it through a peer gateway that has one (dial-relay.ts); with neither, it does not
+ * place on it and answers its calls `agent_unavailable`.
  */
 import { createServer, type Server, type Socket } from "node:net";
 import {
@@ -25,6 +26,7 @@ import { startDialSession } from "../../contracts/agent/dial-session.ts";
 import { secretKey } from "../../contracts/agent/token.ts";
 import type { Db } from "../../db/client.ts";
 import type { ServerSocket, SocketHandler, Upgrade } from "../runtime/types.ts";
+import { DialRelay, type RelayOptions } from "./dial-relay.ts";
 import { jsonAnswer } from "./internal-http.ts";
 import { authenticateAgentReport } from "./registry.ts";
 
@@ -36,13 +38,28 @@ interface Link {
 
 export class DialHub {
   private readonly links = new Map<string, Link>();
+  /** Links of this gateway offered to its peers, and theirs borrowed (dial-relay.ts). */
+  readonly relay: DialRelay | undefined;
 
-  constructor(private readonly log: (line: string) => void = (l) => console.error(l)) {}
+  constructor(
+    private readonly log: (line: string) => void = (l) => console.error(l),
+    relay?: Omit<RelayOptions, "log">,
+  ) {
+    this.relay = relay ? new DialRelay({ ...relay, log }, (id) => this.localPort(id)) : undefined;
+  }
 
-  /** Where this gateway reaches dial-out agent `agentId` (its loopback listener), if linked here. */
-  baseUrl(agentId: string): string | undefined {
+  private localPort(agentId: string): number | undefined {
     const l = this.links.get(agentId);
-    return l && l.port > 0 ? `http://127.0.0.1:${l.port}` : undefined;
+    return l && l.port > 0 ? l.port : undefined;
+  }
+
+  /**
+   * Where this gateway reaches dial-out agent `agentId`: its own link's loopback listener, else a
+   * relay to the gateway that holds the agent's link; undefined when neither.
+   */
+  baseUrl(agentId: string): string | undefined {
+    const port = this.localPort(agentId);
+    return port !== undefined ? `http://127.0.0.1:${port}` : this.relay?.baseUrl(agentId);
   }
 
   linked(agentId: string): boolean {
@@ -74,8 +91,9 @@ export class DialHub {
     return upgrade(this.handler(agent.id, secretKey(auth.key), nonce));
   }
 
-  /** Closes every link (the gateway stops). */
+  /** Closes every link and relay (the gateway stops). */
   stop(): void {
+    this.relay?.stop();
     for (const l of [...this.links.values()]) l.close("gateway stopping");
   }
 
@@ -98,7 +116,10 @@ export class DialHub {
       close: (reason) => {
         if (ended) return;
         ended = true;
-        if (this.links.get(agentId) === link) this.links.delete(agentId);
+        if (this.links.get(agentId) === link) {
+          this.links.delete(agentId);
+          this.relay?.unpublish(agentId);
+        }
         session.close();
         server?.close();
         ws?.close(reason.startsWith("protocol") ? 1008 : 1001, reason.slice(0, 120));
@@ -118,8 +139,11 @@ export class DialHub {
           const addr = server?.address();
           link.port = typeof addr === "object" && addr ? addr.port : 0;
           // A newer link of the same agent replaces the older (a redial after a silent drop).
-          this.links.get(agentId)?.close("replaced by a newer link");
+          // Set first: the older one's close then leaves the record of the agent's link alone.
+          const older = this.links.get(agentId);
           this.links.set(agentId, link);
+          older?.close("replaced by a newer link");
+          this.relay?.publish(agentId);
           this.log(`agent ${agentId}: dial link open`);
         });
       },

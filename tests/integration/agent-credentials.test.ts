@@ -4,18 +4,16 @@ import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { CREDENTIALS_FILE, enroll, loadOrEnroll } from "../../agent/api/enroll.ts";
 import type { HeartbeatSender } from "../../agent/api/heartbeat.ts";
-import type { SandboxDriver } from "../../agent/sandbox/drivers/driver.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { ENROLL_PATH } from "../../contracts/agent/enroll.ts";
 import { HEARTBEAT_PATH, type Heartbeat } from "../../contracts/agent/heartbeat.ts";
 import { type AgentCredentials, secretKey, signHeartbeatToken } from "../../contracts/agent/token.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
 import { agentEnrollmentTokens, agents } from "../../db/schema/agents.ts";
 import { AgentHttpClient } from "../../gateway/agents/client.ts";
 import { createEnrollmentToken } from "../../gateway/agents/enrollment.ts";
 import { revokeAgent } from "../../gateway/agents/registry.ts";
 import type { RunningGateway } from "../../gateway/server.ts";
-import { errorOf, startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
+import { errorOf, inertDriver, startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
 import { tempStateDir } from "../support/real-vm.ts";
 
 /**
@@ -36,34 +34,6 @@ const cleanups: Array<() => Promise<void>> = [];
 afterEach(async () => {
   for (const c of cleanups.splice(0).reverse()) await c();
 });
-
-/** A driver with no VMs and no templates: every VM operation is `unsupported`. */
-function inertDriver(): SandboxDriver {
-  const no = async (): Promise<never> => {
-    throw new SandboxdError("unsupported", "this test agent runs no VMs");
-  };
-  return {
-    name: "inert",
-    prepareTemplate: no,
-    dropTemplate: no,
-    restoreTemplate: no,
-    spawn: no,
-    fork: no,
-    suspend: no,
-    resume: no,
-    pause: no,
-    unpause: no,
-    openTunnel: no,
-    openPty: no,
-    onGuestTunnel: () => {},
-    destroy: no,
-    onExit: () => {},
-    diskBytes: no,
-    adopt: no,
-    reap: async () => [],
-    detach: () => {},
-  };
-}
 
 const startGw = () =>
   startRoutingGateway({ agentSecret: SECRET, staleAfterMs: STALE_MS, onCleanup: (c) => cleanups.push(c) });

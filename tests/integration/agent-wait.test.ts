@@ -9,11 +9,9 @@ import { afterAll, afterEach, beforeAll, describe, expect, setDefaultTimeout, te
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { SandboxDriver } from "../../agent/sandbox/drivers/driver.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
-import { SandboxdError } from "../../contracts/errors.ts";
 import { startGateway } from "../../gateway/server.ts";
-import { errorOf, startEnrolledAgent } from "../support/agents.ts";
+import { errorOf, inertDriver, startEnrolledAgent } from "../support/agents.ts";
 import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 import { tempStateDir } from "../support/real-vm.ts";
 
@@ -128,34 +126,6 @@ describe("with no live agent (gateway app, PGlite, stand-in agent)", () => {
     expect(entry()!.uploadHead).toBe("an image body");
   });
 });
-
-/** A driver with no VMs and no templates: this suite only enrolls and heartbeats. */
-function inertDriver(): SandboxDriver {
-  const no = async (): Promise<never> => {
-    throw new SandboxdError("unsupported", "this test agent runs no VMs");
-  };
-  return {
-    name: "inert",
-    prepareTemplate: no,
-    dropTemplate: no,
-    restoreTemplate: no,
-    spawn: no,
-    fork: no,
-    suspend: no,
-    resume: no,
-    pause: no,
-    unpause: no,
-    openTunnel: no,
-    openPty: no,
-    onGuestTunnel: () => {},
-    destroy: no,
-    onExit: () => {},
-    diskBytes: no,
-    adopt: no,
-    reap: async () => [],
-    detach: () => {},
-  };
-}
 
 const SECRET = "agent-wait-test-agent-secret-0123456789abcdef";
 /** The test agent beats this often: well inside the 1.5 s wait. */

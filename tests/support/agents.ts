@@ -9,6 +9,7 @@ import { join } from "node:path";
 import { type Dialer, startDialer } from "../../agent/api/dial.ts";
 import { enroll } from "../../agent/api/enroll.ts";
 import { type HeartbeatSender, startHeartbeats } from "../../agent/api/heartbeat.ts";
+import type { SandboxDriver } from "../../agent/sandbox/drivers/driver.ts";
 import type { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { type AgentServer, startAgentServer } from "../../agent/server.ts";
 import { DIAL_URL_SCHEME, dialUrl } from "../../contracts/agent/dial.ts";
@@ -31,11 +32,19 @@ export async function startRoutingGateway(opts: {
   agentWaitMs?: number;
   /** The gateway's log lines (default: dropped). */
   log?: (line: string) => void;
+  /** A shared PostgreSQL (gateways of one region) instead of the gateway's own PGlite. */
+  databaseUrl?: string;
+  /** Default 0 (any free port). */
+  port?: number;
+  /** `StartGatewayOptions.peerUrl`. */
+  peerUrl?: string;
 }): Promise<RunningGateway> {
   const dir = await mkdtemp(join(tmpdir(), "sbx-route-gw-"));
   const gw = await startGateway({
     dataDir: dir,
-    port: 0,
+    port: opts.port ?? 0,
+    ...(opts.databaseUrl !== undefined ? { databaseUrl: opts.databaseUrl } : {}),
+    ...(opts.peerUrl !== undefined ? { peerUrl: opts.peerUrl } : {}),
     agentSecret: opts.agentSecret,
     staleAfterMs: opts.staleAfterMs,
     ...(opts.keyCacheTtlMs !== undefined ? { keyCacheTtlMs: opts.keyCacheTtlMs } : {}),
@@ -132,4 +141,32 @@ export function callGateway(url: string, key: string, method: string, path: stri
     },
     ...(body === undefined ? {} : { body: raw ? body : JSON.stringify(body) }),
   });
+}
+
+/** A driver with no VMs and no templates: every VM operation is `unsupported` (agents that only enroll, beat and answer). */
+export function inertDriver(): SandboxDriver {
+  const no = async (): Promise<never> => {
+    throw new SandboxdError("unsupported", "this test agent runs no VMs");
+  };
+  return {
+    name: "inert",
+    prepareTemplate: no,
+    dropTemplate: no,
+    restoreTemplate: no,
+    spawn: no,
+    fork: no,
+    suspend: no,
+    resume: no,
+    pause: no,
+    unpause: no,
+    openTunnel: no,
+    openPty: no,
+    onGuestTunnel: () => {},
+    destroy: no,
+    onExit: () => {},
+    diskBytes: no,
+    adopt: no,
+    reap: async () => [],
+    detach: () => {},
+  };
 }

@@ -17,7 +17,8 @@ export function findPgBin(): string | null {
   return BIN_DIRS.find((d) => existsSync(join(d, "initdb")) && existsSync(join(d, "pg_ctl"))) ?? null;
 }
 
-async function freePort(): Promise<number> {
+/** A TCP port free on loopback now (a server started next may take it; a race we accept in tests). */
+export async function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
     const s = createServer();
     s.once("error", reject);

@@ -3,8 +3,9 @@
  * fleet test"): a real PostgreSQL, two `bin/sandboxd gateway` processes behind one address (a
  * TCP edge in this test that sends each connection to a live gateway), and three
  * `bin/sandboxd agent` processes over REAL VMs under TCG in two regions: `fa` (eu) and `fc` (us)
- * reached at their namespace's address, `fb` (eu) a BYOC agent that dials out to both gateways
- * and that nothing can reach (it listens on its namespace's loopback, and its namespace drops
+ * reached at their namespace's address, `fb` (eu) a BYOC agent that dials out to the one address
+ * (its link lands on one gateway; the other relays to it, gateway/agents/dial-relay.ts) and that
+ * nothing can reach (it listens on its namespace's loopback, and its namespace drops
  * every new connection coming in). Tenants at home in each region.
  *
  * - kill -9 of `fc`: its sessions end (`failed`, host lost) and the tenant's quota is free again;
@@ -13,7 +14,7 @@
  *   open usage intervals, none overlapping);
  * - kill -9 of a gateway in the middle of execs: clients that retry through the one address land
  *   on the other gateway, every exec is answered, and the BYOC agent's sessions stay reachable
- *   through its other link.
+ *   (its link moves to the gateway left when it was on the one killed).
  *
  * The timeline measured is printed as JSON. Needs root, `ip netns`, iptables and PostgreSQL;
  * skipped otherwise.
@@ -26,6 +27,7 @@ import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { DIAL_URL_SCHEME } from "../../contracts/agent/dial.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
+import { dialLinks } from "../../db/schema/dial-links.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import { createEnrollmentToken } from "../../gateway/agents/enrollment.ts";
@@ -40,7 +42,7 @@ import {
   startServing,
   uploadTemplate,
 } from "../support/e2e-service.ts";
-import { findPgBin, startPostgres, type TestPostgres } from "../support/postgres.ts";
+import { findPgBin, freePort, startPostgres, type TestPostgres } from "../support/postgres.ts";
 
 const SECRETS = {
   SANDBOXD_KEY_PEPPER: "fleet-netns-pepper-0123456789abcdef",
@@ -143,7 +145,8 @@ async function startAgent(id: string, ns: Ns, region: string, byoc: boolean): Pr
   const dir = await prepareDataDir(`sbx-e2e-fleet-${id}-`, { python: false });
   const gateway = `http://${ns.hostIp}:${front!.port}`;
   const where = byoc
-    ? ["--listen", "127.0.0.1:7070", "--dial", gws.map((g) => `http://${ns.hostIp}:${g.port}`).join(",")]
+    ? // The one address, like every other agent: its link lands on one gateway, which the other relays to.
+      ["--listen", "127.0.0.1:7070", "--dial", gateway]
     : ["--listen", `${ns.nsIp}:7070`, "--advertise", `http://${ns.nsIp}:7070`];
   const args = ["agent", "--gateway", gateway, "--enroll", token, "--id", id, "--region", region];
   const svc = await startServing(
@@ -164,8 +167,23 @@ beforeAll(async () => {
   db = await openDb({ url: pg.url });
   for (const g of [0, 1]) {
     const dir = await prepareDataDir(`sbx-e2e-fleet-gw${g}-`, { python: false });
+    // Its peers reach it at a port known before it starts (its peer URL names it).
+    const port = await freePort();
     const svc = await startServing(
-      ["gateway", "--host", "0.0.0.0", "--port", "0", "--region", "eu", "--no-catalog", "--data-dir", dir],
+      [
+        "gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        String(port),
+        "--peer-url",
+        `http://127.0.0.1:${port}`,
+        "--region",
+        "eu",
+        "--no-catalog",
+        "--data-dir",
+        dir,
+      ],
       dir,
       { ...childEnv(), ...SECRETS, DATABASE_URL: pg.url },
     );
@@ -309,6 +327,21 @@ test.skipIf(!enabled)(
       });
     });
     expect(reached).toBe(false);
+    // Its one link is held by one gateway; the other relays to it: each gateway, asked directly,
+    // runs an exec in one of its sessions.
+    const links = await db!.db.select().from(dialLinks).where(eq(dialLinks.agentId, "fb"));
+    expect(links).toHaveLength(1);
+    // Placement spreads acme's four sessions over its two agents (least loaded first).
+    const onByoc = eu.find((s) => s.agent === "fb");
+    if (!onByoc) throw new Error(`no session on the BYOC agent: ${JSON.stringify(eu)}`);
+    for (const g of gws) {
+      const r = await new Api(`http://127.0.0.1:${g.port}`).request<Record<string, unknown>>(
+        "POST",
+        `/v1/sessions/${onByoc.id}/exec`,
+        { key: keys.eu, json: { commands: [["echo", `via-${g.port}`]] } },
+      );
+      expect(JSON.stringify(r.body)).toContain(`via-${g.port}`);
+    }
 
     // 1. kill -9 of the us agent: its sessions end and globex's quota is free.
     const fc = agentsRun.find((a) => a.id === "fc")!;
