@@ -66,6 +66,10 @@ commands:
         line; the agent it enrolls is in region R for good (default: the running gateway's
         --region, else local) and, with --url, reached at URL only; revoke makes the gateway
         refuse the agent's heartbeats and stop calling it
+  migrate [--data-dir DIR]
+        apply the database migrations and exit (PostgreSQL when DATABASE_URL is set, under the
+        advisory lock starting gateways take; else the data dir's PGlite); for gateways run with
+        SANDBOXD_MIGRATE=off, which refuse a schema older than themselves
   fleet list [--data-dir DIR]
   fleet cordon|uncordon AGENT-ID [--data-dir DIR]
   fleet drain AGENT-ID [--timeout 1h] [--data-dir DIR]
@@ -192,6 +196,10 @@ async function main(argv: string[]): Promise<number> {
     case "agent-token": {
       const { cmdAgentToken } = await import("./agent-tokens.ts");
       return cmdAgentToken(rest);
+    }
+    case "migrate": {
+      const { cmdMigrate } = await import("./migrate.ts");
+      return cmdMigrate(rest);
     }
     case "fleet": {
       const { cmdFleet } = await import("./fleet.ts");

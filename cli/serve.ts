@@ -236,6 +236,8 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
     hostname: values.host ?? "127.0.0.1",
     dataDir,
     ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
+    ...(start.databaseListenUrl !== undefined ? { databaseListenUrl: start.databaseListenUrl } : {}),
+    migrate: start.migrate,
     secrets: start.secrets,
     ...(start.peerUrl !== undefined ? { peerUrl: start.peerUrl } : {}),
     config: {

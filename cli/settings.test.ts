@@ -168,7 +168,21 @@ describe("the settings read deep in the agent and at start", () => {
       1,
       "reg.example",
     ]);
-    expect(gatewayStart(s)).toEqual({ databaseUrl: "postgres://x/y", secrets: { keyPepper: "p" } });
+    expect(gatewayStart(s)).toEqual({
+      databaseUrl: "postgres://x/y",
+      secrets: { keyPepper: "p" },
+      migrate: true,
+    });
+    const behindPooler = ok(
+      { migrate: "off" },
+      { DATABASE_URL: "postgres://pooler/y", SANDBOXD_DATABASE_LISTEN_URL: "postgres://direct/y" },
+    );
+    expect(gatewayStart(behindPooler)).toEqual({
+      databaseUrl: "postgres://pooler/y",
+      databaseListenUrl: "postgres://direct/y",
+      secrets: {},
+      migrate: false,
+    });
   });
 });
 

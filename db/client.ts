@@ -4,9 +4,10 @@
  * drizzle with the same schema, and the committed migrations (migrations/, drizzle-kit output)
  * are applied on open. There is no global db: callers pass the returned handle around.
  */
-import { mkdirSync } from "node:fs";
+import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { PGlite } from "@electric-sql/pglite";
+import { sql } from "drizzle-orm";
 import type { PgDatabase, PgQueryResultHKT } from "drizzle-orm/pg-core";
 import { drizzle as drizzlePglite } from "drizzle-orm/pglite";
 import { migrate as migratePglite } from "drizzle-orm/pglite/migrator";
@@ -52,29 +53,97 @@ export const LISTEN_PING_TIMEOUT_MS = 1000;
 /** Wait before LISTENing again after a loss: the database is not hammered while it is away. */
 export const LISTEN_RETRY_MS = 500;
 
-export type OpenDbOptions = { dataDir: string } | { url: string };
+export type OpenDbOptions =
+  | { dataDir: string }
+  | {
+      url: string;
+      /**
+       * A direct connection for LISTEN when `url` goes through a transaction-mode pooler
+       * (PgBouncer), which cannot hold a LISTEN; default `url`.
+       */
+      listenUrl?: string;
+      /**
+       * false: the schema must be migrated already (`sandboxd migrate`); an older one is refused
+       * at open. Default true: migrate, under the advisory lock.
+       */
+      migrate?: boolean;
+    };
+
+/**
+ * The advisory lock key migrations run under (any constant; "sbx" in ASCII): replicas starting at
+ * once on one database wait for each other's migration instead of racing to create the same
+ * tables; the second finds the work done.
+ */
+export const MIGRATION_LOCK_KEY = 0x736278;
+
+/**
+ * Applies the committed migrations to the PostgreSQL at `url`, holding the advisory lock on a
+ * connection of its own (a session lock lives as long as its connection, and drizzle's migrator
+ * then runs on that same connection). Safe to run from several processes at once.
+ */
+export async function migratePostgresLocked(url: string): Promise<void> {
+  // One direct connection: a session lock needs a session, not a pooler's transaction.
+  const client = postgres(url, { max: 1, prepare: false, onnotice: () => {} });
+  try {
+    await client`select pg_advisory_lock(${MIGRATION_LOCK_KEY})`;
+    await migratePostgres(drizzlePostgres(client, { schema }), { migrationsFolder: MIGRATIONS_DIR });
+    await client`select pg_advisory_unlock(${MIGRATION_LOCK_KEY})`;
+  } catch (cause) {
+    throw new SandboxdError("internal", "cannot migrate the PostgreSQL database", { cause });
+  } finally {
+    // Ending the session releases the lock too, had the unlock not run.
+    await client.end({ timeout: 5 });
+  }
+}
+
+/** The newest migration's tag (migrations/meta/_journal.json) and whether `db` has applied it. */
+async function schemaIsCurrent(
+  db: ReturnType<typeof drizzlePostgres>,
+): Promise<{ ok: boolean; want: number }> {
+  const journal = JSON.parse(readFileSync(join(MIGRATIONS_DIR, "meta", "_journal.json"), "utf8")) as {
+    entries: { when: number }[];
+  };
+  const want = Math.max(...journal.entries.map((e) => e.when));
+  try {
+    const rows = (await db.execute(
+      sql`select max(created_at) as at from drizzle.__drizzle_migrations`,
+    )) as unknown as { at: string | number | null }[];
+    return { ok: Number(rows[0]?.at ?? 0) >= want, want };
+  } catch {
+    return { ok: false, want };
+  }
+}
 
 // import.meta.dirname (not Bun's import.meta.dir): the gateway also runs under Node and Deno.
 export const MIGRATIONS_DIR = join(import.meta.dirname, "..", "migrations");
 
 export async function openDb(opts: OpenDbOptions): Promise<DbHandle> {
   if ("url" in opts) {
+    if (opts.migrate !== false) await migratePostgresLocked(opts.url);
     // max 10: the gateway is stateless and runs several replicas; 10 each is well under the
-    // default max_connections (100) of a small Postgres.
-    const client = postgres(opts.url, { max: 10, onnotice: () => {} });
+    // default max_connections (100) of a small Postgres. prepare: false: named prepared
+    // statements do not survive a transaction-mode pooler handing each transaction to another
+    // server connection.
+    const client = postgres(opts.url, { max: 10, prepare: false, onnotice: () => {} });
     const db = drizzlePostgres(client, { schema });
-    try {
-      await migratePostgres(db, { migrationsFolder: MIGRATIONS_DIR });
-    } catch (cause) {
-      await client.end({ timeout: 1 });
-      throw new SandboxdError("internal", "cannot migrate the PostgreSQL database", { cause });
+    if (opts.migrate === false) {
+      const current = await schemaIsCurrent(db);
+      if (!current.ok) {
+        await client.end({ timeout: 1 });
+        throw new SandboxdError(
+          "internal",
+          "the PostgreSQL schema is older than this build: run `sandboxd migrate` first",
+          { details: { wantMigration: current.want } },
+        );
+      }
     }
+    const listenUrl = opts.listenUrl ?? opts.url;
     const listeners = new Set<{ stop(): Promise<void> }>();
     return {
       db: db as unknown as Db,
       kind: "postgres",
       listen: (channels) => {
-        const l = listenPostgres(opts.url, channels);
+        const l = listenPostgres(listenUrl, channels);
         listeners.add(l);
         return {
           stop: () => {

@@ -105,11 +105,16 @@ export type StartGatewayOptions = {
       dataDir: string;
       /** PostgreSQL instead of PGlite (several gateway replicas share one). */
       databaseUrl?: string;
+      /** With `databaseUrl`: db/client.ts `OpenDbOptions` (a direct LISTEN URL, migrate or not). */
+      databaseListenUrl?: string;
+      migrate?: boolean;
     }
   | {
       /** Without a data dir the secrets and `uploadDir` must come from `config` or `secrets`. */
       dataDir?: undefined;
       databaseUrl: string;
+      databaseListenUrl?: string;
+      migrate?: boolean;
     }
 );
 
@@ -313,7 +318,13 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   const config = gatewayConfig(opts);
   const hostname = opts.hostname ?? "127.0.0.1";
   const handle: DbHandle = await openDb(
-    opts.databaseUrl !== undefined ? { url: opts.databaseUrl } : { dataDir: opts.dataDir! },
+    opts.databaseUrl !== undefined
+      ? {
+          url: opts.databaseUrl,
+          ...(opts.databaseListenUrl !== undefined ? { listenUrl: opts.databaseListenUrl } : {}),
+          ...(opts.migrate !== undefined ? { migrate: opts.migrate } : {}),
+        }
+      : { dataDir: opts.dataDir! },
   );
   let server: RunningServer;
   let router: AgentRouter | undefined;

@@ -291,6 +291,27 @@ export const SETTINGS: readonly SettingSpec[] = [
     doc: "the gateway's PostgreSQL; gateways sharing one are replicas of one service",
   },
   {
+    env: "SANDBOXD_DATABASE_LISTEN_URL",
+    flag: "database-listen-url",
+    scope: "gateway",
+    reported: false,
+    def: "",
+    defText: "none: DATABASE_URL",
+    rangeText: "a PostgreSQL URL",
+    unit: "text",
+    doc: "a direct PostgreSQL connection for the gateway's LISTEN, when DATABASE_URL goes through a transaction-mode pooler (which cannot hold one)",
+  },
+  {
+    env: "SANDBOXD_MIGRATE",
+    flag: "migrate",
+    scope: "gateway",
+    reported: false,
+    def: "on-start",
+    choices: ["on-start", "off"],
+    unit: "choice",
+    doc: "on-start: a gateway applies the migrations when it starts (replicas starting together wait for each other: an advisory lock); off: it refuses to start on a schema older than itself, for fleets that run `sandboxd migrate` as a step of their own",
+  },
+  {
     env: "SANDBOXD_PUBLIC_URL",
     flag: "public-url",
     scope: "gateway",
@@ -312,7 +333,7 @@ export const SETTINGS: readonly SettingSpec[] = [
     rangeText: "an http(s):// URL",
     unit: "text",
     check: checkPeerUrl,
-    doc: "this gateway's URL as the other gateways of its region reach it: they relay calls to the dial-out agents linked here (docs/regions.md \"Gateways behind one address\")",
+    doc: 'this gateway\'s URL as the other gateways of its region reach it: they relay calls to the dial-out agents linked here (docs/regions.md "Gateways behind one address")',
   },
   ...(
     [

@@ -134,6 +134,10 @@ export interface GatewayStart {
   publicBaseUrl?: string;
   /** `SANDBOXD_PEER_URL`: where the other gateways of the region reach this one. */
   peerUrl?: string;
+  /** `SANDBOXD_DATABASE_LISTEN_URL`: a direct connection for LISTEN behind a pooler. */
+  databaseListenUrl?: string;
+  /** `SANDBOXD_MIGRATE`: false when the gateway must find the schema migrated already. */
+  migrate: boolean;
 }
 
 export function gatewayStart(s: Settings): GatewayStart {
@@ -141,7 +145,10 @@ export function gatewayStart(s: Settings): GatewayStart {
   const databaseUrl = text("DATABASE_URL");
   const publicUrl = text("SANDBOXD_PUBLIC_URL");
   const peerUrl = text("SANDBOXD_PEER_URL");
+  const listenUrl = text("SANDBOXD_DATABASE_LISTEN_URL");
   return {
+    ...(listenUrl ? { databaseListenUrl: listenUrl } : {}),
+    migrate: s.SANDBOXD_MIGRATE !== "off",
     ...(peerUrl ? { peerUrl: peerUrl.replace(/\/+$/, "") } : {}),
     ...(databaseUrl ? { databaseUrl } : {}),
     secrets: secretsFrom(s),

@@ -23,7 +23,7 @@
  *   link's stream is full, and stops reading the stream while the WebSocket's send queue is over
  *   SEND_HIGH; the relaying gateway's side is `ws`'s stream, piped.
  */
-import { connect as tcpConnect, createServer, type Server, type Socket } from "node:net";
+import { createServer, type Server, type Socket, connect as tcpConnect } from "node:net";
 import { and, eq, gt, ne } from "drizzle-orm";
 import WebSocket, { createWebSocketStream } from "ws";
 import { secretKey, signRelayToken, verifyRelayToken } from "../../contracts/agent/token.ts";
