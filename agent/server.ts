@@ -3,6 +3,7 @@
  * drives QEMU through node:child_process and node:net, both of which Bun provides).
  */
 import type { AgentCredentials } from "../contracts/agent/token.ts";
+import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS, Drain } from "../contracts/drain.ts";
 import { createAgentApp } from "./api/app.ts";
 import { tunnelWebSocket } from "./api/tunnel-ws.ts";
 import type { SandboxManager } from "./sandbox/manager.ts";
@@ -27,6 +28,14 @@ export interface AgentServerOptions {
 export interface AgentServer {
   url: string;
   stop(): Promise<void>;
+  /**
+   * The graceful stop (contracts/drain.ts, SIGTERM): `/readyz` 503, the gateway's calls in flight
+   * (an exec, a build's upload) waited for, then `stop()`. The VMs keep running: a restarted agent
+   * re-adopts them. Answers how many calls were still running when it gave up.
+   */
+  drainAndStop(o?: { delayMs?: number; timeoutMs?: number }): Promise<number>;
+  /** True from the start of `drainAndStop`: its heartbeats then offer no room (no new VMs). */
+  readonly draining: boolean;
 }
 
 /**
@@ -46,6 +55,7 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
     version: opts.version,
     log: opts.log,
   });
+  const drain = new Drain();
   const server = Bun.serve({
     hostname: opts.hostname,
     port: opts.port,
@@ -54,15 +64,28 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
     maxRequestBodySize: Number.MAX_SAFE_INTEGER,
     fetch: (request, srv) => {
       srv.timeout(request, 0);
-      return app.fetch(request, srv);
+      // Probes first (no token: for the orchestrator), every call in flight counted for a drain.
+      return drain.probe(request) ?? drain.track(app.fetch(request, srv));
     },
     // The only WebSocket route: GET /v1/vms/{id}/tunnel (upgraded in app.ts).
     websocket: tunnelWebSocket,
   });
+  const stop = async () => {
+    await server.stop(true);
+  };
   return {
     url: `http://${opts.hostname}:${server.port}`,
-    stop: async () => {
-      await server.stop(true);
+    stop,
+    get draining() {
+      return drain.isDraining;
+    },
+    drainAndStop: async (o = {}) => {
+      const left = await drain.drain({
+        delayMs: o.delayMs ?? DEFAULT_DRAIN_DELAY_MS,
+        timeoutMs: o.timeoutMs ?? DEFAULT_DRAIN_TIMEOUT_MS,
+      });
+      await stop();
+      return left;
     },
   };
 }

@@ -23,6 +23,7 @@ import { hostCapacity } from "../agent/sandbox/capacity.ts";
 import { fencedRegistry, SnapshotDriver } from "../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../agent/sandbox/manager.ts";
 import { startAgentServer } from "../agent/server.ts";
+import type { AgentCapacity } from "../contracts/agent/api.ts";
 import { dialUrl } from "../contracts/agent/dial.ts";
 import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
@@ -36,6 +37,7 @@ import {
   type AgentSettings,
   agentSettings,
   dataDirOf,
+  drainOptions,
   gatewayLimits,
   gatewayStart,
   settingFlags,
@@ -133,6 +135,11 @@ function untilSignal(): Promise<void> {
     process.once("SIGINT", resolve);
     process.once("SIGTERM", resolve);
   });
+}
+
+/** A capacity with no room left (a draining agent's). */
+function noRoom(c: AgentCapacity): AgentCapacity {
+  return { ...c, slotsFree: 0, vcpusFree: 0, memMibFree: 0 };
 }
 
 /** Lists the catalog templates (status `building`: the agents report when theirs is ready). */
@@ -257,7 +264,8 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
   process.stdout.write(`listening ${gateway.url}\n`);
   await untilSignal();
   await operator?.stop();
-  await gateway.stop();
+  const left = await gateway.drainAndStop(drainOptions(settings));
+  log(`stopping: ${left === 0 ? "no request was in flight" : `${left} requests cut at the drain timeout`}`);
   removeFaultHandlers();
   return 0;
 }
@@ -339,7 +347,8 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     credentials,
     region: values.region ?? "local",
     advertiseUrl: dialTo !== undefined ? dialUrl(id) : (values.advertise ?? server.url),
-    capacity: () => manager.capacityNow(),
+    // Draining (SIGTERM): no room offered, so the gateways place new VMs elsewhere.
+    capacity: () => (server.draining ? noRoom(manager.capacityNow()) : manager.capacityNow()),
     templates: () => manager.readyTemplates(),
     disk: { dir: stateDir, reserveBytes: agent.host.diskReserveBytes },
     log,
@@ -355,10 +364,14 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   const catalog = values["no-catalog"] ? undefined : startCatalogBuild(dataDir, manager, log, agent);
   await untilSignal();
   await catalog?.stop();
+  // The gateway's calls in flight end first (their VMs keep running: the next start re-adopts
+  // them); the heartbeats meanwhile say there is no room here.
+  heartbeats.soon();
+  const left = await server.drainAndStop(drainOptions(settings));
+  log(`stopping: ${left === 0 ? "no call was in flight" : `${left} calls cut at the drain timeout`}`);
   heartbeats.stop();
   dialer?.stop();
   await events.stop();
-  await server.stop();
   await manager.detach();
   removeFaultHandlers();
   return 0;

@@ -30,6 +30,7 @@ export {
   type AgentSettings,
   agentSettings,
   dataDirOf,
+  drainOptions,
   type GatewayStart,
   gatewayLimits,
   gatewayStart,

@@ -28,6 +28,7 @@ import type { Settings } from "./settings/parse.ts";
 import {
   agentSettings,
   dataDirOf,
+  drainOptions,
   gatewayLimits,
   gatewayStart,
   reportedSettings,
@@ -100,10 +101,13 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
   await untilStopSignal();
   log("stopping: running sandboxes keep running and are re-adopted by the next `up`");
   await catalog?.stop();
+  await operator?.stop();
+  // /readyz goes 503, the requests in flight (an exec, a stream) end, then the gateway stops; the
+  // agent's half serves them until then.
+  const left = await gateway.drainAndStop(drainOptions(settings));
+  log(`stopped: ${left === 0 ? "no request was in flight" : `${left} requests cut at the drain timeout`}`);
   heartbeats.stop();
   await events.stop();
-  await operator?.stop();
-  await gateway.stop();
   await agentServer.stop();
   await manager.detach();
   removeFaultHandlers();

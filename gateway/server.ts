@@ -5,12 +5,14 @@
  * node:http server through @hono/node-server under Node and Deno). Nothing here is specific to one runtime.
  */
 import { join } from "node:path";
+import { sql } from "drizzle-orm";
 import type { AgentApi } from "../contracts/agent/api.ts";
 import { DIAL_PATH } from "../contracts/agent/dial.ts";
 import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
 import { AGENT_EVENTS_PATH, type VmEvent } from "../contracts/agent/events.ts";
 import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { secretKey } from "../contracts/agent/token.ts";
+import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS, Drain } from "../contracts/drain.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { DialHub } from "./agents/dial-hub.ts";
@@ -145,6 +147,12 @@ export interface RunningGateway {
   keys: VerifiedKeys;
   /** Stops the server (open connections are closed), then closes the database. Idempotent. */
   stop(): Promise<void>;
+  /**
+   * The graceful stop (contracts/drain.ts, SIGTERM): `/readyz` 503 at once, the requests in
+   * flight waited for (after `delayMs`, up to `timeoutMs`), then `stop()`. Answers how many
+   * requests were still running when it gave up.
+   */
+  drainAndStop(o?: { delayMs?: number; timeoutMs?: number }): Promise<number>;
 }
 
 function secretsWithoutDataDir(
@@ -334,6 +342,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let hostLoss: { stop(): void } | undefined;
   let catchUp: TemplateCatchUp | undefined;
   let routing: ReturnType<typeof agentRouting>;
+  const drain = new Drain();
   const keys = new VerifiedKeys({
     db: handle.db,
     pepper: config.keyPepper,
@@ -378,22 +387,25 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     const truth = { db: handle.db, clock, relays };
     if (router)
       ({ reconciler, hostLoss, catchUp } = watchAgents(opts, router, { ...truth, rows }, log, config));
+    const answer = gatewayFetch(app, {
+      db: handle.db,
+      agentSecret: routing?.agentSecret,
+      dial: routing?.dial,
+      clock,
+      onHeartbeat: (id, previousAt) => {
+        reconciler?.onHeartbeat(id, previousAt);
+        catchUp?.onHeartbeat(id);
+      },
+      onEvents: async (agentId, batch) => {
+        await applyAgentEvents(truth, agentId, batch.events, log);
+        if (batch.dropped > 0) reconciler?.onDropped(agentId, batch.dropped);
+      },
+      log,
+    });
     server = await serveFetch({
-      fetch: gatewayFetch(app, {
-        db: handle.db,
-        agentSecret: routing?.agentSecret,
-        dial: routing?.dial,
-        clock,
-        onHeartbeat: (id, previousAt) => {
-          reconciler?.onHeartbeat(id, previousAt);
-          catchUp?.onHeartbeat(id);
-        },
-        onEvents: async (agentId, batch) => {
-          await applyAgentEvents(truth, agentId, batch.events, log);
-          if (batch.dropped > 0) reconciler?.onDropped(agentId, batch.dropped);
-        },
-        log,
-      }),
+      // Probes first (no credentials); every other request counts as in flight for a drain.
+      fetch: (request, upgrade) =>
+        drain.probe(request, () => databaseAnswers(handle)) ?? drain.track(answer(request, upgrade)),
       hostname,
       port: opts.port ?? 8080,
       ...(opts.httpIdleTimeoutS !== undefined ? { idleTimeoutS: opts.httpIdleTimeoutS } : {}),
@@ -410,7 +422,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     await handle.close();
     throw err;
   }
-  return running({ hostname, server, config, router, handle, keys, connections, rows }, () => {
+  return running({ hostname, server, config, router, handle, keys, connections, rows, drain }, () => {
     routing?.dial.stop();
     return stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle });
   });
@@ -427,6 +439,7 @@ function running(
     keys: VerifiedKeys;
     connections: KeyConnections;
     rows: RowCache;
+    drain: Drain;
   },
   stopParts: () => Promise<void>,
 ): RunningGateway {
@@ -455,5 +468,33 @@ function running(
       stopping ??= stopParts();
       return stopping;
     },
+    drainAndStop: async (o = {}) => {
+      const left = await p.drain.drain({
+        delayMs: o.delayMs ?? DEFAULT_DRAIN_DELAY_MS,
+        timeoutMs: o.timeoutMs ?? DEFAULT_DRAIN_TIMEOUT_MS,
+      });
+      connections.stop();
+      stopping ??= stopParts();
+      await stopping;
+      return left;
+    },
   };
 }
+
+/** The gateway's readiness check: its database answers a trivial query within READY_DB_MS. */
+async function databaseAnswers(handle: DbHandle): Promise<boolean> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  try {
+    return await Promise.race([
+      handle.db.execute(sql`select 1`).then(() => true),
+      new Promise<boolean>((r) => {
+        timer = setTimeout(() => r(false), READY_DB_MS);
+      }),
+    ]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** A readiness probe's database check: a probe runs every few seconds, an answer takes ms. */
+const READY_DB_MS = 2_000;

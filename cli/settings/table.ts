@@ -25,6 +25,7 @@ import {
   SESSION_IDLE_TTL_S,
 } from "../../contracts/api/limits.ts";
 import { DEFAULT_DISK_RESERVE_BYTES } from "../../contracts/disk-space.ts";
+import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS } from "../../contracts/drain.ts";
 import { HEAP_STATS_ENV } from "../heap-stats.ts";
 
 /**
@@ -289,6 +290,26 @@ export const SETTINGS: readonly SettingSpec[] = [
     rangeText: "a PostgreSQL URL",
     unit: "text",
     doc: "the gateway's PostgreSQL; gateways sharing one are replicas of one service",
+  },
+  {
+    env: "SANDBOXD_DRAIN_DELAY",
+    flag: "drain-delay",
+    scope: "gateway",
+    def: DEFAULT_DRAIN_DELAY_MS / 1000,
+    min: 0,
+    max: 60,
+    unit: "seconds",
+    doc: "on SIGTERM, how long /readyz answers 503 before the process waits for its requests in flight (a load balancer's time to notice); gateway and agent",
+  },
+  {
+    env: "SANDBOXD_DRAIN_TIMEOUT",
+    flag: "drain-timeout",
+    scope: "gateway",
+    def: DEFAULT_DRAIN_TIMEOUT_MS / 1000,
+    min: 1,
+    max: 3600,
+    unit: "seconds",
+    doc: "on SIGTERM, the longest the process waits for its requests in flight (an exec ends, a stream is cut) before it stops; gateway and agent",
   },
   {
     env: "SANDBOXD_DATABASE_LISTEN_URL",

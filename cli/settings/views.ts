@@ -157,6 +157,14 @@ export function gatewayStart(s: Settings): GatewayStart {
   };
 }
 
+/** The graceful stop's bounds (`SANDBOXD_DRAIN_DELAY`, `SANDBOXD_DRAIN_TIMEOUT`), ms. */
+export function drainOptions(s: Settings): { delayMs: number; timeoutMs: number } {
+  return {
+    delayMs: Number(s.SANDBOXD_DRAIN_DELAY) * 1000,
+    timeoutMs: Number(s.SANDBOXD_DRAIN_TIMEOUT) * 1000,
+  };
+}
+
 /** SANDBOXD_DATA_DIR (`--data-dir`, a config file), else the default place (environment.ts). */
 export function dataDirOf(s: Settings): string {
   return s.SANDBOXD_DATA_DIR === "" ? defaultDataDir() : resolve(String(s.SANDBOXD_DATA_DIR));

@@ -314,7 +314,12 @@ export async function startServing(
   wrap: string[] = [],
 ): Promise<RunningService> {
   const [program, ...argv] = [...wrap, SANDBOXD, ...args] as [string, ...string[]];
-  const child = spawn(program, argv, { env, stdio: ["ignore", "pipe", "pipe"] });
+  // No readiness delay at a stop unless the suite asks for one: nothing balances load in front
+  // of a test's service, and every suite's teardown would wait for it.
+  const child = spawn(program, argv, {
+    env: { SANDBOXD_DRAIN_DELAY: "0", ...env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
   let log = "";
   child.stderr.on("data", (b: Buffer) => {
     log = (log + b.toString()).slice(-200_000);

@@ -27,9 +27,11 @@ import { join } from "node:path";
 import { eq } from "drizzle-orm";
 import { DIAL_URL_SCHEME } from "../../contracts/agent/dial.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
+import { agents } from "../../db/schema/agents.ts";
 import { dialLinks } from "../../db/schema/dial-links.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
+import { RELAY_SCAN_MS } from "../../gateway/agents/dial-relay.ts";
 import { createEnrollmentToken } from "../../gateway/agents/enrollment.ts";
 import { createKey } from "../../gateway/auth/keys.ts";
 import { busyboxImageSpec, makeDockerArchive } from "../fixtures/images.ts";
@@ -222,6 +224,14 @@ beforeAll(async () => {
     startAgent("fb", nss[1]!, "eu", true),
     startAgent("fc", nss[2]!, "us", false),
   ]);
+  // The BYOC agent's one link is up (its row), and the other gateway has looked for it (one
+  // relay scan): both gateways take it as live before the uploads build on the region's agents.
+  const linkedBy = performance.now() + SETUP_TIMEOUT_MS / 2;
+  while ((await db.db.select().from(dialLinks).where(eq(dialLinks.agentId, "fb"))).length === 0) {
+    if (performance.now() > linkedBy) throw new Error("the BYOC agent's link never came up");
+    await Bun.sleep(200);
+  }
+  await Bun.sleep(RELAY_SCAN_MS + 1_000);
   const spec = await busyboxImageSpec(join(gws[0]!.dir, "img"));
   const archive = await makeDockerArchive(join(gws[0]!.dir, "busybox.tar"), spec);
   const image = new Uint8Array(await readFile(archive.path));
@@ -234,6 +244,18 @@ beforeAll(async () => {
     uploadTemplate(svc, keys.eu, "bb", image, SETUP_TIMEOUT_MS),
     uploadTemplate(svc, keys.us, "bb", image, SETUP_TIMEOUT_MS),
   ]);
+  // Both eu agents report acme's template (built on both, or copied to one that missed the
+  // build), so placement spreads acme's sessions over them.
+  const heldBy = performance.now() + SETUP_TIMEOUT_MS / 2;
+  for (;;) {
+    const rows = await db.db.select().from(agents).where(eq(agents.region, "eu"));
+    if (rows.length === 2 && rows.every((r) => r.templates.some((t) => t.endsWith(".bb")))) break;
+    if (performance.now() > heldBy)
+      throw new Error(
+        `eu agents without acme's template: ${JSON.stringify(rows.map((r) => [r.id, r.templates]))}`,
+      );
+    await Bun.sleep(500);
+  }
 }, SETUP_TIMEOUT_MS);
 
 afterAll(async () => {
