@@ -34,6 +34,7 @@ import { type Reconciler, startReconciler } from "./core/reconcile.ts";
 import { ROWS_CHANNEL, RowCache } from "./core/row-cache.ts";
 import { TemplateCatchUp } from "./core/template-catch-up.ts";
 import type { Clock } from "./deps.ts";
+import { checkFleetSecrets } from "./fleet-secrets.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { answerAfterBody } from "./runtime/early-answer.ts";
 import { type RunningServer, type RuntimeName, serveFetch } from "./runtime/index.ts";
@@ -195,6 +196,16 @@ function gatewayConfig(opts: StartGatewayOptions): GatewayConfig {
  * A routing gateway's (one given no in-process agent) agent secret and router; none for a
  * gateway with its own agent.
  */
+/** A routing gateway's agent secret: the option, else the data dir's, else the operator's. */
+function agentSecretOf(opts: StartGatewayOptions): string | undefined {
+  return (
+    opts.agentSecret ??
+    (opts.dataDir !== undefined
+      ? loadSecrets(opts.dataDir, opts.secrets).agentSecret
+      : opts.secrets?.agentSecret)
+  );
+}
+
 function agentRouting(
   opts: StartGatewayOptions,
   db: Db,
@@ -203,11 +214,7 @@ function agentRouting(
   clock: Clock,
 ): { router: AgentRouter; agentSecret: string; dial: DialHub } | undefined {
   if (opts.agent !== undefined) return undefined;
-  const secret =
-    opts.agentSecret ??
-    (opts.dataDir !== undefined
-      ? loadSecrets(opts.dataDir, opts.secrets).agentSecret
-      : opts.secrets?.agentSecret);
+  const secret = agentSecretOf(opts);
   if (!secret)
     throw new SandboxdError(
       "bad_request",
@@ -342,6 +349,16 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let hostLoss: { stop(): void } | undefined;
   let catchUp: TemplateCatchUp | undefined;
   let routing: ReturnType<typeof agentRouting>;
+  try {
+    await checkFleetSecrets(handle.db, {
+      key_pepper: config.keyPepper,
+      connect_secret: config.connectSecret,
+      agent_secret: opts.agent === undefined ? agentSecretOf(opts) : undefined,
+    });
+  } catch (err) {
+    await handle.close();
+    throw err;
+  }
   const drain = new Drain();
   const keys = new VerifiedKeys({
     db: handle.db,

@@ -2,6 +2,7 @@
 export * from "./agents.ts";
 export * from "./api-keys.ts";
 export * from "./dial-links.ts";
+export * from "./fleet-secrets.ts";
 export * from "./rate-windows.ts";
 export * from "./sandboxes.ts";
 export * from "./templates.ts";

@@ -44,6 +44,8 @@ export async function startRoutingGateway(opts: {
     dataDir: dir,
     port: opts.port ?? 0,
     ...(opts.databaseUrl !== undefined ? { databaseUrl: opts.databaseUrl } : {}),
+    // Gateways of one database hold the same secrets (gateway/fleet-secrets.ts): the test's.
+    secrets: { keyPepper: `${opts.agentSecret}-pepper`, connectSecret: `${opts.agentSecret}-connect` },
     ...(opts.peerUrl !== undefined ? { peerUrl: opts.peerUrl } : {}),
     agentSecret: opts.agentSecret,
     staleAfterMs: opts.staleAfterMs,
