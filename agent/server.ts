@@ -4,6 +4,7 @@
  */
 import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS, Drain } from "../contracts/drain.ts";
+import { Metrics, metricsAnswer } from "../contracts/metrics.ts";
 import { createAgentApp } from "./api/app.ts";
 import { tunnelWebSocket } from "./api/tunnel-ws.ts";
 import type { SandboxManager } from "./sandbox/manager.ts";
@@ -23,6 +24,8 @@ export interface AgentServerOptions {
   log?: (msg: string) => void;
   /** Default `AGENT_IDLE_TIMEOUT_S`. */
   idleTimeoutS?: number;
+  /** `SANDBOXD_METRICS_TOKEN`: `GET /metrics` answers a bearer of it; unset, there is none. */
+  metricsToken?: string;
 }
 
 export interface AgentServer {
@@ -56,6 +59,22 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
     log: opts.log,
   });
   const drain = new Drain();
+  const metrics = agentMetrics(opts.manager, drain);
+  /** Counts and times each gateway call by method and status (its path names VMs: not a label). */
+  const timed = (request: Request, answer: Response | Promise<Response>): Promise<Response> => {
+    const t0 = performance.now();
+    return Promise.resolve(answer).then((res) => {
+      const labels = { method: request.method, status: String(res.status) };
+      metrics.inc("sandboxd_agent_requests_total", "Agent API calls answered.", labels);
+      metrics.observe(
+        "sandboxd_agent_request_duration_seconds",
+        "Time to the agent API's answer (its headers, for a stream): a VM operation's own time.",
+        { method: request.method },
+        (performance.now() - t0) / 1000,
+      );
+      return res;
+    });
+  };
   const server = Bun.serve({
     hostname: opts.hostname,
     port: opts.port,
@@ -65,7 +84,11 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
     fetch: (request, srv) => {
       srv.timeout(request, 0);
       // Probes first (no token: for the orchestrator), every call in flight counted for a drain.
-      return drain.probe(request) ?? drain.track(app.fetch(request, srv));
+      return (
+        drain.probe(request) ??
+        metricsAnswer(request, metrics, opts.metricsToken) ??
+        drain.track(timed(request, app.fetch(request, srv)))
+      );
     },
     // The only WebSocket route: GET /v1/vms/{id}/tunnel (upgraded in app.ts).
     websocket: tunnelWebSocket,
@@ -88,4 +111,24 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
       return left;
     },
   };
+}
+
+/** The agent's gauges (docs/operations.md "Metrics"), read at each scrape. */
+function agentMetrics(manager: SandboxManager, drain: Drain): Metrics {
+  const m = new Metrics();
+  m.gauge("sandboxd_agent_vms", "The agent's sandbox VMs by state.", () => {
+    const by = new Map<string, number>();
+    for (const s of manager.list()) by.set(s.state, (by.get(s.state) ?? 0) + 1);
+    return [...by].map(([state, value]) => ({ labels: { state }, value }));
+  });
+  m.gauge("sandboxd_agent_slots_free", "VMs of the default size this host can still start.", () => [
+    { labels: {}, value: manager.capacityNow().slotsFree },
+  ]);
+  m.gauge("sandboxd_agent_slots_total", "VM slots of this host.", () => [
+    { labels: {}, value: manager.capacityNow().slotsTotal },
+  ]);
+  m.gauge("sandboxd_agent_requests_in_flight", "Agent API calls being answered now.", () => [
+    { labels: {}, value: drain.active },
+  ]);
+  return m;
 }

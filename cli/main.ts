@@ -5,10 +5,11 @@
 import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
+import { formatLogLine, type LogFields, type LogFormat } from "../contracts/log.ts";
 import { buildVersion } from "./build-stamp.ts";
 import { defaultDataDir, REPO_ROOT } from "./config.ts";
 import { intOption } from "./int-option.ts";
-import { machineSettingsOrRefuse, quiet } from "./settings.ts";
+import { logFormat, machineSettingsOrRefuse, quiet } from "./settings.ts";
 
 const USAGE = `usage: sandboxd <command> [options]
 
@@ -101,8 +102,13 @@ const VERSION: string = JSON.parse(readFileSync(`${REPO_ROOT}/package.json`, "ut
 /** What the serving commands report as their version: the package version and the commit. */
 const buildStamp = () => buildVersion(REPO_ROOT, VERSION);
 
-function log(msg: string): void {
-  if (!quiet()) process.stderr.write(`sandboxd: ${msg}\n`);
+/** `SANDBOXD_LOG_FORMAT` (checked with the other settings by the serving commands): text or json. */
+const LOG_FORMAT: LogFormat = logFormat();
+
+function log(msg: string, fields?: LogFields): void {
+  if (quiet()) return;
+  const line = formatLogLine(LOG_FORMAT, msg, fields);
+  if (line !== undefined) process.stderr.write(`${line}\n`);
 }
 
 async function cmdRun(args: string[]): Promise<number> {

@@ -40,6 +40,7 @@ import {
   drainOptions,
   gatewayLimits,
   gatewayStart,
+  metricsToken,
   settingFlags,
   settingsOf,
   settingsOrRefuse,
@@ -245,6 +246,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
     ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
     ...(start.databaseListenUrl !== undefined ? { databaseListenUrl: start.databaseListenUrl } : {}),
     migrate: start.migrate,
+    ...(metricsToken(settings) !== undefined ? { metricsToken: metricsToken(settings) } : {}),
     secrets: start.secrets,
     ...(start.peerUrl !== undefined ? { peerUrl: start.peerUrl } : {}),
     config: {
@@ -322,6 +324,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     port: listenPort,
     version,
     log,
+    ...(metricsToken(settings) !== undefined ? { metricsToken: metricsToken(settings) } : {}),
   });
   const dialTo = values.dial
     ?.split(",")

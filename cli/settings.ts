@@ -16,7 +16,14 @@ import { processEnv } from "./settings/environment.ts";
 import { readSettings, type Settings } from "./settings/parse.ts";
 import { hostSettings, secretsFrom } from "./settings/views.ts";
 
-export { childEnv, databaseUrl, defaultDataDir, processEnv, quiet } from "./settings/environment.ts";
+export {
+  childEnv,
+  databaseUrl,
+  defaultDataDir,
+  logFormat,
+  processEnv,
+  quiet,
+} from "./settings/environment.ts";
 export {
   parseConfigFile,
   readSettings,
@@ -35,6 +42,7 @@ export {
   gatewayLimits,
   gatewayStart,
   hostSettings,
+  metricsToken,
   reportedSettings,
   secretsFrom,
   settingsOf,

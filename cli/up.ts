@@ -31,6 +31,7 @@ import {
   drainOptions,
   gatewayLimits,
   gatewayStart,
+  metricsToken,
   reportedSettings,
   settingFlags,
   settingsOrRefuse,
@@ -127,6 +128,8 @@ function startUpGateway(
     hostname: o.host ?? "127.0.0.1",
     dataDir: o.dataDir,
     ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
+    // `up`'s one scrape: the gateway's metrics (its agent is on loopback, unreachable from outside).
+    ...(metricsToken(settings) !== undefined ? { metricsToken: metricsToken(settings) } : {}),
     agentSecret: secrets.agentSecret,
     config: {
       version: o.version,

@@ -7,9 +7,12 @@
  * so a route mounted before the middleware answers without it. Body limits and validation happen
  * at the edge of each handler (http.ts), so that the template upload can stream.
  */
+
 import { Hono } from "hono";
 import type { AgentApi, AgentHostApi } from "../contracts/agent/api.ts";
 import { SandboxdError } from "../contracts/errors.ts";
+import type { LogFn } from "../contracts/log.ts";
+import type { Metrics } from "../contracts/metrics.ts";
 import type { Db } from "../db/client.ts";
 import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import { bearerKey } from "./auth/bearer.ts";
@@ -22,6 +25,7 @@ import type { RowCache } from "./core/row-cache.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
+import { requestContext } from "./request-context.ts";
 import { connectRoutes, connectTokenRoutes } from "./routes/connect.ts";
 import { consoleRoutes } from "./routes/console.ts";
 import { fileRoutes } from "./routes/files.ts";
@@ -43,7 +47,9 @@ export interface CreateAppDeps {
   placement?: Placement;
   config: GatewayConfig;
   clock?: Clock;
-  log?: (line: string) => void;
+  log?: LogFn;
+  /** The process's operator metrics (contracts/metrics.ts): requests counted and timed. */
+  metrics?: Metrics;
   /** Connect relays of this process; one is made when not given. */
   relays?: RelayRegistry;
   /** Long-lived connections by key (auth/key-connections.ts); one is made when not given. */
@@ -99,12 +105,13 @@ function placementOf(input: CreateAppDeps): Placement {
 
 export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   const deps = appDeps(input);
-  const log = input.log ?? ((line: string) => console.error(line));
+  const log: LogFn = input.log ?? ((line: string) => console.error(line));
   const rateLimit = keyRateLimit(deps.config.limits.ratePerSecond, deps.clock, deps.db, {
     local: input.localRateLimit === true,
   });
   const app = new Hono<HonoEnv>();
 
+  app.use("*", requestContext(log, input.metrics));
   app.onError((err, c) => errorResponse(err, c, log));
   app.notFound((c) =>
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),

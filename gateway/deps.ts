@@ -1,6 +1,7 @@
 /** What createApp and the core functions are given (no globals). */
 
 import type { AgentHostApi } from "../contracts/agent/api.ts";
+import type { LogFn } from "../contracts/log.ts";
 import type { Db } from "../db/client.ts";
 import type { Placement } from "./agents/placement.ts";
 import type { KeyConnection, KeyConnections } from "./auth/key-connections.ts";
@@ -41,7 +42,7 @@ export interface Deps {
    */
   rows?: RowCache;
   /** Where a cleanup that failed on a path already failing is said (default: stderr). */
-  log?: (line: string) => void;
+  log?: LogFn;
 }
 
 /**
@@ -61,4 +62,7 @@ export function logOf(deps: Pick<Deps, "log">): (line: string) => void {
  * `upgrade`: given by the server (gateway/server.ts, runtime/) with a request that asks for a
  * WebSocket; absent under `app.request()`.
  */
-export type HonoEnv = { Variables: { principal: Principal }; Bindings: { upgrade?: Upgrade } };
+export type HonoEnv = {
+  Variables: { principal: Principal; requestId: string };
+  Bindings: { upgrade?: Upgrade };
+};

@@ -4,8 +4,9 @@
  * `createApp` with the hosting runtime's own server (runtime/: Bun.serve, or the runtime's
  * node:http server through @hono/node-server under Node and Deno). Nothing here is specific to one runtime.
  */
+
 import { join } from "node:path";
-import { sql } from "drizzle-orm";
+import { isNotNull, sql } from "drizzle-orm";
 import type { AgentApi } from "../contracts/agent/api.ts";
 import { DIAL_PATH } from "../contracts/agent/dial.ts";
 import { ENROLL_PATH } from "../contracts/agent/enroll.ts";
@@ -14,7 +15,10 @@ import { HEARTBEAT_PATH } from "../contracts/agent/heartbeat.ts";
 import { secretKey } from "../contracts/agent/token.ts";
 import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS, Drain } from "../contracts/drain.ts";
 import { SandboxdError } from "../contracts/errors.ts";
+import type { LogFn } from "../contracts/log.ts";
+import { Metrics, metricsAnswer } from "../contracts/metrics.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
+import { agents } from "../db/schema/agents.ts";
 import { DialHub } from "./agents/dial-hub.ts";
 import { RELAY_PATH } from "./agents/dial-relay.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
@@ -61,6 +65,8 @@ export type StartGatewayOptions = {
    * SANDBOXD_AGENT_SECRET): they win over the data dir's files; `config`'s win over them.
    */
   secrets?: OperatorSecrets;
+  /** `SANDBOXD_METRICS_TOKEN`: `GET /metrics` answers a bearer of it; unset, there is none. */
+  metricsToken?: string;
   /**
    * Routing mode: this gateway's URL as the other gateways of its region reach it (`--peer-url`):
    * the links of dial-out agents it holds are offered to them (docs/regions.md "Gateways behind
@@ -78,7 +84,7 @@ export type StartGatewayOptions = {
   /** Overrides of the resolved config (secrets included, which then win over the data dir's). */
   config?: Partial<GatewayConfigInput>;
   clock?: Clock;
-  log?: (line: string) => void;
+  log?: LogFn;
   /**
    * Seconds a connection may wait for a request's headers, or sit idle between requests, before
    * it is closed (default `HTTP_IDLE_TIMEOUT_S`, runtime/types.ts).
@@ -360,6 +366,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     throw err;
   }
   const drain = new Drain();
+  const metrics = gatewayMetrics(handle, drain, opts.staleAfterMs);
   const keys = new VerifiedKeys({
     db: handle.db,
     pepper: config.keyPepper,
@@ -395,6 +402,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     });
     const app = createApp({
       ...deps,
+      metrics,
       keys,
       localRateLimit: handle.kind === "pglite",
       ...(opts.log ? { log: opts.log } : {}),
@@ -422,7 +430,9 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     server = await serveFetch({
       // Probes first (no credentials); every other request counts as in flight for a drain.
       fetch: (request, upgrade) =>
-        drain.probe(request, () => databaseAnswers(handle)) ?? drain.track(answer(request, upgrade)),
+        drain.probe(request, () => databaseAnswers(handle)) ??
+        metricsAnswer(request, metrics, opts.metricsToken) ??
+        drain.track(answer(request, upgrade)),
       hostname,
       port: opts.port ?? 8080,
       ...(opts.httpIdleTimeoutS !== undefined ? { idleTimeoutS: opts.httpIdleTimeoutS } : {}),
@@ -496,6 +506,49 @@ function running(
       return left;
     },
   };
+}
+
+/**
+ * The gateway's gauges (docs/operations.md "Metrics"), read at each scrape: requests in flight,
+ * the database answering, and per agent of the database its heartbeat's age, slots free and total,
+ * and whether it is live, cordoned or lost. Requests are counted by the app (request-context.ts).
+ */
+function gatewayMetrics(handle: DbHandle, drain: Drain, staleAfterMs = AGENT_STALE_AFTER_MS): Metrics {
+  const m = new Metrics();
+  m.gauge("sandboxd_gateway_requests_in_flight", "Requests being answered now.", () => [
+    { labels: {}, value: drain.active },
+  ]);
+  m.gauge("sandboxd_gateway_database_up", "1 when the database answers a query within 2 s.", async () => [
+    { labels: {}, value: (await databaseAnswers(handle)) ? 1 : 0 },
+  ]);
+  const perAgent = async (value: (r: typeof agents.$inferSelect, now: number) => number) => {
+    const now = Date.now();
+    const rows = await handle.db.select().from(agents).where(isNotNull(agents.keyId));
+    return rows.map((r) => ({ labels: { agent: r.id, region: r.region }, value: value(r, now) }));
+  };
+  m.gauge(
+    "sandboxd_gateway_agent_heartbeat_age_seconds",
+    "Seconds since each enrolled agent's last heartbeat.",
+    () => perAgent((r, now) => (r.lastHeartbeatAt ? (now - r.lastHeartbeatAt.getTime()) / 1000 : -1)),
+  );
+  m.gauge("sandboxd_gateway_agent_live", "1 when the agent's heartbeat is fresh, else 0.", () =>
+    perAgent((r, now) => (r.lastHeartbeatAt && now - r.lastHeartbeatAt.getTime() < staleAfterMs ? 1 : 0)),
+  );
+  m.gauge(
+    "sandboxd_gateway_agent_slots_free",
+    "VM slots free on each agent, as its last heartbeat said.",
+    () => perAgent((r) => r.slotsFree),
+  );
+  m.gauge("sandboxd_gateway_agent_slots_total", "VM slots of each agent.", () =>
+    perAgent((r) => r.slotsTotal),
+  );
+  m.gauge("sandboxd_gateway_agent_cordoned", "1 for an agent cordoned by the operator.", () =>
+    perAgent((r) => (r.cordonedAt ? 1 : 0)),
+  );
+  m.gauge("sandboxd_gateway_agent_lost", "1 for an agent declared lost (its sandboxes ended).", () =>
+    perAgent((r) => (r.lostAt ? 1 : 0)),
+  );
+  return m;
 }
 
 /** The gateway's readiness check: its database answers a trivial query within READY_DB_MS. */

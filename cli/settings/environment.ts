@@ -33,6 +33,11 @@ export function quiet(): boolean {
   return process.env.SANDBOXD_QUIET === "1";
 }
 
+/** SANDBOXD_LOG_FORMAT=json: the CLI's log lines as JSON objects (contracts/log.ts); else text. */
+export function logFormat(): "text" | "json" {
+  return process.env.SANDBOXD_LOG_FORMAT === "json" ? "json" : "text";
+}
+
 /** DATABASE_URL for the operator commands that open the gateway's database themselves. */
 export function databaseUrl(): string | undefined {
   return process.env.DATABASE_URL || undefined;

@@ -26,6 +26,7 @@ import {
 } from "../../contracts/api/limits.ts";
 import { DEFAULT_DISK_RESERVE_BYTES } from "../../contracts/disk-space.ts";
 import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS } from "../../contracts/drain.ts";
+import { LOG_FORMATS } from "../../contracts/log.ts";
 import { HEAP_STATS_ENV } from "../heap-stats.ts";
 
 /**
@@ -292,6 +293,15 @@ export const SETTINGS: readonly SettingSpec[] = [
     doc: "the gateway's PostgreSQL; gateways sharing one are replicas of one service",
   },
   {
+    env: "SANDBOXD_LOG_FORMAT",
+    scope: "gateway",
+    reported: false,
+    def: "text",
+    choices: LOG_FORMATS,
+    unit: "choice",
+    doc: "the serving processes' log lines (the environment only: lines are written before flags and config files are read): `sandboxd: <text>`, or one JSON object a line (time, level, msg, request_id, tenant, sandbox, agent, and an access line per gateway request)",
+  },
+  {
     env: "SANDBOXD_DRAIN_DELAY",
     flag: "drain-delay",
     scope: "gateway",
@@ -378,6 +388,16 @@ export const SETTINGS: readonly SettingSpec[] = [
       doc: what,
     }),
   ),
+  {
+    env: "SANDBOXD_METRICS_TOKEN",
+    scope: "gateway",
+    reported: false,
+    def: "",
+    defText: "none: no /metrics endpoint",
+    rangeText: "a secret",
+    unit: "text",
+    doc: 'the bearer token `GET /metrics` (Prometheus text) asks of a scraper, on the gateway and on each agent (docs/operations.md "Metrics")',
+  },
   // The agent's host: registries, egress, disk budgets, the accelerator and the jail.
   {
     env: "SANDBOXD_EGRESS_DEFAULT",

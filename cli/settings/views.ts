@@ -157,6 +157,11 @@ export function gatewayStart(s: Settings): GatewayStart {
   };
 }
 
+/** `SANDBOXD_METRICS_TOKEN`, or undefined: no metrics endpoint. */
+export function metricsToken(s: Settings): string | undefined {
+  return s.SANDBOXD_METRICS_TOKEN === "" ? undefined : String(s.SANDBOXD_METRICS_TOKEN);
+}
+
 /** The graceful stop's bounds (`SANDBOXD_DRAIN_DELAY`, `SANDBOXD_DRAIN_TIMEOUT`), ms. */
 export function drainOptions(s: Settings): { delayMs: number; timeoutMs: number } {
   return {

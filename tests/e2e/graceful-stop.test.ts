@@ -3,7 +3,8 @@
  * graceful stop"), end to end: `bin/sandboxd up` with a 1 s drain delay, a real VM of the python
  * template, the real HTTP API. `/livez` and `/readyz` answer without credentials. SIGTERM arrives
  * while a 5 s exec runs: `/readyz` turns 503 `draining` (while `/livez` still answers) before the
- * exec returns, the exec returns its whole result, and the process exits 0 afterwards.
+ * exec returns, the exec returns its whole result, and the process exits 0 afterwards. Its logs
+ * are JSON (SANDBOXD_LOG_FORMAT): the exec's access line names its request id, tenant and sandbox.
  */
 import { expect, test } from "bun:test";
 import { existsSync } from "node:fs";
@@ -16,7 +17,10 @@ const EXEC_S = 5;
 /** One VM's boot from the template, the exec and the stop, on a loaded host. */
 const TEST_TIMEOUT_MS = 180_000;
 
-const fx = useService({ keys: { key: ["acme", "pro"] }, env: { SANDBOXD_DRAIN_DELAY: "1" } });
+const fx = useService({
+  keys: { key: ["acme", "pro"] },
+  env: { SANDBOXD_DRAIN_DELAY: "1", SANDBOXD_LOG_FORMAT: "json" },
+});
 
 async function probe(path: string): Promise<{ status: number; body: string }> {
   const res = await fetch(`${fx.svc.url}${path}`);
@@ -64,6 +68,27 @@ test(
     expect(unreadyMs).toBeGreaterThan(0);
     expect(unreadyMs).toBeLessThan(execDoneMs);
     expect(liveWhileDraining).toBe(200);
+    // JSON logs: the exec's access line, with its request id, tenant and sandbox.
+    const lines = fx.svc
+      .logTail(2000)
+      .split("\n")
+      .flatMap((l) => {
+        try {
+          return [JSON.parse(l) as Record<string, unknown>];
+        } catch {
+          return [];
+        }
+      });
+    const accessLine = lines.find((l) => l.kind === "access" && l.path === `/v1/sandboxes/${id}/exec`);
+    // Printed first: Bun's toMatchObject writes its matchers into the object it matched.
+    console.log(`JSON_LOG_LINE ${JSON.stringify(accessLine)}`);
+    expect(accessLine).toMatchObject({
+      level: "info",
+      status: 200,
+      sandbox: id,
+      request_id: res.headers.get("x-request-id"),
+      tenant: expect.stringMatching(/^ten_/),
+    });
     // The process ends by itself once the exec is answered (no second signal).
     const deadline = performance.now() + 60_000;
     while (existsSync(`/proc/${pid}`) && performance.now() < deadline) await Bun.sleep(100);

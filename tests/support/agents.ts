@@ -90,6 +90,8 @@ export async function startEnrolledAgent(opts: {
   intervalMs: number;
   /** A BYOC agent: enrolled to dial out (`agent-token create --dial`), linked to `gw` by its dialer. */
   dial?: boolean;
+  /** `AgentServerOptions.metricsToken`. */
+  metricsToken?: string;
 }): Promise<{ credentials: AgentCredentials; server: AgentServer; hb: HeartbeatSender; dialer?: Dialer }> {
   const { gw, manager, stateDir, id } = opts;
   const { token } = await gw.withDb((db) =>
@@ -106,6 +108,7 @@ export async function startEnrolledAgent(opts: {
     hostname: "127.0.0.1",
     port: 0,
     version: "test",
+    ...(opts.metricsToken !== undefined ? { metricsToken: opts.metricsToken } : {}),
   });
   const dialer = opts.dial
     ? startDialer({

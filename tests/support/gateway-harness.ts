@@ -4,12 +4,14 @@
  * and make requests through `app.request()`. Every response `req` returns has been checked against
  * openapi.yaml (tests/support/openapi-check.ts) unless `validate: false`: a mismatch rejects.
  */
+
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { AgentHostApi } from "../../contracts/agent/api.ts";
 import type { Limits } from "../../contracts/api/limits.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
+import type { LogFn } from "../../contracts/log.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
 import type { Placement } from "../../gateway/agents/placement.ts";
 import { createApp } from "../../gateway/app.ts";
@@ -55,6 +57,8 @@ export async function makeHarness(
     placement?: (db: DbHandle["db"], clock: () => number) => Placement & AgentHostApi;
     /** The gateway's default region (`config.region`). */
     region?: string;
+    /** The app's log lines with their fields (default: dropped). */
+    log?: LogFn;
   } = {},
 ): Promise<Harness> {
   const dir = mkdtempSync(join(tmpdir(), "sandboxd-gw-"));
@@ -83,7 +87,7 @@ export async function makeHarness(
     ...(placement ? { agent: placement, placement } : { agent }),
     config,
     clock,
-    log: () => {},
+    log: opts.log ?? (() => {}),
     ...(opts.rows ? { rows: opts.rows } : {}),
   });
   return {

@@ -118,6 +118,8 @@ describe("SandboxManager with real VMs", () => {
 
       // idle: vCPUs stopped after the grace; the next exec wakes it transparently
       expect(await waitFor(() => m.info(id).state === "paused", HANG_MS)).toBe(true);
+      // Left paused a moment: seen the instant it paused, its paused time (whole ms) could be 0.
+      await Bun.sleep(20);
       const tWake = performance.now();
       const r5 = await m.exec(id, { files: [], run: { kind: "shell", command: "cat /app/b.txt" } });
       const wakeMs = performance.now() - tWake;
