@@ -183,6 +183,20 @@ describe("plain HTTP or TLS", () => {
         'Get \\"http://169.254.169.254:80/v2/\\": dial tcp 169.254.169.254:80: connect: connection refused',
         "registry_unreachable",
       ],
+      // The digits of a port are no status code: a refused connection stays unreachable.
+      [
+        'Get \\"http://127.0.0.3:40412/token\\": dial tcp 127.0.0.3:40412: connect: connection refused',
+        "registry_unreachable",
+      ],
+      [
+        'Get \\"http://127.0.0.3:34013/v2/\\": dial tcp 127.0.0.3:34013: connect: connection refused',
+        "registry_unreachable",
+      ],
+      [
+        "reading manifest 1 in 127.0.0.1:5000/bb: received unexpected HTTP status: 404 Not Found",
+        "image_not_found",
+      ],
+      ["pinging registry: received unexpected HTTP status: 403 Forbidden", "registry_denied"],
       ["writing blob: open /var/tmp/storage123: no space left on device", "image_too_large"],
       ["something else at /var/lib/sandboxd/cache", "image_pull_failed"],
     ];

@@ -116,11 +116,15 @@ export async function runSkopeo(
  */
 export function classifySkopeoFailure(output: string): [reason: string, text: string] {
   const msg = skopeoReason(output);
+  // A status code standing alone: never the digits of an address or a port (`127.0.0.3:40412`
+  // once made a refused connection read as a missing image).
+  const status = (codes: string) => new RegExp(`(?<![\\w.:])(?:${codes})(?![\\w.:])`);
   if (
-    /unauthorized|authentication required|denied|forbidden|\b40[13]\b|invalid username|credentials/i.test(msg)
+    /unauthorized|authentication required|denied|forbidden|invalid username|credentials/i.test(msg) ||
+    status("401|403").test(msg)
   )
     return ["registry_denied", "the registry refused the credentials or access to the image"];
-  if (/manifest unknown|name unknown|not found|404/i.test(msg))
+  if (/manifest unknown|name unknown|not found/i.test(msg) || status("404").test(msg))
     return [
       "image_not_found",
       "manifest unknown: the registry has no such image, or not for these credentials",
