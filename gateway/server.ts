@@ -214,13 +214,13 @@ function agentSecretOf(opts: StartGatewayOptions): string | undefined {
 
 function agentRouting(
   opts: StartGatewayOptions,
+  secret: string | undefined,
   db: Db,
   region: string,
   waitMs: number,
   clock: Clock,
 ): { router: AgentRouter; agentSecret: string; dial: DialHub } | undefined {
   if (opts.agent !== undefined) return undefined;
-  const secret = agentSecretOf(opts);
   if (!secret)
     throw new SandboxdError(
       "bad_request",
@@ -355,11 +355,13 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   let hostLoss: { stop(): void } | undefined;
   let catchUp: TemplateCatchUp | undefined;
   let routing: ReturnType<typeof agentRouting>;
+  // A routing gateway's agent secret, read once: compared with the fleet's, then routed with.
+  const agentSecret = opts.agent === undefined ? agentSecretOf(opts) : undefined;
   try {
     await checkFleetSecrets(handle.db, {
       key_pepper: config.keyPepper,
       connect_secret: config.connectSecret,
-      agent_secret: opts.agent === undefined ? agentSecretOf(opts) : undefined,
+      agent_secret: agentSecret,
     });
   } catch (err) {
     await handle.close();
@@ -387,7 +389,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       log,
       ...(opts.keyRecheckMs !== undefined ? { recheckMs: opts.keyRecheckMs } : {}),
     });
-    routing = agentRouting(opts, handle.db, config.region, config.agentWaitMs, clock);
+    routing = agentRouting(opts, agentSecret, handle.db, config.region, config.agentWaitMs, clock);
     router = routing?.router;
     const deps = appDeps({
       db: handle.db,

@@ -65,6 +65,8 @@ export const DEFAULT_JAIL: JailSettings = { uidRange: DEFAULT_UID_RANGE, unshare
 
 /** qcow2's incompatible feature bit for an external data file (header v3, bytes 72..79). */
 const QCOW2_INCOMPAT_DATA_FILE = 1n << 2n;
+/** The first four bytes of every qcow2 image ("QFI\xfb"). */
+export const QCOW2_MAGIC = 0x514649fb;
 
 /**
  * The backing files of the qcow2 image `path`, nearest first, read from the images' headers
@@ -89,7 +91,7 @@ export async function backingChain(
     try {
       const hdr = Buffer.alloc(80);
       await fh.read(hdr, 0, 80, 0);
-      if (hdr.readUInt32BE(0) !== 0x514649fb) break; // not qcow2: a raw image has no backing file
+      if (hdr.readUInt32BE(0) !== QCOW2_MAGIC) break; // not qcow2: a raw image has no backing file
       if (hdr.readUInt32BE(4) >= 3 && (hdr.readBigUInt64BE(72) & QCOW2_INCOMPAT_DATA_FILE) !== 0n)
         return { files, virtualSize, foreign: `${cur} (an external data file)` };
       if (depth === 0) virtualSize = Number(hdr.readBigUInt64BE(24));

@@ -34,7 +34,7 @@ import { runTool } from "../host/tool.ts";
 import { DISK_FILE } from "../image/cache.ts";
 import { type ImageConfig, StoredImageConfig } from "../image/config.ts";
 import type { Accel } from "../qemu/args.ts";
-import { backingChain } from "../qemu/jail-setup.ts";
+import { backingChain, QCOW2_MAGIC } from "../qemu/jail-setup.ts";
 import { QEMU_BINARY_PATH } from "../qemu/launch.ts";
 import { rebaseUnsafe, virtualSize } from "../storage/qcow2.ts";
 import { DEFAULT_VM_HOST, type VmHostSettings } from "../vm/host-settings.ts";
@@ -302,10 +302,8 @@ async function checkDisks(base: string, disk: string): Promise<void> {
     ["base disk", base],
     ["overlay", disk],
   ] as const) {
-    const head = Buffer.alloc(4);
-    const fh = await Bun.file(path).slice(0, 4).arrayBuffer();
-    Buffer.from(fh).copy(head);
-    if (head.readUInt32BE(0) !== 0x514649fb)
+    const head = Buffer.from(await Bun.file(path).slice(0, 4).arrayBuffer());
+    if (head.length < 4 || head.readUInt32BE(0) !== QCOW2_MAGIC)
       throw new SnapshotError("bad_request", `template bundle: the ${what} is not a qcow2 image`);
   }
   const own = await backingChain(base, new Set());
