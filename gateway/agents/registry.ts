@@ -6,7 +6,8 @@
  * another region, or another URL than a pinned one, is refused: a host's key alone never moves it
  * into another region's placement. Placement (router.ts) reads the live ones from here.
  */
-import { and, eq, gt, isNotNull, type SQL } from "drizzle-orm";
+import { and, eq, gt, isNotNull, isNull, lte, or, type SQL, sql } from "drizzle-orm";
+import type { PgUpdateSetSource } from "drizzle-orm/pg-core";
 import { HEARTBEAT_INTERVAL_MS, Heartbeat } from "../../contracts/agent/heartbeat.ts";
 import {
   type AgentTokenPurpose,
@@ -31,9 +32,17 @@ export const AGENT_STALE_AFTER_MS = 3 * HEARTBEAT_INTERVAL_MS;
 /**
  * Refreshes the row of the enrolled agent `hb.id` whose current key id is `keyId`; false when
  * there is none (revoked or re-keyed since the heartbeat was checked).
+ *
+ * Beats are stamped when their handler reaches this point, and two of one agent's beats may be
+ * in flight at once (a slow one and the next, or two gateways): a beat stamped before the one
+ * already recorded changes nothing (true all the same: the agent is enrolled). Otherwise the last
+ * heartbeat would move back in time after host loss (gateway/core/host-loss.ts) closed usage at
+ * the later one, and a beat from before a loss would count as the agent coming back.
  */
-export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date): Promise<boolean> {
-  return updateAgent(db, and(eq(agents.id, hb.id), eq(agents.keyId, keyId)), {
+export async function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date): Promise<boolean> {
+  const mine = and(eq(agents.id, hb.id), eq(agents.keyId, keyId));
+  const fresh = or(isNull(agents.lastHeartbeatAt), lte(agents.lastHeartbeatAt, at));
+  const done = await updateAgent(db, and(mine, fresh), {
     url: hb.url,
     slotsTotal: hb.capacity.slotsTotal,
     slotsFree: hb.capacity.slotsFree,
@@ -49,9 +58,14 @@ export function recordHeartbeat(db: Db, hb: Heartbeat, keyId: string, at: Date):
     placedDiskMib: 0,
     lastHeartbeatAt: at,
     // Back from lost (gateway/core/host-loss.ts): its rows have ended; reconciliation destroys
-    // their VMs on it, and it takes new ones again.
-    lostAt: null,
+    // their VMs on it, and it takes new ones again. A beat stamped before the loss was declared
+    // (committed late) proves nothing after it: the agent stays lost.
+    lostAt: sql`CASE WHEN ${agents.lostAt} > ${at.toISOString()}::timestamptz THEN ${agents.lostAt} END`,
   });
+  if (done) return true;
+  // Not updated: stale (still enrolled with this key) or revoked/re-keyed.
+  const [row] = await db.select({ id: agents.id }).from(agents).where(mine);
+  return row !== undefined;
 }
 
 /**
@@ -70,7 +84,7 @@ export function revokeAgent(db: Db, id: string, now: Date = new Date()): Promise
 async function updateAgent(
   db: Db,
   where: SQL | undefined,
-  set: Partial<typeof agents.$inferInsert>,
+  set: PgUpdateSetSource<typeof agents>,
 ): Promise<boolean> {
   const done = await db.update(agents).set(set).where(where).returning({ id: agents.id });
   return done.length === 1;

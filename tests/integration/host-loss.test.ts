@@ -16,6 +16,7 @@ import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { templates } from "../../db/schema/templates.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
+import { recordHeartbeat } from "../../gateway/agents/registry.ts";
 import { ensureTenant } from "../../gateway/auth/keys.ts";
 import { HOST_LOST, startHostLossSweeper, sweepLostAgents } from "../../gateway/core/host-loss.ts";
 import { usageReport } from "../../gateway/core/usage.ts";
@@ -329,6 +330,52 @@ for (const c of cases) {
           .from(usageIntervals)
           .where(and(inArray(usageIntervals.sandboxId, ids), isNotNull(usageIntervals.endedAt)));
         expect(closed.map((i) => i.endedAt!.getTime())).toEqual(ids.map(() => last.getTime()));
+      },
+      TEST_MS,
+    );
+
+    test(
+      "a beat stamped before the recorded one changes nothing; one stamped before a loss does not end it",
+      async () => {
+        const url = c.url ? await c.url() : undefined;
+        const dir = mkdtempSync(join(tmpdir(), "sandboxd-beat-order-"));
+        const handle = await openDb(url ? { url } : { dataDir: dir });
+        cleanups.push(async () => {
+          await handle.close();
+          rmSync(dir, { recursive: true, force: true });
+        });
+        const db = handle.db;
+        const id = `order-${c.name}`;
+        await db.delete(agents).where(eq(agents.id, id));
+        await db.insert(agents).values({ id, region: "eu-order", url: "http://o.invalid", keyId: "k1" });
+        const hb = (free: number) => ({
+          id,
+          region: "eu-order",
+          url: "http://o.invalid",
+          capacity: { slotsTotal: 4, slotsFree: free, vcpusFree: 4, memMibFree: 1024 },
+        });
+        const t = Date.now();
+        const row = async () => (await db.select().from(agents).where(eq(agents.id, id)))[0]!;
+        // Two beats in flight: the later stamp commits first, the earlier one after it.
+        expect(await recordHeartbeat(db, hb(3), "k1", new Date(t + 20))).toBe(true);
+        expect(await recordHeartbeat(db, hb(1), "k1", new Date(t + 10))).toBe(true);
+        expect([(await row()).lastHeartbeatAt!.getTime(), (await row()).slotsFree]).toEqual([t + 20, 3]);
+        // Declared lost at t+5000; a beat stamped at t+4000 (before the claim) lands after it.
+        await db
+          .update(agents)
+          .set({ lostAt: new Date(t + 5000) })
+          .where(eq(agents.id, id));
+        expect(await recordHeartbeat(db, hb(2), "k1", new Date(t + 4000))).toBe(true);
+        expect([(await row()).lastHeartbeatAt!.getTime(), (await row()).lostAt?.getTime()]).toEqual([
+          t + 4000,
+          t + 5000,
+        ]);
+        // A beat after the loss brings it back.
+        expect(await recordHeartbeat(db, hb(2), "k1", new Date(t + 6000))).toBe(true);
+        expect((await row()).lostAt).toBeNull();
+        // Another key (re-keyed or revoked) is refused, stale or not.
+        expect(await recordHeartbeat(db, hb(2), "k2", new Date(t + 7000))).toBe(false);
+        expect(await recordHeartbeat(db, hb(2), "k2", new Date(t))).toBe(false);
       },
       TEST_MS,
     );
