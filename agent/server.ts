@@ -2,9 +2,19 @@
  * Serves the agent's HTTP API (agent/api/app.ts) for the gateway. The agent runs under Bun (it
  * drives QEMU through node:child_process and node:net, both of which Bun provides).
  */
+
+import { AGENT_API_PREFIX } from "../contracts/agent/api.ts";
 import type { AgentCredentials } from "../contracts/agent/token.ts";
 import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS, Drain } from "../contracts/drain.ts";
 import { Metrics, metricsAnswer } from "../contracts/metrics.ts";
+import {
+  agentOpName,
+  parseTraceparent,
+  SpanKind,
+  TRACEPARENT_HEADER,
+  Tracer,
+  withScope,
+} from "../contracts/trace.ts";
 import { createAgentApp } from "./api/app.ts";
 import { tunnelWebSocket } from "./api/tunnel-ws.ts";
 import type { SandboxManager } from "./sandbox/manager.ts";
@@ -26,6 +36,8 @@ export interface AgentServerOptions {
   idleTimeoutS?: number;
   /** `SANDBOXD_METRICS_TOKEN`: `GET /metrics` answers a bearer of it; unset, there is none. */
   metricsToken?: string;
+  /** `SANDBOXD_OTLP_ENDPOINT`: spans are exported there (OTLP/HTTP JSON); unset, they are not. */
+  otlpEndpoint?: string;
 }
 
 export interface AgentServer {
@@ -60,19 +72,48 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
   });
   const drain = new Drain();
   const metrics = agentMetrics(opts.manager, drain);
-  /** Counts and times each gateway call by method and status (its path names VMs: not a label). */
-  const timed = (request: Request, answer: Response | Promise<Response>): Promise<Response> => {
+  const tracer = new Tracer({
+    service: "sandboxd-agent",
+    ...(opts.otlpEndpoint !== undefined ? { endpoint: opts.otlpEndpoint } : {}),
+    log: opts.log,
+  });
+  metrics.counterFrom(
+    "sandboxd_agent_trace_spans_dropped_total",
+    "Spans not exported (queue full, collector failing).",
+    () => [{ labels: {}, value: tracer.dropped }],
+  );
+  /**
+   * Serves one gateway call as a span of the gateway's trace (its `traceparent`), in that scope
+   * (its log lines name the trace), counted and timed by operation: the path's pattern, ids left
+   * out (`POST /vms/:id/exec`), so the series stay bounded.
+   */
+  const timed = (request: Request, answer: () => Response | Promise<Response>): Promise<Response> => {
     const t0 = performance.now();
-    return Promise.resolve(answer).then((res) => {
-      const labels = { method: request.method, status: String(res.status) };
-      metrics.inc("sandboxd_agent_requests_total", "Agent API calls answered.", labels);
-      metrics.observe(
-        "sandboxd_agent_request_duration_seconds",
-        "Time to the agent API's answer (its headers, for a stream): a VM operation's own time.",
-        { method: request.method },
-        (performance.now() - t0) / 1000,
-      );
-      return res;
+    const path = new URL(request.url).pathname;
+    const op = agentOpName(
+      request.method,
+      path.startsWith(AGENT_API_PREFIX) ? path.slice(AGENT_API_PREFIX.length) : path,
+    );
+    const parent = parseTraceparent(request.headers.get(TRACEPARENT_HEADER));
+    const span = tracer.start(op, SpanKind.server, parent);
+    const vm = /^\/vms\/([^/]+)/.exec(path.slice(AGENT_API_PREFIX.length))?.[1];
+    return withScope({ span: span.context, ...(vm ? { sandbox: decodeURIComponent(vm) } : {}) }, async () => {
+      try {
+        const res = await answer();
+        const labels = { op, status: String(res.status) };
+        metrics.inc("sandboxd_agent_requests_total", "Agent API calls answered.", labels);
+        metrics.observe(
+          "sandboxd_agent_request_duration_seconds",
+          "Time to the agent API's answer (its headers, for a stream): a VM operation's own time.",
+          { op },
+          (performance.now() - t0) / 1000,
+        );
+        span.end({ status: res.status });
+        return res;
+      } catch (err) {
+        span.end({ error: err });
+        throw err;
+      }
     });
   };
   const server = Bun.serve({
@@ -87,7 +128,7 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
       return (
         drain.probe(request) ??
         metricsAnswer(request, metrics, opts.metricsToken) ??
-        drain.track(timed(request, app.fetch(request, srv)))
+        drain.track(timed(request, () => app.fetch(request, srv)))
       );
     },
     // The only WebSocket route: GET /v1/vms/{id}/tunnel (upgraded in app.ts).
@@ -95,6 +136,7 @@ export function startAgentServer(opts: AgentServerOptions): AgentServer {
   });
   const stop = async () => {
     await server.stop(true);
+    await tracer.close(); // the last calls' spans, bounded by one export's timeout
   };
   return {
     url: `http://${opts.hostname}:${server.port}`,

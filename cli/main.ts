@@ -5,7 +5,7 @@
 import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 import { describeError, SandboxdError } from "../contracts/errors.ts";
-import { formatLogLine, type LogFields, type LogFormat } from "../contracts/log.ts";
+import { formatLogLine, type LogFields, type LogFormat, withRequestFields } from "../contracts/log.ts";
 import { buildVersion } from "./build-stamp.ts";
 import { defaultDataDir, REPO_ROOT } from "./config.ts";
 import { intOption } from "./int-option.ts";
@@ -107,7 +107,7 @@ const LOG_FORMAT: LogFormat = logFormat();
 
 function log(msg: string, fields?: LogFields): void {
   if (quiet()) return;
-  const line = formatLogLine(LOG_FORMAT, msg, fields);
+  const line = formatLogLine(LOG_FORMAT, msg, withRequestFields(fields));
   if (line !== undefined) process.stderr.write(`${line}\n`);
 }
 

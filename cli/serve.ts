@@ -41,6 +41,7 @@ import {
   gatewayLimits,
   gatewayStart,
   metricsToken,
+  otlpEndpoint,
   settingFlags,
   settingsOf,
   settingsOrRefuse,
@@ -247,6 +248,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
     ...(start.databaseListenUrl !== undefined ? { databaseListenUrl: start.databaseListenUrl } : {}),
     migrate: start.migrate,
     ...(metricsToken(settings) !== undefined ? { metricsToken: metricsToken(settings) } : {}),
+    ...(otlpEndpoint(settings) !== undefined ? { otlpEndpoint: otlpEndpoint(settings) } : {}),
     secrets: start.secrets,
     ...(start.peerUrl !== undefined ? { peerUrl: start.peerUrl } : {}),
     config: {
@@ -325,6 +327,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     version,
     log,
     ...(metricsToken(settings) !== undefined ? { metricsToken: metricsToken(settings) } : {}),
+    ...(otlpEndpoint(settings) !== undefined ? { otlpEndpoint: otlpEndpoint(settings) } : {}),
   });
   const dialTo = values.dial
     ?.split(",")

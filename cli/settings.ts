@@ -43,6 +43,7 @@ export {
   gatewayStart,
   hostSettings,
   metricsToken,
+  otlpEndpoint,
   reportedSettings,
   secretsFrom,
   settingsOf,

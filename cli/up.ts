@@ -32,6 +32,7 @@ import {
   gatewayLimits,
   gatewayStart,
   metricsToken,
+  otlpEndpoint,
   reportedSettings,
   settingFlags,
   settingsOrRefuse,
@@ -84,6 +85,7 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
     diskReserveBytes: agent.host.diskReserveBytes,
     version,
     log,
+    otlpEndpoint: otlpEndpoint(settings),
   });
   events.onPush = (e) => roomChanged(e) && heartbeats.soon();
   events.start({ gatewayUrl, credentials });
@@ -130,6 +132,7 @@ function startUpGateway(
     ...(start.databaseUrl !== undefined ? { databaseUrl: start.databaseUrl } : {}),
     // `up`'s one scrape: the gateway's metrics (its agent is on loopback, unreachable from outside).
     ...(metricsToken(settings) !== undefined ? { metricsToken: metricsToken(settings) } : {}),
+    ...(otlpEndpoint(settings) !== undefined ? { otlpEndpoint: otlpEndpoint(settings) } : {}),
     agentSecret: secrets.agentSecret,
     config: {
       version: o.version,
@@ -154,6 +157,7 @@ async function serveLocalAgent(o: {
   diskReserveBytes: number;
   version: string;
   log: (m: string) => void;
+  otlpEndpoint: string | undefined;
 }) {
   const gatewayUrl = o.gateway.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:");
   const credentials = await ownAgentCredentials(o.gateway, o.agentSecret, gatewayUrl, o.stateDir);
@@ -166,6 +170,7 @@ async function serveLocalAgent(o: {
     port: 0,
     version: o.version,
     log: o.log,
+    ...(o.otlpEndpoint !== undefined ? { otlpEndpoint: o.otlpEndpoint } : {}),
   });
   const heartbeats = startHeartbeats({
     gatewayUrl,

@@ -3,8 +3,10 @@
  * (`sandboxd: <text>`), or one JSON object per line with `SANDBOXD_LOG_FORMAT=json`:
  * `{"time", "level", "msg", ...fields}` where fields name what the line is about (`request_id`,
  * `tenant`, `sandbox`, `agent`, ...). A writer passes fields where it has them; callers that
- * pass none keep working.
+ * pass none keep working. A line written while a request is served names that request
+ * (`withRequestFields`: its id, trace, tenant, sandbox) without its writer passing them.
  */
+import { currentScope } from "./trace.ts";
 export type LogFields = Record<string, string | number | boolean | undefined>;
 export type LogFn = (line: string, fields?: LogFields) => void;
 
@@ -40,4 +42,18 @@ export function formatLogLine(
   };
   for (const [k, v] of Object.entries(fields)) if (v !== undefined && k !== "level") out[k] = v;
   return JSON.stringify(out);
+}
+
+/** `fields` with what the request being served (contracts/trace.ts) knows, where not given. */
+export function withRequestFields(fields: LogFields = {}): LogFields {
+  const scope = currentScope();
+  if (!scope) return fields;
+  return {
+    request_id: scope.requestId,
+    trace_id: scope.span?.traceId,
+    tenant: scope.tenant,
+    sandbox: scope.sandbox,
+    agent: scope.agent,
+    ...Object.fromEntries(Object.entries(fields).filter(([, v]) => v !== undefined)),
+  };
 }

@@ -45,6 +45,8 @@ interface Histogram {
 
 interface Gauge {
   kind: "gauge";
+  /** The TYPE line's word: `counter` for a count read from its owner (a total that only grows). */
+  type: "gauge" | "counter";
   help: string;
   read: () => Promise<Array<{ labels: Labels; value: number }>> | Array<{ labels: Labels; value: number }>;
 }
@@ -83,14 +85,19 @@ export class Metrics {
 
   /** A gauge read at each scrape. */
   gauge(name: string, help: string, read: Gauge["read"]): void {
-    this.metrics.set(name, { kind: "gauge", help, read });
+    this.metrics.set(name, { kind: "gauge", type: "gauge", help, read });
+  }
+
+  /** A counter kept by its owner (a `_total` that only grows), read at each scrape. */
+  counterFrom(name: string, help: string, read: Gauge["read"]): void {
+    this.metrics.set(name, { kind: "gauge", type: "counter", help, read });
   }
 
   /** The exposition text (`text/plain; version=0.0.4`). */
   async render(): Promise<string> {
     const out: string[] = [];
     for (const [name, m] of this.metrics) {
-      out.push(`# HELP ${name} ${m.help}`, `# TYPE ${name} ${m.kind}`);
+      out.push(`# HELP ${name} ${m.help}`, `# TYPE ${name} ${m.kind === "gauge" ? m.type : m.kind}`);
       if (m.kind === "counter")
         for (const s of m.series.values()) out.push(`${name}${labelText(s.labels)} ${s.value}`);
       else if (m.kind === "gauge") {

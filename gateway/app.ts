@@ -13,6 +13,7 @@ import type { AgentApi, AgentHostApi } from "../contracts/agent/api.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import type { LogFn } from "../contracts/log.ts";
 import type { Metrics } from "../contracts/metrics.ts";
+import type { Tracer } from "../contracts/trace.ts";
 import type { Db } from "../db/client.ts";
 import { FixedPlacement, type Placement } from "./agents/placement.ts";
 import { bearerKey } from "./auth/bearer.ts";
@@ -50,6 +51,8 @@ export interface CreateAppDeps {
   log?: LogFn;
   /** The process's operator metrics (contracts/metrics.ts): requests counted and timed. */
   metrics?: Metrics;
+  /** Spans of the requests (contracts/trace.ts); none: only a client's trace id is logged. */
+  tracer?: Tracer;
   /** Connect relays of this process; one is made when not given. */
   relays?: RelayRegistry;
   /** Long-lived connections by key (auth/key-connections.ts); one is made when not given. */
@@ -111,7 +114,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   });
   const app = new Hono<HonoEnv>();
 
-  app.use("*", requestContext(log, input.metrics));
+  app.use("*", requestContext(log, input.metrics, input.tracer));
   app.onError((err, c) => errorResponse(err, c, log));
   app.notFound((c) =>
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),

@@ -17,8 +17,10 @@ import { DEFAULT_DRAIN_DELAY_MS, DEFAULT_DRAIN_TIMEOUT_MS, Drain } from "../cont
 import { SandboxdError } from "../contracts/errors.ts";
 import type { LogFn } from "../contracts/log.ts";
 import { Metrics, metricsAnswer } from "../contracts/metrics.ts";
+import { Tracer } from "../contracts/trace.ts";
 import { type Db, type DbHandle, openDb } from "../db/client.ts";
 import { agents } from "../db/schema/agents.ts";
+import type { AgentCallTelemetry } from "./agents/agent-http.ts";
 import { DialHub } from "./agents/dial-hub.ts";
 import { RELAY_PATH } from "./agents/dial-relay.ts";
 import { handleEnroll } from "./agents/enrollment.ts";
@@ -67,6 +69,8 @@ export type StartGatewayOptions = {
   secrets?: OperatorSecrets;
   /** `SANDBOXD_METRICS_TOKEN`: `GET /metrics` answers a bearer of it; unset, there is none. */
   metricsToken?: string;
+  /** `SANDBOXD_OTLP_ENDPOINT`: spans are exported there (OTLP/HTTP JSON); unset, they are not. */
+  otlpEndpoint?: string;
   /**
    * Routing mode: this gateway's URL as the other gateways of its region reach it (`--peer-url`):
    * the links of dial-out agents it holds are offered to them (docs/regions.md "Gateways behind
@@ -219,6 +223,7 @@ function agentRouting(
   region: string,
   waitMs: number,
   clock: Clock,
+  telemetry: AgentCallTelemetry,
 ): { router: AgentRouter; agentSecret: string; dial: DialHub } | undefined {
   if (opts.agent !== undefined) return undefined;
   if (!secret)
@@ -242,6 +247,7 @@ function agentRouting(
     dial,
     ...(opts.staleAfterMs !== undefined ? { staleAfterMs: opts.staleAfterMs } : {}),
     waitMs,
+    telemetry,
   });
   return { router, agentSecret: secret, dial };
 }
@@ -369,6 +375,16 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   }
   const drain = new Drain();
   const metrics = gatewayMetrics(handle, drain, opts.staleAfterMs);
+  const tracer = new Tracer({
+    service: "sandboxd-gateway",
+    ...(opts.otlpEndpoint !== undefined ? { endpoint: opts.otlpEndpoint } : {}),
+    log: opts.log ?? ((line: string) => console.error(line)),
+  });
+  metrics.counterFrom(
+    "sandboxd_gateway_trace_spans_dropped_total",
+    "Spans not exported (queue full, collector failing).",
+    () => [{ labels: {}, value: tracer.dropped }],
+  );
   const keys = new VerifiedKeys({
     db: handle.db,
     pepper: config.keyPepper,
@@ -380,6 +396,11 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   const rows = new RowCache();
   activity.rows = rows;
   const listener = handle.listen({ [ROWS_CHANNEL]: rows.events, [KEYS_CHANNEL]: keys.events });
+  metrics.gauge(
+    "sandboxd_gateway_database_listen_up",
+    "1 while the LISTEN for row and key changes is in effect (reads served from memory), else 0.",
+    () => [{ labels: {}, value: rows.serving ? 1 : 0 }],
+  );
   try {
     const clock = opts.clock ?? Date.now;
     const log = opts.log ?? ((line: string) => console.error(line));
@@ -389,7 +410,10 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       log,
       ...(opts.keyRecheckMs !== undefined ? { recheckMs: opts.keyRecheckMs } : {}),
     });
-    routing = agentRouting(opts, agentSecret, handle.db, config.region, config.agentWaitMs, clock);
+    routing = agentRouting(opts, agentSecret, handle.db, config.region, config.agentWaitMs, clock, {
+      metrics,
+      tracer,
+    });
     router = routing?.router;
     const deps = appDeps({
       db: handle.db,
@@ -405,6 +429,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
     const app = createApp({
       ...deps,
       metrics,
+      tracer,
       keys,
       localRateLimit: handle.kind === "pglite",
       ...(opts.log ? { log: opts.log } : {}),
@@ -425,7 +450,15 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       },
       onEvents: async (agentId, batch) => {
         await applyAgentEvents(truth, agentId, batch.events, log);
-        if (batch.dropped > 0) reconciler?.onDropped(agentId, batch.dropped);
+        if (batch.dropped > 0) {
+          reconciler?.onDropped(agentId, batch.dropped);
+          metrics.inc(
+            "sandboxd_gateway_agent_events_dropped_total",
+            "VM events an agent dropped from its full queue (its sandboxes are reconciled instead).",
+            { agent: agentId },
+            batch.dropped,
+          );
+        }
       },
       log,
     });
@@ -453,7 +486,11 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
   }
   return running({ hostname, server, config, router, handle, keys, connections, rows, drain }, () => {
     routing?.dial.stop();
-    return stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle });
+    // The spans of the last requests go out before the process does (Tracer.close: bounded by
+    // one export's timeout; a collector that is down loses them, counted).
+    return stopInOrder({ reconciler, hostLoss, reaper, server, activity, listener, handle }).finally(() =>
+      tracer.close(),
+    );
   });
 }
 

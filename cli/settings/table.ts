@@ -398,6 +398,17 @@ export const SETTINGS: readonly SettingSpec[] = [
     unit: "text",
     doc: 'the bearer token `GET /metrics` (Prometheus text) asks of a scraper, on the gateway and on each agent (docs/operations.md "Metrics")',
   },
+  {
+    env: "SANDBOXD_OTLP_ENDPOINT",
+    scope: "gateway",
+    reported: false,
+    def: "",
+    defText: "none: spans are not exported (trace ids still name log lines)",
+    rangeText: "an http(s):// URL",
+    unit: "text",
+    check: checkPeerUrl,
+    doc: "an OpenTelemetry collector's OTLP/HTTP base URL: the gateway's and each agent's spans are POSTed as JSON to `<url>/v1/traces` (docs/operations.md \"Tracing\")",
+  },
   // The agent's host: registries, egress, disk budgets, the accelerator and the jail.
   {
     env: "SANDBOXD_EGRESS_DEFAULT",

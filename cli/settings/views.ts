@@ -162,6 +162,11 @@ export function metricsToken(s: Settings): string | undefined {
   return s.SANDBOXD_METRICS_TOKEN === "" ? undefined : String(s.SANDBOXD_METRICS_TOKEN);
 }
 
+/** `SANDBOXD_OTLP_ENDPOINT`, or undefined: spans are not exported. */
+export function otlpEndpoint(s: Settings): string | undefined {
+  return s.SANDBOXD_OTLP_ENDPOINT === "" ? undefined : String(s.SANDBOXD_OTLP_ENDPOINT);
+}
+
 /** The graceful stop's bounds (`SANDBOXD_DRAIN_DELAY`, `SANDBOXD_DRAIN_TIMEOUT`), ms. */
 export function drainOptions(s: Settings): { delayMs: number; timeoutMs: number } {
   return {

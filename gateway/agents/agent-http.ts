@@ -13,17 +13,81 @@ import { errorFromAgentAnswer } from "../../contracts/agent/schemas.ts";
 import { secretKey, signAgentToken } from "../../contracts/agent/token.ts";
 import { settled } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import type { Metrics } from "../../contracts/metrics.ts";
+import {
+  agentOpName,
+  currentScope,
+  formatTraceparent,
+  SpanKind,
+  TRACEPARENT_HEADER,
+  type Tracer,
+} from "../../contracts/trace.ts";
+
+/** Where agent calls are counted, timed and traced (docs/operations.md "Metrics", "Tracing"). */
+export interface AgentCallTelemetry {
+  metrics?: Metrics;
+  tracer?: Tracer;
+}
 
 export class AgentHttp {
   /** The agent's HTTP API: its base URL and `AGENT_API_PREFIX`. */
   readonly base: string;
   private readonly key: Uint8Array;
   private readonly agentId: string;
+  private readonly telemetry: AgentCallTelemetry;
 
-  constructor(opts: { baseUrl: string; agentId: string; key: string | Uint8Array }) {
+  constructor(opts: {
+    baseUrl: string;
+    agentId: string;
+    key: string | Uint8Array;
+    telemetry?: AgentCallTelemetry;
+  }) {
     this.key = secretKey(opts.key);
     this.agentId = opts.agentId;
     this.base = `${opts.baseUrl.replace(/\/+$/, "")}${AGENT_API_PREFIX}`;
+    this.telemetry = opts.telemetry ?? {};
+  }
+
+  /**
+   * Runs one call to the agent as a client span of the request being served (its `traceparent`
+   * header for the agent), timed and, when it fails, counted by error code. The time is to the
+   * answer's headers for a streamed answer, to its whole body otherwise.
+   */
+  private async traced<T>(
+    method: string,
+    path: string,
+    run: (headers: Record<string, string>) => Promise<T>,
+  ) {
+    const op = agentOpName(method, path);
+    const parent = currentScope()?.span;
+    const span = this.telemetry.tracer?.start(`agent ${op}`, SpanKind.client, parent);
+    span?.setAttribute("sandboxd.agent", this.agentId);
+    const ctx = span?.context ?? parent;
+    const t0 = performance.now();
+    let code: string | undefined;
+    try {
+      return await run(ctx ? { [TRACEPARENT_HEADER]: formatTraceparent(ctx) } : {});
+    } catch (err) {
+      code = err instanceof SandboxdError ? err.code : "internal";
+      span?.end({ error: err });
+      throw err;
+    } finally {
+      span?.end();
+      const m = this.telemetry.metrics;
+      m?.observe(
+        "sandboxd_gateway_agent_call_duration_seconds",
+        "Time of the gateway's calls to agents, to the answer (its headers, for a stream).",
+        { agent: this.agentId, op },
+        (performance.now() - t0) / 1000,
+      );
+      if (code !== undefined) {
+        m?.inc("sandboxd_gateway_agent_call_errors_total", "Gateway calls to agents that failed, by code.", {
+          agent: this.agentId,
+          op,
+          code,
+        });
+      }
+    }
   }
 
   /** A fresh token for one request (or one WebSocket's upgrade). */
@@ -56,18 +120,24 @@ export class AgentHttp {
   ): Promise<Response & { body: ReadableStream<Uint8Array> }> {
     const { search, ...rest } = init;
     const url = `${this.base}${path}${search === undefined ? "" : `?${search}`}`;
-    const headers = { authorization: `Bearer ${await this.token()}`, ...rest.headers };
-    let res: Response;
-    try {
-      res = await fetch(url, { ...rest, method, headers, signal } as RequestInit);
-    } catch (err) {
-      throw new SandboxdError("agent_unavailable", `agent ${this.base} is unreachable (${method} ${path})`, {
-        cause: err,
-        details: { url, timedOut: deadline?.aborted ?? false },
-      });
-    }
-    if (!res.ok || !res.body) throw errorFromAgentAnswer(res.status, await res.text(), `${method} ${path}`);
-    return res as Response & { body: ReadableStream<Uint8Array> };
+    return this.traced(method, path, async (trace) => {
+      const headers = { authorization: `Bearer ${await this.token()}`, ...trace, ...rest.headers };
+      let res: Response;
+      try {
+        res = await fetch(url, { ...rest, method, headers, signal } as RequestInit);
+      } catch (err) {
+        throw new SandboxdError(
+          "agent_unavailable",
+          `agent ${this.base} is unreachable (${method} ${path})`,
+          {
+            cause: err,
+            details: { url, timedOut: deadline?.aborted ?? false },
+          },
+        );
+      }
+      if (!res.ok || !res.body) throw errorFromAgentAnswer(res.status, await res.text(), `${method} ${path}`);
+      return res as Response & { body: ReadableStream<Uint8Array> };
+    });
   }
 
   /**
@@ -162,50 +232,53 @@ export class AgentHttp {
     schema: z.ZodType | null,
     headers: Record<string, string> = {},
   ): Promise<unknown> {
-    const url = `${this.base}${path}`;
-    const h: Record<string, string> = {
-      authorization: `Bearer ${await this.token()}`,
-      ...headers,
-    };
-    let payload: RequestInit["body"];
-    if (body instanceof ReadableStream) payload = body;
-    else if (body !== undefined) {
-      payload = JSON.stringify(body);
-      h["content-type"] = "application/json";
-    }
-    // One deadline for the whole exchange, body included: a silent agent cannot hold us longer.
-    const signal = AbortSignal.timeout(timeoutMs);
-    let res: Response;
-    let text: string;
-    try {
-      res = await fetch(url, { method, headers: h, body: payload, signal });
-      text = await res.text();
-    } catch (err) {
-      const timedOut = signal.aborted;
-      throw new SandboxdError(
-        "agent_unavailable",
-        timedOut
-          ? `agent ${this.base} did not answer ${method} ${path} within ${timeoutMs} ms`
-          : `agent ${this.base} is unreachable (${method} ${path})`,
-        { cause: err, details: { url, timeoutMs, timedOut } },
-      );
-    }
-    if (!res.ok) {
-      throw errorFromAgentAnswer(res.status, text, `${method} ${path}`, res.headers.get("retry-after"));
-    }
-    if (schema === null) return undefined;
-    let json: unknown;
-    try {
-      json = JSON.parse(text);
-    } catch (err) {
-      throw new SandboxdError("internal", `agent answered ${method} ${path} with non-JSON`, { cause: err });
-    }
-    const r = schema.safeParse(json);
-    if (!r.success) {
-      throw new SandboxdError("internal", `agent answered ${method} ${path} with an unexpected body`, {
-        cause: r.error,
-      });
-    }
-    return r.data;
+    return this.traced(method, path, async (trace) => {
+      const url = `${this.base}${path}`;
+      const h: Record<string, string> = {
+        authorization: `Bearer ${await this.token()}`,
+        ...trace,
+        ...headers,
+      };
+      let payload: RequestInit["body"];
+      if (body instanceof ReadableStream) payload = body;
+      else if (body !== undefined) {
+        payload = JSON.stringify(body);
+        h["content-type"] = "application/json";
+      }
+      // One deadline for the whole exchange, body included: a silent agent cannot hold us longer.
+      const signal = AbortSignal.timeout(timeoutMs);
+      let res: Response;
+      let text: string;
+      try {
+        res = await fetch(url, { method, headers: h, body: payload, signal });
+        text = await res.text();
+      } catch (err) {
+        const timedOut = signal.aborted;
+        throw new SandboxdError(
+          "agent_unavailable",
+          timedOut
+            ? `agent ${this.base} did not answer ${method} ${path} within ${timeoutMs} ms`
+            : `agent ${this.base} is unreachable (${method} ${path})`,
+          { cause: err, details: { url, timeoutMs, timedOut } },
+        );
+      }
+      if (!res.ok) {
+        throw errorFromAgentAnswer(res.status, text, `${method} ${path}`, res.headers.get("retry-after"));
+      }
+      if (schema === null) return undefined;
+      let json: unknown;
+      try {
+        json = JSON.parse(text);
+      } catch (err) {
+        throw new SandboxdError("internal", `agent answered ${method} ${path} with non-JSON`, { cause: err });
+      }
+      const r = schema.safeParse(json);
+      if (!r.success) {
+        throw new SandboxdError("internal", `agent answered ${method} ${path} with an unexpected body`, {
+          cause: r.error,
+        });
+      }
+      return r.data;
+    });
   }
 }

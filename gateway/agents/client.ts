@@ -52,7 +52,7 @@ import {
 import { FileList, FileWritten } from "../../contracts/api/files.ts";
 import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
-import { AgentHttp } from "./agent-http.ts";
+import { type AgentCallTelemetry, AgentHttp } from "./agent-http.ts";
 import { connectTunnel } from "./tunnel-client.ts";
 
 /** Deadlines per kind of call, ms. Each is the longest the agent can legitimately take. */
@@ -85,6 +85,8 @@ export interface AgentHttpClientOptions {
   /** That agent's key (gateway/agents/enrollment.ts). */
   key: string | Uint8Array;
   timeouts?: Partial<AgentTimeouts>;
+  /** Where its calls are counted, timed and traced. */
+  telemetry?: AgentCallTelemetry;
 }
 
 export class AgentHttpClient implements AgentApi {

@@ -47,6 +47,7 @@ import { isDialUrl } from "../../contracts/agent/dial.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
+import type { AgentCallTelemetry } from "./agent-http.ts";
 import { AgentHttpClient, type AgentTimeouts } from "./client.ts";
 import type { DialHub } from "./dial-hub.ts";
 import { deriveAgentKey } from "./enrollment.ts";
@@ -80,6 +81,8 @@ export interface AgentRouterOptions {
    * through its link to this gateway, and is not live here without one. None: no agent may dial.
    */
   dial?: DialHub;
+  /** Where agent calls and placements are counted, timed and traced. */
+  telemetry?: AgentCallTelemetry;
 }
 
 /** What a VM claims on an agent, every field filled in. */
@@ -141,6 +144,7 @@ export class AgentRouter implements AgentHostApi, Placement {
   private readonly connect: ((row: AgentRow & { keyId: string }, key: string) => AgentApi) | undefined;
   private readonly clients = new Map<string, AgentApi>();
   private readonly dial: DialHub | undefined;
+  private readonly telemetry: AgentCallTelemetry;
 
   constructor(opts: AgentRouterOptions) {
     this.db = opts.db;
@@ -153,6 +157,7 @@ export class AgentRouter implements AgentHostApi, Placement {
     this.random = opts.random ?? Math.random;
     this.connect = opts.connect;
     this.dial = opts.dial;
+    this.telemetry = opts.telemetry ?? {};
   }
 
   /** Rows come from `live`/`isLive`, which keep only enrolled agents (a key id). */
@@ -179,6 +184,7 @@ export class AgentRouter implements AgentHostApi, Placement {
             agentId: row.id,
             key,
             ...(this.timeouts ? { timeouts: this.timeouts } : {}),
+            telemetry: this.telemetry,
           });
       this.clients.set(k, c);
     }
@@ -324,6 +330,27 @@ export class AgentRouter implements AgentHostApi, Placement {
     fn: (api: AgentHostApi) => Promise<T>,
     region = this.region,
     need: PlacementNeed = {},
+  ): Promise<{ agentId: string; result: T }> {
+    const counted = (outcome: string) =>
+      this.telemetry.metrics?.inc(
+        "sandboxd_gateway_placements_total",
+        "Placements of VMs on agents by region and outcome: placed, or the error code that ended them.",
+        { region, outcome },
+      );
+    try {
+      const placed = await this.placeIn(fn, region, need);
+      counted("placed");
+      return placed;
+    } catch (err) {
+      counted(err instanceof SandboxdError ? err.code : "internal");
+      throw err;
+    }
+  }
+
+  private async placeIn<T>(
+    fn: (api: AgentHostApi) => Promise<T>,
+    region: string,
+    need: PlacementNeed,
   ): Promise<{ agentId: string; result: T }> {
     const n = fullNeed(need);
     const rows = await this.placementOrder(region, need);

@@ -11,9 +11,11 @@
  * offered protocol (Bun's `server.upgrade`, the `ws` package's default), so the 101 answer names
  * the marker and never the key.
  */
+
 import { createMiddleware } from "hono/factory";
 import { WS_KEY_PROTOCOL_PREFIX, WS_PROTOCOL } from "../../contracts/api/common.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
+import { currentScope } from "../../contracts/trace.ts";
 import type { HonoEnv } from "../deps.ts";
 import type { VerifiedKeys } from "./key-cache.ts";
 
@@ -49,6 +51,9 @@ export function bearerKey(keys: VerifiedKeys) {
     const principal = await keys.verify(key);
     if (!principal) throw new SandboxdError("unauthorized", "invalid API key");
     c.set("principal", principal);
+    // The request's log lines from here on name its tenant (contracts/trace.ts).
+    const scope = currentScope();
+    if (scope) scope.tenant = principal.tenantId;
     await next();
   });
 }

@@ -106,7 +106,7 @@ for (const c of cases) {
           const [r] = await db.select().from(agents).where(eq(agents.id, A));
           return r!.lastHeartbeatAt!.getTime() > newest;
         }, 5000);
-        h.beating(A, false);
+        await h.beating(A, false);
         const tSilent = performance.now();
         const tNoticed = await until(async () => {
           const rows = await db.select().from(sandboxes).where(inArray(sandboxes.id, ids));
@@ -173,7 +173,7 @@ for (const c of cases) {
         expect(h.agents.get(A)!.vms.size).toBe(2);
 
         // a comes back: its two VMs (rows ended) are destroyed on it, never resumed or billed.
-        h.beating(A, true);
+        await h.beating(A, true);
         const backMs = await until(() => h.agents.get(A)!.vms.size === 0, 5000);
         const destroys = h.agents.get(A)!.calls.filter((l) => l.startsWith("destroy "));
         expect(destroys.length).toBe(2);

@@ -92,6 +92,8 @@ export async function startEnrolledAgent(opts: {
   dial?: boolean;
   /** `AgentServerOptions.metricsToken`. */
   metricsToken?: string;
+  /** `AgentServerOptions.otlpEndpoint`. */
+  otlpEndpoint?: string;
 }): Promise<{ credentials: AgentCredentials; server: AgentServer; hb: HeartbeatSender; dialer?: Dialer }> {
   const { gw, manager, stateDir, id } = opts;
   const { token } = await gw.withDb((db) =>
@@ -109,6 +111,7 @@ export async function startEnrolledAgent(opts: {
     port: 0,
     version: "test",
     ...(opts.metricsToken !== undefined ? { metricsToken: opts.metricsToken } : {}),
+    ...(opts.otlpEndpoint !== undefined ? { otlpEndpoint: opts.otlpEndpoint } : {}),
   });
   const dialer = opts.dial
     ? startDialer({

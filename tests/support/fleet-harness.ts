@@ -33,8 +33,12 @@ export interface FleetHarness {
   router: AgentRouter;
   /** Sweeps for lost agents now (the timer does too). */
   sweep(): Promise<{ lost: string[]; ended: string[] }>;
-  /** Starts (or stops) agent `id`'s heartbeats. */
-  beating(id: string, on: boolean): void;
+  /**
+   * Starts (or stops) agent `id`'s heartbeats; resolves once no beat of it is in flight (one
+   * begun before a stop may otherwise land seconds later on a loaded host, as a live agent's
+   * late beat would: the agent is then not silent from the stop on).
+   */
+  beating(id: string, on: boolean): Promise<void>;
   key(tenant: string): Promise<string>;
   req(method: string, path: string, opts?: { key?: string; json?: unknown }): Promise<Response>;
   logs: string[];
@@ -119,9 +123,17 @@ export async function makeFleet(opts: {
     );
     reconciler.onHeartbeat(id, prev?.lastHeartbeatAt ?? null);
   };
+  const inFlight = new Set<Promise<void>>();
   // A beat still in flight when the harness closes fails on the closed db: logged, not thrown.
-  const fire = (id: string) => void beat(id).catch((err) => log(`beat ${id}: ${String(err)}`));
-  const beating = (id: string, on: boolean) => {
+  const fire = (id: string) => {
+    const p: Promise<void> = beat(id)
+      .catch((err) => {
+        log(`beat ${id}: ${String(err)}`);
+      })
+      .finally(() => inFlight.delete(p));
+    inFlight.add(p);
+  };
+  const beating = async (id: string, on: boolean) => {
     clearInterval(beats.get(id));
     beats.delete(id);
     if (on) {
@@ -130,7 +142,7 @@ export async function makeFleet(opts: {
         id,
         setInterval(() => fire(id), opts.beatMs),
       );
-    }
+    } else await Promise.all([...inFlight]);
   };
   for (const id of opts.ids) beating(id, true);
   return {
@@ -154,7 +166,7 @@ export async function makeFleet(opts: {
       return res;
     },
     close: async () => {
-      for (const id of opts.ids) beating(id, false);
+      for (const id of opts.ids) await beating(id, false);
       reconciler.stop();
       sweeper.stop();
       await handle.close();
