@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the OCI images sandboxd-gateway and sandboxd-agent with podman, from Debian packages only
-# (docs/deploy.md "Images"). No base image is pulled from a registry: the base is a Debian
+# (docs/deploy.md "Building the images"). No base image is pulled from a registry: the base is a Debian
 # bookworm minbase root filesystem made here by debootstrap, imported as localhost/sandboxd-base.
 #
 # usage: deploy/images/build.sh [--rebuild]
