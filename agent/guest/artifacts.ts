@@ -156,7 +156,8 @@ export async function ensureGuestArtifacts(opts: EnsureGuestArtifactsOptions): P
 /**
  * Builds the static guest agent: through guest/Makefile when there is one (its owner knows
  * the flags), else straight from every .c in guest/ with musl-gcc. Skipped when the
- * binary is newer than every source (.c and .h), so a cached initramfs stays valid.
+ * binary is newer than every source (.c and .h), so a cached initramfs stays valid, and when
+ * there are no sources but the binary is there (an installed copy such as the agent image).
  */
 async function buildAgent(log: (msg: string) => void): Promise<string> {
   const makefile = join(AGENT_SRC_DIR, "Makefile");
@@ -165,6 +166,9 @@ async function buildAgent(log: (msg: string) => void): Promise<string> {
     await run("make", ["-C", AGENT_SRC_DIR], { cwd: REPO_ROOT });
   } else {
     const srcs = await agentSources();
+    // An installed copy without the sources (the agent image, deploy/images/) ships the binary
+    // built at image build time: it is used as it is.
+    if (srcs.length === 0 && existsSync(DEFAULT_AGENT_BINARY)) return DEFAULT_AGENT_BINARY;
     if (!srcs.some((f) => f.endsWith(".c"))) {
       throw new GuestArtifactsError(
         `no guest agent: neither ${makefile} nor C sources in ${AGENT_C_DIR} exist (pass agentBinary)`,
