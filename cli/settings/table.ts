@@ -398,6 +398,16 @@ export const SETTINGS: readonly SettingSpec[] = [
     unit: "text",
     doc: 'the bearer token `GET /metrics` (Prometheus text) asks of a scraper, on the gateway and on each agent (docs/operations.md "Metrics")',
   },
+  {
+    env: "SANDBOXD_ENROLL_TOKEN",
+    scope: "agent",
+    reported: false,
+    def: "",
+    defText: "none: enroll with --enroll",
+    rangeText: "a secret",
+    unit: "text",
+    doc: "an enrollment token the agent redeems only when its data dir holds no credentials (its first start), so one `agent-token create --uses N` token in every pod's environment enrolls each host once; `--enroll` enrolls on every start (docs/agent-api.md)",
+  },
   // The agent's host: registries, egress, disk budgets, the accelerator and the jail.
   {
     env: "SANDBOXD_EGRESS_DEFAULT",
