@@ -406,7 +406,7 @@ export const SETTINGS: readonly SettingSpec[] = [
     defText: "none: enroll with --enroll",
     rangeText: "a secret",
     unit: "text",
-    doc: "an enrollment token the agent redeems only when its data dir holds no credentials (its first start), so one `agent-token create --uses N` token in every pod's environment enrolls each host once; `--enroll` enrolls on every start (docs/agent-api.md)",
+    doc: "an enrollment token the agent redeems only when its data dir holds no credentials (its first start), so one `agent-token create --uses N` token in every pod's environment enrolls each host once; `--enroll` enrolls on every start (docs/kubernetes.md)",
   },
   // The agent's host: registries, egress, disk budgets, the accelerator and the jail.
   {
