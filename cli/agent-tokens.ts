@@ -1,7 +1,7 @@
 /**
  * `sandboxd agent-token create|list|revoke`: per-agent credentials in the gateway's database
- * (gateway/agents/enrollment.ts). `create` prints a one-time enrollment token for
- * `sandboxd agent --enroll`, naming the region the agent is in (`--region`, default the serving
+ * (gateway/agents/enrollment.ts). `create` prints an enrollment token for
+ * `sandboxd agent --enroll` (single use, or `--uses N` new agents: a DaemonSet's pods), naming the region the agent is in (`--region`, default the serving
  * gateway's) and optionally pinning the URL it is reached at (`--url`); `revoke` clears an agent's key so nothing it signs is accepted and the
  * gateway stops calling it. They run in the running service through its operator socket when one
  * answers, else on the database directly (cli/operator.ts).
@@ -10,7 +10,7 @@ import { parseArgs } from "node:util";
 import { DIAL_URL_SCHEME } from "../contracts/agent/dial.ts";
 import { AgentId } from "../contracts/agent/enroll.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import { DEFAULT_ENROLLMENT_TTL_S } from "../gateway/agents/enrollment.ts";
+import { DEFAULT_ENROLLMENT_TTL_S, MAX_ENROLLMENT_USES } from "../gateway/agents/enrollment.ts";
 import { defaultDataDir } from "./config.ts";
 import { runOperatorOp } from "./operator.ts";
 import { OPERATOR_OPS } from "./operator-ops.ts";
@@ -40,6 +40,8 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
       dial: { type: "boolean" },
       // A tenant's own agent: it takes that tenant's sandboxes only (docs/regions.md).
       tenant: { type: "string" },
+      // Enrollments of new ids the token makes (a DaemonSet's pods); default 1.
+      uses: { type: "string" },
     },
     allowPositionals: true,
   });
@@ -54,6 +56,14 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
         );
       if (values.agent !== undefined && !AgentId.safeParse(values.agent).success)
         throw new SandboxdError("bad_request", `--agent ${values.agent} is not a valid agent id`);
+      const uses = values.uses === undefined ? 1 : Number(values.uses);
+      if (!/^\d+$/.test(values.uses ?? "1") || uses < 1 || uses > MAX_ENROLLMENT_USES)
+        throw new SandboxdError("bad_request", `--uses must be 1-${MAX_ENROLLMENT_USES}, got ${values.uses}`);
+      if (uses > 1 && values.agent !== undefined)
+        throw new SandboxdError(
+          "bad_request",
+          "--agent and --uses exclude each other: a token for one id is single use",
+        );
       const issued = await runOperatorOp(dataDir, OPERATOR_OPS, "agent-token.create", {
         ttlS,
         ...(values.agent !== undefined ? { agentId: values.agent } : {}),
@@ -61,11 +71,12 @@ export async function cmdAgentToken(args: string[]): Promise<number> {
         ...(values.url !== undefined ? { url: values.url } : {}),
         ...(values.dial ? { url: DIAL_URL_SCHEME } : {}),
         ...(values.tenant !== undefined ? { tenant: values.tenant } : {}),
+        ...(uses > 1 ? { uses } : {}),
       });
       process.stderr.write(
         `created enrollment token ${issued.id}${values.agent ? ` for agent ${values.agent}` : ""} in region ${issued.region}` +
           `${values.url ? ` at ${values.url} only` : ""}${values.dial ? ", dialing out (no inbound port)" : ""}${values.tenant ? `, for tenant ${values.tenant} alone` : ""}, ` +
-          `single use, expires ${issued.expiresAt}; it is shown once\n`,
+          `${uses > 1 ? `${uses} uses, new agent ids only` : "single use"}, expires ${issued.expiresAt}; it is shown once\n`,
       );
       // Last line: the token itself, so scripts can take it with `tail -n1`.
       process.stdout.write(`${issued.token}\n`);

@@ -59,11 +59,12 @@ commands:
         running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and
         snapshot_gb_months, in all, per sandbox (with how each ended) or per UTC day; a table,
         or JSON with --json; database as for key (SQL views: docs/quotas-and-usage.md)
-  agent-token create [--ttl 1h] [--agent ID] [--region R] [--url URL | --dial] [--tenant T] [--data-dir DIR]
+  agent-token create [--ttl 1h] [--agent ID | --uses N] [--region R] [--url URL | --dial] [--tenant T] [--data-dir DIR]
   agent-token list [--data-dir DIR]
   agent-token revoke AGENT-ID [--data-dir DIR]
         per-agent credentials in the gateway database: create prints a one-time enrollment
-        token (sbxe_..., default life 1h; --agent binds it to that id and re-keys it) as its last
+        token (sbxe_..., default life 1h; --agent binds it to that id and re-keys it; --uses N
+        makes it enroll up to N new ids, never a known one: a DaemonSet's pods) as its last
         line; the agent it enrolls is in region R for good (default: the running gateway's
         --region, else local) and, with --url, reached at URL only; revoke makes the gateway
         refuse the agent's heartbeats and stop calling it

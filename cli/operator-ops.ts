@@ -67,6 +67,7 @@ export const agentTokenCreate = operatorOp(
     region: RegionName.optional(),
     url: z.string().url().optional(),
     tenant: z.string().min(1).optional(),
+    uses: z.number().int().positive().optional(),
   }),
   async ({ db, secrets, defaultRegion }, a) => {
     const region = a.region ?? defaultRegion ?? DEFAULT_REGION;
@@ -80,8 +81,15 @@ export const agentTokenCreate = operatorOp(
       ...(a.agentId !== undefined ? { agentId: a.agentId } : {}),
       ...(a.url !== undefined ? { url: a.url } : {}),
       ...(ownerTenant !== undefined ? { ownerTenant } : {}),
+      ...(a.uses !== undefined ? { uses: a.uses } : {}),
     });
-    return { token: issued.token, id: issued.id, expiresAt: issued.expiresAt.toISOString(), region };
+    return {
+      token: issued.token,
+      id: issued.id,
+      expiresAt: issued.expiresAt.toISOString(),
+      region,
+      uses: a.uses ?? 1,
+    };
   },
 );
 

@@ -38,6 +38,7 @@ import {
   agentSettings,
   dataDirOf,
   drainOptions,
+  firstStartEnrollToken,
   gatewayLimits,
   gatewayStart,
   metricsToken,
@@ -309,6 +310,9 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
     gatewayUrl: values.gateway,
     stateDir,
     ...(values.enroll !== undefined ? { token: values.enroll } : {}),
+    ...(firstStartEnrollToken(settings) !== undefined
+      ? { firstStartToken: firstStartEnrollToken(settings) }
+      : {}),
     ...(values.id !== undefined ? { id: values.id } : {}),
     defaultId: `${hostname()}-${listenPort}`,
   });

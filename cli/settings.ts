@@ -38,6 +38,7 @@ export {
   agentSettings,
   dataDirOf,
   drainOptions,
+  firstStartEnrollToken,
   type GatewayStart,
   gatewayLimits,
   gatewayStart,

@@ -92,26 +92,31 @@ export async function enroll(opts: {
 
 /**
  * This agent's credentials: enrolls when `token` is given (replacing what was stored), else the
- * stored ones. `id` is the id wanted; a stored id that differs is an error, not a silent rename.
+ * stored ones, else enrolls with `firstStartToken` (SANDBOXD_ENROLL_TOKEN: the same token in every
+ * pod of a DaemonSet, redeemed by a host once and ignored on its restarts). `id` is the id wanted;
+ * a stored id that differs is an error, not a silent rename.
  */
 export async function loadOrEnroll(opts: {
   gatewayUrl: string;
   stateDir: string;
   token?: string;
+  /** Redeemed only when nothing is stored. */
+  firstStartToken?: string;
   /** The id asked for (`--id`); the stored one when absent. */
   id?: string;
   /** Used for a first enrollment without `id`. */
   defaultId: string;
 }): Promise<AgentCredentials> {
   const stored = await readCredentials(opts.stateDir);
-  if (opts.token !== undefined) {
+  const token = opts.token ?? (stored ? undefined : opts.firstStartToken);
+  if (token !== undefined) {
     const id = opts.id ?? stored?.id ?? opts.defaultId;
-    return enroll({ gatewayUrl: opts.gatewayUrl, token: opts.token, id, stateDir: opts.stateDir });
+    return enroll({ gatewayUrl: opts.gatewayUrl, token, id, stateDir: opts.stateDir });
   }
   if (!stored) {
     throw new SandboxdError(
       "unauthorized",
-      "this agent is not enrolled: start it once with --enroll TOKEN (made on the gateway by `sandboxd agent-token create`)",
+      "this agent is not enrolled: start it once with --enroll TOKEN or SANDBOXD_ENROLL_TOKEN (made on the gateway by `sandboxd agent-token create`)",
     );
   }
   if (opts.id !== undefined && opts.id !== stored.id) {

@@ -409,6 +409,16 @@ export const SETTINGS: readonly SettingSpec[] = [
     check: checkPeerUrl,
     doc: "an OpenTelemetry collector's OTLP/HTTP base URL: the gateway's and each agent's spans are POSTed as JSON to `<url>/v1/traces` (docs/operations.md \"Tracing\")",
   },
+  {
+    env: "SANDBOXD_ENROLL_TOKEN",
+    scope: "agent",
+    reported: false,
+    def: "",
+    defText: "none: enroll with --enroll",
+    rangeText: "a secret",
+    unit: "text",
+    doc: "an enrollment token the agent redeems only when its data dir holds no credentials (its first start), so one `agent-token create --uses N` token in every pod's environment enrolls each host once; `--enroll` enrolls on every start (docs/kubernetes.md)",
+  },
   // The agent's host: registries, egress, disk budgets, the accelerator and the jail.
   {
     env: "SANDBOXD_EGRESS_DEFAULT",

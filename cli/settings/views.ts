@@ -167,6 +167,11 @@ export function otlpEndpoint(s: Settings): string | undefined {
   return s.SANDBOXD_OTLP_ENDPOINT === "" ? undefined : String(s.SANDBOXD_OTLP_ENDPOINT);
 }
 
+/** SANDBOXD_ENROLL_TOKEN: redeemed at an agent's first start only (agent/api/enroll.ts `loadOrEnroll`). */
+export function firstStartEnrollToken(s: Settings): string | undefined {
+  return s.SANDBOXD_ENROLL_TOKEN === "" ? undefined : String(s.SANDBOXD_ENROLL_TOKEN);
+}
+
 /** The graceful stop's bounds (`SANDBOXD_DRAIN_DELAY`, `SANDBOXD_DRAIN_TIMEOUT`), ms. */
 export function drainOptions(s: Settings): { delayMs: number; timeoutMs: number } {
   return {

@@ -52,10 +52,12 @@ export const agents = pgTable("agents", {
 });
 
 /**
- * One-time enrollment tokens (`sandboxd agent-token create`): only an HMAC of the token's secret
- * is stored. `usedAt` is set by the one enrollment that redeems it; `agentId`, when set, is the
- * only id the token may enroll (and it then replaces that agent's key). `region` is the region
- * the agent it enrolls is in; `url`, when set, the only URL that agent may be reached at.
+ * Enrollment tokens (`sandboxd agent-token create`): only an HMAC of the token's secret is
+ * stored. A token enrolls at most `uses` agents (1 unless made with `--uses N`, for a DaemonSet's
+ * pods); `useCount` counts the enrollments it made, `usedAt`/`usedBy` name the latest. `agentId`,
+ * when set, is the only id the token may enroll (and it then replaces that agent's key). `region`
+ * is the region the agents it enrolls are in; `url`, when set, the only URL that agent may be
+ * reached at.
  */
 export const agentEnrollmentTokens = pgTable("agent_enrollment_tokens", {
   id: text("id").primaryKey(),
@@ -65,6 +67,9 @@ export const agentEnrollmentTokens = pgTable("agent_enrollment_tokens", {
   expiresAt: timestamp("expires_at", { withTimezone: true, mode: "date" }).notNull(),
   usedAt: timestamp("used_at", { withTimezone: true, mode: "date" }),
   usedBy: text("used_by"),
+  /** The most enrollments this token makes; over 1 only for new ids (gateway/agents/enrollment.ts). */
+  uses: integer("uses").notNull().default(1),
+  useCount: integer("use_count").notNull().default(0),
   region: text("region").notNull().default("local"),
   url: text("url"),
   /** The tenant the agent it enrolls serves alone (`agent-token create --tenant`); null: any. */

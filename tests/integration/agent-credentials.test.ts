@@ -1,4 +1,5 @@
 import { afterEach, describe, expect, test } from "bun:test";
+import { randomBytes } from "node:crypto";
 import { rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
@@ -14,6 +15,7 @@ import { createEnrollmentToken } from "../../gateway/agents/enrollment.ts";
 import { revokeAgent } from "../../gateway/agents/registry.ts";
 import type { RunningGateway } from "../../gateway/server.ts";
 import { errorOf, inertDriver, startEnrolledAgent, startRoutingGateway } from "../support/agents.ts";
+import { databaseCases } from "../support/postgres-suite.ts";
 import { tempStateDir } from "../support/real-vm.ts";
 
 /**
@@ -275,3 +277,131 @@ describe("per-agent credentials", () => {
     TEST_TIMEOUT_MS,
   );
 });
+
+/**
+ * Tokens of several uses (`agent-token create --uses N`: one token in a Secret for a DaemonSet's
+ * pods), on PGlite and on a real PostgreSQL, where two gateways' connections race for real.
+ */
+const { cases } = databaseCases();
+for (const db of cases) {
+  describe(`an enrollment token of several uses, ${db.name}`, () => {
+    const gateway = async () =>
+      startRoutingGateway({
+        agentSecret: SECRET,
+        staleAfterMs: STALE_MS,
+        onCleanup: (c) => cleanups.push(c),
+        ...(db.url ? { databaseUrl: await db.url() } : {}),
+      });
+    /** A fresh id per test: a PostgreSQL database is shared by the file's tests. */
+    const ids = (prefix: string, n: number) =>
+      Array.from({ length: n }, (_, i) => `${prefix}-${i}-${randomBytes(3).toString("hex")}`);
+    const tokenRow = (gw: RunningGateway, token: string) =>
+      gw.withDb(
+        async (d) =>
+          (
+            await d
+              .select()
+              .from(agentEnrollmentTokens)
+              .where(eq(agentEnrollmentTokens.id, token.slice(5, 21)))
+          )[0]!,
+      );
+
+    test(
+      "enrolls N new ids and no more; never an id that is known, enrolled or revoked",
+      async () => {
+        const gw = await gateway();
+        const token = await newToken(gw, { uses: 3, region: "eu" });
+        const [a, b, c, d] = ids("node", 4) as [string, string, string, string];
+        for (const id of [a, b, c]) expect((await postEnroll(gw, token, id)).status).toBe(200);
+        const fourth = await postEnroll(gw, token, d);
+        expect(fourth.status).toBe(401);
+        expect(fourth.body.message).toContain("all 3 uses spent");
+        expect(await rowOf(gw, d)).toBeUndefined();
+        expect(await rowOf(gw, a)).toMatchObject({ region: "eu", urlPinned: false });
+
+        // Taking over an enrolled id, or coming back as a revoked one, is refused and spends nothing.
+        const other = await newToken(gw, { uses: 5 });
+        const takeover = await postEnroll(gw, other, a);
+        expect(takeover.status).toBe(409);
+        expect(takeover.body.message).toContain("new ids only");
+        expect(await gw.withDb((d2) => revokeAgent(d2, b))).toBe(true);
+        const back = await postEnroll(gw, other, b);
+        expect(back.status).toBe(409);
+        expect((await rowOf(gw, b))!.keyId).toBeNull();
+        expect((await tokenRow(gw, other)).useCount).toBe(0);
+        // Re-keying is a single-use token bound to that id, as before.
+        expect((await postEnroll(gw, await newToken(gw, { agentId: b }), b)).status).toBe(200);
+      },
+      TEST_TIMEOUT_MS,
+    );
+
+    test(
+      "an expired token of several uses enrolls nobody; --agent with --uses is refused",
+      async () => {
+        const gw = await gateway();
+        const expired = await newToken(gw, { uses: 10, ttlS: 60, now: new Date(Date.now() - 120_000) });
+        const [id] = ids("late", 1) as [string];
+        const late = await postEnroll(gw, expired, id);
+        expect(late.status).toBe(401);
+        expect(late.body.message).toContain("expired");
+        expect(await rowOf(gw, id)).toBeUndefined();
+        expect((await errorOf(newToken(gw, { uses: 2, agentId: id }))).code).toBe("bad_request");
+        expect((await errorOf(newToken(gw, { uses: 0 }))).code).toBe("bad_request");
+        expect((await errorOf(newToken(gw, { uses: 5001 }))).code).toBe("bad_request");
+      },
+      TEST_TIMEOUT_MS,
+    );
+
+    test(
+      "pods racing for the last use: exactly one enrolls; two racing for one id: exactly one",
+      async () => {
+        const gw = await gateway();
+        // Redemptions through two gateways' connection pools at once (PostgreSQL) or one (PGlite).
+        const gw2 = db.url ? await gateway() : gw;
+        const token = await newToken(gw, { uses: 2 });
+        const [first, ...racers] = ids("race", 9) as [string, ...string[]];
+        expect((await postEnroll(gw, token, first)).status).toBe(200);
+        const raced = await Promise.all(racers.map((id, i) => postEnroll(i % 2 ? gw2 : gw, token, id)));
+        expect(raced.map((r) => r.status).sort()).toEqual([200, 401, 401, 401, 401, 401, 401, 401]);
+        expect((await tokenRow(gw, token)).useCount).toBe(2);
+        const rows = await gw.withDb((d) => d.select().from(agents));
+        expect(rows.filter((r) => racers.includes(r.id))).toHaveLength(1);
+
+        const many = await newToken(gw, { uses: 5 });
+        const [same] = ids("same", 1) as [string];
+        const both = await Promise.all([postEnroll(gw, many, same), postEnroll(gw2, many, same)]);
+        expect(both.map((r) => r.status).sort()).toEqual([200, 409]);
+        // The refused one spent nothing.
+        expect((await tokenRow(gw, many)).useCount).toBe(1);
+      },
+      TEST_TIMEOUT_MS,
+    );
+
+    test(
+      "SANDBOXD_ENROLL_TOKEN (firstStartToken) is redeemed at the first start only",
+      async () => {
+        const gw = await gateway();
+        const token = await newToken(gw, { uses: 2 });
+        const [id] = ids("pod", 1) as [string];
+        const stateDir = await tempStateDir();
+        cleanups.push(() => rm(stateDir, { recursive: true, force: true }));
+        const start = () =>
+          loadOrEnroll({ gatewayUrl: gw.url, stateDir, id, firstStartToken: token, defaultId: "unused" });
+        const first = await start();
+        expect(first.id).toBe(id);
+        // A restart of the pod (the same host data dir) reads its key and spends no use.
+        expect(await start()).toEqual(first);
+        expect((await tokenRow(gw, token)).useCount).toBe(1);
+        // A host whose data dir was lost cannot take its old id back with the shared token.
+        const wiped = await tempStateDir();
+        cleanups.push(() => rm(wiped, { recursive: true, force: true }));
+        const again = await errorOf(
+          loadOrEnroll({ gatewayUrl: gw.url, stateDir: wiped, id, firstStartToken: token, defaultId: "x" }),
+        );
+        expect(again.code).toBe("conflict");
+        expect((await tokenRow(gw, token)).useCount).toBe(1);
+      },
+      TEST_TIMEOUT_MS,
+    );
+  });
+}

@@ -117,6 +117,32 @@ describe("agent-token CLI over PGlite in the data dir", () => {
   );
 
   test(
+    "--uses N makes a token of N enrollments of new ids; with --agent, or out of range, refused",
+    async () => {
+      const made = await cli(["agent-token", "create", "--data-dir", dataDir, "--uses", "3", "--ttl", "1d"]);
+      expect(made.code).toBe(0);
+      expect(made.stdout.trimEnd().split("\n").at(-1)).toMatch(TOKEN_RE);
+      expect(made.stderr).toContain("3 uses, new agent ids only");
+      const bound = await cli([
+        "agent-token",
+        "create",
+        "--data-dir",
+        dataDir,
+        "--uses",
+        "2",
+        "--agent",
+        "x",
+      ]);
+      expect(bound.code).not.toBe(0);
+      expect(bound.stderr).toContain("--agent and --uses exclude each other");
+      const zero = await cli(["agent-token", "create", "--data-dir", dataDir, "--uses", "0"]);
+      expect(zero.code).not.toBe(0);
+      expect(zero.stderr).toContain("--uses must be 1-5000");
+    },
+    4 * CLI_TIMEOUT_MS,
+  );
+
+  test(
     "a bad --ttl exits non-zero with a clear message",
     async () => {
       const bad = await cli(["agent-token", "create", "--data-dir", dataDir, "--ttl", "soon"]);
