@@ -20,6 +20,8 @@ export interface FleetAgent {
   lastHeartbeatAt: string | null;
   lostAt: string | null;
   cordonedAt: string | null;
+  /** The templates its last heartbeat said it holds ready (agent refs). */
+  templates: string[];
 }
 
 const iso = (d: Date | null) => (d === null ? null : d.toISOString());
@@ -59,6 +61,7 @@ export async function fleetAgents(
     lastHeartbeatAt: iso(r.lastHeartbeatAt),
     lostAt: iso(r.lostAt),
     cordonedAt: iso(r.cordonedAt),
+    templates: r.templates ?? [],
   }));
 }
 

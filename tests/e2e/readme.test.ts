@@ -19,31 +19,7 @@ import { readFileSync } from "node:fs";
 import { createServer } from "node:net";
 import { join } from "node:path";
 import { prepareDataDir, qemusUnder, REPO, removeDataDir, waitFor } from "../support/e2e-service.ts";
-
-interface Block {
-  line: number;
-  script: string;
-  marker: { skip: string } | { expect: string[] };
-}
-
-const MARKER = /^<!-- readme-test: (.*) -->$/;
-
-function readmeBlocks(text: string): Block[] {
-  const lines = text.split("\n");
-  const out: Block[] = [];
-  for (let i = 0; i < lines.length; i++) {
-    if (lines[i] !== "```sh") continue;
-    const end = lines.indexOf("```", i + 1);
-    if (end < 0) throw new Error(`README.md:${i + 1}: unclosed code block`);
-    const m = MARKER.exec(lines[i - 1] ?? "");
-    if (!m) throw new Error(`README.md:${i + 1}: a sh block without a readme-test marker above it`);
-    const spec = m[1]!;
-    const marker = spec.startsWith("skip") ? { skip: spec } : (JSON.parse(spec) as { expect: string[] });
-    out.push({ line: i + 1, script: lines.slice(i + 1, end).join("\n"), marker });
-    i = end;
-  }
-  return out;
-}
+import { type Block, readmeBlocks } from "../support/readme-blocks.ts";
 
 const blocks = readmeBlocks(readFileSync(join(REPO, "README.md"), "utf8"));
 const runnable = blocks.filter((b): b is Block & { marker: { expect: string[] } } => "expect" in b.marker);
