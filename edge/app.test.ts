@@ -162,7 +162,8 @@ describe("retries", () => {
       headers: { authorization: `Bearer ${key("us_east.1")}` },
       body: "{}",
     });
-    expect(post.status).toBe(502);
+    expect(post.status).toBe(503);
+    expect(post.headers.get("retry-after")).toBe("1");
     expect(await post.json()).toEqual({
       code: "gateway_unavailable",
       message: "no gateway of region us_east.1 answered; retry with backoff",

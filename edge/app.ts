@@ -112,12 +112,23 @@ function isWebSocketUpgrade(req: Request): boolean {
 }
 
 /** An answer of the edge's own: the service's envelope, with the contract's status. */
-export function edgeError(code: PublicErrorCode, message: string, requestId: string): Response {
-  return new Response(JSON.stringify({ code, message }), {
-    status: STATUS_OF_CODE[code],
-    headers: { "content-type": "application/json", "x-request-id": requestId },
-  });
+export function edgeError(
+  code: PublicErrorCode,
+  message: string,
+  requestId: string,
+  retryAfterS?: number,
+): Response {
+  const headers: Record<string, string> = { "content-type": "application/json", "x-request-id": requestId };
+  if (retryAfterS !== undefined) headers["retry-after"] = String(retryAfterS);
+  return new Response(JSON.stringify({ code, message }), { status: STATUS_OF_CODE[code], headers });
 }
+
+/**
+ * `Retry-After` of `gateway_unavailable`, seconds: a safe request has found every gateway of the
+ * region down, an unsafe one the one it was sent to; a second later the edge picks again at
+ * random, and a gateway back from a restart (seconds) answers.
+ */
+export const GATEWAY_RETRY_AFTER_S = 1;
 
 export function createEdgeApp(deps: EdgeDeps): Hono {
   const app = new Hono();
@@ -188,6 +199,7 @@ async function proxy(deps: EdgeDeps, req: Request, log: (line: string) => void):
     "gateway_unavailable",
     `no gateway of region ${route.region} answered; retry with backoff`,
     requestId,
+    GATEWAY_RETRY_AFTER_S,
   );
 }
 

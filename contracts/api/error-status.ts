@@ -31,8 +31,9 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   insufficient_storage: 507, // the host's disk lacks room for this write; retry once space returns
   agent_unavailable: 503, // the sandbox's host agent does not answer; retry with backoff
   db_unavailable: 503, // the gateway's database does not answer; retry after Retry-After
-  // The edge (docs/edge.md): no gateway of the request's region answered; retry with backoff.
-  gateway_unavailable: 502,
+  // The edge (docs/edge.md): no gateway of the request's region answered; retry with backoff. 503
+  // as agent_unavailable: the SDKs retry it (they retry 429 and 503), and the call was not served.
+  gateway_unavailable: 503,
   not_implemented: 501, // a feature this deployment's agent does not offer
   spawn_failed: 503,
   bringup_timeout: 504,

@@ -10,7 +10,7 @@
  * a key without one) go to the default region; an event stream passes through as it is written
  * (its first event arrives while the exec is still running); a terminal WebSocket and a connect
  * URL's WebSocket (routed by its token's region) pass through; the edge's own refusals are the
- * envelope (unknown region 421, no gateway answering 502); a bad key is refused by the gateway
+ * envelope (unknown region 421, no gateway answering 503); a bad key is refused by the gateway
  * (401), not the edge; a safe request is retried on the region's next gateway.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
@@ -286,7 +286,7 @@ function passThrough(edge: () => RunningEdge) {
     expect("status" in ws && ws.status).toBe(401);
   });
 
-  test("the edge's own refusals: an unknown region (421), no gateway answering (502)", async () => {
+  test("the edge's own refusals: an unknown region (421), no gateway answering (503)", async () => {
     const unknown = await call(edge(), "GET", "/v1/sandboxes", keys.mars);
     expect(unknown.status).toBe(421);
     expect(unknown.body).toEqual({
@@ -298,7 +298,8 @@ function passThrough(edge: () => RunningEdge) {
     expect(unknown.res.headers.get("x-request-id")).not.toBeNull();
     const downKey = keys.us.replace(`_${US}_`, "_down_");
     const down = await call(edge(), "GET", "/v1/sandboxes", downKey);
-    expect(down.status).toBe(502);
+    expect(down.status).toBe(503);
+    expect(down.res.headers.get("retry-after")).toBe("1");
     expect(down.body).toEqual({
       code: "gateway_unavailable",
       message: "no gateway of region down answered; retry with backoff",
