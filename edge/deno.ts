@@ -29,6 +29,11 @@ if (!parsed.ok) {
   Deno.exit(2);
 }
 const { config } = parsed;
+const port = Number(env.SANDBOXD_EDGE_PORT ?? 8000);
+if (!Number.isInteger(port) || port < 0 || port > 65535) {
+  console.error(`sandboxd edge: SANDBOXD_EDGE_PORT must be a port, 0-65535 (0: any free one)`);
+  Deno.exit(2);
+}
 /** Each request's peer, as Deno.serve tells it (a Request has no address of its own). */
 const peers = new WeakMap<Request, string>();
 const upstreamFetch = (req: Request) => fetch(req);
@@ -51,7 +56,7 @@ const app = createEdgeApp({
 
 Deno.serve(
   {
-    port: Number(env.SANDBOXD_EDGE_PORT ?? 8000),
+    port,
     hostname: env.SANDBOXD_EDGE_HOST ?? "0.0.0.0",
     onListen: ({ hostname, port }) =>
       console.log(JSON.stringify({ listening: `http://${hostname}:${port}` })),
