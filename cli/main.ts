@@ -49,11 +49,12 @@ commands:
   key create --tenant NAME --tier TIER [--name LABEL] [--region R] [--data-dir DIR]
   key list [--tenant NAME] [--data-dir DIR]
   key revoke KEY-ID [--data-dir DIR]
-        API keys (svc_<tier>_<id>_<secret>) in the gateway database: PGlite in the data dir, or
+        API keys (svc_<tier>[_<region>]_<id>_<secret>) in the gateway database: PGlite in the data dir, or
         PostgreSQL when DATABASE_URL is set; create prints the new key as its last line. While
         up or gateway runs they go through its operator socket (<data>/operator/sandboxd.sock)
         and take effect at once; revoke also revokes the connect URLs the key minted; a new
-        tenant is at home in --region R (default: the running gateway's --region), fixed
+        tenant is at home in --region R (default: the running gateway's --region), fixed,
+        and its keys name that region (an edge routes them by it: docs/edge.md)
   usage --tenant NAME [--from ISO] [--to ISO] [--by sandbox|day] [--json] [--data-dir DIR]
         a tenant's metered usage over [from, to) (default: this UTC month until now): seconds
         running, paused and suspended, cpu_core_hours, ram_gb_hours, disk_gb_hours and

@@ -49,7 +49,10 @@
  * throw (`verifyAgentToken`, the state tables' `checkRecordAction`, `checkTransition` and `checkVmTransition`).
  */
 
-/** The codes of the public API (docs/api.md "Rules every route shares"); gateway/errors.ts gives each its status. */
+/**
+ * The codes of the public API (docs/api.md "Rules every route shares"); contracts/api/error-status.ts
+ * gives each its status, for the gateway (gateway/errors.ts) and the edge (edge/).
+ */
 export const PublicErrorCode = [
   "bad_request",
   "unauthorized",
@@ -67,6 +70,8 @@ export const PublicErrorCode = [
   /** A connect reached the sandbox but nothing accepts connections on the port inside it. */
   "port_unreachable",
   "payload_too_large",
+  /** The edge (edge/): the key names a region the edge has no gateways for. */
+  "unknown_region",
   "rate_limited",
   "quota_exceeded",
   "at_capacity",
@@ -74,6 +79,8 @@ export const PublicErrorCode = [
   "insufficient_storage",
   "agent_unavailable",
   "db_unavailable",
+  /** The edge (edge/): no gateway of the request's region answered. */
+  "gateway_unavailable",
   "not_implemented",
   "spawn_failed",
   "bringup_timeout",

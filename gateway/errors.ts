@@ -11,6 +11,7 @@
 import { randomBytes } from "node:crypto";
 import type { Context } from "hono";
 import type { ContentfulStatusCode } from "hono/utils/http-status";
+import { STATUS_OF_CODE } from "../contracts/api/error-status.ts";
 import {
   type AgentErrorCode,
   describeError,
@@ -33,34 +34,6 @@ export function dbUnavailable(cause: unknown): SandboxdError {
     details: { retryAfterSeconds: DB_RETRY_AFTER_S },
   });
 }
-
-export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCode>> = {
-  bad_request: 400,
-  unauthorized: 401,
-  forbidden: 403,
-  demo_tier_limit: 403,
-  not_found: 404,
-  gone: 410, // sessions API: the session's VM has been reclaimed (docs/api.md#rules-every-route-shares)
-  busy: 409,
-  template_in_use: 409,
-  template_not_ready: 409, // sessions API: spawning from a template still building (docs/templates.md#rules-of-templates)
-  conflict: 409, // duplicate template id; a state that does not allow the action
-  port_not_exposed: 409,
-  invalid_file: 400, // the guest refused a file of `files`; the message says which and why
-  // The gateway reached the sandbox, whose guest refused the connect: an upstream failure.
-  port_unreachable: 502,
-  payload_too_large: 413,
-  rate_limited: 429,
-  quota_exceeded: 429,
-  at_capacity: 503,
-  insufficient_storage: 507, // the host's disk lacks room for this write; retry once space returns
-  agent_unavailable: 503, // the sandbox's host agent does not answer; retry with backoff
-  db_unavailable: 503, // the gateway's database does not answer; retry after Retry-After
-  not_implemented: 501, // a feature this deployment's agent does not offer
-  spawn_failed: 503,
-  bringup_timeout: 504,
-  internal: 500,
-};
 
 function isPublicCode(code: ErrorCode): code is PublicErrorCode {
   return Object.hasOwn(STATUS_OF_CODE, code);

@@ -7,8 +7,8 @@ import { writeFileSync } from "node:fs";
 import { stringify } from "yaml";
 import { z } from "zod";
 import { ErrorEnvelope } from "../contracts/api/common.ts";
+import { STATUS_OF_CODE } from "../contracts/api/error-status.ts";
 import { ROUTES, type RouteContract } from "../contracts/api/routes.ts";
-import { STATUS_OF_CODE } from "./errors.ts";
 import { OPENAPI_PATH } from "./openapi-file.ts";
 
 export { OPENAPI_PATH };
@@ -169,7 +169,11 @@ export function generateOpenApi(): string {
     paths,
     components: {
       securitySchemes: {
-        bearer: { type: "http", scheme: "bearer", description: "svc_<tier>_<id>_<secret>" },
+        bearer: {
+          type: "http",
+          scheme: "bearer",
+          description: "svc_<tier>_<id>_<secret>, or svc_<tier>_<region>_<id>_<secret>",
+        },
       },
       responses: {
         Error: {

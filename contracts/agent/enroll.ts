@@ -7,17 +7,15 @@
  * gateway/agents/enrollment.ts, the agent side agent/api/enroll.ts.
  */
 import { z } from "zod";
+import { REGION_NAME_PATTERN } from "../api/api-key.ts";
 
 /** Outside the public /v1 API, beside the heartbeat. */
 export const ENROLL_PATH = "/internal/agents/enroll";
 
 export const AgentId = z.string().regex(/^[A-Za-z0-9._-]{1,64}$/);
 
-/**
- * A region's name (a tenant's home, an agent's place): up to 64 letters, digits, `.`, `_`, `-`,
- * so that it reads safely in URLs, log lines and error messages.
- */
-export const RegionName = z.string().regex(/^[A-Za-z0-9._-]{1,64}$/);
+/** A region's name (a tenant's home, an agent's place): contracts/api/api-key.ts `REGION_NAME_PATTERN`. */
+export const RegionName = z.string().regex(REGION_NAME_PATTERN);
 
 /**
  * The region of `up`, and of a `gateway` or an enrollment token given no `--region`

@@ -20,38 +20,8 @@ import {
   MAX_LABELS,
   MAX_PATH_CHARS,
 } from "./limits.ts";
-import type { Tier } from "./tiers.ts";
 
-// ---- API keys (docs/keys-and-auth.md "Rules of authentication") -----------------------------------------------------------
-
-/** Our choice (docs/keys-and-auth.md "API keys"): 12 lowercase base36 characters; never contains `_`. */
-export const KEY_ID_CHARS = 12;
-/** Our choice: 40 base62 characters, about 238 bits of randomness; never contains `_`. */
-export const KEY_SECRET_CHARS = 40;
-/** `svc_<tier>_<id>_<secret>`. Accepts a little more than we issue, so lengths can change later. */
-export const API_KEY_PATTERN =
-  /^svc_(live|scale|demo|pro|enterprise)_([a-z0-9]{8,32})_([A-Za-z0-9]{16,128})$/;
-
-/**
- * A browser cannot set `Authorization` on a WebSocket, so a WebSocket upgrade may carry the key in
- * `Sec-WebSocket-Protocol` instead: the list must start with `WS_PROTOCOL` (the protocol the
- * server answers with, so the key is never echoed) followed by `WS_KEY_PROTOCOL_PREFIX + key`,
- * e.g. `new WebSocket(url, ["sandboxd", "sandboxd.key." + key])` (docs/console.md "The web console: choices").
- */
-export const WS_PROTOCOL = "sandboxd";
-export const WS_KEY_PROTOCOL_PREFIX = "sandboxd.key.";
-
-export interface ParsedApiKey {
-  tier: Tier;
-  keyId: string;
-  secret: string;
-}
-
-export function parseApiKey(key: string): ParsedApiKey | null {
-  const m = API_KEY_PATTERN.exec(key);
-  if (!m) return null;
-  return { tier: m[1] as Tier, keyId: m[2]!, secret: m[3]! };
-}
+// ---- API keys: the format, its parser and how a request presents a key live in api-key.ts -------
 
 // ---- ids -----------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
 /** The public API contract: every request and response schema of both APIs. */
+export * from "./api-key.ts";
 export * from "./common.ts";
 export * from "./health.ts";
 export * from "./limits.ts";

@@ -2,10 +2,10 @@ import { index, pgTable, text, timestamp } from "drizzle-orm/pg-core";
 import { tenants } from "./tenants.ts";
 
 /**
- * API keys `svc_<tier>_<id>_<secret>` (docs/keys-and-auth.md "Rules of authentication"). The secret is never stored: only
+ * API keys `svc_<tier>[_<region>]_<id>_<secret>` (docs/keys-and-auth.md "API keys"). The secret is never stored: only
  * HMAC-SHA256(pepper, full key) where the pepper is a server secret outside the db, so a leaked
  * table can neither be used nor brute-forced offline. `id` is the key's id segment (lookup);
- * `prefix` (`svc_<tier>_<id>`) is what listings show.
+ * `prefix` (`svc_<tier>[_<region>]_<id>`) is what listings show.
  */
 export const apiKeys = pgTable(
   "api_keys",

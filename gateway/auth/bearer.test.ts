@@ -10,10 +10,11 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Hono } from "hono";
+import { keyFromWsProtocols } from "../../contracts/api/api-key.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
 import type { HonoEnv } from "../deps.ts";
 import { errorResponse } from "../errors.ts";
-import { bearerKey, keyFromWsProtocols } from "./bearer.ts";
+import { bearerKey } from "./bearer.ts";
 import { VerifiedKeys } from "./key-cache.ts";
 import { createKey, type IssuedKey, revokeKey } from "./keys.ts";
 

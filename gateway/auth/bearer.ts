@@ -13,39 +13,16 @@
  */
 
 import { createMiddleware } from "hono/factory";
-import { WS_KEY_PROTOCOL_PREFIX, WS_PROTOCOL } from "../../contracts/api/common.ts";
+import { presentedKey } from "../../contracts/api/api-key.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { currentScope } from "../../contracts/trace.ts";
 import type { HonoEnv } from "../deps.ts";
 import type { VerifiedKeys } from "./key-cache.ts";
 
-/** The scheme is case-insensitive (RFC 9110 11.1); the key is one token, trailing blanks allowed. */
-const BEARER = /^Bearer\s+(\S+)\s*$/i;
-
-/** The key a WebSocket upgrade offers as its second subprotocol, after the marker; else undefined. */
-export function keyFromWsProtocols(
-  upgrade: string | undefined,
-  protocols: string | undefined,
-): string | undefined {
-  if (upgrade?.toLowerCase() !== "websocket" || protocols === undefined) return undefined;
-  const offered = protocols.split(",").map((p) => p.trim());
-  if (offered.length !== 2 || offered[0] !== WS_PROTOCOL) return undefined;
-  const second = offered[1]!;
-  if (!second.startsWith(WS_KEY_PROTOCOL_PREFIX)) return undefined;
-  const key = second.slice(WS_KEY_PROTOCOL_PREFIX.length);
-  return key.length > 0 ? key : undefined;
-}
-
 /** Keys resolve through `keys` (auth/key-cache.ts): a verified key skips its row for a second. */
 export function bearerKey(keys: VerifiedKeys) {
   return createMiddleware<HonoEnv>(async (c, next) => {
-    const header = c.req.header("authorization");
-    const m = header === undefined ? null : BEARER.exec(header);
-    const key =
-      m?.[1] ??
-      (header === undefined
-        ? keyFromWsProtocols(c.req.header("upgrade"), c.req.header("sec-websocket-protocol"))
-        : undefined);
+    const key = presentedKey((name) => c.req.header(name));
     if (key === undefined)
       throw new SandboxdError("unauthorized", "missing API key: send Authorization: Bearer <key>");
     const principal = await keys.verify(key);

@@ -6,6 +6,7 @@
 import { expect, test } from "bun:test";
 import { createHmac } from "node:crypto";
 import { decodeJwt, decodeProtectedHeader, SignJWT } from "jose";
+import { connectTokenRegion } from "../../contracts/api/connect-region.ts";
 import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 import {
   CONNECT_AUDIENCE,
@@ -43,6 +44,27 @@ test("a genuine token names its tenant; the claims are the scope", async () => {
     iat: NOW_SECS,
     exp: NOW_SECS + 60,
   });
+});
+
+test("a tenant's home region rides in `reg`, readable without the secret, bound by the signature", async () => {
+  const t = await signConnectToken(SECRET, {
+    ...scope,
+    nowSecs: NOW_SECS,
+    expSecs: NOW_SECS + 60,
+    region: "eu_west.1",
+  });
+  expect(decodeJwt(t).reg).toBe("eu_west.1");
+  expect(connectTokenRegion(t)).toBe("eu_west.1");
+  expect(await verifyConnectToken(SECRET, t, want)).toBe("ten_1");
+  // Another region in the claims, the signature kept: refused.
+  const [h, , sig] = t.split(".");
+  const forged = btoa(JSON.stringify({ ...decodeJwt(t), reg: "us" })).replace(/=+$/, "");
+  expect(connectTokenRegion(`${h}.${forged}.${sig}`)).toBe("us");
+  expect(await verifyConnectToken(SECRET, `${h}.${forged}.${sig}`, want)).toBeUndefined();
+  // No region (a tenant without a home), or not a token: nothing to route by.
+  expect(connectTokenRegion(await mint())).toBeUndefined();
+  for (const bad of ["", "a.b", "a.!!!.c", `${h}.${btoa("[1]")}.${sig}`, `${t}${"x".repeat(2048)}`])
+    expect(connectTokenRegion(bad)).toBeUndefined();
 });
 
 test("any other sandbox, port or protocol is refused", async () => {

@@ -12,6 +12,7 @@
  */
 import { createHmac } from "node:crypto";
 import { jwtVerify, SignJWT } from "jose";
+import { CONNECT_REGION_CLAIM } from "../../contracts/api/connect-region.ts";
 import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
 
 /** `aud` of every connect token: not accepted anywhere else (agent tokens use their own). */
@@ -39,15 +40,21 @@ function keyOf(secret: string): Uint8Array {
   return key;
 }
 
+/**
+ * Signs a connect token. `region`, the tenant's home region when it has one, goes into the claim
+ * `reg`: a routing hint an edge reads without the secret (contracts/api/connect-region.ts); the
+ * gateway never reads it, and it cannot be changed without breaking the signature.
+ */
 export function signConnectToken(
   secret: string,
-  s: ConnectScope & { nowSecs: number; expSecs: number },
+  s: ConnectScope & { nowSecs: number; expSecs: number; region?: string | null },
 ): Promise<string> {
   return new SignJWT({
     tid: s.tenantId,
     port: s.port,
     proto: s.protocol,
     kid: s.keyId,
+    ...(s.region ? { [CONNECT_REGION_CLAIM]: s.region } : {}),
   })
     .setProtectedHeader({ alg: "HS256", typ: "JWT" })
     .setAudience(CONNECT_AUDIENCE)

@@ -5,7 +5,13 @@
  */
 import { createHmac, timingSafeEqual } from "node:crypto";
 import { and, asc, eq, isNull } from "drizzle-orm";
-import { KEY_ID_CHARS, KEY_SECRET_CHARS, parseApiKey } from "../../contracts/api/common.ts";
+import {
+  apiKeyPrefix,
+  KEY_ID_CHARS,
+  KEY_SECRET_CHARS,
+  keyIdOfPrefix,
+  parseApiKey,
+} from "../../contracts/api/api-key.ts";
 import { API_OF_TIER, type KeyApi, type Tier } from "../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
@@ -79,7 +85,9 @@ export async function createKey(
   const tenant = await ensureTenantIn(db, opts.tenant, opts.region);
   const tenantId = tenant.id;
   const keyId = base36(KEY_ID_CHARS);
-  const prefix = `svc_${opts.tier}_${keyId}`;
+  // A tenant at home in a region gets keys that name it: an edge routes them there without a
+  // database (docs/keys-and-auth.md "API keys"). Hashed whole, so the region cannot be changed.
+  const prefix = apiKeyPrefix({ tier: opts.tier, region: tenant.region, keyId });
   const key = `${prefix}_${base62(KEY_SECRET_CHARS)}`;
   await db.insert(apiKeys).values({
     id: keyId,
@@ -120,12 +128,16 @@ export async function listKeys(db: Db, opts: { tenant?: string } = {}): Promise<
   return rows;
 }
 
-/** The key id a key id or `svc_<tier>_<id>` prefix names. */
+/**
+ * The key id a key id, a `svc_<tier>[_<region>]_<id>` prefix or a whole key names. A prefix never
+ * reads as a whole key: its last segment, an id of 12, is shorter than any secret (16 or more).
+ */
 export function keyIdOf(idOrPrefix: string): string {
-  return idOrPrefix.startsWith("svc_") ? (idOrPrefix.split("_")[2] ?? "") : idOrPrefix;
+  if (!idOrPrefix.startsWith("svc_")) return idOrPrefix;
+  return parseApiKey(idOrPrefix)?.keyId ?? keyIdOfPrefix(idOrPrefix);
 }
 
-/** Revokes by key id (or the `svc_<tier>_<id>` prefix). Returns false when no live key matched. */
+/** Revokes by key id (or the `svc_<tier>[_<region>]_<id>` prefix). Returns false when no live key matched. */
 export async function revokeKey(db: Db, idOrPrefix: string, now: Date = new Date()): Promise<boolean> {
   const keyId = keyIdOf(idOrPrefix);
   const rows = await db

@@ -57,8 +57,9 @@ async function start(k) {
   // A previous key's view (a sessions API key hides what it cannot see) does not carry over.
   $("notice").hidden = true;
   for (const id of ["sandboxes-section", "usage-section"]) $(id).hidden = false;
-  // The key's tier is its second part (svc_<tier>_...): shown so the user knows which key is in use.
-  $("whoami").textContent = `${k.split("_")[1] ?? "?"} key ${k.split("_").slice(0, 3).join("_")}_…`;
+  // The key's tier is its second part (svc_<tier>_...), its secret the last: the rest is shown so
+  // the user knows which key is in use (svc_<tier>[_<region>]_<id>).
+  $("whoami").textContent = `${k.split("_")[1] ?? "?"} key ${k.split("_").slice(0, -1).join("_")}_…`;
   await refresh();
 }
 

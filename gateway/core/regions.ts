@@ -17,11 +17,16 @@ export async function homeRegion(
   tenantId: string | null,
 ): Promise<string> {
   if (tenantId === null) return deps.config.region;
+  return (await ownRegion(deps, tenantId)) ?? deps.config.region;
+}
+
+/** The home region on `tenantId`'s row; null for a tenant without one (made before regions). */
+export async function ownRegion(deps: Pick<Deps, "db">, tenantId: string): Promise<string | null> {
   const [row] = await deps.db
     .select({ region: tenants.region })
     .from(tenants)
     .where(eq(tenants.id, tenantId));
-  return row?.region ?? deps.config.region;
+  return row?.region ?? null;
 }
 
 /** The calls that name no VM, on the agents of `tenantId`'s home region that serve it (none: every one). */

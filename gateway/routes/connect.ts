@@ -12,6 +12,7 @@ import { signConnectToken, verifyConnectTokenClaims } from "../auth/connect-toke
 import { requirePro } from "../auth/guards.ts";
 import { keyIsLive, type Principal } from "../auth/keys.ts";
 import { wakeIfIdle } from "../core/idle.ts";
+import { ownRegion } from "../core/regions.ts";
 import {
   agentOf,
   beginUseOf,
@@ -76,6 +77,8 @@ export function connectRoutes(deps: Deps): Hono<HonoEnv> {
       protocol,
       nowSecs,
       expSecs,
+      // Read by an edge to route the connect to the tenant's region (docs/edge.md).
+      region: await ownRegion(deps, p.tenantId),
     });
     const base = connectBase(deps.config.publicBaseUrl, c.req.url);
     const url = `${base.origin}/v1/sandboxes/${row.id}/connect?port=${req.port}&protocol=${protocol}&t=${encodeURIComponent(t)}`;

@@ -8,6 +8,7 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { eq } from "drizzle-orm";
+import { parseApiKey } from "../../contracts/api/api-key.ts";
 import { type DbHandle, openDb } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { apiKeys } from "../../db/schema/api-keys.ts";
@@ -33,7 +34,7 @@ function suite(name: string, open: () => Promise<DbHandle>) {
       expect(k.key).toMatch(/^svc_pro_[a-z0-9]{12}_[A-Za-z0-9]{40}$/);
       const [row] = await h.db.select().from(apiKeys).where(eq(apiKeys.id, k.keyId));
       expect(row!.hash).toMatch(/^[0-9a-f]{64}$/);
-      expect(JSON.stringify(row)).not.toContain(k.key.split("_")[3]!);
+      expect(JSON.stringify(row)).not.toContain(k.key.split("_").at(-1)!);
       expect(await verifyKey(h.db, PEPPER, k.key)).toEqual({
         tenantId: k.tenantId,
         keyId: k.keyId,
@@ -50,6 +51,23 @@ function suite(name: string, open: () => Promise<DbHandle>) {
       expect(await verifyKey(h.db, PEPPER, k.key)).toBeNull();
       expect(await verifyKey(h.db, PEPPER, k2.key)).not.toBeNull();
       expect((await listKeys(h.db, { tenant: "t1" }))[0]!.revokedAt).toBeInstanceOf(Date);
+    });
+
+    test("keys of a tenant at home in a region name it; they verify, list and revoke by prefix", async () => {
+      const k = await createKey(h.db, PEPPER, { tenant: "homed", tier: "pro", region: "eu_west.1-b" });
+      expect(k.key).toMatch(/^svc_pro_eu_west\.1-b_[a-z0-9]{12}_[A-Za-z0-9]{40}$/);
+      expect(k.prefix).toBe(`svc_pro_eu_west.1-b_${k.keyId}`);
+      expect(parseApiKey(k.key)).toMatchObject({ tier: "pro", keyId: k.keyId, region: "eu_west.1-b" });
+      expect(await verifyKey(h.db, PEPPER, k.key)).toMatchObject({ keyId: k.keyId, tier: "pro" });
+      // The region is covered by the hash: another region on the same id and secret is refused.
+      expect(await verifyKey(h.db, PEPPER, k.key.replace("_eu_west.1-b_", "_us_"))).toBeNull();
+      expect(await verifyKey(h.db, PEPPER, k.key.replace("_eu_west.1-b_", "_"))).toBeNull();
+      // A later key of the tenant, naming no region, still carries its home.
+      const k2 = await createKey(h.db, PEPPER, { tenant: "homed", tier: "live" });
+      expect(k2.key.startsWith("svc_live_eu_west.1-b_")).toBe(true);
+      expect(await revokeKey(h.db, k.prefix)).toBe(true);
+      expect(await verifyKey(h.db, PEPPER, k.key)).toBeNull();
+      expect(await revokeKey(h.db, k2.key)).toBe(true); // a whole key names its id too
     });
 
     test("usage: overlap of intervals with the window, by state, in SQL", async () => {

@@ -106,7 +106,7 @@ function suite(name: string, databaseUrl: () => string | undefined) {
         const m = KEY_RE.exec(key);
         expect(m).not.toBeNull();
         const keyId = m![1]!;
-        const secret = key.split("_")[3]!;
+        const secret = key.split("_").at(-1)!;
         expect(created.stderr).toContain(`key ${keyId} for tenant acme`);
 
         const listed = await cli(["key", "list", "--data-dir", dataDir, "--tenant", "acme"], url);

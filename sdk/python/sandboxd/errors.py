@@ -96,6 +96,7 @@ _BY_CODE: Dict[str, Type[SandboxdError]] = {
     "at_capacity": ServiceUnavailableError,
     "agent_unavailable": ServiceUnavailableError,
     "db_unavailable": ServiceUnavailableError,
+    "gateway_unavailable": ServiceUnavailableError,
     "spawn_failed": ServiceUnavailableError,
     "bringup_timeout": ServiceUnavailableError,
     "insufficient_storage": ServiceUnavailableError,
