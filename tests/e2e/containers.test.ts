@@ -18,6 +18,7 @@
  * to the template's boot. Every container and volume the test made is removed, also on failure.
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
+import { spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { mkdtemp, readFile, rm, stat, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
@@ -55,6 +56,9 @@ const agentDirs: string[] = [];
 let env: NodeJS.ProcessEnv = {};
 const gatewayPorts: number[] = [];
 let key = "";
+let edgeUrl = "";
+/** The edge's address in the README, for this test's edge. */
+const edgeSwap = (): [string, string] => ["edge.internal:8443", edgeUrl.replace("http://", "")];
 
 /**
  * Runs the README's block of deployment step `name` in bash (`set -eo pipefail`: a failing
@@ -146,6 +150,9 @@ beforeAll(async () => {
   );
   expect(secrets?.length).toBe(3);
   const etcSwap: [string, string] = ["/etc/sandboxd", etc];
+  const edgePort = await freePort();
+  edgeUrl = `http://127.0.0.1:${edgePort}`;
+  const edgeSwapHere = edgeSwap();
 
   // 3. The migration, from the gateway image.
   await step("migrate", [etcSwap, tag("gateway")]);
@@ -160,6 +167,7 @@ beforeAll(async () => {
       ["--name sandboxd-gateway", `--name ${name}`],
       ["8080", String(port)],
       ["0.0.0.0", "127.0.0.1"],
+      edgeSwapHere,
     ]);
   }
   for (const port of gatewayPorts) {
@@ -207,10 +215,25 @@ beforeAll(async () => {
 
   // 7. A key; it names its home region.
   key = lastLine(await step("key", [onGateway]));
-  expect(key).toStartWith("svc_pro_");
+  expect(key).toStartWith("svc_pro_eu_");
+
+  // 8. The edge: real workerd with the repository's capnp file, in front of both gateways.
+  await step("edge", [
+    ["/opt/sandboxd-edge", join(work, "edge")],
+    ["/var/log/sandboxd-edge.log", join(work, "edge.log")],
+    ["http://gw1.internal:8080", `http://127.0.0.1:${gatewayPorts[0]}`],
+    ["http://gw2.internal:8080", `http://127.0.0.1:${gatewayPorts[1]}`],
+    ["0.0.0.0:8443", `127.0.0.1:${edgePort}`],
+  ]);
+  await until("the edge answering", 60_000, async () => {
+    const res = await fetch(`${edgeUrl}/v1/health`);
+    return res.ok && res.headers.get("x-sandboxd-edge-region") === "eu";
+  });
 }, SETUP_TIMEOUT_MS);
 
 afterAll(async () => {
+  // The edge's workerd, started in the background by its block: found by its config's path.
+  if (work) spawnSync("pkill", ["-f", join(work, "edge", "workerd.capnp")]);
   for (const name of all()) podmanSync(["rm", "--force", "--volumes", "--time", "0", name]);
   pg?.stop();
   for (const d of agentDirs) await rm(d, { recursive: true, force: true });
@@ -248,10 +271,16 @@ test("the gateway image has no QEMU and runs as a non-root user", async () => {
 });
 
 test(
-  "a sandbox through the deployment: create, exec, delete; SIGTERM stops every container with exit 0",
+  "through the edge: the README's check, then a sandbox's create, exec, delete; SIGTERM stops every container with exit 0",
   async () => {
-    const api = new Api(`http://127.0.0.1:${gatewayPorts[1]}`);
+    // 9. The README's check, as written.
+    const checked = await step("check", [edgeSwap()], { KEY: key });
+    expect(checked).toContain('"status":"ok"');
+    expect(checked).toMatch(/"stdout":"hello from [^"]+\\n"/);
+
+    const api = new Api(edgeUrl);
     const created = await api.post("/v1/sandboxes", { key, json: { template: "python" } });
+    expect(created.headers.get("x-sandboxd-edge-region")).toBe("eu");
     const id = expectOk(created, 201, B.CreateSandboxResponse).id;
     const exec = expectOk(
       await api.post(`/v1/sandboxes/${id}/exec`, { key, json: { command: "echo hi" } }),
