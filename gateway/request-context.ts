@@ -2,8 +2,8 @@
  * Each public request's id and its access line (docs/operations.md "Logs"). The id is the
  * client's `x-request-id` when it is a plain token (at most 128 of `A-Za-z0-9._-`), else a new
  * one; it is answered in `x-request-id` and named by the request's log lines. After the answer,
- * one access line (`kind: "access"`, JSON logs only) says method, path, status, duration, tenant
- * and sandbox, never the query string (a connect token may be in it) or a header.
+ * one access line (`kind: "access"`, JSON logs only) says method, path, status, duration, tenant,
+ * sandbox and the agent it reached, never the query string (a connect token may be in it) or a header.
  *
  * The request is a span of the client's trace when it sent a valid `traceparent`, else of a new
  * one (contracts/trace.ts); what is logged and called while serving it runs in its scope, so its
@@ -76,6 +76,7 @@ export function requestContext(log: LogFn, metrics?: Metrics, tracer?: Tracer): 
       ms,
       tenant: c.get("principal")?.tenantId,
       sandbox: scope.sandbox,
+      agent: scope.agent,
       trace_id: scope.span?.traceId,
     });
   };

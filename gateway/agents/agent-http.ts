@@ -59,7 +59,10 @@ export class AgentHttp {
     run: (headers: Record<string, string>) => Promise<T>,
   ) {
     const op = agentOpName(method, path);
-    const parent = currentScope()?.span;
+    const scope = currentScope();
+    // The request's later log lines (and its access line) name the agent it reached.
+    if (scope) scope.agent = this.agentId;
+    const parent = scope?.span;
     const span = this.telemetry.tracer?.start(`agent ${op}`, SpanKind.client, parent);
     span?.setAttribute("sandboxd.agent", this.agentId);
     const ctx = span?.context ?? parent;

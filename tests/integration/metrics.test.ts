@@ -202,7 +202,7 @@ test(
 
     // The access line names the client's trace.
     const access = logs.filter((l) => l.fields?.kind === "access" && l.fields.sandbox === sandbox);
-    expect(access.at(-1)?.fields?.trace_id).toBe(traceId);
+    expect(access.at(-1)?.fields).toMatchObject({ trace_id: traceId, agent: "trace-agent", sandbox });
 
     const text = await (await scrape(gw.url, TOKEN)).text();
     expect(text).toMatch(
