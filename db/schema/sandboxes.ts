@@ -73,6 +73,16 @@ export const sandboxes = pgTable(
      * Null while running otherwise.
      */
     suspendedBy: text("suspended_by", { enum: ["user", "idle"] }),
+    /**
+     * The absolute lifetime (sandboxes API): past `expires_at` the service applies `on_timeout`,
+     * whatever the sandbox is doing. `timeout_s` is the lifetime last asked for (at create or by
+     * `POST .../timeout`), counted from that call. Null: no absolute lifetime.
+     */
+    timeoutS: integer("timeout_s"),
+    expiresAt: timestamp("expires_at", { withTimezone: true, mode: "date" }),
+    onTimeout: text("on_timeout", { enum: ["suspend", "delete"] }),
+    /** The snapshot it was created from (`POST /v1/sandboxes` with `snapshot`); null: a template. */
+    snapshotId: text("snapshot_id"),
     createdAt: timestamp("created_at", { withTimezone: true, mode: "date" }).notNull(),
     lastExecAt: timestamp("last_exec_at", { withTimezone: true, mode: "date" }),
     destroyedAt: timestamp("destroyed_at", { withTimezone: true, mode: "date" }),
@@ -81,5 +91,9 @@ export const sandboxes = pgTable(
     index("sandboxes_tenant_state_idx").on(t.tenantId, t.api, t.state),
     index("sandboxes_template_state_idx").on(t.templatePk, t.state),
     index("sandboxes_state_idle_idx").on(t.kind, t.state, t.lastExecAt),
+    // Lifetimes due: the deadline timer and the reaper read the earliest live ones.
+    index("sandboxes_expires_idx").on(t.expiresAt),
+    // Lists: a tenant's rows of one API in a stable order (created_at, id), paged by cursor.
+    index("sandboxes_tenant_list_idx").on(t.tenantId, t.api, t.createdAt, t.id),
   ],
 );
