@@ -76,3 +76,21 @@ export async function jsonBody<S extends z.ZodType>(
 export function query<S extends z.ZodType>(c: Context, schema: S): z.output<S> {
   return validate(schema, c.req.query(), "query");
 }
+
+/**
+ * The query with the parameters named in `repeated` read as arrays (every occurrence, in order;
+ * absent when none), the others as their first value, validated.
+ */
+export function queryWithRepeats<S extends z.ZodType>(
+  c: Context,
+  schema: S,
+  repeated: string[],
+): z.output<S> {
+  const q: Record<string, string | string[]> = { ...c.req.query() };
+  for (const name of repeated) {
+    const all = c.req.queries(name);
+    if (all === undefined) delete q[name];
+    else q[name] = all;
+  }
+  return validate(schema, q, "query");
+}

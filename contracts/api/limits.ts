@@ -348,3 +348,29 @@ export const MAX_FILE_TRANSFER_BYTES = 4 * 1024 * 1024 * 1024;
  * `truncated: true` and the rest are not listed.
  */
 export const MAX_LIST_ENTRIES = 10_000;
+
+// ---- paged lists (`GET /v1/sandboxes`, `GET /v1/sessions`; docs/lists.md) -------------------
+
+/**
+ * Our choice: rows per page when the request names no `limit`. 50 fills a screen or a batch of
+ * work without making a client that reads one page wait for hundreds of rows it did not ask for.
+ */
+export const DEFAULT_LIST_LIMIT = 50;
+/**
+ * Our choice: the largest `limit`. One page is one indexed range read and one JSON answer held by
+ * the gateway; 200 keeps both small (a pro tenant's whole running quota), and a larger `limit` is
+ * 400, not a silent clamp, like every other bound of the API.
+ */
+export const MAX_LIST_LIMIT = 200;
+/**
+ * Our choice: most `label=` filters in one list request. They are AND-ed into one jsonb
+ * containment test, so the cost is small; the cap bounds the query string and what the cursor's
+ * filter digest covers. 16 is more than any selector of a few labels needs.
+ */
+export const MAX_LABEL_FILTERS = 16;
+/**
+ * Our choice: the longest `cursor` accepted. The service's own are about 130 characters (a
+ * position, a digest and a MAC in base64url); anything much longer is not one of them and is
+ * refused before it is decoded.
+ */
+export const MAX_CURSOR_CHARS = 512;

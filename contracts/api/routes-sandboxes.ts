@@ -46,10 +46,11 @@ export const SANDBOXES_ROUTES: RouteContract[] = [
     method: "get",
     path: "/v1/sandboxes",
     api: "sandboxes",
-    summary: "List the tenant's sandboxes",
+    summary: "List the tenant's sandboxes, filtered and paged (oldest first)",
+    query: B.SandboxListQuery,
     response: B.SandboxList,
     status: 200,
-    errors: [403],
+    errors: [400, 403],
   },
   {
     method: "get",

@@ -45,10 +45,11 @@ export const SESSIONS_ROUTES: RouteContract[] = [
     method: "get",
     path: "/v1/sessions",
     api: "sessions",
-    summary: "List live sessions",
+    summary: "List live sessions, paged (oldest first)",
+    query: A.SessionListQuery,
     response: A.SessionList,
     status: 200,
-    errors: [403],
+    errors: [400, 403],
   },
   {
     method: "get",

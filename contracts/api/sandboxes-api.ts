@@ -26,6 +26,7 @@ import {
   MAX_TEMPLATE_WIDTH,
   MIN_PORT,
 } from "./limits.ts";
+import { LabelSelectors, ListCursor, ListLimit, NextCursor } from "./lists.ts";
 
 // ---- catalog and templates (2.4, 3.2) ------------------------------------------------------
 
@@ -250,8 +251,18 @@ export const SandboxInfo = z
 export const SandboxList = z
   .object({
     sandboxes: z.array(z.object({ id: SandboxId, template: TemplateId, state: PublicSandboxState })),
+    next_cursor: NextCursor,
   })
   .meta({ id: "SandboxList" });
+
+/** `GET /v1/sandboxes` (docs/lists.md): filters, AND-ed, and the page. */
+export const SandboxListQuery = z.object({
+  label: LabelSelectors.optional(),
+  state: PublicSandboxState.optional().describe("Only sandboxes in this state."),
+  template: TemplateId.optional().describe("Only sandboxes of this template id."),
+  limit: ListLimit.optional(),
+  cursor: ListCursor.optional(),
+});
 
 export const StateResponse = z
   .object({

@@ -23,6 +23,7 @@ import {
   MIN_VCPUS,
   MIN_WAIT_SECS,
 } from "./limits.ts";
+import { ListCursor, ListLimit, NextCursor } from "./lists.ts";
 
 // ---- exec (2.2, 4.1) -----------------------------------------------------------------------
 
@@ -153,8 +154,16 @@ export const SessionStatus = z
 export const SessionList = z
   .object({
     sessions: z.array(z.object({ session_id: SessionId, idle_secs: z.number(), exec_count: z.int() })),
+    next_cursor: NextCursor,
   })
   .meta({ id: "SessionList" });
+
+/** `GET /v1/sessions` (docs/lists.md): sessions carry no labels or public states to filter by. */
+export const SessionListQuery = z.object({
+  template_id: TemplateId.optional().describe("Only sessions of this template id."),
+  limit: ListLimit.optional(),
+  cursor: ListCursor.optional(),
+});
 
 /** `DELETE /v1/sessions/{id}?force=true` aborts an in-flight exec instead of letting it finish. */
 export const BooleanQuery = z.enum(["true", "false", "1", "0"]).transform((v) => v === "true" || v === "1");

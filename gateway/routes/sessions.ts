@@ -8,6 +8,7 @@ import { randomUUID } from "node:crypto";
 import { type Context, Hono } from "hono";
 import type { z } from "zod";
 import type { ExecResult } from "../../contracts/agent/api.ts";
+import { DEFAULT_LIST_LIMIT } from "../../contracts/api/limits.ts";
 import * as A from "../../contracts/api/sessions-api.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw } from "../auth/guards.ts";
@@ -20,7 +21,7 @@ import {
   execOneShots,
   forkVm,
   getOwned,
-  listOwned,
+  listOwnedPage,
 } from "../core/sandboxes.ts";
 import { requireReady, resolveTemplate } from "../core/templates.ts";
 import { type Deps, type HonoEnv, holdForKey } from "../deps.ts";
@@ -180,13 +181,20 @@ export function sessionRoutes(deps: Deps): Hono<HonoEnv> {
 
   app.get("/", only, async (c) => {
     const now = deps.clock();
-    const rows = await listOwned(deps, c.get("principal"));
+    const q = query(c, A.SessionListQuery);
+    const page = await listOwnedPage(
+      deps,
+      c.get("principal"),
+      q.template_id !== undefined ? { templateId: q.template_id } : {},
+      { limit: q.limit ?? DEFAULT_LIST_LIMIT, cursor: q.cursor },
+    );
     return c.json({
-      sessions: rows.map((r) => ({
+      sessions: page.rows.map((r) => ({
         session_id: r.id,
         idle_secs: ages(r, now).idleSecs,
         exec_count: r.execCount,
       })),
+      next_cursor: page.next,
     });
   });
 

@@ -3,7 +3,7 @@
  * the state check every action makes (record-states.ts), the agent a record names, the usage
  * intervals that meter it, and the client's terms for an agent's errors.
  */
-import { and, eq, inArray, isNull } from "drizzle-orm";
+import { and, eq, inArray, isNull, type SQL, sql } from "drizzle-orm";
 import type { AgentVmApi, VmResources } from "../../../contracts/agent/api.ts";
 import type { KeyApi, Tier } from "../../../contracts/api/tiers.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
@@ -13,6 +13,7 @@ import { usageIntervals } from "../../../db/schema/usage-intervals.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
 import { notFound } from "../../errors.ts";
+import { afterPosition, cursorKey, decodeCursor, encodeCursor, filtersDigest, pageOf } from "../paging.ts";
 import { checkRecordAction, type RecordAction, type RecordState } from "../record-states.ts";
 import type { RowCache } from "../row-cache.ts";
 import type { Tx } from "../tenant-lock.ts";
@@ -90,20 +91,60 @@ async function cachedRow(rows: RowCache, db: Db, id: string): Promise<SandboxRow
   return row;
 }
 
-export async function listOwned(deps: Deps, p: Principal): Promise<SandboxRow[]> {
+/** A list's filters (docs/lists.md), parsed: all AND-ed. */
+export interface ListFilter {
+  /** Label pairs every row must hold. */
+  labels?: Record<string, string>;
+  /** One public state; absent: both live ones. */
+  state?: "running" | "suspended";
+  templateId?: string;
+}
+
+/** Rows a list shows: live ones only; a row being created (`starting`) shows once it runs. */
+const LISTED: RecordState[] = ["running", "suspended"];
+
+/**
+ * One page of the caller's own live records in its API, oldest first by (created_at, id)
+ * (gateway/core/paging.ts). `cursor` is the previous page's `next` for the same filters; a bad one
+ * is 400 before the database is asked. The tenant and API conditions apply whatever it says.
+ */
+export async function listOwnedPage(
+  deps: Deps,
+  p: Principal,
+  filter: ListFilter,
+  page: { limit: number; cursor?: string | undefined },
+): Promise<{ rows: SandboxRow[]; next: string | null }> {
+  const key = cursorKey(deps.config.keyPepper);
+  const labelPairs = Object.entries(filter.labels ?? {}).map(([k, v]) => `${k}:${v}`);
+  const scope = {
+    owner: `${p.tenantId}/${p.api}`,
+    digest: filtersDigest(p.api, { label: labelPairs, state: filter.state, template: filter.templateId }),
+  };
+  const after = page.cursor !== undefined ? decodeCursor(key, scope, page.cursor) : undefined;
+  const conds: SQL[] = [
+    eq(sandboxes.tenantId, p.tenantId),
+    eq(sandboxes.api, p.api),
+    inArray(sandboxes.state, filter.state !== undefined ? [filter.state] : LISTED),
+  ];
+  if (filter.templateId !== undefined) conds.push(eq(sandboxes.templateId, filter.templateId));
+  if (labelPairs.length > 0) {
+    conds.push(sql`${sandboxes.labels} @> ${JSON.stringify(filter.labels)}::jsonb`);
+  }
+  if (after) conds.push(afterPosition(sandboxes.createdAt, sandboxes.id, after));
   const rows = await deps.db
     .select()
     .from(sandboxes)
-    .where(
-      and(
-        eq(sandboxes.tenantId, p.tenantId),
-        eq(sandboxes.api, p.api),
-        inArray(sandboxes.state, ["running", "suspended"]),
-      ),
-    )
-    .orderBy(sandboxes.createdAt, sandboxes.id);
+    .where(and(...conds))
+    .orderBy(sandboxes.createdAt, sandboxes.id)
+    .limit(page.limit + 1);
+  const out = pageOf(
+    rows,
+    page.limit,
+    (r) => ({ at: r.createdAt, id: r.id }),
+    (pos) => encodeCursor(key, scope, pos),
+  );
   const activity = deps.activity;
-  return activity ? rows.map((r) => activity.overlay(r)) : rows;
+  return activity ? { rows: out.rows.map((r) => activity.overlay(r)), next: out.next } : out;
 }
 
 /** Closes the open usage interval of a sandbox and opens `next` (null: none). */
