@@ -4,10 +4,12 @@
  * PostgreSQL. Every answer is checked against openapi.yaml by the harness.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { join } from "node:path";
 import { and, eq } from "drizzle-orm";
 import { MAX_LABEL_FILTERS, MAX_LIST_LIMIT } from "../../contracts/api/limits.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { tenantIdOf } from "../../gateway/core/usage.ts";
+import { Sandboxd, SandboxdError } from "../../sdk/typescript/src/index.ts";
 import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 
@@ -249,6 +251,97 @@ describe.each(cases)("paged lists ($name)", (db) => {
       expect(seen).toEqual(made);
       expect((await call("/v1/sessions?template_id=other", live)).sessions).toEqual([]);
       expect((await call("/v1/sessions?limit=201", live, 400)).code).toBe("bad_request");
+    },
+    TEST_TIMEOUT_MS,
+  );
+});
+
+/**
+ * The SDKs' lists against the real gateway app: TypeScript through its `fetch` option, Python over
+ * HTTP (the app served by Bun.serve on a loopback port) as a separate python3 process.
+ */
+describe("the SDKs' lists and page iterators", () => {
+  let h: Harness;
+  let pro: string;
+  let server: ReturnType<typeof Bun.serve> | undefined;
+  const made: string[] = [];
+
+  beforeAll(async () => {
+    h = await makeHarness();
+    pro = await h.key("acme", "pro");
+    for (let i = 0; i < 7; i++) {
+      h.now.ms += 1000;
+      const res = await h.req("POST", "/v1/sandboxes", {
+        key: pro,
+        json: { template: "python", labels: { team: i % 2 === 0 ? "even" : "odd", app: "web" } },
+      });
+      made.push(((await res.json()) as Body).id);
+    }
+    server = Bun.serve({ port: 0, hostname: "127.0.0.1", fetch: (req) => h.app.fetch(req) });
+  }, TEST_TIMEOUT_MS);
+  afterAll(async () => {
+    await server?.stop(true);
+    await h?.close();
+  });
+
+  const even = () => made.filter((_, i) => i % 2 === 0);
+
+  test("TypeScript: list follows every page; pages yields them in order with the filters", async () => {
+    const c = new Sandboxd({
+      baseUrl: "http://gateway.test",
+      apiKey: pro,
+      fetch: (url, init) => Promise.resolve(h.app.request(`${url.pathname}${url.search}`, init)),
+    });
+    expect((await c.sandboxes.list({ limit: 2 })).map((s) => s.id)).toEqual(made);
+    const sizes: number[] = [];
+    const ids: string[] = [];
+    for await (const page of c.sandboxes.pages({ labels: { team: "even", app: "web" }, limit: 3 })) {
+      sizes.push(page.items.length);
+      ids.push(...page.items.map((s) => s.id));
+    }
+    expect(sizes).toEqual([3, 1]);
+    expect(ids).toEqual(even());
+    expect(await c.sandboxes.list({ state: "suspended" })).toEqual([]);
+    const bad = await c.sandboxes.list({ limit: 500 }).catch((e: unknown) => e);
+    expect(bad).toBeInstanceOf(SandboxdError);
+    expect((bad as SandboxdError).code).toBe("bad_request");
+  });
+
+  test(
+    "Python: list, page and pages against the gateway over HTTP",
+    async () => {
+      const script = `
+import json, sys
+from sandboxd import Sandboxd, BadRequestError
+c = Sandboxd(sys.argv[1], sys.argv[2])
+out = {"all": [s.id for s in c.sandboxes.list(limit=2)]}
+out["pages"] = [[s.id for s in p.items] for p in c.sandboxes.pages(labels={"team": "even", "app": "web"}, limit=3)]
+first = c.sandboxes.page(limit=4)
+out["next"] = [s.id for s in c.sandboxes.page(limit=4, cursor=first.next_cursor).items]
+try:
+    c.sandboxes.page(labels={"team": "odd"}, cursor=first.next_cursor)
+except BadRequestError as e:
+    out["other_filters"] = e.code
+print(json.dumps(out))
+`;
+      // Not spawnSync: the gateway answering the script runs in this process's event loop.
+      // Debian's python3, which bin/sandboxd installs for the tests (TEST_PKGS).
+      const p = Bun.spawn(["/usr/bin/python3", "-c", script, `http://127.0.0.1:${server?.port}`, pro], {
+        env: { ...process.env, PYTHONPATH: join(import.meta.dir, "../../sdk/python") },
+        stdout: "pipe",
+        stderr: "pipe",
+      });
+      const [stdout, stderr] = await Promise.all([
+        new Response(p.stdout).text(),
+        new Response(p.stderr).text(),
+      ]);
+      expect(stderr).toBe("");
+      expect(await p.exited).toBe(0);
+      const out = JSON.parse(stdout);
+      expect(out.all).toEqual(made);
+      expect(out.pages).toEqual([even().slice(0, 3), even().slice(3)]);
+      expect(out.next).toEqual(made.slice(4));
+      expect(out.other_filters).toBe("bad_request");
     },
     TEST_TIMEOUT_MS,
   );

@@ -180,7 +180,13 @@ class Http:
     # ---- building blocks -------------------------------------------------------------------
 
     def url_path(self, path: str, query: Optional[Mapping[str, Any]] = None) -> str:
-        q = {k: _query_value(v) for k, v in (query or {}).items() if v is not None}
+        # A list or tuple is the parameter repeated, once per value (``label=a:1&label=b:2``).
+        q = [
+            (k, _query_value(one))
+            for k, v in (query or {}).items()
+            if v is not None
+            for one in (v if isinstance(v, (list, tuple)) else [v])
+        ]
         return self.prefix + path + (("?" + urlencode(q, quote_via=quote)) if q else "")
 
     def auth_headers(self) -> Dict[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Generic, List, Optional, TypeVar
 
 from .errors import StreamError
 
@@ -159,6 +159,18 @@ class SessionSummary:
     session_id: str
     idle_secs: float
     exec_count: int
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a list (docs/lists.md): its rows and the cursor of the next page, ``None`` on
+    the last."""
+
+    items: List[T]
+    next_cursor: Optional[str]
 
 
 def file_entries(items: List[Dict[str, Any]]) -> List[FileEntry]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ._box import Box, EventStream, ExecOptions, fields, quote_id
 from ._http import Http
 from .errors import NotFoundError
-from .models import ConnectUrl, ExecResult, SandboxSummary
+from .models import ConnectUrl, ExecResult, Page, SandboxSummary
 
 if TYPE_CHECKING:  # the annotations are strings at run time (PEP 563): 3.9 needs no Unpack
     from typing_extensions import Unpack
@@ -154,6 +154,58 @@ class Sandboxes:
         sbx.info()
         return sbx
 
-    def list(self) -> List[SandboxSummary]:
-        d = self._http.json("GET", "/v1/sandboxes")
-        return [SandboxSummary(s["id"], s["template"], s["state"]) for s in d["sandboxes"]]
+    def list(
+        self,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        template: Optional[str] = None,
+        limit: Optional[int] = None,
+    ) -> List[SandboxSummary]:
+        """The tenant's live sandboxes matching the filters (all AND-ed), oldest first: every
+        page, followed to the last. ``pages`` reads them a page at a time."""
+        out: List[SandboxSummary] = []
+        for page in self.pages(labels=labels, state=state, template=template, limit=limit):
+            out.extend(page.items)
+        return out
+
+    def page(
+        self,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        template: Optional[str] = None,
+        limit: Optional[int] = None,
+        cursor: Optional[str] = None,
+    ) -> Page[SandboxSummary]:
+        """One page of the list: after ``cursor`` (a previous page's ``next_cursor``, sent with
+        the same filters). ``labels``: pairs every sandbox must hold (at most 16; a key must not
+        hold ``:``); ``limit``: 1 to 200 (the service's default: 50)."""
+        query = {
+            "label": [f"{k}:{v}" for k, v in (labels or {}).items()],
+            "state": state,
+            "template": template,
+            "limit": limit,
+            "cursor": cursor,
+        }
+        d = self._http.json("GET", "/v1/sandboxes", query=query)
+        items = [SandboxSummary(s["id"], s["template"], s["state"]) for s in d["sandboxes"]]
+        # A service older than paged lists answers every row and no ``next_cursor``: one page.
+        return Page(items, d.get("next_cursor"))
+
+    def pages(
+        self,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        template: Optional[str] = None,
+        limit: Optional[int] = None,
+    ) -> Iterator[Page[SandboxSummary]]:
+        """Every page of the list in order, each fetched when the loop asks for it."""
+        cursor: Optional[str] = None
+        while True:
+            page = self.page(labels=labels, state=state, template=template, limit=limit, cursor=cursor)
+            yield page
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
 from ._box import Box, EventStream, ExecOptions, fields, quote_id
 from ._http import Http
 from .errors import GoneError, NotFoundError
-from .models import ExecResult, SessionSummary
+from .models import ExecResult, Page, SessionSummary
 
 if TYPE_CHECKING:  # the annotations are strings at run time (PEP 563): 3.9 needs no Unpack
     from typing_extensions import Unpack
@@ -100,6 +100,31 @@ class Sessions:
         s.info()
         return s
 
-    def list(self) -> List[SessionSummary]:
-        d = self._http.json("GET", "/v1/sessions")
-        return [SessionSummary(s["session_id"], s["idle_secs"], s["exec_count"]) for s in d["sessions"]]
+    def list(self, *, template_id: Optional[str] = None, limit: Optional[int] = None) -> List[SessionSummary]:
+        """The tenant's live sessions, oldest first: every page, followed to the last."""
+        out: List[SessionSummary] = []
+        for page in self.pages(template_id=template_id, limit=limit):
+            out.extend(page.items)
+        return out
+
+    def page(
+        self, *, template_id: Optional[str] = None, limit: Optional[int] = None, cursor: Optional[str] = None
+    ) -> Page[SessionSummary]:
+        """One page of the list: after ``cursor`` (a previous page's ``next_cursor``, sent with
+        the same ``template_id``); ``limit``: 1 to 200 (the service's default: 50)."""
+        query = {"template_id": template_id, "limit": limit, "cursor": cursor}
+        d = self._http.json("GET", "/v1/sessions", query=query)
+        items = [SessionSummary(s["session_id"], s["idle_secs"], s["exec_count"]) for s in d["sessions"]]
+        return Page(items, d.get("next_cursor"))
+
+    def pages(
+        self, *, template_id: Optional[str] = None, limit: Optional[int] = None
+    ) -> Iterator[Page[SessionSummary]]:
+        """Every page of the list in order, each fetched when the loop asks for it."""
+        cursor: Optional[str] = None
+        while True:
+            page = self.page(template_id=template_id, limit=limit, cursor=cursor)
+            yield page
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor

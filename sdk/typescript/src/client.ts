@@ -13,9 +13,12 @@ import {
   execResult,
   type Health,
   type IdleAction,
+  type Page,
   type ReadySpec,
   type RegistryAuth,
+  type SandboxListOptions,
   type SandboxSummary,
+  type SessionListOptions,
   type SessionSummary,
   type Template,
   type TemplateA,
@@ -210,10 +213,36 @@ export class Sandboxes {
     return new Sandbox(this.t, id);
   }
 
-  /** The tenant's sandboxes: id, template and state. */
-  async list(): Promise<SandboxSummary[]> {
-    const r = await this.t.json<{ sandboxes: SandboxSummary[] }>("GET", "/v1/sandboxes");
-    return r.sandboxes;
+  /**
+   * The tenant's live sandboxes matching `o` (id, template and state), oldest first: every page,
+   * followed to the last. For a tenant with many, `pages` reads them a page at a time.
+   */
+  async list(o: SandboxListOptions = {}): Promise<SandboxSummary[]> {
+    const out: SandboxSummary[] = [];
+    for await (const page of this.pages(o)) out.push(...page.items);
+    return out;
+  }
+
+  /** One page of the list: after `cursor` (a previous page's `nextCursor`, with the same filters). */
+  async page(o: SandboxListOptions = {}, cursor?: string): Promise<Page<SandboxSummary>> {
+    const labels = Object.entries(o.labels ?? {}).map(([k, v]) => `${k}:${v}`);
+    const r = await this.t.json<{ sandboxes: SandboxSummary[]; next_cursor?: string | null }>(
+      "GET",
+      "/v1/sandboxes",
+      { query: { label: labels, state: o.state, template: o.template, limit: o.limit, cursor } },
+    );
+    // A service older than paged lists answers every row and no `next_cursor`: one page.
+    return { items: r.sandboxes, nextCursor: r.next_cursor ?? null };
+  }
+
+  /** Every page of the list in order, each fetched when the loop asks for it. */
+  async *pages(o: SandboxListOptions = {}): AsyncGenerator<Page<SandboxSummary>> {
+    let cursor: string | undefined;
+    do {
+      const page = await this.page(o, cursor);
+      yield page;
+      cursor = page.nextCursor ?? undefined;
+    } while (cursor !== undefined);
   }
 }
 
@@ -237,9 +266,31 @@ export class Sessions {
     return new Session(this.t, id);
   }
 
-  async list(): Promise<SessionSummary[]> {
-    const r = await this.t.json<{ sessions: SessionSummary[] }>("GET", "/v1/sessions");
-    return r.sessions;
+  /** The tenant's live sessions matching `o`, oldest first: every page, followed to the last. */
+  async list(o: SessionListOptions = {}): Promise<SessionSummary[]> {
+    const out: SessionSummary[] = [];
+    for await (const page of this.pages(o)) out.push(...page.items);
+    return out;
+  }
+
+  /** One page of the list: after `cursor` (a previous page's `nextCursor`, with the same filters). */
+  async page(o: SessionListOptions = {}, cursor?: string): Promise<Page<SessionSummary>> {
+    const r = await this.t.json<{ sessions: SessionSummary[]; next_cursor?: string | null }>(
+      "GET",
+      "/v1/sessions",
+      { query: { template_id: o.templateId, limit: o.limit, cursor } },
+    );
+    return { items: r.sessions, nextCursor: r.next_cursor ?? null };
+  }
+
+  /** Every page of the list in order, each fetched when the loop asks for it. */
+  async *pages(o: SessionListOptions = {}): AsyncGenerator<Page<SessionSummary>> {
+    let cursor: string | undefined;
+    do {
+      const page = await this.page(o, cursor);
+      yield page;
+      cursor = page.nextCursor ?? undefined;
+    } while (cursor !== undefined);
   }
 }
 

@@ -42,7 +42,8 @@ export type Fetch = (input: URL, init: RequestInit) => Promise<Response>;
 export type Body = string | Uint8Array | ArrayBuffer | Blob | ReadableStream<Uint8Array>;
 
 export interface CallOptions {
-  query?: Record<string, string | number | boolean | undefined> | undefined;
+  /** An array is the parameter repeated, once per value (`label=a:1&label=b:2`). */
+  query?: Record<string, string | number | boolean | string[] | undefined> | undefined;
   /** A JSON value, sent as `application/json`. */
   json?: unknown;
   /** A raw body, sent as `application/octet-stream` unless `headers` say otherwise. */
@@ -68,7 +69,10 @@ export class Transport {
       path.replace(/^\//, ""),
       this.o.baseUrl.endsWith("/") ? this.o.baseUrl : `${this.o.baseUrl}/`,
     );
-    for (const [k, v] of Object.entries(query ?? {})) if (v !== undefined) url.searchParams.set(k, String(v));
+    for (const [k, v] of Object.entries(query ?? {})) {
+      if (Array.isArray(v)) for (const one of v) url.searchParams.append(k, one);
+      else if (v !== undefined) url.searchParams.set(k, String(v));
+    }
     return url;
   }
 

@@ -34,6 +34,30 @@ export type FileEntry = Out<typeof F.FileEntry>;
 export type FileWritten = Out<typeof F.FileWritten>;
 export type SessionStatus = Out<typeof A.SessionStatus>;
 export type SessionSummary = Out<typeof A.SessionList>["sessions"][number];
+
+/** Filters of `sandboxes.list/pages` (docs/lists.md), all AND-ed. */
+export interface SandboxListOptions {
+  /** Only sandboxes whose labels hold every pair (at most 16; a key must not hold `:`). */
+  labels?: Record<string, string>;
+  state?: "running" | "suspended";
+  /** A template id. */
+  template?: string;
+  /** Rows per page, 1 to 200 (the service's default: 50). */
+  limit?: number;
+}
+
+/** Filters of `sessions.list/pages`. */
+export interface SessionListOptions {
+  templateId?: string;
+  /** Rows per page, 1 to 200 (the service's default: 50). */
+  limit?: number;
+}
+
+/** One page of a list: its rows and the cursor of the next (null: the last page). */
+export interface Page<T> {
+  items: T[];
+  nextCursor: string | null;
+}
 export type Health = Out<typeof HealthResponse>;
 export type Endpoints = Record<string, string>;
 export type EgressPolicy = NonNullable<B.CreateSandboxRequest["egress"]>;
