@@ -171,6 +171,7 @@ export class LiveMetrics {
   private async sample(id: string, pid: number): Promise<void> {
     const [stats, disk] = await Promise.all([
       readProcStats(pid),
+      // An overlay that cannot be stat'ed this once (being replaced by a resume): the last figure stays.
       this.deps.diskBytes(id).catch(() => undefined),
     ]);
     if (!stats) return; // QEMU gone between the listing and the read: its exit is the table's news
