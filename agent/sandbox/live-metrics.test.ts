@@ -1,10 +1,11 @@
 /**
  * The host-side sampler (live-metrics.ts, agent/vm/proc-stats.ts) on real processes: a copy of
  * `yes` named like a QEMU burns CPU and is measured; a process with another name is never
- * measured (a pid handed to something else after QEMU ended); the ring keeps the last N samples.
+ * measured (a pid handed to something else after QEMU ended); the ring keeps the last N samples;
+ * nothing the guest says is read.
  */
 import { afterAll, expect, test } from "bun:test";
-import { copyFileSync, mkdtempSync, rmSync } from "node:fs";
+import { copyFileSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseProcStats, readProcStats } from "../vm/proc-stats.ts";
@@ -102,4 +103,15 @@ test("a VM that is no longer held has its ring dropped; a new pid starts its CPU
   targets = [];
   await m.sweep();
   expect(m.history("vm-x")).toEqual([]);
+});
+
+test("the figures never come from the guest: the sampler and its /proc reader import nothing of the guest's", () => {
+  // The guest is hostile: a figure it reported could say anything. Only the host's /proc and the
+  // overlay's stat are read (docs/metrics.md "Rules of live metrics").
+  for (const f of ["live-metrics.ts", "../vm/proc-stats.ts"]) {
+    const src = readFileSync(join(import.meta.dir, f), "utf8");
+    const imports = [...src.matchAll(/from "([^"]+)"/g)].map((x) => x[1]);
+    expect(imports.filter((i) => i?.includes("guest"))).toEqual([]);
+    expect(src).not.toMatch(/\.guest\b/);
+  }
 });
