@@ -20,6 +20,7 @@ export type AgentAction =
   | { kind: "resume"; vmId: string }
   | { kind: "destroy"; vmId: string; force: boolean }
   | { kind: "info"; vmId: string }
+  | { kind: "metrics"; vmId: string }
   | { kind: "list" }
   | { kind: "buildTemplate"; template: string; source: TemplateSource }
   /** A copy of another agent's ready template, its bundle staged at `path` (the agent owns it). */
@@ -68,6 +69,8 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
       return { status: 204 };
     case "info":
       return { status: 200, body: { ...m.info(a.vmId), usage: m.usage(a.vmId) } };
+    case "metrics":
+      return { status: 200, body: m.metrics(a.vmId) };
     case "list":
       return { status: 200, body: { vms: m.list() } };
     case "buildTemplate": {

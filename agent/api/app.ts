@@ -99,6 +99,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     return run({ kind: "execOnce", template: b.template, action: b.action });
   });
   r.get("/vms/:id", (c) => run({ kind: "info", vmId: parse(VmIdParam, c.req.param("id")) }));
+  r.get("/vms/:id/metrics", (c) => run({ kind: "metrics", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.post("/vms/:id/exec", json, async (c) => {
     const vmId = parse(VmIdParam, c.req.param("id"));
     const action = parse(ExecBody, await body(c.req.raw));

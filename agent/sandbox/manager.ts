@@ -44,6 +44,7 @@ import type { OutputSink } from "./exec-run.ts";
 import { type ForkSuspendHost, forkSandbox, resumeSandbox, suspendSandbox } from "./fork-suspend.ts";
 import { GuestAccess } from "./guest-access.ts";
 import { IdlePause } from "./idle.ts";
+import { LiveMetrics, type MetricsSample } from "./live-metrics.ts";
 import { infoOf, type ManagerOptions, type SandboxInfo } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
 import { sandboxRecords, templateRecords } from "./records.ts";
@@ -87,6 +88,8 @@ export class SandboxManager {
   private readonly forkSuspendHost: ForkSuspendHost;
   private readonly createHost: CreateHost;
   private diskTimer: ReturnType<typeof setInterval> | undefined;
+  /** Every sandbox's CPU, memory and disk, sampled from the host (live-metrics.ts). */
+  readonly liveMetrics: LiveMetrics;
 
   private constructor(opts: ManagerOptions) {
     this.driver = opts.driver;
@@ -179,6 +182,10 @@ export class SandboxManager {
       closeTunnels: (sb, why) => this.table.closeTunnels(sb, why),
       wake: (sb) => this.idle.wake(sb),
     };
+    this.liveMetrics = new LiveMetrics({
+      targets: () => [...this.table.sandboxes.values()].map((sb) => ({ id: sb.id, pid: sb.vm?.qemuPid })),
+      diskBytes: (id) => this.driver.diskBytes(id),
+    });
     this.createHost = {
       driver: this.driver,
       templates: this.templates,
@@ -223,6 +230,8 @@ export class SandboxManager {
         if (sb.vm || sb.state === "suspended") void m.table.refreshDisk(sb);
     }, DISK_REFRESH_MS);
     m.diskTimer.unref?.(); // never keeps the agent process alive
+    // Drivers that run no QEMU of ours (a test's fake) have no process to sample.
+    if (m.driver.accel !== undefined) m.liveMetrics.start();
     return m;
   }
 
@@ -328,6 +337,27 @@ export class SandboxManager {
     return this.table.mustGet(id).meter.report(Date.now());
   }
 
+  /**
+   * A sandbox's live metrics (docs/metrics.md): its state, size and the last samples, oldest
+   * first. A suspended sandbox answers the figures of its last minutes running.
+   */
+  metrics(id: string): {
+    state: string;
+    vcpus: number;
+    memLimitBytes: number;
+    intervalMs: number;
+    samples: MetricsSample[];
+  } {
+    const sb = this.table.mustGet(id);
+    return {
+      state: sb.state,
+      vcpus: sb.size.vcpus,
+      memLimitBytes: sb.size.memMib * MIB,
+      intervalMs: this.liveMetrics.intervalMs,
+      samples: this.liveMetrics.history(id),
+    };
+  }
+
   // ---- beside the exec (guest-access.ts) -----------------------------------------------------
 
   holdGuest(id: string): ReturnType<GuestAccess["holdGuest"]> {
@@ -418,6 +448,7 @@ export class SandboxManager {
   async detach(): Promise<void> {
     this.table.detached = true;
     clearInterval(this.diskTimer);
+    this.liveMetrics.stop();
     // Warm VMs have no record (a restart would reap them): they go now rather than linger.
     await Promise.all([this.warm.close(), this.prelaunch.close()]);
     for (const sb of this.table.sandboxes.values()) this.idle.clear(sb);

@@ -56,6 +56,7 @@ export type TemplateBuildStatus = z.infer<typeof S.TemplateStatusSchema>;
 
 export type AgentCapacity = z.infer<typeof S.CapacitySchema>;
 export type VmSummary = z.infer<typeof S.VmSummarySchema>;
+export type VmMetrics = z.infer<typeof S.VmMetricsSchema>;
 export type AgentHealth = z.infer<typeof S.HealthSchema>;
 
 export interface ExecStreamOptions {
@@ -158,6 +159,8 @@ export interface AgentVmApi {
   files(vmId: VmId, call: FileCall): Promise<FileAnswer>;
   /** Every VM this agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;
+  /** The VM's live metrics, sampled by the host (docs/metrics.md); a suspended VM's last ones. */
+  metrics(vmId: VmId): Promise<VmMetrics>;
 }
 
 /** Everything one agent serves: its host calls and the calls on its own VMs. */

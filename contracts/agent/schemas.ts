@@ -194,6 +194,29 @@ export const VmSummarySchema = z.object({
   /** A sessions API one-shot exec's VM: it lives for its call and has no row of its own. */
   oneShot: z.boolean().optional(),
 });
+/**
+ * A VM's live metrics (`GET /vms/{id}/metrics`, agent/sandbox/live-metrics.ts), all sampled by the
+ * host from the VM's QEMU process and disk overlay, never reported by the guest.
+ */
+export const VmMetricsSchema = z.object({
+  /** The agent's state (agent/sandbox/states.ts); `suspended`: the samples are its last running ones. */
+  state: z.string(),
+  vcpus: z.number(),
+  memLimitBytes: z.number(),
+  /** Ms between samples. */
+  intervalMs: z.number(),
+  /** Oldest first. */
+  samples: z.array(
+    z.object({
+      atMs: z.number(),
+      /** % of one host core; null on a QEMU's first sample. */
+      cpuPercent: z.number().nullable(),
+      memUsedBytes: z.number(),
+      memResidentBytes: z.number(),
+      diskBytes: z.number(),
+    }),
+  ),
+});
 export const VmListSchema = z.object({ vms: z.array(VmSummarySchema) });
 export const SuspendResultSchema = z.object({
   /** Size of the on-disk memory image, bytes. */

@@ -62,6 +62,15 @@ export const SANDBOXES_ROUTES: RouteContract[] = [
     errors: [403, 404],
   },
   {
+    method: "get",
+    path: "/v1/sandboxes/{id}/metrics",
+    api: "sandboxes",
+    summary: "Live CPU, memory and disk of a sandbox, sampled by the host",
+    response: B.SandboxMetrics,
+    status: 200,
+    errors: [403, 404],
+  },
+  {
     method: "post",
     path: "/v1/sandboxes/{id}/exec",
     api: "sandboxes",

@@ -248,6 +248,49 @@ export const SandboxInfo = z
   })
   .meta({ id: "SandboxInfo" });
 
+export const MetricsSample = z
+  .object({
+    at: Rfc3339,
+    cpu_percent: z
+      .number()
+      .nullable()
+      .describe(
+        "Host CPU time of the sandbox's VM process per wall time since the previous sample, in % of one host core (a VM with 2 vCPUs busy shows up to ~200); null on the first sample after a start or resume.",
+      ),
+    memory_used_bytes: z
+      .int()
+      .describe(
+        "Host memory the sandbox alone holds: the guest pages it has written and its VM process's own memory (the process's private resident memory).",
+      ),
+    memory_resident_bytes: z
+      .int()
+      .describe(
+        "The VM process's whole resident set, including template memory it shares with other sandboxes.",
+      ),
+    disk_used_bytes: z
+      .int()
+      .describe("Bytes allocated on the host to the sandbox's own disk (its copy-on-write layer)."),
+  })
+  .meta({ id: "MetricsSample" });
+
+export const SandboxMetrics = z
+  .object({
+    id: SandboxId,
+    state: z
+      .enum(["starting", "running", "suspended"])
+      .describe(
+        "`suspended`: the samples are the last ones taken while it ran; none are added until it runs again.",
+      ),
+    vcpus: z.int().optional(),
+    memory_limit_bytes: z.int().optional().describe("The guest's RAM size."),
+    interval_s: z.number().describe("Seconds between samples."),
+    current: MetricsSample.nullable().describe("The newest sample; null before the first."),
+    samples: z
+      .array(MetricsSample)
+      .describe("The last samples, oldest first (at most 60: two minutes at 2 s)."),
+  })
+  .meta({ id: "SandboxMetrics" });
+
 export const SandboxList = z
   .object({
     sandboxes: z.array(z.object({ id: SandboxId, template: TemplateId, state: PublicSandboxState })),

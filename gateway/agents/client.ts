@@ -26,6 +26,7 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
+  VmMetrics,
   VmSummary,
 } from "../../contracts/agent/api.ts";
 import {
@@ -48,6 +49,7 @@ import {
   SuspendResultSchema,
   TemplateStatusSchema,
   VmListSchema,
+  VmMetricsSchema,
 } from "../../contracts/agent/schemas.ts";
 import { FileList, FileWritten } from "../../contracts/api/files.ts";
 import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
@@ -333,6 +335,11 @@ export class AgentHttpClient implements AgentApi {
 
   async listVms(): Promise<VmSummary[]> {
     return (await this.http.call("GET", "/vms", undefined, this.t.quick, VmListSchema)).vms;
+  }
+
+  /** Samples the agent keeps in memory (agent/sandbox/live-metrics.ts): quick. */
+  metrics(vmId: VmId): Promise<VmMetrics> {
+    return this.http.call("GET", `/vms/${enc(vmId)}/metrics`, undefined, this.t.quick, VmMetricsSchema);
   }
 }
 

@@ -1,14 +1,15 @@
 /**
  * The web console: asks once for an API key (kept in this tab's sessionStorage, sent only as
  * `Authorization: Bearer` and, for terminals, as a WebSocket subprotocol), then shows the
- * tenant's sandboxes, templates with their bake progress, usage by day, and opens terminals.
+ * tenant's sandboxes, templates with their bake progress, usage by day, a sandbox's live metrics,
+ * and opens terminals.
  * Every value from the API is rendered as text (dom.js), never as markup.
  *
  * A sandboxes API key (demo, pro, enterprise) sees everything; fork needs pro or better. A sessions API key
  * (live, scale) has no sandboxes or usage in this API: the console lists its templates and says so.
  */
 import { ApiError, apiFor, mapLimited } from "./api.js";
-import { lastDays, usageChart } from "./chart.js";
+import { lastDays, metricsChart, mib, usageChart } from "./chart.js";
 import { $, age, el, ms, replace } from "./dom.js";
 import { openTerminal } from "./terminal.js";
 
@@ -22,11 +23,14 @@ const DETAIL_MAX = 50;
 /** How often the page reloads while a template bakes, ms: phases last seconds to minutes. */
 const BAKE_POLL_MS = 2000;
 const PHASES = ["Pending", "Converting", "Distributing", "Live"];
+/** How often open metrics are read again, ms: the service samples every 2 s (docs/metrics.md). */
+const METRICS_POLL_MS = 2000;
 
 let api;
 let key;
 let terminal;
 let bakePoll;
+let metricsView;
 
 function status(text, isError = false) {
   const node = $("status");
@@ -122,6 +126,7 @@ function sandboxRow(s, info) {
     actions.append(button("Terminal", () => showTerminal(s.id)));
   }
   actions.append(
+    button("Metrics", () => showMetrics(s.id)),
     button("Fork", () =>
       act(`Forking ${s.id}`, () => api.post(`/v1/sandboxes/${encodeURIComponent(s.id)}/fork`, { count: 1 })),
     ),
@@ -130,6 +135,7 @@ function sandboxRow(s, info) {
       () => {
         if (!confirm(`Delete sandbox ${s.id}?`)) return;
         if (terminal?.sandboxId === s.id) closeTerminal();
+        if (metricsView?.sandboxId === s.id) closeMetrics();
         return act(`Deleting ${s.id}`, () => api.del(`/v1/sandboxes/${encodeURIComponent(s.id)}`));
       },
       "danger",
@@ -184,6 +190,41 @@ function closeTerminal() {
   terminal = undefined;
   $("terminal-section").hidden = true;
   $("terminal").replaceChildren();
+}
+
+// ---- live metrics --------------------------------------------------------------------------
+
+/** Shows a sandbox's live metrics, read again every METRICS_POLL_MS until closed. */
+function showMetrics(sandboxId) {
+  closeMetrics();
+  $("metrics-section").hidden = false;
+  $("metrics-title").textContent = sandboxId;
+  const view = { sandboxId, timer: undefined };
+  metricsView = view;
+  const load = async () => {
+    let m;
+    try {
+      m = await api.get(`/v1/sandboxes/${encodeURIComponent(sandboxId)}/metrics`);
+    } catch (err) {
+      if (metricsView === view) $("metrics-now").textContent = `Metrics unavailable: ${errorText(err)}`;
+      return;
+    }
+    if (metricsView !== view) return;
+    const c = m.current;
+    $("metrics-now").textContent = c
+      ? `${m.state}: CPU ${c.cpu_percent ?? "–"}%, memory ${mib(c.memory_used_bytes)} of ${mib(m.memory_limit_bytes ?? 0)}, disk ${mib(c.disk_used_bytes)} (at ${c.at})`
+      : `${m.state}: no samples yet`;
+    replace($("metrics-chart"), metricsChart(m));
+  };
+  void load();
+  view.timer = setInterval(load, METRICS_POLL_MS);
+}
+
+function closeMetrics() {
+  if (metricsView) clearInterval(metricsView.timer);
+  metricsView = undefined;
+  $("metrics-section").hidden = true;
+  $("metrics-chart").replaceChildren();
 }
 
 // ---- usage ---------------------------------------------------------------------------------
@@ -308,6 +349,7 @@ $("key-form").addEventListener("submit", (e) => {
 });
 $("forget").addEventListener("click", () => {
   closeTerminal();
+  closeMetrics();
   clearTimeout(bakePoll);
   sessionStorage.removeItem(KEY_STORAGE);
   key = undefined;
@@ -317,6 +359,7 @@ $("forget").addEventListener("click", () => {
 });
 $("refresh").addEventListener("click", () => refresh());
 $("terminal-close").addEventListener("click", () => closeTerminal());
+$("metrics-close").addEventListener("click", () => closeMetrics());
 
 const saved = sessionStorage.getItem(KEY_STORAGE);
 if (saved) start(saved).catch((err) => status(errorText(err), true));

@@ -90,3 +90,69 @@ export function lastDays(n, nowMs) {
   }
   return out;
 }
+
+/** Bytes as MiB with one decimal. */
+export function mib(bytes) {
+  return `${(bytes / 1048576).toFixed(1)} MiB`;
+}
+
+/**
+ * A sandbox's live metrics (`GET /v1/sandboxes/{id}/metrics`): two lines over its samples, CPU %
+ * (scaled to its own peak, at least 100) and memory used (scaled to the guest's RAM size), oldest
+ * on the left. Each point has a `<title>` with the sample's figures.
+ */
+export function metricsChart(m) {
+  const samples = m.samples;
+  const plotH = HEIGHT - BOTTOM - TOP;
+  const cpuMax = Math.max(100, ...samples.map((s) => s.cpu_percent ?? 0));
+  const memMax = Math.max(m.memory_limit_bytes ?? 0, ...samples.map((s) => s.memory_used_bytes), 1);
+  const step = (WIDTH - LEFT) / Math.max(samples.length - 1, 1);
+  const x = (i) => LEFT + i * step;
+  const y = (v, max) => TOP + plotH - (v / max) * plotH;
+  const root = svg("svg", {
+    viewBox: `0 0 ${WIDTH} ${HEIGHT}`,
+    width: WIDTH,
+    height: HEIGHT,
+    role: "img",
+    "aria-label": "live metrics",
+  });
+  root.append(
+    svg("line", { class: "axis", x1: LEFT, y1: TOP + plotH, x2: WIDTH, y2: TOP + plotH }),
+    svg("line", { class: "axis", x1: LEFT, y1: TOP, x2: LEFT, y2: TOP + plotH }),
+    svg("text", { x: LEFT - 4, y: TOP + 8, "text-anchor": "end" }, `${Math.round(cpuMax)}%`),
+    svg("text", { x: LEFT - 4, y: TOP + plotH, "text-anchor": "end" }, "0"),
+    svg("text", { x: WIDTH - 2, y: TOP + 8, "text-anchor": "end" }, mib(memMax)),
+  );
+  const line = (cls, pick, max) => {
+    const pts = samples
+      .map((s, i) => [i, pick(s)])
+      .filter(([, v]) => v !== null && v !== undefined)
+      .map(([i, v]) => `${x(i).toFixed(1)},${y(v, max).toFixed(1)}`);
+    if (pts.length > 0) root.append(svg("polyline", { class: cls, points: pts.join(" ") }));
+  };
+  line("line-cpu", (s) => s.cpu_percent, cpuMax);
+  line("line-mem", (s) => s.memory_used_bytes, memMax);
+  samples.forEach((s, i) => {
+    const tip =
+      `${s.at}: CPU ${s.cpu_percent ?? "–"}%, memory ${mib(s.memory_used_bytes)} ` +
+      `(resident ${mib(s.memory_resident_bytes)}), disk ${mib(s.disk_used_bytes)}`;
+    root.append(
+      svg(
+        "circle",
+        { class: "point", cx: x(i), cy: y(s.cpu_percent ?? 0, cpuMax), r: 2 },
+        svg("title", {}, tip),
+      ),
+    );
+  });
+  const legend = el(
+    "div",
+    { class: "legend" },
+    el("span", { class: "swatch cpu" }),
+    "CPU % of one host core",
+    el("span", { class: "swatch ram" }),
+    "memory used",
+  );
+  const box = el("div");
+  box.append(root, legend);
+  return box;
+}

@@ -11,6 +11,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import { idleInfo, wakeIfIdle } from "../core/idle.ts";
+import { sandboxMetrics } from "../core/metrics.ts";
 import {
   ages,
   type CreateInput,
@@ -170,6 +171,11 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
   });
 
   app.get("/:id", only, (c) => sandboxInfo(deps, c));
+
+  // Live metrics (docs/metrics.md): looking neither resumes it nor counts as use.
+  app.get("/:id/metrics", only, async (c) =>
+    c.json(await sandboxMetrics(deps, c.get("principal"), c.req.param("id"))),
+  );
 
   app.post("/:id/exec", only, (c) => execInSandbox(deps, c, c.get("principal")));
 

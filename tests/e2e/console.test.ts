@@ -253,6 +253,16 @@ describe("web console", () => {
         expect(lines.some((l) => l.includes("echo $((6*7))"))).toBe(true);
         await shot(page, "terminal.png");
 
+        // Live metrics of the first sandbox: the figures and the chart's samples (the service
+        // samples every 2 s, so a second poll shows at least two points).
+        await row(first).getByRole("button", { name: "Metrics" }).click();
+        await page.locator("#metrics-chart svg circle.point").nth(1).waitFor({ timeout: UI_WAIT_MS });
+        expect(await page.locator("#metrics-now").textContent()).toMatch(
+          /^running: CPU .*memory [0-9.]+ MiB of [0-9.]+ MiB, disk [0-9.]+ MiB/,
+        );
+        await shot(page, "metrics.png");
+        await page.locator("#metrics-close").click();
+
         // Fork the second sandbox with its button: a third row appears, and the API agrees.
         await row(second).getByRole("button", { name: "Fork" }).click();
         await page.locator("tr[data-sandbox]").nth(2).waitFor({ timeout: UI_WAIT_MS });

@@ -284,6 +284,9 @@ describe("the rest of the surface, in this process (Bun)", () => {
         // Suspend and resume; another tenant sees nothing.
         expect(await sbx.suspend()).toMatchObject({ id: sbx.id, state: "suspended" });
         expect((await sbx.info()).state).toBe("suspended");
+        // Live metrics of a suspended sandbox: its state, and looking leaves it suspended.
+        expect(await sbx.metrics()).toMatchObject({ id: sbx.id, state: "suspended", interval_s: 2 });
+        expect((await sbx.info()).state).toBe("suspended");
         expect(await sbx.resume()).toMatchObject({ id: sbx.id, state: "running" });
         expect((await sbx.exec("echo back")).stdout).toBe("back\n");
         const foreign = await client(keys.other)

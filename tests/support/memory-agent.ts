@@ -26,6 +26,7 @@ import type {
   TemplateSource,
   Tunnel,
   VmId,
+  VmMetrics,
   VmSummary,
 } from "../../contracts/agent/api.ts";
 import type { ProcessInfo, ProcessLogs, ProcessStart } from "../../contracts/agent/processes.ts";
@@ -474,5 +475,25 @@ export class MemoryAgent implements AgentApi {
 
   async listVms(): Promise<VmSummary[]> {
     return [...this.vms.values()].map((vm) => ({ id: vm.id, state: vm.state, createdAtMs: 0 }));
+  }
+  /** One made-up sample per VM (no QEMU to read here; tests/vm/live-metrics.test.ts reads real ones). */
+  async metrics(vmId: VmId): Promise<VmMetrics> {
+    const vm = this.vm(vmId);
+    this.calls.push(`metrics ${vmId}`);
+    return {
+      state: vm.state,
+      vcpus: RESOURCES.vcpus,
+      memLimitBytes: RESOURCES.memMib * 1024 * 1024,
+      intervalMs: 2000,
+      samples: [
+        {
+          atMs: 1_700_000_000_000,
+          cpuPercent: 12.5,
+          memUsedBytes: 1 << 24,
+          memResidentBytes: 1 << 25,
+          diskBytes: 1 << 20,
+        },
+      ],
+    };
   }
 }

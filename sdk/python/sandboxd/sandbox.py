@@ -94,6 +94,12 @@ class Sandbox(Box):
     def resume(self, *, retry: Optional[bool] = None) -> Dict[str, Any]:
         return self._http.json("POST", f"{self._base}/resume", retry=retry)
 
+    def metrics(self) -> Dict[str, Any]:
+        """``GET /v1/sandboxes/{id}/metrics``: CPU %, memory and disk over the last two minutes,
+        sampled by the host every 2 s (``current`` the newest of ``samples``); asking neither
+        resumes the sandbox nor counts as use. Fields: docs/metrics.md."""
+        return self._http.json("GET", f"{self._base}/metrics")
+
     def connect_url(self, port: int, *, ttl_seconds: int = 600, protocol: Optional[str] = None) -> ConnectUrl:
         """A WebSocket URL to ``port`` inside the sandbox that needs no key (Pro), valid for
         ``ttl_seconds`` (the service clamps it to an hour); ``protocol`` ``"tcp"`` or ``"cdp"``."""

@@ -236,6 +236,10 @@ class ServiceTest(unittest.TestCase):
             k = kids[1]
             self.assertEqual(k.suspend()["state"], "suspended")
             self.assertEqual(k.state, "suspended")
+            m = k.metrics()  # looking at a suspended sandbox leaves it suspended
+            self.assertEqual(m["state"], "suspended")
+            self.assertEqual(m["interval_s"], 2)
+            self.assertEqual(k.state, "suspended")
             with self.assertRaises(ConflictError):
                 k.exec("true")  # a user's suspend holds until resume
             self.assertEqual(k.resume()["state"], "running")

@@ -12,6 +12,7 @@ import type {
   ExecResult,
   ForkResponse,
   SandboxInfo,
+  SandboxMetrics,
   SessionStatus,
   StateResponse,
 } from "./types.ts";
@@ -105,6 +106,14 @@ export class Sandbox extends Workspace<Command, SandboxInfo> {
 
   resume(): Promise<StateResponse> {
     return this.t.json("POST", `${this.base}/resume`);
+  }
+
+  /**
+   * Its CPU %, memory and disk over the last two minutes, sampled by the host every 2 s
+   * (docs/metrics.md); asking neither resumes it nor counts as use.
+   */
+  metrics(): Promise<SandboxMetrics> {
+    return this.t.json("GET", `${this.base}/metrics`);
   }
 
   /** A scoped WebSocket URL to a guest port, usable without the API key until it expires. */

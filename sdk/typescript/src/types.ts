@@ -20,6 +20,9 @@ export type SandboxSummary = Out<typeof B.SandboxList>["sandboxes"][number];
 export type CreateSandboxResponse = Out<typeof B.CreateSandboxResponse>;
 export type ForkResponse = Out<typeof B.ForkResponse>;
 export type StateResponse = Out<typeof B.StateResponse>;
+/** A sandbox's live metrics, sampled by the host (docs/metrics.md). */
+export type SandboxMetrics = Out<typeof B.SandboxMetrics>;
+export type MetricsSample = Out<typeof B.MetricsSample>;
 export type CatalogEntry = B.CatalogEntry;
 /** A sandboxes API template: its bake phase, error and telemetry. */
 export type TemplateB = B.TemplateB;
