@@ -17,6 +17,7 @@ import {
   type RegistryAuth,
   type SandboxSummary,
   type SessionSummary,
+  type SnapshotInfo,
   type Template,
   type TemplateA,
   type TemplateB,
@@ -46,8 +47,10 @@ export interface SandboxdOptions {
 }
 
 export interface CreateSandboxOptions {
-  /** The template (catalog id, or a template of your own). */
-  template: string;
+  /** The template (catalog id, or a template of your own); this or `snapshot`. */
+  template?: string;
+  /** A snapshot of the tenant's (`snap_...`) to start from: its processes, memory and files as they were. */
+  snapshot?: string;
   labels?: Record<string, string>;
   /** A single convenience label (stored as `labels.label`). */
   label?: string;
@@ -100,6 +103,7 @@ const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
 export class Sandboxd {
   readonly sandboxes: Sandboxes;
   readonly sessions: Sessions;
+  readonly snapshots: Snapshots;
   readonly templates: Templates;
   private readonly t: Transport;
 
@@ -123,6 +127,7 @@ export class Sandboxd {
     });
     this.sandboxes = new Sandboxes(this.t);
     this.sessions = new Sessions(this.t);
+    this.snapshots = new Snapshots(this.t);
     this.templates = new Templates(this.t);
   }
 
@@ -189,6 +194,7 @@ export class Sandboxes {
     const r = await this.t.json<CreateSandboxResponse>("POST", "/v1/sandboxes", {
       json: {
         template: o.template,
+        snapshot: o.snapshot,
         label: o.label,
         labels: o.labels,
         egress: o.egress,
@@ -214,6 +220,27 @@ export class Sandboxes {
   async list(): Promise<SandboxSummary[]> {
     const r = await this.t.json<{ sandboxes: SandboxSummary[] }>("GET", "/v1/sandboxes");
     return r.sandboxes;
+  }
+}
+
+/** `client.snapshots`: the tenant's kept snapshots (`Sandbox.snapshot()` takes one). */
+export class Snapshots {
+  constructor(private readonly t: Transport) {}
+
+  /** Newest first, at most `limit` (the service's default and cap: 500). */
+  async list(opts: { limit?: number } = {}): Promise<SnapshotInfo[]> {
+    const q = opts.limit !== undefined ? `?limit=${opts.limit}` : "";
+    return (await this.t.json<{ snapshots: SnapshotInfo[] }>("GET", `/v1/snapshots${q}`)).snapshots;
+  }
+
+  /** The snapshot `id` (404 `not_found` if it is not the tenant's or was deleted). */
+  get(id: string): Promise<SnapshotInfo> {
+    return this.t.json("GET", `/v1/snapshots/${encodeURIComponent(id)}`);
+  }
+
+  /** Deletes it; sandboxes started from it run on. */
+  async delete(id: string): Promise<void> {
+    await this.t.json("DELETE", `/v1/snapshots/${encodeURIComponent(id)}`);
   }
 }
 

@@ -20,6 +20,7 @@ export type SandboxSummary = Out<typeof B.SandboxList>["sandboxes"][number];
 export type CreateSandboxResponse = Out<typeof B.CreateSandboxResponse>;
 export type ForkResponse = Out<typeof B.ForkResponse>;
 export type StateResponse = Out<typeof B.StateResponse>;
+export type SnapshotInfo = Out<typeof B.SnapshotInfo>;
 export type CatalogEntry = B.CatalogEntry;
 /** A sandboxes API template: its bake phase, error and telemetry. */
 export type TemplateB = B.TemplateB;
