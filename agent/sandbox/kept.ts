@@ -32,7 +32,7 @@ export async function keepSandbox(h: KeptHost, sb: Sandbox, ref: string): Promis
       snapshot: ref,
       sizeBytes: r.sizeBytes,
       stallMs: r.stallMs,
-      resources: { ...sb.size, ...{ diskBytes: sb.meter.resources.diskBytes } },
+      resources: { ...sb.size, diskBytes: sb.meter.resources.diskBytes },
     };
   } finally {
     sb.op = undefined;
@@ -53,11 +53,13 @@ export async function createFromKept(
   const egress =
     opts.egressAllow !== undefined ? EgressPolicy.fromAllowList(opts.egressAllow) : h.egressDefault;
   let sb: Sandbox | undefined;
-  let release = () => {};
+  const size = await h.driver.keptSize?.(ref);
+  if (!size) throw new SandboxdError("not_found", `snapshot ${ref} is not kept on this agent`);
+  // Admitted before it starts, as a create is (at_capacity when the host is full). Its overlay
+  // may grow to the source's disk size, which the driver counts once the VM runs.
+  const release = h.capacity.admit(size, 1, 0);
   try {
     const { vm, ports } = await spawn(ref, vmId);
-    // Admitted once its size is known (the snapshot's source's); over capacity it is undone.
-    release = h.capacity.admit(vm.size, 1, 0);
     const endpoints = Object.fromEntries(ports.map((p) => [p, `${vmId}:${p}`]));
     sb = h.newSandbox({
       id: vmId,

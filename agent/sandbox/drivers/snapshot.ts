@@ -331,6 +331,10 @@ export class SnapshotDriver implements SandboxDriver {
     return { vm, ports: n.ports };
   }
 
+  async keptSize(ref: string): Promise<VmSize | undefined> {
+    return ((await this.keptRecords()).get(ref)?.notes as { size?: VmSize } | undefined)?.size;
+  }
+
   async dropKept(ref: string): Promise<void> {
     (await this.keptRecords()).delete(ref);
     await dropKept(this.stateDir, ref);
