@@ -34,6 +34,7 @@ import { processRoutes } from "./routes/processes.ts";
 import { ptyRoutes } from "./routes/pty.ts";
 import { sandboxRoutes } from "./routes/sandboxes.ts";
 import { execRoutes, sessionRoutes } from "./routes/sessions.ts";
+import { snapshotRoutes } from "./routes/snapshots.ts";
 import { healthRoutes, systemRoutes } from "./routes/system.ts";
 import { imageRoutes, templateRoutes } from "./routes/templates.ts";
 
@@ -136,6 +137,7 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
   app.route("/v1/sessions", sessionRoutes(deps));
   app.route("/v1/sandboxes", sandboxRoutes(deps));
   app.route("/v1/sandboxes", connectRoutes(deps));
+  app.route("/v1/snapshots", snapshotRoutes(deps));
   for (const api of ["sandboxes", "sessions"] as const) {
     app.route(`/v1/${api}`, processRoutes(deps, api));
     app.route(`/v1/${api}`, ptyRoutes(deps, api));

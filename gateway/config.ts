@@ -79,6 +79,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
       forkCapByTier: { ...DEFAULT_LIMITS.forkCapByTier, ...input.limits?.forkCapByTier },
       sandboxQuotaByTier: { ...DEFAULT_LIMITS.sandboxQuotaByTier, ...input.limits?.sandboxQuotaByTier },
       suspendedQuotaByTier: { ...DEFAULT_LIMITS.suspendedQuotaByTier, ...input.limits?.suspendedQuotaByTier },
+      snapshotQuotaByTier: { ...DEFAULT_LIMITS.snapshotQuotaByTier, ...input.limits?.snapshotQuotaByTier },
       templateQuotaByTier: { ...DEFAULT_LIMITS.templateQuotaByTier, ...input.limits?.templateQuotaByTier },
     },
   };

@@ -22,6 +22,8 @@ export const base36 = (n: number) => randomString(BASE36, n);
 export const base62 = (n: number) => randomString(BASE62, n);
 export const newSessionId = () => `sess_${base36(OPAQUE_ID_CHARS)}`;
 export const newSandboxId = () => `sbx_${base36(OPAQUE_ID_CHARS)}`;
+/** A kept snapshot (docs/snapshots.md); also the name the agent keeps its files under. */
+export const newSnapshotId = () => `snap_${base36(OPAQUE_ID_CHARS)}`;
 /** A one-shot exec's record (metering and the tenant's concurrency); never shown to clients. */
 export const newExecId = () => `exec_${base36(OPAQUE_ID_CHARS)}`;
 export const newTenantId = () => `ten_${base36(OPAQUE_ID_CHARS)}`;

@@ -16,6 +16,9 @@ export type AgentAction =
   | { kind: "execOnce"; template: string; action: ExecRequest }
   | { kind: "exec"; vmId: string; action: ExecRequest }
   | { kind: "fork"; vmId: string; count: number }
+  | { kind: "takeSnapshot"; vmId: string; ref: string }
+  | { kind: "createFromSnapshot"; ref: string; opts: CreateVmOpts }
+  | { kind: "deleteSnapshot"; ref: string }
   | { kind: "suspend"; vmId: string }
   | { kind: "resume"; vmId: string }
   | { kind: "destroy"; vmId: string; force: boolean }
@@ -60,6 +63,13 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
       return { status: 200, body: await m.exec(a.vmId, a.action) };
     case "fork":
       return { status: 200, body: { children: await m.fork(a.vmId, a.count) } };
+    case "takeSnapshot":
+      return { status: 201, body: await m.takeSnapshot(a.vmId, a.ref) };
+    case "createFromSnapshot":
+      return { status: 201, body: await m.createFromSnapshot(a.ref, a.opts) };
+    case "deleteSnapshot":
+      await m.deleteSnapshot(a.ref);
+      return { status: 204 };
     case "suspend":
       return { status: 200, body: await m.suspend(a.vmId) };
     case "resume":

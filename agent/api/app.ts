@@ -8,7 +8,7 @@
 import { type Context, Hono } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import type { z } from "zod";
-import { AGENT_API_PREFIX } from "../../contracts/agent/api.ts";
+import { AGENT_API_PREFIX, type CreateVmOpts } from "../../contracts/agent/api.ts";
 import {
   CreateBody,
   DeleteQuery,
@@ -16,6 +16,9 @@ import {
   ExecOnceBody,
   ForkBody,
   PtySizeQuery,
+  SnapshotRefParam,
+  SnapshotVmBody,
+  TakeSnapshotBody,
   TunnelQuery,
   VmIdParam,
 } from "../../contracts/agent/schemas.ts";
@@ -113,6 +116,22 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
       vmId: parse(VmIdParam, c.req.param("id")),
       count: parse(ForkBody, await body(c.req.raw)).count,
     }),
+  );
+  r.post("/vms/:id/snapshots", json, async (c) =>
+    run({
+      kind: "takeSnapshot",
+      vmId: parse(VmIdParam, c.req.param("id")),
+      ref: parse(TakeSnapshotBody, await body(c.req.raw)).snapshot,
+    }),
+  );
+  r.post("/snapshots/:ref/vms", json, async (c) => {
+    const b = parse(SnapshotVmBody, await body(c.req.raw));
+    const opts: CreateVmOpts = { kind: b.kind };
+    if (b.egressAllow !== undefined) opts.egressAllow = b.egressAllow;
+    return run({ kind: "createFromSnapshot", ref: parse(SnapshotRefParam, c.req.param("ref")), opts });
+  });
+  r.delete("/snapshots/:ref", (c) =>
+    run({ kind: "deleteSnapshot", ref: parse(SnapshotRefParam, c.req.param("ref")) }),
   );
   // A byte tunnel to a guest port, upgraded to a WebSocket (docs/agent-api.md "Tunnels"). The
   // guest connect happens before the upgrade, so a refused port or a stopped VM is an ordinary

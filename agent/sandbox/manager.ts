@@ -26,6 +26,7 @@ import type {
   CreateVmOpts,
   OneShotResult,
   ResumeResult,
+  SnapshotTaken,
   SuspendResult,
 } from "../../contracts/agent/api.ts";
 import { settled } from "../../contracts/best-effort.ts";
@@ -34,6 +35,7 @@ import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
 import { vmOverheadBytes } from "../qemu/cgroup.ts";
+import { newVmId } from "../vm/ids.ts";
 import type { UsageReport } from "./accounting.ts";
 import { Capacity, hostCapacity } from "./capacity.ts";
 import { type CreateHost, createSandbox } from "./create.ts";
@@ -44,6 +46,7 @@ import type { OutputSink } from "./exec-run.ts";
 import { type ForkSuspendHost, forkSandbox, resumeSandbox, suspendSandbox } from "./fork-suspend.ts";
 import { GuestAccess } from "./guest-access.ts";
 import { IdlePause } from "./idle.ts";
+import { createFromKept, dropKeptSnapshot, type KeptHost, keepSandbox } from "./kept.ts";
 import { LiveMetrics, type MetricsSample } from "./live-metrics.ts";
 import { infoOf, type ManagerOptions, type SandboxInfo } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
@@ -277,6 +280,23 @@ export class SandboxManager {
     } finally {
       await this.destroy(created.vmId, { force: true });
     }
+  }
+
+  /** Kept snapshots (kept.ts, docs/snapshots.md). */
+  takeSnapshot(id: string, ref: string): Promise<SnapshotTaken> {
+    return keepSandbox(this.keptHost(), this.table.mustGet(id), ref);
+  }
+
+  createFromSnapshot(ref: string, opts: CreateVmOpts): Promise<CreatedVm> {
+    return createFromKept(this.keptHost(), ref, newVmId(), opts);
+  }
+
+  deleteSnapshot(ref: string): Promise<void> {
+    return dropKeptSnapshot(this.keptHost(), ref);
+  }
+
+  private keptHost(): KeptHost {
+    return { ...this.forkSuspendHost, egressDefault: this.egressDefault };
   }
 
   fork(id: string, count: number): Promise<CreatedVm[]> {

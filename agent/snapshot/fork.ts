@@ -18,7 +18,7 @@ import { basename, join } from "node:path";
 import { bestEffort, ifExists } from "../../contracts/best-effort.ts";
 import { type FreeBytes, needFreeSpace } from "../../contracts/disk-space.ts";
 import { isHostnameLabel, type VmProcess } from "../qemu/launch.ts";
-import { openChainStore } from "../storage/chain.ts";
+import { type ChainStore, openChainStore } from "../storage/chain.ts";
 import { MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
 import { DEFAULT_VM_HOST } from "../vm/host-settings.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
@@ -118,8 +118,70 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   if (o.ids && (o.ids.length !== o.count || new Set(o.ids).size !== o.count || !o.ids.every(isHostnameLabel)))
     return fail(new SnapshotError("bad_request", `ids must be ${o.count} distinct RFC 1123 labels`));
   const mode = o.mode === "direct" || o.mode === "shared" ? o.mode : o.count > 1 ? "shared" : "direct";
-  const method = o.method ?? DEFAULT_FORK_METHOD;
-  const short = await shortOfShm(parent, mode, method, o.freeBytes);
+  const captured = await captureParent(parent, mode, o.method ?? DEFAULT_FORK_METHOD, log, o.freeBytes);
+  if (!captured.ok) return captured;
+  const { run, frozen, chain, forkHolder, parentStallMs, tResumed } = captured.value;
+  const { forkId } = run;
+  const disks = storageDir(parent.shape.dataDir);
+
+  const started = await startChildren({
+    parent,
+    forkId,
+    count: o.count,
+    ...(o.ids ? { ids: o.ids } : {}),
+    mode,
+    frozen,
+    statePath: run.statePath,
+    disks,
+    chain,
+    forkHolder,
+    ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
+    ...(o.log ? { log: o.log } : {}),
+  });
+  if (!started.ok) return started;
+  const { children, timings, forkPointMs, doneAt } = started.value;
+  return ok({
+    children,
+    timings: {
+      parentStallMs,
+      precopyMs: run.precopyMs,
+      populateMs: run.populateMs,
+      method: run.method,
+      stateBytes: run.stateBytes,
+      forkPointMs,
+      childrenReadyMs: doneAt - run.t0,
+      childrenAfterResumeMs: doneAt - tResumed,
+      children: timings,
+      totalMs: doneAt - run.t0,
+      mode,
+    },
+  });
+}
+
+/** What a fork (or a kept snapshot, keep.ts) has once the parent runs again. */
+export interface CapturedParent {
+  run: ForkRun;
+  /** The parent's former top overlay, read-only now: the base of whatever starts from the copy. */
+  frozen: string;
+  chain: ChainStore;
+  /** Holds fork.state and `frozen` until the caller's own holders do; the caller releases it. */
+  forkHolder: string;
+  parentStallMs: number;
+  tResumed: number;
+}
+
+/**
+ * The first half of a fork: the parent's memory streamed to `run.statePath` and its disk moved
+ * onto a new top, the old one frozen; the parent runs on. Shared by fork and keep (keep.ts).
+ */
+export async function captureParent(
+  parent: SandboxVm,
+  mode: "direct" | "shared",
+  method: ForkMethod,
+  log: (m: string) => void,
+  freeBytes?: FreeBytes,
+): Promise<Result<CapturedParent>> {
+  const short = await shortOfShm(parent, mode, method, freeBytes);
   if (short) return fail(short);
   const bad = parent.begin(["running"], "forking");
   if (bad) return fail(bad);
@@ -169,38 +231,7 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
   if (chain.depth(newTop) > MAX_CHAIN_DEPTH)
     await collapseParentChain(parent).catch((err) => log(`collapse: ${err}`));
 
-  const started = await startChildren({
-    parent,
-    forkId,
-    count: o.count,
-    ...(o.ids ? { ids: o.ids } : {}),
-    mode,
-    frozen,
-    statePath: run.statePath,
-    disks,
-    chain,
-    forkHolder,
-    ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
-    ...(o.log ? { log: o.log } : {}),
-  });
-  if (!started.ok) return started;
-  const { children, timings, forkPointMs, doneAt } = started.value;
-  return ok({
-    children,
-    timings: {
-      parentStallMs,
-      precopyMs: run.precopyMs,
-      populateMs: run.populateMs,
-      method: run.method,
-      stateBytes: run.stateBytes,
-      forkPointMs,
-      childrenReadyMs: doneAt - run.t0,
-      childrenAfterResumeMs: doneAt - tResumed,
-      children: timings,
-      totalMs: doneAt - run.t0,
-      mode,
-    },
-  });
+  return ok({ run, frozen, chain, forkHolder, parentStallMs, tResumed });
 }
 
 /**

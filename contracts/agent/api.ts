@@ -42,6 +42,8 @@ export type ExecResult = z.infer<typeof S.ExecResultSchema>;
 export type OneShotResult = z.infer<typeof S.OneShotResultSchema>;
 export type SuspendResult = z.infer<typeof S.SuspendResultSchema>;
 export type ResumeResult = z.infer<typeof S.ResumeResultSchema>;
+export type SnapshotRef = z.infer<typeof S.SnapshotRefParam>;
+export type SnapshotTaken = z.infer<typeof S.SnapshotTakenSchema>;
 
 export type TemplateSource =
   /**
@@ -136,6 +138,18 @@ export interface AgentVmApi {
   fork(vmId: VmId, count: number): Promise<CreatedVm[]>;
   suspend(vmId: VmId): Promise<SuspendResult>;
   resume(vmId: VmId): Promise<ResumeResult>;
+  /**
+   * Keeps the running VM's memory and disk as snapshot `ref` on this agent (docs/snapshots.md);
+   * the VM runs on after a fork's stall. `busy` while an exec is in flight.
+   */
+  takeSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotTaken>;
+  /** A VM from a kept snapshot of this agent: its processes, memory and files as they were. */
+  createFromSnapshot(ref: SnapshotRef, opts: CreateVmOpts): Promise<CreatedVm>;
+  /**
+   * Drops snapshot `ref` (idempotent): gone for `createFromSnapshot` at once, its files freed when
+   * the last VM whose disk chain or memory rests on them ends.
+   */
+  deleteSnapshot(ref: SnapshotRef): Promise<void>;
   /** `force` aborts an in-flight exec; otherwise it is allowed to finish first. Idempotent. */
   destroy(vmId: VmId, opts: { force: boolean }): Promise<void>;
   /** Open a byte tunnel to a guest port of a running VM (throws `port_not_exposed`). */

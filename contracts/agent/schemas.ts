@@ -181,6 +181,23 @@ export const OneShotResultSchema = ExecResultSchema.extend({
 export const ForkResultSchema = z.object({ children: z.array(CreatedVmSchema) });
 
 /**
+ * A kept snapshot's name on its agent (docs/snapshots.md): the gateway's `snap_` id. The agent
+ * keeps the files under it until `DELETE /snapshots/{ref}` and the last VM made from them end.
+ */
+export const SnapshotRefParam = z.string().regex(/^snap_[a-z0-9]{1,60}$/);
+export const TakeSnapshotBody = z.object({ snapshot: SnapshotRefParam });
+/** `POST /snapshots/{ref}/vms`: a VM from a kept snapshot, as `POST /vms` from a template. */
+export const SnapshotVmBody = CreateBody.omit({ template: true });
+export const SnapshotTakenSchema = z.object({
+  snapshot: z.string(),
+  /** Bytes the snapshot keeps: its memory image and its disk overlay. */
+  sizeBytes: z.number(),
+  /** The source VM's stall while its state was taken, ms. */
+  stallMs: z.number(),
+  resources: ResourcesSchema,
+});
+
+/**
  * One VM as `GET /vms` lists it (the agent sends more; these are what the gateway's
  * reconciliation reads: gateway/core/reconcile.ts).
  */

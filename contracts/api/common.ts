@@ -37,6 +37,8 @@ export const SANDBOX_ID_PATTERN = /^sbx_[a-z0-9]{20}$/;
 export const SessionId = z.string().regex(/^sess_[A-Za-z0-9]+$/, "session id: sess_...");
 /** docs/sandboxes.md "Rules of the sandboxes API": sandbox ids have prefix `sbx_`. */
 export const SandboxId = z.string().regex(/^sbx_[A-Za-z0-9]+$/, "sandbox id: sbx_...");
+/** docs/snapshots.md: snapshot ids have prefix `snap_`. */
+export const SnapshotId = z.string().regex(/^snap_[A-Za-z0-9]+$/, "snapshot id: snap_...");
 
 // ---- error envelope (docs/api.md "Rules every route shares") ---------------------------------------------
 

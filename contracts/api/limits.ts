@@ -101,6 +101,23 @@ export const SUSPENDED_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
 };
 
 /**
+ * Our choice (docs/quotas-and-usage.md "Disk budgets"): snapshots one tenant may keep (creating or
+ * ready), by tier. Each keeps its memory image (up to the sandbox's RAM) and its disk overlay on
+ * the host that took it, until deleted; half the suspended quota, since a snapshot outlives its
+ * sandbox (nothing ends it but a delete) where a suspended sandbox is one the tenant still runs.
+ * A snapshot beyond it is 429 `quota_exceeded`; delete one first.
+ */
+export const SNAPSHOT_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
+  live: 0,
+  scale: 0,
+  demo: 2,
+  pro: 100,
+  enterprise: 500,
+};
+/** Our choice: snapshots in one list answer (`GET /v1/snapshots?limit=`), newest first. */
+export const MAX_SNAPSHOT_LIST = 500;
+
+/**
  * Our choice (docs/quotas-and-usage.md "Disk budgets"): templates one tenant may own (building, ready or
  * failed), by tier. Each holds a base disk and a RAM file on every agent of its region, so the
  * count bounds what one tenant makes every host keep. Registering or baking beyond it is 429
@@ -269,6 +286,7 @@ export interface Limits {
   sandboxQuotaByTier: Record<Tier, number>;
   suspendedQuotaByTier: Record<Tier, number>;
   templateQuotaByTier: Record<Tier, number>;
+  snapshotQuotaByTier: Record<Tier, number>;
   /**
    * Free space the gateway keeps on the disk of its upload directory: an upload that would leave
    * less is 507 `insufficient_storage` (contracts/disk-space.ts; `SANDBOXD_DISK_RESERVE_BYTES`).
@@ -300,6 +318,7 @@ export const DEFAULT_LIMITS: Readonly<Limits> = Object.freeze({
   sandboxQuotaByTier: { ...SANDBOX_QUOTA_BY_TIER },
   suspendedQuotaByTier: { ...SUSPENDED_QUOTA_BY_TIER },
   templateQuotaByTier: { ...TEMPLATE_QUOTA_BY_TIER },
+  snapshotQuotaByTier: { ...SNAPSHOT_QUOTA_BY_TIER },
   diskReserveBytes: DEFAULT_DISK_RESERVE_BYTES,
   sessionIdleTtlS: SESSION_IDLE_TTL_S,
   reaperIntervalS: REAPER_INTERVAL_S,

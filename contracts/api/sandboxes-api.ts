@@ -13,6 +13,7 @@ import {
   Labels,
   Rfc3339,
   SandboxId,
+  SnapshotId,
   TemplateId,
   TimeoutSeconds,
 } from "./common.ts";
@@ -23,6 +24,7 @@ import {
   MAX_IMAGE_REF_CHARS,
   MAX_PORT,
   MAX_SEED_HEX_CHARS,
+  MAX_SNAPSHOT_LIST,
   MAX_TEMPLATE_WIDTH,
   MIN_PORT,
 } from "./limits.ts";
@@ -193,7 +195,10 @@ export const IdleAction = z.enum(IDLE_ACTIONS);
 
 export const CreateSandboxRequest = z
   .object({
-    template: TemplateId,
+    template: TemplateId.optional().describe("The template to start from; send this or `snapshot`."),
+    snapshot: SnapshotId.optional().describe(
+      "A ready snapshot of the tenant's to start from instead of a template: the new sandbox has its processes, memory and files as they were when it was taken, on the host that keeps it.",
+    ),
     label: z.string().max(256).optional().describe("Single convenience label; stored as labels.label."),
     labels: Labels.optional(),
     egress: z
@@ -210,6 +215,9 @@ export const CreateSandboxRequest = z
       "`suspend` (default): the service suspends the sandbox, and its next exec, fork or connect resumes it first. `delete`: the service deletes it (later calls get 404).",
     ),
   })
+  .refine((b) => (b.template === undefined) !== (b.snapshot === undefined), {
+    message: "send template or snapshot, one of them",
+  })
   .meta({ id: "CreateSandboxRequest" });
 export type CreateSandboxRequest = z.infer<typeof CreateSandboxRequest>;
 
@@ -217,6 +225,7 @@ export const CreateSandboxResponse = z
   .object({
     id: SandboxId,
     template: TemplateId,
+    snapshot: SnapshotId.optional().describe("The snapshot it was created from, if any."),
     state: z.literal("running"),
     fork_time_ms: z.number(),
     create_time_ms: z.number(),
@@ -383,6 +392,49 @@ export const ForkResponse = z
     children: z.array(z.object({ id: SandboxId, endpoints: Endpoints })),
   })
   .meta({ id: "ForkResponse" });
+
+// ---- snapshots (docs/snapshots.md) ------------------------------------------------------------
+
+export const SnapshotState = z.enum(["creating", "ready", "failed"]);
+
+export const CreateSnapshotRequest = z
+  .object({
+    name: z.string().min(1).max(256).optional().describe("A name for people; not unique."),
+    labels: Labels.optional(),
+  })
+  .meta({ id: "CreateSnapshotRequest" });
+export type CreateSnapshotRequest = z.infer<typeof CreateSnapshotRequest>;
+
+export const SnapshotInfo = z
+  .object({
+    id: SnapshotId,
+    state: SnapshotState,
+    source_sandbox: SandboxId.describe("The sandbox it was taken of."),
+    template: TemplateId.describe("The source sandbox's template: the base of the snapshot's disk."),
+    name: z.string().optional(),
+    labels: z.record(z.string(), z.string()),
+    size_bytes: z.int().describe("Bytes the snapshot keeps on its host (memory image and disk overlay)."),
+    created_at: Rfc3339,
+    ready_at: Rfc3339.optional(),
+    error: z.string().optional().describe("Why a `failed` snapshot failed."),
+  })
+  .meta({ id: "SnapshotInfo" });
+
+export const SnapshotListQuery = z.object({
+  limit: z.coerce
+    .number()
+    .int()
+    .min(1)
+    .max(MAX_SNAPSHOT_LIST)
+    .optional()
+    .describe(`Newest first; default and most ${MAX_SNAPSHOT_LIST}.`),
+});
+
+export const SnapshotList = z.object({ snapshots: z.array(SnapshotInfo) }).meta({ id: "SnapshotList" });
+
+export const DeleteSnapshotResponse = z
+  .object({ deleted: z.literal(true), id: SnapshotId })
+  .meta({ id: "DeleteSnapshotResponse" });
 
 // ---- connect (2.8) -------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ export * from "./dial-links.ts";
 export * from "./fleet-secrets.ts";
 export * from "./rate-windows.ts";
 export * from "./sandboxes.ts";
+export * from "./snapshots.ts";
 export * from "./templates.ts";
 export * from "./tenants.ts";
 export * from "./usage-intervals.ts";

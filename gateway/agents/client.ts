@@ -20,6 +20,8 @@ import type {
   OneShotResult,
   PtyTunnel,
   ResumeResult,
+  SnapshotRef,
+  SnapshotTaken,
   SuspendResult,
   TemplateBuildStatus,
   TemplateRef,
@@ -46,6 +48,7 @@ import {
   MAX_EXEC_TIMEOUT_MS,
   OneShotResultSchema,
   ResumeResultSchema,
+  SnapshotTakenSchema,
   SuspendResultSchema,
   TemplateStatusSchema,
   VmListSchema,
@@ -183,6 +186,24 @@ export class AgentHttpClient implements AgentApi {
       ForkResultSchema,
     );
     return r.children;
+  }
+
+  takeSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotTaken> {
+    return this.http.call(
+      "POST",
+      `/vms/${enc(vmId)}/snapshots`,
+      { snapshot: ref },
+      this.t.vmOp,
+      SnapshotTakenSchema,
+    );
+  }
+
+  createFromSnapshot(ref: SnapshotRef, opts: CreateVmOpts): Promise<CreatedVm> {
+    return this.http.call("POST", `/snapshots/${enc(ref)}/vms`, opts, this.t.vmOp, CreatedVmSchema);
+  }
+
+  async deleteSnapshot(ref: SnapshotRef): Promise<void> {
+    await this.http.call("DELETE", `/snapshots/${enc(ref)}`, undefined, this.t.vmOp, null);
   }
 
   suspend(vmId: VmId): Promise<SuspendResult> {

@@ -14,7 +14,6 @@ import { idleInfo, wakeIfIdle } from "../core/idle.ts";
 import { sandboxMetrics } from "../core/metrics.ts";
 import {
   ages,
-  type CreateInput,
   createVm,
   destroyVm,
   execIn,
@@ -27,6 +26,7 @@ import {
   resumeVm,
   suspendVm,
 } from "../core/sandboxes.ts";
+import { createFromSnapshot, snapshotInfo, takeSnapshot } from "../core/snapshots.ts";
 import { type Deps, type HonoEnv, holdForKey } from "../deps.ts";
 import { jsonBody, queryWithRepeats } from "../http.ts";
 import { sandboxExecAction } from "./exec-actions.ts";
@@ -82,13 +82,18 @@ export async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   const req = await jsonBody(c, B.CreateSandboxRequest, deps.config.limits.maxJsonBodyBytes);
   const labels = { ...req.labels };
   if (req.label !== undefined) labels.label = req.label;
-  const input: CreateInput = { templateId: req.template, labels, idle: idleLifetime(deps, req) };
-  if (req.egress !== undefined) input.egressAllow = req.egress.allow;
-  const { row, vm } = await createVm(deps, p, "sandbox", input);
+  const idle = idleLifetime(deps, req);
+  const egress = req.egress !== undefined ? { egressAllow: req.egress.allow } : {};
+  // The schema takes exactly one of `template` and `snapshot`.
+  const { row, vm } =
+    req.snapshot !== undefined
+      ? await createFromSnapshot(deps, p, { snapshotId: req.snapshot, labels, idle, ...egress })
+      : await createVm(deps, p, "sandbox", { templateId: req.template!, labels, idle, ...egress });
   return c.json(
     {
       id: row.id,
       template: row.templateId,
+      ...(row.snapshotId !== null ? { snapshot: row.snapshotId } : {}),
       state: "running" as const,
       fork_time_ms: vm.forkTimeMs,
       create_time_ms: vm.createTimeMs,
@@ -188,6 +193,15 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
       parent: parent.id,
       children: children.map((ch) => ({ id: ch.id, endpoints: publicEndpoints(ch.id, ch.vm.endpoints) })),
     });
+  });
+
+  app.post("/:id/snapshots", only, async (c) => {
+    const p = c.get("principal");
+    const req = await jsonBody(c, B.CreateSnapshotRequest, max());
+    await wakeIfIdle(deps, p, c.req.param("id"));
+    const input = { labels: req.labels ?? {}, ...(req.name !== undefined ? { name: req.name } : {}) };
+    const row = await takeSnapshot(deps, p, c.req.param("id"), input);
+    return c.json(snapshotInfo(row), 201);
   });
 
   app.post("/:id/suspend", only, async (c) => {

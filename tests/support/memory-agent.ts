@@ -20,6 +20,8 @@ import type {
   OneShotResult,
   PtyTunnel,
   ResumeResult,
+  SnapshotRef,
+  SnapshotTaken,
   SuspendResult,
   TemplateBuildStatus,
   TemplateRef,
@@ -40,6 +42,17 @@ interface MemVm {
   files: Map<string, string>;
   /** Background processes by pid, with the output they wrote. */
   processes: Map<number, { info: ProcessInfo; stdout: string }>;
+  /** The kept snapshot it was made from: its files stay while this VM lives (as the agent's chain holds). */
+  snapshot?: SnapshotRef;
+}
+
+/** A kept snapshot: the VM's files and processes as they were, and whether it was deleted. */
+interface MemSnapshot {
+  template: TemplateRef;
+  files: Map<string, string>;
+  processes: Map<number, { info: ProcessInfo; stdout: string }>;
+  /** Deleted while VMs made from it ran: gone for the API, removed with its last VM. */
+  deleting: boolean;
 }
 
 const RESOURCES = { vcpus: 2, memMib: 512, diskBytes: 1024 ** 3 };
@@ -57,6 +70,8 @@ export class MemoryAgent implements AgentApi {
     }
   >();
   readonly calls: string[] = [];
+  /** Kept snapshots by ref (`takeSnapshot`); a deleted one stays while VMs made from it live. */
+  readonly snapshots = new Map<SnapshotRef, MemSnapshot>();
   /** While set, the stand-in answers as a region with no live agent: builds refused, health not ok. */
   absent = false;
   /** While set, one-shot execs wait for it (a test holds them in flight). */
@@ -208,6 +223,48 @@ export class MemoryAgent implements AgentApi {
     return out;
   }
 
+  async takeSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotTaken> {
+    this.calls.push(`snapshot ${vmId} ${ref}`);
+    const vm = this.vm(vmId);
+    if (vm.busy) throw new SandboxdError("busy", `an exec is in flight on ${vmId}`);
+    if (vm.state !== "running") throw new SandboxdError("invalid_state", `vm ${vmId} is ${vm.state}`);
+    if (this.snapshots.has(ref)) throw new SandboxdError("conflict", `snapshot ${ref} exists`);
+    this.snapshots.set(ref, {
+      template: vm.template,
+      files: new Map(vm.files),
+      processes: copyProcesses(vm.processes),
+      deleting: false,
+    });
+    const size = [...vm.files.values()].reduce((n, c) => n + c.length, 0) + 512 * 1024 * 1024;
+    return { snapshot: ref, sizeBytes: size, stallMs: 1, resources: { ...RESOURCES } };
+  }
+
+  async createFromSnapshot(ref: SnapshotRef, opts: CreateVmOpts): Promise<CreatedVm> {
+    this.calls.push(`create-from ${ref} ${opts.kind}`);
+    const snap = this.snapshots.get(ref);
+    if (!snap || snap.deleting) throw new SandboxdError("not_found", `snapshot ${ref} unknown to agent`);
+    const created = this.spawn(snap.template);
+    const vm = this.vms.get(created.vmId)!;
+    vm.files = new Map(snap.files);
+    vm.processes = copyProcesses(snap.processes);
+    vm.snapshot = ref;
+    return created;
+  }
+
+  async deleteSnapshot(ref: SnapshotRef): Promise<void> {
+    this.calls.push(`delete-snapshot ${ref}`);
+    const snap = this.snapshots.get(ref);
+    if (!snap) return;
+    snap.deleting = true;
+    this.reclaimSnapshot(ref);
+  }
+
+  /** A snapshot marked deleting goes with the last VM made from it (the agent's chain store frees its files then). */
+  private reclaimSnapshot(ref: SnapshotRef | undefined): void {
+    if (!ref || !this.snapshots.get(ref)?.deleting) return;
+    if (![...this.vms.values()].some((v) => v.snapshot === ref)) this.snapshots.delete(ref);
+  }
+
   async suspend(vmId: VmId): Promise<SuspendResult> {
     const vm = this.vm(vmId);
     vm.state = "suspended";
@@ -225,6 +282,7 @@ export class MemoryAgent implements AgentApi {
     const vm = this.vms.get(vmId);
     if (this.vms.delete(vmId)) this.slotsFree++;
     if (vm) this.reclaim(vm.template);
+    this.reclaimSnapshot(vm?.snapshot);
   }
 
   async buildTemplate(template: TemplateRef, source: TemplateSource): Promise<void> {
@@ -496,4 +554,10 @@ export class MemoryAgent implements AgentApi {
       ],
     };
   }
+}
+
+function copyProcesses(
+  from: Map<number, { info: ProcessInfo; stdout: string }>,
+): Map<number, { info: ProcessInfo; stdout: string }> {
+  return new Map([...from].map(([pid, p]) => [pid, { info: { ...p.info }, stdout: p.stdout }]));
 }

@@ -131,6 +131,18 @@ export interface SandboxDriver {
   prelaunch?(templateId: string, vmId: string, size: VmSize): Promise<void>;
   /** Copy-on-write children of a running VM; the parent keeps running. */
   fork(parent: DriverVm, childIds: string[]): Promise<DriverVm[]>;
+  /**
+   * Kept snapshots (docs/snapshots.md; agent/snapshot/keep.ts): absent on drivers that keep no
+   * memory (the boot driver). `keep` copies the running VM's memory and disk as snapshot `ref`
+   * (it runs on after a fork's stall), `spawnFromKept` starts VM `vmId` from one, `dropKept`
+   * drops one (idempotent; files shared with running VMs go with the last of them).
+   */
+  keep?(vm: DriverVm, ref: string, ports: string[]): Promise<{ sizeBytes: number; stallMs: number }>;
+  /** `ports`: the exposed guest ports `keep` was given (the source's endpoints). */
+  spawnFromKept?(ref: string, vmId: string): Promise<{ vm: DriverVm; ports: string[] }>;
+  dropKept?(ref: string): Promise<void>;
+  /** The size of VMs started from kept snapshot `ref` (its source's), for admission; none kept: undefined. */
+  keptSize?(ref: string): Promise<VmSize | undefined>;
   /** Saves the VM to disk and stops its QEMU; the handle is dead afterwards. */
   suspend(vm: DriverVm): Promise<{ memBytes: number; snapshotBytes: number }>;
   resume(vmId: string, templateId: string, size: VmSize): Promise<DriverVm>;

@@ -42,6 +42,7 @@ import { refuseTakenUidRange } from "../../qemu/uids.ts";
 import type { SnapshotError } from "../../snapshot/errors.ts";
 import { forkVm } from "../../snapshot/fork.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../../snapshot/fork-method.ts";
+import { dropKept, type KeptRecord, keepVm, listKept, startFromKept } from "../../snapshot/keep.ts";
 import { VM_RECORD_FILE, type VmRecord, writeVmRecord } from "../../snapshot/persist.ts";
 import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
 import { type Prelaunched, prelaunchFromTemplate, spawnFromTemplate } from "../../snapshot/spawn.ts";
@@ -132,6 +133,7 @@ export class SnapshotDriver implements SandboxDriver {
   private readonly live = new Map<string, Live>();
   private readonly imageCacheBytes: number;
   private readonly host: VmHostSettings;
+  private kept: Promise<Map<string, KeptRecord>> | undefined;
   /** What forks use, settled by `create` (readyForkMethod). */
   forkMethod: ForkMethod = "stop-copy";
   /** QEMUs launched ahead of their spawn (`prelaunch`), by VM id. */
@@ -300,6 +302,51 @@ export class SnapshotDriver implements SandboxDriver {
       throw err;
     }
     return out;
+  }
+
+  async keep(vm: DriverVm, ref: string, ports: string[]): Promise<{ sizeBytes: number; stallMs: number }> {
+    const l = this.mustLive(vm);
+    const notes = { templateId: vm.templateId, size: vm.size, image: vm.image, ports };
+    const r = await keepVm(l.sbx, ref, { method: this.forkMethod, notes, log: this.log });
+    // The parent moved onto a new overlay (also when keeping failed after that): record it.
+    if (l.sbx.state !== "dead")
+      await bestEffort(this.log, `recording VM ${l.sbx.id} on its new overlay`, saveRecord(l.sbx, l.handle));
+    if (!r.ok) throw r.error;
+    (await this.keptRecords()).set(ref, r.value.record);
+    this.log(`kept snapshot ${ref} of ${vm.vmId}: stalled ${r.value.parentStallMs.toFixed(1)} ms`);
+    return { sizeBytes: r.value.record.sizeBytes, stallMs: r.value.parentStallMs };
+  }
+
+  async spawnFromKept(ref: string, vmId: string): Promise<{ vm: DriverVm; ports: string[] }> {
+    const record = (await this.keptRecords()).get(ref);
+    if (!record) throw new SandboxdError("not_found", `snapshot ${ref} is not kept on this agent`);
+    const r = await startFromKept(record, vmId, {
+      host: this.host,
+      log: this.log,
+      ...this.restoreDeadline(),
+    });
+    if (!r.ok) throw spawnError(r.error, `VM ${vmId} did not start from snapshot ${ref}`);
+    const n = record.notes as { templateId: string; size: VmSize; image: ImageConfig; ports: string[] };
+    const vm = await this.track(r.value.vm, n.templateId, n.image, n.size, r.value.timings.readyMs);
+    return { vm, ports: n.ports };
+  }
+
+  async keptSize(ref: string): Promise<VmSize | undefined> {
+    return ((await this.keptRecords()).get(ref)?.notes as { size?: VmSize } | undefined)?.size;
+  }
+
+  async dropKept(ref: string): Promise<void> {
+    (await this.keptRecords()).delete(ref);
+    await dropKept(this.stateDir, ref);
+  }
+
+  /** The kept snapshots, read from their records once per process (they survive restarts). */
+  private keptRecords(): Promise<Map<string, KeptRecord>> {
+    this.kept ??= listKept(this.stateDir).then(({ kept, bad }) => {
+      for (const b of bad) this.log(`kept snapshot record unreadable: ${b}`);
+      return new Map(kept.map((k) => [k.ref, k]));
+    });
+    return this.kept;
   }
 
   async suspend(vm: DriverVm): Promise<{ memBytes: number; snapshotBytes: number }> {

@@ -46,6 +46,8 @@ export async function reserve(
     parentId?: string;
     template?: { pk: string; id: string };
     idle?: IdleLifetime;
+    /** The kept snapshot it starts from (docs/snapshots.md). */
+    snapshotId?: string;
   }[],
   agentId: string,
   /** Reserve the first items that fit instead of refusing all (a batch: the rest fail one by one). */
@@ -92,6 +94,7 @@ export async function reserve(
         labels: it.labels,
         idleTimeoutS: it.idle?.timeoutS ?? null,
         idleAction: it.idle?.action ?? null,
+        snapshotId: it.snapshotId ?? null,
         createdAt: now,
       })),
     );

@@ -33,7 +33,7 @@ from .models import (
     SandboxSummary,
     SessionSummary,
 )
-from .sandbox import Sandbox, Sandboxes
+from .sandbox import Sandbox, Sandboxes, Snapshots
 from .session import Session, Sessions
 from .terminal import Terminal
 
@@ -62,6 +62,7 @@ __all__ = [
     "Sandboxd",
     "SandboxdError",
     "Sandboxes",
+    "Snapshots",
     "ServiceUnavailableError",
     "Session",
     "SessionSummary",

@@ -11,7 +11,7 @@ from ._box import fields, quote_id
 from ._http import Body, Http, RetryPolicy
 from .errors import SandboxdError, error_for
 from .models import ExecResult
-from .sandbox import Sandboxes
+from .sandbox import Sandboxes, Snapshots
 from .session import Sessions
 
 #: Seconds one socket read may wait: the longest exec the service allows by default (600 s,
@@ -129,6 +129,7 @@ class Sandboxd:
             sleep=sleep,
         )
         self.sandboxes = Sandboxes(self._http)
+        self.snapshots = Snapshots(self._http)
         self.sessions = Sessions(self._http)
         self.templates = Templates(self._http)
 

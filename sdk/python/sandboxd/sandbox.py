@@ -87,6 +87,19 @@ class Sandbox(Box):
             Sandbox(self._http, c["id"], {"template": self.template, **c}) for c in d["children"]
         ]
 
+    def snapshot(
+        self,
+        *,
+        name: Optional[str] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        retry: Optional[bool] = None,
+    ) -> Dict[str, Any]:
+        """Keeps this sandbox's memory and disk as a snapshot (it runs on after a short stall);
+        ``client.sandboxes.create(snapshot=...)`` starts sandboxes from it. The snapshot's info:
+        ``id``, ``state``, ``size_bytes``, ``created_at``..."""
+        body = fields(name=name, labels=dict(labels) if labels is not None else None)
+        return self._http.json("POST", f"{self._base}/snapshots", json_body=body, retry=retry)
+
     def suspend(self, *, retry: Optional[bool] = None) -> Dict[str, Any]:
         """Snapshots the sandbox to disk (metering stops); ``resume()`` brings it back."""
         return self._http.json("POST", f"{self._base}/suspend", retry=retry)
@@ -129,8 +142,9 @@ class Sandboxes:
 
     def create(
         self,
-        template: str,
+        template: Optional[str] = None,
         *,
+        snapshot: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         label: Optional[str] = None,
         egress: Union[Sequence[str], Mapping[str, Any], None] = None,
@@ -138,11 +152,13 @@ class Sandboxes:
         idle_action: Optional[str] = None,
         retry: Optional[bool] = None,
     ) -> Sandbox:
-        """A new running sandbox from ``template``. ``egress`` lists the host names it may reach
+        """A new running sandbox from ``template``, or from ``snapshot`` (one of them: its
+        processes, memory and files as they were when it was taken). ``egress`` lists the host names it may reach
         (or is the service's ``{"allow": [...]}`` object); ``idle_timeout_seconds`` with
         ``idle_action`` (``"suspend"`` or ``"delete"``) sets its idle lifetime."""
         body = fields(
             template=template,
+            snapshot=snapshot,
             labels=dict(labels) if labels is not None else None,
             label=label,
             egress=(dict(egress) if isinstance(egress, Mapping) else {"allow": list(egress)})
@@ -215,3 +231,23 @@ class Sandboxes:
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
+
+
+class Snapshots:
+    """``client.snapshots``: the tenant's kept snapshots (``Sandbox.snapshot()`` takes one)."""
+
+    def __init__(self, http: Http) -> None:
+        self._http = http
+
+    def list(self, *, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Newest first, at most ``limit`` (the service's default and cap: 500)."""
+        path = "/v1/snapshots" if limit is None else f"/v1/snapshots?limit={int(limit)}"
+        return list(self._http.json("GET", path)["snapshots"])
+
+    def get(self, id: str) -> Dict[str, Any]:
+        """The snapshot ``id`` (NotFoundError when it is not the tenant's or was deleted)."""
+        return self._http.json("GET", f"/v1/snapshots/{quote_id(id)}")
+
+    def delete(self, id: str) -> None:
+        """Deletes it; sandboxes started from it run on."""
+        self._http.request("DELETE", f"/v1/snapshots/{quote_id(id)}").read()

@@ -20,6 +20,7 @@ import {
   type SandboxSummary,
   type SessionListOptions,
   type SessionSummary,
+  type SnapshotInfo,
   type Template,
   type TemplateA,
   type TemplateB,
@@ -49,8 +50,10 @@ export interface SandboxdOptions {
 }
 
 export interface CreateSandboxOptions {
-  /** The template (catalog id, or a template of your own). */
-  template: string;
+  /** The template (catalog id, or a template of your own); this or `snapshot`. */
+  template?: string;
+  /** A snapshot of the tenant's (`snap_...`) to start from: its processes, memory and files as they were. */
+  snapshot?: string;
   labels?: Record<string, string>;
   /** A single convenience label (stored as `labels.label`). */
   label?: string;
@@ -103,6 +106,7 @@ const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
 export class Sandboxd {
   readonly sandboxes: Sandboxes;
   readonly sessions: Sessions;
+  readonly snapshots: Snapshots;
   readonly templates: Templates;
   private readonly t: Transport;
 
@@ -126,6 +130,7 @@ export class Sandboxd {
     });
     this.sandboxes = new Sandboxes(this.t);
     this.sessions = new Sessions(this.t);
+    this.snapshots = new Snapshots(this.t);
     this.templates = new Templates(this.t);
   }
 
@@ -192,6 +197,7 @@ export class Sandboxes {
     const r = await this.t.json<CreateSandboxResponse>("POST", "/v1/sandboxes", {
       json: {
         template: o.template,
+        snapshot: o.snapshot,
         label: o.label,
         labels: o.labels,
         egress: o.egress,
@@ -243,6 +249,27 @@ export class Sandboxes {
       yield page;
       cursor = page.nextCursor ?? undefined;
     } while (cursor !== undefined);
+  }
+}
+
+/** `client.snapshots`: the tenant's kept snapshots (`Sandbox.snapshot()` takes one). */
+export class Snapshots {
+  constructor(private readonly t: Transport) {}
+
+  /** Newest first, at most `limit` (the service's default and cap: 500). */
+  async list(opts: { limit?: number } = {}): Promise<SnapshotInfo[]> {
+    const q = opts.limit !== undefined ? `?limit=${opts.limit}` : "";
+    return (await this.t.json<{ snapshots: SnapshotInfo[] }>("GET", `/v1/snapshots${q}`)).snapshots;
+  }
+
+  /** The snapshot `id` (404 `not_found` if it is not the tenant's or was deleted). */
+  get(id: string): Promise<SnapshotInfo> {
+    return this.t.json("GET", `/v1/snapshots/${encodeURIComponent(id)}`);
+  }
+
+  /** Deletes it; sandboxes started from it run on. */
+  async delete(id: string): Promise<void> {
+    await this.t.json("DELETE", `/v1/snapshots/${encodeURIComponent(id)}`);
   }
 }
 

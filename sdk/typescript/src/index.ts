@@ -10,6 +10,7 @@ export {
   type SandboxdOptions,
   Sandboxes,
   Sessions,
+  Snapshots,
   Templates,
   type UploadOptions,
   type WaitOptions,

@@ -14,6 +14,7 @@ import type {
   SandboxInfo,
   SandboxMetrics,
   SessionStatus,
+  SnapshotInfo,
   StateResponse,
 } from "./types.ts";
 
@@ -97,6 +98,14 @@ export class Sandbox extends Workspace<Command, SandboxInfo> {
       json: { count: opts.count ?? 1, ...(opts.labels ? { labels: opts.labels } : {}) },
     });
     return r.children.map((c) => new Sandbox(this.t, c.id, this.template, c.endpoints));
+  }
+
+  /**
+   * Keeps its memory and disk as a snapshot (it runs on after a short stall); create sandboxes
+   * from it with `sandboxes.create({ snapshot: id })`.
+   */
+  snapshot(opts: { name?: string; labels?: Record<string, string> } = {}): Promise<SnapshotInfo> {
+    return this.t.json("POST", `${this.base}/snapshots`, { json: opts });
   }
 
   /** Snapshots it to disk; metering of CPU and memory stops. */

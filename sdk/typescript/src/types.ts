@@ -23,6 +23,7 @@ export type StateResponse = Out<typeof B.StateResponse>;
 /** A sandbox's live metrics, sampled by the host (docs/metrics.md). */
 export type SandboxMetrics = Out<typeof B.SandboxMetrics>;
 export type MetricsSample = Out<typeof B.MetricsSample>;
+export type SnapshotInfo = Out<typeof B.SnapshotInfo>;
 export type CatalogEntry = B.CatalogEntry;
 /** A sandboxes API template: its bake phase, error and telemetry. */
 export type TemplateB = B.TemplateB;

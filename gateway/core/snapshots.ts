@@ -1,0 +1,238 @@
+/**
+ * Snapshots a tenant keeps (docs/snapshots.md): take one of a running sandbox, list, read and
+ * delete them, and start a sandbox from one. A snapshot lives on the agent that took it: its files
+ * (memory image, disk overlay) are that host's, so a sandbox made from it is placed there, and
+ * when that host is lost the snapshot is gone with it. Every rule is checked here, whatever the
+ * agent: ownership (another tenant's snapshot is 404, as a missing one), the per-tenant cap, the
+ * states a call may start from.
+ *
+ * Delete marks the row deleted at once (the tenant's count drops) and asks the agent to drop the
+ * snapshot; the agent keeps the files while VMs made from it still rest on them (their disk chain
+ * and memory mapping) and frees them when the last of those ends, so a delete never waits on, nor
+ * breaks, the sandboxes started from it.
+ */
+import { and, desc, eq, inArray, isNull, sql } from "drizzle-orm";
+import type { CreatedVm } from "../../contracts/agent/api.ts";
+import { parseAllowList } from "../../contracts/egress.ts";
+import { SandboxdError } from "../../contracts/errors.ts";
+import { agents } from "../../db/schema/agents.ts";
+import { snapshots } from "../../db/schema/snapshots.ts";
+import { templates } from "../../db/schema/templates.ts";
+import type { Principal } from "../auth/keys.ts";
+import type { Deps } from "../deps.ts";
+import { newSnapshotId } from "../ids.ts";
+import { type IdleLifetime, markFailed, markStarted, reserve } from "./sandboxes/create.ts";
+import { beginActivity, endActivity } from "./sandboxes/exec.ts";
+import { agentOf, getOwned, inTermsOf, requireAllowed, type SandboxRow } from "./sandboxes/records.ts";
+import { underTenantLock } from "./tenant-lock.ts";
+
+export type SnapshotRow = typeof snapshots.$inferSelect;
+
+/** States that keep files on a host and count against the tenant's cap. */
+const KEPT = ["creating", "ready"] as const;
+
+/** A snapshot of the caller's tenant, not deleted; anything else is 404 (no existence leak). */
+export async function getOwnedSnapshot(deps: Deps, p: Principal, id: string): Promise<SnapshotRow> {
+  const [row] = await deps.db
+    .select()
+    .from(snapshots)
+    .where(and(eq(snapshots.id, id), eq(snapshots.tenantId, p.tenantId), isNull(snapshots.deletedAt)));
+  if (!row) throw new SandboxdError("not_found", `snapshot ${id} not found`, { details: { id } });
+  return row;
+}
+
+/** The tenant's snapshots, newest first, at most `limit`. */
+export function listSnapshots(deps: Deps, p: Principal, limit: number): Promise<SnapshotRow[]> {
+  return deps.db
+    .select()
+    .from(snapshots)
+    .where(and(eq(snapshots.tenantId, p.tenantId), isNull(snapshots.deletedAt)))
+    .orderBy(desc(snapshots.createdAt), desc(snapshots.id))
+    .limit(limit);
+}
+
+export interface TakeInput {
+  name?: string;
+  labels: Record<string, string>;
+}
+
+/**
+ * Takes a snapshot of running sandbox `sandboxId`: a row in `creating` under the tenant's cap
+ * (atomically per tenant, as creates count), then the agent keeps the VM's memory and disk (the
+ * sandbox stalls as for a fork and runs on), then the row is `ready` with its size, or `failed`
+ * with why (the agent rolled its files back; the failed row stays visible until deleted and does
+ * not count against the cap).
+ */
+export async function takeSnapshot(
+  deps: Deps,
+  p: Principal,
+  sandboxId: string,
+  input: TakeInput,
+): Promise<SnapshotRow> {
+  const source = await getOwned(deps, p, sandboxId);
+  // A snapshot copies the VM as a fork does: from the same states.
+  requireAllowed(sandboxId, source.state, "fork");
+  const id = await reserveSnapshot(deps, p, source, input);
+  // The sandbox is in use while it is copied: the reaper leaves it alone until the copy ends.
+  await beginActivity(deps, p, source, "fork");
+  try {
+    const taken = await inTermsOf(source, agentOf(deps, source).takeSnapshot(source.vmId!, id));
+    const [row] = await deps.db
+      .update(snapshots)
+      .set({
+        state: "ready",
+        sizeBytes: taken.sizeBytes,
+        vcpus: taken.resources.vcpus,
+        memMib: taken.resources.memMib,
+        diskBytes: taken.resources.diskBytes,
+        readyAt: new Date(deps.clock()),
+      })
+      .where(and(eq(snapshots.id, id), eq(snapshots.state, "creating")))
+      .returning();
+    if (!row) throw new SandboxdError("conflict", `snapshot ${id} was deleted while it was taken`);
+    return row;
+  } catch (err) {
+    await deps.db
+      .update(snapshots)
+      .set({ state: "failed", error: err instanceof Error ? err.message : String(err) })
+      .where(and(eq(snapshots.id, id), eq(snapshots.state, "creating")));
+    throw err;
+  } finally {
+    await endActivity(deps, sandboxId, false);
+  }
+}
+
+async function reserveSnapshot(
+  deps: Deps,
+  p: Principal,
+  source: SandboxRow,
+  input: TakeInput,
+): Promise<string> {
+  const cap = deps.config.limits.snapshotQuotaByTier[p.tier];
+  return underTenantLock(deps.db, p.tenantId, async (tx) => {
+    const [counted] = await tx
+      .select({ n: sql<number>`count(*)::int` })
+      .from(snapshots)
+      .where(
+        and(
+          eq(snapshots.tenantId, p.tenantId),
+          isNull(snapshots.deletedAt),
+          inArray(snapshots.state, [...KEPT]),
+        ),
+      );
+    const n = counted?.n ?? 0;
+    if (n >= cap) {
+      throw new SandboxdError("quota_exceeded", `quota reached: ${n} of ${cap} snapshots kept`, {
+        details: { cap, current: n },
+      });
+    }
+    const id = newSnapshotId();
+    await tx.insert(snapshots).values({
+      id,
+      tenantId: p.tenantId,
+      sourceSandboxId: source.id,
+      agentId: source.agentId,
+      templatePk: source.templatePk,
+      templateId: source.templateId,
+      state: "creating",
+      name: input.name ?? null,
+      labels: input.labels,
+      createdAt: new Date(deps.clock()),
+    });
+    return id;
+  });
+}
+
+/**
+ * Deletes a snapshot: gone for the tenant at once. Its agent drops it (files freed now, or with
+ * the last VM made from it); a snapshot whose host is lost or removed has no files left to drop.
+ * An agent that is only unreachable for now makes the delete 503 with the row unchanged: retried,
+ * it frees the files instead of leaking them.
+ */
+export async function deleteSnapshot(deps: Deps, p: Principal, id: string): Promise<void> {
+  const row = await getOwnedSnapshot(deps, p, id);
+  if (row.state === "creating") {
+    throw new SandboxdError("conflict", `cannot delete ${id}: it is still being taken`, {
+      details: { state: row.state },
+    });
+  }
+  if (!(await hostGone(deps, row.agentId))) await agentOf(deps, row).deleteSnapshot(id);
+  await deps.db
+    .update(snapshots)
+    .set({ state: "deleted", deletedAt: new Date(deps.clock()) })
+    .where(and(eq(snapshots.id, id), isNull(snapshots.deletedAt)));
+}
+
+/** The snapshot's host was removed or declared lost (gateway/core/host-loss.ts): its files are gone. */
+async function hostGone(deps: Deps, agentId: string): Promise<boolean> {
+  const [a] = await deps.db.select({ lostAt: agents.lostAt }).from(agents).where(eq(agents.id, agentId));
+  return !a || a.lostAt !== null;
+}
+
+export interface FromSnapshotInput {
+  snapshotId: string;
+  labels: Record<string, string>;
+  egressAllow?: string[];
+  idle?: IdleLifetime;
+}
+
+/**
+ * A sandbox from a ready snapshot: its record reserved under the running quota as any create,
+ * placed on the snapshot's agent (the only host with its files), marked started with
+ * `snapshot_id`. Its template is the snapshot's source template, which it shows and is billed as.
+ */
+export async function createFromSnapshot(
+  deps: Deps,
+  p: Principal,
+  input: FromSnapshotInput,
+): Promise<{ row: SandboxRow; vm: CreatedVm }> {
+  const snap = await getOwnedSnapshot(deps, p, input.snapshotId);
+  if (snap.state !== "ready") {
+    throw new SandboxdError("conflict", `snapshot ${snap.id} is ${snap.state}, not ready`, {
+      details: { state: snap.state },
+    });
+  }
+  if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
+  if (await hostGone(deps, snap.agentId)) {
+    throw new SandboxdError(
+      "gone",
+      `snapshot ${snap.id} was kept on host ${snap.agentId}, which is lost or removed; its files went with it`,
+      { details: { id: snap.id, agentId: snap.agentId } },
+    );
+  }
+  const [tpl] = await deps.db
+    .select({ pk: templates.pk, id: templates.id })
+    .from(templates)
+    .where(eq(templates.pk, snap.templatePk));
+  const template = tpl ?? { pk: snap.templatePk, id: snap.templateId };
+  const item: Parameters<typeof reserve>[4][number] = { labels: input.labels, snapshotId: snap.id };
+  if (input.idle !== undefined) item.idle = input.idle;
+  const [id] = await reserve(deps, p, "sandbox", template, [item], snap.agentId);
+  let vm: CreatedVm;
+  try {
+    const opts: { kind: "sandbox"; egressAllow?: string[] } = { kind: "sandbox" };
+    if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
+    vm = await agentOf(deps, snap).createFromSnapshot(snap.id, opts);
+  } catch (err) {
+    await markFailed(deps, [id!]);
+    throw err;
+  }
+  await markStarted(deps, id!, p.tenantId, vm, snap.agentId);
+  return { row: await getOwned(deps, p, id!), vm };
+}
+
+/** The public shape of a snapshot (contracts/api/sandboxes-api.ts `SnapshotInfo`). */
+export function snapshotInfo(row: SnapshotRow) {
+  return {
+    id: row.id,
+    state: row.state === "deleted" ? ("failed" as const) : row.state,
+    source_sandbox: row.sourceSandboxId,
+    template: row.templateId,
+    ...(row.name !== null ? { name: row.name } : {}),
+    labels: row.labels,
+    size_bytes: row.sizeBytes ?? 0,
+    created_at: row.createdAt.toISOString(),
+    ...(row.readyAt ? { ready_at: row.readyAt.toISOString() } : {}),
+    ...(row.error !== null ? { error: row.error } : {}),
+  };
+}

@@ -1,0 +1,130 @@
+/**
+ * Kept snapshots on real QEMU (agent/snapshot/keep.ts through the snapshot driver and the
+ * manager, docs/snapshots.md): a sandbox writes a file and starts a counting process, a snapshot
+ * is taken, the source changes the file; two sandboxes started from the snapshot each find the
+ * file as it was and the process still counting from the snapshot's value, and they diverge. A
+ * delete while they run leaves their files in place; the kept files go with the last of them. A
+ * new agent process on the same state dir (a restart) starts VMs from a snapshot kept before it.
+ * Run under the VM test lock: `flock /tmp/vm-test.lock env SANDBOXD_TEST_DATA=... bun test <file>`.
+ */
+import { afterAll, beforeAll, expect, test } from "bun:test";
+import { existsSync } from "node:fs";
+import { rm } from "node:fs/promises";
+import { join } from "node:path";
+import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
+import { SandboxManager } from "../../agent/sandbox/manager.ts";
+import { defaultShmRoot } from "../../agent/snapshot/template.ts";
+import { storageDir } from "../../agent/snapshot/vm.ts";
+import {
+  COUNTER,
+  codeOf,
+  leftovers,
+  managerWithBusybox,
+  removeBusyboxArchive,
+  shellIn,
+  TEST_CACHE_DIR,
+  tempStateDir,
+} from "../support/real-vm.ts";
+
+/** A template build (~10 s under TCG), a fork-like snapshot and four restores; 300 s covers a slow, shared CI host. */
+const VM_TEST_TIMEOUT_MS = 300_000;
+const MEM_MIB = 128;
+const REF = "snap_vmtest0001";
+const REF2 = "snap_vmtest0002";
+
+let stateDir: string;
+let m: SandboxManager;
+
+beforeAll(async () => {
+  stateDir = await tempStateDir();
+  m = await managerWithBusybox({ stateDir, cacheDir: TEST_CACHE_DIR, memMib: MEM_MIB });
+}, VM_TEST_TIMEOUT_MS);
+
+afterAll(async () => {
+  try {
+    for (const s of m?.list() ?? []) await m.destroy(s.id, { force: true });
+    expect((await leftovers(stateDir)).qemus).toEqual([]);
+  } finally {
+    await rm(stateDir, { recursive: true, force: true });
+    await rm(defaultShmRoot(stateDir), { recursive: true, force: true });
+    await removeBusyboxArchive();
+  }
+}, VM_TEST_TIMEOUT_MS);
+
+const counter = async (id: string) => Number((await shellIn(m, id, "cat /tmp/c")).trim());
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+test(
+  "two sandboxes from one snapshot: the file as it was, the process counting on from its value, then apart",
+  async () => {
+    const src = (await m.create("bb", { kind: "sandbox" })).vmId;
+    await shellIn(m, src, `mkdir -p /root && echo before > /root/f && ${COUNTER}`);
+    await sleep(1500);
+    const atSnapshot = await counter(src);
+    const taken = await m.takeSnapshot(src, REF);
+    expect(taken.sizeBytes).toBeGreaterThan(0);
+    console.log(`snapshot ${REF}: source stalled ${taken.stallMs.toFixed(1)} ms, keeps ${taken.sizeBytes} B`);
+    // The source runs on and changes after the snapshot.
+    await shellIn(m, src, "echo after > /root/f");
+    expect((await shellIn(m, src, "cat /root/f")).trim()).toBe("after");
+    await sleep(1500);
+
+    const kids = [
+      (await m.createFromSnapshot(REF, { kind: "sandbox" })).vmId,
+      (await m.createFromSnapshot(REF, { kind: "sandbox" })).vmId,
+    ];
+    for (const kid of kids) {
+      expect((await shellIn(m, kid, "cat /root/f")).trim()).toBe("before");
+      const first = await counter(kid);
+      const sourceNow = await counter(src);
+      // Counting on from the snapshot's value: not from 0, and behind the source, which ran on
+      // meanwhile (1.5 s at least, ~15 counts).
+      expect(first).toBeGreaterThanOrEqual(atSnapshot);
+      expect(first).toBeLessThan(sourceNow);
+      await sleep(600);
+      expect(await counter(kid)).toBeGreaterThan(first);
+    }
+    // Apart: one's write is not the other's, nor the source's.
+    await shellIn(m, kids[0]!, "echo k1 > /root/f");
+    expect((await shellIn(m, kids[1]!, "cat /root/f")).trim()).toBe("before");
+    expect((await shellIn(m, src, "cat /root/f")).trim()).toBe("after");
+
+    // Deleted while both run: gone for new starts, their files kept until the last ends.
+    const kept = join(storageDir(stateDir), `${REF}.state`);
+    expect(existsSync(kept)).toBe(true);
+    await m.deleteSnapshot(REF);
+    expect(await codeOf(m.createFromSnapshot(REF, { kind: "sandbox" }))).toBe("not_found");
+    expect((await shellIn(m, kids[1]!, "cat /root/f")).trim()).toBe("before");
+    await m.destroy(kids[0]!, { force: true });
+    expect((await shellIn(m, kids[1]!, "cat /root/f")).trim()).toBe("before");
+    await m.destroy(kids[1]!, { force: true });
+    expect(existsSync(kept)).toBe(false);
+    await m.destroy(src, { force: true });
+  },
+  VM_TEST_TIMEOUT_MS,
+);
+
+test(
+  "a snapshot kept before an agent restart starts VMs after it",
+  async () => {
+    const src = (await m.create("bb", { kind: "sandbox" })).vmId;
+    await shellIn(m, src, "mkdir -p /root && echo kept > /root/g");
+    await m.takeSnapshot(src, REF2);
+    await m.destroy(src, { force: true });
+    // A new agent process: a new driver and manager on the same state dir.
+    await m.detach();
+    const driver = await SnapshotDriver.create({
+      cacheDir: TEST_CACHE_DIR,
+      stateDir,
+      artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
+    });
+    m = await SandboxManager.open({ driver, stateDir });
+    const kid = (await m.createFromSnapshot(REF2, { kind: "sandbox" })).vmId;
+    expect((await shellIn(m, kid, "cat /root/g")).trim()).toBe("kept");
+    await m.destroy(kid, { force: true });
+    await m.deleteSnapshot(REF2);
+    expect(existsSync(join(storageDir(stateDir), `${REF2}.state`))).toBe(false);
+  },
+  VM_TEST_TIMEOUT_MS,
+);
