@@ -9,6 +9,7 @@ import * as B from "../../contracts/api/sandboxes-api.ts";
 import { requireApiMw } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import { idleInfo, wakeIfIdle } from "../core/idle.ts";
+import { lifetimeInfo, setSandboxTimeout } from "../core/lifetimes.ts";
 import {
   ages,
   type CreateInput,
@@ -57,6 +58,11 @@ export async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   const labels = { ...req.labels };
   if (req.label !== undefined) labels.label = req.label;
   const input: CreateInput = { templateId: req.template, labels, idle: idleLifetime(deps, req) };
+  // The absolute lifetime: none unless asked for; its action `delete` unless `on_timeout` says
+  // (kept alone too: a later `POST .../timeout` without one uses it).
+  if (req.timeout_seconds !== undefined || req.on_timeout !== undefined) {
+    input.lifetime = { timeoutS: req.timeout_seconds ?? null, onTimeout: req.on_timeout ?? "delete" };
+  }
   if (req.egress !== undefined) input.egressAllow = req.egress.allow;
   const { row, vm } = await createVm(deps, p, "sandbox", input);
   return c.json(
@@ -85,6 +91,7 @@ async function sandboxInfo(deps: Deps, c: Context<HonoEnv>) {
     labels: row.labels,
     endpoints: row.endpoints,
     ...idleInfo(row),
+    ...lifetimeInfo(row),
   });
 }
 
@@ -160,6 +167,24 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     const id = c.req.param("id");
     const r = await resumeVm(deps, c.get("principal"), id);
     return c.json({ id, state: "running" as const, mem_bytes: r.memBytes });
+  });
+
+  app.post("/:id/timeout", only, async (c) => {
+    const req = await jsonBody(c, B.SetTimeoutRequest, max());
+    const row = await setSandboxTimeout(
+      deps,
+      c.get("principal"),
+      c.req.param("id"),
+      req.timeout_seconds,
+      req.on_timeout,
+    );
+    const info = lifetimeInfo(row);
+    return c.json({
+      id: row.id,
+      timeout_seconds: req.timeout_seconds,
+      on_timeout: info.on_timeout ?? "delete",
+      ...(info.expires_at !== undefined ? { expires_at: info.expires_at } : {}),
+    });
   });
 
   app.delete("/:id", only, async (c) => {

@@ -15,6 +15,7 @@ import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
 import { logOf } from "../../deps.ts";
 import { newExecId, newSandboxId, newSessionId } from "../../ids.ts";
+import { idleDeadlineMs, lifetimeColumns, noteDeadline } from "../deadlines.ts";
 import { type RecordState, recordChange } from "../record-states.ts";
 import { homeRegion } from "../regions.ts";
 import { forgetRows } from "../row-cache.ts";
@@ -46,6 +47,7 @@ export async function reserve(
     parentId?: string;
     template?: { pk: string; id: string };
     idle?: IdleLifetime;
+    lifetime?: AbsoluteLifetime;
   }[],
   agentId: string,
   /** Reserve the first items that fit instead of refusing all (a batch: the rest fail one by one). */
@@ -92,6 +94,8 @@ export async function reserve(
         labels: it.labels,
         idleTimeoutS: it.idle?.timeoutS ?? null,
         idleAction: it.idle?.action ?? null,
+        // Counted from the reservation: the create's own time is part of the lifetime.
+        ...lifetimeColumns(it.lifetime, now.getTime()),
         createdAt: now,
       })),
     );
@@ -157,6 +161,15 @@ export async function markStarted(
   );
 }
 
+/**
+ * A row just started: its deadlines to this process's timer (a deadline that passed while it was
+ * starting is due now; the claims take running rows only).
+ */
+export function noteStarted(deps: Deps, row: SandboxRow): void {
+  noteDeadline(deps, row.expiresAt?.getTime());
+  noteDeadline(deps, idleDeadlineMs(deps, row, (row.lastExecAt ?? row.createdAt).getTime()));
+}
+
 export async function markFailed(deps: Deps, ids: string[]): Promise<void> {
   if (ids.length === 0) return;
   const failed = recordChange("failed");
@@ -173,6 +186,15 @@ export interface IdleLifetime {
   action: "suspend" | "delete" | null;
 }
 
+/**
+ * An absolute lifetime as asked for: `timeoutS` from the create (or fork, or resume), then
+ * `onTimeout` (`null`: none).
+ */
+export interface AbsoluteLifetime {
+  timeoutS: number | null;
+  onTimeout: "delete" | "suspend" | null;
+}
+
 /** What a new VM claims on its agent (the core names it through `Deps`, not the agents room). */
 type PlacementNeed = NonNullable<Parameters<Deps["placement"]["firstChoice"]>[1]>;
 
@@ -181,6 +203,7 @@ export interface CreateInput {
   labels: Record<string, string>;
   egressAllow?: string[];
   idle?: IdleLifetime;
+  lifetime?: AbsoluteLifetime;
 }
 
 export async function createVm(
@@ -205,7 +228,13 @@ export async function createVm(
     p,
     kind,
     template,
-    [input.idle === undefined ? { labels: input.labels } : { labels: input.labels, idle: input.idle }],
+    [
+      {
+        labels: input.labels,
+        ...(input.idle !== undefined ? { idle: input.idle } : {}),
+        ...(input.lifetime !== undefined ? { lifetime: input.lifetime } : {}),
+      },
+    ],
     await deps.placement.firstChoice(region, need),
   );
   let vm: CreatedVm;
@@ -223,7 +252,9 @@ export async function createVm(
     throw err;
   }
   await markStarted(deps, id!, p.tenantId, vm, agentId);
-  return { row: await getOwned(deps, p, id!), vm };
+  const row = await getOwned(deps, p, id!);
+  noteStarted(deps, row);
+  return { row, vm };
 }
 
 /** One one-shot exec's outcome: its result, or why it did not run (a batch answers each). */
