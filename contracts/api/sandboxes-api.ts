@@ -188,7 +188,7 @@ export const IdleTimeoutSeconds = z
   .min(1)
   .max(MAX_IDLE_TIMEOUT_S)
   .describe(
-    "Seconds with no exec, no call in flight and no open connect relay after which the service applies `idle_action` (checked every reaper interval, so it may act up to one interval late).",
+    "Seconds with no exec, no call in flight and no open connect relay after which the service applies `idle_action`, within about a second.",
   );
 export const IdleAction = z.enum(IDLE_ACTIONS);
 

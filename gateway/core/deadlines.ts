@@ -2,8 +2,9 @@
  * The deadlines this process's writes make, said to its deadline timer (reaper.ts startReaper), and
  * how a row's deadlines are computed. A leaf: the sandbox modules that write deadlines import it.
  */
-import type { Deps } from "../deps.ts";
-import type { SandboxRow } from "./sandboxes/records.ts";
+import type { sandboxes } from "../../db/schema/sandboxes.ts";
+
+type Row = typeof sandboxes.$inferSelect;
 
 /**
  * Where this process's writes say that a deadline now exists (ms on the gateway's clock); the
@@ -29,7 +30,7 @@ export class Deadlines {
 }
 
 /** Says a deadline to this process's timer, if it has one (tests without a reaper have none). */
-export function noteDeadline(deps: Pick<Deps, "deadlines">, ms: number | null | undefined): void {
+export function noteDeadline(deps: { deadlines?: Deadlines }, ms: number | null | undefined): void {
   deps.deadlines?.note(ms);
 }
 
@@ -38,8 +39,8 @@ export function noteDeadline(deps: Pick<Deps, "deadlines">, ms: number | null | 
  * `idle_timeout_s`, or for a sessions API session the operator's TTL.
  */
 export function idleDeadlineMs(
-  deps: Pick<Deps, "config">,
-  row: Pick<SandboxRow, "kind" | "api" | "idleTimeoutS">,
+  deps: { config: { limits: { sessionIdleTtlS: number } } },
+  row: Pick<Row, "kind" | "api" | "idleTimeoutS">,
   lastMs: number,
 ): number | null {
   if (row.kind === "session" && row.api === "sessions") {
