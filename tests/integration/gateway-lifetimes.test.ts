@@ -17,6 +17,7 @@ import { FixedPlacement } from "../../gateway/agents/placement.ts";
 import { Deadlines } from "../../gateway/core/deadlines.ts";
 import { startReaper } from "../../gateway/core/reaper.ts";
 import type { Deps } from "../../gateway/deps.ts";
+import { Sandboxd } from "../../sdk/typescript/src/index.ts";
 import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
 import { until } from "../support/until.ts";
@@ -174,6 +175,26 @@ for (const db of cases) {
       // An ended sandbox has no timeout to set.
       const after = await h.req("POST", `/v1/sandboxes/${id}/timeout`, { key, json: { timeout_seconds: 5 } });
       expect(after.status).toBe(404);
+    });
+
+    test("the TypeScript SDK: timeoutSeconds at create, setTimeout", async () => {
+      const client = new Sandboxd({
+        baseUrl: "http://gateway.test",
+        apiKey: key,
+        fetch: (input, init) => Promise.resolve(h.app.request(new Request(String(input), init))),
+      });
+      const sbx = await client.sandboxes.create({
+        template: "python",
+        timeoutSeconds: 3600,
+        onTimeout: "suspend",
+      });
+      expect(await sbx.info()).toMatchObject({ timeout_seconds: 3600, on_timeout: "suspend" });
+      const before = Date.now();
+      const set = await sbx.setTimeout(1);
+      expect(set).toMatchObject({ id: sbx.id, timeout_seconds: 1, on_timeout: "suspend" });
+      expect(Date.parse(set.expires_at!)).toBeGreaterThanOrEqual(before + 1000);
+      await until(async () => (await rowOf(sbx.id)).state === "suspended", SLACK_MS + 2000, 20);
+      await sbx.delete();
     });
 
     test("a deadline a gone gateway wrote (no note reached this one) is found by the re-read", async () => {

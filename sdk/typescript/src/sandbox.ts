@@ -13,7 +13,9 @@ import type {
   ForkResponse,
   SandboxInfo,
   SessionStatus,
+  SetTimeoutResponse,
   StateResponse,
+  TimeoutAction,
 } from "./types.ts";
 
 /** A command: a line for /bin/sh -c, or one argv (run without a shell). */
@@ -105,6 +107,13 @@ export class Sandbox extends Workspace<Command, SandboxInfo> {
 
   resume(): Promise<StateResponse> {
     return this.t.json("POST", `${this.base}/resume`);
+  }
+
+  /** A new absolute lifetime, counted from this call (`onTimeout` absent: the sandbox's own). */
+  setTimeout(timeoutSeconds: number, onTimeout?: TimeoutAction): Promise<SetTimeoutResponse> {
+    return this.t.json("POST", `${this.base}/timeout`, {
+      json: { timeout_seconds: timeoutSeconds, on_timeout: onTimeout },
+    });
   }
 
   /** A scoped WebSocket URL to a guest port, usable without the API key until it expires. */
