@@ -34,7 +34,10 @@ const CYCLES_TEST_TIMEOUT_MS = 480_000;
 const TEST_TIMEOUT_MS = 120_000;
 /** The counter the background process writes, ten times a second. */
 const COUNTER = "/root/counter";
-/** Started by an exec, detached: it outlives the exec, as a user's background job does. */
+/**
+ * Started by an exec, detached: it outlives the exec, as a user's background job does. Not
+ * through the processes API: a suspend ends those by design (docs/processes-and-pty.md).
+ */
 const START_COUNTER =
   `nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > ${COUNTER}.tmp; mv ${COUNTER}.tmp ${COUNTER}; sleep 0.1; done' >/dev/null 2>&1 & ` +
   `echo $!; until [ -s ${COUNTER} ]; do sleep 0.05; done`;
