@@ -22,6 +22,7 @@ import { KeyConnections } from "./auth/key-connections.ts";
 import { keyRateLimit } from "./auth/rate-limit.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { ActivityWriter } from "./core/activity.ts";
+import type { Deadlines } from "./core/deadlines.ts";
 import type { RowCache } from "./core/row-cache.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
 import { errorResponse } from "./errors.ts";
@@ -60,6 +61,8 @@ export interface CreateAppDeps {
   connections?: KeyConnections;
   /** Ends of calls written behind (core/activity.ts); each end is its own UPDATE without. */
   activity?: ActivityWriter;
+  /** Deadlines this process writes, for its deadline timer (core/deadlines.ts, core/reaper.ts). */
+  deadlines?: Deadlines;
   /**
    * The database is this process's alone (PGlite): the rate limit's window is kept in memory
    * (auth/rate-limit.ts LocalRateLimiter) instead of shared through the database.
@@ -90,6 +93,7 @@ export function appDeps(input: CreateAppDeps): Deps {
       input.connections ?? new KeyConnections({ db: input.db, ...(input.log ? { log: input.log } : {}) }),
     ...(input.activity ? { activity: input.activity } : {}),
     ...(input.rows ? { rows: input.rows } : {}),
+    ...(input.deadlines ? { deadlines: input.deadlines } : {}),
     ...(input.log ? { log: input.log } : {}),
   };
 }

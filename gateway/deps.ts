@@ -8,6 +8,7 @@ import type { KeyConnection, KeyConnections } from "./auth/key-connections.ts";
 import type { Principal } from "./auth/keys.ts";
 import type { GatewayConfig } from "./config.ts";
 import type { ActivityWriter } from "./core/activity.ts";
+import type { Deadlines } from "./core/deadlines.ts";
 import type { RowCache } from "./core/row-cache.ts";
 import type { RelayRegistry } from "./relay/registry.ts";
 import type { Upgrade } from "./runtime/types.ts";
@@ -41,6 +42,12 @@ export interface Deps {
    * drop their rows from it.
    */
   rows?: RowCache;
+  /**
+   * Where this process's writes say a lifetime's deadline (core/deadlines.ts), so that its deadline
+   * timer (core/reaper.ts) acts on it within about a second; without it (tests with no reaper)
+   * nothing listens.
+   */
+  deadlines?: Deadlines;
   /** Where a cleanup that failed on a path already failing is said (default: stderr). */
   log?: LogFn;
 }

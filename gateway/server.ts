@@ -34,6 +34,7 @@ import { loadSecrets, type OperatorSecrets } from "./auth/secrets.ts";
 import { type GatewayConfig, type GatewayConfigInput, resolveConfig } from "./config.ts";
 import { ActivityWriter } from "./core/activity.ts";
 import { applyAgentEvents } from "./core/agent-events.ts";
+import { Deadlines } from "./core/deadlines.ts";
 import { startHostLossSweeper } from "./core/host-loss.ts";
 import { startReaper } from "./core/reaper.ts";
 import { type Reconciler, startReconciler } from "./core/reconcile.ts";
@@ -424,6 +425,7 @@ export async function startGateway(opts: StartGatewayOptions): Promise<RunningGa
       connections,
       activity,
       rows,
+      deadlines: new Deadlines(),
       ...(opts.clock ? { clock: opts.clock } : {}),
     });
     const app = createApp({

@@ -159,6 +159,23 @@ export const MAX_IDLE_TIMEOUT_S = 7 * 24 * 3600;
 export const IDLE_ACTIONS = ["suspend", "delete"] as const;
 
 /**
+ * Our choice: the longest absolute lifetime (`timeout_seconds` at create or `POST .../timeout`):
+ * 30 days, a billing month. It is a lifetime, not an idle bound, so it may be longer than
+ * `MAX_IDLE_TIMEOUT_S`: a sandbox that is suspended at its deadline keeps its state on disk, and
+ * one meant to outlive a month has no lifetime at all (send none). A larger value is far more
+ * likely a unit mistake (milliseconds) than a wish. The smallest is 1 s: the deadline timer acts
+ * within about a second, so a shorter one could not be kept.
+ */
+export const MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600;
+
+/**
+ * What the service does with a sandbox at its absolute deadline (`on_timeout`): `delete` it (the
+ * default, as E2B users expect: the sandbox is gone at its timeout) or `suspend` it (its next
+ * exec, fork or connect resumes it, as after an idle suspend).
+ */
+export const TIMEOUT_ACTIONS = ["delete", "suspend"] as const;
+
+/**
  * Our choice: connect relays (WebSockets of `GET /v1/sandboxes/{id}/connect`) one tenant may hold
  * open on one gateway process; the next is refused with 429 `quota_exceeded` before the upgrade.
  * Each relay holds at most one client message plus its back-pressure margin (docs/connect.md

@@ -180,6 +180,16 @@ export const SANDBOXES_ROUTES: RouteContract[] = [
     errors: [403, 404, 409, 503],
   },
   {
+    method: "post",
+    path: "/v1/sandboxes/{id}/timeout",
+    api: "sandboxes",
+    summary: "Set the absolute lifetime, counted from this call",
+    body: B.SetTimeoutRequest,
+    response: B.SetTimeoutResponse,
+    status: 200,
+    errors: [400, 403, 404, 409],
+  },
+  {
     method: "delete",
     path: "/v1/sandboxes/{id}",
     api: "sandboxes",

@@ -23,10 +23,12 @@ import {
   MAX_IDLE_TIMEOUT_S,
   MAX_IMAGE_REF_CHARS,
   MAX_PORT,
+  MAX_SANDBOX_TIMEOUT_S,
   MAX_SEED_HEX_CHARS,
   MAX_SNAPSHOT_LIST,
   MAX_TEMPLATE_WIDTH,
   MIN_PORT,
+  TIMEOUT_ACTIONS,
 } from "./limits.ts";
 import { LabelSelectors, ListCursor, ListLimit, NextCursor } from "./lists.ts";
 
@@ -189,9 +191,41 @@ export const IdleTimeoutSeconds = z
   .min(1)
   .max(MAX_IDLE_TIMEOUT_S)
   .describe(
-    "Seconds with no exec, no call in flight and no open connect relay after which the service applies `idle_action` (checked every reaper interval, so it may act up to one interval late).",
+    "Seconds with no exec, no call in flight and no open connect relay after which the service applies `idle_action`, within about a second.",
   );
 export const IdleAction = z.enum(IDLE_ACTIONS);
+
+/** The absolute lifetime, seconds from the call that sets it (create, `POST .../timeout`) or a resume. */
+export const SandboxTimeoutSeconds = z
+  .int()
+  .min(1)
+  .max(MAX_SANDBOX_TIMEOUT_S)
+  .describe(
+    "Absolute lifetime in seconds, counted from this call (and again from each resume): at its end the service applies `on_timeout`, whatever the sandbox is doing, within about a second.",
+  );
+export const TimeoutAction = z.enum(TIMEOUT_ACTIONS);
+
+/** `POST /v1/sandboxes/{id}/timeout`: a new absolute lifetime, counted from this call. */
+export const SetTimeoutRequest = z
+  .object({
+    timeout_seconds: SandboxTimeoutSeconds,
+    on_timeout: TimeoutAction.optional().describe(
+      "What the deadline does; without it the sandbox's own (`delete` if it had none).",
+    ),
+  })
+  .meta({ id: "SetTimeoutRequest" });
+export type SetTimeoutRequest = z.infer<typeof SetTimeoutRequest>;
+
+export const SetTimeoutResponse = z
+  .object({
+    id: SandboxId,
+    timeout_seconds: z.int(),
+    on_timeout: TimeoutAction,
+    expires_at: Rfc3339.optional().describe(
+      "When `on_timeout` applies; absent for a suspended sandbox whose deadline suspends it (the next resume counts `timeout_seconds` from then).",
+    ),
+  })
+  .meta({ id: "SetTimeoutResponse" });
 
 export const CreateSandboxRequest = z
   .object({
@@ -213,6 +247,12 @@ export const CreateSandboxRequest = z
     ),
     idle_action: IdleAction.optional().describe(
       "`suspend` (default): the service suspends the sandbox, and its next exec, fork or connect resumes it first. `delete`: the service deletes it (later calls get 404).",
+    ),
+    timeout_seconds: SandboxTimeoutSeconds.optional().describe(
+      "Absolute lifetime in seconds from create (and again from each resume); `POST /v1/sandboxes/{id}/timeout` changes it. At its end the service applies `on_timeout` within about a second, whatever the sandbox is doing. Without it: none.",
+    ),
+    on_timeout: TimeoutAction.optional().describe(
+      "`delete` (default): the sandbox is deleted at its deadline (later calls get 404). `suspend`: it is suspended, and its next exec, fork or connect resumes it first.",
     ),
   })
   .refine((b) => (b.template === undefined) !== (b.snapshot === undefined), {
@@ -249,11 +289,19 @@ export const SandboxInfo = z
       .describe("The idle lifetime in force (asked for, or the operator's default); absent: none."),
     idle_action: IdleAction.optional().describe("What the idle lifetime does; with `idle_timeout_seconds`."),
     suspended_by: z
-      .enum(["user", "idle"])
+      .enum(["user", "idle", "timeout"])
       .optional()
       .describe(
-        "While `suspended`: `idle` when the service suspended it for idleness (the next exec, fork or connect resumes it), `user` when a suspend call did (it stays suspended until resumed).",
+        "While `suspended`: `idle` when the service suspended it for idleness, `timeout` at its absolute deadline (the next exec, fork or connect resumes either), `user` when a suspend call did (it stays suspended until resumed).",
       ),
+    timeout_seconds: z
+      .int()
+      .optional()
+      .describe("The absolute lifetime last asked for (create, `POST .../timeout`); absent: none."),
+    on_timeout: TimeoutAction.optional().describe("What the deadline does; with `timeout_seconds`."),
+    expires_at: Rfc3339.optional().describe(
+      "When `on_timeout` applies; absent while suspended when the next resume starts the lifetime again.",
+    ),
   })
   .meta({ id: "SandboxInfo" });
 

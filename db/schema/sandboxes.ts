@@ -33,8 +33,11 @@ export const sandboxes = pgTable(
     vmId: text("vm_id"),
     parentId: text("parent_id"),
     state: text("state", { enum: ["starting", "running", "suspended", "destroyed"] }).notNull(),
-    /** `host_lost`: its agent went silent past the lost bound (gateway/core/host-loss.ts). */
-    endReason: text("end_reason", { enum: ["deleted", "reaped", "failed", "host_lost"] }),
+    /**
+     * `host_lost`: its agent went silent past the lost bound (gateway/core/host-loss.ts);
+     * `expired`: deleted at its absolute deadline (`on_timeout: delete`, gateway/core/lifetimes.ts).
+     */
+    endReason: text("end_reason", { enum: ["deleted", "reaped", "failed", "host_lost", "expired"] }),
     /**
      * Why it ended, in words, when the gateway did not end it itself: the agent's reason for a VM
      * that died (`QEMU exited (signal SIGKILL)`), or what reconciliation found.
@@ -68,11 +71,11 @@ export const sandboxes = pgTable(
     idleTimeoutS: integer("idle_timeout_s"),
     idleAction: text("idle_action", { enum: ["suspend", "delete"] }),
     /**
-     * Who suspended it, or is suspending it (with `hold`): `idle` (the reaper; the next call
-     * resumes it transparently) or `user` (a suspend call; calls are refused until a resume).
-     * Null while running otherwise.
+     * Who suspended it, or is suspending it (with `hold`): `idle` (the reaper) or `timeout` (its
+     * absolute deadline), whose next call resumes it transparently, or `user` (a suspend call;
+     * calls are refused until a resume). Null while running otherwise.
      */
-    suspendedBy: text("suspended_by", { enum: ["user", "idle"] }),
+    suspendedBy: text("suspended_by", { enum: ["user", "idle", "timeout"] }),
     /**
      * The absolute lifetime (sandboxes API): past `expires_at` the service applies `on_timeout`,
      * whatever the sandbox is doing. `timeout_s` is the lifetime last asked for (at create or by

@@ -56,7 +56,7 @@ export async function suspendIdleSandboxes(
   const done: string[] = [];
   // One after the other: each quota check sees the holds the earlier ones released.
   for (const row of claimed) {
-    if (await suspendClaimed(deps, row, at, log, refused)) done.push(row.id);
+    if (await suspendClaimed(deps, row, at, "idle", log, refused)) done.push(row.id);
   }
   if (done.length > 0) log(`reaper: suspended idle sandboxes ${done.join(", ")}`);
   return done;
@@ -65,10 +65,15 @@ export async function suspendIdleSandboxes(
 /** How many quota-refused sandboxes a reaper remembers having logged. */
 const REFUSED_MEMORY = 10_000;
 
-async function suspendClaimed(
+/**
+ * Suspends a row the service claimed (its suspend hold taken, `suspended_by` = `by`): for
+ * idleness (here) or at its absolute deadline (lifetimes.ts). Same quota fallback for both.
+ */
+export async function suspendClaimed(
   deps: Deps,
   row: SandboxRow,
   at: Date,
+  by: "idle" | "timeout",
   log: (line: string) => void,
   refused: Set<string>,
 ): Promise<boolean> {
@@ -80,7 +85,7 @@ async function suspendClaimed(
       now: at,
     });
     if (n <= cap) return undefined;
-    await releaseIdleHold(tx, row.id);
+    await releaseIdleHold(tx, row.id, by);
     return { n: n - 1, cap };
   });
   if (full) forgetRows(deps, row.id);
@@ -91,7 +96,7 @@ async function suspendClaimed(
       if (refused.size >= REFUSED_MEMORY) refused.clear();
       refused.add(row.id);
       log(
-        `reaper: ${row.id} is idle but stays running: its tenant holds ${full.n} of ${full.cap} suspended sandboxes`,
+        `reaper: ${row.id} is ${by === "idle" ? "idle" : "past its timeout"} but stays running: its tenant holds ${full.n} of ${full.cap} suspended sandboxes`,
       );
     }
     return false;
@@ -103,24 +108,28 @@ async function suspendClaimed(
       deps,
       row,
       "suspend",
-      { hold: null, holdUntil: null, suspendedBy: "idle" },
+      { hold: null, holdUntil: null, suspendedBy: by },
       { state: "suspended", vcpus: 0, memMib: 0, diskBytes: r.snapshotBytes },
     );
     return true;
   } catch (err) {
-    await bestEffort(logOf(deps), `releasing the idle hold of ${row.id}`, releaseIdleHold(deps.db, row.id));
+    await bestEffort(
+      logOf(deps),
+      `releasing the ${by} hold of ${row.id}`,
+      releaseIdleHold(deps.db, row.id, by),
+    );
     forgetRows(deps, row.id);
-    log(`reaper: ${row.id}: idle suspend failed, it stays running: ${describeError(err)}`);
+    log(`reaper: ${row.id}: ${by} suspend failed, it stays running: ${describeError(err)}`);
     return false;
   }
 }
 
-/** Ends the reaper's hold on a record it did not suspend (the record keeps running). */
-async function releaseIdleHold(db: Tx | Deps["db"], id: string): Promise<void> {
+/** Ends the service's hold on a record it did not suspend (the record keeps running). */
+async function releaseIdleHold(db: Tx | Deps["db"], id: string, by: "idle" | "timeout"): Promise<void> {
   await db
     .update(sandboxes)
     .set({ hold: null, holdUntil: null, suspendedBy: null })
-    .where(and(eq(sandboxes.id, id), eq(sandboxes.hold, "suspend"), eq(sandboxes.suspendedBy, "idle")));
+    .where(and(eq(sandboxes.id, id), eq(sandboxes.hold, "suspend"), eq(sandboxes.suspendedBy, by)));
 }
 
 /**
@@ -145,8 +154,8 @@ const WAKE_WAIT_MS = 130_000;
 const WAKE_POLL_MS = 100;
 
 /**
- * Before a call that needs a running sandbox (exec, fork, connect): a sandbox the reaper suspended
- * for idleness is resumed first (with the same quota check as a resume call: 429 when the tenant
+ * Before a call that needs a running sandbox (exec, fork, connect): a sandbox the service suspended
+ * (for idleness, or at its absolute deadline with `on_timeout: suspend`) is resumed first (with the same quota check as a resume call: 429 when the tenant
  * runs its quota already), and a call that finds the reaper's suspend, or another call's resume,
  * in flight waits for it, so concurrent calls resume it once. Any other sandbox is left as it is:
  * one the user suspended keeps refusing calls (409) until resumed.
@@ -155,7 +164,8 @@ export async function wakeIfIdle(deps: Deps, p: Principal, id: string): Promise<
   const until = deps.clock() + WAKE_WAIT_MS;
   for (;;) {
     const row = await getOwned(deps, p, id);
-    if (row.suspendedBy !== "idle") return;
+    // The service's own suspends (idleness, the absolute deadline) wake transparently.
+    if (row.suspendedBy !== "idle" && row.suspendedBy !== "timeout") return;
     const held = row.hold !== null && row.holdUntil !== null && row.holdUntil.getTime() > deps.clock();
     if (!held) {
       if (row.state !== "suspended") return;
@@ -178,7 +188,7 @@ export async function wakeIfIdle(deps: Deps, p: Principal, id: string): Promise<
 export function idleInfo(row: SandboxRow): {
   idle_timeout_seconds?: number;
   idle_action?: "suspend" | "delete";
-  suspended_by?: "user" | "idle";
+  suspended_by?: "user" | "idle" | "timeout";
 } {
   return {
     ...(row.idleTimeoutS !== null ? { idle_timeout_seconds: row.idleTimeoutS } : {}),

@@ -98,7 +98,7 @@ export async function takeSnapshot(
       .where(and(eq(snapshots.id, id), eq(snapshots.state, "creating")));
     throw err;
   } finally {
-    await endActivity(deps, sandboxId, false);
+    await endActivity(deps, source, false);
   }
 }
 

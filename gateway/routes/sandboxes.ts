@@ -11,6 +11,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import { idleInfo, wakeIfIdle } from "../core/idle.ts";
+import { lifetimeInfo, setSandboxTimeout } from "../core/lifetimes.ts";
 import { sandboxMetrics } from "../core/metrics.ts";
 import {
   ages,
@@ -84,11 +85,28 @@ export async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
   if (req.label !== undefined) labels.label = req.label;
   const idle = idleLifetime(deps, req);
   const egress = req.egress !== undefined ? { egressAllow: req.egress.allow } : {};
+  // The absolute lifetime: none unless asked for; its action `delete` unless `on_timeout` says
+  // (kept alone too: a later `POST .../timeout` without one uses it).
+  const lifetime =
+    req.timeout_seconds !== undefined || req.on_timeout !== undefined
+      ? {
+          lifetime: {
+            timeoutS: req.timeout_seconds ?? null,
+            onTimeout: req.on_timeout ?? ("delete" as const),
+          },
+        }
+      : {};
   // The schema takes exactly one of `template` and `snapshot`.
   const { row, vm } =
     req.snapshot !== undefined
-      ? await createFromSnapshot(deps, p, { snapshotId: req.snapshot, labels, idle, ...egress })
-      : await createVm(deps, p, "sandbox", { templateId: req.template!, labels, idle, ...egress });
+      ? await createFromSnapshot(deps, p, { snapshotId: req.snapshot, labels, idle, ...egress, ...lifetime })
+      : await createVm(deps, p, "sandbox", {
+          templateId: req.template!,
+          labels,
+          idle,
+          ...egress,
+          ...lifetime,
+        });
   return c.json(
     {
       id: row.id,
@@ -116,6 +134,7 @@ async function sandboxInfo(deps: Deps, c: Context<HonoEnv>) {
     labels: row.labels,
     endpoints: row.endpoints,
     ...idleInfo(row),
+    ...lifetimeInfo(row),
   });
 }
 
@@ -214,6 +233,24 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     const id = c.req.param("id");
     const r = await resumeVm(deps, c.get("principal"), id);
     return c.json({ id, state: "running" as const, mem_bytes: r.memBytes });
+  });
+
+  app.post("/:id/timeout", only, async (c) => {
+    const req = await jsonBody(c, B.SetTimeoutRequest, max());
+    const row = await setSandboxTimeout(
+      deps,
+      c.get("principal"),
+      c.req.param("id"),
+      req.timeout_seconds,
+      req.on_timeout,
+    );
+    const info = lifetimeInfo(row);
+    return c.json({
+      id: row.id,
+      timeout_seconds: req.timeout_seconds,
+      on_timeout: info.on_timeout ?? "delete",
+      ...(info.expires_at !== undefined ? { expires_at: info.expires_at } : {}),
+    });
   });
 
   app.delete("/:id", only, async (c) => {

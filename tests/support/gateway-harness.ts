@@ -17,6 +17,7 @@ import type { Placement } from "../../gateway/agents/placement.ts";
 import { createApp } from "../../gateway/app.ts";
 import { createKey } from "../../gateway/auth/keys.ts";
 import { resolveConfig } from "../../gateway/config.ts";
+import type { Deadlines } from "../../gateway/core/deadlines.ts";
 import type { RowCache } from "../../gateway/core/row-cache.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import { MemoryAgent } from "./memory-agent.ts";
@@ -59,13 +60,17 @@ export async function makeHarness(
     region?: string;
     /** The app's log lines with their fields (default: dropped). */
     log?: LogFn;
+    /** The wall clock instead of the stepped `now` (timers that must fire: the deadline timer). */
+    realClock?: boolean;
+    /** Where the app's writes say their deadlines (core/deadlines.ts), for a reaper the test starts. */
+    deadlines?: Deadlines;
   } = {},
 ): Promise<Harness> {
   const dir = mkdtempSync(join(tmpdir(), "sandboxd-gw-"));
   const handle = await openDb(opts.url !== undefined ? { url: opts.url } : { dataDir: dir });
   const agent = new MemoryAgent();
   const now = { ms: Date.parse("2025-03-01T12:00:00Z") };
-  const clock = () => now.ms;
+  const clock = opts.realClock ? Date.now : () => now.ms;
   const config = resolveConfig({
     keyPepper: PEPPER,
     connectSecret: "test-connect-secret-0123",
@@ -89,6 +94,7 @@ export async function makeHarness(
     clock,
     log: opts.log ?? (() => {}),
     ...(opts.rows ? { rows: opts.rows } : {}),
+    ...(opts.deadlines ? { deadlines: opts.deadlines } : {}),
   });
   return {
     app,

@@ -15,6 +15,7 @@ import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
 import { logOf } from "../../deps.ts";
 import { newExecId, newSandboxId, newSessionId } from "../../ids.ts";
+import { idleDeadlineMs, lifetimeColumns, noteDeadline } from "../deadlines.ts";
 import { type RecordState, recordChange } from "../record-states.ts";
 import { homeRegion } from "../regions.ts";
 import { forgetRows } from "../row-cache.ts";
@@ -48,6 +49,7 @@ export async function reserve(
     idle?: IdleLifetime;
     /** The kept snapshot it starts from (docs/snapshots.md). */
     snapshotId?: string;
+    lifetime?: AbsoluteLifetime;
   }[],
   agentId: string,
   /** Reserve the first items that fit instead of refusing all (a batch: the rest fail one by one). */
@@ -95,6 +97,8 @@ export async function reserve(
         idleTimeoutS: it.idle?.timeoutS ?? null,
         idleAction: it.idle?.action ?? null,
         snapshotId: it.snapshotId ?? null,
+        // Counted from the reservation: the create's own time is part of the lifetime.
+        ...lifetimeColumns(it.lifetime, now.getTime()),
         createdAt: now,
       })),
     );
@@ -160,6 +164,15 @@ export async function markStarted(
   );
 }
 
+/**
+ * A row just started: its deadlines to this process's timer (a deadline that passed while it was
+ * starting is due now; the claims take running rows only).
+ */
+export function noteStarted(deps: Deps, row: SandboxRow): void {
+  noteDeadline(deps, row.expiresAt?.getTime());
+  noteDeadline(deps, idleDeadlineMs(deps, row, (row.lastExecAt ?? row.createdAt).getTime()));
+}
+
 export async function markFailed(deps: Deps, ids: string[]): Promise<void> {
   if (ids.length === 0) return;
   const failed = recordChange("failed");
@@ -176,6 +189,15 @@ export interface IdleLifetime {
   action: "suspend" | "delete" | null;
 }
 
+/**
+ * An absolute lifetime as asked for: `timeoutS` from the create (or fork, or resume), then
+ * `onTimeout` (`null`: none).
+ */
+export interface AbsoluteLifetime {
+  timeoutS: number | null;
+  onTimeout: "delete" | "suspend" | null;
+}
+
 /** What a new VM claims on its agent (the core names it through `Deps`, not the agents room). */
 type PlacementNeed = NonNullable<Parameters<Deps["placement"]["firstChoice"]>[1]>;
 
@@ -184,6 +206,7 @@ export interface CreateInput {
   labels: Record<string, string>;
   egressAllow?: string[];
   idle?: IdleLifetime;
+  lifetime?: AbsoluteLifetime;
 }
 
 export async function createVm(
@@ -208,7 +231,13 @@ export async function createVm(
     p,
     kind,
     template,
-    [input.idle === undefined ? { labels: input.labels } : { labels: input.labels, idle: input.idle }],
+    [
+      {
+        labels: input.labels,
+        ...(input.idle !== undefined ? { idle: input.idle } : {}),
+        ...(input.lifetime !== undefined ? { lifetime: input.lifetime } : {}),
+      },
+    ],
     await deps.placement.firstChoice(region, need),
   );
   let vm: CreatedVm;
@@ -226,7 +255,9 @@ export async function createVm(
     throw err;
   }
   await markStarted(deps, id!, p.tenantId, vm, agentId);
-  return { row: await getOwned(deps, p, id!), vm };
+  const row = await getOwned(deps, p, id!);
+  noteStarted(deps, row);
+  return { row, vm };
 }
 
 /** One one-shot exec's outcome: its result, or why it did not run (a batch answers each). */

@@ -9,6 +9,7 @@ import { SandboxdError } from "../../../contracts/errors.ts";
 import { sandboxes } from "../../../db/schema/sandboxes.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
+import { idleDeadlineMs, noteDeadline } from "../deadlines.ts";
 import { RECORD_TRANSITIONS } from "../record-states.ts";
 import { forgetRows } from "../row-cache.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed, type SandboxRow } from "./records.ts";
@@ -30,7 +31,7 @@ export async function execIn(
     ok = true;
     return result;
   } finally {
-    await endActivity(deps, id, ok);
+    await endActivity(deps, row, ok);
   }
 }
 
@@ -95,7 +96,7 @@ export async function beginUseOf(
   return {
     end: () => {
       release();
-      ended ??= endActivity(deps, row.id, false);
+      ended ??= endActivity(deps, row, false);
       return ended;
     },
   };
@@ -127,9 +128,16 @@ export async function beginActivity(
 
 /**
  * The call's end resets idleness again (an exec longer than the TTL leaves a whole TTL after
- * it); a successful exec counts in `exec_count`.
+ * it); a successful exec counts in `exec_count`. Its idle deadline goes to this process's
+ * deadline timer (the last call's end is what starts the idle lifetime).
  */
-export async function endActivity(deps: Deps, id: string, execDone: boolean): Promise<void> {
+export async function endActivity(
+  deps: Deps,
+  row: Pick<SandboxRow, "id" | "kind" | "api" | "idleTimeoutS">,
+  execDone: boolean,
+): Promise<void> {
+  const id = row.id;
+  noteDeadline(deps, idleDeadlineMs(deps, row, deps.clock()));
   if (deps.activity) {
     deps.activity.end(id, new Date(deps.clock()), execDone);
     return;

@@ -3,7 +3,8 @@ import type { CreatedVm } from "../../../contracts/agent/api.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
-import { type IdleLifetime, markFailed, markStarted, reserve } from "./create.ts";
+import { idleDeadlineMs, noteDeadline } from "../deadlines.ts";
+import { type AbsoluteLifetime, type IdleLifetime, markFailed, markStarted, reserve } from "./create.ts";
 import { beginActivity, endActivity } from "./exec.ts";
 import { agentOf, getOwned, inTermsOf, type Kind, requireAllowed, type SandboxRow } from "./records.ts";
 
@@ -27,11 +28,13 @@ export async function forkVm(
     const labels = { ...parent.labels };
     const own = childLabels[i];
     if (own !== undefined) labels.label = own;
-    // A child is a copy of its parent: it keeps the parent's idle lifetime.
+    // A child is a copy of its parent: it keeps the parent's idle lifetime, and its absolute
+    // lifetime counted from the fork (as a resume counts it again).
     return {
       labels,
       parentId: parent.id,
       idle: { timeoutS: parent.idleTimeoutS, action: parent.idleAction },
+      lifetime: { timeoutS: parent.timeoutS, onTimeout: parent.onTimeout },
     };
   });
   const kind = parent.kind;
@@ -40,7 +43,7 @@ export async function forkVm(
   try {
     return await forkMarked(deps, p, parent, kind, count, items);
   } finally {
-    await endActivity(deps, id, false);
+    await endActivity(deps, parent, false);
   }
 }
 
@@ -50,7 +53,12 @@ async function forkMarked(
   parent: SandboxRow,
   kind: Kind,
   count: number,
-  items: { labels: Record<string, string>; parentId: string; idle: IdleLifetime }[],
+  items: {
+    labels: Record<string, string>;
+    parentId: string;
+    idle: IdleLifetime;
+    lifetime: AbsoluteLifetime;
+  }[],
 ): Promise<{ parent: SandboxRow; children: { id: string; vm: CreatedVm }[] }> {
   // Children share the parent's memory: they live on the parent's agent.
   const ids = await reserve(
@@ -73,5 +81,9 @@ async function forkMarked(
   }
   const children = ids.map((cid, i) => ({ id: cid, vm: vms[i]! }));
   for (const ch of children) await markStarted(deps, ch.id, p.tenantId, ch.vm, parent.agentId);
+  // The children's deadlines: the parent's lifetimes counted from their reservation.
+  const now = deps.clock();
+  if (parent.timeoutS !== null) noteDeadline(deps, now + parent.timeoutS * 1000);
+  noteDeadline(deps, idleDeadlineMs(deps, parent, now));
   return { parent, children };
 }

@@ -5,6 +5,7 @@ import type { sandboxes } from "../../../db/schema/sandboxes.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps } from "../../deps.ts";
 import { logOf } from "../../deps.ts";
+import { idleDeadlineMs, noteDeadline } from "../deadlines.ts";
 import { holdForQuota, type QuotaHold, releaseHold } from "./quota.ts";
 import {
   agentOf,
@@ -36,10 +37,16 @@ export async function resumeVm(deps: Deps, p: Principal, id: string): Promise<{ 
     const { vcpus, memMib, diskBytes } = r.resources;
     // A resume of a sandbox with an idle lifetime counts as activity: it gets a whole timeout
     // before the reaper may suspend it again (else the call that woke it could lose it at once).
-    const touched = row.idleTimeoutS !== null ? { lastExecAt: new Date(deps.clock()) } : {};
+    const now = deps.clock();
+    const touched = row.idleTimeoutS !== null ? { lastExecAt: new Date(now) } : {};
+    // A resume starts the absolute lifetime again (`timeout_s` from now): one suspended at its
+    // deadline would otherwise be past it the moment it runs.
+    const expires = row.timeoutS !== null ? { expiresAt: new Date(now + row.timeoutS * 1000) } : {};
+    noteDeadline(deps, expires.expiresAt?.getTime());
+    noteDeadline(deps, idleDeadlineMs(deps, row, now));
     return {
       result: { memBytes: r.memBytes },
-      set: { vcpus, memMib, diskBytes, suspendedBy: null, ...touched },
+      set: { vcpus, memMib, diskBytes, suspendedBy: null, ...touched, ...expires },
       interval: running(r.resources),
     };
   });
@@ -90,7 +97,8 @@ export async function destroyVm(
     deps,
     row,
     "destroy",
-    { endReason: opts.reason, destroyedAt: new Date(deps.clock()) },
+    // Its deadline goes with it: the timer's index walk skips no ended rows.
+    { endReason: opts.reason, destroyedAt: new Date(deps.clock()), expiresAt: null },
     null,
   );
   // Its connect tokens are refused from now on (the record is destroyed); relays already open on

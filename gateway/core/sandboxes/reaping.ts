@@ -26,7 +26,7 @@ export async function reapIdleSessions(
   const claimed = await deps.db.transaction(async (tx) => {
     const rows = await tx
       .update(sandboxes)
-      .set({ state: nextState("destroy"), endReason: "reaped", destroyedAt: at })
+      .set({ state: nextState("destroy"), endReason: "reaped", destroyedAt: at, expiresAt: null })
       .where(
         and(
           idleClaimable(deps, at),
@@ -100,7 +100,7 @@ export async function touchRelayed(deps: Deps): Promise<void> {
  * taken for the row of a gateway that died during the call: the agent's own grace and the VM's
  * create fit well within it.
  */
-const STALE_EXEC_MARGIN_S = 600;
+export const STALE_EXEC_MARGIN_S = 600;
 
 /**
  * Ends the rows of one-shot execs whose gateway died during the call (still `starting` long after

@@ -64,6 +64,10 @@ export async function getOwned(
     if (row.endReason === "reaped") {
       throw new SandboxdError("not_found", `${what} was deleted after being idle`);
     }
+    // Deleted at its absolute deadline (`on_timeout: delete`): gone like a deleted one, said why.
+    if (row.endReason === "expired") {
+      throw new SandboxdError("not_found", `${what} was deleted at its timeout`);
+    }
     // Its host agent went silent past the lost bound: answered here, the agent is never asked
     // (docs/fleet.md "Losing a host").
     if (row.endReason === "host_lost") {

@@ -113,6 +113,14 @@ class Sandbox(Box):
         resumes the sandbox nor counts as use. Fields: docs/metrics.md."""
         return self._http.json("GET", f"{self._base}/metrics")
 
+    def set_timeout(
+        self, timeout_seconds: int, *, on_timeout: Optional[str] = None, retry: Optional[bool] = None
+    ) -> Dict[str, Any]:
+        """A new absolute lifetime counted from this call: ``{id, timeout_seconds, on_timeout,
+        expires_at}``; ``on_timeout`` (``"delete"`` or ``"suspend"``) absent keeps its own."""
+        body = fields(timeout_seconds=timeout_seconds, on_timeout=on_timeout)
+        return self._http.json("POST", f"{self._base}/timeout", json_body=body, retry=retry)
+
     def connect_url(self, port: int, *, ttl_seconds: int = 600, protocol: Optional[str] = None) -> ConnectUrl:
         """A WebSocket URL to ``port`` inside the sandbox that needs no key (Pro), valid for
         ``ttl_seconds`` (the service clamps it to an hour); ``protocol`` ``"tcp"`` or ``"cdp"``."""
@@ -150,12 +158,15 @@ class Sandboxes:
         egress: Union[Sequence[str], Mapping[str, Any], None] = None,
         idle_timeout_seconds: Optional[int] = None,
         idle_action: Optional[str] = None,
+        timeout_seconds: Optional[int] = None,
+        on_timeout: Optional[str] = None,
         retry: Optional[bool] = None,
     ) -> Sandbox:
         """A new running sandbox from ``template``, or from ``snapshot`` (one of them: its
         processes, memory and files as they were when it was taken). ``egress`` lists the host names it may reach
         (or is the service's ``{"allow": [...]}`` object); ``idle_timeout_seconds`` with
-        ``idle_action`` (``"suspend"`` or ``"delete"``) sets its idle lifetime."""
+        ``idle_action`` (``"suspend"`` or ``"delete"``) sets its idle lifetime; ``timeout_seconds``
+        with ``on_timeout`` (``"delete"``, the default, or ``"suspend"``) its absolute lifetime."""
         body = fields(
             template=template,
             snapshot=snapshot,
@@ -166,6 +177,8 @@ class Sandboxes:
             else None,
             idle_timeout_seconds=idle_timeout_seconds,
             idle_action=idle_action,
+            timeout_seconds=timeout_seconds,
+            on_timeout=on_timeout,
         )
         d = self._http.json("POST", "/v1/sandboxes", json_body=body, retry=retry)
         return Sandbox(self._http, d["id"], d)

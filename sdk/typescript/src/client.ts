@@ -25,6 +25,7 @@ import {
   type TemplateA,
   type TemplateB,
   type TemplateSummary,
+  type TimeoutAction,
   type UsageResponse,
 } from "./types.ts";
 
@@ -61,6 +62,10 @@ export interface CreateSandboxOptions {
   egress?: EgressPolicy;
   idleTimeoutSeconds?: number;
   idleAction?: IdleAction;
+  /** Absolute lifetime from create (and again from each resume); `setTimeout` changes it. */
+  timeoutSeconds?: number;
+  /** At the end of `timeoutSeconds`: `delete` (default) or `suspend`. */
+  onTimeout?: TimeoutAction;
 }
 
 export interface BakeOptions {
@@ -203,6 +208,8 @@ export class Sandboxes {
         egress: o.egress,
         idle_timeout_seconds: o.idleTimeoutSeconds,
         idle_action: o.idleAction,
+        timeout_seconds: o.timeoutSeconds,
+        on_timeout: o.onTimeout,
       },
     });
     return new Sandbox(this.t, r.id, r.template, r.endpoints);

@@ -14,8 +14,10 @@ import type {
   SandboxInfo,
   SandboxMetrics,
   SessionStatus,
+  SetTimeoutResponse,
   SnapshotInfo,
   StateResponse,
+  TimeoutAction,
 } from "./types.ts";
 
 /** A command: a line for /bin/sh -c, or one argv (run without a shell). */
@@ -123,6 +125,13 @@ export class Sandbox extends Workspace<Command, SandboxInfo> {
    */
   metrics(): Promise<SandboxMetrics> {
     return this.t.json("GET", `${this.base}/metrics`);
+  }
+
+  /** A new absolute lifetime, counted from this call (`onTimeout` absent: the sandbox's own). */
+  setTimeout(timeoutSeconds: number, onTimeout?: TimeoutAction): Promise<SetTimeoutResponse> {
+    return this.t.json("POST", `${this.base}/timeout`, {
+      json: { timeout_seconds: timeoutSeconds, on_timeout: onTimeout },
+    });
   }
 
   /** A scoped WebSocket URL to a guest port, usable without the API key until it expires. */

@@ -66,6 +66,9 @@ export type Health = Out<typeof HealthResponse>;
 export type Endpoints = Record<string, string>;
 export type EgressPolicy = NonNullable<B.CreateSandboxRequest["egress"]>;
 export type IdleAction = NonNullable<B.CreateSandboxRequest["idle_action"]>;
+/** What the absolute lifetime does at its end: `delete` (the default) or `suspend`. */
+export type TimeoutAction = NonNullable<B.CreateSandboxRequest["on_timeout"]>;
+export type SetTimeoutResponse = Out<typeof B.SetTimeoutResponse>;
 type WireExecResult = Out<typeof B.ExecResponseB> | A.ExecResultA;
 type WireProcessInfo = P.ProcessInfo;
 
