@@ -46,7 +46,7 @@ describe("while `sandboxd up` runs on PGlite", () => {
       expect(keyId).toBeDefined();
       const first = await list(key);
       expect(first.status).toBe(200);
-      expect(first.body).toEqual({ sandboxes: [] });
+      expect(first.body).toEqual({ sandboxes: [], next_cursor: null });
       expect(fx.svc.logTail(200)).toContain("operator: key.create done");
 
       const listed = await cli("key", "list", "--tenant", "acme");
