@@ -510,8 +510,8 @@ except e.HTTPError as x: print('status', x.code)"`;
         const no = await exec(sb.id, { command: fetchPy(`http://127.0.0.3:${port(denied)}/`) });
         expect(no.stdout.trim()).toBe("status 403");
         // Refused, not left to time out: the client's own timeout is 10 s (a bound that catches a
-        // hang, not a speed figure).
-        expect(performance.now() - t0).toBeLessThan(5_000);
+        // hang, not a speed figure; python's start in a TCG guest took 5.4 s on a loaded host).
+        expect(performance.now() - t0).toBeLessThan(9_500);
         expect(deniedHits).toBe(0);
       } finally {
         allowed.close();
