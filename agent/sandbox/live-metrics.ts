@@ -55,20 +55,21 @@ export interface LiveMetricsDeps {
 
 /** A fixed ring of samples: the oldest is overwritten once it is full. */
 class Ring {
-  private readonly cols: Float64Array[];
+  private readonly cols: {
+    at: Float64Array;
+    cpu: Float64Array;
+    used: Float64Array;
+    res: Float64Array;
+    disk: Float64Array;
+  };
   private next = 0;
   private count = 0;
   constructor(private readonly size: number) {
-    this.cols = Array.from({ length: 5 }, () => new Float64Array(size));
+    const col = () => new Float64Array(size);
+    this.cols = { at: col(), cpu: col(), used: col(), res: col(), disk: col() };
   }
   push(s: MetricsSample): void {
-    const [at, cpu, used, res, disk] = this.cols as [
-      Float64Array,
-      Float64Array,
-      Float64Array,
-      Float64Array,
-      Float64Array,
-    ];
+    const { at, cpu, used, res, disk } = this.cols;
     at[this.next] = s.atMs;
     cpu[this.next] = s.cpuPercent ?? Number.NaN;
     used[this.next] = s.memUsedBytes;
@@ -79,13 +80,7 @@ class Ring {
   }
   /** Oldest first. */
   list(): MetricsSample[] {
-    const [at, cpu, used, res, disk] = this.cols as [
-      Float64Array,
-      Float64Array,
-      Float64Array,
-      Float64Array,
-      Float64Array,
-    ];
+    const { at, cpu, used, res, disk } = this.cols;
     const out: MetricsSample[] = [];
     for (let k = 0; k < this.count; k++) {
       const i = (this.next - this.count + k + this.size) % this.size;
