@@ -19,6 +19,7 @@ export type AgentAction =
   | { kind: "takeSnapshot"; vmId: string; ref: string }
   | { kind: "createFromSnapshot"; ref: string; opts: CreateVmOpts }
   | { kind: "deleteSnapshot"; ref: string }
+  | { kind: "restoreSnapshot"; vmId: string; ref: string }
   | { kind: "suspend"; vmId: string }
   | { kind: "resume"; vmId: string }
   | { kind: "destroy"; vmId: string; force: boolean }
@@ -67,6 +68,8 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
       return { status: 201, body: await m.takeSnapshot(a.vmId, a.ref) };
     case "createFromSnapshot":
       return { status: 201, body: await m.createFromSnapshot(a.ref, a.opts) };
+    case "restoreSnapshot":
+      return { status: 200, body: await m.restoreSnapshot(a.vmId, a.ref) };
     case "deleteSnapshot":
       await m.deleteSnapshot(a.ref);
       return { status: 204 };

@@ -16,6 +16,7 @@ import {
   ExecOnceBody,
   ForkBody,
   PtySizeQuery,
+  RestoreSnapshotBody,
   SnapshotRefParam,
   SnapshotVmBody,
   TakeSnapshotBody,
@@ -122,6 +123,13 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
       kind: "takeSnapshot",
       vmId: parse(VmIdParam, c.req.param("id")),
       ref: parse(TakeSnapshotBody, await body(c.req.raw)).snapshot,
+    }),
+  );
+  r.post("/vms/:id/restore", json, async (c) =>
+    run({
+      kind: "restoreSnapshot",
+      vmId: parse(VmIdParam, c.req.param("id")),
+      ref: parse(RestoreSnapshotBody, await body(c.req.raw)).snapshot,
     }),
   );
   r.post("/snapshots/:ref/vms", json, async (c) => {

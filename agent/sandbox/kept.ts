@@ -3,7 +3,7 @@
  * start a sandbox from one, drop one. The engine's part is agent/snapshot/keep.ts, reached through
  * the driver; a driver without it (the boot driver) answers `unsupported`.
  */
-import type { CreatedVm, CreateVmOpts, SnapshotTaken } from "../../contracts/agent/api.ts";
+import type { CreatedVm, CreateVmOpts, SnapshotRestored, SnapshotTaken } from "../../contracts/agent/api.ts";
 import { bestEffort } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { EgressPolicy } from "../egress/policy.ts";
@@ -37,6 +37,64 @@ export async function keepSandbox(h: KeptHost, sb: Sandbox, ref: string): Promis
   } finally {
     sb.op = undefined;
     if (sb.state === "forking") h.setState(sb, "running");
+  }
+}
+
+/**
+ * Rolls sandbox `sb` back to kept snapshot `ref` in place (docs/snapshots.md "Restore in place"):
+ * the same sandbox id, endpoints, egress and lifetime; memory, processes and files as they were
+ * in the snapshot. A snapshot of another size is refused before anything changes. Its tunnels
+ * and background processes lived in the memory being replaced: they are ended first, saying so.
+ * A failure after the old VM stopped fails the sandbox, with the reason (`details.lost`).
+ */
+export async function restoreSandbox(h: KeptHost, sb: Sandbox, ref: string): Promise<SnapshotRestored> {
+  const restore = h.driver.restoreKept?.bind(h.driver);
+  if (!restore) throw unsupported();
+  const size = await h.driver.keptSize?.(ref);
+  if (!size) throw new SandboxdError("not_found", `snapshot ${ref} is not kept on this agent`);
+  if (size.vcpus !== sb.size.vcpus || size.memMib !== sb.size.memMib)
+    throw new SandboxdError(
+      "conflict",
+      `snapshot ${ref} is of a ${size.vcpus} vCPU, ${size.memMib} MiB sandbox; ${sb.id} is ${sb.size.vcpus} vCPU, ${sb.size.memMib} MiB`,
+      { details: { snapshot: size, sandbox: sb.size } },
+    );
+  h.setState(sb, "restoring");
+  h.closeTunnels(
+    sb,
+    `was restored to snapshot ${ref}: connections into the guest ended with the memory they lived in`,
+  );
+  try {
+    await sb.procs?.killAll();
+    const op = restore(sb.vm!, ref);
+    sb.op = op;
+    const r = await op;
+    sb.vm = r.vm;
+    sb.stopped = false;
+    h.watchVm(sb, r.vm);
+    if (sb.state !== "restoring") throw h.goneError(sb);
+    h.setState(sb, "running");
+    await h.records.flush();
+    await h.refreshDisk(sb);
+    return {
+      snapshot: ref,
+      restoreMs: r.restoreMs,
+      downMs: r.downMs,
+      resources: { ...sb.size, diskBytes: sb.meter.resources.diskBytes },
+    };
+  } catch (err) {
+    const lost =
+      err instanceof SandboxdError && (err.details as { lost?: boolean } | undefined)?.lost === true;
+    if (sb.state === "restoring") {
+      if (lost) {
+        sb.reason = `restore to ${ref} failed: ${err instanceof Error ? err.message : String(err)}`;
+        sb.vm = undefined;
+        h.setState(sb, "failed");
+        await h.records.flush();
+      } else h.setState(sb, "running");
+    }
+    throw err;
+  } finally {
+    sb.op = undefined;
   }
 }
 

@@ -26,6 +26,7 @@ import type {
   CreateVmOpts,
   OneShotResult,
   ResumeResult,
+  SnapshotRestored,
   SnapshotTaken,
   SuspendResult,
 } from "../../contracts/agent/api.ts";
@@ -46,7 +47,7 @@ import type { OutputSink } from "./exec-run.ts";
 import { type ForkSuspendHost, forkSandbox, resumeSandbox, suspendSandbox } from "./fork-suspend.ts";
 import { GuestAccess } from "./guest-access.ts";
 import { IdlePause } from "./idle.ts";
-import { createFromKept, dropKeptSnapshot, type KeptHost, keepSandbox } from "./kept.ts";
+import { createFromKept, dropKeptSnapshot, type KeptHost, keepSandbox, restoreSandbox } from "./kept.ts";
 import { LiveMetrics, type MetricsSample } from "./live-metrics.ts";
 import { infoOf, type ManagerOptions, type SandboxInfo } from "./manager-types.ts";
 import { PrelaunchPool } from "./prelaunch-pool.ts";
@@ -285,6 +286,10 @@ export class SandboxManager {
   /** Kept snapshots (kept.ts, docs/snapshots.md). */
   takeSnapshot(id: string, ref: string): Promise<SnapshotTaken> {
     return keepSandbox(this.keptHost(), this.table.mustGet(id), ref);
+  }
+
+  restoreSnapshot(id: string, ref: string): Promise<SnapshotRestored> {
+    return restoreSandbox(this.keptHost(), this.table.mustGet(id), ref);
   }
 
   createFromSnapshot(ref: string, opts: CreateVmOpts): Promise<CreatedVm> {

@@ -17,6 +17,7 @@
  * | suspending   | memory being snapshotted to disk                                           |
  * | suspended    | on disk only: no QEMU, no metering of CPU/RAM                              |
  * | resuming     | being restored from disk                                                   |
+ * | restoring    | rolled back in place to a kept snapshot (a new QEMU, the same sandbox)     |
  * | destroying   | being torn down (a normal destroy waits here for the in-flight exec)      |
  * | destroyed    | gone; the record is removed                                                |
  * | failed       | the VM died or an operation broke it; `reason` says why. Only destroy.     |
@@ -33,6 +34,7 @@ export const AgentSandboxState = [
   "suspending",
   "suspended",
   "resuming",
+  "restoring",
   "destroying",
   "destroyed",
   "failed",
@@ -44,10 +46,10 @@ export type AgentSandboxState = (typeof AgentSandboxState)[number];
 export const SANDBOX_TRANSITIONS: Readonly<Record<AgentSandboxState, readonly AgentSandboxState[]>> = {
   creating: ["running", "failed", "destroying"],
   // running -> paused is the idle pause; -> busy/forking start an exec/fork.
-  running: ["paused", "busy", "forking", "suspending", "destroying", "failed"],
+  running: ["paused", "busy", "forking", "suspending", "restoring", "destroying", "failed"],
   // paused -> busy/forking/suspending: the manager un-pauses the vCPUs as the first step of
   // the operation; paused -> running when it wakes for something else (e.g. adoption).
-  paused: ["running", "busy", "forking", "suspending", "destroying", "failed"],
+  paused: ["running", "busy", "forking", "suspending", "restoring", "destroying", "failed"],
   // busy -> destroying: a normal destroy waits for the exec in this state; a force destroy
   // aborts it (docs/sessions.md "Rules of the sessions API" "Delete session").
   busy: ["running", "destroying", "failed"],
@@ -57,6 +59,9 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<AgentSandboxState, readonly Ag
   suspended: ["resuming", "destroying"],
   // resuming -> suspended: the restore failed but the snapshot is intact.
   resuming: ["running", "suspended", "destroying", "failed"],
+  // restoring -> running: rolled back, or refused before its QEMU stopped (nothing changed);
+  // -> failed: the new QEMU did not come up after the old one stopped.
+  restoring: ["running", "destroying", "failed"],
   destroying: ["destroyed", "failed"],
   destroyed: [],
   failed: ["destroying"],
@@ -64,7 +69,7 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<AgentSandboxState, readonly Ag
 };
 
 /** States in which an exec or a fork is in flight: a second one gets `busy` (docs/sessions.md "Rules of the sessions API"; docs/api.md "Rules every route shares"). */
-const IN_FLIGHT: ReadonlySet<AgentSandboxState> = new Set(["busy", "forking"]);
+const IN_FLIGHT: ReadonlySet<AgentSandboxState> = new Set(["busy", "forking", "restoring"]);
 /** States from which the sandbox is no longer usable; only destroy is accepted. */
 const TERMINAL: ReadonlySet<AgentSandboxState> = new Set(["destroying", "destroyed", "failed", "lost"]);
 /** States whose VM has a QEMU (for capacity and metering); suspended/terminal ones do not. */
@@ -76,6 +81,7 @@ const HAS_VM: ReadonlySet<AgentSandboxState> = new Set([
   "forking",
   "suspending",
   "resuming",
+  "restoring",
   "destroying",
 ]);
 
@@ -105,7 +111,7 @@ export function holdsVm(s: AgentSandboxState): boolean {
 export function transitionError(id: string, from: AgentSandboxState, to: AgentSandboxState): SandboxdError {
   const details = { id, from, to };
   if (isInFlight(from)) {
-    const what = from === "busy" ? "an exec" : "a fork";
+    const what = from === "busy" ? "an exec" : from === "restoring" ? "a restore" : "a fork";
     return new SandboxdError("busy", `sandbox ${id}: ${what} is in flight`, { details });
   }
   if (isTerminal(from)) {

@@ -181,9 +181,10 @@ const ARTIFACTS_KEY_RE = /^(?!\.\.?$)[A-Za-z0-9._-]+$/;
  * Holds `record` to where this agent puts a VM's files, before anything is opened, chowned,
  * bound into a jail or deleted on its word: its id is its directory's name and a VM id; its data
  * dir and tmpfs root are this agent's; its disk, RAM file and state file are registered in the
- * chain store, its base disk is an image store entry's disk and its kernel and initramfs are an
+ * chain store (its RAM file as one), its base disk is an image store entry's disk and its kernel and initramfs are an
  * artifacts key's; each lies, with no symlink on the way (its realpath is itself), under the
- * disks directory, the tmpfs root, the suspended-states directory, the image store and the
+ * disks directory, the tmpfs root (a kept snapshot's memory image: the disks directory), the
+ * suspended-states directory, the image store and the
  * artifacts directory. A record failing any of these is `vm_record_invalid` naming the first
  * that failed (the VM is lost; nothing outside its directory is touched).
  */
@@ -197,9 +198,19 @@ export async function checkVmRecord(record: VmRecord, at: VmRecordPlaces): Promi
   const { key, vmlinux, initramfs } = record.shape.artifacts;
   const artifact = (name: string) => (p: string) =>
     ARTIFACTS_KEY_RE.test(key) && p === join(at.guestRoot, key, name);
+  const disks = join(at.stateDir, "storage", "disks");
+  // A VM started from (or rolled back to) a kept snapshot maps its memory image, kept on the data
+  // disk beside the overlays (keep.ts); every other VM maps a RAM file on tmpfs.
+  const ramRoot = record.memPath.startsWith(`${disks}/`) ? disks : at.shmRoot;
   const places: [string, string | undefined, string, (p: string) => boolean, string][] = [
-    ["disk", record.disk, join(at.stateDir, "storage", "disks"), registered, "in its chain store"],
-    ["RAM file", record.memPath, at.shmRoot, registered, "in its chain store"],
+    ["disk", record.disk, disks, registered, "in its chain store"],
+    [
+      "RAM file",
+      record.memPath,
+      ramRoot,
+      (p) => at.chain.get(p)?.kind === "ram",
+      "a RAM file in its chain store",
+    ],
     [
       "state file",
       record.suspendState,

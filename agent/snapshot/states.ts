@@ -18,6 +18,7 @@
  * | suspending   | its RAM and device state being saved to a state file                     |
  * | suspended    | only its state file and disk remain: no QEMU                             |
  * | resuming     | a new QEMU is being restored from the state file                         |
+ * | restoring    | rolled back in place: its QEMU replaced by one restored from a snapshot  |
  * | dead         | QEMU gone, files released; final                                         |
  */
 import { SnapshotError } from "./errors.ts";
@@ -30,6 +31,7 @@ export const EngineVmState = [
   "suspending",
   "suspended",
   "resuming",
+  "restoring",
   "dead",
 ] as const;
 export type EngineVmState = (typeof EngineVmState)[number];
@@ -37,14 +39,17 @@ export type EngineVmState = (typeof EngineVmState)[number];
 /** Allowed `from -> to` changes. Anything absent is refused. */
 export const VM_TRANSITIONS: Readonly<Record<EngineVmState, readonly EngineVmState[]>> = {
   starting: ["running", "dead"],
-  running: ["paused", "forking", "suspending", "dead"],
-  paused: ["running", "suspending", "dead"],
+  running: ["paused", "forking", "suspending", "restoring", "dead"],
+  paused: ["running", "suspending", "restoring", "dead"],
   forking: ["running", "dead"],
   // suspending -> running: the save failed and the VM kept running.
   suspending: ["suspended", "running", "dead"],
   suspended: ["resuming", "dead"],
   // resuming -> suspended: the restore failed but the state file is intact.
   resuming: ["running", "suspended", "dead"],
+  // restoring -> running: also when it failed before the old QEMU was stopped (nothing lost);
+  // -> dead when the new one failed after it (the sandbox then fails, saying so).
+  restoring: ["running", "dead"],
   dead: [],
 };
 

@@ -44,6 +44,7 @@ export type SuspendResult = z.infer<typeof S.SuspendResultSchema>;
 export type ResumeResult = z.infer<typeof S.ResumeResultSchema>;
 export type SnapshotRef = z.infer<typeof S.SnapshotRefParam>;
 export type SnapshotTaken = z.infer<typeof S.SnapshotTakenSchema>;
+export type SnapshotRestored = z.infer<typeof S.SnapshotRestoredSchema>;
 
 export type TemplateSource =
   /**
@@ -143,6 +144,13 @@ export interface AgentVmApi {
    * the VM runs on after a fork's stall. `busy` while an exec is in flight.
    */
   takeSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotTaken>;
+  /**
+   * Rolls running VM `vmId` back to kept snapshot `ref` of this agent in place (same id; its
+   * tunnels and background processes end, saying so). `conflict` for a snapshot of another
+   * template or size, `busy` while an exec or fork is in flight; a failure after its QEMU stopped
+   * leaves the VM failed (`details.lost`).
+   */
+  restoreSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotRestored>;
   /** A VM from a kept snapshot of this agent: its processes, memory and files as they were. */
   createFromSnapshot(ref: SnapshotRef, opts: CreateVmOpts): Promise<CreatedVm>;
   /**

@@ -186,6 +186,16 @@ export const ForkResultSchema = z.object({ children: z.array(CreatedVmSchema) })
  */
 export const SnapshotRefParam = z.string().regex(/^snap_[a-z0-9]{1,60}$/);
 export const TakeSnapshotBody = z.object({ snapshot: SnapshotRefParam });
+/** `POST /vms/{id}/restore`: roll the VM back to kept snapshot `snapshot` in place. */
+export const RestoreSnapshotBody = z.object({ snapshot: SnapshotRefParam });
+export const SnapshotRestoredSchema = z.object({
+  snapshot: z.string(),
+  /** The whole rollback on the agent, ms: from the call to the restored guest answering. */
+  restoreMs: z.number(),
+  /** Of that, from the old QEMU's stop to the new one answering: the time the VM was down. */
+  downMs: z.number(),
+  resources: ResourcesSchema,
+});
 /** `POST /snapshots/{ref}/vms`: a VM from a kept snapshot, as `POST /vms` from a template. */
 export const SnapshotVmBody = CreateBody.omit({ template: true });
 export const SnapshotTakenSchema = z.object({

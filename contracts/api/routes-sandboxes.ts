@@ -102,6 +102,16 @@ export const SANDBOXES_ROUTES: RouteContract[] = [
     errors: [400, 403, 404, 409, 429, 503],
   },
   {
+    method: "post",
+    path: "/v1/sandboxes/{id}/restore",
+    api: "sandboxes",
+    summary: "Roll a running sandbox back to a snapshot in place (same id; open tunnels end, saying so)",
+    body: B.RestoreRequest,
+    response: B.RestoreResponse,
+    status: 200,
+    errors: [400, 403, 404, 409, 410, 503],
+  },
+  {
     method: "get",
     path: "/v1/snapshots",
     api: "sandboxes",

@@ -453,6 +453,30 @@ export const CreateSnapshotRequest = z
   .meta({ id: "CreateSnapshotRequest" });
 export type CreateSnapshotRequest = z.infer<typeof CreateSnapshotRequest>;
 
+export const RestoreRequest = z
+  .object({
+    snapshot: SnapshotId.describe(
+      "A ready snapshot of the caller's, kept on the sandbox's host, of the same template and size.",
+    ),
+  })
+  .meta({ id: "RestoreRequest" });
+
+export const RestoreResponse = z
+  .object({
+    id: SandboxId,
+    state: z.literal("running"),
+    snapshot: SnapshotId,
+    restore_ms: z
+      .number()
+      .describe(
+        "The rollback on its host, ms: from the agent taking the call to the restored guest answering.",
+      ),
+    down_ms: z
+      .number()
+      .describe("Of that, the time the sandbox's VM was down (old one stopped, new one not yet answering)."),
+  })
+  .meta({ id: "RestoreResponse" });
+
 export const SnapshotInfo = z
   .object({
     id: SnapshotId,

@@ -21,6 +21,7 @@ import type {
   PtyTunnel,
   ResumeResult,
   SnapshotRef,
+  SnapshotRestored,
   SnapshotTaken,
   SuspendResult,
   TemplateBuildStatus,
@@ -48,6 +49,7 @@ import {
   MAX_EXEC_TIMEOUT_MS,
   OneShotResultSchema,
   ResumeResultSchema,
+  SnapshotRestoredSchema,
   SnapshotTakenSchema,
   SuspendResultSchema,
   TemplateStatusSchema,
@@ -186,6 +188,16 @@ export class AgentHttpClient implements AgentApi {
       ForkResultSchema,
     );
     return r.children;
+  }
+
+  restoreSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotRestored> {
+    return this.http.call(
+      "POST",
+      `/vms/${enc(vmId)}/restore`,
+      { snapshot: ref },
+      this.t.vmOp,
+      SnapshotRestoredSchema,
+    );
   }
 
   takeSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotTaken> {

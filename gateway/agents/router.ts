@@ -420,6 +420,7 @@ export class AgentRouter implements AgentHostApi, Placement {
       suspend: async (v) => (await lookup()).suspend(v),
       resume: async (v) => (await lookup()).resume(v),
       takeSnapshot: async (v, r) => (await lookup()).takeSnapshot(v, r),
+      restoreSnapshot: async (v, r) => (await lookup()).restoreSnapshot(v, r),
       createFromSnapshot: async (r, o) => (await lookup()).createFromSnapshot(r, o),
       deleteSnapshot: async (r) => (await lookup()).deleteSnapshot(r),
       destroy: async (v, o) => (await lookup()).destroy(v, o),

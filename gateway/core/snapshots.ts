@@ -12,7 +12,7 @@
  * breaks, the sandboxes started from it.
  */
 import { and, desc, eq, inArray, isNull, sql } from "drizzle-orm";
-import type { CreatedVm } from "../../contracts/agent/api.ts";
+import type { CreatedVm, SnapshotRestored } from "../../contracts/agent/api.ts";
 import { parseAllowList } from "../../contracts/egress.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { agents } from "../../db/schema/agents.ts";
@@ -163,10 +163,60 @@ export async function deleteSnapshot(deps: Deps, p: Principal, id: string): Prom
     .where(and(eq(snapshots.id, id), isNull(snapshots.deletedAt)));
 }
 
+/** 410 `gone` when the snapshot's host was lost or removed: its files went with it. */
+async function requireHostKept(deps: Deps, snap: SnapshotRow): Promise<void> {
+  if (await hostGone(deps, snap.agentId)) {
+    throw new SandboxdError(
+      "gone",
+      `snapshot ${snap.id} was kept on host ${snap.agentId}, which is lost or removed; its files went with it`,
+      { details: { id: snap.id, agentId: snap.agentId } },
+    );
+  }
+}
+
 /** The snapshot's host was removed or declared lost (gateway/core/host-loss.ts): its files are gone. */
 async function hostGone(deps: Deps, agentId: string): Promise<boolean> {
   const [a] = await deps.db.select({ lostAt: agents.lostAt }).from(agents).where(eq(agents.id, agentId));
   return !a || a.lostAt !== null;
+}
+
+/**
+ * Rolls running sandbox `sandboxId` back to snapshot `snapshotId` in place (docs/snapshots.md
+ * "Restore in place"): the same sandbox, row and lifetime. The snapshot must be the caller's,
+ * ready, kept on the sandbox's own host (its files are there) and of the sandbox's template; the
+ * agent refuses another size. A restore is in use of the sandbox, as a fork is: the reaper leaves
+ * it alone meanwhile.
+ */
+export async function restoreSandbox(
+  deps: Deps,
+  p: Principal,
+  sandboxId: string,
+  snapshotId: string,
+): Promise<SnapshotRestored> {
+  const sb = await getOwned(deps, p, sandboxId);
+  requireAllowed(sandboxId, sb.state, "fork");
+  const snap = await getOwnedSnapshot(deps, p, snapshotId);
+  if (snap.state !== "ready") {
+    throw new SandboxdError("conflict", `snapshot ${snap.id} is ${snap.state}, not ready`, {
+      details: { state: snap.state },
+    });
+  }
+  await requireHostKept(deps, snap);
+  if (snap.agentId !== sb.agentId || snap.templatePk !== sb.templatePk) {
+    const why =
+      snap.agentId !== sb.agentId
+        ? `it is kept on host ${snap.agentId}, the sandbox runs on ${sb.agentId}`
+        : `it is of template ${snap.templateId}, the sandbox of ${sb.templateId}`;
+    throw new SandboxdError("conflict", `sandbox ${sandboxId} cannot be restored to ${snap.id}: ${why}`, {
+      details: { snapshot: snap.id, sandbox: sandboxId },
+    });
+  }
+  await beginActivity(deps, p, sb, "fork");
+  try {
+    return await inTermsOf(sb, agentOf(deps, sb).restoreSnapshot(sb.vmId!, snap.id));
+  } finally {
+    await endActivity(deps, sb, false);
+  }
 }
 
 export interface FromSnapshotInput {
@@ -193,13 +243,7 @@ export async function createFromSnapshot(
     });
   }
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
-  if (await hostGone(deps, snap.agentId)) {
-    throw new SandboxdError(
-      "gone",
-      `snapshot ${snap.id} was kept on host ${snap.agentId}, which is lost or removed; its files went with it`,
-      { details: { id: snap.id, agentId: snap.agentId } },
-    );
-  }
+  await requireHostKept(deps, snap);
   const [tpl] = await deps.db
     .select({ pk: templates.pk, id: templates.id })
     .from(templates)

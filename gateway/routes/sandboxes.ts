@@ -27,7 +27,7 @@ import {
   resumeVm,
   suspendVm,
 } from "../core/sandboxes.ts";
-import { createFromSnapshot, snapshotInfo, takeSnapshot } from "../core/snapshots.ts";
+import { createFromSnapshot, restoreSandbox, snapshotInfo, takeSnapshot } from "../core/snapshots.ts";
 import { type Deps, type HonoEnv, holdForKey } from "../deps.ts";
 import { jsonBody, queryWithRepeats } from "../http.ts";
 import { sandboxExecAction } from "./exec-actions.ts";
@@ -221,6 +221,21 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
     const input = { labels: req.labels ?? {}, ...(req.name !== undefined ? { name: req.name } : {}) };
     const row = await takeSnapshot(deps, p, c.req.param("id"), input);
     return c.json(snapshotInfo(row), 201);
+  });
+
+  app.post("/:id/restore", only, async (c) => {
+    const p = c.get("principal");
+    const id = c.req.param("id");
+    const req = await jsonBody(c, B.RestoreRequest, max());
+    await wakeIfIdle(deps, p, id);
+    const r = await restoreSandbox(deps, p, id, req.snapshot);
+    return c.json({
+      id,
+      state: "running" as const,
+      snapshot: req.snapshot,
+      restore_ms: r.restoreMs,
+      down_ms: r.downMs,
+    });
   });
 
   app.post("/:id/suspend", only, async (c) => {

@@ -21,6 +21,7 @@ import type {
   PtyTunnel,
   ResumeResult,
   SnapshotRef,
+  SnapshotRestored,
   SnapshotTaken,
   SuspendResult,
   TemplateBuildStatus,
@@ -237,6 +238,22 @@ export class MemoryAgent implements AgentApi {
     });
     const size = [...vm.files.values()].reduce((n, c) => n + c.length, 0) + 512 * 1024 * 1024;
     return { snapshot: ref, sizeBytes: size, stallMs: 1, resources: { ...RESOURCES } };
+  }
+
+  /** As the real agent (agent/sandbox/kept.ts restoreSandbox): files and processes become the snapshot's. */
+  async restoreSnapshot(vmId: VmId, ref: SnapshotRef): Promise<SnapshotRestored> {
+    this.calls.push(`restore ${vmId} ${ref}`);
+    const vm = this.vm(vmId);
+    const snap = this.snapshots.get(ref);
+    if (!snap || snap.deleting)
+      throw new SandboxdError("not_found", `snapshot ${ref} is not kept on this agent`);
+    if (vm.busy) throw new SandboxdError("busy", `an exec is in flight on ${vmId}`);
+    if (vm.state !== "running") throw new SandboxdError("conflict", `vm ${vmId} is ${vm.state}`);
+    if (snap.template !== vm.template)
+      throw new SandboxdError("conflict", `snapshot ${ref} is of template ${snap.template}`);
+    vm.files = new Map(snap.files);
+    vm.processes = copyProcesses(snap.processes);
+    return { snapshot: ref, restoreMs: 1, downMs: 1, resources: { ...RESOURCES } };
   }
 
   async createFromSnapshot(ref: SnapshotRef, opts: CreateVmOpts): Promise<CreatedVm> {

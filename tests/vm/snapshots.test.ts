@@ -5,10 +5,12 @@
  * file as it was and the process still counting from the snapshot's value, and they diverge. A
  * delete while they run leaves their files in place; the kept files go with the last of them. A
  * new agent process on the same state dir (a restart) starts VMs from a snapshot kept before it.
+ * A sandbox rolled back in place to its snapshot (three times) has its file, its counting process
+ * and the counter's value back, frees the overlays it replaced, and is adopted after a restart.
  * Run under the VM test lock: `flock /tmp/vm-test.lock env SANDBOXD_TEST_DATA=... bun test <file>`.
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
@@ -32,6 +34,7 @@ const VM_TEST_TIMEOUT_MS = 300_000;
 const MEM_MIB = 128;
 const REF = "snap_vmtest0001";
 const REF2 = "snap_vmtest0002";
+const REF3 = "snap_vmtest0003";
 
 let stateDir: string;
 let m: SandboxManager;
@@ -51,6 +54,17 @@ afterAll(async () => {
     await removeBusyboxArchive();
   }
 }, VM_TEST_TIMEOUT_MS);
+
+/** A new agent process: the manager detached, a new driver and manager on the same state dir. */
+async function restartAgent(): Promise<void> {
+  await m.detach();
+  const driver = await SnapshotDriver.create({
+    cacheDir: TEST_CACHE_DIR,
+    stateDir,
+    artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
+  });
+  m = await SandboxManager.open({ driver, stateDir });
+}
 
 const counter = async (id: string) => Number((await shellIn(m, id, "cat /tmp/c")).trim());
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
@@ -106,20 +120,63 @@ test(
 );
 
 test(
+  "restore in place: the same sandbox rolls back to its snapshot, again and again, and survives an agent restart",
+  async () => {
+    const id = (await m.create("bb", { kind: "sandbox" })).vmId;
+    await shellIn(m, id, `mkdir -p /root && echo before > /root/f && ${COUNTER} echo $! > /tmp/cpid`);
+    await sleep(1000);
+    const pidAtSnapshot = (await shellIn(m, id, "cat /tmp/cpid")).trim();
+    expect(pidAtSnapshot).toMatch(/^\d+$/);
+    await m.takeSnapshot(id, REF3);
+    const atSnapshot = await counter(id);
+    const files = () => readdirSync(storageDir(stateDir)).sort();
+    let filesAfterFirst: string[] | undefined;
+    for (let round = 0; round < 3; round++) {
+      // Change everything: the file, a new file, the counter runs on, the process is killed.
+      await shellIn(m, id, `echo after${round} > /root/f && touch /root/new && kill ${pidAtSnapshot}`);
+      await sleep(300);
+      const r = await m.restoreSnapshot(id, REF3);
+      console.log(`restore ${round}: ${r.restoreMs.toFixed(0)} ms, down ${r.downMs.toFixed(0)} ms`);
+      expect(r.snapshot).toBe(REF3);
+      expect(m.info(id).state).toBe("running");
+      expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("before");
+      expect((await shellIn(m, id, "ls /root")).trim().split(/\s+/)).toEqual(["f"]);
+      // The counting process is back (the same pid) and counts on from the snapshot's value.
+      expect((await shellIn(m, id, `kill -0 ${pidAtSnapshot} && echo alive`)).trim()).toBe("alive");
+      const first = await counter(id);
+      expect(first).toBeLessThanOrEqual(atSnapshot + 3);
+      await sleep(500);
+      expect(await counter(id)).toBeGreaterThan(first);
+      // Rollbacks do not pile up files: the overlays each one replaced are freed.
+      if (round === 0) filesAfterFirst = files();
+      else expect(files().length).toBe(filesAfterFirst!.length);
+    }
+    // A refused restore changes nothing: the sandbox runs on as it was.
+    await shellIn(m, id, "echo kept-on > /root/f");
+    expect(await codeOf(m.restoreSnapshot(id, "snap_notkept0"))).toBe("not_found");
+    expect(m.info(id).state).toBe("running");
+    expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("kept-on");
+
+    // The rolled-back VM is what a new agent process adopts (its record names the new QEMU).
+    await m.restoreSnapshot(id, REF3);
+    await restartAgent();
+    expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("before");
+    await m.destroy(id, { force: true });
+    await m.deleteSnapshot(REF3);
+    expect(existsSync(join(storageDir(stateDir), `${REF3}.state`))).toBe(false);
+    expect(existsSync(join(storageDir(stateDir), `${REF3}.mem`))).toBe(false);
+  },
+  VM_TEST_TIMEOUT_MS,
+);
+
+test(
   "a snapshot kept before an agent restart starts VMs after it",
   async () => {
     const src = (await m.create("bb", { kind: "sandbox" })).vmId;
     await shellIn(m, src, "mkdir -p /root && echo kept > /root/g");
     await m.takeSnapshot(src, REF2);
     await m.destroy(src, { force: true });
-    // A new agent process: a new driver and manager on the same state dir.
-    await m.detach();
-    const driver = await SnapshotDriver.create({
-      cacheDir: TEST_CACHE_DIR,
-      stateDir,
-      artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
-    });
-    m = await SandboxManager.open({ driver, stateDir });
+    await restartAgent();
     const kid = (await m.createFromSnapshot(REF2, { kind: "sandbox" })).vmId;
     expect((await shellIn(m, kid, "cat /root/g")).trim()).toBe("kept");
     await m.destroy(kid, { force: true });

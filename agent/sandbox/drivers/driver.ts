@@ -141,6 +141,12 @@ export interface SandboxDriver {
   /** `ports`: the exposed guest ports `keep` was given (the source's endpoints). */
   spawnFromKept?(ref: string, vmId: string): Promise<{ vm: DriverVm; ports: string[] }>;
   dropKept?(ref: string): Promise<void>;
+  /**
+   * Rolls running `vm` back to kept snapshot `ref` in place (keep.ts `restoreInPlace`): same VM
+   * id, a new QEMU, a new handle. A refusal before its QEMU stopped leaves `vm` running as it
+   * was (`lost: false`); a failure after it leaves no VM (`lost: true` on the error's details).
+   */
+  restoreKept?(vm: DriverVm, ref: string): Promise<{ vm: DriverVm; restoreMs: number; downMs: number }>;
   /** The size of VMs started from kept snapshot `ref` (its source's), for admission; none kept: undefined. */
   keptSize?(ref: string): Promise<VmSize | undefined>;
   /** Saves the VM to disk and stops its QEMU; the handle is dead afterwards. */

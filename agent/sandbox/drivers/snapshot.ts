@@ -42,7 +42,14 @@ import { refuseTakenUidRange } from "../../qemu/uids.ts";
 import type { SnapshotError } from "../../snapshot/errors.ts";
 import { forkVm } from "../../snapshot/fork.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../../snapshot/fork-method.ts";
-import { dropKept, type KeptRecord, keepVm, listKept, startFromKept } from "../../snapshot/keep.ts";
+import {
+  dropKept,
+  type KeptRecord,
+  keepVm,
+  listKept,
+  restoreInPlace,
+  startFromKept,
+} from "../../snapshot/keep.ts";
 import { VM_RECORD_FILE, type VmRecord, writeVmRecord } from "../../snapshot/persist.ts";
 import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
 import { type Prelaunched, prelaunchFromTemplate, spawnFromTemplate } from "../../snapshot/spawn.ts";
@@ -306,7 +313,8 @@ export class SnapshotDriver implements SandboxDriver {
 
   async keep(vm: DriverVm, ref: string, ports: string[]): Promise<{ sizeBytes: number; stallMs: number }> {
     const l = this.mustLive(vm);
-    const notes = { templateId: vm.templateId, size: vm.size, image: vm.image, ports };
+    // `source`: a rollback of this same VM to it keeps the VM's boot id (keep.ts restoreInPlace).
+    const notes = { templateId: vm.templateId, size: vm.size, image: vm.image, ports, source: vm.vmId };
     const r = await keepVm(l.sbx, ref, { method: this.forkMethod, notes, log: this.log });
     // The parent moved onto a new overlay (also when keeping failed after that): record it.
     if (l.sbx.state !== "dead")
@@ -329,6 +337,46 @@ export class SnapshotDriver implements SandboxDriver {
     const n = record.notes as { templateId: string; size: VmSize; image: ImageConfig; ports: string[] };
     const vm = await this.track(r.value.vm, n.templateId, n.image, n.size, r.value.timings.readyMs);
     return { vm, ports: n.ports };
+  }
+
+  async restoreKept(vm: DriverVm, ref: string): Promise<{ vm: DriverVm; restoreMs: number; downMs: number }> {
+    const l = this.mustLive(vm);
+    const record = (await this.keptRecords()).get(ref);
+    if (!record) throw new SandboxdError("not_found", `snapshot ${ref} is not kept on this agent`);
+    const n = record.notes as { templateId: string; source?: string };
+    if (n.templateId !== vm.templateId)
+      throw new SandboxdError(
+        "conflict",
+        `snapshot ${ref} is of template ${n.templateId}; sandbox ${vm.vmId} runs ${vm.templateId}`,
+      );
+    const r = await restoreInPlace(l.sbx, record, {
+      sameMachine: n.source === vm.vmId,
+      ...this.restoreDeadline(),
+    });
+    if (!r.ok) {
+      const lost = l.sbx.state === "dead";
+      if (lost) {
+        l.destroying = true;
+        this.live.delete(vm.vmId);
+      }
+      const e = r.error;
+      throw new SandboxdError(
+        e.code === "bad_request" ? "conflict" : e.code === "bringup_timeout" ? e.code : "spawn_failed",
+        e.message,
+        {
+          cause: e,
+          details: { ...(e.details ?? {}), lost },
+        },
+      );
+    }
+    // The old QEMU is gone (its exit was an intended one: the VM no longer points at it).
+    this.live.delete(vm.vmId);
+    const handle = await this.track(l.sbx, vm.templateId, vm.image, vm.size, r.value.timings.readyMs);
+    const t = r.value.timings;
+    this.log(
+      `rolled ${vm.vmId} back to ${ref}: ${r.value.totalMs.toFixed(0)} ms, down ${r.value.downMs.toFixed(0)} ms (launch ${t.launchMs.toFixed(0)}, load ${t.incomingMs.toFixed(0)}, hello ${t.helloMs.toFixed(0)}, identity ${t.identityMs.toFixed(0)})`,
+    );
+    return { vm: handle, restoreMs: r.value.totalMs, downMs: r.value.downMs };
   }
 
   async keptSize(ref: string): Promise<VmSize | undefined> {

@@ -119,7 +119,7 @@ export async function startChildren(p: ChildrenPlan): Promise<Result<StartedChil
  * Shared mode: restore the full stream once into a new SHARED RAM file (tmpfs), never run it,
  * and save its device state with x-ignore-shared: a template of the fork point.
  */
-async function makeForkPoint(
+export async function makeForkPoint(
   parent: SandboxVm,
   forkId: string,
   fullState: string,

@@ -100,6 +100,13 @@ class Sandbox(Box):
         body = fields(name=name, labels=dict(labels) if labels is not None else None)
         return self._http.json("POST", f"{self._base}/snapshots", json_body=body, retry=retry)
 
+    def restore(self, snapshot: str, *, retry: Optional[bool] = None) -> Dict[str, Any]:
+        """Rolls this sandbox back to ``snapshot`` in place: the same sandbox, its memory,
+        processes and files as they were then. Open tunnels and background processes end. The
+        answer: ``id``, ``state``, ``snapshot``, ``restore_ms``, ``down_ms``."""
+        body = {"snapshot": snapshot}
+        return self._http.json("POST", f"{self._base}/restore", json_body=body, retry=retry)
+
     def suspend(self, *, retry: Optional[bool] = None) -> Dict[str, Any]:
         """Snapshots the sandbox to disk (metering stops); ``resume()`` brings it back."""
         return self._http.json("POST", f"{self._base}/suspend", retry=retry)

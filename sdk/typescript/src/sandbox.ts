@@ -11,6 +11,7 @@ import type {
   ExecOptions,
   ExecResult,
   ForkResponse,
+  RestoreResponse,
   SandboxInfo,
   SandboxMetrics,
   SessionStatus,
@@ -108,6 +109,15 @@ export class Sandbox extends Workspace<Command, SandboxInfo> {
    */
   snapshot(opts: { name?: string; labels?: Record<string, string> } = {}): Promise<SnapshotInfo> {
     return this.t.json("POST", `${this.base}/snapshots`, { json: opts });
+  }
+
+  /**
+   * Rolls it back to snapshot `snapshot` in place: the same sandbox, its memory, processes and
+   * files as they were then. Open tunnels and background processes end (they lived in the memory
+   * replaced).
+   */
+  restore(snapshot: string): Promise<RestoreResponse> {
+    return this.t.json("POST", `${this.base}/restore`, { json: { snapshot } });
   }
 
   /** Snapshots it to disk; metering of CPU and memory stops. */

@@ -24,6 +24,7 @@ export type StateResponse = Out<typeof B.StateResponse>;
 export type SandboxMetrics = Out<typeof B.SandboxMetrics>;
 export type MetricsSample = Out<typeof B.MetricsSample>;
 export type SnapshotInfo = Out<typeof B.SnapshotInfo>;
+export type RestoreResponse = Out<typeof B.RestoreResponse>;
 export type CatalogEntry = B.CatalogEntry;
 /** A sandboxes API template: its bake phase, error and telemetry. */
 export type TemplateB = B.TemplateB;
