@@ -25,6 +25,7 @@ export type AgentAction =
   | { kind: "destroy"; vmId: string; force: boolean }
   | { kind: "info"; vmId: string }
   | { kind: "metrics"; vmId: string }
+  | { kind: "setEgress"; vmId: string; egressAllow: string[] }
   | { kind: "list" }
   | { kind: "buildTemplate"; template: string; source: TemplateSource }
   /** A copy of another agent's ready template, its bundle staged at `path` (the agent owns it). */
@@ -84,6 +85,8 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
       return { status: 200, body: { ...m.info(a.vmId), usage: m.usage(a.vmId) } };
     case "metrics":
       return { status: 200, body: m.metrics(a.vmId) };
+    case "setEgress":
+      return { status: 200, body: await m.setEgress(a.vmId, a.egressAllow) };
     case "list":
       return { status: 200, body: { vms: m.list() } };
     case "buildTemplate": {

@@ -12,6 +12,7 @@ import { AGENT_API_PREFIX, type CreateVmOpts } from "../../contracts/agent/api.t
 import {
   CreateBody,
   DeleteQuery,
+  EgressBody,
   ExecBody,
   ExecOnceBody,
   ForkBody,
@@ -159,6 +160,13 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
   fileRoutes(r, deps.manager, parse);
   r.post("/vms/:id/suspend", (c) => run({ kind: "suspend", vmId: parse(VmIdParam, c.req.param("id")) }));
   r.post("/vms/:id/resume", (c) => run({ kind: "resume", vmId: parse(VmIdParam, c.req.param("id")) }));
+  r.put("/vms/:id/egress", json, async (c) =>
+    run({
+      kind: "setEgress",
+      vmId: parse(VmIdParam, c.req.param("id")),
+      egressAllow: parse(EgressBody, await body(c.req.raw)).egressAllow,
+    }),
+  );
   r.delete("/vms/:id", (c) =>
     run({
       kind: "destroy",

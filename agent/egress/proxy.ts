@@ -38,6 +38,18 @@ export interface EgressAttempt {
 /** What a guest means by itself (the names no_proxy lists): served inside the guest, not egress. */
 export const GUEST_LOCAL: ReadonlySet<string> = new Set(["localhost", "127.0.0.1", "::1"]);
 
+/**
+ * An egress connection spliced to its destination, while it is open: the agent keeps these per
+ * sandbox so that a new allow-list can close the ones it no longer allows (docs/egress.md).
+ */
+export interface OpenEgress {
+  /** The destination as the guest named it, normalized (what `EgressPolicy.allows` reads). */
+  host: string;
+  port: number;
+  /** Ends both sides at once; the guest program sees its connection drop. */
+  close(): void;
+}
+
 export interface EgressContext {
   sandboxId: string;
   policy: EgressPolicy;
@@ -47,6 +59,11 @@ export interface EgressContext {
   connectLocal?: (port: number) => Promise<Duplex>;
   /** Every attempt, allowed or not (the agent keeps the refused ones per sandbox). */
   onAttempt?: (a: EgressAttempt) => void;
+  /**
+   * Told of each connection once it reaches its destination (not the guest's own loopback, which
+   * is not egress); the function it returns is called when that connection ends.
+   */
+  onOpen?: (c: OpenEgress) => () => void;
   log?: (msg: string) => void;
 }
 
@@ -188,6 +205,30 @@ export async function serveEgressConnection(stream: Duplex, ctx: EgressContext):
     return;
   }
   ctx.onAttempt?.({ ...attempt, allowed: true });
+  if (ctx.onOpen) {
+    const forget = ctx.onOpen({
+      host: head.host,
+      port: head.port,
+      close: () => {
+        upstream.destroy();
+        stream.destroy();
+      },
+    });
+    let forgotten = false;
+    const once = () => {
+      if (forgotten) return;
+      forgotten = true;
+      forget();
+    };
+    stream.once("close", once);
+    upstream.once("close", once);
+    // Closed at once: the allow-list changed while this destination was being checked.
+    if (stream.destroyed || upstream.destroyed) {
+      upstream.destroy();
+      stream.destroy();
+      return;
+    }
+  }
   splice(stream, upstream, head);
 }
 

@@ -8,7 +8,8 @@
 import { Duplex } from "node:stream";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { EgressFence } from "../egress/fence.ts";
-import { serveEgressConnection } from "../egress/proxy.ts";
+import { EgressPolicy } from "../egress/policy.ts";
+import { type OpenEgress, serveEgressConnection } from "../egress/proxy.ts";
 import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
 import type { DriverVm, SandboxDriver } from "./drivers/driver.ts";
 import { planPty } from "./exec.ts";
@@ -33,6 +34,8 @@ export interface GuestAccessHost {
   tunnelsChanged(sb: Sandbox): void;
   armIdle(sb: Sandbox): void;
   clearIdle(sb: Sandbox): void;
+  /** Writes the sandbox's record (records.ts): what an agent restart reads back. */
+  persist(sb: Sandbox): Promise<void>;
 }
 
 export class GuestAccess {
@@ -213,7 +216,41 @@ export class GuestAccess {
         sb.egressRefused.push(a);
         if (sb.egressRefused.length > EGRESS_REFUSED_KEPT) sb.egressRefused.shift();
       },
+      onOpen: (c) => {
+        sb.egressOpen.add(c);
+        // A new allow-list that landed while this one was being resolved and connected.
+        if (!sb.egress.allows(c.host)) this.closeRefused(sb, c);
+        return () => sb.egressOpen.delete(c);
+      },
       log: this.h.log,
     });
+  }
+
+  /**
+   * Replaces a sandbox's egress allow-list (docs/egress.md "Changing a sandbox's egress"): every
+   * connection from now on is checked against it, the open ones it does not allow are closed, and
+   * the record on disk keeps it, so a resume, a fork and an agent restart all see it. A suspended
+   * or idle-paused sandbox takes it as it is (it has no open connection); one being created or
+   * deleted is `conflict`, an ended one `gone`. A malformed list is `bad_request`, nothing changed.
+   */
+  async setEgress(id: string, allow: readonly string[]): Promise<{ egressAllow: string[] }> {
+    const policy = EgressPolicy.fromAllowList(allow);
+    const sb = this.h.get(id);
+    if (sb.state === "creating" || sb.state === "destroying") {
+      throw new SandboxdError("conflict", `sandbox ${id} is ${sb.state}: its egress cannot change now`, {
+        details: { id, state: sb.state },
+      });
+    }
+    if (isTerminal(sb.state)) throw this.h.goneError(sb);
+    sb.egress = policy;
+    for (const c of [...sb.egressOpen]) if (!policy.allows(c.host)) this.closeRefused(sb, c);
+    await this.h.persist(sb);
+    return { egressAllow: [...policy.entries] };
+  }
+
+  private closeRefused(sb: Sandbox, c: OpenEgress): void {
+    this.h.log(`egress closed: sandbox ${sb.id} -> ${c.host}:${c.port} (no longer in egress.allow)`);
+    sb.egressOpen.delete(c);
+    c.close();
   }
 }

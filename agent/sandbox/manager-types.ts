@@ -5,7 +5,7 @@
  */
 import type { EgressFence } from "../egress/fence.ts";
 import type { EgressDefault, EgressPolicy } from "../egress/policy.ts";
-import type { EgressAttempt } from "../egress/proxy.ts";
+import type { EgressAttempt, OpenEgress } from "../egress/proxy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
 import { type MeterEvent, type UsageInterval, UsageMeter } from "./accounting.ts";
 import type { HostCapacity } from "./capacity.ts";
@@ -74,6 +74,8 @@ export interface Sandbox {
   endpoints: Record<string, string>;
   egress: EgressPolicy;
   egressRefused: EgressAttempt[];
+  /** Egress connections open now, closed by a new allow-list that refuses them (guest-access.ts). */
+  egressOpen: Set<OpenEgress>;
   memBytes: number;
   /** The exec in flight (state busy), abortable by a force destroy. */
   inflight?: { abort: AbortController; done: Promise<unknown> };
@@ -124,6 +126,7 @@ export function makeSandbox(
     endpoints: o.endpoints,
     egress: o.egress,
     egressRefused: [],
+    egressOpen: new Set(),
     memBytes: 0,
     vcpus: Promise.resolve(),
     stopped: false,

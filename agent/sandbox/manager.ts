@@ -170,6 +170,7 @@ export class SandboxManager {
       tunnelsChanged: (sb) => this.idle.tunnelsChanged(sb),
       armIdle: (sb) => this.idle.arm(sb),
       clearIdle: (sb) => this.idle.clear(sb),
+      persist: (sb) => this.table.persist(sb),
     });
     this.forkSuspendHost = {
       driver: this.driver,
@@ -403,6 +404,11 @@ export class SandboxManager {
 
   egressConnection(id: string, stream: Duplex): Promise<void> {
     return this.access.egressConnection(id, stream);
+  }
+
+  /** A new egress allow-list for a sandbox, in force at once (guest-access.ts `setEgress`). */
+  setEgress(id: string, allow: readonly string[]): Promise<{ egressAllow: string[] }> {
+    return this.access.setEgress(id, allow);
   }
 
   // ---- templates and host --------------------------------------------------------------------

@@ -42,6 +42,7 @@ export type ExecResult = z.infer<typeof S.ExecResultSchema>;
 export type OneShotResult = z.infer<typeof S.OneShotResultSchema>;
 export type SuspendResult = z.infer<typeof S.SuspendResultSchema>;
 export type ResumeResult = z.infer<typeof S.ResumeResultSchema>;
+export type VmEgress = z.infer<typeof S.EgressSchema>;
 export type SnapshotRef = z.infer<typeof S.SnapshotRefParam>;
 export type SnapshotTaken = z.infer<typeof S.SnapshotTakenSchema>;
 export type SnapshotRestored = z.infer<typeof S.SnapshotRestoredSchema>;
@@ -183,6 +184,13 @@ export interface AgentVmApi {
   listVms(): Promise<VmSummary[]>;
   /** The VM's live metrics, sampled by the host (docs/metrics.md); a suspended VM's last ones. */
   metrics(vmId: VmId): Promise<VmMetrics>;
+  /**
+   * Replaces the VM's egress allow-list (docs/egress.md): new connections follow it at once, open
+   * ones it no longer allows are closed, and the record keeps it (a suspended VM resumes under it,
+   * a fork inherits it). `bad_request` for a malformed list, `conflict` while it is created or
+   * destroyed.
+   */
+  setEgress(vmId: VmId, egressAllow: string[]): Promise<VmEgress>;
 }
 
 /** Everything one agent serves: its host calls and the calls on its own VMs. */

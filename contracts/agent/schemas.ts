@@ -95,6 +95,9 @@ export const CreateBody = z.object({
   egressAllow: z.array(z.string()).optional(),
 });
 
+/** `PUT /vms/{id}/egress`: the allow-list in force from now on (contracts/egress.ts syntax). */
+export const EgressBody = z.object({ egressAllow: z.array(z.string()) });
+
 export const ExecOnceBody = z.object({ template: TemplateRefParam, action: ExecBody });
 
 /** docs/limits.md "Public API limits": at most 64 children per fork call (Enterprise). */
@@ -245,6 +248,9 @@ export const VmMetricsSchema = z.object({
   ),
 });
 export const VmListSchema = z.object({ vms: z.array(VmSummarySchema) });
+/** The answer of `PUT /vms/{id}/egress`: the allow-list now in force. */
+export const EgressSchema = z.object({ egressAllow: z.array(z.string()) });
+
 export const SuspendResultSchema = z.object({
   /** Size of the on-disk memory image, bytes. */
   memBytes: z.number(),

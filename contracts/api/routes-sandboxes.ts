@@ -200,6 +200,17 @@ export const SANDBOXES_ROUTES: RouteContract[] = [
     errors: [400, 403, 404, 409],
   },
   {
+    method: "put",
+    path: "/v1/sandboxes/{id}/egress",
+    api: "sandboxes",
+    summary:
+      "Replace the egress allow-list; new connections follow it at once, open ones it refuses are closed",
+    body: B.Egress,
+    response: B.SetEgressResponse,
+    status: 200,
+    errors: [400, 403, 404, 409],
+  },
+  {
     method: "delete",
     path: "/v1/sandboxes/{id}",
     api: "sandboxes",

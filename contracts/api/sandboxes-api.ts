@@ -227,6 +227,25 @@ export const SetTimeoutResponse = z
   })
   .meta({ id: "SetTimeoutResponse" });
 
+/**
+ * A sandbox's egress policy, as `POST /v1/sandboxes` takes it and `PUT /v1/sandboxes/{id}/egress`
+ * sets it (docs/egress.md). Bounds: 256 entries (MAX_EGRESS_ENTRIES of contracts/egress.ts, whose
+ * parser needs node:net and so stays out of this file), each at most a host name's 253
+ * characters; the entries' syntax is contracts/egress.ts's (a malformed one is 400).
+ */
+export const Egress = z
+  .object({ allow: z.array(z.string().min(1).max(253)).max(256) })
+  .loose()
+  .meta({ id: "Egress" });
+
+/** `PUT /v1/sandboxes/{id}/egress`: the sandbox's egress as now in force. */
+export const SetEgressResponse = z
+  .object({
+    id: SandboxId,
+    egress: z.object({ allow: z.array(z.string()) }).describe("The allow-list in force from this call on."),
+  })
+  .meta({ id: "SetEgressResponse" });
+
 export const CreateSandboxRequest = z
   .object({
     template: TemplateId.optional().describe("The template to start from; send this or `snapshot`."),
@@ -235,13 +254,9 @@ export const CreateSandboxRequest = z
     ),
     label: z.string().max(256).optional().describe("Single convenience label; stored as labels.label."),
     labels: Labels.optional(),
-    egress: z
-      .object({ allow: z.array(z.string().min(1).max(253)).max(256) })
-      .loose()
-      .optional()
-      .describe(
-        "Egress policy; `allow` lists permitted host names. Internal addresses (loopback, private, link-local, cloud metadata, the host's own) stay unreachable whatever it lists; only the operator opens them.",
-      ),
+    egress: Egress.optional().describe(
+      "Egress policy; `allow` lists permitted host names. Internal addresses (loopback, private, link-local, cloud metadata, the host's own) stay unreachable whatever it lists; only the operator opens them.",
+    ),
     idle_timeout_seconds: IdleTimeoutSeconds.optional().describe(
       "Idle lifetime: with no exec, call in flight or open connect relay for this long the service applies `idle_action`. Without it the operator's default applies (none unless the operator set one).",
     ),

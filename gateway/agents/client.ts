@@ -28,6 +28,7 @@ import type {
   TemplateRef,
   TemplateSource,
   Tunnel,
+  VmEgress,
   VmId,
   VmMetrics,
   VmSummary,
@@ -43,6 +44,7 @@ import {
 } from "../../contracts/agent/processes.ts";
 import {
   CreatedVmSchema,
+  EgressSchema,
   ExecResultSchema,
   ForkResultSchema,
   HealthSchema,
@@ -368,6 +370,11 @@ export class AgentHttpClient implements AgentApi {
 
   async listVms(): Promise<VmSummary[]> {
     return (await this.http.call("GET", "/vms", undefined, this.t.quick, VmListSchema)).vms;
+  }
+
+  /** A new egress allow-list: set in memory and written to the VM's record, quick. */
+  setEgress(vmId: VmId, egressAllow: string[]): Promise<VmEgress> {
+    return this.http.call("PUT", `/vms/${enc(vmId)}/egress`, { egressAllow }, this.t.quick, EgressSchema);
   }
 
   /** Samples the agent keeps in memory (agent/sandbox/live-metrics.ts): quick. */

@@ -435,6 +435,7 @@ export class AgentRouter implements AgentHostApi, Placement {
       files: async (v, f) => (await lookup()).files(v, f),
       listVms: async () => (await lookup()).listVms(),
       metrics: async (v) => (await lookup()).metrics(v),
+      setEgress: async (v, a) => (await lookup()).setEgress(v, a),
     };
   }
 

@@ -10,6 +10,7 @@ import * as B from "../../contracts/api/sandboxes-api.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
+import { setSandboxEgress } from "../core/egress.ts";
 import { idleInfo, wakeIfIdle } from "../core/idle.ts";
 import { lifetimeInfo, setSandboxTimeout } from "../core/lifetimes.ts";
 import { sandboxMetrics } from "../core/metrics.ts";
@@ -266,6 +267,13 @@ export function sandboxRoutes(deps: Deps): Hono<HonoEnv> {
       on_timeout: info.on_timeout ?? "delete",
       ...(info.expires_at !== undefined ? { expires_at: info.expires_at } : {}),
     });
+  });
+
+  // A new egress allow-list (docs/egress.md): looking after its network is not use, so a
+  // suspended sandbox stays suspended and takes the list when it resumes.
+  app.put("/:id/egress", only, async (c) => {
+    const req = await jsonBody(c, B.Egress, max());
+    return c.json(await setSandboxEgress(deps, c.get("principal"), c.req.param("id"), req.allow));
   });
 
   app.delete("/:id", only, async (c) => {

@@ -28,6 +28,7 @@ import type {
   TemplateRef,
   TemplateSource,
   Tunnel,
+  VmEgress,
   VmId,
   VmMetrics,
   VmSummary,
@@ -550,6 +551,12 @@ export class MemoryAgent implements AgentApi {
 
   async listVms(): Promise<VmSummary[]> {
     return [...this.vms.values()].map((vm) => ({ id: vm.id, state: vm.state, createdAtMs: 0 }));
+  }
+  /** The list as given (the syntax is checked by the gateway before, by the real agent too). */
+  async setEgress(vmId: VmId, egressAllow: string[]): Promise<VmEgress> {
+    this.vm(vmId);
+    this.calls.push(`setEgress ${vmId}`);
+    return { egressAllow };
   }
   /** One made-up sample per VM (no QEMU to read here; tests/vm/live-metrics.test.ts reads real ones). */
   async metrics(vmId: VmId): Promise<VmMetrics> {

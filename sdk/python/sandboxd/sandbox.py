@@ -128,6 +128,13 @@ class Sandbox(Box):
         body = fields(timeout_seconds=timeout_seconds, on_timeout=on_timeout)
         return self._http.json("POST", f"{self._base}/timeout", json_body=body, retry=retry)
 
+    def set_egress(self, allow: List[str], *, retry: Optional[bool] = None) -> Dict[str, Any]:
+        """Replaces the egress allow-list: ``{id, egress: {allow}}``. New connections follow it at
+        once, open ones it no longer allows are closed; a suspended sandbox resumes under it."""
+        # Setting the same list twice leaves what once did: safe to retry like a read.
+        body = {"allow": list(allow)}
+        return self._http.json("PUT", f"{self._base}/egress", json_body=body, idempotent=True, retry=retry)
+
     def connect_url(self, port: int, *, ttl_seconds: int = 600, protocol: Optional[str] = None) -> ConnectUrl:
         """A WebSocket URL to ``port`` inside the sandbox that needs no key (Pro), valid for
         ``ttl_seconds`` (the service clamps it to an hour); ``protocol`` ``"tcp"`` or ``"cdp"``."""

@@ -15,6 +15,7 @@ import type {
   SandboxInfo,
   SandboxMetrics,
   SessionStatus,
+  SetEgressResponse,
   SetTimeoutResponse,
   SnapshotInfo,
   StateResponse,
@@ -142,6 +143,14 @@ export class Sandbox extends Workspace<Command, SandboxInfo> {
     return this.t.json("POST", `${this.base}/timeout`, {
       json: { timeout_seconds: timeoutSeconds, on_timeout: onTimeout },
     });
+  }
+
+  /**
+   * Replaces its egress allow-list (docs/egress.md): new connections follow it at once, open ones
+   * it no longer allows are closed; a suspended sandbox resumes under it.
+   */
+  setEgress(allow: string[]): Promise<SetEgressResponse> {
+    return this.t.json("PUT", `${this.base}/egress`, { json: { allow } });
   }
 
   /** A scoped WebSocket URL to a guest port, usable without the API key until it expires. */

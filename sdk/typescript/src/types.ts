@@ -70,6 +70,7 @@ export type IdleAction = NonNullable<B.CreateSandboxRequest["idle_action"]>;
 /** What the absolute lifetime does at its end: `delete` (the default) or `suspend`. */
 export type TimeoutAction = NonNullable<B.CreateSandboxRequest["on_timeout"]>;
 export type SetTimeoutResponse = Out<typeof B.SetTimeoutResponse>;
+export type SetEgressResponse = Out<typeof B.SetEgressResponse>;
 type WireExecResult = Out<typeof B.ExecResponseB> | A.ExecResultA;
 type WireProcessInfo = P.ProcessInfo;
 
