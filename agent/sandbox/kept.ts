@@ -59,10 +59,8 @@ export async function restoreSandbox(h: KeptHost, sb: Sandbox, ref: string): Pro
       { details: { snapshot: size, sandbox: sb.size } },
     );
   h.setState(sb, "restoring");
-  h.closeTunnels(
-    sb,
-    `was restored to snapshot ${ref}: connections into the guest ended with the memory they lived in`,
-  );
+  // Short: a WebSocket's close reason carries it, and the gateway cuts reasons at 123 bytes.
+  h.closeTunnels(sb, `restored to snapshot ${ref}`);
   try {
     await sb.procs?.killAll();
     const op = restore(sb.vm!, ref);
