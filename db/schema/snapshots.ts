@@ -21,7 +21,7 @@ export const snapshots = pgTable(
     agentId: text("agent_id").notNull(),
     templatePk: text("template_pk").notNull(),
     templateId: text("template_id").notNull(),
-    state: text("state", { enum: ["creating", "ready", "failed", "deleted"] }).notNull(),
+    state: text("state", { enum: ["creating", "ready", "failed", "lost", "deleted"] }).notNull(),
     name: text("name"),
     labels: jsonb("labels").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
     sizeBytes: bigint("size_bytes", { mode: "number" }),

@@ -11,7 +11,7 @@
  * and memory mapping) and frees them when the last of those ends, so a delete never waits on, nor
  * breaks, the sandboxes started from it.
  */
-import { and, desc, eq, inArray, isNull, sql } from "drizzle-orm";
+import { and, desc, eq, inArray, isNull, type SQL, sql } from "drizzle-orm";
 import type { CreatedVm } from "../../contracts/agent/api.ts";
 import { parseAllowList } from "../../contracts/egress.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -21,6 +21,7 @@ import { templates } from "../../db/schema/templates.ts";
 import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
 import { newSnapshotId } from "../ids.ts";
+import { beforePosition, cursorKey, decodeCursor, encodeCursor, filtersDigest, pageOf } from "./paging.ts";
 import { type IdleLifetime, markFailed, markStarted, reserve } from "./sandboxes/create.ts";
 import { beginActivity, endActivity } from "./sandboxes/exec.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed, type SandboxRow } from "./sandboxes/records.ts";
@@ -41,14 +42,55 @@ export async function getOwnedSnapshot(deps: Deps, p: Principal, id: string): Pr
   return row;
 }
 
-/** The tenant's snapshots, newest first, at most `limit`. */
-export function listSnapshots(deps: Deps, p: Principal, limit: number): Promise<SnapshotRow[]> {
-  return deps.db
+/** Filters of `GET /v1/snapshots` (docs/lists.md), all AND-ed. */
+export interface SnapshotFilter {
+  labels?: Record<string, string>;
+  state?: "creating" | "ready" | "failed" | "lost";
+  sourceSandboxId?: string;
+  templateId?: string;
+}
+
+/**
+ * One page of the tenant's snapshots, newest first by (created_at, id), with the lists' signed
+ * cursor (gateway/core/paging.ts): a keyset read before the last row given, so rows taken during
+ * a walk sort before its first page and never shift one into a page twice or out of all of them.
+ */
+export async function listSnapshotsPage(
+  deps: Deps,
+  p: Principal,
+  filter: SnapshotFilter,
+  page: { limit: number; cursor?: string | undefined },
+): Promise<{ rows: SnapshotRow[]; next: string | null }> {
+  const key = cursorKey(deps.config.keyPepper);
+  const labelPairs = Object.entries(filter.labels ?? {}).map(([k, v]) => `${k}:${v}`);
+  const scope = {
+    owner: `${p.tenantId}/${p.api}`,
+    digest: filtersDigest("snapshots", {
+      label: labelPairs,
+      state: filter.state,
+      source_sandbox: filter.sourceSandboxId,
+      template: filter.templateId,
+    }),
+  };
+  const before = page.cursor !== undefined ? decodeCursor(key, scope, page.cursor) : undefined;
+  const conds: SQL[] = [eq(snapshots.tenantId, p.tenantId), isNull(snapshots.deletedAt)];
+  if (filter.state !== undefined) conds.push(eq(snapshots.state, filter.state));
+  if (filter.sourceSandboxId !== undefined) conds.push(eq(snapshots.sourceSandboxId, filter.sourceSandboxId));
+  if (filter.templateId !== undefined) conds.push(eq(snapshots.templateId, filter.templateId));
+  if (labelPairs.length > 0) conds.push(sql`${snapshots.labels} @> ${JSON.stringify(filter.labels)}::jsonb`);
+  if (before) conds.push(beforePosition(snapshots.createdAt, snapshots.id, before));
+  const rows = await deps.db
     .select()
     .from(snapshots)
-    .where(and(eq(snapshots.tenantId, p.tenantId), isNull(snapshots.deletedAt)))
+    .where(and(...conds))
     .orderBy(desc(snapshots.createdAt), desc(snapshots.id))
-    .limit(limit);
+    .limit(page.limit + 1);
+  return pageOf(
+    rows,
+    page.limit,
+    (r) => ({ at: r.createdAt, id: r.id }),
+    (pos) => encodeCursor(key, scope, pos),
+  );
 }
 
 export interface TakeInput {
