@@ -19,6 +19,7 @@ export type AgentAction =
   | { kind: "takeSnapshot"; vmId: string; ref: string }
   | { kind: "createFromSnapshot"; ref: string; opts: CreateVmOpts }
   | { kind: "deleteSnapshot"; ref: string }
+  | { kind: "listSnapshots" }
   | { kind: "suspend"; vmId: string }
   | { kind: "resume"; vmId: string }
   | { kind: "destroy"; vmId: string; force: boolean }
@@ -70,6 +71,8 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
     case "deleteSnapshot":
       await m.deleteSnapshot(a.ref);
       return { status: 204 };
+    case "listSnapshots":
+      return { status: 200, body: { snapshots: await m.listSnapshots() } };
     case "suspend":
       return { status: 200, body: await m.suspend(a.vmId) };
     case "resume":

@@ -235,6 +235,8 @@ export const VmMetricsSchema = z.object({
   ),
 });
 export const VmListSchema = z.object({ vms: z.array(VmSummarySchema) });
+/** `GET /snapshots`: the kept snapshots' refs. */
+export const SnapshotListSchema = z.object({ snapshots: z.array(SnapshotRefParam) });
 export const SuspendResultSchema = z.object({
   /** Size of the on-disk memory image, bytes. */
   memBytes: z.number(),

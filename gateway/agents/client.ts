@@ -48,6 +48,7 @@ import {
   MAX_EXEC_TIMEOUT_MS,
   OneShotResultSchema,
   ResumeResultSchema,
+  SnapshotListSchema,
   SnapshotTakenSchema,
   SuspendResultSchema,
   TemplateStatusSchema,
@@ -356,6 +357,10 @@ export class AgentHttpClient implements AgentApi {
 
   async listVms(): Promise<VmSummary[]> {
     return (await this.http.call("GET", "/vms", undefined, this.t.quick, VmListSchema)).vms;
+  }
+
+  async listSnapshots(): Promise<SnapshotRef[]> {
+    return (await this.http.call("GET", "/snapshots", undefined, this.t.quick, SnapshotListSchema)).snapshots;
   }
 
   /** Samples the agent keeps in memory (agent/sandbox/live-metrics.ts): quick. */

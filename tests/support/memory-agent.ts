@@ -534,6 +534,10 @@ export class MemoryAgent implements AgentApi {
   async listVms(): Promise<VmSummary[]> {
     return [...this.vms.values()].map((vm) => ({ id: vm.id, state: vm.state, createdAtMs: 0 }));
   }
+  /** The kept snapshots not dropped (a dropped one whose files VMs still hold is not listed). */
+  async listSnapshots(): Promise<SnapshotRef[]> {
+    return [...this.snapshots].filter(([, s]) => !s.deleting).map(([ref]) => ref);
+  }
   /** One made-up sample per VM (no QEMU to read here; tests/vm/live-metrics.test.ts reads real ones). */
   async metrics(vmId: VmId): Promise<VmMetrics> {
     const vm = this.vm(vmId);

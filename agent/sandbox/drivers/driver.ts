@@ -141,6 +141,8 @@ export interface SandboxDriver {
   /** `ports`: the exposed guest ports `keep` was given (the source's endpoints). */
   spawnFromKept?(ref: string, vmId: string): Promise<{ vm: DriverVm; ports: string[] }>;
   dropKept?(ref: string): Promise<void>;
+  /** The refs of the kept snapshots this host holds (their records, reloaded at a start). */
+  keptRefs?(): Promise<string[]>;
   /** The size of VMs started from kept snapshot `ref` (its source's), for admission; none kept: undefined. */
   keptSize?(ref: string): Promise<VmSize | undefined>;
   /** Saves the VM to disk and stops its QEMU; the handle is dead afterwards. */
