@@ -4,6 +4,7 @@
  * binaries are installed, PostgreSQL. Every answer is checked against openapi.yaml by the harness.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { join } from "node:path";
 import { and, desc, eq, isNull } from "drizzle-orm";
 import { snapshots } from "../../db/schema/snapshots.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
@@ -222,6 +223,44 @@ describe.each(cases)("the snapshots list ($name)", (db) => {
         sizes.push(page.items.length);
       }
       expect(sizes).toEqual([1, 1]);
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "the Python SDK: list, page and pages over HTTP",
+    async () => {
+      const server = Bun.serve({ port: 0, hostname: "127.0.0.1", fetch: (req) => h.app.fetch(req) });
+      try {
+        const script = `
+import json, sys
+from sandboxd import Sandboxd
+c = Sandboxd(sys.argv[1], sys.argv[2])
+out = {"all": [s["id"] for s in c.snapshots.list(labels={"batch": "walk"}, limit=3)]}
+out["pages"] = [len(p.items) for p in c.snapshots.pages(labels={"team": "red"}, source_sandbox=sys.argv[3], limit=1)]
+print(json.dumps(out))
+`;
+        // Not spawnSync: the gateway answering the script runs in this process's event loop.
+        const p = Bun.spawn(
+          ["/usr/bin/python3", "-c", script, `http://127.0.0.1:${server.port}`, pro, srcB],
+          {
+            env: { ...process.env, PYTHONPATH: join(import.meta.dir, "../../sdk/python") },
+            stdout: "pipe",
+            stderr: "pipe",
+          },
+        );
+        const [stdout, stderr] = await Promise.all([
+          new Response(p.stdout).text(),
+          new Response(p.stderr).text(),
+        ]);
+        expect(stderr).toBe("");
+        expect(await p.exited).toBe(0);
+        const out = JSON.parse(stdout);
+        expect(out.all).toEqual(await ordered("acme", { batch: "walk" }));
+        expect(out.pages).toEqual([1, 1]);
+      } finally {
+        await server.stop(true);
+      }
     },
     TEST_TIMEOUT_MS,
   );
