@@ -20,6 +20,7 @@ export type AgentAction =
   | { kind: "createFromSnapshot"; ref: string; opts: CreateVmOpts }
   | { kind: "deleteSnapshot"; ref: string }
   | { kind: "restoreSnapshot"; vmId: string; ref: string }
+  | { kind: "listSnapshots" }
   | { kind: "suspend"; vmId: string }
   | { kind: "resume"; vmId: string }
   | { kind: "destroy"; vmId: string; force: boolean }
@@ -74,6 +75,8 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
     case "deleteSnapshot":
       await m.deleteSnapshot(a.ref);
       return { status: 204 };
+    case "listSnapshots":
+      return { status: 200, body: { snapshots: await m.listSnapshots() } };
     case "suspend":
       return { status: 200, body: await m.suspend(a.vmId) };
     case "resume":

@@ -139,6 +139,7 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
     if (b.egressAllow !== undefined) opts.egressAllow = b.egressAllow;
     return run({ kind: "createFromSnapshot", ref: parse(SnapshotRefParam, c.req.param("ref")), opts });
   });
+  r.get("/snapshots", () => run({ kind: "listSnapshots" }));
   r.delete("/snapshots/:ref", (c) =>
     run({ kind: "deleteSnapshot", ref: parse(SnapshotRefParam, c.req.param("ref")) }),
   );

@@ -301,6 +301,14 @@ export class SandboxManager {
     return dropKeptSnapshot(this.keptHost(), ref);
   }
 
+  /**
+   * The kept snapshots on this host, for the gateway's reconciliation (a host back from lost
+   * tells which of its snapshots still have their files); none on a driver that keeps none.
+   */
+  async listSnapshots(): Promise<string[]> {
+    return (await this.driver.keptRefs?.()) ?? [];
+  }
+
   private keptHost(): KeptHost {
     return { ...this.forkSuspendHost, egressDefault: this.egressDefault };
   }

@@ -182,6 +182,8 @@ export interface AgentVmApi {
   files(vmId: VmId, call: FileCall): Promise<FileAnswer>;
   /** Every VM this agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;
+  /** The refs of the kept snapshots this agent holds (`GET /snapshots`), for reconciliation. */
+  listSnapshots(): Promise<SnapshotRef[]>;
   /** The VM's live metrics, sampled by the host (docs/metrics.md); a suspended VM's last ones. */
   metrics(vmId: VmId): Promise<VmMetrics>;
   /**

@@ -251,6 +251,8 @@ export const VmListSchema = z.object({ vms: z.array(VmSummarySchema) });
 /** The answer of `PUT /vms/{id}/egress`: the allow-list now in force. */
 export const EgressSchema = z.object({ egressAllow: z.array(z.string()) });
 
+/** `GET /snapshots`: the kept snapshots' refs. */
+export const SnapshotListSchema = z.object({ snapshots: z.array(SnapshotRefParam) });
 export const SuspendResultSchema = z.object({
   /** Size of the on-disk memory image, bytes. */
   memBytes: z.number(),

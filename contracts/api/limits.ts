@@ -114,8 +114,6 @@ export const SNAPSHOT_QUOTA_BY_TIER: Readonly<Record<Tier, number>> = {
   pro: 100,
   enterprise: 500,
 };
-/** Our choice: snapshots in one list answer (`GET /v1/snapshots?limit=`), newest first. */
-export const MAX_SNAPSHOT_LIST = 500;
 
 /**
  * Our choice (docs/quotas-and-usage.md "Disk budgets"): templates one tenant may own (building, ready or

@@ -25,7 +25,6 @@ import {
   MAX_PORT,
   MAX_SANDBOX_TIMEOUT_S,
   MAX_SEED_HEX_CHARS,
-  MAX_SNAPSHOT_LIST,
   MAX_TEMPLATE_WIDTH,
   MIN_PORT,
   TIMEOUT_ACTIONS,
@@ -458,7 +457,11 @@ export const ForkResponse = z
 
 // ---- snapshots (docs/snapshots.md) ------------------------------------------------------------
 
-export const SnapshotState = z.enum(["creating", "ready", "failed"]);
+/**
+ * `lost`: its host was declared lost (gateway/core/host-loss.ts); the files are gone unless that
+ * host comes back with them, when it reads `ready` again (docs/snapshots.md).
+ */
+export const SnapshotState = z.enum(["creating", "ready", "failed", "lost"]);
 
 export const CreateSnapshotRequest = z
   .object({
@@ -508,16 +511,17 @@ export const SnapshotInfo = z
   .meta({ id: "SnapshotInfo" });
 
 export const SnapshotListQuery = z.object({
-  limit: z.coerce
-    .number()
-    .int()
-    .min(1)
-    .max(MAX_SNAPSHOT_LIST)
-    .optional()
-    .describe(`Newest first; default and most ${MAX_SNAPSHOT_LIST}.`),
+  label: LabelSelectors.optional(),
+  state: SnapshotState.optional().describe("Only snapshots in this state."),
+  source_sandbox: SandboxId.optional().describe("Only snapshots taken of this sandbox."),
+  template: TemplateId.optional().describe("Only snapshots whose source had this template id."),
+  limit: ListLimit.optional(),
+  cursor: ListCursor.optional(),
 });
 
-export const SnapshotList = z.object({ snapshots: z.array(SnapshotInfo) }).meta({ id: "SnapshotList" });
+export const SnapshotList = z
+  .object({ snapshots: z.array(SnapshotInfo), next_cursor: NextCursor })
+  .meta({ id: "SnapshotList" });
 
 export const DeleteSnapshotResponse = z
   .object({ deleted: z.literal(true), id: SnapshotId })

@@ -8,7 +8,9 @@ import { tenants } from "./tenants.ts";
  * `template_pk`/`template_id` are the source sandbox's template: its disk is the base of the
  * snapshot's chain. A deleted snapshot keeps its row (`deleted_at`, state `deleted`) for the
  * sandboxes that name it in `sandboxes.snapshot_id`; the agent frees its files when the last VM
- * on them ends.
+ * on them ends. `deleted_at` is where its metered interval ends: its delete, or for a `lost` one
+ * (its host was lost, gateway/core/host-loss.ts) that host's last heartbeat; `state` says which,
+ * and is what hides a deleted one from the API.
  */
 export const snapshots = pgTable(
   "snapshots",
@@ -21,7 +23,7 @@ export const snapshots = pgTable(
     agentId: text("agent_id").notNull(),
     templatePk: text("template_pk").notNull(),
     templateId: text("template_id").notNull(),
-    state: text("state", { enum: ["creating", "ready", "failed", "deleted"] }).notNull(),
+    state: text("state", { enum: ["creating", "ready", "failed", "lost", "deleted"] }).notNull(),
     name: text("name"),
     labels: jsonb("labels").$type<Record<string, string>>().notNull().default(sql`'{}'::jsonb`),
     sizeBytes: bigint("size_bytes", { mode: "number" }),

@@ -51,6 +51,7 @@ import {
   MAX_EXEC_TIMEOUT_MS,
   OneShotResultSchema,
   ResumeResultSchema,
+  SnapshotListSchema,
   SnapshotRestoredSchema,
   SnapshotTakenSchema,
   SuspendResultSchema,
@@ -375,6 +376,10 @@ export class AgentHttpClient implements AgentApi {
   /** A new egress allow-list: set in memory and written to the VM's record, quick. */
   setEgress(vmId: VmId, egressAllow: string[]): Promise<VmEgress> {
     return this.http.call("PUT", `/vms/${enc(vmId)}/egress`, { egressAllow }, this.t.quick, EgressSchema);
+  }
+
+  async listSnapshots(): Promise<SnapshotRef[]> {
+    return (await this.http.call("GET", "/snapshots", undefined, this.t.quick, SnapshotListSchema)).snapshots;
   }
 
   /** Samples the agent keeps in memory (agent/sandbox/live-metrics.ts): quick. */

@@ -434,6 +434,7 @@ export class AgentRouter implements AgentHostApi, Placement {
       openPty: async (v, s) => (await lookup()).openPty(v, s),
       files: async (v, f) => (await lookup()).files(v, f),
       listVms: async () => (await lookup()).listVms(),
+      listSnapshots: async () => (await lookup()).listSnapshots(),
       metrics: async (v) => (await lookup()).metrics(v),
       setEgress: async (v, a) => (await lookup()).setEgress(v, a),
     };

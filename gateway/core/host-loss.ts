@@ -13,10 +13,17 @@
  *   start when that came later;
  * - quota follows the rows: it counts live states only (sandboxes/quota.ts), holds included.
  *
+ * - its kept snapshots (docs/snapshots.md) read `lost`: no longer counted against the cap, metered
+ *   until the same last heartbeat (`deleted_at` holds that end), creating from one is 410, a
+ *   delete needs no agent. One conditional UPDATE per sweep, so a snapshot that became ready on a
+ *   host already lost is caught by the next sweep.
+ *
  * An agent that comes back clears `lost_at` with its heartbeat (registry.ts) and is reconciled as
  * any agent back after a gap: VMs whose rows have ended are destroyed on it (reconcile.ts
  * `destroyOrphans`), never brought back; its late VM events find no live row and change nothing,
- * so the closed usage stays closed.
+ * so the closed usage stays closed. Its kept snapshots are settled by reconciliation as well: one
+ * whose files the agent still lists is `ready` again, and the agent drops those whose rows were
+ * deleted meanwhile (reconcile.ts `reconcileSnapshots`).
  */
 import { and, eq, inArray, isNotNull, isNull, lt, sql } from "drizzle-orm";
 import { HEARTBEAT_INTERVAL_MS } from "../../contracts/agent/heartbeat.ts";
@@ -24,6 +31,7 @@ import { describeError } from "../../contracts/errors.ts";
 import type { Db } from "../../db/client.ts";
 import { agents } from "../../db/schema/agents.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { snapshots } from "../../db/schema/snapshots.ts";
 import { usageIntervals } from "../../db/schema/usage-intervals.ts";
 import type { Deps } from "../deps.ts";
 import { RECORD_TRANSITIONS, recordChange } from "./record-states.ts";
@@ -129,6 +137,28 @@ export async function endLostRows(deps: HostLossDeps, log: (line: string) => voi
   return ended;
 }
 
+/**
+ * Marks the ready snapshots of every lost agent `lost`, their metered interval ending at the
+ * agent's last heartbeat (never before the snapshot was ready). Returns the ids it marked.
+ */
+export async function loseSnapshots(deps: HostLossDeps, log: (line: string) => void): Promise<string[]> {
+  const lost = deps.db.select({ id: agents.id }).from(agents).where(isNotNull(agents.lostAt));
+  const lastBeat = sql`(SELECT ${agents.lastHeartbeatAt} FROM ${agents} WHERE ${agents.id} = ${snapshots.agentId})`;
+  const rows = await deps.db
+    .update(snapshots)
+    .set({
+      state: "lost",
+      deletedAt: sql`greatest(${snapshots.readyAt}, coalesce(${lastBeat}, ${new Date(deps.clock()).toISOString()}::timestamptz))`,
+      error: sql`${`${HOST_LOST}: its host, agent `}::text || ${snapshots.agentId} || ${", was lost; its files went with it unless that host comes back with them"}::text`,
+    })
+    .where(and(eq(snapshots.state, "ready"), inArray(snapshots.agentId, lost)))
+    .returning({ id: snapshots.id, agentId: snapshots.agentId, until: snapshots.deletedAt });
+  for (const r of rows) {
+    log(`host loss: snapshot ${r.id} lost (agent ${r.agentId}), metered until ${r.until?.toISOString()}`);
+  }
+  return rows.map((r) => r.id);
+}
+
 /** One look: claims newly lost agents (unless `judge` is false), then ends lost agents' rows. */
 export async function sweepLostAgents(
   deps: HostLossDeps,
@@ -143,6 +173,7 @@ export async function sweepLostAgents(
     );
   }
   const ended = await endLostRows(deps, opts.log);
+  await loseSnapshots(deps, opts.log);
   return { lost: claimed.map((a) => a.id), ended };
 }
 

@@ -1,5 +1,6 @@
 /**
- * Keyset pages over a table's (created_at, id), oldest first, with opaque cursors (docs/lists.md).
+ * Keyset pages over a table's (created_at, id), oldest first (or newest first with
+ * `beforePosition`), with opaque cursors (docs/lists.md).
  * Any list of tenant rows can use it: the caller keeps its own tenant and filter conditions and
  * adds `afterPosition` and `limit + 1`; `pageOf` cuts the page and makes `next_cursor`.
  *
@@ -119,6 +120,14 @@ export function decodeCursor(key: Buffer, scope: CursorScope, cursor: string): P
  */
 export function afterPosition(createdAt: Column, id: Column, pos: Position): SQL {
   return sql`(${createdAt}, ${id}) > (${pos.at.toISOString()}::timestamptz, ${pos.id})`;
+}
+
+/**
+ * Rows before `pos` in (created_at, id) order, for a list read newest first (the snapshots list):
+ * the same range read backwards on the same index.
+ */
+export function beforePosition(createdAt: Column, id: Column, pos: Position): SQL {
+  return sql`(${createdAt}, ${id}) < (${pos.at.toISOString()}::timestamptz, ${pos.id})`;
 }
 
 /**

@@ -22,6 +22,7 @@ import { and, eq, inArray, isNotNull, lt, ne } from "drizzle-orm";
 import type { VmSummary } from "../../contracts/agent/api.ts";
 import { describeError } from "../../contracts/errors.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { snapshots } from "../../db/schema/snapshots.ts";
 import type { Deps } from "../deps.ts";
 import { endRow } from "./agent-events.ts";
 
@@ -83,6 +84,7 @@ export async function reconcileAgent(
     }
   }
   await destroyOrphans(deps, agentId, vms, note);
+  await reconcileSnapshots(deps, agentId, note);
   return settled;
 }
 
@@ -122,6 +124,66 @@ async function destroyOrphans(
       note(`destroyed VM ${vm.id} (${vm.state}): ${why}`);
     } catch (err) {
       note(`could not destroy VM ${vm.id} (${why}): ${describeError(err)}`);
+    }
+  }
+}
+
+/**
+ * The agent's kept snapshots against their rows (docs/snapshots.md "A lost host"): one the agent
+ * still holds whose row is `lost` (its host was declared lost and came back with its files) is
+ * `ready` again; one whose row is deleted or failed, names another agent, or does not exist, the
+ * agent drops. The rows are read after the list: a ref the agent lists had its row written
+ * (`creating`) before the agent was asked to keep it, so a snapshot being taken is never taken
+ * for an orphan.
+ */
+async function reconcileSnapshots(
+  deps: ReconcileDeps,
+  agentId: string,
+  note: (line: string) => void,
+): Promise<void> {
+  const agent = deps.placement.agentFor(agentId);
+  let refs: string[];
+  try {
+    refs = await agent.listSnapshots();
+  } catch (err) {
+    note(`could not list kept snapshots: ${describeError(err)}`);
+    return;
+  }
+  if (refs.length === 0) return;
+  const rows = await deps.db
+    .select({ id: snapshots.id, state: snapshots.state, agentId: snapshots.agentId })
+    .from(snapshots)
+    .where(inArray(snapshots.id, refs));
+  const byId = new Map(rows.map((r) => [r.id, r]));
+  for (const ref of refs) {
+    const row = byId.get(ref);
+    if (row?.agentId === agentId && row.state === "lost") {
+      const back = await deps.db
+        .update(snapshots)
+        .set({ state: "ready", deletedAt: null, error: null })
+        .where(and(eq(snapshots.id, ref), eq(snapshots.state, "lost")))
+        .returning({ id: snapshots.id });
+      if (back.length > 0) {
+        note(`snapshot ${ref} ready again: its files are on agent ${agentId}`);
+        continue;
+      }
+    }
+    if (row?.agentId === agentId && (row.state === "ready" || row.state === "creating")) continue;
+    const [now] = await deps.db
+      .select({ state: snapshots.state, agentId: snapshots.agentId })
+      .from(snapshots)
+      .where(eq(snapshots.id, ref));
+    if (now?.agentId === agentId && (now.state === "ready" || now.state === "creating")) continue;
+    const why = !now
+      ? "no snapshot row names it"
+      : now.agentId !== agentId
+        ? `its row is on agent ${now.agentId}`
+        : `its row is ${now.state}`;
+    try {
+      await agent.deleteSnapshot(ref);
+      note(`dropped kept snapshot ${ref}: ${why}`);
+    } catch (err) {
+      note(`could not drop kept snapshot ${ref} (${why}): ${describeError(err)}`);
     }
   }
 }

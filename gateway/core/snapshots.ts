@@ -2,7 +2,8 @@
  * Snapshots a tenant keeps (docs/snapshots.md): take one of a running sandbox, list, read and
  * delete them, and start a sandbox from one. A snapshot lives on the agent that took it: its files
  * (memory image, disk overlay) are that host's, so a sandbox made from it is placed there, and
- * when that host is lost the snapshot is gone with it. Every rule is checked here, whatever the
+ * when that host is lost the snapshot reads `lost` (host-loss.ts; `ready` again if the host comes
+ * back with its files, reconcile.ts). Every rule is checked here, whatever the
  * agent: ownership (another tenant's snapshot is 404, as a missing one), the per-tenant cap, the
  * states a call may start from.
  *
@@ -11,7 +12,7 @@
  * and memory mapping) and frees them when the last of those ends, so a delete never waits on, nor
  * breaks, the sandboxes started from it.
  */
-import { and, desc, eq, inArray, isNull, sql } from "drizzle-orm";
+import { and, desc, eq, inArray, isNull, ne, type SQL, sql } from "drizzle-orm";
 import type { CreatedVm, SnapshotRestored } from "../../contracts/agent/api.ts";
 import { parseAllowList } from "../../contracts/egress.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -21,6 +22,7 @@ import { templates } from "../../db/schema/templates.ts";
 import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
 import { newSnapshotId } from "../ids.ts";
+import { beforePosition, cursorKey, decodeCursor, encodeCursor, filtersDigest, pageOf } from "./paging.ts";
 import { type IdleLifetime, markFailed, markStarted, reserve } from "./sandboxes/create.ts";
 import { beginActivity, endActivity } from "./sandboxes/exec.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed, type SandboxRow } from "./sandboxes/records.ts";
@@ -36,19 +38,60 @@ export async function getOwnedSnapshot(deps: Deps, p: Principal, id: string): Pr
   const [row] = await deps.db
     .select()
     .from(snapshots)
-    .where(and(eq(snapshots.id, id), eq(snapshots.tenantId, p.tenantId), isNull(snapshots.deletedAt)));
+    .where(and(eq(snapshots.id, id), eq(snapshots.tenantId, p.tenantId), ne(snapshots.state, "deleted")));
   if (!row) throw new SandboxdError("not_found", `snapshot ${id} not found`, { details: { id } });
   return row;
 }
 
-/** The tenant's snapshots, newest first, at most `limit`. */
-export function listSnapshots(deps: Deps, p: Principal, limit: number): Promise<SnapshotRow[]> {
-  return deps.db
+/** Filters of `GET /v1/snapshots` (docs/lists.md), all AND-ed. */
+export interface SnapshotFilter {
+  labels?: Record<string, string>;
+  state?: "creating" | "ready" | "failed" | "lost";
+  sourceSandboxId?: string;
+  templateId?: string;
+}
+
+/**
+ * One page of the tenant's snapshots, newest first by (created_at, id), with the lists' signed
+ * cursor (gateway/core/paging.ts): a keyset read before the last row given, so rows taken during
+ * a walk sort before its first page and never shift one into a page twice or out of all of them.
+ */
+export async function listSnapshotsPage(
+  deps: Deps,
+  p: Principal,
+  filter: SnapshotFilter,
+  page: { limit: number; cursor?: string | undefined },
+): Promise<{ rows: SnapshotRow[]; next: string | null }> {
+  const key = cursorKey(deps.config.keyPepper);
+  const labelPairs = Object.entries(filter.labels ?? {}).map(([k, v]) => `${k}:${v}`);
+  const scope = {
+    owner: `${p.tenantId}/${p.api}`,
+    digest: filtersDigest("snapshots", {
+      label: labelPairs,
+      state: filter.state,
+      source_sandbox: filter.sourceSandboxId,
+      template: filter.templateId,
+    }),
+  };
+  const before = page.cursor !== undefined ? decodeCursor(key, scope, page.cursor) : undefined;
+  const conds: SQL[] = [eq(snapshots.tenantId, p.tenantId), ne(snapshots.state, "deleted")];
+  if (filter.state !== undefined) conds.push(eq(snapshots.state, filter.state));
+  if (filter.sourceSandboxId !== undefined) conds.push(eq(snapshots.sourceSandboxId, filter.sourceSandboxId));
+  if (filter.templateId !== undefined) conds.push(eq(snapshots.templateId, filter.templateId));
+  if (labelPairs.length > 0) conds.push(sql`${snapshots.labels} @> ${JSON.stringify(filter.labels)}::jsonb`);
+  if (before) conds.push(beforePosition(snapshots.createdAt, snapshots.id, before));
+  const rows = await deps.db
     .select()
     .from(snapshots)
-    .where(and(eq(snapshots.tenantId, p.tenantId), isNull(snapshots.deletedAt)))
+    .where(and(...conds))
     .orderBy(desc(snapshots.createdAt), desc(snapshots.id))
-    .limit(limit);
+    .limit(page.limit + 1);
+  return pageOf(
+    rows,
+    page.limit,
+    (r) => ({ at: r.createdAt, id: r.id }),
+    (pos) => encodeCursor(key, scope, pos),
+  );
 }
 
 export interface TakeInput {
@@ -156,22 +199,18 @@ export async function deleteSnapshot(deps: Deps, p: Principal, id: string): Prom
       details: { state: row.state },
     });
   }
-  if (!(await hostGone(deps, row.agentId))) await agentOf(deps, row).deleteSnapshot(id);
+  // A lost one's files are gone with its host, or, if that host came back with them, freed by
+  // reconciliation once the row says deleted (gateway/core/reconcile.ts).
+  if (row.state !== "lost" && !(await hostGone(deps, row.agentId)))
+    await agentOf(deps, row).deleteSnapshot(id);
+  // A lost one keeps the end of its metered interval (its host's last heartbeat).
   await deps.db
     .update(snapshots)
-    .set({ state: "deleted", deletedAt: new Date(deps.clock()) })
-    .where(and(eq(snapshots.id, id), isNull(snapshots.deletedAt)));
-}
-
-/** 410 `gone` when the snapshot's host was lost or removed: its files went with it. */
-async function requireHostKept(deps: Deps, snap: SnapshotRow): Promise<void> {
-  if (await hostGone(deps, snap.agentId)) {
-    throw new SandboxdError(
-      "gone",
-      `snapshot ${snap.id} was kept on host ${snap.agentId}, which is lost or removed; its files went with it`,
-      { details: { id: snap.id, agentId: snap.agentId } },
-    );
-  }
+    .set({
+      state: "deleted",
+      deletedAt: sql`coalesce(${snapshots.deletedAt}, ${new Date(deps.clock()).toISOString()}::timestamptz)`,
+    })
+    .where(and(eq(snapshots.id, id), ne(snapshots.state, "deleted")));
 }
 
 /** The snapshot's host was removed or declared lost (gateway/core/host-loss.ts): its files are gone. */
@@ -196,12 +235,13 @@ export async function restoreSandbox(
   const sb = await getOwned(deps, p, sandboxId);
   requireAllowed(sandboxId, sb.state, "fork");
   const snap = await getOwnedSnapshot(deps, p, snapshotId);
+  if (snap.state === "lost") throw lostError(snap);
   if (snap.state !== "ready") {
     throw new SandboxdError("conflict", `snapshot ${snap.id} is ${snap.state}, not ready`, {
       details: { state: snap.state },
     });
   }
-  await requireHostKept(deps, snap);
+  if (await hostGone(deps, snap.agentId)) throw lostError(snap);
   if (snap.agentId !== sb.agentId || snap.templatePk !== sb.templatePk) {
     const why =
       snap.agentId !== sb.agentId
@@ -237,13 +277,14 @@ export async function createFromSnapshot(
   input: FromSnapshotInput,
 ): Promise<{ row: SandboxRow; vm: CreatedVm }> {
   const snap = await getOwnedSnapshot(deps, p, input.snapshotId);
+  if (snap.state === "lost") throw lostError(snap);
   if (snap.state !== "ready") {
     throw new SandboxdError("conflict", `snapshot ${snap.id} is ${snap.state}, not ready`, {
       details: { state: snap.state },
     });
   }
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
-  await requireHostKept(deps, snap);
+  if (await hostGone(deps, snap.agentId)) throw lostError(snap);
   const [tpl] = await deps.db
     .select({ pk: templates.pk, id: templates.id })
     .from(templates)
@@ -263,6 +304,14 @@ export async function createFromSnapshot(
   }
   await markStarted(deps, id!, p.tenantId, vm, snap.agentId);
   return { row: await getOwned(deps, p, id!), vm };
+}
+
+function lostError(snap: SnapshotRow): SandboxdError {
+  return new SandboxdError(
+    "gone",
+    `snapshot ${snap.id} was kept on host ${snap.agentId}, which is lost or removed; its files went with it`,
+    { details: { id: snap.id, agentId: snap.agentId } },
+  );
 }
 
 /** The public shape of a snapshot (contracts/api/sandboxes-api.ts `SnapshotInfo`). */

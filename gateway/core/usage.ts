@@ -6,6 +6,8 @@
  *   ram_gb_hours        = sum(mem_mib / 1024 * hours)      over running and paused intervals
  *   disk_gb_hours       = sum(disk_bytes / 2^30 * hours)   over running and paused intervals
  *   snapshot_gb_months  = sum(disk_bytes / 2^30 * hours / 730) over suspended intervals
+ *                       + sum(size_bytes / 2^30 * hours / 730) over kept snapshots (`snapshotRollup`,
+ *                         here: a function in a migration cannot change without one)
  * GB means GiB (2^30 bytes); a month is 730 hours (8760 / 12). See docs/quotas-and-usage.md "Usage metering".
  * The operator views (`usage_by_tenant`, `usage_by_tenant_day`, `usage_by_sandbox`) are the same
  * function over all time; `usageReport` is what `sandboxd usage` prints.
@@ -13,6 +15,7 @@
 import { eq, type SQL, sql } from "drizzle-orm";
 import type { Db } from "../../db/client.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
+import { snapshots } from "../../db/schema/snapshots.ts";
 import { tenants } from "../../db/schema/tenants.ts";
 
 export interface UsageTotals {
@@ -41,9 +44,39 @@ const FIGURES = [
   "snapshot_gb_months",
 ] as const satisfies readonly (keyof UsageFigures)[];
 
-/** `usage_rollup` of one tenant over the window, as a FROM item named `r`. */
+/**
+ * Kept snapshots' lines, in `usage_rollup`'s columns (its `sandbox_id` holds the snapshot's id):
+ * one interval per snapshot from `ready_at` to `deleted_at` (a delete, or the last heartbeat of
+ * its host when that was lost; an open one runs until `now`), clipped to [from, to), cut at UTC
+ * midnights and weighted by `size_bytes`. A snapshot that never became ready (`failed`, or still
+ * `creating`) has no `ready_at` and no line. Only `snapshot_gb_months`: a snapshot runs nothing.
+ */
+function snapshotRollup(tenantId: string, from: Date, to: Date, now: Date): SQL {
+  const f = sql`${from.toISOString()}::timestamptz`;
+  const t = sql`${to.toISOString()}::timestamptz`;
+  const n = sql`${now.toISOString()}::timestamptz`;
+  return sql`SELECT c.tenant_id, c.id AS sandbox_id, d.d::date AS day,
+      0::float8, 0::float8, 0::float8, 0::float8, 0::float8, 0::float8,
+      (c.gib * extract(epoch FROM least(c.e, d.d + interval '1 day') - greatest(c.s, d.d)) / 3600 / ${sql.raw(String(HOURS_PER_MONTH))})::float8
+    FROM (
+      SELECT sn.tenant_id, sn.id, coalesce(sn.size_bytes, 0)::float8 / 1073741824 AS gib,
+        (greatest(sn.ready_at, ${f}) AT TIME ZONE 'UTC') AS s,
+        (least(coalesce(sn.deleted_at, ${n}), ${t}) AT TIME ZONE 'UTC') AS e
+      FROM snapshots sn
+      WHERE sn.tenant_id = ${tenantId} AND sn.ready_at IS NOT NULL AND sn.state <> 'failed'
+        AND sn.ready_at < ${t} AND (sn.deleted_at IS NULL OR sn.deleted_at > ${f})
+    ) c
+    CROSS JOIN LATERAL generate_series(date_trunc('day', c.s), c.e, interval '1 day') AS d(d)
+    WHERE c.e > c.s AND least(c.e, d.d + interval '1 day') > greatest(c.s, d.d)`;
+}
+
+/**
+ * `usage_rollup` of one tenant over the window with its kept snapshots' lines, as a FROM item
+ * named `r`.
+ */
 function rollup(tenantId: string, from: Date, to: Date, now: Date): SQL {
-  return sql`usage_rollup(${tenantId}, ${from.toISOString()}::timestamptz, ${to.toISOString()}::timestamptz, ${now.toISOString()}::timestamptz) r`;
+  return sql`(SELECT * FROM usage_rollup(${tenantId}, ${from.toISOString()}::timestamptz, ${to.toISOString()}::timestamptz, ${now.toISOString()}::timestamptz)
+    UNION ALL ${snapshotRollup(tenantId, from, to, now)}) r`;
 }
 
 /** Each figure summed over the rows of `r` (as text: both drivers read float8 sums alike). */
@@ -80,7 +113,7 @@ export type UsageGrouping = "total" | "sandbox" | "day";
 export type UsageLine = UsageFigures & {
   /** `--by day`: the UTC day, YYYY-MM-DD. */
   day?: string;
-  /** `--by sandbox`: the sandbox and how it ended. */
+  /** `--by sandbox`: the sandbox and how it ended, or a kept snapshot (kind `snapshot`). */
   sandbox_id?: string;
   kind?: string;
   state?: string;
@@ -116,19 +149,21 @@ export async function usageReport(
       .orderBy(sql`r.day`);
     return rows.map((r) => ({ day: r.day, ...figures(r) }));
   }
+  // A line's `sandbox_id` names a sandbox or a kept snapshot (kind `snapshot`, its state).
   const rows = await db
     .select({
-      sandbox_id: sandboxes.id,
-      kind: sandboxes.kind,
-      state: sandboxes.state,
+      sandbox_id: sql<string>`r.sandbox_id`,
+      kind: sql<string>`coalesce(${sandboxes.kind}, 'snapshot')`,
+      state: sql<string>`coalesce(${sandboxes.state}, ${snapshots.state})`,
       end_reason: sandboxes.endReason,
       end_detail: sandboxes.endDetail,
       ...sums(),
     })
     .from(src)
-    .innerJoin(sandboxes, sql`${sandboxes.id} = r.sandbox_id`)
-    .groupBy(sandboxes.id)
-    .orderBy(sandboxes.id);
+    .leftJoin(sandboxes, sql`${sandboxes.id} = r.sandbox_id`)
+    .leftJoin(snapshots, sql`${snapshots.id} = r.sandbox_id`)
+    .groupBy(sql`r.sandbox_id`, sandboxes.id, snapshots.id)
+    .orderBy(sql`r.sandbox_id`);
   return rows.map(({ sandbox_id, kind, state, end_reason, end_detail, ...r }) => ({
     sandbox_id,
     kind,

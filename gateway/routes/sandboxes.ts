@@ -58,7 +58,7 @@ function idleLifetime(deps: Deps, req: B.CreateSandboxRequest): IdleLifetime {
  * `:`. One key asked twice with two values is 400: AND would match nothing, and the caller most
  * likely meant OR, which the API does not offer.
  */
-function labelFilters(selectors: string[]): Record<string, string> {
+export function labelFilters(selectors: string[]): Record<string, string> {
   const out: Record<string, string> = {};
   for (const s of selectors) {
     const at = s.indexOf(":");

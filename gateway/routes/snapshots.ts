@@ -5,21 +5,36 @@
  * `snapshot`.
  */
 import { Hono } from "hono";
-import { MAX_SNAPSHOT_LIST } from "../../contracts/api/limits.ts";
+import { DEFAULT_LIST_LIMIT } from "../../contracts/api/limits.ts";
 import * as B from "../../contracts/api/sandboxes-api.ts";
 import { requireApiMw } from "../auth/guards.ts";
-import { deleteSnapshot, getOwnedSnapshot, listSnapshots, snapshotInfo } from "../core/snapshots.ts";
+import {
+  deleteSnapshot,
+  getOwnedSnapshot,
+  listSnapshotsPage,
+  type SnapshotFilter,
+  snapshotInfo,
+} from "../core/snapshots.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
-import { query } from "../http.ts";
+import { queryWithRepeats } from "../http.ts";
+import { labelFilters } from "./sandboxes.ts";
 
 export function snapshotRoutes(deps: Deps): Hono<HonoEnv> {
   const app = new Hono<HonoEnv>();
   const only = requireApiMw("sandboxes");
 
   app.get("/", only, async (c) => {
-    const q = query(c, B.SnapshotListQuery);
-    const rows = await listSnapshots(deps, c.get("principal"), q.limit ?? MAX_SNAPSHOT_LIST);
-    return c.json({ snapshots: rows.map(snapshotInfo) });
+    const q = queryWithRepeats(c, B.SnapshotListQuery, ["label"]);
+    const filter: SnapshotFilter = {};
+    if (q.label !== undefined) filter.labels = labelFilters(q.label);
+    if (q.state !== undefined) filter.state = q.state;
+    if (q.source_sandbox !== undefined) filter.sourceSandboxId = q.source_sandbox;
+    if (q.template !== undefined) filter.templateId = q.template;
+    const page = await listSnapshotsPage(deps, c.get("principal"), filter, {
+      limit: q.limit ?? DEFAULT_LIST_LIMIT,
+      cursor: q.cursor,
+    });
+    return c.json({ snapshots: page.rows.map(snapshotInfo), next_cursor: page.next });
   });
 
   app.get("/:id", only, async (c) => {

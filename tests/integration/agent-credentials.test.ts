@@ -115,6 +115,8 @@ describe("per-agent credentials", () => {
       const placed = await gw.router!.place((api) => api.health());
       expect(placed.agentId).toBe("eu-a");
       expect(placed.result.ok).toBe(true);
+      // Its kept snapshots, as reconciliation asks a host back from lost (a driver keeping none).
+      expect(await gw.router!.agentFor("eu-a").listSnapshots()).toEqual([]);
       // A later start reuses the stored key; no token needed.
       const again = await loadOrEnroll({ gatewayUrl: gw.url, stateDir: a.stateDir, defaultId: "x" });
       expect(again).toEqual({ id: "eu-a", key: a.credentials.key as string });

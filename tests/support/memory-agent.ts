@@ -558,6 +558,11 @@ export class MemoryAgent implements AgentApi {
     this.calls.push(`setEgress ${vmId}`);
     return { egressAllow };
   }
+
+  /** The kept snapshots not dropped (a dropped one whose files VMs still hold is not listed). */
+  async listSnapshots(): Promise<SnapshotRef[]> {
+    return [...this.snapshots].filter(([, s]) => !s.deleting).map(([ref]) => ref);
+  }
   /** One made-up sample per VM (no QEMU to read here; tests/vm/live-metrics.test.ts reads real ones). */
   async metrics(vmId: VmId): Promise<VmMetrics> {
     const vm = this.vm(vmId);

@@ -107,7 +107,9 @@ test(
     // Deleted while both run: gone for new starts, their files kept until the last ends.
     const kept = join(storageDir(stateDir), `${REF}.state`);
     expect(existsSync(kept)).toBe(true);
+    expect(await m.listSnapshots()).toEqual([REF]);
     await m.deleteSnapshot(REF);
+    expect(await m.listSnapshots()).toEqual([]);
     expect(await codeOf(m.createFromSnapshot(REF, { kind: "sandbox" }))).toBe("not_found");
     expect((await shellIn(m, kids[1]!, "cat /root/f")).trim()).toBe("before");
     await m.destroy(kids[0]!, { force: true });
@@ -177,10 +179,13 @@ test(
     await m.takeSnapshot(src, REF2);
     await m.destroy(src, { force: true });
     await restartAgent();
+    // What the gateway's reconciliation asks a host back from lost (`GET /snapshots`).
+    expect(await m.listSnapshots()).toEqual([REF2]);
     const kid = (await m.createFromSnapshot(REF2, { kind: "sandbox" })).vmId;
     expect((await shellIn(m, kid, "cat /root/g")).trim()).toBe("kept");
     await m.destroy(kid, { force: true });
     await m.deleteSnapshot(REF2);
+    expect(await m.listSnapshots()).toEqual([]);
     expect(existsSync(join(storageDir(stateDir), `${REF2}.state`))).toBe(false);
   },
   VM_TEST_TIMEOUT_MS,

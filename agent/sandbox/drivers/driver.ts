@@ -147,6 +147,8 @@ export interface SandboxDriver {
    * was (`lost: false`); a failure after it leaves no VM (`lost: true` on the error's details).
    */
   restoreKept?(vm: DriverVm, ref: string): Promise<{ vm: DriverVm; restoreMs: number; downMs: number }>;
+  /** The refs of the kept snapshots this host holds (their records, reloaded at a start). */
+  keptRefs?(): Promise<string[]>;
   /** The size of VMs started from kept snapshot `ref` (its source's), for admission; none kept: undefined. */
   keptSize?(ref: string): Promise<VmSize | undefined>;
   /** Saves the VM to disk and stops its QEMU; the handle is dead afterwards. */

@@ -388,6 +388,10 @@ export class SnapshotDriver implements SandboxDriver {
     await dropKept(this.stateDir, ref);
   }
 
+  async keptRefs(): Promise<string[]> {
+    return [...(await this.keptRecords()).keys()].sort();
+  }
+
   /** The kept snapshots, read from their records once per process (they survive restarts). */
   private keptRecords(): Promise<Map<string, KeptRecord>> {
     this.kept ??= listKept(this.stateDir).then(({ kept, bad }) => {

@@ -266,10 +266,72 @@ class Snapshots:
     def __init__(self, http: Http) -> None:
         self._http = http
 
-    def list(self, *, limit: Optional[int] = None) -> List[Dict[str, Any]]:
-        """Newest first, at most ``limit`` (the service's default and cap: 500)."""
-        path = "/v1/snapshots" if limit is None else f"/v1/snapshots?limit={int(limit)}"
-        return list(self._http.json("GET", path)["snapshots"])
+    def list(
+        self,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        source_sandbox: Optional[str] = None,
+        template: Optional[str] = None,
+        limit: Optional[int] = None,
+    ) -> List[Dict[str, Any]]:
+        """The tenant's snapshots matching the filters (all AND-ed), newest first: every page,
+        followed to the last (``limit`` is the page size, 1 to 200; the service's default 50)."""
+        out: List[Dict[str, Any]] = []
+        for page in self.pages(
+            labels=labels, state=state, source_sandbox=source_sandbox, template=template, limit=limit
+        ):
+            out.extend(page.items)
+        return out
+
+    def page(
+        self,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        source_sandbox: Optional[str] = None,
+        template: Optional[str] = None,
+        limit: Optional[int] = None,
+        cursor: Optional[str] = None,
+    ) -> Page[Dict[str, Any]]:
+        """One page of the list: after ``cursor`` (a previous page's ``next_cursor``, sent with
+        the same filters)."""
+        query = {
+            "label": [f"{k}:{v}" for k, v in (labels or {}).items()],
+            "state": state,
+            "source_sandbox": source_sandbox,
+            "template": template,
+            "limit": limit,
+            "cursor": cursor,
+        }
+        d = self._http.json("GET", "/v1/snapshots", query=query)
+        # A service older than paged snapshot lists answers one capped list and no ``next_cursor``.
+        return Page(list(d["snapshots"]), d.get("next_cursor"))
+
+    def pages(
+        self,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        source_sandbox: Optional[str] = None,
+        template: Optional[str] = None,
+        limit: Optional[int] = None,
+    ) -> Iterator[Page[Dict[str, Any]]]:
+        """Every page of the list in order, each fetched when the loop asks for it."""
+        cursor: Optional[str] = None
+        while True:
+            page = self.page(
+                labels=labels,
+                state=state,
+                source_sandbox=source_sandbox,
+                template=template,
+                limit=limit,
+                cursor=cursor,
+            )
+            yield page
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
 
     def get(self, id: str) -> Dict[str, Any]:
         """The snapshot ``id`` (NotFoundError when it is not the tenant's or was deleted)."""

@@ -259,14 +259,62 @@ export class Sandboxes {
   }
 }
 
+/** Filters of `client.snapshots.list` (docs/lists.md), all AND-ed. */
+export interface SnapshotListOptions {
+  /** Pairs every snapshot must hold (at most 16; a key must not hold `:`). */
+  labels?: Record<string, string>;
+  state?: "creating" | "ready" | "failed" | "lost";
+  /** Only snapshots taken of this sandbox. */
+  sourceSandbox?: string;
+  /** Only snapshots whose source had this template id. */
+  template?: string;
+  /** Rows per page, 1 to 200. */
+  limit?: number;
+}
+
 /** `client.snapshots`: the tenant's kept snapshots (`Sandbox.snapshot()` takes one). */
 export class Snapshots {
   constructor(private readonly t: Transport) {}
 
-  /** Newest first, at most `limit` (the service's default and cap: 500). */
-  async list(opts: { limit?: number } = {}): Promise<SnapshotInfo[]> {
-    const q = opts.limit !== undefined ? `?limit=${opts.limit}` : "";
-    return (await this.t.json<{ snapshots: SnapshotInfo[] }>("GET", `/v1/snapshots${q}`)).snapshots;
+  /**
+   * The tenant's snapshots matching `o` (all AND-ed), newest first: every page, followed to the
+   * last (`limit` is the page size, 1 to 200; the service's default 50).
+   */
+  async list(o: SnapshotListOptions = {}): Promise<SnapshotInfo[]> {
+    const out: SnapshotInfo[] = [];
+    for await (const page of this.pages(o)) out.push(...page.items);
+    return out;
+  }
+
+  /** One page of the list: after `cursor` (a previous page's `nextCursor`, with the same filters). */
+  async page(o: SnapshotListOptions = {}, cursor?: string): Promise<Page<SnapshotInfo>> {
+    const labels = Object.entries(o.labels ?? {}).map(([k, v]) => `${k}:${v}`);
+    const r = await this.t.json<{ snapshots: SnapshotInfo[]; next_cursor?: string | null }>(
+      "GET",
+      "/v1/snapshots",
+      {
+        query: {
+          label: labels,
+          state: o.state,
+          source_sandbox: o.sourceSandbox,
+          template: o.template,
+          limit: o.limit,
+          cursor,
+        },
+      },
+    );
+    // A service older than paged snapshot lists answers one capped list and no `next_cursor`.
+    return { items: r.snapshots, nextCursor: r.next_cursor ?? null };
+  }
+
+  /** Every page of the list in order, each fetched when the loop asks for it. */
+  async *pages(o: SnapshotListOptions = {}): AsyncGenerator<Page<SnapshotInfo>> {
+    let cursor: string | undefined;
+    do {
+      const page = await this.page(o, cursor);
+      yield page;
+      cursor = page.nextCursor ?? undefined;
+    } while (cursor !== undefined);
   }
 
   /** The snapshot `id` (404 `not_found` if it is not the tenant's or was deleted). */

@@ -10,6 +10,7 @@ export {
   type SandboxdOptions,
   Sandboxes,
   Sessions,
+  type SnapshotListOptions,
   Snapshots,
   Templates,
   type UploadOptions,

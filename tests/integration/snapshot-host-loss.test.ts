@@ -1,0 +1,167 @@
+/**
+ * Kept snapshots of a lost host and of one that comes back (docs/snapshots.md "A lost host"),
+ * through the gateway app with the real router, reconciler and host-loss sweeper over in-memory
+ * agents (tests/support/fleet-harness.ts, as tests/integration/host-loss.test.ts), on PGlite and
+ * a real PostgreSQL. Bounds are shortened (heartbeat 250 ms, stale 2 s, lost 3 s, sweep 250 ms)
+ * so the real clock can run them.
+ */
+import { afterEach, describe, expect, test } from "bun:test";
+import { eq, inArray } from "drizzle-orm";
+import { agents } from "../../db/schema/agents.ts";
+import { snapshots } from "../../db/schema/snapshots.ts";
+import { setCordon } from "../../gateway/agents/fleet.ts";
+import { usageReport } from "../../gateway/core/usage.ts";
+import { type FleetHarness, makeFleet } from "../support/fleet-harness.ts";
+import { databaseCases } from "../support/postgres-suite.ts";
+import { until } from "../support/until.ts";
+
+/** host-loss.test.ts's bounds: the defaults scaled down 20 times, with room for a loaded host. */
+const BEAT_MS = 250;
+const STALE_MS = 2000;
+const LOST_MS = 3000;
+const SWEEP_MS = 250;
+/** Whole-test bound: opening a fresh PGlite (its migrations) took 18 s on a loaded test host. */
+const TEST_MS = 90_000;
+/** Detection is due at LOST_MS plus a sweep; the rest is room for a loaded test host. */
+const DETECT_WITHIN_MS = LOST_MS + 7000;
+
+// biome-ignore lint/suspicious/noExplicitAny: response bodies are checked field by field
+type Body = Record<string, any>;
+
+const cleanups: (() => Promise<void>)[] = [];
+afterEach(async () => {
+  for (const c of cleanups.splice(0).reverse()) await c();
+});
+
+const { cases } = databaseCases();
+
+for (const c of cases) {
+  describe(`snapshots of a lost host (${c.name})`, () => {
+    test(
+      "lost: state lost, not counted, 410 to start from, deleted without the agent; back: ready again if its files are there, dropped if deleted meanwhile",
+      async () => {
+        const [A, B] = ["snaplost-a", "snaplost-b"]; // one PostgreSQL serves every test of the file
+        const h: FleetHarness = await makeFleet({
+          ...(c.url ? { url: await c.url() } : {}),
+          ids: [A, B],
+          region: `eu-${A}`,
+          limits: {
+            sandboxQuotaByTier: { live: 0, scale: 0, demo: 0, pro: 2, enterprise: 0 },
+            // Three kept at most: the fourth, after the loss, fits only if lost ones do not count.
+            snapshotQuotaByTier: { live: 0, scale: 0, demo: 0, pro: 3, enterprise: 0 },
+          },
+          staleAfterMs: STALE_MS,
+          lostAfterMs: LOST_MS,
+          sweepMs: SWEEP_MS,
+          beatMs: BEAT_MS,
+        });
+        cleanups.push(() => h.close());
+        const db = h.handle.db;
+        const key = await h.key("snaploss");
+        const json = async (res: Response, status: number): Promise<Body> => {
+          const b = (await res.json()) as Body;
+          if (res.status !== status) throw new Error(`${res.status}: ${JSON.stringify(b)}`);
+          return b;
+        };
+        const stateOf = async (id: string) =>
+          (await db.select().from(snapshots).where(eq(snapshots.id, id)))[0]!;
+
+        // A sandbox on a (b cordoned), and three snapshots of it, kept on a.
+        await setCordon(db, B, true, new Date());
+        const src = (
+          await json(await h.req("POST", "/v1/sandboxes", { key, json: { template: "python" } }), 201)
+        ).id as string;
+        await setCordon(db, B, false, new Date());
+        const take = async (sbx: string) =>
+          (await json(await h.req("POST", `/v1/sandboxes/${sbx}/snapshots`, { key, json: {} }), 201))
+            .id as string;
+        const [back, deleted, vanished] = [await take(src), await take(src), await take(src)];
+        expect((await stateOf(back)).agentId).toBe(A);
+        expect((await h.req("POST", `/v1/sandboxes/${src}/snapshots`, { key, json: {} })).status).toBe(429);
+
+        // a falls silent, after a beat that followed the snapshots (one ready after a's last
+        // beat is metered for nothing: its interval ends where it starts).
+        const newest = (await stateOf(vanished)).readyAt!.getTime();
+        await until(async () => {
+          const [r] = await db.select().from(agents).where(eq(agents.id, A));
+          return r!.lastHeartbeatAt!.getTime() > newest;
+        }, 5000);
+        // Its snapshots read lost, metered until its last heartbeat.
+        await h.beating(A, false);
+        await until(async () => (await stateOf(back)).state === "lost", DETECT_WITHIN_MS);
+        await until(async () => (await stateOf(vanished)).state === "lost", 2000);
+        const [aRow] = await db.select().from(agents).where(eq(agents.id, A));
+        const lastBeat = aRow!.lastHeartbeatAt!.getTime();
+        for (const id of [back, deleted, vanished]) {
+          const row = await stateOf(id);
+          expect(row.state).toBe("lost");
+          expect(row.deletedAt!.getTime()).toBe(Math.max(lastBeat, row.readyAt!.getTime()));
+        }
+        const info = await json(await h.req("GET", `/v1/snapshots/${back}`, { key }), 200);
+        expect(info.state).toBe("lost");
+        expect(info.error).toStartWith(`host_lost: its host, agent ${A}, was lost`);
+        const listed = await json(await h.req("GET", "/v1/snapshots?state=lost", { key }), 200);
+        expect(listed.snapshots.map((s: Body) => s.id).sort()).toEqual([back, deleted, vanished].sort());
+        // Creating from one is 410; the cap no longer counts them: a new one (of a sandbox on b).
+        const from = await h.req("POST", "/v1/sandboxes", { key, json: { snapshot: back } });
+        expect(from.status).toBe(410);
+        const srcB = (
+          await json(await h.req("POST", "/v1/sandboxes", { key, json: { template: "python" } }), 201)
+        ).id as string;
+        const onB = await take(srcB);
+        expect((await stateOf(onB)).agentId).toBe(B);
+        // A delete needs no agent, and keeps the end of its metering.
+        const callsBefore = h.agents.get(A)!.calls.length;
+        const lostUntil = (await stateOf(deleted)).deletedAt!.getTime();
+        expect((await h.req("DELETE", `/v1/snapshots/${deleted}`, { key })).status).toBe(200);
+        expect(h.agents.get(A)!.calls.length).toBe(callsBefore);
+        expect((await stateOf(deleted)).deletedAt!.getTime()).toBe(lostUntil);
+
+        // While away, a lost the files of one of them.
+        h.agents.get(A)!.snapshots.delete(vanished);
+        // a comes back: the one whose files it lists is ready again, the deleted one is dropped
+        // on it, the vanished one stays lost.
+        await h.beating(A, true);
+        await until(async () => (await stateOf(back)).state === "ready", 10_000);
+        await until(() => !h.agents.get(A)!.snapshots.has(deleted), 10_000);
+        expect(h.agents.get(A)!.calls).toContain(`delete-snapshot ${deleted}`);
+        const revived = await stateOf(back);
+        expect([revived.deletedAt, revived.error]).toEqual([null, null]);
+        expect((await stateOf(vanished)).state).toBe("lost");
+        expect((await stateOf(deleted)).state).toBe("deleted");
+        expect(
+          h.logs.some((l) => l.includes(`snapshot ${back} ready again: its files are on agent ${A}`)),
+        ).toBe(true);
+        // Ready, it counts again (two kept now: back and onB) and a sandbox starts from it, on a.
+        const kid = await json(await h.req("POST", "/v1/sandboxes", { key, json: { snapshot: back } }), 201);
+        expect(kid.snapshot).toBe(back);
+        // Metered: the revived one up to now (its files were kept throughout), the lost ones to
+        // a's last heartbeat.
+        const tenantId = revived.tenantId;
+        const lines = await usageReport(db, {
+          tenantId,
+          from: new Date(0),
+          to: new Date(Date.now() + 3_600_000),
+          now: new Date(lastBeat + 3_600_000),
+          by: "sandbox",
+        });
+        const gbMonths = (id: string) => lines.find((l) => l.sandbox_id === id)!.snapshot_gb_months;
+        const rows = await db
+          .select()
+          .from(snapshots)
+          .where(inArray(snapshots.id, [back, vanished]));
+        const gib = (id: string) => rows.find((r) => r.id === id)!.sizeBytes! / 1024 ** 3;
+        const readyAt = (id: string) => rows.find((r) => r.id === id)!.readyAt!.getTime();
+        expect(gbMonths(vanished)).toBeCloseTo(
+          (gib(vanished) * (Math.max(lastBeat, readyAt(vanished)) - readyAt(vanished))) / 3_600_000 / 730,
+          12,
+        );
+        expect(gbMonths(back)).toBeCloseTo(
+          (gib(back) * (lastBeat + 3_600_000 - readyAt(back))) / 3_600_000 / 730,
+          12,
+        );
+      },
+      TEST_MS,
+    );
+  });
+}
