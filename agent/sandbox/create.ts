@@ -34,8 +34,17 @@ export async function createSandbox(
   opts: CreateVmOpts,
 ): Promise<CreatedVm> {
   const t0 = performance.now();
-  const tpl = h.templates.ready(templateId);
+  // The size class asked for (docs/templates.md "Size classes"); its own frozen template when it
+  // is not the default one. Pools (warm, pre-launched) hold VMs of the default size only.
+  const want = {
+    ...(opts.vcpus !== undefined ? { vcpus: opts.vcpus } : {}),
+    ...(opts.memMib !== undefined ? { memMib: opts.memMib } : {}),
+  };
+  const tpl = h.templates.ready(templateId, want, h.defaultSize);
   const size: VmSize = { ...h.defaultSize, ...tpl.size };
+  const pools = tpl.id === templateId;
+  const baseId = templateId;
+  templateId = tpl.id;
   // A malformed allow-list is refused before anything is reserved.
   const egress =
     opts.egressAllow !== undefined ? EgressPolicy.fromAllowList(opts.egressAllow) : h.egressDefault;
@@ -43,7 +52,7 @@ export async function createSandbox(
   // it was counted against capacity while pooled. Else make room, evicting another template's
   // warm VMs when the host is full, and restore one.
   const tTake = performance.now();
-  const pooled = await h.warm.take(templateId);
+  const pooled = pools ? await h.warm.take(templateId) : undefined;
   const takeMs = performance.now() - tTake;
   // Its overlay may grow to the template disk's virtual size (capacity.ts DiskAccounting). A
   // warm VM's is counted already (it runs); a pre-launched one's only from its take on.
@@ -51,7 +60,7 @@ export async function createSandbox(
   // Else a QEMU already launched in its jail for this template, which held its capacity too,
   // taken only while its disk room fits (else the cold path below says at_capacity with figures).
   const prelaunched =
-    pooled || !h.capacity.diskFits(diskBytes) ? undefined : h.prelaunch.take(templateId, size);
+    pooled || !pools || !h.capacity.diskFits(diskBytes) ? undefined : h.prelaunch.take(templateId, size);
   let releaseDisk = prelaunched ? h.capacity.reserveDisk(diskBytes) : () => {};
   if (!pooled && !prelaunched) {
     while (
@@ -76,7 +85,7 @@ export async function createSandbox(
     now,
   });
   // Refilled once this sandbox holds its capacity (a refill only launches into what is left).
-  h.prelaunch.fill(templateId);
+  h.prelaunch.fill(baseId);
   // The record lands before the VM is handed to it (a pre-launched VM's directory exists, but
   // it is taken from the pool only by this record), so a restart never reaps a VM being made.
   // Its failure is the create's (the catch below gives back what was held).
