@@ -12,6 +12,7 @@
 
 import type { TemplateBuildStatus } from "../../contracts/agent/api.ts";
 import type { BakePhase, TemplateTelemetry } from "../../contracts/api/sandboxes-api.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
 import type { RecordStore, TemplateRecord } from "./records.ts";
@@ -185,8 +186,20 @@ export class TemplateRegistry {
             if (signal.aborted) return;
           }
         } catch (err) {
-          for (const x of [...built]) await this.driver.dropTemplate(sizedTemplateId(id, x)).catch(() => {});
-          await this.driver.dropTemplate(id).catch(() => {});
+          // A failed class fails the template: the classes frozen before it go with the default.
+          for (const x of built) {
+            const xid = sizedTemplateId(id, x);
+            await bestEffort(
+              this.log,
+              `dropping ${xid} after its template failed`,
+              this.driver.dropTemplate(xid),
+            );
+          }
+          await bestEffort(
+            this.log,
+            `dropping ${id} after a size class failed`,
+            this.driver.dropTemplate(id),
+          );
           throw err;
         }
         entry.telemetry = {

@@ -24,6 +24,7 @@ import { newSnapshotId } from "../ids.ts";
 import { type IdleLifetime, markFailed, markStarted, reserve } from "./sandboxes/create.ts";
 import { beginActivity, endActivity } from "./sandboxes/exec.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed, type SandboxRow } from "./sandboxes/records.ts";
+import { checkSnapshotSize, type SizeWish } from "./sizes.ts";
 import { underTenantLock } from "./tenant-lock.ts";
 
 export type SnapshotRow = typeof snapshots.$inferSelect;
@@ -174,6 +175,8 @@ export interface FromSnapshotInput {
   labels: Record<string, string>;
   egressAllow?: string[];
   idle?: IdleLifetime;
+  /** A size asked for: only the snapshot's own is allowed (docs/templates.md "Size classes"). */
+  size?: SizeWish;
 }
 
 /**
@@ -193,6 +196,7 @@ export async function createFromSnapshot(
     });
   }
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
+  checkSnapshotSize(snap.id, snap, input.size ?? {});
   if (await hostGone(deps, snap.agentId)) {
     throw new SandboxdError(
       "gone",

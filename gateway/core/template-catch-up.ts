@@ -23,6 +23,7 @@ import { agents } from "../../db/schema/agents.ts";
 import { templates } from "../../db/schema/templates.ts";
 import { tenants } from "../../db/schema/tenants.ts";
 import type { Deps } from "../deps.ts";
+import { sizesOf } from "./sizes.ts";
 
 /** An agent is looked at for missing templates at most this often (every 6th 5 s heartbeat). */
 export const CATCH_UP_EVERY_MS = 30_000;
@@ -56,6 +57,9 @@ export function ociSourceOf(row: TemplateRow): OciSource | undefined {
   const source: OciSource = { kind: "oci", image: row.image };
   if (row.tenantId !== null) source.tenantId = row.tenantId;
   if (spec.ready !== undefined) source.ready = spec.ready as NonNullable<typeof source.ready>;
+  // Every size class is built again (docs/templates.md "Size classes").
+  const sizes = sizesOf(row);
+  if (sizes.length > 0 && (row.spec as { sizes?: unknown }).sizes !== undefined) source.sizes = sizes;
   return source;
 }
 
