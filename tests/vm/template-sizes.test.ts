@@ -54,6 +54,11 @@ beforeAll(async () => {
   await m.templates.settled("bb");
   const st = m.templates.status("bb");
   if (st.status !== "ready") throw new Error(`template bb: ${st.status}: ${st.error ?? ""}`);
+  // The default class's telemetry (boot, snapshot) and the whole build's (both classes).
+  const t = st.telemetry as { boot_ms?: number; snapshot_ms?: number; total_ms?: number };
+  console.log(
+    `build of two classes: total ${t.total_ms?.toFixed(0)} ms; default class boot ${t.boot_ms?.toFixed(0)} ms, snapshot ${t.snapshot_ms?.toFixed(0)} ms`,
+  );
 }, VM_TEST_TIMEOUT_MS);
 
 afterAll(async () => {
