@@ -2,12 +2,15 @@
  * Size classes of a template (docs/templates.md "Size classes"), REAL VMs under TCG through
  * SandboxManager + SnapshotDriver: the busybox template built with two classes (1 vCPU / 128 MiB,
  * its default, and 2 vCPU / 192 MiB) is two frozen snapshots; a sandbox of each sees its own
- * size from inside the guest (/proc/meminfo MemTotal, nproc), forks keep the parent's size, an
- * agent restart (a second manager over the same state dir) still spawns the second class, and a
+ * size from inside the guest (/proc/meminfo MemTotal, nproc), forks, suspend/resume and an agent
+ * restart (a second manager over the same state dir, adopting the running VM) keep it, the
+ * restarted agent still spawns the second class, a delete while one runs removes every class's
+ * files once it ends, and a
  * size the template was not built with is refused `bad_request` before anything starts.
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
-import { rm } from "node:fs/promises";
+import { readdir, rm } from "node:fs/promises";
+import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
@@ -20,6 +23,7 @@ import {
   shellIn,
   TEST_CACHE_DIR,
   tempStateDir,
+  waitFor,
 } from "../support/real-vm.ts";
 
 /** Two builds (~10 s each under TCG), four restores and a restart on a loaded 2-core host. */
@@ -76,7 +80,7 @@ afterAll(async () => {
 });
 
 test(
-  "each size class starts at its own size, seen from inside the guest; forks keep it; a restart keeps the classes",
+  "each size class starts at its own size, seen from inside the guest; forks, suspend/resume and a restart keep it",
   async () => {
     const small = await m.create("bb", { kind: "sandbox" });
     const big = await m.create("bb", { kind: "sandbox", vcpus: 2, memMib: 192 });
@@ -107,13 +111,29 @@ test(
     // A size it was not built with: refused before anything starts.
     expect(await codeOf(m.create("bb", { kind: "sandbox", vcpus: 2, memMib: 128 }))).toBe("bad_request");
     expect(await codeOf(m.create("bb", { kind: "sandbox", memMib: 256 }))).toBe("bad_request");
-    for (const s of m.list()) await m.destroy(s.id, { force: true });
+    // Suspend and resume restore it from its own class's files.
+    await m.suspend(big.vmId);
+    await m.resume(big.vmId);
+    expect((await guestSize(big.vmId)).nproc).toBe(2);
+    for (const x of m.list()) if (x.id !== big.vmId) await m.destroy(x.id, { force: true });
 
-    // An agent restart: the records bring both frozen snapshots back.
+    // An agent restart: the records bring both frozen snapshots back, and the running 2-vCPU
+    // sandbox is adopted as it was.
     await m.detach();
     m = await openManager();
+    expect((await guestSize(big.vmId)).nproc).toBe(2);
     const again = await m.create("bb", { kind: "sandbox", vcpus: 2, memMib: 192 });
     expect((await guestSize(again.vmId)).nproc).toBe(2);
+
+    // A delete while VMs of a class run waits for them (in-flight VMs finish), then every
+    // class's files go.
+    await m.deleteTemplate("bb");
+    expect(await codeOf(Promise.resolve().then(() => m.templates.status("bb")))).toBe("not_found");
+    expect((await guestSize(again.vmId)).nproc).toBe(2);
+    for (const x of m.list()) await m.destroy(x.id, { force: true });
+    const templatesDir = join(stateDir, "templates");
+    // The last VM's end reclaims the template in the background: a few file removals.
+    expect(await waitFor(async () => (await readdir(templatesDir)).length === 0, 10_000)).toBe(true);
   },
   VM_TEST_TIMEOUT_MS,
 );
