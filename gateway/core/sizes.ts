@@ -5,7 +5,6 @@
  * reserved or an agent asked.
  */
 import { SandboxdError } from "../../contracts/errors.ts";
-import type { TemplateRow } from "./templates.ts";
 
 export interface Size {
   vcpus: number;
@@ -25,7 +24,7 @@ export function publicSize(s: Size): { vcpus: number; memory_mib: number } {
  * with when both its fields are known (a sessions API upload's `vcpu_count` and `mem_mib`), else
  * none (it runs at the host's default size, which the gateway does not know).
  */
-export function sizesOf(row: Pick<TemplateRow, "spec" | "vcpuCount" | "memMib">): Size[] {
+export function sizesOf(row: { spec: unknown; vcpuCount: number | null; memMib: number | null }): Size[] {
   const declared = (row.spec as { sizes?: { vcpus: number; memory_mib: number }[] }).sizes;
   if (Array.isArray(declared)) return declared.map((s) => ({ vcpus: s.vcpus, memMib: s.memory_mib }));
   if (row.vcpuCount !== null && row.memMib !== null) return [{ vcpus: row.vcpuCount, memMib: row.memMib }];
