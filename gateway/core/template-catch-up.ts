@@ -127,6 +127,9 @@ export class TemplateCatchUp {
         .filter((p) => p.templates.includes(t.agentRef))
         .sort((a, b) => (b.lastHeartbeatAt?.getTime() ?? 0) - (a.lastHeartbeatAt?.getTime() ?? 0));
       const source = ociSourceOf(t);
+      // A template of several size classes is rebuilt when it can be: a bundle holds its default
+      // class only (docs/templates.md "Size classes"), and a rebuild freezes every class.
+      if (source?.sizes !== undefined && source.sizes.length > 1) sources.length = 0;
       if (sources.length === 0 && !source) {
         // Nothing to copy from yet (its holder has not reported it, or is gone) and nothing to
         // rebuild from: looked at again next time, said once per CATCH_UP_RETRY_MS.
