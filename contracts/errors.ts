@@ -65,6 +65,11 @@ export const PublicErrorCode = [
   "template_not_ready",
   "conflict",
   "port_not_exposed",
+  /**
+   * A create asked for a size its template (or snapshot) does not have (docs/templates.md "Size
+   * classes"); `details.sizes` lists the ones it has.
+   */
+  "size_unavailable",
   /** The guest refused a file of an exec's `files` (bad path, permission, its disk full). */
   "invalid_file",
   /** A connect reached the sandbox but nothing accepts connections on the port inside it. */

@@ -41,7 +41,7 @@ function isPublicCode(code: ErrorCode): code is PublicErrorCode {
 
 export interface MappedError {
   status: ContentfulStatusCode;
-  body: { code: PublicErrorCode; message: string };
+  body: { code: PublicErrorCode; message: string; details?: Record<string, unknown> };
   headers: Record<string, string>;
   /** Names the full text in the log when the body's message is a fixed one. */
   errorId?: string;
@@ -65,6 +65,9 @@ function isAgentOnlyCode(code: ErrorCode): code is keyof typeof PUBLIC_OF_AGENT_
   return Object.hasOwn(PUBLIC_OF_AGENT_CODE, code);
 }
 
+/** The codes whose `details` go to the client in the envelope (docs/api.md "Rules every route shares"). */
+const PUBLIC_DETAILS: ReadonlySet<string> = new Set(["size_unavailable"]);
+
 export function mapError(err: unknown): MappedError {
   if ((!(err instanceof SandboxdError) || err.code === "internal") && isDbUnavailable(err)) {
     err = dbUnavailable(err);
@@ -85,7 +88,11 @@ export function mapError(err: unknown): MappedError {
       const message = `${fixed} (error id ${errorId})`;
       return { status: STATUS_OF_CODE[err.code], body: { code: err.code, message }, headers, errorId };
     }
-    return { status: STATUS_OF_CODE[err.code], body: { code: err.code, message: err.message }, headers };
+    const body: MappedError["body"] = { code: err.code, message: err.message };
+    // Only codes whose details are documented for clients carry them (contracts/api/common.ts
+    // ErrorEnvelope); others' details are internal (agent ids, retry hints sent as headers).
+    if (PUBLIC_DETAILS.has(err.code) && err.details) body.details = err.details;
+    return { status: STATUS_OF_CODE[err.code], body, headers };
   }
   return { status: 500, body: { code: "internal", message: "internal error" }, headers: {} };
 }

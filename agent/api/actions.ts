@@ -117,7 +117,9 @@ export async function perform(deps: ActionDeps, a: AgentAction): Promise<ActionR
           .settled(a.template)
           .finally(() => bestEffort(deps.log, `removing the upload ${s.path}`, rm(s.path, { force: true })));
       } else {
-        m.buildTemplate(a.template, ociInput(s));
+        // Size classes (docs/templates.md "Size classes"): the first is the default one.
+        const [first, ...rest] = s.sizes ?? [];
+        m.buildTemplate(a.template, ociInput(s), first, rest);
         // Bake `expected_width` (docs/sandboxes.md "Rules of the sandboxes API"): warm VMs once the build is Live.
         if (s.expectedWidth !== undefined) m.expectWidth(a.template, s.expectedWidth);
       }

@@ -96,7 +96,11 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
   r.get("/vms", () => run({ kind: "list" }));
   r.post("/vms", json, async (c) => {
     const b = parse(CreateBody, await body(c.req.raw));
-    const opts = b.egressAllow ? { kind: b.kind, egressAllow: b.egressAllow } : { kind: b.kind };
+    const opts: CreateVmOpts = b.egressAllow
+      ? { kind: b.kind, egressAllow: b.egressAllow }
+      : { kind: b.kind };
+    if (b.vcpus !== undefined) opts.vcpus = b.vcpus;
+    if (b.memMib !== undefined) opts.memMib = b.memMib;
     return run({ kind: "create", template: b.template, opts });
   });
   r.post("/exec-once", json, async (c) => {

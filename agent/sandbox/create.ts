@@ -34,8 +34,17 @@ export async function createSandbox(
   opts: CreateVmOpts,
 ): Promise<CreatedVm> {
   const t0 = performance.now();
-  const tpl = h.templates.ready(templateId);
+  // The size class asked for (docs/templates.md "Size classes"); its own frozen template when it
+  // is not the default one. Pools (warm, pre-launched) hold VMs of the default size only.
+  const want = {
+    ...(opts.vcpus !== undefined ? { vcpus: opts.vcpus } : {}),
+    ...(opts.memMib !== undefined ? { memMib: opts.memMib } : {}),
+  };
+  const tpl = h.templates.ready(templateId, want, h.defaultSize);
   const size: VmSize = { ...h.defaultSize, ...tpl.size };
+  // The driver's template this VM restores (and is recorded with): the class's own.
+  const spawnId = tpl.id;
+  const pools = spawnId === templateId;
   // A malformed allow-list is refused before anything is reserved.
   const egress =
     opts.egressAllow !== undefined ? EgressPolicy.fromAllowList(opts.egressAllow) : h.egressDefault;
@@ -43,20 +52,20 @@ export async function createSandbox(
   // it was counted against capacity while pooled. Else make room, evicting another template's
   // warm VMs when the host is full, and restore one.
   const tTake = performance.now();
-  const pooled = await h.warm.take(templateId);
+  const pooled = pools ? await h.warm.take(spawnId) : undefined;
   const takeMs = performance.now() - tTake;
   // Its overlay may grow to the template disk's virtual size (capacity.ts DiskAccounting). A
   // warm VM's is counted already (it runs); a pre-launched one's only from its take on.
-  const diskBytes = pooled ? 0 : (h.driver.newDiskBytes?.(templateId) ?? 0);
+  const diskBytes = pooled ? 0 : (h.driver.newDiskBytes?.(spawnId) ?? 0);
   // Else a QEMU already launched in its jail for this template, which held its capacity too,
   // taken only while its disk room fits (else the cold path below says at_capacity with figures).
   const prelaunched =
-    pooled || !h.capacity.diskFits(diskBytes) ? undefined : h.prelaunch.take(templateId, size);
+    pooled || !pools || !h.capacity.diskFits(diskBytes) ? undefined : h.prelaunch.take(spawnId, size);
   let releaseDisk = prelaunched ? h.capacity.reserveDisk(diskBytes) : () => {};
   if (!pooled && !prelaunched) {
     while (
       !h.capacity.fits(size, 1, diskBytes) &&
-      ((await h.warm.evictOne(templateId)) || (await h.prelaunch.evictOne(templateId)))
+      ((await h.warm.evictOne(spawnId)) || (await h.prelaunch.evictOne(spawnId)))
     ) {
       // each round frees one pooled VM of another template
     }
@@ -67,7 +76,7 @@ export async function createSandbox(
   const endpoints = Object.fromEntries(tpl.prepared.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
   const sb = h.table.newSandbox({
     id,
-    templateId,
+    templateId: spawnId,
     kind: opts.kind,
     state: "creating",
     size,
@@ -82,7 +91,7 @@ export async function createSandbox(
   // Its failure is the create's (the catch below gives back what was held).
   sb.op = (async () => {
     await h.table.persist(sb);
-    sb.vm = pooled ?? (await h.driver.spawn(templateId, id, size));
+    sb.vm = pooled ?? (await h.driver.spawn(spawnId, id, size));
   })();
   try {
     await sb.op;

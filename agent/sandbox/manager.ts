@@ -421,11 +421,18 @@ export class SandboxManager {
 
   // ---- templates and host --------------------------------------------------------------------
 
-  buildTemplate(id: string, input: TemplateInput, size?: Partial<VmSize>): void {
+  buildTemplate(id: string, input: TemplateInput, size?: Partial<VmSize>, extraSizes: VmSize[] = []): void {
     // The driver learns the size the VMs of this template will get: a snapshot driver freezes
     // RAM and vCPUs into the template, so it must build it at the size `create` asks for.
     const want: Partial<VmSize> = { ...input.size, ...size };
-    this.templates.build(id, { ...input, size: { ...this.defaultSize, ...want } }, want);
+    const own = { ...this.defaultSize, ...want };
+    // Each other size class once, never the default one again (docs/templates.md "Size classes").
+    const extras = extraSizes.filter(
+      (x, i) =>
+        !(x.vcpus === own.vcpus && x.memMib === own.memMib) &&
+        extraSizes.findIndex((y) => y.vcpus === x.vcpus && y.memMib === x.memMib) === i,
+    );
+    this.templates.build(id, { ...input, size: own }, want, extras);
     this.prelaunch.fill(id);
   }
 

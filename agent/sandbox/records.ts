@@ -62,6 +62,11 @@ export const TemplateRecord = z.object({
   error: z.string().optional(),
   readyAtMs: z.number().optional(),
   size: Size.partial().optional(),
+  /**
+   * The template's other size classes (docs/templates.md "Size classes"), each frozen as a driver
+   * template of its own (`sizedTemplateId`) with the same image and ports as `prepared`.
+   */
+  extraSizes: z.array(Size).optional(),
   /** What the driver made of it (ImageConfig + ports), opaque here beyond being an object. */
   prepared: z
     .object({

@@ -20,7 +20,7 @@ import {
 } from "./manager-types.ts";
 import type { RecordStore, SandboxRecord } from "./records.ts";
 import { type AgentSandboxState, checkTransition, holdsVm, isTerminal } from "./states.ts";
-import type { TemplateRegistry } from "./templates.ts";
+import { baseTemplateId, type TemplateRegistry } from "./templates.ts";
 
 /** What the table needs of the manager: its driver, records, templates, pools and idle pause. */
 export interface TableHost {
@@ -174,8 +174,11 @@ export class SandboxTable {
     });
   }
 
+  /** Whether a live VM runs on template `id`, at any of its size classes (templates.ts `sizedTemplateId`). */
   templateInUse(id: string): boolean {
-    return [...this.sandboxes.values()].some((s) => s.templateId === id && !isTerminal(s.state));
+    return [...this.sandboxes.values()].some(
+      (s) => baseTemplateId(s.templateId) === id && !isTerminal(s.state),
+    );
   }
 
   /** Removes each template marked deleting whose VMs have all ended. */

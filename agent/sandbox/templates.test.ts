@@ -355,3 +355,87 @@ describe.skipIf(!existsSync(REGISTRY_BIN))("bakes of two tenants from a private 
     expect(allowed.cached).toBe(false);
   }, 60_000);
 });
+
+describe("TemplateRegistry size classes (docs/templates.md#size-classes)", () => {
+  const IMAGE = {
+    env: [],
+    workingDir: "/",
+    entrypoint: [],
+    cmd: ["sh"],
+    user: { uid: 0, gid: 0, name: "root" },
+    digest: "sha256:0",
+    exposedPorts: [],
+  };
+  /** A driver that builds each class as the test lets it, noting every prepare, drop and restore. */
+  function classDriver() {
+    const h = heldDriver();
+    const log: string[] = [];
+    const driver = {
+      ...h.driver,
+      prepareTemplate: (
+        id: string,
+        input: TemplateInput,
+        signal: AbortSignal,
+        onPhase?: (p: BuildPhase) => void,
+      ) => {
+        log.push(`prepare ${id} ${input.size?.vcpus}x${input.size?.memMib}`);
+        // An image config a record can hold (the held driver's is a bare stand-in).
+        return h.driver.prepareTemplate(id, input, signal, onPhase).then((p) => ({ ...p, image: IMAGE }));
+      },
+      dropTemplate: async (id: string) => {
+        log.push(`drop ${id}`);
+      },
+      restoreTemplate: async (id: string) => {
+        log.push(`restore ${id}`);
+      },
+    } as unknown as SandboxDriver;
+    return { driver, held: h.held, log };
+  }
+  const input: TemplateInput = { kind: "archive", path: "/nonexistent", size: { vcpus: 1, memMib: 128 } };
+  const big = { vcpus: 2, memMib: 192 };
+
+  test("every class is frozen in the build; a create names one; a restart restores them all", async () => {
+    const dir = await scratchDir();
+    const { driver, held, log } = classDriver();
+    const reg = new TemplateRegistry(driver, templateRecords(dir), () => {});
+    reg.build("t", input, { vcpus: 1, memMib: 128 }, [big]);
+    await until(() => held.has("t"));
+    held.get("t")!.finish();
+    await until(() => held.has("t@2x192"));
+    // Not ready until every class is.
+    expect(reg.status("t").status).toBe("building");
+    held.get("t@2x192")!.finish();
+    await reg.settled("t");
+    expect(log).toEqual(["prepare t 1x128", "prepare t@2x192 2x192"]);
+    expect(reg.status("t").status).toBe("ready");
+    expect(reg.ready("t").id).toBe("t");
+    expect(reg.ready("t", { vcpus: 1, memMib: 128 }).id).toBe("t");
+    expect(reg.ready("t", { vcpus: 2 })).toMatchObject({ id: "t@2x192", size: big });
+    expect(() => reg.ready("t", { vcpus: 2, memMib: 128 })).toThrow(
+      /has no size class of 2 vCPU and 128 MiB/,
+    );
+
+    const again = classDriver();
+    const restarted = new TemplateRegistry(again.driver, templateRecords(dir), () => {});
+    await restarted.load();
+    expect(again.log).toEqual(["restore t", "restore t@2x192"]);
+    expect(restarted.ready("t", { memMib: 192 }).id).toBe("t@2x192");
+    expect(await restarted.delete("t", false)).toBe("deleted");
+    expect(again.log.slice(2)).toEqual(["drop t", "drop t@2x192"]);
+  });
+
+  test("a class that fails fails the template, and the classes frozen before it are dropped", async () => {
+    const { driver, held, log } = classDriver();
+    const reg = new TemplateRegistry(driver, templateRecords(await scratchDir()), () => {});
+    reg.build("u", input, { vcpus: 1, memMib: 128 }, [big]);
+    await until(() => held.has("u"));
+    held.get("u")!.finish();
+    await until(() => held.has("u@2x192"));
+    held.get("u@2x192")!.finish("no room for the second class");
+    await reg.settled("u");
+    const st = reg.status("u");
+    expect(st.status).toBe("failed");
+    expect(st.error).toContain("image_pull_failed");
+    expect(log).toContain("drop u");
+  });
+});

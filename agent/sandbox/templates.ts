@@ -12,6 +12,7 @@
 
 import type { TemplateBuildStatus } from "../../contracts/agent/api.ts";
 import type { BakePhase, TemplateTelemetry } from "../../contracts/api/sandboxes-api.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { BuildPhase, PreparedTemplate, SandboxDriver, TemplateInput, VmSize } from "./drivers/driver.ts";
 import type { RecordStore, TemplateRecord } from "./records.ts";
@@ -50,7 +51,24 @@ interface Waiter {
   grant: () => void;
 }
 
+/**
+ * The driver's id of size class `size` of template `id` (docs/templates.md "Size classes"): the
+ * template's own id for its default size, `<id>@<vcpus>x<memMib>` for another (`@` is outside
+ * the agent's template refs, so it never names a template of its own).
+ */
+export function sizedTemplateId(id: string, size: VmSize, defaultSize?: Partial<VmSize>): string {
+  if (defaultSize && defaultSize.vcpus === size.vcpus && defaultSize.memMib === size.memMib) return id;
+  return `${id}@${size.vcpus}x${size.memMib}`;
+}
+
+/** The template id a driver id of `sizedTemplateId` belongs to. */
+export function baseTemplateId(driverId: string): string {
+  const at = driverId.indexOf("@");
+  return at < 0 ? driverId : driverId.slice(0, at);
+}
+
 export interface ReadyTemplate {
+  /** The driver's template to spawn from: the template's own, or its size class's. */
   id: string;
   prepared: PreparedTemplate;
   size: Partial<VmSize>;
@@ -103,6 +121,8 @@ export class TemplateRegistry {
       } else if (r.status === "ready" && r.prepared) {
         try {
           await this.driver.restoreTemplate(r.id, r.prepared);
+          for (const x of r.extraSizes ?? [])
+            await this.driver.restoreTemplate(sizedTemplateId(r.id, x), r.prepared);
         } catch (err) {
           const errorId = newErrorId();
           this.log(`template ${r.id} cannot be restored [${errorId}]: ${describeError(err)}`);
@@ -124,7 +144,7 @@ export class TemplateRegistry {
 
   /** Starts a build and returns at once. An existing id is never overwritten (docs/sessions.md "Rules of the sessions API") unless
    * its build failed. */
-  build(id: string, input: TemplateInput, size: Partial<VmSize> = {}): void {
+  build(id: string, input: TemplateInput, size: Partial<VmSize> = {}, extraSizes: VmSize[] = []): void {
     this.assertBuildable(id);
     const record: TemplateRecord = { version: 1, id, status: "building", size };
     const entry: Entry = { record, phase: "Pending", telemetry: {}, abort: new AbortController() };
@@ -156,6 +176,32 @@ export class TemplateRegistry {
         const { telemetry, frozenSize, ...prepared }: PreparedWithTelemetry =
           await this.driver.prepareTemplate(id, input, signal, onPhase);
         if (signal.aborted) return;
+        // Each other size class is a frozen template of its own, built from the same input in
+        // this build's slot (docs/templates.md "Size classes"): the template is ready once all are.
+        const built: VmSize[] = [];
+        try {
+          for (const x of input.kind === "copy" ? [] : extraSizes) {
+            await this.driver.prepareTemplate(sizedTemplateId(id, x), { ...input, size: x }, signal);
+            built.push(x);
+            if (signal.aborted) return;
+          }
+        } catch (err) {
+          // A failed class fails the template: the classes frozen before it go with the default.
+          for (const x of built) {
+            const xid = sizedTemplateId(id, x);
+            await bestEffort(
+              this.log,
+              `dropping ${xid} after its template failed`,
+              this.driver.dropTemplate(xid),
+            );
+          }
+          await bestEffort(
+            this.log,
+            `dropping ${id} after a size class failed`,
+            this.driver.dropTemplate(id),
+          );
+          throw err;
+        }
         entry.telemetry = {
           ...entry.telemetry,
           converting_ms: performance.now() - tStart,
@@ -165,6 +211,7 @@ export class TemplateRegistry {
         entry.record = {
           ...record,
           ...(frozenSize ? { size: { ...frozenSize } } : {}),
+          ...(built.length > 0 ? { extraSizes: built } : {}),
           status: "ready",
           readyAtMs: Date.now(),
           prepared,
@@ -218,13 +265,38 @@ export class TemplateRegistry {
     return this.mustGet(id).record.size ?? {};
   }
 
-  /** A template a VM can be spawned from, or the API's error for why not. */
-  ready(id: string): ReadyTemplate {
+  /**
+   * A template a VM can be spawned from, or the API's error for why not. `want` picks a size
+   * class (docs/templates.md "Size classes"): the default one when it is absent or matches the
+   * template's size, else one of its other classes; any other size is `bad_request`.
+   */
+  ready(id: string, want?: Partial<VmSize>, defaultSize?: VmSize): ReadyTemplate {
     const r = this.visible(id).record;
     if (r.status === "building") throw new SandboxdError("template_not_ready", `template ${id} is building`);
     if (r.status === "failed" || !r.prepared)
       throw new SandboxdError("template_not_ready", `template ${id} failed to build: ${r.error ?? ""}`);
-    return { id, prepared: r.prepared, size: r.size ?? {} };
+    const own = { ...defaultSize, ...r.size };
+    const matches = (s: Partial<VmSize>) =>
+      (want?.vcpus === undefined || want.vcpus === s.vcpus) &&
+      (want?.memMib === undefined || want.memMib === s.memMib);
+    if (want === undefined || (want.vcpus === undefined && want.memMib === undefined) || matches(own))
+      return { id, prepared: r.prepared, size: r.size ?? {} };
+    const x = (r.extraSizes ?? []).find(matches);
+    if (!x) {
+      const sizes = [own, ...(r.extraSizes ?? [])].map(
+        (s) => `${s.vcpus ?? "?"} vCPU/${s.memMib ?? "?"} MiB`,
+      );
+      throw new SandboxdError(
+        "bad_request",
+        `template ${id} has no size class of ${want.vcpus ?? "any"} vCPU and ${want.memMib ?? "any"} MiB; it has ${sizes.join(", ")}`,
+      );
+    }
+    return { id: sizedTemplateId(id, x), prepared: r.prepared, size: x };
+  }
+
+  /** The size classes template `id` has besides its default one. */
+  extraSizesOf(id: string): VmSize[] {
+    return this.mustGet(id).record.extraSizes ?? [];
   }
 
   /**
@@ -260,6 +332,7 @@ export class TemplateRegistry {
     }
     await this.store.remove(id);
     await this.driver.dropTemplate(id);
+    for (const x of e.record.extraSizes ?? []) await this.driver.dropTemplate(sizedTemplateId(id, x));
     return "deleted";
   }
 

@@ -3,7 +3,15 @@
  * and info print a table or `key: value` lines, or the API's objects with `--json`; commands that
  * make or change sandboxes print the ids they touched (one a line), so scripts can capture them.
  */
-import { MAX_EXEC_TIMEOUT_S, MAX_FORK_COUNT, MAX_IDLE_TIMEOUT_S } from "../../contracts/api/limits.ts";
+import {
+  MAX_EXEC_TIMEOUT_S,
+  MAX_FORK_COUNT,
+  MAX_IDLE_TIMEOUT_S,
+  MAX_MEM_MIB,
+  MAX_VCPUS,
+  MIN_MEM_MIB,
+  MIN_VCPUS,
+} from "../../contracts/api/limits.ts";
 import type { ExecOptions, Sandbox } from "../../sdk/typescript/src/index.ts";
 import { type CommandSpec, flag, intOpt, list, type Parsed, pairs, str, UsageError } from "./args.ts";
 import { clientOf } from "./connect.ts";
@@ -27,12 +35,16 @@ const create: Handler = async (p, spec, ctx) => {
   }
   const egress = list(p, "egress");
   const idle = intOpt(p, spec, "idle-timeout", 1, MAX_IDLE_TIMEOUT_S);
+  const vcpus = intOpt(p, spec, "vcpus", MIN_VCPUS, MAX_VCPUS);
+  const memoryMib = intOpt(p, spec, "memory", MIN_MEM_MIB, MAX_MEM_MIB);
   const sbx = await clientOf(p, spec, ctx).sandboxes.create({
     template,
     labels: pairs(p, spec, "label"),
     ...(egress.length > 0 ? { egress: { allow: egress } } : {}),
     ...(idle !== undefined ? { idleTimeoutSeconds: idle } : {}),
     ...(action !== undefined ? { idleAction: action } : {}),
+    ...(vcpus !== undefined ? { vcpus } : {}),
+    ...(memoryMib !== undefined ? { memoryMib } : {}),
   });
   ctx.stdout.write(flag(p, "json") ? `${json(await sbx.info())}\n` : `${sbx.id}\n`);
   return 0;
@@ -67,6 +79,7 @@ const info: Handler = async (p, spec, ctx) => {
       state: i.suspended_by ? `${i.state} (by ${i.suspended_by})` : i.state,
       age: duration(i.age_secs),
       idle: duration(i.idle_secs),
+      size: i.vcpus !== undefined ? `${i.vcpus} vCPU, ${i.memory_mib} MiB` : undefined,
       execs: i.exec_count,
       labels: i.labels,
       endpoints: i.endpoints,

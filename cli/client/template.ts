@@ -2,7 +2,14 @@
  * `sandboxd template ...`: list, bake (Pro keys: a template from an OCI image reference, waited
  * on phase by phase) and delete templates.
  */
-import { MAX_PORT, MIN_PORT } from "../../contracts/api/limits.ts";
+import {
+  MAX_MEM_MIB,
+  MAX_PORT,
+  MAX_VCPUS,
+  MIN_MEM_MIB,
+  MIN_PORT,
+  MIN_VCPUS,
+} from "../../contracts/api/limits.ts";
 import { flag, list, type Parsed, str, UsageError } from "./args.ts";
 import { clientOf } from "./connect.ts";
 import type { Ctx, Handler } from "./context.ts";
@@ -50,10 +57,29 @@ function ports(p: Parsed, specName: string): number[] | undefined {
   });
 }
 
+/** `--size VCPUSxMIB`, repeated: the bake's size classes (bounds checked by the service too). */
+function sizes(p: Parsed, specName: string): { vcpus: number; memory_mib: number }[] | undefined {
+  const words = list(p, "size");
+  if (words.length === 0) return undefined;
+  return words.map((w) => {
+    const m = /^(\d+)x(\d+)$/.exec(w);
+    const vcpus = Number(m?.[1]);
+    const mem = Number(m?.[2]);
+    if (!m || vcpus < MIN_VCPUS || vcpus > MAX_VCPUS || mem < MIN_MEM_MIB || mem > MAX_MEM_MIB) {
+      throw new UsageError(
+        `--size is VCPUSxMIB (vCPUs ${MIN_VCPUS}-${MAX_VCPUS}, MiB ${MIN_MEM_MIB}-${MAX_MEM_MIB}), got ${w}`,
+        specName,
+      );
+    }
+    return { vcpus, memory_mib: mem };
+  });
+}
+
 const bake: Handler = async (p, spec, ctx) => {
   const [name, image] = p.positionals as [string, string];
   const readyCmd = str(p, "ready-cmd");
   const exposed = ports(p, spec.name);
+  const classes = sizes(p, spec.name);
   const user = str(p, "registry-user");
   const client = clientOf(p, spec, ctx);
   const ready =
@@ -66,6 +92,7 @@ const bake: Handler = async (p, spec, ctx) => {
     image,
     ...(ready ? { ready } : {}),
     ...(registryAuth ? { registryAuth } : {}),
+    ...(classes ? { sizes: classes } : {}),
   });
   if (flag(p, "no-wait")) {
     ctx.stdout.write(flag(p, "json") ? `${json(accepted)}\n` : `${accepted.id} ${accepted.phase}\n`);

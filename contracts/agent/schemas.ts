@@ -16,6 +16,7 @@ import {
   MAX_MEM_MIB,
   MAX_PORT,
   MAX_SEED_HEX_CHARS,
+  MAX_SIZE_CLASSES,
   MAX_TEMPLATE_WIDTH,
   MAX_VCPUS,
   MAX_WAIT_SECS,
@@ -93,6 +94,18 @@ export const CreateBody = z.object({
   kind: z.enum(["session", "sandbox"]),
   /** Egress policy (contracts/egress.ts); host names the guest may reach. Absent: the deployment default. */
   egressAllow: z.array(z.string()).optional(),
+  /**
+   * The size class to start (docs/templates.md "Size classes"): one the template was built with;
+   * absent, its default one. Another size is `bad_request` (the gateway refuses it before).
+   */
+  vcpus: z.int().min(MIN_VCPUS).max(MAX_VCPUS).optional(),
+  memMib: z.int().min(MIN_MEM_MIB).max(MAX_MEM_MIB).optional(),
+});
+
+/** One size class of a template (docs/templates.md "Size classes"). */
+export const SizeClass = z.object({
+  vcpus: z.int().min(MIN_VCPUS).max(MAX_VCPUS),
+  memMib: z.int().min(MIN_MEM_MIB).max(MAX_MEM_MIB),
 });
 
 /** `PUT /vms/{id}/egress`: the allow-list in force from now on (contracts/egress.ts syntax). */
@@ -113,6 +126,8 @@ export const OciBuildBody = z.object({
   ready: ReadySpec.optional(),
   width: z.int().min(1).max(MAX_TEMPLATE_WIDTH).optional(),
   expectedWidth: z.int().min(1).max(MAX_TEMPLATE_WIDTH).optional(),
+  /** The template's size classes, the first its default (docs/templates.md "Size classes"); absent: the agent's default size. */
+  sizes: z.array(SizeClass).min(1).max(MAX_SIZE_CLASSES).optional(),
 });
 
 /** Query of `PUT /templates/:ref/upload` (sessions API register options, docs/sessions.md "Rules of the sessions API"). */
@@ -200,7 +215,7 @@ export const SnapshotRestoredSchema = z.object({
   resources: ResourcesSchema,
 });
 /** `POST /snapshots/{ref}/vms`: a VM from a kept snapshot, as `POST /vms` from a template. */
-export const SnapshotVmBody = CreateBody.omit({ template: true });
+export const SnapshotVmBody = CreateBody.omit({ template: true, vcpus: true, memMib: true });
 export const SnapshotTakenSchema = z.object({
   snapshot: z.string(),
   /** Bytes the snapshot keeps: its memory image and its disk overlay. */

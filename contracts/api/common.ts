@@ -47,6 +47,12 @@ export const ErrorEnvelope = z
   .object({
     code: ErrorCode.describe("Stable machine code; branch on this, never on message."),
     message: z.string().describe("Human-readable explanation."),
+    details: z
+      .record(z.string(), z.unknown())
+      .optional()
+      .describe(
+        "Machine-readable facts, only for the codes that document them: `size_unavailable` gives `sizes`, the sizes the template or snapshot has (`[{vcpus, memory_mib}]`).",
+      ),
   })
   .meta({ id: "Error" });
 export type ErrorEnvelope = z.infer<typeof ErrorEnvelope>;

@@ -18,6 +18,7 @@ export const STATUS_OF_CODE: Readonly<Record<PublicErrorCode, ContentfulStatusCo
   template_not_ready: 409, // sessions API: spawning from a template still building (docs/templates.md#rules-of-templates)
   conflict: 409, // duplicate template id; a state that does not allow the action
   port_not_exposed: 409,
+  size_unavailable: 400, // a size the template or snapshot was not frozen with; details.sizes lists its own
   invalid_file: 400, // the guest refused a file of `files`; the message says which and why
   // The gateway reached the sandbox, whose guest refused the connect: an upstream failure.
   port_unreachable: 502,

@@ -217,6 +217,12 @@ export const MAX_MEM_MIB = 65_536;
 export const MIN_VCPUS = 1;
 export const MAX_VCPUS = 64;
 /**
+ * Our choice: size classes of one template (docs/templates.md "Size classes"), the default one
+ * included. Each is a frozen snapshot of its own, built one after another in the template's build
+ * slot: 4 keeps a bake within 4 boots and 4 RAM files on the host's tmpfs.
+ */
+export const MAX_SIZE_CLASSES = 4;
+/**
  * Our choice: `wait_secs` of a sessions API template registration, how long its build waits for the
  * VM to come up (QEMU start to the guest agent's answer). At least 1 s (a cold boot under TCG
  * takes a few); at most an hour, past which a guest that has not answered is broken.

@@ -22,11 +22,16 @@ import {
   MAX_FORK_COUNT,
   MAX_IDLE_TIMEOUT_S,
   MAX_IMAGE_REF_CHARS,
+  MAX_MEM_MIB,
   MAX_PORT,
   MAX_SANDBOX_TIMEOUT_S,
   MAX_SEED_HEX_CHARS,
+  MAX_SIZE_CLASSES,
   MAX_TEMPLATE_WIDTH,
+  MAX_VCPUS,
+  MIN_MEM_MIB,
   MIN_PORT,
+  MIN_VCPUS,
   TIMEOUT_ACTIONS,
 } from "./limits.ts";
 import { LabelSelectors, ListCursor, ListLimit, NextCursor } from "./lists.ts";
@@ -94,6 +99,15 @@ export const RegistryAuth = z
 export type RegistryAuth = z.infer<typeof RegistryAuth>;
 
 /** `POST /v1/templates` (sandboxes API, Pro): idempotent on (tenant, name); `name` becomes the id. */
+/** A template's size class (docs/templates.md "Size classes"): a frozen snapshot of its own. */
+export const SizeClass = z
+  .object({
+    vcpus: z.int().min(MIN_VCPUS).max(MAX_VCPUS),
+    memory_mib: z.int().min(MIN_MEM_MIB).max(MAX_MEM_MIB),
+  })
+  .meta({ id: "SizeClass" });
+export type SizeClass = z.infer<typeof SizeClass>;
+
 export const BakeTemplateRequest = z
   .object({
     name: TemplateId.describe("Template name; also its id."),
@@ -104,6 +118,14 @@ export const BakeTemplateRequest = z
     ready: ReadySpec.optional(),
     width: Width.optional().describe("Fan-out hint."),
     expected_width: Width.optional().describe("Pre-warms capacity for the first rollout."),
+    sizes: z
+      .array(SizeClass)
+      .min(1)
+      .max(MAX_SIZE_CLASSES)
+      .optional()
+      .describe(
+        "The size classes sandboxes of this template may be created with, each frozen as a snapshot of its own at the bake; the first is the default. Without it: one class, the host's default size.",
+      ),
   })
   .meta({ id: "BakeTemplateRequest" });
 export type BakeTemplateRequest = z.infer<typeof BakeTemplateRequest>;
@@ -163,6 +185,12 @@ export const TemplateB = z
     error: z.string().optional().describe("Present when the phase is Failed."),
     exposed_ports: z.array(Port),
     telemetry: TemplateTelemetry,
+    sizes: z
+      .array(SizeClass)
+      .optional()
+      .describe(
+        "The size classes a create may ask for, the default first; absent: the host's default size only.",
+      ),
   })
   .meta({ id: "TemplateB" });
 export type TemplateB = z.infer<typeof TemplateB>;
@@ -268,6 +296,20 @@ export const CreateSandboxRequest = z
     on_timeout: TimeoutAction.optional().describe(
       "`delete` (default): the sandbox is deleted at its deadline (later calls get 404). `suspend`: it is suspended, and its next exec, fork or connect resumes it first.",
     ),
+    vcpus: z
+      .int()
+      .min(MIN_VCPUS)
+      .max(MAX_VCPUS)
+      .optional()
+      .describe(
+        "With `memory_mib` (either alone is enough when it names one class): one of the template's size classes (`sizes` of the template). Without both: the template's default size. Another size is 400 `size_unavailable`; with `snapshot` only the snapshot's own size is allowed.",
+      ),
+    memory_mib: z
+      .int()
+      .min(MIN_MEM_MIB)
+      .max(MAX_MEM_MIB)
+      .optional()
+      .describe("Guest RAM in MiB; see `vcpus`."),
   })
   .refine((b) => (b.template === undefined) !== (b.snapshot === undefined), {
     message: "send template or snapshot, one of them",
@@ -297,6 +339,8 @@ export const SandboxInfo = z
     exec_count: z.int(),
     labels: z.record(z.string(), z.string()),
     endpoints: Endpoints,
+    vcpus: z.int().optional().describe("The sandbox's vCPUs (its size class); absent before it has started."),
+    memory_mib: z.int().optional().describe("The sandbox's guest RAM, MiB; absent before it has started."),
     idle_timeout_seconds: z
       .int()
       .optional()

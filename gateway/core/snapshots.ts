@@ -26,6 +26,7 @@ import { beforePosition, cursorKey, decodeCursor, encodeCursor, filtersDigest, p
 import { type IdleLifetime, markFailed, markStarted, reserve } from "./sandboxes/create.ts";
 import { beginActivity, endActivity } from "./sandboxes/exec.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed, type SandboxRow } from "./sandboxes/records.ts";
+import { checkSnapshotSize, type SizeWish } from "./sizes.ts";
 import { underTenantLock } from "./tenant-lock.ts";
 
 export type SnapshotRow = typeof snapshots.$inferSelect;
@@ -264,6 +265,8 @@ export interface FromSnapshotInput {
   labels: Record<string, string>;
   egressAllow?: string[];
   idle?: IdleLifetime;
+  /** A size asked for: only the snapshot's own is allowed (docs/templates.md "Size classes"). */
+  size?: SizeWish;
 }
 
 /**
@@ -284,6 +287,7 @@ export async function createFromSnapshot(
     });
   }
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
+  checkSnapshotSize(snap.id, snap, input.size ?? {});
   if (await hostGone(deps, snap.agentId)) throw lostError(snap);
   const [tpl] = await deps.db
     .select({ pk: templates.pk, id: templates.id })

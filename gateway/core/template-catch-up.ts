@@ -23,6 +23,7 @@ import { agents } from "../../db/schema/agents.ts";
 import { templates } from "../../db/schema/templates.ts";
 import { tenants } from "../../db/schema/tenants.ts";
 import type { Deps } from "../deps.ts";
+import { sizesOf } from "./sizes.ts";
 
 /** An agent is looked at for missing templates at most this often (every 6th 5 s heartbeat). */
 export const CATCH_UP_EVERY_MS = 30_000;
@@ -56,6 +57,9 @@ export function ociSourceOf(row: TemplateRow): OciSource | undefined {
   const source: OciSource = { kind: "oci", image: row.image };
   if (row.tenantId !== null) source.tenantId = row.tenantId;
   if (spec.ready !== undefined) source.ready = spec.ready as NonNullable<typeof source.ready>;
+  // Every size class is built again (docs/templates.md "Size classes").
+  const sizes = sizesOf(row);
+  if (sizes.length > 0 && (row.spec as { sizes?: unknown }).sizes !== undefined) source.sizes = sizes;
   return source;
 }
 
@@ -123,6 +127,9 @@ export class TemplateCatchUp {
         .filter((p) => p.templates.includes(t.agentRef))
         .sort((a, b) => (b.lastHeartbeatAt?.getTime() ?? 0) - (a.lastHeartbeatAt?.getTime() ?? 0));
       const source = ociSourceOf(t);
+      // A template of several size classes is rebuilt when it can be: a bundle holds its default
+      // class only (docs/templates.md "Size classes"), and a rebuild freezes every class.
+      if (source?.sizes !== undefined && source.sizes.length > 1) sources.length = 0;
       if (sources.length === 0 && !source) {
         // Nothing to copy from yet (its holder has not reported it, or is gone) and nothing to
         // rebuild from: looked at again next time, said once per CATCH_UP_RETRY_MS.

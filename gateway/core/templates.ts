@@ -263,6 +263,12 @@ export async function bakeTemplate(
   if (req.ready !== undefined) spec.ready = req.ready;
   if (req.width !== undefined) spec.width = req.width;
   if (req.expected_width !== undefined) spec.expected_width = req.expected_width;
+  // Size classes (docs/templates.md "Size classes"): each once; the first is the default.
+  const sizes = req.sizes ?? [];
+  const keys = sizes.map((z) => `${z.vcpus}x${z.memory_mib}`);
+  if (new Set(keys).size !== keys.length)
+    throw new SandboxdError("bad_request", "sizes: each size class may be listed once");
+  if (req.sizes !== undefined) spec.sizes = req.sizes;
   const [existing] = await deps.db
     .select()
     .from(templates)
@@ -291,6 +297,7 @@ export async function bakeTemplate(
     status: "building",
     phase: "Pending",
     exposedPorts: req.ready?.ports ?? [],
+    ...(sizes[0] !== undefined ? { vcpuCount: sizes[0].vcpus, memMib: sizes[0].memory_mib } : {}),
     createdAt: new Date(deps.clock()),
   });
   if (!row) return bakeTemplate(deps, tenantId, req, templateCap); // lost a race with an identical retry

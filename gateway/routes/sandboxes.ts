@@ -97,14 +97,27 @@ export async function createSandbox(deps: Deps, c: Context<HonoEnv>) {
           },
         }
       : {};
+  // A size class (docs/templates.md "Size classes"): either field, both or neither.
+  const size = {
+    ...(req.vcpus !== undefined ? { vcpus: req.vcpus } : {}),
+    ...(req.memory_mib !== undefined ? { memMib: req.memory_mib } : {}),
+  };
   // The schema takes exactly one of `template` and `snapshot`.
   const { row, vm } =
     req.snapshot !== undefined
-      ? await createFromSnapshot(deps, p, { snapshotId: req.snapshot, labels, idle, ...egress, ...lifetime })
+      ? await createFromSnapshot(deps, p, {
+          snapshotId: req.snapshot,
+          labels,
+          idle,
+          size,
+          ...egress,
+          ...lifetime,
+        })
       : await createVm(deps, p, "sandbox", {
           templateId: req.template!,
           labels,
           idle,
+          size,
           ...egress,
           ...lifetime,
         });
@@ -134,6 +147,9 @@ async function sandboxInfo(deps: Deps, c: Context<HonoEnv>) {
     exec_count: row.execCount,
     labels: row.labels,
     endpoints: row.endpoints,
+    // The size it runs at (its size class); 0 until the agent has reported it.
+    ...(row.vcpus > 0 ? { vcpus: row.vcpus } : {}),
+    ...(row.memMib > 0 ? { memory_mib: row.memMib } : {}),
     ...idleInfo(row),
     ...lifetimeInfo(row),
   });

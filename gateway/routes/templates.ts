@@ -16,6 +16,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import { requireApiMw, requirePro, requireScale } from "../auth/guards.ts";
 import type { Principal } from "../auth/keys.ts";
 import { hostOf } from "../core/regions.ts";
+import { publicSize, sizesOf } from "../core/sizes.ts";
 import {
   bakeTemplate,
   deleteTemplate,
@@ -83,6 +84,8 @@ function templateB(row: TemplateRow, telemetry: Record<string, unknown>) {
   };
   if (row.image !== null) out.image = row.image;
   if (row.status === "failed") out.error = row.error ?? "bake failed";
+  const sizes = sizesOf(row);
+  if (sizes.length > 0) out.sizes = sizes.map(publicSize);
   return out;
 }
 

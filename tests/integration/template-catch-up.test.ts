@@ -175,5 +175,82 @@ for (const c of cases) {
       },
       TEST_TIMEOUT_MS,
     );
+
+    test(
+      "a template of several size classes is rebuilt on a late agent with every class, not copied",
+      async () => {
+        const mem = new Map<string, MemoryAgent>();
+        let router!: AgentRouter;
+        const h = await makeHarness({
+          ...(c.url ? { url: await c.url() } : {}),
+          placement: (db, clock) => {
+            router = new AgentRouter({
+              db,
+              agentSecret: SECRET,
+              region: DEFAULT_REGION,
+              clock,
+              connect: (row) => mem.get(row.id)!,
+            });
+            return router;
+          },
+        });
+        cleanups.push(() => h.close());
+        const db = h.handle.db;
+        if (c.url) {
+          await db.delete(usageIntervals);
+          await db.delete(sandboxes);
+          await db.delete(templates);
+          await db.delete(agents);
+        }
+        const catchUp = new TemplateCatchUp(
+          { db, clock: () => h.now.ms, placement: router, config: h.config },
+          () => {},
+        );
+        const beat = async (id: string) => {
+          if (!mem.has(id)) {
+            mem.set(id, new MemoryAgent());
+            await db.insert(agents).values({ id, region: h.config.region, url: `mem://${id}`, keyId: "k1" });
+          }
+          const held = [...mem.get(id)!.templates]
+            .filter(([, t]) => t.status === "ready")
+            .map(([ref]) => ref);
+          const hb: Heartbeat = {
+            id,
+            region: h.config.region,
+            url: `mem://${id}`,
+            capacity: { slotsFree: 8, slotsTotal: 8, vcpusFree: 32, memMibFree: 16_384 },
+            templates: held,
+          };
+          expect(await recordHeartbeat(db, hb, "k1", new Date(h.now.ms))).toBe(true);
+        };
+        const pro = await h.key("acme", "pro");
+        await beat("first");
+        const sizes = [
+          { vcpus: 1, memory_mib: 128 },
+          { vcpus: 2, memory_mib: 192 },
+        ];
+        const bake = { name: "multi", image: "reg.test/web:1", sizes };
+        expect((await h.req("POST", "/v1/templates", { key: pro, json: bake })).status).toBe(202);
+        const [row] = await db.select().from(templates).where(eq(templates.id, "multi"));
+        const ref = row!.agentRef;
+        mem.get("first")!.finishBuild(ref, true);
+        await h.req("GET", "/v1/templates/multi", { key: pro });
+        await beat("first");
+        await beat("late");
+        expect(await catchUp.look("late")).toEqual([ref]);
+        const late = mem.get("late")!;
+        expect(late.calls.filter((x) => x.startsWith("copy "))).toEqual([]);
+        expect(mem.get("first")!.calls.filter((x) => x.startsWith("export "))).toEqual([]);
+        expect(late.calls.filter((x) => x.startsWith("build "))).toEqual([`build ${ref} oci`]);
+        expect(late.templates.get(ref)?.source).toMatchObject({
+          kind: "oci",
+          sizes: [
+            { vcpus: 1, memMib: 128 },
+            { vcpus: 2, memMib: 192 },
+          ],
+        });
+      },
+      TEST_TIMEOUT_MS,
+    );
   });
 }

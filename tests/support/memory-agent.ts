@@ -46,6 +46,8 @@ interface MemVm {
   processes: Map<number, { info: ProcessInfo; stdout: string }>;
   /** The kept snapshot it was made from: its files stay while this VM lives (as the agent's chain holds). */
   snapshot?: SnapshotRef;
+  /** The size class a create named (docs/templates.md "Size classes"); forks and snapshots keep it. */
+  size?: { vcpus: number; memMib: number };
 }
 
 /** A kept snapshot: the VM's files and processes as they were, and whether it was deleted. */
@@ -128,15 +130,17 @@ export class MemoryAgent implements AgentApi {
     return vm;
   }
 
-  private spawn(template: TemplateRef): CreatedVm {
+  private spawn(template: TemplateRef, size?: { vcpus: number; memMib: number }): CreatedVm {
     const t = this.template(template);
     if (t.status !== "ready") throw new SandboxdError("template_not_ready", `template ${template} not ready`);
     if (this.slotsFree <= 0) throw new SandboxdError("at_capacity", "no capacity on this host");
     this.slotsFree--;
     const id = `vm-${++this.seq}`;
-    this.vms.set(id, { id, template, state: "running", busy: false, files: new Map(), processes: new Map() });
+    const vm: MemVm = { id, template, state: "running", busy: false, files: new Map(), processes: new Map() };
+    if (size) vm.size = size;
+    this.vms.set(id, vm);
     const endpoints = Object.fromEntries(t.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
-    return { vmId: id, forkTimeMs: 1.5, createTimeMs: 3, endpoints, resources: { ...RESOURCES } };
+    return { vmId: id, forkTimeMs: 1.5, createTimeMs: 3, endpoints, resources: { ...RESOURCES, ...size } };
   }
 
   private run(vm: MemVm | null, action: ExecAction): ExecResult {
@@ -155,7 +159,12 @@ export class MemoryAgent implements AgentApi {
 
   async createSandbox(template: TemplateRef, opts: CreateVmOpts): Promise<CreatedVm> {
     this.calls.push(`create ${template} ${opts.kind}`);
-    return this.spawn(template);
+    // A size class the gateway chose (it checked the template has it), as the agent's own create.
+    const size =
+      opts.vcpus !== undefined || opts.memMib !== undefined
+        ? { vcpus: opts.vcpus ?? RESOURCES.vcpus, memMib: opts.memMib ?? RESOURCES.memMib }
+        : undefined;
+    return this.spawn(template, size);
   }
 
   async execOnce(template: TemplateRef, action: ExecAction): Promise<OneShotResult> {
@@ -218,7 +227,7 @@ export class MemoryAgent implements AgentApi {
     if (vm.busy) throw new SandboxdError("busy", `an exec is in flight on ${vmId}`);
     const out: CreatedVm[] = [];
     for (let i = 0; i < count; i++) {
-      const child = this.spawn(vm.template);
+      const child = this.spawn(vm.template, vm.size);
       this.vms.get(child.vmId)!.files = new Map(vm.files);
       out.push(child);
     }
@@ -238,7 +247,7 @@ export class MemoryAgent implements AgentApi {
       deleting: false,
     });
     const size = [...vm.files.values()].reduce((n, c) => n + c.length, 0) + 512 * 1024 * 1024;
-    return { snapshot: ref, sizeBytes: size, stallMs: 1, resources: { ...RESOURCES } };
+    return { snapshot: ref, sizeBytes: size, stallMs: 1, resources: { ...RESOURCES, ...vm.size } };
   }
 
   /** As the real agent (agent/sandbox/kept.ts restoreSandbox): files and processes become the snapshot's. */

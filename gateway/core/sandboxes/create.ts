@@ -5,7 +5,13 @@
  */
 
 import { and, eq, inArray } from "drizzle-orm";
-import type { CreatedVm, ExecAction, OneShotResult, VmResources } from "../../../contracts/agent/api.ts";
+import type {
+  CreatedVm,
+  CreateVmOpts,
+  ExecAction,
+  OneShotResult,
+  VmResources,
+} from "../../../contracts/agent/api.ts";
 import { bestEffort } from "../../../contracts/best-effort.ts";
 import { parseAllowList } from "../../../contracts/egress.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
@@ -19,6 +25,7 @@ import { idleDeadlineMs, lifetimeColumns, noteDeadline } from "../deadlines.ts";
 import { type RecordState, recordChange } from "../record-states.ts";
 import { homeRegion } from "../regions.ts";
 import { forgetRows } from "../row-cache.ts";
+import { pickTemplateSize, type SizeWish, sizesOf } from "../sizes.ts";
 import { requireReady, resolveTemplate } from "../templates.ts";
 import { underTenantLock } from "../tenant-lock.ts";
 import { countInStates } from "./quota.ts";
@@ -207,6 +214,8 @@ export interface CreateInput {
   egressAllow?: string[];
   idle?: IdleLifetime;
   lifetime?: AbsoluteLifetime;
+  /** The size class asked for (docs/templates.md "Size classes"); none: the template's default. */
+  size?: SizeWish;
 }
 
 export async function createVm(
@@ -222,9 +231,13 @@ export async function createVm(
   // A template built without a size runs at the agent's default one: a slot of the agent's
   // `slotsFree` (which counts VMs of that size) is then the whole claim.
   // Its tenant's own agents (BYOC) when it has any live, else the operator's.
+  // A size class it lacks is 400 size_unavailable here, before anything is reserved.
+  const size = pickTemplateSize(template.id, sizesOf(template), input.size ?? {});
   const need: PlacementNeed = { template: template.agentRef, tenant: p.tenantId };
-  if (template.vcpuCount !== null) need.vcpus = template.vcpuCount;
-  if (template.memMib !== null) need.memMib = template.memMib;
+  const vcpus = size?.vcpus ?? template.vcpuCount;
+  const memMib = size?.memMib ?? template.memMib;
+  if (vcpus !== null) need.vcpus = vcpus;
+  if (memMib !== null) need.memMib = memMib;
   const region = await homeRegion(deps, p.tenantId);
   const [id] = await reserve(
     deps,
@@ -243,8 +256,9 @@ export async function createVm(
   let vm: CreatedVm;
   let agentId: string;
   try {
-    const opts: { kind: VmKind; egressAllow?: string[] } = { kind };
+    const opts: CreateVmOpts = { kind };
     if (input.egressAllow !== undefined) opts.egressAllow = input.egressAllow;
+    if (size !== undefined) Object.assign(opts, size);
     ({ agentId, result: vm } = await deps.placement.place(
       (a) => a.createSandbox(template.agentRef, opts),
       region,

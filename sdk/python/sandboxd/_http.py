@@ -291,12 +291,15 @@ def _error_of(res: Response) -> SandboxdError:
     except SandboxdError:
         text = b""
     code, message = "http_error", f"HTTP {res.status}"
+    details = None
     try:
         env = json.loads(text)
         if isinstance(env, dict) and isinstance(env.get("code"), str):
             code = env["code"]
             message = str(env.get("message", ""))
+            if isinstance(env.get("details"), dict):
+                details = env["details"]
     except ValueError:
         if text:
             message = text[:500].decode("utf-8", "replace")
-    return error_for(code, res.status, message, retry_after)
+    return error_for(code, res.status, message, retry_after, details)

@@ -66,16 +66,19 @@ class Templates:
         ready: Optional[Mapping[str, Any]] = None,
         registry_auth: Optional[Mapping[str, str]] = None,
         expected_width: Optional[int] = None,
+        sizes: Optional[Sequence[Mapping[str, int]]] = None,
     ) -> Dict[str, Any]:
         """The sandboxes API (Pro): bakes ``name`` from the OCI reference ``image``; the same request
         again returns the same template. ``ready`` is the service's ready spec (``cmd``,
-        ``ports``...)."""
+        ``ports``...). ``sizes`` (``[{"vcpus": 1, "memory_mib": 256}, ...]``, the first the
+        default) are the size classes a create may pick, each frozen at the bake."""
         body = fields(
             name=name,
             image=image,
             ready=dict(ready) if ready is not None else None,
             registry_auth=dict(registry_auth) if registry_auth is not None else None,
             expected_width=expected_width,
+            sizes=[dict(s) for s in sizes] if sizes is not None else None,
         )
         # Idempotent by the service's rule: the same definition under the same name is one template.
         return self._http.json("POST", "/v1/templates", json_body=body, idempotent=True)

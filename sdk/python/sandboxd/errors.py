@@ -8,7 +8,7 @@ which group the common codes), never on ``message``.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+from typing import Any, Dict, Optional, Type
 
 
 class SandboxdError(Exception):
@@ -18,6 +18,8 @@ class SandboxdError(Exception):
     status: Optional[int]
     message: str
     retry_after: Optional[float]
+    #: Machine-readable facts, for the codes that document them (``size_unavailable``: ``sizes``).
+    details: Optional[Dict[str, Any]]
 
     def __init__(
         self,
@@ -25,12 +27,14 @@ class SandboxdError(Exception):
         status: Optional[int],
         message: str,
         retry_after: Optional[float] = None,
+        details: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__(f"{code}: {message}" if status is None else f"{status} {code}: {message}")
         self.code = code
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        self.details = details
 
 
 class BadRequestError(SandboxdError):
@@ -80,6 +84,7 @@ class StreamError(SandboxdError):
 _BY_CODE: Dict[str, Type[SandboxdError]] = {
     "bad_request": BadRequestError,
     "invalid_file": BadRequestError,
+    "size_unavailable": BadRequestError,
     "unauthorized": AuthenticationError,
     "forbidden": PermissionDeniedError,
     "demo_tier_limit": PermissionDeniedError,
@@ -115,10 +120,14 @@ _BY_STATUS: Dict[int, Type[SandboxdError]] = {
 
 
 def error_for(
-    code: str, status: Optional[int], message: str, retry_after: Optional[float] = None
+    code: str,
+    status: Optional[int],
+    message: str,
+    retry_after: Optional[float] = None,
+    details: Optional[Dict[str, Any]] = None,
 ) -> SandboxdError:
     """The most specific class for ``code`` (else for ``status``) holding this answer."""
     cls = _BY_CODE.get(code)
     if cls is None and status is not None:
         cls = _BY_STATUS.get(status, ServiceUnavailableError if status >= 500 else SandboxdError)
-    return (cls or SandboxdError)(code, status, message, retry_after)
+    return (cls or SandboxdError)(code, status, message, retry_after, details)

@@ -174,13 +174,18 @@ class Sandboxes:
         idle_action: Optional[str] = None,
         timeout_seconds: Optional[int] = None,
         on_timeout: Optional[str] = None,
+        vcpus: Optional[int] = None,
+        memory_mib: Optional[int] = None,
         retry: Optional[bool] = None,
     ) -> Sandbox:
         """A new running sandbox from ``template``, or from ``snapshot`` (one of them: its
         processes, memory and files as they were when it was taken). ``egress`` lists the host names it may reach
         (or is the service's ``{"allow": [...]}`` object); ``idle_timeout_seconds`` with
         ``idle_action`` (``"suspend"`` or ``"delete"``) sets its idle lifetime; ``timeout_seconds``
-        with ``on_timeout`` (``"delete"``, the default, or ``"suspend"``) its absolute lifetime."""
+        with ``on_timeout`` (``"delete"``, the default, or ``"suspend"``) its absolute lifetime.
+        ``vcpus`` and/or ``memory_mib`` pick one of the template's size classes (its ``sizes``);
+        another size raises BadRequestError ``size_unavailable`` whose ``details["sizes"]`` lists
+        the sizes there are (with ``snapshot``, only the snapshot's own size is allowed)."""
         body = fields(
             template=template,
             snapshot=snapshot,
@@ -193,6 +198,8 @@ class Sandboxes:
             idle_action=idle_action,
             timeout_seconds=timeout_seconds,
             on_timeout=on_timeout,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
         )
         d = self._http.json("POST", "/v1/sandboxes", json_body=body, retry=retry)
         return Sandbox(self._http, d["id"], d)

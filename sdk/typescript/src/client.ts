@@ -66,6 +66,13 @@ export interface CreateSandboxOptions {
   timeoutSeconds?: number;
   /** At the end of `timeoutSeconds`: `delete` (default) or `suspend`. */
   onTimeout?: TimeoutAction;
+  /**
+   * One of the template's size classes (its `sizes`); either field is enough when it names one.
+   * Without both: the template's default size. Another size (or, with `snapshot`, any but the
+   * snapshot's own) throws `size_unavailable`, whose `details.sizes` lists the sizes there are.
+   */
+  vcpus?: number;
+  memoryMib?: number;
 }
 
 export interface BakeOptions {
@@ -78,6 +85,8 @@ export interface BakeOptions {
   ready?: ReadySpec;
   width?: number;
   expectedWidth?: number;
+  /** Size classes a create may pick (`vcpus`, `memory_mib`), each frozen at the bake; the first is the default. */
+  sizes?: { vcpus: number; memory_mib: number }[];
 }
 
 export interface UploadOptions {
@@ -210,6 +219,8 @@ export class Sandboxes {
         idle_action: o.idleAction,
         timeout_seconds: o.timeoutSeconds,
         on_timeout: o.onTimeout,
+        vcpus: o.vcpus,
+        memory_mib: o.memoryMib,
       },
     });
     return new Sandbox(this.t, r.id, r.template, r.endpoints);
@@ -409,6 +420,7 @@ export class Templates {
         ready: o.ready,
         width: o.width,
         expected_width: o.expectedWidth,
+        sizes: o.sizes,
       },
       retry: true,
     });

@@ -22,6 +22,8 @@ export interface SandboxdErrorInit {
   status: number;
   message: string;
   retryAfterSeconds?: number | undefined;
+  /** Machine-readable facts, for the codes that document them (`size_unavailable`: `sizes`). */
+  details?: Record<string, unknown> | undefined;
   cause?: unknown;
 }
 
@@ -33,12 +35,15 @@ export class SandboxdError extends Error {
   readonly status: number;
   /** Seconds the service asked the client to wait before trying again, when it said. */
   readonly retryAfterSeconds: number | undefined;
+  /** The answer's `details`, for the codes that document them (`size_unavailable`: `sizes`). */
+  readonly details: Record<string, unknown> | undefined;
 
   constructor(init: SandboxdErrorInit) {
     super(init.message, init.cause === undefined ? undefined : { cause: init.cause });
     this.code = init.code;
     this.status = init.status;
     this.retryAfterSeconds = init.retryAfterSeconds;
+    this.details = init.details;
   }
 }
 
@@ -67,9 +72,13 @@ export function errorFromAnswer(status: number, headers: Headers, text: string):
   } catch {
     body = undefined;
   }
-  const env = body as { code?: unknown; message?: unknown } | undefined;
+  const env = body as { code?: unknown; message?: unknown; details?: unknown } | undefined;
   if (env && typeof env.code === "string" && typeof env.message === "string") {
-    return new SandboxdError({ code: env.code, status, message: env.message, retryAfterSeconds });
+    const details =
+      env.details !== null && typeof env.details === "object" && !Array.isArray(env.details)
+        ? (env.details as Record<string, unknown>)
+        : undefined;
+    return new SandboxdError({ code: env.code, status, message: env.message, retryAfterSeconds, details });
   }
   const snippet = text.trim().slice(0, 200);
   return new SandboxdError({

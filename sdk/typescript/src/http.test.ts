@@ -178,6 +178,18 @@ describe("error mapping", () => {
     });
   });
 
+  test("a create's size class goes in the body; size_unavailable carries the service's details.sizes", async () => {
+    const client = new Sandboxd({ baseUrl: `http://127.0.0.1:${server.port}`, apiKey: "k", retry: false });
+    const sizes = [{ vcpus: 1, memory_mib: 256 }];
+    run([{ status: 400, body: { code: "size_unavailable", message: "no such class", details: { sizes } } }]);
+    const err = await client.sandboxes
+      .create({ template: "t", vcpus: 2, memoryMib: 512 })
+      .catch((e: unknown) => e);
+    expect(JSON.parse(seen[0]!.body)).toMatchObject({ template: "t", vcpus: 2, memory_mib: 512 });
+    expect(err).toBeInstanceOf(SandboxdError);
+    expect(err).toMatchObject({ code: "size_unavailable", status: 400, details: { sizes } });
+  });
+
   test("Retry-After as seconds or as an HTTP date", () => {
     const now = Date.parse("2026-01-01T00:00:00Z");
     expect(parseRetryAfter("7", now)).toBe(7);
