@@ -77,6 +77,7 @@ export async function restoreSandbox(h: KeptHost, sb: Sandbox, ref: string): Pro
       snapshot: ref,
       restoreMs: r.restoreMs,
       downMs: r.downMs,
+      standby: r.standby,
       resources: { ...sb.size, diskBytes: sb.meter.resources.diskBytes },
     };
   } catch (err) {

@@ -216,7 +216,7 @@ export async function captureParent(
   const tResumed = performance.now();
   await adoptNewTop(parent, newTop, run.newNode);
   // Off the stall: the guest runs again, and only the new top's link is still needed.
-  await removeStagedLinks(parent.dir, run.staged);
+  await removeStagedLinks(run.proc.dir, run.staged);
   parent.enter("running");
   await bestEffort(log, `fork ${forkId}: making the frozen overlay read-only`, chmod(frozen, 0o444));
   log(
@@ -280,7 +280,8 @@ function newForkRun(
     statePath: join(s.shmRoot, `${forkId}.state`),
     newTop,
     newNode: `${parent.id}-n${parent.generation + 1}`,
-    staged: join(parent.dir, basename(newTop)),
+    // In its QEMU's launch slot (vm/slots.ts): the directory its jail binds.
+    staged: join(proc.dir, basename(newTop)),
     t0: performance.now(),
     log,
     method,

@@ -29,16 +29,27 @@ import { join } from "node:path";
 import { z } from "zod";
 import { type FreeBytes, needFreeSpace } from "../../contracts/disk-space.ts";
 import { runTool } from "../host/tool.ts";
+import { DEVICE_IDS } from "../qemu/launch.ts";
 import { type ChainStore, openChainStore } from "../storage/chain.ts";
 import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../storage/qcow2.ts";
 import { DEFAULT_VM_HOST } from "../vm/host-settings.ts";
+import { claimVm, forgetStandby } from "../vm/process.ts";
+import { slotOf } from "../vm/slots.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { checkedChain, removeStagedLinks } from "./fork/chain.ts";
 import { makeForkPoint } from "./fork/children.ts";
 import { captureParent } from "./fork.ts";
 import type { ForkMethod } from "./fork-method.ts";
-import { type RestoreTimings, restoreInto, SandboxVm, storageDir, type VmShape } from "./vm.ts";
+import { takeStandby } from "./standby.ts";
+import {
+  finishRestore,
+  type RestoreTimings,
+  restoreInto,
+  SandboxVm,
+  storageDir,
+  type VmShape,
+} from "./vm.ts";
 
 /** A kept snapshot's name: the gateway's snapshot id (contracts/agent/schemas.ts SnapshotRefParam). */
 export const KEPT_REF = /^snap_[a-z0-9]{1,60}$/;
@@ -186,18 +197,22 @@ export interface RestoredInPlace {
   downMs: number;
   /** The whole rollback, preparation included. */
   totalMs: number;
+  /** Whether a standby QEMU (standby.ts) took over, or one was launched on the spot. */
+  standby: boolean;
 }
 
 /**
  * Rolls running (or idle-paused) VM `vm` back to kept snapshot `record` in place: same id,
- * directory, jail and hostname; its memory, processes and disk become the snapshot's.
+ * directory and hostname; its memory, processes and disk become the snapshot's.
  *
  * Everything that can be refused is done while the old QEMU still runs (size check, the new
- * overlay on the snapshot's base, the chain holds): a refusal leaves the VM running as it was.
- * Then the old QEMU is stopped, the VM's holds move to the new files (the old overlays go with
- * their last holder) and a new QEMU restores the snapshot into the same directory. Only a
- * failure of that last restore loses the VM (state `dead`, the error says so): its old memory is
- * gone by then. `sameMachine`: the snapshot was taken of this VM, so it keeps its boot id.
+ * overlay on the snapshot's base, the chain holds; with a standby, its whole launch): a refusal
+ * leaves the VM running as it was. Then the old QEMU is stopped, the VM's holds move to the new
+ * files (the old overlays go with their last holder) and the new QEMU loads the snapshot's device
+ * state: the standby, in the VM's other launch slot (vm/slots.ts), or one launched now in the
+ * VM directory. Only a failure of that last step loses the VM (state `dead`, the error says so):
+ * its old memory is gone by then. `sameMachine`: the snapshot was taken of this VM, so it keeps
+ * its boot id.
  */
 export async function restoreInPlace(
   vm: SandboxVm,
@@ -220,44 +235,75 @@ export async function restoreInPlace(
   const bad = vm.begin(["running", "paused"], "restoring");
   if (bad) return fail(bad);
   const chain = await openChainStore(s.dataDir);
-  const prep = `restore:${vm.id}`;
-  const disk = join(storageDir(s.dataDir), `${vm.id}-${vm.generation + 1}.qcow2`);
-  try {
-    await chain.hold(prep, [record.base, record.memPath, record.statePath]);
-    await createOverlayOn(record.base, disk, s.diskBytes);
-    await chain.add(disk, { kind: "overlay", deps: [record.base], holder: prep });
-  } catch (err) {
-    await chain.release(prep);
-    await rm(disk, { force: true });
-    vm.enter("running");
-    return fail(
-      asSnapshotError(err, "spawn_failed", `preparing VM ${vm.id}'s rollback to ${record.ref} failed`),
-    );
+  const standby = await takeStandby(vm, record.ref);
+  const prep = standby?.holder ?? `restore:${vm.id}`;
+  const disk = standby?.disk ?? join(storageDir(s.dataDir), `${vm.id}-${vm.generation + 1}.qcow2`);
+  if (!standby) {
+    try {
+      await chain.hold(prep, [record.base, record.memPath, record.statePath]);
+      await createOverlayOn(record.base, disk, s.diskBytes);
+      await chain.add(disk, { kind: "overlay", deps: [record.base], holder: prep });
+    } catch (err) {
+      await chain.release(prep);
+      await rm(disk, { force: true });
+      vm.enter("running");
+      return fail(
+        asSnapshotError(err, "spawn_failed", `preparing VM ${vm.id}'s rollback to ${record.ref} failed`),
+      );
+    }
   }
   const tDown = performance.now();
-  try {
-    await vm.detach();
-    // Hard links earlier forks staged in its directory (the name its QEMU opened) would keep
-    // freed overlays' blocks: removed while the store's own names still make them links.
-    await removeStagedLinks(vm.dir);
-    // The VM's holds move to the new chain: the old overlays (and a RAM file of its own) are
-    // freed here unless a snapshot or a fork child still holds them.
+  const oldDir = vm.process?.dir ?? vm.dir;
+  /**
+   * After the old QEMU is gone: its staged hard links (the names it opened in its slot) would keep
+   * freed overlays' blocks, so they go while the store's own names still make them links; then
+   * the VM's holds move to the new chain (the old overlays, and a RAM file of its own, are freed
+   * unless a snapshot or a fork child still holds them).
+   */
+  const moveHolds = async () => {
+    await removeStagedLinks(oldDir);
     await chain.release(vm.holder);
     vm.disk = disk;
     vm.memPath = record.memPath;
     vm.generation += 1;
     await chain.hold(vm.holder, [disk, record.base, record.memPath]);
-    const timings = await restoreInto({
+  };
+  try {
+    const args = {
       vm,
       mem: { path: record.memPath, share: false },
       statePath: record.statePath,
       ignoreShared: record.version === 2,
       sameMachine: o.sameMachine,
       ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
-    });
+    };
+    let timings: RestoreTimings;
+    let tEnd: number;
+    if (standby) {
+      // SIGKILLed now; its exit and its jail's cleanup run beside the load into the standby (the
+      // two are in separate slots and jails). The guest's connection is closed at once.
+      const stopping = vm.detach();
+      vm.topNode = DEVICE_IDS.diskNode;
+      try {
+        timings = await finishRestore(args, standby.process, tDown, tDown);
+      } finally {
+        await stopping;
+      }
+      tEnd = performance.now();
+      const p = standby.process;
+      await claimVm(vm.dir, p.pid, p.jailUid, slotOf(vm.dir, p.dir));
+      await forgetStandby(vm.dir);
+      await moveHolds();
+    } else {
+      await vm.detach();
+      await moveHolds();
+      timings = await restoreInto(args);
+      tEnd = performance.now();
+    }
+    // The slot the old QEMU ran in: its jail root and files (the next standby's place).
+    if (oldDir !== vm.dir) await rm(oldDir, { recursive: true, force: true });
     vm.enter("running");
-    const tEnd = performance.now();
-    return ok({ timings, downMs: tEnd - tDown, totalMs: tEnd - t0 });
+    return ok({ timings, downMs: tEnd - tDown, totalMs: tEnd - t0, standby: standby !== undefined });
   } catch (err) {
     await vm.destroy();
     return fail(

@@ -36,6 +36,8 @@ export interface Suspended {
 export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
   const bad = vm.begin(["running", "paused"], "suspending");
   if (bad) return fail(bad);
+  // A rollback's standby (standby.ts) would hold a second QEMU while the VM holds none.
+  await vm.dropStandby();
   const proc = vm.process;
   if (!proc) return fail(new SnapshotError("suspend_failed", `VM ${vm.id}: no QEMU`));
   const dir = join(vm.shape.dataDir, "storage", "suspended");

@@ -8,6 +8,7 @@
  * a fork gets `invalid_state` instead of two migrations on one QEMU.
  */
 import { randomBytes, randomUUID } from "node:crypto";
+import { mkdir } from "node:fs/promises";
 import { join } from "node:path";
 import { awaitedLater } from "../../contracts/best-effort.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
@@ -24,7 +25,8 @@ import type { Accel } from "../qemu/launch.ts";
 import { DEVICE_IDS, launchVm, type MemBackend, type VmProcess } from "../qemu/launch.ts";
 import { type ChainStore, openChainStore } from "../storage/chain.ts";
 import type { VmHostSettings } from "../vm/host-settings.ts";
-import { claimVm } from "../vm/process.ts";
+import { claimVm, recordStandby } from "../vm/process.ts";
+import { type LaunchSlot, launchDir } from "../vm/slots.ts";
 import { createVmDir, removeVmDir } from "../vm/workdir.ts";
 import { asSnapshotError, SnapshotError } from "./errors.ts";
 import { qmp, qmpFailure, setCapabilities } from "./migrate.ts";
@@ -91,6 +93,11 @@ export class SandboxVm {
   suspendState: string | undefined;
   /** How many overlays this VM made for itself (names of its next overlay). */
   generation = 0;
+  /**
+   * A QEMU waiting in this VM's other launch slot to roll it back to a kept snapshot in place
+   * (standby.ts); dropped with the VM, before a suspend, and when a newer one replaces it.
+   */
+  standby: Promise<StandbyQemu | undefined> | undefined;
   private destroying: Promise<void> | undefined;
 
   constructor(
@@ -175,10 +182,20 @@ export class SandboxVm {
     }
   }
 
+  /** Discards the standby QEMU, if any (it was never this VM's own). */
+  async dropStandby(): Promise<void> {
+    const s = this.standby;
+    this.standby = undefined;
+    // A standby that failed to launch left nothing to discard (standby.ts cleans up after itself).
+    const standby = await s?.catch(() => undefined);
+    await standby?.discard();
+  }
+
   /** Kills QEMU, drops this VM's holds on shared files (freeing the unused ones), removes its dir. */
   destroy(): Promise<void> {
     this.destroying ??= (async () => {
       this.state = "dead";
+      await this.dropStandby();
       this.guest?.close();
       await this.process?.kill();
       const chain = await openChainStore(this.shape.dataDir);
@@ -193,6 +210,20 @@ export class SandboxVm {
     });
     return attempt;
   }
+}
+
+/** A QEMU launched for a later rollback of a VM (standby.ts), what `restoreInPlace` takes over. */
+export interface StandbyQemu {
+  /** The kept snapshot it restores. */
+  ref: string;
+  process: VmProcess;
+  /** Its overlay on the snapshot's base (held by `holder` until it takes over). */
+  disk: string;
+  holder: string;
+  /** performance.now() when it was ready. */
+  readyAt: number;
+  /** Kills it and frees its overlay, jail and slot (idempotent). */
+  discard(): Promise<void>;
 }
 
 export interface RestoreArgs {
@@ -290,15 +321,19 @@ export async function launchRestoreTarget(
   mem: MemBackend,
   ignoreShared: boolean,
   base?: string,
+  o: { slot?: LaunchSlot; standby?: boolean } = {},
 ): Promise<VmProcess> {
   const s = vm.shape;
-  await createVmDir(s.dataDir, vm.id);
+  // A standby leaves the VM's own records alone: it is not the VM's QEMU until it takes over.
+  if (!o.standby) await createVmDir(s.dataDir, vm.id);
+  const runDir = launchDir(vm.dir, o.slot);
+  if (runDir !== vm.dir) await mkdir(runDir, { recursive: true, mode: 0o700 });
   let proc: VmProcess | undefined;
   try {
     const backing = await recordedBacking(vm, base);
     proc = await launchVm({
       backing,
-      dir: vm.dir,
+      dir: runDir,
       artifacts: s.artifacts,
       disk: vm.disk,
       memMib: s.memMib,
@@ -314,7 +349,8 @@ export async function launchRestoreTarget(
     // A fresh QEMU names the top of the disk chain with the fixed id, whatever node a fork had
     // moved the previous QEMU of this VM onto (a resumed parent forks from `disk0` again).
     vm.topNode = DEVICE_IDS.diskNode;
-    await claimVm(vm.dir, proc.pid, proc.jailUid);
+    if (o.standby) await recordStandby(vm.dir, proc.pid, proc.jailUid, o.slot);
+    else await claimVm(vm.dir, proc.pid, proc.jailUid, o.slot);
     await setCapabilities(proc, { events: true, "x-ignore-shared": ignoreShared });
     return proc;
   } catch (err) {

@@ -25,6 +25,7 @@ import { releaseJail } from "../qemu/jail-setup.ts";
 import { type VmExit, type VmProcess, vmPaths, vmProcess } from "../qemu/launch.ts";
 import { QmpClient } from "../qemu/qmp/client.ts";
 import { readVmRecordFile, writeVmRecordFile } from "./records-dir.ts";
+import { type LaunchSlot, launchDir, NEXT_SLOT } from "./slots.ts";
 
 /** How long a SIGKILLed QEMU may take to disappear: it exits within milliseconds. */
 const KILL_WAIT_MS = 5_000;
@@ -51,17 +52,28 @@ const VmOwner = z.object({
   qemuPid: z.int().positive().optional(),
   /** The uid its jail runs QEMU as (agent/qemu/uids.ts): freed when the VM ends. */
   jailUid: z.int().positive().optional(),
+  /** The launch slot its QEMU runs in (slots.ts); absent: the VM directory itself. */
+  slot: z.literal(NEXT_SLOT).optional(),
   /** Informational (for an operator reading the file). */
   createdAt: z.string().optional(),
 });
 export type VmOwner = z.infer<typeof VmOwner>;
 
 const OWNER_FILE = "owner.json";
+/**
+ * `standby.json` beside it: a second QEMU of the VM waiting in its other slot for a rollback
+ * (agent/snapshot/standby.ts), never the VM's own until it takes over. A later agent kills it.
+ */
+const STANDBY_FILE = "standby.json";
 
 /** The owner record of `dir`; undefined when missing, torn or not one of ours. */
-export async function readOwner(dir: string): Promise<VmOwner | undefined> {
+export function readOwner(dir: string): Promise<VmOwner | undefined> {
+  return readOwnerFile(dir, OWNER_FILE);
+}
+
+async function readOwnerFile(dir: string, file: string): Promise<VmOwner | undefined> {
   try {
-    const text = await readVmRecordFile(dir, OWNER_FILE);
+    const text = await readVmRecordFile(dir, file);
     if (text === undefined) return undefined;
     const r = VmOwner.safeParse(JSON.parse(text));
     return r.success ? r.data : undefined;
@@ -74,12 +86,62 @@ export async function readOwner(dir: string): Promise<VmOwner | undefined> {
  * Records this agent process as the owner of `dir` (and of `qemuPid` once QEMU runs, with the
  * uid its jail runs it as; a claim without one keeps the uid already recorded for that QEMU).
  */
-export async function claimVm(dir: string, qemuPid?: number, jailUid?: number): Promise<void> {
+export async function claimVm(
+  dir: string,
+  qemuPid?: number,
+  jailUid?: number,
+  slot?: LaunchSlot,
+): Promise<void> {
   const owner: VmOwner = { ownerPid: process.pid, createdAt: new Date().toISOString() };
   if (qemuPid !== undefined) owner.qemuPid = qemuPid;
-  const uid = jailUid ?? (qemuPid === undefined ? undefined : (await readOwner(dir))?.jailUid);
+  // A claim of the QEMU already recorded (an adoption) keeps its uid and slot.
+  const prev = qemuPid === undefined ? undefined : await readOwner(dir);
+  const same = prev !== undefined && prev.qemuPid === qemuPid;
+  const uid = jailUid ?? (qemuPid === undefined ? undefined : prev?.jailUid);
   if (uid !== undefined) owner.jailUid = uid;
+  const s = slot ?? (same ? prev?.slot : undefined);
+  if (s !== undefined) owner.slot = s;
   await writeVmRecordFile(dir, OWNER_FILE, JSON.stringify(owner));
+}
+
+/** Records the standby QEMU `qemuPid` (its jail's uid, its slot) of the VM in `dir`. */
+export async function recordStandby(
+  dir: string,
+  qemuPid: number,
+  jailUid: number | undefined,
+  slot: LaunchSlot,
+) {
+  const rec: VmOwner = { ownerPid: process.pid, qemuPid, createdAt: new Date().toISOString() };
+  if (jailUid !== undefined) rec.jailUid = jailUid;
+  if (slot !== undefined) rec.slot = slot;
+  await writeVmRecordFile(dir, STANDBY_FILE, JSON.stringify(rec));
+}
+
+/** Forgets the standby record (its QEMU took over as the VM's own, or is gone). */
+export async function forgetStandby(dir: string): Promise<void> {
+  await writeVmRecordFile(dir, STANDBY_FILE, "{}");
+}
+
+/**
+ * Kills the standby QEMU recorded for `dir` if it still runs (an earlier agent's, never taken
+ * over), frees its jail and forgets it. Its files are its launch slot's and its overlay's (the
+ * chain store's `standby:` holder, released by the agent's start).
+ */
+export async function killRecordedStandby(dir: string, waitMs = KILL_WAIT_MS): Promise<void> {
+  const rec = await readOwnerFile(dir, STANDBY_FILE);
+  const owner = await readOwner(dir);
+  // Never the VM's own QEMU (a standby that took over whose record a crash left behind).
+  if (rec?.qemuPid !== undefined && owner?.qemuPid !== rec.qemuPid) {
+    await killQemu(rec.qemuPid, dir, waitMs);
+    if (pidGone(rec.qemuPid)) await releaseJail(launchDir(dir, rec.slot), rec.jailUid);
+  }
+  // And one launched but not yet recorded when its agent went (its jail's cgroup and uid lock
+  // are swept at the agent's start): any other QEMU of this directory.
+  if (owner?.qemuPid !== undefined) {
+    for (const pid of await qemuPidsNaming([dir]))
+      if (pid !== owner.qemuPid) await killQemu(pid, dir, waitMs);
+  }
+  if (rec !== undefined) await forgetStandby(dir);
 }
 
 /**
@@ -108,7 +170,8 @@ async function readPidFile(path: string): Promise<number | undefined> {
  * own pid file holds its pid inside its pid namespace: 1.)
  */
 export async function recordedQemuPid(dir: string): Promise<number | undefined> {
-  return (await readOwner(dir))?.qemuPid ?? (await readPidFile(vmPaths(dir).hostPidFile));
+  const owner = await readOwner(dir);
+  return owner?.qemuPid ?? (await readPidFile(vmPaths(launchDir(dir, owner?.slot)).hostPidFile));
 }
 
 /** True while `pid` exists (a zombie included; EPERM means it exists but is not ours to signal). */
@@ -236,8 +299,9 @@ async function killIfQemuNaming(pid: number, dirs: readonly string[], waitMs: nu
 export async function killRecordedQemu(dir: string, waitMs = KILL_WAIT_MS): Promise<boolean> {
   const owner = await readOwner(dir);
   const pid = await recordedQemuPid(dir);
+  await killRecordedStandby(dir, waitMs);
   const killed = pid === undefined ? false : await killQemu(pid, dir, waitMs);
-  if (pid === undefined || pidGone(pid)) await releaseJail(dir, owner?.jailUid);
+  if (pid === undefined || pidGone(pid)) await releaseJail(launchDir(dir, owner?.slot), owner?.jailUid);
   return killed;
 }
 
@@ -265,8 +329,11 @@ export async function killQemusNaming(dirs: readonly string[], waitMs = KILL_WAI
  */
 export async function adoptQemu(pid: number, dir: string): Promise<VmProcess> {
   if (!(await isQemuFor(pid, dir))) throw new SandboxdError("vm_lost", `QEMU pid ${pid} is not running`);
-  const jailUid = (await readOwner(dir))?.jailUid;
-  const paths = vmPaths(dir);
+  const owner = await readOwner(dir);
+  const jailUid = owner?.jailUid;
+  // Its sockets and jail are its launch slot's (slots.ts).
+  const runDir = launchDir(dir, owner?.slot);
+  const paths = vmPaths(runDir);
   let qmp: QmpClient;
   try {
     qmp = await QmpClient.connect(paths.qmpSocket, { timeoutMs: ADOPT_QMP_TIMEOUT_MS });
@@ -282,14 +349,14 @@ export async function adoptQemu(pid: number, dir: string): Promise<VmProcess> {
   })();
   return vmProcess(
     pid,
-    dir,
+    runDir,
     qmp,
     exited,
     {
       stop: async () => {
         await killQemu(pid, dir);
         gone = true;
-        if (pidGone(pid)) await releaseJail(dir, jailUid);
+        if (pidGone(pid)) await releaseJail(runDir, jailUid);
       },
       isAlive: () => !gone && !pidGone(pid),
       stderrTail: () => "",

@@ -212,6 +212,8 @@ export const SnapshotRestoredSchema = z.object({
   restoreMs: z.number(),
   /** Of that, from the old QEMU's stop to the new one answering: the time the VM was down. */
   downMs: z.number(),
+  /** Whether a standby QEMU launched ahead took over (agent/snapshot/standby.ts), else a cold launch. */
+  standby: z.boolean(),
   resources: ResourcesSchema,
 });
 /** `POST /snapshots/{ref}/vms`: a VM from a kept snapshot, as `POST /vms` from a template. */

@@ -263,7 +263,7 @@ export class MemoryAgent implements AgentApi {
       throw new SandboxdError("conflict", `snapshot ${ref} is of template ${snap.template}`);
     vm.files = new Map(snap.files);
     vm.processes = copyProcesses(snap.processes);
-    return { snapshot: ref, restoreMs: 1, downMs: 1, resources: { ...RESOURCES } };
+    return { snapshot: ref, restoreMs: 1, downMs: 1, standby: false, resources: { ...RESOURCES } };
   }
 
   async createFromSnapshot(ref: SnapshotRef, opts: CreateVmOpts): Promise<CreatedVm> {

@@ -6,18 +6,21 @@
  * delete while they run leaves their files in place; the kept files go with the last of them. A
  * new agent process on the same state dir (a restart) starts VMs from a snapshot kept before it.
  * A sandbox rolled back in place to its snapshot (three times) has its file, its counting process
- * and the counter's value back, frees the overlays it replaced, and is adopted after a restart.
+ * and the counter's value back, frees the overlays it replaced, and is adopted after a restart;
+ * each rollback takes the standby QEMU launched beside the VM's own (seen from /proc: two QEMUs of
+ * the VM's directory, two uids), which goes with the VM.
  * Run under the VM test lock: `flock /tmp/vm-test.lock env SANDBOXD_TEST_DATA=... bun test <file>`.
  */
 import { afterAll, beforeAll, expect, test } from "bun:test";
 import { existsSync, readdirSync } from "node:fs";
-import { rm } from "node:fs/promises";
+import { readFile, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
 import { defaultShmRoot } from "../../agent/snapshot/template.ts";
 import { storageDir } from "../../agent/snapshot/vm.ts";
+import { qemuPidsNaming } from "../../agent/vm/process.ts";
 import {
   COUNTER,
   codeOf,
@@ -27,6 +30,7 @@ import {
   shellIn,
   TEST_CACHE_DIR,
   tempStateDir,
+  waitFor,
 } from "../support/real-vm.ts";
 
 /** A template build (~10 s under TCG), a fork-like snapshot and four restores; 300 s covers a slow, shared CI host. */
@@ -64,6 +68,12 @@ async function restartAgent(): Promise<void> {
     artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
   });
   m = await SandboxManager.open({ driver, stateDir });
+}
+
+/** The real uid a process runs as, from /proc/<pid>/status. */
+async function uidOf(pid: number): Promise<number> {
+  const status = await readFile(`/proc/${pid}/status`, "utf8");
+  return Number(/^Uid:\s+(\d+)/m.exec(status)?.[1]);
 }
 
 const counter = async (id: string) => Number((await shellIn(m, id, "cat /tmp/c")).trim());
@@ -131,15 +141,31 @@ test(
     expect(pidAtSnapshot).toMatch(/^\d+$/);
     await m.takeSnapshot(id, REF3);
     const atSnapshot = await counter(id);
+    // Seen from the host: the standby QEMU for the next rollback runs beside the VM's own, each
+    // in its own slot of the VM's directory, as its own uid.
+    const vmDir = join(stateDir, "vms", id);
+    expect(await waitFor(async () => (await qemuPidsNaming([vmDir])).length === 2, 30_000)).toBe(true);
+    const uids = await Promise.all((await qemuPidsNaming([vmDir])).map(uidOf));
+    expect(new Set(uids).size).toBe(2);
+    // The standby's slot is root's with its own jail's group, mode 1770: the VM's QEMU (in the
+    // directory above, another uid and group) cannot enter it.
+    const next = await stat(join(vmDir, "next"));
+    expect({ mode: next.mode & 0o7777, uid: next.uid }).toEqual({ mode: 0o1770, uid: 0 });
+    expect(uids).toContain(next.gid);
+    const own = await stat(vmDir);
+    expect(own.gid).not.toBe(next.gid);
+    expect(uids).toContain(own.gid);
     const files = () => readdirSync(storageDir(stateDir)).sort();
     let filesAfterFirst: string[] | undefined;
     for (let round = 0; round < 3; round++) {
       // Change everything: the file, a new file, the counter runs on, the process is killed.
       await shellIn(m, id, `echo after${round} > /root/f && touch /root/new && kill ${pidAtSnapshot}`);
       await sleep(300);
+      // The standby armed after the snapshot (or the last rollback) is up before each rollback.
+      expect(await waitFor(async () => (await qemuPidsNaming([vmDir])).length === 2, 30_000)).toBe(true);
       const r = await m.restoreSnapshot(id, REF3);
       console.log(`restore ${round}: ${r.restoreMs.toFixed(0)} ms, down ${r.downMs.toFixed(0)} ms`);
-      expect(r.snapshot).toBe(REF3);
+      expect(r).toMatchObject({ snapshot: REF3, standby: true });
       expect(m.info(id).state).toBe("running");
       expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("before");
       expect((await shellIn(m, id, "ls /root")).trim().split(/\s+/)).toEqual(["f"]);
@@ -159,11 +185,20 @@ test(
     expect(m.info(id).state).toBe("running");
     expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("kept-on");
 
-    // The rolled-back VM is what a new agent process adopts (its record names the new QEMU).
-    await m.restoreSnapshot(id, REF3);
+    // The rolled-back VM (its QEMU in the directory's `next/` slot after three rollbacks) is what
+    // a new agent process adopts: its record names the new QEMU and its slot. The standby the old
+    // agent armed is gone with it, so the next rollback launches its QEMU on the spot.
     await restartAgent();
+    expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("kept-on");
+    expect(await qemuPidsNaming([vmDir])).toHaveLength(1);
+    const cold = await m.restoreSnapshot(id, REF3);
+    console.log(`cold restore: ${cold.restoreMs.toFixed(0)} ms, down ${cold.downMs.toFixed(0)} ms`);
+    expect(cold.standby).toBe(false);
     expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("before");
+    // And a standby for the next rollback is armed again beside it.
+    expect(await waitFor(async () => (await qemuPidsNaming([vmDir])).length === 2, 30_000)).toBe(true);
     await m.destroy(id, { force: true });
+    expect(await qemuPidsNaming([vmDir])).toEqual([]);
     await m.deleteSnapshot(REF3);
     expect(existsSync(join(storageDir(stateDir), `${REF3}.state`))).toBe(false);
     expect(existsSync(join(storageDir(stateDir), `${REF3}.mem`))).toBe(false);

@@ -146,7 +146,10 @@ export interface SandboxDriver {
    * id, a new QEMU, a new handle. A refusal before its QEMU stopped leaves `vm` running as it
    * was (`lost: false`); a failure after it leaves no VM (`lost: true` on the error's details).
    */
-  restoreKept?(vm: DriverVm, ref: string): Promise<{ vm: DriverVm; restoreMs: number; downMs: number }>;
+  restoreKept?(
+    vm: DriverVm,
+    ref: string,
+  ): Promise<{ vm: DriverVm; restoreMs: number; downMs: number; standby: boolean }>;
   /** The refs of the kept snapshots this host holds (their records, reloaded at a start). */
   keptRefs?(): Promise<string[]>;
   /** The size of VMs started from kept snapshot `ref` (its source's), for admission; none kept: undefined. */

@@ -24,7 +24,7 @@ import { listTemplates, templatesRoot } from "../../snapshot/template.ts";
 import { type SandboxVm, storageDir } from "../../snapshot/vm.ts";
 import { openChainStore } from "../../storage/chain.ts";
 import type { VmHostSettings } from "../../vm/host-settings.ts";
-import { adoptQemu, claimVm } from "../../vm/process.ts";
+import { adoptQemu, claimVm, killRecordedStandby } from "../../vm/process.ts";
 import { vmsRoot } from "../../vm/workdir.ts";
 import type { DriverVm } from "./driver.ts";
 import type { SnapshotTemplates } from "./snapshot-templates.ts";
@@ -102,6 +102,8 @@ export async function attachRunning(
   dir: string,
   pid: number,
 ): Promise<{ proc: VmProcess; guest: GuestClient }> {
+  // A standby the earlier agent had armed (snapshot/standby.ts) is nobody's now.
+  await killRecordedStandby(dir);
   const proc = await adoptQemu(pid, dir);
   const qmp = proc.qmp;
   let guest: GuestClient | undefined;

@@ -53,6 +53,7 @@ import {
 import { VM_RECORD_FILE, type VmRecord, writeVmRecord } from "../../snapshot/persist.ts";
 import { claimShmRoot, sweepOrphanShmRoots } from "../../snapshot/shm.ts";
 import { type Prelaunched, prelaunchFromTemplate, spawnFromTemplate } from "../../snapshot/spawn.ts";
+import { armStandby, dropStandbyFor } from "../../snapshot/standby.ts";
 import { pauseVm, resumeVm, suspendVm, unpauseVm } from "../../snapshot/suspend.ts";
 import { defaultShmRoot } from "../../snapshot/template.ts";
 import type { SandboxVm } from "../../snapshot/vm.ts";
@@ -321,6 +322,8 @@ export class SnapshotDriver implements SandboxDriver {
       await bestEffort(this.log, `recording VM ${l.sbx.id} on its new overlay`, saveRecord(l.sbx, l.handle));
     if (!r.ok) throw r.error;
     (await this.keptRecords()).set(ref, r.value.record);
+    // The next rollback of this VM to it takes a QEMU launched now (docs/snapshots.md).
+    armStandby(l.sbx, r.value.record);
     this.log(`kept snapshot ${ref} of ${vm.vmId}: stalled ${r.value.parentStallMs.toFixed(1)} ms`);
     return { sizeBytes: r.value.record.sizeBytes, stallMs: r.value.parentStallMs };
   }
@@ -339,7 +342,10 @@ export class SnapshotDriver implements SandboxDriver {
     return { vm, ports: n.ports };
   }
 
-  async restoreKept(vm: DriverVm, ref: string): Promise<{ vm: DriverVm; restoreMs: number; downMs: number }> {
+  async restoreKept(
+    vm: DriverVm,
+    ref: string,
+  ): Promise<{ vm: DriverVm; restoreMs: number; downMs: number; standby: boolean }> {
     const l = this.mustLive(vm);
     const record = (await this.keptRecords()).get(ref);
     if (!record) throw new SandboxdError("not_found", `snapshot ${ref} is not kept on this agent`);
@@ -372,11 +378,12 @@ export class SnapshotDriver implements SandboxDriver {
     // The old QEMU is gone (its exit was an intended one: the VM no longer points at it).
     this.live.delete(vm.vmId);
     const handle = await this.track(l.sbx, vm.templateId, vm.image, vm.size, r.value.timings.readyMs);
+    armStandby(l.sbx, record);
     const t = r.value.timings;
     this.log(
-      `rolled ${vm.vmId} back to ${ref}: ${r.value.totalMs.toFixed(0)} ms, down ${r.value.downMs.toFixed(0)} ms (launch ${t.launchMs.toFixed(0)}, load ${t.incomingMs.toFixed(0)}, hello ${t.helloMs.toFixed(0)}, identity ${t.identityMs.toFixed(0)})`,
+      `rolled ${vm.vmId} back to ${ref}${r.value.standby ? " (standby)" : ""}: ${r.value.totalMs.toFixed(0)} ms, down ${r.value.downMs.toFixed(0)} ms (launch ${t.launchMs.toFixed(0)}, load ${t.incomingMs.toFixed(0)}, hello ${t.helloMs.toFixed(0)}, identity ${t.identityMs.toFixed(0)})`,
     );
-    return { vm: handle, restoreMs: r.value.totalMs, downMs: r.value.downMs };
+    return { vm: handle, restoreMs: r.value.totalMs, downMs: r.value.downMs, standby: r.value.standby };
   }
 
   async keptSize(ref: string): Promise<VmSize | undefined> {
@@ -385,6 +392,8 @@ export class SnapshotDriver implements SandboxDriver {
 
   async dropKept(ref: string): Promise<void> {
     (await this.keptRecords()).delete(ref);
+    // Standbys for rolling back to it hold its files: they go first.
+    await Promise.all([...this.live.values()].map((l) => dropStandbyFor(l.sbx, ref)));
     await dropKept(this.stateDir, ref);
   }
 
@@ -602,6 +611,10 @@ export class SnapshotDriver implements SandboxDriver {
   detach(): void {
     this.detached = true;
     for (const l of this.live.values()) {
+      // Its standby (snapshot/standby.ts) is this process's, not the VM's: it goes.
+      void l.sbx
+        .dropStandby()
+        .catch((err) => this.log(`vm ${l.sbx.id}: dropping its standby: ${describeError(err)}`));
       // Forget the QEMU without killing it (SandboxVm.detach would kill it).
       l.sbx.process = undefined;
       l.sbx.guest?.close();
