@@ -79,6 +79,39 @@ export interface BenchResult {
    * guest answered (floorRestoreMs each): what the host allows that many VMs to come up in.
    */
   fork_children_floor_ms: number;
+  /** Kept snapshot (keep.ts keepVm) of a fresh sandbox by `fork_method`: its stall, STOP to RESUME. */
+  snapshot_stall_ms: number;
+  /** snapshot_stall_ms / fork_parent_stall_ms: a snapshot's stall beside a one-child fork's. */
+  snapshot_stall_vs_fork_stall: number;
+  /** The whole take: keepVm call to its return (capture, memory image, copy to the data disk). */
+  snapshot_ms: number;
+  /** What the data disk keeps for it (the record's sizeBytes): image and state, the disk base. */
+  snapshot_bytes: number;
+  /** Rollbacks of that sandbox to it in place (restoreInPlace), the whole call (`totalMs`). */
+  restore_in_place_ms: Summary;
+  /** Their down part (`downMs`): old QEMU stopped to the new guest answering, identity set. */
+  restore_in_place_down_ms: Summary;
+  /** The down part split as the engine times it (RestoreTimings; the standby had no launch left). */
+  restore_in_place_parts_ms: {
+    /** Device state loaded into the standby, the old QEMU's kill beside it (`incomingMs`). */
+    load: Summary;
+    /** `cont` to the guest's HELLO (`helloMs`). */
+    hello: Summary;
+    /** Entropy, clock, hostname set (`identityMs`). */
+    identity: Summary;
+  };
+  /** Rollbacks with no standby (its QEMU launched on the spot): after an agent restart, or to another snapshot. */
+  restore_in_place_cold_ms: Summary;
+  /** restore_in_place_ms.p50 / floor_restore_ms.p50. */
+  restore_in_place_vs_floor: number;
+  /** restore_in_place_down_ms.p50 / floor_restore_ms.p50. */
+  restore_in_place_down_vs_floor: number;
+  /** New VMs started from the kept snapshot (startFromKept): QEMU start to identity set (`readyMs`). */
+  from_snapshot_ms: Summary;
+  /** from_snapshot_ms.p50 / floor_restore_ms.p50. */
+  from_snapshot_vs_floor: number;
+  /** from_snapshot_ms.p50 / spawn_restore_ms.p50: from the kept image beside from the template. */
+  from_snapshot_vs_spawn_restore: number;
   /** Suspend to disk of a running sandbox (stop + full RAM save, QEMU ended). */
   suspend_ms: number;
   /** resumeVm call until the guest answered and its identity was set. */
@@ -96,6 +129,7 @@ export interface BenchResult {
     fork_parent_stall_ms: Target;
     fork_children_ms: Target;
     host_rss_per_idle_vm_mb: Target;
+    restore_in_place_ms: Target;
   };
 }
 
@@ -111,6 +145,8 @@ export const TARGETS = {
   forkChildrenBelowMs: 1000,
   /** An idle sandbox costs the host less than 40 MiB. */
   rssBelowMb: 40,
+  /** A rollback in place (restore_in_place_ms p50) under 100 ms: the product's goal for a 256 MiB guest. */
+  restoreInPlaceBelowMs: 100,
 } as const;
 
 export function target(value: number, limit: number, kind: "max" | "below"): Target {

@@ -14,6 +14,7 @@ function goal(t: Target | undefined, op: string, unit: string): string {
 export function formatTable(r: BenchResult): string {
   const m = r.host_memory_per_idle_vm_mb;
   const t = r.targets;
+  const p = r.restore_in_place_parts_ms;
   const rows: [string, string, string][] = [
     ["accelerator", `${r.accel} (${r.accel_reason})`, ""],
     ["guest", `${r.guest_mem_mib} MiB, ${r.vcpus} vCPU`, ""],
@@ -40,6 +41,33 @@ export function formatTable(r: BenchResult): string {
       goal(t.fork_children_ms, "<", " ms"),
     ],
     [`  floor: ${r.fork_children} bare restores at once`, `${r.fork_children_floor_ms} ms`, ""],
+    [
+      `kept snapshot: source stall (${r.fork_method})`,
+      `${r.snapshot_stall_ms} ms (${r.snapshot_stall_vs_fork_stall}x the fork's p50)`,
+      "",
+    ],
+    ["  the whole take", `${r.snapshot_ms} ms, ${(r.snapshot_bytes / 2 ** 20).toFixed(1)} MiB kept`, ""],
+    [
+      "restore in place (rollback)",
+      stats(r.restore_in_place_ms, "ms"),
+      goal(t.restore_in_place_ms, "p50 <", " ms"),
+    ],
+    ["  of which down", stats(r.restore_in_place_down_ms, "ms"), ""],
+    ["  cold (no standby)", stats(r.restore_in_place_cold_ms, "ms"), ""],
+    ["  down: state load", stats(p.load, "ms"), ""],
+    ["  down: cont to HELLO", stats(p.hello, "ms"), ""],
+    ["  down: identity", stats(p.identity, "ms"), ""],
+    [
+      "  rollback / floor, down / floor (p50)",
+      `${r.restore_in_place_vs_floor}x, ${r.restore_in_place_down_vs_floor}x`,
+      "",
+    ],
+    ["new VM from the snapshot (restore)", stats(r.from_snapshot_ms, "ms"), ""],
+    [
+      "  / floor, / spawn's restore (p50)",
+      `${r.from_snapshot_vs_floor}x, ${r.from_snapshot_vs_spawn_restore}x`,
+      "",
+    ],
     ["suspend to disk", `${r.suspend_ms} ms`, ""],
     ["resume", `${r.resume_ms} ms`, ""],
     [

@@ -11,6 +11,7 @@ import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { qemuPidsNaming } from "../../agent/vm/process.ts";
+import { KEPT_COLD_ROLLBACKS, KEPT_ROLLBACKS, KEPT_STARTS } from "../../bench/engine-kept.ts";
 import type { GatewayBenchResult } from "../../bench/gateway.ts";
 import { defaultForkChildren, type HttpBenchResult } from "../../bench/http.ts";
 import { parseRollup, parseSmapsFor } from "../../bench/rss.ts";
@@ -28,8 +29,9 @@ const REPO = resolve(import.meta.dir, "../..");
  */
 let DATA_DIR = "";
 /**
- * One benchmark run boots a VM, builds a template, and restores ~25 VMs under TCG on a 2-core
- * host: ~10 s here; the artifacts may have to be built first on a fresh machine. 300 s covers it.
+ * One benchmark run boots a VM, builds a template, restores ~35 VMs and keeps one snapshot under
+ * TCG on a 2-core host: ~20 s here; the artifacts may have to be built first on a fresh machine.
+ * 300 s covers it.
  */
 const BENCH_TIMEOUT_MS = 300_000;
 const scratch = mkdtempSync(join(tmpdir(), "bench-test-"));
@@ -92,7 +94,13 @@ const STATS_KEYS = [
   "fork_parent_stall_summary_ms",
   "fork_stop_copy_stall_ms",
   "fork_populate_ms",
+  "restore_in_place_ms",
+  "restore_in_place_down_ms",
+  "restore_in_place_cold_ms",
+  "from_snapshot_ms",
 ];
+/** The parts of a rollback's down time, each a summary. */
+const RESTORE_PART_KEYS = ["load", "hello", "identity"];
 const SCALAR_KEYS = [
   "guest_mem_mib",
   "vcpus",
@@ -106,6 +114,14 @@ const SCALAR_KEYS = [
   "fork_children_floor_ms",
   "suspend_ms",
   "resume_ms",
+  "snapshot_stall_ms",
+  "snapshot_stall_vs_fork_stall",
+  "snapshot_ms",
+  "snapshot_bytes",
+  "restore_in_place_vs_floor",
+  "restore_in_place_down_vs_floor",
+  "from_snapshot_vs_floor",
+  "from_snapshot_vs_spawn_restore",
   "idle_vms",
   "host_rss_per_idle_vm_mb",
   "template_ram_file_mb",
@@ -118,6 +134,7 @@ const TARGET_KEYS = [
   "fork_parent_stall_ms",
   "fork_children_ms",
   "host_rss_per_idle_vm_mb",
+  "restore_in_place_ms",
 ];
 
 /** Every number anywhere in `v`, with its path. */
@@ -160,6 +177,7 @@ describe("sandboxd bench", () => {
           ...SCALAR_KEYS,
           ...STATS_KEYS,
           "host_memory_per_idle_vm_mb",
+          "restore_in_place_parts_ms",
           "targets",
         ].sort(),
       );
@@ -168,6 +186,10 @@ describe("sandboxd bench", () => {
       for (const k of SCALAR_KEYS) expect(typeof out[k]).toBe("number");
       for (const k of STATS_KEYS) expect(Object.keys(out[k] as object).sort()).toEqual(["n", "p50", "p95"]);
       expect(Object.keys(out.host_memory_per_idle_vm_mb as object).sort()).toEqual([...MEMORY_KEYS].sort());
+      const parts = out.restore_in_place_parts_ms as Record<string, object>;
+      expect(Object.keys(parts).sort()).toEqual([...RESTORE_PART_KEYS].sort());
+      for (const k of RESTORE_PART_KEYS)
+        expect(Object.keys(parts[k] as object).sort()).toEqual(["n", "p50", "p95"]);
       const targets = out.targets as Record<string, { limit: number; value: number; pass: boolean }>;
       expect(Object.keys(targets).sort()).toEqual([...TARGET_KEYS].sort());
       for (const t of Object.values(targets)) {
@@ -187,6 +209,22 @@ describe("sandboxd bench", () => {
       expect((out.fork_parent_stall_summary_ms as { n: number }).n).toBe(3);
       expect((out.fork_stop_copy_stall_ms as { n: number }).n).toBe(3);
       expect(targets.spawn_vs_floor?.value).toBe(out.spawn_vs_floor as number);
+      // One snapshot, rolled back to KEPT_ROLLBACKS times, KEPT_STARTS VMs started from it; the
+      // ratios are to the floor of the same run.
+      expect((out.restore_in_place_ms as { n: number }).n).toBe(KEPT_ROLLBACKS);
+      expect((out.restore_in_place_down_ms as { n: number }).n).toBe(KEPT_ROLLBACKS);
+      expect((out.restore_in_place_cold_ms as { n: number }).n).toBe(KEPT_COLD_ROLLBACKS);
+      expect((parts.identity as { n: number }).n).toBe(KEPT_ROLLBACKS);
+      expect((out.from_snapshot_ms as { n: number }).n).toBe(KEPT_STARTS);
+      const p50 = (k: string) => (out[k] as { p50: number }).p50;
+      expect(out.restore_in_place_vs_floor).toBeCloseTo(
+        p50("restore_in_place_ms") / p50("floor_restore_ms"),
+        1,
+      );
+      expect(targets.restore_in_place_ms?.value).toBe(p50("restore_in_place_ms"));
+      expect(targets.restore_in_place_ms?.limit).toBe(100);
+      // The down part is inside the whole rollback.
+      expect(p50("restore_in_place_down_ms")).toBeLessThanOrEqual(p50("restore_in_place_ms"));
 
       // Every figure: a finite positive number (no NaN, no -1 "not measured").
       const nums = numbers(out);
