@@ -12,6 +12,7 @@ import type { ForkMethod } from "../agent/snapshot/fork-method.ts";
 import { dropKept, keepVm, restoreInPlace, startFromKept } from "../agent/snapshot/keep.ts";
 import { armStandby } from "../agent/snapshot/standby.ts";
 import { newVmId } from "../agent/vm/ids.ts";
+import { SandboxdError } from "../contracts/errors.ts";
 import { runTrue } from "./engine-scope.ts";
 import type { Run, Spawner } from "./engine-steps.ts";
 import { type Summary, summarize } from "./stats.ts";
@@ -71,9 +72,10 @@ export async function measureKept(run: Run, sp: Spawner, method: ForkMethod): Pr
       // timed call: a user's next rollback comes after some work in the sandbox, not within the
       // standby's ~100 ms launch (a rollback that comes sooner waits for it).
       armStandby(source, record);
-      if (!(await source.standby)) throw new Error("no standby QEMU could be launched for the rollback");
+      if (!(await source.standby))
+        throw new SandboxdError("internal", "no standby QEMU could be launched for the rollback");
       const r = unwrap(await restoreInPlace(source, record, { sameMachine: true }));
-      if (!r.standby) throw new Error("the rollback did not take its standby");
+      if (!r.standby) throw new SandboxdError("internal", "the rollback did not take its standby");
       await runTrue(source, run.config);
       if (i === 0) continue;
       totals.push(r.totalMs);

@@ -22,13 +22,22 @@ import { openChainStore } from "../storage/chain.ts";
 import { createOverlayOn } from "../storage/qcow2.ts";
 import { forgetStandby } from "../vm/process.ts";
 import { launchDir, otherSlot } from "../vm/slots.ts";
-import type { KeptRecord } from "./keep.ts";
+import { SnapshotError } from "./errors.ts";
 import { launchRestoreTarget, SandboxVm, type StandbyQemu, storageDir } from "./vm.ts";
 
+/** What a standby restores: a kept snapshot's files (keep.ts `KeptRecord` has them). */
+export interface StandbyTarget {
+  ref: string;
+  version: 1 | 2;
+  base: string;
+  memPath: string;
+  statePath: string;
+}
+
 /** Launches a standby for rolling `vm` back to `record`; throws when it cannot (nothing is left). */
-export async function launchStandby(vm: SandboxVm, record: KeptRecord): Promise<StandbyQemu> {
+export async function launchStandby(vm: SandboxVm, record: StandbyTarget): Promise<StandbyQemu> {
   const running = vm.process;
-  if (!running) throw new Error(`VM ${vm.id} has no QEMU to stand beside`);
+  if (!running) throw new SnapshotError("invalid_state", `VM ${vm.id} has no QEMU to stand beside`);
   const s = vm.shape;
   const tag = randomBytes(4).toString("hex");
   const holder = `standby:${vm.id}:${tag}`;
@@ -82,11 +91,12 @@ export async function launchStandby(vm: SandboxVm, record: KeptRecord): Promise<
  * Arms a standby of `vm` for `record` in the background (replacing the one it has): the caller's
  * answer does not wait for it. A failure is logged and leaves none (the next rollback is cold).
  */
-export function armStandby(vm: SandboxVm, record: KeptRecord): void {
+export function armStandby(vm: SandboxVm, record: StandbyTarget): void {
   const previous = vm.standby;
   const live = () => vm.state === "running" || vm.state === "paused" || vm.state === "forking";
   let next: Promise<StandbyQemu | undefined> | undefined;
   next = (async () => {
+    // A standby that failed to launch left nothing to discard (launchStandby cleans up after itself).
     const old = await previous?.catch(() => undefined);
     await old?.discard();
     if (!live()) return undefined;
@@ -113,6 +123,7 @@ export function armStandby(vm: SandboxVm, record: KeptRecord): void {
 export async function takeStandby(vm: SandboxVm, ref: string): Promise<StandbyQemu | undefined> {
   const pending = vm.standby;
   vm.standby = undefined;
+  // A standby that failed to launch left nothing to discard (launchStandby cleans up after itself).
   const standby = await pending?.catch(() => undefined);
   if (!standby) return undefined;
   if (standby.ref === ref && standby.process.isAlive()) return standby;
