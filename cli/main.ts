@@ -83,13 +83,15 @@ commands:
   variable (flag first, then environment, then --config FILE: JSON or KEY=VALUE lines with the
   environment names), e.g. --session-idle-ttl S / SANDBOXD_SESSION_IDLE_TTL; the list with
   defaults is in the README ("Operator settings"); an invalid value exits 2
-  sbx create|ls|info|exec|cp|shell|fork|suspend|resume|rm [ARGS...] [--json]
+  sbx create|ls|info|exec|cp|shell|fork|suspend|resume|rm|snapshot|snapshots|snapshot-rm|restore|
+      timeout|egress [ARGS...] [--json]
   template ls|bake|rm [ARGS...] [--json]
         the client: sandboxes and templates on any sandboxd server ($SANDBOXD_URL or --url,
         default http://127.0.0.1:8080) with an API key ($SANDBOXD_API_KEY or --api-key), through
         the TypeScript SDK. sbx exec streams the command's output and exits with its exit code;
         sbx shell is an interactive terminal; sbx cp copies files both ways (ID:/path, - for
-        stdin/stdout). Each has --help; exit 2 on a usage error, 1 when the server refuses
+        stdin/stdout); sbx snapshot keeps a sandbox's state, sbx restore rolls one back to it.
+        Each has --help; exit 2 on a usage error, 1 when the server refuses
         (printed as code: message)
   bun ARGS...
         run the Bun this launcher installed (the repository's tools, e.g.

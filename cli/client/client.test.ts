@@ -91,6 +91,23 @@ describe("usage errors exit 2 with one short line, before any server is asked", 
     ["sbx create -t py --label novalue", /--label takes KEY=VALUE/],
     ["sbx create -t py --vcpus 0", /--vcpus must be an integer from 1 to 64/],
     ["sbx create -t py --memory 32", /--memory must be an integer from 64 to 65536/],
+    ["sbx create -t py --snapshot snap_a", /--template and --snapshot exclude each other/],
+    ["sbx create -t py --timeout 0", /--timeout must be an integer from 1 to 2592000/],
+    ["sbx create -t py --on-timeout nap", /--on-timeout is suspend or delete/],
+    ["sbx snapshot", /missing ID/],
+    ["sbx snapshot sbx_a --label novalue", /--label takes KEY=VALUE/],
+    ["sbx snapshots --label k=v", /--label takes KEY:VALUE, got k=v/],
+    ["sbx snapshots --state gone", /--state is one of creating, ready, failed, lost, got gone/],
+    ["sbx snapshots --limit 0", /--limit must be an integer from 1/],
+    ["sbx snapshots extra", /unexpected argument extra/],
+    ["sbx snapshot-rm", /missing SNAP/],
+    ["sbx restore sbx_a", /missing SNAP/],
+    ["sbx restore sbx_a snap_a snap_b", /unexpected argument snap_b/],
+    ["sbx timeout sbx_a", /missing SECONDS/],
+    ["sbx timeout sbx_a 1h", /SECONDS must be an integer from 1 to 2592000, got 1h/],
+    ["sbx timeout sbx_a 2592001", /SECONDS must be an integer/],
+    ["sbx timeout sbx_a 60 --on-timeout nap", /--on-timeout is suspend or delete/],
+    ["sbx egress", /missing ID/],
     ["template bake web reg/web:1 --size 2", /--size is VCPUSxMIB/],
     ["template bake web reg/web:1 --size 0x512", /--size is VCPUSxMIB/],
     ["sbx info", /missing ID/],
@@ -117,7 +134,7 @@ describe("usage errors exit 2 with one short line, before any server is asked", 
       expect(r.code).toBe(2);
       expect(r.stdout).toBe("");
       expect(r.stderr).toMatch(msg);
-      expect(r.stderr).toMatch(/\(see sandboxd (sbx|template)( \w+)? --help\)\n$/);
+      expect(r.stderr).toMatch(/\(see sandboxd (sbx|template)( [\w-]+)? --help\)\n$/);
       expect(r.stderr.split("\n").length).toBe(2);
     });
   }
@@ -146,7 +163,9 @@ describe("usage errors exit 2 with one short line, before any server is asked", 
     expect(bad.status).toBe(2);
     expect(bad.stderr).toContain("sandboxd template ls: unknown option '--nope'");
     const top = spawnSync(bin, ["help"], { encoding: "utf8" });
-    expect(top.stdout).toContain("sbx create|ls|info|exec|cp|shell|fork|suspend|resume|rm");
+    expect(top.stdout).toContain(
+      "sbx create|ls|info|exec|cp|shell|fork|suspend|resume|rm|snapshot|snapshots|",
+    );
   });
 });
 

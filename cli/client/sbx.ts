@@ -7,18 +7,25 @@ import {
   MAX_EXEC_TIMEOUT_S,
   MAX_FORK_COUNT,
   MAX_IDLE_TIMEOUT_S,
+  MAX_LIST_LIMIT,
   MAX_MEM_MIB,
+  MAX_SANDBOX_TIMEOUT_S,
   MAX_VCPUS,
   MIN_MEM_MIB,
   MIN_VCPUS,
 } from "../../contracts/api/limits.ts";
-import type { ExecOptions, Sandbox } from "../../sdk/typescript/src/index.ts";
+import type {
+  ExecOptions,
+  Sandbox,
+  SnapshotInfo,
+  SnapshotListOptions,
+} from "../../sdk/typescript/src/index.ts";
 import { type CommandSpec, flag, intOpt, list, type Parsed, pairs, str, UsageError } from "./args.ts";
 import { clientOf } from "./connect.ts";
 import type { Ctx, Handler } from "./context.ts";
 import { copy } from "./cp.ts";
 import { parseCopy } from "./cp-args.ts";
-import { duration, json, keyValues, table } from "./output.ts";
+import { bytes, duration, json, keyValues, table } from "./output.ts";
 import { shellJoin } from "./shell-words.ts";
 import { attach, localSize } from "./terminal.ts";
 
@@ -26,23 +33,35 @@ function idOf(p: Parsed): string {
   return p.positionals[0]!;
 }
 
+/** An option that is `suspend` or `delete` (what happens at a deadline), or undefined when absent. */
+function actionOpt(p: Parsed, spec: CommandSpec, name: string): "suspend" | "delete" | undefined {
+  const v = str(p, name);
+  if (v !== undefined && v !== "suspend" && v !== "delete") {
+    throw new UsageError(`--${name} is suspend or delete, got ${v}`, spec.name);
+  }
+  return v;
+}
+
 const create: Handler = async (p, spec, ctx) => {
   const template = str(p, "template");
-  if (!template) throw new UsageError("missing --template ID", spec.name);
-  const action = str(p, "idle-action");
-  if (action !== undefined && action !== "suspend" && action !== "delete") {
-    throw new UsageError(`--idle-action is suspend or delete, got ${action}`, spec.name);
-  }
+  const snapshot = str(p, "snapshot");
+  if (!template && !snapshot) throw new UsageError("missing --template ID or --snapshot SNAP", spec.name);
+  if (template && snapshot) throw new UsageError("--template and --snapshot exclude each other", spec.name);
+  const action = actionOpt(p, spec, "idle-action");
+  const onTimeout = actionOpt(p, spec, "on-timeout");
   const egress = list(p, "egress");
   const idle = intOpt(p, spec, "idle-timeout", 1, MAX_IDLE_TIMEOUT_S);
+  const timeout = intOpt(p, spec, "timeout", 1, MAX_SANDBOX_TIMEOUT_S);
   const vcpus = intOpt(p, spec, "vcpus", MIN_VCPUS, MAX_VCPUS);
   const memoryMib = intOpt(p, spec, "memory", MIN_MEM_MIB, MAX_MEM_MIB);
   const sbx = await clientOf(p, spec, ctx).sandboxes.create({
-    template,
+    ...(template ? { template } : { snapshot }),
     labels: pairs(p, spec, "label"),
     ...(egress.length > 0 ? { egress: { allow: egress } } : {}),
     ...(idle !== undefined ? { idleTimeoutSeconds: idle } : {}),
     ...(action !== undefined ? { idleAction: action } : {}),
+    ...(timeout !== undefined ? { timeoutSeconds: timeout } : {}),
+    ...(onTimeout !== undefined ? { onTimeout } : {}),
     ...(vcpus !== undefined ? { vcpus } : {}),
     ...(memoryMib !== undefined ? { memoryMib } : {}),
   });
@@ -86,6 +105,10 @@ const info: Handler = async (p, spec, ctx) => {
       idle_timeout:
         i.idle_timeout_seconds !== undefined
           ? `${i.idle_timeout_seconds}s, then ${i.idle_action}`
+          : undefined,
+      timeout:
+        i.timeout_seconds !== undefined
+          ? `${i.timeout_seconds}s, then ${i.on_timeout}${i.expires_at ? ` at ${i.expires_at}` : ""}`
           : undefined,
     })}\n`,
   );
@@ -194,6 +217,137 @@ const rm: Handler = async (p, spec: CommandSpec, ctx) => {
   return 0;
 };
 
+/** A snapshot as `key: value` lines (what `sbx snapshot` prints). */
+function snapshotText(s: SnapshotInfo): string {
+  return keyValues({
+    id: s.id,
+    state: s.state,
+    name: s.name,
+    source: s.source_sandbox,
+    template: s.template,
+    size: bytes(s.size_bytes),
+    labels: s.labels,
+    created: s.created_at,
+    error: s.error,
+  });
+}
+
+const snapshot: Handler = async (p, spec, ctx) => {
+  const name = str(p, "name");
+  const labels = pairs(p, spec, "label");
+  const snap = await clientOf(p, spec, ctx)
+    .sandboxes.ref(idOf(p))
+    .snapshot({ ...(name !== undefined ? { name } : {}), ...(labels ? { labels } : {}) });
+  ctx.stdout.write(flag(p, "json") ? `${json(snap)}\n` : `${snapshotText(snap)}\n`);
+  return 0;
+};
+
+type SnapshotState = NonNullable<SnapshotListOptions["state"]>;
+/** The states `--state` takes: the SDK's filter type checks this list against the API's. */
+const SNAPSHOT_STATES: readonly SnapshotState[] = ["creating", "ready", "failed", "lost"];
+/**
+ * The most `sbx snapshots --limit` takes: a bound on the rows held in memory, far above a tenant's
+ * cap of kept snapshots (500 for enterprise) plus the failed and lost ones it has not deleted.
+ */
+const MAX_SNAPSHOTS_SHOWN = 100_000;
+
+const snapshots: Handler = async (p, spec, ctx) => {
+  const labels: Record<string, string> = {};
+  for (const w of list(p, "label")) {
+    const colon = w.indexOf(":");
+    if (colon <= 0) throw new UsageError(`--label takes KEY:VALUE, got ${w}`, spec.name);
+    labels[w.slice(0, colon)] = w.slice(colon + 1);
+  }
+  const state = str(p, "state");
+  if (state !== undefined && !(SNAPSHOT_STATES as readonly string[]).includes(state)) {
+    throw new UsageError(`--state is one of ${SNAPSHOT_STATES.join(", ")}, got ${state}`, spec.name);
+  }
+  const limit = intOpt(p, spec, "limit", 1, MAX_SNAPSHOTS_SHOWN);
+  const sandbox = str(p, "sandbox");
+  const template = str(p, "template");
+  const all: SnapshotInfo[] = [];
+  // Every page (the SDK follows next_cursor), or pages until `limit` rows are in.
+  for await (const page of clientOf(p, spec, ctx).snapshots.pages({
+    labels,
+    ...(state !== undefined ? { state: state as SnapshotState } : {}),
+    ...(sandbox !== undefined ? { sourceSandbox: sandbox } : {}),
+    ...(template !== undefined ? { template } : {}),
+    ...(limit !== undefined ? { limit: Math.min(limit, MAX_LIST_LIMIT) } : {}),
+  })) {
+    all.push(...page.items);
+    if (limit !== undefined && all.length >= limit) break;
+  }
+  const shown = limit === undefined ? all : all.slice(0, limit);
+  if (flag(p, "json")) {
+    ctx.stdout.write(`${json(shown)}\n`);
+    return 0;
+  }
+  ctx.stdout.write(
+    `${table(
+      ["ID", "NAME", "STATE", "SIZE", "SOURCE", "TEMPLATE", "CREATED"],
+      shown.map((s) => [
+        s.id,
+        s.name ?? "-",
+        s.state,
+        bytes(s.size_bytes),
+        s.source_sandbox,
+        s.template,
+        s.created_at,
+      ]),
+    )}\n`,
+  );
+  return 0;
+};
+
+/** Deletes each snapshot in turn; the first refusal stops the rest (its id is in the message). */
+const snapshotRm: Handler = async (p, spec, ctx) => {
+  const client = clientOf(p, spec, ctx);
+  for (const id of p.positionals) {
+    await client.snapshots.delete(id);
+    ctx.stdout.write(`${id}\n`);
+  }
+  return 0;
+};
+
+const restore: Handler = async (p, spec, ctx) => {
+  const r = await clientOf(p, spec, ctx).sandboxes.ref(idOf(p)).restore(p.positionals[1]!);
+  ctx.stdout.write(
+    flag(p, "json")
+      ? `${json(r)}\n`
+      : `${r.id} restored to ${r.snapshot} in ${r.restore_ms} ms (down ${r.down_ms} ms)\n`,
+  );
+  return 0;
+};
+
+const timeout: Handler = async (p, spec, ctx) => {
+  const words = p.positionals[1]!;
+  const seconds = Number(words);
+  if (!/^\d+$/.test(words) || seconds < 1 || seconds > MAX_SANDBOX_TIMEOUT_S) {
+    throw new UsageError(
+      `SECONDS must be an integer from 1 to ${MAX_SANDBOX_TIMEOUT_S}, got ${words}`,
+      spec.name,
+    );
+  }
+  const onTimeout = actionOpt(p, spec, "on-timeout");
+  const r = await clientOf(p, spec, ctx).sandboxes.ref(idOf(p)).setTimeout(seconds, onTimeout);
+  ctx.stdout.write(
+    flag(p, "json")
+      ? `${json(r)}\n`
+      : `${r.id} ${r.on_timeout} after ${r.timeout_seconds}s${r.expires_at ? ` at ${r.expires_at}` : ""}\n`,
+  );
+  return 0;
+};
+
+const egress: Handler = async (p, spec, ctx) => {
+  const r = await clientOf(p, spec, ctx).sandboxes.ref(idOf(p)).setEgress(p.positionals.slice(1));
+  ctx.stdout.write(
+    flag(p, "json")
+      ? `${json(r)}\n`
+      : `${r.id} egress ${r.egress.allow.length > 0 ? r.egress.allow.join(" ") : "denied"}\n`,
+  );
+  return 0;
+};
+
 export const SBX: Record<string, Handler> = {
   create,
   ls,
@@ -205,4 +359,10 @@ export const SBX: Record<string, Handler> = {
   suspend: stateChange("suspend"),
   resume: stateChange("resume"),
   rm,
+  snapshot,
+  snapshots,
+  "snapshot-rm": snapshotRm,
+  restore,
+  timeout,
+  egress,
 };

@@ -3,7 +3,11 @@
  * The handlers (sbx.ts, template.ts, cp.ts) parse with these specs, so a command's `--help` is
  * always what its parser accepts.
  */
-import { DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S } from "../../contracts/api/limits.ts";
+import {
+  DEFAULT_EXEC_TIMEOUT_S,
+  MAX_EXEC_TIMEOUT_S,
+  MAX_SANDBOX_TIMEOUT_S,
+} from "../../contracts/api/limits.ts";
 import type { CommandSpec, OptionSpec } from "./args.ts";
 
 const JSON_OPT: OptionSpec = { type: "boolean", help: "print the API's JSON instead of text" };
@@ -11,10 +15,15 @@ const JSON_OPT: OptionSpec = { type: "boolean", help: "print the API's JSON inst
 export const SBX_SPECS: Record<string, CommandSpec> = {
   create: {
     name: "sbx create",
-    usage: "--template ID [options]",
-    summary: "Create a sandbox from a template and print its id.",
+    usage: "--template ID | --snapshot SNAP [options]",
+    summary: "Create a sandbox from a template or a snapshot and print its id.",
     options: {
-      template: { type: "string", short: "t", arg: "ID", help: "the template to start from (required)" },
+      template: { type: "string", short: "t", arg: "ID", help: "the template to start from" },
+      snapshot: {
+        type: "string",
+        arg: "SNAP",
+        help: "a ready snapshot to start from instead (its processes, memory and files)",
+      },
       label: { type: "string", multiple: true, arg: "K=V", help: "a label on the sandbox" },
       egress: {
         type: "string",
@@ -28,6 +37,12 @@ export const SBX_SPECS: Record<string, CommandSpec> = {
         help: "act on the sandbox after this long without use",
       },
       "idle-action": { type: "string", arg: "ACTION", help: "suspend (default) or delete" },
+      timeout: {
+        type: "string",
+        arg: "SECONDS",
+        help: `an absolute lifetime from now (at most ${MAX_SANDBOX_TIMEOUT_S})`,
+      },
+      "on-timeout": { type: "string", arg: "ACTION", help: "at --timeout: delete (default) or suspend" },
       vcpus: { type: "string", arg: "N", help: "vCPUs: one of the template's size classes" },
       memory: { type: "string", arg: "MIB", help: "guest RAM in MiB: one of the template's size classes" },
       json: JSON_OPT,
@@ -132,6 +147,73 @@ export const SBX_SPECS: Record<string, CommandSpec> = {
     summary: "Destroy sandboxes; prints each id as it goes.",
     options: {},
     positionals: ["ID..."],
+    minPositionals: 1,
+  },
+  snapshot: {
+    name: "sbx snapshot",
+    usage: "ID [--name N] [--label K=V]... [--json]",
+    summary: "Keep a running sandbox's memory and disk as a snapshot (it runs on); prints the snapshot.",
+    options: {
+      name: { type: "string", arg: "NAME", help: "a name for the snapshot" },
+      label: { type: "string", multiple: true, arg: "K=V", help: "a label on the snapshot" },
+      json: JSON_OPT,
+    },
+    positionals: ["ID"],
+  },
+  snapshots: {
+    name: "sbx snapshots",
+    usage: "[--label K:V]... [--state S] [--sandbox ID] [--template T] [--limit N] [--json]",
+    summary: "List your snapshots, newest first: every page, or the first N.",
+    options: {
+      label: { type: "string", multiple: true, arg: "K:V", help: "only snapshots with this label" },
+      state: { type: "string", arg: "STATE", help: "only creating, ready, failed or lost ones" },
+      sandbox: { type: "string", arg: "ID", help: "only snapshots taken of this sandbox" },
+      template: { type: "string", arg: "ID", help: "only snapshots of this template" },
+      limit: { type: "string", arg: "N", help: "at most N snapshots (default: all)" },
+      json: JSON_OPT,
+    },
+    positionals: [],
+  },
+  "snapshot-rm": {
+    name: "sbx snapshot-rm",
+    usage: "SNAP...",
+    summary: "Delete snapshots (sandboxes started from them run on); prints each id as it goes.",
+    options: {},
+    positionals: ["SNAP..."],
+    minPositionals: 1,
+  },
+  restore: {
+    name: "sbx restore",
+    usage: "ID SNAP [--json]",
+    summary: "Roll a running sandbox back to a snapshot in place (same id); prints the times it took.",
+    details: [
+      "The snapshot must be of the sandbox's template and size and kept on its host. Open terminals,",
+      "connect URLs and background processes end: they lived in the memory replaced.",
+    ].join("\n"),
+    options: { json: JSON_OPT },
+    positionals: ["ID", "SNAP"],
+  },
+  timeout: {
+    name: "sbx timeout",
+    usage: "ID SECONDS [--on-timeout ACTION] [--json]",
+    summary: "Give a sandbox a new absolute lifetime, counted from now.",
+    options: {
+      "on-timeout": {
+        type: "string",
+        arg: "ACTION",
+        help: "delete or suspend (default: the sandbox's own, else delete)",
+      },
+      json: JSON_OPT,
+    },
+    positionals: ["ID", "SECONDS"],
+  },
+  egress: {
+    name: "sbx egress",
+    usage: "ID [HOST...] [--json]",
+    summary: "Replace a sandbox's egress allow-list; no HOST denies all.",
+    details: "Open connections the new list no longer allows are closed.",
+    options: { json: JSON_OPT },
+    positionals: ["ID", "HOST..."],
     minPositionals: 1,
   },
 };
