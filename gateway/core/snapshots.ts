@@ -23,7 +23,13 @@ import type { Principal } from "../auth/keys.ts";
 import type { Deps } from "../deps.ts";
 import { newSnapshotId } from "../ids.ts";
 import { beforePosition, cursorKey, decodeCursor, encodeCursor, filtersDigest, pageOf } from "./paging.ts";
-import { type IdleLifetime, markFailed, markStarted, reserve } from "./sandboxes/create.ts";
+import {
+  type AbsoluteLifetime,
+  type IdleLifetime,
+  markFailed,
+  markStarted,
+  reserve,
+} from "./sandboxes/create.ts";
 import { beginActivity, endActivity } from "./sandboxes/exec.ts";
 import { agentOf, getOwned, inTermsOf, requireAllowed, type SandboxRow } from "./sandboxes/records.ts";
 import { checkSnapshotSize, type SizeWish } from "./sizes.ts";
@@ -265,6 +271,8 @@ export interface FromSnapshotInput {
   labels: Record<string, string>;
   egressAllow?: string[];
   idle?: IdleLifetime;
+  /** `timeout_seconds`/`on_timeout` of the create, counted from it as for a create from a template. */
+  lifetime?: AbsoluteLifetime;
   /** A size asked for: only the snapshot's own is allowed (docs/templates.md "Size classes"). */
   size?: SizeWish;
 }
@@ -296,6 +304,7 @@ export async function createFromSnapshot(
   const template = tpl ?? { pk: snap.templatePk, id: snap.templateId };
   const item: Parameters<typeof reserve>[4][number] = { labels: input.labels, snapshotId: snap.id };
   if (input.idle !== undefined) item.idle = input.idle;
+  if (input.lifetime !== undefined) item.lifetime = input.lifetime;
   const [id] = await reserve(deps, p, "sandbox", template, [item], snap.agentId);
   let vm: CreatedVm;
   try {

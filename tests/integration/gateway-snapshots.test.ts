@@ -126,6 +126,19 @@ describe("snapshots through the gateway", () => {
     expect((await h.req("DELETE", `/v1/snapshots/${id}`, { key: pro })).status).toBe(200);
   });
 
+  test("a sandbox from a snapshot has the absolute lifetime its create asked for", async () => {
+    const src = (await newSandbox()).id as string;
+    const snap = await json(await snapshot(src));
+    const kid = (await newSandbox(pro, { snapshot: snap.id, timeout_seconds: 600, on_timeout: "suspend" }))
+      .id as string;
+    const info = await json(await h.req("GET", `/v1/sandboxes/${kid}`, { key: pro }));
+    expect(info).toMatchObject({ timeout_seconds: 600, on_timeout: "suspend" });
+    expect(Date.parse(info.expires_at as string) - h.now.ms).toBe(600_000);
+    for (const id of [kid, src])
+      expect((await h.req("DELETE", `/v1/sandboxes/${id}`, { key: pro })).status).toBe(200);
+    expect((await h.req("DELETE", `/v1/snapshots/${snap.id}`, { key: pro })).status).toBe(200);
+  });
+
   test("the cap: a third kept snapshot is 429; a delete makes room; a failed one does not count", async () => {
     const src = (await newSandbox()).id as string;
     const a = await json(await snapshot(src, { name: "a" }));
