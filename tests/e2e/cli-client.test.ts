@@ -5,7 +5,10 @@
  * busybox image in a real registry on loopback; create, ls/info with --json, exec (the command's
  * exit code passed through, its output streamed while it runs), cp both ways byte-exact (files and
  * stdin/stdout), fork, suspend/resume, rm and the server's refusal printed as `code: message`
- * (exit 1); every subcommand's --help and usage errors (exit 2); and `sbx shell` in a real
+ * (exit 1); snapshots (take, list with filters and --limit, restore in place with the file written
+ * after it rolled back, create from one, delete) with the server's 404 (unknown snapshot), 409 (a
+ * suspended sandbox, a snapshot of another template) and 400 (another size); timeout and egress;
+ * every subcommand's --help and usage errors (exit 2); and `sbx shell` in a real
  * terminal (tmux): `echo $((6*7))` shows 42, a window resize reaches the shell, and the terminal is
  * back in cooked mode after `exit`; on a terminal an upload, a download and a bake end with their
  * progress line on stderr (piped, the cp test sees none).
@@ -257,10 +260,150 @@ describe("sandboxd sbx / template against the real service", () => {
   );
 
   test(
+    "snapshot, snapshots, restore in place, create --snapshot, snapshot-rm; the server's 404, 409 and 400",
+    async () => {
+      await ok(["sbx", "exec", id, "echo before > /tmp/mark"]);
+      const snap = JSON.parse(
+        await ok(["sbx", "snapshot", id, "--name", "cli-snap", "--label", "k=v", "--json"]),
+      ) as { id: string };
+      expect(snap).toMatchObject({
+        state: "ready",
+        source_sandbox: id,
+        template: TEMPLATE,
+        name: "cli-snap",
+        labels: { k: "v" },
+      });
+      expect(snap.id).toMatch(/^snap_/);
+      // Text form: key: value lines.
+      const text = await ok(["sbx", "snapshot", id]);
+      expect(text).toMatch(new RegExp(`^source:\\s+${id}$`, "m"));
+      expect(text).toMatch(/^state:\s+ready$/m);
+      expect(text).toMatch(/^size:\s+[0-9.]+ (B|KiB|MiB|GiB)$/m);
+      const second = /^id:\s+(snap_\S+)$/m.exec(text)?.[1];
+      expect(second).toBeDefined();
+
+      // Listing: newest first, filtered as the API filters, cut at --limit.
+      const all = JSON.parse(await ok(["sbx", "snapshots", "--json"])) as { id: string }[];
+      expect(all.map((s) => s.id)).toEqual([second!, snap.id]);
+      const one = JSON.parse(await ok(["sbx", "snapshots", "--limit", "1", "--json"])) as { id: string }[];
+      expect(one.map((s) => s.id)).toEqual([second!]);
+      const labelled = JSON.parse(await ok(["sbx", "snapshots", "--label", "k:v", "--json"])) as {
+        id: string;
+      }[];
+      expect(labelled.map((s) => s.id)).toEqual([snap.id]);
+      expect(JSON.parse(await ok(["sbx", "snapshots", "--state", "failed", "--json"]))).toEqual([]);
+      const table = await ok(["sbx", "snapshots", "--sandbox", id]);
+      expect(table).toMatch(/^ID\s+NAME\s+STATE\s+SIZE\s+SOURCE\s+TEMPLATE\s+CREATED\n/);
+      expect(table).toMatch(
+        new RegExp(`^${snap.id}\\s+cli-snap\\s+ready\\s+[0-9.]+ \\w+\\s+${id}\\s+${TEMPLATE}\\s`, "m"),
+      );
+
+      // Restore in place: the file written after the snapshot is as it was.
+      await ok(["sbx", "exec", id, "echo after > /tmp/mark"]);
+      expect(await ok(["sbx", "restore", id, snap.id])).toMatch(
+        new RegExp(`^${id} restored to ${snap.id} in [0-9.]+ ms \\(down [0-9.]+ ms\\)\\n$`),
+      );
+      expect(await ok(["sbx", "exec", id, "cat /tmp/mark"])).toBe("before\n");
+      const restored = JSON.parse(await ok(["sbx", "restore", id, second!, "--json"]));
+      expect(restored).toMatchObject({ id, state: "running", snapshot: second });
+      expect(restored.restore_ms).toBeGreaterThan(0);
+
+      // A new sandbox from the snapshot, with an absolute lifetime.
+      const kid = (
+        await ok(["sbx", "create", "--snapshot", snap.id, "--timeout", "600", "--on-timeout", "suspend"])
+      ).trim();
+      live.add(kid);
+      expect(await ok(["sbx", "exec", kid, "cat /tmp/mark"])).toBe("before\n");
+      expect(JSON.parse(await ok(["sbx", "info", kid, "--json"]))).toMatchObject({
+        template: TEMPLATE,
+        timeout_seconds: 600,
+        on_timeout: "suspend",
+      });
+
+      // The server's refusals, as code: message with exit 1.
+      const refused = async (args: string[], code: RegExp) => {
+        const r = await cli(args);
+        expect(`${args.join(" ")}: ${r.code} ${r.stderr}`).toMatch(new RegExp(`: 1 ${code.source}`));
+        expect(r.stdout.length).toBe(0);
+      };
+      await refused(["sbx", "restore", id, "snap_nosuchsnapshot"], /not_found: /);
+      await refused(["sbx", "create", "--snapshot", "snap_nosuchsnapshot"], /not_found: /);
+      await refused(["sbx", "create", "--snapshot", snap.id, "--vcpus", "2"], /size_unavailable: /);
+      expect(await ok(["sbx", "suspend", kid])).toBe(`${kid} suspended\n`);
+      await refused(["sbx", "restore", kid, snap.id], /conflict: /);
+      expect(await ok(["sbx", "rm", kid])).toBe(`${kid}\n`);
+      live.delete(kid);
+
+      // A snapshot of another template cannot be restored into this sandbox: 409 saying so.
+      const other = `${TEMPLATE}-2`;
+      expect(await ok(["template", "bake", other, `${registry().host}/cli/bb:1`])).toBe(`${other} Live\n`);
+      const foreign = (await ok(["sbx", "create", "--template", other])).trim();
+      live.add(foreign);
+      const foreignSnap = JSON.parse(await ok(["sbx", "snapshot", foreign, "--json"])).id as string;
+      await refused(["sbx", "restore", id, foreignSnap], /conflict: .*template/);
+      expect(await ok(["sbx", "rm", foreign])).toBe(`${foreign}\n`);
+      live.delete(foreign);
+
+      expect(await ok(["sbx", "snapshot-rm", snap.id, second!, foreignSnap])).toBe(
+        `${snap.id}\n${second}\n${foreignSnap}\n`,
+      );
+      expect(JSON.parse(await ok(["sbx", "snapshots", "--json"]))).toEqual([]);
+      await refused(["sbx", "snapshot-rm", snap.id], /not_found: /);
+      expect(await ok(["template", "rm", other])).toBe(`${other}\n`);
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "timeout sets a new lifetime; egress replaces the allow-list, none denies all",
+    async () => {
+      expect(await ok(["sbx", "timeout", id, "3600", "--on-timeout", "suspend"])).toMatch(
+        new RegExp(`^${id} suspend after 3600s at \\S+\\n$`),
+      );
+      const info = JSON.parse(await ok(["sbx", "info", id, "--json"]));
+      expect(info).toMatchObject({ timeout_seconds: 3600, on_timeout: "suspend" });
+      expect(await ok(["sbx", "info", id])).toMatch(/^timeout:\s+3600s, then suspend at \S+$/m);
+      const set = JSON.parse(await ok(["sbx", "timeout", id, "7200", "--json"]));
+      // The sandbox's own action is kept when --on-timeout is absent.
+      expect(set).toMatchObject({ id, timeout_seconds: 7200, on_timeout: "suspend" });
+
+      expect(await ok(["sbx", "egress", id, "example.com", "*.example.org"])).toBe(
+        `${id} egress example.com *.example.org\n`,
+      );
+      expect(await ok(["sbx", "egress", id])).toBe(`${id} egress denied\n`);
+      expect(JSON.parse(await ok(["sbx", "egress", id, "--json"]))).toEqual({ id, egress: { allow: [] } });
+      const bad = await cli(["sbx", "egress", id, "not a host"]);
+      expect(bad.code).toBe(1);
+      expect(bad.stderr).toMatch(/^bad_request: /);
+      const gone = await cli(["sbx", "timeout", "sbx_nosuchsandbox", "60"]);
+      expect(gone.code).toBe(1);
+      expect(gone.stderr).toMatch(/^not_found: /);
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
     "usage errors exit 2 and every subcommand has --help, through bin/sandboxd",
     async () => {
       const subs = {
-        sbx: ["create", "ls", "info", "exec", "cp", "shell", "fork", "suspend", "resume", "rm"],
+        sbx: [
+          "create",
+          "ls",
+          "info",
+          "exec",
+          "cp",
+          "shell",
+          "fork",
+          "suspend",
+          "resume",
+          "rm",
+          "snapshot",
+          "snapshots",
+          "snapshot-rm",
+          "restore",
+          "timeout",
+          "egress",
+        ],
         template: ["ls", "bake", "rm"],
       };
       for (const [group, names] of Object.entries(subs)) {
