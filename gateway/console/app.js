@@ -1,11 +1,12 @@
 /**
  * The web console: asks once for an API key (kept in this tab's sessionStorage, sent only as
  * `Authorization: Bearer` and, for terminals, as a WebSocket subprotocol), then shows the
- * tenant's sandboxes, templates with their bake progress, usage by day, a sandbox's live metrics,
- * and opens terminals.
+ * tenant's sandboxes, their snapshots, templates with their bake progress, usage by day, a
+ * sandbox's live metrics, and opens terminals. A sandbox can be snapshotted and rolled back to a
+ * snapshot in place; a snapshot can be deleted or started as a new sandbox.
  * Every value from the API is rendered as text (dom.js), never as markup.
  *
- * A sandboxes API key (demo, pro, enterprise) sees everything; fork needs pro or better. A sessions API key
+ * A sandboxes API key (demo, pro, enterprise) sees everything; fork and snapshots need pro or better. A sessions API key
  * (live, scale) has no sandboxes or usage in this API: the console lists its templates and says so.
  */
 import { ApiError, apiFor, mapLimited } from "./api.js";
@@ -31,6 +32,7 @@ let key;
 let terminal;
 let bakePoll;
 let metricsView;
+let restoreView;
 
 function status(text, isError = false) {
   const node = $("status");
@@ -60,36 +62,38 @@ async function start(k) {
   $("refresh").hidden = false;
   // A previous key's view (a sessions API key hides what it cannot see) does not carry over.
   $("notice").hidden = true;
-  for (const id of ["sandboxes-section", "usage-section"]) $(id).hidden = false;
+  for (const id of ["sandboxes-section", "snapshots-section", "usage-section"]) $(id).hidden = false;
   // The key's tier is its second part (svc_<tier>_...), its secret the last: the rest is shown so
   // the user knows which key is in use (svc_<tier>[_<region>]_<id>).
   $("whoami").textContent = `${k.split("_")[1] ?? "?"} key ${k.split("_").slice(0, -1).join("_")}_…`;
   await refresh();
 }
 
+/** Reloads every view; whether all of it loaded (a failure is shown in the status line). */
 async function refresh() {
   status("Loading…");
-  const results = await Promise.allSettled([loadSandboxes(), loadUsage(), loadTemplates()]);
+  const results = await Promise.allSettled([loadSandboxes(), loadSnapshots(), loadUsage(), loadTemplates()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) {
     if (failed.reason instanceof ApiError && failed.reason.status === 401) {
       sessionStorage.removeItem(KEY_STORAGE);
       showLogin();
       status("The key was refused (401).", true);
-      return;
+      return false;
     }
     status(errorText(failed.reason), true);
-    return;
+    return false;
   }
   status(`Updated ${new Date().toLocaleTimeString()}`);
+  return true;
 }
 
 function sessionsApiNotice() {
   const n = $("notice");
   n.hidden = false;
   n.textContent =
-    "This is a sessions API key (live or scale): sandboxes, usage, terminals into sandboxes, fork and " +
-    "delete belong to sandboxes API keys (demo, pro, enterprise). Its templates are listed below.";
+    "This is a sessions API key (live or scale): sandboxes, snapshots, usage, terminals into sandboxes, " +
+    "fork and delete belong to sandboxes API keys (demo, pro, enterprise). Its templates are listed below.";
 }
 
 // ---- sandboxes -----------------------------------------------------------------------------
@@ -122,8 +126,13 @@ function sandboxRow(s, info) {
         .join(", ")
     : "";
   const actions = el("td", { class: "actions" });
+  const path = `/v1/sandboxes/${encodeURIComponent(s.id)}`;
   if (s.state === "running") {
-    actions.append(button("Terminal", () => showTerminal(s.id)));
+    actions.append(
+      button("Terminal", () => showTerminal(s.id)),
+      button("Snapshot", () => act(`Snapshotting ${s.id}`, () => api.post(`${path}/snapshots`, {}))),
+      button("Restore…", () => showRestore(s)),
+    );
   }
   actions.append(
     button("Metrics", () => showMetrics(s.id)),
@@ -136,6 +145,7 @@ function sandboxRow(s, info) {
         if (!confirm(`Delete sandbox ${s.id}?`)) return;
         if (terminal?.sandboxId === s.id) closeTerminal();
         if (metricsView?.sandboxId === s.id) closeMetrics();
+        if (restoreView?.sandboxId === s.id) closeRestore();
         return act(`Deleting ${s.id}`, () => api.del(`/v1/sandboxes/${encodeURIComponent(s.id)}`));
       },
       "danger",
@@ -160,15 +170,144 @@ function button(text, onClick, cls) {
   return b;
 }
 
+/**
+ * Runs one action (`what` shown while it runs), then reloads the page's views; `fn` may return a
+ * line to show once they are loaded (what the action measured), else the status says "Updated".
+ */
 async function act(what, fn) {
   status(`${what}…`);
+  let done;
   try {
-    await fn();
+    done = await fn();
   } catch (err) {
     status(`${what} failed: ${errorText(err)}`, true);
     return;
   }
-  await refresh();
+  if ((await refresh()) && typeof done === "string") status(done);
+}
+
+// ---- snapshots -----------------------------------------------------------------------------
+
+/** The tenant's snapshots, newest first: the first page (50, as the sandboxes' list shows). */
+async function loadSnapshots() {
+  let list;
+  try {
+    list = await api.get("/v1/snapshots");
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 403) {
+      $("snapshots-section").hidden = true;
+      return;
+    }
+    throw err;
+  }
+  const rows = list.snapshots;
+  replace($("snapshots").querySelector("tbody"), ...rows.map(snapshotRow));
+  $("snapshots-empty").hidden = rows.length > 0;
+}
+
+function snapshotRow(snap) {
+  const path = `/v1/snapshots/${encodeURIComponent(snap.id)}`;
+  const actions = el("td", { class: "actions" });
+  if (snap.state === "ready") {
+    actions.append(
+      button("New sandbox", () =>
+        act(`Creating a sandbox from ${snap.id}`, async () => {
+          const r = await api.post("/v1/sandboxes", { snapshot: snap.id });
+          return `Created ${r.id} from ${snap.id}`;
+        }),
+      ),
+    );
+  }
+  actions.append(
+    button(
+      "Delete",
+      () => {
+        if (!confirm(`Delete snapshot ${snap.id}?`)) return;
+        return act(`Deleting ${snap.id}`, () => api.del(path));
+      },
+      "danger",
+    ),
+  );
+  const created = Date.parse(snap.created_at);
+  return el(
+    "tr",
+    { dataset: { snapshot: snap.id } },
+    el("td", { class: "id" }, snap.id),
+    el("td", {}, snap.name ?? ""),
+    el(
+      "td",
+      snap.error ? { title: snap.error } : {},
+      el("span", { class: `state state-${snap.state}` }, snap.state),
+    ),
+    el("td", {}, mib(snap.size_bytes)),
+    el("td", { class: "id" }, snap.source_sandbox),
+    el("td", {}, snap.template),
+    el(
+      "td",
+      { title: snap.created_at },
+      Number.isNaN(created) ? "" : `${age((Date.now() - created) / 1000)} ago`,
+    ),
+    actions,
+  );
+}
+
+/**
+ * The restore panel of one sandbox: its template's ready snapshots, the sandbox's own first
+ * (newest first; the server refuses, 409, one kept on another host or of another size).
+ */
+async function showRestore(s) {
+  closeRestore();
+  const view = { sandboxId: s.id };
+  restoreView = view;
+  $("restore-section").hidden = false;
+  $("restore-title").textContent = s.id;
+  const select = $("restore-snapshot");
+  select.replaceChildren();
+  $("restore-go").disabled = true;
+  $("restore-none").hidden = true;
+  const q = (params) => api.get(`/v1/snapshots?${new URLSearchParams({ state: "ready", ...params })}`);
+  let own;
+  let same;
+  try {
+    [own, same] = await Promise.all([q({ source_sandbox: s.id }), q({ template: s.template })]);
+  } catch (err) {
+    if (restoreView === view) status(`Listing snapshots failed: ${errorText(err)}`, true);
+    return;
+  }
+  if (restoreView !== view) return;
+  const seen = new Set();
+  const choices = [...own.snapshots, ...same.snapshots].filter((x) => !seen.has(x.id) && seen.add(x.id));
+  replace(
+    select,
+    ...choices.map((x) =>
+      el(
+        "option",
+        { value: x.id },
+        `${x.id}${x.name ? ` (${x.name})` : ""}${x.source_sandbox === s.id ? "" : ` of ${x.source_sandbox}`}, ${x.created_at}`,
+      ),
+    ),
+  );
+  $("restore-go").disabled = choices.length === 0;
+  $("restore-none").hidden = choices.length > 0;
+  $("restore-none").textContent = `No ready snapshots of template ${s.template}: take one with Snapshot.`;
+}
+
+function closeRestore() {
+  restoreView = undefined;
+  $("restore-section").hidden = true;
+  $("restore-snapshot").replaceChildren();
+}
+
+function restoreChosen() {
+  const id = restoreView?.sandboxId;
+  const snap = $("restore-snapshot").value;
+  if (!id || !snap) return;
+  closeRestore();
+  if (terminal?.sandboxId === id) closeTerminal();
+  return act(`Restoring ${id} to ${snap}`, async () => {
+    const r = await api.post(`/v1/sandboxes/${encodeURIComponent(id)}/restore`, { snapshot: snap });
+    return `Restored ${r.id} to ${r.snapshot} in ${ms(r.restore_ms)} (down ${ms(r.down_ms)})`;
+  });
 }
 
 // ---- terminal ------------------------------------------------------------------------------
@@ -350,6 +489,7 @@ $("key-form").addEventListener("submit", (e) => {
 $("forget").addEventListener("click", () => {
   closeTerminal();
   closeMetrics();
+  closeRestore();
   clearTimeout(bakePoll);
   sessionStorage.removeItem(KEY_STORAGE);
   key = undefined;
@@ -360,6 +500,8 @@ $("forget").addEventListener("click", () => {
 $("refresh").addEventListener("click", () => refresh());
 $("terminal-close").addEventListener("click", () => closeTerminal());
 $("metrics-close").addEventListener("click", () => closeMetrics());
+$("restore-close").addEventListener("click", () => closeRestore());
+$("restore-go").addEventListener("click", () => restoreChosen());
 
 const saved = sessionStorage.getItem(KEY_STORAGE);
 if (saved) start(saved).catch((err) => status(errorText(err), true));

@@ -4,8 +4,11 @@
  * `<img src=x onerror=...>` shows as those characters.
  */
 
-/** Attributes `el` may set: a fixed list, so no `on*` handler or `href`/`src` comes from data. */
-const ATTRS = new Set(["class", "id", "type", "title", "role", "colspan", "aria-label"]);
+/**
+ * Attributes `el` may set: a fixed list, so no `on*` handler or `href`/`src` comes from data
+ * (`value` is an `<option>`'s: text the page reads back, never a URL or code).
+ */
+const ATTRS = new Set(["class", "id", "type", "title", "role", "colspan", "aria-label", "value"]);
 
 /**
  * `el("td", { class: "id", dataset: { id } }, "text", child)`: children are nodes or strings

@@ -6,7 +6,9 @@
  * bake phases; a label holding markup renders as text (no element, no script); a terminal typed
  * into with `echo $((6*7))` shows `42` in the xterm screen; the Fork and Delete buttons fork one
  * sandbox and delete the other (checked through the API after); a bake started while the page is
- * open shows its phase and is followed to Live; a sessions API key is told what it can see. The pty WebSocket's key-as-subprotocol (what the page uses) is checked directly too:
+ * open shows its phase and is followed to Live; a snapshot taken with the Snapshot button is
+ * listed, the sandbox is rolled back to it with Restore… (a file written after it reads as before),
+ * a new sandbox is started from it and it is deleted; a sessions API key is told what it can see. The pty WebSocket's key-as-subprotocol (what the page uses) is checked directly too:
  * the server answers with the marker, never the key, and refuses a wrong key or a key offered
  * first with 401 before the upgrade. Screenshots go to `.data/test-artifacts/console/` (kept by
  * the run, paths printed).
@@ -316,6 +318,80 @@ describe("web console", () => {
   );
 
   test(
+    "Snapshot, Restore… and the Snapshots view: take one, see it, roll back to it, start from it, delete it",
+    async () => {
+      const second = ids[1]!;
+      const exec = async (id: string, command: string) =>
+        expectOk(
+          await api().post(`/v1/sandboxes/${id}/exec`, { key: keys.pro, json: { command } }),
+          200,
+          B.ExecResponseB,
+        ).stdout;
+      const snapshots = async () =>
+        expectOk(await api().get("/v1/snapshots", { key: keys.pro }), 200, B.SnapshotList).snapshots;
+      await exec(second, "echo before > /tmp/mark");
+      const browser = await launchChromium();
+      try {
+        const { page, problems } = await openConsole(browser);
+        await signIn(page, keys.pro);
+        const row = page.locator(`tr[data-sandbox="${second}"]`);
+        await row.waitFor({ timeout: UI_WAIT_MS });
+        await row.getByRole("button", { name: "Snapshot" }).click();
+        const snapRow = page.locator("#snapshots tr[data-snapshot]");
+        await snapRow.first().waitFor({ timeout: UI_WAIT_MS });
+        const listed = await snapshots();
+        expect(listed).toHaveLength(1);
+        const snap = listed[0]!;
+        expect(snap).toMatchObject({ state: "ready", source_sandbox: second, template: TEMPLATE });
+        expect(await snapRow.getAttribute("data-snapshot")).toBe(snap.id);
+        expect(await snapRow.locator(".state").textContent()).toBe("ready");
+        expect(await snapRow.textContent()).toContain(second);
+        expect(await snapRow.textContent()).toMatch(/[0-9.]+ MiB/);
+        await shot(page, "snapshots.png");
+
+        // Restore…: the panel offers the sandbox's own snapshot; the file written after it reverts.
+        await exec(second, "echo after > /tmp/mark");
+        await row.getByRole("button", { name: "Restore…" }).click();
+        await page.locator(`#restore-snapshot option[value="${snap.id}"]`).waitFor({
+          state: "attached",
+          timeout: UI_WAIT_MS,
+        });
+        await page.selectOption("#restore-snapshot", snap.id);
+        await shot(page, "restore.png");
+        await page.locator("#restore-go").click();
+        await page
+          .locator("#status", { hasText: `Restored ${second} to ${snap.id} in` })
+          .waitFor({ timeout: UI_WAIT_MS });
+        expect(await page.locator("#restore-section").isHidden()).toBe(true);
+        expect(await exec(second, "cat /tmp/mark")).toBe("before\n");
+
+        // New sandbox from it: one more sandbox, with the snapshot's files.
+        const before = expectOk(await api().get("/v1/sandboxes", { key: keys.pro }), 200, B.SandboxList);
+        await snapRow.getByRole("button", { name: "New sandbox" }).click();
+        // The status reads "Created <id> from <snap>" once the create answered (not "Creating…").
+        await page
+          .locator("#status", { hasText: new RegExp(`^Created sbx_\\w+ from ${snap.id}$`) })
+          .waitFor({ timeout: UI_WAIT_MS });
+        const after = expectOk(await api().get("/v1/sandboxes", { key: keys.pro }), 200, B.SandboxList);
+        const made = after.sandboxes.find((s) => !before.sandboxes.some((b) => b.id === s.id));
+        expect(made).toBeDefined();
+        await page.locator(`tr[data-sandbox="${made!.id}"]`).waitFor({ timeout: UI_WAIT_MS });
+        expect(await exec(made!.id, "cat /tmp/mark")).toBe("before\n");
+
+        // Delete (the confirm is accepted): gone from the view and the API.
+        await snapRow.getByRole("button", { name: "Delete" }).click();
+        await snapRow.waitFor({ state: "detached", timeout: UI_WAIT_MS });
+        expect(await snapshots()).toEqual([]);
+        expect(await page.locator("#snapshots-empty").isVisible()).toBe(true);
+        expect(problems).toEqual([]);
+      } finally {
+        await browser.close();
+      }
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
     "a sessions API key is told what it sees: its templates, no sandboxes or usage",
     async () => {
       const browser = await launchChromium();
@@ -328,6 +404,7 @@ describe("web console", () => {
         expect(await page.locator(`tr[data-template="${TEMPLATE}"] .state`).textContent()).toBe("ready");
         expect(await page.locator("#sandboxes-section").isHidden()).toBe(true);
         expect(await page.locator("#usage-section").isHidden()).toBe(true);
+        expect(await page.locator("#snapshots-section").isHidden()).toBe(true);
         await shot(page, "sessions-api-key.png");
         // The API's 403s for sandboxes and usage show in the console log as failed loads: expected.
         expect(problems.filter((p) => !p.includes("403"))).toEqual([]);
