@@ -2,10 +2,14 @@
  * `GET /v1/snapshots` as a paged, filtered list (docs/lists.md, docs/snapshots.md) through the
  * real gateway app, with the in-memory agent keeping the snapshots, on PGlite and, where its
  * binaries are installed, PostgreSQL. Every answer is checked against openapi.yaml by the harness.
+ * The SDKs and the CLI's `sbx snapshots` (in process, over HTTP) read it page by page.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { join } from "node:path";
+import { PassThrough } from "node:stream";
 import { and, desc, eq, isNull } from "drizzle-orm";
+import type { Ctx } from "../../cli/client/context.ts";
+import { runClient } from "../../cli/client/index.ts";
 import { snapshots } from "../../db/schema/snapshots.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
 import { tenantIdOf } from "../../gateway/core/usage.ts";
@@ -223,6 +227,66 @@ describe.each(cases)("the snapshots list ($name)", (db) => {
         sizes.push(page.items.length);
       }
       expect(sizes).toEqual([1, 1]);
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "sbx snapshots (the CLI, over HTTP) follows next_cursor past the first page, or stops at --limit",
+    async () => {
+      // More than one page of the service's default (50 rows): the CLI must follow the cursor.
+      const many: string[] = [];
+      for (let i = 0; i < 52; i++) {
+        many.push(await take(srcA, { batch: "many" }));
+        // Spread over the harness's clock: the key's rate limit is 100 requests in any second.
+        h.now.ms += 30;
+      }
+      const server = Bun.serve({ port: 0, hostname: "127.0.0.1", fetch: (req) => h.app.fetch(req) });
+      const sbx = async (...args: string[]) => {
+        let out = "";
+        let err = "";
+        const writer = (add: (s: string) => void) =>
+          ({
+            write: (s: string) => {
+              add(s);
+              return true;
+            },
+          }) as unknown as Ctx["stdout"];
+        const code = await runClient("sbx", args, {
+          stdout: writer((s) => (out += s)),
+          stderr: writer((s) => (err += s)),
+          stdin: new PassThrough() as unknown as NodeJS.ReadStream,
+          env: { SANDBOXD_URL: `http://127.0.0.1:${server.port}`, SANDBOXD_API_KEY: pro },
+        });
+        return { code, out, err };
+      };
+      try {
+        const all = await sbx("snapshots", "--label", "batch:many", "--json");
+        expect(all).toMatchObject({ code: 0, err: "" });
+        const ids = (JSON.parse(all.out) as Body[]).map((x) => x.id);
+        expect(ids).toEqual(await ordered("acme", { batch: "many" }));
+        expect(ids).toHaveLength(52);
+        const cut = await sbx("snapshots", "--label", "batch:many", "--limit", "7", "--json");
+        expect((JSON.parse(cut.out) as Body[]).map((x) => x.id)).toEqual(ids.slice(0, 7));
+        const table = await sbx("snapshots", "--label", "batch:many", "--sandbox", srcA, "--state", "ready");
+        expect(table.out.trimEnd().split("\n")).toHaveLength(53);
+        expect(table.out).toMatch(
+          new RegExp(`^${ids[0]}\\s+-\\s+ready\\s+\\S+ \\w+\\s+${srcA}\\s+python\\s`, "m"),
+        );
+        const none = await sbx("snapshots", "--label", "batch:many", "--template", "node", "--json");
+        expect(JSON.parse(none.out)).toEqual([]);
+        const gone = await sbx("snapshot-rm", "snap_nosuchsnapshot");
+        expect(gone).toMatchObject({ code: 1, out: "" });
+        expect(gone.err).toMatch(/^not_found: /);
+      } finally {
+        await server.stop(true);
+        for (const id of many) {
+          await h.req("DELETE", `/v1/snapshots/${id}`, { key: pro });
+          h.now.ms += 30;
+        }
+        // The next test starts with a fresh rate-limit window.
+        h.now.ms += 1000;
+      }
     },
     TEST_TIMEOUT_MS,
   );
