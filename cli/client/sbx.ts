@@ -1,7 +1,9 @@
 /**
  * `sandboxd sbx ...`: one handler per subcommand, each a few SDK calls and the printing. Listing
  * and info print a table or `key: value` lines, or the API's objects with `--json`; commands that
- * make or change sandboxes print the ids they touched (one a line), so scripts can capture them.
+ * make or change sandboxes print the ids they touched (one a line), so scripts can capture them;
+ * `snapshot` prints the snapshot taken, and `restore`, `timeout` and `egress` one line of what now
+ * holds (the API's answer with `--json`).
  */
 import {
   MAX_EXEC_TIMEOUT_S,

@@ -59,7 +59,8 @@ export const SBX_SPECS: Record<string, CommandSpec> = {
   info: {
     name: "sbx info",
     usage: "ID [--json]",
-    summary: "Show one sandbox: state, template, age, idle time, exec count, labels, endpoints.",
+    summary:
+      "Show one sandbox: state, template, age, idle time, size, exec count, labels, endpoints, lifetimes.",
     options: { json: JSON_OPT },
     positionals: ["ID"],
   },
