@@ -499,7 +499,7 @@ export class SandboxManager {
     await Promise.all([this.warm.close(), this.prelaunch.close()]);
     for (const sb of this.table.sandboxes.values()) this.idle.clear(sb);
     await this.records.flush();
-    this.driver.detach();
+    await this.driver.detach();
     this.table.sandboxes.clear();
   }
 

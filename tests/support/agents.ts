@@ -175,6 +175,6 @@ export function inertDriver(): SandboxDriver {
     diskBytes: no,
     adopt: no,
     reap: async () => [],
-    detach: () => {},
+    detach: async () => {},
   };
 }

@@ -277,7 +277,7 @@ export class BootDriver implements SandboxDriver {
     return reapVmDirs(this.opts.stateDir, (id) => keep.has(id) || this.live.has(id));
   }
 
-  detach(): void {
+  async detach(): Promise<void> {
     this.detached = true;
     for (const l of this.live.values()) {
       l.handle.guest.close();

@@ -171,7 +171,7 @@ describe("pre-launched QEMUs with real VMs", () => {
       ) as {
         jailUid: number;
       };
-      crashed.detach();
+      await crashed.detach();
       expect((await qemuPidsUnder(stateDir)).length).toBe(1);
 
       // The next agent reaps it before it pre-launches its own.

@@ -59,9 +59,13 @@ afterAll(async () => {
   }
 }, VM_TEST_TIMEOUT_MS);
 
-/** A new agent process: the manager detached, a new driver and manager on the same state dir. */
-async function restartAgent(): Promise<void> {
+/**
+ * A new agent process: the manager detached (`afterDetach` looks at the host in between), a new
+ * driver and manager on the same state dir.
+ */
+async function restartAgent(afterDetach?: () => Promise<void>): Promise<void> {
   await m.detach();
+  await afterDetach?.();
   const driver = await SnapshotDriver.create({
     cacheDir: TEST_CACHE_DIR,
     stateDir,
@@ -187,8 +191,9 @@ test(
 
     // The rolled-back VM (its QEMU in the directory's `next/` slot after three rollbacks) is what
     // a new agent process adopts: its record names the new QEMU and its slot. The standby the old
-    // agent armed is gone with it, so the next rollback launches its QEMU on the spot.
-    await restartAgent();
+    // agent armed is gone with it (before the old agent's detach returns: it was that process's,
+    // not the VM's), so the next rollback launches its QEMU on the spot.
+    await restartAgent(async () => expect(await qemuPidsNaming([vmDir])).toHaveLength(1));
     expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("kept-on");
     expect(await qemuPidsNaming([vmDir])).toHaveLength(1);
     const cold = await m.restoreSnapshot(id, REF3);

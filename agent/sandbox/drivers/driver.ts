@@ -209,8 +209,9 @@ export interface SandboxDriver {
   /**
    * Closes this driver's connections WITHOUT killing any VM: what an agent process exit does.
    * Used to hand VMs over to a new manager (restart) and by tests that simulate a restart.
+   * Resolves once what was only this process's (a rollback's standby QEMU) is gone.
    */
-  detach(): void;
+  detach(): Promise<void>;
 }
 
 export interface AdoptRef {

@@ -608,13 +608,17 @@ export class SnapshotDriver implements SandboxDriver {
     return reaped;
   }
 
-  detach(): void {
+  async detach(): Promise<void> {
     this.detached = true;
-    for (const l of this.live.values()) {
-      // Its standby (snapshot/standby.ts) is this process's, not the VM's: it goes.
-      void l.sbx
+    // Standbys (snapshot/standby.ts) are this process's, not their VMs': they go before it does,
+    // a launch still in flight included, so none outlives the agent (a crash leaves them to the
+    // next agent's start: vm/process.ts killRecordedStandby).
+    const standbys = [...this.live.values()].map((l) =>
+      l.sbx
         .dropStandby()
-        .catch((err) => this.log(`vm ${l.sbx.id}: dropping its standby: ${describeError(err)}`));
+        .catch((err) => this.log(`vm ${l.sbx.id}: dropping its standby: ${describeError(err)}`)),
+    );
+    for (const l of this.live.values()) {
       // Forget the QEMU without killing it (SandboxVm.detach would kill it).
       l.sbx.process = undefined;
       l.sbx.guest?.close();
@@ -626,6 +630,7 @@ export class SnapshotDriver implements SandboxDriver {
     // Pre-launched QEMUs have no record: the next agent's reap kills them.
     for (const p of this.prelaunched.values()) p.pre.process.qmp.close();
     this.prelaunched.clear();
+    await Promise.all(standbys);
   }
 
   // ---- internals -----------------------------------------------------------------------------
