@@ -41,12 +41,13 @@ import { checkedChain, removeStagedLinks } from "./fork/chain.ts";
 import { makeForkPoint } from "./fork/children.ts";
 import { captureParent } from "./fork.ts";
 import type { ForkMethod } from "./fork-method.ts";
-import { takeStandby } from "./standby.ts";
+import { launchStandby, takeStandby } from "./standby.ts";
 import {
   finishRestore,
   type RestoreTimings,
   restoreInto,
   SandboxVm,
+  type StandbyQemu,
   storageDir,
   type VmShape,
 } from "./vm.ts";
@@ -197,7 +198,7 @@ export interface RestoredInPlace {
   downMs: number;
   /** The whole rollback, preparation included. */
   totalMs: number;
-  /** Whether a standby QEMU (standby.ts) took over, or one was launched on the spot. */
+  /** Whether the standby (standby.ts) was armed before the call, or launched during it. */
   standby: boolean;
 }
 
@@ -205,14 +206,14 @@ export interface RestoredInPlace {
  * Rolls running (or idle-paused) VM `vm` back to kept snapshot `record` in place: same id,
  * directory and hostname; its memory, processes and disk become the snapshot's.
  *
- * Everything that can be refused is done while the old QEMU still runs (size check, the new
- * overlay on the snapshot's base, the chain holds; with a standby, its whole launch): a refusal
- * leaves the VM running as it was. Then the old QEMU is stopped, the VM's holds move to the new
- * files (the old overlays go with their last holder) and the new QEMU loads the snapshot's device
- * state: the standby, in the VM's other launch slot (vm/slots.ts), or one launched now in the
- * VM directory. Only a failure of that last step loses the VM (state `dead`, the error says so):
- * its old memory is gone by then. `sameMachine`: the snapshot was taken of this VM, so it keeps
- * its boot id.
+ * The new QEMU is a standby (standby.ts) in the VM's other launch slot (vm/slots.ts): the one
+ * armed ahead for this snapshot, or one launched now, beside the running QEMU. Everything that
+ * can be refused (the size check, the standby's overlay, holds and launch) is done while the old
+ * QEMU still runs: a refusal leaves the VM running as it was. Then the old QEMU is stopped, the
+ * standby loads the snapshot's device state and takes over, and the VM's holds move to the new
+ * files (the old overlays go with their last holder). Only a failure of that last step loses the
+ * VM (state `dead`, the error says so): its old memory is gone by then. `sameMachine`: the
+ * snapshot was taken of this VM, so it keeps its boot id.
  */
 export async function restoreInPlace(
   vm: SandboxVm,
@@ -234,83 +235,65 @@ export async function restoreInPlace(
     );
   const bad = vm.begin(["running", "paused"], "restoring");
   if (bad) return fail(bad);
-  const chain = await openChainStore(s.dataDir);
-  const standby = await takeStandby(vm, record.ref);
-  const prep = standby?.holder ?? `restore:${vm.id}`;
-  const disk = standby?.disk ?? join(storageDir(s.dataDir), `${vm.id}-${vm.generation + 1}.qcow2`);
-  if (!standby) {
-    try {
-      await chain.hold(prep, [record.base, record.memPath, record.statePath]);
-      await createOverlayOn(record.base, disk, s.diskBytes);
-      await chain.add(disk, { kind: "overlay", deps: [record.base], holder: prep });
-    } catch (err) {
-      await chain.release(prep);
-      await rm(disk, { force: true });
-      vm.enter("running");
-      return fail(
-        asSnapshotError(err, "spawn_failed", `preparing VM ${vm.id}'s rollback to ${record.ref} failed`),
-      );
-    }
+  const armed = await takeStandby(vm, record.ref);
+  let standby: StandbyQemu;
+  try {
+    standby = armed ?? (await launchStandby(vm, record));
+  } catch (err) {
+    vm.enter("running");
+    return fail(
+      asSnapshotError(err, "spawn_failed", `preparing VM ${vm.id}'s rollback to ${record.ref} failed`),
+    );
   }
+  const chain = await openChainStore(s.dataDir);
   const tDown = performance.now();
   const oldDir = vm.process?.dir ?? vm.dir;
-  /**
-   * After the old QEMU is gone: its staged hard links (the names it opened in its slot) would keep
-   * freed overlays' blocks, so they go while the store's own names still make them links; then
-   * the VM's holds move to the new chain (the old overlays, and a RAM file of its own, are freed
-   * unless a snapshot or a fork child still holds them).
-   */
-  const moveHolds = async () => {
+  try {
+    // SIGKILLed now; its exit and its jail's cleanup run beside the load into the standby (the
+    // two are in separate slots and jails). The guest's connection is closed at once.
+    const stopping = vm.detach();
+    vm.topNode = DEVICE_IDS.diskNode;
+    let timings: RestoreTimings;
+    try {
+      timings = await finishRestore(
+        {
+          vm,
+          mem: { path: record.memPath, share: false },
+          statePath: record.statePath,
+          ignoreShared: record.version === 2,
+          sameMachine: o.sameMachine,
+          ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
+        },
+        standby.process,
+        tDown,
+        tDown,
+      );
+    } finally {
+      await stopping;
+    }
+    const tEnd = performance.now();
+    const p = standby.process;
+    await claimVm(vm.dir, p.pid, p.jailUid, slotOf(vm.dir, p.dir));
+    await forgetStandby(vm.dir);
+    // The old QEMU's staged hard links (the names it opened in its slot) would keep freed
+    // overlays' blocks: they go while the store's own names still make them links. Then the VM's
+    // holds move to the new chain (the old overlays, and a RAM file of its own, are freed unless
+    // a snapshot or a fork child still holds them), and the old slot's files go.
     await removeStagedLinks(oldDir);
     await chain.release(vm.holder);
-    vm.disk = disk;
+    vm.disk = standby.disk;
     vm.memPath = record.memPath;
-    vm.generation += 1;
-    await chain.hold(vm.holder, [disk, record.base, record.memPath]);
-  };
-  try {
-    const args = {
-      vm,
-      mem: { path: record.memPath, share: false },
-      statePath: record.statePath,
-      ignoreShared: record.version === 2,
-      sameMachine: o.sameMachine,
-      ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
-    };
-    let timings: RestoreTimings;
-    let tEnd: number;
-    if (standby) {
-      // SIGKILLed now; its exit and its jail's cleanup run beside the load into the standby (the
-      // two are in separate slots and jails). The guest's connection is closed at once.
-      const stopping = vm.detach();
-      vm.topNode = DEVICE_IDS.diskNode;
-      try {
-        timings = await finishRestore(args, standby.process, tDown, tDown);
-      } finally {
-        await stopping;
-      }
-      tEnd = performance.now();
-      const p = standby.process;
-      await claimVm(vm.dir, p.pid, p.jailUid, slotOf(vm.dir, p.dir));
-      await forgetStandby(vm.dir);
-      await moveHolds();
-    } else {
-      await vm.detach();
-      await moveHolds();
-      timings = await restoreInto(args);
-      tEnd = performance.now();
-    }
-    // The slot the old QEMU ran in: its jail root and files (the next standby's place).
+    await chain.hold(vm.holder, [standby.disk, record.base, record.memPath]);
     if (oldDir !== vm.dir) await rm(oldDir, { recursive: true, force: true });
     vm.enter("running");
-    return ok({ timings, downMs: tEnd - tDown, totalMs: tEnd - t0, standby: standby !== undefined });
+    return ok({ timings, downMs: tEnd - tDown, totalMs: tEnd - t0, standby: armed !== undefined });
   } catch (err) {
     await vm.destroy();
     return fail(
       asSnapshotError(err, "spawn_failed", `VM ${vm.id} was stopped but did not restore from ${record.ref}`),
     );
   } finally {
-    await chain.release(prep);
+    await chain.release(standby.holder);
   }
 }
 

@@ -9,7 +9,7 @@
  * rollback stops the VM's QEMU and hands the standby the device state (keep.ts restoreInPlace).
  *
  * One standby per VM, for the snapshot it was last snapshotted to or rolled back to; a rollback
- * to another snapshot takes the cold path (a launch on the spot). It is dropped with its VM,
+ * to another snapshot launches one on the spot (keep.ts restoreInPlace), then takes over the same way. It is dropped with its VM,
  * before a suspend, and when a newer one replaces it. `standby.json` (vm/process.ts) records it,
  * so a later agent kills it; its overlay's chain holder (`standby:`) is transient.
  */
@@ -118,7 +118,7 @@ export function armStandby(vm: SandboxVm, record: StandbyTarget): void {
 
 /**
  * The VM's standby if it is for `ref` and its QEMU still runs; any other is discarded. Undefined
- * when there is none to take (the rollback launches its QEMU on the spot).
+ * when there is none to take (the rollback launches one on the spot).
  */
 export async function takeStandby(vm: SandboxVm, ref: string): Promise<StandbyQemu | undefined> {
   const pending = vm.standby;
