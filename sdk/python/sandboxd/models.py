@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generic, List, Optional, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterator, List, Mapping, Optional, TypeVar
 
 from .errors import StreamError
 
@@ -171,6 +171,23 @@ class Page(Generic[T]):
 
     items: List[T]
     next_cursor: Optional[str]
+
+
+def follow_pages(page: Callable[[Optional[str]], Page[T]]) -> Iterator[Page[T]]:
+    """Every page ``page`` gives (called with the previous page's ``next_cursor``, ``None`` for
+    the first), in order, each fetched when the loop asks for it (docs/lists.md)."""
+    cursor: Optional[str] = None
+    while True:
+        p = page(cursor)
+        yield p
+        if p.next_cursor is None:
+            return
+        cursor = p.next_cursor
+
+
+def label_query(labels: Optional[Mapping[str, str]]) -> List[str]:
+    """``label`` query values for pairs every row must hold."""
+    return [f"{k}:{v}" for k, v in (labels or {}).items()]
 
 
 def file_entries(items: List[Dict[str, Any]]) -> List[FileEntry]:

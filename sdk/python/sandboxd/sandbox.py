@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 from ._box import Box, EventStream, ExecOptions, fields, quote_id
 from ._http import Http
 from .errors import NotFoundError
-from .models import ConnectUrl, ExecResult, Page, SandboxSummary
+from .models import ConnectUrl, ExecResult, Page, SandboxSummary, follow_pages, label_query
 
 if TYPE_CHECKING:  # the annotations are strings at run time (PEP 563): 3.9 needs no Unpack
     from typing_extensions import Unpack
@@ -220,10 +220,8 @@ class Sandboxes:
     ) -> List[SandboxSummary]:
         """The tenant's live sandboxes matching the filters (all AND-ed), oldest first: every
         page, followed to the last. ``pages`` reads them a page at a time."""
-        out: List[SandboxSummary] = []
-        for page in self.pages(labels=labels, state=state, template=template, limit=limit):
-            out.extend(page.items)
-        return out
+        pages = self.pages(labels=labels, state=state, template=template, limit=limit)
+        return [row for page in pages for row in page.items]
 
     def page(
         self,
@@ -238,7 +236,7 @@ class Sandboxes:
         the same filters). ``labels``: pairs every sandbox must hold (at most 16; a key must not
         hold ``:``); ``limit``: 1 to 200 (the service's default: 50)."""
         query = {
-            "label": [f"{k}:{v}" for k, v in (labels or {}).items()],
+            "label": label_query(labels),
             "state": state,
             "template": template,
             "limit": limit,
@@ -258,13 +256,9 @@ class Sandboxes:
         limit: Optional[int] = None,
     ) -> Iterator[Page[SandboxSummary]]:
         """Every page of the list in order, each fetched when the loop asks for it."""
-        cursor: Optional[str] = None
-        while True:
-            page = self.page(labels=labels, state=state, template=template, limit=limit, cursor=cursor)
-            yield page
-            if page.next_cursor is None:
-                return
-            cursor = page.next_cursor
+        return follow_pages(
+            lambda cursor: self.page(labels=labels, state=state, template=template, limit=limit, cursor=cursor)
+        )
 
 
 class Snapshots:
@@ -284,12 +278,10 @@ class Snapshots:
     ) -> List[Dict[str, Any]]:
         """The tenant's snapshots matching the filters (all AND-ed), newest first: every page,
         followed to the last (``limit`` is the page size, 1 to 200; the service's default 50)."""
-        out: List[Dict[str, Any]] = []
-        for page in self.pages(
+        pages = self.pages(
             labels=labels, state=state, source_sandbox=source_sandbox, template=template, limit=limit
-        ):
-            out.extend(page.items)
-        return out
+        )
+        return [row for page in pages for row in page.items]
 
     def page(
         self,
@@ -304,7 +296,7 @@ class Snapshots:
         """One page of the list: after ``cursor`` (a previous page's ``next_cursor``, sent with
         the same filters)."""
         query = {
-            "label": [f"{k}:{v}" for k, v in (labels or {}).items()],
+            "label": label_query(labels),
             "state": state,
             "source_sandbox": source_sandbox,
             "template": template,
@@ -325,9 +317,8 @@ class Snapshots:
         limit: Optional[int] = None,
     ) -> Iterator[Page[Dict[str, Any]]]:
         """Every page of the list in order, each fetched when the loop asks for it."""
-        cursor: Optional[str] = None
-        while True:
-            page = self.page(
+        return follow_pages(
+            lambda cursor: self.page(
                 labels=labels,
                 state=state,
                 source_sandbox=source_sandbox,
@@ -335,10 +326,7 @@ class Snapshots:
                 limit=limit,
                 cursor=cursor,
             )
-            yield page
-            if page.next_cursor is None:
-                return
-            cursor = page.next_cursor
+        )
 
     def get(self, id: str) -> Dict[str, Any]:
         """The snapshot ``id`` (NotFoundError when it is not the tenant's or was deleted)."""

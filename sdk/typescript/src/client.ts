@@ -4,6 +4,7 @@
  */
 import { SandboxdError } from "./errors.ts";
 import { type Body, DEFAULT_RETRY, type Fetch, type RetryOptions, Transport } from "./http.ts";
+import { allRows, followPages, labelQuery } from "./paging.ts";
 import { Sandbox, Session } from "./sandbox.ts";
 import {
   type CatalogEntry,
@@ -242,14 +243,12 @@ export class Sandboxes {
    * followed to the last. For a tenant with many, `pages` reads them a page at a time.
    */
   async list(o: SandboxListOptions = {}): Promise<SandboxSummary[]> {
-    const out: SandboxSummary[] = [];
-    for await (const page of this.pages(o)) out.push(...page.items);
-    return out;
+    return allRows(this.pages(o));
   }
 
   /** One page of the list: after `cursor` (a previous page's `nextCursor`, with the same filters). */
   async page(o: SandboxListOptions = {}, cursor?: string): Promise<Page<SandboxSummary>> {
-    const labels = Object.entries(o.labels ?? {}).map(([k, v]) => `${k}:${v}`);
+    const labels = labelQuery(o.labels);
     const r = await this.t.json<{ sandboxes: SandboxSummary[]; next_cursor?: string | null }>(
       "GET",
       "/v1/sandboxes",
@@ -261,12 +260,7 @@ export class Sandboxes {
 
   /** Every page of the list in order, each fetched when the loop asks for it. */
   async *pages(o: SandboxListOptions = {}): AsyncGenerator<Page<SandboxSummary>> {
-    let cursor: string | undefined;
-    do {
-      const page = await this.page(o, cursor);
-      yield page;
-      cursor = page.nextCursor ?? undefined;
-    } while (cursor !== undefined);
+    yield* followPages((cursor) => this.page(o, cursor));
   }
 }
 
@@ -292,14 +286,12 @@ export class Snapshots {
    * last (`limit` is the page size, 1 to 200; the service's default 50).
    */
   async list(o: SnapshotListOptions = {}): Promise<SnapshotInfo[]> {
-    const out: SnapshotInfo[] = [];
-    for await (const page of this.pages(o)) out.push(...page.items);
-    return out;
+    return allRows(this.pages(o));
   }
 
   /** One page of the list: after `cursor` (a previous page's `nextCursor`, with the same filters). */
   async page(o: SnapshotListOptions = {}, cursor?: string): Promise<Page<SnapshotInfo>> {
-    const labels = Object.entries(o.labels ?? {}).map(([k, v]) => `${k}:${v}`);
+    const labels = labelQuery(o.labels);
     const r = await this.t.json<{ snapshots: SnapshotInfo[]; next_cursor?: string | null }>(
       "GET",
       "/v1/snapshots",
@@ -320,12 +312,7 @@ export class Snapshots {
 
   /** Every page of the list in order, each fetched when the loop asks for it. */
   async *pages(o: SnapshotListOptions = {}): AsyncGenerator<Page<SnapshotInfo>> {
-    let cursor: string | undefined;
-    do {
-      const page = await this.page(o, cursor);
-      yield page;
-      cursor = page.nextCursor ?? undefined;
-    } while (cursor !== undefined);
+    yield* followPages((cursor) => this.page(o, cursor));
   }
 
   /** The snapshot `id` (404 `not_found` if it is not the tenant's or was deleted). */
@@ -361,9 +348,7 @@ export class Sessions {
 
   /** The tenant's live sessions matching `o`, oldest first: every page, followed to the last. */
   async list(o: SessionListOptions = {}): Promise<SessionSummary[]> {
-    const out: SessionSummary[] = [];
-    for await (const page of this.pages(o)) out.push(...page.items);
-    return out;
+    return allRows(this.pages(o));
   }
 
   /** One page of the list: after `cursor` (a previous page's `nextCursor`, with the same filters). */
@@ -378,12 +363,7 @@ export class Sessions {
 
   /** Every page of the list in order, each fetched when the loop asks for it. */
   async *pages(o: SessionListOptions = {}): AsyncGenerator<Page<SessionSummary>> {
-    let cursor: string | undefined;
-    do {
-      const page = await this.page(o, cursor);
-      yield page;
-      cursor = page.nextCursor ?? undefined;
-    } while (cursor !== undefined);
+    yield* followPages((cursor) => this.page(o, cursor));
   }
 }
 
