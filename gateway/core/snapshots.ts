@@ -241,13 +241,7 @@ export async function restoreSandbox(
 ): Promise<SnapshotRestored> {
   const sb = await getOwned(deps, p, sandboxId);
   requireAllowed(sandboxId, sb.state, "fork");
-  const snap = await getOwnedSnapshot(deps, p, snapshotId);
-  if (snap.state === "lost") throw lostError(snap);
-  if (snap.state !== "ready") {
-    throw new SandboxdError("conflict", `snapshot ${snap.id} is ${snap.state}, not ready`, {
-      details: { state: snap.state },
-    });
-  }
+  const snap = await getReadySnapshot(deps, p, snapshotId);
   if (await hostGone(deps, snap.agentId)) throw lostError(snap);
   if (snap.agentId !== sb.agentId || snap.templatePk !== sb.templatePk) {
     const why =
@@ -287,13 +281,7 @@ export async function createFromSnapshot(
   p: Principal,
   input: FromSnapshotInput,
 ): Promise<{ row: SandboxRow; vm: CreatedVm }> {
-  const snap = await getOwnedSnapshot(deps, p, input.snapshotId);
-  if (snap.state === "lost") throw lostError(snap);
-  if (snap.state !== "ready") {
-    throw new SandboxdError("conflict", `snapshot ${snap.id} is ${snap.state}, not ready`, {
-      details: { state: snap.state },
-    });
-  }
+  const snap = await getReadySnapshot(deps, p, input.snapshotId);
   if (input.egressAllow !== undefined) parseAllowList(input.egressAllow);
   checkSnapshotSize(snap.id, snap, input.size ?? {});
   if (await hostGone(deps, snap.agentId)) throw lostError(snap);
@@ -317,6 +305,18 @@ export async function createFromSnapshot(
   }
   await markStarted(deps, id!, p.tenantId, vm, snap.agentId);
   return { row: await getOwned(deps, p, id!), vm };
+}
+
+/** A `ready` snapshot of the caller's to start from: 410 when its host was lost, 409 in another state. */
+async function getReadySnapshot(deps: Deps, p: Principal, id: string): Promise<SnapshotRow> {
+  const snap = await getOwnedSnapshot(deps, p, id);
+  if (snap.state === "lost") throw lostError(snap);
+  if (snap.state !== "ready") {
+    throw new SandboxdError("conflict", `snapshot ${snap.id} is ${snap.state}, not ready`, {
+      details: { state: snap.state },
+    });
+  }
+  return snap;
 }
 
 function lostError(snap: SnapshotRow): SandboxdError {
