@@ -16,7 +16,7 @@
  */
 import { beforeAll, expect, test } from "bun:test";
 import * as B from "../../contracts/api/sandboxes-api.ts";
-import { expectOk, waitFor } from "../support/e2e-service.ts";
+import { expectOk, GUEST_COUNTER, START_GUEST_COUNTER, waitFor } from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 
 const PYTHON = "python";
@@ -32,15 +32,6 @@ const SLACK_MS = 5_000;
 /** 20 cycles of a suspend (RAM image to disk) and a resume, seconds each on a loaded host. */
 const CYCLES_TEST_TIMEOUT_MS = 480_000;
 const TEST_TIMEOUT_MS = 120_000;
-/** The counter the background process writes, ten times a second. */
-const COUNTER = "/root/counter";
-/**
- * Started by an exec, detached: it outlives the exec, as a user's background job does. Not
- * through the processes API: a suspend ends those by design (docs/processes-and-pty.md).
- */
-const START_COUNTER =
-  `nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > ${COUNTER}.tmp; mv ${COUNTER}.tmp ${COUNTER}; sleep 0.1; done' >/dev/null 2>&1 & ` +
-  `echo $!; until [ -s ${COUNTER} ]; do sleep 0.05; done`;
 
 const fx = useService({ keys: { key: ["acme", "pro"] } });
 let key = "";
@@ -72,7 +63,7 @@ const info = async (id: string) =>
 
 /** Starts the counting process; returns its pid. */
 async function startCounter(id: string): Promise<number> {
-  const pid = Number((await exec(id, START_COUNTER)).trim());
+  const pid = Number((await exec(id, START_GUEST_COUNTER)).trim());
   expect(pid).toBeGreaterThan(1);
   return pid;
 }
@@ -84,7 +75,7 @@ async function startCounter(id: string): Promise<number> {
 async function counterPair(id: string, pid: number): Promise<[number, number]> {
   const out = await exec(
     id,
-    `kill -0 ${pid} && a=$(cat ${COUNTER}); sleep 1; b=$(cat ${COUNTER}); echo $a $b`,
+    `kill -0 ${pid} && a=$(cat ${GUEST_COUNTER}); sleep 1; b=$(cat ${GUEST_COUNTER}); echo $a $b`,
   );
   expect(out.trim()).toMatch(/^\d+ \d+$/);
   return out.trim().split(" ").map(Number) as [number, number];

@@ -16,7 +16,13 @@
 import { beforeAll, expect, test } from "bun:test";
 import WebSocket from "ws";
 import * as B from "../../contracts/api/sandboxes-api.ts";
-import { expectError, expectOk, waitFor } from "../support/e2e-service.ts";
+import {
+  expectError,
+  expectOk,
+  GUEST_COUNTER,
+  START_GUEST_COUNTER,
+  waitFor,
+} from "../support/e2e-service.ts";
 import { useService } from "../support/service.ts";
 
 const PYTHON = "python";
@@ -24,12 +30,6 @@ const PYTHON = "python";
 const TEST_TIMEOUT_MS = 300_000;
 /** A terminal's first output (the shell's prompt) or its close: a loaded, emulated guest. */
 const TERMINAL_WAIT_MS = 20_000;
-/** The counter the background process writes, ten times a second (in /root: on the disk). */
-const COUNTER = "/root/counter";
-/** Started by an exec, detached: it outlives the exec, as a user's background job does. */
-const START_COUNTER =
-  `nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > ${COUNTER}.tmp; mv ${COUNTER}.tmp ${COUNTER}; sleep 0.1; done' >/dev/null 2>&1 & ` +
-  `echo $!; until [ -s ${COUNTER} ]; do sleep 0.05; done`;
 
 const fx = useService({ keys: { key: ["acme", "pro"], other: ["evil", "pro"] } });
 let key = "";
@@ -57,7 +57,7 @@ async function exec(id: string, command: string): Promise<string> {
   return r.stdout;
 }
 
-const counter = async (id: string) => Number((await exec(id, `cat ${COUNTER}`)).trim());
+const counter = async (id: string) => Number((await exec(id, `cat ${GUEST_COUNTER}`)).trim());
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 /** A terminal WebSocket to the sandbox, open, its shell's first output read; and its close. */
@@ -90,7 +90,7 @@ test(
   async () => {
     const id = await create({ template: PYTHON });
     await exec(id, "echo before > /root/f");
-    pid = Number((await exec(id, START_COUNTER)).trim());
+    pid = Number((await exec(id, START_GUEST_COUNTER)).trim());
     expect(pid).toBeGreaterThan(1);
     const term = await openTerminal(id);
 

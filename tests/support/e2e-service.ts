@@ -25,6 +25,18 @@ import { loadSecrets } from "../../gateway/auth/secrets.ts";
 import { assertResponse } from "./openapi-check.ts";
 
 export const REPO = resolve(import.meta.dir, "../..");
+
+/** The file a guest's background counter writes ten times a second (in /root: on the disk). */
+export const GUEST_COUNTER = "/root/counter";
+/**
+ * Starts that counter, detached by an exec (it outlives the exec, as a user's background job
+ * does; not through the processes API, whose processes a suspend or a rollback ends): prints its
+ * pid once the file holds a value. Each value is written whole to a temp file and renamed into
+ * place, so a `cat` never reads it empty.
+ */
+export const START_GUEST_COUNTER =
+  `nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > ${GUEST_COUNTER}.tmp; mv ${GUEST_COUNTER}.tmp ${GUEST_COUNTER}; sleep 0.1; done' >/dev/null 2>&1 & ` +
+  `echo $!; until [ -s ${GUEST_COUNTER} ]; do sleep 0.05; done`;
 const SANDBOXD = join(REPO, "bin/sandboxd");
 /** Guest artifacts (kernel download) and the debootstrapped python layout are cached here. */
 export const SHARED_DATA_DIR = process.env.SANDBOXD_TEST_DATA ?? join(REPO, ".data", "test");
