@@ -127,7 +127,11 @@ export async function forgetStandby(dir: string): Promise<void> {
  * over), frees its jail and forgets it. Its files are its launch slot's and its overlay's (the
  * chain store's `standby:` holder, released by the agent's start).
  */
-export async function killRecordedStandby(dir: string, waitMs = KILL_WAIT_MS): Promise<void> {
+export async function killRecordedStandby(
+  dir: string,
+  o: { sweep?: boolean; waitMs?: number } = {},
+): Promise<void> {
+  const waitMs = o.waitMs ?? KILL_WAIT_MS;
   const rec = await readOwnerFile(dir, STANDBY_FILE);
   const owner = await readOwner(dir);
   // Never the VM's own QEMU (a standby that took over whose record a crash left behind).
@@ -135,9 +139,10 @@ export async function killRecordedStandby(dir: string, waitMs = KILL_WAIT_MS): P
     await killQemu(rec.qemuPid, dir, waitMs);
     if (pidGone(rec.qemuPid)) await releaseJail(launchDir(dir, rec.slot), rec.jailUid);
   }
-  // And one launched but not yet recorded when its agent went (its jail's cgroup and uid lock
-  // are swept at the agent's start): any other QEMU of this directory.
-  if (owner?.qemuPid !== undefined) {
+  // `sweep` (an adoption, once per VM at an agent's start; a /proc scan, so not on every
+  // destroy): also one launched but not yet recorded when its agent went (its jail's cgroup and
+  // uid lock are swept at the agent's start), any other QEMU of this directory.
+  if (o.sweep && owner?.qemuPid !== undefined) {
     for (const pid of await qemuPidsNaming([dir]))
       if (pid !== owner.qemuPid) await killQemu(pid, dir, waitMs);
   }
@@ -299,7 +304,7 @@ async function killIfQemuNaming(pid: number, dirs: readonly string[], waitMs: nu
 export async function killRecordedQemu(dir: string, waitMs = KILL_WAIT_MS): Promise<boolean> {
   const owner = await readOwner(dir);
   const pid = await recordedQemuPid(dir);
-  await killRecordedStandby(dir, waitMs);
+  await killRecordedStandby(dir, { waitMs });
   const killed = pid === undefined ? false : await killQemu(pid, dir, waitMs);
   if (pid === undefined || pidGone(pid)) await releaseJail(launchDir(dir, owner?.slot), owner?.jailUid);
   return killed;

@@ -3,7 +3,14 @@ import { mkdir, readdir, rm } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { sweepCgroups } from "../qemu/cgroup.ts";
 import { DEFAULT_UID_RANGE, sweepUidLocks, type UidRange } from "../qemu/uids.ts";
-import { claimVm, killRecordedQemu, ownedByAnotherLiveAgent, readOwner, type VmOwner } from "./process.ts";
+import {
+  claimVm,
+  killQemusNaming,
+  killRecordedQemu,
+  ownedByAnotherLiveAgent,
+  readOwner,
+  type VmOwner,
+} from "./process.ts";
 import { removeVmRecords, vmRecordsDir } from "./records-dir.ts";
 
 /**
@@ -67,6 +74,9 @@ export async function reapVmDirs(
     const owner = await readOwner(dir);
     if (keep(id, owner) || ownedByAnotherLiveAgent(owner)) continue;
     await killRecordedQemu(dir);
+    // And any QEMU of the directory no record names (a rollback's standby launched as its agent
+    // went): nothing of a reaped directory may run on.
+    await killQemusNaming([dir]);
     await removeVmDir(dir);
     reaped.push(id);
   }

@@ -103,7 +103,7 @@ export async function attachRunning(
   pid: number,
 ): Promise<{ proc: VmProcess; guest: GuestClient }> {
   // A standby the earlier agent had armed (snapshot/standby.ts) is nobody's now.
-  await killRecordedStandby(dir);
+  await killRecordedStandby(dir, { sweep: true });
   const proc = await adoptQemu(pid, dir);
   const qmp = proc.qmp;
   let guest: GuestClient | undefined;
