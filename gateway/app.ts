@@ -25,6 +25,7 @@ import type { ActivityWriter } from "./core/activity.ts";
 import type { Deadlines } from "./core/deadlines.ts";
 import type { RowCache } from "./core/row-cache.ts";
 import type { Clock, Deps, HonoEnv } from "./deps.ts";
+import { mountE2b } from "./e2b/index.ts";
 import { errorResponse } from "./errors.ts";
 import { RelayRegistry } from "./relay/registry.ts";
 import { requestContext } from "./request-context.ts";
@@ -125,11 +126,14 @@ export function createApp(input: CreateAppDeps): Hono<HonoEnv> {
     c.json({ code: "not_found", message: `no route for ${c.req.method} ${c.req.path}` }, 404),
   );
 
+  const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });
+  // E2B's SDK (docs/e2b.md): its own key header and tokens; first, since a host
+  // `<port>-<id>.<domain>` is the data plane whatever the path.
+  mountE2b(app, deps, { keys, rateLimit });
   app.route("/v1", healthRoutes(deps)); // no key (docs/keys-and-auth.md#rules-of-authentication)
   app.route("/v1/sandboxes", connectTokenRoutes(deps, rateLimit.take)); // a scoped token instead of a key (docs/keys-and-auth.md#rules-of-authentication)
   app.route("/", consoleRoutes()); // the web console's static files; its API calls carry the key
 
-  const keys = input.keys ?? new VerifiedKeys({ db: deps.db, pepper: deps.config.keyPepper });
   app.use("/v1/*", bearerKey(keys), rateLimit.middleware);
   // Any key changed somewhere (a notification): the keys holding connections are read again.
   const connections = deps.connections;
