@@ -56,3 +56,11 @@ export function nativeKeyOf(presented: string): string | undefined {
   const key = Buffer.from(hex, "hex").toString("utf8");
   return key.length > 0 ? key : undefined;
 }
+
+/**
+ * The envd version the control plane reports (`envdVersion`). E2B's SDK turns features on by it
+ * (2.45.0: default user 0.4.0, stdin 0.3.0, `envd` close 0.5.2, octet-stream upload 0.5.7, file
+ * metadata 0.6.2, entry info in watch events 0.6.3); the data plane serves what this version
+ * promises (docs/e2b.md "Data plane").
+ */
+export const E2B_ENVD_VERSION = "0.6.4";
