@@ -18,6 +18,7 @@
 import type { z } from "zod";
 import type { FileList, FileWritten } from "../api/files.ts";
 import type { TunnelProtocol } from "../api/sandboxes-api.ts";
+import type { FsOp, FsOpAnswer } from "./fs-ops.ts";
 import type { ProcessInfo, ProcessLogs, ProcessStart, ProcessStdin } from "./processes.ts";
 import type * as S from "./schemas.ts";
 
@@ -180,6 +181,8 @@ export interface AgentVmApi {
   openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel>;
   /** Upload, download, list or remove a file in a live VM, beside any exec (never `busy`). */
   files(vmId: VmId, call: FileCall): Promise<FileAnswer>;
+  /** A filesystem op of contracts/agent/fs-ops.ts in a live VM, beside any exec (never `busy`). */
+  fsOp(vmId: VmId, op: FsOp): Promise<FsOpAnswer>;
   /** Every VM this agent holds for sandboxes (not its warm pools), for reconciliation. */
   listVms(): Promise<VmSummary[]>;
   /** The refs of the kept snapshots this agent holds (`GET /snapshots`), for reconciliation. */

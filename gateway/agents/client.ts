@@ -33,6 +33,7 @@ import type {
   VmMetrics,
   VmSummary,
 } from "../../contracts/agent/api.ts";
+import { type FsOp, type FsOpAnswer, FsOpAnswerSchema } from "../../contracts/agent/fs-ops.ts";
 import {
   type ProcessInfo,
   ProcessInfoSchema,
@@ -362,6 +363,11 @@ export class AgentHttpClient implements AgentApi {
       });
     }
     return { op: "upload", written: r.data };
+  }
+
+  /** `POST /vms/{id}/files/ops`: a guest command each, which may wake a paused VM: a VM op's deadline. */
+  fsOp(vmId: VmId, op: FsOp): Promise<FsOpAnswer> {
+    return this.http.call("POST", `/vms/${enc(vmId)}/files/ops`, op, this.t.vmOp, FsOpAnswerSchema);
   }
 
   async health(): Promise<AgentHealth> {

@@ -433,6 +433,7 @@ export class AgentRouter implements AgentHostApi, Placement {
       killProcess: async (v, n) => (await lookup()).killProcess(v, n),
       openPty: async (v, s) => (await lookup()).openPty(v, s),
       files: async (v, f) => (await lookup()).files(v, f),
+      fsOp: async (v, o) => (await lookup()).fsOp(v, o),
       listVms: async () => (await lookup()).listVms(),
       listSnapshots: async () => (await lookup()).listSnapshots(),
       metrics: async (v) => (await lookup()).metrics(v),

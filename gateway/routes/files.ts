@@ -20,14 +20,14 @@ import type { Deps, HonoEnv } from "../deps.ts";
 import { holdForKey, logOf } from "../deps.ts";
 import { query } from "../http.ts";
 
-const tooLarge = () =>
+export const tooLarge = () =>
   new SandboxdError("payload_too_large", `a file upload is limited to ${MAX_FILE_TRANSFER_BYTES} bytes`);
 
 /**
  * The upload body, counted: past the limit the stream fails (the agent then cancels the write and
  * the guest drops its temp file) and `over` says why the call failed.
  */
-function limited(body: ReadableStream<Uint8Array> | null): {
+export function limited(body: ReadableStream<Uint8Array> | null): {
   stream: ReadableStream<Uint8Array>;
   over: () => boolean;
 } {
@@ -54,7 +54,7 @@ function limited(body: ReadableStream<Uint8Array> | null): {
  * Held under the caller's key while it lasts (`hold`, auth/key-connections.ts): revoking the key
  * fails the body (the client sees the transfer cut short) and cancels the agent's read.
  */
-function onFinish(
+export function onFinish(
   stream: ReadableStream<Uint8Array>,
   end: () => Promise<void>,
   log: (line: string) => void,

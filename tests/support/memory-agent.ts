@@ -4,6 +4,7 @@
  * (auth, validation, tenancy, limits, state records, error mapping) through `AgentApi`; real-VM
  * end-to-end tests come with the real agent (agent/). Never wire it into a running service.
  */
+
 import { readFile, rm } from "node:fs/promises";
 import { connect, type Socket } from "node:net";
 import { Duplex } from "node:stream";
@@ -33,6 +34,7 @@ import type {
   VmMetrics,
   VmSummary,
 } from "../../contracts/agent/api.ts";
+import type { FsOp, FsOpAnswer } from "../../contracts/agent/fs-ops.ts";
 import type { ProcessInfo, ProcessLogs, ProcessStart } from "../../contracts/agent/processes.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
@@ -466,6 +468,12 @@ export class MemoryAgent implements AgentApi {
         this.ptyResizes.push({ cols, rows });
       },
     };
+  }
+  /** Filesystem ops are not modelled here: the real ones run GNU tools in the guest. */
+  async fsOp(vmId: VmId, op: FsOp): Promise<FsOpAnswer> {
+    this.vm(vmId);
+    if (op.op === "home") return { home: "/root" };
+    throw new SandboxdError("invalid_file", `the memory agent has no ${op.op}`);
   }
   /** Files are the VM's `files` map: exec's `files` and `cat` see the same ones. */
   async files(vmId: VmId, call: FileCall): Promise<FileAnswer> {

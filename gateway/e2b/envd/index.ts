@@ -25,6 +25,7 @@ import { Process } from "../../../contracts/e2b/envd/process_pb.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps, HonoEnv } from "../../deps.ts";
 import type { E2bMountDeps } from "../index.ts";
+import { envdFileRoutes } from "./files.ts";
 import { filesystemService } from "./filesystem.ts";
 import { processService } from "./process.ts";
 
@@ -58,7 +59,7 @@ async function resolveTarget(_deps: Deps, _m: E2bMountDeps, _c: Context<HonoEnv>
 export function envdRoutes(deps: Deps, m: E2bMountDeps): Hono<EnvdEnv> {
   const router = createConnectRouter();
   router.service(Process, processService(deps));
-  router.service(Filesystem, filesystemService(deps));
+  router.service(Filesystem, filesystemService(deps, targetOf));
   const handlers = new Map(router.handlers.map((h) => [h.requestPath, h]));
 
   const app = new Hono<EnvdEnv>();
@@ -66,6 +67,7 @@ export function envdRoutes(deps: Deps, m: E2bMountDeps): Hono<EnvdEnv> {
     c.set("envd", await resolveTarget(deps, m, c as unknown as Context<HonoEnv>));
     await next();
   });
+  app.route("/", envdFileRoutes(deps));
   app.post("/:service/:method", async (c) => {
     const h = handlers.get(`/${c.req.param("service")}/${c.req.param("method")}`);
     if (!h) return c.json({ code: "unimplemented", message: `no procedure ${c.req.path}` }, 404);
