@@ -3,7 +3,7 @@
  */
 import { Hono } from "hono";
 import type { Deps, HonoEnv } from "../deps.ts";
-import type { E2bMountDeps } from "./index.ts";
+import type { E2bMountDeps } from "./mount.ts";
 
 export function e2bControlRoutes(_deps: Deps, _m: E2bMountDeps): Hono<HonoEnv> {
   return new Hono<HonoEnv>();

@@ -12,16 +12,10 @@
  * Both are mounted before the `/v1` key middleware: each authenticates in its own way.
  */
 import type { Hono } from "hono";
-import type { VerifiedKeys } from "../auth/key-cache.ts";
-import type { KeyRateLimit } from "../auth/rate-limit.ts";
 import type { Deps, HonoEnv } from "../deps.ts";
 import { e2bControlRoutes } from "./control.ts";
 import { envdHostRouting, envdRoutes } from "./envd/index.ts";
-
-export interface E2bMountDeps {
-  keys: VerifiedKeys;
-  rateLimit: KeyRateLimit;
-}
+import type { E2bMountDeps } from "./mount.ts";
 
 /** Mounts the E2B surface on `app` (the host routing first: it answers any path on such a host). */
 export function mountE2b(app: Hono<HonoEnv>, deps: Deps, m: E2bMountDeps): void {

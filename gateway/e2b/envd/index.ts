@@ -24,7 +24,7 @@ import { Filesystem } from "../../../contracts/e2b/envd/filesystem_pb.ts";
 import { Process } from "../../../contracts/e2b/envd/process_pb.ts";
 import type { Principal } from "../../auth/keys.ts";
 import type { Deps, HonoEnv } from "../../deps.ts";
-import type { E2bMountDeps } from "../index.ts";
+import type { E2bMountDeps } from "../mount.ts";
 import { envdFileRoutes } from "./files.ts";
 import { filesystemService } from "./filesystem.ts";
 import { processService } from "./process.ts";
