@@ -87,7 +87,8 @@ function listedOf(row: SandboxRow) {
     state: row.state === "suspended" ? ("paused" as const) : ("running" as const),
     cpuCount: row.vcpus,
     memoryMB: row.memMib,
-    diskSizeMB: Math.round(row.diskBytes / MIB),
+    // The guest disk's size is not recorded (the row keeps the overlay's bytes, for metering).
+    diskSizeMB: 0,
     envdVersion: E2B_ENVD_VERSION,
   };
 }
@@ -217,7 +218,8 @@ async function metricsOf(deps: Deps, p: Principal, id: string) {
   const row = await getOwned(deps, p, id, { cached: true });
   const vcpus = m.vcpus ?? row.vcpus;
   const memTotal = m.memory_limit_bytes ?? row.memMib * MIB;
-  return m.samples.map((s) => metricOf(s, vcpus, memTotal, row.diskBytes));
+  // The guest disk's size is not known to the gateway: 0, as diskSizeMB.
+  return m.samples.map((s) => metricOf(s, vcpus, memTotal, 0));
 }
 
 function snapshotOf(row: SnapshotRow) {
