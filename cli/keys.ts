@@ -5,6 +5,7 @@
  */
 import { parseArgs } from "node:util";
 import { Tier } from "../contracts/api/tiers.ts";
+import { e2bKeyOf } from "../contracts/e2b/ids.ts";
 import { SandboxdError } from "../contracts/errors.ts";
 import { defaultDataDir } from "./config.ts";
 import { runOperatorOp } from "./operator.ts";
@@ -20,6 +21,8 @@ export async function cmdKey(args: string[]): Promise<number> {
       tier: { type: "string" },
       name: { type: "string" },
       region: { type: "string" },
+      // Also print the key in the form E2B's SDK accepts (docs/e2b.md "Names").
+      e2b: { type: "boolean" },
     },
     allowPositionals: true,
   });
@@ -40,8 +43,13 @@ export async function cmdKey(args: string[]): Promise<number> {
       process.stderr.write(
         `created ${issued.tier} key ${issued.keyId} for tenant ${values.tenant}${issued.region ? ` (home region ${issued.region})` : ""}; it is shown once, store it now\n`,
       );
-      // Last line: the key itself, so scripts can take it with `tail -n1`.
+      // Last line: the key itself, so scripts can take it with `tail -n1`; with --e2b the key in
+      // E2B's form follows it (the same key, docs/e2b.md "Names").
       process.stdout.write(`${issued.key}\n`);
+      if (values.e2b === true) {
+        process.stderr.write("the same key in E2B's form (E2B_API_KEY) follows\n");
+        process.stdout.write(`${e2bKeyOf(issued.key)}\n`);
+      }
       return 0;
     }
     case "list": {

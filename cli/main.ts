@@ -46,7 +46,7 @@ commands:
         resume, delete, connect-URL tunnel), each with the service's share (JSON)
   doctor [--build] [--data-dir DIR]
         check the host; --build also builds missing guest artifacts
-  key create --tenant NAME --tier TIER [--name LABEL] [--region R] [--data-dir DIR]
+  key create --tenant NAME --tier TIER [--name LABEL] [--region R] [--e2b] [--data-dir DIR]
   key list [--tenant NAME] [--data-dir DIR]
   key revoke KEY-ID [--data-dir DIR]
         API keys (svc_<tier>[_<region>]_<id>_<secret>) in the gateway database: PGlite in the data dir, or

@@ -12,6 +12,8 @@ export interface GatewayConfig {
   keyPepper: string;
   /** Server secret for connect-url tokens (HMAC-SHA256). */
   connectSecret: string;
+  /** The domain of E2B's sandbox hosts (`<port>-<id>.<domain>`, docs/e2b.md "Data plane"); unset: no host routing. */
+  e2bDomain?: string;
   /**
    * Public base URL (`--public-url`, `SANDBOXD_PUBLIC_URL`): connect URLs (docs/connect.md "Rules of connect URLs") use its host
    * with `wss://` (`ws://` for an `http:` one). Unset, they follow the request: the scheme this

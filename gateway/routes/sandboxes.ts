@@ -42,7 +42,10 @@ const publicState = (s: string): State => (s === "suspended" ? "suspended" : "ru
  * otherwise), else the operator's default (`SANDBOXD_IDLE_TIMEOUT`, with the request's action or
  * the operator's), else none.
  */
-function idleLifetime(deps: Deps, req: B.CreateSandboxRequest): IdleLifetime {
+export function idleLifetime(
+  deps: Deps,
+  req: Pick<B.CreateSandboxRequest, "idle_timeout_seconds" | "idle_action">,
+): IdleLifetime {
   const limits = deps.config.limits;
   if (req.idle_timeout_seconds !== undefined) {
     return { timeoutS: req.idle_timeout_seconds, action: req.idle_action ?? "suspend" };
