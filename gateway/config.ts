@@ -12,6 +12,8 @@ export interface GatewayConfig {
   keyPepper: string;
   /** Server secret for connect-url tokens (HMAC-SHA256). */
   connectSecret: string;
+  /** The domain of E2B's sandbox hosts (`<port>-<id>.<domain>`, docs/e2b.md "Data plane"); unset: no host routing. */
+  e2bDomain?: string;
   /**
    * Public base URL (`--public-url`, `SANDBOXD_PUBLIC_URL`): connect URLs (docs/connect.md "Rules of connect URLs") use its host
    * with `wss://` (`ws://` for an `http:` one). Unset, they follow the request: the scheme this
@@ -68,6 +70,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
     keyPepper: input.keyPepper,
     connectSecret: input.connectSecret,
     ...(input.publicBaseUrl !== undefined ? { publicBaseUrl: input.publicBaseUrl } : {}),
+    ...(input.e2bDomain !== undefined ? { e2bDomain: input.e2bDomain } : {}),
     uploadDir: input.uploadDir,
     agent: input.agent ?? { id: "local", region: input.region ?? DEFAULT_REGION, url: "in-process" },
     region: input.region ?? DEFAULT_REGION,
