@@ -15,6 +15,7 @@ import { Process, Signal } from "../../contracts/e2b/envd/process_pb.ts";
 import { E2B_ENVD_VERSION, e2bKeyOf, e2bSandboxId } from "../../contracts/e2b/ids.ts";
 import { openDb } from "../../db/client.ts";
 import { ensureTenant, type Principal } from "../../gateway/auth/keys.ts";
+import { loadSecrets } from "../../gateway/auth/secrets.ts";
 import { signEnvdToken } from "../../gateway/e2b/envd-token.ts";
 import {
   createKeys,
@@ -30,12 +31,13 @@ import {
 const SETUP_TIMEOUT_MS = 600_000;
 /** A test runs a handful of guest commands under TCG. */
 const TEST_TIMEOUT_MS = 120_000;
-const SECRET = "e2b-process-test-connect-secret-0123456789";
 const DOMAIN = "e2b.test";
 
 let svc: RunningService | undefined;
 let dataDir = "";
 let tenantId = "";
+/** The gateway's connect secret (its file in the data dir), which signs envd tokens. */
+let SECRET = "";
 let keys: Record<"pro" | "other" | "doomed", string>;
 let sandboxId = "";
 let token = "";
@@ -91,7 +93,8 @@ beforeAll(async () => {
     await h.close();
   }
   keys = await createKeys(dataDir, { pro: ["acme", "pro"], other: ["evil", "pro"], doomed: ["acme", "pro"] });
-  svc = await startUp(dataDir, [], { SANDBOXD_CONNECT_SECRET: SECRET, SANDBOXD_E2B_DOMAIN: DOMAIN });
+  svc = await startUp(dataDir, [], { SANDBOXD_E2B_DOMAIN: DOMAIN });
+  SECRET = loadSecrets(dataDir).connectSecret;
   await waitForTemplate(svc, "python", SETUP_TIMEOUT_MS - 120_000);
   const created = await svc.api.post<{ id: string }>("/v1/sandboxes", {
     json: { template: "python" },
@@ -157,6 +160,8 @@ describe("E2B envd: processes", () => {
       expect(await sbx.commands.kill(999_999)).toBe(false);
 
       const term = await sbx.commands.run("echo up; sleep 60", { background: true });
+      const until = Date.now() + 30_000;
+      while (term.stdout === "" && Date.now() < until) await Bun.sleep(50);
       await rawClient(envdHeaders()).sendSignal({
         process: { selector: { case: "pid", value: term.pid } },
         signal: Signal.SIGTERM,

@@ -12,15 +12,7 @@
  * then the key must still be live, the sandbox the key's tenant's, and the key under its rate
  * limit. `Authorization: Basic base64(<user>:)` is not a credential: it names the guest user.
  */
-import {
-  Code,
-  ConnectError,
-  type ContextKey,
-  createConnectRouter,
-  createContextKey,
-  createContextValues,
-  type HandlerContext,
-} from "@connectrpc/connect";
+import { createConnectRouter, createContextValues } from "@connectrpc/connect";
 import {
   universalServerRequestFromFetch,
   universalServerResponseToFetch,
@@ -38,7 +30,7 @@ import { E2B_ENVD_PORT, nativeKeyOf, sandboxIdOfE2b } from "../../../contracts/e
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { keyIsLive, type Principal } from "../../auth/keys.ts";
 import { wakeIfIdle } from "../../core/idle.ts";
-import { beginUse, getOwned, type SandboxRow } from "../../core/sandboxes.ts";
+import { beginUse, getOwned } from "../../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../../deps.ts";
 import { mapError } from "../../errors.ts";
 import { verifyEnvdToken } from "../envd-token.ts";
@@ -46,32 +38,9 @@ import type { E2bMountDeps } from "../index.ts";
 import { filesystemService } from "./filesystem.ts";
 import { proxyGuestPort } from "./ports.ts";
 import { processService } from "./process.ts";
+import { type EnvdEnv, type EnvdTarget, SandboxUnreachable, targetKey, toConnectError } from "./target.ts";
 
-/** The sandbox and caller a data-plane request acts for, resolved before any handler runs. */
-export interface EnvdTarget {
-  principal: Principal;
-  /** sandboxd's id (`sbx_...`). */
-  sandboxId: string;
-  /** The port the request named: envd's (49983) or a guest TCP port. */
-  port: number;
-  /** The sandbox's record as it was read when the request was authenticated. */
-  row: SandboxRow;
-  /** The guest user `Authorization: Basic` names; undefined: the image's default user. */
-  user?: string;
-}
-
-export type EnvdEnv = HonoEnv & { Variables: HonoEnv["Variables"] & { envd: EnvdTarget } };
-
-const targetKey: ContextKey<EnvdTarget | undefined> = createContextKey<EnvdTarget | undefined>(undefined, {
-  description: "the E2B data-plane target",
-});
-
-/** The request's target inside a Connect handler (set by `envdRoutes` for every call). */
-export function targetOf(ctx: HandlerContext): EnvdTarget {
-  const t = ctx.values.get(targetKey);
-  if (!t) throw new ConnectError("no sandbox resolved for this call", Code.Internal);
-  return t;
-}
+export { type EnvdEnv, type EnvdTarget, targetOf } from "./target.ts";
 
 /**
  * A Connect request body's bound, bytes: the largest message the SDK sends is a SendInput of a
@@ -93,13 +62,6 @@ const LIVE_CACHE_MS = 1000;
 const LIVE_CACHE_MAX = 10_000;
 /** A header naming a user is `Basic` and at most this long (a user name is at most 64 characters). */
 const MAX_BASIC_CHARS = 256;
-
-/** An unknown, gone or stopped sandbox, answered as E2B's proxy does: 502, which the SDK maps to its timeout / not-running errors. */
-export class SandboxUnreachable extends Error {
-  constructor(readonly e2bId: string) {
-    super(`The sandbox ${e2bId} was not found`);
-  }
-}
 
 /** `E2b-Sandbox-Id` and `E2b-Sandbox-Port` of `c`: the sandbox's id (ours) and the port. */
 function namedTarget(c: Context): { id: string; e2bId: string; port: number } {
@@ -175,52 +137,6 @@ class Resolver {
   }
 }
 
-/** SandboxdError codes as Connect codes (what the SDK's `handleRpcError` turns into its errors). */
-function connectCodeOf(code: string): Code {
-  switch (code) {
-    case "unauthorized":
-      return Code.Unauthenticated;
-    case "forbidden":
-    case "demo_tier_limit":
-      return Code.PermissionDenied;
-    case "not_found":
-      return Code.NotFound;
-    case "bad_request":
-    case "payload_too_large":
-    case "invalid_file":
-    case "size_unavailable":
-      return Code.InvalidArgument;
-    case "rate_limited":
-    case "quota_exceeded":
-      return Code.ResourceExhausted;
-    case "busy":
-    case "conflict":
-    case "port_not_exposed":
-    case "template_not_ready":
-      return Code.FailedPrecondition;
-    case "gone":
-    case "agent_unavailable":
-    case "db_unavailable":
-    case "at_capacity":
-    case "port_unreachable":
-      return Code.Unavailable;
-    case "not_implemented":
-      return Code.Unimplemented;
-    case "bringup_timeout":
-      return Code.DeadlineExceeded;
-    default:
-      return Code.Internal;
-  }
-}
-
-/** Any error as the ConnectError the handlers throw (a SandboxdError keeps its public message). */
-export function toConnectError(err: unknown): ConnectError {
-  if (err instanceof ConnectError) return err;
-  if (err instanceof SandboxUnreachable) return new ConnectError(err.message, Code.Unavailable);
-  const mapped = mapError(err);
-  return new ConnectError(mapped.body.message, connectCodeOf(mapped.body.code));
-}
-
 /** E2B's proxy answer for a sandbox it cannot reach. */
 function unreachable(e2bId: string): Response {
   return Response.json(
@@ -291,6 +207,7 @@ export function endingWith(res: Response, end: () => void): Response {
     },
     async cancel(reason) {
       once();
+      // The client is gone; the upstream's own failure to cancel changes nothing for it.
       await reader.cancel(reason).catch(() => {});
     },
   });
@@ -326,8 +243,9 @@ export function envdRoutes(deps: Deps, m: E2bMountDeps): Hono<EnvdEnv> {
   router.service(Process, processService(deps));
   router.service(Filesystem, filesystemService(deps));
   const handlers = new Map(router.handlers.map((h) => [h.requestPath, h]));
+  // The procedure a path names: its last two segments (the router is mounted under a prefix).
   const streamingOf = (path: string): boolean | undefined => {
-    const h = handlers.get(path);
+    const h = handlers.get(/\/[^/]+\/[^/]+$/.exec(path)?.[0] ?? "");
     return h === undefined ? undefined : h.method.methodKind !== "unary";
   };
   const resolver = new Resolver(deps, m);
@@ -348,7 +266,7 @@ export function envdRoutes(deps: Deps, m: E2bMountDeps): Hono<EnvdEnv> {
         envdErrorResponse(err, undefined),
       );
     }
-    if (c.req.path === "/health") return next();
+    if (c.req.method === "GET" && c.req.path.endsWith("/health")) return next();
     // Every other call wakes a sandbox that sleeps for idleness and counts as a call in flight
     // until its answer has streamed to its end.
     let end: () => Promise<void>;

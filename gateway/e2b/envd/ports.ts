@@ -18,7 +18,7 @@ import { requirePro } from "../../auth/guards.ts";
 import { wakeIfIdle } from "../../core/idle.ts";
 import { agentOf, beginUseOf, getOwned, inTermsOf } from "../../core/sandboxes.ts";
 import type { Deps } from "../../deps.ts";
-import type { EnvdTarget } from "./index.ts";
+import type { EnvdTarget } from "./target.ts";
 
 /**
  * The guest's answer head (status line and headers), bytes: 64 KiB, four times Node's default

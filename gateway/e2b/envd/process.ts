@@ -25,7 +25,7 @@ import {
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { agentOf, beginUseOf, inTermsOf } from "../../core/sandboxes.ts";
 import type { Deps } from "../../deps.ts";
-import { type EnvdTarget, targetOf, toConnectError } from "./index.ts";
+import { type EnvdTarget, targetOf, toConnectError } from "./target.ts";
 
 /**
  * Terminal pids start here: far above the agent's process numbers (1, 2, ... per sandbox, which
