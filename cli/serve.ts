@@ -256,6 +256,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
       version,
       region: values.region ?? "local",
       ...(start.publicBaseUrl !== undefined ? { publicBaseUrl: start.publicBaseUrl } : {}),
+      ...(start.e2bDomain !== undefined ? { e2bDomain: start.e2bDomain } : {}),
       limits: gatewayLimits(settings),
       settings: settingsOf(settings, "gateway"),
     },

@@ -138,6 +138,7 @@ function startUpGateway(
       version: o.version,
       region: "local",
       ...(start.publicBaseUrl !== undefined ? { publicBaseUrl: start.publicBaseUrl } : {}),
+      ...(start.e2bDomain !== undefined ? { e2bDomain: start.e2bDomain } : {}),
       limits: gatewayLimits(settings),
       settings: reportedSettings(settings, ["gateway", "agent"]),
     },

@@ -70,6 +70,7 @@ export function resolveConfig(input: GatewayConfigInput): GatewayConfig {
     keyPepper: input.keyPepper,
     connectSecret: input.connectSecret,
     ...(input.publicBaseUrl !== undefined ? { publicBaseUrl: input.publicBaseUrl } : {}),
+    ...(input.e2bDomain !== undefined ? { e2bDomain: input.e2bDomain } : {}),
     uploadDir: input.uploadDir,
     agent: input.agent ?? { id: "local", region: input.region ?? DEFAULT_REGION, url: "in-process" },
     region: input.region ?? DEFAULT_REGION,

@@ -131,6 +131,11 @@ function urlOf(...schemes: string[]): (v: string) => string | undefined {
 
 const checkPublicUrl = urlOf("http:", "https:", "ws:", "wss:");
 const checkPeerUrl = urlOf("http:", "https:");
+/** A host name's labels: at most 253 characters (DNS's bound on a name). */
+const checkDomain = (v: string): string | undefined =>
+  v.length <= 253 && /^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$/i.test(v)
+    ? undefined
+    : "not a DNS name";
 
 export const SETTINGS: readonly SettingSpec[] = [
   {
@@ -353,6 +358,18 @@ export const SETTINGS: readonly SettingSpec[] = [
     unit: "text",
     check: checkPublicUrl,
     doc: "the base of connect URLs (`wss://` for an `https://` one)",
+  },
+  {
+    env: "SANDBOXD_E2B_DOMAIN",
+    flag: "e2b-domain",
+    scope: "gateway",
+    reported: false,
+    def: "",
+    defText: "none: E2B's data plane only under `/e2b/envd`",
+    rangeText: "a DNS name (letters, digits, `-`, `.`)",
+    unit: "text",
+    check: checkDomain,
+    doc: "the domain of E2B's sandbox hosts: a request to `<port>-<id>.<domain>` goes to sandbox `<id>`'s envd or guest port (docs/e2b.md \"Data plane\")",
   },
   {
     env: "SANDBOXD_PEER_URL",

@@ -132,6 +132,8 @@ export interface GatewayStart {
   /** Secrets set by the operator; the rest come from `<data>/secrets/`. */
   secrets: OperatorSecrets;
   publicBaseUrl?: string;
+  /** `SANDBOXD_E2B_DOMAIN`: the domain of E2B's sandbox hosts (lower case). */
+  e2bDomain?: string;
   /** `SANDBOXD_PEER_URL`: where the other gateways of the region reach this one. */
   peerUrl?: string;
   /** `SANDBOXD_DATABASE_LISTEN_URL`: a direct connection for LISTEN behind a pooler. */
@@ -145,6 +147,7 @@ export function gatewayStart(s: Settings): GatewayStart {
   const databaseUrl = text("DATABASE_URL");
   const publicUrl = text("SANDBOXD_PUBLIC_URL");
   const peerUrl = text("SANDBOXD_PEER_URL");
+  const e2bDomain = text("SANDBOXD_E2B_DOMAIN");
   const listenUrl = text("SANDBOXD_DATABASE_LISTEN_URL");
   return {
     ...(listenUrl ? { databaseListenUrl: listenUrl } : {}),
@@ -154,6 +157,7 @@ export function gatewayStart(s: Settings): GatewayStart {
     secrets: secretsFrom(s),
     // Checked by the settings' parser: an http(s):// or ws(s):// URL.
     ...(publicUrl ? { publicBaseUrl: new URL(publicUrl).origin } : {}),
+    ...(e2bDomain ? { e2bDomain: e2bDomain.toLowerCase() } : {}),
   };
 }
 

@@ -9,12 +9,12 @@ import { posix } from "node:path";
 import { Hono } from "hono";
 import { MAX_FILE_TRANSFER_BYTES, MAX_PATH_CHARS } from "../../../contracts/api/limits.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
-import { wakeIfIdle } from "../../core/idle.ts";
-import { beginUse, inTermsOf } from "../../core/sandboxes.ts";
+import { agentOf, inTermsOf } from "../../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../../deps.ts";
 import { holdForKey, logOf } from "../../deps.ts";
 import { limited, onFinish, tooLarge } from "../../routes/files.ts";
-import { type EnvdTarget, fsOpOn } from "./filesystem.ts";
+import { fsOpOn } from "./filesystem.ts";
+import type { EnvdTarget } from "./target.ts";
 
 /**
  * A multipart upload is read whole before its files are written (each part must be found in the
@@ -72,20 +72,20 @@ export async function downloadFor(
   signal: AbortSignal,
 ): Promise<Response> {
   const path = await absolute(deps, t, rawPath, user);
-  await wakeIfIdle(deps, t.principal, t.sandboxId);
-  const u = await beginUse(deps, t.principal, t.sandboxId);
-  try {
-    const a = await inTermsOf(u.row, u.agent.files(u.row.vmId!, { op: "download", path, user, signal }));
-    if (a.op !== "download")
-      throw new SandboxdError("internal", "the agent answered a download with something else");
-    const hold = (conn: Parameters<typeof holdForKey>[2]) => holdForKey(deps, t.principal.keyId, conn);
-    return new Response(onFinish(a.body, u.end, logOf(deps), hold), {
+  const a = await inTermsOf(
+    t.row,
+    agentOf(deps, t.row).files(t.row.vmId!, { op: "download", path, user, signal }),
+  );
+  if (a.op !== "download")
+    throw new SandboxdError("internal", "the agent answered a download with something else");
+  const hold = (conn: Parameters<typeof holdForKey>[2]) => holdForKey(deps, t.principal.keyId, conn);
+  // The call's end in flight is the data plane's middleware's, at the end of this body.
+  return new Response(
+    onFinish(a.body, async () => {}, logOf(deps), hold),
+    {
       headers: { "content-type": "application/octet-stream" },
-    });
-  } catch (err) {
-    await u.end();
-    throw err;
-  }
+    },
+  );
 }
 
 /** Writes one file from `body` (bounded by MAX_FILE_TRANSFER_BYTES); its envd entry. */
@@ -98,13 +98,11 @@ export async function uploadFor(
   signal: AbortSignal,
 ): Promise<{ name: string; type: "file"; path: string }> {
   const path = await absolute(deps, t, rawPath, user);
-  await wakeIfIdle(deps, t.principal, t.sandboxId);
-  const u = await beginUse(deps, t.principal, t.sandboxId);
   const b = limited(body);
   try {
     const a = await inTermsOf(
-      u.row,
-      u.agent.files(u.row.vmId!, { op: "upload", path, user, body: b.stream, signal }),
+      t.row,
+      agentOf(deps, t.row).files(t.row.vmId!, { op: "upload", path, user, body: b.stream, signal }),
     );
     if (a.op !== "upload")
       throw new SandboxdError("internal", "the agent answered an upload with something else");
@@ -112,8 +110,6 @@ export async function uploadFor(
   } catch (err) {
     if (b.over()) throw tooLarge();
     throw err;
-  } finally {
-    await u.end();
   }
 }
 

@@ -1,18 +1,10 @@
 /**
- * The pure parts of envd's filesystem service: the Basic user header, and the listing diff watchers report (create, write, chmod, remove).
+ * The pure parts of envd's filesystem service: the listing diff watchers report (create, write, chmod, remove).
  */
 import { describe, expect, test } from "bun:test";
 import type { FsEntry } from "../../../contracts/agent/fs-ops.ts";
 import { EventType } from "../../../contracts/e2b/envd/filesystem_pb.ts";
-import { diffSnapshots, envdUserOf } from "./filesystem.ts";
-
-describe("the user header", () => {
-  test("Basic base64(user:), none, and a malformed one", () => {
-    expect(envdUserOf(new Headers({ authorization: `Basic ${btoa("alice:")}` }))).toBe("alice");
-    expect(envdUserOf(new Headers())).toBeUndefined();
-    expect(() => envdUserOf(new Headers({ authorization: "Bearer x" }))).toThrow();
-  });
-});
+import { diffSnapshots } from "./filesystem.ts";
 
 describe("watch diff", () => {
   const e = (

@@ -10,7 +10,6 @@ import { timestampFromMs } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError, type HandlerContext, type ServiceImpl } from "@connectrpc/connect";
 import type { FsEntry, FsOp, FsOpAnswer } from "../../../contracts/agent/fs-ops.ts";
 import { MAX_FS_DEPTH } from "../../../contracts/agent/fs-ops.ts";
-import { MAX_EXEC_USER_CHARS } from "../../../contracts/api/limits.ts";
 import {
   type EntryInfo,
   EntryInfoSchema,
@@ -23,19 +22,9 @@ import {
   WatchDirResponseSchema,
 } from "../../../contracts/e2b/envd/filesystem_pb.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
-import type { Principal } from "../../auth/keys.ts";
-import { wakeIfIdle } from "../../core/idle.ts";
-import { beginUse, inTermsOf } from "../../core/sandboxes.ts";
+import { agentOf, inTermsOf } from "../../core/sandboxes.ts";
 import type { Deps } from "../../deps.ts";
-
-/**
- * The sandbox and caller of a data-plane call (index.ts `EnvdTarget`, structurally: this module is
- * imported by index.ts and imports nothing of it).
- */
-export interface EnvdTarget {
-  principal: Principal;
-  sandboxId: string;
-}
+import { type EnvdTarget, targetOf, toConnectError } from "./target.ts";
 
 /**
  * How often WatchDir lists the directory again. 500 ms: changes reach the client within about
@@ -58,49 +47,27 @@ export const MAX_WATCHERS_PER_SANDBOX = 16;
  */
 export const WATCHER_IDLE_MS = 10 * 60_000;
 
-/** The user an envd call names: `Authorization: Basic base64(user:)`; none is the image's user. */
-export function envdUserOf(headers: Headers): string | undefined {
-  const h = headers.get("authorization");
-  if (!h) return undefined;
-  const m = /^Basic\s+([A-Za-z0-9+/=]+)\s*$/i.exec(h);
-  if (!m) throw new ConnectError("Authorization must be Basic base64(user:)", Code.InvalidArgument);
-  const decoded = Buffer.from(m[1]!, "base64").toString("utf8");
-  const user = decoded.split(":", 1)[0] ?? "";
-  if (user.length > MAX_EXEC_USER_CHARS)
-    throw new ConnectError("the user name is too long", Code.InvalidArgument);
-  return user.length > 0 ? user : undefined;
-}
-
-/** A SandboxdError in Connect's terms (the SDK maps NotFound to its FileNotFoundError). */
-export function connectErrorOf(err: unknown): unknown {
-  if (!(err instanceof SandboxdError)) return err;
-  const code =
-    {
-      not_found: Code.NotFound,
-      conflict: Code.AlreadyExists,
-      bad_request: Code.InvalidArgument,
-      invalid_file: /Permission denied/.test(err.message) ? Code.PermissionDenied : Code.InvalidArgument,
-      unauthorized: Code.Unauthenticated,
-      forbidden: Code.PermissionDenied,
-      payload_too_large: Code.ResourceExhausted,
-      rate_limited: Code.ResourceExhausted,
-      busy: Code.Unavailable,
-    }[err.code as string] ?? Code.Internal;
-  return new ConnectError(err.message, code, undefined, undefined, err);
+/**
+ * An error of a filesystem call in Connect's terms: what only files mean (a path in the way is
+ * AlreadyExists, a refused permission PermissionDenied, which the SDK maps to its own errors),
+ * then the data plane's one mapping (target.ts).
+ */
+export function connectErrorOf(err: unknown): ConnectError {
+  if (err instanceof SandboxdError) {
+    if (err.code === "conflict") return new ConnectError(err.message, Code.AlreadyExists);
+    if (err.code === "invalid_file" && /Permission denied/.test(err.message))
+      return new ConnectError(err.message, Code.PermissionDenied);
+  }
+  return toConnectError(err);
 }
 
 /**
- * Runs a filesystem op of the agent on the target's sandbox: woken if idle, counted in flight like
- * a file transfer, errors restated in the sandbox's terms.
+ * Runs a filesystem op of the agent on the target's sandbox, errors restated in the sandbox's
+ * terms. The data plane's middleware (index.ts) already woke the sandbox and counts the call in
+ * flight until its answer ends.
  */
-export async function fsOpOn(deps: Deps, target: EnvdTarget, op: FsOp): Promise<FsOpAnswer> {
-  await wakeIfIdle(deps, target.principal, target.sandboxId);
-  const use = await beginUse(deps, target.principal, target.sandboxId);
-  try {
-    return await inTermsOf(use.row, use.agent.fsOp(use.row.vmId!, op));
-  } finally {
-    await use.end();
-  }
+export function fsOpOn(deps: Deps, target: EnvdTarget, op: FsOp): Promise<FsOpAnswer> {
+  return inTermsOf(target.row, agentOf(deps, target.row).fsOp(target.row.vmId!, op));
 }
 
 const TYPE: Record<FsEntry["type"], FileType> = {
@@ -194,11 +161,7 @@ interface Watcher {
 }
 
 /** The service; one per gateway, holding its polling watchers. */
-export function filesystemService(
-  deps: Deps,
-  /** index.ts `targetOf`: the call's sandbox and caller. */
-  targetOf: (ctx: HandlerContext) => EnvdTarget,
-): Partial<ServiceImpl<typeof Filesystem>> {
+export function filesystemService(deps: Deps): Partial<ServiceImpl<typeof Filesystem>> {
   const watchers = new Map<string, Watcher>();
   const sweep = () => {
     const now = deps.clock();
@@ -209,7 +172,7 @@ export function filesystemService(
     fn: (t: EnvdTarget, user: string | undefined) => Promise<T>,
   ) => {
     try {
-      return await fn(targetOf(ctx), envdUserOf(ctx.requestHeader));
+      return await fn(targetOf(ctx), targetOf(ctx).user);
     } catch (err) {
       throw connectErrorOf(err);
     }
@@ -268,7 +231,7 @@ export function filesystemService(
       let user: string | undefined;
       let last: Snapshot;
       try {
-        user = envdUserOf(ctx.requestHeader);
+        user = t.user;
         last = await snapshot(deps, t, req.path, user, req.recursive);
       } catch (err) {
         throw connectErrorOf(err);
