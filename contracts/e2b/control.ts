@@ -7,7 +7,7 @@
  * a message saying so, rather than dropped unseen.
  */
 import { z } from "zod";
-import { Labels, TemplateId } from "../api/common.ts";
+import { ExecOptionFields, Labels, TemplateId } from "../api/common.ts";
 import { MAX_FORK_COUNT, MAX_SANDBOX_TIMEOUT_S } from "../api/limits.ts";
 import { ListCursor, ListLimit } from "../api/lists.ts";
 
@@ -45,7 +45,8 @@ export const NewSandbox = z.object({
   templateID: z.string().min(1).max(64).optional(),
   timeout: E2bTimeout.optional(),
   metadata: Labels.optional(),
-  envVars: z.record(z.string(), z.string()).optional(),
+  /** The sandbox's own environment: the bounds of an exec's `env`. */
+  envVars: ExecOptionFields.env.optional(),
   secure: z.boolean().optional(),
   allow_internet_access: z.boolean().optional(),
   network: E2bNetwork.optional(),

@@ -8,6 +8,7 @@
 import { type Context, Hono } from "hono";
 import { SnapshotId } from "../../contracts/api/common.ts";
 import { MAX_LABEL_FILTERS, MAX_LIST_LIMIT } from "../../contracts/api/limits.ts";
+import { bestEffort } from "../../contracts/best-effort.ts";
 import * as E from "../../contracts/e2b/control.ts";
 import { E2B_ENVD_VERSION, e2bSandboxId, sandboxIdOfE2b } from "../../contracts/e2b/ids.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
@@ -124,12 +125,6 @@ function egressOf(
 
 /** Fields of `POST /sandboxes` sandboxd has no equivalent for: 400 before anything is made. */
 function refuseUnsupported(req: E.NewSandbox): void {
-  if (req.envVars !== undefined && Object.keys(req.envVars).length > 0) {
-    throw unsupportedField(
-      "envVars",
-      "a sandbox has no environment of its own; pass envs on each command (commands.run(cmd, {envs}))",
-    );
-  }
   if (req.mcp !== undefined && req.mcp !== null) throw unsupportedField("mcp", "there is no MCP gateway");
   if (req.iam !== undefined && req.iam !== null)
     throw unsupportedField("iam", "there is no workload identity");
@@ -251,6 +246,15 @@ export function e2bControlRoutes(deps: Deps, m: E2bMountDeps): Hono<HonoEnv> {
     const { row } = SnapshotId.safeParse(name).success
       ? await createFromSnapshot(deps, p, { snapshotId: name, ...input })
       : await createVm(deps, p, "sandbox", { templateId: name, ...input });
+    try {
+      await m.envs.write(deps, row, req.envVars ?? {});
+    } catch (err) {
+      // A sandbox without the environment it was asked for is not the one asked for: none is made.
+      await bestEffort(log, `removing ${row.id}, whose environment could not be written`, () =>
+        destroyVm(deps, row, { force: true, reason: "deleted" }),
+      );
+      throw err;
+    }
     return c.json(await sandboxOf(deps, p, row), 201);
   });
 

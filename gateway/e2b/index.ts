@@ -16,9 +16,11 @@ import type { Deps, HonoEnv } from "../deps.ts";
 import { e2bControlRoutes } from "./control.ts";
 import { envdHostRouting, envdRoutes } from "./envd/index.ts";
 import type { E2bMountDeps } from "./mount.ts";
+import { SandboxEnvs } from "./sandbox-envs.ts";
 
 /** Mounts the E2B surface on `app` (the host routing first: it answers any path on such a host). */
-export function mountE2b(app: Hono<HonoEnv>, deps: Deps, m: E2bMountDeps): void {
+export function mountE2b(app: Hono<HonoEnv>, deps: Deps, input: Omit<E2bMountDeps, "envs">): void {
+  const m: E2bMountDeps = { ...input, envs: new SandboxEnvs() };
   const envd = envdRoutes(deps, m);
   app.use("*", envdHostRouting(deps, envd));
   app.route("/e2b/envd", envd);

@@ -95,6 +95,34 @@ test(
   TEST_TIMEOUT_MS,
 );
 
+test(
+  "the sandbox's own envs reach every command under the command's own, and outlive a pause",
+  async () => {
+    const sandboxUrl = `${fx.svc.url}/e2b/envd`;
+    const sbx = await Sandbox.create(TEMPLATE, {
+      ...opts(),
+      sandboxUrl,
+      envs: { FOO: "bar", BOTH: "sandbox" },
+      timeoutMs: 120_000,
+    });
+    fx.cleanup(() => Sandbox.kill(sbx.sandboxId, opts()));
+    const run = async (s: Sandbox, cmd: string, envs?: Record<string, string>) =>
+      (await s.commands.run(cmd, envs ? { envs } : {})).stdout.trim();
+    expect(await run(sbx, "echo $FOO-$BOTH")).toBe("bar-sandbox");
+    expect(await run(sbx, "echo $FOO-$BOTH", { BOTH: "call" })).toBe("bar-call");
+    // Kept in the sandbox, root's alone: not a file its user reads or replaces.
+    expect(await run(sbx, "stat -c %U:%a /etc/sandboxd/e2b-envs.json")).toMatch(/^root:/);
+    expect(await sbx.pause()).toBe(true);
+    const back = await Sandbox.connect(sbx.sandboxId, { ...opts(), sandboxUrl });
+    expect(await run(back, "echo $FOO")).toBe("bar");
+    // A sandbox made without envs has none of another's.
+    const plain = await Sandbox.create(TEMPLATE, { ...opts(), sandboxUrl, timeoutMs: 120_000 });
+    fx.cleanup(() => Sandbox.kill(plain.sandboxId, opts()));
+    expect(await run(plain, "echo x$FOO")).toBe("x");
+  },
+  TEST_TIMEOUT_MS,
+);
+
 test("every sandbox killed through E2B's API is gone: no QEMU, no VM directory", async () => {
   await fx.expectNoVms();
 });

@@ -244,7 +244,9 @@ describe("hostile input, raw", () => {
       JSON.stringify({ templateID: "base", timeout: 1e12 }),
       JSON.stringify({ templateID: "base", metadata: { k: 1 } }),
       JSON.stringify({ templateID: "base", metadata: { ["x".repeat(64)]: "v" } }),
-      JSON.stringify({ templateID: "base", envVars: { A: "1" } }),
+      JSON.stringify({ templateID: "base", envVars: { A: 1 } }),
+      JSON.stringify({ templateID: "base", envVars: { "A=B": "1" } }),
+      JSON.stringify({ templateID: "base", envVars: { A: "x".repeat(70_000) } }),
       JSON.stringify({ templateID: "base", autoPauseMemory: false }),
       JSON.stringify({ templateID: "base", network: { denyOut: ["10.0.0.0/8"] } }),
       JSON.stringify({ templateID: "base", network: { rules: { "a.example": [{}] } } }),
@@ -258,7 +260,7 @@ describe("hostile input, raw", () => {
     for (const body of bodies) expectE2bError(await raw("POST", "/sandboxes", { key: k(), body }), 400);
     expect(await Sandbox.list(opts()).nextItems()).toEqual([]);
     const msg = expectE2bError(
-      await raw("POST", "/sandboxes", { key: k(), body: JSON.stringify({ envVars: { A: "1" } }) }),
+      await raw("POST", "/sandboxes", { key: k(), body: JSON.stringify({ envVars: { "A=B": "1" } }) }),
       400,
     );
     expect(msg).toContain("envVars");

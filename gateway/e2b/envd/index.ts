@@ -244,7 +244,7 @@ export function envdRoutes(deps: Deps, m: E2bMountDeps): Hono<EnvdEnv> {
     readMaxBytes: ENVD_READ_MAX_BYTES,
     maxTimeoutMs: ENVD_MAX_TIMEOUT_MS,
   });
-  router.service(Process, processService(deps));
+  router.service(Process, processService(deps, m.envs));
   router.service(Filesystem, filesystemService(deps));
   const handlers = new Map(router.handlers.map((h) => [h.requestPath, h]));
   // The procedure a path names: its last two segments (the router is mounted under a prefix).

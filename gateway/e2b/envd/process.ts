@@ -25,6 +25,7 @@ import {
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { agentOf, beginUseOf, inTermsOf } from "../../core/sandboxes.ts";
 import type { Deps } from "../../deps.ts";
+import type { SandboxEnvs } from "../sandbox-envs.ts";
 import { type EnvdTarget, targetOf, toConnectError } from "./target.ts";
 
 /**
@@ -183,7 +184,7 @@ async function rpc<T>(fn: () => Promise<T>): Promise<T> {
   }
 }
 
-export function processService(deps: Deps): Partial<ServiceImpl<typeof Process>> {
+export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceImpl<typeof Process>> {
   /** Terminals held by this process, per sandbox. */
   const ptys = new Map<string, Map<number, PtyEntry>>();
   let nextPty = PTY_PID_BASE;
@@ -344,7 +345,9 @@ export function processService(deps: Deps): Partial<ServiceImpl<typeof Process>>
           // E2B's processes run whether or not anyone calls: no idle pause under them.
           keepAwake: true,
         };
-        if (Object.keys(p.envs).length > 0) start.env = p.envs;
+        // The sandbox's own environment (E2B's envVars), under the call's.
+        const env = { ...(await envs.of(deps, t.row)), ...p.envs };
+        if (Object.keys(env).length > 0) start.env = env;
         if (p.cwd) start.cwd = p.cwd;
         if (t.user !== undefined) start.user = t.user;
         const { agent, vmId, row } = vm(t);
