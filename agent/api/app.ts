@@ -9,6 +9,7 @@ import { type Context, Hono } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import type { z } from "zod";
 import { AGENT_API_PREFIX, type CreateVmOpts } from "../../contracts/agent/api.ts";
+import { PtyQuery } from "../../contracts/agent/pty.ts";
 import {
   CreateBody,
   DeleteQuery,
@@ -16,7 +17,6 @@ import {
   ExecBody,
   ExecOnceBody,
   ForkBody,
-  PtySizeQuery,
   RestoreSnapshotBody,
   SnapshotRefParam,
   SnapshotVmBody,
@@ -158,8 +158,8 @@ export function createAgentApp(deps: AgentAppDeps): Hono {
   // A shell on a pseudo-terminal (docs/agent-api.md "Tunnels"): a tunnel to its master, plus
   // text messages `{"type":"resize","cols":N,"rows":M}` that set the window size.
   r.get("/vms/:id/pty", (c) => {
-    const { cols, rows } = parse(PtySizeQuery, c.req.query());
-    return upgradeTunnel(c, (vmId) => deps.manager.openPty(vmId, { cols, rows }), true);
+    const opts = parse(PtyQuery, c.req.query());
+    return upgradeTunnel(c, (vmId) => deps.manager.openPty(vmId, opts), true);
   });
   processRoutes(r, deps.manager, { json, parse, body });
   fileRoutes(r, deps.manager, parse);

@@ -179,18 +179,28 @@ export function seedBytes(seed: string): Uint8Array {
 }
 
 /**
- * How a terminal's shell runs (manager `openPty`): as the image's user, in the image's working
- * directory when it names one (as `docker exec -it` does; else the guest uses the user's HOME),
- * with the image's Env, the egress proxy and TERM. The guest adds the login variables missing
- * (PATH, HOME, USER, LOGNAME, SHELL) from the user's passwd entry.
+ * How a terminal's shell runs (manager `openPty`): as the image's user, or the request's `user`
+ * (found in the guest's /etc/passwd, as for exec); in the request's `cwd`, else the image's
+ * working directory when it names one (as `docker exec -it` does), else the user's HOME (the
+ * guest's choice, as a login does; a directory that does not exist falls back to `/` there);
+ * with the image's Env, the egress proxy and TERM, then the request's `env` over them. The guest
+ * adds the login variables missing (PATH, HOME, USER, LOGNAME, SHELL) from the user's passwd
+ * entry; another user gets its own HOME, USER and LOGNAME as with planExec.
  */
-export function planPty(image: ExecImage): { env: string[]; uid: number; gid: number; cwd?: string } {
-  const env = mergeEnv(mergeEnv(image.env, EGRESS_PROXY_ENV), { TERM: "xterm-256color" });
+export function planPty(
+  image: ExecImage,
+  req: { env?: Record<string, string> | undefined; cwd?: string | undefined } = {},
+  user?: ExecUser,
+): { env: string[]; uid: number; gid: number; cwd?: string } {
+  const base = mergeEnv(mergeEnv(image.env, EGRESS_PROXY_ENV), { TERM: "xterm-256color" });
+  // Another user gets its own HOME, USER and LOGNAME (as planExec gives them); `env` still wins.
+  const userEnv = user ? { HOME: user.home, USER: user.name, LOGNAME: user.name } : undefined;
   const out: { env: string[]; uid: number; gid: number; cwd?: string } = {
-    env,
-    uid: image.user.uid,
-    gid: image.user.gid,
+    env: mergeEnv(mergeEnv(base, userEnv), req.env),
+    uid: user?.uid ?? image.user.uid,
+    gid: user?.gid ?? image.user.gid,
   };
-  if (image.workingDir) out.cwd = image.workingDir;
+  const cwd = req.cwd ?? image.workingDir;
+  if (cwd) out.cwd = cwd;
   return out;
 }

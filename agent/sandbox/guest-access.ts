@@ -6,13 +6,15 @@
  * methods from here.
  */
 import { Duplex } from "node:stream";
+import type { PtyOpen } from "../../contracts/agent/pty.ts";
 import { describeError, SandboxdError } from "../../contracts/errors.ts";
 import type { EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import { type OpenEgress, serveEgressConnection } from "../egress/proxy.ts";
-import { type GuestClient, GuestError, type GuestTunnel } from "../guest/client.ts";
+import { type GuestClient, GuestError, type GuestTunnel, type PtyOptions } from "../guest/client.ts";
 import type { DriverVm, SandboxDriver } from "./drivers/driver.ts";
 import { planPty } from "./exec.ts";
+import { resolveExecUser } from "./exec-run.ts";
 import type { Sandbox } from "./manager-types.ts";
 import { ProcessTable } from "./processes.ts";
 import { type AgentSandboxState, isTerminal } from "./states.ts";
@@ -114,13 +116,19 @@ export class GuestAccess {
   /**
    * An interactive shell on a new pseudo-terminal in the sandbox's VM, as a tunnel to its master
    * (`resize` sets the window size). The same rules as `openTunnel`: an idle-paused VM is woken,
-   * and while the terminal is open the VM is never idle-paused. The shell runs as the image's
-   * user with its environment (exec.ts `planPty`).
+   * and while the terminal is open the VM is never idle-paused. The shell (or `opts.argv`) runs
+   * as the image's user, or `opts.user` resolved as an exec's (exec-run.ts `resolveExecUser`: an
+   * unknown name is `bad_request`), with the environment and directory of exec.ts `planPty`.
    */
-  async openPty(id: string, size: { cols: number; rows: number }): Promise<GuestTunnel> {
+  async openPty(id: string, opts: PtyOpen): Promise<GuestTunnel> {
     return this.guestStream(
       id,
-      (vm) => this.h.driver.openPty(vm, { ...planPty(vm.image), ...size }),
+      async (vm) => {
+        const user = opts.user === undefined ? undefined : await resolveExecUser(vm.guest, opts.user);
+        const plan: PtyOptions = { ...planPty(vm.image, opts, user), cols: opts.cols, rows: opts.rows };
+        if (opts.argv !== undefined) plan.argv = opts.argv;
+        return this.h.driver.openPty(vm, plan);
+      },
       (err) =>
         new SandboxdError("internal", `sandbox ${id}: the guest could not start a terminal: ${err.message}`, {
           cause: err,

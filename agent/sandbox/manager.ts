@@ -30,6 +30,7 @@ import type {
   SnapshotTaken,
   SuspendResult,
 } from "../../contracts/agent/api.ts";
+import type { PtyOpen } from "../../contracts/agent/pty.ts";
 import { settled } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { defaultFence, type EgressFence } from "../egress/fence.ts";
@@ -402,8 +403,8 @@ export class SandboxManager {
     return this.access.openTunnel(id, port);
   }
 
-  openPty(id: string, size: { cols: number; rows: number }): Promise<GuestTunnel> {
-    return this.access.openPty(id, size);
+  openPty(id: string, opts: PtyOpen): Promise<GuestTunnel> {
+    return this.access.openPty(id, opts);
   }
 
   processTable(id: string, awake: boolean): ReturnType<GuestAccess["processTable"]> {

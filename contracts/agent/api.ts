@@ -20,6 +20,7 @@ import type { FileList, FileWritten } from "../api/files.ts";
 import type { TunnelProtocol } from "../api/sandboxes-api.ts";
 import type { FsOp, FsOpAnswer } from "./fs-ops.ts";
 import type { ProcessInfo, ProcessLogs, ProcessStart, ProcessStdin } from "./processes.ts";
+import type { PtyOpen } from "./pty.ts";
 import type * as S from "./schemas.ts";
 
 /** Every route of the agent's HTTP API is under this prefix. */
@@ -177,8 +178,12 @@ export interface AgentVmApi {
   processStdin(vmId: VmId, pid: number, input: ProcessStdin): Promise<void>;
   /** Kills the process group (CANCEL) and resolves with its info once it has ended. */
   killProcess(vmId: VmId, pid: number): Promise<ProcessInfo>;
-  /** An interactive shell on a new pseudo-terminal in a running VM, killed when the tunnel closes. */
-  openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel>;
+  /**
+   * An interactive shell (or `opts.argv`) on a new pseudo-terminal in a running VM, killed when
+   * the tunnel closes; `env`, `cwd` and `user` as an exec's (contracts/agent/pty.ts). An unknown
+   * user is `bad_request`.
+   */
+  openPty(vmId: VmId, opts: PtyOpen): Promise<PtyTunnel>;
   /** Upload, download, list or remove a file in a live VM, beside any exec (never `busy`). */
   files(vmId: VmId, call: FileCall): Promise<FileAnswer>;
   /** A filesystem op of contracts/agent/fs-ops.ts in a live VM, beside any exec (never `busy`). */

@@ -142,12 +142,6 @@ export const WidthBody = z.object({ width: z.int().min(1).max(MAX_TEMPLATE_WIDTH
 /** `GET /vms/{id}/tunnel?port=N`: a TCP port inside the guest. */
 export const TunnelQuery = z.object({ port: z.coerce.number().int().min(MIN_PORT).max(MAX_PORT) });
 
-/** `GET /v1/vms/{id}/pty`: the terminal's size in cells (a u16 each, as in struct winsize). */
-export const PtySizeQuery = z.object({
-  cols: z.coerce.number().int().min(1).max(65535),
-  rows: z.coerce.number().int().min(1).max(65535),
-});
-
 export const DeleteQuery = z.object({
   force: z
     .enum(["true", "false", "1", "0"])

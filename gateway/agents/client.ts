@@ -43,6 +43,7 @@ import {
   type ProcessStart,
   type ProcessStdin,
 } from "../../contracts/agent/processes.ts";
+import { type PtyOpen, PtyOpenSchema, ptyQueryOf } from "../../contracts/agent/pty.ts";
 import {
   CreatedVmSchema,
   EgressSchema,
@@ -307,11 +308,20 @@ export class AgentHttpClient implements AgentApi {
   }
 
   /**
-   * A shell on a pseudo-terminal: `GET /vms/{id}/pty?cols=&rows=` upgraded to a WebSocket, the
-   * same byte tunnel as `openTunnel` whose `resize` sends a text message.
+   * A shell (or `opts.argv`) on a pseudo-terminal: `GET /vms/{id}/pty?cols=&rows=&argv=&env=&cwd=&user=`
+   * (contracts/agent/pty.ts `ptyQueryOf`) upgraded to a WebSocket, the same byte tunnel as
+   * `openTunnel` whose `resize` sends a text message. Options past their bounds are `bad_request`
+   * here, before the agent is asked.
    */
-  async openPty(vmId: VmId, size: { cols: number; rows: number }): Promise<PtyTunnel> {
-    const url = this.http.wsUrl(`/vms/${enc(vmId)}/pty?cols=${size.cols}&rows=${size.rows}`);
+  async openPty(vmId: VmId, opts: PtyOpen): Promise<PtyTunnel> {
+    const checked = PtyOpenSchema.safeParse(opts);
+    if (!checked.success) {
+      const issues = checked.error.issues.map((i) => `${i.path.join(".") || "(root)"}: ${i.message}`);
+      throw new SandboxdError("bad_request", `terminal options: ${issues.join("; ")}`, {
+        cause: checked.error,
+      });
+    }
+    const url = this.http.wsUrl(`/vms/${enc(vmId)}/pty?${ptyQueryOf(checked.data)}`);
     // Opening wakes an idle-paused VM and starts the shell: a VM operation's deadline.
     return connectTunnel(url, await this.http.token(), this.t.vmOp);
   }

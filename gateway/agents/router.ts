@@ -431,7 +431,7 @@ export class AgentRouter implements AgentHostApi, Placement {
       followProcess: async (v, n, o) => (await lookup()).followProcess(v, n, o),
       processStdin: async (v, n, i) => (await lookup()).processStdin(v, n, i),
       killProcess: async (v, n) => (await lookup()).killProcess(v, n),
-      openPty: async (v, s) => (await lookup()).openPty(v, s),
+      openPty: async (v, o) => (await lookup()).openPty(v, o),
       files: async (v, f) => (await lookup()).files(v, f),
       fsOp: async (v, o) => (await lookup()).fsOp(v, o),
       listVms: async () => (await lookup()).listVms(),

@@ -3,19 +3,21 @@
  * catalog's python template (Debian with /bin/bash, root), a sandbox made through /v1, its envd
  * access token signed as the control plane signs it, and E2B's SDK (`e2b`, unmodified) driving
  * `/e2b/envd`: commands with streamed output and exit codes, env/cwd/user, background processes
- * with connect/list/kill, stdin, terminals; the raw Connect client for SIGTERM and hostile bodies;
+ * with connect/list/kill, stdin, terminals (with envs, cwd and user); the raw Connect client for SIGTERM and hostile bodies;
  * tokens of other tenants, forged and revoked refused; host routing; a guest HTTP port.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { createClient } from "@connectrpc/connect";
 import { createConnectTransport } from "@connectrpc/connect-web";
 import { CommandExitError, Sandbox } from "e2b";
+import { MAX_PTY_ENV_BYTES } from "../../contracts/agent/pty.ts";
 import { parseApiKey } from "../../contracts/api/api-key.ts";
 import { Process, Signal } from "../../contracts/e2b/envd/process_pb.ts";
 import { E2B_ENVD_VERSION, e2bKeyOf, e2bSandboxId } from "../../contracts/e2b/ids.ts";
 import { openDb } from "../../db/client.ts";
 import { ensureTenant, type Principal } from "../../gateway/auth/keys.ts";
 import { loadSecrets } from "../../gateway/auth/secrets.ts";
+import { PTY_PID_BASE } from "../../gateway/e2b/envd/process.ts";
 import { signEnvdToken } from "../../gateway/e2b/envd-token.ts";
 import {
   createKeys,
@@ -209,6 +211,57 @@ describe("E2B envd: processes", () => {
       expect(await sbx.pty.kill(term.pid)).toBe(true);
       await term.wait().catch(() => {});
       expect(await sbx.pty.kill(term.pid)).toBe(false);
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "a terminal with envs, cwd and user; an unknown user and an env past the bound refused",
+    async () => {
+      const dec = new TextDecoder();
+      /** Opens a terminal, types `line`, and answers its output once `until` shows in it. */
+      const session = async (
+        opts: { envs?: Record<string, string>; cwd?: string; user?: string },
+        until: RegExp,
+      ) => {
+        let out = "";
+        const term = await sbx.pty.create({
+          cols: 80,
+          rows: 24,
+          ...opts,
+          onData: (d) => {
+            out += dec.decode(d);
+          },
+        });
+        // The typed line is echoed as typed ($ABC, $(pwd)): only the output lines match `until`.
+        await sbx.pty.sendInput(
+          term.pid,
+          new TextEncoder().encode('echo "A=$ABC P=$(pwd) U=$(id -u) L=$LANG"\n'),
+        );
+        const deadline = Date.now() + 30_000;
+        while (!until.test(out) && Date.now() < deadline) await Bun.sleep(100);
+        expect(await sbx.pty.kill(term.pid)).toBe(true);
+        await term.wait().catch(() => {});
+        return out;
+      };
+      // E2B's SDK sends `/bin/bash -i -l` with TERM, LANG and LC_ALL: LANG shows the envs arrive.
+      const mine = await session({ envs: { ABC: "123" }, cwd: "/tmp", user: "root" }, /A=123 P=\/tmp U=0 /);
+      expect(mine).toMatch(/A=123 P=\/tmp U=0 L=C\.UTF-8/);
+      const nobody = await session({ cwd: "/", user: "nobody" }, /U=65534 /);
+      expect(nobody).toMatch(/A= P=\/ U=65534 /);
+
+      const unknown = await sbx.pty
+        .create({ cols: 80, rows: 24, user: "no-such-user", onData: () => {} })
+        .catch((e: unknown) => e);
+      expect(unknown).toBeInstanceOf(Error);
+      expect(String(unknown)).toContain("no-such-user");
+      const big = await sbx.pty
+        .create({ cols: 80, rows: 24, envs: { BIG: "x".repeat(MAX_PTY_ENV_BYTES) }, onData: () => {} })
+        .catch((e: unknown) => e);
+      expect(big).toBeInstanceOf(Error);
+      expect(String(big)).toContain("env");
+      // Neither left a terminal behind.
+      expect((await sbx.commands.list()).filter((p) => p.pid >= PTY_PID_BASE)).toEqual([]);
     },
     TEST_TIMEOUT_MS,
   );

@@ -36,6 +36,7 @@ import type {
 } from "../../contracts/agent/api.ts";
 import type { FsOp, FsOpAnswer } from "../../contracts/agent/fs-ops.ts";
 import type { ProcessInfo, ProcessLogs, ProcessStart } from "../../contracts/agent/processes.ts";
+import type { PtyOpen } from "../../contracts/agent/pty.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
 interface MemVm {
@@ -451,7 +452,7 @@ export class MemoryAgent implements AgentApi {
   }
   /** A terminal that echoes what is typed, as a line discipline does; `ptyResizes` records sizes. */
   readonly ptyResizes: { cols: number; rows: number }[] = [];
-  async openPty(vmId: VmId, _size: { cols: number; rows: number }): Promise<PtyTunnel> {
+  async openPty(vmId: VmId, _opts: PtyOpen): Promise<PtyTunnel> {
     this.vm(vmId);
     let end!: TransformStreamDefaultController<Uint8Array>;
     const echo = new TransformStream<Uint8Array, Uint8Array>({

@@ -16,11 +16,13 @@
 import { Code, ConnectError, type HandlerContext, type ServiceImpl } from "@connectrpc/connect";
 import type { AgentVmApi, PtyTunnel } from "../../../contracts/agent/api.ts";
 import type { ProcessInfo as AgentProcessInfo, ProcessStart } from "../../../contracts/agent/processes.ts";
+import type { PtyOpen } from "../../../contracts/agent/pty.ts";
 import {
   type ConnectRequest,
   type Process,
   type ProcessSelector,
   Signal,
+  type StartRequest,
 } from "../../../contracts/e2b/envd/process_pb.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { agentOf, beginUseOf, inTermsOf } from "../../core/sandboxes.ts";
@@ -251,6 +253,27 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
     return drain(h, ctx);
   }
 
+  /**
+   * The agent's terminal options for a `Start` with `pty`: the size (clamped to a u16, 80x24 when
+   * absent), `process.cmd`+`args` as the argv (E2B's SDK sends `/bin/bash -i -l`; an empty cmd
+   * means the image user's login shell), its envs over the terminal's own (the SDK adds TERM,
+   * LANG, LC_ALL), its cwd, and the user `Authorization: Basic` names. Bounds are the agent's
+   * (contracts/agent/pty.ts): past them the call is `invalid_argument`.
+   */
+  function ptyOpenOf(
+    t: EnvdTarget,
+    p: StartRequest["process"],
+    size: { cols?: number; rows?: number } | undefined,
+  ): PtyOpen {
+    const clamp = (n: number | undefined, d: number) => Math.min(65535, Math.max(1, n || d));
+    const o: PtyOpen = { cols: clamp(size?.cols, 80), rows: clamp(size?.rows, 24) };
+    if (p?.cmd) o.argv = [p.cmd, ...p.args];
+    if (p && Object.keys(p.envs).length > 0) o.env = p.envs;
+    if (p?.cwd) o.cwd = p.cwd;
+    if (t.user !== undefined) o.user = t.user;
+    return o;
+  }
+
   async function* startPty(
     t: EnvdTarget,
     req: Parameters<NonNullable<ServiceImpl<typeof Process>["start"]>>[0],
@@ -258,7 +281,6 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
   ) {
     const { agent, vmId, row } = vm(t);
     const size = req.pty?.size;
-    const clamp = (n: number | undefined, d: number) => Math.min(65535, Math.max(1, n || d));
     const max = deps.config.limits.relaysPerTenant;
     const release = deps.relays ? deps.relays.reserve(row.tenantId, max) : () => {};
     if (!release)
@@ -271,10 +293,7 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
     try {
       // Counted in flight for the terminal's whole life, as a terminal WebSocket is.
       use = await beginUseOf(deps, t.principal, row, "connect");
-      tunnel = await inTermsOf(
-        row,
-        agent.openPty(vmId, { cols: clamp(size?.cols, 80), rows: clamp(size?.rows, 24) }),
-      );
+      tunnel = await inTermsOf(row, agent.openPty(vmId, ptyOpenOf(t, req.process, size)));
     } catch (err) {
       release();
       void use?.end();
