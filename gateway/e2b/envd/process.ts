@@ -264,11 +264,14 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
     t: EnvdTarget,
     p: StartRequest["process"],
     size: { cols?: number; rows?: number } | undefined,
+    sandboxEnvs: Record<string, string>,
   ): PtyOpen {
     const clamp = (n: number | undefined, d: number) => Math.min(65535, Math.max(1, n || d));
     const o: PtyOpen = { cols: clamp(size?.cols, 80), rows: clamp(size?.rows, 24) };
     if (p?.cmd) o.argv = [p.cmd, ...p.args];
-    if (p && Object.keys(p.envs).length > 0) o.env = p.envs;
+    // The sandbox's own environment (E2B's envVars), under the call's.
+    const env = { ...sandboxEnvs, ...(p?.envs ?? {}) };
+    if (Object.keys(env).length > 0) o.env = env;
     if (p?.cwd) o.cwd = p.cwd;
     if (t.user !== undefined) o.user = t.user;
     return o;
@@ -293,7 +296,10 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
     try {
       // Counted in flight for the terminal's whole life, as a terminal WebSocket is.
       use = await beginUseOf(deps, t.principal, row, "connect");
-      tunnel = await inTermsOf(row, agent.openPty(vmId, ptyOpenOf(t, req.process, size)));
+      tunnel = await inTermsOf(
+        row,
+        agent.openPty(vmId, ptyOpenOf(t, req.process, size, await envs.of(deps, row))),
+      );
     } catch (err) {
       release();
       void use?.end();
