@@ -8,6 +8,9 @@
  * `<test data>/e2b-sdk-results.json`), and fails when more tests failed than
  * tests/e2b-sdk/expected.json allows: a regression fails CI, and the bound is lowered as
  * failures are fixed. What does not run, and why: tests/e2b-sdk/out-of-scope.md.
+ *
+ * First, on the same service, examples/e2b-quickstart.mjs runs as a user runs it: `node` with
+ * those variables set.
  */
 import { expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";
@@ -30,10 +33,12 @@ const SUITE_DIR = join(REPO, "tests/e2b-sdk");
  */
 const SUITE_TIMEOUT_MS = 20 * 60_000;
 const RESULTS_FILE = join(SHARED_DATA_DIR, "e2b-sdk-results.json");
+/** The quickstart: one sandbox created, paused, resumed and killed under TCG. */
+const QUICKSTART_TIMEOUT_MS = 180_000;
 
 /**
- * vitest 4 needs Node >= 20; without one (Debian's own nodejs is 18) it runs under this Bun
- * (`bun --bun`), which runs it as well.
+ * vitest 4 (and the SDK) need Node >= 20; without one (Debian's own nodejs is 18) they run under
+ * this Bun (`bun --bun`), which runs them as well.
  */
 function vitestRunner(): string[] {
   const v = spawnSync("node", ["--version"], { encoding: "utf8" });
@@ -58,11 +63,39 @@ fx.beforeStop(async () => {
   }
 });
 
+/** The environment a user of E2B's SDK sets to reach this service. */
+function e2bEnv(): NodeJS.ProcessEnv {
+  const origin = new URL(fx.svc.url);
+  return {
+    ...process.env,
+    E2B_API_URL: `${origin.origin}/e2b`,
+    E2B_SANDBOX_URL: `${origin.origin}/e2b/envd`,
+    E2B_API_KEY: e2bKeyOf(fx.keys.pro),
+    E2B_DOMAIN: origin.host,
+    NO_COLOR: "1",
+  };
+}
+
+test(
+  "examples/e2b-quickstart.mjs runs against sandboxd with the unmodified SDK",
+  async () => {
+    const [program, ...pre] = vitestRunner();
+    const r = await runCommand(program!, [...pre, join(REPO, "examples/e2b-quickstart.mjs")], {
+      cwd: REPO,
+      env: e2bEnv(),
+      timeoutMs: QUICKSTART_TIMEOUT_MS,
+    });
+    const why = `exit ${r.code}\n--- stdout\n${r.stdout}\n--- stderr\n${r.stderr}`;
+    expect({ code: r.code, ok: r.stdout.trimEnd().endsWith("ok") }, why).toEqual({ code: 0, ok: true });
+    expect(r.stdout).toContain('streamed: "line 1\\nline 2\\nline 3\\n');
+  },
+  QUICKSTART_TIMEOUT_MS + 10_000,
+);
+
 test(
   "E2B's JS SDK suite runs against sandboxd within its bound of failures",
   async () => {
     const bound = Expected.parse(JSON.parse(await readFile(join(SUITE_DIR, "expected.json"), "utf8")));
-    const origin = new URL(fx.svc.url);
     const out = await mkdtemp(join(tmpdir(), "e2b-sdk-"));
     try {
       const reportFile = join(out, "report.json");
@@ -83,14 +116,7 @@ test(
         {
           cwd: REPO,
           timeoutMs: SUITE_TIMEOUT_MS,
-          env: {
-            ...process.env,
-            E2B_API_URL: `${origin.origin}/e2b`,
-            E2B_SANDBOX_URL: `${origin.origin}/e2b/envd`,
-            E2B_API_KEY: e2bKeyOf(fx.keys.pro),
-            E2B_DOMAIN: origin.host,
-            NO_COLOR: "1",
-          },
+          env: e2bEnv(),
         },
       );
       const seconds = Math.round((performance.now() - t0) / 1000);
