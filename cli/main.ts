@@ -14,18 +14,18 @@ import { logFormat, machineSettingsOrRefuse, quiet } from "./settings.ts";
 const USAGE = `usage: sandboxd <command> [options]
 
 commands:
-  up [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--no-catalog]
+  up [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--no-catalog | --catalog ID,...]
         run the service: the HTTP gateway (both API APIs) and one host agent in this
         process; state in PGlite under the data dir, or PostgreSQL when DATABASE_URL is set;
-        builds the catalog's python template on first start
-  gateway [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--region R] [--no-catalog]
+        builds the catalog's templates (python, base; --catalog: those named) on first start
+  gateway [--port PORT] [--host ADDR] [--data-dir DIR] [--public-url URL] [--region R] [--no-catalog | --catalog ID,...]
         run the HTTP gateway alone; it places each tenant's sandboxes on the agents of the
         tenant's home region (live, with room, least-loaded first); R is the home of tenants
         created through it without --region; DATABASE_URL as for up
   agent --gateway URL [--enroll TOKEN] [--listen HOST:PORT] [--advertise URL | --dial URL,...]
-        [--region R] [--id ID] [--slots N] [--data-dir DIR] [--no-catalog]
+        [--region R] [--id ID] [--slots N] [--data-dir DIR] [--no-catalog | --catalog ID,...]
         run one host agent: serve the agent API on --listen (default 127.0.0.1:7070), heartbeat
-        to the gateway at URL as reachable at --advertise; builds the catalog's python template.
+        to the gateway at URL as reachable at --advertise; builds the catalog's templates.
         The first start enrolls with a one-time token (--enroll, from agent-token create) and
         keeps the agent's own key in <data>/agent/credentials.json; later starts need no token;
         --dial (an agent enrolled with agent-token create --dial) opens an encrypted link to each

@@ -14,7 +14,12 @@ import { startDialer } from "../agent/api/dial.ts";
 import { loadOrEnroll } from "../agent/api/enroll.ts";
 import { EventReporter } from "../agent/api/events.ts";
 import { roomChanged, startHeartbeats } from "../agent/api/heartbeat.ts";
-import { ensurePythonImage, pythonLayoutDir } from "../agent/catalog/python.ts";
+import {
+  CATALOG_IMAGES,
+  type CatalogImageId,
+  catalogLayoutDir,
+  ensureCatalogImage,
+} from "../agent/catalog/python.ts";
 import { EgressFence } from "../agent/egress/fence.ts";
 import { registryConfigFromEnv } from "../agent/image/pull.ts";
 import { limitVmMemory } from "../agent/qemu/cgroup.ts";
@@ -48,14 +53,41 @@ import {
   settingsOrRefuse,
 } from "./settings.ts";
 
-/** The catalog (docs/templates.md "Rules of templates"): only `python` ships publicly. */
-export const CATALOG = [
+/**
+ * The catalog (docs/templates.md "The public catalog"): `python`, and `base`, the template E2B's
+ * SDK creates when given none. Each is an image of agent/catalog/python.ts's CATALOG_IMAGES.
+ */
+export const CATALOG: readonly { id: CatalogImageId; name: string; description: string }[] = [
   {
     id: "python",
     name: "Python 3",
     description: "Debian 12 with python3; code runs as `python3` reading the program on stdin",
   },
-] as const;
+  {
+    id: "base",
+    name: "Base",
+    description:
+      "Debian 12 with bash, sudo and python3, as the user `user` in /home/user (E2B's default template)",
+  },
+];
+
+/**
+ * The catalog templates named by `--catalog ID,...` (all when unset), in catalog order; an unknown
+ * id is a usage error.
+ */
+export function catalogOf(value: string | undefined): readonly (typeof CATALOG)[number][] {
+  if (value === undefined) return CATALOG;
+  const ids = value.split(",").map((s) => s.trim());
+  for (const id of ids) {
+    if (!CATALOG.some((t) => t.id === id)) {
+      throw new SandboxdError(
+        "bad_request",
+        `--catalog: unknown template ${JSON.stringify(id)} (known: ${CATALOG.map((t) => t.id).join(", ")})`,
+      );
+    }
+  }
+  return CATALOG.filter((t) => ids.includes(t.id));
+}
 
 /** `--NAME` as a port number (0: any free port); anything else is a usage error. */
 export function parsePort(value: string | undefined, def: number, name = "port"): number {
@@ -146,8 +178,11 @@ function noRoom(c: AgentCapacity): AgentCapacity {
 }
 
 /** Lists the catalog templates (status `building`: the agents report when theirs is ready). */
-export async function registerCatalog(gateway: RunningGateway): Promise<void> {
-  for (const t of CATALOG) {
+export async function registerCatalog(
+  gateway: RunningGateway,
+  catalog: readonly (typeof CATALOG)[number][] = CATALOG,
+): Promise<void> {
+  for (const t of catalog) {
     await gateway.withDb((db) => upsertPublicTemplate({ db, clock: Date.now }, { ...t, status: "building" }));
   }
 }
@@ -163,12 +198,13 @@ export function startCatalogBuild(
   log: (m: string) => void,
   settings: CatalogSettings,
   before: () => Promise<void> = async () => {},
+  catalog: readonly (typeof CATALOG)[number][] = CATALOG,
 ): { stop(): Promise<void> } {
   const abort = new AbortController();
   const done = before()
-    .then(() => buildCatalogOnAgent(dataDir, manager, log, settings, abort.signal))
+    .then(() => buildCatalogOnAgent(dataDir, manager, log, settings, abort.signal, catalog))
     .catch((err) => {
-      if (!abort.signal.aborted) log(`catalog: python template failed: ${describeError(err)}`);
+      if (!abort.signal.aborted) log(`catalog: build failed: ${describeError(err)}`);
     });
   return {
     async stop() {
@@ -181,15 +217,19 @@ export function startCatalogBuild(
 /** The settings the catalog build obeys: the Debian mirror, the disk reserve. */
 export type CatalogSettings = Pick<AgentSettings, "debianMirror" | "host">;
 
-/** Builds the catalog's templates on this agent once (cached in its data dir). */
+/**
+ * Builds the catalog's templates on this agent once (cached in its data dir), one after the
+ * other; one that fails is logged and the next is built.
+ */
 export async function buildCatalogOnAgent(
   dataDir: string,
   manager: SandboxManager,
   log: (m: string) => void,
   settings: CatalogSettings,
   signal?: AbortSignal,
+  catalog: readonly (typeof CATALOG)[number][] = CATALOG,
 ): Promise<void> {
-  for (const t of CATALOG) {
+  for (const t of catalog) {
     let status: string | undefined;
     try {
       status = manager.templates.status(t.id).status;
@@ -197,26 +237,26 @@ export async function buildCatalogOnAgent(
       status = undefined; // never built on this host
     }
     if (status === "ready" || status === "building") continue;
-    await ensurePythonImage({
-      dataDir,
-      log,
-      ...(signal ? { signal } : {}),
-      ...(settings.debianMirror ? { mirror: settings.debianMirror } : {}),
-      diskReserveBytes: settings.host.diskReserveBytes,
-    });
-    if (signal?.aborted) return;
     try {
+      await ensureCatalogImage(t.id, {
+        dataDir,
+        log,
+        ...(signal ? { signal } : {}),
+        ...(settings.debianMirror ? { mirror: settings.debianMirror } : {}),
+        diskReserveBytes: settings.host.diskReserveBytes,
+      });
+      if (signal?.aborted) return;
       manager.buildTemplate(t.id, {
         kind: "archive",
-        path: pythonLayoutDir(dataDir),
-        // Warm-up before the snapshot: python3 and its common modules are read from disk (and,
-        // under TCG, translated) once at build time instead of in every sandbox's first exec.
-        readyCmd: ["python3", "-c", "import json, os, re, subprocess, sys"],
+        path: catalogLayoutDir(dataDir, t.id),
+        readyCmd: [...CATALOG_IMAGES[t.id].readyCmd],
       });
     } catch (err) {
+      if (signal?.aborted) return;
       // A copy from another agent of the fleet arrived while the image was made: it serves.
       if (err instanceof SandboxdError && err.code === "conflict") continue;
-      throw err;
+      log(`catalog: ${t.id} template failed: ${describeError(err)}`);
+      continue;
     }
     log(`catalog: building template ${t.id}`);
   }
@@ -232,6 +272,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
       "public-url": { type: "string" },
       region: { type: "string" },
       "no-catalog": { type: "boolean" },
+      catalog: { type: "string" },
       ...settingFlags(),
     },
   });
@@ -265,7 +306,7 @@ export async function cmdGateway(args: string[], version: string, log: (m: strin
   const secrets = loadSecrets(dataDir, start.secrets);
   // `sandboxd key` / `agent-token` while this runs: through this socket, on this process's db.
   const operator = await serveOperatorCommands(dataDir, gateway, secrets, log);
-  if (!values["no-catalog"]) await registerCatalog(gateway);
+  if (!values["no-catalog"]) await registerCatalog(gateway, catalogOf(values.catalog));
   log(`gateway ${gateway.url} (${gateway.runtime}), region ${gateway.config.region}, data ${dataDir}`);
   process.stdout.write(`listening ${gateway.url}\n`);
   await untilSignal();
@@ -291,6 +332,7 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
       slots: { type: "string" },
       enroll: { type: "string" },
       "no-catalog": { type: "boolean" },
+      catalog: { type: "string" },
       ...settingFlags(),
     },
   });
@@ -372,7 +414,9 @@ export async function cmdAgent(args: string[], version: string, log: (m: string)
   log(`settings ${JSON.stringify(settingsOf(settings, "agent"))}`);
   if (manager.accel === "tcg") log(`WARNING: ${TCG_BOUNDARY}`);
   process.stdout.write(`listening ${server.url}\n`);
-  const catalog = values["no-catalog"] ? undefined : startCatalogBuild(dataDir, manager, log, agent);
+  const catalog = values["no-catalog"]
+    ? undefined
+    : startCatalogBuild(dataDir, manager, log, agent, undefined, catalogOf(values.catalog));
   await untilSignal();
   await catalog?.stop();
   // The gateway's calls in flight end first (their VMs keep running: the next start re-adopts

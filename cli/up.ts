@@ -23,7 +23,7 @@ import { lockDownDataDir } from "./data-dir.ts";
 import { installFaultHandlers } from "./faults.ts";
 import { installHeapStatsSignal } from "./heap-stats.ts";
 import { serveOperatorCommands } from "./operator-ops.ts";
-import { openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
+import { catalogOf, openAgentManager, parsePort, registerCatalog, startCatalogBuild } from "./serve.ts";
 import type { Settings } from "./settings/parse.ts";
 import {
   agentSettings,
@@ -47,12 +47,14 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
       "data-dir": { type: "string" },
       "public-url": { type: "string" },
       "no-catalog": { type: "boolean" },
+      catalog: { type: "string" },
       ...settingFlags(),
     },
   });
   const settings = settingsOrRefuse(values);
   if (!settings) return 2;
   const port = parsePort(values.port, 8080);
+  const catalogTemplates = catalogOf(values.catalog);
   const dataDir = values["data-dir"] ?? dataDirOf(settings);
   await lockDownDataDir(dataDir, log);
   const stateDir = join(dataDir, "agent");
@@ -99,7 +101,14 @@ export async function cmdUp(args: string[], version: string, log: (m: string) =>
 
   const catalog = values["no-catalog"]
     ? undefined
-    : startCatalogBuild(dataDir, manager, log, agent, () => registerCatalog(gateway));
+    : startCatalogBuild(
+        dataDir,
+        manager,
+        log,
+        agent,
+        () => registerCatalog(gateway, catalogTemplates),
+        catalogTemplates,
+      );
 
   await untilStopSignal();
   log("stopping: running sandboxes keep running and are re-adopted by the next `up`");

@@ -1,9 +1,14 @@
 /**
- * The public catalog's `python` image (docs/templates.md "Rules of templates": on the managed cloud only `python` ships): a
- * Debian bookworm minbase root filesystem with python3, made by debootstrap from the host's own
- * Debian mirror, packed as an OCI image layout and imported through the same checked path as any
- * user image. Its config runs `python3` (so an exec's `code` goes to python3 on stdin, as
- * `docker run -i IMAGE < code` would).
+ * The public catalog's images (docs/templates.md "The public catalog"): Debian bookworm minbase
+ * root filesystems made by debootstrap from the host's own Debian mirror, packed as OCI image
+ * layouts and imported through the same checked path as any user image. One table,
+ * CATALOG_IMAGES, says what each is made of:
+ *
+ * - `python`: python3; its config runs `python3` (so an exec's `code` goes to python3 on stdin,
+ *   as `docker run -i IMAGE < code` would);
+ * - `base`: what E2B's default template `base` offers that E2B's SDK and its users rely on
+ *   (bash, coreutils, procps, sudo, python3, ca-certificates), run as the user `user` (uid 1000,
+ *   home /home/user, passwordless sudo) in /home/user.
  */
 
 import { createHash } from "node:crypto";
@@ -29,13 +34,65 @@ export const PYTHON_IMAGE = {
   scriptVersion: 1,
 } as const;
 
+/**
+ * E2B's default template (`Sandbox.create()` with no template): E2B's own `base` image is a
+ * Debian with bash, coreutils, procps, sudo, python3 (`python` too) and curl, run as `user`
+ * (uid 1000, passwordless sudo) in /home/user; E2B's SDK tests assume those. No curl here: what
+ * the SDK's tests curl is the public internet.
+ */
+export const BASE_IMAGE = {
+  suite: "bookworm",
+  variant: "minbase",
+  packages: ["bash", "coreutils", "procps", "sudo", "python3", "python-is-python3", "ca-certificates"],
+  setup: [
+    "useradd --create-home --uid 1000 --user-group --shell /bin/bash user",
+    "echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > /etc/sudoers.d/user",
+    "chmod 0440 /etc/sudoers.d/user",
+  ].join(" && "),
+  config: {
+    Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"],
+    User: "user",
+    WorkingDir: "/home/user",
+    Cmd: ["/bin/bash"],
+  },
+  scriptVersion: 1,
+} as const;
+
 /** What a debootstrapped image is made of; the whole object is its cache key. */
 export interface DebootstrapImageSpec {
   suite: string;
   variant: string;
   packages: readonly string[];
+  /** A shell script run in the new root (`chroot ROOTFS /bin/sh -ec SCRIPT`) after debootstrap. */
+  setup?: string;
   config: object;
   scriptVersion: number;
+}
+
+/**
+ * The public catalog's images by template id: what each is made of, and the command its template
+ * runs before the snapshot (a warm-up: the programs a sandbox's first exec uses are read from
+ * disk, and under TCG translated, once at build time instead of in every sandbox).
+ */
+export const CATALOG_IMAGES = {
+  python: {
+    spec: PYTHON_IMAGE,
+    readyCmd: ["python3", "-c", "import json, os, re, subprocess, sys"],
+  },
+  base: {
+    spec: BASE_IMAGE,
+    readyCmd: [
+      "/bin/bash",
+      "-c",
+      "python3 -c 'import json, os, subprocess, sys' && sudo -n true && ps >/dev/null",
+    ],
+  },
+} as const satisfies Record<string, { spec: DebootstrapImageSpec; readyCmd: readonly string[] }>;
+
+export type CatalogImageId = keyof typeof CATALOG_IMAGES;
+
+export function isCatalogImageId(id: string): id is CatalogImageId {
+  return Object.hasOwn(CATALOG_IMAGES, id);
 }
 
 function cacheKey(spec: DebootstrapImageSpec): string {
@@ -151,9 +208,14 @@ export function debootstrapLayoutDir(dir: string, name: string, spec: Debootstra
   return join(dir, `${name}-${cacheKey(spec)}`);
 }
 
-/** Where the python image's OCI layout is kept (an image source `sandboxd run --image` takes). */
+/** Where a catalog image's OCI layout is kept (an image source `sandboxd run --image` takes). */
+export function catalogLayoutDir(dataDir: string, id: CatalogImageId): string {
+  return debootstrapLayoutDir(join(dataDir, "catalog"), id, CATALOG_IMAGES[id].spec);
+}
+
+/** Where the python image's OCI layout is kept. */
 export function pythonLayoutDir(dataDir: string): string {
-  return debootstrapLayoutDir(join(dataDir, "catalog"), "python", PYTHON_IMAGE);
+  return catalogLayoutDir(dataDir, "python");
 }
 
 /**
@@ -194,6 +256,10 @@ export async function ensureDebootstrapLayout(opts: {
       opts.signal,
     );
     opts.signal?.throwIfAborted();
+    if (spec.setup) {
+      await run(["chroot", rootfs, "/bin/sh", "-ec", spec.setup], log, opts.signal);
+      opts.signal?.throwIfAborted();
+    }
     // The apt lists and caches debootstrap leaves are 30+ MB no sandbox needs.
     await rm(join(rootfs, "var/cache/apt/archives"), { recursive: true, force: true });
     await rm(join(rootfs, "var/lib/apt/lists"), { recursive: true, force: true });
@@ -225,25 +291,28 @@ async function unmountUnder(dir: string, log: (m: string) => void): Promise<void
 }
 
 /**
- * Builds (once, ~1 min) and imports the python image. The OCI layout is kept in
- * `<dataDir>/catalog/python-<key>/` so a later import (e.g. after the image cache was cleared)
+ * Builds (once, ~1 min) and imports a catalog image. The OCI layout is kept in
+ * `<dataDir>/catalog/<id>-<key>/` so a later import (e.g. after the image cache was cleared)
  * skips debootstrap; the import itself is cached by digest.
  */
-export async function ensurePythonImage(opts: {
-  dataDir: string;
-  log?: (m: string) => void;
-  /** The agent's stop: an aborted build kills its tools and imports nothing. */
-  signal?: AbortSignal;
-  /** `SANDBOXD_DEBIAN_MIRROR`; unset or empty: the host's apt sources' mirror. */
-  mirror?: string;
-  /** Free disk the import leaves (`SANDBOXD_DISK_RESERVE_BYTES`); default DEFAULT_DISK_RESERVE_BYTES. */
-  diskReserveBytes?: number;
-}): Promise<ImportedImage> {
+export async function ensureCatalogImage(
+  id: CatalogImageId,
+  opts: {
+    dataDir: string;
+    log?: (m: string) => void;
+    /** The agent's stop: an aborted build kills its tools and imports nothing. */
+    signal?: AbortSignal;
+    /** `SANDBOXD_DEBIAN_MIRROR`; unset or empty: the host's apt sources' mirror. */
+    mirror?: string;
+    /** Free disk the import leaves (`SANDBOXD_DISK_RESERVE_BYTES`); default DEFAULT_DISK_RESERVE_BYTES. */
+    diskReserveBytes?: number;
+  },
+): Promise<ImportedImage> {
   const log = opts.log ?? (() => {});
   const layout = await ensureDebootstrapLayout({
     dir: join(opts.dataDir, "catalog"),
-    name: "python",
-    spec: PYTHON_IMAGE,
+    name: id,
+    spec: CATALOG_IMAGES[id].spec,
     log,
     ...(opts.signal ? { signal: opts.signal } : {}),
     ...(opts.mirror ? { mirror: opts.mirror } : {}),
@@ -257,4 +326,9 @@ export async function ensurePythonImage(opts: {
     ...(opts.signal ? { signal: opts.signal } : {}),
     ...(opts.diskReserveBytes !== undefined ? { diskReserveBytes: opts.diskReserveBytes } : {}),
   });
+}
+
+/** The python image (ensureCatalogImage "python"). */
+export function ensurePythonImage(opts: Parameters<typeof ensureCatalogImage>[1]): Promise<ImportedImage> {
+  return ensureCatalogImage("python", opts);
 }

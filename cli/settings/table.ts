@@ -609,7 +609,7 @@ export const SETTINGS: readonly SettingSpec[] = [
     defText: "the host's apt sources' Debian mirror",
     rangeText: "a URL",
     unit: "text",
-    doc: "where the python catalog template's debootstrap fetches Debian",
+    doc: "where the catalog templates' debootstrap fetches Debian",
   },
   // The CLI process's own output.
   {

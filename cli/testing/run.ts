@@ -38,6 +38,11 @@ const FILE_LIMIT_MS = 20 * 60_000;
 const TEST_TIMEOUT_MS = 180_000;
 /** Directories never searched for tests: tools, data, dependencies, build output. */
 const SKIP_DIRS = new Set(["node_modules", "build", "dist", "__pycache__"]);
+/**
+ * E2B's own SDK tests, copied as they are: vitest runs them against the service from
+ * tests/e2e/e2b-sdk-suite.test.ts (docs/e2b.md "E2B's own SDK tests"); `bun test` cannot.
+ */
+const SKIP_PATHS = new Set(["tests/e2b-sdk/upstream"]);
 const SLOWEST_SHOWN = 15;
 
 const USAGE = `usage: sandboxd test [--quick] [--jobs N] [FILTER...]
@@ -72,6 +77,7 @@ function findTestFiles(root: string, dir = root, out: string[] = []): string[] {
   for (const e of readdirSync(dir, { withFileTypes: true })) {
     if (e.name.startsWith(".") || SKIP_DIRS.has(e.name)) continue;
     const p = join(dir, e.name);
+    if (SKIP_PATHS.has(relative(root, p))) continue;
     if (e.isDirectory()) findTestFiles(root, p, out);
     else if (e.isFile() && e.name.endsWith(".test.ts")) out.push(relative(root, p));
   }

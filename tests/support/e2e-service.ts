@@ -13,7 +13,7 @@ import { mkdir, mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { basename, join, resolve } from "node:path";
 import type { z } from "zod";
-import { ensurePythonImage } from "../../agent/catalog/python.ts";
+import { CATALOG_IMAGES, type CatalogImageId, ensureCatalogImage } from "../../agent/catalog/python.ts";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { operatorSocketPath, runOperatorOp } from "../../cli/operator.ts";
 import { keyCreate, OPERATOR_OPS } from "../../cli/operator-ops.ts";
@@ -56,21 +56,32 @@ export function childEnv(): NodeJS.ProcessEnv {
   return env;
 }
 
+/** Every catalog template (`up`'s default: python, and base, E2B's default template). */
+export const ALL_CATALOG = Object.keys(CATALOG_IMAGES) as CatalogImageId[];
+
 /**
  * A fresh data dir under /tmp (short: VM sockets live under it) seeded with the guest artifacts
- * and the python OCI layout from the shared cache, so `up` neither downloads a kernel nor runs
- * debootstrap. Both are built in the shared dir first when missing (~45 s once).
+ * and the catalog's OCI layouts and imported images from the shared cache, so `up` neither
+ * downloads a kernel nor runs debootstrap nor imports. Both are built in the shared dir first
+ * when missing (~45 s each, once). `catalog`: the images seeded (default all of them, as `up`
+ * builds; `python: false`: none).
  */
-export async function prepareDataDir(prefix = "sbx-e2e-", opts: { python?: boolean } = {}): Promise<string> {
+export async function prepareDataDir(
+  prefix = "sbx-e2e-",
+  opts: { python?: boolean; catalog?: readonly CatalogImageId[] } = {},
+): Promise<string> {
   await ensureGuestArtifacts({ dataDir: SHARED_DATA_DIR });
-  // Without the python layout (`up --no-catalog` suites) there is no debootstrap to wait for.
-  const python =
-    opts.python !== false
-      ? await ensurePythonImage({
-          dataDir: SHARED_DATA_DIR,
-          ...(process.env.SANDBOXD_DEBIAN_MIRROR ? { mirror: process.env.SANDBOXD_DEBIAN_MIRROR } : {}),
-        })
-      : undefined;
+  // Without the catalog (`up --no-catalog` suites) there is no debootstrap to wait for.
+  const catalog = opts.python === false ? [] : (opts.catalog ?? ALL_CATALOG);
+  const images = [];
+  for (const id of catalog) {
+    images.push(
+      await ensureCatalogImage(id, {
+        dataDir: SHARED_DATA_DIR,
+        ...(process.env.SANDBOXD_DEBIAN_MIRROR ? { mirror: process.env.SANDBOXD_DEBIAN_MIRROR } : {}),
+      }),
+    );
+  }
   const dir = await mkdtemp(join(tmpdir(), prefix));
   const copy = (src: string, dst: string) => {
     // -a keeps the qcow2's holes (sparse) and times; a copy, never a link: an agent owns its files.
@@ -81,12 +92,10 @@ export async function prepareDataDir(prefix = "sbx-e2e-", opts: { python?: boole
     const src = join(SHARED_DATA_DIR, sub);
     if (existsSync(src)) copy(src, join(dir, sub));
   }
-  // The python image already imported: `up`'s catalog build finds it by digest and goes straight
-  // to the template's boot and snapshot (an import of the ~180 MB rootfs saved in each suite).
-  if (python) {
-    await mkdir(join(dir, "images"), { recursive: true });
-    copy(python.dir, join(dir, "images", basename(python.dir)));
-  }
+  // The catalog images already imported: `up`'s catalog build finds them by digest and goes
+  // straight to the templates' boot and snapshot (an import of a ~180 MB rootfs saved in each suite).
+  if (images.length > 0) await mkdir(join(dir, "images"), { recursive: true });
+  for (const image of images) copy(image.dir, join(dir, "images", basename(image.dir)));
   return dir;
 }
 
@@ -310,7 +319,13 @@ export function startUp(
   extraArgs: string[] = [],
   extraEnv: Record<string, string> = {},
 ): Promise<RunningService> {
-  const args = ["up", "--host", "127.0.0.1", "--port", "0", "--data-dir", dataDir, ...extraArgs];
+  // A suite that names no catalog gets python's alone: each catalog template is a boot and a
+  // snapshot under TCG at the start of `up`, and a suite counts its QEMUs. The E2B suites ask
+  // for base (`--catalog python,base`).
+  const catalog = extraArgs.some((a) => a === "--no-catalog" || a === "--catalog")
+    ? []
+    : ["--catalog", "python"];
+  const args = ["up", "--host", "127.0.0.1", "--port", "0", "--data-dir", dataDir, ...catalog, ...extraArgs];
   return startServing(args, dataDir, { ...childEnv(), ...extraEnv });
 }
 

@@ -16,6 +16,7 @@
 import { afterAll, afterEach, beforeAll, expect } from "bun:test";
 import { readdir } from "node:fs/promises";
 import { join } from "node:path";
+import type { CatalogImageId } from "../../agent/catalog/python.ts";
 import type { Tier } from "../../contracts/api/tiers.ts";
 import { bestEffort } from "../../contracts/best-effort.ts";
 import {
@@ -45,6 +46,8 @@ export interface ServiceOptions<K extends string> {
   prefix?: string;
   /** Builds and waits for the python catalog template (default); false runs `up --no-catalog`. */
   python?: boolean;
+  /** The catalog templates `up` builds and the fixture waits for (default: python's alone). */
+  catalog?: readonly CatalogImageId[];
   /** More arguments for `up`. */
   args?: string[];
   /** Operator settings for `up`'s environment. */
@@ -80,8 +83,11 @@ export interface ServiceFixture<K extends string> {
 }
 
 export function useService<K extends string = never>(opts: ServiceOptions<K> = {}): ServiceFixture<K> {
-  const python = opts.python !== false;
-  const baseArgs = [...(python ? [] : ["--no-catalog"]), ...(opts.args ?? [])];
+  const catalog = opts.python === false ? [] : (opts.catalog ?? ["python"]);
+  const baseArgs = [
+    ...(catalog.length > 0 ? ["--catalog", catalog.join(",")] : ["--no-catalog"]),
+    ...(opts.args ?? []),
+  ];
   let svc: RunningService | undefined;
   let dataDir = "";
   let keys: Record<K, string> | undefined;
@@ -106,11 +112,11 @@ export function useService<K extends string = never>(opts: ServiceOptions<K> = {
   const vmDirs = () => readdir(join(dataDir, "agent", "vms")).catch(() => [] as string[]);
 
   beforeAll(async () => {
-    dataDir = await prepareDataDir(opts.prefix ?? "sbx-e2e-", { python });
+    dataDir = await prepareDataDir(opts.prefix ?? "sbx-e2e-", { catalog });
     svc = await startUp(dataDir, baseArgs, opts.env ?? {});
     // While `up` runs a key goes through its operator socket: milliseconds, no PGlite open here.
     keys = await createKeys(dataDir, opts.keys ?? ({} as Record<K, readonly [string, Tier]>));
-    if (python) await waitForTemplate(svc, "python", SERVICE_SETUP_TIMEOUT_MS - 60_000);
+    for (const id of catalog) await waitForTemplate(svc, id, SERVICE_SETUP_TIMEOUT_MS - 60_000);
   }, SERVICE_SETUP_TIMEOUT_MS);
 
   afterEach(async () => {
