@@ -31,8 +31,9 @@ export const FrameType = {
   /** Host -> guest on a PTY tunnel (Op.PTY): u16 cols, u16 rows; the guest sets the window size. */
   RESIZE: 13,
   /**
-   * Guest -> host on an EXEC stream that asked for it (StreamFlag.STARTED), empty: the command
-   * was forked (its cwd and argv accepted); output and the RESPONSE follow.
+   * Guest -> host on an EXEC stream that asked for it (StreamFlag.STARTED): the command was
+   * forked (its cwd and argv accepted); output and the RESPONSE follow. Payload: the command's
+   * guest pid, u32 little-endian; empty from an older guest agent (pid unknown until RESPONSE).
    */
   STARTED: 14,
 } as const;

@@ -364,8 +364,12 @@ void op_exec(uint32_t stream, const uint8_t *p, size_t n) {
   execs = e;
   n_execs++;
   /* Before any output of the command (read by the loop later): the host can answer its caller
-   * that the command runs, even one that stays silent. */
-  if (flags & SBX_STREAM_STARTED) send_frame(SBX_T_STARTED, stream, NULL, 0);
+   * that the command runs, even one that stays silent, and name it by its pid (u32 LE). */
+  if (flags & SBX_STREAM_STARTED) {
+    uint8_t pid_le[4];
+    put32(pid_le, (uint32_t)pid);
+    send_frame(SBX_T_STARTED, stream, pid_le, sizeof pid_le);
+  }
   stdin_pump(e);
   e = NULL; /* owned by the list now */
 

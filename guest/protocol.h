@@ -41,7 +41,7 @@
 #define SBX_T_LOG 11
 #define SBX_T_OPEN 12 /* guest -> host: a tunnel the guest opened (egress); TLV PORT */
 #define SBX_T_RESIZE 13 /* host -> guest on a PTY tunnel: u16 cols, u16 rows (TIOCSWINSZ) */
-#define SBX_T_STARTED 14 /* guest -> host: an exec that asked (STREAM bit2) was forked; empty */
+#define SBX_T_STARTED 14 /* guest -> host: an exec that asked (STREAM bit2) was forked; u32 LE pid */
 
 /* ops (value of SBX_TAG_OP, a u32) */
 #define SBX_OP_PING 1

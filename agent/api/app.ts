@@ -8,7 +8,7 @@
 import { type Context, Hono } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import type { z } from "zod";
-import { AGENT_API_PREFIX, type CreateVmOpts } from "../../contracts/agent/api.ts";
+import { AGENT_API_PREFIX, type CreateVmOpts, PTY_PID_HEADER } from "../../contracts/agent/api.ts";
 import { PtyQuery } from "../../contracts/agent/pty.ts";
 import {
   CreateBody,
@@ -219,14 +219,19 @@ async function upgradeTunnel(c: Context, open: (vmId: string) => Promise<GuestTu
     throw new SandboxdError("bad_request", "the tunnel route needs a WebSocket upgrade");
   }
   // Under Bun.serve, Hono's env is the server (agent/server.ts); app.request() has none.
-  const server = c.env as { upgrade?: (req: Request, o: { data: TunnelSocketData }) => boolean } | undefined;
+  const server = c.env as
+    | { upgrade?: (req: Request, o: { data: TunnelSocketData; headers?: Record<string, string> }) => boolean }
+    | undefined;
   if (typeof server?.upgrade !== "function") {
     throw new SandboxdError("unsupported", "this agent server cannot upgrade to WebSocket");
   }
   const tunnel = await open(vmId);
   const data: TunnelSocketData = { kind: "tunnel", tunnel };
   if (pty) data.resize = (cols, rows) => tunnel.resize(cols, rows);
-  if (!server.upgrade(c.req.raw, { data })) {
+  // A terminal's shell pid in the guest rides on the 101 answer (docs/agent-api.md "Tunnels").
+  const headers: Record<string, string> = {};
+  if (pty && tunnel.pid !== undefined) headers[PTY_PID_HEADER] = String(tunnel.pid);
+  if (!server.upgrade(c.req.raw, { data, headers })) {
     tunnel.close();
     throw new SandboxdError("bad_request", "the WebSocket upgrade failed");
   }

@@ -21,6 +21,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { type Subprocess, spawn, spawnSync } from "bun";
 import { HEADER_LEN, MAX_PAYLOAD } from "../../contracts/guest-protocol.ts";
+import { ProcessTable } from "../sandbox/processes.ts";
 import { type GuestClient, GuestError } from "./client.ts";
 import { listDir, readFileStream, removePath } from "./fs-ops.ts";
 import { GuestListener } from "./listener.ts";
@@ -175,32 +176,56 @@ describe("exec", () => {
     expect(err.errno).toBe(2);
   });
 
-  test("STARTED comes once the command is forked, before its output; never for a refused exec", async () => {
+  test("STARTED comes once the command is forked, with its pid, before its output; never for a refused exec", async () => {
     // The command waits (10 s at most) for a file that only the host's STARTED handler makes:
-    // it prints "x" only if STARTED came while it ran.
+    // it prints its pid only if STARTED came while it ran.
     const go = join(dir, "started-go");
     const seen: string[] = [];
     const r = await client.exec({
       argv: [
         "sh",
         "-c",
-        `i=0; while [ ! -e ${go} ]; do i=$((i+1)); [ $i -gt 500 ] && exit 1; sleep 0.02; done; echo x`,
+        `i=0; while [ ! -e ${go} ]; do i=$((i+1)); [ $i -gt 500 ] && exit 1; sleep 0.02; done; echo $$`,
       ],
       env: ENV,
       onStdout: (b) => seen.push(`out:${b}`),
-      onStarted: () => {
-        seen.push("started");
+      onStarted: (pid) => {
+        seen.push(`started:${pid}`);
         writeFileSync(go, "");
       },
     });
     expect(r.exitCode).toBe(0);
-    expect(seen).toEqual(["started", "out:x\n"]);
+    // The pid STARTED names is the one the command's shell knows as $$, and the RESPONSE's.
+    expect(r.pid).toBeGreaterThan(1);
+    expect(seen).toEqual([`started:${r.pid}`, `out:${r.pid}\n`]);
     let refusedStarted = false;
     const err = await client
       .exec({ argv: ["true"], env: ENV, cwd: join(dir, "nope"), onStarted: () => (refusedStarted = true) })
       .catch((e) => e);
     expect(err).toBeInstanceOf(GuestError);
     expect(refusedStarted).toBe(false);
+  });
+
+  test("a background process records the guest pid STARTED names: the one its shell knows as $$", async () => {
+    const table = new ProcessTable(() => {});
+    const proc = await table.start(client, {
+      argv: ["sh", "-c", "echo $$; exec sleep 30"],
+      command: "sleep",
+      env: Object.entries(ENV).map(([k, v]) => `${k}=${v}`),
+      cwd: dir,
+      uid: process.getuid?.() ?? 0,
+      gid: process.getgid?.() ?? 0,
+      keepAwake: false,
+    });
+    expect(proc.guestPid).toBeGreaterThan(1);
+    expect(table.list()[0]?.guestPid).toBe(proc.guestPid);
+    // In host test mode the guest's pids are this machine's: the process is alive under it.
+    expect(alive(proc.guestPid!)).toBe(true);
+    await waitFor(() => proc.out.text().length > 0, HANG_MS);
+    expect(proc.out.text().toString()).toBe(`${proc.guestPid}\n`);
+    await table.killAll();
+    expect(alive(proc.guestPid!)).toBe(false);
+    expect(table.list()[0]?.guestPid).toBe(proc.guestPid);
   });
 
   test("killed by a signal reports the signal", async () => {
@@ -884,6 +909,9 @@ describe("terminals (OP PTY)", () => {
     const { out, done } = collect(t);
     const w = t.writable.getWriter();
     expect(await typeAndWait(w, out, "echo $((6*7))", /[\r\n]42\r\n/)).not.toBeNull();
+    // The open answer names the shell by its guest pid.
+    expect(t.pid).toBeGreaterThan(1);
+    expect(await typeAndWait(w, out, "echo pid=$$", new RegExp(`[\r\n]pid=${t.pid}\r\n`))).not.toBeNull();
     expect(await typeAndWait(w, out, 'echo "term=$TERM"', /[\r\n]term=xterm-256color\r\n/)).not.toBeNull();
     expect(await typeAndWait(w, out, "stty size", /[\r\n]24 80\r\n/)).not.toBeNull();
     t.resize(132, 43);

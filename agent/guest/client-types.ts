@@ -66,8 +66,10 @@ export interface ExecOptions {
   /**
    * Called once the guest has forked the command (a STARTED frame): its cwd and argv were
    * accepted, before any output. A refusal (a bad cwd) rejects the exec without calling it.
+   * `pid`: the command's pid in the guest; undefined from an older guest agent (one frozen in a
+   * template) whose STARTED frame is empty (docs/guest-protocol.md "Streams").
    */
-  onStarted?: () => void;
+  onStarted?: (pid: number | undefined) => void;
 }
 
 export interface ExecResult {

@@ -117,7 +117,8 @@ export class GuestClient extends GuestChannel {
         err.add(payload);
         o.onStderr?.(payload);
       } else if (type === FrameType.STARTED) {
-        o.onStarted?.();
+        // 4 bytes: the guest pid (u32 LE); empty: an older guest agent that does not say it.
+        o.onStarted?.(payload.length === 4 ? payload.readUInt32LE(0) : undefined);
       }
     };
     // No client timeout without a guest timeout: a command may legitimately run for ever; the
@@ -278,8 +279,9 @@ export class GuestClient extends GuestChannel {
         tunnel = this.registerTunnel(s, port);
       },
     });
+    let answer: Awaited<typeof promise>;
     try {
-      await promise;
+      answer = await promise;
     } catch (err) {
       tunnel?.disconnected(err as GuestError);
       throw err;
@@ -287,6 +289,7 @@ export class GuestClient extends GuestChannel {
     // The guest's DATA and even its CLOSE (a server that answers and hangs up at once) may have
     // arrived with the RESPONSE: they wait in the tunnel for the caller to read.
     const t = tunnel!;
+    t.pid = answer.u32(Tag.PID); // a PTY's shell; a CONNECT answer has none
     t.opened();
     return t;
   }

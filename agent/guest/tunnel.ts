@@ -66,6 +66,8 @@ export class GuestTunnel {
   bytesOut = 0;
   /** Most guest bytes ever waiting here for the consumer (bounded by TUNNEL_WINDOW). */
   peakBuffered = 0;
+  /** A terminal's (Op.PTY) shell: its pid in the guest, from the open answer; else undefined. */
+  pid: number | undefined;
 
   private phase: Phase = "connecting";
   private readonly queue: Buffer[] = [];

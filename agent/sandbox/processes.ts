@@ -160,6 +160,8 @@ export class BackgroundProcess {
   readonly abort = new AbortController();
   running = true;
   exitCode: number | null = null;
+  /** Its pid in the guest, from the guest's STARTED frame; undefined from an older guest agent. */
+  guestPid: number | undefined;
   readonly startedAtMs = Date.now();
   /** Settles when the process has ended (never rejects). */
   done!: Promise<void>;
@@ -186,6 +188,7 @@ export class BackgroundProcess {
   info(): ProcessInfo {
     return {
       pid: this.pid,
+      ...(this.guestPid !== undefined ? { guestPid: this.guestPid } : {}),
       command: this.cmd.command,
       running: this.running,
       exitCode: this.exitCode,
@@ -272,7 +275,10 @@ export class ProcessTable {
         onStderr: (b) => proc.output("stderr", b),
         collect: false,
         signal: proc.abort.signal,
-        onStarted: () => started(),
+        onStarted: (guestPid) => {
+          proc.guestPid = guestPid;
+          started();
+        },
       })
       .then(
         (r) => proc.ended(exitCodeOf(r)),

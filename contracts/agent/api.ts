@@ -100,7 +100,12 @@ export interface Tunnel {
 /** A terminal's byte stream (`openPty`): a tunnel that can also change the terminal's size. */
 export interface PtyTunnel extends Tunnel {
   resize(cols: number, rows: number): void;
+  /** The shell's pid in the guest (a terminal; undefined from an agent that does not say it). */
+  pid?: number;
 }
+
+/** The agent's `/vms/{id}/pty` upgrade answer header carrying the shell's guest pid (decimal). */
+export const PTY_PID_HEADER = "x-sandboxd-pty-pid";
 
 /**
  * The calls that name no VM: what a gateway asks of its agents as a whole. One agent serves them

@@ -3,8 +3,8 @@
  * wire bodies, used by the agent (agent/api/processes.ts) to parse requests and by the gateway's
  * client (gateway/agents/client.ts) to parse answers. A process is a guest command that outlives
  * the request that started it; the agent keeps its output in a bounded log
- * (agent/sandbox/processes.ts). Its `pid` is the agent's number for it in its sandbox (1, 2, ...),
- * not the guest's pid: the guest tells its pid only once the command has ended.
+ * (agent/sandbox/processes.ts). Its `pid` is the agent's number for it in its sandbox (1, 2, ...);
+ * `guestPid` is its pid inside the guest, as the guest reported it when it forked the command.
  */
 import { z } from "zod";
 
@@ -31,6 +31,11 @@ export const ProcessPidParam = z.coerce
 
 export const ProcessInfoSchema = z.object({
   pid: z.number().int(),
+  /**
+   * The command's pid inside the guest (what `$$` prints in its shell). Absent when unknown: a
+   * guest agent older than this field (one frozen in a template) does not report it at start.
+   */
+  guestPid: z.number().int().optional(),
   /** The shell line, or the argv joined by spaces. */
   command: z.string(),
   running: z.boolean(),

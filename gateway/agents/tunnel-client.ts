@@ -8,7 +8,7 @@
  * The same client serves `openPty` (`GET /vms/{id}/pty`): `resize` sends the agent a text message.
  */
 import WebSocket from "ws";
-import type { PtyTunnel } from "../../contracts/agent/api.ts";
+import { PTY_PID_HEADER, type PtyTunnel } from "../../contracts/agent/api.ts";
 import { errorFromAgentAnswer } from "../../contracts/agent/schemas.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
@@ -30,6 +30,11 @@ export async function connectTunnel(url: string, token: string, timeoutMs: numbe
     perMessageDeflate: false,
   });
   ws.binaryType = "nodebuffer";
+  let pid: number | undefined;
+  ws.once("upgrade", (res) => {
+    const raw = res.headers[PTY_PID_HEADER];
+    if (typeof raw === "string" && /^[1-9][0-9]{0,9}$/.test(raw)) pid = Number(raw);
+  });
   await new Promise<void>((resolve, reject) => {
     ws.once("open", () => resolve());
     ws.once("unexpected-response", (_req, res) => {
@@ -46,7 +51,9 @@ export async function connectTunnel(url: string, token: string, timeoutMs: numbe
       reject(new SandboxdError("agent_unavailable", `agent tunnel ${url} did not open`, { cause: err })),
     );
   });
-  return wsTunnel(ws);
+  const tunnel = wsTunnel(ws);
+  if (pid !== undefined) tunnel.pid = pid;
+  return tunnel;
 }
 
 function wsTunnel(ws: WebSocket): PtyTunnel {

@@ -177,6 +177,32 @@ describe("E2B envd: processes", () => {
   );
 
   test(
+    "pids are the guest's: kill -0 finds a background process, not once it was killed; list and connect by it",
+    async () => {
+      const bg = await sbx.commands.run("sleep 30", { background: true });
+      // Not the agent's numbers (1, 2, ...): PID 1 is the guest agent itself.
+      expect(bg.pid).toBeGreaterThan(1);
+      expect((await sbx.commands.run(`kill -0 ${bg.pid} && echo alive`)).stdout).toBe("alive\n");
+      // `sleep 30` under bash -c: the pid is the command's, its /proc entry names sleep or bash.
+      const comm = (await sbx.commands.run(`cat /proc/${bg.pid}/comm`)).stdout.trim();
+      expect(["sleep", "bash"]).toContain(comm);
+      expect((await sbx.commands.list()).some((p) => p.pid === bg.pid)).toBe(true);
+      const again = await sbx.commands.connect(bg.pid);
+      expect(again.pid).toBe(bg.pid);
+      expect(await sbx.commands.kill(bg.pid)).toBe(true);
+      await bg.wait().catch(() => {});
+      const gone = await sbx.commands.run(`kill -0 ${bg.pid} 2>/dev/null; echo $?`);
+      expect(gone.stdout).toBe("1\n");
+      expect((await sbx.commands.list()).some((p) => p.pid === bg.pid)).toBe(false);
+      expect(await sbx.commands.kill(bg.pid)).toBe(false);
+      expect(await sbx.commands.kill(999_999)).toBe(false);
+      const missing = await sbx.commands.connect(999_999).catch((e: unknown) => e);
+      expect((missing as Error).name).toBe("NotFoundError");
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
     "stdin, then close stdin",
     async () => {
       const cat = await sbx.commands.run("cat", { background: true, stdin: true });
@@ -207,6 +233,12 @@ describe("E2B envd: processes", () => {
       while (!(out.includes("42") && out.includes("40 100")) && Date.now() < deadline) await Bun.sleep(100);
       expect(out).toContain("42");
       expect(out).toContain("40 100");
+      // The terminal's pid is its shell's in the guest.
+      await sbx.pty.sendInput(term.pid, new TextEncoder().encode("echo pid=$$\n"));
+      const until = Date.now() + 30_000;
+      while (!out.includes(`pid=${term.pid}\r\n`) && Date.now() < until) await Bun.sleep(100);
+      expect(out).toContain(`pid=${term.pid}\r\n`);
+      expect(term.pid).toBeLessThan(1 << 22);
       expect((await sbx.commands.list()).some((p) => p.pid === term.pid)).toBe(true);
       expect(await sbx.pty.kill(term.pid)).toBe(true);
       await term.wait().catch(() => {});

@@ -3,13 +3,17 @@
  * (docs/e2b.md "Processes").
  *
  * - A command (`Start` without `pty`) is a background process of the sandbox's agent
- *   (agent/sandbox/processes.ts): its `pid` is the agent's number for it, its output the agent's
- *   followed log, its stdin the agent's queue. `stdin: false` closes its stdin at once (E2B's
- *   default: a command reads end of file).
+ *   (agent/sandbox/processes.ts): its `pid` is its pid in the guest (the agent's `guestPid`),
+ *   its output the agent's followed log, its stdin the agent's queue. `stdin: false` closes its
+ *   stdin at once (E2B's default: a command reads end of file). Every call that names a pid maps
+ *   it back to the agent's number through the agent's list of the sandbox's processes, so it
+ *   works from any gateway. A guest agent frozen in an older template reports no guest pid: its
+ *   processes are then named by the agent's number (1, 2, ...), which means nothing in the guest.
  * - A terminal (`Start` with `pty`) is the agent's PTY tunnel (`openPty`), held by this gateway
- *   process for as long as it runs: its pid is a number of this process (from PTY_PID_BASE up),
- *   its output goes to the streams attached to it (none attached: dropped, as a terminal nobody
- *   watches), its input and size go through the tunnel.
+ *   process for as long as it runs: its pid is the shell's guest pid when the agent tells it
+ *   (`PtyTunnel.pid`), else a number of this process (from PTY_PID_BASE up); its output goes to
+ *   the streams attached to it (none attached: dropped, as a terminal nobody watches), its input
+ *   and size go through the tunnel.
  *
  * Every stream sends a KeepAlive at the interval the client asks (`Keepalive-Ping-Interval`).
  */
@@ -31,8 +35,9 @@ import type { SandboxEnvs } from "../sandbox-envs.ts";
 import { type EnvdTarget, targetOf, toConnectError } from "./target.ts";
 
 /**
- * Terminal pids start here: far above the agent's process numbers (1, 2, ... per sandbox, which
- * never get near 16 million), so one pid names one of the two.
+ * Terminal pids, when the agent does not tell the shell's guest pid, start here: above Linux's
+ * largest pid (2^22, pid_max's ceiling) and far above the agent's process numbers, so such a pid
+ * is never a process's.
  */
 export const PTY_PID_BASE = 1 << 24;
 /** The keepalive interval a client may ask for, seconds: at least 1 (a flood otherwise), at most 600. */
@@ -132,6 +137,23 @@ function keepaliveMs(ctx: HandlerContext): number | undefined {
   return Math.min(KEEPALIVE_MAX_S, Math.max(KEEPALIVE_MIN_S, Number(raw))) * 1000;
 }
 
+/**
+ * The pid the SDK sees for an agent process: its guest pid, or the agent's number when an older
+ * guest agent did not report one.
+ */
+const sdkPid = (p: AgentProcessInfo): number => p.guestPid ?? p.pid;
+
+/**
+ * The agent's number for the process the SDK names `pid`: a running one first (a guest pid may
+ * be reused once its process has ended), else the newest ended one; none is `not_found`.
+ */
+function agentPidOf(procs: AgentProcessInfo[], pid: number): AgentProcessInfo {
+  const named = procs.filter((p) => sdkPid(p) === pid);
+  const p = named.find((i) => i.running) ?? named.sort((a, b) => b.pid - a.pid)[0];
+  if (!p) throw new SandboxdError("not_found", `no process ${pid} in this sandbox`);
+  return p;
+}
+
 /** An agent process's end as envd reports it: the exit status, `exited` false when unknown. */
 function endOf(info: AgentProcessInfo): End {
   if (info.exitCode === null)
@@ -216,8 +238,12 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
     }
     throw new SandboxdError("bad_request", "a process selector (pid or tag) is required");
   };
-  const ptyOf = (t: EnvdTarget, pid: number) =>
-    pid >= PTY_PID_BASE ? ptys.get(t.sandboxId)?.get(pid) : undefined;
+  const ptyOf = (t: EnvdTarget, pid: number) => ptys.get(t.sandboxId)?.get(pid);
+  /** The agent process the SDK's `pid` names (guest pid, or the agent's number: see sdkPid). */
+  const agentProcess = async (t: EnvdTarget, pid: number): Promise<AgentProcessInfo> => {
+    const { agent, vmId, row } = vm(t);
+    return agentPidOf(await inTermsOf(row, agent.listProcesses(vmId)), pid);
+  };
   const needPty = (t: EnvdTarget, pid: number): PtyEntry => {
     const e = ptyOf(t, pid);
     if (!e) throw new SandboxdError("not_found", `no terminal ${pid} in this sandbox`);
@@ -305,7 +331,7 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
       void use?.end();
       throw err;
     }
-    const pid = nextPty++;
+    const pid = tunnel.pid ?? nextPty++;
     const config: Config = {
       cmd: req.process?.cmd ?? "/bin/bash",
       args: req.process?.args ?? [],
@@ -377,7 +403,7 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
         if (t.user !== undefined) start.user = t.user;
         const { agent, vmId, row } = vm(t);
         const info = await inTermsOf(row, agent.startProcess(vmId, start));
-        remember(t.sandboxId, info.pid, {
+        remember(t.sandboxId, sdkPid(info), {
           cmd: p.cmd,
           args: p.args,
           envs: p.envs,
@@ -385,7 +411,7 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
           ...(req.tag ? { tag: req.tag } : {}),
         });
         if (!req.stdin) await inTermsOf(row, agent.processStdin(vmId, info.pid, { dataB64: "", eof: true }));
-        yield ev.start(info.pid);
+        yield ev.start(sdkPid(info));
         yield* follow(t, info.pid, ctx);
       } catch (err) {
         throw toConnectError(err);
@@ -414,14 +440,15 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
           return;
         }
         const { agent, vmId, row } = vm(t);
+        const n = (await agentProcess(t, pid)).pid;
         // Output from now on: what the log kept before is skipped.
-        const logs = await inTermsOf(row, agent.processLogs(vmId, pid));
+        const logs = await inTermsOf(row, agent.processLogs(vmId, n));
         yield ev.start(pid);
         if (!logs.process.running) {
           yield ev.end(endOf(logs.process));
           return;
         }
-        yield* follow(t, pid, ctx, {
+        yield* follow(t, n, ctx, {
           stdout: Buffer.byteLength(logs.stdoutB64, "base64"),
           stderr: Buffer.byteLength(logs.stderrB64, "base64"),
         });
@@ -442,7 +469,7 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
         };
         return {
           processes: [
-            ...procs.map((p) => info(p.pid, p.command)),
+            ...procs.map((p) => info(sdkPid(p), p.command)),
             ...[...(ptys.get(t.sandboxId)?.values() ?? [])].map((e) => info(e.pid, e.config.cmd)),
           ],
         };
@@ -464,9 +491,10 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
           return {};
         }
         const { agent, vmId, row } = vm(t);
+        const n = (await agentProcess(t, pid)).pid;
         await inTermsOf(
           row,
-          agent.processStdin(vmId, pid, { dataB64: Buffer.from(input.value).toString("base64") }),
+          agent.processStdin(vmId, n, { dataB64: Buffer.from(input.value).toString("base64") }),
         );
         return {};
       }),
@@ -478,7 +506,8 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
         if (ptyOf(t, pid))
           throw new SandboxdError("bad_request", "a terminal has no stdin to close; send EOT (Ctrl-D)");
         const { agent, vmId, row } = vm(t);
-        await inTermsOf(row, agent.processStdin(vmId, pid, { dataB64: "", eof: true }));
+        const n = (await agentProcess(t, pid)).pid;
+        await inTermsOf(row, agent.processStdin(vmId, n, { dataB64: "", eof: true }));
         return {};
       }),
 
@@ -497,10 +526,9 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
         }
         // Both signals kill the process group with SIGKILL: the agent's only way to end a process.
         const { agent, vmId, row } = vm(t);
-        const info = await inTermsOf(row, agent.listProcesses(vmId));
-        const p = info.find((i) => i.pid === pid);
-        if (!p?.running) throw new SandboxdError("not_found", `no running process ${pid}`);
-        await inTermsOf(row, agent.killProcess(vmId, pid));
+        const p = await agentProcess(t, pid);
+        if (!p.running) throw new SandboxdError("not_found", `no running process ${pid}`);
+        await inTermsOf(row, agent.killProcess(vmId, p.pid));
         return {};
       }),
 
@@ -512,7 +540,7 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
         if (!size) return {};
         const e = ptyOf(t, pid);
         if (!e) {
-          if (pid >= PTY_PID_BASE) throw new SandboxdError("not_found", `no terminal ${pid} in this sandbox`);
+          await agentProcess(t, pid); // none: not_found
           throw new ConnectError(`process ${pid} has no terminal to resize`, Code.FailedPrecondition);
         }
         e.tunnel.resize(Math.min(65535, Math.max(1, size.cols)), Math.min(65535, Math.max(1, size.rows)));
