@@ -56,6 +56,8 @@ export interface SnapshotFilter {
   state?: "creating" | "ready" | "failed" | "lost";
   sourceSandboxId?: string;
   templateId?: string;
+  /** Only the snapshot of this name (names are the tenant's own words; not unique). */
+  name?: string;
 }
 
 /**
@@ -78,6 +80,7 @@ export async function listSnapshotsPage(
       state: filter.state,
       source_sandbox: filter.sourceSandboxId,
       template: filter.templateId,
+      name: filter.name,
     }),
   };
   const before = page.cursor !== undefined ? decodeCursor(key, scope, page.cursor) : undefined;
@@ -85,6 +88,7 @@ export async function listSnapshotsPage(
   if (filter.state !== undefined) conds.push(eq(snapshots.state, filter.state));
   if (filter.sourceSandboxId !== undefined) conds.push(eq(snapshots.sourceSandboxId, filter.sourceSandboxId));
   if (filter.templateId !== undefined) conds.push(eq(snapshots.templateId, filter.templateId));
+  if (filter.name !== undefined) conds.push(eq(snapshots.name, filter.name));
   if (labelPairs.length > 0) conds.push(sql`${snapshots.labels} @> ${JSON.stringify(filter.labels)}::jsonb`);
   if (before) conds.push(beforePosition(snapshots.createdAt, snapshots.id, before));
   const rows = await deps.db

@@ -441,8 +441,8 @@ export function e2bControlRoutes(deps: Deps, m: E2bMountDeps): Hono<HonoEnv> {
 
   app.get("/snapshots", key, async (c) => {
     const q = query(c, E.ListSnapshotsQuery);
-    if (q.name !== undefined) throw unsupportedField("name", "snapshots are not listed by name");
     const filter: SnapshotFilter = {};
+    if (q.name !== undefined) filter.name = q.name;
     if (q.sandboxID !== undefined) {
       const source = sandboxIdOfE2b(q.sandboxID);
       if (source === undefined) return c.json([]);

@@ -182,6 +182,8 @@ describe("E2B's SDK against the control plane", () => {
     expect(snap).toEqual({ snapshotId: expect.stringMatching(/^snap_/), names: ["mine"] });
     const listed = await Sandbox.listSnapshots({ ...opts(), sandboxId: sbx.sandboxId }).nextItems();
     expect(listed).toEqual([snap]);
+    expect(await Sandbox.listSnapshots({ ...opts(), name: "mine" }).nextItems()).toEqual([snap]);
+    expect(await Sandbox.listSnapshots({ ...opts(), name: "not-mine" }).nextItems()).toEqual([]);
     expect(await Sandbox.listSnapshots({ ...opts(other) }).nextItems()).toEqual([]);
     const fromSnap = await Sandbox.create(snap.snapshotId, opts());
     expect((await fromSnap.getInfo()).templateId).toBe("base");

@@ -161,6 +161,13 @@ function endOf(info: AgentProcessInfo): End {
   return { exitCode: info.exitCode, exited: true, status: `exit status ${info.exitCode}` };
 }
 
+/** A stream whose sandbox went away under it, as E2B's SDK reports it (a TimeoutError). */
+const sandboxGone = () =>
+  new ConnectError(
+    "the sandbox was killed or reached its end of life while the request was in flight",
+    Code.Unavailable,
+  );
+
 const ev = {
   start: (pid: number) => ({ event: { event: { case: "start" as const, value: { pid } } } }),
   data: (o: Out) => ({
@@ -189,6 +196,10 @@ async function* drain(h: Handoff, ctx: HandlerContext) {
       if (r === "tick") yield ev.keepalive();
       else if ("kind" in r) yield ev.data(r);
       else {
+        // No exit status: the VM under the process is gone (deleted, reaped, failed). E2B's
+        // stream breaks then and its SDK, finding the sandbox gone, raises a TimeoutError saying
+        // so; Unavailable with that reason gives the same error.
+        if (!r.exited) throw sandboxGone();
         yield ev.end(r);
         return;
       }
@@ -445,7 +456,9 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
         const logs = await inTermsOf(row, agent.processLogs(vmId, n));
         yield ev.start(pid);
         if (!logs.process.running) {
-          yield ev.end(endOf(logs.process));
+          const end = endOf(logs.process);
+          if (!end.exited) throw sandboxGone();
+          yield ev.end(end);
           return;
         }
         yield* follow(t, n, ctx, {
