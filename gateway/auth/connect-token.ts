@@ -10,10 +10,10 @@
  * The signing key is derived from the server's connect secret (HMAC-SHA256 with a fixed label),
  * so the key is always 256 bits (RFC 7518 3.2) and never equals a key used for anything else.
  */
-import { createHmac } from "node:crypto";
 import { jwtVerify, SignJWT } from "jose";
 import { CONNECT_REGION_CLAIM } from "../../contracts/api/connect-region.ts";
 import type { TunnelProtocol } from "../../contracts/api/sandboxes-api.ts";
+import { derivedKey } from "./derived-key.ts";
 
 /** `aud` of every connect token: not accepted anywhere else (agent tokens use their own). */
 export const CONNECT_AUDIENCE = "sandboxd-connect";
@@ -30,15 +30,7 @@ export interface ConnectScope {
   protocol: TunnelProtocol;
 }
 
-const keys = new Map<string, Uint8Array>();
-function keyOf(secret: string): Uint8Array {
-  let key = keys.get(secret);
-  if (!key) {
-    key = new Uint8Array(createHmac("sha256", secret).update("sandboxd connect-token v1").digest());
-    keys.set(secret, key);
-  }
-  return key;
-}
+const keyOf = (secret: string) => derivedKey(secret, "sandboxd connect-token v1");
 
 /**
  * Signs a connect token. `region`, the tenant's home region when it has one, goes into the claim

@@ -10,23 +10,15 @@
  * The signing key is derived from the connect secret with its own label, so it is never the key
  * of connect tokens (gateway/auth/connect-token.ts) or of anything else.
  */
-import { createHmac } from "node:crypto";
 import { jwtVerify, SignJWT } from "jose";
 import type { KeyApi, Tier } from "../../contracts/api/tiers.ts";
+import { derivedKey } from "../auth/derived-key.ts";
 import type { Principal } from "../auth/keys.ts";
 
 /** `aud` of every envd token: accepted nowhere else. */
 export const ENVD_AUDIENCE = "sandboxd-e2b-envd";
 
-const keys = new Map<string, Uint8Array>();
-function keyOf(secret: string): Uint8Array {
-  let key = keys.get(secret);
-  if (!key) {
-    key = new Uint8Array(createHmac("sha256", secret).update("sandboxd e2b-envd-token v1").digest());
-    keys.set(secret, key);
-  }
-  return key;
-}
+const keyOf = (secret: string) => derivedKey(secret, "sandboxd e2b-envd-token v1");
 
 export function signEnvdToken(
   secret: string,
