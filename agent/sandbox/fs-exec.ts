@@ -6,9 +6,20 @@
  * the foreground slot: never `busy`) with the VM held awake. The image needs GNU coreutils and
  * findutils (any Debian, Ubuntu or Fedora base; not busybox): without them the op fails with
  * `invalid_file` naming the missing command.
+ *
+ * File metadata (xattrs `user.e2b.<key>`, E2B's) is read and written by python3 running one
+ * constant program (METADATA_PROGRAM) with its data on argv and stdin: `find -printf` cannot print
+ * xattrs, and python3 is in every Debian catalog image. A listing asked with `metadata: true`
+ * costs one more guest command, whatever its size. An image without python3: entries carry no
+ * metadata, and setting some is `bad_request` saying so.
  */
 import { posix } from "node:path";
-import type { FsEntry, FsOp, FsOpAnswer } from "../../contracts/agent/fs-ops.ts";
+import {
+  type FsEntry,
+  type FsOp,
+  type FsOpAnswer,
+  METADATA_XATTR_PREFIX,
+} from "../../contracts/agent/fs-ops.ts";
 import { MAX_LIST_ENTRIES } from "../../contracts/api/limits.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 import type { GuestClient } from "../guest/client.ts";
@@ -34,6 +45,46 @@ const PATH_ENV = { PATH: "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbi
 
 const TYPES: Record<string, FsEntry["type"]> = { f: "file", d: "dir", l: "symlink" };
 
+/**
+ * The metadata program, run as `python3 -c METADATA_PROGRAM MODE [PATH]`; never built from input.
+ * `get`: stdin is NUL-separated paths; stdout one JSON line `[index, {key: value}]` per path with
+ * `user.e2b.*` xattrs (symlinks not followed; a path it cannot read is skipped). `set PATH`: stdin
+ * is a JSON `{key: value}` that replaces the file's `user.e2b.*` xattrs. `check`: nothing (python3
+ * is there). A refusal is one line `PATH: REASON` on stderr, exit 1.
+ */
+export const METADATA_PROGRAM = `
+import json, os, sys
+P = ${JSON.stringify(METADATA_XATTR_PREFIX)}
+mode = sys.argv[1]
+if mode == "get":
+    out = sys.stdout
+    for i, p in enumerate(sys.stdin.buffer.read().split(b"\\0")):
+        if not p:
+            continue
+        try:
+            m = {}
+            for n in os.listxattr(p, follow_symlinks=False):
+                if n.startswith(P):
+                    v = os.getxattr(p, n, follow_symlinks=False)
+                    m[n[len(P):]] = v.decode("utf-8", "replace")
+        except OSError:
+            continue
+        if m:
+            out.write(json.dumps([i, m]) + "\\n")
+elif mode == "set":
+    p = sys.argv[2]
+    want = json.load(sys.stdin)
+    try:
+        for n in os.listxattr(p):
+            if n.startswith(P) and n[len(P):] not in want:
+                os.removexattr(p, n)
+        for k, v in want.items():
+            os.setxattr(p, P + k, v.encode())
+    except OSError as e:
+        sys.stderr.write(p + ": " + (e.strerror or str(e)) + "\\n")
+        sys.exit(1)
+`;
+
 export async function fsOp(
   manager: Pick<SandboxManager, "holdGuest">,
   vmId: string,
@@ -46,9 +97,11 @@ export async function fsOp(
     const abs = (p: string) => posix.resolve(user.home, p);
     const run = (argv: string[], maxOutput = 64 * 1024) => runIn(held.guest, user, argv, maxOutput);
     const path = abs(op.path);
+    const withMetadata = async (a: FsOpAnswer, want: boolean | undefined) =>
+      want ? await addMetadata(held.guest, user, a) : a;
     switch (op.op) {
       case "stat":
-        return await stat(run, path, op.depth);
+        return await withMetadata(await stat(run, path, op.depth), op.metadata);
       case "mkdir": {
         const before = await stat(run, path, 0).catch((err) => {
           if (err instanceof SandboxdError && err.code === "not_found") return undefined;
@@ -68,7 +121,22 @@ export async function fsOp(
       case "move": {
         const to = abs(op.to);
         await run(["mv", "-T", "--", path, to]);
-        return { entries: (await stat(run, to, 0)).entries };
+        return await withMetadata({ entries: (await stat(run, to, 0)).entries }, op.metadata);
+      }
+      case "setMetadata": {
+        const argv = op.check ? ["check"] : ["set", path];
+        await runIn(held.guest, user, ["python3", "-c", METADATA_PROGRAM, ...argv], 64 * 1024, {
+          stdin: JSON.stringify(op.metadata),
+        }).catch((err) => {
+          if (noPython(err)) {
+            throw new SandboxdError(
+              "bad_request",
+              "file metadata needs python3 in the sandbox's image (it reads and writes the xattrs user.e2b.*), and this image has none",
+            );
+          }
+          throw err;
+        });
+        return {};
       }
       case "remove":
         await run(["rm", "-rf", "--", path]);
@@ -76,6 +144,59 @@ export async function fsOp(
     }
   } finally {
     held.release();
+  }
+}
+
+/** Whether `err` is the guest's "python3: command not found" (exit 127). */
+function noPython(err: unknown): boolean {
+  return (
+    err instanceof SandboxdError &&
+    (err.details as { command?: string } | undefined)?.command === "python3" &&
+    /command not found/.test(err.message)
+  );
+}
+
+/**
+ * The entries of `a` with their metadata, read by one python3 run over all their paths. The
+ * output is bounded like a listing's (FS_OP_MAX_OUTPUT); entries past a cut-short output, and all
+ * of them in an image without python3, carry none.
+ */
+async function addMetadata(guest: GuestClient, user: ExecUser, a: FsOpAnswer): Promise<FsOpAnswer> {
+  const entries = a.entries ?? [];
+  if (entries.length === 0) return a;
+  const paths = Buffer.concat(entries.flatMap((e) => [Buffer.from(e.path, "utf8"), Buffer.from([0])]));
+  let out: Buffer;
+  try {
+    out = (
+      await runIn(guest, user, ["python3", "-c", METADATA_PROGRAM, "get"], FS_OP_MAX_OUTPUT, { stdin: paths })
+    ).stdout;
+  } catch (err) {
+    if (noPython(err)) return a;
+    throw err;
+  }
+  for (const line of out.toString("utf8").split("\n")) {
+    const rec = parseMetadataLine(line);
+    const e = rec && entries[rec[0]];
+    if (e) e.metadata = rec[1];
+  }
+  return a;
+}
+
+/**
+ * One `[index, {key: value}]` line of the program's `get`, or undefined when it is not one.
+ * Exported for its tests.
+ */
+export function parseMetadataLine(line: string): [number, Record<string, string>] | undefined {
+  if (!line) return undefined;
+  try {
+    const v = JSON.parse(line) as unknown;
+    if (!Array.isArray(v) || !Number.isInteger(v[0]) || typeof v[1] !== "object" || v[1] === null)
+      return undefined;
+    const m: Record<string, string> = {};
+    for (const [k, x] of Object.entries(v[1] as object)) if (typeof x === "string") m[k] = x;
+    return [v[0] as number, m];
+  } catch {
+    return undefined;
   }
 }
 
@@ -142,8 +263,18 @@ async function runIn(
   user: ExecUser,
   argv: string[],
   maxOutput: number,
+  opts: { stdin?: string | Buffer } = {},
 ): Promise<{ stdout: Buffer; truncated: boolean }> {
+  const stdin = opts.stdin;
   const r = await guest.exec({
+    // Streamed (cut into frames): a listing's paths can be megabytes.
+    ...(stdin !== undefined
+      ? {
+          stdin: (async function* () {
+            yield typeof stdin === "string" ? Buffer.from(stdin, "utf8") : stdin;
+          })(),
+        }
+      : {}),
     argv,
     env: { ...PATH_ENV, HOME: user.home, USER: user.name },
     cwd: "/",
@@ -163,7 +294,8 @@ async function runIn(
 }
 
 function commandError(argv: string[], stderr: string, timedOut: boolean): SandboxdError {
-  const target = argv.at(-1) ?? "";
+  // The metadata program's last argument is its mode or path, never the program itself.
+  const target = argv[0] === "python3" ? (argv[4] ?? "") : (argv.at(-1) ?? "");
   const reason = stderr.split("\n")[0]?.slice(0, 500) ?? "";
   const details = { path: target, command: argv[0] };
   if (timedOut) {

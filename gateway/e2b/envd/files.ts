@@ -3,10 +3,13 @@
  * sandbox, and uploads as `multipart/form-data` (one or more parts, each part's file name its path
  * unless `path` names the one file) or `application/octet-stream` (the body is the file at
  * `path`, gzip when `Content-Encoding: gzip`). A relative `path` is taken from the user's home.
- * Errors are envd's JSON `{message, code}` with envd's statuses (404 for a missing file).
+ * Headers `X-Metadata-<key>: <value>` are the written files' metadata (xattrs `user.e2b.<key>`,
+ * key lowercased), checked before anything is written; an upload replaces a file, so one without
+ * them leaves it none. Errors are envd's JSON `{message, code}` with envd's statuses (404 for a missing file).
  */
 import { posix } from "node:path";
 import { Hono } from "hono";
+import { Metadata } from "../../../contracts/agent/fs-ops.ts";
 import { MAX_FILE_TRANSFER_BYTES, MAX_PATH_CHARS } from "../../../contracts/api/limits.ts";
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { agentOf, inTermsOf } from "../../core/sandboxes.ts";
@@ -88,7 +91,28 @@ export async function downloadFor(
   );
 }
 
-/** Writes one file from `body` (bounded by MAX_FILE_TRANSFER_BYTES); its envd entry. */
+/** The metadata of an upload's `X-Metadata-<key>` headers (key lowercased), checked; none: undefined. */
+export function metadataOf(headers: Headers): Record<string, string> | undefined {
+  const prefix = "x-metadata-";
+  const m: Record<string, string> = {};
+  let any = false;
+  for (const [name, value] of headers) {
+    if (!name.startsWith(prefix)) continue;
+    m[name.slice(prefix.length)] = value;
+    any = true;
+  }
+  if (!any) return undefined;
+  const r = Metadata.safeParse(m);
+  if (!r.success) {
+    throw new SandboxdError("bad_request", `invalid metadata: ${r.error.issues[0]?.message ?? "refused"}`);
+  }
+  return r.data;
+}
+
+/**
+ * Writes one file from `body` (bounded by MAX_FILE_TRANSFER_BYTES), then its `metadata` as the
+ * same user; its envd entry.
+ */
 export async function uploadFor(
   deps: Deps,
   t: EnvdTarget,
@@ -96,7 +120,8 @@ export async function uploadFor(
   user: string | undefined,
   body: ReadableStream<Uint8Array> | null,
   signal: AbortSignal,
-): Promise<{ name: string; type: "file"; path: string }> {
+  metadata?: Record<string, string>,
+): Promise<{ name: string; type: "file"; path: string; metadata?: Record<string, string> }> {
   const path = await absolute(deps, t, rawPath, user);
   const b = limited(body);
   try {
@@ -106,6 +131,10 @@ export async function uploadFor(
     );
     if (a.op !== "upload")
       throw new SandboxdError("internal", "the agent answered an upload with something else");
+    if (metadata) {
+      await fsOpOn(deps, t, { op: "setMetadata", path, user, metadata });
+      return { name: posix.basename(path), type: "file", path, metadata };
+    }
     return { name: posix.basename(path), type: "file", path };
   } catch (err) {
     if (b.over()) throw tooLarge();
@@ -148,10 +177,13 @@ export function envdFileRoutes(deps: Deps): Hono<FilesEnv> {
       const user = userOf(c.req.query("username"));
       const path = c.req.query("path");
       const type = (c.req.header("content-type") ?? "").toLowerCase();
+      const metadata = metadataOf(c.req.raw.headers);
+      // Refused before anything is written when the image cannot store metadata (no python3).
+      if (metadata) await fsOpOn(deps, t, { op: "setMetadata", path: "/", user, metadata, check: true });
       if (type.startsWith("application/octet-stream")) {
         if (!path) throw new SandboxdError("bad_request", "an octet-stream upload needs the path parameter");
         const body = bodyOf(c.req.raw, MAX_FILE_TRANSFER_BYTES);
-        return c.json([await uploadFor(deps, t, path, user, body, c.req.raw.signal)]);
+        return c.json([await uploadFor(deps, t, path, user, body, c.req.raw.signal, metadata)]);
       }
       if (!type.startsWith("multipart/form-data")) {
         throw new SandboxdError(
@@ -177,7 +209,7 @@ export function envdFileRoutes(deps: Deps): Hono<FilesEnv> {
         // One file with `path`: that path; otherwise each part's file name is its path (envd's rule).
         const p = parts.length === 1 && path ? path : f.name;
         if (!p) throw new SandboxdError("bad_request", "a file part has no file name and no path was given");
-        out.push(await uploadFor(deps, t, p, user, f.stream(), c.req.raw.signal));
+        out.push(await uploadFor(deps, t, p, user, f.stream(), c.req.raw.signal, metadata));
       }
       return c.json(out);
     } catch (err) {

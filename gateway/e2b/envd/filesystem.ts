@@ -3,7 +3,8 @@
  * Stat, MakeDir, Move, ListDir and Remove are the agent's filesystem ops (contracts/agent/fs-ops.ts,
  * GNU tools run in the guest with a fixed argv as the call's user); WatchDir and the polling
  * watchers compare listings taken one after the other (no inotify: see the doc for what that
- * misses). The user is the one `Authorization: Basic base64(user:)` names, else the image's.
+ * misses). Stat, ListDir and Move answers carry each entry's metadata (xattrs `user.e2b.*`, one
+ * more guest command per call). The user is the one `Authorization: Basic base64(user:)` names, else the image's.
  */
 import { create } from "@bufbuild/protobuf";
 import { timestampFromMs } from "@bufbuild/protobuf/wkt";
@@ -89,6 +90,7 @@ export function entryInfoOf(e: FsEntry): EntryInfo {
     group: e.group,
     modifiedTime: timestampFromMs(e.mtimeMs),
     ...(e.symlinkTarget !== undefined ? { symlinkTarget: e.symlinkTarget } : {}),
+    ...(e.metadata !== undefined ? { metadata: e.metadata } : {}),
   });
 }
 
@@ -189,7 +191,9 @@ export function filesystemService(deps: Deps): Partial<ServiceImpl<typeof Filesy
   return {
     stat: (req, ctx) =>
       call(ctx, async (t, user) => ({
-        entry: entryInfoOf(only(await fsOpOn(deps, t, { op: "stat", path: req.path, user, depth: 0 }))),
+        entry: entryInfoOf(
+          only(await fsOpOn(deps, t, { op: "stat", path: req.path, user, depth: 0, metadata: true })),
+        ),
       })),
 
     makeDir: (req, ctx) =>
@@ -203,7 +207,15 @@ export function filesystemService(deps: Deps): Partial<ServiceImpl<typeof Filesy
     move: (req, ctx) =>
       call(ctx, async (t, user) => ({
         entry: entryInfoOf(
-          only(await fsOpOn(deps, t, { op: "move", path: req.source, to: req.destination, user })),
+          only(
+            await fsOpOn(deps, t, {
+              op: "move",
+              path: req.source,
+              to: req.destination,
+              user,
+              metadata: true,
+            }),
+          ),
         ),
       })),
 
@@ -211,7 +223,7 @@ export function filesystemService(deps: Deps): Partial<ServiceImpl<typeof Filesy
       call(ctx, async (t, user) => {
         // envd: depth 0 means 1; deeper than MAX_FS_DEPTH is cut there.
         const depth = Math.min(Math.max(req.depth, 1), MAX_FS_DEPTH);
-        const a = await fsOpOn(deps, t, { op: "stat", path: req.path, user, depth });
+        const a = await fsOpOn(deps, t, { op: "stat", path: req.path, user, depth, metadata: true });
         const [root, ...rest] = a.entries ?? [];
         if (!root) throw new ConnectError(`${req.path}: no such directory`, Code.NotFound);
         if (root.type !== "dir")
