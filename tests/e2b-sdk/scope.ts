@@ -3,7 +3,7 @@
  * sandboxd, and why the others do not. tests/e2b-sdk/upstream/ holds the files that run, copied
  * verbatim; a whole file left out is not copied, a single test left out is excluded by name
  * (vitest.config.mts). tests/e2b-sdk/out-of-scope.md is rendered from this list
- * (scope.test.ts checks it). A test that fails is never left out here: its failure is counted
+ * (tests/style/e2b-sdk-scope.test.ts checks it). A test that fails is never left out here: its failure is counted
  * against tests/e2b-sdk/expected.json.
  */
 
@@ -111,7 +111,7 @@ export function renderOutOfScope(list: readonly OutOfScope[] = OUT_OF_SCOPE): st
   return [
     `# E2B's SDK tests that do not run against sandboxd`,
     "",
-    `<!-- rendered from tests/e2b-sdk/scope.ts; tests/e2b-sdk/scope.test.ts checks it -->`,
+    `<!-- rendered from tests/e2b-sdk/scope.ts; tests/style/e2b-sdk-scope.test.ts checks it -->`,
     "",
     `E2B's own JS SDK tests (\`packages/js-sdk/tests\` at \`${UPSTREAM.tag}\`) run against sandboxd from`,
     "tests/e2b-sdk/upstream/ (tests/e2e/e2b-sdk-suite.test.ts). These are left out, each for its reason;",

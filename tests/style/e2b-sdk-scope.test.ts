@@ -6,9 +6,9 @@
 import { describe, expect, test } from "bun:test";
 import { readdirSync, readFileSync } from "node:fs";
 import { join, relative } from "node:path";
-import { OUT_OF_SCOPE, renderOutOfScope, testNamePattern } from "./scope.ts";
+import { OUT_OF_SCOPE, renderOutOfScope, testNamePattern } from "../e2b-sdk/scope.ts";
 
-const DIR = import.meta.dir;
+const DIR = join(import.meta.dir, "../e2b-sdk");
 const TESTS = join(DIR, "upstream/tests");
 
 function filesUnder(dir: string): string[] {
