@@ -143,6 +143,9 @@ function startUpGateway(
     ...(metricsToken(settings) !== undefined ? { metricsToken: metricsToken(settings) } : {}),
     ...(otlpEndpoint(settings) !== undefined ? { otlpEndpoint: otlpEndpoint(settings) } : {}),
     agentSecret: secrets.agentSecret,
+    // The secrets the operator set (SANDBOXD_KEY_PEPPER, SANDBOXD_CONNECT_SECRET) win over the
+    // data dir's, as for `up`'s operator commands: else a key made through them would not verify.
+    ...(start.secrets !== undefined ? { secrets: start.secrets } : {}),
     config: {
       version: o.version,
       region: "local",
