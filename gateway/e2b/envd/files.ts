@@ -17,7 +17,7 @@ import type { Deps, HonoEnv } from "../../deps.ts";
 import { holdForKey, logOf } from "../../deps.ts";
 import { limited, onFinish, tooLarge } from "../../routes/files.ts";
 import { fsOpOn } from "./filesystem.ts";
-import type { EnvdTarget } from "./target.ts";
+import { type EnvdTarget, envdHttpError } from "./target.ts";
 
 /**
  * A multipart upload is read whole before its files are written (each part must be found in the
@@ -27,28 +27,14 @@ import type { EnvdTarget } from "./target.ts";
  */
 export const MAX_MULTIPART_BYTES = 256 * 1024 * 1024;
 
-/** envd's error body. */
-function envdError(status: number, message: string): Response {
-  return Response.json({ message, code: status }, { status });
-}
-
-function statusOf(err: unknown): { status: number; message: string } {
-  if (err instanceof SandboxdError) {
-    const status =
-      {
-        not_found: 404,
-        bad_request: 400,
-        invalid_file: /Permission denied/.test(err.message) ? 403 : 400,
-        unauthorized: 401,
-        forbidden: 403,
-        payload_too_large: 413,
-        insufficient_storage: 507,
-        rate_limited: 429,
-        conflict: 409,
-      }[err.code as string] ?? 500;
-    return { status, message: err.message };
-  }
-  return { status: 500, message: err instanceof Error ? err.message : String(err) };
+/**
+ * envd's error answer; a permission the sandbox refused is 403 as envd answers it (our file
+ * routes say 400 `invalid_file` for every refusal of the sandbox).
+ */
+function errorAnswer(err: unknown): Response {
+  if (err instanceof SandboxdError && err.code === "invalid_file" && /Permission denied/.test(err.message))
+    return Response.json({ message: err.message, code: 403 }, { status: 403 });
+  return envdHttpError(err);
 }
 
 /** `path` made absolute against the user's home (asked of the sandbox only when relative). */
@@ -167,8 +153,7 @@ export function envdFileRoutes(deps: Deps): Hono<FilesEnv> {
       const path = c.req.query("path") ?? "";
       return await downloadFor(deps, c.get("envd"), path, userOf(c.req.query("username")), c.req.raw.signal);
     } catch (err) {
-      const e = statusOf(err);
-      return envdError(e.status, e.message);
+      return errorAnswer(err);
     }
   });
   app.post("/files", async (c) => {
@@ -213,8 +198,7 @@ export function envdFileRoutes(deps: Deps): Hono<FilesEnv> {
       }
       return c.json(out);
     } catch (err) {
-      const e = statusOf(err);
-      return envdError(e.status, e.message);
+      return errorAnswer(err);
     }
   });
   return app;

@@ -32,14 +32,20 @@ import { keyIsLive, type Principal } from "../../auth/keys.ts";
 import { wakeIfIdle } from "../../core/idle.ts";
 import { beginUse, getOwned } from "../../core/sandboxes.ts";
 import type { Deps, HonoEnv } from "../../deps.ts";
-import { mapError } from "../../errors.ts";
 import { verifyEnvdToken } from "../envd-token.ts";
 import type { E2bMountDeps } from "../mount.ts";
 import { envdFileRoutes } from "./files.ts";
 import { filesystemService } from "./filesystem.ts";
 import { proxyGuestPort } from "./ports.ts";
 import { processService } from "./process.ts";
-import { type EnvdEnv, type EnvdTarget, SandboxUnreachable, targetKey, toConnectError } from "./target.ts";
+import {
+  type EnvdEnv,
+  type EnvdTarget,
+  envdHttpError,
+  SandboxUnreachable,
+  targetKey,
+  toConnectError,
+} from "./target.ts";
 
 export { type EnvdEnv, type EnvdTarget, targetOf } from "./target.ts";
 
@@ -154,16 +160,7 @@ function unreachable(e2bId: string): Response {
  */
 export function envdErrorResponse(err: unknown, streaming: boolean | undefined): Response {
   if (err instanceof SandboxUnreachable) return unreachable(err.e2bId);
-  if (streaming === undefined) {
-    const mapped = mapError(err);
-    return Response.json(
-      { code: mapped.status, message: mapped.body.message },
-      {
-        status: mapped.status,
-        headers: mapped.headers,
-      },
-    );
-  }
+  if (streaming === undefined) return envdHttpError(err);
   const ce = toConnectError(err);
   if (!streaming) {
     return Response.json(errorToJson(ce, undefined), { status: codeToHttpStatus(ce.code) });

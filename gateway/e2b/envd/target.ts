@@ -97,3 +97,15 @@ export function toConnectError(err: unknown): ConnectError {
   const mapped = mapError(err);
   return new ConnectError(mapped.body.message, connectCodeOf(mapped.body.code));
 }
+
+/**
+ * An error of a plain HTTP route of the data plane (`/files`, guest ports) as envd answers it:
+ * `{code: <status>, message}` with the status `/v1` gives the same error (gateway/errors.ts).
+ */
+export function envdHttpError(err: unknown): Response {
+  const mapped = mapError(err);
+  return Response.json(
+    { code: mapped.status, message: mapped.body.message },
+    { status: mapped.status, headers: mapped.headers },
+  );
+}
