@@ -28,6 +28,33 @@ export interface MemoryBreakdown {
   qemu_own: number;
 }
 
+/** A fork's time, part by part (agent/snapshot/fork.ts ForkTimings). */
+export interface ForkBreakdown {
+  /** Fork call to the copy's start, populate aside: tmpfs and chain checks, the parent's new overlay. */
+  prepare: number;
+  /** Background snapshot: the parent's unmapped RAM pages read in, guest running. */
+  populate: number;
+  /** The parent's vCPUs stopped (STOP to RESUME). */
+  parent_stall: number;
+  /**
+   * The RAM streamed into the fork point's RAM file and device state (ram-split.ts), after the
+   * parent runs again (a background snapshot; 0 for stop-copy, whose copy is the stall).
+   */
+  stream: number;
+  /** The children's disk base checked against the records (flattened past the chain bound). */
+  child_base: number;
+  /** Per child: its overlay, jail and QEMU started (`-incoming defer`), during the stream. */
+  child_launch: { p50: number; max: number };
+  /** Per child: the device state loaded, waiting first for the stream to end. */
+  child_load: { p50: number; max: number };
+  /** Per child: `cont` to the guest's HELLO. */
+  child_hello: { p50: number; max: number };
+  /** Per child: entropy, clock, hostname and boot id set. */
+  child_identity: { p50: number; max: number };
+  /** Every child answering (identity set) to every child's first `true` answered. */
+  first_exec: number;
+}
+
 export interface BenchResult {
   accel: Accel;
   accel_reason: string;
@@ -75,10 +102,29 @@ export interface BenchResult {
   /** forkVm call until all children answered an exec. */
   fork_children_ms: number;
   /**
+   * forkVm call until every child answered the agent with its identity set: the like of the
+   * floor's restores, which end at the guest's answer to a PING.
+   */
+  fork_children_ready_ms: number;
+  /**
    * The floor for that: as many bare QEMU restores of the template started at once, until every
    * guest answered (floorRestoreMs each): what the host allows that many VMs to come up in.
    */
   fork_children_floor_ms: number;
+  /** fork_children_ready_ms / fork_children_floor_ms (the goal: at most 1.5). */
+  fork_children_vs_floor: number;
+  /** fork_children_ms / fork_children_floor_ms: the children's first exec included. */
+  fork_children_exec_vs_floor: number;
+  /** Where the timed fork's time went, in order (ForkTimings; per child: p50 and max). */
+  fork_children_breakdown_ms: ForkBreakdown;
+  /** The same fork by stop-and-copy (the parent stopped for the whole copy), right after. */
+  fork_children_stop_copy: {
+    stall_ms: number;
+    ready_ms: number;
+    ms: number;
+    vs_floor: number;
+    breakdown_ms: ForkBreakdown;
+  };
   /** Kept snapshot (keep.ts keepVm) of a fresh sandbox by `fork_method`: its stall, STOP to RESUME. */
   snapshot_stall_ms: number;
   /** snapshot_stall_ms / fork_parent_stall_ms: a snapshot's stall beside a one-child fork's. */
@@ -128,6 +174,7 @@ export interface BenchResult {
     exec_rtt_p50_ms: Target;
     fork_parent_stall_ms: Target;
     fork_children_ms: Target;
+    fork_children_vs_floor: Target;
     host_rss_per_idle_vm_mb: Target;
     restore_in_place_ms: Target;
   };
@@ -143,6 +190,8 @@ export const TARGETS = {
   forkStallBelowMs: 50,
   /** 8 children all answering within 1 s of the fork call. */
   forkChildrenBelowMs: 1000,
+  /** N children answering within 1.5x N bare restores started at once, in the same run. */
+  forkChildrenVsFloorMax: 1.5,
   /** An idle sandbox costs the host less than 40 MiB. */
   rssBelowMb: 40,
   /** A rollback in place (restore_in_place_ms p50) under 100 ms: the product's goal for a 256 MiB guest. */

@@ -11,11 +11,11 @@ import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../agent/
 import { floorRestoreMs, prelaunchFromTemplate, spawnFromTemplate } from "../agent/snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm } from "../agent/snapshot/suspend.ts";
 import { buildTemplate, type TemplateMeta } from "../agent/snapshot/template.ts";
-import type { SandboxVm } from "../agent/snapshot/vm.ts";
+import type { RestoreTimings, SandboxVm } from "../agent/snapshot/vm.ts";
 import { type BootOptions, bootVm } from "../agent/vm/boot.ts";
 import type { VmHostSettings } from "../agent/vm/host-settings.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import type { MemoryBreakdown } from "./engine-result.ts";
+import type { ForkBreakdown, MemoryBreakdown } from "./engine-result.ts";
 import { runTrue, type Scope, sleep } from "./engine-scope.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
 import { round1, type Summary, summarize } from "./stats.ts";
@@ -242,32 +242,77 @@ export async function measureForkStalls(
   return { method, stalls, stopCopyStalls, populates };
 }
 
-/** A fork of the running sandbox into `forkChildren` children, each answering an exec, and its floor. */
+/** One timed fork into `children` children, each answering an exec. */
+export interface ForkFigures {
+  stallMs: number;
+  /** Fork call until every child answered with its identity set. */
+  readyMs: number;
+  /** Fork call until every child answered an exec. */
+  ms: number;
+  breakdown: ForkBreakdown;
+}
+
+/**
+ * A fork of the running sandbox into `forkChildren` children by `method`, each answering an exec,
+ * then the same fork by stop-and-copy, then the floor: as many bare restores at once.
+ */
 export async function measureForkChildren(
   run: Run,
   sp: Spawner,
   parent: SandboxVm,
   method: ForkMethod,
-): Promise<{ children: number; ms: number; stallMs: number; floorMs: number }> {
-  const { scope } = run;
-  scope.check();
-  const tFork = performance.now();
+): Promise<{ children: number; fork: ForkFigures; stopCopy: ForkFigures; floorMs: number }> {
   const children = run.o.forkChildren ?? FORK_CHILDREN;
-  const forked = unwrap(await forkVm(parent, { count: children, method }));
-  for (const c of forked.children) scope.track(c);
-  await Promise.all(forked.children.map((c) => runTrue(c, run.config)));
-  const ms = performance.now() - tFork;
-  const stallMs = forked.timings.parentStallMs;
-  if (!(stallMs > 0))
-    throw new SandboxdError("internal", "the fork's STOP/RESUME events were not seen: no stall figure");
-  await Promise.all(forked.children.map((c) => scope.release(c)));
+  const fork = await timedFork(run, parent, children, method);
+  const stopCopy = await timedFork(run, parent, children, "stop-copy");
   const tFloor = performance.now();
   await Promise.all(Array.from({ length: children }, sp.floor));
   const floorMs = performance.now() - tFloor;
   run.log(
-    `fork: stall ${stallMs.toFixed(1)} ms, ${children} children in ${ms.toFixed(0)} ms (floor: ${children} bare restores at once ${floorMs.toFixed(0)} ms)`,
+    `fork (${method}): stall ${fork.stallMs.toFixed(1)} ms, ${children} children answering in ${fork.readyMs.toFixed(0)} ms, an exec in ${fork.ms.toFixed(0)} ms; stop-copy: stall ${stopCopy.stallMs.toFixed(1)} ms, answering in ${stopCopy.readyMs.toFixed(0)} ms (floor: ${children} bare restores at once ${floorMs.toFixed(0)} ms)`,
   );
-  return { children, ms, stallMs, floorMs };
+  return { children, fork, stopCopy, floorMs };
+}
+
+async function timedFork(
+  run: Run,
+  parent: SandboxVm,
+  children: number,
+  method: ForkMethod,
+): Promise<ForkFigures> {
+  const { scope } = run;
+  scope.check();
+  const tFork = performance.now();
+  const forked = unwrap(await forkVm(parent, { count: children, method }));
+  for (const c of forked.children) scope.track(c);
+  const tReady = performance.now();
+  await Promise.all(forked.children.map((c) => runTrue(c, run.config)));
+  const ms = performance.now() - tFork;
+  const t = forked.timings;
+  if (!(t.parentStallMs > 0))
+    throw new SandboxdError("internal", "the fork's STOP/RESUME events were not seen: no stall figure");
+  await Promise.all(forked.children.map((c) => scope.release(c)));
+  const per = (f: (c: RestoreTimings) => number) => {
+    const s = summarize(t.children.map(f));
+    return { p50: s.p50, max: round1(Math.max(...t.children.map(f))) };
+  };
+  return {
+    stallMs: t.parentStallMs,
+    readyMs: t.totalMs,
+    ms,
+    breakdown: {
+      prepare: round1(t.prepareMs),
+      populate: round1(t.populateMs),
+      parent_stall: round1(t.parentStallMs),
+      stream: round1(t.method === "snapshot" ? t.precopyMs : 0),
+      child_base: round1(t.childBaseMs),
+      child_launch: per((c) => c.launchMs),
+      child_load: per((c) => c.incomingMs),
+      child_hello: per((c) => c.helloMs),
+      child_identity: per((c) => c.identityMs),
+      first_exec: round1(ms - (tReady - tFork)),
+    },
+  };
 }
 
 /** Suspend to disk and resume (the parent, which runs on after its fork). */

@@ -40,7 +40,17 @@ export function formatTable(r: BenchResult): string {
       `${r.fork_children_ms} ms`,
       goal(t.fork_children_ms, "<", " ms"),
     ],
+    [
+      `  answering the agent (identity set)`,
+      `${r.fork_children_ready_ms} ms (${r.fork_children_vs_floor}x the floor)`,
+      goal(t.fork_children_vs_floor, "<=", "x"),
+    ],
     [`  floor: ${r.fork_children} bare restores at once`, `${r.fork_children_floor_ms} ms`, ""],
+    [
+      "  stop-and-copy: stall, answering",
+      `${r.fork_children_stop_copy.stall_ms} ms, ${r.fork_children_stop_copy.ready_ms} ms (${r.fork_children_stop_copy.vs_floor}x)`,
+      "",
+    ],
     [
       `kept snapshot: source stall (${r.fork_method})`,
       `${r.snapshot_stall_ms} ms (${r.snapshot_stall_vs_fork_stall}x the fork's p50)`,

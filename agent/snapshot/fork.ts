@@ -5,7 +5,8 @@
  * Three methods copy the parent's memory (fork-method.ts says when each is used; fork/copy.ts
  * describes each): a background snapshot (the default), stop-copy, and a live precopy.
  *
- * Children (fork/children.ts): one restores straight from fork.state; more share a fork point.
+ * The copy arrives as a fork point (ram-split.ts): a RAM file every child maps private
+ * (copy-on-write) and a small device state each child loads (fork/children.ts).
  *
  * Chains: every fork adds one level to the parent's chain and the children's. Past
  * MAX_CHAIN_DEPTH the children's base is flattened onto the image base (flattenOnto) and the
@@ -29,23 +30,31 @@ import {
   removeStagedLinks,
   stageNewOverlay,
 } from "./fork/chain.ts";
-import { startChildren } from "./fork/children.ts";
+import {
+  type ChildrenBase,
+  destroyLaunched,
+  type LaunchedChildren,
+  launchChildren,
+  startChildren,
+} from "./fork/children.ts";
 import { copyParentMemory, type ForkRun, watchStall } from "./fork/copy.ts";
 import { rollBackFork } from "./fork/rollback.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod } from "./fork-method.ts";
 import { migrationByteCap } from "./stream.ts";
 import { type RestoreTimings, type SandboxVm, storageDir } from "./vm.ts";
 
-export const MAX_FORK_CHILDREN = 64;
-
-export type ForkMode = "auto" | "direct" | "shared";
+/**
+ * Children of one engine fork. The API and the agent's own API cap a call at 64 (the largest
+ * tier's count, contracts/api/limits.ts; more is another call on the same parent); the engine
+ * itself takes up to 128, so that one fork of 100 children (forkd's figure) can be measured
+ * (`bench --fork-children 100`).
+ */
+export const MAX_FORK_CHILDREN = 128;
 
 export interface ForkOptions {
   count: number;
   /** The children's ids (RFC 1123 labels, `count` of them); `newVmId()` each by default. */
   ids?: string[];
-  /** "auto": direct for one child, shared for more (measured: see the report). */
-  mode?: ForkMode;
   /**
    * How the parent's memory is copied (fork-method.ts): a background snapshot by default. The
    * driver passes what readyForkMethod settled at the agent's start.
@@ -58,24 +67,17 @@ export interface ForkOptions {
 }
 
 /**
- * Bytes a fork writes to tmpfs (the parent's shm root) before any child runs, at most: the
- * stream of the parent's RAM (`<fork>.state`, one pass, two with a live precopy); with a
- * background snapshot, the holes of the parent's RAM file (`ramFileHoleBytes`), which reading
- * them in (populate.ts) allocates on tmpfs even through a private mapping; and in shared
- * mode, while that stream still exists, the fork point's RAM file (guest RAM) and its device
- * state (a few KB; `migrationByteCap` of the RAM covers both). The children map that RAM file
- * (or the parent's) private: the pages each one writes are anonymous memory, not tmpfs, so the
- * number of children does not multiply it (the host's memory check admits each child's RAM).
+ * Bytes a fork writes to tmpfs (the parent's shm root) before any child runs, at most: the fork
+ * point's RAM file (at most the guest's RAM: its zero pages stay holes, and a live precopy's
+ * resent pages overwrite their first copy) and its device state (a few KB of devices and the
+ * firmware blocks: `migrationByteCap` of the RAM covers both); with a background snapshot, the
+ * holes of the parent's RAM file (`ramFileHoleBytes`), which reading them in (populate.ts)
+ * allocates on tmpfs even through a private mapping. The children map the fork point's RAM file
+ * private: the pages each one writes are anonymous memory, not tmpfs, so the number of children
+ * does not multiply it (the host's memory check admits each child's RAM).
  */
-export function forkShmBytes(
-  memMib: number,
-  mode: "direct" | "shared",
-  method: ForkMethod,
-  ramFileHoleBytes = 0,
-): number {
-  const stream = migrationByteCap(memMib, method === "precopy" ? 2 : 1);
-  const populated = method === "snapshot" ? ramFileHoleBytes : 0;
-  return (mode === "shared" ? stream + migrationByteCap(memMib) : stream) + populated;
+export function forkShmBytes(memMib: number, method: ForkMethod, ramFileHoleBytes = 0): number {
+  return migrationByteCap(memMib) + (method === "snapshot" ? ramFileHoleBytes : 0);
 }
 
 /** Bytes of `path` not backed by blocks (its holes); 0 when it cannot be read. */
@@ -91,19 +93,20 @@ export interface ForkTimings {
   precopyMs: number;
   /** snapshot: reading in the RAM mapping's unmapped pages before the stop (guest running). */
   populateMs: number;
+  /** From the fork's start to the copy's, populate aside: the tmpfs and chain checks, the new overlay. */
+  prepareMs: number;
   /** The method this fork used (a snapshot falls back to stop-copy where QEMU refuses it). */
   method: ForkMethod;
-  /** Bytes of fork.state. */
+  /** Bytes of the migration stream (the fork point's RAM pages and device state). */
   stateBytes: number;
-  /** Shared mode: restore of the fork point + its x-ignore-shared save. */
-  forkPointMs: number;
+  /** After the stream: the children's shared disk base (a flat copy past the chain bound). */
+  childBaseMs: number;
   /** From fork start until every child answered with its identity set. */
   childrenReadyMs: number;
   /** From the parent's RESUME until every child answered. */
   childrenAfterResumeMs: number;
   children: RestoreTimings[];
   totalMs: number;
-  mode: "direct" | "shared";
 }
 
 export interface Forked {
@@ -117,46 +120,76 @@ export async function forkVm(parent: SandboxVm, o: ForkOptions): Promise<Result<
     return fail(new SnapshotError("bad_request", `count must be 1..${MAX_FORK_CHILDREN}, got ${o.count}`));
   if (o.ids && (o.ids.length !== o.count || new Set(o.ids).size !== o.count || !o.ids.every(isHostnameLabel)))
     return fail(new SnapshotError("bad_request", `ids must be ${o.count} distinct RFC 1123 labels`));
-  const mode = o.mode === "direct" || o.mode === "shared" ? o.mode : o.count > 1 ? "shared" : "direct";
-  const captured = await captureParent(parent, mode, o.method ?? DEFAULT_FORK_METHOD, log, o.freeBytes);
-  if (!captured.ok) return captured;
-  const { run, frozen, chain, forkHolder, parentStallMs, tResumed } = captured.value;
-  const { forkId } = run;
+  const t0 = performance.now();
   const disks = storageDir(parent.shape.dataDir);
-
-  const started = await startChildren({
+  // The children's QEMUs start as soon as the parent runs again, while its RAM still streams:
+  // a launch needs the disk base and the RAM file's name, not its content (children.ts).
+  const base = (run: ForkRun, frozen: string, chain: ChainStore): ChildrenBase => ({
     parent,
-    forkId,
+    forkId: run.forkId,
     count: o.count,
     ...(o.ids ? { ids: o.ids } : {}),
-    mode,
     frozen,
-    statePath: run.statePath,
+    memPath: run.memPath,
     disks,
     chain,
-    forkHolder,
-    ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
+    forkHolder: forkHolderOf(run.forkId),
     ...(o.log ? { log: o.log } : {}),
   });
+  let launching: { chain: ChainStore; forkId: string; launched: Promise<LaunchedChildren> } | undefined;
+  const captured = await captureParent(
+    parent,
+    o.method ?? DEFAULT_FORK_METHOD,
+    log,
+    o.freeBytes,
+    (run, frozen, chain) => {
+      const launched = launchChildren(base(run, frozen, chain));
+      launched.catch(() => {}); // awaited below, either way
+      launching = { chain, forkId: run.forkId, launched };
+    },
+  );
+  if (!captured.ok) {
+    // The copy failed after the children's QEMUs started: they go, and what the fork held.
+    if (launching) {
+      // A launch phase that failed left nothing (launchChildren destroys what it began).
+      const l = await launching.launched.catch(() => undefined);
+      if (l) await destroyLaunched(l.children);
+      await launching.chain.release(forkHolderOf(launching.forkId));
+    }
+    return captured;
+  }
+  const { run, frozen, chain, parentStallMs, tResumed } = captured.value;
+  // A launch phase that failed as a whole (the disk base) is tried again, and reported, below.
+  const launched = await launching?.launched.catch(() => undefined);
+
+  const started = await startChildren({
+    ...base(run, frozen, chain),
+    statePath: run.statePath,
+    ...(launched ? { launched } : {}),
+    ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
+  });
   if (!started.ok) return started;
-  const { children, timings, forkPointMs, doneAt } = started.value;
+  const { children, timings, childBaseMs, doneAt } = started.value;
   return ok({
     children,
     timings: {
       parentStallMs,
       precopyMs: run.precopyMs,
       populateMs: run.populateMs,
+      prepareMs: run.tCopy - t0 - run.populateMs,
       method: run.method,
       stateBytes: run.stateBytes,
-      forkPointMs,
-      childrenReadyMs: doneAt - run.t0,
+      childBaseMs,
+      childrenReadyMs: doneAt - t0,
       childrenAfterResumeMs: doneAt - tResumed,
       children: timings,
-      totalMs: doneAt - run.t0,
-      mode,
+      totalMs: doneAt - t0,
     },
   });
 }
+
+/** The chain store's holder of a fork's own files until its children hold theirs. */
+export const forkHolderOf = (forkId: string) => `fork:${forkId}`;
 
 /** What a fork (or a kept snapshot, keep.ts) has once the parent runs again. */
 export interface CapturedParent {
@@ -164,7 +197,7 @@ export interface CapturedParent {
   /** The parent's former top overlay, read-only now: the base of whatever starts from the copy. */
   frozen: string;
   chain: ChainStore;
-  /** Holds fork.state and `frozen` until the caller's own holders do; the caller releases it. */
+  /** Holds the fork point's files and `frozen` until the caller's own holders do; the caller releases it. */
   forkHolder: string;
   parentStallMs: number;
   tResumed: number;
@@ -176,12 +209,12 @@ export interface CapturedParent {
  */
 export async function captureParent(
   parent: SandboxVm,
-  mode: "direct" | "shared",
   method: ForkMethod,
   log: (m: string) => void,
   freeBytes?: FreeBytes,
+  onResumed?: (run: ForkRun, frozen: string, chain: ChainStore) => void,
 ): Promise<Result<CapturedParent>> {
-  const short = await shortOfShm(parent, mode, method, freeBytes);
+  const short = await shortOfShm(parent, method, freeBytes);
   if (short) return fail(short);
   const bad = parent.begin(["running"], "forking");
   if (bad) return fail(bad);
@@ -203,6 +236,7 @@ export async function captureParent(
   const { forkId, newTop } = run;
   const disks = storageDir(s.dataDir);
   const frozen = parent.disk;
+  if (onResumed) run.onResumed = () => onResumed(run, frozen, chain);
   const stall = watchStall(proc);
   try {
     await mkdir(s.shmRoot, { recursive: true, mode: 0o700 });
@@ -223,8 +257,9 @@ export async function captureParent(
     `fork ${forkId} (${run.method}): parent stalled ${parentStallMs.toFixed(1)} ms, populate ${run.populateMs.toFixed(0)} ms, copy ${run.precopyMs.toFixed(0)} ms, state ${run.stateBytes} B`,
   );
   // The fork point's files are held by the fork itself until every child holds its own.
-  const forkHolder = `fork:${forkId}`;
-  await chain.add(run.statePath, { kind: "state", holder: forkHolder, deps: [parent.memPath] });
+  const forkHolder = forkHolderOf(forkId);
+  await chain.add(run.memPath, { kind: "ram", holder: forkHolder });
+  await chain.add(run.statePath, { kind: "state", holder: forkHolder, deps: [run.memPath] });
   await chain.hold(forkHolder, [frozen]);
   // Keep the parent's own chain shallow. It runs meanwhile; the children wait (rare: once per
   // MAX_CHAIN_DEPTH forks of one VM).
@@ -240,7 +275,6 @@ export async function captureParent(
  */
 async function shortOfShm(
   parent: SandboxVm,
-  mode: "direct" | "shared",
   method: ForkMethod,
   freeBytes: FreeBytes | undefined,
 ): Promise<SnapshotError | undefined> {
@@ -248,12 +282,7 @@ async function shortOfShm(
     await needFreeSpace(
       parent.shape.shmRoot,
       "the fork's memory files on tmpfs",
-      forkShmBytes(
-        parent.shape.memMib,
-        mode,
-        method,
-        method === "snapshot" ? await holeBytes(parent.memPath) : 0,
-      ),
+      forkShmBytes(parent.shape.memMib, method, method === "snapshot" ? await holeBytes(parent.memPath) : 0),
       (parent.shape.host ?? DEFAULT_VM_HOST).diskReserveBytes,
       freeBytes,
     );
@@ -277,12 +306,14 @@ function newForkRun(
     parent,
     proc,
     forkId,
+    memPath: join(s.shmRoot, `${forkId}.mem`),
     statePath: join(s.shmRoot, `${forkId}.state`),
     newTop,
     newNode: `${parent.id}-n${parent.generation + 1}`,
     // In its QEMU's launch slot (vm/slots.ts): the directory its jail binds.
     staged: join(proc.dir, basename(newTop)),
     t0: performance.now(),
+    tCopy: Number.NaN,
     log,
     method,
     switched: false,

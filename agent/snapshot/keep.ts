@@ -5,9 +5,8 @@
  *
  * Taking one is the first half of a fork (fork.ts `captureParent`: the same stall, the parent runs
  * on, its old top overlay frozen read-only). Then, instead of starting children:
- * - the RAM stream is turned into a memory image, as a shared fork point is (fork/children.ts
- *   `makeForkPoint`): one restore of it into a new RAM file, never run, and its ~60 KB device
- *   state saved with x-ignore-shared. Both are copied from tmpfs to the data disk
+ * - the capture arrives as a fork point (ram-split.ts): a RAM file, the memory image, and a ~60 KB
+ *   device state in the x-ignore-shared form. Both are copied from tmpfs to the data disk
  *   (`storage/<ref>.mem`, holes kept, and `storage/<ref>.state`): a snapshot may be kept for
  *   months, and tmpfs is host memory. A VM from it maps the image private (copy-on-write) and
  *   reads 60 KB of state instead of the whole RAM: measured on a 256 MiB busybox guest under TCG,
@@ -38,7 +37,6 @@ import { slotOf } from "../vm/slots.ts";
 import { vmsRoot } from "../vm/workdir.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { checkedChain, removeStagedLinks } from "./fork/chain.ts";
-import { makeForkPoint } from "./fork/children.ts";
 import { captureParent } from "./fork.ts";
 import type { ForkMethod } from "./fork-method.ts";
 import { launchStandby, takeStandby } from "./standby.ts";
@@ -98,15 +96,14 @@ export async function keepVm(
   const chain = await openChainStore(dataDir);
   if (chain.list().some((f) => f.holders.includes(keptHolder(ref))))
     return fail(new SnapshotError("bad_request", `snapshot ${ref} exists`));
-  // "shared": the tmpfs budget covers the stream and the memory image made from it.
-  const captured = await captureParent(parent, "shared", o.method, log, o.freeBytes);
+  const captured = await captureParent(parent, o.method, log, o.freeBytes);
   if (!captured.ok) return captured;
   const { run, frozen, forkHolder, parentStallMs } = captured.value;
   const holder = keptHolder(ref);
   const disks = storageDir(dataDir);
   const statePath = join(disks, `${ref}.state`);
   const memPath = join(disks, `${ref}.mem`);
-  let point: { memPath: string; statePath: string } | undefined;
+  const point = { memPath: run.memPath, statePath: run.statePath };
   try {
     let base = frozen;
     if (chain.depth(frozen) >= MAX_CHAIN_DEPTH) {
@@ -117,10 +114,9 @@ export async function keepVm(
     } else {
       await chain.hold(holder, [frozen]);
     }
-    // The memory image, made on tmpfs (the fork's budget there covered the stream and a fork
-    // point's RAM file), then moved to the data disk: what it takes there is measured first,
-    // so a short disk refuses the snapshot (507) instead of filling up.
-    point = await makeForkPoint(parent, run.forkId, run.statePath, base);
+    // The memory image, made on tmpfs (the fork's budget there), then moved to the data disk:
+    // what it takes there is measured first, so a short disk refuses the snapshot (507)
+    // instead of filling up.
     const imageBytes = (await allocated(point.memPath)) + (await stat(point.statePath)).size;
     await needFreeSpace(
       dataDir,
@@ -155,10 +151,7 @@ export async function keepVm(
     await rm(memPath, { force: true });
     return fail(asSnapshotError(err, "fork_failed", `keeping snapshot ${ref} of ${parent.id} failed`));
   } finally {
-    if (point) {
-      await rm(point.memPath, { force: true });
-      await rm(point.statePath, { force: true });
-    }
+    // The fork point's files on tmpfs go with the fork's hold (the chain store frees them).
     await chain.release(forkHolder);
   }
 }

@@ -25,6 +25,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import type { VmProcess } from "../qemu/launch.ts";
 import { SnapshotError } from "./errors.ts";
 import { type MigrateInfo, qmp, waitMigration } from "./migrate.ts";
+import { RamSplitter, type SplitTarget } from "./ram-split.ts";
 
 /**
  * File names of the two sockets inside the VM directory (one migration per QEMU at a time). Short:
@@ -95,6 +96,53 @@ export interface SaveOptions {
    * the guest never answers again); a migration that completes releases every page.
    */
   drainOnError?: boolean;
+  /**
+   * Split the stream as it arrives (ram-split.ts): the RAM block's pages into `split.ramPath`, the
+   * rest into `split.statePath` (which must then be `path`). Both are removed if the save fails.
+   */
+  split?: SplitTarget;
+}
+
+/** Where a save's bytes go: the state file as it comes, or a splitter. */
+interface SaveSink {
+  write(chunk: Buffer): Promise<void>;
+  /** The stream ended: the last write done (and synced when asked). */
+  end(): Promise<void>;
+  /** Closes and removes what was written (or only closes, `remove` false). */
+  close(remove: boolean): Promise<void>;
+}
+
+async function openSink(o: SaveOptions): Promise<SaveSink> {
+  if (o.split) {
+    if (o.split.statePath !== o.path)
+      throw new SandboxdError("internal", "a split save's state file must be its path");
+    const splitter = await RamSplitter.open(o.split);
+    let ended = false;
+    return {
+      write: (chunk) => splitter.write(chunk),
+      async end() {
+        await splitter.end();
+        ended = true;
+      },
+      async close(remove) {
+        if (remove || !ended) await splitter.abort();
+      },
+    };
+  }
+  const file = await open(o.path, constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC, 0o600);
+  return {
+    async write(chunk) {
+      let off = 0;
+      while (off < chunk.length) off += (await file.write(chunk, off, chunk.length - off)).bytesWritten;
+    },
+    async end() {
+      if (o.fsync) await file.sync();
+    },
+    async close(remove) {
+      await settled(file.close()); // a handle we abandon: the stream's failure is the error
+      if (remove) await rm(o.path, { force: true });
+    },
+  };
 }
 
 /** A save in flight: the caller drives QEMU through the statuses it wants, then `finish`es. */
@@ -129,7 +177,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
   const sockPath = join(vm.dir, SAVE_SOCKET);
   const access = vm.migrationSocket ?? DEFAULT_SOCKET_ACCESS;
   const deadline = performance.now() + o.timeoutMs;
-  let file: FileHandle | undefined;
+  let sink: SaveSink | undefined;
   let conn: Socket | undefined;
   let failure: SnapshotError | undefined;
   let onFailure: ((e: SnapshotError) => void) | undefined;
@@ -156,16 +204,16 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
     clearTimeout(timer);
     conn?.destroy();
     server.close();
-    await settled(file?.close()); // a handle we abandon: the stream's failure is the error
     await rm(sockPath, { force: true });
-    if (removeFile) await rm(o.path, { force: true });
+    if (sink) await sink.close(removeFile);
+    else if (removeFile) await rm(o.path, { force: true });
   };
 
   let received: Promise<number> | undefined;
   try {
     await rm(sockPath, { force: true });
-    file = await open(o.path, constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC, 0o600);
-    const out = file;
+    sink = await openSink(o);
+    const out = sink;
     received = new Promise<number>((resolve) => {
       server.once("connection", (c: Socket) => {
         // One connection, QEMU's: nobody else may follow it in.
@@ -226,7 +274,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
 /** Copies the socket into the file until EOF; resolves with the byte count once it is written. */
 async function copyInto(
   c: Socket,
-  out: FileHandle,
+  out: SaveSink,
   o: SaveOptions,
   fail: (e: SnapshotError) => void,
 ): Promise<number> {
@@ -241,15 +289,14 @@ async function copyInto(
       try {
         if (bytes > o.maxBytes)
           throw streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`);
-        let off = 0;
-        while (off < chunk.length) off += (await out.write(chunk, off, chunk.length - off)).bytesWritten;
+        await out.write(chunk);
       } catch (err) {
         if (!o.drainOnError) throw err;
         sinkError = err;
       }
     }
     if (sinkError !== undefined) throw sinkError;
-    if (o.fsync) await out.sync();
+    await out.end();
     return bytes;
   } catch (err) {
     const e =

@@ -111,7 +111,10 @@ const SCALAR_KEYS = [
   "fork_children_stall_ms",
   "fork_children",
   "fork_children_ms",
+  "fork_children_ready_ms",
   "fork_children_floor_ms",
+  "fork_children_vs_floor",
+  "fork_children_exec_vs_floor",
   "suspend_ms",
   "resume_ms",
   "snapshot_stall_ms",
@@ -127,12 +130,16 @@ const SCALAR_KEYS = [
   "template_ram_file_mb",
   "total_ms",
 ];
+/** A fork's time, part by part; the per-child parts are {p50, max}. */
+const FORK_PART_KEYS = ["prepare", "populate", "parent_stall", "stream", "child_base", "first_exec"];
+const FORK_CHILD_PART_KEYS = ["child_launch", "child_load", "child_hello", "child_identity"];
 const MEMORY_KEYS = ["pss", "rss", "private_dirty", "guest_ram_dirty", "guest_ram_shared", "qemu_own"];
 const TARGET_KEYS = [
   "spawn_vs_floor",
   "exec_rtt_p50_ms",
   "fork_parent_stall_ms",
   "fork_children_ms",
+  "fork_children_vs_floor",
   "host_rss_per_idle_vm_mb",
   "restore_in_place_ms",
 ];
@@ -178,6 +185,8 @@ describe("sandboxd bench", () => {
           ...STATS_KEYS,
           "host_memory_per_idle_vm_mb",
           "restore_in_place_parts_ms",
+          "fork_children_breakdown_ms",
+          "fork_children_stop_copy",
           "targets",
         ].sort(),
       );
@@ -190,6 +199,28 @@ describe("sandboxd bench", () => {
       expect(Object.keys(parts).sort()).toEqual([...RESTORE_PART_KEYS].sort());
       for (const k of RESTORE_PART_KEYS)
         expect(Object.keys(parts[k] as object).sort()).toEqual(["n", "p50", "p95"]);
+      const forkParts = (b: unknown) => {
+        const o = b as Record<string, unknown>;
+        expect(Object.keys(o).sort()).toEqual([...FORK_PART_KEYS, ...FORK_CHILD_PART_KEYS].sort());
+        for (const k of FORK_CHILD_PART_KEYS)
+          expect(Object.keys(o[k] as object).sort()).toEqual(["max", "p50"]);
+      };
+      forkParts(out.fork_children_breakdown_ms);
+      const stopCopy = out.fork_children_stop_copy as Record<string, unknown>;
+      expect(Object.keys(stopCopy).sort()).toEqual([
+        "breakdown_ms",
+        "ms",
+        "ready_ms",
+        "stall_ms",
+        "vs_floor",
+      ]);
+      forkParts(stopCopy.breakdown_ms);
+      // The children answer the agent before they answer an exec; the ratio is to the same run's floor.
+      expect(out.fork_children_ready_ms as number).toBeLessThanOrEqual(out.fork_children_ms as number);
+      expect(out.fork_children_vs_floor).toBeCloseTo(
+        (out.fork_children_ready_ms as number) / (out.fork_children_floor_ms as number),
+        1,
+      );
       const targets = out.targets as Record<string, { limit: number; value: number; pass: boolean }>;
       expect(Object.keys(targets).sort()).toEqual([...TARGET_KEYS].sort());
       for (const t of Object.values(targets)) {
@@ -229,7 +260,14 @@ describe("sandboxd bench", () => {
       // Every figure: a finite positive number (no NaN, no -1 "not measured").
       const nums = numbers(out);
       expect(nums.length).toBeGreaterThan(30);
-      const bad = nums.filter(([, x]) => !(Number.isFinite(x) && x > 0));
+      // Stop-and-copy neither populates nor streams after its stall: those two are 0 there.
+      const notApplicable = [
+        "fork_children_stop_copy.breakdown_ms.populate",
+        "fork_children_stop_copy.breakdown_ms.stream",
+      ];
+      const bad = nums.filter(
+        ([k, x]) => !(Number.isFinite(x) && (x > 0 || (x === 0 && notApplicable.includes(k)))),
+      );
       expect(bad).toEqual([]);
 
       // Nothing left behind: the run's scratch dirs (it names them on stderr) are gone, no QEMU

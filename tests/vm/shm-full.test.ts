@@ -84,7 +84,7 @@ test.skipIf(!enabled)(
     await sh(id, "echo parent-data > /marker");
     const filesBefore = readdirSync(shmRoot).sort();
     const free = await freeBytes(shmRoot);
-    const need = forkShmBytes(MEM_MIB, "direct", "stop-copy") + RESERVE;
+    const need = forkShmBytes(MEM_MIB, "stop-copy") + RESERVE;
     console.log(
       `SHM_FULL ${JSON.stringify({ tmpfs_mib: SHM_MIB, free_mib: Math.round(free / MIB), fork_needs_mib: Math.round(need / MIB) })}`,
     );

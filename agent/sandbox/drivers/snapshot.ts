@@ -295,7 +295,7 @@ export class SnapshotDriver implements SandboxDriver {
       await bestEffort(this.log, `recording VM ${l.sbx.id} on its new overlay`, saveRecord(l.sbx, l.handle));
     if (!r.ok) throw r.error;
     this.log(
-      `fork of ${parent.vmId} into ${childIds.length}: parent stalled ${r.value.timings.parentStallMs.toFixed(1)} ms, children ready after ${r.value.timings.childrenReadyMs.toFixed(0)} ms (${r.value.timings.mode})`,
+      `fork of ${parent.vmId} into ${childIds.length}: parent stalled ${r.value.timings.parentStallMs.toFixed(1)} ms, children ready after ${r.value.timings.childrenReadyMs.toFixed(0)} ms`,
     );
     const out: DriverVm[] = [];
     try {

@@ -1,60 +1,86 @@
 /**
- * The children of a fork, started once the parent runs again. With one child, it restores
- * straight from fork.state (full RAM, private mapping). With more, the fork point is first
- * turned into a template (mode "shared"): ONE restore of fork.state into a new shared RAM file on
- * tmpfs, then a ~60 KB x-ignore-shared device state; every child maps that RAM file private
- * (copy-on-write), so the children share their clean pages and each restore reads 60 KB instead
- * of the whole RAM.
+ * The children of a fork, started once the parent runs again. The fork point is a RAM file on
+ * tmpfs and a ~60 KB device state (x-ignore-shared form), split from the parent's stream as it
+ * arrived (ram-split.ts): every child maps that RAM file private (copy-on-write), so the children
+ * share their clean pages and each restore reads 60 KB instead of the whole RAM.
+ *
+ * A child's restore is two halves (vm.ts): its QEMU started in its jail, waiting for a state
+ * (`launchChildren`), which needs only the disk base and the RAM file's name; and the load of the
+ * state, `cont`, the guest's answer and its identity (`startChildren`), which need the fork point
+ * whole. The first half of every child runs while the parent's RAM still streams (fork.ts), so
+ * the stream and the QEMU starts overlap instead of adding up.
  */
 
-import { mkdir, rm } from "node:fs/promises";
 import { join } from "node:path";
+import type { VmProcess } from "../../qemu/launch.ts";
 import type { ChainStore } from "../../storage/chain.ts";
 import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../../storage/qcow2.ts";
 import { newVmId } from "../../vm/ids.ts";
-import { removeVmDir, vmsRoot } from "../../vm/workdir.ts";
-import { asSnapshotError, fail, ok, type Result, SnapshotError } from "../errors.ts";
-import { setCapabilities } from "../migrate.ts";
-import { migrationByteCap, saveToFile } from "../stream.ts";
-import { type RestoreTimings, restoreInto, SandboxVm } from "../vm.ts";
+import { vmsRoot } from "../../vm/workdir.ts";
+import { asSnapshotError, fail, ok, type Result } from "../errors.ts";
+import { finishRestore, launchRestoreTarget, type RestoreTimings, SandboxVm } from "../vm.ts";
 import { checkedChain } from "./chain.ts";
-import { PRECOPY_TIMEOUT_MS } from "./copy.ts";
 
-export interface ChildrenPlan {
+/** What every child starts from: the fork's names and files, and the children's ids. */
+export interface ChildrenBase {
   parent: SandboxVm;
   forkId: string;
   count: number;
   ids?: string[];
-  mode: "direct" | "shared";
-  /** The fork point: the parent's frozen overlay and its RAM stream. */
+  /** The fork point: the parent's frozen overlay, its RAM file (written while the stream lasts). */
   frozen: string;
-  statePath: string;
+  memPath: string;
   disks: string;
   chain: ChainStore;
   /** Holds the fork point's files until every child holds its own. */
   forkHolder: string;
-  readyTimeoutMs?: number;
   log?: (m: string) => void;
+}
+
+export interface ChildrenPlan extends ChildrenBase {
+  /** The fork point's device state, complete. */
+  statePath: string;
+  readyTimeoutMs?: number;
+  /** The children's QEMUs, started while the stream lasted (launchChildren); started here otherwise. */
+  launched?: LaunchedChildren;
+}
+
+/** One child's first half: its QEMU waiting for the state (or the reason it did not start). */
+interface LaunchedChild {
+  vm: SandboxVm;
+  launch: Promise<{ proc: VmProcess; t0: number; tLaunch: number }>;
+}
+
+export interface LaunchedChildren {
+  /** The disk base every child's overlay lies on. */
+  childBase: string;
+  childBaseMs: number;
+  children: LaunchedChild[];
 }
 
 export interface StartedChildren {
   children: SandboxVm[];
   timings: RestoreTimings[];
-  /** Shared mode: restore of the fork point + its x-ignore-shared save. */
-  forkPointMs: number;
+  /** The children's disk base: the frozen overlay checked (and flattened past the bound). */
+  childBaseMs: number;
   /** performance.now() when every child answered. */
   doneAt: number;
 }
 
-/** Starts the children; on a failure every child started is destroyed. Releases the fork's hold. */
-export async function startChildren(p: ChildrenPlan): Promise<Result<StartedChildren>> {
-  const { parent, forkId, frozen, statePath, disks, chain, forkHolder } = p;
+/**
+ * The children's first halves: each one's overlay on the disk base and its QEMU started in its
+ * jail, all at once. Returns without waiting for the QEMUs; a launch that fails is reported by
+ * startChildren. On an error here every child begun is destroyed.
+ */
+export async function launchChildren(p: ChildrenBase): Promise<LaunchedChildren> {
+  const { parent, forkId, frozen, memPath, disks, chain, forkHolder } = p;
   const s = parent.shape;
-  const children: SandboxVm[] = [];
-  let forkPointMs = 0;
+  const tBase = performance.now();
+  const children: LaunchedChild[] = [];
   try {
     // The children's disk base: the frozen overlay, or a flat copy of it past the bound.
-    // The frozen overlay's header was its jail's to write until a moment ago: held to the records.
+    // The frozen overlay's header was its jail's to write until a moment ago: held to the records
+    // (a child's jail binds only the files the records name, whatever a header says).
     const below = await checkedChain(chain, frozen, s.baseDisk);
     let childBase = frozen;
     if (chain.depth(frozen) >= MAX_CHAIN_DEPTH) {
@@ -62,39 +88,67 @@ export async function startChildren(p: ChildrenPlan): Promise<Result<StartedChil
       await flattenOnto(frozen, below, childBase, s.diskBytes);
       await chain.add(childBase, { kind: "overlay", holder: forkHolder, depth: 1 });
     }
-
-    let memPath = parent.memPath;
-    let childState = statePath;
-    let ignoreShared = false;
-    if (p.mode === "shared") {
-      const tp = performance.now();
-      const point = await makeForkPoint(parent, forkId, statePath, childBase);
-      forkPointMs = performance.now() - tp;
-      memPath = point.memPath;
-      childState = point.statePath;
-      ignoreShared = true;
-      await chain.add(point.memPath, { kind: "ram", holder: forkHolder });
-      await chain.add(point.statePath, { kind: "state", holder: forkHolder, deps: [point.memPath] });
-      // The full-RAM stream is no longer needed once the fork point holds it.
-      await chain.release(forkHolder, [statePath]);
-    }
-    const results = await Promise.allSettled(
-      Array.from({ length: p.count }, async (_, i) => {
-        const id = p.ids?.[i] ?? newVmId();
-        const disk = join(disks, `${id}-0.qcow2`);
-        const child = new SandboxVm(id, join(vmsRoot(s.dataDir), id), s, disk, memPath, p.log);
-        children.push(child);
-        await chain.hold(child.holder, [childBase, memPath]);
+    const childBaseMs = performance.now() - tBase;
+    for (let i = 0; i < p.count; i++) {
+      const id = p.ids?.[i] ?? newVmId();
+      const disk = join(disks, `${id}-0.qcow2`);
+      const vm = new SandboxVm(id, join(vmsRoot(s.dataDir), id), s, disk, memPath, p.log);
+      const launch = (async () => {
+        await chain.hold(vm.holder, [childBase]);
         await createOverlayOn(childBase, disk, s.diskBytes);
-        await chain.add(disk, { kind: "overlay", deps: [childBase], holder: child.holder });
-        const timings = await restoreInto({
-          vm: child,
-          mem: { path: memPath, share: false },
-          statePath: childState,
-          ignoreShared,
-          ...(p.readyTimeoutMs ? { readyTimeoutMs: p.readyTimeoutMs } : {}),
-        });
-        child.enter("running");
+        await chain.add(disk, { kind: "overlay", deps: [childBase], holder: vm.holder });
+        const t0 = performance.now();
+        const proc = await launchRestoreTarget(vm, { path: memPath, share: false }, true);
+        return { proc, t0, tLaunch: performance.now() };
+      })();
+      // Awaited by startChildren; a rejection before then is not unhandled.
+      launch.catch(() => {});
+      children.push({ vm, launch });
+    }
+    return { childBase, childBaseMs, children };
+  } catch (err) {
+    await destroyLaunched(children);
+    throw err;
+  }
+}
+
+/** Kills every child's QEMU (once its launch settled) and frees its files. */
+export async function destroyLaunched(children: LaunchedChild[]): Promise<void> {
+  for (const c of children) {
+    // A launch that failed killed its own QEMU (launchRestoreTarget); its files go with destroy.
+    const r = await c.launch.catch(() => undefined);
+    await r?.proc.kill();
+    await c.vm.destroy();
+  }
+}
+
+/**
+ * The children's second halves, once the fork point is whole: each child holds the RAM file,
+ * loads the state, runs and gets its identity. On a failure every child is destroyed. Releases
+ * the fork's hold either way.
+ */
+export async function startChildren(p: ChildrenPlan): Promise<Result<StartedChildren>> {
+  const { parent, memPath, statePath, chain, forkHolder } = p;
+  let launched = p.launched;
+  try {
+    launched ??= await launchChildren(p);
+    const results = await Promise.allSettled(
+      launched.children.map(async ({ vm, launch }) => {
+        const { proc, t0, tLaunch } = await launch;
+        await chain.hold(vm.holder, [memPath]);
+        const timings = await finishRestore(
+          {
+            vm,
+            mem: { path: memPath, share: false },
+            statePath,
+            ignoreShared: true,
+            ...(p.readyTimeoutMs ? { readyTimeoutMs: p.readyTimeoutMs } : {}),
+          },
+          proc,
+          t0,
+          tLaunch,
+        );
+        vm.enter("running");
         return timings;
       }),
     );
@@ -103,61 +157,14 @@ export async function startChildren(p: ChildrenPlan): Promise<Result<StartedChil
     const doneAt = performance.now();
     await chain.release(forkHolder);
     return ok({
-      children,
+      children: launched.children.map((c) => c.vm),
       timings: results.map((r) => (r as PromiseFulfilledResult<RestoreTimings>).value),
-      forkPointMs,
+      childBaseMs: launched.childBaseMs,
       doneAt,
     });
   } catch (err) {
-    for (const c of children) await c.destroy();
+    if (launched) await destroyLaunched(launched.children);
     await chain.release(forkHolder);
     return fail(asSnapshotError(err, "fork_failed", `starting the children of ${parent.id} failed`));
-  }
-}
-
-/**
- * Shared mode: restore the full stream once into a new SHARED RAM file (tmpfs), never run it,
- * and save its device state with x-ignore-shared: a template of the fork point.
- */
-export async function makeForkPoint(
-  parent: SandboxVm,
-  forkId: string,
-  fullState: string,
-  childBase: string,
-): Promise<{ memPath: string; statePath: string }> {
-  const s = parent.shape;
-  const memPath = join(s.shmRoot, `${forkId}.mem`);
-  const statePath = join(s.shmRoot, `${forkId}.point.state`);
-  const pointId = `${forkId}-point`.slice(0, 63);
-  const disk = join(vmsRoot(s.dataDir), pointId, "disk.qcow2");
-  const point = new SandboxVm(pointId, join(vmsRoot(s.dataDir), pointId), s, disk, memPath);
-  try {
-    await mkdir(point.dir, { recursive: true, mode: 0o700 });
-    // Never written (the point never runs), but the device set must match the parent's.
-    await createOverlayOn(childBase, disk, s.diskBytes);
-    await restoreInto({
-      vm: point,
-      mem: { path: memPath, share: true },
-      statePath: fullState,
-      ignoreShared: false,
-      stayPaused: true,
-      base: childBase,
-    });
-    const p = point.process;
-    if (!p) throw new SnapshotError("fork_failed", "fork point has no QEMU");
-    await setCapabilities(p, { events: true, "x-ignore-shared": true });
-    await saveToFile(p, {
-      path: statePath,
-      maxBytes: migrationByteCap(s.memMib),
-      timeoutMs: PRECOPY_TIMEOUT_MS,
-    });
-    return { memPath, statePath };
-  } catch (err) {
-    await rm(memPath, { force: true });
-    await rm(statePath, { force: true });
-    throw err;
-  } finally {
-    await point.process?.kill();
-    await removeVmDir(point.dir);
   }
 }

@@ -1,5 +1,6 @@
 /**
- * The copy of a running parent's memory into `<fork>.state`, by one of three methods
+ * The copy of a running parent's memory into the fork point (`<fork>.mem`, its RAM, and
+ * `<fork>.state`, its device state, split from QEMU's stream by ram-split.ts), by one of three methods
  * (fork-method.ts says when each is used):
  *
  * `snapshot` (the default), a QEMU background snapshot:
@@ -11,7 +12,7 @@
  *      its new overlay (the disk of the fork point, the same instant as the memory), then
  *      `migrate` with the `background-snapshot` capability: QEMU saves the device state,
  *      write-protects the RAM (userfaultfd) and starts the guest itself (RESUME ends the stall).
- *   3. The RAM streams to fork.state while the guest runs: a page the guest writes is copied out
+ *   3. The RAM streams into the fork point (ram-split.ts) while the guest runs: a page the guest writes is copied out
  *      first, so the stream is the RAM at the stop. No `cont` is needed: the disks stay active.
  *
  * `stop-copy`: stop, snapshot the disk, migrate the whole RAM, cont (the stall is the whole copy).
@@ -19,7 +20,7 @@
  * `precopy`, a live precopy with dirty tracking:
  *
  *   1. `pause-before-switchover` on, bandwidth unlimited, `migrate` into a socket the agent copies
- *      to fork.state (stream.ts): RAM streams to tmpfs WHILE the guest runs (dirty pages are sent
+ *      to the fork point (stream.ts, ram-split.ts): RAM streams to tmpfs WHILE the guest runs (dirty pages are sent
  *      again).
  *   2. QEMU stops the guest for the switchover and pauses in `pre-switchover`. The STOP event
  *      starts the stall. Now `blockdev-snapshot-sync` moves the parent onto a NEW overlay: its
@@ -30,7 +31,7 @@
  *      runs again. RESUME ends the stall. Stall = RESUME - STOP, both QEMU event timestamps.
  */
 
-import type { VmProcess } from "../../qemu/launch.ts";
+import { DEVICE_IDS, type VmProcess } from "../../qemu/launch.ts";
 import type { QmpEvent } from "../../qemu/qmp/framing.ts";
 import { SnapshotError } from "../errors.ts";
 import type { ForkMethod } from "../fork-method.ts";
@@ -43,6 +44,7 @@ import {
   setMigrationParameters,
 } from "../migrate.ts";
 import { populateMapping } from "../populate.ts";
+import type { SplitTarget } from "../ram-split.ts";
 import { migrationByteCap, type SaveStream, startSave } from "../stream.ts";
 import type { SandboxVm } from "../vm.ts";
 
@@ -65,7 +67,12 @@ export interface ForkRun {
   parent: SandboxVm;
   proc: VmProcess;
   forkId: string;
-  /** `<fork>.state` on tmpfs: the parent's RAM at the fork point and its device state. */
+  /**
+   * The fork point on tmpfs, split from the stream as it arrives (ram-split.ts): `memPath` holds
+   * the parent's RAM at the fork point, `statePath` its device state in the x-ignore-shared form
+   * that a QEMU mapping `memPath` private loads.
+   */
+  memPath: string;
   statePath: string;
   /** The parent's new overlay in the storage directory, and its node name once QEMU takes it. */
   newTop: string;
@@ -73,15 +80,32 @@ export interface ForkRun {
   /** The new overlay's hard link in the parent's directory, the name QEMU opens. */
   staged: string;
   t0: number;
+  /** performance.now() when the copy began: the parent's stop, or a live precopy's `migrate`. */
+  tCopy: number;
   log: (m: string) => void;
   /** The method in use: a snapshot QEMU refuses falls back to stop-copy. */
   method: ForkMethod;
   /** Whether QEMU moved the parent onto its new overlay. */
   switched: boolean;
   save?: SaveStream;
+  /**
+   * Called once the parent runs again, while its RAM may still stream (a background snapshot):
+   * what can start before the fork point is whole starts here (fork.ts: the children's QEMUs).
+   */
+  onResumed?: () => void;
   precopyMs: number;
   populateMs: number;
   stateBytes: number;
+}
+
+/** The fork point's two files, written from the stream as it arrives. */
+function splitTarget(run: ForkRun): SplitTarget {
+  return {
+    ramBlock: DEVICE_IDS.memBackend,
+    ramBytes: run.parent.shape.memMib * 1024 * 1024,
+    ramPath: run.memPath,
+    statePath: run.statePath,
+  };
 }
 
 /** Copies the parent's memory by `run.method`; the parent runs again when it returns. */
@@ -111,7 +135,9 @@ async function copyByBackgroundSnapshot(run: ForkRun): Promise<void> {
   run.populateMs = performance.now() - tp;
   const refused = await setCapabilities(proc, {
     events: true,
-    "x-ignore-shared": false,
+    // The stream's header form the children load (ram-split.ts); no block is ignored, as the
+    // parent maps its RAM private.
+    "x-ignore-shared": true,
     "pause-before-switchover": false,
     "background-snapshot": true,
   }).then(
@@ -130,10 +156,12 @@ async function copyByBackgroundSnapshot(run: ForkRun): Promise<void> {
   await setMigrationParameters(proc, { maxBandwidth: LOCAL_MIGRATION_MAX_BANDWIDTH });
   // -- 2. stop, move the parent onto its new overlay, snapshot: QEMU resumes the guest once
   // the RAM is write-protected
+  run.tCopy = performance.now();
   await qmp(proc, "stop");
   await switchDisk(run);
   run.save = await startSave(proc, {
     path: run.statePath,
+    split: splitTarget(run),
     maxBytes: migrationByteCap(run.parent.shape.memMib),
     timeoutMs: 2 * PRECOPY_TIMEOUT_MS,
     // A sink that fails (tmpfs full) must not fail QEMU's side midway: see stream.ts.
@@ -141,6 +169,7 @@ async function copyByBackgroundSnapshot(run: ForkRun): Promise<void> {
   });
   const tStream = performance.now();
   await contOnceProtected(run);
+  run.onResumed?.();
   run.stateBytes = await run.save.finish();
   run.precopyMs = performance.now() - tStream;
   // A save that ended before the wait above saw it: the guest runs again either way.
@@ -193,7 +222,7 @@ async function copyThroughSwitchover(run: ForkRun, live: boolean): Promise<void>
   // -- 1. live precopy (or, stop-copy, the whole copy with the guest stopped)
   await setCapabilities(proc, {
     events: true,
-    "x-ignore-shared": false,
+    "x-ignore-shared": true,
     "pause-before-switchover": true,
     "background-snapshot": false,
   });
@@ -201,10 +230,12 @@ async function copyThroughSwitchover(run: ForkRun, live: boolean): Promise<void>
     maxBandwidth: LOCAL_MIGRATION_MAX_BANDWIDTH,
     downtimeLimitMs: PRECOPY_DOWNTIME_LIMIT_MS,
   });
+  run.tCopy = performance.now();
   if (!live) await qmp(proc, "stop");
   // A live precopy sends the pages the guest dirties meanwhile again: room for a second pass.
   run.save = await startSave(proc, {
     path: run.statePath,
+    split: splitTarget(run),
     maxBytes: migrationByteCap(run.parent.shape.memMib, live ? 2 : 1),
     timeoutMs: 2 * PRECOPY_TIMEOUT_MS,
   });
@@ -224,6 +255,7 @@ async function copyThroughSwitchover(run: ForkRun, live: boolean): Promise<void>
     await Bun.sleep(1);
   }
   await qmp(proc, "cont");
+  run.onResumed?.();
 }
 
 /** The parent's stall, from QEMU's STOP and RESUME event timestamps. */

@@ -32,6 +32,7 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
   };
   await run.save?.abort();
   await rm(run.statePath, { force: true });
+  await rm(run.memPath, { force: true });
   if (proc.isAlive()) {
     await bestEffort(log, `fork ${forkId}: migrate_cancel`, proc.qmp.execute("migrate_cancel"));
     // A cancelled background snapshot may still be ending (its thread resumes the guest as it
