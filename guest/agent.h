@@ -269,6 +269,8 @@ void op_set_hostname(uint32_t stream, const uint8_t *p, size_t n);
 void ensure_std_fds(void);
 void early_boot(void);
 void boot(void);
+/* At boot: the boot id's file bound over its procfs entry, so restores only rewrite it (machine.c). */
+void boot_id_bind(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* loop.c: the loop */

@@ -254,6 +254,7 @@ void boot(void) {
   if (cmd_hostname[0] && sethostname(cmd_hostname, strlen(cmd_hostname)) < 0)
     logmsg("sethostname %s: %s", cmd_hostname, strerror(errno));
   loopback_up();
+  boot_id_bind();
   struct timespec ts;
   clock_gettime(CLOCK_BOOTTIME, &ts);
   logmsg("ready %ld ms after kernel start", (long)(ts.tv_sec * 1000 + ts.tv_nsec / 1000000));
