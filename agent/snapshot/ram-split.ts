@@ -305,11 +305,17 @@ export class RamSplitter {
     const r = this.run;
     if (!r) return;
     this.run = undefined;
-    // One buffer (the pages are views into socket chunks): a single positioned write.
-    const data = r.pages.length === 1 ? (r.pages[0] as Buffer) : Buffer.concat(r.pages);
-    let off = 0;
-    while (off < data.length)
-      off += (await this.ram.write(data, off, data.length - off, r.offset + off)).bytesWritten;
+    // The pages as they are (views into the socket's chunks), in one positioned writev: no copy.
+    const bytes = r.pages.length * PAGE_BYTES;
+    const { bytesWritten } = await this.ram.writev(r.pages, r.offset);
+    // A short write (tmpfs or disk full midway) leaves the rest: written from where it stopped.
+    if (bytesWritten < bytes) {
+      const rest = Buffer.concat(r.pages).subarray(bytesWritten);
+      let off = 0;
+      while (off < rest.length)
+        off += (await this.ram.write(rest, off, rest.length - off, r.offset + bytesWritten + off))
+          .bytesWritten;
+    }
     this.ramPages += r.pages.length;
   }
 
