@@ -28,6 +28,7 @@
  */
 import { constants } from "node:fs";
 import { type FileHandle, open, rm } from "node:fs/promises";
+import { settled } from "../../contracts/best-effort.ts";
 import { SnapshotError } from "./errors.ts";
 
 const QEVM_MAGIC = 0x5145564d;
@@ -170,7 +171,8 @@ export class RamSplitter {
     this.failure ??= bad("aborted");
     this.eof = true;
     this.wake?.();
-    await this.done.catch(() => {});
+    // The parse's own failure is moot: the split is being thrown away.
+    await settled(this.done);
     await this.close();
     await rm(this.t.ramPath, { force: true });
     await rm(this.t.statePath, { force: true });
@@ -180,8 +182,9 @@ export class RamSplitter {
   private async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
-    await this.ram.close().catch(() => {});
-    await this.state.close().catch(() => {});
+    // Handles of files that are complete (end) or about to be removed (abort): a close error changes neither.
+    await settled(this.ram.close());
+    await settled(this.state.close());
   }
 
   // --- reading
