@@ -8,6 +8,7 @@ import type { ImageConfig } from "../agent/image/import.ts";
 import { unwrap } from "../agent/snapshot/errors.ts";
 import { forkVm } from "../agent/snapshot/fork.ts";
 import { DEFAULT_FORK_METHOD, type ForkMethod, readyForkMethod } from "../agent/snapshot/fork-method.ts";
+import { digScheduledNow } from "../agent/snapshot/sparse.ts";
 import { floorRestoreMs, prelaunchFromTemplate, spawnFromTemplate } from "../agent/snapshot/spawn.ts";
 import { pauseVm, resumeVm, suspendVm } from "../agent/snapshot/suspend.ts";
 import { buildTemplate, type TemplateMeta } from "../agent/snapshot/template.ts";
@@ -366,6 +367,8 @@ export async function measureIdleMemory(
     guest_ram_shared: avg((m) => m.guestRam.pss - m.guestRam.privateDirty),
     qemu_own: avg((m) => m.total.pss - m.guestRam.pss),
   };
+  // What the file settles at: the digs the suspend and resume scheduled (sparse.ts), run now.
+  await digScheduledNow();
   const ramFileMb = round1(((await stat(template.memPath)).blocks * 512) / 1024 ** 2);
   await Promise.all(idle.map((vm) => scope.release(vm)));
   run.log(`idle VMs: ${memory.pss} MiB PSS each (guest dirtied ${memory.guest_ram_dirty} MiB)`);

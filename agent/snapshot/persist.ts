@@ -61,12 +61,8 @@ export const VmRecord = z.object({
   topNode: z.string(),
   memPath: z.string(),
   generation: z.int().min(0),
-  /**
-   * Set while suspended: the device state over `memPath`, the memory image (`splitSuspend`), or
-   * (an older agent's record, no `splitSuspend`) the full RAM + device state.
-   */
+  /** Set while suspended: the full RAM + device state file. */
   suspendState: z.string().optional(),
-  splitSuspend: z.literal(true).optional(),
   memBytes: z.number().optional(),
 });
 export type VmRecord = z.infer<typeof VmRecord>;
@@ -95,7 +91,6 @@ export function saveVm(vm: SandboxVm, notes: VmNotes): VmRecord {
     generation: vm.generation,
   };
   if (vm.suspendState) record.suspendState = vm.suspendState;
-  if (vm.suspendState && vm.splitSuspend) record.splitSuspend = true;
   if (notes.memBytes !== undefined) record.memBytes = notes.memBytes;
   return record;
 }
@@ -109,7 +104,6 @@ export function restoreVm(record: VmRecord, dir: string, log?: (m: string) => vo
   vm.topNode = record.topNode;
   vm.generation = record.generation;
   vm.suspendState = record.suspendState;
-  vm.splitSuspend = record.splitSuspend === true;
   return vm;
 }
 
@@ -206,14 +200,8 @@ export async function checkVmRecord(record: VmRecord, at: VmRecordPlaces): Promi
     ARTIFACTS_KEY_RE.test(key) && p === join(at.guestRoot, key, name);
   const disks = join(at.stateDir, "storage", "disks");
   // A VM started from (or rolled back to) a kept snapshot maps its memory image, kept on the data
-  // disk beside the overlays (keep.ts); a suspended or resumed one its suspend's image (suspend.ts);
-  // every other VM maps a RAM file on tmpfs.
-  const suspendedDir = join(at.stateDir, "storage", "suspended");
-  const ramRoot = record.memPath.startsWith(`${disks}/`)
-    ? disks
-    : record.memPath.startsWith(`${suspendedDir}/`)
-      ? suspendedDir
-      : at.shmRoot;
+  // disk beside the overlays (keep.ts); every other VM maps a RAM file on tmpfs.
+  const ramRoot = record.memPath.startsWith(`${disks}/`) ? disks : at.shmRoot;
   const places: [string, string | undefined, string, (p: string) => boolean, string][] = [
     ["disk", record.disk, disks, registered, "in its chain store"],
     [

@@ -24,6 +24,8 @@ const READ_CHUNK = 4 * 1024 * 1024;
 const PAGEMAP_CHUNK_PAGES = 65536;
 const PRESENT = 1n << 63n;
 const SWAPPED = 1n << 62n;
+/** Bit 61: a page cache (file) page or shared anonymous memory; clear on a private copy. */
+const FILE_PAGE = 1n << 61n;
 
 export interface PopulateResult {
   /** Bytes of the mapping that were not mapped and were read in. */
@@ -96,6 +98,36 @@ export async function populateMapping(pid: number, file: string): Promise<Popula
     return { faultedBytes: faulted, mappingBytes: range.end - range.start };
   } finally {
     await Promise.all([pagemap.close(), mem.close()]);
+  }
+}
+
+/**
+ * The pages of `pid`'s private mapping of `file` that are its own (one byte per page, 1 = own):
+ * the ones it wrote (a private copy: present without the file-page bit) or that were swapped out.
+ * Every other page shows the file's content (the page cache's, or never touched). A suspend saves
+ * only its own (suspend.ts); pages QEMU maps after this (none while the guest is stopped) would
+ * not be counted. Throws when the process or the mapping is not there.
+ */
+export async function ownPages(pid: number, file: string): Promise<Uint8Array> {
+  const range = await findMapping(pid, file);
+  if (!range) throw new SandboxdError("internal", `no mapping of ${file} in process ${pid}`);
+  const pages = (range.end - range.start) / PAGE;
+  const own = new Uint8Array(pages);
+  const pagemap = await open(`/proc/${pid}/pagemap`, "r");
+  try {
+    const entries = Buffer.alloc(PAGEMAP_CHUNK_PAGES * 8);
+    for (let first = 0; first < pages; first += PAGEMAP_CHUNK_PAGES) {
+      const n = Math.min(PAGEMAP_CHUNK_PAGES, pages - first);
+      const { bytesRead } = await pagemap.read(entries, 0, n * 8, (range.start / PAGE + first) * 8);
+      if (bytesRead !== n * 8) throw new SandboxdError("internal", `short pagemap read of process ${pid}`);
+      for (let i = 0; i < n; i++) {
+        const e = entries.readBigUInt64LE(i * 8);
+        if ((e & SWAPPED) !== 0n || ((e & PRESENT) !== 0n && (e & FILE_PAGE) === 0n)) own[first + i] = 1;
+      }
+    }
+    return own;
+  } finally {
+    await pagemap.close();
   }
 }
 

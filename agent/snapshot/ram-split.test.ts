@@ -241,3 +241,57 @@ test("a RAM file or state file that exists already is not overwritten", async ()
   expect(readFileSync(ramPath, "utf8")).toBe("someone else's");
   expect(existsSync(statePath)).toBe(false);
 });
+
+/** Feeds `data` to a delta split keeping the pages marked in `keep`. */
+async function delta(data: Buffer, keepPages: number[], chunk = 1000) {
+  const keep = new Uint8Array(RAM / PAGE_BYTES);
+  for (const p of keepPages) keep[p] = 1;
+  const s = await RamSplitter.open({ ramBlock: "mem", ramBytes: RAM, statePath, keep });
+  for (let i = 0; i < data.length; i += chunk) await s.write(data.subarray(i, i + chunk));
+  return s.end();
+}
+
+test("a delta keeps the RAM block's records of the pages marked its own, drops the rest, makes no RAM file", async () => {
+  const data = stream(
+    part(pageRec("mem", 0, 1), pageRec(undefined, PAGE_BYTES, 2), zeroRec(undefined, 2 * PAGE_BYTES)),
+    part(pageRec(undefined, 3 * PAGE_BYTES, 4), pageRec("pc.bios", 0, 5)),
+  );
+  for (const chunk of [1, 13, 1 << 20]) {
+    beforeEachManual();
+    await delta(data, [1, 2, 3], chunk);
+    expect(existsSync(ramPath)).toBe(false);
+    // Page 0 (not its own) is dropped, and with it the record that named the block: the first
+    // record kept names it instead of saying CONTINUE; the ones after it may continue.
+    const expected = Buffer.concat([
+      header(),
+      ramStart(BLOCKS),
+      eos(),
+      footer(2),
+      part(pageRec("mem", PAGE_BYTES, 2), zeroRec(undefined, 2 * PAGE_BYTES)),
+      part(pageRec(undefined, 3 * PAGE_BYTES, 4), pageRec("pc.bios", 0, 5)),
+      DEVICES,
+    ]);
+    expect(Buffer.compare(readFileSync(statePath), expected)).toBe(0);
+  }
+});
+
+test("a delta after another block's record names its block again", async () => {
+  const data = stream(part(pageRec("mem", 0, 1), pageRec("pc.bios", 0, 5), pageRec("mem", PAGE_BYTES, 2)));
+  await delta(data, [1]);
+  const expected = Buffer.concat([
+    header(),
+    ramStart(BLOCKS),
+    eos(),
+    footer(2),
+    part(pageRec("pc.bios", 0, 5), pageRec("mem", PAGE_BYTES, 2)),
+    DEVICES,
+  ]);
+  expect(Buffer.compare(readFileSync(statePath), expected)).toBe(0);
+});
+
+test("a keep map of another size than the RAM is refused before a file is made", async () => {
+  await expect(
+    RamSplitter.open({ ramBlock: "mem", ramBytes: RAM, statePath, keep: new Uint8Array(3) }),
+  ).rejects.toThrow("keep map of 3 pages");
+  expect(existsSync(statePath)).toBe(false);
+});

@@ -58,16 +58,25 @@ const RUN_PAGES = 256;
 /** Bytes of state output gathered before one write. */
 const STATE_FLUSH_BYTES = 1024 * 1024;
 
-export interface SplitTarget {
-  /** The RAM block whose pages go to the RAM file (the memory backend's id). */
+/** What a split makes of the RAM file's block (the guest RAM): see `SplitTarget`. */
+export interface SplitBase {
+  /** The RAM block whose pages are taken out (the memory backend's id). */
   ramBlock: string;
-  /** Its size: the size the children map; a stream declaring another size is refused. */
+  /** Its size: the size its QEMU maps; a stream declaring another size is refused. */
   ramBytes: number;
-  /** Created here (must not exist), sparse, `ramBytes` long. */
-  ramPath: string;
-  /** The state file (created here, must not exist). */
+  /** The state file (created here, must not exist): the stream less what was taken out. */
   statePath: string;
 }
+
+/**
+ * `ramPath`: every page of the block goes into that RAM file (created here, must not exist,
+ * sparse, `ramBytes` long) at its offset; the state is the x-ignore-shared form a QEMU mapping the
+ * file private loads (a fork point). `keep`: a delta over the RAM file the VM maps (a suspend):
+ * the block's records of the pages marked 1 (one byte per page) stay in the state, the others
+ * are dropped, as the VM's mapping already shows them; no RAM file is made.
+ */
+export type SplitTarget = SplitBase &
+  ({ ramPath: string; keep?: undefined } | { keep: Uint8Array; ramPath?: undefined });
 
 export interface SplitResult {
   /** Bytes of the state file. */
@@ -102,10 +111,12 @@ export class RamSplitter {
   private run: { offset: number; pages: Buffer[] } | undefined;
   /** The block of the last page record: CONTINUE means this one, across sections too (as QEMU's loader keeps it). */
   private block: string | undefined;
+  /** The block of the last page record kept: what CONTINUE means to the loader of the state. */
+  private loaderBlock: string | undefined;
 
   private constructor(
     private readonly t: SplitTarget,
-    private readonly ram: FileHandle,
+    private readonly ram: FileHandle | undefined,
     private readonly state: FileHandle,
   ) {
     this.written = new Uint8Array(Math.ceil(t.ramBytes / PAGE_BYTES));
@@ -127,15 +138,17 @@ export class RamSplitter {
   static async open(t: SplitTarget): Promise<RamSplitter> {
     if (!Number.isSafeInteger(t.ramBytes) || t.ramBytes <= 0 || t.ramBytes % PAGE_BYTES !== 0)
       throw new SnapshotError("bad_request", `RAM size ${t.ramBytes} is not whole pages`);
+    if (t.keep && t.keep.length !== t.ramBytes / PAGE_BYTES)
+      throw new SnapshotError("bad_request", `a keep map of ${t.keep.length} pages for ${t.ramBytes} bytes`);
     const flags = constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL;
-    const ram = await open(t.ramPath, flags, 0o600);
+    const ram = t.ramPath === undefined ? undefined : await open(t.ramPath, flags, 0o600);
     let state: FileHandle | undefined;
     try {
-      await ram.truncate(t.ramBytes);
+      await ram?.truncate(t.ramBytes);
       state = await open(t.statePath, flags, 0o600);
     } catch (err) {
-      await ram.close();
-      await rm(t.ramPath, { force: true });
+      await ram?.close();
+      if (t.ramPath !== undefined) await rm(t.ramPath, { force: true });
       throw err;
     }
     return new RamSplitter(t, ram, state);
@@ -174,7 +187,7 @@ export class RamSplitter {
     // The parse's own failure is moot: the split is being thrown away.
     await settled(this.done);
     await this.close();
-    await rm(this.t.ramPath, { force: true });
+    if (this.t.ramPath !== undefined) await rm(this.t.ramPath, { force: true });
     await rm(this.t.statePath, { force: true });
   }
 
@@ -183,7 +196,7 @@ export class RamSplitter {
     if (this.closed) return;
     this.closed = true;
     // Handles of files that are complete (end) or about to be removed (abort): a close error changes neither.
-    await settled(this.ram.close());
+    await settled(this.ram?.close());
     await settled(this.state.close());
   }
 
@@ -310,14 +323,14 @@ export class RamSplitter {
     this.run = undefined;
     // The pages as they are (views into the socket's chunks), in one positioned writev: no copy.
     const bytes = r.pages.length * PAGE_BYTES;
-    const { bytesWritten } = await this.ram.writev(r.pages, r.offset);
+    const ram = this.ram as FileHandle; // runs are gathered only with a RAM file
+    const { bytesWritten } = await ram.writev(r.pages, r.offset);
     // A short write (tmpfs or disk full midway) leaves the rest: written from where it stopped.
     if (bytesWritten < bytes) {
       const rest = Buffer.concat(r.pages).subarray(bytesWritten);
       let off = 0;
       while (off < rest.length)
-        off += (await this.ram.write(rest, off, rest.length - off, r.offset + bytesWritten + off))
-          .bytesWritten;
+        off += (await ram.write(rest, off, rest.length - off, r.offset + bytesWritten + off)).bytesWritten;
     }
     this.ramPages += r.pages.length;
   }
@@ -365,7 +378,10 @@ export class RamSplitter {
       throw bad(`section type 0x${type.toString(16)}`);
     }
     if (!blocks.has(this.t.ramBlock)) throw bad(`no RAM block "${this.t.ramBlock}"`);
-    if (!ignoreShared) throw bad("saved without x-ignore-shared: its header form is not the children's");
+    // A fork point is loaded with x-ignore-shared: its header must have that form. A delta is
+    // loaded with the capabilities it was saved with.
+    if (this.t.ramPath !== undefined && !ignoreShared)
+      throw bad("saved without x-ignore-shared: its header form is not the children's");
     await this.flushRun();
     await this.flushState();
     return { stateBytes: this.stateBytes, ramPages: this.ramPages };
@@ -462,12 +478,12 @@ export class RamSplitter {
       const payload = kind === FLAG.PAGE ? PAGE_BYTES : 1;
       if (this.buffered < payload) await this.fill(payload);
       const data = this.take(payload);
-      if (block !== target) {
-        this.keep(header);
-        if (nameBytes) this.keep(nameBytes);
-        this.keep(data);
+      if (block !== target || (this.t.keep && this.t.keep[offset / PAGE_BYTES] === 1)) {
+        this.keepRecord(header, block, nameBytes, data);
         continue;
       }
+      // Dropped from a delta: the VM's mapping shows this page already.
+      if (this.t.keep) continue;
       if (kind === FLAG.PAGE) {
         const r = this.run;
         // The usual case, without an await: the next page of the run being gathered.
@@ -482,6 +498,27 @@ export class RamSplitter {
         await this.page(offset, Buffer.alloc(PAGE_BYTES, data[0] as number));
       }
     }
+  }
+
+  /**
+   * A page record that stays in the state. Its CONTINUE ("the block of the record before") must
+   * mean the same block to the loader, which sees only the records kept: where a dropped record
+   * named the block last, the kept one names it itself.
+   */
+  private keepRecord(header: Buffer, block: string, nameBytes: Buffer | undefined, data: Buffer): void {
+    if (nameBytes) {
+      this.keep(header);
+      this.keep(nameBytes);
+    } else if (this.loaderBlock === block) {
+      this.keep(header);
+    } else {
+      const named = Buffer.from(header);
+      named.writeUInt32BE((header.readUInt32BE(4) & ~FLAG.CONTINUE) >>> 0, 4);
+      this.keep(named);
+      this.keep(Buffer.concat([Buffer.from([block.length]), Buffer.from(block, "latin1")]));
+    }
+    this.loaderBlock = block;
+    this.keep(data);
   }
 
   /** MEM_SIZE's block list: name, length, and (ignore-shared form) the block's address. */

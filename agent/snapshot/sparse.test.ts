@@ -1,6 +1,6 @@
 import { afterEach, expect, test } from "bun:test";
 import { existsSync, readFileSync, rmSync, writeFileSync } from "node:fs";
-import { allocatedBytes, digZeroHoles } from "./sparse.ts";
+import { allocatedBytes, digLater, digScheduledNow, digZeroHoles } from "./sparse.ts";
 
 /** On tmpfs, like the RAM files it is for (allocated blocks there are host memory). */
 const FILE = `/dev/shm/sparse-test-${process.pid}.mem`;
@@ -33,4 +33,22 @@ test("a file it cannot dig is left alone and logged, never thrown", async () => 
   expect(await digZeroHoles(`${FILE}.missing`, (m) => logs.push(m))).toBeUndefined();
   expect(logs).toHaveLength(1);
   expect(logs[0]).toContain("left as it is");
+});
+
+test("digLater: one dig per file however many ask, not before it is due; a file gone by then is skipped", async () => {
+  const data = Buffer.alloc(2 * MIB); // all zeros, written: allocated
+  writeFileSync(FILE, data);
+  const logs: string[] = [];
+  for (let i = 0; i < 5; i++) digLater(FILE, (m) => logs.push(m));
+  digLater(`${FILE}.gone`, (m) => logs.push(m));
+  // Not dug yet: the suspends that follow find the file full.
+  expect(await allocatedBytes(FILE)).toBeGreaterThanOrEqual(2 * MIB);
+  await digScheduledNow();
+  expect(await allocatedBytes(FILE)).toBe(0);
+  expect(readFileSync(FILE).equals(data)).toBe(true);
+  // The missing file was skipped without a word; nothing is left scheduled.
+  expect(logs).toEqual([]);
+  writeFileSync(FILE, data);
+  await digScheduledNow();
+  expect(await allocatedBytes(FILE)).toBeGreaterThanOrEqual(2 * MIB);
 });

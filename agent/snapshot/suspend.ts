@@ -1,20 +1,18 @@
 /**
  * Suspend to disk / resume, and pause / unpause for idle VMs.
  *
- * Suspend: `stop`, migrate the whole RAM and device state, end QEMU. The stream is split as it
- * arrives (ram-split.ts) into a memory image, `<dataDir>/storage/suspended/<id>-<tag>.mem` (the
- * guest's RAM at its offsets, zero pages as holes), and a ~60 KB device state beside it (`.state`,
- * x-ignore-shared form). The overlay stays where it is. Resume: a new QEMU on the same overlay
- * mapping the memory image private (copy-on-write: pages come in from the page cache as the guest
- * touches them), loading only the device state, then a fresh clock and entropy (the guest slept;
- * its CRNG state was on disk). Measured on a 256 MiB busybox guest under TCG: loading the whole
- * 64 MB stream made a resume ~390 ms, about 4x its suspend; loading 60 KB makes it about a spawn.
+ * Suspend: `stop`, migrate the RAM and device state to `<dataDir>/storage/suspended/<id>.state`,
+ * end QEMU. The overlay stays where it is. Resume: a new QEMU on the same overlay and RAM mapping,
+ * `-incoming`, then a fresh clock and entropy (the guest slept; its CRNG state was on disk).
  *
- * The suspended VM then needs nothing on tmpfs: its RAM file is the image on the data disk (the
- * RAM file it mapped before, a template's or a fork point's, is released). Suspends of VMs saved
- * by an older agent (one full stream over the old RAM file: `splitSuspend` false) still resume.
+ * The state holds only the VM's own pages: a VM maps its RAM file (a template's, a fork point's)
+ * private, so every page it never wrote shows that file, which the VM keeps holding while
+ * suspended and which never changes. QEMU still sends every page; the agent keeps in the state
+ * the records of the pages the VM wrote (its private copies, read from /proc/<pid>/pagemap while
+ * it is stopped: populate.ts `ownPages`) and drops the rest as they arrive (ram-split.ts, `keep`).
+ * The resume loads that delta over the same mapping. Measured on a 256 MiB busybox guest under
+ * TCG: the state fell from ~64 MB to a few MB, the resume from ~390 ms to about a spawn.
  */
-import { randomBytes } from "node:crypto";
 import { mkdir, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { bestEffort } from "../../contracts/best-effort.ts";
@@ -24,7 +22,9 @@ import { openChainStore } from "../storage/chain.ts";
 import { DEFAULT_VM_HOST } from "../vm/host-settings.ts";
 import { asSnapshotError, fail, ok, type Result, SnapshotError } from "./errors.ts";
 import { LOCAL_MIGRATION_MAX_BANDWIDTH, qmp, setCapabilities, setMigrationParameters } from "./migrate.ts";
-import { digZeroHoles } from "./sparse.ts";
+import { ownPages } from "./populate.ts";
+import { PAGE_BYTES, type SplitTarget } from "./ram-split.ts";
+import { digLater } from "./sparse.ts";
 import { migrationByteCap, saveToFile } from "./stream.ts";
 import { type RestoreTimings, restoreInto, type SandboxVm } from "./vm.ts";
 
@@ -51,10 +51,7 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
   const proc = vm.process;
   if (!proc) return fail(new SnapshotError("suspend_failed", `VM ${vm.id}: no QEMU`));
   const dir = join(vm.shape.dataDir, "storage", "suspended");
-  // A name of its own per suspend: the image of the previous one may still be this VM's RAM file.
-  const name = `${vm.id}-${randomBytes(3).toString("hex")}`;
-  const statePath = join(dir, `${name}.state`);
-  const ramPath = join(dir, `${name}.mem`);
+  const statePath = join(dir, `${vm.id}.state`);
   const t0 = performance.now();
   try {
     // Asked while the VM still runs: a short disk refuses the suspend and the sandbox runs on.
@@ -69,9 +66,7 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
     await qmp(proc, "stop");
     await setCapabilities(proc, {
       events: true,
-      // The stream's header form the resume loads (ram-split.ts); no block is ignored, as the
-      // VM maps its RAM private.
-      "x-ignore-shared": true,
+      "x-ignore-shared": false,
       "pause-before-switchover": false,
       // Cleared by the fork that set it; cleared here too, as it would turn this save into a live one.
       "background-snapshot": false,
@@ -81,45 +76,56 @@ export async function suspendVm(vm: SandboxVm): Promise<Result<Suspended>> {
     await setMigrationParameters(proc, { maxBandwidth: SUSPEND_MAX_BANDWIDTH });
     // No fsync (~30 ms of a 64 MB state): resuming also needs the VM's RAM file on tmpfs,
     // which a host crash loses anyway; an agent crash leaves the written pages in the page cache.
+    const delta = await ownPagesDelta(vm, proc.pid, statePath);
     await saveToFile(proc, {
       path: statePath,
-      split: {
-        ramBlock: DEVICE_IDS.memBackend,
-        ramBytes: vm.shape.memMib * 1024 * 1024,
-        ramPath,
-        statePath,
-      },
+      ...(delta ? { split: delta } : {}),
       maxBytes: migrationByteCap(vm.shape.memMib),
       timeoutMs: SUSPEND_TIMEOUT_MS,
     });
+    // What the disk keeps for its memory: the state file.
+    const memBytes = (await stat(statePath)).size;
     const chain = await openChainStore(vm.shape.dataDir);
-    await chain.add(ramPath, { kind: "ram", holder: vm.holder });
-    await chain.add(statePath, { kind: "state", holder: vm.holder, deps: [ramPath] });
-    // What the disk keeps: the image's blocks (its zero pages are holes) and the device state.
-    const memBytes = (await stat(ramPath)).blocks * 512 + (await stat(statePath)).size;
+    await chain.add(statePath, { kind: "state", holder: vm.holder, deps: [vm.memPath] });
     await vm.detach();
-    const formerRam = vm.memPath;
-    vm.memPath = ramPath;
-    vm.suspendState = statePath;
-    vm.splitSuspend = true;
-    vm.enter("suspended");
-    // The RAM file it mapped is no longer its own (a fork point's is freed with its last user).
-    await chain.release(vm.holder, [formerRam]);
     // The save read every guest page through the private mapping of the shared RAM file, which
-    // filled the file's holes with zero pages (sparse.ts): punch them again, off the caller's
-    // path, where the file is still in use by others.
-    if (chain.get(formerRam) !== undefined) void digZeroHoles(formerRam, vm.log);
+    // filled the file's holes with zero pages (sparse.ts): punched again later, once for the
+    // suspends that come meanwhile (sparse.ts DIG_DELAY_MS).
+    digLater(vm.memPath, vm.log);
+    vm.suspendState = statePath;
+    vm.enter("suspended");
     return ok({ memBytes, suspendMs: performance.now() - t0 });
   } catch (err) {
     const e = asSnapshotError(err, "suspend_failed", `suspending VM ${vm.id} failed`);
     await rm(statePath, { force: true });
-    await rm(ramPath, { force: true });
     if (proc.isAlive()) {
       // The save failed but the VM is whole: let it run on.
       await bestEffort(vm.log, `resuming VM ${vm.id} after its save failed`, proc.qmp.execute("cont"));
       vm.enter("running");
     } else await vm.destroy();
     return fail(e);
+  }
+}
+
+/**
+ * The suspend's delta over the VM's RAM file: its own pages, read while it is stopped. Without
+ * them (the mapping not found, a pagemap that cannot be read), undefined: the whole RAM is saved,
+ * as correct and only bigger.
+ */
+async function ownPagesDelta(
+  vm: SandboxVm,
+  pid: number,
+  statePath: string,
+): Promise<SplitTarget | undefined> {
+  const ramBytes = vm.shape.memMib * 1024 * 1024;
+  try {
+    const keep = await ownPages(pid, vm.memPath);
+    if (keep.length * PAGE_BYTES !== ramBytes)
+      throw new SnapshotError("suspend_failed", `a mapping of ${keep.length} pages`);
+    return { ramBlock: DEVICE_IDS.memBackend, ramBytes, statePath, keep };
+  } catch (err) {
+    vm.log(`suspend ${vm.id}: its own pages are unknown (${String(err)}); saving the whole RAM`);
+    return undefined;
   }
 }
 
@@ -136,24 +142,21 @@ export async function resumeVm(
     return fail(new SnapshotError("spawn_failed", `VM ${vm.id} cannot resume: no state file`));
   }
   try {
-    const split = vm.splitSuspend;
     const timings = await restoreInto({
       sameMachine: true,
       vm,
       mem: { path: vm.memPath, share: false },
       statePath,
-      ignoreShared: split,
+      ignoreShared: false,
       ...(o.readyTimeoutMs ? { readyTimeoutMs: o.readyTimeoutMs } : {}),
     });
     vm.suspendState = undefined;
-    vm.splitSuspend = false;
     vm.enter("running");
     const chain = await openChainStore(vm.shape.dataDir);
     await chain.release(vm.holder, [statePath]);
-    // An older agent's full stream wrote every page of the private mapping, and each first write
-    // faulted a zero page into the shared file's hole before copying it (sparse.ts): punch them
-    // again. A split suspend's load writes no page.
-    if (!split) void digZeroHoles(vm.memPath, vm.log);
+    // Each page the load wrote (the VM's own pages; all of them for an older agent's full state)
+    // faulted a zero page into the shared file's hole first, where it had one (sparse.ts).
+    digLater(vm.memPath, vm.log);
     return ok(timings);
   } catch (err) {
     // The state file is intact: the VM stays suspended and may be resumed again (or destroyed).

@@ -89,10 +89,8 @@ export class SandboxVm {
    * guest connection this VM gets (a restore, resume or fork reconnects). Unset: closed at once.
    */
   onGuestTunnel: ((t: GuestTunnel) => void) | undefined;
-  /** While suspended: its device state (split: true, with `memPath` its memory image) or, saved by an older agent, the full stream. */
+  /** Full RAM image while suspended. */
   suspendState: string | undefined;
-  /** The suspend was split (suspend.ts): `suspendState` loads with x-ignore-shared over `memPath`. */
-  splitSuspend = false;
   /** How many overlays this VM made for itself (names of its next overlay). */
   generation = 0;
   /**

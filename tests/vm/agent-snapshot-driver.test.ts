@@ -281,10 +281,6 @@ describe("SandboxManager + SnapshotDriver with real VMs", () => {
       expect(m.info(id).qemuPid).toBeUndefined();
       expect(await qemuPidsUnder(join(stateDir, "vms", id))).toEqual([]);
       expect(await codeOf(m.exec(id, { files: [], run: { kind: "none" } }))).not.toBe("ok");
-      // On disk: the memory image and its device state, nothing on tmpfs of its own.
-      const suspended = filesUnder(join(stateDir, "storage", "suspended"));
-      expect(suspended.map((f) => f.replace(/^.*\./, "")).sort()).toEqual(["mem", "state"]);
-      const image = suspended.find((f) => f.endsWith(".mem")) as string;
 
       const t1 = performance.now();
       await m.resume(id);
@@ -297,20 +293,12 @@ describe("SandboxManager + SnapshotDriver with real VMs", () => {
       const after = await counter(id);
       expect(after).toBeGreaterThanOrEqual(before);
       expect(await counterPasses(id, after)).toBe(true);
-      // The device state is freed once resumed; the memory image is the resumed VM's RAM file,
-      // mapped by its QEMU (copy-on-write), seen from the host.
-      expect(filesUnder(join(stateDir, "storage", "suspended"))).toEqual([image]);
-      const maps = readFileSync(`/proc/${m.info(id).qemuPid}/maps`, "utf8");
-      expect(maps).toContain(image);
+      // The suspend state file is freed once resumed.
+      expect(filesUnder(join(stateDir, "storage", "suspended"))).toEqual([]);
       // A resumed VM forks like any other (its QEMU's disk node is the fixed one again).
       const [k] = await m.fork(id, 1);
       expect(await sh(k!.vmId, "cat /root/s.txt")).toBe("kept\n");
       expect(await sh(k!.vmId, "cat /proc/sys/kernel/random/boot_id")).not.toBe(bootId);
-      // Gone with the sandbox: a second suspend's image replaces it, a delete frees it.
-      await m.suspend(id);
-      expect(filesUnder(join(stateDir, "storage", "suspended")).includes(image)).toBe(false);
-      await m.destroy(id, { force: true });
-      expect(filesUnder(join(stateDir, "storage", "suspended"))).toEqual([]);
     },
     VM_TEST_TIMEOUT_MS,
   );

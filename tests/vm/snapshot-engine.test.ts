@@ -469,6 +469,18 @@ describe("fork", () => {
         writeFileSync(sysctl, "1\n");
       }
 
+      // Suspended and resumed under the same load, twice (the second suspend saves the pages the
+      // first resume wrote), the parent's memory is whole: its state holds only its own pages
+      // (suspend.ts), every other page comes from its RAM file.
+      for (let i = 0; i < 2; i++) {
+        const s = unwrap(await suspendVm(parent));
+        figures[`memcheck_suspend${i}_state_bytes`] = s.memBytes;
+        // Its own pages: the writer's 48 MiB and what the guest wrote besides, not the whole RAM.
+        expect(s.memBytes).toBeLessThan(parent.shape.memMib * 1024 * 1024);
+        unwrap(await resumeVm(parent));
+        expect(await check(parent)).toMatch(/^ok pages=12288 .* bad=0 /);
+      }
+
       // The parent is whole too, and the check can fail: one flipped bit is found.
       expect(await check(parent)).toMatch(/^ok /);
       await sh(parent, "kill -USR2 $(cat /tmp/memstress.pid)");
