@@ -99,7 +99,8 @@ export class RamSplitter {
   private buffered = 0;
   private eof = false;
   private wake: (() => void) | undefined;
-  private idle: (() => void) | undefined;
+  /** Waiting for the parse to use up what it was given (drained). */
+  private idle: (() => void)[] = [];
   private readonly done: Promise<SplitResult>;
   private failure: unknown;
   private stateOut: Buffer[] = [];
@@ -157,15 +158,45 @@ export class RamSplitter {
   /** Parses `chunk`; resolves once all of it is consumed (or rejects with the stream's fault). */
   async write(chunk: Buffer): Promise<void> {
     if (this.failure) throw this.failure;
-    if (chunk.length === 0) return;
+    this.push(chunk);
+    await this.drained();
+    if (this.failure) throw this.failure;
+  }
+
+  /**
+   * Takes `chunk` without waiting: the parse goes on as it can. The caller bounds what waits
+   * (`backlog`, `drained`); stream.ts pauses the socket past a bound. Ignored once failed.
+   */
+  push(chunk: Buffer): void {
+    if (this.failure || chunk.length === 0) return;
     this.chunks.push(chunk);
     this.buffered += chunk.length;
-    const consumed = new Promise<void>((resolve) => {
-      this.idle = resolve;
-    });
     this.wake?.();
-    await Promise.race([consumed, this.done]);
-    if (this.failure) throw this.failure;
+  }
+
+  /** Bytes taken and not parsed yet. */
+  get backlog(): number {
+    return this.buffered;
+  }
+
+  /** The parse's failure, once it failed (the rest of the stream is then ignored). */
+  get failed(): unknown {
+    return this.failure;
+  }
+
+  /** Resolves once everything taken so far is parsed (or the parse ended). */
+  drained(): Promise<void> {
+    if (this.buffered === 0) return Promise.resolve();
+    const consumed = new Promise<void>((resolve) => {
+      this.idle.push(resolve);
+    });
+    return Promise.race([
+      consumed,
+      this.done.then(
+        () => {},
+        () => {},
+      ),
+    ]);
   }
 
   /** The stream ended: the files are complete once this resolves; closes both. */
@@ -209,8 +240,9 @@ export class RamSplitter {
       if (this.eof) throw bad(`ended in the middle of a record (${this.buffered} of ${n} bytes)`);
       await new Promise<void>((resolve) => {
         this.wake = resolve;
-        this.idle?.();
-        this.idle = undefined;
+        const idle = this.idle;
+        this.idle = [];
+        for (const f of idle) f();
       });
       this.wake = undefined;
     }

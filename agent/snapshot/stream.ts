@@ -106,6 +106,12 @@ export interface SaveOptions {
 /** Where a save's bytes go: the state file as it comes, or a splitter. */
 interface SaveSink {
   write(chunk: Buffer): Promise<void>;
+  /**
+   * A splitter's: takes chunks without a wait each (copyPushing). QEMU's background snapshot
+   * flushes its stream page by page, ~20,000 socket reads for a 256 MiB guest; a promise per
+   * chunk cost the agent ~8 us of CPU each, beside QEMU on the same cores.
+   */
+  pushing?: RamSplitter;
   /** The stream ended: the last write done (and synced when asked). */
   end(): Promise<void>;
   /** Closes and removes what was written (or only closes, `remove` false). */
@@ -120,6 +126,7 @@ async function openSink(o: SaveOptions): Promise<SaveSink> {
     let ended = false;
     return {
       write: (chunk) => splitter.write(chunk),
+      pushing: splitter,
       async end() {
         await splitter.end();
         ended = true;
@@ -223,7 +230,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
           c.destroy();
           return;
         }
-        resolve(copyInto(c, out, o, fail));
+        resolve(out.pushing ? copyPushing(c, out.pushing, out, o, fail) : copyInto(c, out, o, fail));
       });
     });
     awaitedLater(received);
@@ -269,6 +276,67 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
     },
     abort: () => cleanup(true),
   };
+}
+
+/**
+ * Bytes a splitter may hold unparsed before the socket is paused: QEMU then waits on its socket
+ * (a stopped guest's save finishes later; a background snapshot's guest runs on). 32 MiB: half a
+ * 256 MiB guest's pages, so a stop-and-copy save rarely waits on the parse.
+ */
+const PUSH_BACKLOG_BYTES = 32 * 1024 * 1024;
+
+/** copyInto for a splitter: chunks pushed as they come, the socket paused past the backlog bound. */
+async function copyPushing(
+  c: Socket,
+  splitter: RamSplitter,
+  out: SaveSink,
+  o: SaveOptions,
+  fail: (e: SnapshotError) => void,
+): Promise<number> {
+  let bytes = 0;
+  /** drainOnError: the first failure, raised once QEMU's stream has ended. */
+  let sinkError: unknown;
+  try {
+    await new Promise<void>((resolve, reject) => {
+      let paused = false;
+      c.on("data", (chunk: Buffer) => {
+        bytes += chunk.length;
+        if (sinkError !== undefined) return; // drained, not parsed (bounded by the deadline)
+        const broke =
+          bytes > o.maxBytes
+            ? streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`)
+            : splitter.failed;
+        if (broke !== undefined) {
+          if (!o.drainOnError) reject(broke);
+          else sinkError = broke;
+          return;
+        }
+        splitter.push(chunk);
+        if (!paused && splitter.backlog > PUSH_BACKLOG_BYTES) {
+          paused = true;
+          c.pause();
+          void splitter.drained().then(() => {
+            paused = false;
+            c.resume();
+          });
+        }
+      });
+      c.once("end", resolve);
+      c.once("error", reject);
+      // Closed without an end (cut by the deadline): the splitter's end says what is missing.
+      c.once("close", () => resolve());
+    });
+    if (sinkError !== undefined) throw sinkError;
+    await out.end();
+    return bytes;
+  } catch (err) {
+    const e =
+      err instanceof SnapshotError
+        ? err
+        : streamError(`writing the migration stream to ${o.path} failed`, err);
+    fail(e);
+    throw e;
+  }
 }
 
 /** Copies the socket into the file until EOF; resolves with the byte count once it is written. */
