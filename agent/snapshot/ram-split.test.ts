@@ -7,6 +7,19 @@ import { afterAll, beforeEach, expect, test } from "bun:test";
 import { existsSync, mkdtempSync, readFileSync, rmSync, statSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import {
+  be32,
+  be64,
+  DEVICES,
+  eos,
+  footer,
+  header,
+  name,
+  pageRec,
+  part,
+  ramStart,
+  zeroRec,
+} from "../../tests/fixtures/migration-stream.ts";
 import { PAGE_BYTES, RamSplitter } from "./ram-split.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "ram-split-"));
@@ -21,69 +34,6 @@ beforeEach(() => {
 });
 
 const RAM = 16 * PAGE_BYTES;
-const be32 = (v: number) => {
-  const b = Buffer.alloc(4);
-  b.writeUInt32BE(v);
-  return b;
-};
-const be64 = (v: number) => {
-  const b = Buffer.alloc(8);
-  b.writeBigUInt64BE(BigInt(v));
-  return b;
-};
-const name = (s: string) => Buffer.concat([Buffer.from([s.length]), Buffer.from(s, "latin1")]);
-const page = (fill: number) => Buffer.alloc(PAGE_BYTES, fill);
-
-/** A stream's parts, in QEMU 7.2's order; each test changes what it breaks. */
-function header(caps = ["x-ignore-shared"]): Buffer {
-  return Buffer.concat([
-    be32(0x5145564d),
-    be32(3),
-    Buffer.from([0x07]),
-    be32(7),
-    Buffer.from("microvm"),
-    Buffer.from([0x05]),
-    name("configuration/capabilities"),
-    be32(1),
-    be32(caps.length),
-    ...caps.map(name),
-  ]);
-}
-const ramStart = (blocks: [string, number][]) =>
-  Buffer.concat([
-    Buffer.from([0x01]),
-    be32(2),
-    name("ram"),
-    be32(0),
-    be32(4),
-    be64(blocks.reduce((a, [, l]) => a + l, 0) | 0x04),
-    ...blocks.map(([b, l]) => Buffer.concat([name(b), be64(l), be64(0)])),
-  ]);
-const eos = () => be64(0x10);
-const footer = (id: number) => Buffer.concat([Buffer.from([0x7e]), be32(id)]);
-const part = (...records: Buffer[]) =>
-  Buffer.concat([Buffer.from([0x02]), be32(2), ...records, eos(), footer(2)]);
-const pageRec = (block: string | undefined, offset: number, fill: number) =>
-  Buffer.concat([
-    be64(offset | 0x08 | (block ? 0 : 0x20)),
-    block ? name(block) : Buffer.alloc(0),
-    page(fill),
-  ]);
-const zeroRec = (block: string | undefined, offset: number) =>
-  Buffer.concat([
-    be64(offset | 0x02 | (block ? 0 : 0x20)),
-    block ? name(block) : Buffer.alloc(0),
-    Buffer.from([0]),
-  ]);
-const DEVICES = Buffer.concat([
-  Buffer.from([0x04]),
-  be32(3),
-  name("timer"),
-  be32(0),
-  be32(2),
-  Buffer.from("opaque device bytes"),
-  Buffer.from([0x00]),
-]);
 const BLOCKS: [string, number][] = [
   ["mem", RAM],
   ["pc.bios", 2 * PAGE_BYTES],

@@ -4,6 +4,7 @@ import { existsSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync 
 import { createConnection, createServer, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { migrationStream, pageRec, part } from "../../tests/fixtures/migration-stream.ts";
 import type { QmpClient } from "../qemu/qmp/client.ts";
 import { SnapshotError } from "./errors.ts";
 import {
@@ -281,6 +282,59 @@ function qemuReceives(q: FakeQemu, o: { delayMs?: number; status?: string } = {}
     };
   });
 }
+
+describe("split saves (ram-split.ts through the socket)", () => {
+  /** 48 MiB of pages, more than the 32 MiB the splitter may hold unparsed: the socket pauses. */
+  const PAGES = 12288;
+  const RAM = PAGES * 4096;
+  const fill = (i: number) => (i * 7 + 1) & 0xff;
+  const pages = Array.from({ length: PAGES }, (_, i) =>
+    pageRec(i === 0 ? "mem" : undefined, i * 4096, fill(i)),
+  );
+  const data = migrationStream([["mem", RAM]], part(...pages));
+
+  test("a fork point: every page lands at its offset in the RAM file, the state is the rest", async () => {
+    const dir = vmDir();
+    const q = new FakeQemu(dir);
+    qemuSends(q, data);
+    const path = join(dir, "point.state");
+    const ramPath = join(dir, "point.mem");
+    const bytes = await saveToFile(q.vm(), {
+      path,
+      split: { ramBlock: "mem", ramBytes: RAM, ramPath, statePath: path },
+      maxBytes: migrationByteCap(RAM / 2 ** 20),
+      timeoutMs: 30_000,
+    });
+    expect(bytes).toBe(data.length);
+    const ram = readFileSync(ramPath);
+    for (const i of [0, 1, 4095, 8192, PAGES - 1]) expect(ram[i * 4096 + 17]).toBe(fill(i));
+    expect(readFileSync(path).equals(migrationStream([["mem", RAM]], part()))).toBe(true);
+  });
+
+  test("a stream the splitter refuses fails the save and leaves neither file; drained to its end when asked", async () => {
+    for (const drainOnError of [false, true]) {
+      const dir = vmDir();
+      const q = new FakeQemu(dir);
+      // A page past the block's end, early in a long stream.
+      const bad = migrationStream([["mem", RAM]], part(pageRec("mem", RAM, 1), ...pages));
+      qemuSends(q, bad);
+      const path = join(dir, "point.state");
+      const ramPath = join(dir, "point.mem");
+      const e = await rejection(
+        saveToFile(q.vm(), {
+          path,
+          split: { ramBlock: "mem", ramBytes: RAM, ramPath, statePath: path },
+          maxBytes: migrationByteCap(RAM / 2 ** 20),
+          timeoutMs: 30_000,
+          drainOnError,
+        }),
+      );
+      expect(e.message).toContain("past the end");
+      expect(existsSync(path)).toBe(false);
+      expect(existsSync(ramPath)).toBe(false);
+    }
+  });
+});
 
 describe("loadFromFile", () => {
   test("streams the state file into QEMU's socket and waits for completed", async () => {

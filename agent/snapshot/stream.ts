@@ -107,7 +107,7 @@ export interface SaveOptions {
 interface SaveSink {
   write(chunk: Buffer): Promise<void>;
   /**
-   * A splitter's: takes chunks without a wait each (copyPushing). QEMU's background snapshot
+   * A splitter's: takes chunks without a wait each (pushAll). QEMU's background snapshot
    * flushes its stream page by page, ~20,000 socket reads for a 256 MiB guest; a promise per
    * chunk cost the agent ~8 us of CPU each, beside QEMU on the same cores.
    */
@@ -230,7 +230,7 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
           c.destroy();
           return;
         }
-        resolve(out.pushing ? copyPushing(c, out.pushing, out, o, fail) : copyInto(c, out, o, fail));
+        resolve(copyInto(c, out, o, fail));
       });
     });
     awaitedLater(received);
@@ -285,50 +285,27 @@ export async function startSave(vm: StreamVm, o: SaveOptions): Promise<SaveStrea
  */
 const PUSH_BACKLOG_BYTES = 32 * 1024 * 1024;
 
-/** copyInto for a splitter: chunks pushed as they come, the socket paused past the backlog bound. */
-async function copyPushing(
+/** What reading QEMU's stream came to: its bytes, and (drainOnError) the sink's failure. */
+interface Read {
+  bytes: number;
+  sinkError: unknown;
+}
+
+const capError = (o: SaveOptions) =>
+  streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`);
+
+/** Copies the socket into the sink until EOF; resolves with the byte count once it is written. */
+async function copyInto(
   c: Socket,
-  splitter: RamSplitter,
   out: SaveSink,
   o: SaveOptions,
   fail: (e: SnapshotError) => void,
 ): Promise<number> {
-  let bytes = 0;
-  /** drainOnError: the first failure, raised once QEMU's stream has ended. */
-  let sinkError: unknown;
   try {
-    await new Promise<void>((resolve, reject) => {
-      let paused = false;
-      c.on("data", (chunk: Buffer) => {
-        bytes += chunk.length;
-        if (sinkError !== undefined) return; // drained, not parsed (bounded by the deadline)
-        const broke =
-          bytes > o.maxBytes
-            ? streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`)
-            : splitter.failed;
-        if (broke !== undefined) {
-          if (!o.drainOnError) reject(broke);
-          else sinkError = broke;
-          return;
-        }
-        splitter.push(chunk);
-        if (!paused && splitter.backlog > PUSH_BACKLOG_BYTES) {
-          paused = true;
-          c.pause();
-          void splitter.drained().then(() => {
-            paused = false;
-            c.resume();
-          });
-        }
-      });
-      c.once("end", resolve);
-      c.once("error", reject);
-      // Closed without an end (cut by the deadline): the splitter's end says what is missing.
-      c.once("close", () => resolve());
-    });
-    if (sinkError !== undefined) throw sinkError;
+    const r = out.pushing ? await pushAll(c, out.pushing, o) : await writeAll(c, out, o);
+    if (r.sinkError !== undefined) throw r.sinkError;
     await out.end();
-    return bytes;
+    return r.bytes;
   } catch (err) {
     const e =
       err instanceof SnapshotError
@@ -339,41 +316,52 @@ async function copyPushing(
   }
 }
 
-/** Copies the socket into the file until EOF; resolves with the byte count once it is written. */
-async function copyInto(
-  c: Socket,
-  out: SaveSink,
-  o: SaveOptions,
-  fail: (e: SnapshotError) => void,
-): Promise<number> {
-  let bytes = 0;
-  /** drainOnError: the sink's failure, raised once QEMU's stream has ended. */
-  let sinkError: unknown;
-  try {
-    // Async iteration reads the next chunk only after the write of this one: back-pressure.
-    for await (const chunk of c as AsyncIterable<Buffer>) {
-      bytes += chunk.length;
-      if (sinkError !== undefined) continue; // drained, not written (bounded by the deadline)
-      try {
-        if (bytes > o.maxBytes)
-          throw streamError(`migration stream to ${o.path} exceeded its cap of ${o.maxBytes} bytes`);
-        await out.write(chunk);
-      } catch (err) {
-        if (!o.drainOnError) throw err;
-        sinkError = err;
-      }
+/** Each chunk written before the next is read: back-pressure by async iteration. */
+async function writeAll(c: Socket, out: SaveSink, o: SaveOptions): Promise<Read> {
+  const r: Read = { bytes: 0, sinkError: undefined };
+  for await (const chunk of c as AsyncIterable<Buffer>) {
+    r.bytes += chunk.length;
+    if (r.sinkError !== undefined) continue; // drained, not written (bounded by the deadline)
+    try {
+      if (r.bytes > o.maxBytes) throw capError(o);
+      await out.write(chunk);
+    } catch (err) {
+      if (!o.drainOnError) throw err;
+      r.sinkError = err;
     }
-    if (sinkError !== undefined) throw sinkError;
-    await out.end();
-    return bytes;
-  } catch (err) {
-    const e =
-      err instanceof SnapshotError
-        ? err
-        : streamError(`writing the migration stream to ${o.path} failed`, err);
-    fail(e);
-    throw e;
   }
+  return r;
+}
+
+/** A splitter's: chunks pushed as they come, the socket paused past the backlog bound. */
+function pushAll(c: Socket, splitter: RamSplitter, o: SaveOptions): Promise<Read> {
+  const r: Read = { bytes: 0, sinkError: undefined };
+  return new Promise<Read>((resolve, reject) => {
+    let paused = false;
+    c.on("data", (chunk: Buffer) => {
+      r.bytes += chunk.length;
+      if (r.sinkError !== undefined) return; // drained, not parsed (bounded by the deadline)
+      const broke = r.bytes > o.maxBytes ? capError(o) : splitter.failed;
+      if (broke !== undefined) {
+        if (!o.drainOnError) reject(broke);
+        else r.sinkError = broke;
+        return;
+      }
+      splitter.push(chunk);
+      if (!paused && splitter.backlog > PUSH_BACKLOG_BYTES) {
+        paused = true;
+        c.pause();
+        void splitter.drained().then(() => {
+          paused = false;
+          c.resume();
+        });
+      }
+    });
+    c.once("end", () => resolve(r));
+    c.once("error", reject);
+    // Closed without an end (cut by the deadline): the splitter's end says what is missing.
+    c.once("close", () => resolve(r));
+  });
 }
 
 /** Saves `vm` into `o.path`: `migrate`, wait for `completed`, all written. Returns the bytes. */
