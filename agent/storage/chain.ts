@@ -16,7 +16,6 @@
  */
 import { mkdir, readFile, rename, rm, rmdir, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
-import { settled } from "../../contracts/best-effort.ts";
 import { SandboxdError } from "../../contracts/errors.ts";
 
 export type StoredFileKind = "overlay" | "state" | "ram";
@@ -48,7 +47,13 @@ export class StorageError extends SandboxdError {
 }
 
 export class ChainStore {
-  private queue: Promise<unknown> = Promise.resolve();
+  /** Changes waiting for the next write of the table (see mutate). */
+  private pending: {
+    change: () => string[];
+    resolve: (freed: string[]) => void;
+    reject: (e: unknown) => void;
+  }[] = [];
+  private writing: Promise<void> | undefined;
 
   private constructor(
     readonly file: string,
@@ -169,24 +174,49 @@ export class ChainStore {
     await this.mutate(change);
   }
 
-  /** Runs `change` under the store's lock, persists the table, then deletes the freed files. */
+  /**
+   * Applies `change` to the table, persists the table, then deletes the freed files; one change
+   * at a time, in call order. Changes that arrive while the table is being written wait, and go
+   * out together in the next write (group commit): a fork of N children makes ~3N changes at
+   * once, and one write each (mkdir, write, rename of a table that grows with them) made the
+   * agent's bookkeeping grow as N squared. A change that throws fails its own caller only.
+   */
   private mutate(change: () => string[]): Promise<string[]> {
-    const run = async () => {
-      const freed = change();
-      await this.persist();
-      for (const p of freed) {
-        await rm(p, { force: true });
-        // The directory of a family's files (a template's dir) goes with its last file.
-        await rmdir(dirname(p)).catch((err: NodeJS.ErrnoException) => {
-          // Other files of the family are still there, or the directory went already.
-          if (err.code !== "ENOTEMPTY" && err.code !== "ENOENT") throw err;
-        });
+    return new Promise<string[]>((resolve, reject) => {
+      this.pending.push({ change, resolve, reject });
+      this.writing ??= this.writeBatches();
+    });
+  }
+
+  private async writeBatches(): Promise<void> {
+    while (this.pending.length > 0) {
+      const batch = this.pending.splice(0);
+      const applied: { freed: string[]; resolve: (freed: string[]) => void; reject: (e: unknown) => void }[] =
+        [];
+      for (const p of batch) {
+        try {
+          applied.push({ freed: p.change(), resolve: p.resolve, reject: p.reject });
+        } catch (err) {
+          p.reject(err);
+        }
       }
-      return freed;
-    };
-    const next = this.queue.then(run, run);
-    this.queue = settled(next); // each caller gets its own step's error from `next`
-    return next;
+      if (applied.length === 0) continue;
+      try {
+        await this.persist();
+      } catch (err) {
+        for (const a of applied) a.reject(err);
+        continue;
+      }
+      for (const a of applied) {
+        try {
+          await removeFreed(a.freed);
+          a.resolve(a.freed);
+        } catch (err) {
+          a.reject(err);
+        }
+      }
+    }
+    this.writing = undefined;
   }
 
   private async persist(): Promise<void> {
@@ -194,6 +224,17 @@ export class ChainStore {
     const tmp = `${this.file}.${process.pid}.tmp`;
     await writeFile(tmp, JSON.stringify(this.table, null, 1));
     await rename(tmp, this.file);
+  }
+}
+
+/** Deletes freed files; the directory of a family's files (a template's dir) goes with its last file. */
+async function removeFreed(freed: string[]): Promise<void> {
+  for (const p of freed) {
+    await rm(p, { force: true });
+    await rmdir(dirname(p)).catch((err: NodeJS.ErrnoException) => {
+      // Other files of the family are still there, or the directory went already.
+      if (err.code !== "ENOTEMPTY" && err.code !== "ENOENT") throw err;
+    });
   }
 }
 
