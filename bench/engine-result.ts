@@ -41,7 +41,7 @@ export interface ForkBreakdown {
    * parent runs again (a background snapshot; 0 for stop-copy, whose copy is the stall).
    */
   stream: number;
-  /** The children's disk base checked against the records (flattened past the chain bound). */
+  /** The children's disk base checked against the records (flattened past the chain bound), beside their launches. */
   child_base: number;
   /** Per child: its overlay, jail and QEMU started (`-incoming defer`), during the stream. */
   child_launch: { p50: number; max: number };

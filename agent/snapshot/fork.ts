@@ -99,7 +99,7 @@ export interface ForkTimings {
   method: ForkMethod;
   /** Bytes of the migration stream (the fork point's RAM pages and device state). */
   stateBytes: number;
-  /** After the stream: the children's shared disk base (a flat copy past the chain bound). */
+  /** The children's disk base checked against the records (a flat copy past the chain bound), beside their launches. */
   childBaseMs: number;
   /** From fork start until every child answered with its identity set. */
   childrenReadyMs: number;
