@@ -34,9 +34,11 @@ commands:
         import an OCI image archive (docker save tar, oci-archive tar or OCI layout dir), boot a
         microVM from it, run CMD (default: the image's Entrypoint+Cmd) as the image's config
         says, print its output and exit with its exit code; -i passes our stdin to it
-  bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N] [--data-dir DIR]
-        measure boot, spawn (next to a bare QEMU restore), exec, fork, suspend/resume and idle
-        memory on this host; removes every VM and file it made (docs/benchmarks.md)
+  bench --image ARCHIVE [--json] [--mem MIB] [--vcpus N] [--spawns N] [--execs N]
+        [--fork-children N] [--data-dir DIR]
+        measure boot, spawn (next to a bare QEMU restore), exec, fork (N children, up to 128,
+        next to N bare restores at once), suspend/resume and idle memory on this host; removes
+        every VM and file it made (docs/benchmarks.md)
   bench --soak N --image ARCHIVE [--data-dir DIR]
         N session create -> exec -> delete cycles through a real up; prints the service's RSS,
         fds, /dev/shm and data-dir use at the start and the end, and any leftovers (JSON)
