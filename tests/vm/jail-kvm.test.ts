@@ -12,34 +12,19 @@
  * (IA32_ARCH_CAPABILITIES), jail or not, and there is nothing for the jail to grant.
  */
 import { afterAll, describe, expect, test } from "bun:test";
-import { spawnSync } from "node:child_process";
 import { existsSync, lstatSync, mkdirSync, readdirSync, readFileSync, readlinkSync, statSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
 import { probeJailedKvm } from "../../agent/qemu/accel.ts";
-import { machineArgs } from "../../agent/qemu/args.ts";
 import { jailRoot } from "../../agent/qemu/jail.ts";
-import { launchVm, QEMU_BINARY, type VmProcess } from "../../agent/qemu/launch.ts";
+import { launchVm, type VmProcess } from "../../agent/qemu/launch.ts";
+import { HOST_KVM, hostKvmInitializes } from "../support/host-kvm.ts";
 import { TEST_CACHE_DIR, tempStateDir } from "../support/real-vm.ts";
 
 /** A paused QEMU starts in well under a second; the guest artifacts may need a first build. */
 const KVM_TEST_TIMEOUT_MS = 120_000;
 
-const HOST_KVM = "/dev/kvm";
-/** A paused QEMU that is still there after this long initialized its vCPU (an abort comes at once). */
-const KVM_INIT_WINDOW_MS = 2_000;
-
-/** Whether an unjailed, paused QEMU with our KVM arguments (`-cpu host`) initializes its vCPU. */
-function hostKvmInitializes(): boolean {
-  if (!existsSync(HOST_KVM)) return false;
-  const r = spawnSync(QEMU_BINARY, [...machineArgs("kvm", 32), "-S"], {
-    timeout: KVM_INIT_WINDOW_MS,
-    stdio: "ignore",
-  });
-  // Killed by the window: it was running, paused, with its vCPU made.
-  return r.signal === "SIGTERM" && r.status === null;
-}
 const KVM_USABLE = hostKvmInitializes();
 let stateDir: string | undefined;
 let vm: VmProcess | undefined;
