@@ -7,7 +7,7 @@
  * tokens of other tenants, forged and revoked refused; host routing; a guest HTTP port.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { createClient } from "@connectrpc/connect";
+import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createConnectTransport } from "@connectrpc/connect-web";
 import { CommandExitError, Sandbox } from "e2b";
 import { MAX_PTY_ENV_BYTES } from "../../contracts/agent/pty.ts";
@@ -192,6 +192,32 @@ describe("E2B envd: processes", () => {
       expect(e2).toBeInstanceOf(CommandExitError);
       expect(term.stdout).toBe("up\n");
       expect((await sbx.commands.list()).some((p) => p.pid === term.pid)).toBe(false);
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "a stream past its Connect-Timeout-Ms ends with deadline_exceeded, and its process runs on",
+    async () => {
+      // The header alone, no deadline of the client's own: the server's deadline is what ends it.
+      const client = rawClient({ ...envdHeaders(), "Connect-Timeout-Ms": "1500" });
+      let pid = 0;
+      const t0 = Date.now();
+      const ended = await (async () => {
+        for await (const r of client.start({ process: { cmd: "/bin/sleep", args: ["30"], envs: {} } })) {
+          const e = r.event?.event;
+          if (e?.case === "start") pid = e.value.pid;
+        }
+      })().then(
+        () => "ended without an error",
+        (e: unknown) => e,
+      );
+      expect(ended).toBeInstanceOf(ConnectError);
+      expect((ended as ConnectError).code).toBe(Code.DeadlineExceeded);
+      expect(Date.now() - t0).toBeLessThan(20_000);
+      expect(pid).toBeGreaterThan(0);
+      expect((await sbx.commands.list()).some((p) => p.pid === pid)).toBe(true);
+      expect(await sbx.commands.kill(pid)).toBe(true);
     },
     TEST_TIMEOUT_MS,
   );

@@ -192,7 +192,14 @@ async function* drain(h: Handoff, ctx: HandlerContext) {
   try {
     for (;;) {
       const r = await h.next(tick);
-      if (r === "closed") return;
+      if (r === "closed") {
+        // The client's deadline (`Connect-Timeout-Ms`) passed here first: the stream ends with
+        // it (deadline_exceeded, a TimeoutError to E2B's SDK), not as a stream that ran out
+        // without an end event. A client that went away gets nothing either way.
+        const reason: unknown = ctx.signal.reason;
+        if (ctx.signal.aborted && reason instanceof ConnectError) throw reason;
+        return;
+      }
       if (r === "tick") yield ev.keepalive();
       else if ("kind" in r) yield ev.data(r);
       else {
