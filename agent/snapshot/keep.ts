@@ -103,7 +103,6 @@ export async function keepVm(
   const disks = storageDir(dataDir);
   const statePath = join(disks, `${ref}.state`);
   const memPath = join(disks, `${ref}.mem`);
-  const point = { memPath: run.memPath, statePath: run.statePath };
   try {
     let base = frozen;
     if (chain.depth(frozen) >= MAX_CHAIN_DEPTH) {
@@ -117,7 +116,7 @@ export async function keepVm(
     // The memory image, made on tmpfs (the fork's budget there), then moved to the data disk:
     // what it takes there is measured first, so a short disk refuses the snapshot (507)
     // instead of filling up.
-    const imageBytes = (await allocated(point.memPath)) + (await stat(point.statePath)).size;
+    const imageBytes = (await allocated(run.memPath)) + (await stat(run.statePath)).size;
     await needFreeSpace(
       dataDir,
       "the snapshot's memory image",
@@ -126,8 +125,8 @@ export async function keepVm(
       o.freeBytes,
     );
     // Holes kept: the image is the guest's whole RAM, mostly never-touched zero pages.
-    await runTool(["cp", "--sparse=always", point.memPath, memPath], { timeoutMs: KEEP_COPY_TIMEOUT_MS });
-    await copyFile(point.statePath, statePath);
+    await runTool(["cp", "--sparse=always", run.memPath, memPath], { timeoutMs: KEEP_COPY_TIMEOUT_MS });
+    await copyFile(run.statePath, statePath);
     await chain.add(memPath, { kind: "ram", holder });
     await chain.add(statePath, { kind: "state", holder, deps: [memPath] });
     const { host: _host, ...shape } = parent.shape;

@@ -55,6 +55,29 @@ export async function findMapping(
 }
 
 /**
+ * The pagemap of `range` in process `pid`, PAGEMAP_CHUNK_PAGES entries at a time: the index of
+ * the chunk's first page in the range, its entries (8 bytes each, `n` of them read) and how many
+ * were asked for (`want`: a short read leaves `n` below it).
+ */
+async function* pagemapChunks(
+  pid: number,
+  range: { start: number; end: number },
+): AsyncGenerator<{ first: number; entries: Buffer; n: number; want: number }> {
+  const pagemap = await open(`/proc/${pid}/pagemap`, "r");
+  try {
+    const entries = Buffer.alloc(PAGEMAP_CHUNK_PAGES * 8);
+    const pages = (range.end - range.start) / PAGE;
+    for (let first = 0; first < pages; first += PAGEMAP_CHUNK_PAGES) {
+      const want = Math.min(PAGEMAP_CHUNK_PAGES, pages - first);
+      const { bytesRead } = await pagemap.read(entries, 0, want * 8, (range.start / PAGE + first) * 8);
+      yield { first, entries, n: Math.floor(bytesRead / 8), want };
+    }
+  } finally {
+    await pagemap.close();
+  }
+}
+
+/**
  * Reads in every unmapped page of `pid`'s mapping of `file`. Throws when the process or the
  * mapping is not there (the caller goes on without: QEMU populates the rest itself).
  */
@@ -62,15 +85,9 @@ export async function populateMapping(pid: number, file: string): Promise<Popula
   const range = await findMapping(pid, file);
   if (!range) throw new SandboxdError("internal", `no mapping of ${file} in process ${pid}`);
   // Reads go through the thread pool (fs/promises), so the agent serves other calls meanwhile.
-  const pagemap = await open(`/proc/${pid}/pagemap`, "r");
-  const mem = await open(`/proc/${pid}/mem`, "r").catch(async (err) => {
-    await pagemap.close();
-    throw err;
-  });
+  const mem = await open(`/proc/${pid}/mem`, "r");
   try {
-    const entries = Buffer.alloc(PAGEMAP_CHUNK_PAGES * 8);
     const sink = Buffer.alloc(READ_CHUNK);
-    const pages = (range.end - range.start) / PAGE;
     let faulted = 0;
     /** Reads [from, to) of the mapping through /proc/<pid>/mem, in bounded chunks. */
     const readIn = async (from: number, to: number) => {
@@ -79,11 +96,9 @@ export async function populateMapping(pid: number, file: string): Promise<Popula
       }
       faulted += to - from;
     };
-    for (let first = 0; first < pages; first += PAGEMAP_CHUNK_PAGES) {
-      const n = Math.min(PAGEMAP_CHUNK_PAGES, pages - first);
-      const { bytesRead } = await pagemap.read(entries, 0, n * 8, (range.start / PAGE + first) * 8);
+    for await (const { first, entries, n, want } of pagemapChunks(pid, range)) {
       let holeStart = -1;
-      for (let i = 0; i < bytesRead / 8; i++) {
+      for (let i = 0; i < n; i++) {
         const e = entries.readBigUInt64LE(i * 8);
         const mapped = (e & (PRESENT | SWAPPED)) !== 0n;
         if (!mapped && holeStart < 0) holeStart = i;
@@ -93,11 +108,11 @@ export async function populateMapping(pid: number, file: string): Promise<Popula
         }
       }
       if (holeStart >= 0)
-        await readIn(range.start + (first + holeStart) * PAGE, range.start + (first + n) * PAGE);
+        await readIn(range.start + (first + holeStart) * PAGE, range.start + (first + want) * PAGE);
     }
     return { faultedBytes: faulted, mappingBytes: range.end - range.start };
   } finally {
-    await Promise.all([pagemap.close(), mem.close()]);
+    await mem.close();
   }
 }
 
@@ -111,24 +126,15 @@ export async function populateMapping(pid: number, file: string): Promise<Popula
 export async function ownPages(pid: number, file: string): Promise<Uint8Array> {
   const range = await findMapping(pid, file);
   if (!range) throw new SandboxdError("internal", `no mapping of ${file} in process ${pid}`);
-  const pages = (range.end - range.start) / PAGE;
-  const own = new Uint8Array(pages);
-  const pagemap = await open(`/proc/${pid}/pagemap`, "r");
-  try {
-    const entries = Buffer.alloc(PAGEMAP_CHUNK_PAGES * 8);
-    for (let first = 0; first < pages; first += PAGEMAP_CHUNK_PAGES) {
-      const n = Math.min(PAGEMAP_CHUNK_PAGES, pages - first);
-      const { bytesRead } = await pagemap.read(entries, 0, n * 8, (range.start / PAGE + first) * 8);
-      if (bytesRead !== n * 8) throw new SandboxdError("internal", `short pagemap read of process ${pid}`);
-      for (let i = 0; i < n; i++) {
-        const e = entries.readBigUInt64LE(i * 8);
-        if ((e & SWAPPED) !== 0n || ((e & PRESENT) !== 0n && (e & FILE_PAGE) === 0n)) own[first + i] = 1;
-      }
+  const own = new Uint8Array((range.end - range.start) / PAGE);
+  for await (const { first, entries, n, want } of pagemapChunks(pid, range)) {
+    if (n !== want) throw new SandboxdError("internal", `short pagemap read of process ${pid}`);
+    for (let i = 0; i < n; i++) {
+      const e = entries.readBigUInt64LE(i * 8);
+      if ((e & SWAPPED) !== 0n || ((e & PRESENT) !== 0n && (e & FILE_PAGE) === 0n)) own[first + i] = 1;
     }
-    return own;
-  } finally {
-    await pagemap.close();
   }
+  return own;
 }
 
 /** Samples of a blocked-in-userfault check, and the time between them (see blockedInUserfault). */

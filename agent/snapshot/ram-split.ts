@@ -121,17 +121,10 @@ export class RamSplitter {
     private readonly state: FileHandle,
   ) {
     this.written = new Uint8Array(Math.ceil(t.ramBytes / PAGE_BYTES));
-    this.done = this.parse().then(
-      async (r) => {
-        await this.flushRun();
-        await this.flushState();
-        return r;
-      },
-      (err) => {
-        this.failure = err;
-        throw err;
-      },
-    );
+    this.done = this.parse().catch((err) => {
+      this.failure = err;
+      throw err;
+    });
     // Seen by write/end; a failure before anyone waits is not an unhandled rejection.
     this.done.catch(() => {});
   }
@@ -248,7 +241,7 @@ export class RamSplitter {
     }
   }
 
-  /** The next `n` bytes (buffered: need(n) first), as one buffer (a view where it can be). */
+  /** The next `n` bytes (buffered: fill(n) first), as one buffer (a view where it can be). */
   private take(n: number): Buffer {
     const first = this.chunks[0] as Buffer;
     if (first.length - this.head >= n) {
@@ -337,16 +330,22 @@ export class RamSplitter {
     if (this.stateOutBytes >= STATE_FLUSH_BYTES) await this.flushState();
   }
 
-  /** A page of the RAM file's block at `offset`. */
+  /** A page of the RAM file's block at `offset`: the next of the run being gathered, or a new run. */
   private async page(offset: number, data: Buffer): Promise<void> {
-    const r = this.run;
-    if (r && r.offset + r.pages.length * PAGE_BYTES === offset && r.pages.length < RUN_PAGES) {
-      r.pages.push(data);
-    } else {
-      await this.flushRun();
-      this.run = { offset, pages: [data] };
-    }
+    // The usual case, without an await.
+    if (this.append(offset, data)) return;
+    await this.flushRun();
+    this.run = { offset, pages: [data] };
     this.written[offset / PAGE_BYTES] = 1;
+  }
+
+  /** Adds the page to the run being gathered when it is the run's next. */
+  private append(offset: number, data: Buffer): boolean {
+    const r = this.run;
+    if (!r || r.offset + r.pages.length * PAGE_BYTES !== offset || r.pages.length >= RUN_PAGES) return false;
+    r.pages.push(data);
+    this.written[offset / PAGE_BYTES] = 1;
+    return true;
   }
 
   private async flushRun(): Promise<void> {
@@ -517,13 +516,6 @@ export class RamSplitter {
       // Dropped from a delta: the VM's mapping shows this page already.
       if (this.t.keep) continue;
       if (kind === FLAG.PAGE) {
-        const r = this.run;
-        // The usual case, without an await: the next page of the run being gathered.
-        if (r && r.offset + r.pages.length * PAGE_BYTES === offset && r.pages.length < RUN_PAGES) {
-          r.pages.push(data);
-          this.written[offset / PAGE_BYTES] = 1;
-          continue;
-        }
         await this.page(offset, data);
       } else if ((data[0] as number) !== 0 || this.written[offset / PAGE_BYTES]) {
         // A page that is not (or no longer) what the file holds: filled with its byte.

@@ -105,13 +105,8 @@ export interface SaveOptions {
 
 /** Where a save's bytes go: the state file as it comes, or a splitter. */
 interface SaveSink {
-  write(chunk: Buffer): Promise<void>;
-  /**
-   * A splitter's: takes chunks without a wait each (pushAll). QEMU's background snapshot
-   * flushes its stream page by page, ~20,000 socket reads for a 256 MiB guest; a promise per
-   * chunk cost the agent ~8 us of CPU each, beside QEMU on the same cores.
-   */
-  pushing?: RamSplitter;
+  /** Reads QEMU's stream from the socket to its end into the sink, with back-pressure. */
+  readFrom(c: Socket): Promise<Read>;
   /** The stream ended: the last write done (and synced when asked). */
   end(): Promise<void>;
   /** Closes and removes what was written (or only closes, `remove` false). */
@@ -125,8 +120,7 @@ async function openSink(o: SaveOptions): Promise<SaveSink> {
     const splitter = await RamSplitter.open(o.split);
     let ended = false;
     return {
-      write: (chunk) => splitter.write(chunk),
-      pushing: splitter,
+      readFrom: (c) => pushAll(c, splitter, o),
       async end() {
         await splitter.end();
         ended = true;
@@ -137,11 +131,12 @@ async function openSink(o: SaveOptions): Promise<SaveSink> {
     };
   }
   const file = await open(o.path, constants.O_WRONLY | constants.O_CREAT | constants.O_TRUNC, 0o600);
+  const write = async (chunk: Buffer) => {
+    let off = 0;
+    while (off < chunk.length) off += (await file.write(chunk, off, chunk.length - off)).bytesWritten;
+  };
   return {
-    async write(chunk) {
-      let off = 0;
-      while (off < chunk.length) off += (await file.write(chunk, off, chunk.length - off)).bytesWritten;
-    },
+    readFrom: (c) => writeAll(c, write, o),
     async end() {
       if (o.fsync) await file.sync();
     },
@@ -302,7 +297,7 @@ async function copyInto(
   fail: (e: SnapshotError) => void,
 ): Promise<number> {
   try {
-    const r = out.pushing ? await pushAll(c, out.pushing, o) : await writeAll(c, out, o);
+    const r = await out.readFrom(c);
     if (r.sinkError !== undefined) throw r.sinkError;
     await out.end();
     return r.bytes;
@@ -317,14 +312,14 @@ async function copyInto(
 }
 
 /** Each chunk written before the next is read: back-pressure by async iteration. */
-async function writeAll(c: Socket, out: SaveSink, o: SaveOptions): Promise<Read> {
+async function writeAll(c: Socket, write: (chunk: Buffer) => Promise<void>, o: SaveOptions): Promise<Read> {
   const r: Read = { bytes: 0, sinkError: undefined };
   for await (const chunk of c as AsyncIterable<Buffer>) {
     r.bytes += chunk.length;
     if (r.sinkError !== undefined) continue; // drained, not written (bounded by the deadline)
     try {
       if (r.bytes > o.maxBytes) throw capError(o);
-      await out.write(chunk);
+      await write(chunk);
     } catch (err) {
       if (!o.drainOnError) throw err;
       r.sinkError = err;
@@ -333,7 +328,11 @@ async function writeAll(c: Socket, out: SaveSink, o: SaveOptions): Promise<Read>
   return r;
 }
 
-/** A splitter's: chunks pushed as they come, the socket paused past the backlog bound. */
+/**
+ * A splitter's: chunks pushed as they come, the socket paused past the backlog bound. QEMU's
+ * background snapshot flushes its stream page by page, ~20,000 socket reads for a 256 MiB guest;
+ * a promise per chunk cost the agent ~8 us of CPU each, beside QEMU on the same cores.
+ */
 function pushAll(c: Socket, splitter: RamSplitter, o: SaveOptions): Promise<Read> {
   const r: Read = { bytes: 0, sinkError: undefined };
   return new Promise<Read>((resolve, reject) => {
