@@ -76,7 +76,43 @@ describe("reading bun's output", () => {
       skipped: 3,
       skippedNames: ["two skipped", "grp > inner", "later"],
       summarized: true,
+      failures: [{ name: "broke", excerpt: [] }],
     });
+  });
+
+  test("a failure keeps its error's lines, bounded, without bun's source excerpt or the logs above it", () => {
+    const failing = [
+      "a.test.ts:",
+      "(pass) one [1.00ms]",
+      "a log line of the test",
+      "error: first attempt",
+      '120 |     expect(st.state).toBe("ready");',
+      "error: expect(received).toBe(expected)",
+      "",
+      'Expected: "ready"',
+      'Received: "pending"',
+      "",
+      `      at <anonymous> (/r/tests/e2e/a.test.ts:120:22) ${"x".repeat(400)}`,
+      "(fail) grp > snapshot [72000.00ms]",
+      ...Array.from({ length: 40 }, (_, i) => `log ${i}`),
+      "(fail) no error line [1.00ms]",
+      " 1 pass",
+      " 2 fail",
+      "Ran 3 tests across 1 file. [3.00ms]",
+    ].join("\n");
+    const f = parseBunOutput(failing).failures;
+    expect(f.map((x) => x.name)).toEqual(["grp > snapshot", "no error line"]);
+    expect(f[0]!.excerpt.slice(0, 3)).toEqual([
+      "error: expect(received).toBe(expected)",
+      'Expected: "ready"',
+      'Received: "pending"',
+    ]);
+    expect(f[0]!.excerpt[3]!.length).toBe(240);
+    expect(f[1]!.excerpt).toEqual([
+      ...Array.from({ length: 4 }, (_, i) => `log ${i}`),
+      "...",
+      ...Array.from({ length: 11 }, (_, i) => `log ${i + 29}`),
+    ]);
   });
 
   test("a run cut short has no summary", () => {

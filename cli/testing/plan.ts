@@ -67,11 +67,55 @@ export interface FileResult {
   skippedNames: string[];
   /** Whether bun printed its summary at all (a crash or a kill prints none). */
   summarized: boolean;
+  /** Each failed test: its name and the end of what bun printed for it (the error, bounded). */
+  failures: { name: string; excerpt: string[] }[];
 }
 
 // Bun's summary lines (` 12 pass`, ` 1 skip`, ` 0 fail`, ` 1 todo`) and per-test lines.
 const COUNT = (word: string) => new RegExp(`^\\s*(\\d+) ${word}$`, "m");
 const SKIP_LINE = /^\((?:skip|todo)\) (.*?)(?: \[[\d.]+m?s\])?$/gm;
+const RESULT_LINE = /^\((pass|fail|skip|todo)\) (.*?)(?: \[[\d.]+m?s\])?$/;
+/** bun's source excerpt above an error (`12 | code`): the error's own lines say more. */
+const SOURCE_LINE = /^\s*\d+ \|/;
+
+/**
+ * Lines of a failure kept for the run's closing problems (CI shows only the end of the output, so
+ * the cause must be there): from the last `error:` line of the test's output, at most 16 lines of
+ * at most 240 characters (a longer one: its first 4 and its last 11); a test's logs above its
+ * error are left in the file's own section.
+ */
+const EXCERPT_LINES = 16;
+const EXCERPT_HEAD = 4;
+const EXCERPT_LINE_CHARS = 240;
+
+function failureExcerpt(block: string[]): string[] {
+  const lines = block.filter((l) => l.trim() !== "" && l.trim() !== "^" && !SOURCE_LINE.test(l));
+  let from = lines.length - 1;
+  while (from >= 0 && !/^\s*(error|\w*Error):/.test(lines[from]!)) from--;
+  const error = lines.slice(Math.max(0, from));
+  // A long message (a service's log tail): its head, and the end where Expected/Received and `at` are.
+  const kept =
+    error.length <= EXCERPT_LINES
+      ? error
+      : [...error.slice(0, EXCERPT_HEAD), "...", ...error.slice(-(EXCERPT_LINES - EXCERPT_HEAD - 1))];
+  return kept.map((l) => l.trimEnd().slice(0, EXCERPT_LINE_CHARS));
+}
+
+/** The failed tests, each with the lines bun printed between the test before it and its `(fail)`. */
+function failuresOf(out: string): FileResult["failures"] {
+  const failures: FileResult["failures"] = [];
+  let block: string[] = [];
+  for (const line of out.split("\n")) {
+    const m = RESULT_LINE.exec(line);
+    if (!m) {
+      block.push(line);
+      continue;
+    }
+    if (m[1] === "fail") failures.push({ name: m[2]!.trim(), excerpt: failureExcerpt(block) });
+    block = [];
+  }
+  return failures;
+}
 
 export function parseBunOutput(out: string): FileResult {
   const n = (word: string) => Number(COUNT(word).exec(out)?.[1] ?? 0);
@@ -83,6 +127,7 @@ export function parseBunOutput(out: string): FileResult {
     skipped: n("skip") + n("todo"),
     skippedNames,
     summarized,
+    failures: failuresOf(out),
   };
 }
 

@@ -274,6 +274,7 @@ class Tally {
     }
     for (const n of notes) this.problems.push(`${f.path}: ${n}`);
     if (r.failed > 0) this.problems.push(`${f.path}: ${r.failed} failed`);
+    for (const x of r.failures) this.problems.push(`  (fail) ${x.name}`, ...x.excerpt.map((l) => `    ${l}`));
     this.report(
       d,
       `${r.passed} pass, ${r.failed} fail, ${r.skipped} skip${notes.map((n) => `; ${n}`).join("")}`,

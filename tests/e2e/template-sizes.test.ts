@@ -124,7 +124,7 @@ test(
       await Bun.sleep(100);
       st = expectOk(await fx.api.get(`/v1/snapshots/${snap.id}`, { key }), 200, B.SnapshotInfo);
     }
-    expect(st.state).toBe("ready");
+    expect(st.state, fx.svc.logTail()).toBe("ready");
     const other = await fx.api.post("/v1/sandboxes", { key, json: { snapshot: snap.id, vcpus: 1 } });
     expect(other.status).toBe(400);
     expect((other.body as { code: string }).code).toBe("size_unavailable");
