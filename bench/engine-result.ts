@@ -7,6 +7,20 @@ import type { ForkMethod } from "../agent/snapshot/fork-method.ts";
 import type { Summary } from "./stats.ts";
 
 /** A goal: `spawn_vs_floor` must be at most `limit`, every other figure below it. */
+/** A cold spawn's parts (RestoreTimings), each a summary over the run's spawns. */
+export interface SpawnParts {
+  /** Before QEMU starts: the overlay on the template's disk, the jail, the agent's records. */
+  setup: Summary;
+  /** QEMU started in its jail to its QMP answering (`launchMs`). */
+  launch: Summary;
+  /** The ~60 KB device state loaded (`incomingMs`); the RAM is the template's file, mapped. */
+  load: Summary;
+  /** `cont` to the guest's HELLO answer (`helloMs`): the floor pays it too. */
+  hello: Summary;
+  /** HELLO answered to entropy, clock and hostname set (`identityMs`): the floor has a PING there. */
+  identity: Summary;
+}
+
 export interface Target {
   limit: number;
   value: number;
@@ -71,6 +85,8 @@ export interface BenchResult {
   spawn_ms: Summary;
   /** The restore part of spawn_ms (QEMU start to identity set), as the engine times it. */
   spawn_restore_ms: Summary;
+  /** spawn_ms split as the engine times it: where a cold spawn spends what the floor does not. */
+  spawn_parts_ms: SpawnParts;
   /**
    * A spawn that takes a QEMU pre-launched in its jail (the agent's pool hit, the usual case):
    * spawnFromTemplate with `prelaunched` to its return: state loaded, `cont`, HELLO, identity.

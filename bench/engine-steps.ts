@@ -16,7 +16,7 @@ import type { RestoreTimings, SandboxVm } from "../agent/snapshot/vm.ts";
 import { type BootOptions, bootVm } from "../agent/vm/boot.ts";
 import type { VmHostSettings } from "../agent/vm/host-settings.ts";
 import { SandboxdError } from "../contracts/errors.ts";
-import type { ForkBreakdown, MemoryBreakdown } from "./engine-result.ts";
+import type { ForkBreakdown, MemoryBreakdown, SpawnParts } from "./engine-result.ts";
 import { runTrue, type Scope, sleep } from "./engine-scope.ts";
 import { type MemFields, qemuMemory } from "./rss.ts";
 import { round1, type Summary, summarize } from "./stats.ts";
@@ -83,7 +83,7 @@ export interface Run {
 /** Boots, spawns and restores from the run's template, each tracked by the run's scope. */
 export interface Spawner {
   /** A cold spawn (no pre-launched QEMU): its wall time and the engine's restore time. */
-  spawn(): Promise<{ vm: SandboxVm; wallMs: number; readyMs: number }>;
+  spawn(): Promise<{ vm: SandboxVm; wallMs: number; timings: RestoreTimings }>;
   /** A pre-launch, then a spawn that takes it: the spawn's wall time and the launch's. */
   spawnPrelaunched(): Promise<{ vm: SandboxVm; wallMs: number; launchMs: number }>;
   /** A bare QEMU restore of the template: the floor. */
@@ -135,7 +135,7 @@ export function spawner(run: Run, template: TemplateMeta): Spawner {
       const s = unwrap(await spawnFromTemplate({ dataDir, template, host }));
       const wallMs = performance.now() - t0;
       scope.track(s.vm);
-      return { vm: s.vm, wallMs, readyMs: s.timings.readyMs };
+      return { vm: s.vm, wallMs, timings: s.timings };
     },
     async spawnPrelaunched() {
       scope.check();
@@ -161,6 +161,7 @@ export async function measureSpawns(
 ): Promise<{
   spawnMs: Summary;
   spawnRestoreMs: Summary;
+  spawnParts: SpawnParts;
   preMs: Summary;
   prelaunchMs: Summary;
   floorMs: Summary;
@@ -176,6 +177,13 @@ export async function measureSpawns(
   }
   const spawnWall: number[] = [];
   const spawnReady: number[] = [];
+  const parts: Record<keyof SpawnParts, number[]> = {
+    setup: [],
+    launch: [],
+    load: [],
+    hello: [],
+    identity: [],
+  };
   const preWall: number[] = [];
   const preLaunch: number[] = [];
   const floors: number[] = [];
@@ -183,7 +191,12 @@ export async function measureSpawns(
     if (i % 2 === 1) floors.push(await sp.floor());
     const s = await sp.spawn();
     spawnWall.push(s.wallMs);
-    spawnReady.push(s.readyMs);
+    spawnReady.push(s.timings.readyMs);
+    parts.setup.push(s.wallMs - s.timings.readyMs);
+    parts.launch.push(s.timings.launchMs);
+    parts.load.push(s.timings.incomingMs);
+    parts.hello.push(s.timings.helloMs);
+    parts.identity.push(s.timings.identityMs);
     await scope.release(s.vm);
     const p = await sp.spawnPrelaunched();
     preWall.push(p.wallMs);
@@ -198,6 +211,13 @@ export async function measureSpawns(
   return {
     spawnMs,
     spawnRestoreMs: summarize(spawnReady),
+    spawnParts: {
+      setup: summarize(parts.setup),
+      launch: summarize(parts.launch),
+      load: summarize(parts.load),
+      hello: summarize(parts.hello),
+      identity: summarize(parts.identity),
+    },
     preMs,
     prelaunchMs: summarize(preLaunch),
     floorMs,

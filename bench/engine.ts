@@ -101,6 +101,7 @@ async function measureAll(o: BenchOptions, log: (m: string) => void, scope: Scop
     template_snapshot_ms: round1(templateSnapshotMs),
     spawn_ms: spawns.spawnMs,
     spawn_restore_ms: spawns.spawnRestoreMs,
+    spawn_parts_ms: spawns.spawnParts,
     spawn_prelaunched_ms: spawns.preMs,
     prelaunch_ms: spawns.prelaunchMs,
     floor_restore_ms: spawns.floorMs,

@@ -24,6 +24,11 @@ export function formatTable(r: BenchResult): string {
     ["  the pre-launch, ahead of it", stats(r.prelaunch_ms, "ms"), ""],
     ["spawn, cold (pool empty)", stats(r.spawn_ms, "ms"), ""],
     ["  of which restore", stats(r.spawn_restore_ms, "ms"), ""],
+    [
+      "  parts (p50)",
+      `setup ${r.spawn_parts_ms.setup.p50}, launch ${r.spawn_parts_ms.launch.p50}, load ${r.spawn_parts_ms.load.p50}, hello ${r.spawn_parts_ms.hello.p50}, identity ${r.spawn_parts_ms.identity.p50} ms`,
+      "",
+    ],
     ["floor: bare QEMU restore", stats(r.floor_restore_ms, "ms"), ""],
     ["spawn cold / floor (p50)", `${r.spawn_vs_floor}x`, goal(t.spawn_vs_floor, "<=", "x")],
     ["exec `true` round trip", stats(r.exec_rtt_ms, "ms"), goal(t.exec_rtt_p50_ms, "p50 <", " ms")],

@@ -185,6 +185,7 @@ describe("sandboxd bench", () => {
           ...STATS_KEYS,
           "host_memory_per_idle_vm_mb",
           "restore_in_place_parts_ms",
+          "spawn_parts_ms",
           "fork_children_breakdown_ms",
           "fork_children_stop_copy",
           "targets",
@@ -199,6 +200,9 @@ describe("sandboxd bench", () => {
       expect(Object.keys(parts).sort()).toEqual([...RESTORE_PART_KEYS].sort());
       for (const k of RESTORE_PART_KEYS)
         expect(Object.keys(parts[k] as object).sort()).toEqual(["n", "p50", "p95"]);
+      const spawnParts = out.spawn_parts_ms as Record<string, object>;
+      expect(Object.keys(spawnParts).sort()).toEqual(["hello", "identity", "launch", "load", "setup"]);
+      for (const v of Object.values(spawnParts)) expect(Object.keys(v).sort()).toEqual(["n", "p50", "p95"]);
       const forkParts = (b: unknown) => {
         const o = b as Record<string, unknown>;
         expect(Object.keys(o).sort()).toEqual([...FORK_PART_KEYS, ...FORK_CHILD_PART_KEYS].sort());
