@@ -162,10 +162,16 @@ export function kernelCmdline(accel: Accel, hostname: string, extra: string[] = 
  * Linux skips its PIT check when no PIC is found), saving their probe time. The RTC stays on so
  * the guest has a wall clock before the host's SET_CLOCK. `acpi=on` lets the kernel enumerate the
  * virtio-mmio devices without `virtio_mmio.device=` arguments (not compiled in this kernel).
+ * `mem-merge=off`: QEMU's default marks guest RAM MADV_MERGEABLE, so on a host that runs KSM
+ * (some distributions start it for VM hosts) one tenant's guest pages would be merged with
+ * another's: a guest could then tell by the time of a write (a copy-on-write fault on a merged
+ * page) whether another guest holds a page of given content, and tenants would share physical
+ * pages (what Flip Feng Shui's Rowhammer attack needs). Shown in tests/vm/ram-file-readonly.test.ts
+ * (no `mg` in the RAM mapping's VmFlags).
  */
 export function machineOption(accel: Accel, memBackend: boolean): string {
   const legacy = accel === "tcg" ? "pit=on,pic=on,rtc=on" : "pit=off,pic=off,rtc=on";
-  return `microvm,${legacy},acpi=on${memBackend ? `,memory-backend=${DEVICE_IDS.memBackend}` : ""}`;
+  return `microvm,${legacy},acpi=on,mem-merge=off${memBackend ? `,memory-backend=${DEVICE_IDS.memBackend}` : ""}`;
 }
 
 /**

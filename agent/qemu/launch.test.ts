@@ -32,7 +32,9 @@ describe("buildQemuArgs", () => {
       memBackend: { path: "/dev/shm/t1", share: false },
       incoming: true,
     });
-    expect(optionValues(args, "-M")).toEqual(["microvm,pit=on,pic=on,rtc=on,acpi=on,memory-backend=mem"]);
+    expect(optionValues(args, "-M")).toEqual([
+      "microvm,pit=on,pic=on,rtc=on,acpi=on,mem-merge=off,memory-backend=mem",
+    ]);
     expect(optionValues(args, "-object")).toContain(
       "memory-backend-file,id=mem,size=256M,mem-path=/dev/shm/t1,share=off",
     );
@@ -59,7 +61,7 @@ describe("buildQemuArgs", () => {
       accel: "kvm",
       paused: true,
     });
-    expect(optionValues(args, "-M")).toEqual(["microvm,pit=off,pic=off,rtc=on,acpi=on"]);
+    expect(optionValues(args, "-M")).toEqual(["microvm,pit=off,pic=off,rtc=on,acpi=on,mem-merge=off"]);
     expect(optionValues(args, "-cpu")).toEqual(["host"]);
     expect(optionValues(args, "-append")[0]).not.toContain("tsc=");
     expect(args).toContain("-S");

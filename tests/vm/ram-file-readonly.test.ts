@@ -6,7 +6,8 @@
  * the shim the jail preloads, agent/qemu/ram-readonly.c, makes that open read-only) and maps it
  * copy-on-write, the jail binds it read-only, and on the host it is root's, mode 0444. Shown from the host for a
  * template's child and a fork's child: the file's owner and mode; QEMU's handle on it is
- * O_RDONLY (/proc/PID/fdinfo) and its mapping private (/proc/PID/maps); a shell as the child's jail
+ * O_RDONLY (/proc/PID/fdinfo) and its mapping private and never offered to KSM (/proc/PID/smaps
+ * VmFlags: no `mg`, so a host running KSM cannot merge guest pages across tenants); a shell as the child's jail
  * uid inside its QEMU's mount namespace (what an escaped QEMU is) cannot open the file for
  * writing, while it can read it (the control); and the guest still writes its own memory.
  */
@@ -48,15 +49,25 @@ afterAll(async () => {
   }
 });
 
-/** The file backing QEMU's guest RAM: the one file mapping as large as the guest's memory. */
-function ramMapping(pid: number, memMib: number): { path: string; perms: string } {
+/**
+ * The file backing QEMU's guest RAM: the one file mapping as large as the guest's memory, with
+ * its flags from /proc/PID/smaps (`VmFlags`: `mg` is a mapping KSM may merge).
+ */
+function ramMapping(pid: number, memMib: number): { path: string; perms: string; vmFlags: string[] } {
   const want = memMib * 1024 * 1024;
-  for (const line of readFileSync(`/proc/${pid}/maps`, "utf8").split("\n")) {
+  let found: { path: string; perms: string; vmFlags: string[] } | undefined;
+  for (const line of readFileSync(`/proc/${pid}/smaps`, "utf8").split("\n")) {
     const m = /^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \d+\s+(\/\S+)$/.exec(line);
-    if (m && Number.parseInt(m[2] as string, 16) - Number.parseInt(m[1] as string, 16) === want)
-      return { path: m[4] as string, perms: m[3] as string };
+    if (m) {
+      if (found) break; // the next mapping's header: the RAM's block ended without VmFlags
+      if (Number.parseInt(m[2] as string, 16) - Number.parseInt(m[1] as string, 16) === want)
+        found = { path: m[4] as string, perms: m[3] as string, vmFlags: [] };
+    } else if (found && line.startsWith("VmFlags:")) {
+      found.vmFlags = line.slice("VmFlags:".length).trim().split(/\s+/);
+      return found;
+    }
   }
-  throw new Error(`QEMU ${pid} maps no ${memMib} MiB file`);
+  throw new Error(`QEMU ${pid} maps no ${memMib} MiB file (with its VmFlags)`);
 }
 
 /** Every handle `pid` holds on `path`: its number and access mode (from /proc/PID/fdinfo). */
@@ -111,6 +122,7 @@ async function expectReadOnlyToItsJail(id: string): Promise<Record<string, unkno
     owner: st.uid,
     mode: (st.mode & 0o7777).toString(8),
     mapping: ram.perms,
+    vmFlags: ram.vmFlags.join(" "),
     handles: handles.map((h) => h.access),
     jailUid: uidOf(pid),
     write: await asEscapedQemu(pid, `exec 3>>'${ram.path}'`),
@@ -130,6 +142,11 @@ async function expectReadOnlyToItsJail(id: string): Promise<Record<string, unkno
   expect(seen.mode).toBe("444");
   // Private (copy-on-write) and writable by the guest: its writes never reach the file.
   expect(seen.mapping).toBe("rw-p");
+  // Never offered to KSM (`-M mem-merge=off`): on a host that runs it, merged guest pages would let
+  // one tenant's guest time another's writes to the same content (a copy-on-write fault on a
+  // shared page is slow), and share physical pages between tenants' guests.
+  expect(ram.vmFlags).toContain("rd");
+  expect(ram.vmFlags).not.toContain("mg");
   expect(seen.handles.length).toBeGreaterThan(0);
   expect(seen.handles.every((a) => a === 0)).toBe(true); // O_RDONLY
   for (const attempt of [seen.write, seen.overwrite, seen.chmod, seen.reopen]) expect(attempt).not.toBe("ok");
