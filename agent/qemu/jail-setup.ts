@@ -59,9 +59,14 @@ export interface JailSettings {
   uidRange: UidRange;
   /** `SANDBOXD_JAIL_UNSHARE`: an operator's override of util-linux's. */
   unshare: string;
+  /**
+   * `SANDBOXD_KSM=qemu`: a sandbox's QEMU offers its own memory (never guest RAM) to KSM
+   * (ram-readonly.c; docs/isolation.md "KSM: guest RAM never, QEMU's own memory by choice").
+   */
+  ksmQemu: boolean;
 }
 
-export const DEFAULT_JAIL: JailSettings = { uidRange: DEFAULT_UID_RANGE, unshare: UNSHARE };
+export const DEFAULT_JAIL: JailSettings = { uidRange: DEFAULT_UID_RANGE, unshare: UNSHARE, ksmQemu: false };
 
 /** qcow2's incompatible feature bit for an external data file (header v3, bytes 72..79). */
 const QCOW2_INCOMPAT_DATA_FILE = 1n << 2n;
@@ -202,13 +207,16 @@ export async function prepareJail(i: JailInput): Promise<PreparedJail> {
       // QEMU a guest escaped into cannot write what later children of any tenant start from.
       await ownFile(i.mem.path, { uid: 0, mode: SHARED_RAM_FILE_MODE });
     };
-    const sharedMem = i.mem && !i.mem.share ? { path: i.mem.path, shim: shimR.value } : undefined;
+    const memBytes = i.memMib * 1024 * 1024;
+    const sharedMem =
+      i.mem && !i.mem.share
+        ? { path: i.mem.path, shim: shimR.value, ...(jail.ksmQemu ? { ksmGuardBytes: memBytes } : {}) }
+        : undefined;
     const readWrite = [i.disk, i.mem?.share ? i.mem.path : undefined].filter(
       (p): p is string => p !== undefined && !inside(i.dir, p),
     );
     const shared = sharedMem ? [sharedMem.path] : [];
     const readOnly = [i.vmlinux, i.initramfs, ...shared, ...chain.files].filter((p) => !inside(i.dir, p));
-    const memBytes = i.memMib * 1024 * 1024;
     const spec: JailSpec = {
       dir: i.dir,
       uid,

@@ -117,6 +117,12 @@ describe("jail argv", () => {
       ["/etc/sandboxd/readonly-ram", `${ram}\n`],
     ]);
     expect(sk.dirs).toEqual(expect.arrayContaining(["/etc", "/etc/sandboxd"]));
+    // SANDBOXD_KSM=qemu: the guest's RAM size for the shim, beside the list.
+    const ksm = jailSkeleton({
+      ...child,
+      readOnlyRam: { path: ram, shim, ksmGuardBytes: 128 * 1024 * 1024 },
+    });
+    expect(ksm.contents).toContainEqual(["/etc/sandboxd/ksm", "134217728\n"]);
     // Without a shared RAM file nothing is preloaded.
     expect(jailSkeleton(spec).contents).toEqual([]);
     expect(() => jailScript({ ...child, readOnlyRam: { path: ram, shim: "lib.so" } }, ["q"])).toThrow(

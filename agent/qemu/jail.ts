@@ -32,7 +32,7 @@
 import { existsSync } from "node:fs";
 import { SandboxdError } from "../../contracts/errors.ts";
 import { QEMU_OOM_SCORE_ADJ } from "./oom.ts";
-import { JAIL_LD_PRELOAD, JAIL_READONLY_RAM_LIST } from "./ram-shim.ts";
+import { JAIL_KSM_SETTING, JAIL_LD_PRELOAD, JAIL_READONLY_RAM_LIST } from "./ram-shim.ts";
 
 export const UNSHARE = "/usr/bin/unshare";
 export const SETPRIV = "/usr/bin/setpriv";
@@ -84,7 +84,15 @@ export interface JailSpec {
    * it): the jail's root gets an /etc/ld.so.preload naming the library and the list naming the
    * file (ram-shim.ts).
    */
-  readOnlyRam?: { path: string; shim: string };
+  readOnlyRam?: {
+    path: string;
+    shim: string;
+    /**
+     * SANDBOXD_KSM=qemu: the guest's RAM in bytes, written to the jail's JAIL_KSM_SETTING; the
+     * shim then offers QEMU's own memory to KSM and keeps every mapping this large out of it.
+     */
+    ksmGuardBytes?: number;
+  };
   /** `cgroup.procs` files the jail joins before it starts QEMU. */
   cgroupProcs: readonly string[];
   /** RLIMIT_FSIZE in bytes: the largest file QEMU may write (its overlay, RAM file, console). */
@@ -150,6 +158,9 @@ export function jailSkeleton(spec: JailSpec): {
     ? [
         [JAIL_LD_PRELOAD, `${spec.readOnlyRam.shim}\n`],
         [JAIL_READONLY_RAM_LIST, `${spec.readOnlyRam.path}\n`],
+        ...(spec.readOnlyRam.ksmGuardBytes !== undefined
+          ? [[JAIL_KSM_SETTING, `${spec.readOnlyRam.ksmGuardBytes}\n`] as [string, string]]
+          : []),
       ]
     : [];
   const dirs = [

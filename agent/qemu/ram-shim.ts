@@ -19,6 +19,11 @@ const BUILD_TIMEOUT_MS = 60_000;
 
 /** Where, inside a jail, the shim's list (the one path it opens read-only) is read from. */
 export const JAIL_READONLY_RAM_LIST = "/etc/sandboxd/readonly-ram";
+/**
+ * Where, inside a jail, the shim reads the guest's RAM size when QEMU's own memory may be merged
+ * by KSM (SANDBOXD_KSM=qemu); absent, nothing is offered to KSM.
+ */
+export const JAIL_KSM_SETTING = "/etc/sandboxd/ksm";
 /** glibc's dynamic loader preloads every library this file names, in every program it starts. */
 export const JAIL_LD_PRELOAD = "/etc/ld.so.preload";
 

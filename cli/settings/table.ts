@@ -601,6 +601,17 @@ export const SETTINGS: readonly SettingSpec[] = [
     doc: "the `unshare` binary the jail runs",
   },
   {
+    env: "SANDBOXD_KSM",
+    emptyIsUnset: true,
+    flag: "ksm",
+    scope: "agent",
+    reported: false,
+    def: "off",
+    choices: ["off", "qemu"],
+    unit: "choice",
+    doc: "qemu: each sandbox's QEMU offers its own memory, never guest RAM, to KSM (the host must run KSM: /sys/kernel/mm/ksm/run); docs/isolation.md",
+  },
+  {
     env: "SANDBOXD_DEBIAN_MIRROR",
     flag: "debian-mirror",
     scope: "agent",

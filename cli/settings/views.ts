@@ -108,6 +108,7 @@ export function hostSettings(s: Settings): VmHostSettings {
     jail: {
       uidRange: { base: Number(s.SANDBOXD_JAIL_UID_BASE), count: Number(s.SANDBOXD_JAIL_UID_COUNT) },
       unshare: unshare === "" ? DEFAULT_JAIL.unshare : unshare,
+      ksmQemu: String(s.SANDBOXD_KSM) === "qemu",
     },
     diskReserveBytes: Number(s.SANDBOXD_DISK_RESERVE_BYTES),
   };

@@ -7,6 +7,7 @@ import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { ensureGuestArtifacts } from "../../agent/guest/artifacts.ts";
+import type { JailSettings } from "../../agent/qemu/jail-setup.ts";
 import type { HostCapacity } from "../../agent/sandbox/capacity.ts";
 import { SnapshotDriver } from "../../agent/sandbox/drivers/snapshot.ts";
 import { SandboxManager } from "../../agent/sandbox/manager.ts";
@@ -98,14 +99,19 @@ export async function managerWithBusybox(o: {
   log?: (line: string) => void;
   /** The host's admission limits (`SANDBOXD_VM_MEMORY_BYTES` is `memMib`); the defaults otherwise. */
   capacity?: Partial<HostCapacity>;
+  /** The operator's jail settings (`SANDBOXD_KSM`, ...); the defaults otherwise. */
+  jail?: Partial<JailSettings>;
 }): Promise<SandboxManager> {
+  const host = {
+    ...DEFAULT_VM_HOST,
+    ...(o.diskReserveBytes !== undefined ? { diskReserveBytes: o.diskReserveBytes } : {}),
+    jail: { ...DEFAULT_VM_HOST.jail, ...o.jail },
+  };
   const driver = await SnapshotDriver.create({
     cacheDir: o.cacheDir,
     stateDir: o.stateDir,
     ...(o.shmRoot !== undefined ? { shmRoot: o.shmRoot } : {}),
-    ...(o.diskReserveBytes !== undefined
-      ? { host: { ...DEFAULT_VM_HOST, diskReserveBytes: o.diskReserveBytes } }
-      : {}),
+    host,
     artifacts: await ensureGuestArtifacts({ dataDir: TEST_CACHE_DIR }),
     ...(o.log !== undefined ? { log: o.log } : {}),
   });
