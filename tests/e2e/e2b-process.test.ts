@@ -12,6 +12,7 @@ import { createConnectTransport } from "@connectrpc/connect-web";
 import { CommandExitError, Sandbox } from "e2b";
 import { MAX_PTY_ENV_BYTES } from "../../contracts/agent/pty.ts";
 import { parseApiKey } from "../../contracts/api/api-key.ts";
+import { Filesystem } from "../../contracts/e2b/envd/filesystem_pb.ts";
 import { Process, Signal } from "../../contracts/e2b/envd/process_pb.ts";
 import { E2B_ENVD_VERSION, e2bKeyOf, e2bSandboxId } from "../../contracts/e2b/ids.ts";
 import { openDb } from "../../db/client.ts";
@@ -87,8 +88,15 @@ function sdkSandbox(accessToken: string): Sandbox {
 
 /** The raw Connect client with E2B's headers (what the SDK's transport sends). */
 function rawClient(headers: Record<string, string>) {
+  return rawClientOf(Process, headers);
+}
+
+function rawClientOf<S extends typeof Process | typeof Filesystem>(
+  service: S,
+  headers: Record<string, string>,
+) {
   return createClient(
-    Process,
+    service,
     createConnectTransport({
       baseUrl: `${svc!.url}/e2b/envd`,
       useBinaryFormat: false,
@@ -218,6 +226,28 @@ describe("E2B envd: processes", () => {
       expect(pid).toBeGreaterThan(0);
       expect((await sbx.commands.list()).some((p) => p.pid === pid)).toBe(true);
       expect(await sbx.commands.kill(pid)).toBe(true);
+    },
+    TEST_TIMEOUT_MS,
+  );
+
+  test(
+    "a directory watch past its Connect-Timeout-Ms ends with deadline_exceeded, after its start event",
+    async () => {
+      const client = rawClientOf(Filesystem, { ...envdHeaders(), "Connect-Timeout-Ms": "1500" });
+      const events: string[] = [];
+      const t0 = Date.now();
+      const ended = await (async () => {
+        for await (const r of client.watchDir({ path: "/tmp", recursive: false })) {
+          events.push(r.event.case ?? "none");
+        }
+      })().then(
+        () => "ended without an error",
+        (e: unknown) => e,
+      );
+      expect(ended).toBeInstanceOf(ConnectError);
+      expect((ended as ConnectError).code).toBe(Code.DeadlineExceeded);
+      expect(events[0]).toBe("start");
+      expect(Date.now() - t0).toBeLessThan(20_000);
     },
     TEST_TIMEOUT_MS,
   );

@@ -25,7 +25,7 @@ import {
 import { SandboxdError } from "../../../contracts/errors.ts";
 import { agentOf, inTermsOf } from "../../core/sandboxes.ts";
 import type { Deps } from "../../deps.ts";
-import { type EnvdTarget, targetOf, toConnectError } from "./target.ts";
+import { type EnvdTarget, endOfAbortedStream, targetOf, toConnectError } from "./target.ts";
 
 /**
  * How often WatchDir lists the directory again. 500 ms: changes reach the client within about
@@ -250,9 +250,12 @@ export function filesystemService(deps: Deps): Partial<ServiceImpl<typeof Filesy
       }
       yield create(WatchDirResponseSchema, { event: { case: "start", value: {} } });
       let quietSinceMs = deps.clock();
-      while (!ctx.signal.aborted) {
+      for (;;) {
         await sleep(WATCH_POLL_MS, ctx.signal);
-        if (ctx.signal.aborted) return;
+        if (ctx.signal.aborted) {
+          endOfAbortedStream(ctx);
+          return;
+        }
         let next: Snapshot;
         try {
           next = await snapshot(deps, t, req.path, user, req.recursive);

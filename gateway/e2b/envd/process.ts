@@ -32,7 +32,7 @@ import { SandboxdError } from "../../../contracts/errors.ts";
 import { agentOf, beginUseOf, inTermsOf } from "../../core/sandboxes.ts";
 import type { Deps } from "../../deps.ts";
 import type { SandboxEnvs } from "../sandbox-envs.ts";
-import { type EnvdTarget, targetOf, toConnectError } from "./target.ts";
+import { type EnvdTarget, endOfAbortedStream, targetOf, toConnectError } from "./target.ts";
 
 /**
  * Terminal pids, when the agent does not tell the shell's guest pid, start here: above Linux's
@@ -193,11 +193,7 @@ async function* drain(h: Handoff, ctx: HandlerContext) {
     for (;;) {
       const r = await h.next(tick);
       if (r === "closed") {
-        // The client's deadline (`Connect-Timeout-Ms`) passed here first: the stream ends with
-        // it (deadline_exceeded, a TimeoutError to E2B's SDK), not as a stream that ran out
-        // without an end event. A client that went away gets nothing either way.
-        const reason: unknown = ctx.signal.reason;
-        if (ctx.signal.aborted && reason instanceof ConnectError) throw reason;
+        endOfAbortedStream(ctx);
         return;
       }
       if (r === "tick") yield ev.keepalive();

@@ -91,6 +91,17 @@ function connectCodeOf(code: string): Code {
 }
 
 /** Any error as the ConnectError the handlers throw (a SandboxdError keeps its public message). */
+/**
+ * A server stream the handler ends because `ctx` was aborted: when the client's deadline
+ * (`Connect-Timeout-Ms`) passed here first, the stream ends with it (deadline_exceeded, a
+ * TimeoutError to E2B's SDK, as envd's Go server ends it), not as a stream that ran out without
+ * an end. A client that went away gets nothing either way.
+ */
+export function endOfAbortedStream(ctx: HandlerContext): void {
+  const reason: unknown = ctx.signal.reason;
+  if (ctx.signal.aborted && reason instanceof ConnectError) throw reason;
+}
+
 export function toConnectError(err: unknown): ConnectError {
   if (err instanceof ConnectError) return err;
   if (err instanceof SandboxUnreachable) return new ConnectError(err.message, Code.Unavailable);
