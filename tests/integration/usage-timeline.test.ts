@@ -238,7 +238,11 @@ function suite(name: string, open: () => Promise<Harness>, databaseUrl?: () => s
         );
         const goneVm = (await rowOf(gone.id)).vmId!;
         h.agent.vms.delete(goneVm); // its agent lost it, and no event said so
+        // An orphan: a VM the agent made before the bring-up bound whose create never reached a
+        // row (one younger than the bound may still be on its way to one, and is left alone).
         const orphan = await h.agent.createSandbox("python", { kind: "sandbox" });
+        h.agent.vms.get(orphan.vmId)!.createdAtMs = h.now.ms - BRINGUP_BOUND_MS - 1;
+        const young = await h.agent.createSandbox("python", { kind: "sandbox" });
         // A row whose create never came back (its gateway died during the call).
         const [ref] = await h.handle.db.select().from(sandboxes).where(eq(sandboxes.id, kept.id));
         await h.handle.db.insert(sandboxes).values({
@@ -256,6 +260,8 @@ function suite(name: string, open: () => Promise<Harness>, databaseUrl?: () => s
         ).toBe(true);
         expect(settled.some((l) => l.startsWith(`destroyed VM ${orphan.vmId}`))).toBe(true);
         expect(h.agent.vms.has(orphan.vmId)).toBe(false);
+        expect(h.agent.vms.has(young.vmId)).toBe(true);
+        expect(settled.some((l) => l.includes(young.vmId))).toBe(false);
         expect((await rowOf(gone.id)).endReason).toBe("failed");
         expect((await rowOf(kept.id)).state).toBe("running");
         // Its billing stopped when it was found.
@@ -272,7 +278,10 @@ function suite(name: string, open: () => Promise<Harness>, databaseUrl?: () => s
         expect((await rowOf("sbx_stuckstarting0000")).endDetail).toMatch(
           /still starting \d+ s after its create/,
         );
-        // A second pass finds nothing left to settle.
+        // A second pass, the bound later: the young VM, still named by no row, is an orphan now.
+        const again = await reconcileAgent({ ...deps(), placement }, "local", "test", log);
+        expect(again).toHaveLength(1);
+        expect(again[0]).toStartWith(`destroyed VM ${young.vmId}`);
         expect(await reconcileAgent({ ...deps(), placement }, "local", "test", log)).toEqual([]);
       },
       TEST_TIMEOUT_MS,

@@ -71,6 +71,7 @@ export async function makeHarness(
   const agent = new MemoryAgent();
   const now = { ms: Date.parse("2025-03-01T12:00:00Z") };
   const clock = opts.realClock ? Date.now : () => now.ms;
+  agent.clock = clock;
   const config = resolveConfig({
     keyPepper: PEPPER,
     connectSecret: "test-connect-secret-0123",

@@ -51,6 +51,11 @@ interface MemVm {
   snapshot?: SnapshotRef;
   /** The size class a create named (docs/templates.md "Size classes"); forks and snapshots keep it. */
   size?: { vcpus: number; memMib: number };
+  /**
+   * When it was made (`clock`), as the agent reports it: reconciliation leaves a VM younger than
+   * the bring-up bound alone, since its create may still be on its way to a row.
+   */
+  createdAtMs: number;
 }
 
 /** A kept snapshot: the VM's files and processes as they were, and whether it was deleted. */
@@ -98,6 +103,8 @@ export class MemoryAgent implements AgentApi {
   /** When set, the next exec waits for this promise (to test `busy`). */
   execGate: Promise<void> | null = null;
   private seq = 0;
+  /** The time VMs are made at: the wall clock, or a harness's stepped one. */
+  clock: () => number = Date.now;
 
   /** Registers a ready template directly (as if built earlier). */
   addReadyTemplate(ref: TemplateRef, exposedPorts: number[] = []): void {
@@ -139,7 +146,15 @@ export class MemoryAgent implements AgentApi {
     if (this.slotsFree <= 0) throw new SandboxdError("at_capacity", "no capacity on this host");
     this.slotsFree--;
     const id = `vm-${++this.seq}`;
-    const vm: MemVm = { id, template, state: "running", busy: false, files: new Map(), processes: new Map() };
+    const vm: MemVm = {
+      id,
+      template,
+      state: "running",
+      busy: false,
+      files: new Map(),
+      processes: new Map(),
+      createdAtMs: this.clock(),
+    };
     if (size) vm.size = size;
     this.vms.set(id, vm);
     const endpoints = Object.fromEntries(t.exposedPorts.map((p) => [String(p), `${id}:${p}`]));
@@ -568,7 +583,7 @@ export class MemoryAgent implements AgentApi {
   }
 
   async listVms(): Promise<VmSummary[]> {
-    return [...this.vms.values()].map((vm) => ({ id: vm.id, state: vm.state, createdAtMs: 0 }));
+    return [...this.vms.values()].map((vm) => ({ id: vm.id, state: vm.state, createdAtMs: vm.createdAtMs }));
   }
   /** The list as given (the syntax is checked by the gateway before, by the real agent too). */
   async setEgress(vmId: VmId, egressAllow: string[]): Promise<VmEgress> {
