@@ -1,5 +1,5 @@
 import { spawnSync } from "node:child_process";
-import { existsSync, statfsSync } from "node:fs";
+import { existsSync, readFileSync, statfsSync } from "node:fs";
 import { mkdir } from "node:fs/promises";
 import { ensureGuestArtifacts } from "../agent/guest/artifacts.ts";
 import { type AccelChoice, probeAccelerator, probeJailedKvm } from "../agent/qemu/accel.ts";
@@ -9,7 +9,7 @@ import { TCG_BOUNDARY } from "../contracts/api/health.ts";
 import { describeError } from "../contracts/errors.ts";
 import type { MachineSettings } from "./settings.ts";
 
-interface Check {
+export interface Check {
   name: string;
   ok: boolean;
   detail: string;
@@ -24,6 +24,47 @@ const MIN_QEMU = [7, 2];
 const MIN_DISK_FREE_GIB = 4;
 /** Template RAM files live in /dev/shm: one 256 MiB guest needs that much, plus room for a few. */
 const MIN_SHM_FREE_GIB = 1;
+
+/** The kernel's KSM controls (run: 1 while ksmd merges; absent on a kernel built without KSM). */
+export const KSM_SYSFS = "/sys/kernel/mm/ksm";
+
+/**
+ * What KSM does to this host's VMs: guest RAM is never offered (QEMU runs with mem-merge=off);
+ * with SANDBOXD_KSM=qemu QEMU's own memory is, which merges only while the host runs KSM, which
+ * the agent leaves to the operator (docs/isolation.md "KSM: guest RAM never, QEMU's own memory by
+ * choice"). A setting that merges nothing is a warning, not a failure: the VMs run either way.
+ */
+export function ksmCheck(ksmQemu: boolean, sysfs = KSM_SYSFS): Check {
+  let run: string | undefined;
+  let pages: string | undefined;
+  try {
+    run = readFileSync(`${sysfs}/run`, "utf8").trim();
+    pages = readFileSync(`${sysfs}/pages_to_scan`, "utf8").trim();
+  } catch {
+    // a kernel without KSM (no sysfs controls) or a sysfs the agent cannot read
+  }
+  const host =
+    run === undefined
+      ? "this kernel has no KSM"
+      : run === "1"
+        ? `host KSM running (${pages} pages a scan)`
+        : "host KSM off";
+  if (!ksmQemu)
+    return {
+      name: "ksm",
+      ok: true,
+      detail: `guest RAM never offered; QEMU's own memory not offered (SANDBOXD_KSM=off); ${host}`,
+    };
+  return {
+    name: "ksm",
+    ok: true,
+    ...(run === "1" ? {} : { warn: true }),
+    detail:
+      run === "1"
+        ? `QEMU's own memory offered, guest RAM never (SANDBOXD_KSM=qemu); ${host}`
+        : `SANDBOXD_KSM=qemu merges nothing: ${host}${run === undefined ? "" : ` (${sysfs}/run is ${run}; the operator starts it: echo 1 > ${sysfs}/run)`}`,
+  };
+}
 
 function tool(name: string, args: string[]): { ok: boolean; out: string } {
   const r = spawnSync(name, args, { encoding: "utf8" });
@@ -94,6 +135,7 @@ export async function doctor(
   }
 
   checks.push(...jailChecks(opts.machine.host.jail));
+  checks.push(ksmCheck(opts.machine.host.jail.ksmQemu));
   try {
     const shim = await ensureRamShim();
     checks.push({
