@@ -6,7 +6,6 @@ import type { Accel } from "../agent/qemu/launch.ts";
 import type { ForkMethod } from "../agent/snapshot/fork-method.ts";
 import type { Summary } from "./stats.ts";
 
-/** A goal: `spawn_vs_floor` must be at most `limit`, every other figure below it. */
 /** A cold spawn's parts (RestoreTimings), each a summary over the run's spawns. */
 export interface SpawnParts {
   /** Before QEMU starts: the overlay on the template's disk, the jail, the agent's records. */
@@ -21,6 +20,7 @@ export interface SpawnParts {
   identity: Summary;
 }
 
+/** A goal: `spawn_vs_floor` must be at most `limit`, every other figure below it. */
 export interface Target {
   limit: number;
   value: number;

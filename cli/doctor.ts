@@ -43,10 +43,11 @@ export function ksmCheck(ksmQemu: boolean, sysfs = KSM_SYSFS): Check {
   } catch {
     // a kernel without KSM (no sysfs controls) or a sysfs the agent cannot read
   }
+  const running = run === "1";
   const host =
     run === undefined
       ? "this kernel has no KSM"
-      : run === "1"
+      : running
         ? `host KSM running (${pages} pages a scan)`
         : "host KSM off";
   if (!ksmQemu)
@@ -55,15 +56,15 @@ export function ksmCheck(ksmQemu: boolean, sysfs = KSM_SYSFS): Check {
       ok: true,
       detail: `guest RAM never offered; QEMU's own memory not offered (SANDBOXD_KSM=off); ${host}`,
     };
-  return {
-    name: "ksm",
-    ok: true,
-    ...(run === "1" ? {} : { warn: true }),
-    detail:
-      run === "1"
-        ? `QEMU's own memory offered, guest RAM never (SANDBOXD_KSM=qemu); ${host}`
-        : `SANDBOXD_KSM=qemu merges nothing: ${host}${run === undefined ? "" : ` (${sysfs}/run is ${run}; the operator starts it: echo 1 > ${sysfs}/run)`}`,
-  };
+  if (running)
+    return {
+      name: "ksm",
+      ok: true,
+      detail: `QEMU's own memory offered, guest RAM never (SANDBOXD_KSM=qemu); ${host}`,
+    };
+  const start =
+    run === undefined ? "" : ` (${sysfs}/run is ${run}; the operator starts it: echo 1 > ${sysfs}/run)`;
+  return { name: "ksm", ok: true, warn: true, detail: `SANDBOXD_KSM=qemu merges nothing: ${host}${start}` };
 }
 
 function tool(name: string, args: string[]): { ok: boolean; out: string } {

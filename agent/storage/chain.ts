@@ -46,13 +46,16 @@ export class StorageError extends SandboxdError {
   }
 }
 
+/** A change to the table and its caller's promise, waiting for the next write. */
+interface PendingChange {
+  change: () => string[];
+  resolve: (freed: string[]) => void;
+  reject: (e: unknown) => void;
+}
+
 export class ChainStore {
   /** Changes waiting for the next write of the table (see mutate). */
-  private pending: {
-    change: () => string[];
-    resolve: (freed: string[]) => void;
-    reject: (e: unknown) => void;
-  }[] = [];
+  private pending: PendingChange[] = [];
   private writing: Promise<void> | undefined;
 
   private constructor(
@@ -191,11 +194,10 @@ export class ChainStore {
   private async writeBatches(): Promise<void> {
     while (this.pending.length > 0) {
       const batch = this.pending.splice(0);
-      const applied: { freed: string[]; resolve: (freed: string[]) => void; reject: (e: unknown) => void }[] =
-        [];
+      const applied: { p: PendingChange; freed: string[] }[] = [];
       for (const p of batch) {
         try {
-          applied.push({ freed: p.change(), resolve: p.resolve, reject: p.reject });
+          applied.push({ p, freed: p.change() });
         } catch (err) {
           p.reject(err);
         }
@@ -204,15 +206,15 @@ export class ChainStore {
       try {
         await this.persist();
       } catch (err) {
-        for (const a of applied) a.reject(err);
+        for (const a of applied) a.p.reject(err);
         continue;
       }
       for (const a of applied) {
         try {
           await removeFreed(a.freed);
-          a.resolve(a.freed);
+          a.p.resolve(a.freed);
         } catch (err) {
-          a.reject(err);
+          a.p.reject(err);
         }
       }
     }

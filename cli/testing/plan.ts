@@ -73,7 +73,6 @@ export interface FileResult {
 
 // Bun's summary lines (` 12 pass`, ` 1 skip`, ` 0 fail`, ` 1 todo`) and per-test lines.
 const COUNT = (word: string) => new RegExp(`^\\s*(\\d+) ${word}$`, "m");
-const SKIP_LINE = /^\((?:skip|todo)\) (.*?)(?: \[[\d.]+m?s\])?$/gm;
 const RESULT_LINE = /^\((pass|fail|skip|todo)\) (.*?)(?: \[[\d.]+m?s\])?$/;
 /** bun's source excerpt above an error (`12 | code`): the error's own lines say more. */
 const SOURCE_LINE = /^\s*\d+ \|/;
@@ -101,8 +100,12 @@ function failureExcerpt(block: string[]): string[] {
   return kept.map((l) => l.trimEnd().slice(0, EXCERPT_LINE_CHARS));
 }
 
-/** The failed tests, each with the lines bun printed between the test before it and its `(fail)`. */
-function failuresOf(out: string): FileResult["failures"] {
+/**
+ * The per-test lines: the skipped (and todo) tests' names, and the failed tests, each with the
+ * lines bun printed between the test before it and its `(fail)`.
+ */
+function perTest(out: string): Pick<FileResult, "skippedNames" | "failures"> {
+  const skippedNames: string[] = [];
   const failures: FileResult["failures"] = [];
   let block: string[] = [];
   for (const line of out.split("\n")) {
@@ -111,23 +114,23 @@ function failuresOf(out: string): FileResult["failures"] {
       block.push(line);
       continue;
     }
-    if (m[1] === "fail") failures.push({ name: m[2]!.trim(), excerpt: failureExcerpt(block) });
+    const name = m[2]!.trim();
+    if (m[1] === "fail") failures.push({ name, excerpt: failureExcerpt(block) });
+    else if (m[1] === "skip" || m[1] === "todo") skippedNames.push(name);
     block = [];
   }
-  return failures;
+  return { skippedNames, failures };
 }
 
 export function parseBunOutput(out: string): FileResult {
   const n = (word: string) => Number(COUNT(word).exec(out)?.[1] ?? 0);
   const summarized = /^Ran \d+ tests? across \d+ files?\./m.test(out);
-  const skippedNames = [...out.matchAll(SKIP_LINE)].map((m) => m[1]!.trim());
   return {
     passed: n("pass"),
     failed: n("fail"),
     skipped: n("skip") + n("todo"),
-    skippedNames,
     summarized,
-    failures: failuresOf(out),
+    ...perTest(out),
   };
 }
 

@@ -12,6 +12,7 @@
  */
 
 import { join } from "node:path";
+import { awaitedLater } from "../../../contracts/best-effort.ts";
 import type { VmProcess } from "../../qemu/launch.ts";
 import type { ChainStore } from "../../storage/chain.ts";
 import { createOverlayOn, flattenOnto, MAX_CHAIN_DEPTH } from "../../storage/qcow2.ts";
@@ -97,7 +98,7 @@ export async function launchChildren(p: ChildrenBase): Promise<LaunchedChildren>
       checked = Promise.resolve(performance.now() - tBase);
     } else {
       checked = checkedChain(chain, frozen, s.baseDisk).then(() => performance.now() - tBase);
-      checked.catch(() => {}); // awaited by startChildren
+      awaitedLater(checked); // by startChildren, before any child loads
     }
     for (let i = 0; i < p.count; i++) {
       const id = p.ids?.[i] ?? newVmId();
@@ -112,7 +113,7 @@ export async function launchChildren(p: ChildrenBase): Promise<LaunchedChildren>
         return { proc, t0, tLaunch: performance.now() };
       })();
       // Awaited by startChildren; a rejection before then is not unhandled.
-      launch.catch(() => {});
+      awaitedLater(launch);
       children.push({ vm, launch });
     }
     return { childBase, checked, children };

@@ -90,7 +90,6 @@ function connectCodeOf(code: string): Code {
   }
 }
 
-/** Any error as the ConnectError the handlers throw (a SandboxdError keeps its public message). */
 /**
  * A server stream the handler ends because `ctx` was aborted: when the client's deadline
  * (`Connect-Timeout-Ms`) passed here first, the stream ends with it (deadline_exceeded, a
@@ -102,6 +101,7 @@ export function endOfAbortedStream(ctx: HandlerContext): void {
   if (ctx.signal.aborted && reason instanceof ConnectError) throw reason;
 }
 
+/** Any error as the ConnectError the handlers throw (a SandboxdError keeps its public message). */
 export function toConnectError(err: unknown): ConnectError {
   if (err instanceof ConnectError) return err;
   if (err instanceof SandboxUnreachable) return new ConnectError(err.message, Code.Unavailable);
