@@ -294,6 +294,22 @@ describe("spawn", () => {
   );
 });
 
+/**
+ * Cancels the next background snapshot on `proc` once QEMU resumes its guest (QEMU's side fails
+ * midway). The rest of the stream is throttled first (the RAM left after the resume can be copied
+ * before a bare cancel lands), then cancelled. Returns the listener's off switch.
+ */
+function cancelSnapshotAtResume(proc: NonNullable<SandboxVm["process"]>): () => void {
+  const offResume = proc.qmp.on("RESUME", () => {
+    offResume();
+    void proc.qmp
+      .execute("migrate-set-parameters", { "max-bandwidth": 1024 * 1024 })
+      .then(() => proc.qmp.execute("migrate_cancel"))
+      .catch((e) => log(`cancelling the snapshot: ${(e as Error).message}`));
+  });
+  return offResume;
+}
+
 async function counter(vm: SandboxVm): Promise<number> {
   return Number((await sh(vm, "cat /tmp/c")).trim());
 }
@@ -491,15 +507,7 @@ describe("fork", () => {
       // (QEMU 7.2 leaves a vCPU blocked in a write fault): it answers, or it is ended.
       const proc = parent.process;
       if (!proc) throw new Error("the parent has no QEMU");
-      // The rest of the stream is throttled first (the RAM left after the resume can be copied
-      // before a bare cancel lands), then cancelled.
-      const offResume = proc.qmp.on("RESUME", () => {
-        offResume();
-        void proc.qmp
-          .execute("migrate-set-parameters", { "max-bandwidth": 1024 * 1024 })
-          .then(() => proc.qmp.execute("migrate_cancel"))
-          .catch((e) => log(`cancelling the snapshot: ${(e as Error).message}`));
-      });
+      const offResume = cancelSnapshotAtResume(proc);
       const cancelled = await forkVm(parent, { count: 1, method: "snapshot", log });
       offResume();
       if (cancelled.ok) live.push(...cancelled.value.children); // freed by afterEach
@@ -507,10 +515,11 @@ describe("fork", () => {
       const err = (cancelled as { error: SnapshotError }).error;
       log(`cancelled snapshot: ${err.code}: ${err.message}`);
       if (parent.state === "dead") {
-        // Ended, and the error says why: the blocked vCPU found (vm_died), or, on a loaded host,
-        // QEMU wedged behind it first and killed at its QMP deadline (vm_unresponsive).
+        // Ended, and the error says so: the blocked vCPU found (vm_died), or, on a loaded host,
+        // QEMU wedged behind it first and killed at its QMP deadline (vm_unresponsive), or QEMU
+        // exited while the cancel unwound (vm_died, never the bare migration_failed).
         expect(["vm_died", "vm_unresponsive"]).toContain(err.code);
-        expect(err.message).toMatch(/blocked in a memory write fault|the VM was killed/);
+        expect(err.message).toMatch(/blocked in a memory write fault|the VM was killed|the VM was ended/);
         expect(proc.isAlive()).toBe(false);
       } else {
         expect(parent.state).toBe("running");
@@ -623,24 +632,64 @@ describe("suspend and failures", () => {
     VM_TEST_TIMEOUT_MS,
   );
 
+  // stop-copy: at the fork's stop, before its disk switch and its copy. snapshot: at the resume,
+  // with the background copy in flight (its stream fails first, as a migration error).
+  test.each([
+    ["stop-copy", "STOP"],
+    ["snapshot", "RESUME"],
+  ] as const)(
+    "kill -9 of the parent's QEMU in the middle of a %s fork (at %s): the fork fails with vm_died, the parent is dead, no overlay or file is left",
+    async (method, event) => {
+      const vm = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template, log })).vm;
+      live.push(vm);
+      const proc = vm.process;
+      if (!proc) throw new Error("the VM has no QEMU");
+      const off = proc.qmp.on(event, () => {
+        off();
+        process.kill(proc.pid, "SIGKILL");
+      });
+      const forked = await forkVm(vm, { count: 1, method, log });
+      off();
+      if (forked.ok) live.push(...forked.value.children);
+      expect(forked.ok).toBe(false);
+      // The code says the VM is gone (a caller would otherwise retry the fork on a dead VM).
+      const err = (forked as { error: SnapshotError }).error;
+      log(`fork with its QEMU killed at ${event}: ${err.code}: ${err.message}`);
+      expect(err.code).toBe("vm_died");
+      expect(await waitFor(() => vm.state === "dead", HANG_MS)).toBe(true);
+      expect(proc.isAlive()).toBe(false);
+      // afterEach checks that no QEMU, disk, state or RAM file of it is left.
+    },
+    VM_TEST_TIMEOUT_MS,
+  );
+
   test(
-    "kill -9 of the parent's QEMU in the middle of a fork: the fork fails, the parent is dead, no overlay or file is left",
+    "a snapshot fork cancelled on QEMU's side, its QEMU killed as the cancel lands: vm_died, not a bare migration error",
     async () => {
       const vm = unwrap(await spawnFromTemplate({ dataDir: DATA_DIR, template, log })).vm;
       live.push(vm);
       const proc = vm.process;
       if (!proc) throw new Error("the VM has no QEMU");
-      // At the fork's stop, before its disk switch and its copy: what a crash mid-fork leaves.
-      const offStop = proc.qmp.on("STOP", () => {
-        offStop();
+      // QEMU is killed as it reports the cancel: the fork's own error is the migration's, and
+      // the rollback finds QEMU gone.
+      const offResume = cancelSnapshotAtResume(proc);
+      const offCancel = proc.qmp.on("MIGRATION", (ev) => {
+        const status = (ev.data as { status?: string } | undefined)?.status;
+        if (status !== "cancelling" && status !== "cancelled") return;
+        offCancel();
         process.kill(proc.pid, "SIGKILL");
       });
-      const forked = await forkVm(vm, { count: 1, method: "stop-copy", log });
-      offStop();
+      const forked = await forkVm(vm, { count: 1, method: "snapshot", log });
+      offResume();
+      offCancel();
+      if (forked.ok) live.push(...forked.value.children);
       expect(forked.ok).toBe(false);
+      const err = (forked as { error: SnapshotError }).error;
+      log(`fork cancelled, QEMU killed: ${err.code}: ${err.message}`);
+      expect(err.code).toBe("vm_died");
+      expect(err.message).toContain("the VM was ended");
       expect(await waitFor(() => vm.state === "dead", HANG_MS)).toBe(true);
       expect(proc.isAlive()).toBe(false);
-      // afterEach checks that no QEMU, disk, state or RAM file of it is left.
     },
     VM_TEST_TIMEOUT_MS,
   );

@@ -6,7 +6,7 @@
 import { rm } from "node:fs/promises";
 import { bestEffort } from "../../../contracts/best-effort.ts";
 import { fail, type Result, SnapshotError } from "../errors.ts";
-import { type qmp, setCapabilities } from "../migrate.ts";
+import { qmp, setCapabilities } from "../migrate.ts";
 import { blockedInUserfault } from "../populate.ts";
 import { adoptNewTop } from "./chain.ts";
 import type { ForkRun } from "./copy.ts";
@@ -34,16 +34,27 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
   await rm(run.statePath, { force: true });
   await rm(run.memPath, { force: true });
   if (proc.isAlive()) {
-    await bestEffort(log, `fork ${forkId}: migrate_cancel`, proc.qmp.execute("migrate_cancel"));
+    /**
+     * The first step that found QEMU gone or wedged (`qmp` kills a QEMU that misses its deadline):
+     * the reason the parent is ended, if it is. Other failures are logged and the rollback goes on.
+     */
+    let ended: SnapshotError | undefined;
+    const step = (what: string, act: () => Promise<unknown>) =>
+      bestEffort(log, `fork ${forkId}: ${what}`, async () => {
+        try {
+          await act();
+        } catch (err) {
+          if (err instanceof SnapshotError && (err.code === "vm_died" || err.code === "vm_unresponsive"))
+            ended ??= err;
+          throw err;
+        }
+      });
+    await step("migrate_cancel", () => qmp(proc, "migrate_cancel"));
     // A cancelled background snapshot may still be ending (its thread resumes the guest as it
     // unwinds); wait for it so the capability can be cleared and `cont` is not refused.
     await waitMigrationIdle(proc);
-    await bestEffort(log, `fork ${forkId}: resuming the parent`, proc.qmp.execute("cont"));
-    await bestEffort(
-      log,
-      `fork ${forkId}: clearing background-snapshot`,
-      setCapabilities(proc, { "background-snapshot": false }),
-    );
+    await step("resuming the parent", () => qmp(proc, "cont"));
+    await step("clearing background-snapshot", () => setCapabilities(proc, { "background-snapshot": false }));
     // A background snapshot that failed on QEMU's side (cancelled, a QEMU error) can leave a
     // vCPU blocked for good in a write fault (QEMU 7.2): the parent would look running and
     // never answer. It is ended instead, and the error says why; its record follows its exit.
@@ -60,11 +71,11 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
       );
     }
     // QEMU can die while the cancel unwinds (a wedged one is killed by a QMP timeout, or it
-    // exits on its own): its record already says dead, and the fork fails with what it was.
+    // exits on its own): its record already says dead, and the error says the VM is gone.
     if (parent.state === "dead" || !proc.isAlive()) {
       await parent.destroy();
       await dropNewTop();
-      return fail(e);
+      return fail(parentEnded(parent.id, e, ended));
     }
     await keepOrDropNewTop();
     parent.enter("running");
@@ -73,7 +84,25 @@ export async function rollBackFork(run: ForkRun, e: SnapshotError): Promise<Resu
   // QEMU is gone (killed at a QMP deadline, or died): its new overlay goes with it too.
   await dropNewTop();
   await parent.destroy();
-  return fail(e);
+  return fail(parentEnded(parent.id, e));
+}
+
+/**
+ * The fork's failure `e` when the parent's QEMU is gone too: a caller branching on the code must
+ * learn that the VM went, not only that a migration failed (it would retry the fork on a dead VM).
+ * An error that already says so (vm_died, vm_unresponsive) is kept; else the rollback step that
+ * found QEMU gone or killed it (`ended`) gives the code, or vm_died when QEMU simply exited.
+ */
+function parentEnded(parentId: string, e: SnapshotError, ended?: SnapshotError): SnapshotError {
+  if (e.code === "vm_died" || e.code === "vm_unresponsive") return e;
+  const why = ended ? `, then ${ended.message}` : " and its QEMU exited meanwhile";
+  return new SnapshotError(
+    ended?.code ?? "vm_died",
+    `forking VM ${parentId} failed (${e.message})${why}; the VM was ended`,
+    {
+      cause: e,
+    },
+  );
 }
 
 /** Cancelled migration's end: query-migrate polls, 5 ms apart (a cancel ends in a few ms). */
