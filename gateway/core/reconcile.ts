@@ -8,7 +8,9 @@
  * - a VM no live row names (older than the bring-up bound, so not a create still being
  *   recorded; never a one-shot exec's, which ends with its call): the agent destroys it;
  * - a session or sandbox row still `starting` past the bring-up bound: its create never came
- *   back (the gateway died during it, or the answer was lost); the row ends `failed`.
+ *   back (the gateway died during it, or the answer was lost); the row ends `failed`;
+ * - kept snapshots (`reconcileSnapshots`): a `ready` row whose files the agent does not list is
+ *   `lost`, a `lost` one it lists is `ready` again, and one no kept row names the agent drops.
  *
  * When: once at gateway start, every RECONCILE_INTERVAL_MS, and for one agent on its first
  * heartbeat after a gap (an agent this process has not heard from, or one that was stale) and
@@ -129,12 +131,16 @@ async function destroyOrphans(
 }
 
 /**
- * The agent's kept snapshots against their rows (docs/snapshots.md "A lost host"): one the agent
- * still holds whose row is `lost` (its host was declared lost and came back with its files) is
- * `ready` again; one whose row is deleted or failed, names another agent, or does not exist, the
- * agent drops. The rows are read after the list: a ref the agent lists had its row written
- * (`creating`) before the agent was asked to keep it, so a snapshot being taken is never taken
- * for an orphan.
+ * The agent's kept snapshots against their rows (docs/snapshots.md "A lost host", "Files gone
+ * from a live host"): one the agent still holds whose row is `lost` (its host was declared lost
+ * and came back with its files) is `ready` again; one whose row is deleted or failed, names
+ * another agent, or does not exist, the agent drops; a `ready` row of this agent that the agent
+ * does not list (its data disk was replaced, its records removed) is `lost`.
+ *
+ * The `ready` rows are read before the list: a row is marked ready only after the agent kept the
+ * snapshot, so one ready before the question and missing from the answer has no files. Every
+ * other row is read after the list: a ref the agent lists had its row written (`creating`)
+ * before the agent was asked to keep it, so a snapshot being taken is never taken for an orphan.
  */
 async function reconcileSnapshots(
   deps: ReconcileDeps,
@@ -142,13 +148,26 @@ async function reconcileSnapshots(
   note: (line: string) => void,
 ): Promise<void> {
   const agent = deps.placement.agentFor(agentId);
+  const ready = await deps.db
+    .select({ id: snapshots.id })
+    .from(snapshots)
+    .where(and(eq(snapshots.agentId, agentId), eq(snapshots.state, "ready")));
   let refs: string[];
   try {
     refs = await agent.listSnapshots();
   } catch (err) {
+    // An agent without the route (older than the gateway), or one that failed to answer: its
+    // snapshots stay as they are; nothing is judged on no answer.
     note(`could not list kept snapshots: ${describeError(err)}`);
     return;
   }
+  const listed = new Set(refs);
+  await loseMissing(
+    deps,
+    agentId,
+    ready.map((r) => r.id).filter((id) => !listed.has(id)),
+    note,
+  );
   if (refs.length === 0) return;
   const rows = await deps.db
     .select({ id: snapshots.id, state: snapshots.state, agentId: snapshots.agentId })
@@ -186,6 +205,36 @@ async function reconcileSnapshots(
       note(`could not drop kept snapshot ${ref} (${why}): ${describeError(err)}`);
     }
   }
+}
+
+/** How a snapshot whose files its live host no longer has is marked (its `error`'s prefix). */
+export const FILES_LOST = "files_lost";
+
+/**
+ * Marks `ids`, `ready` snapshots of `agentId` that the agent did not list, `lost`: nothing can
+ * start from them (a start would fail on the agent), and they no longer count against the cap.
+ * Their metering ends now: when the files went is not known, and they were billed as kept until
+ * the service could tell. The update is conditional (still `ready`, still on `agentId`): a delete
+ * that finished meanwhile keeps its own end. If the files come back (the disk remounted), the next
+ * pass that finds them listed makes the row `ready` again (above).
+ */
+async function loseMissing(
+  deps: ReconcileDeps,
+  agentId: string,
+  ids: string[],
+  note: (line: string) => void,
+): Promise<void> {
+  if (ids.length === 0) return;
+  const lost = await deps.db
+    .update(snapshots)
+    .set({
+      state: "lost",
+      deletedAt: new Date(deps.clock()),
+      error: `${FILES_LOST}: its host, agent ${agentId}, no longer keeps its files (its data disk was replaced or its records removed)`,
+    })
+    .where(and(inArray(snapshots.id, ids), eq(snapshots.state, "ready"), eq(snapshots.agentId, agentId)))
+    .returning({ id: snapshots.id });
+  for (const r of lost) note(`snapshot ${r.id} lost: agent ${agentId} no longer lists it`);
 }
 
 /** Ends session and sandbox rows still `starting` past the bring-up bound. Returns their ids. */

@@ -311,7 +311,7 @@ export async function createFromSnapshot(
   return { row: await getOwned(deps, p, id!), vm };
 }
 
-/** A `ready` snapshot of the caller's to start from: 410 when its host was lost, 409 in another state. */
+/** A `ready` snapshot of the caller's to start from: 410 when it is lost, 409 in another state. */
 async function getReadySnapshot(deps: Deps, p: Principal, id: string): Promise<SnapshotRow> {
   const snap = await getOwnedSnapshot(deps, p, id);
   if (snap.state === "lost") throw lostError(snap);
@@ -324,11 +324,13 @@ async function getReadySnapshot(deps: Deps, p: Principal, id: string): Promise<S
 }
 
 function lostError(snap: SnapshotRow): SandboxdError {
-  return new SandboxdError(
-    "gone",
-    `snapshot ${snap.id} was kept on host ${snap.agentId}, which is lost or removed; its files went with it`,
-    { details: { id: snap.id, agentId: snap.agentId } },
-  );
+  // A row marked lost says why (its host was lost, or a live host no longer has its files:
+  // gateway/core/host-loss.ts, reconcile.ts); a ready row on a host that is gone says that.
+  const why =
+    snap.state === "lost" && snap.error
+      ? `snapshot ${snap.id} is lost: ${snap.error}`
+      : `snapshot ${snap.id} was kept on host ${snap.agentId}, which is lost or removed; its files went with it`;
+  return new SandboxdError("gone", why, { details: { id: snap.id, agentId: snap.agentId } });
 }
 
 /** The public shape of a snapshot (contracts/api/sandboxes-api.ts `SnapshotInfo`). */

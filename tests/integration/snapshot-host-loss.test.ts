@@ -1,5 +1,6 @@
 /**
- * Kept snapshots of a lost host and of one that comes back (docs/snapshots.md "A lost host"),
+ * Kept snapshots of a lost host and of one that comes back (docs/snapshots.md "A lost host"), and
+ * of a live host that loses one's files ("Files gone from a live host"),
  * through the gateway app with the real router, reconciler and host-loss sweeper over in-memory
  * agents (tests/support/fleet-harness.ts, as tests/integration/host-loss.test.ts), on PGlite and
  * a real PostgreSQL. Bounds are shortened (heartbeat 250 ms, stale 2 s, lost 3 s, sweep 250 ms)
@@ -10,6 +11,7 @@ import { eq, inArray } from "drizzle-orm";
 import { agents } from "../../db/schema/agents.ts";
 import { snapshots } from "../../db/schema/snapshots.ts";
 import { setCordon } from "../../gateway/agents/fleet.ts";
+import { reconcileAgent } from "../../gateway/core/reconcile.ts";
 import { usageReport } from "../../gateway/core/usage.ts";
 import { type FleetHarness, makeFleet } from "../support/fleet-harness.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
@@ -33,6 +35,33 @@ afterEach(async () => {
   for (const c of cleanups.splice(0).reverse()) await c();
 });
 
+/** A fleet of `ids` for one test (its own region and tenant), with its snapshot cap, and helpers. */
+async function fleetOf(url: string | undefined, ids: string[], snapshotCap: number) {
+  const h: FleetHarness = await makeFleet({
+    ...(url !== undefined ? { url } : {}),
+    ids,
+    region: `eu-${ids[0]}`,
+    limits: {
+      sandboxQuotaByTier: { live: 0, scale: 0, demo: 0, pro: 2, enterprise: 0 },
+      snapshotQuotaByTier: { live: 0, scale: 0, demo: 0, pro: snapshotCap, enterprise: 0 },
+    },
+    staleAfterMs: STALE_MS,
+    lostAfterMs: LOST_MS,
+    sweepMs: SWEEP_MS,
+    beatMs: BEAT_MS,
+  });
+  cleanups.push(() => h.close());
+  const db = h.handle.db;
+  const key = await h.key(ids[0]!);
+  const json = async (res: Response, status: number): Promise<Body> => {
+    const b = (await res.json()) as Body;
+    if (res.status !== status) throw new Error(`${res.status}: ${JSON.stringify(b)}`);
+    return b;
+  };
+  const stateOf = async (id: string) => (await db.select().from(snapshots).where(eq(snapshots.id, id)))[0]!;
+  return { h, db, key, json, stateOf };
+}
+
 const { cases } = databaseCases();
 
 for (const c of cases) {
@@ -41,30 +70,8 @@ for (const c of cases) {
       "lost: state lost, not counted, 410 to start from, deleted without the agent; back: ready again if its files are there, dropped if deleted meanwhile",
       async () => {
         const [A, B] = ["snaplost-a", "snaplost-b"]; // one PostgreSQL serves every test of the file
-        const h: FleetHarness = await makeFleet({
-          ...(c.url ? { url: await c.url() } : {}),
-          ids: [A, B],
-          region: `eu-${A}`,
-          limits: {
-            sandboxQuotaByTier: { live: 0, scale: 0, demo: 0, pro: 2, enterprise: 0 },
-            // Three kept at most: the fourth, after the loss, fits only if lost ones do not count.
-            snapshotQuotaByTier: { live: 0, scale: 0, demo: 0, pro: 3, enterprise: 0 },
-          },
-          staleAfterMs: STALE_MS,
-          lostAfterMs: LOST_MS,
-          sweepMs: SWEEP_MS,
-          beatMs: BEAT_MS,
-        });
-        cleanups.push(() => h.close());
-        const db = h.handle.db;
-        const key = await h.key("snaploss");
-        const json = async (res: Response, status: number): Promise<Body> => {
-          const b = (await res.json()) as Body;
-          if (res.status !== status) throw new Error(`${res.status}: ${JSON.stringify(b)}`);
-          return b;
-        };
-        const stateOf = async (id: string) =>
-          (await db.select().from(snapshots).where(eq(snapshots.id, id)))[0]!;
+        // Three kept at most: the fourth, after the loss, fits only if lost ones do not count.
+        const { h, db, key, json, stateOf } = await fleetOf(c.url ? await c.url() : undefined, [A, B], 3);
 
         // A sandbox on a (b cordoned), and three snapshots of it, kept on a.
         await setCordon(db, B, true, new Date());
@@ -160,6 +167,60 @@ for (const c of cases) {
           (gib(back) * (lastBeat + 3_600_000 - readyAt(back))) / 3_600_000 / 730,
           12,
         );
+      },
+      TEST_MS,
+    );
+
+    test(
+      "files gone from a live host: the pass marks the ready snapshot lost (410, not counted, metered to the pass), the others stay; files back, ready again",
+      async () => {
+        const A = "snapfiles-a";
+        const { h, db, key, json, stateOf } = await fleetOf(c.url ? await c.url() : undefined, [A], 2);
+        const pass = () =>
+          reconcileAgent({ db, clock: Date.now, placement: h.router }, A, "test", h.logs.push.bind(h.logs));
+        const src = (
+          await json(await h.req("POST", "/v1/sandboxes", { key, json: { template: "python" } }), 201)
+        ).id as string;
+        const take = async () =>
+          (await json(await h.req("POST", `/v1/sandboxes/${src}/snapshots`, { key, json: {} }), 201))
+            .id as string;
+        const [gone, kept] = [await take(), await take()];
+        expect((await h.req("POST", `/v1/sandboxes/${src}/snapshots`, { key, json: {} })).status).toBe(429);
+        // A pass over a host that has them all changes nothing.
+        await pass();
+        expect([(await stateOf(gone)).state, (await stateOf(kept)).state]).toEqual(["ready", "ready"]);
+
+        // The host runs on and loses one snapshot's files (its records removed).
+        const agent = h.agents.get(A)!;
+        const files = agent.snapshots.get(gone)!;
+        agent.snapshots.delete(gone);
+        const before = Date.now();
+        await pass();
+        const after = Date.now();
+        const row = await stateOf(gone);
+        expect(row.state).toBe("lost");
+        expect(row.error).toStartWith(`files_lost: its host, agent ${A}, no longer keeps its files`);
+        // Metered until the pass that found it missing.
+        expect(row.deletedAt!.getTime()).toBeGreaterThanOrEqual(before);
+        expect(row.deletedAt!.getTime()).toBeLessThanOrEqual(after);
+        expect((await stateOf(kept)).state).toBe("ready");
+        expect(h.logs).toContain(
+          `reconcile (test): agent ${A}: snapshot ${gone} lost: agent ${A} no longer lists it`,
+        );
+        // 410 to start from, saying why; not counted (a new one fits under the cap of two).
+        const from = await h.req("POST", "/v1/sandboxes", { key, json: { snapshot: gone } });
+        expect(from.status).toBe(410);
+        expect(((await from.json()) as Body).message).toContain("files_lost");
+        const third = await take();
+        expect((await stateOf(third)).state).toBe("ready");
+
+        // Its files come back (the disk remounted): the next pass makes it ready again.
+        agent.snapshots.set(gone, files);
+        await pass();
+        const back = await stateOf(gone);
+        expect([back.state, back.deletedAt, back.error]).toEqual(["ready", null, null]);
+        const kid = await json(await h.req("POST", "/v1/sandboxes", { key, json: { snapshot: gone } }), 201);
+        expect(kid.snapshot).toBe(gone);
       },
       TEST_MS,
     );
