@@ -1,7 +1,8 @@
 /**
  * `sandboxd usage --tenant T [--from ISO] [--to ISO] [--by sandbox|day] [--json]`: a tenant's
  * metered usage over a window, from the same SQL as `GET /v1/usage` and the operator views
- * (`usage_rollup`, migrations/0003_usage_truth.sql; gateway/core/usage.ts): seconds running,
+ * (`usage_lines`: `usage_rollup` and `snapshot_rollup`, migrations 0003 and 0019;
+ * gateway/core/usage.ts): seconds running,
  * paused and suspended, and the API's four totals, in all, per sandbox (with how each ended) or
  * per UTC day. A table, or JSON with `--json`.
  */

@@ -6,11 +6,12 @@
  *   ram_gb_hours        = sum(mem_mib / 1024 * hours)      over running and paused intervals
  *   disk_gb_hours       = sum(disk_bytes / 2^30 * hours)   over running and paused intervals
  *   snapshot_gb_months  = sum(disk_bytes / 2^30 * hours / 730) over suspended intervals
- *                       + sum(size_bytes / 2^30 * hours / 730) over kept snapshots (`snapshotRollup`,
- *                         here: a function in a migration cannot change without one)
+ *                       + sum(size_bytes / 2^30 * hours / 730) over kept snapshots
+ *                         (`snapshot_rollup`, migrations/0019_usage_views_with_snapshots.sql)
  * GB means GiB (2^30 bytes); a month is 730 hours (8760 / 12). See docs/quotas-and-usage.md "Usage metering".
- * The operator views (`usage_by_tenant`, `usage_by_tenant_day`, `usage_by_sandbox`) are the same
- * function over all time; `usageReport` is what `sandboxd usage` prints.
+ * Both are read through `usage_lines` (the same migration); the operator views (`usage_by_tenant`,
+ * `usage_by_tenant_day`, `usage_by_sandbox`) are it over all time; `usageReport` is what
+ * `sandboxd usage` prints.
  */
 import { eq, type SQL, sql } from "drizzle-orm";
 import type { Db } from "../../db/client.ts";
@@ -24,8 +25,6 @@ export interface UsageTotals {
   disk_gb_hours: number;
   snapshot_gb_months: number;
 }
-
-export const HOURS_PER_MONTH = 730;
 
 /** The seconds per metering state beside the totals. */
 export interface UsageFigures extends UsageTotals {
@@ -45,38 +44,13 @@ const FIGURES = [
 ] as const satisfies readonly (keyof UsageFigures)[];
 
 /**
- * Kept snapshots' lines, in `usage_rollup`'s columns (its `sandbox_id` holds the snapshot's id):
- * one interval per snapshot from `ready_at` to `deleted_at` (a delete, or the last heartbeat of
- * its host when that was lost; an open one runs until `now`), clipped to [from, to), cut at UTC
- * midnights and weighted by `size_bytes`. A snapshot that never became ready (`failed`, or still
- * `creating`) has no `ready_at` and no line. Only `snapshot_gb_months`: a snapshot runs nothing.
- */
-function snapshotRollup(tenantId: string, from: Date, to: Date, now: Date): SQL {
-  const f = sql`${from.toISOString()}::timestamptz`;
-  const t = sql`${to.toISOString()}::timestamptz`;
-  const n = sql`${now.toISOString()}::timestamptz`;
-  return sql`SELECT c.tenant_id, c.id AS sandbox_id, d.d::date AS day,
-      0::float8, 0::float8, 0::float8, 0::float8, 0::float8, 0::float8,
-      (c.gib * extract(epoch FROM least(c.e, d.d + interval '1 day') - greatest(c.s, d.d)) / 3600 / ${sql.raw(String(HOURS_PER_MONTH))})::float8
-    FROM (
-      SELECT sn.tenant_id, sn.id, coalesce(sn.size_bytes, 0)::float8 / 1073741824 AS gib,
-        (greatest(sn.ready_at, ${f}) AT TIME ZONE 'UTC') AS s,
-        (least(coalesce(sn.deleted_at, ${n}), ${t}) AT TIME ZONE 'UTC') AS e
-      FROM snapshots sn
-      WHERE sn.tenant_id = ${tenantId} AND sn.ready_at IS NOT NULL AND sn.state <> 'failed'
-        AND sn.ready_at < ${t} AND (sn.deleted_at IS NULL OR sn.deleted_at > ${f})
-    ) c
-    CROSS JOIN LATERAL generate_series(date_trunc('day', c.s), c.e, interval '1 day') AS d(d)
-    WHERE c.e > c.s AND least(c.e, d.d + interval '1 day') > greatest(c.s, d.d)`;
-}
-
-/**
- * `usage_rollup` of one tenant over the window with its kept snapshots' lines, as a FROM item
- * named `r`.
+ * Every metered line of one tenant over the window, as a FROM item named `r`: `usage_lines`
+ * (migration 0019), the sandboxes' intervals (`usage_rollup`) and the kept snapshots'
+ * (`snapshot_rollup`: one interval per snapshot from `ready_at` to `deleted_at`, weighted by
+ * `size_bytes`; its `sandbox_id` holds the snapshot's id).
  */
 function rollup(tenantId: string, from: Date, to: Date, now: Date): SQL {
-  return sql`(SELECT * FROM usage_rollup(${tenantId}, ${from.toISOString()}::timestamptz, ${to.toISOString()}::timestamptz, ${now.toISOString()}::timestamptz)
-    UNION ALL ${snapshotRollup(tenantId, from, to, now)}) r`;
+  return sql`usage_lines(${tenantId}, ${from.toISOString()}::timestamptz, ${to.toISOString()}::timestamptz, ${now.toISOString()}::timestamptz) r`;
 }
 
 /** Each figure summed over the rows of `r` (as text: both drivers read float8 sums alike). */

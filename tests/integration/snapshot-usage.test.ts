@@ -1,17 +1,19 @@
 /**
  * Kept snapshots in `snapshot_gb_months` (docs/quotas-and-usage.md "Usage metering"): snapshots
  * taken, failed and deleted through the real gateway routes with an injected clock, the usage
- * computed by the report SQL (gateway/core/usage.ts) on PGlite and PostgreSQL, read back through
- * `GET /v1/usage` and `usageReport` (what `sandboxd usage` prints) to exact figures.
+ * computed by the report SQL (gateway/core/usage.ts, `usage_lines`) on PGlite and PostgreSQL, read
+ * back through `GET /v1/usage`, `usageReport` (what `sandboxd usage` prints) and the operator views
+ * to exact figures.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { eq } from "drizzle-orm";
+import { eq, sql } from "drizzle-orm";
 import { usageTable } from "../../cli/usage.ts";
 import { sandboxes } from "../../db/schema/sandboxes.ts";
 import { snapshots } from "../../db/schema/snapshots.ts";
 import { tenantIdOf, usageReport } from "../../gateway/core/usage.ts";
 import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
+import { sqlRows } from "../support/sql-rows.ts";
 
 const { cases } = databaseCases();
 /** A migrating PGlite or a PostgreSQL start takes seconds on a loaded host. */
@@ -130,6 +132,54 @@ describe.each(cases)("snapshot_gb_months ($name)", (db) => {
       expect(total[0]!.snapshot_gb_months).toBeCloseTo((3.5 * 0.5 + 2 * 0.5) / 730, 12);
       const table = usageTable(lines, "sandbox");
       expect(table).toContain(`${ids.kept}  snapshot  ready`);
+    },
+    TEST_TIMEOUT_MS,
+  );
+  test(
+    "the operator views carry them: a usage_by_sandbox line per snapshot, and usage_by_tenant_day and usage_by_tenant add them",
+    async () => {
+      const tenantId = (await tenantIdOf(h.handle.db, "acme"))!;
+      const lines = await sqlRows(
+        h.handle.db,
+        sql`select sandbox_id, kind, template_id, state, end_detail, destroyed_at, running_seconds, snapshot_gb_months
+          from usage_by_sandbox where tenant_id = ${tenantId} and kind = 'snapshot' order by sandbox_id`,
+      );
+      expect(lines.map((l) => [l.sandbox_id, l.state])).toEqual(
+        [
+          [ids.kept, "ready"],
+          [ids.gone, "deleted"],
+          [ids.failed, "failed"],
+        ].sort((a, b) => a[0]!.localeCompare(b[0]!)),
+      );
+      const byId = new Map(lines.map((l) => [l.sandbox_id as string, l]));
+      // All time: the deleted one from ready (T0+1h) to its delete (T0+3h), 0.5 GiB; a failed one costs nothing.
+      const gone = byId.get(ids.gone!)!;
+      expect(Number(gone.snapshot_gb_months)).toBeCloseTo((2 * 0.5) / 730, 12);
+      expect(Number(gone.running_seconds)).toBe(0);
+      expect(new Date(gone.destroyed_at as string).getTime()).toBe(at(3).getTime());
+      expect(gone.template_id).toBe("python");
+      expect(Number(byId.get(ids.failed!)!.snapshot_gb_months)).toBe(0);
+      // The kept one runs until the database's now (the views are all time): at least from T0 to T0+5h.
+      const kept = Number(byId.get(ids.kept!)!.snapshot_gb_months);
+      expect(kept).toBeGreaterThan((5 * 0.5) / 730);
+
+      // Per day: 2025-03-01 is closed (T0 to its midnight at T0+2h): kept 2 h, gone 1 h.
+      const days = await sqlRows(
+        h.handle.db,
+        sql`select day::text as day, snapshot_gb_months from usage_by_tenant_day where tenant_id = ${tenantId} order by day`,
+      );
+      expect(days[0]!.day).toBe("2025-03-01");
+      expect(Number(days[0]!.snapshot_gb_months)).toBeCloseTo((2 * 0.5 + 1 * 0.5) / 730, 12);
+      // Per tenant: every snapshot line's figure, and nothing of the other tenant's (its sandboxes
+      // were never suspended, so snapshots are all of it).
+      const [tenant] = await sqlRows(
+        h.handle.db,
+        sql`select snapshot_gb_months from usage_by_tenant where tenant_id = ${tenantId}`,
+      );
+      const sum = lines.reduce((a, l) => a + Number(l.snapshot_gb_months), 0);
+      // The views read now() each: the kept one grows between the two reads by microseconds.
+      expect(Number(tenant!.snapshot_gb_months)).toBeCloseTo(sum, 6);
+      expect(Number(tenant!.snapshot_gb_months)).toBeGreaterThanOrEqual(sum);
     },
     TEST_TIMEOUT_MS,
   );

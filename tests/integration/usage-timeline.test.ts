@@ -21,6 +21,7 @@ import { tenantIdOf, usageReport } from "../../gateway/core/usage.ts";
 import { runCli } from "../support/e2e-service.ts";
 import { type Harness, makeHarness } from "../support/gateway-harness.ts";
 import { databaseCases } from "../support/postgres-suite.ts";
+import { sqlRows } from "../support/sql-rows.ts";
 
 const GiB = 1024 ** 3;
 /** Two bin/sandboxd runs (PostgreSQL suite) and a few dozen writes on a host shared with other suites. */
@@ -176,21 +177,18 @@ function suite(name: string, open: () => Promise<Harness>, databaseUrl?: () => s
         expect(usageTable([one!], "sandbox")).toContain("failed: QEMU exited (signal SIGKILL)");
 
         // The operator views: all time, so the same figures.
-        const v = await h.handle.db.execute(
+        const [vrow] = await sqlRows(
+          h.handle.db,
           sql`select running_seconds, paused_seconds, suspended_seconds, end_detail from usage_by_sandbox where sandbox_id = ${sb.id}`,
         );
-        const vrow = ((v as unknown as { rows?: unknown[] }).rows ??
-          (v as unknown as unknown[]))[0] as Record<string, unknown>;
+        if (!vrow) throw new Error(`no usage_by_sandbox line for ${sb.id}`);
         expect(Number(vrow.running_seconds)).toBe(running);
         expect(Number(vrow.suspended_seconds)).toBe(180);
         expect(vrow.end_detail).toBe("QEMU exited (signal SIGKILL)");
-        const d = await h.handle.db.execute(
+        const drows = await sqlRows(
+          h.handle.db,
           sql`select day::text as day, running_seconds from usage_by_tenant_day where tenant = 'acme' order by day`,
         );
-        const drows = ((d as unknown as { rows?: unknown[] }).rows ?? (d as unknown as unknown[])) as Record<
-          string,
-          unknown
-        >[];
         expect(drows.map((r) => [r.day, Number(r.running_seconds)])).toEqual([
           ["2025-03-01", 30],
           ["2025-03-02", 130],
