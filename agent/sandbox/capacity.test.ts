@@ -140,7 +140,8 @@ describe("Capacity.fits / admit", () => {
 describe("memory counts what a VM makes the host hold", () => {
   // 2048 MiB budget; each VM holds 128 MiB beside its guest RAM; RAM files on tmpfs hold 512.
   const files = { mib: 512 };
-  const mem = { overheadMib: 128, filesMib: () => files.mib };
+  const standby = { count: 0 };
+  const mem = { overheadMib: 128, filesMib: () => files.mib, standbyMib: 64, standbys: () => standby.count };
 
   test("guest RAM + overhead per VM + RAM files, each VM's own overhead", () => {
     const held = { count: 2, vcpus: 2, memMib: 512 };
@@ -153,6 +154,20 @@ describe("memory counts what a VM makes the host hold", () => {
     expect(() => cap.admit(small, 2)).toThrow("VM memory 2049 MiB > 2048 MiB budget");
     expect(cap.free(small)).toMatchObject({ memMibFree: 767, slotsFree: 1 });
     files.mib = 512;
+  });
+
+  test("each standby QEMU (launched for a VM's next rollback) counts what it holds while it waits", () => {
+    const held = { count: 2, vcpus: 2, memMib: 512 };
+    const cap = new Capacity(limits, () => held, mem);
+    expect(cap.fits(small, 2)).toBe(true);
+    standby.count = 1;
+    expect(hostMemMib(held, mem)).toBe(512 + 2 * 128 + 64 + 512);
+    // 1344 held: two more 256 MiB VMs (768) pass 2048; one fits.
+    expect(cap.fits(small, 2)).toBe(false);
+    expect(cap.fits(small, 1)).toBe(true);
+    expect(() => cap.admit(small, 2)).toThrow("VM memory 2112 MiB > 2048 MiB budget");
+    expect(cap.free(small)).toMatchObject({ memMibFree: 704, slotsFree: 1 });
+    standby.count = 0;
   });
 
   test("guest RAM alone fits where the whole VM does not", () => {

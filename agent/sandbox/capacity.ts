@@ -9,7 +9,8 @@
  * Memory counts what the VMs can make the host hold, not guest RAM alone: each VM's guest RAM
  * plus its QEMU's overhead and TCG translation cache (`vmMemoryBytes`, agent/qemu/cgroup.ts, the
  * exact limit of the VM's cgroup), plus the RAM files on tmpfs (templates', forks'), which no
- * VM's guest RAM counts. `memMib` is that budget; the VMs' common cgroup carries the same figure
+ * VM's guest RAM counts, plus what each standby QEMU (launched ahead of a VM's rollback) holds
+ * while it waits (`STANDBY_HELD_BYTES`, agent/qemu/cgroup.ts). `memMib` is that budget; the VMs' common cgroup carries the same figure
  * (`limitVmMemory`), so a wrong per-VM figure still cannot reach past it.
  *
  * Disk counts what the VMs may still write (`DiskAccounting`): every running VM's qcow2 overlay
@@ -28,6 +29,10 @@ export interface MemoryAccounting {
   overheadMib: number;
   /** MiB the RAM files on tmpfs hold now; asked on every check. */
   filesMib: () => number;
+  /** MiB each standby QEMU (launched for a VM's next rollback) holds while it waits. */
+  standbyMib: number;
+  /** Standby QEMUs held now; asked on every check. */
+  standbys: () => number;
 }
 
 /** Bytes free where the VMs' disks are and the room the running VMs' overlays still have. */
@@ -52,7 +57,12 @@ export interface DiskAccounting {
 }
 
 /** Guest RAM alone: for a caller that counts nothing else (a unit test's fixed host). */
-export const GUEST_RAM_ONLY: MemoryAccounting = { overheadMib: 0, filesMib: () => 0 };
+export const GUEST_RAM_ONLY: MemoryAccounting = {
+  overheadMib: 0,
+  filesMib: () => 0,
+  standbyMib: 0,
+  standbys: () => 0,
+};
 
 export interface HostCapacity {
   slots: number;
@@ -100,9 +110,9 @@ export function addHeld(held: HeldResources, size: VmSize, count = 1): HeldResou
   };
 }
 
-/** What the VMs of `h` hold on the host, in MiB, with the RAM files `filesMib`. */
+/** What the VMs of `h` hold on the host, in MiB, with the RAM files `filesMib` and the standby QEMUs. */
 export function hostMemMib(h: HeldResources, mem: MemoryAccounting, filesMib = mem.filesMib()): number {
-  return h.memMib + h.count * mem.overheadMib + filesMib;
+  return h.memMib + h.count * mem.overheadMib + mem.standbys() * mem.standbyMib + filesMib;
 }
 
 export class Capacity {

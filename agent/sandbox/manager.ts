@@ -36,7 +36,7 @@ import { SandboxdError } from "../../contracts/errors.ts";
 import { defaultFence, type EgressFence } from "../egress/fence.ts";
 import { EgressPolicy } from "../egress/policy.ts";
 import type { GuestTunnel } from "../guest/client.ts";
-import { vmOverheadBytes } from "../qemu/cgroup.ts";
+import { STANDBY_HELD_BYTES, vmOverheadBytes } from "../qemu/cgroup.ts";
 import { newVmId } from "../vm/ids.ts";
 import type { UsageReport } from "./accounting.ts";
 import { Capacity, hostCapacity } from "./capacity.ts";
@@ -156,6 +156,8 @@ export class SandboxManager {
         // A driver that names no accelerator runs no QEMU of ours (a test's fake): guest RAM alone.
         overheadMib: this.driver.accel === undefined ? 0 : vmOverheadBytes(this.driver.accel === "tcg") / MIB,
         filesMib: () => Math.ceil((this.driver.ramFilesBytes?.() ?? 0) / MIB),
+        standbyMib: STANDBY_HELD_BYTES / MIB,
+        standbys: () => this.driver.standbyCount?.() ?? 0,
       },
       diskRoom ? { room: diskRoom } : undefined,
     );

@@ -99,18 +99,23 @@ export function armStandby(vm: SandboxVm, record: StandbyTarget): void {
     // A standby that failed to launch left nothing to discard (launchStandby cleans up after itself).
     const old = await previous?.catch(() => undefined);
     await old?.discard();
-    if (!live()) return undefined;
+    // None launched: the VM holds no standby (admission counts a VM's `standby` while it is set).
+    const none = () => {
+      if (vm.standby === next) vm.standby = undefined;
+      return undefined;
+    };
+    if (!live()) return none();
     try {
       const standby = await launchStandby(vm, record);
       // Dropped meanwhile (a suspend, a destroy, a newer standby): this one is nobody's.
       if (vm.standby !== next || !live()) {
         await standby.discard();
-        return undefined;
+        return none();
       }
       return standby;
     } catch (err) {
       vm.log(`vm ${vm.id}: no standby for rolling back to ${record.ref}: ${describeError(err)}`);
-      return undefined;
+      return none();
     }
   })();
   vm.standby = next;

@@ -151,6 +151,8 @@ test(
     expect(await waitFor(async () => (await qemuPidsNaming([vmDir])).length === 2, 30_000)).toBe(true);
     const uids = await Promise.all((await qemuPidsNaming([vmDir])).map(uidOf));
     expect(new Set(uids).size).toBe(2);
+    // Admission counts the standby's overhead as a VM's: the one it counts is the one /proc shows.
+    expect(m.capacity.memory.standbys()).toBe(1);
     // The standby's slot is root's with its own jail's group, mode 1770: the VM's QEMU (in the
     // directory above, another uid and group) cannot enter it.
     const next = await stat(join(vmDir, "next"));
@@ -196,14 +198,17 @@ test(
     await restartAgent(async () => expect(await qemuPidsNaming([vmDir])).toHaveLength(1));
     expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("kept-on");
     expect(await qemuPidsNaming([vmDir])).toHaveLength(1);
+    expect(m.capacity.memory.standbys()).toBe(0);
     const cold = await m.restoreSnapshot(id, REF3);
     console.log(`cold restore: ${cold.restoreMs.toFixed(0)} ms, down ${cold.downMs.toFixed(0)} ms`);
     expect(cold.standby).toBe(false);
     expect((await shellIn(m, id, "cat /root/f")).trim()).toBe("before");
     // And a standby for the next rollback is armed again beside it.
     expect(await waitFor(async () => (await qemuPidsNaming([vmDir])).length === 2, 30_000)).toBe(true);
+    expect(m.capacity.memory.standbys()).toBe(1);
     await m.destroy(id, { force: true });
     expect(await qemuPidsNaming([vmDir])).toEqual([]);
+    expect(m.capacity.memory.standbys()).toBe(0);
     await m.deleteSnapshot(REF3);
     expect(existsSync(join(storageDir(stateDir), `${REF3}.state`))).toBe(false);
     expect(existsSync(join(storageDir(stateDir), `${REF3}.mem`))).toBe(false);

@@ -188,6 +188,11 @@ export interface SandboxDriver {
    */
   ramFilesBytes?(): number;
   /**
+   * QEMUs launched ahead of a rollback (snapshot/standby.ts), one at most per VM, each holding
+   * QEMU's own overhead beside the VM's: admission counts them (capacity.ts). None without it.
+   */
+  standbyCount?(): number;
+  /**
    * Free bytes on the filesystem holding the VMs' disks, the reserve kept there, and the running
    * VMs' room to grow there, which admission counts (capacity.ts DiskAccounting). Synchronous like admission: a statfs
    * and a stat per running VM. Disk growth is not counted without the method.

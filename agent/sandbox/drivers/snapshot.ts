@@ -541,6 +541,12 @@ export class SnapshotDriver implements SandboxDriver {
     return s ? roomToGrow(s.sbx.shape.diskBytes, s.sbx.disk) : this.templates.diskBytes(templateId);
   }
 
+  standbyCount(): number {
+    let n = 0;
+    for (const l of this.live.values()) if (l.sbx.standby !== undefined) n++;
+    return n;
+  }
+
   ramFilesBytes(): number {
     let names: string[];
     try {
