@@ -107,6 +107,7 @@ describe("forwarding", () => {
         te: "trailers",
         "proxy-authorization": "Basic abc",
         "x-forwarded-for": "203.0.113.1",
+        "x-forwarded-host": "claimed.example",
         "x-request-id": "client-id.1",
       },
     });
@@ -120,6 +121,8 @@ describe("forwarding", () => {
     expect(got.headers.host).toBe(`127.0.0.1:${eu.port}`);
     expect(got.headers["x-forwarded-for"]).toBe("203.0.113.1, 198.51.100.9");
     expect(got.headers["x-forwarded-proto"]).toBe("https");
+    // The host the client asked the edge for (an E2B data-plane call is named by it), not a claim.
+    expect(got.headers["x-forwarded-host"]).toBe("edge.example");
     expect(got.headers["x-request-id"]).toBe("client-id.1");
     // The answer: the upstream's own headers, less those its Connection named.
     expect(res.headers.get("x-end")).toBe("kept");
@@ -216,6 +219,31 @@ describe("routing", () => {
     expect(route(req(`/v1/sandboxes/sbx_1/connect?t=${t}`, { authorization: `Bearer ${key()}` })).by).toBe(
       "default",
     );
+  });
+
+  test("E2B's SDK: an E2B-form key names its native key's region; a data-plane call's access token its claim", () => {
+    const e2bKey = (k: string) =>
+      `e2b_${[...new TextEncoder().encode(k)].map((b) => b.toString(16).padStart(2, "0")).join("")}`;
+    expect(route(req("/e2b/sandboxes", { "x-api-key": e2bKey(key("us_east.1")) }))).toEqual({
+      region: "us_east.1",
+      by: "key",
+    });
+    expect(route(req("/e2b/sandboxes", { "x-api-key": e2bKey(key()) })).by).toBe("default");
+    // Odd-length or non-hex after `e2b_`: no key, the default (the gateway refuses it).
+    expect(route(req("/e2b/sandboxes", { "x-api-key": "e2b_abc" })).by).toBe("default");
+    expect(route(req("/e2b/sandboxes", { "x-api-key": "e2b_zz" })).by).toBe("default");
+    const claims = btoa(JSON.stringify({ reg: "us_east.1", sub: "sbx_1" })).replace(/=+$/, "");
+    const token = `eyJhbGciOiJIUzI1NiJ9.${claims}.sig`;
+    expect(route(req("/process.Process/Start", { "x-access-token": token }))).toEqual({
+      region: "us_east.1",
+      by: "access-token",
+    });
+    // A key wins over a token; a token that is no JWT, or names no region, is the default.
+    expect(route(req("/health", { "x-access-token": token, "x-api-key": key("mars") })).region).toBe("mars");
+    expect(route(req("/health", { "x-access-token": "not.a.jwt" })).by).toBe("default");
+    const none = btoa(JSON.stringify({ sub: "sbx_1" })).replace(/=+$/, "");
+    expect(route(req("/health", { "x-access-token": `h.${none}.s` })).by).toBe("default");
+    expect(route(req("/health", { "x-access-token": "x".repeat(10_000) })).by).toBe("default");
   });
 
   test("a region the edge does not serve is 421 unknown_region, before any gateway is asked", async () => {

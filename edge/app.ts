@@ -18,6 +18,7 @@ import { Hono } from "hono";
 import { parseApiKey, presentedKey } from "../contracts/api/api-key.ts";
 import { connectTokenRegion } from "../contracts/api/connect-region.ts";
 import { STATUS_OF_CODE } from "../contracts/api/error-status.ts";
+import { nativeKeyOf } from "../contracts/e2b/ids.ts";
 import type { PublicErrorCode } from "../contracts/errors.ts";
 import type { EdgeConfig } from "./config.ts";
 
@@ -49,26 +50,39 @@ export interface EdgeDeps {
 /** Where a request goes, and what named the region. */
 export interface EdgeRoute {
   region: string;
-  by: "key" | "connect-token" | "default";
+  by: "key" | "connect-token" | "access-token" | "default";
 }
+
+/** What names the region, in an `unknown_region` refusal. */
+const NAMED_BY: Record<EdgeRoute["by"], string> = {
+  key: "the API key",
+  "connect-token": "the connect URL",
+  "access-token": "the sandbox's access token",
+  default: "the edge's default",
+};
 
 /** A connect by URL (docs/connect.md): `GET /v1/sandboxes/{id}/connect?...&t=<token>`. */
 const CONNECT_PATH = /^\/v1\/sandboxes\/[^/]+\/connect$/;
 
 /**
  * The region a request names: its key's (`Authorization: Bearer`, the WebSocket key subprotocol,
- * or `X-API-Key`), else a connect URL's token's, else the default. A key or token that names no
+ * or `X-API-Key`, native or in E2B's form), else a connect URL's token's, else an E2B data-plane
+ * call's `X-Access-Token` (its claim `reg`), else the default. A key or token that names no
  * region, or is no key at all, goes to the default region: the gateway there refuses what it must.
  */
 export function routeOf(config: EdgeConfig, req: Request, url: URL): EdgeRoute {
   const header = (name: string) => req.headers.get(name) ?? undefined;
   const key = presentedKey(header) ?? header("x-api-key");
-  const keyRegion = key === undefined ? undefined : parseApiKey(key)?.region;
+  const native = key === undefined ? undefined : nativeKeyOf(key);
+  const keyRegion = native === undefined ? undefined : parseApiKey(native)?.region;
   if (keyRegion !== undefined) return { region: keyRegion, by: "key" };
-  const t = url.searchParams.get("t");
-  if (key === undefined && t !== null && CONNECT_PATH.test(url.pathname)) {
-    const tokenRegion = connectTokenRegion(t);
+  if (key === undefined) {
+    const t = url.searchParams.get("t");
+    const tokenRegion = t !== null && CONNECT_PATH.test(url.pathname) ? connectTokenRegion(t) : undefined;
     if (tokenRegion !== undefined) return { region: tokenRegion, by: "connect-token" };
+    const access = header("x-access-token");
+    const accessRegion = access === undefined ? undefined : connectTokenRegion(access);
+    if (accessRegion !== undefined) return { region: accessRegion, by: "access-token" };
   }
   return { region: config.defaultRegion, by: "default" };
 }
@@ -149,10 +163,9 @@ async function proxy(deps: EdgeDeps, req: Request, log: (line: string) => void):
   const route = routeOf(deps.config, req, url);
   const gateways = deps.config.regions.get(route.region);
   if (gateways === undefined) {
-    const what = route.by === "key" ? "the API key" : "the connect URL";
     return edgeError(
       "unknown_region",
-      `${what} names region ${route.region}, which this edge does not serve; send it to that region's address`,
+      `${NAMED_BY[route.by]} names region ${route.region}, which this edge does not serve; send it to that region's address`,
       requestId,
     );
   }
@@ -165,6 +178,10 @@ async function proxy(deps: EdgeDeps, req: Request, log: (line: string) => void):
   const forwarded = req.headers.get("x-forwarded-for");
   if (client !== undefined) headers.set("x-forwarded-for", forwarded ? `${forwarded}, ${client}` : client);
   headers.set("x-forwarded-proto", url.protocol.replace(/:$/, ""));
+  // The host the client asked for (fetch sets the gateway's own as Host): an E2B data-plane call
+  // names its sandbox by it (`<port>-<id>.<domain>`, gateway/e2b/envd/index.ts). Set, not
+  // appended: what a client claims came before is not the edge's to pass on.
+  headers.set("x-forwarded-host", url.host);
   headers.set("x-request-id", requestId);
 
   // One gateway at random, then (a safe request that got no answer) the others in turn.

@@ -8,6 +8,9 @@
  * `E2B_VALIDATE_API_KEY=false`). A sandboxd key in E2B form is `e2b_` and the hex of the key's
  * bytes: the same key, so its hash, tier, tenant and revocation are those of the native key and
  * nothing new is stored. `sandboxd key create --e2b` prints both forms.
+ *
+ * Imports nothing at run time but api-key.ts (no Buffer): the edge (edge/app.ts) reads an E2B-form
+ * key's region with it, in an isolate.
  */
 import { MAX_API_KEY_CHARS } from "../api/api-key.ts";
 
@@ -39,7 +42,9 @@ export const MAX_E2B_KEY_CHARS = 4 + 2 * MAX_API_KEY_CHARS;
 
 /** A native key in the form E2B's SDK accepts. */
 export function e2bKeyOf(key: string): string {
-  return `e2b_${Buffer.from(key, "utf8").toString("hex")}`;
+  let hex = "";
+  for (const b of new TextEncoder().encode(key)) hex += b.toString(16).padStart(2, "0");
+  return `e2b_${hex}`;
 }
 
 /**
@@ -53,7 +58,10 @@ export function nativeKeyOf(presented: string): string | undefined {
   if (!m) return presented;
   const hex = m[1]!;
   if (hex.length % 2 !== 0) return undefined;
-  const key = Buffer.from(hex, "hex").toString("utf8");
+  const bytes = new Uint8Array(hex.length / 2);
+  for (let i = 0; i < bytes.length; i++) bytes[i] = Number.parseInt(hex.slice(2 * i, 2 * i + 2), 16);
+  // Invalid UTF-8 becomes U+FFFD, as a key no hash matches: refused by the caller's lookup.
+  const key = new TextDecoder().decode(bytes);
   return key.length > 0 ? key : undefined;
 }
 

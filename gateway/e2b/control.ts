@@ -17,6 +17,7 @@ import { setSandboxEgress } from "../core/egress.ts";
 import { wakeIfIdle } from "../core/idle.ts";
 import { setSandboxTimeout } from "../core/lifetimes.ts";
 import { sandboxMetrics } from "../core/metrics.ts";
+import { ownRegion } from "../core/regions.ts";
 import {
   createVm,
   destroyVm,
@@ -71,6 +72,8 @@ async function sandboxOf(deps: Deps, p: Principal, row: Pick<SandboxRow, "id" | 
       p,
       row.id,
       Math.floor(deps.clock() / 1000),
+      // Read by an edge to route the data plane's calls to the tenant's region (docs/edge.md).
+      await ownRegion(deps, p.tenantId),
     ),
     domain: deps.config.e2bDomain ?? null,
     trafficAccessToken: null,

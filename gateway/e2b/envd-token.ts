@@ -11,6 +11,7 @@
  * of connect tokens (gateway/auth/connect-token.ts) or of anything else.
  */
 import { jwtVerify, SignJWT } from "jose";
+import { CONNECT_REGION_CLAIM } from "../../contracts/api/connect-region.ts";
 import type { KeyApi, Tier } from "../../contracts/api/tiers.ts";
 import { derivedKey } from "../auth/derived-key.ts";
 import type { Principal } from "../auth/keys.ts";
@@ -20,13 +21,25 @@ export const ENVD_AUDIENCE = "sandboxd-e2b-envd";
 
 const keyOf = (secret: string) => derivedKey(secret, "sandboxd e2b-envd-token v1");
 
+/**
+ * Signs a sandbox's token. `region`, the tenant's home region when it has one, goes into the claim
+ * `reg`, as in connect tokens: a routing hint an edge reads without the secret
+ * (contracts/api/connect-region.ts), since a data-plane call carries the token and no key.
+ */
 export function signEnvdToken(
   secret: string,
   p: Principal,
   sandboxId: string,
   nowSecs: number,
+  region?: string | null,
 ): Promise<string> {
-  return new SignJWT({ tid: p.tenantId, kid: p.keyId, tier: p.tier, api: p.api })
+  return new SignJWT({
+    tid: p.tenantId,
+    kid: p.keyId,
+    tier: p.tier,
+    api: p.api,
+    ...(region ? { [CONNECT_REGION_CLAIM]: region } : {}),
+  })
     .setProtectedHeader({ alg: "HS256", typ: "JWT" })
     .setAudience(ENVD_AUDIENCE)
     .setSubject(sandboxId)

@@ -19,6 +19,7 @@ import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import WebSocket from "ws";
+import { e2bKeyOf } from "../../contracts/e2b/ids.ts";
 import { REGION_HEADER } from "../../edge/app.ts";
 import { createKey } from "../../gateway/auth/keys.ts";
 import { upsertPublicTemplate } from "../../gateway/core/templates.ts";
@@ -33,6 +34,7 @@ import { until } from "../support/until.ts";
 const EU = "eu_west.1";
 const US = "us-east";
 const ECHO_PORT = 7000;
+const E2B_DOMAIN = "e2b.edge.test";
 const SECRETS = { keyPepper: "edge-test-pepper-0123456789", connectSecret: "edge-test-connect-0123456789" };
 /** PostgreSQL, two gateways migrating it, workerd and Deno starting cold on a loaded 2-core host. */
 const SETUP_MS = 90_000;
@@ -71,7 +73,13 @@ async function gateway(region: string, edgeUrl: string): Promise<RunningGateway>
     secrets: SECRETS,
     reaper: false,
     // Connect URLs name the edge, the address clients use (docs/edge.md "Gateways behind an edge").
-    config: { region, agent: { id: `mem-${region}`, region, url: "in-process" }, publicBaseUrl: edgeUrl },
+    config: {
+      region,
+      agent: { id: `mem-${region}`, region, url: "in-process" },
+      publicBaseUrl: edgeUrl,
+      // E2B's data plane by host, `<port>-<id>.<domain>`: the domain's names point at the edge.
+      e2bDomain: E2B_DOMAIN,
+    },
     log: () => {},
   });
   gateways.push(gw);
@@ -269,6 +277,45 @@ function passThrough(edge: () => RunningEdge) {
     await echoes(o, "sent-by-token");
     expect(agents[US].tunnelsOpened.length).toBe(opened + 1);
     o.ws.close();
+  });
+
+  test("E2B's SDK calls: an E2B-form key's control plane, then the data plane by its access token alone, by header and by host", async () => {
+    const before = vmCounts();
+    const res = await fetch(`${edge().url}/e2b/sandboxes`, {
+      method: "POST",
+      headers: { "x-api-key": e2bKeyOf(keys.us), "content-type": "application/json" },
+      body: JSON.stringify({ templateID: "web" }),
+    });
+    expect(res.status).toBe(201);
+    expect(res.headers.get(REGION_HEADER)).toBe(US);
+    const sbx = (await res.json()) as { sandboxID: string; envdAccessToken: string };
+    expect(vmCounts()[US]).toBe(before[US] + 1);
+    // The data plane's calls carry the sandbox's token and no key: its claim names the region.
+    const token = sbx.envdAccessToken;
+    const byHeader = await fetch(`${edge().url}/e2b/envd/health`, {
+      headers: { "e2b-sandbox-id": sbx.sandboxID, "x-access-token": token },
+    });
+    expect(byHeader.status).toBe(204);
+    expect(byHeader.headers.get(REGION_HEADER)).toBe(US);
+    // E2B's own form: the host names sandbox and port; the gateway reads it from X-Forwarded-Host.
+    const byHost = await fetch(`${edge().url}/health`, {
+      headers: { host: `49983-${sbx.sandboxID}.${E2B_DOMAIN}`, "x-access-token": token },
+    });
+    expect(byHost.status).toBe(204);
+    expect(byHost.headers.get(REGION_HEADER)).toBe(US);
+    // Another tenant's token for it is refused by the gateway, whichever region it names.
+    const eu = await fetch(`${edge().url}/e2b/sandboxes`, {
+      method: "POST",
+      headers: { "x-api-key": e2bKeyOf(keys.eu), "content-type": "application/json" },
+      body: JSON.stringify({ templateID: "web" }),
+    });
+    expect(eu.headers.get(REGION_HEADER)).toBe(EU);
+    const euToken = ((await eu.json()) as { envdAccessToken: string }).envdAccessToken;
+    const foreign = await fetch(`${edge().url}/e2b/envd/health`, {
+      headers: { "e2b-sandbox-id": sbx.sandboxID, "x-access-token": euToken },
+    });
+    expect(foreign.status).toBe(401);
+    await foreign.arrayBuffer();
   });
 
   test("a bad key is the gateway's 401, not the edge's", async () => {

@@ -314,14 +314,19 @@ export function hostTarget(
 }
 
 /**
- * Requests to a host `<port>-<id>.<domain>` (`deps.config.e2bDomain`) go to the data plane
+ * Requests to a host `<port>-<id>.<domain>` (`deps.config.e2bDomain`; X-Forwarded-Host first)
+ * go to the data plane
  * whatever their path, the sandbox and port taken from the host (headers naming others are
  * replaced); any other host passes on. Without a domain configured nothing is routed by host.
  */
 export function envdHostRouting(deps: Deps, envd: Hono<EnvdEnv>): MiddlewareHandler<HonoEnv> {
   return async (c, next) => {
     const domain = deps.config.e2bDomain;
-    const t = domain === undefined ? undefined : hostTarget(c.req.header("host"), domain);
+    // Behind an edge or a reverse proxy the host the client asked for is X-Forwarded-Host (the
+    // first, the client's). A client that sets it itself names a sandbox as the `E2b-Sandbox-Id`
+    // header would: the call is authenticated the same way either way.
+    const host = c.req.header("x-forwarded-host")?.split(",")[0]?.trim() || c.req.header("host");
+    const t = domain === undefined ? undefined : hostTarget(host, domain);
     if (t === undefined) return next();
     const headers = new Headers(c.req.raw.headers);
     headers.set("e2b-sandbox-id", t.id);
