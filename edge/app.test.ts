@@ -246,6 +246,58 @@ describe("routing", () => {
     expect(route(req("/health", { "x-access-token": "x".repeat(10_000) })).by).toBe("default");
   });
 
+  test("an E2B sandbox's data-plane calls all go to one gateway of the region (its id picks it); others at random", async () => {
+    const parsed = parseEdgeConfig({
+      SANDBOXD_EDGE_REGIONS: JSON.stringify({
+        eu: ["http://gw0.test", "http://gw1.test", "http://gw2.test"],
+      }),
+      SANDBOXD_EDGE_DEFAULT_REGION: "eu",
+    });
+    if (!parsed.ok) throw new Error(parsed.message);
+    const hits: string[] = [];
+    let r = 0;
+    const app = createEdgeApp({
+      config: parsed.config,
+      fetch: async (req) => {
+        hits.push(new URL(req.url).host);
+        return new Response("ok");
+      },
+      // Each request a different draw: only the sandbox's id can keep its calls on one gateway.
+      random: () => (r++ % 3) / 3,
+      clientAddress: () => undefined,
+      newRequestId: () => "id",
+    });
+    const gatewayOf = async (id: string, by: "header" | "host") => {
+      hits.length = 0;
+      for (let i = 0; i < 6; i++) {
+        const res =
+          by === "header"
+            ? await app.request("http://edge/e2b/envd/process.Process/SendInput", {
+                method: "POST",
+                headers: { "e2b-sandbox-id": i % 2 ? `${id}-client1` : id },
+              })
+            : await app.request(`http://49983-${id}${i % 2 ? "-client1" : ""}.e2b.example/health`);
+        await res.text();
+      }
+      expect(new Set(hits).size).toBe(1);
+      return hits[0]!;
+    };
+    const ids = Array.from({ length: 12 }, (_, i) => `sandbox${i}x`);
+    const picked = new Set<string>();
+    for (const id of ids) {
+      const g = await gatewayOf(id, "header");
+      // The same gateway whichever way the sandbox is named.
+      expect(await gatewayOf(id, "host")).toBe(g);
+      picked.add(g);
+    }
+    // Sandboxes spread over the region's gateways.
+    expect(picked.size).toBeGreaterThan(1);
+    // Any other call: at random.
+    hits.length = 0;
+    for (let i = 0; i < 3; i++) await (await app.request("http://edge/e2b/sandboxes")).text();
+    expect(new Set(hits).size).toBe(3);
+  });
+
   test("a region the edge does not serve is 421 unknown_region, before any gateway is asked", async () => {
     let asked = 0;
     const { app } = edge({

@@ -87,6 +87,30 @@ export function routeOf(config: EdgeConfig, req: Request, url: URL): EdgeRoute {
   return { region: config.defaultRegion, by: "default" };
 }
 
+/** An E2B host's first label: `<port>-<id>` (the id may go on with `-<client id>`). */
+const E2B_HOST_LABEL = /^[0-9]{1,5}-([a-z0-9]{1,64})(?:[-.]|$)/;
+/** The longest `E2b-Sandbox-Id` read (an E2B id is at most 64 characters, a client id follows). */
+const MAX_E2B_ID_CHARS = 128;
+
+/**
+ * The E2B sandbox a data-plane call names (its `E2b-Sandbox-Id` header, or a host
+ * `<port>-<id>.<domain>`), undefined for any other call. Its calls all go to one gateway of the
+ * region: a terminal, a process's tag and a watcher live in the gateway process that started them
+ * (docs/e2b.md), and `SendInput` or `Update` for a terminal must reach that process.
+ */
+export function e2bSandboxOf(req: Request, url: URL): string | undefined {
+  const header = req.headers.get("e2b-sandbox-id");
+  if (header !== null) return header.slice(0, MAX_E2B_ID_CHARS).split("-", 1)[0];
+  return E2B_HOST_LABEL.exec(url.hostname)?.[1];
+}
+
+/** FNV-1a, 32 bits: a stable spread of sandbox ids over a region's gateways (not a secret). */
+function fnv1a(s: string): number {
+  let h = 0x811c9dc5;
+  for (let i = 0; i < s.length; i++) h = Math.imul(h ^ s.charCodeAt(i), 0x01000193);
+  return h >>> 0;
+}
+
 /**
  * Headers that describe one connection, not the request (RFC 9110 7.6.1), never forwarded; with
  * them every header the request's `Connection` names. `host` is the gateway's, set by fetch.
@@ -184,8 +208,13 @@ async function proxy(deps: EdgeDeps, req: Request, log: (line: string) => void):
   headers.set("x-forwarded-host", url.host);
   headers.set("x-request-id", requestId);
 
-  // One gateway at random, then (a safe request that got no answer) the others in turn.
-  const first = Math.floor(deps.random() * gateways.length) % gateways.length;
+  // One gateway at random (for an E2B sandbox's data-plane call, the one its id picks), then (a
+  // safe request that got no answer) the others in turn.
+  const sticky = e2bSandboxOf(req, url);
+  const first =
+    sticky === undefined
+      ? Math.floor(deps.random() * gateways.length) % gateways.length
+      : fnv1a(sticky) % gateways.length;
   const order = [...gateways.slice(first), ...gateways.slice(0, first)];
   const tries = RETRIED.has(req.method) ? order : order.slice(0, 1);
   const failures: string[] = [];
