@@ -202,6 +202,19 @@ describe("E2B's SDK against the control plane", () => {
     await sbx.kill();
   });
 
+  test("a command that ends before its stdin is closed (stdin: false, the SDK's default) still runs", async () => {
+    // The stand-in agent's processes end as they start, and it refuses stdin to an ended one
+    // (409, as the real agent does): the gateway's close right after the start meets exactly
+    // the race a quick command (`pwd`) wins on a real guest now and then.
+    const sbx = await Sandbox.create({ ...opts(), sandboxUrl: `${apiUrl}/envd` });
+    const r = await sbx.commands.run("pwd");
+    expect(r.exitCode).toBe(0);
+    // An explicit closeStdin of an ended process is still refused, as envd does.
+    const bg = await sbx.commands.run("true", { background: true, stdin: true });
+    await expect(bg.closeStdin()).rejects.toThrow();
+    await sbx.kill();
+  });
+
   test("unknown, malformed and other tenants' ids: SandboxNotFoundError", async () => {
     const mine = await Sandbox.create(opts());
     for (const id of ["zzzzzzzzzzzzzzzzzzzz", "NOT-AN-ID", "sbx_abc", "a".repeat(200), mine.sandboxId]) {

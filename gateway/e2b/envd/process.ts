@@ -424,7 +424,15 @@ export function processService(deps: Deps, envs: SandboxEnvs): Partial<ServiceIm
           ...(p.cwd ? { cwd: p.cwd } : {}),
           ...(req.tag ? { tag: req.tag } : {}),
         });
-        if (!req.stdin) await inTermsOf(row, agent.processStdin(vmId, info.pid, { dataB64: "", eof: true }));
+        if (!req.stdin) {
+          try {
+            await inTermsOf(row, agent.processStdin(vmId, info.pid, { dataB64: "", eof: true }));
+          } catch (err) {
+            // A command that ended before this close (a quick `pwd` can) had no stdin left to
+            // close: the start stands. Any other failure is the call's.
+            if (!(err instanceof SandboxdError && err.code === "conflict")) throw err;
+          }
+        }
         yield ev.start(sdkPid(info));
         yield* follow(t, info.pid, ctx);
       } catch (err) {
