@@ -502,8 +502,9 @@ export const ForkResponse = z
 // ---- snapshots (docs/snapshots.md) ------------------------------------------------------------
 
 /**
- * `lost`: its host was declared lost (gateway/core/host-loss.ts); the files are gone unless that
- * host comes back with them, when it reads `ready` again (docs/snapshots.md).
+ * `lost`: its host was declared lost (gateway/core/host-loss.ts), or its live host no longer keeps
+ * its files (gateway/core/reconcile.ts); the files are gone unless they come back with that host,
+ * when it reads `ready` again (docs/snapshots.md).
  */
 export const SnapshotState = z.enum(["creating", "ready", "failed", "lost"]);
 
