@@ -193,8 +193,10 @@ for (const c of cases) {
         // The host runs on and loses one snapshot's files (its records removed).
         const agent = h.agents.get(A)!;
         const files = agent.snapshots.get(gone)!;
-        agent.snapshots.delete(gone);
+        // The harness's own reconciler may run a pass too (a heartbeat after a gap on a loaded
+        // host): either pass marks it, once, so the bounds and the log are any pass's.
         const before = Date.now();
+        agent.snapshots.delete(gone);
         await pass();
         const after = Date.now();
         const row = await stateOf(gone);
@@ -204,9 +206,8 @@ for (const c of cases) {
         expect(row.deletedAt!.getTime()).toBeGreaterThanOrEqual(before);
         expect(row.deletedAt!.getTime()).toBeLessThanOrEqual(after);
         expect((await stateOf(kept)).state).toBe("ready");
-        expect(h.logs).toContain(
-          `reconcile (test): agent ${A}: snapshot ${gone} lost: agent ${A} no longer lists it`,
-        );
+        const lostLine = `agent ${A}: snapshot ${gone} lost: agent ${A} no longer lists it`;
+        expect(h.logs.some((l) => l.endsWith(lostLine))).toBe(true);
         // 410 to start from, saying why; not counted (a new one fits under the cap of two).
         const from = await h.req("POST", "/v1/sandboxes", { key, json: { snapshot: gone } });
         expect(from.status).toBe(410);
