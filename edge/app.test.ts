@@ -5,6 +5,7 @@
  * tests/integration/edge-workerd.test.ts.
  */
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { e2bKeyOf } from "../contracts/e2b/ids.ts";
 import { createEdgeApp, type EdgeDeps, REGION_HEADER, routeOf } from "./app.ts";
 import { type EdgeConfig, parseEdgeConfig } from "./config.ts";
 
@@ -222,13 +223,11 @@ describe("routing", () => {
   });
 
   test("E2B's SDK: an E2B-form key names its native key's region; a data-plane call's access token its claim", () => {
-    const e2bKey = (k: string) =>
-      `e2b_${[...new TextEncoder().encode(k)].map((b) => b.toString(16).padStart(2, "0")).join("")}`;
-    expect(route(req("/e2b/sandboxes", { "x-api-key": e2bKey(key("us_east.1")) }))).toEqual({
+    expect(route(req("/e2b/sandboxes", { "x-api-key": e2bKeyOf(key("us_east.1")) }))).toEqual({
       region: "us_east.1",
       by: "key",
     });
-    expect(route(req("/e2b/sandboxes", { "x-api-key": e2bKey(key()) })).by).toBe("default");
+    expect(route(req("/e2b/sandboxes", { "x-api-key": e2bKeyOf(key()) })).by).toBe("default");
     // Odd-length or non-hex after `e2b_`: no key, the default (the gateway refuses it).
     expect(route(req("/e2b/sandboxes", { "x-api-key": "e2b_abc" })).by).toBe("default");
     expect(route(req("/e2b/sandboxes", { "x-api-key": "e2b_zz" })).by).toBe("default");

@@ -18,7 +18,7 @@ import { Hono } from "hono";
 import { parseApiKey, presentedKey } from "../contracts/api/api-key.ts";
 import { connectTokenRegion } from "../contracts/api/connect-region.ts";
 import { STATUS_OF_CODE } from "../contracts/api/error-status.ts";
-import { nativeKeyOf } from "../contracts/e2b/ids.ts";
+import { nativeKeyOf, sandboxIdOfE2b } from "../contracts/e2b/ids.ts";
 import type { PublicErrorCode } from "../contracts/errors.ts";
 import type { EdgeConfig } from "./config.ts";
 
@@ -87,8 +87,8 @@ export function routeOf(config: EdgeConfig, req: Request, url: URL): EdgeRoute {
   return { region: config.defaultRegion, by: "default" };
 }
 
-/** An E2B host's first label: `<port>-<id>` (the id may go on with `-<client id>`). */
-const E2B_HOST_LABEL = /^[0-9]{1,5}-([a-z0-9]{1,64})(?:[-.]|$)/;
+/** An E2B host's first label, `<port>-<E2B id>` (the gateway's own form: envd/index.ts `hostTarget`). */
+const E2B_HOST_LABEL = /^[0-9]{1,5}-([a-z0-9-]{1,100})\./;
 /** The longest `E2b-Sandbox-Id` read (an E2B id is at most 64 characters, a client id follows). */
 const MAX_E2B_ID_CHARS = 128;
 
@@ -99,9 +99,10 @@ const MAX_E2B_ID_CHARS = 128;
  * (docs/e2b.md), and `SendInput` or `Update` for a terminal must reach that process.
  */
 export function e2bSandboxOf(req: Request, url: URL): string | undefined {
-  const header = req.headers.get("e2b-sandbox-id");
-  if (header !== null) return header.slice(0, MAX_E2B_ID_CHARS).split("-", 1)[0];
-  return E2B_HOST_LABEL.exec(url.hostname)?.[1];
+  const e2bId =
+    req.headers.get("e2b-sandbox-id")?.slice(0, MAX_E2B_ID_CHARS) ?? E2B_HOST_LABEL.exec(url.hostname)?.[1];
+  // The id the gateway will serve (the client-id suffix dropped); one that cannot be an id: none.
+  return e2bId === undefined ? undefined : sandboxIdOfE2b(e2bId);
 }
 
 /** FNV-1a, 32 bits: a stable spread of sandbox ids over a region's gateways (not a secret). */

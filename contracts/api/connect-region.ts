@@ -15,7 +15,11 @@ export const CONNECT_REGION_CLAIM = "reg";
  */
 export const MAX_CONNECT_TOKEN_CHARS = 2048;
 
-/** The region claim of a connect token (a JWT), unverified; undefined when there is none or it is not one. */
+/**
+ * The region claim of a connect token (a JWT), unverified; undefined when there is none or it is
+ * not one. An E2B sandbox's access token carries the same claim (gateway/e2b/envd-token.ts), and
+ * the edge reads it here too.
+ */
 export function connectTokenRegion(token: string): string | undefined {
   if (token.length > MAX_CONNECT_TOKEN_CHARS) return undefined;
   const parts = token.split(".");

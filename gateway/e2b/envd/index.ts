@@ -322,11 +322,12 @@ export function hostTarget(
 export function envdHostRouting(deps: Deps, envd: Hono<EnvdEnv>): MiddlewareHandler<HonoEnv> {
   return async (c, next) => {
     const domain = deps.config.e2bDomain;
+    if (domain === undefined) return next();
     // Behind an edge or a reverse proxy the host the client asked for is X-Forwarded-Host (the
     // first, the client's). A client that sets it itself names a sandbox as the `E2b-Sandbox-Id`
     // header would: the call is authenticated the same way either way.
     const host = c.req.header("x-forwarded-host")?.split(",")[0]?.trim() || c.req.header("host");
-    const t = domain === undefined ? undefined : hostTarget(host, domain);
+    const t = hostTarget(host, domain);
     if (t === undefined) return next();
     const headers = new Headers(c.req.raw.headers);
     headers.set("e2b-sandbox-id", t.id);
